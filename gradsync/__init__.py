@@ -1,0 +1,1 @@
+"""gradsync: synchronization for data-parallel PyTorch training."""

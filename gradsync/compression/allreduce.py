@@ -1,0 +1,43 @@
+"""The uncompressed exchange: a plain asynchronous all-reduce of the bucket, then divide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.compression.base import BucketLike, Compressor
+
+
+@dataclass(slots=True)
+class AllReduceState:
+    group: dist.ProcessGroup | None = None
+    bytes_sent: int = field(default=0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+def allreduce_hook(state: AllReduceState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
+    buf = bucket.buffer()
+    world = dist.get_world_size(state.group)
+    state.bytes_sent += buf.numel() * buf.element_size()
+    work = dist.all_reduce(buf, group=state.group, async_op=True)
+    assert work is not None
+
+    def mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        return fut.value()[0].div_(world)
+
+    return work.get_future().then(mean)
+
+
+def _make_state(group: dist.ProcessGroup | None) -> AllReduceState:
+    return AllReduceState(group=group)
+
+
+ALLREDUCE = Compressor(spec="none", make_state=_make_state, hook=allreduce_hook, nominal_ratio=1.0)

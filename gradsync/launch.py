@@ -1,0 +1,66 @@
+"""Local multi-process launch through torch's elastic agent (the machinery behind torchrun).
+
+``gradsync run --nproc N`` and ``torchrun --nproc_per_node=N`` start workers the same way:
+c10d rendezvous on a loopback store with a free port, the same environment variables, the
+same restart semantics; so a worker that runs under one runs under the other.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from gradsync.errors import UsageError
+
+LOOPBACK = "127.0.0.1"
+
+
+def launch(
+    entrypoint: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    nproc: int,
+    threads: int = 1,
+    max_restarts: int = 0,
+    host: str = LOOPBACK,
+    run_id: str | None = None,
+    log_dir: str | None = None,
+) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` in ``nproc`` worker processes; return each rank's return value.
+
+    The rendezvous store binds to ``host`` (loopback by default: torch.distributed has no
+    authentication, so nothing listens beyond this machine unless asked). Port 0 lets the
+    store pick a free port. Raises torch's ``ChildFailedError`` when a worker fails and the
+    restarts are spent.
+    """
+    if nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    if threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    # Children inherit the environment at spawn: cap intra-op threads before torch starts there.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["GRADSYNC_THREADS"] = str(threads)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=run_id or uuid.uuid4().hex[:12],
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{host}:0",
+        rdzv_configs={"timeout": 120},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr=host,
+    )
+    if log_dir is not None:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+        config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
+    return elastic_launch(config, entrypoint)(*args)

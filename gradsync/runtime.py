@@ -1,0 +1,68 @@
+"""Process-group set-up: ``gs.init()`` from torchrun's environment, backend choice, world info."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from gradsync.errors import UsageError
+
+DEFAULT_TIMEOUT_S = 300.0
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def default_backend() -> str:
+    """NCCL when this process can see a CUDA device, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the process group described by torchrun's environment variables.
+
+    Idempotent: a second call (or a call after the user initialised torch.distributed
+    themselves) does nothing. Picks NCCL on CUDA, gloo on CPU, unless ``backend`` is given.
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in _REQUIRED_ENV if k not in os.environ]
+    if missing:
+        raise UsageError(
+            f"gs.init() needs the torchrun environment, but {', '.join(missing)} "
+            "is not set: launch with `torchrun --nproc_per_node=N script.py` or `gradsync run`"
+        )
+    chosen = backend or default_backend()
+    if chosen not in ("gloo", "nccl"):
+        raise UsageError(f"backend {chosen!r} is not supported; valid: 'gloo', 'nccl'")
+    if chosen == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def device() -> torch.device:
+    """The device this rank's tensors belong on for its backend."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def require_initialized(what: str) -> None:
+    if not is_initialized():
+        raise UsageError(
+            f"{what} needs torch.distributed: call gs.init() first "
+            "(under torchrun or gradsync run), or init_process_group yourself"
+        )

@@ -1,0 +1,1 @@
+"""Per-rank step telemetry: records, aggregation into reports, stragglers, traces, plots."""

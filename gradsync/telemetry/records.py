@@ -1,0 +1,116 @@
+"""The telemetry record: one per rank per step, the unit every report, plot and trace is built from.
+
+Vocabulary (DESIGN.md), all durations in seconds:
+
+- ``compute``: time inside the ``with sync.step():`` block.
+- ``sync``: time from block exit until the update has been applied (``optimizer.step()`` done).
+- ``idle``: max over ranks of ``compute`` at this step minus this rank's ``compute`` (barrier wait).
+- ``comm``: ``sync - idle`` floored at zero (communication that overlap did not hide).
+
+``bytes`` is the payload this rank handed to collectives or point-to-point sends during the
+step (what the compressor put on the wire), not multiplied by the collective algorithm's factor.
+``time`` is the wall-clock (Unix epoch seconds) at block entry, for timelines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+SPANS_FILE = "spans.jsonl"
+
+
+@dataclass(slots=True)
+class StepRecord:
+    rank: int
+    step: int
+    time: float
+    compute: float
+    sync: float
+    idle: float
+    comm: float
+    samples: int
+    bytes: int
+    loss: float | None = None
+    skipped: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepRecord:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(slots=True)
+class Span:
+    """A timed interval on one rank, for the Perfetto timeline (compute, bucket comm, idle...)."""
+
+    rank: int
+    step: int
+    name: str
+    start: float
+    dur: float
+    cat: str = "step"
+    args: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Span:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def fill_idle(records: Iterable[StepRecord]) -> list[StepRecord]:
+    """Derive ``idle`` and ``comm`` for every record from the compute times of its step.
+
+    Records must hold ``compute`` and ``sync``; ``idle`` and ``comm`` are overwritten.
+    """
+    out = list(records)
+    slowest: dict[int, float] = {}
+    for r in out:
+        slowest[r.step] = max(slowest.get(r.step, 0.0), r.compute)
+    for r in out:
+        r.idle = slowest[r.step] - r.compute
+        r.comm = max(0.0, r.sync - r.idle)
+    return out
+
+
+def write_records(path: Path, records: Iterable[StepRecord | Span], append: bool = True) -> None:
+    with open(path, "a" if append else "w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(r.to_json() + "\n")
+
+
+def read_records(run_dir: str | Path) -> list[StepRecord]:
+    """Read ``metrics.jsonl`` from a run directory (or the file itself)."""
+    return [StepRecord.from_dict(d) for d in _read_jsonl(_resolve(run_dir, METRICS_FILE))]
+
+
+def read_spans(run_dir: str | Path) -> list[Span]:
+    path = _resolve(run_dir, SPANS_FILE)
+    if not path.exists():
+        return []
+    return [Span.from_dict(d) for d in _read_jsonl(path)]
+
+
+def _resolve(run_dir: str | Path, name: str) -> Path:
+    p = Path(run_dir)
+    return p / name if p.is_dir() else p
+
+
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    if not path.exists():
+        raise FileNotFoundError(f"no {path.name} in {path.parent}: is this a gradsync run directory?")
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                yield json.loads(line)

@@ -1,0 +1,115 @@
+"""Run a function as several ranks of a real gloo process group, for tests and examples.
+
+Each rank is a spawned process joined through a ``FileStore`` (no port to collide on). The
+caller gets every rank's return value, or an error naming the rank that failed; a hard
+deadline kills every child, so a deadlocked collective fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    store_path: str,
+    args: tuple[Any, ...],
+    results: Any,
+    collective_timeout_s: float,
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        out = fn(rank, world, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent as text
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 90.0,
+    collective_timeout_s: float = 60.0,
+    allow_failures: bool = False,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be importable (module level). With ``allow_failures`` a failed rank's slot holds
+    a ``RankFailure`` instead of raising, for tests of failure paths.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="gradsync-ranks-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, store_path, args, results, collective_timeout_s),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        try:
+            while len(out) < world_size:
+                left = (deadline - datetime.datetime.now()).total_seconds()
+                if left <= 0:
+                    missing = sorted(set(range(world_size)) - set(out))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f}s")
+                try:
+                    rank, ok, value = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [
+                        r
+                        for r, p in enumerate(procs)
+                        if r not in out and p.exitcode not in (None, 0)
+                    ]
+                    for r in dead:
+                        out[r] = RankFailure(f"rank {r} died with exit code {procs[r].exitcode}")
+                    continue
+                out[rank] = value if ok else RankFailure(f"rank {rank} failed:\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    ordered = [out[r] for r in range(world_size)]
+    failures = [v for v in ordered if isinstance(v, RankFailure)]
+    if failures and not allow_failures:
+        raise failures[0]
+    return ordered
