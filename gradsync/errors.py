@@ -1,4 +1,7 @@
-"""Exceptions users see. A ``UsageError`` is a mistake in input: the CLI prints it without a traceback."""
+"""Exceptions users see.
+
+A ``UsageError`` is a mistake in input: the CLI prints it without a traceback.
+"""
 
 from __future__ import annotations
 

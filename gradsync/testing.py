@@ -8,6 +8,7 @@ deadline kills every child, so a deadlocked collective fails the test instead of
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import tempfile
@@ -47,12 +48,24 @@ def _child(
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
         out = fn(rank, world, *args)
-        results.put((rank, True, out))
+        results.put((rank, True, _to_bytes(out)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent as text
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_bytes(value: Any) -> bytes:
+    # Plain serialisation: tensors sent through a torch queue travel as shared-memory handles
+    # that vanish when the child exits before the parent reads them.
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def run_ranks(
@@ -101,7 +114,9 @@ def run_ranks(
                     for r in dead:
                         out[r] = RankFailure(f"rank {r} died with exit code {procs[r].exitcode}")
                     continue
-                out[rank] = value if ok else RankFailure(f"rank {rank} failed:\n{value}")
+                out[rank] = (
+                    _from_bytes(value) if ok else RankFailure(f"rank {rank} failed:\n{value}")
+                )
         finally:
             for p in procs:
                 p.join(timeout=5)

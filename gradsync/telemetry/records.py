@@ -108,7 +108,9 @@ def _resolve(run_dir: str | Path, name: str) -> Path:
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     if not path.exists():
-        raise FileNotFoundError(f"no {path.name} in {path.parent}: is this a gradsync run directory?")
+        raise FileNotFoundError(
+            f"no {path.name} in {path.parent}: is this a gradsync run directory?"
+        )
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             line = line.strip()

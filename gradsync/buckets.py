@@ -1,0 +1,228 @@
+"""Gradient buckets fired from autograd hooks, so communication overlaps the backward pass.
+
+Parameters are grouped, in reverse registration order (roughly the order backward produces
+their gradients), into buckets of about ``bucket_mb``. A post-accumulate-grad hook on every
+parameter counts how many backward passes have reached it this step; when every parameter of a
+bucket has seen the step's last micro-batch, the bucket is flattened and its exchange launched
+asynchronously through the compressor hook.
+
+Buckets are launched strictly in index order on every rank, because collectives on one process
+group must be issued in the same order everywhere. A bucket that is ready early waits for its
+predecessors; a parameter that receives no gradient this step holds its bucket (and those after
+it) until ``flush()`` at block exit, where missing gradients count as zeros. So an unused
+parameter costs overlap, never a hang or a desynchronised step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradsync.telemetry.records import Span
+
+MB = 1024 * 1024
+
+
+def plan_buckets(params: Sequence[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:
+    """Group parameters in reverse order into buckets of at most ``bucket_mb`` (a parameter
+    larger than that gets a bucket of its own); a bucket never mixes dtypes or devices."""
+    limit = bucket_mb * MB
+    buckets: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for p in reversed(list(params)):
+        nbytes = p.numel() * p.element_size()
+        mixed = bool(current) and (current[0].dtype, current[0].device) != (p.dtype, p.device)
+        if current and (size + nbytes > limit or mixed):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradBucket:
+    """One bucket: its parameters and a flat buffer, with DDP ``GradBucket``'s surface."""
+
+    __slots__ = ("_index", "_params", "_buffer", "_is_last", "offsets")
+
+    def __init__(self, index: int, params: list[torch.Tensor], is_last: bool) -> None:
+        self._index = index
+        self._params = params
+        self._is_last = is_last
+        total = sum(p.numel() for p in params)
+        self._buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self.offsets: list[int] = []
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [
+            self._buffer[o : o + p.numel()].view_as(p)
+            for o, p in zip(self.offsets, self._params, strict=True)
+        ]
+
+    def fill_from_grads(self) -> None:
+        for view, p in zip(self.gradients(), self._params, strict=True):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.numel() * self._buffer.element_size()
+
+
+ExchangeFn = Callable[[GradBucket], "torch.futures.Future[torch.Tensor]"]
+
+
+class BucketReducer:
+    """Launches each bucket's exchange as soon as its gradients are final, in index order."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        bucket_mb: float,
+        exchange: ExchangeFn,
+        record_spans: bool = False,
+    ) -> None:
+        groups = plan_buckets(params, bucket_mb)
+        self.buckets = [GradBucket(i, ps, i == len(groups) - 1) for i, ps in enumerate(groups)]
+        self._bucket_of: dict[int, int] = {}
+        for b in self.buckets:
+            for p in b.parameters():
+                self._bucket_of[id(p)] = b.index()
+        self._exchange = exchange
+        self._record_spans = record_spans
+        self._armed = False
+        self._micro_batches = 1
+        self._seen: dict[int, int] = {}
+        self._pending_params = [len(b.parameters()) for b in self.buckets]
+        self._next_to_launch = 0
+        self._futures: list[torch.futures.Future[torch.Tensor] | None] = []
+        #: (bucket index, perf_counter at launch, wall time at launch) for this step
+        self.launch_log: list[tuple[int, float, float]] = []
+        self._spans: list[Span] = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    # -- step lifecycle ---------------------------------------------------------------------
+    def arm(self, micro_batches: int) -> None:
+        self._armed = True
+        self._micro_batches = micro_batches
+        self._seen = {}
+        self._pending_params = [len(b.parameters()) for b in self.buckets]
+        self._next_to_launch = 0
+        self._futures = [None] * len(self.buckets)
+        self.launch_log = []
+        self._spans = []
+
+    def backward_passes(self) -> int:
+        """How many backward passes reached at least one parameter this step."""
+        return max(self._seen.values(), default=0)
+
+    def flush(self) -> None:
+        """Launch every bucket not yet launched (block exit): missing gradients count as zero."""
+        self._launch_ready(force=True)
+        self._armed = False
+
+    def flush_abort(self) -> None:
+        """Disarm without launching (the step is being abandoned on a usage error)."""
+        self._armed = False
+
+    def wait(self, step: int = 0) -> list[torch.Tensor]:
+        """Wait for every bucket's exchange; return the reduced flat buffers by bucket index."""
+        out = []
+        for fut in self._futures:
+            assert fut is not None, "flush() must run before wait()"
+            out.append(fut.wait())
+        return out
+
+    def write_back(self, reduced: list[torch.Tensor], scale: float = 1.0) -> None:
+        """Copy reduced buffers into ``p.grad`` (creating it where no rank had a gradient)."""
+        for bucket, flat in zip(self.buckets, reduced, strict=True):
+            for o, p in zip(bucket.offsets, bucket.parameters(), strict=True):
+                view = flat[o : o + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+                if scale != 1.0:
+                    p.grad.mul_(scale)
+
+    def take_spans(self) -> list[Span]:
+        spans, self._spans = self._spans, []
+        return spans
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        key = id(param)
+        count = self._seen.get(key, 0) + 1
+        self._seen[key] = count
+        if count == self._micro_batches:
+            self._pending_params[self._bucket_of[key]] -= 1
+            self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        while self._next_to_launch < len(self.buckets):
+            i = self._next_to_launch
+            if not force and self._pending_params[i] > 0:
+                return
+            self._launch(self.buckets[i])
+            self._next_to_launch += 1
+
+    def _launch(self, bucket: GradBucket) -> None:
+        bucket.fill_from_grads()
+        t0, wall0 = time.perf_counter(), time.time()
+        self.launch_log.append((bucket.index(), t0, wall0))
+        fut = self._exchange(bucket)
+        if self._record_spans:
+            fut = fut.then(self._span_recorder(bucket, t0, wall0))
+        self._futures[bucket.index()] = fut
+
+    def _span_recorder(
+        self, bucket: GradBucket, t0: float, wall0: float
+    ) -> Callable[[torch.futures.Future[torch.Tensor]], torch.Tensor]:
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            value = fut.value()
+            args: dict[str, Any] = {"bucket": bucket.index(), "bytes": bucket.nbytes}
+            self._spans.append(
+                Span(
+                    -1,
+                    -1,
+                    f"allreduce[{bucket.index()}]",
+                    wall0,
+                    time.perf_counter() - t0,
+                    "comm",
+                    args,
+                )
+            )
+            return value
+
+        return done

@@ -1,0 +1,141 @@
+"""The ``gradsync`` command: run | simulate | bench | report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UsageError
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    from gradsync.config import RunConfig
+
+    d = RunConfig(out="runs/x")
+    p.add_argument(
+        "--nproc", type=int, default=d.nproc, help="worker processes (default %(default)s)"
+    )
+    p.add_argument("--workload", default=d.workload, help="charlm | mlp (default %(default)s)")
+    p.add_argument(
+        "--strategy", default=d.strategy, help="bsp | local:H | diloco:H | ssp:S | async"
+    )
+    p.add_argument("--compress", dest="compression", default=None, help="compression spec")
+    p.add_argument(
+        "--steps", type=int, default=d.steps, help="training steps (default %(default)s)"
+    )
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per rank per step")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (workload default)")
+    p.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="bucket size in MB")
+    p.add_argument(
+        "--micro-batches", type=int, default=d.micro_batches, help="backward passes per step"
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
+    p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
+    p.add_argument("--data", default=None, help="text file for charlm (default: stdlib sources)")
+    p.add_argument("--params", type=int, default=d.params, help="mlp parameter count")
+    p.add_argument("--slow", default=None, help="inject a straggler: RANK:FACTOR[@STEP]")
+    p.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout, seconds")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line")
+
+
+def _config_from_args(args: argparse.Namespace) -> Any:
+    from gradsync.config import RunConfig, default_out
+
+    fields = set(RunConfig.__dataclass_fields__)
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values["out"] = args.out or default_out()
+    return RunConfig(**values)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gradsync.launch import launch
+    from gradsync.telemetry.report import RunReport
+    from gradsync.worker import run_worker
+
+    cfg = _config_from_args(args)
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    cfg.save(run_dir)
+    print(
+        f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {cfg.nproc} ranks, "
+        f"{cfg.steps} steps, batch {cfg.batch_size}/rank -> {run_dir}",
+        file=sys.stderr,
+    )
+    results = launch(run_worker, (cfg.to_dict(),), nproc=cfg.nproc, threads=cfg.threads)
+    if results.get(0) is None:
+        raise RuntimeError("rank 0 returned no report")
+    from gradsync.telemetry.records import read_records
+
+    report = RunReport.from_records(read_records(run_dir))
+    print(report.format())
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gradsync", description="Synchronization for data-parallel PyTorch training."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    run = sub.add_parser("run", help="train a built-in workload on local worker processes")
+    _add_run_flags(run)
+    run.set_defaults(func=cmd_run)
+    for module in ("gradsync.sim.cli", "gradsync.telemetry.cli"):
+        _add_optional_parsers(module, sub)
+    return parser
+
+
+def _add_optional_parsers(module: str, sub: Any) -> None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return
+    mod.add_parsers(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gradsync: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - workers' failures are reported, not re-raised
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if isinstance(exc, ChildFailedError):
+            print(f"gradsync: error: {_describe_child_failure(exc)}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _describe_child_failure(exc: Any) -> str:
+    lines = []
+    for rank, failure in sorted(exc.failures.items()):
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", json.dumps(message))
+        text = str(message).strip().splitlines()
+        lines.append(
+            f"rank {rank} failed (exit code {failure.exitcode}): {text[-1] if text else ''}"
+        )
+    return "worker failure\n  " + "\n  ".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""``RunConfig``: everything ``gradsync run`` needs, validated before any process starts."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UsageError
+from gradsync.inject import parse_slow
+from gradsync.strategies.base import parse_strategy
+from gradsync.workloads import WORKLOADS
+
+
+def default_out() -> str:
+    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+@dataclass(slots=True, kw_only=True)
+class RunConfig:
+    nproc: int = 4
+    workload: str = "charlm"
+    strategy: str = "bsp"
+    compression: str | None = None
+    steps: int = 200
+    batch_size: int = 16
+    lr: float | None = None
+    bucket_mb: float = 25.0
+    micro_batches: int = 1
+    seed: int = 0
+    out: str = field(default_factory=default_out)
+    threads: int = 1
+    data: str | None = None
+    params: int = 100_000
+    slow: str | None = None
+    timeout: float = 300.0
+    telemetry_every: int = 10
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.workload not in WORKLOADS:
+            raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
+        parse_strategy(self.strategy)  # raises with the valid forms
+        for name in ("steps", "batch_size", "micro_batches", "threads", "telemetry_every"):
+            value = getattr(self, name)
+            if value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if not self.bucket_mb > 0:
+            raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
+        if self.lr is not None and not self.lr > 0:
+            raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if not self.timeout > 0:
+            raise UsageError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if self.data is not None and not Path(self.data).is_file():
+            raise UsageError(f"--data file {self.data!r} does not exist or is not a file")
+        for s in parse_slow(self.slow):
+            if s.rank >= self.nproc:
+                raise UsageError(
+                    f"--slow names rank {s.rank}, but ranks are 0..{self.nproc - 1} "
+                    f"with --nproc {self.nproc}"
+                )
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.nproc
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, run_dir: Path) -> None:
+        (run_dir / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,87 @@
+"""BSP: every step, every replica applies the mean gradient of the global batch.
+
+Gradients are exchanged bucket by bucket from autograd hooks (see ``gradsync.buckets``), so
+most communication overlaps the backward pass; the step then waits for every bucket, writes
+the mean gradient back into ``p.grad`` and calls the user's ``optimizer.step()`` unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradsync.buckets import BucketReducer, GradBucket
+from gradsync.errors import UsageError
+from gradsync.strategies.base import StepOutcome, SyncContext
+
+
+class BSP:
+    name = "bsp"
+    barrier_free = False
+
+    def __init__(self) -> None:
+        self._ctx: SyncContext | None = None
+        self._reducer: BucketReducer | None = None
+        self._state: Any = None
+        self._micro_batches = 1
+        self._bytes_at_start = 0
+
+    def setup(self, ctx: SyncContext) -> None:
+        self._ctx = ctx
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        self._state = ctx.compressor.make_state(ctx.group)
+        self._reducer = BucketReducer(params, ctx.bucket_mb, self._exchange, ctx.record_spans)
+
+    @property
+    def reducer(self) -> BucketReducer:
+        assert self._reducer is not None, "setup() has not run"
+        return self._reducer
+
+    @property
+    def compressor_state(self) -> Any:
+        return self._state
+
+    def _exchange(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        assert self._ctx is not None
+        return self._ctx.compressor.hook(self._state, bucket)
+
+    def begin_step(self, step: int, micro_batches: int) -> None:
+        assert self._ctx is not None
+        self._ctx.optimizer.zero_grad(set_to_none=True)
+        self._micro_batches = micro_batches
+        # Hooks launch buckets (and count their bytes) during backward, inside the block.
+        self._bytes_at_start = self._state.bytes_sent
+        self.reducer.arm(micro_batches)
+
+    def finish_step(self, step: int) -> StepOutcome:
+        assert self._ctx is not None
+        reducer = self.reducer
+        passes = reducer.backward_passes()
+        if passes != self._micro_batches:
+            # Checked before flush so no rank has launched a partial set of buckets because of it.
+            reducer.flush_abort()
+            raise UsageError(
+                f"sync.step(micro_batches={self._micro_batches}) but the block ran {passes} "
+                f"backward pass(es); run exactly {self._micro_batches}"
+            )
+        reducer.flush()
+        reduced = reducer.wait(step)
+        # The mean over ranks is taken by the hook; the mean over micro-batches here, so that
+        # k micro-batches of a mean-reduced loss equal one batch k times as large.
+        reducer.write_back(reduced, scale=1.0 / self._micro_batches)
+        self._ctx.optimizer.step()
+        return StepOutcome(
+            bytes_sent=self._state.bytes_sent - self._bytes_at_start, spans=reducer.take_spans()
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"compressor": self._state.state_dict() if self._state is not None else {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._state is not None:
+            self._state.load_state_dict(state.get("compressor", {}))
+
+    def close(self) -> None:
+        if self._reducer is not None:
+            self._reducer.close()

@@ -1,0 +1,172 @@
+"""``Synchronizer``: one training loop for every strategy, a superstep per ``sync.step()``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync import runtime
+from gradsync.compression import parse_compression
+from gradsync.compression.base import Compressor
+from gradsync.errors import UsageError
+from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
+from gradsync.strategies.base import Strategy, SyncContext, parse_strategy
+from gradsync.telemetry.records import Span, StepRecord
+from gradsync.telemetry.report import RunReport
+from gradsync.telemetry.timing import TelemetryCollector
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """Yielded by ``sync.step()``: set ``loss`` (a tensor or float) to have it reported, and
+    ``samples`` if the block's batch size differs from what the Synchronizer was told."""
+
+    step: int
+    micro_batches: int
+    loss: torch.Tensor | float | None = None
+    samples: int = 0
+
+
+class Synchronizer:
+    """Wraps a model and the user's optimizer; each ``with sync.step():`` block is a superstep.
+
+    On block exit the strategy synchronizes and ``optimizer.step()`` has run. Gradients are
+    zeroed at block entry. Parameters and buffers are broadcast from rank 0 at construction,
+    so replicas start identical (as DDP does).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strategy: str | Strategy = "bsp",
+        compression: str | Compressor | None = None,
+        bucket_mb: float = 25.0,
+        *,
+        group: dist.ProcessGroup | None = None,
+        telemetry: bool = True,
+        telemetry_every: int = 10,
+        slow: str | list[Slowdown] | None = None,
+        on_records: Callable[[list[StepRecord]], None] | None = None,
+        record_spans: bool = False,
+    ) -> None:
+        runtime.require_initialized("gs.Synchronizer")
+        if not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
+            raise UsageError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        if telemetry_every < 1:
+            raise UsageError(f"telemetry_every must be >= 1, got {telemetry_every}")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise UsageError(
+                f"model {type(model).__name__} has no trainable parameters "
+                "(none with requires_grad=True): there is nothing to synchronize"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.group = group
+        self.rank = runtime.rank(group)
+        self.world_size = runtime.world_size(group)
+        self.strategy = parse_strategy(strategy)
+        self.compressor = parse_compression(compression)
+        self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
+        self.telemetry_enabled = telemetry
+        self.record_spans = record_spans
+        self.spans: list[Span] = []
+        self._collector = TelemetryCollector(group, telemetry_every, on_records)
+        self._step = 0
+        self._in_step = False
+        self._natural = 0.0  # last step's compute without injected slowdown
+        self._broadcast_initial_state()
+        self.strategy.setup(
+            SyncContext(
+                model=model,
+                optimizer=optimizer,
+                group=group,
+                compressor=self.compressor,
+                bucket_mb=float(bucket_mb),
+                record_spans=record_spans,
+            )
+        )
+
+    @property
+    def step_count(self) -> int:
+        """Steps completed so far."""
+        return self._step
+
+    @contextmanager
+    def step(self, micro_batches: int = 1, samples: int = 0) -> Iterator[StepHandle]:
+        """One superstep. The block runs ``micro_batches`` backward passes; gradients accumulate
+        locally and are averaged over micro-batches and ranks; communication starts on the last."""
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise UsageError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+        if self._in_step:
+            raise UsageError("sync.step() blocks cannot be nested")
+        runtime.require_initialized("sync.step()")
+        handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
+        self._in_step = True
+        try:
+            wall0, t0 = time.time(), time.perf_counter()
+            self.strategy.begin_step(self._step, micro_batches)
+            slept = 0.0
+            if self.slowdowns:
+                slept = apply_slowdowns(self.slowdowns, self.rank, self._step, self._natural)
+            yield handle
+            t1 = time.perf_counter()
+            self._natural = t1 - t0 - slept
+            outcome = self.strategy.finish_step(self._step)
+            t2 = time.perf_counter()
+        finally:
+            self._in_step = False
+        if self.telemetry_enabled:
+            self._record(handle, wall0, t1 - t0, t2 - t1, outcome.bytes_sent, outcome.skipped)
+            if self.record_spans:
+                self._add_spans(outcome.spans, wall0, t1 - t0, t2 - t1)
+        self._step += 1
+
+    def _record(
+        self, h: StepHandle, wall0: float, compute: float, sync: float, nbytes: int, skipped: bool
+    ) -> None:
+        self._collector.add(h.step, wall0, compute, sync, h.samples, nbytes, h.loss, skipped)
+        if self._collector.due() and not self.strategy.barrier_free:
+            self._collector.flush()
+
+    def _add_spans(self, spans: list[Span], wall0: float, compute: float, sync: float) -> None:
+        step = self._step
+        self.spans.append(Span(self.rank, step, "compute", wall0, compute, "step"))
+        self.spans.append(Span(self.rank, step, "sync", wall0 + compute, sync, "step"))
+        for s in spans:
+            s.rank, s.step = self.rank, step
+            self.spans.append(s)
+
+    def flush_telemetry(self) -> list[StepRecord]:
+        """Collective: gather pending step records from every rank now."""
+        return self._collector.flush() if self.telemetry_enabled else []
+
+    def report(self) -> RunReport:
+        """Collective (every rank calls it): per-rank, per-step timings and totals so far."""
+        self.flush_telemetry()
+        return RunReport.from_records(self._collector.records)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Strategy and compressor state (not the model or optimizer: save those as usual)."""
+        return {"step": self._step, "strategy": self.strategy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._step = int(state["step"])
+        self.strategy.load_state_dict(state["strategy"])
+
+    def close(self) -> None:
+        self.strategy.close()
+
+    def _broadcast_initial_state(self) -> None:
+        if self.world_size == 1:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                dist.broadcast(t.data, src=src, group=self.group)

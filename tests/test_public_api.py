@@ -1,0 +1,25 @@
+import gradsync as gs
+
+FROZEN_API = {
+    "Compressor",
+    "DivergenceError",
+    "RankTotals",
+    "RunReport",
+    "Slowdown",
+    "StepHandle",
+    "StepRecord",
+    "Strategy",
+    "SyncTimeoutError",
+    "Synchronizer",
+    "UsageError",
+    "init",
+    "parse_compression",
+    "parse_strategy",
+}
+
+
+def test_public_api_is_frozen() -> None:
+    """Removing or renaming a public name breaks users: extend this set, never shrink it."""
+    assert set(gs.__all__) >= FROZEN_API
+    for name in gs.__all__:
+        assert hasattr(gs, name), name
