@@ -49,6 +49,11 @@ class RunConfig:
             value = getattr(self, name)
             if value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.batch_size % self.micro_batches:
+            raise UsageError(
+                f"--batch-size {self.batch_size} does not split into --micro-batches "
+                f"{self.micro_batches} equal parts; use a multiple of {self.micro_batches}"
+            )
         if not self.bucket_mb > 0:
             raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
         if self.lr is not None and not self.lr > 0:
