@@ -16,7 +16,7 @@ from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
-from gradsync.strategies.base import Strategy, SyncContext, parse_strategy
+from gradsync.strategies.base import StepOutcome, Strategy, SyncContext, parse_strategy
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.timing import TelemetryCollector
@@ -55,6 +55,8 @@ class Synchronizer:
         slow: str | list[Slowdown] | None = None,
         on_records: Callable[[list[StepRecord]], None] | None = None,
         record_spans: bool = False,
+        servers: int = 1,
+        timeout_s: float = 300.0,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         if not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
@@ -71,7 +73,7 @@ class Synchronizer:
         self.group = group
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
-        self.strategy = parse_strategy(strategy)
+        self.strategy = parse_strategy(strategy, servers=servers, timeout_s=timeout_s)
         self.compressor = parse_compression(compression)
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
         self.telemetry_enabled = telemetry
@@ -92,6 +94,26 @@ class Synchronizer:
                 record_spans=record_spans,
             )
         )
+
+    @property
+    def is_server(self) -> bool:
+        """True on parameter-server ranks: call ``serve()`` there instead of training."""
+        return bool(getattr(self.strategy, "is_server", False))
+
+    @property
+    def num_workers(self) -> int:
+        """Ranks that train (all of them, except parameter servers)."""
+        return int(getattr(self.strategy, "num_workers", self.world_size))
+
+    def serve(self) -> Any:
+        """On a parameter-server rank: serve until every worker is done, then take part in the
+        final telemetry gather. Returns the server's statistics (``ServerStats``)."""
+        serve = getattr(self.strategy, "serve", None)
+        if serve is None or not self.is_server:
+            raise UsageError("serve() is for parameter-server ranks (ssp:S or async strategies)")
+        stats = serve()
+        self.flush_telemetry()
+        return stats
 
     @property
     def step_count(self) -> int:
@@ -123,15 +145,26 @@ class Synchronizer:
         finally:
             self._in_step = False
         if self.telemetry_enabled:
-            self._record(handle, wall0, t1 - t0, t2 - t1, outcome.bytes_sent, outcome.skipped)
+            self._record(handle, wall0, t1 - t0, t2 - t1, outcome)
             if self.record_spans:
                 self._add_spans(outcome.spans, wall0, t1 - t0, t2 - t1)
         self._step += 1
 
     def _record(
-        self, h: StepHandle, wall0: float, compute: float, sync: float, nbytes: int, skipped: bool
+        self, h: StepHandle, wall0: float, compute: float, sync: float, out: StepOutcome
     ) -> None:
-        self._collector.add(h.step, wall0, compute, sync, h.samples, nbytes, h.loss, skipped)
+        self._collector.add(
+            h.step,
+            wall0,
+            compute,
+            sync,
+            h.samples,
+            out.bytes_sent,
+            h.loss,
+            out.skipped,
+            out.barrier,
+            out.idle,
+        )
         if self._collector.due() and not self.strategy.barrier_free:
             self._collector.flush()
 
@@ -148,7 +181,12 @@ class Synchronizer:
         return self._collector.flush() if self.telemetry_enabled else []
 
     def report(self) -> RunReport:
-        """Collective (every rank calls it): per-rank, per-step timings and totals so far."""
+        """Collective (every rank calls it): per-rank, per-step timings and totals so far.
+
+        With a parameter server this ends training: workers fetch the final parameters."""
+        finalize = getattr(self.strategy, "finalize", None)
+        if finalize is not None:
+            finalize()
         self.flush_telemetry()
         return RunReport.from_records(self._collector.records)
 

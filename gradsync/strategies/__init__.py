@@ -8,7 +8,10 @@ from gradsync.strategies.base import (
     SyncContext,
     parse_strategy,
     parse_strategy_spec,
+    uses_servers,
 )
+from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
+from gradsync.strategies.ps import ParameterServer, ServerStats
 
 __all__ = [
     "STRATEGY_FORMS",
@@ -18,4 +21,9 @@ __all__ = [
     "SyncContext",
     "parse_strategy",
     "parse_strategy_spec",
+    "uses_servers",
+    "DiLoCo",
+    "LocalSGD",
+    "ParameterServer",
+    "ServerStats",
 ]

@@ -21,8 +21,6 @@ from gradsync.telemetry.records import Span
 STRATEGY_FORMS = (
     "bsp, local:H, diloco:H, ssp:S, async (H an integer >= 1, S an integer >= 0 or inf)"
 )
-#: strategies this version can run; the parser knows the rest of the dial already.
-AVAILABLE = ("bsp",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +75,10 @@ class StepOutcome:
 
     bytes_sent: int = 0
     skipped: bool = False
+    #: whether the step ended at a barrier with the other ranks (see telemetry.records)
+    barrier: bool = True
+    #: measured wait imposed by others, for steps without a barrier (SSP's bound)
+    idle: float = 0.0
     spans: list[Span] = field(default_factory=list)
 
 
@@ -107,8 +109,11 @@ class Strategy(Protocol):
     def close(self) -> None: ...
 
 
-def parse_strategy(spec: str | Strategy) -> Strategy:
-    """A ``Strategy`` from a spec string (or the object itself, passed through)."""
+def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float = 300.0) -> Strategy:
+    """A ``Strategy`` from a spec string (or the object itself, passed through).
+
+    ``servers`` and ``timeout_s`` apply to the parameter-server strategies (``ssp:S``, ``async``).
+    """
     if isinstance(spec, Strategy):
         return spec
     parsed = parse_strategy_spec(spec)
@@ -116,7 +121,19 @@ def parse_strategy(spec: str | Strategy) -> Strategy:
         from gradsync.strategies.bsp import BSP
 
         return BSP()
-    raise UsageError(
-        f"strategy {str(parsed)!r} is a valid spec but is not available in this version yet; "
-        f"available: {', '.join(AVAILABLE)}"
-    )
+    if parsed.kind in ("local", "diloco"):
+        from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
+
+        assert parsed.period is not None
+        return LocalSGD(parsed.period) if parsed.kind == "local" else DiLoCo(parsed.period)
+    from gradsync.strategies.ps import ParameterServer
+
+    bound = math.inf if parsed.kind == "async" else float(parsed.staleness or 0.0)
+    return ParameterServer(bound, servers=servers, timeout_s=timeout_s)
+
+
+def uses_servers(spec: str | Strategy) -> bool:
+    """Whether a strategy runs parameter-server ranks (which take no part in training)."""
+    if isinstance(spec, str):
+        return parse_strategy_spec(spec).kind in ("ssp", "async")
+    return hasattr(spec, "serve")

@@ -10,6 +10,11 @@ Vocabulary (DESIGN.md), all durations in seconds:
 ``bytes`` is the payload this rank handed to collectives or point-to-point sends during the
 step (what the compressor put on the wire), not multiplied by the collective algorithm's factor.
 ``time`` is the wall-clock (Unix epoch seconds) at block entry, for timelines.
+
+``barrier`` says whether the step ended at a barrier with the other ranks. BSP: every step.
+Local SGD / DiLoCo: every H-th step; there ``idle`` generalises the definition above to the
+compute every rank accumulated since the previous barrier. Parameter-server strategies have no
+barrier; their ``idle`` is the wait the server imposed (SSP's staleness bound), measured.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class StepRecord:
     bytes: int
     loss: float | None = None
     skipped: bool = False
+    barrier: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -68,18 +74,32 @@ class Span:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def fill_idle(records: Iterable[StepRecord]) -> list[StepRecord]:
-    """Derive ``idle`` and ``comm`` for every record from the compute times of its step.
+def fill_idle(
+    records: Iterable[StepRecord], carry: dict[int, float] | None = None
+) -> list[StepRecord]:
+    """Derive ``idle`` and ``comm`` from the compute times of every rank.
 
-    Records must hold ``compute`` and ``sync``; ``idle`` and ``comm`` are overwritten.
+    At a barrier step, idle = max over ranks of the compute accumulated since the previous
+    barrier, minus the rank's own (for BSP, every step is a barrier and this is the step's
+    compute). Steps without a barrier keep the idle the strategy measured. ``carry`` holds each
+    rank's compute accumulated since the last barrier across calls (records arrive in batches).
     """
-    out = list(records)
-    slowest: dict[int, float] = {}
+    out = sorted(records, key=lambda r: (r.step, r.rank))
+    acc = carry if carry is not None else {}
+    by_step: dict[int, list[StepRecord]] = {}
     for r in out:
-        slowest[r.step] = max(slowest.get(r.step, 0.0), r.compute)
-    for r in out:
-        r.idle = slowest[r.step] - r.compute
-        r.comm = max(0.0, r.sync - r.idle)
+        by_step.setdefault(r.step, []).append(r)
+    for step in sorted(by_step):
+        group = by_step[step]
+        for r in group:
+            acc[r.rank] = acc.get(r.rank, 0.0) + r.compute
+        if any(r.barrier for r in group):
+            slowest = max(acc[r.rank] for r in group)
+            for r in group:
+                r.idle = slowest - acc[r.rank]
+                acc[r.rank] = 0.0
+        for r in group:
+            r.comm = max(0.0, r.sync - r.idle)
     return out
 
 

@@ -19,7 +19,18 @@ from gradsync import runtime
 from gradsync.telemetry.records import StepRecord, fill_idle
 
 # Columns of the gathered tensor, in order.
-_COLUMNS = ("step", "time", "compute", "sync", "samples", "bytes", "loss", "skipped")
+_COLUMNS = (
+    "step",
+    "time",
+    "compute",
+    "sync",
+    "samples",
+    "bytes",
+    "loss",
+    "skipped",
+    "barrier",
+    "idle",
+)
 _NO_LOSS = float("nan")
 
 
@@ -33,6 +44,8 @@ class _Pending:
     bytes: int
     loss: torch.Tensor | float | None
     skipped: bool
+    barrier: bool
+    idle: float
 
 
 class TelemetryCollector:
@@ -47,6 +60,7 @@ class TelemetryCollector:
         self.sink = sink
         self.records: list[StepRecord] = []
         self._pending: list[_Pending] = []
+        self._since_barrier: dict[int, float] = {}
 
     def add(
         self,
@@ -58,10 +72,15 @@ class TelemetryCollector:
         nbytes: int,
         loss: torch.Tensor | float | None,
         skipped: bool = False,
+        barrier: bool = True,
+        idle: float = 0.0,
     ) -> None:
+        """``idle`` is used only for steps without a barrier (the strategy measured it)."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()  # converted at flush, so a GPU loss costs no sync per step
-        self._pending.append(_Pending(step, time, compute, sync, samples, nbytes, loss, skipped))
+        self._pending.append(
+            _Pending(step, time, compute, sync, samples, nbytes, loss, skipped, barrier, idle)
+        )
 
     def due(self) -> bool:
         return len(self._pending) >= self.flush_every
@@ -78,6 +97,8 @@ class TelemetryCollector:
                 float(p.bytes),
                 _NO_LOSS if p.loss is None else float(p.loss),
                 float(p.skipped),
+                float(p.barrier),
+                p.idle,
             ]
             for p in self._pending
         ]
@@ -91,18 +112,18 @@ class TelemetryCollector:
                 time=row[1],
                 compute=row[2],
                 sync=row[3],
-                idle=0.0,
+                idle=row[9],
                 comm=0.0,
                 samples=int(row[4]),
                 bytes=int(row[5]),
                 loss=None if row[6] != row[6] else row[6],
                 skipped=bool(row[7]),
+                barrier=bool(row[8]),
             )
             for rank, block in enumerate(gathered)
             for row in block.tolist()
         ]
-        new = fill_idle(new)
-        new.sort(key=lambda r: (r.step, r.rank))
+        new = fill_idle(new, self._since_barrier)
         self.records.extend(new)
         if self.sink is not None and new:
             self.sink(new)

@@ -1,0 +1,175 @@
+"""Periodic averaging: local SGD (``local:H``) and DiLoCo (``diloco:H``).
+
+Every worker steps the user's optimizer on its own gradient for H steps with no communication.
+Then local SGD averages the parameters; DiLoCo averages the pseudo-gradient (global parameters
+minus local ones), applies it to the global parameters with an outer optimizer (Nesterov
+momentum by default), and copies the result back to every worker. Either sends one model's
+worth of bytes every H steps: 1/H of BSP's per step, before compression.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradsync.compression.base import FlatBucket
+from gradsync.errors import UsageError
+from gradsync.strategies.base import StepOutcome, SyncContext
+
+
+def _flat(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def _unflat_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+class _Periodic:
+    """Shared step logic: local steps, and a synchronization every ``period`` steps."""
+
+    name = "periodic"
+    barrier_free = False
+
+    def __init__(self, period: int) -> None:
+        if not isinstance(period, int) or period < 1:
+            raise UsageError(
+                f"H (steps between synchronizations) must be an integer >= 1, got {period!r}"
+            )
+        self.period = period
+        self._ctx: SyncContext | None = None
+        self._params: list[torch.Tensor] = []
+        self._state: Any = None
+        self._micro_batches = 1
+
+    def setup(self, ctx: SyncContext) -> None:
+        self._ctx = ctx
+        self._params = [p for p in ctx.model.parameters() if p.requires_grad]
+        self._state = ctx.compressor.make_state(ctx.group)
+
+    def begin_step(self, step: int, micro_batches: int) -> None:
+        assert self._ctx is not None
+        self._ctx.optimizer.zero_grad(set_to_none=True)
+        self._micro_batches = micro_batches
+
+    def finish_step(self, step: int) -> StepOutcome:
+        assert self._ctx is not None
+        if self._micro_batches > 1:
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.div_(self._micro_batches)
+        self._ctx.optimizer.step()
+        if (step + 1) % self.period:
+            return StepOutcome(barrier=False)
+        before = self._state.bytes_sent
+        self._synchronize()
+        return StepOutcome(bytes_sent=self._state.bytes_sent - before, barrier=True)
+
+    def _mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks through the compressor (plain all-reduce when uncompressed)."""
+        assert self._ctx is not None
+        bucket = FlatBucket(flat, index=0, is_last=True, params=self._params)
+        return self._ctx.compressor.hook(self._state, bucket).wait()
+
+    def _synchronize(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"compressor": self._state.state_dict() if self._state is not None else {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._state is not None:
+            self._state.load_state_dict(state.get("compressor", {}))
+
+    def close(self) -> None:
+        pass
+
+
+class LocalSGD(_Periodic):
+    """``local:H``: average the parameters every H steps."""
+
+    name = "local"
+
+    def _synchronize(self) -> None:
+        _unflat_into(self._mean(_flat(self._params)), self._params)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OuterConfig:
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.outer_lr > 0:
+            raise UsageError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise UsageError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+
+class DiLoCo(_Periodic):
+    """``diloco:H``: the user's optimizer is the inner one; every H steps the averaged
+    pseudo-gradient (global minus local parameters) goes through an outer SGD with Nesterov
+    momentum, and the new global parameters are copied back to every worker.
+
+    With ``outer_lr=1`` and no momentum the outer step lands on the average of the local
+    parameters, which is local SGD.
+    """
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        period: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+    ) -> None:
+        super().__init__(period)
+        self.outer = OuterConfig(
+            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov
+        )
+        self._global: torch.Tensor | None = None
+        self._outer_opt: torch.optim.SGD | None = None
+
+    def setup(self, ctx: SyncContext) -> None:
+        super().setup(ctx)
+        # The global copy is taken after the Synchronizer's broadcast, so it is the same on
+        # every rank; it lives as one flat tensor that the outer optimizer owns.
+        self._global = _flat(self._params).clone()
+        momentum = self.outer.outer_momentum
+        self._outer_opt = torch.optim.SGD(
+            [self._global],
+            lr=self.outer.outer_lr,
+            momentum=momentum,
+            nesterov=self.outer.nesterov and momentum > 0,
+        )
+
+    def _synchronize(self) -> None:
+        assert self._global is not None and self._outer_opt is not None
+        pseudo = self._global - _flat(self._params)
+        self._global.grad = self._mean(pseudo)
+        self._outer_opt.step()
+        self._global.grad = None
+        _unflat_into(self._global, self._params)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self._global is not None and self._outer_opt is not None
+        state = super().state_dict()
+        state["global"] = self._global.detach().clone()
+        state["outer_optimizer"] = self._outer_opt.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        assert self._global is not None and self._outer_opt is not None
+        with torch.no_grad():
+            self._global.copy_(state["global"])
+        self._outer_opt.load_state_dict(state["outer_optimizer"])

@@ -1,0 +1,226 @@
+"""Parameter server: stale-synchronous (``ssp:S``) and asynchronous (``async``) training.
+
+Layout: with K servers, the **last K ranks** are servers and ranks ``0..W-1`` are workers, so
+rank 0 is always a worker (it writes the run's files). Parameters are sharded across servers
+by size (largest tensor first, onto the least loaded server).
+
+A worker's step at clock c: compute a gradient, push each server its shard, and wait for the
+server's reply, which carries the parameters to compute clock c+1 with. Under ``ssp:S`` a
+server holds that reply until every worker's updates from clocks up to ``c+1 - S - 1`` have
+been applied (the time held is the worker's ``idle``); under ``async`` it replies at once.
+The server applies each push with the user's optimizer class and hyper-parameters (its
+momentum or Adam state lives on the server), scaled by 1/W so that one round of W pushes moves
+the parameters as far as one BSP step; with plain SGD, ``ssp:0`` follows BSP's trajectory.
+
+Transport: point-to-point ``isend``/``irecv`` of torch.distributed on the job's gloo (or NCCL)
+group. We chose it over ``torch.distributed.rpc`` because it moves tensors without pickling,
+reuses the process group (and its timeouts) the job already has, and needs no second
+rendezvous; a server waits for each worker in its own thread, so one slow worker never delays
+another's reply. benchmarks/ps_transport.py measures a push/pull round trip against an
+all-reduce of the same bytes (see BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.errors import SyncTimeoutError, UsageError
+from gradsync.strategies.base import StepOutcome, SyncContext
+
+_GRADIENT, _DONE = 0.0, 1.0
+
+
+def shard_by_size(sizes: list[int], servers: int) -> list[list[int]]:
+    """Parameter indices per server, balancing numel (largest first to the least loaded)."""
+    load = [0] * servers
+    shards: list[list[int]] = [[] for _ in range(servers)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        s = min(range(servers), key=lambda j: (load[j], j))
+        shards[s].append(i)
+        load[s] += sizes[i]
+    return [sorted(s) for s in shards]
+
+
+@dataclass(slots=True)
+class AppliedUpdate:
+    """One gradient the server applied: worker, its clock c, and k, the largest clock through
+    which every worker's updates were in the parameters that gradient was computed from."""
+
+    worker: int
+    clock: int
+    fresh_through: int
+
+    @property
+    def staleness(self) -> int:
+        return self.clock - 1 - self.fresh_through
+
+
+@dataclass(slots=True)
+class ServerStats:
+    server_rank: int
+    updates: list[AppliedUpdate] = field(default_factory=list)
+    held_seconds: float = 0.0
+
+    @property
+    def max_staleness(self) -> int:
+        return max((u.staleness for u in self.updates), default=0)
+
+
+class ParameterServer:
+    """Strategy object for both roles; ``is_server`` says which this rank plays."""
+
+    barrier_free = True
+
+    def __init__(self, staleness: float, servers: int = 1, timeout_s: float = 300.0) -> None:
+        if not (staleness >= 0):
+            raise UsageError(f"staleness bound S must be >= 0 or inf, got {staleness}")
+        if not isinstance(servers, int) or servers < 1:
+            raise UsageError(f"servers must be an integer >= 1, got {servers!r}")
+        self.staleness = staleness
+        self.servers = servers
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.name = "async" if math.isinf(staleness) else f"ssp:{int(staleness)}"
+        self._ctx: SyncContext | None = None
+        self._params: list[torch.Tensor] = []
+        self._shards: list[list[int]] = []
+        self._micro_batches = 1
+        self._finished = False
+
+    # -- layout -------------------------------------------------------------------------------
+    def setup(self, ctx: SyncContext) -> None:
+        self._ctx = ctx
+        self.world = dist.get_world_size(ctx.group)
+        self.rank = dist.get_rank(ctx.group)
+        self.num_workers = self.world - self.servers
+        if self.num_workers < 1:
+            raise UsageError(
+                f"{self.servers} server(s) leave no worker in a group of {self.world} ranks; "
+                "launch at least servers + 1 processes"
+            )
+        self._params = [p for p in ctx.model.parameters() if p.requires_grad]
+        self._shards = shard_by_size([p.numel() for p in self._params], self.servers)
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank >= self.num_workers
+
+    def server_rank(self, s: int) -> int:
+        return self.num_workers + s
+
+    def _global(self, rank: int) -> int:
+        assert self._ctx is not None
+        group = self._ctx.group
+        return rank if group is None else dist.get_global_rank(group, rank)
+
+    def _shard_numel(self, s: int) -> int:
+        return sum(self._params[i].numel() for i in self._shards[s])
+
+    # -- worker side ----------------------------------------------------------------------------
+    def begin_step(self, step: int, micro_batches: int) -> None:
+        assert self._ctx is not None
+        if self.is_server:
+            raise UsageError("this rank is a parameter server: call sync.serve(), not sync.step()")
+        if self._finished:
+            raise UsageError("training already finished (report() ended it): no more steps")
+        self._ctx.optimizer.zero_grad(set_to_none=True)
+        self._micro_batches = micro_batches
+
+    def finish_step(self, step: int) -> StepOutcome:
+        pushes = []
+        for shard in self._shards:
+            grads = [self._params[i].grad for i in shard]
+            flat = torch.cat(
+                [
+                    torch.zeros(self._params[i].numel(), dtype=self._params[i].dtype)
+                    if g is None
+                    else g.detach().reshape(-1) / self._micro_batches
+                    for i, g in zip(shard, grads, strict=True)
+                ]
+            )
+            pushes.append(torch.cat([flat.new_tensor([_GRADIENT]), flat]))
+        held = self._exchange(pushes, step)
+        nbytes = sum(p.numel() * p.element_size() for p in pushes)
+        return StepOutcome(bytes_sent=nbytes, barrier=False, idle=held)
+
+    def _exchange(self, pushes: list[torch.Tensor], step: int | str) -> float:
+        """Send one message to every server and install the parameters they send back."""
+        replies, works = [], []
+        for s, msg in enumerate(pushes):
+            dst = self._global(self.server_rank(s))
+            reply = torch.empty(1 + self._shard_numel(s), dtype=msg.dtype)
+            works.append((s, dist.isend(msg, dst=dst, group=self._group)))
+            works.append((s, dist.irecv(reply, src=dst, group=self._group)))
+            replies.append(reply)
+        for s, work in works:
+            self._wait(
+                work, f"the reply of parameter server rank {self.server_rank(s)} at step {step}"
+            )
+        held = 0.0
+        with torch.no_grad():
+            for s, reply in enumerate(replies):
+                held = max(held, float(reply[0]))
+                self._install(s, reply[1:])
+        return held
+
+    @property
+    def _group(self) -> dist.ProcessGroup | None:
+        assert self._ctx is not None
+        return self._ctx.group
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except RuntimeError as exc:
+            raise SyncTimeoutError(
+                f"waiting for {what} failed: {str(exc).splitlines()[0]}"
+            ) from exc
+        if ok is False:
+            raise SyncTimeoutError(
+                f"{what} did not arrive within {self.timeout.total_seconds():.0f}s"
+            )
+
+    def _install(self, s: int, flat: torch.Tensor) -> None:
+        offset = 0
+        for i in self._shards[s]:
+            p = self._params[i]
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def finalize(self) -> None:
+        """Tell the servers this worker is done and take the final parameters (identical on
+        every worker: servers answer only when all workers are done)."""
+        if self.is_server or self._finished:
+            return
+        self._finished = True
+        pushes = []
+        for s in range(self.servers):
+            dtype = self._params[self._shards[s][0]].dtype if self._shards[s] else torch.float32
+            msg = torch.zeros(1 + self._shard_numel(s), dtype=dtype)
+            msg[0] = _DONE
+            pushes.append(msg)
+        self._exchange(pushes, "end")
+
+    # -- server side ----------------------------------------------------------------------------
+    def serve(self) -> ServerStats:
+        from gradsync.strategies.ps_server import run_server
+
+        assert self._ctx is not None
+        return run_server(self, self._ctx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["AppliedUpdate", "ParameterServer", "ServerStats", "shard_by_size"]
