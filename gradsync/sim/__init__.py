@@ -1,0 +1,58 @@
+"""The simulator: strategies' cost predicted instead of run (pure Python and numpy).
+
+``model`` holds the alpha-beta collective costs and the fit; ``simulate`` the per-strategy
+simulation; ``calibrate`` the prediction of a real run from its telemetry. Nothing here
+starts a process or touches torch.distributed, except ``bench`` (imported on demand).
+"""
+
+from __future__ import annotations
+
+from gradsync.sim.calibrate import (
+    Prediction,
+    RunProfile,
+    WhatIf,
+    load_calibration,
+    load_profile,
+    predict,
+    save_calibration,
+)
+from gradsync.sim.config import CommModel, ComputeModel, Strategy, parse_strategy
+from gradsync.sim.model import (
+    ALGORITHMS,
+    OPS,
+    AlphaBeta,
+    Fit,
+    algbw,
+    busbw,
+    collective_time,
+    cost_terms,
+    fit_alpha_beta,
+)
+from gradsync.sim.simulate import Overlap, SimResult, overlap_summary, simulate
+
+__all__ = [
+    "ALGORITHMS",
+    "OPS",
+    "AlphaBeta",
+    "CommModel",
+    "ComputeModel",
+    "Fit",
+    "Overlap",
+    "Prediction",
+    "RunProfile",
+    "SimResult",
+    "Strategy",
+    "WhatIf",
+    "algbw",
+    "busbw",
+    "collective_time",
+    "cost_terms",
+    "fit_alpha_beta",
+    "load_calibration",
+    "load_profile",
+    "overlap_summary",
+    "parse_strategy",
+    "predict",
+    "save_calibration",
+    "simulate",
+]

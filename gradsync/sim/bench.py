@@ -1,0 +1,112 @@
+"""``gradsync bench allreduce``: time real all-reduces on the live backend, like nccl-tests.
+
+Each size is timed over many repeats, each repeat starting behind a barrier so every rank
+enters the collective together; a repeat's time is the slowest rank's (the collective is done
+when the last rank has the result), and the reported time is the median repeat.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from gradsync.errors import UsageError
+from gradsync.sim.model import Fit, algbw, busbw, fit_alpha_beta
+
+DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB, x4 steps
+WARMUP = 3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    nproc: int = 2
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    repeats: int = 20
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise UsageError(f"--nproc must be at least 2 for an all-reduce, got {self.nproc}")
+        if not self.sizes or any(s < 4 or s % 4 for s in self.sizes):
+            raise UsageError(
+                f"--sizes must be byte counts that are multiples of 4 (float32), got {self.sizes}"
+            )
+        if self.repeats < 1:
+            raise UsageError(f"--repeats must be at least 1, got {self.repeats}")
+
+    def repeats_for(self, nbytes: int) -> int:
+        # Big messages are slow and steady: fewer repeats keep the default run short.
+        return max(3, min(self.repeats, int(self.repeats * (4 << 20) / nbytes)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchRow:
+    nbytes: int
+    time_s: float
+    algbw: float
+    busbw: float
+
+
+def _worker(sizes: tuple[int, ...], repeats: tuple[int, ...]) -> list[list[float]]:
+    """Runs in every rank: per size, the list of this rank's repeat times in seconds."""
+    import torch
+    import torch.distributed as dist
+
+    import gradsync.runtime as rt
+
+    rt.init()
+    out: list[list[float]] = []
+    try:
+        for nbytes, reps in zip(sizes, repeats, strict=True):
+            buf = torch.ones(nbytes // 4, dtype=torch.float32, device=rt.device())
+            for _ in range(WARMUP):
+                dist.all_reduce(buf)
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                if buf.is_cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                if buf.is_cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            out.append(times)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def run_bench(cfg: BenchConfig) -> tuple[list[BenchRow], Fit]:
+    """Measure, then fit alpha and beta of a ring all-reduce to the median times."""
+    from gradsync.launch import launch
+
+    repeats = tuple(cfg.repeats_for(s) for s in cfg.sizes)
+    per_rank = launch(_worker, (cfg.sizes, repeats), nproc=cfg.nproc)
+    rows = []
+    for i, nbytes in enumerate(cfg.sizes):
+        slowest = [max(r[i][k] for r in per_rank.values()) for k in range(repeats[i])]
+        t = statistics.median(slowest)
+        rows.append(
+            BenchRow(
+                nbytes=nbytes,
+                time_s=t,
+                algbw=algbw(nbytes, t),
+                busbw=busbw("allreduce", cfg.nproc, nbytes, t),
+            )
+        )
+    fit = fit_alpha_beta([r.nbytes for r in rows], [r.time_s for r in rows], n=cfg.nproc)
+    return rows, fit
+
+
+def format_table(rows: list[BenchRow], nproc: int, backend: str) -> str:
+    lines = [
+        f"# all-reduce, {nproc} ranks, backend {backend}, float32, in-place",
+        f"{'size(B)':>12} {'count':>10} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.nbytes:>12d} {r.nbytes // 4:>10d} {r.time_s * 1e6:>11.1f} "
+            f"{r.algbw / 1e9:>12.3f} {r.busbw / 1e9:>12.3f}"
+        )
+    return "\n".join(lines)

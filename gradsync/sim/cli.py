@@ -1,0 +1,266 @@
+"""``gradsync simulate`` and ``gradsync bench allreduce``: argument parsing and handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UsageError
+from gradsync.sim.config import CommModel, ComputeModel, parse_strategy
+from gradsync.sim.model import ALGORITHMS, AlphaBeta
+from gradsync.sim.simulate import Overlap
+
+DEFAULT_SWEEP_STRATEGIES = "bsp,ssp:4,async,local:8"
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    sim = subparsers.add_parser(
+        "simulate",
+        help="predict step time, idle and staleness of a strategy at any scale",
+        description="Simulate data-parallel training (no processes): BSP, SSP, async, local "
+        "SGD, DiLoCo, overlap; sweeps over staleness and workers; or predict a real run.",
+    )
+    g = sim.add_argument_group("workers and compute")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="workers (default: one per --compute value, 4 for a single value)",
+    )
+    g.add_argument("--steps", type=int, default=100, help="steps per worker (default 100)")
+    g.add_argument("--compute", default="20", help="base ms per step: one value or one per worker")
+    g.add_argument("--jitter", type=float, default=0.0, help="uniform jitter in [-J, J] ms")
+    g.add_argument(
+        "--straggler",
+        action="append",
+        default=[],
+        metavar="RANK:FACTOR",
+        help="persistent straggler: multiply RANK's base compute (repeatable)",
+    )
+    g.add_argument(
+        "--transient",
+        default=None,
+        metavar="P:FACTOR",
+        help="each worker-step slows by FACTOR with probability P",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of random.Random for the jitter")
+    c = sim.add_argument_group("communication (fixed, or alpha-beta for a message)")
+    c.add_argument("--comm-ms", type=float, default=None, help="fixed ms per exchange")
+    c.add_argument("--message-mb", type=float, default=None, help="gradient size in MiB")
+    c.add_argument("--alpha-us", type=float, default=None, help="latency per message, us (20)")
+    c.add_argument("--link-gbps", type=float, default=None, help="link bandwidth, Gbit/s (10)")
+    c.add_argument("--algorithm", choices=ALGORITHMS, default=None, help="all-reduce algorithm")
+    c.add_argument("--calibration", default=None, help="alpha/beta JSON from bench allreduce")
+    s = sim.add_argument_group("strategy and output")
+    s.add_argument("--strategy", default="bsp", help="bsp | ssp:S | async | local:H | diloco:H")
+    s.add_argument("--overlap", action="store_true", help="BSP with bucketed overlap")
+    s.add_argument(
+        "--backward-frac",
+        type=float,
+        default=2 / 3,
+        help="share of compute that is the backward pass (default 0.667)",
+    )
+    s.add_argument("--buckets", type=int, default=4, help="gradient buckets for --overlap")
+    s.add_argument("--sweep-staleness", default=None, metavar="LIST", help="e.g. 0,1,2,4,8,inf")
+    s.add_argument("--sweep-workers", default=None, metavar="LIST", help="e.g. 8,16,64,1024")
+    s.add_argument(
+        "--strategies",
+        default=DEFAULT_SWEEP_STRATEGIES,
+        help=f"strategies for --sweep-workers (default {DEFAULT_SWEEP_STRATEGIES})",
+    )
+    s.add_argument("--plot-dir", default=".", help="where sweep PNGs go (default .)")
+    s.add_argument("--table-steps", type=int, default=20, help="rows of the BSP step table")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    f = sim.add_argument_group("calibrated prediction from a real run")
+    f.add_argument(
+        "--from",
+        dest="from_run",
+        default=None,
+        metavar="RUN_DIR",
+        help="predict this run from its telemetry",
+    )
+    f.add_argument("--remove-straggler", action="store_true", help="what-if: slowest rank fixed")
+    f.add_argument("--compression-ratio", type=float, default=1.0, help="what-if: bytes / R")
+    f.add_argument("--warmup", type=int, default=2, help="steps of the run to skip (default 2)")
+    sim.set_defaults(func=cmd_simulate)
+
+    bench = subparsers.add_parser("bench", help="measure collectives on the live backend")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    bsub.required = True
+    ar = bsub.add_parser("allreduce", help="all-reduce time, algbw, busbw; fit alpha and beta")
+    ar.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    ar.add_argument(
+        "--sizes",
+        default=None,
+        help="bytes, comma-separated; K/M suffixes ok (default 4K..64M in x4 steps)",
+    )
+    ar.add_argument("--repeats", type=int, default=20, help="timed repeats per size (default 20)")
+    ar.add_argument("--out", default="allreduce_calibration.json", help="where the fit goes")
+    ar.add_argument("--json", action="store_true", help="machine-readable output")
+    ar.set_defaults(func=cmd_bench_allreduce)
+
+
+def parse_floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} needs comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise UsageError(f"{flag} needs at least one number, got {text!r}")
+    return values
+
+
+def parse_pair(text: str, flag: str) -> tuple[float, float]:
+    head, sep, tail = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return float(head), float(tail)
+    except ValueError:
+        raise UsageError(f"{flag} needs A:B (e.g. 3:2.0), got {text!r}") from None
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise UsageError(f"bad size {text!r}: use bytes or a K/M/G suffix, e.g. 64K") from None
+
+
+def compute_model(args: argparse.Namespace) -> ComputeModel:
+    base = parse_floats(args.compute, "--compute")
+    workers = args.workers or (len(base) if len(base) > 1 else 4)
+    if len(base) > 1 and len(base) != workers and not args.sweep_workers:
+        raise UsageError(
+            f"--compute has {len(base)} values but --workers is {workers}; "
+            "give one value per worker or a single value"
+        )
+    stragglers = tuple(
+        (int(r), f) for r, f in (parse_pair(s, "--straggler") for s in args.straggler)
+    )
+    prob, factor = parse_pair(args.transient, "--transient") if args.transient else (0.0, 1.0)
+    return ComputeModel(
+        workers=workers,
+        steps=args.steps,
+        base_ms=tuple(base),
+        jitter_ms=args.jitter,
+        stragglers=stragglers,
+        transient_prob=prob,
+        transient_factor=factor,
+        seed=args.seed,
+    )
+
+
+def link_from_args(args: argparse.Namespace) -> AlphaBeta | None:
+    given = [args.alpha_us, args.link_gbps, args.algorithm]
+    if args.calibration:
+        from gradsync.sim.calibrate import load_calibration
+
+        link = load_calibration(args.calibration)
+        if args.algorithm:
+            link = AlphaBeta(alpha=link.alpha, beta=link.beta, algorithm=args.algorithm)
+        return link
+    if args.message_mb is None and all(v is None for v in given):
+        return None
+    gbps = 10.0 if args.link_gbps is None else args.link_gbps
+    if gbps <= 0:
+        raise UsageError(f"--link-gbps must be > 0, got {gbps}")
+    alpha_us = 20.0 if args.alpha_us is None else args.alpha_us
+    return AlphaBeta(
+        alpha=alpha_us * 1e-6, beta=8.0 / (gbps * 1e9), algorithm=args.algorithm or "ring"
+    )
+
+
+def comm_model(args: argparse.Namespace) -> CommModel:
+    link = link_from_args(args)
+    if link is None:
+        return CommModel(comm_ms=0.0 if args.comm_ms is None else args.comm_ms)
+    if args.comm_ms is not None:
+        raise UsageError(
+            "--comm-ms is a fixed cost; it cannot be combined with the alpha-beta "
+            "flags (--message-mb, --alpha-us, --link-gbps, --algorithm, "
+            "--calibration)"
+        )
+    if args.message_mb is None or args.message_mb < 0:
+        raise UsageError("the alpha-beta model needs --message-mb (gradient size in MiB, >= 0)")
+    return CommModel(link=link, nbytes=args.message_mb * 2**20)
+
+
+def overlap_from_args(args: argparse.Namespace) -> Overlap:
+    return Overlap(backward_frac=args.backward_frac, buckets=args.buckets)
+
+
+def emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
+    if args.json:
+        json.dump(_jsonable(doc), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(text)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from gradsync.sim import commands
+
+    if args.table_steps < 0:
+        raise UsageError(f"--table-steps must be >= 0, got {args.table_steps}")
+    if args.from_run:
+        return commands.from_run(args)
+    if args.sweep_staleness or args.sweep_workers:
+        return commands.sweeps(args)
+    parse_strategy(args.strategy)
+    return commands.single(args)
+
+
+def cmd_bench_allreduce(args: argparse.Namespace) -> int:
+    from gradsync.runtime import default_backend
+    from gradsync.sim.bench import DEFAULT_SIZES, BenchConfig, format_table, run_bench
+    from gradsync.sim.calibrate import save_calibration
+
+    sizes = tuple(parse_size(s) for s in args.sizes.split(",")) if args.sizes else DEFAULT_SIZES
+    cfg = BenchConfig(nproc=args.nproc, sizes=sizes, repeats=args.repeats)
+    backend = default_backend()
+    rows, fit = run_bench(cfg)
+    measurements = [
+        {"bytes": r.nbytes, "time_s": r.time_s, "algbw": r.algbw, "busbw": r.busbw} for r in rows
+    ]
+    save_calibration(args.out, fit, {"backend": backend, "measurements": measurements})
+    gbit = 8 / fit.beta / 1e9 if fit.beta > 0 else math.inf
+    text = "\n".join(
+        [
+            format_table(rows, cfg.nproc, backend),
+            "",
+            f"fit (ring all-reduce, {cfg.nproc} ranks): alpha = {fit.alpha * 1e6:.1f} us, "
+            f"beta = {fit.beta * 1e9:.4f} ns/byte ({gbit:.2f} Gbit/s link), "
+            f"worst relative error {fit.max_rel_error:.1%}",
+            f"saved to {Path(args.out)}",
+        ]
+    )
+    doc = {
+        "backend": backend,
+        "nproc": cfg.nproc,
+        "measurements": measurements,
+        "alpha_s": fit.alpha,
+        "beta_s_per_byte": fit.beta,
+        "max_rel_error": fit.max_rel_error,
+        "saved": str(args.out),
+    }
+    emit(args, doc, text)
+    return 0

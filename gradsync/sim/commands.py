@@ -1,0 +1,195 @@
+"""The three modes of ``gradsync simulate``: one run, sweeps, and prediction from a real run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UsageError
+from gradsync.sim import report
+from gradsync.sim.cli import comm_model, compute_model, emit, link_from_args, overlap_from_args
+from gradsync.sim.config import Strategy, parse_strategy
+from gradsync.sim.simulate import overlap_summary, simulate
+
+
+def single(args: argparse.Namespace) -> int:
+    model, comm = compute_model(args), comm_model(args)
+    strategy = parse_strategy(args.strategy)
+    compute = model.draw()
+    mean_base = float(model.base().mean())
+    if args.overlap:
+        ov = overlap_from_args(args)
+        summary = overlap_summary(mean_base, comm, model.workers, ov)
+        plain = report.bsp_summary(simulate("bsp", compute, comm), mean_base)
+        over = report.bsp_summary(simulate(strategy, compute, comm, overlap=ov), mean_base)
+        doc: dict[str, Any] = {"overlap": summary, "bsp": plain, "bsp_overlap": over}
+        text = "\n".join(
+            [
+                report.format_overlap(summary),
+                "",
+                f"simulated {model.workers} workers x {model.steps} steps: wall-clock "
+                f"{plain['wall_ms']:.2f} ms without overlap, {over['wall_ms']:.2f} ms with "
+                f"({1 - over['wall_ms'] / plain['wall_ms']:.1%} saved)"
+                if plain["wall_ms"] > 0
+                else "",
+            ]
+        )
+        emit(args, doc, text)
+        return 0
+    res = simulate(strategy, compute, comm)
+    if strategy.kind == "bsp":
+        summary = report.bsp_summary(res, mean_base)
+        doc = {**summary, "per_step": report.bsp_steps(res)}
+        emit(args, doc, report.format_bsp(res, summary, args.table_steps))
+    else:
+        summary = report.free_summary(res)
+        emit(args, summary, report.format_free(summary))
+    return 0
+
+
+def _parse_staleness(text: str) -> list[float]:
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item == "inf":
+            out.append(math.inf)
+            continue
+        try:
+            out.append(float(int(item)))
+        except ValueError:
+            raise UsageError(
+                f"--sweep-staleness takes integers >= 0 or inf, got {item!r}"
+            ) from None
+    return out
+
+
+def sweeps(args: argparse.Namespace) -> int:
+    doc: dict[str, Any] = {}
+    texts: list[str] = []
+    plot_dir = Path(args.plot_dir)
+    base = compute_model(args)
+    comm = comm_model(args)
+    if args.sweep_staleness:
+        from gradsync.sim.plots import plot_staleness
+
+        compute = base.draw()
+        rows: list[list[Any]] = []
+        for bound in _parse_staleness(args.sweep_staleness):
+            res = simulate(Strategy(kind="ssp", param=bound), compute, comm)
+            label = "inf" if math.isinf(bound) else str(int(bound))
+            rows.append(
+                [
+                    label,
+                    res.wall_ms,
+                    float(res.idle_ms.sum()),
+                    float(res.staleness.mean()),
+                    int(res.staleness.max()),
+                ]
+            )
+        png = plot_staleness(
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            plot_dir / "sim_staleness.png",
+        )
+        header = ["S", "wall_ms", "total_idle_ms", "mean_staleness", "max_staleness"]
+        doc["staleness_sweep"] = [dict(zip(header, r, strict=True)) for r in rows]
+        doc["staleness_plot"] = str(png)
+        texts += [report.format_rows(header, rows), f"plot: {png}", ""]
+    if args.sweep_workers:
+        from gradsync.sim.plots import plot_scaling
+
+        try:
+            counts = [int(x) for x in args.sweep_workers.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(
+                f"--sweep-workers takes integers, got {args.sweep_workers!r}"
+            ) from None
+        if not counts or min(counts) < 1:
+            raise UsageError(f"--sweep-workers needs counts >= 1, got {args.sweep_workers!r}")
+        strategies = [parse_strategy(s) for s in args.strategies.split(",") if s.strip()]
+        eff: dict[str, list[float]] = {s.spec: [] for s in strategies}
+        wall: dict[str, list[float]] = {s.spec: [] for s in strategies}
+        for n in counts:
+            compute = base.with_workers(n).draw()
+            for s in strategies:
+                res = simulate(s, compute, comm)
+                eff[s.spec].append(res.efficiency)
+                wall[s.spec].append(res.wall_ms)
+        png = plot_scaling(counts, eff, plot_dir / "sim_scaling.png")
+        rows = [[n] + [eff[s][i] for s in eff] for i, n in enumerate(counts)]
+        texts += [
+            "scaling efficiency (share of worker-time spent computing)",
+            report.format_rows(["workers", *eff], rows),
+            f"plot: {png}",
+        ]
+        doc["workers_sweep"] = {
+            "workers": counts,
+            "efficiency": eff,
+            "wall_ms": wall,
+            "exchange_ms": [comm.exchange_ms(n) for n in counts],
+        }
+        doc["scaling_plot"] = str(png)
+    emit(args, doc, "\n".join(texts).rstrip())
+    return 0
+
+
+def from_run(args: argparse.Namespace) -> int:
+    from gradsync.sim.calibrate import WhatIf, load_profile, predict
+
+    profile = load_profile(args.from_run, warmup=args.warmup)
+    link = link_from_args(args)
+    base = predict(profile, link, seed=args.seed)
+    what_if = WhatIf(
+        workers=args.workers,
+        strategy=args.strategy if args.strategy != "bsp" else None,
+        remove_straggler=args.remove_straggler,
+        compression_ratio=args.compression_ratio,
+    )
+    changed = what_if.describe() != "as run"
+    alt = predict(profile, link, what_if, seed=args.seed) if changed else None
+    doc: dict[str, Any] = {
+        "run": str(args.from_run),
+        "nproc": profile.nproc,
+        "bytes_per_step": profile.bytes_per_step,
+        "comm_source": "alpha-beta" if link else "run telemetry (no --calibration)",
+        "measured": {
+            "median_step_ms": profile.measured_step_ms,
+            "barrier_tax": profile.measured_barrier_tax,
+        },
+        "predicted": {
+            "median_step_ms": base.step_ms,
+            "barrier_tax": base.barrier_tax,
+            "comm_ms": base.comm_ms,
+        },
+        "slowest_rank": profile.slowest_rank(),
+    }
+    err = base.step_ms / profile.measured_step_ms - 1 if profile.measured_step_ms > 0 else 0.0
+    lines = [
+        f"run {args.from_run}: {profile.nproc} ranks, {profile.strategy}, "
+        f"{profile.bytes_per_step / 2**20:.2f} MiB per step, comm from {doc['comm_source']}",
+        f"{'':24}{'measured':>10}{'predicted':>11}",
+        f"{'median step (ms)':24}{profile.measured_step_ms:>10.2f}{base.step_ms:>11.2f}"
+        f"   ({err:+.1%})",
+        f"{'barrier tax':24}{profile.measured_barrier_tax:>10.1%}{base.barrier_tax:>11.1%}",
+    ]
+    if alt is not None:
+        doc["what_if"] = {
+            "change": alt.what_if,
+            "median_step_ms": alt.step_ms,
+            "barrier_tax": alt.barrier_tax,
+            "comm_ms": alt.comm_ms,
+        }
+        delta = alt.step_ms / base.step_ms - 1 if base.step_ms > 0 else 0.0
+        lines += [
+            "",
+            f"what if ({alt.what_if}):",
+            f"{'median step (ms)':24}{'':>10}{alt.step_ms:>11.2f}   ({delta:+.1%} vs as run)",
+            f"{'barrier tax':24}{'':>10}{alt.barrier_tax:>11.1%}",
+        ]
+        if args.remove_straggler:
+            lines.append(f"(rank {profile.slowest_rank()} had the highest median compute)")
+    emit(args, doc, "\n".join(lines))
+    return 0

@@ -1,0 +1,159 @@
+"""Inputs of a simulation: the strategy spec, the compute model and the communication model.
+
+Times in the simulator are milliseconds (what users type and read); the alpha-beta model in
+``gradsync.sim.model`` is in SI seconds and bytes, converted once in ``CommModel``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from gradsync.errors import UsageError
+from gradsync.sim.model import AlphaBeta
+
+STRATEGY_FORMS = "bsp, ssp:S (S an integer >= 0 or inf), async, local:H, diloco:H (H >= 1)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Strategy:
+    """A parsed spec string. ``param`` is S for ssp (``math.inf`` allowed), H for local/diloco."""
+
+    kind: str
+    param: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("bsp", "ssp", "async", "local", "diloco"):
+            raise UsageError(f"unknown strategy {self.kind!r}; valid: {STRATEGY_FORMS}")
+        if self.kind in ("local", "diloco") and (self.param < 1 or self.param != int(self.param)):
+            raise UsageError(
+                f"{self.kind}:H needs H >= 1, got {self.param}; valid: {STRATEGY_FORMS}"
+            )
+        if self.kind == "ssp" and not (
+            math.isinf(self.param) or (self.param >= 0 and self.param == int(self.param))
+        ):
+            raise UsageError(f"ssp:S needs S >= 0, got {self.param}; valid: {STRATEGY_FORMS}")
+
+    @property
+    def spec(self) -> str:
+        if self.kind in ("bsp", "async"):
+            return self.kind
+        return f"{self.kind}:{'inf' if math.isinf(self.param) else int(self.param)}"
+
+
+def parse_strategy(text: str) -> Strategy:
+    """Parse ``bsp``, ``ssp:S``, ``async``, ``local:H`` or ``diloco:H``."""
+    name, _, arg = text.strip().lower().partition(":")
+    if name in ("bsp", "async"):
+        if arg:
+            raise UsageError(f"strategy {text!r} takes no parameter; valid: {STRATEGY_FORMS}")
+        return Strategy(kind=name)
+    if name in ("ssp", "local", "diloco"):
+        if not arg:
+            raise UsageError(f"strategy {text!r} needs a parameter; valid: {STRATEGY_FORMS}")
+        if name == "ssp" and arg == "inf":
+            return Strategy(kind="ssp", param=math.inf)
+        try:
+            value = int(arg)
+        except ValueError:
+            raise UsageError(f"bad parameter in {text!r}; valid: {STRATEGY_FORMS}") from None
+        return Strategy(kind=name, param=value)
+    raise UsageError(f"unknown strategy {text!r}; valid: {STRATEGY_FORMS}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ComputeModel:
+    """Per-worker compute time of every step, in milliseconds.
+
+    ``compute[t, w] = max(0, base[w] * straggler[w] + jitter) * (transient factor or 1)``.
+    Jitter comes from ``random.Random(seed)``, drawn step by step and worker by worker in
+    worker order with ``uniform(-jitter_ms, jitter_ms)``, so a run can be reproduced by hand;
+    transient slowdowns use ``numpy.random.default_rng(seed)`` so they never shift the jitter.
+    ``base_ms`` holds one value per worker, or one for all; it is cycled to fill ``workers``.
+    """
+
+    workers: int
+    steps: int
+    base_ms: tuple[float, ...]
+    jitter_ms: float = 0.0
+    stragglers: tuple[tuple[int, float], ...] = ()
+    transient_prob: float = 0.0
+    transient_factor: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise UsageError(f"--workers must be at least 1, got {self.workers}")
+        if self.steps < 1:
+            raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if not self.base_ms or any(not (b >= 0 and math.isfinite(b)) for b in self.base_ms):
+            raise UsageError(f"--compute needs finite times >= 0 ms, got {list(self.base_ms)}")
+        if self.jitter_ms < 0:
+            raise UsageError(f"--jitter must be >= 0 ms, got {self.jitter_ms}")
+        for rank, factor in self.stragglers:
+            if not 0 <= rank < self.workers:
+                raise UsageError(f"straggler rank {rank} is not in 0..{self.workers - 1}")
+            if factor <= 0:
+                raise UsageError(f"straggler factor must be > 0, got {factor}")
+        if not 0 <= self.transient_prob <= 1:
+            raise UsageError(f"transient probability must be in [0, 1], got {self.transient_prob}")
+        if self.transient_factor <= 0:
+            raise UsageError(f"transient factor must be > 0, got {self.transient_factor}")
+
+    def base(self) -> np.ndarray:
+        """Each worker's base compute in ms, with persistent stragglers applied."""
+        reps = -(-self.workers // len(self.base_ms))
+        base = np.tile(np.asarray(self.base_ms, dtype=float), reps)[: self.workers]
+        for rank, factor in self.stragglers:
+            base[rank] *= factor
+        return base
+
+    def with_workers(self, workers: int) -> ComputeModel:
+        """The same model at another scale; stragglers beyond the new world are dropped."""
+        kept = tuple((r, f) for r, f in self.stragglers if r < workers)
+        return replace(self, workers=workers, stragglers=kept)
+
+    def draw(self) -> np.ndarray:
+        """The ``(steps, workers)`` matrix of compute times in ms."""
+        shape = (self.steps, self.workers)
+        compute = np.broadcast_to(self.base(), shape).copy()
+        if self.jitter_ms > 0:
+            uniform, j = random.Random(self.seed).uniform, self.jitter_ms
+            draws = [uniform(-j, j) for _ in range(self.steps * self.workers)]
+            compute += np.asarray(draws).reshape(shape)
+            np.maximum(compute, 0.0, out=compute)
+        if self.transient_prob > 0 and self.transient_factor != 1:
+            hit = np.random.default_rng(self.seed).random(shape) < self.transient_prob
+            compute[hit] *= self.transient_factor
+        return compute
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommModel:
+    """Cost of one exchange (an all-reduce of the gradient or the parameters), in ms.
+
+    Either a fixed ``comm_ms``, or the alpha-beta cost of all-reducing ``nbytes`` on the
+    simulated number of workers, so that it grows with the world size.
+    """
+
+    comm_ms: float | None = None
+    link: AlphaBeta | None = None
+    nbytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.comm_ms is None) == (self.link is None):
+            raise UsageError("give either a fixed --comm-ms or an alpha-beta link, not both")
+        if self.comm_ms is not None and not (self.comm_ms >= 0 and math.isfinite(self.comm_ms)):
+            raise UsageError(f"--comm-ms must be a finite number >= 0, got {self.comm_ms}")
+        if self.nbytes < 0:
+            raise UsageError(f"message size must be >= 0 bytes, got {self.nbytes}")
+
+    def exchange_ms(self, workers: int, fraction: float = 1.0) -> float:
+        """One all-reduce of ``fraction`` of the message among ``workers`` ranks."""
+        if self.comm_ms is not None:
+            return self.comm_ms * fraction
+        assert self.link is not None
+        return 1000.0 * self.link.time("allreduce", workers, self.nbytes * fraction)

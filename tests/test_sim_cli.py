@@ -1,0 +1,229 @@
+"""``gradsync simulate`` and ``gradsync bench allreduce`` through their argparse handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradsync.errors import UsageError
+from gradsync.sim.cli import add_parsers
+from gradsync.telemetry.records import StepRecord, fill_idle, write_records
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    parser = argparse.ArgumentParser(prog="gradsync")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    return capsys.readouterr().out
+
+
+def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> Any:
+    return json.loads(run_cli([*argv, "--json"], capsys))
+
+
+def test_bsp_table_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(
+        ["simulate", "--compute", "20,22,21,38", "--comm-ms", "6", "--steps", "3"], capsys
+    )
+    assert doc["wall_ms"] == pytest.approx(3 * (38 + 6))
+    assert doc["barrier_idle_ms"] == pytest.approx(3 * 44 - 25.25 * 3 - 18)
+    assert doc["per_step"][0]["wait_ms"] == [18.0, 16.0, 17.0, 0.0]
+    assert doc["compute_share"][3] == pytest.approx(38 / 101)
+    text = run_cli(
+        ["simulate", "--compute", "20,22,21,38", "--comm-ms", "6", "--steps", "3"], capsys
+    )
+    assert "superstep" in text and "barrier idle injected" in text and "132.00 ms" in text
+
+
+def test_same_seed_same_output(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "simulate",
+        "--compute",
+        "20",
+        "--workers",
+        "5",
+        "--jitter",
+        "3",
+        "--seed",
+        "9",
+        "--strategy",
+        "ssp:2",
+    ]
+    first, second = run_json(argv, capsys), run_json(argv, capsys)
+    assert first == second
+    assert first["staleness"]["max"] <= 2
+    other = run_json([*argv[:-3], "10", "--strategy", "ssp:2"], capsys)
+    assert other["wall_ms"] != first["wall_ms"]
+
+
+def test_overlap_report(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(["simulate", "--compute", "200", "--comm-ms", "60", "--overlap"], capsys)
+    o = doc["overlap"]
+    assert o["naive_step_ms"] == 260.0
+    assert o["comm_share"] == pytest.approx(60 / 260)
+    assert o["best_overlapped_step_ms"] == pytest.approx(200.0)
+    assert doc["bsp_overlap"]["wall_ms"] < doc["bsp"]["wall_ms"]
+    text = run_cli(["simulate", "--compute", "200", "--comm-ms", "60", "--overlap"], capsys)
+    assert "best-case overlapped" in text and "23.1%" in text
+
+
+def test_sweeps_write_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(
+        [
+            "simulate",
+            "--compute",
+            "20",
+            "--jitter",
+            "4",
+            "--steps",
+            "50",
+            "--message-mb",
+            "50",
+            "--link-gbps",
+            "100",
+            "--sweep-staleness",
+            "0,1,4,inf",
+            "--sweep-workers",
+            "4,16,64",
+            "--strategies",
+            "bsp,async",
+            "--plot-dir",
+            str(tmp_path),
+        ],
+        capsys,
+    )
+    rows = doc["staleness_sweep"]
+    assert [r["S"] for r in rows] == ["0", "1", "4", "inf"]
+    assert rows[0]["wall_ms"] >= rows[-1]["wall_ms"]
+    eff = doc["workers_sweep"]["efficiency"]
+    assert set(eff) == {"bsp", "async"} and len(eff["bsp"]) == 3
+    assert eff["bsp"][0] > eff["bsp"][-1]  # all-reduce cost grows with the world
+    for name in ("sim_staleness.png", "sim_scaling.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--strategy", "gossip"], "valid"),
+        (["--compute", "20,30", "--workers", "3"], "one value per worker"),
+        (["--straggler", "7"], "RANK:FACTOR|A:B"),
+        (["--comm-ms", "5", "--message-mb", "10"], "cannot be combined"),
+        (["--alpha-us", "5"], "--message-mb"),
+        (["--sweep-staleness", "0,x"], "inf"),
+    ],
+)
+def test_bad_input_is_a_usage_error(
+    argv: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(UsageError, match=match):
+        run_cli(["simulate", *argv], capsys)
+
+
+def _fake_run(path: Path, slow_rank: int | None, steps: int = 40) -> Path:
+    """A 4-rank BSP run: 20 ms compute (40 ms on the straggler), 5 ms of comm."""
+    rng = random.Random(0)
+    records = []
+    for step in range(steps):
+        for rank in range(4):
+            compute = 0.020 * (2 if rank == slow_rank else 1) + rng.uniform(-0.001, 0.001)
+            records.append(
+                StepRecord(
+                    rank=rank,
+                    step=step,
+                    time=float(step),
+                    compute=compute,
+                    sync=0.0,
+                    idle=0.0,
+                    comm=0.0,
+                    samples=16,
+                    bytes=400_000,
+                )
+            )
+    records = fill_idle(records)
+    for r in records:
+        r.sync = r.idle + 0.005
+        r.comm = 0.005
+    path.mkdir()
+    write_records(path / "metrics.jsonl", records, append=False)
+    (path / "config.json").write_text(
+        json.dumps({"nproc": 4, "strategy": "bsp", "bucket_mb": 25.0})
+    )
+    return path
+
+
+def test_from_run_predicts_and_answers_what_if(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _fake_run(tmp_path / "slow", slow_rank=2)
+    doc = run_json(["simulate", "--from", str(run)], capsys)
+    assert doc["slowest_rank"] == 2
+    assert doc["predicted"]["median_step_ms"] == pytest.approx(
+        doc["measured"]["median_step_ms"], rel=0.05
+    )
+    assert doc["predicted"]["barrier_tax"] == pytest.approx(doc["measured"]["barrier_tax"], rel=0.1)
+    fixed = run_json(["simulate", "--from", str(run), "--remove-straggler"], capsys)
+    assert fixed["what_if"]["median_step_ms"] == pytest.approx(26.0, abs=1.5)
+    # A fitted link replaces the run's comm: with 1 GB/s, 400 KB cost 1.5 x 0.4 ms on 4 ranks.
+    cal = tmp_path / "cal.json"
+    cal.write_text(
+        json.dumps(
+            {
+                "kind": "gradsync.allreduce_calibration",
+                "alpha_s": 0.0,
+                "beta_s_per_byte": 1e-9,
+                "algorithm": "ring",
+            }
+        )
+    )
+    linked = run_json(
+        ["simulate", "--from", str(run), "--calibration", str(cal), "--compression-ratio", "4"],
+        capsys,
+    )
+    assert linked["predicted"]["comm_ms"] == pytest.approx(1.5 * 0.4)
+    assert linked["what_if"]["comm_ms"] == pytest.approx(1.5 * 0.1)
+
+
+def test_from_run_rejects_what_is_not_a_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        run_cli(["simulate", "--from", str(tmp_path)], capsys)
+    bad = tmp_path / "cal.json"
+    bad.write_text("{}")
+    run = _fake_run(tmp_path / "run", slow_rank=None)
+    with pytest.raises(UsageError, match="calibration"):
+        run_cli(["simulate", "--from", str(run), "--calibration", str(bad)], capsys)
+
+
+@pytest.mark.timeout(60)
+def test_bench_allreduce_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cal.json"
+    doc = run_json(
+        [
+            "bench",
+            "allreduce",
+            "--nproc",
+            "2",
+            "--sizes",
+            "4K,256K",
+            "--repeats",
+            "5",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
+    assert [m["bytes"] for m in doc["measurements"]] == [4096, 262144]
+    for m in doc["measurements"]:
+        assert m["time_s"] > 0
+        assert m["busbw"] == pytest.approx(m["algbw"])  # 2(n-1)/n = 1 for two ranks
+    saved = json.loads(out.read_text())
+    assert saved["kind"] == "gradsync.allreduce_calibration" and saved["nproc"] == 2
+    assert {"alpha_s", "beta_s_per_byte"} <= set(saved)
