@@ -1,0 +1,113 @@
+"""Helpers shared by the compressors: byte packing, per-step seeds, and the all-gather exchange.
+
+Compressors whose payloads cannot be summed on the wire (int8 with per-rank scales, sign bits,
+top-k values with their indices) all-gather one byte payload per rank and decode every rank's
+payload in rank order. Decoding in the same order on every rank is what makes the mean bitwise
+identical across ranks, whatever the reduction order of the transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.compression.base import BucketLike
+
+_MASK64 = (1 << 64) - 1
+
+#: ``decode(payload, out)`` adds one rank's decoded contribution into ``out`` (flat, accumulator
+#: dtype). Adding rather than returning lets the all-gather path avoid one dense tensor per rank.
+Decode = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (base seed, bucket index, step, ...), splitmix64-style.
+
+    Python's ``hash`` is salted per process for some types, so it cannot be shared by ranks.
+    """
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = (h ^ (part & _MASK64)) & _MASK64
+        h = (h * 0xBF58476D1CE4E5B9) & _MASK64
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 29
+    return h & ((1 << 63) - 1)
+
+
+def generator(seed: int, device: torch.device) -> torch.Generator:
+    # A private generator: the user's global torch RNG stream is never touched.
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Decode and sum in at least fp32, so an fp16 buffer does not lose the sum."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def pack(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate tensors as raw bytes into one uint8 tensor: one collective, not several."""
+    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+
+
+def unpack(payload: torch.Tensor, layout: Sequence[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """Split a uint8 payload back into ``(dtype, numel)`` pieces, in the order they were packed."""
+    out, offset = [], 0
+    for dtype, numel in layout:
+        size = torch.empty((), dtype=dtype).element_size()
+        piece = payload[offset : offset + numel * size]
+        if (piece.storage_offset() % size) != 0:
+            # view(dtype) needs an aligned start; copying costs O(piece) and only hits odd layouts.
+            piece = piece.clone()
+        out.append(piece.view(dtype))
+        offset += numel * size
+    return out
+
+
+def record_sent(state: Any, index: int, contribution: torch.Tensor) -> None:
+    """Keep this rank's decoded contribution when an error-feedback wrapper asked for it.
+
+    ``state.sent`` is None unless a wrapper enabled it; the wrapper pops the entry once the
+    exchange completes. The mean over ranks of the contributions is the hook's result.
+    """
+    sent = getattr(state, "sent", None)
+    if sent is not None:
+        sent[index] = contribution
+
+
+def all_gather_mean(
+    state: Any, bucket: BucketLike, payload: torch.Tensor, decode: Decode
+) -> torch.futures.Future[torch.Tensor]:
+    """All-gather ``payload`` (async), decode every rank's in rank order, return the mean.
+
+    One collective; the decode runs in the future's callback, so buckets still overlap.
+    """
+    buf = bucket.buffer()
+    world, _ = world_and_rank(state.group)
+    acc = accumulator_dtype(buf.dtype)
+    state.bytes_sent += payload.numel() * payload.element_size()
+    if getattr(state, "sent", None) is not None:
+        mine = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
+        decode(payload, mine)
+        record_sent(state, bucket.index(), mine)
+    gathered = [torch.empty_like(payload) for _ in range(world)]
+    work = dist.all_gather(gathered, payload, group=state.group, async_op=True)
+    assert work is not None
+
+    def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        fut.wait()
+        total = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
+        for part in gathered:
+            decode(part, total)
+        return total.div_(world).to(buf.dtype).view_as(buf)
+
+    return work.get_future().then(finish)

@@ -1,0 +1,113 @@
+"""``int8``: per-chunk scaled 8-bit quantization with stochastic rounding, exchanged by all-gather.
+
+Each chunk of ``chunk`` elements (default 1024) gets the scale ``s = max|x| / 127``; an element
+becomes ``q = floor(x / s + u)`` with ``u ~ U[0, 1)``, so ``E[q * s] = x``: the estimate is
+unbiased and its error per element is below one step ``s`` (variance at most ``s**2 / 4``).
+
+The exchange is an all-gather of every rank's int8 payload plus its fp32 scales, decoded in rank
+order. We chose it over an integer all-reduce with a shared scale because (a) an int8 sum of W
+values overflows unless each rank keeps only ``127 / W`` levels (at 8 ranks, 4 bits of
+precision), and widening to int16/int32 on the wire gives back most of the saving; (b) a shared
+scale costs an extra max all-reduce round trip before the payload can leave; (c) per-rank scales
+keep each rank's precision when one rank's gradient is much larger. The price: each rank
+*receives* ``(W - 1) * n`` bytes, against about ``2 * 4n`` for an fp32 ring all-reduce, so int8
+saves traffic up to about 8 ranks and is meant for few workers on slow links.
+
+Bytes this rank hands to the collective: ``n + 4 * ceil(n / chunk)``.
+Randomness: a private generator seeded from ``(seed, rank, bucket index, step)``, so runs are
+reproducible, ranks round independently (their errors average out) and the user's RNG is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gradsync.compression._wire import (
+    all_gather_mean,
+    derive_seed,
+    generator,
+    pack,
+    unpack,
+    world_and_rank,
+)
+from gradsync.compression.base import BucketLike, Compressor
+
+DEFAULT_CHUNK = 1024
+
+
+@dataclass(slots=True)
+class Int8State:
+    group: dist.ProcessGroup | None = None
+    bytes_sent: int = 0
+    seed: int = 0
+    chunk: int = DEFAULT_CHUNK
+    #: calls per bucket index: the step part of the rounding seed.
+    steps: dict[int, int] = field(default_factory=dict)
+    sent: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "chunk": self.chunk, "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+        self.chunk = int(state["chunk"])
+        self.steps = {int(k): int(v) for k, v in state["steps"].items()}
+
+
+def quantize(
+    x: torch.Tensor, chunk: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat ``x`` -> (fp32 scale per chunk, one int8 code per element)."""
+    pad = (-x.numel()) % chunk
+    rows = F.pad(x.reshape(-1).float(), (0, pad)).view(-1, chunk)
+    scale = rows.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    noise = torch.rand(rows.shape, generator=gen, device=rows.device, dtype=rows.dtype)
+    # The clamp only bites when fp rounding pushes |x/s| a hair past 127 (bias ~1e-7 * s).
+    codes = torch.floor(rows / safe[:, None] + noise).clamp_(-127, 127).to(torch.int8)
+    return scale, codes.view(-1)[: x.numel()]
+
+
+def dequantize(scale: torch.Tensor, codes: torch.Tensor, chunk: int) -> torch.Tensor:
+    pad = scale.numel() * chunk - codes.numel()
+    rows = F.pad(codes.float(), (0, pad)).view(-1, chunk) * scale[:, None]
+    return rows.view(-1)[: codes.numel()]
+
+
+def int8_hook(state: Int8State, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
+    """Mean over ranks via an async all-gather of int8 codes plus scales (one collective)."""
+    buf = bucket.buffer()
+    index = bucket.index()
+    _, rank = world_and_rank(state.group)
+    step = state.steps.get(index, 0)
+    state.steps[index] = step + 1
+    gen = generator(derive_seed(state.seed, rank, index, step), buf.device)
+    scale, codes = quantize(buf, state.chunk, gen)
+    n_chunks, numel, chunk = scale.numel(), buf.numel(), state.chunk
+
+    def decode(payload: torch.Tensor, out: torch.Tensor) -> None:
+        s, q = unpack(payload, [(torch.float32, n_chunks), (torch.int8, numel)])
+        out.add_(dequantize(s, q, chunk).to(out.dtype))
+
+    # Scales first: they stay 4-byte aligned inside the packed payload.
+    return all_gather_mean(state, bucket, pack([scale, codes]), decode)
+
+
+def int8(chunk: int = DEFAULT_CHUNK, seed: int = 0) -> Compressor:
+    """The ``int8`` compressor; ``chunk`` elements share one scale."""
+    if chunk < 1:
+        raise ValueError(f"int8 chunk must be >= 1, got {chunk}")
+
+    # partial, not a closure, so a Compressor pickles into spawned workers.
+    return Compressor(
+        spec="int8",
+        make_state=functools.partial(Int8State, seed=seed, chunk=chunk),
+        hook=int8_hook,
+        nominal_ratio=(1.0 + 4.0 / chunk) / 4.0,
+    )

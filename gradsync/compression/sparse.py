@@ -1,0 +1,149 @@
+"""Sparsifiers: ``topk:F`` and ``randomk:F`` keep ``k = ceil(F * n)`` of a bucket's n elements.
+
+``topk`` keeps the k largest magnitudes. Ranks pick different indices, so the values cannot be
+summed on the wire: each rank all-gathers its int32 indices plus values (k is the same on every
+rank, so no size exchange is needed) and every rank scatters all payloads in rank order. It is
+biased (small coordinates never move on their own), so ``parse_compression`` wraps it in error
+feedback. Bytes this rank hands to the collective: ``k * (4 + element size)``, 8k for fp32.
+
+``randomk`` keeps a uniformly random k-subset drawn from a generator seeded by
+``(seed, bucket index, step)``: the same on every rank, so the k values are all-reduced like a
+dense tensor. Each kept value is scaled by ``n / k`` (each coordinate is kept with probability
+``k / n``), which makes the estimate unbiased; its variance per coordinate is ``x**2 (n/k - 1)``.
+Bytes: ``k * element size``. The index draw uses a generator on the buffer's device, so every
+rank must hold its buffer on the same device type.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.compression._wire import (
+    accumulator_dtype,
+    all_gather_mean,
+    derive_seed,
+    generator,
+    pack,
+    record_sent,
+    unpack,
+    world_and_rank,
+)
+from gradsync.compression.base import BucketLike, Compressor
+
+
+def kept(fraction: float, numel: int) -> int:
+    """How many of ``numel`` elements a fraction keeps: at least one, at most all."""
+    return min(numel, max(1, math.ceil(fraction * numel)))
+
+
+def check_fraction(name: str, fraction: float) -> None:
+    if not (0.0 < fraction <= 1.0) or math.isnan(fraction):
+        raise ValueError(f"{name} fraction must be in (0, 1], got {fraction}")
+
+
+@dataclass(slots=True)
+class TopKState:
+    group: dist.ProcessGroup | None = None
+    bytes_sent: int = 0
+    fraction: float = 0.01
+    sent: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fraction": self.fraction}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.fraction = float(state["fraction"])
+
+
+def topk_hook(state: TopKState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
+    """Mean over ranks of each rank's top-k, via one async all-gather of indices plus values."""
+    buf = bucket.buffer()
+    flat = buf.reshape(-1)
+    k = kept(state.fraction, flat.numel())
+    # sorted=False: order is irrelevant to the scatter and skips an O(k log k) sort.
+    index = flat.abs().topk(k, sorted=False).indices
+    values = flat[index]
+
+    def decode(payload: torch.Tensor, out: torch.Tensor) -> None:
+        idx, val = unpack(payload, [(torch.int32, k), (values.dtype, k)])
+        # One rank's indices are distinct, so index_add_ has no colliding (racy) adds on GPU.
+        out.index_add_(0, idx.long(), val.to(out.dtype))
+
+    # Indices first: int32 at offset 0 is aligned; values follow at 4k, aligned for <= 4 bytes.
+    return all_gather_mean(state, bucket, pack([index.to(torch.int32), values]), decode)
+
+
+@dataclass(slots=True)
+class RandomKState:
+    group: dist.ProcessGroup | None = None
+    bytes_sent: int = 0
+    fraction: float = 0.01
+    seed: int = 0
+    #: calls per bucket index: the step part of the index seed, equal on all ranks.
+    steps: dict[int, int] = field(default_factory=dict)
+    sent: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fraction": self.fraction, "seed": self.seed, "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.fraction = float(state["fraction"])
+        self.seed = int(state["seed"])
+        self.steps = {int(k): int(v) for k, v in state["steps"].items()}
+
+
+def randomk_hook(state: RandomKState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
+    """Mean over ranks of an unbiased random-k estimate, via one async all-reduce of k values."""
+    buf = bucket.buffer()
+    flat = buf.reshape(-1)
+    n, index_key = flat.numel(), bucket.index()
+    k = kept(state.fraction, n)
+    step = state.steps.get(index_key, 0)
+    state.steps[index_key] = step + 1
+    world, _ = world_and_rank(state.group)
+    gen = generator(derive_seed(state.seed, index_key, step), flat.device)
+    chosen = torch.randperm(n, generator=gen, device=flat.device)[:k]
+    acc = accumulator_dtype(buf.dtype)
+    values = flat[chosen].to(acc).mul_(n / k)
+    state.bytes_sent += values.numel() * values.element_size()
+    if state.sent is not None:
+        mine = torch.zeros(n, dtype=acc, device=flat.device)
+        mine[chosen] = values
+        record_sent(state, index_key, mine)
+    work = dist.all_reduce(values, group=state.group, async_op=True)
+    assert work is not None
+
+    def scatter(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = torch.zeros(n, dtype=acc, device=flat.device)
+        out[chosen] = fut.value()[0].div_(world)
+        return out.to(buf.dtype).view_as(buf)
+
+    return work.get_future().then(scatter)
+
+
+def topk(fraction: float) -> Compressor:
+    """Top-k without error feedback (``parse_compression("topk:F")`` adds it)."""
+    check_fraction("topk", fraction)
+    return Compressor(
+        spec=f"topk:{fraction}",
+        make_state=functools.partial(TopKState, fraction=fraction),
+        hook=topk_hook,
+        nominal_ratio=min(1.0, fraction) * 2.0,
+    )
+
+
+def randomk(fraction: float, seed: int = 0) -> Compressor:
+    """Unbiased random-k; identical indices on every rank for a given step and bucket."""
+    check_fraction("randomk", fraction)
+    return Compressor(
+        spec=f"randomk:{fraction}",
+        make_state=functools.partial(RandomKState, fraction=fraction, seed=seed),
+        hook=randomk_hook,
+        nominal_ratio=fraction,
+    )
