@@ -42,6 +42,19 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow", default=None, help="inject a straggler: RANK:FACTOR[@STEP]")
     p.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout, seconds")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line")
+    p.add_argument(
+        "--servers", type=int, default=d.servers, help="parameter servers for ssp:S and async"
+    )
+    p.add_argument(
+        "--straggler-window", type=int, default=d.straggler_window, help="steps per score window"
+    )
+    p.add_argument(
+        "--straggler-threshold",
+        type=float,
+        default=d.straggler_threshold,
+        help="flag a rank whose relative score falls below this",
+    )
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip PNG plots")
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
@@ -55,7 +68,6 @@ def _config_from_args(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gradsync.launch import launch
-    from gradsync.telemetry.report import RunReport
     from gradsync.worker import run_worker
 
     cfg = _config_from_args(args)
@@ -63,19 +75,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     cfg.save(run_dir)
+    servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
     print(
-        f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {cfg.nproc} ranks, "
-        f"{cfg.steps} steps, batch {cfg.batch_size}/rank -> {run_dir}",
+        f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {cfg.nproc} workers{servers}, "
+        f"{cfg.steps} steps, batch {cfg.batch_size}/worker -> {run_dir}",
         file=sys.stderr,
     )
-    results = launch(run_worker, (cfg.to_dict(),), nproc=cfg.nproc, threads=cfg.threads)
+    results = launch(run_worker, (cfg.to_dict(),), nproc=cfg.processes, threads=cfg.threads)
     if results.get(0) is None:
         raise RuntimeError("rank 0 returned no report")
-    from gradsync.telemetry.records import read_records
+    from gradsync.telemetry.cli import summarize_run
 
-    report = RunReport.from_records(read_records(run_dir))
-    print(report.format())
-    print(f"run directory: {run_dir}")
+    print(
+        summarize_run(
+            run_dir,
+            window=cfg.straggler_window,
+            threshold=cfg.straggler_threshold,
+            plots=cfg.plots,
+        )
+    )
     return 0
 
 

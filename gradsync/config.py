@@ -10,7 +10,7 @@ from typing import Any
 
 from gradsync.errors import UsageError
 from gradsync.inject import parse_slow
-from gradsync.strategies.base import parse_strategy
+from gradsync.strategies.base import parse_strategy, uses_servers
 from gradsync.workloads import WORKLOADS
 
 
@@ -38,6 +38,10 @@ class RunConfig:
     timeout: float = 300.0
     telemetry_every: int = 10
     progress: bool = True
+    servers: int = 1
+    straggler_window: int = 20
+    straggler_threshold: float = 0.75
+    plots: bool = True
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -62,12 +66,23 @@ class RunConfig:
             raise UsageError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.data is not None and not Path(self.data).is_file():
             raise UsageError(f"--data file {self.data!r} does not exist or is not a file")
+        if self.servers < 1:
+            raise UsageError(f"--servers must be at least 1, got {self.servers}")
         for s in parse_slow(self.slow):
             if s.rank >= self.nproc:
                 raise UsageError(
                     f"--slow names rank {s.rank}, but ranks are 0..{self.nproc - 1} "
                     f"with --nproc {self.nproc}"
                 )
+
+    @property
+    def uses_servers(self) -> bool:
+        return uses_servers(self.strategy)
+
+    @property
+    def processes(self) -> int:
+        """Processes to launch: the workers, plus the servers of ssp/async (the last ranks)."""
+        return self.nproc + (self.servers if self.uses_servers else 0)
 
     @property
     def global_batch(self) -> int:

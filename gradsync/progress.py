@@ -37,6 +37,13 @@ class Progress:
             self.stream.flush()
             self._last_line_at = now
 
+    def interrupt(self, message: str) -> None:
+        """Print a line of its own (a warning) without garbling the progress line."""
+        if self.interactive and self.enabled:
+            self.stream.write("\n")
+        self.stream.write(message + "\n")
+        self.stream.flush()
+
     def close(self) -> None:
         if self.enabled and self.interactive:
             self.stream.write("\n")

@@ -13,12 +13,49 @@ from gradsync.config import RunConfig
 from gradsync.progress import Progress
 from gradsync.synchronizer import Synchronizer
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, write_records
+from gradsync.telemetry.stragglers import StragglerConfig, StragglerDetector
 from gradsync.workloads import make_workload
+
+
+class _Rank0Sink:
+    """Receives every gathered batch of records on rank 0: writes metrics.jsonl, updates the
+    progress line and warns once per straggler episode."""
+
+    def __init__(self, cfg: RunConfig, progress: Progress, world: int) -> None:
+        self.path = Path(cfg.out) / METRICS_FILE
+        self.progress = progress
+        self.detector = StragglerDetector(
+            StragglerConfig(window=cfg.straggler_window, threshold=cfg.straggler_threshold),
+            world_size=world,
+        )
+        self.samples = 0
+        self.idle = 0.0
+        self.wall = 0.0
+        self.first: float | None = None
+
+    def __call__(self, new: list[StepRecord]) -> None:
+        write_records(self.path, new)
+        self.samples += sum(r.samples for r in new)
+        self.idle += sum(r.idle for r in new)
+        self.wall += sum(r.compute + r.sync for r in new)
+        start = min(r.time for r in new)
+        self.first = start if self.first is None else min(self.first, start)
+        last = max(r.step for r in new)
+        losses = [r.loss for r in new if r.step == last and r.loss is not None]
+        elapsed = max(r.time + r.compute + r.sync for r in new) - self.first
+        self.progress.update(
+            last + 1,
+            sum(losses) / len(losses) if losses else None,
+            self.samples / elapsed if elapsed > 0 else 0.0,
+            self.idle / self.wall if self.wall > 0 else 0.0,
+        )
+        for finding in self.detector.update(new):
+            self.progress.interrupt(f"gradsync: straggler: {finding.describe()}")
 
 
 def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     """Train ``config.steps`` steps; rank 0 writes metrics.jsonl and report.json and returns the
-    report as a dict (other ranks return None)."""
+    report as a dict (other ranks return None). Parameter-server ranks serve instead."""
     cfg = RunConfig.from_dict(config_dict)
     torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
     runtime.init(timeout_s=cfg.timeout)
@@ -27,29 +64,9 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     workload = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)
     model = workload.build_model().to(runtime.device())
     optimizer = workload.make_optimizer(model, cfg.lr or workload.default_lr)
-    metrics_path = run_dir / METRICS_FILE
     progress = Progress(cfg.steps, enabled=cfg.progress and rank == 0)
-    seen: list[StepRecord] = []
-
-    def on_records(new: list[StepRecord]) -> None:
-        if rank != 0:
-            return
-        write_records(metrics_path, new)
-        seen.extend(new)
-        last = max(r.step for r in new)
-        latest = [r for r in new if r.step == last]
-        losses = [r.loss for r in latest if r.loss is not None]
-        wall = max(r.time + r.compute + r.sync for r in new) - min(r.time for r in seen)
-        samples = sum(r.samples for r in seen)
-        idle = sum(r.idle for r in seen)
-        total = sum(r.compute + r.sync for r in seen)
-        progress.update(
-            last + 1,
-            sum(losses) / len(losses) if losses else None,
-            samples / wall if wall > 0 else 0.0,
-            idle / total if total > 0 else 0.0,
-        )
-
+    workers = cfg.nproc
+    sink = _Rank0Sink(cfg, progress, workers) if rank == 0 else None
     sync = Synchronizer(
         model,
         optimizer,
@@ -58,8 +75,15 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         bucket_mb=cfg.bucket_mb,
         telemetry_every=cfg.telemetry_every,
         slow=cfg.slow,
-        on_records=on_records,
+        on_records=sink,
+        servers=cfg.servers,
+        timeout_s=cfg.timeout,
     )
+    if sync.is_server:
+        sync.serve()
+        sync.close()
+        return None
+    barrier_free = sync.strategy.barrier_free
     per_rank = cfg.batch_size
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     micro = cfg.micro_batches
@@ -74,6 +98,9 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
                 loss.backward()
                 total_loss += loss.detach().double().cpu()
             s.loss = total_loss / micro
+        if barrier_free and rank == 0 and (step + 1) % cfg.telemetry_every == 0:
+            # No gathering mid-run without a barrier: show rank 0's own view meanwhile.
+            progress.update(step + 1, float(s.loss), 0.0, 0.0)
     report = sync.report()
     progress.close()
     sync.close()

@@ -1,0 +1,165 @@
+"""``gradsync report RUN_DIR``: the text summary, trace.json and plots of a finished run.
+
+Everything is computed from the run directory's files (metrics.jsonl, optionally spans.jsonl and
+config.json), so a run can be analysed after the fact, on another machine, with other settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradsync.errors import UsageError
+from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records, read_spans
+from gradsync.telemetry.report import RunReport
+from gradsync.telemetry.stragglers import Finding, StragglerConfig, find_stragglers
+from gradsync.telemetry.trace import write_trace
+
+__all__ = ["TRACE_FILE", "add_parsers", "analyze_run", "handler", "main", "summarize_run"]
+
+TRACE_FILE = "trace.json"
+
+
+@dataclass(slots=True)
+class RunAnalysis:
+    run_dir: Path
+    config: StragglerConfig
+    report: RunReport
+    findings: list[Finding]
+    bytes: dict[str, float]
+    outputs: list[Path] = field(default_factory=list)
+
+    def format(self) -> str:
+        ranks = len(self.report.ranks)
+        lines = [f"run: {self.run_dir} ({self.report.steps} steps, {ranks} ranks)", ""]
+        lines += [self.report.format(), "", _format_bytes(self.bytes, ranks), ""]
+        cfg = self.config
+        lines.append(f"stragglers (window {cfg.window} steps, threshold {cfg.threshold:g}):")
+        lines += [f"  {f.describe()}" for f in self.findings] or [
+            f"  none: no rank's median compute fell below {cfg.threshold:g}x the fastest "
+            f"rank's over any {cfg.window}-step window"
+        ]
+        if self.outputs:
+            lines += ["", "written:"] + [f"  {p}" for p in self.outputs]
+            lines.append("  (open trace.json at https://ui.perfetto.dev or chrome://tracing)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "window": self.config.window,
+            "threshold": self.config.threshold,
+            "report": self.report.to_dict(),
+            "bytes": self.bytes,
+            "stragglers": [f.to_dict() for f in self.findings],
+            "outputs": [str(p) for p in self.outputs],
+        }
+
+
+def analyze_run(
+    run_dir: str | Path, window: int = 20, threshold: float = 0.75, plots: bool = True
+) -> RunAnalysis:
+    """Read a run directory, find stragglers, write trace.json (and the PNGs) into it."""
+    cfg = StragglerConfig(window=window, threshold=threshold)
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise UsageError(f"no run directory at {str(path)!r}: pass the directory a run wrote")
+    if not (path / METRICS_FILE).exists():
+        raise UsageError(f"{str(path)!r} has no {METRICS_FILE}: is it a gradsync run directory?")
+    try:
+        records = read_records(path)
+    except (ValueError, TypeError) as e:  # JSON or schema damage: say which file, not a traceback
+        raise UsageError(f"cannot read {path / METRICS_FILE}: {e}") from e
+    if not records:
+        raise UsageError(f"{path / METRICS_FILE} holds no step records: did the run take a step?")
+    findings = find_stragglers(records, cfg.window, cfg.threshold)
+    analysis = RunAnalysis(
+        path, cfg, RunReport.from_records(records), findings, _bytes(records, path)
+    )
+    analysis.outputs.append(write_trace(path / TRACE_FILE, records, read_spans(path), findings))
+    if plots:
+        from gradsync.telemetry.plots import write_plots  # matplotlib is slow to import
+
+        analysis.outputs += write_plots(records, path, findings)
+    return analysis
+
+
+def summarize_run(
+    run_dir: str | Path, window: int = 20, threshold: float = 0.75, plots: bool = True
+) -> str:
+    """Write trace.json and the PNGs into ``run_dir``; return the text summary."""
+    return analyze_run(run_dir, window, threshold, plots).format()
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="summarize a finished run: per-rank table, stragglers, trace.json, plots",
+        description="Summarize a run directory: per-rank compute/comm/idle, barrier tax, "
+        "stragglers with evidence, bytes; writes trace.json (Perfetto) and PNG plots into it.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `gradsync run`")
+    p.add_argument("--window", type=int, default=20, help="steps per scoring window (default 20)")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.75,
+        help="flag a rank whose score falls below this, in (0, 1) (default 0.75)",
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=handler)
+
+
+def handler(args: argparse.Namespace) -> int:
+    analysis = analyze_run(args.run_dir, args.window, args.threshold, plots=not args.no_plots)
+    print(json.dumps(analysis.to_dict(), indent=2) if args.json else analysis.format())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -m gradsync.telemetry.cli report RUN_DIR``)."""
+    parser = argparse.ArgumentParser(prog="gradsync")
+    add_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"gradsync {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _bytes(records: list[StepRecord], run_dir: Path) -> dict[str, float]:
+    total = float(sum(r.bytes for r in records))
+    out = {"total": total, "per_rank_step": total / len(records)}
+    try:
+        fp32 = json.loads((run_dir / "config.json").read_text()).get("fp32_bytes_per_step")
+    except (OSError, ValueError, AttributeError):
+        fp32 = None  # config.json is optional for the report
+    if isinstance(fp32, int | float) and fp32 > 0:
+        out["fp32_per_rank_step"] = float(fp32)
+        if out["per_rank_step"] > 0:
+            out["compression_ratio"] = fp32 / out["per_rank_step"]
+    return out
+
+
+def _format_bytes(b: dict[str, float], ranks: int) -> str:
+    line = (
+        f"bytes sent: {b['per_rank_step'] / 1e6:.3f} MB per rank per step "
+        f"({b['per_rank_step'] * ranks / 1e6:.3f} MB per step over {ranks} ranks), "
+        f"{b['total'] / 1e6:.1f} MB in total"
+    )
+    if "compression_ratio" in b:
+        line += (
+            f"; {b['compression_ratio']:.1f}x fewer than fp32 gradients "
+            f"({b['fp32_per_rank_step'] / 1e6:.3f} MB per rank per step)"
+        )
+    return line
+
+
+if __name__ == "__main__":
+    sys.exit(main())
