@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -74,7 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    cfg.save(run_dir)
+    cfg.save(run_dir, fp32_bytes_per_step=4 * _trainable_params(cfg))
     servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
     print(
         f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {cfg.nproc} workers{servers}, "
@@ -97,6 +98,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from gradsync.compare import format_table, parse_strategies, run_comparison
+
+    strategies = parse_strategies(args.strategies)
+    cfg = _config_from_args(args)
+    if args.out is None:
+        cfg.out = cfg.out.replace("runs/", "runs/compare-", 1)
+    print(
+        f"gradsync compare: {', '.join(strategies)} on {cfg.workload}, {cfg.nproc} workers, "
+        f"{cfg.steps} steps each -> {cfg.out}",
+        file=sys.stderr,
+    )
+    result = run_comparison(cfg, strategies, args.target_loss, show_progress=cfg.progress)
+    print(format_table(result))
+    return 0
+
+
+def _trainable_params(cfg: Any) -> int:
+    """Parameter count of the run's model, for the compression ratio against fp32 gradients."""
+    from gradsync.workloads import make_workload
+
+    model = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)
+    return sum(p.numel() for p in model.build_model().parameters() if p.requires_grad)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradsync", description="Synchronization for data-parallel PyTorch training."
@@ -106,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train a built-in workload on local worker processes")
     _add_run_flags(run)
     run.set_defaults(func=cmd_run)
+    compare = sub.add_parser("compare", help="run several strategies on the same workload")
+    compare.add_argument(
+        "--strategies",
+        default="bsp,ssp:2,async,local:8,diloco:32",
+        help="comma-separated strategy specs (default %(default)s)",
+    )
+    compare.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="loss to time each strategy to (default: the worst final loss of the set)",
+    )
+    _add_run_flags(compare)
+    compare.set_defaults(func=cmd_compare)
     for module in ("gradsync.sim.cli", "gradsync.telemetry.cli"):
         _add_optional_parsers(module, sub)
     return parser
@@ -122,7 +162,11 @@ def _add_optional_parsers(module: str, sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The elastic agent logs every worker failure with a full traceback; the CLI says which
+    # rank failed and why in one line instead (set GRADSYNC_DEBUG=1 to see the agent's logs).
+    if not os.environ.get("GRADSYNC_DEBUG"):
+        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -148,10 +192,14 @@ def _describe_child_failure(exc: Any) -> str:
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", json.dumps(message))
-        text = str(message).strip().splitlines()
-        lines.append(
-            f"rank {rank} failed (exit code {failure.exitcode}): {text[-1] if text else ''}"
-        )
+        text = [t for t in str(message).strip().splitlines() if t.strip()]
+        if failure.exitcode < 0:
+            why = f"killed by signal {-failure.exitcode}"
+        elif text and "To enable traceback" not in text[-1]:
+            why = text[-1]
+        else:
+            why = "no error message (see the worker output above)"
+        lines.append(f"rank {rank} failed (exit code {failure.exitcode}): {why}")
     return "worker failure\n  " + "\n  ".join(lines)
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
 from gradsync.inject import parse_slow
 from gradsync.strategies.base import parse_strategy, uses_servers
@@ -49,6 +50,7 @@ class RunConfig:
         if self.workload not in WORKLOADS:
             raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
         parse_strategy(self.strategy)  # raises with the valid forms
+        parse_compression(self.compression)
         for name in ("steps", "batch_size", "micro_batches", "threads", "telemetry_every"):
             value = getattr(self, name)
             if value < 1:
@@ -66,6 +68,12 @@ class RunConfig:
             raise UsageError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.data is not None and not Path(self.data).is_file():
             raise UsageError(f"--data file {self.data!r} does not exist or is not a file")
+        if self.uses_servers and self.compression not in (None, "none"):
+            raise UsageError(
+                f"--compress {self.compression} with --strategy {self.strategy}: compressed "
+                "parameter-server pushes are not supported yet; compression works with bsp, "
+                "local:H and diloco:H"
+            )
         if self.servers < 1:
             raise UsageError(f"--servers must be at least 1, got {self.servers}")
         for s in parse_slow(self.slow):
@@ -91,8 +99,10 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def save(self, run_dir: Path) -> None:
-        (run_dir / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+    def save(self, run_dir: Path, **extra: Any) -> None:
+        """Write config.json: the flags, plus derived facts for reports (``extra``)."""
+        data = {**self.to_dict(), **extra}
+        (run_dir / "config.json").write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:

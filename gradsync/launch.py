@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gradsync.errors import UsageError
@@ -63,4 +64,11 @@ def launch(
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-    return elastic_launch(config, entrypoint)(*args)
+    return elastic_launch(config, _recorded)(entrypoint, *args)
+
+
+@record
+def _recorded(entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """Runs in each worker: ``@record`` writes an uncaught exception to torch's error file, so
+    the launcher can say which rank failed and why instead of pointing at a URL."""
+    return entrypoint(*args)

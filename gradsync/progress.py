@@ -15,6 +15,7 @@ class Progress:
         self.interactive = self.stream.isatty()
         self.started = time.perf_counter()
         self._last_line_at = -1.0
+        self.label = ""
 
     def update(self, step: int, loss: float | None, samples_per_s: float, tax: float) -> None:
         if not self.enabled:
@@ -23,9 +24,12 @@ class Progress:
         done = int(width * step / max(self.total, 1))
         bar = "#" * done + "-" * (width - done)
         loss_text = "n/a" if loss is None else f"{loss:.4f}"
+        prefix = f"{self.label} " if self.label else ""
         line = (
-            f"[{bar}] step {step}/{self.total}  loss {loss_text}  "
+            f"{prefix}[{bar}] step {step}/{self.total}  loss {loss_text}  "
             f"{samples_per_s:,.0f} samples/s  barrier tax {tax:.1%}"
+            if samples_per_s > 0
+            else f"{prefix}[{bar}] step {step}/{self.total}  loss {loss_text}"
         )
         now = time.perf_counter()
         if self.interactive:

@@ -103,6 +103,11 @@ class ParameterServer:
                 f"{self.servers} server(s) leave no worker in a group of {self.world} ranks; "
                 "launch at least servers + 1 processes"
             )
+        if ctx.compressor.spec != "none":
+            raise UsageError(
+                f"compression {ctx.compressor.spec!r} is not supported with {self.name} yet: "
+                "parameter-server pushes go uncompressed (use bsp, local:H or diloco:H)"
+            )
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
         self._shards = shard_by_size([p.numel() for p in self._params], self.servers)
 

@@ -1,0 +1,207 @@
+"""``gradsync compare``: the same workload and seed under several strategies, side by side.
+
+Each strategy runs in turn through the same launcher as ``gradsync run``, into its own
+sub-directory. The table compares final loss, steps and wall time to a common target loss,
+samples/s, bytes sent and barrier tax; two plots show loss against wall-clock and against
+bytes sent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradsync.config import RunConfig
+from gradsync.errors import UsageError
+from gradsync.progress import Progress
+from gradsync.strategies.base import parse_strategy
+from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records
+from gradsync.telemetry.report import RunReport
+
+SMOOTH = 10  # steps in the moving average that decides when a target loss is reached
+
+
+@dataclass(slots=True)
+class Curve:
+    strategy: str
+    steps: np.ndarray
+    loss: np.ndarray  # mean over workers, smoothed
+    seconds: np.ndarray  # wall-clock at the end of each step, from the run's first step
+    bytes: np.ndarray  # cumulative, all ranks
+    report: RunReport
+
+    def first_below(self, target: float) -> int | None:
+        hits = np.nonzero(self.loss <= target)[0]
+        return int(hits[0]) if hits.size else None
+
+
+def curve_from_records(strategy: str, records: list[StepRecord]) -> Curve:
+    steps = sorted({r.step for r in records})
+    by_step: dict[int, list[StepRecord]] = {}
+    for r in records:
+        by_step.setdefault(r.step, []).append(r)
+    start = min(r.time for r in records)
+    loss = np.array(
+        [np.mean([r.loss for r in by_step[s] if r.loss is not None] or [np.nan]) for s in steps]
+    )
+    kernel = np.ones(SMOOTH)
+    valid = ~np.isnan(loss)
+    # Trailing moving average that tolerates the first steps (fewer than SMOOTH values).
+    sums = np.convolve(np.where(valid, loss, 0.0), kernel)[: len(loss)]
+    counts = np.convolve(valid.astype(float), kernel)[: len(loss)]
+    smooth = np.divide(sums, counts, out=np.full_like(sums, np.nan), where=counts > 0)
+    seconds = np.array(
+        [max(r.time + r.compute + r.sync for r in by_step[s]) - start for s in steps]
+    )
+    nbytes = np.cumsum([sum(r.bytes for r in by_step[s]) for s in steps])
+    return Curve(
+        strategy,
+        np.array(steps),
+        smooth,
+        np.maximum.accumulate(seconds),
+        nbytes,
+        RunReport.from_records(records),
+    )
+
+
+def parse_strategies(text: str) -> list[str]:
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise UsageError("--strategies needs at least one strategy, e.g. bsp,local:8,ssp:2")
+    for s in specs:
+        parse_strategy(s)
+    if len(set(specs)) != len(specs):
+        raise UsageError(f"--strategies lists a strategy twice: {text!r}")
+    return specs
+
+
+def run_comparison(
+    base: RunConfig, strategies: list[str], target: float | None, show_progress: bool = True
+) -> dict[str, Any]:
+    from gradsync.launch import launch
+    from gradsync.worker import run_worker
+
+    out = Path(base.out)
+    out.mkdir(parents=True, exist_ok=True)
+    progress = Progress(base.steps * len(strategies), enabled=show_progress)
+    curves: list[Curve] = []
+    for i, spec in enumerate(strategies):
+        cfg = replace(base, strategy=spec, out=str(out / _dirname(spec)), progress=False)
+        run_dir = Path(cfg.out)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / METRICS_FILE).unlink(missing_ok=True)
+        cfg.save(run_dir)
+        progress.label = f"{spec} ({i + 1}/{len(strategies)})"
+        stop = threading.Event()
+        watcher = threading.Thread(
+            target=_watch, args=(run_dir, cfg.nproc, i * base.steps, progress, stop), daemon=True
+        )
+        watcher.start()
+        try:
+            launch(run_worker, (cfg.to_dict(),), nproc=cfg.processes, threads=cfg.threads)
+        finally:
+            stop.set()
+            watcher.join()
+        curves.append(curve_from_records(spec, read_records(run_dir)))
+        progress.update((i + 1) * base.steps, float(curves[-1].loss[-1]), 0.0, 0.0)
+    progress.close()
+    return summarize(curves, target, out)
+
+
+def _watch(
+    run_dir: Path, workers: int, offset: int, progress: Progress, stop: threading.Event
+) -> None:
+    """Advance the comparison's progress line from the metrics rank 0 writes as it goes."""
+    path = run_dir / METRICS_FILE
+    while not stop.wait(1.0):
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        if lines:
+            last = json.loads(lines[-1])
+            progress.update(offset + len(lines) // workers, last.get("loss"), 0.0, 0.0)
+
+
+def _dirname(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
+
+
+def summarize(curves: list[Curve], target: float | None, out: Path) -> dict[str, Any]:
+    finals = [float(c.loss[-1]) for c in curves]
+    # Default target: the worst final loss, so every strategy reaches it and the table
+    # compares how fast each gets there.
+    goal = target if target is not None else max(finals)
+    rows = []
+    for c, final in zip(curves, finals, strict=True):
+        hit = c.first_below(goal)
+        wall = float(c.seconds[-1])
+        samples = sum(t.samples for t in c.report.ranks)
+        rows.append(
+            {
+                "strategy": c.strategy,
+                "final_loss": final,
+                "steps_to_target": None if hit is None else int(c.steps[hit]) + 1,
+                "seconds_to_target": None if hit is None else float(c.seconds[hit]),
+                "samples_per_s": samples / wall if wall > 0 else 0.0,
+                "mb_sent": float(c.bytes[-1]) / 1e6,
+                "barrier_tax": c.report.barrier_tax,
+                "wall_s": wall,
+            }
+        )
+    result = {"target_loss": goal, "rows": rows}
+    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["plots"] = [str(p) for p in _plots(curves, goal, out)]
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    head = (
+        f"{'strategy':<12} {'final loss':>10} {'steps→target':>12} {'s→target':>9} "
+        f"{'samples/s':>10} {'MB sent':>9} {'barrier tax':>11}"
+    )
+    lines = [f"target loss: {result['target_loss']:.4f} ({SMOOTH}-step moving average)", head]
+    lines.append("-" * len(head))
+    for r in result["rows"]:
+        steps = "never" if r["steps_to_target"] is None else str(r["steps_to_target"])
+        secs = "never" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
+        lines.append(
+            f"{r['strategy']:<12} {r['final_loss']:>10.4f} {steps:>12} {secs:>9} "
+            f"{r['samples_per_s']:>10,.0f} {r['mb_sent']:>9.1f} {r['barrier_tax']:>11.1%}"
+        )
+    lines += [f"plot: {p}" for p in result.get("plots", [])]
+    return "\n".join(lines)
+
+
+def _plots(curves: list[Curve], target: float, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, xlabel, get in (
+        ("loss_vs_time.png", "wall-clock time (s)", lambda c: c.seconds),
+        ("loss_vs_bytes.png", "bytes sent, all ranks (MB)", lambda c: c.bytes / 1e6),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for c in curves:
+            ax.plot(get(c), c.loss, label=c.strategy)
+        ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.3f}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"training loss ({SMOOTH}-step moving average)")
+        ax.set_title("Loss against " + ("wall-clock" if "time" in name else "bytes sent"))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
