@@ -123,6 +123,11 @@ class BucketReducer:
         #: (bucket index, perf_counter at launch, wall time at launch) for this step
         self.launch_log: list[tuple[int, float, float]] = []
         self._spans: list[Span] = []
+        #: multiplies each rank's gradient before the exchange (load balancing's sample weight)
+        self.scale = 1.0
+        #: replace a non-finite local bucket by NaN before a lossy exchange (see fault.guards)
+        self.poison_nonfinite = False
+        self.local_nonfinite = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     # -- step lifecycle ---------------------------------------------------------------------
@@ -135,6 +140,7 @@ class BucketReducer:
         self._futures = [None] * len(self.buckets)
         self.launch_log = []
         self._spans = []
+        self.local_nonfinite = False
 
     def backward_passes(self) -> int:
         """How many backward passes reached at least one parameter this step."""
@@ -199,6 +205,11 @@ class BucketReducer:
 
     def _launch(self, bucket: GradBucket) -> None:
         bucket.fill_from_grads()
+        if self.scale != 1.0:
+            bucket.buffer().mul_(self.scale)
+        if self.poison_nonfinite and not bool(torch.isfinite(bucket.buffer()).all()):
+            bucket.buffer().fill_(float("nan"))
+            self.local_nonfinite = True
         t0, wall0 = time.perf_counter(), time.time()
         self.launch_log.append((bucket.index(), t0, wall0))
         fut = self._exchange(bucket)

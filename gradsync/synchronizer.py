@@ -12,9 +12,12 @@ import torch
 import torch.distributed as dist
 
 from gradsync import runtime
+from gradsync.balance import ShardBalancer
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
+from gradsync.fault.diagnose import ArrivalWatch
+from gradsync.fault.guards import check_replicas
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
 from gradsync.strategies.base import StepOutcome, Strategy, SyncContext, parse_strategy
 from gradsync.telemetry.records import Span, StepRecord
@@ -57,12 +60,19 @@ class Synchronizer:
         record_spans: bool = False,
         servers: int = 1,
         timeout_s: float = 300.0,
+        balance: bool | ShardBalancer = False,
+        skip_nonfinite: bool = True,
+        check_every: int = 100,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         if not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
             raise UsageError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
         if telemetry_every < 1:
             raise UsageError(f"telemetry_every must be >= 1, got {telemetry_every}")
+        if check_every < 0:
+            raise UsageError(f"check_every must be >= 0 (0 turns the check off), got {check_every}")
+        if not timeout_s > 0:
+            raise UsageError(f"timeout_s must be > 0, got {timeout_s}")
         if not any(p.requires_grad for p in model.parameters()):
             raise UsageError(
                 f"model {type(model).__name__} has no trainable parameters "
@@ -79,10 +89,19 @@ class Synchronizer:
         self.telemetry_enabled = telemetry
         self.record_spans = record_spans
         self.spans: list[Span] = []
-        self._collector = TelemetryCollector(group, telemetry_every, on_records)
+        self.check_every = check_every
+        self.timeout_s = timeout_s
+        self.balancer = self._make_balancer(balance)
+        if self.balancer is not None and not telemetry:
+            raise UsageError("balance=True needs telemetry (it balances on measured compute)")
+        self._sizes: list[int] | None = None
+        self._collector = TelemetryCollector(group, telemetry_every, self._on_gathered)
+        self._user_sink = on_records
+        self._watch = ArrivalWatch(self.rank, self.world_size, timeout_s)
         self._step = 0
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
+        self._final_checked = False
         self._broadcast_initial_state()
         self.strategy.setup(
             SyncContext(
@@ -92,8 +111,49 @@ class Synchronizer:
                 compressor=self.compressor,
                 bucket_mb=float(bucket_mb),
                 record_spans=record_spans,
+                skip_nonfinite=skip_nonfinite,
+                watch=self._watch,
             )
         )
+
+    def _make_balancer(self, balance: bool | ShardBalancer) -> ShardBalancer | None:
+        if balance is False:
+            return None
+        if self.strategy.name != "bsp":
+            raise UsageError(
+                f"balance needs the bsp strategy (got {self.strategy.name}): "
+                "other strategies do not average one global batch per step"
+            )
+        if isinstance(balance, ShardBalancer):
+            if balance.world_size != self.world_size:
+                raise UsageError(
+                    f"ShardBalancer is for {balance.world_size} ranks, the group has "
+                    f"{self.world_size}"
+                )
+            return balance
+        return ShardBalancer(self.world_size)
+
+    def _on_gathered(self, records: list[StepRecord]) -> None:
+        # Every rank sees the same gathered records, so balancers stay in agreement.
+        if self.balancer is not None:
+            self.balancer.observe(records)
+        if self._user_sink is not None:
+            self._user_sink(records)
+
+    def shard_sizes(self, global_batch: int) -> list[int]:
+        """With ``balance``: how many samples of this step's global batch each rank takes (the
+        same list on every rank). Call it before each step; the step weights this rank's
+        gradient by its share so the update stays the mean over the whole global batch."""
+        if self.balancer is None:
+            workers = self.num_workers  # parameter servers take no samples
+            if global_batch % workers:
+                raise UsageError(
+                    f"global batch {global_batch} does not split evenly over {workers} "
+                    "workers; pass balance=True for uneven shards"
+                )
+            return [global_batch // workers] * workers
+        self._sizes = self.balancer.sizes(global_batch)
+        return list(self._sizes)
 
     @property
     def is_server(self) -> bool:
@@ -112,6 +172,9 @@ class Synchronizer:
         if serve is None or not self.is_server:
             raise UsageError("serve() is for parameter-server ranks (ssp:S or async strategies)")
         stats = serve()
+        if self.check_every and not self._final_checked:
+            self._final_checked = True
+            self._check_replicas(-1, final=True)
         self.flush_telemetry()
         return stats
 
@@ -129,6 +192,17 @@ class Synchronizer:
         if self._in_step:
             raise UsageError("sync.step() blocks cannot be nested")
         runtime.require_initialized("sync.step()")
+        if self.balancer is not None:
+            if self._sizes is None:
+                raise UsageError(
+                    "balance=True: call sync.shard_sizes(global_batch) before each step and "
+                    "take that many samples on this rank"
+                )
+            sizes, self._sizes = self._sizes, None
+            self.strategy.sample_weight = (  # type: ignore[attr-defined]
+                sizes[self.rank] * self.world_size / sum(sizes)
+            )
+            samples = samples or sizes[self.rank]
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
         self._in_step = True
         try:
@@ -149,6 +223,16 @@ class Synchronizer:
             if self.record_spans:
                 self._add_spans(outcome.spans, wall0, t1 - t0, t2 - t1)
         self._step += 1
+        if self.check_every and self._step % self.check_every == 0:
+            self._check_replicas(self._step - 1)
+
+    def _check_replicas(self, step: int, final: bool = False) -> None:
+        """Collective every ``check_every`` steps (and at the end): compare fingerprints."""
+        identical = getattr(self.strategy, "replicas_identical", None)
+        if identical is None or not identical(step, final):
+            return
+        workers = list(range(self.num_workers))
+        check_replicas(list(self.model.named_parameters()), self.group, step, workers)
 
     def _record(
         self, h: StepHandle, wall0: float, compute: float, sync: float, out: StepOutcome
@@ -187,6 +271,9 @@ class Synchronizer:
         finalize = getattr(self.strategy, "finalize", None)
         if finalize is not None:
             finalize()
+        if self.check_every and not self._final_checked:
+            self._final_checked = True
+            self._check_replicas(self._step - 1, final=True)
         self.flush_telemetry()
         return RunReport.from_records(self._collector.records)
 
@@ -200,6 +287,7 @@ class Synchronizer:
 
     def close(self) -> None:
         self.strategy.close()
+        self._watch.close()
 
     def _broadcast_initial_state(self) -> None:
         if self.world_size == 1:

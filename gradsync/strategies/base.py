@@ -92,6 +92,10 @@ class SyncContext:
     compressor: Compressor
     bucket_mb: float
     record_spans: bool = False
+    #: skip (on every rank together) a step whose mean gradient is not finite
+    skip_nonfinite: bool = True
+    #: turns a failed wait into an error naming the ranks that never arrived
+    watch: Any = None
 
 
 @runtime_checkable
@@ -107,6 +111,9 @@ class Strategy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
+    def replicas_identical(self, step: int, final: bool) -> bool:
+        """Whether replicas must match after ``step`` (the same answer on every rank)."""
+        ...
 
 
 def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float = 300.0) -> Strategy:

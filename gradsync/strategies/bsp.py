@@ -7,13 +7,17 @@ the mean gradient back into ``p.grad`` and calls the user's ``optimizer.step()``
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from gradsync.buckets import BucketReducer, GradBucket
+from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
+from gradsync.fault.guards import all_finite, scrub_nonfinite_state
 from gradsync.strategies.base import StepOutcome, SyncContext
+from gradsync.telemetry.records import Span
 
 
 class BSP:
@@ -26,12 +30,16 @@ class BSP:
         self._state: Any = None
         self._micro_batches = 1
         self._bytes_at_start = 0
+        #: n_r * W / N for load-balanced shards (set by the Synchronizer each step)
+        self.sample_weight = 1.0
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         self._state = ctx.compressor.make_state(ctx.group)
         self._reducer = BucketReducer(params, ctx.bucket_mb, self._exchange, ctx.record_spans)
+        # A plain sum carries NaN/Inf to every rank by itself; lossy exchanges need the poison.
+        self._reducer.poison_nonfinite = ctx.skip_nonfinite and ctx.compressor is not ALLREDUCE
 
     @property
     def reducer(self) -> BucketReducer:
@@ -52,6 +60,7 @@ class BSP:
         self._micro_batches = micro_batches
         # Hooks launch buckets (and count their bytes) during backward, inside the block.
         self._bytes_at_start = self._state.bytes_sent
+        self.reducer.scale = self.sample_weight
         self.reducer.arm(micro_batches)
 
     def finish_step(self, step: int) -> StepOutcome:
@@ -66,14 +75,32 @@ class BSP:
                 f"backward pass(es); run exactly {self._micro_batches}"
             )
         reducer.flush()
-        reduced = reducer.wait(step)
+        ctx = self._ctx
+        if ctx.watch is not None:
+            what = f"gradient exchange ({len(reducer.buckets)} bucket(s), {ctx.compressor.spec})"
+            reduced = ctx.watch.run(step, what, lambda: reducer.wait(step))
+        else:
+            reduced = reducer.wait(step)
+        nbytes = self._state.bytes_sent - self._bytes_at_start
+        spans = reducer.take_spans()
+        if ctx.skip_nonfinite and not all_finite(reduced):
+            # Every rank holds the same reduced bits, so every rank skips this same step.
+            ctx.optimizer.zero_grad(set_to_none=True)
+            scrub_nonfinite_state(self._state)
+            return StepOutcome(bytes_sent=nbytes, skipped=True, spans=spans)
         # The mean over ranks is taken by the hook; the mean over micro-batches here, so that
         # k micro-batches of a mean-reduced loss equal one batch k times as large.
         reducer.write_back(reduced, scale=1.0 / self._micro_batches)
-        self._ctx.optimizer.step()
-        return StepOutcome(
-            bytes_sent=self._state.bytes_sent - self._bytes_at_start, spans=reducer.take_spans()
-        )
+        wall0, t0 = time.time(), time.perf_counter()
+        ctx.optimizer.step()
+        if ctx.record_spans:
+            spans.append(Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step"))
+        return StepOutcome(bytes_sent=nbytes, spans=spans)
+
+    def replicas_identical(self, step: int, final: bool) -> bool:
+        """Whether every replica must hold the same parameters after ``step`` (always, in BSP).
+        The answer must be the same on every rank: it decides a collective."""
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"compressor": self._state.state_dict() if self._state is not None else {}}

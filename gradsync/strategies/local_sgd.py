@@ -16,6 +16,7 @@ import torch
 
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
+from gradsync.fault.guards import all_finite
 from gradsync.strategies.base import StepOutcome, SyncContext
 
 
@@ -61,16 +62,27 @@ class _Periodic:
 
     def finish_step(self, step: int) -> StepOutcome:
         assert self._ctx is not None
-        if self._micro_batches > 1:
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.div_(self._micro_batches)
-        self._ctx.optimizer.step()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        # A local step is this rank's own business: a non-finite gradient skips it here only.
+        skipped = self._ctx.skip_nonfinite and not all_finite(grads)
+        if skipped:
+            self._ctx.optimizer.zero_grad(set_to_none=True)
+        else:
+            if self._micro_batches > 1:
+                for g in grads:
+                    g.div_(self._micro_batches)
+            self._ctx.optimizer.step()
         if (step + 1) % self.period:
-            return StepOutcome(barrier=False)
+            return StepOutcome(barrier=False, skipped=skipped)
         before = self._state.bytes_sent
         self._synchronize()
-        return StepOutcome(bytes_sent=self._state.bytes_sent - before, barrier=True)
+        return StepOutcome(
+            bytes_sent=self._state.bytes_sent - before, barrier=True, skipped=skipped
+        )
+
+    def replicas_identical(self, step: int, final: bool) -> bool:
+        """Replicas agree right after each synchronization, and only then."""
+        return (step + 1) % self.period == 0
 
     def _mean(self, flat: torch.Tensor) -> torch.Tensor:
         """Mean over ranks through the compressor (plain all-reduce when uncompressed)."""

@@ -211,6 +211,10 @@ class ParameterServer:
             pushes.append(msg)
         self._exchange(pushes, "end")
 
+    def replicas_identical(self, step: int, final: bool) -> bool:
+        """Workers agree only at the end, once every one has fetched the final parameters."""
+        return final
+
     # -- server side ----------------------------------------------------------------------------
     def serve(self) -> ServerStats:
         from gradsync.strategies.ps_server import run_server

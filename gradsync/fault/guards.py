@@ -1,0 +1,96 @@
+"""Guards that keep replicas sane: the non-finite step skip and the divergence check.
+
+Non-finite gradients: the agreement to skip rides on the exchange the step already does.
+NaN and Inf survive a sum, so after an uncompressed all-reduce every rank holds the same
+non-finite buffer and takes the same decision with no extra collective. A compressed exchange
+may not carry a stray NaN (a sign bit cannot), so a rank whose own gradient is non-finite
+poisons its whole buffer with NaN first; every compressor's scale or values then turn
+non-finite on all ranks. Compressor state touched by the poisoned step (error-feedback
+residuals, PowerSGD warm-start factors) is scrubbed afterwards.
+
+Divergence: every N steps ranks compare a cheap fingerprint of their parameters (per tensor:
+the float64 sum and sum of squares); replicas that must be bitwise identical give identical
+fingerprints, so any difference is a bug or corruption, reported with the first tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.errors import DivergenceError
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def scrub_nonfinite_state(state: Any, _depth: int = 0) -> int:
+    """Drop non-finite tensors from a compressor state's per-bucket dicts (residuals, warm
+    starts), so one skipped step cannot poison every later one; returns how many it dropped.
+    A dropped residual restarts at zero and a dropped warm start is drawn afresh."""
+    if _depth > 3 or state is None:
+        return 0
+    dropped = 0
+    names = getattr(state, "__slots__", None) or list(getattr(state, "__dict__", {}))
+    for name in names:
+        value = getattr(state, name, None)
+        if isinstance(value, dict):
+            for key in [k for k, v in value.items() if isinstance(v, torch.Tensor)]:
+                if not bool(torch.isfinite(value[key]).all()):
+                    del value[key]
+                    dropped += 1
+        elif (hasattr(value, "__slots__") or hasattr(value, "__dict__")) and not isinstance(
+            value, torch.Tensor | dist.ProcessGroup
+        ):
+            dropped += scrub_nonfinite_state(value, _depth + 1)
+    return dropped
+
+
+def fingerprint(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """[n, 2] float64: sum and sum of squares of every tensor."""
+    rows = []
+    with torch.no_grad():
+        for _, p in params:
+            x = p.detach().to(torch.float64)
+            rows.append(torch.stack([x.sum(), (x * x).sum()]))
+    return torch.stack(rows).cpu()
+
+
+def check_replicas(
+    named: list[tuple[str, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    step: int,
+    ranks: list[int] | None = None,
+) -> None:
+    """Collective over ``group``: raise ``DivergenceError`` if replicas differ. ``ranks`` limits
+    the comparison to those group ranks (parameter servers hold no replica)."""
+    mine = fingerprint(named)
+    world = dist.get_world_size(group)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else None
+    )
+    local = mine.to(device) if device is not None else mine
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    prints = [g.cpu() for g in gathered]
+    compared = ranks if ranks is not None else list(range(world))
+    reference = prints[compared[0]]
+    bad = [r for r in compared if not torch.equal(prints[r], reference)]
+    if not bad:
+        return
+    first = next(
+        i
+        for i in range(reference.shape[0])
+        if any(not torch.equal(prints[r][i], reference[i]) for r in bad)
+    )
+    raise DivergenceError(
+        f"replicas diverged at step {step}: rank(s) {bad} differ from rank {compared[0]}; "
+        f"first differing parameter: {named[first][0]!r} "
+        f"(sum {float(reference[first, 0]):.17g} on rank {compared[0]} vs "
+        f"{float(prints[bad[0]][first, 0]):.17g} on rank {bad[0]})"
+    )

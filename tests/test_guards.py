@@ -1,0 +1,85 @@
+"""Non-finite skip, hang diagnosis, divergence check and load balancing on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsync.balance import ShardBalancer, split
+from gradsync.telemetry.records import StepRecord
+from gradsync.testing import run_ranks
+from tests import guard_ranks, ranks
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compression", [None, "sign", "powersgd:2"])
+def test_nan_on_one_rank_skips_the_same_step_everywhere(compression: str | None) -> None:
+    r0, r1 = run_ranks(guard_ranks.nan_once, 2, compression)
+    assert r0["skipped"] == r1["skipped"] == [3]
+    assert r0["report_skipped"] == 1
+    assert r0["unchanged_at_skip"] and r1["unchanged_at_skip"]  # the update really was skipped
+    assert torch.equal(r0["params"], r1["params"])
+    assert bool(torch.isfinite(r0["params"]).all())  # training went on with finite state
+
+
+@pytest.mark.timeout(120)
+def test_hung_rank_is_named_within_the_timeout() -> None:
+    r0, r1 = run_ranks(guard_ranks.hang_at_step_5, 2, collective_timeout_s=4, timeout_s=90)
+    assert r1 == {"slept": True}
+    assert r0["error"] is not None
+    assert "step 5" in r0["error"] and "never arrived: ranks [1]" in r0["error"]
+    assert r0["waited"] < 4 + 6  # the timeout plus a few seconds, not a hang
+
+
+@pytest.mark.timeout(120)
+def test_divergence_is_caught_at_the_next_check_with_the_tensor_named() -> None:
+    r0, r1 = run_ranks(guard_ranks.perturbed, 2)
+    for r in (r0, r1):
+        assert r["error"] is not None
+        assert "rank(s) [1] differ from rank 0" in r["error"]
+        assert "'2.bias'" in r["error"]
+        assert r["completed"] == list(range(9))  # perturbed after step 6; caught after step 9
+    assert "step 9" in r0["error"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 3])
+def test_uneven_shards_still_give_the_global_batch_mean(world: int) -> None:
+    results = run_ranks(guard_ranks.uneven_shares, world, "adamw")
+    expected = ranks.train_reference("adamw", steps=10, global_batch=6 * world)
+    err = (results[0] - expected).abs().max().item()
+    assert err <= 1e-10 * expected.abs().max().item()
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+
+
+@pytest.mark.timeout(200)
+def test_shards_follow_a_slowdown_and_return_when_it_ends() -> None:
+    history = run_ranks(guard_ranks.adaptive_shares, 2, timeout_s=180)[0]
+    slow_share = [sizes[1] / sum(sizes) for sizes in history]
+    assert slow_share[0] == 0.5
+    # within a few telemetry windows of step 10 the slow rank gets clearly less...
+    assert min(slow_share[25:40]) < 0.38, slow_share
+    # ...and after the slowdown ends at step 40 it gets its share back
+    assert slow_share[-1] > 0.44, slow_share
+
+
+def test_split_is_exact_and_deterministic() -> None:
+    assert split(16, [1, 3]) == [4, 12]
+    assert split(10, [1, 1, 1]) == [4, 3, 3]
+    assert sum(split(1000, [0.1, 0.7, 0.2])) == 1000
+    assert min(split(3, [1e-9, 1, 1])) == 1  # every rank keeps at least one sample
+    with pytest.raises(ValueError, match="cannot give each of 3 ranks"):
+        split(2, [1, 1, 1])
+
+
+def test_balancer_moves_toward_speed() -> None:
+    b = ShardBalancer(2, damping=0.0)
+    recs = [
+        StepRecord(r, s, 0.0, 0.01 * (3 if r == 1 else 1) * 8, 0.0, 0.0, 0.0, 8, 0)
+        for s in range(4)
+        for r in (0, 1)
+    ]
+    b.observe(recs)
+    assert b.shares == pytest.approx([0.75, 0.25])
+    assert b.sizes(64) == [48, 16]
