@@ -174,3 +174,91 @@ def test_idle_is_charged_at_barriers_with_local_sgd() -> None:
     # Per barrier the others wait 3 steps x 0.1 s; each of their 4-step blocks lasts 0.4 s of
     # compute, 0.04 s of comm and the wait itself.
     assert f.idle_share == pytest.approx(0.3 / (0.4 + 0.04 + 0.3), abs=0.03)
+
+
+# Rules that keep real (noisy) runs quiet; each test below fails if its rule is removed.
+
+
+def test_warmup_steps_are_not_scored() -> None:
+    recs = synthetic_records(120, 4, slow=[(0, 0, 11, 3.0)], seed=13)  # a slow first 12 steps
+    assert find_stragglers(recs) == []
+    assert feed_by_step(StragglerDetector(), recs) == []
+    assert [(f.rank, f.first_step) for f in find_stragglers(recs, warmup=0)] == [(0, 0)]
+
+
+@pytest.mark.parametrize(("min_steps", "found"), [(None, True), (13, True), (14, False)])
+def test_episodes_shorter_than_min_steps_are_not_findings(
+    min_steps: int | None, found: bool
+) -> None:
+    recs = synthetic_records(200, 8, slow=[(4, 100, 112, 2.0)], seed=14)  # 13 slow steps
+    cfg = StragglerConfig(min_steps=min_steps)
+    assert (cfg.min_len, StragglerConfig().min_len) == (min_steps or 10, 10)
+    assert bool(find_stragglers(recs, min_steps=min_steps)) is found
+    assert bool(feed_by_step(StragglerDetector(cfg), recs)) is found
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_findings_are_supported_by_their_own_evidence(seed: int) -> None:
+    # Near the threshold, with noise: the kind of run that used to yield "1.0x slower".
+    rng = np.random.default_rng(seed)
+    recs = synthetic_records(300, 4, jitter=0.3, slow=[(1, 100, 249, 1.3)], seed=seed)
+    for r in recs:
+        r.compute *= 3.0 if rng.random() < 0.15 else 1.0  # preemption: whole time slices lost
+    for th in (0.75, 0.9):
+        det = StragglerDetector(StragglerConfig(threshold=th))
+        for f in find_stragglers(recs, threshold=th) + feed_by_step(det, recs):
+            assert f.steps >= 10 and f.last_step - f.first_step + 1 >= 10, f
+            assert f.slowdown * th >= 1.0, f.describe()
+            rows = [r for r in recs if f.first_step <= r.step <= f.last_step]
+            med = lambda rs: float(np.median([r.compute for r in rs]))  # noqa: E731
+            if f.kind == "straggler":
+                mine = med([r for r in rows if r.rank == f.rank])
+                fastest = min(
+                    med([r for r in rows if r.rank == k]) for k in range(4) if k != f.rank
+                )
+                assert mine / fastest == pytest.approx(f.slowdown)
+
+
+def test_a_candidate_failing_its_evidence_is_dropped() -> None:
+    # Rank 2 is flagged by its windowed score (the fastest *other* rank in the window is rank 0,
+    # fast only in steps 60-79) but over its slow stretch it is no slower than rank 0 there.
+    recs = synthetic_records(200, 4, jitter=0.02, slow=[(0, 60, 79, 0.5), (2, 80, 99, 2.0)])
+    cfg = StragglerConfig()
+    assert cfg.supports(10, 1 / 0.75) and not cfg.supports(10, 1.3) and not cfg.supports(9, 2.0)
+    assert not cfg.supports(10, math.nan)
+    assert [f.rank for f in find_stragglers(recs)] == [2]
+
+
+def test_being_slower_than_one_lucky_rank_is_not_straggling() -> None:
+    # Rank 0 is unusually fast; ranks 1-3 are "2x slower than the fastest" but nobody waits for
+    # one of them in particular.
+    recs = synthetic_records(200, 4, jitter=0.1, slow=[(0, 0, 199, 0.5)], seed=15)
+    assert np.nanmax(window_scores(recs, 20).relative[:, 1:]) < 0.75  # all candidates
+    assert find_stragglers(recs) == []
+    assert feed_by_step(StragglerDetector(), recs) == []
+
+
+def test_a_rank_behind_the_real_straggler_is_not_reported() -> None:
+    recs = synthetic_records(200, 8, slow=[(3, 40, 199, 3.0), (1, 40, 199, 1.6)], seed=16)
+    assert [f.rank for f in find_stragglers(recs)] == [3]
+    assert [f.rank for f in feed_by_step(StragglerDetector(), recs)] == [3]
+
+
+def test_two_equally_slow_stragglers_are_both_found() -> None:
+    recs = synthetic_records(200, 8, slow=[(2, 40, 199, 2.0), (5, 40, 199, 2.0)], seed=17)
+    found = find_stragglers(recs)
+    assert [(f.rank, f.first_step) for f in found] == [(2, 40), (5, 40)]
+    assert all(0.3 < f.paced_steps / f.steps < 0.7 for f in found)  # they share the pace
+    assert sorted(f.rank for f in feed_by_step(StragglerDetector(), recs)) == [2, 5]
+
+
+def test_job_slowdown_obeys_the_same_rules() -> None:
+    short = synthetic_records(150, 4, slow=[(None, 100, 112, 2.0)], seed=18)
+    assert [f.kind for f in find_stragglers(short)] == ["slowdown"]
+    assert find_stragglers(short, min_steps=14) == []
+
+
+@pytest.mark.parametrize("kwargs", [{"warmup": -1}, {"warmup": 1.5}, {"min_steps": 0}])
+def test_config_rejects_bad_rule_values(kwargs: dict[str, float]) -> None:
+    with pytest.raises(UsageError, match=next(iter(kwargs))):
+        StragglerConfig(**kwargs)  # type: ignore[arg-type]

@@ -40,8 +40,9 @@ class RunAnalysis:
         cfg = self.config
         lines.append(f"stragglers (window {cfg.window} steps, threshold {cfg.threshold:g}):")
         lines += [f"  {f.describe()}" for f in self.findings] or [
-            f"  none: no rank's median compute fell below {cfg.threshold:g}x the fastest "
-            f"rank's over any {cfg.window}-step window"
+            f"  none: no rank was {1 / cfg.threshold:.2f}x slower than the fastest rank, with "
+            f"the others waiting for it, for {cfg.min_len} steps or more after the first "
+            f"{cfg.warmup} (see docs/observability.md)"
         ]
         if self.outputs:
             lines += ["", "written:"] + [f"  {p}" for p in self.outputs]
@@ -153,7 +154,8 @@ def _format_bytes(b: dict[str, float], ranks: int) -> str:
         f"({b['per_rank_step'] * ranks / 1e6:.3f} MB per step over {ranks} ranks), "
         f"{b['total'] / 1e6:.1f} MB in total"
     )
-    if "compression_ratio" in b:
+    # Uncompressed runs send fp32 gradients: a "1.0x fewer" line would only be noise.
+    if "compression_ratio" in b and abs(b["compression_ratio"] - 1.0) > 0.01:
         line += (
             f"; {b['compression_ratio']:.1f}x fewer than fp32 gradients "
             f"({b['fp32_per_rank_step'] / 1e6:.3f} MB per rank per step)"

@@ -1,37 +1,58 @@
 """Straggler detection from step records alone: windowed scores, episodes, and their evidence.
 
-Scores follow the usual convention (0.5 = twice as slow as the reference), per rank, over a
-sliding window of ``window`` steps:
+Scores (``gradsync.telemetry.scores``): per rank over a sliding window of ``window`` recorded
+steps, relative = fastest rank's median compute / this rank's; individual = the rank's best
+windowed median so far / its current one (0.5 = twice as slow as the reference). A rank whose
+relative score drops below ``threshold`` is a *candidate* straggler. Individual scores do not
+flag single ranks (slower than its own past but not than the fastest = the job slowed down):
+the formula is applied to the job's per-step median instead, making a ``slowdown`` candidate.
 
-- relative = fastest rank's median compute / this rank's median compute
-- individual = this rank's best (lowest) windowed median so far / its current windowed median
+Real runs (a few ms of compute per step, more processes than cores) are noisy, so a candidate,
+whose interval is where its slow steps are, becomes a finding only if:
 
-A rank is flagged as a *straggler* when its relative score drops below ``threshold``: at a
-barrier everyone waits for it. The individual score is not used to flag single ranks, because a
-rank that is slow against its own past but not against the fastest rank means the whole job
-slowed down, and calling every rank a straggler would hide that. Instead the individual formula
-is applied to the job (per-step median compute across ranks): below ``threshold`` it raises one
-``slowdown`` finding for all ranks (input pipeline, throttling, a busy host...).
+1. warm-up is over: the first ``warmup`` recorded steps (default 10) are never scored;
+2. it lasts: its interval spans at least ``min_steps`` recorded steps (default half a window);
+3. its evidence supports it: over the interval its median compute is at least 1/threshold times
+   the fastest other rank's (never "1.0x slower"); for a slowdown, the job's per-step median
+   is at least 1/threshold times the job's best windowed median;
+4. (ranks only) the others wait for it, over the flagged window: candidates are at most half
+   the ranks (when most ranks are slower than the fastest, the fastest is the odd one); in at
+   least 2/3 of the steps
+   it computed longer than the other ranks' median, and it set the pace (largest compute) in
+   at least 1/(k+1) of them, k being the number of ranks behind the typical one in the window
+   (two equally slow stragglers share the pace and are both found). Being slower than one
+   unusually fast rank, or descheduled in some steps, is noise spread over ranks.
 
-An episode starts when a score first crosses the threshold and ends only once the score has
-stayed above it for a whole window, so a rank hovering near the threshold warns once, not on
-every crossing. Windows are counted in recorded steps, and a rank needs records for at least
-half a window to be scored, so runs shorter than one window produce no findings.
+Live, the same rules are applied to the last window at every step; a warning comes at the first
+step where a flagged window passes them, and an episode ends only once the score has stayed
+above the threshold for a whole window, so a rank hovering near the threshold warns once. Batch
+reports an episode iff live would have warned in it, with the interval of the whole episode.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
 
 from gradsync.errors import UsageError
 from gradsync.telemetry.records import StepRecord
+from gradsync.telemetry.scores import (
+    StepMatrix,
+    WindowScores,
+    above_others,
+    nanmedian,
+    pace_and_idle,
+    pace_shares,
+    ratio,
+    runs,
+    slow_interval,
+    synthetic_records,
+    window_scores,
+)
 
 __all__ = [
     "Finding",
@@ -40,6 +61,7 @@ __all__ = [
     "StragglerDetector",
     "WindowScores",
     "find_stragglers",
+    "runs",
     "synthetic_records",
     "window_scores",
 ]
@@ -47,8 +69,12 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StragglerConfig:
+    """``min_steps=None`` means half a window."""
+
     window: int = 20
     threshold: float = 0.75
+    warmup: int = 10
+    min_steps: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 2:
@@ -58,6 +84,20 @@ class StragglerConfig:
                 f"threshold must be between 0 and 1 exclusive, got {self.threshold!r} "
                 "(0.75 flags a rank more than 1.33x slower than the fastest)"
             )
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise UsageError(f"warmup must be an integer >= 0 (steps), got {self.warmup!r}")
+        m = self.min_steps
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise UsageError(f"min_steps must be an integer >= 1 (steps) or None, got {m!r}")
+
+    @property
+    def min_len(self) -> int:
+        """The shortest interval a finding may have, in recorded steps."""
+        return max(1, self.window // 2) if self.min_steps is None else self.min_steps
+
+    def supports(self, steps: int, slowdown: float) -> bool:
+        """Rules 2 and 3: long enough, and at least 1/threshold times slower (NaN never is)."""
+        return steps >= self.min_len and slowdown * self.threshold >= 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +105,11 @@ class Finding:
     """One episode: a straggling rank, or a job-wide slowdown (``rank is None``).
 
     ``slowdown``: how many times slower than the reference (the fastest other rank's median, or
-    the job's best windowed median) over ``first_step..last_step``. ``score``: the lowest
-    windowed score seen. ``idle_share``: idle the rank caused on the other ranks (their idle at
-    steps where it arrived last) over their wall time (compute + sync) in the interval.
+    the job's best windowed median) over ``first_step..last_step``. ``score``: the lowest windowed
+    score seen. ``idle_share``: idle the rank caused on the other ranks (their idle at steps where
+    it arrived last) over their wall time (compute + sync) in the interval. ``detected_at``: the
+    step at which the live detector warns (batch: would have warned). ``above_others``: the share
+    of the interval's steps where the rank computed longer than the other ranks' median.
     """
 
     kind: Literal["straggler", "slowdown"]
@@ -81,6 +123,7 @@ class Finding:
     idle_share: float = 0.0
     detected_at: int = -1
     ongoing: bool = False
+    above_others: float | None = None
 
     def describe(self) -> str:
         span = f"steps {self.first_step}-{self.last_step}"
@@ -103,25 +146,29 @@ class Finding:
 
 
 def find_stragglers(
-    records: Iterable[StepRecord] | StepMatrix, window: int = 20, threshold: float = 0.75
+    records: Iterable[StepRecord] | StepMatrix,
+    window: int = 20,
+    threshold: float = 0.75,
+    *,
+    warmup: int = 10,
+    min_steps: int | None = None,
 ) -> list[Finding]:
-    """Every episode in a finished run, with its evidence, ordered by first step."""
-    cfg = StragglerConfig(window=window, threshold=threshold)
-    m = records if isinstance(records, StepMatrix) else StepMatrix.from_records(records)
-    sc = window_scores(m, cfg.window)
-    w = cfg.window
-    out: list[Finding] = []
-    for col in range(len(m.ranks)):
-        rel = sc.relative[:, col]
-        for w0, w1 in runs(rel < cfg.threshold, merge_gap=w):
-            score = float(np.nanmin(rel[w0 : w1 + 1]))
-            f = _straggler(m, col, w0, w1 + w, cfg.threshold, score, int(m.steps[w0 + w - 1]))
-            out.append(f)
+    """Every episode in a finished run that passes the rules, ordered by first step."""
+    cfg = StragglerConfig(window=window, threshold=threshold, warmup=warmup, min_steps=min_steps)
+    full = records if isinstance(records, StepMatrix) else StepMatrix.from_records(records)
+    m, w, th = full.rows(cfg.warmup), cfg.window, cfg.threshold
+    sc = window_scores(m, w)
     job_best = np.fmin.accumulate(sc.job_median)
-    for w0, w1 in runs(sc.job_individual < cfg.threshold, merge_gap=w):
-        score = float(np.nanmin(sc.job_individual[w0 : w1 + 1]))
-        ref = float(job_best[w0])
-        out.append(_slowdown(m, w0, w1 + w, cfg.threshold, ref, score, int(m.steps[w0 + w - 1])))
+    out: list[Finding] = []
+    for col, score in [*enumerate(sc.relative.T), (None, sc.job_individual)]:
+        for w0, w1 in runs(score < th, merge_gap=w):
+            low = float(np.nanmin(score[w0 : w1 + 1]))
+            # Reported iff live would have warned: some flagged window's candidate passes.
+            ks = (k for k in range(w0, w1 + 1) if score[k] < th)
+            hits = (_candidate(m, cfg, col, k, k + w, low, job_best[k]) for k in ks)
+            if (first := next((f for f in hits if f), None)) is not None:
+                f = _candidate(m, cfg, col, w0, w1 + w, low, job_best[w0], whole_run=True)
+                out.append(replace(f or first, detected_at=first.detected_at, ongoing=False))
     return sorted(out, key=lambda f: (f.first_step, -1 if f.rank is None else f.rank))
 
 
@@ -140,6 +187,7 @@ class StragglerDetector:
         self.scores: dict[int, tuple[float, float]] = {}
         self._pending: dict[int, dict[int, StepRecord]] = {}
         self._rows: deque[list[StepRecord]] = deque(maxlen=self.config.window)
+        self._seen = 0  # steps processed, warm-up included
         self._best: dict[int, float] = {}
         self._job_best = np.inf
         self._calm: dict[tuple[str, int | None], int] = {}  # open episode -> windows unflagged
@@ -163,6 +211,9 @@ class StragglerDetector:
 
     def _process(self, row: list[StepRecord]) -> list[Finding]:
         cfg, w = self.config, self.config.window
+        self._seen += 1
+        if self._seen <= cfg.warmup:
+            return []
         self._rows.append(row)
         if len(self._rows) < w:
             return []
@@ -188,127 +239,45 @@ class StragglerDetector:
             if self._calm[key] >= w:
                 del self._calm[key]  # a whole window above threshold: the episode is over
         new: list[Finding] = []
-        step = int(m.steps[-1])
         for key, score in flagged.items():
             if key in self._calm:
                 continue
-            self._calm[key] = 0
-            if key[1] is None:
-                f = _slowdown(m, 0, w, cfg.threshold, self._job_best, score, step, ongoing=True)
-            else:
-                col = int(np.searchsorted(m.ranks, key[1]))
-                f = _straggler(m, col, 0, w, cfg.threshold, score, step, ongoing=True)
-            new.append(f)
+            c = None if key[1] is None else int(np.searchsorted(m.ranks, key[1]))
+            f = _candidate(m, cfg, c, 0, w, score, self._job_best)
+            if f is not None:  # else not (yet) supported by its evidence: look again next step
+                self._calm[key] = 0
+                new.append(replace(f, ongoing=True))
         return new
 
 
-@dataclass(slots=True)
-class StepMatrix:
-    """Records as [step, rank] arrays; NaN where a rank has no record for a step."""
-
-    steps: np.ndarray
-    ranks: np.ndarray
-    compute: np.ndarray
-    idle: np.ndarray
-    wall: np.ndarray
-
-    @classmethod
-    def from_records(cls, records: Iterable[StepRecord]) -> StepMatrix:
-        recs = list(records)
-        steps = np.array(sorted({r.step for r in recs}), dtype=np.int64)
-        ranks = np.array(sorted({r.rank for r in recs}), dtype=np.int64)
-        shape = (len(steps), len(ranks))
-        compute, idle, wall = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
-        if recs:
-            i = np.searchsorted(steps, [r.step for r in recs])
-            j = np.searchsorted(ranks, [r.rank for r in recs])
-            compute[i, j] = [r.compute for r in recs]
-            idle[i, j] = [r.idle for r in recs]
-            wall[i, j] = [r.compute + r.sync for r in recs]
-        return cls(steps, ranks, compute, idle, wall)
+_ABOVE_OTHERS = 2 / 3  # rule 4: noise rarely keeps a rank behind the typical one this often
 
 
-@dataclass(slots=True)
-class WindowScores:
-    """Row k describes the window of ``window`` recorded steps ending at ``end_steps[k]``."""
-
-    end_steps: np.ndarray
-    ranks: np.ndarray
-    median: np.ndarray  # [windows, ranks] median compute
-    relative: np.ndarray  # [windows, ranks]
-    individual: np.ndarray  # [windows, ranks]
-    job_median: np.ndarray  # [windows] windowed median of the per-step median across ranks
-    job_individual: np.ndarray  # [windows]
+def _waited_for(window: np.ndarray, col: int, threshold: float) -> bool:
+    """Rule 4 on one window: a minority of candidates, behind the typical rank, pacing."""
+    med = nanmedian(window, axis=0)
+    with np.errstate(all="ignore"):
+        candidates = int(np.sum(np.nanmin(med) / med < threshold))
+    if 2 * candidates > len(med):  # most ranks "slower than the fastest": that one is fast
+        return False
+    behind = [above_others(window, j) >= _ABOVE_OTHERS for j in range(window.shape[1])]
+    return behind[col] and pace_shares(window)[col] * (sum(behind) + 1) >= 1.0
 
 
-def window_scores(records: Iterable[StepRecord] | StepMatrix, window: int = 20) -> WindowScores:
-    """Relative and individual scores of every rank for every full window (NaN: too few records)."""
-    m = records if isinstance(records, StepMatrix) else StepMatrix.from_records(records)
-    med = _windowed_median(m.compute, window)
-    job = _windowed_median(_nanmedian(m.compute, axis=1)[:, None], window)[:, 0]
-    with np.errstate(all="ignore"), _quiet():
-        fastest = np.nanmin(med, axis=1, keepdims=True) if med.size else med
-        return WindowScores(
-            end_steps=m.steps[window - 1 :],
-            ranks=m.ranks,
-            median=med,
-            relative=fastest / med,
-            individual=np.fmin.accumulate(med, axis=0) / med,
-            job_median=job,
-            job_individual=np.fmin.accumulate(job) / job,
-        )
-
-
-def _windowed_median(x: np.ndarray, window: int) -> np.ndarray:
-    n = x.shape[0] - window + 1
-    if n <= 0:
-        return np.empty((0, x.shape[1]))
-    view = np.lib.stride_tricks.sliding_window_view(x, window, axis=0)
-    out = np.empty((n, x.shape[1]))
-    for lo in range(0, n, 4096):  # chunks bound the copy nanmedian makes on long runs
-        block = view[lo : lo + 4096]
-        med = _nanmedian(block, axis=-1)
-        med[(~np.isnan(block)).sum(axis=-1) < max(2, window // 2)] = np.nan
-        out[lo : lo + 4096] = med
-    return out
-
-
-def runs(flags: np.ndarray, merge_gap: int = 0) -> list[tuple[int, int]]:
-    """Inclusive index ranges of True, joining ranges separated by fewer than ``merge_gap``."""
-    idx = np.flatnonzero(np.diff(np.concatenate([[0], flags.astype(np.int8), [0]])))
-    out: list[tuple[int, int]] = []
-    for a, b in zip(idx[::2].tolist(), (idx[1::2] - 1).tolist(), strict=True):
-        if out and a - out[-1][1] - 1 < merge_gap:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def kadane(slow: np.ndarray) -> tuple[int, int] | None:
-    """The range maximising (#slow - #not slow): where the slow steps are, robust to noise."""
-    best, best_range, run, start = 0, None, 0, 0
-    for i, s in enumerate(slow.tolist()):
-        if run <= 0:
-            run, start = 0, i
-        run += 1 if s else -1
-        if run > best:
-            best, best_range = run, (start, i)
-    return best_range
-
-
-def _interval(slow: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
-    """Rows [a, b] of the slow stretch inside rows [lo, hi)."""
-    found = kadane(slow[lo:hi])
-    return (lo, hi - 1) if found is None else (lo + found[0], lo + found[1])
-
-
-def _fastest_other(m: StepMatrix, col: int, a: int, b: int) -> tuple[float, float]:
-    """(fastest other rank's median, this rank's median) of compute over rows [a, b)."""
-    meds = _nanmedian(m.compute[a:b], axis=0)
-    others = np.delete(meds, col)
-    ok = others[~np.isnan(others)]
-    return (float(ok.min()) if ok.size else np.nan), float(meds[col])
+def _candidate(
+    m: StepMatrix,
+    cfg: StragglerConfig,
+    col: int | None,
+    lo: int,
+    hi: int,
+    score: float,
+    job_best: float,
+    whole_run: bool = False,
+) -> Finding | None:
+    """Rank ``col``'s (None: the job's) candidate in rows [lo, hi), if the rules accept it."""
+    if col is None:
+        return _slowdown(m, lo, hi, cfg, float(job_best), score)
+    return _straggler(m, col, lo, hi, cfg, score, whole_run)
 
 
 def _straggler(
@@ -316,37 +285,37 @@ def _straggler(
     col: int,
     lo: int,
     hi: int,
-    th: float,
+    cfg: StragglerConfig,
     score: float,
-    at: int,
-    ongoing: bool = False,
-) -> Finding:
-    ref, _ = _fastest_other(m, col, lo, hi)
-    with np.errstate(all="ignore"):
-        a, b = _interval(ref / m.compute[:, col] < th, lo, hi)
-    ref, mine = _fastest_other(m, col, a, b + 1)
+    whole_run: bool = False,
+) -> Finding | None:
+    """The finding for rank ``col``'s candidate in rows [lo, hi), or None if the rules reject it.
+
+    Rule 4 is checked on the rows given (the flagged window) unless ``whole_run``: a batch
+    episode's rows may span quiet stretches between flagged windows that already passed it.
+    """
     others = np.arange(len(m.ranks)) != col
-    c = m.compute[a : b + 1]
-    paced = np.argmax(np.where(np.isnan(c), -np.inf, c), axis=1) == col
-    # The others' idle is charged to this rank at the steps it arrived last (least idle). For BSP
-    # that is where it set the pace; with local SGD the idle of a barrier step covers the compute
-    # since the previous barrier, and the rank that arrived last need not be the slowest *then*.
-    idle_rows = m.idle[a : b + 1]
-    last = idle_rows[:, col] <= np.nanmin(np.where(np.isnan(idle_rows), np.inf, idle_rows), axis=1)
-    idle = float(np.nansum(idle_rows[last][:, others]))
-    wall = float(np.nansum(m.wall[a : b + 1][:, others]))
+    if not whole_run and not _waited_for(m.compute[lo:hi], col, cfg.threshold):
+        return None
+    ref = np.nanmin(nanmedian(m.compute[lo:hi][:, others], axis=0), initial=np.inf)
+    with np.errstate(all="ignore"):
+        a, b = slow_interval(ref / m.compute[:, col] < cfg.threshold, lo, hi)
+    slowdown = ratio(m.compute[a : b + 1], col)
+    if not cfg.supports(b - a + 1, slowdown):
+        return None
+    paced, idle_share = pace_and_idle(m, col, a, b + 1)
     return Finding(
         kind="straggler",
         rank=int(m.ranks[col]),
         first_step=int(m.steps[a]),
         last_step=int(m.steps[b]),
         steps=b - a + 1,
-        slowdown=mine / ref if ref > 0 else np.inf,
+        slowdown=slowdown,
         score=score,
-        paced_steps=int(paced.sum()),
-        idle_share=idle / wall if wall > 0 else 0.0,
-        detected_at=at,
-        ongoing=ongoing,
+        paced_steps=paced,
+        idle_share=idle_share,
+        detected_at=int(m.steps[hi - 1]),
+        above_others=above_others(m.compute[a : b + 1], col),
     )
 
 
@@ -354,66 +323,24 @@ def _slowdown(
     m: StepMatrix,
     lo: int,
     hi: int,
-    th: float,
+    cfg: StragglerConfig,
     ref: float,
     score: float,
-    at: int,
-    ongoing: bool = False,
-) -> Finding:
-    job = _nanmedian(m.compute, axis=1)
+) -> Finding | None:
+    """The job-wide finding for the candidate in rows [lo, hi), or None if the rules reject it."""
+    job = nanmedian(m.compute, axis=1)
     with np.errstate(all="ignore"):
-        a, b = _interval(ref / job < th, lo, hi)
+        a, b = slow_interval(ref / job < cfg.threshold, lo, hi)
+    slowdown = float(nanmedian(job[a : b + 1], axis=0)) / ref if ref > 0 else np.nan
+    if not cfg.supports(b - a + 1, slowdown):
+        return None
     return Finding(
         kind="slowdown",
         rank=None,
         first_step=int(m.steps[a]),
         last_step=int(m.steps[b]),
         steps=b - a + 1,
-        slowdown=float(_nanmedian(job[a : b + 1], axis=0)) / ref if ref > 0 else np.inf,
+        slowdown=slowdown,
         score=score,
-        detected_at=at,
-        ongoing=ongoing,
+        detected_at=int(m.steps[hi - 1]),
     )
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    # All-NaN windows (a rank without records) are expected; numpy warns about each one.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
-
-
-def _nanmedian(x: np.ndarray, axis: int) -> np.ndarray:
-    with _quiet():
-        return np.asarray(np.nanmedian(x, axis=axis))
-
-
-def synthetic_records(
-    steps: int,
-    world_size: int,
-    *,
-    compute: float = 0.1,
-    jitter: float = 0.1,
-    comm: float = 0.01,
-    slow: Iterable[tuple[int | None, int, int, float]] = (),
-    bytes_per_step: int = 1_000_000,
-    seed: int = 0,
-) -> list[StepRecord]:
-    """A BSP run without processes, for tests and demos: compute times jittered by +-``jitter``,
-    and ``slow`` entries (rank or None for all, first step, last step, factor) planted on top."""
-    rng = np.random.default_rng(seed)
-    c = compute * rng.uniform(1 - jitter, 1 + jitter, size=(steps, world_size))
-    for rank, first, last, factor in slow:
-        c[first : last + 1, slice(None) if rank is None else rank] *= factor
-    out, t = [], 1.7e9
-    for s in range(steps):
-        slowest = float(c[s].max())
-        for r in range(world_size):
-            idle = slowest - float(c[s, r])
-            out.append(
-                StepRecord(r, s, t, float(c[s, r]), idle + comm, idle, comm, 32, bytes_per_step)
-            )
-            out[-1].loss = 2.0 / (1 + 0.01 * s)
-        t += slowest + comm
-    return out

@@ -26,6 +26,12 @@ def hidden_for(params: int) -> int:
     return max(1, round((-b + math.sqrt(b * b + 4 * max(params - OUT_DIM, 0))) / 2))
 
 
+def parameter_count(params: int) -> int:
+    """Exact parameter count of the student built for ``--params``."""
+    h = hidden_for(params)
+    return h * h + (IN_DIM + OUT_DIM + 2) * h + OUT_DIM
+
+
 class TeacherStudentMLP:
     name = "mlp"
     default_lr = 0.05

@@ -1,0 +1,224 @@
+"""Windowed straggler scores from step records: the numbers behind ``stragglers``' findings.
+
+Scores follow the usual convention (0.5 = twice as slow as the reference), per rank, over a
+sliding window of ``window`` recorded steps, using the window's median compute:
+
+- relative = fastest rank's median compute / this rank's median compute
+- individual = this rank's best (lowest) windowed median so far / its current windowed median
+
+``synthetic_records`` makes a BSP run without processes, for tests and demos. The helpers below
+turn flagged windows into step intervals (``runs``, ``kadane``) and measure
+the evidence for one (``ratio``, ``above_others``, ``pace_shares``); deciding what counts as a
+finding is ``stragglers``' job.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradsync.telemetry.records import StepRecord
+
+__all__ = [
+    "StepMatrix",
+    "WindowScores",
+    "above_others",
+    "kadane",
+    "pace_shares",
+    "ratio",
+    "runs",
+    "window_scores",
+]
+
+
+@dataclass(slots=True)
+class StepMatrix:
+    """Records as [step, rank] arrays; NaN where a rank has no record for a step."""
+
+    steps: np.ndarray
+    ranks: np.ndarray
+    compute: np.ndarray
+    idle: np.ndarray
+    wall: np.ndarray
+
+    @classmethod
+    def from_records(cls, records: Iterable[StepRecord]) -> StepMatrix:
+        recs = list(records)
+        steps = np.array(sorted({r.step for r in recs}), dtype=np.int64)
+        ranks = np.array(sorted({r.rank for r in recs}), dtype=np.int64)
+        shape = (len(steps), len(ranks))
+        compute, idle, wall = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
+        if recs:
+            i = np.searchsorted(steps, [r.step for r in recs])
+            j = np.searchsorted(ranks, [r.rank for r in recs])
+            compute[i, j] = [r.compute for r in recs]
+            idle[i, j] = [r.idle for r in recs]
+            wall[i, j] = [r.compute + r.sync for r in recs]
+        return cls(steps, ranks, compute, idle, wall)
+
+    def rows(self, lo: int, hi: int | None = None) -> StepMatrix:
+        """The recorded steps ``lo`` to ``hi`` (exclusive), as a view."""
+        s = slice(lo, hi)
+        return StepMatrix(self.steps[s], self.ranks, self.compute[s], self.idle[s], self.wall[s])
+
+
+@dataclass(slots=True)
+class WindowScores:
+    """Row k describes the window of ``window`` recorded steps ending at ``end_steps[k]``."""
+
+    end_steps: np.ndarray
+    ranks: np.ndarray
+    median: np.ndarray  # [windows, ranks] median compute
+    relative: np.ndarray  # [windows, ranks]
+    individual: np.ndarray  # [windows, ranks]
+    job_median: np.ndarray  # [windows] windowed median of the per-step median across ranks
+    job_individual: np.ndarray  # [windows]
+
+
+def window_scores(records: Iterable[StepRecord] | StepMatrix, window: int = 20) -> WindowScores:
+    """Relative and individual scores of every rank for every full window (NaN: too few records)."""
+    m = records if isinstance(records, StepMatrix) else StepMatrix.from_records(records)
+    med = _windowed_median(m.compute, window)
+    job = _windowed_median(nanmedian(m.compute, axis=1)[:, None], window)[:, 0]
+    with np.errstate(all="ignore"), quiet():
+        fastest = np.nanmin(med, axis=1, keepdims=True) if med.size else med
+        return WindowScores(
+            end_steps=m.steps[window - 1 :],
+            ranks=m.ranks,
+            median=med,
+            relative=fastest / med,
+            individual=np.fmin.accumulate(med, axis=0) / med,
+            job_median=job,
+            job_individual=np.fmin.accumulate(job) / job,
+        )
+
+
+def ratio(compute: np.ndarray, col: int) -> float:
+    """How many times slower rank ``col``'s median compute is than the fastest other rank's
+    median over these rows (NaN if unknown)."""
+    med = nanmedian(compute, axis=0)
+    others = np.delete(med, col)
+    ok = others[~np.isnan(others)]
+    return float(med[col]) / float(ok.min()) if ok.size and ok.min() > 0 else np.nan
+
+
+def pace_shares(compute: np.ndarray) -> np.ndarray:
+    """Per rank, the share of these rows at which it had the largest compute (set the pace)."""
+    c = np.where(np.isnan(compute), -np.inf, compute)
+    return np.bincount(np.argmax(c, axis=1), minlength=c.shape[1]) / max(1, c.shape[0])
+
+
+def above_others(compute: np.ndarray, col: int) -> float:
+    """The share of these rows at which rank ``col`` computed longer than the median of the
+    other ranks at that row (rows where either is missing do not count; NaN if none left)."""
+    typical = nanmedian(np.delete(compute, col, axis=1), axis=1)
+    mine = compute[:, col]
+    ok = ~(np.isnan(mine) | np.isnan(typical))
+    return float(np.mean(mine[ok] > typical[ok])) if ok.any() else np.nan
+
+
+def runs(flags: np.ndarray, merge_gap: int = 0) -> list[tuple[int, int]]:
+    """Inclusive index ranges of True, joining ranges separated by fewer than ``merge_gap``."""
+    idx = np.flatnonzero(np.diff(np.concatenate([[0], flags.astype(np.int8), [0]])))
+    out: list[tuple[int, int]] = []
+    for a, b in zip(idx[::2].tolist(), (idx[1::2] - 1).tolist(), strict=True):
+        if out and a - out[-1][1] - 1 < merge_gap:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def kadane(slow: np.ndarray) -> tuple[int, int] | None:
+    """The range maximising (#slow - #not slow): where the slow steps are, robust to noise."""
+    best, best_range, run, start = 0, None, 0, 0
+    for i, s in enumerate(slow.tolist()):
+        if run <= 0:
+            run, start = 0, i
+        run += 1 if s else -1
+        if run > best:
+            best, best_range = run, (start, i)
+    return best_range
+
+
+def slow_interval(slow: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
+    """Rows [a, b] of the slow stretch inside rows [lo, hi)."""
+    found = kadane(slow[lo:hi])
+    return (lo, hi - 1) if found is None else (lo + found[0], lo + found[1])
+
+
+def pace_and_idle(m: StepMatrix, col: int, lo: int, hi: int) -> tuple[int, float]:
+    """Over rows [lo, hi): at how many steps rank ``col`` set the pace (largest compute), and the
+    idle it caused on the other ranks as a share of their wall time."""
+    others = np.arange(len(m.ranks)) != col
+    c = m.compute[lo:hi]
+    paced = np.argmax(np.where(np.isnan(c), -np.inf, c), axis=1) == col
+    # The others' idle is charged to this rank at the steps it arrived last (least idle). For BSP
+    # that is where it set the pace; with local SGD the idle of a barrier step covers the compute
+    # since the previous barrier, and the rank that arrived last need not be the slowest *then*.
+    idle_rows = m.idle[lo:hi]
+    last = idle_rows[:, col] <= np.nanmin(np.where(np.isnan(idle_rows), np.inf, idle_rows), axis=1)
+    idle = float(np.nansum(idle_rows[last][:, others]))
+    wall = float(np.nansum(m.wall[lo:hi][:, others]))
+    return int(paced.sum()), idle / wall if wall > 0 else 0.0
+
+
+def _windowed_median(x: np.ndarray, window: int) -> np.ndarray:
+    n = x.shape[0] - window + 1
+    if n <= 0:
+        return np.empty((0, x.shape[1]))
+    view = np.lib.stride_tricks.sliding_window_view(x, window, axis=0)
+    out = np.empty((n, x.shape[1]))
+    for lo in range(0, n, 4096):  # chunks bound the copy nanmedian makes on long runs
+        block = view[lo : lo + 4096]
+        med = nanmedian(block, axis=-1)
+        med[(~np.isnan(block)).sum(axis=-1) < max(2, window // 2)] = np.nan
+        out[lo : lo + 4096] = med
+    return out
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    # All-NaN windows (a rank without records) are expected; numpy warns about each one.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def nanmedian(x: np.ndarray, axis: int) -> np.ndarray:
+    with quiet():
+        return np.asarray(np.nanmedian(x, axis=axis))
+
+
+def synthetic_records(
+    steps: int,
+    world_size: int,
+    *,
+    compute: float = 0.1,
+    jitter: float = 0.1,
+    comm: float = 0.01,
+    slow: Iterable[tuple[int | None, int, int, float]] = (),
+    bytes_per_step: int = 1_000_000,
+    seed: int = 0,
+) -> list[StepRecord]:
+    """A BSP run without processes, for tests and demos: compute times jittered by +-``jitter``,
+    and ``slow`` entries (rank or None for all, first step, last step, factor) planted on top."""
+    rng = np.random.default_rng(seed)
+    c = compute * rng.uniform(1 - jitter, 1 + jitter, size=(steps, world_size))
+    for rank, first, last, factor in slow:
+        c[first : last + 1, slice(None) if rank is None else rank] *= factor
+    out, t = [], 1.7e9
+    for s in range(steps):
+        slowest = float(c[s].max())
+        for r in range(world_size):
+            idle = slowest - float(c[s, r])
+            out.append(
+                StepRecord(r, s, t, float(c[s, r]), idle + comm, idle, comm, 32, bytes_per_step)
+            )
+            out[-1].loss = 2.0 / (1 + 0.01 * s)
+        t += slowest + comm
+    return out
