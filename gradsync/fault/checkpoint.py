@@ -1,0 +1,458 @@
+"""Atomic, verified checkpoints: one file per rank per step, a manifest written last.
+
+::
+
+    DIR/step-000120/rank-0.pt        torch.save of rank 0's state
+    DIR/step-000120/rank-0.pt.sum    size and sha256 of rank-0.pt, written by rank 0's save
+    DIR/step-000120/MANIFEST.json    written last, by rank 0's commit: marks the step complete
+
+Protocol (the store does no collectives; the caller owns the barrier)::
+
+    store.save(step, rank, world_size, state)      # every rank
+    barrier()                                      # caller's collective
+    if rank == 0: store.commit(step, world_size)   # writes the manifest, prunes to ``keep``
+
+On resume every rank calls ``latest(world_size)`` (same answer on a shared filesystem: it only
+reads) and ``load(info, rank)``, which reads with ``torch.load(weights_only=True)``.
+See docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointStore",
+    "CheckpointWarning",
+    "FileEntry",
+    "safe_load",
+]
+
+FORMAT = "gradsync-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_SUFFIX = ".tmp"
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, found or loaded; the message says which and why."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (incomplete, truncated, corrupted) in favour of an older one."""
+
+
+class _Invalid(Exception):
+    """Why a checkpoint directory is unusable: becomes a CheckpointWarning, then a fallback."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileEntry:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointInfo:
+    """A complete checkpoint, as its manifest describes it."""
+
+    step: int
+    world_size: int
+    path: Path
+    files: Mapping[int, FileEntry] = field(default_factory=dict)
+    created: float = 0.0
+
+    def file(self, rank: int) -> Path:
+        return self.path / self.files[rank].name
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank}.pt"
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class CheckpointStore:
+    """Checkpoints under ``directory``, keeping the newest ``keep`` complete ones.
+
+    ``last_save_seconds``, ``last_commit_seconds`` and ``last_load_seconds`` time this process's
+    most recent call of each (``None`` before the first), for reliability reports.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
+        self.directory = Path(directory)
+        self.keep = _check_int("keep", keep, 1)
+        self.last_save_seconds: float | None = None
+        self.last_save_bytes: int | None = None
+        self.last_commit_seconds: float | None = None
+        self.last_load_seconds: float | None = None
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / f"step-{step:06d}"
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def save(self, step: int, rank: int, world_size: int, state: dict[str, Any]) -> Path:
+        """Write this rank's ``state`` for ``step`` atomically; return the file's path.
+
+        Raises ``CheckpointError`` before writing anything if ``state`` holds an object that
+        ``torch.load(weights_only=True)`` would refuse: better to fail at save than at resume.
+        """
+        start = time.perf_counter()
+        _check_int("step", step, 0)
+        _check_int("world_size", world_size, 1)
+        if _check_int("rank", rank, 0) >= world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
+        _check_weights_only_safe(state, "state")
+        step_dir = self.step_dir(step)
+        step_dir.mkdir(parents=True, exist_ok=True)
+        # A manifest left by an earlier save of this step (the run resumed from an older
+        # checkpoint and came back here) would vouch for files that are about to be replaced.
+        (step_dir / MANIFEST).unlink(missing_ok=True)
+        target = step_dir / _rank_file(rank)
+        _atomic_write(target, lambda f: torch.save(state, f))
+        size, digest = _hash_file(target)
+        summary = json.dumps({"size": size, "sha256": digest}).encode()
+        _atomic_write(target.with_name(target.name + ".sum"), lambda f: f.write(summary))
+        _fsync_dir(step_dir)
+        self.last_save_bytes = size
+        self.last_save_seconds = time.perf_counter() - start
+        return target
+
+    def commit(self, step: int, world_size: int, *, prune: bool = True) -> CheckpointInfo:
+        """Mark ``step`` complete by writing its manifest (rank 0, after every rank's save
+        returned and a barrier), then prune to ``keep`` checkpoints unless ``prune=False``."""
+        start = time.perf_counter()
+        _check_int("step", step, 0)
+        _check_int("world_size", world_size, 1)
+        step_dir = self.step_dir(step)
+        files: dict[int, FileEntry] = {}
+        missing = []
+        for rank in range(world_size):
+            path = step_dir / _rank_file(rank)
+            summary = path.with_name(path.name + ".sum")
+            if not (path.is_file() and summary.is_file()):
+                missing.append(rank)
+                continue
+            meta = json.loads(summary.read_text())
+            actual = path.stat().st_size
+            if actual != meta["size"]:
+                raise CheckpointError(
+                    f"cannot commit step {step}: {path} is {actual} bytes but its save wrote "
+                    f"{meta['size']}"
+                )
+            files[rank] = FileEntry(name=path.name, size=actual, sha256=meta["sha256"])
+        if missing:
+            raise CheckpointError(
+                f"cannot commit step {step}: no complete file from rank(s) "
+                f"{', '.join(map(str, missing))} of {world_size} in {step_dir}; call commit on "
+                "rank 0 only after every rank's save has returned (a barrier)"
+            )
+        # Leftovers from an earlier, larger world or a crashed write would sit next to the
+        # checkpoint looking like part of it.
+        for extra in step_dir.iterdir():
+            m = re.match(r"^rank-(\d+)\.pt(\.sum)?$", extra.name)
+            if (m and int(m.group(1)) >= world_size) or extra.name.endswith(_TMP_SUFFIX):
+                extra.unlink(missing_ok=True)
+        created = time.time()
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": step,
+            "world_size": world_size,
+            "created": created,
+            "files": {
+                str(r): {"name": e.name, "size": e.size, "sha256": e.sha256}
+                for r, e in files.items()
+            },
+        }
+        data = (json.dumps(manifest, indent=2) + "\n").encode()
+        _atomic_write(step_dir / MANIFEST, lambda f: f.write(data))
+        _fsync_dir(step_dir)
+        _fsync_dir(self.directory)
+        self.last_commit_seconds = time.perf_counter() - start
+        if prune:
+            self.prune(newest=step)
+        return CheckpointInfo(
+            step=step, world_size=world_size, path=step_dir, files=files, created=created
+        )
+
+    def prune(self, *, newest: int | None = None) -> list[Path]:
+        """Keep the newest ``keep`` complete checkpoints at or below step ``newest`` (default:
+        the newest complete one); delete older checkpoints and older incomplete directories.
+
+        Directories above ``newest`` are never touched: they are a save in progress, or a
+        damaged checkpoint from before a resume, which the next save of that step replaces.
+        Returns the directories removed.
+        """
+        dirs = self._step_dirs()
+        complete = [
+            s for s, p in dirs if (p / MANIFEST).exists() and (newest is None or s <= newest)
+        ]
+        if not complete:  # nothing committed yet: anything here may be a save in progress
+            return []
+        kept = set(complete[: self.keep])
+        oldest_kept = min(kept)
+        removed = []
+        for step, path in dirs:
+            if step < oldest_kept or (step in complete and step not in kept):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        return removed
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def latest(
+        self,
+        world_size: int | None = None,
+        *,
+        allow_world_change: bool = False,
+        verify: bool = True,
+    ) -> CheckpointInfo | None:
+        """The newest complete, intact checkpoint, or ``None`` when there is none.
+
+        A newer directory that is incomplete, truncated or corrupted is skipped with a
+        ``CheckpointWarning`` naming it and why. ``verify=False`` checks sizes but not
+        checksums (faster for large checkpoints; ``load`` still verifies the file it reads).
+        When ``world_size`` differs from the checkpoint's, raises ``CheckpointError`` unless
+        ``allow_world_change`` (then seed ranks with ``load(info, rank, source_rank=0)``).
+        """
+        for step, path in self._step_dirs():
+            try:
+                info = _read_manifest(path, step)
+                _verify(info, checksums=verify)
+            except _Invalid as why:
+                warnings.warn(
+                    f"skipping checkpoint {path}: {why}; falling back to an earlier checkpoint",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+                continue
+            if world_size is not None and world_size != info.world_size and not allow_world_change:
+                raise CheckpointError(
+                    f"checkpoint {path} was written by {info.world_size} ranks and resuming with "
+                    f"{world_size} is not supported for this strategy (per-rank state cannot be "
+                    f"re-sharded); resume with {info.world_size} ranks, or, when every rank holds "
+                    "identical state (BSP), pass allow_world_change=True and seed every rank "
+                    "with load(info, rank, source_rank=0)"
+                )
+            return info
+        return None
+
+    def load(
+        self,
+        info: CheckpointInfo,
+        rank: int,
+        *,
+        source_rank: int | None = None,
+        map_location: str | torch.device | None = "cpu",
+    ) -> dict[str, Any]:
+        """Read the state ``rank`` saved (or ``source_rank``'s, to seed a rank of a different
+        world from one replica) with ``torch.load(weights_only=True)``.
+
+        Raises ``CheckpointError`` when the file no longer matches its manifest, is unreadable,
+        or holds objects other than tensors and plain containers: such a file is refused
+        without running anything in it.
+        """
+        start = time.perf_counter()
+        src = rank if source_rank is None else source_rank
+        if src not in info.files:
+            ranks = f"0..{info.world_size - 1}"
+            raise CheckpointError(
+                f"checkpoint {info.path} holds ranks {ranks}, not rank {src}"
+                + (
+                    "; to seed a new rank from one replica (BSP only) pass source_rank=0"
+                    if source_rank is None
+                    else ""
+                )
+            )
+        entry = info.files[src]
+        path = info.path / entry.name
+        try:
+            _check_entry(path, entry, checksums=True)
+        except _Invalid as why:
+            raise CheckpointError(f"cannot load {path}: {why}") from None
+        state = safe_load(path, map_location=map_location)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict")
+        self.last_load_seconds = time.perf_counter() - start
+        return state
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        """(step, directory) pairs, newest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and p.is_dir():
+                found.append((int(m.group(1)), p))
+        return sorted(found, reverse=True)
+
+
+def safe_load(path: str | Path, *, map_location: str | torch.device | None = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``, with refusals and damage as ``CheckpointError``."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refusing to load {path}: it contains objects that are not plain tensors/containers "
+            f"(possible code execution); it was not run. torch says: {_torch_reason(e)}"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {_torch_reason(e)}") from None
+
+
+def _torch_reason(e: BaseException) -> str:
+    """The informative line of torch's multi-paragraph load error."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines:
+        if "Unsupported" in ln or "WeightsUnpickler error" in ln:
+            # torch goes on to suggest allowlisting the global: not advice for a file that
+            # tried to call exec, so stop at the reason.
+            return ln.split(" Please use", 1)[0]
+    return lines[0] if lines else type(e).__name__
+
+
+def _read_manifest(path: Path, step: int) -> CheckpointInfo:
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise _Invalid(f"incomplete: no {MANIFEST} (the save did not finish)")
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _Invalid(f"{MANIFEST} is unreadable ({e})") from None
+    try:
+        if data["format"] != FORMAT or data["version"] != FORMAT_VERSION:
+            raise _Invalid(
+                f"{MANIFEST} is format {data['format']!r} version {data['version']}; this gradsync "
+                f"reads {FORMAT!r} version {FORMAT_VERSION}"
+            )
+        if data["step"] != step:
+            raise _Invalid(f"{MANIFEST} says step {data['step']} but the directory is {path.name}")
+        world_size = int(data["world_size"])
+        files = {
+            int(r): FileEntry(name=str(e["name"]), size=int(e["size"]), sha256=str(e["sha256"]))
+            for r, e in data["files"].items()
+        }
+        created = float(data.get("created", 0.0))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _Invalid(f"{MANIFEST} is malformed ({type(e).__name__}: {e})") from None
+    if sorted(files) != list(range(world_size)):
+        raise _Invalid(f"{MANIFEST} lists ranks {sorted(files)} for a world of {world_size}")
+    return CheckpointInfo(step=step, world_size=world_size, path=path, files=files, created=created)
+
+
+def _verify(info: CheckpointInfo, *, checksums: bool) -> None:
+    for entry in info.files.values():
+        _check_entry(info.path / entry.name, entry, checksums=checksums)
+
+
+def _check_entry(path: Path, entry: FileEntry, *, checksums: bool) -> None:
+    if "/" in entry.name or "\\" in entry.name or entry.name in ("", ".", ".."):
+        raise _Invalid(f"{MANIFEST} names a file outside the checkpoint: {entry.name!r}")
+    if not path.is_file():
+        raise _Invalid(f"{entry.name} is missing")
+    size = path.stat().st_size
+    if size != entry.size:
+        raise _Invalid(
+            f"{entry.name} is truncated or damaged: {size} bytes, the manifest says {entry.size}"
+        )
+    if checksums and _hash_file(path)[1] != entry.sha256:
+        raise _Invalid(f"{entry.name} is corrupted: its sha256 does not match the manifest")
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write through a temporary name in the same directory, fsync, then rename over ``path``:
+    a reader sees the old file or the whole new one, never a partial write."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is durable only once the directory entry is; some filesystems (and Windows)
+    # cannot fsync a directory, where the rename is still atomic, just not yet durable.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def _check_weights_only_safe(obj: object, where: str) -> None:
+    """Raise ``CheckpointError`` naming the first object a weights_only load would refuse.
+
+    Exact type checks on purpose: subclasses (a namedtuple, a defaultdict, a tensor subclass)
+    pickle as their own class, which the weights_only unpickler does not know.
+    """
+    kind = type(obj)
+    if kind in (torch.Tensor, torch.nn.Parameter) or kind is torch.Size or kind in _LEAVES:
+        return
+    if kind in (dict, OrderedDict) and isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_weights_only_safe(key, f"{where} key {key!r}")
+            _check_weights_only_safe(value, f"{where}[{key!r}]")
+        return
+    if kind in (list, tuple, set) and isinstance(obj, (list, tuple, set)):
+        for i, value in enumerate(obj):
+            _check_weights_only_safe(value, f"{where}[{i}]")
+        return
+    raise CheckpointError(
+        f"cannot checkpoint {where}: a {kind.__module__}.{kind.__qualname__} would be refused by "
+        "torch.load(weights_only=True); store tensors, numbers, strings and dicts/lists/tuples "
+        "of them (see gradsync.fault.rng_state for RNG states)"
+    )

@@ -1,0 +1,58 @@
+"""Random number generator state as plain values, so it survives ``torch.load(weights_only=True)``.
+
+``random.getstate()`` and ``numpy.random.get_state()`` return tuples holding a numpy array and
+nested tuples; a weights_only load refuses numpy arrays, so the states are stored as tensors,
+lists and scalars and rebuilt into the library's own shapes on restore.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["rng_state", "set_rng_state"]
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch CPU, CUDA (when initialized), Python ``random`` and numpy global RNG states."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": int(version), "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": str(kind),
+            # uint32 has no torch equivalent in every version: int64 holds it exactly.
+            "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+    }
+    # Asking for CUDA state initializes CUDA; a CPU-only (gloo) worker must not pay for that.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned (each generator present in ``state``)."""
+    unknown = set(state) - {"torch", "python", "numpy", "cuda"}
+    if unknown:
+        raise ValueError(f"unknown RNG state keys {sorted(unknown)}; expected torch/python/numpy")
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        py = state["python"]
+        random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
+    if "numpy" in state:
+        n = state["numpy"]
+        keys = torch.as_tensor(n["keys"]).numpy().astype(np.uint32)
+        np.random.set_state(
+            (n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"]))
+        )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
