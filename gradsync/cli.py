@@ -56,6 +56,17 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="flag a rank whose relative score falls below this",
     )
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip PNG plots")
+    p.add_argument(
+        "--balance",
+        action="store_true",
+        help="shard each global batch by measured speed (bsp; the update stays exact)",
+    )
+    p.add_argument(
+        "--check-every",
+        type=int,
+        default=d.check_every,
+        help="compare replica fingerprints every N steps (0: off; default %(default)s)",
+    )
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
@@ -118,7 +129,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _trainable_params(cfg: Any) -> int:
     """Parameter count of the run's model, for the compression ratio against fp32 gradients."""
     from gradsync.workloads import make_workload
+    from gradsync.workloads.mlp import parameter_count
 
+    if cfg.workload == "mlp":  # by formula: --params may be far too large to allocate here
+        return parameter_count(cfg.params)
     model = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)
     return sum(p.numel() for p in model.build_model().parameters() if p.requires_grad)
 
@@ -146,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_flags(compare)
     compare.set_defaults(func=cmd_compare)
-    for module in ("gradsync.sim.cli", "gradsync.telemetry.cli"):
+    for module in ("gradsync.sim.cli", "gradsync.telemetry.cli", "gradsync.cluster.cli"):
         _add_optional_parsers(module, sub)
     return parser
 
@@ -193,10 +207,10 @@ def _describe_child_failure(exc: Any) -> str:
         if isinstance(message, dict):
             message = message.get("message", json.dumps(message))
         text = [t for t in str(message).strip().splitlines() if t.strip()]
-        if failure.exitcode < 0:
+        if text and "To enable traceback" not in text[-1] and "Signal" not in text[-1]:
+            why = text[-1]  # the exception @record saved, even if teardown then aborted
+        elif failure.exitcode < 0:
             why = f"killed by signal {-failure.exitcode}"
-        elif text and "To enable traceback" not in text[-1]:
-            why = text[-1]
         else:
             why = "no error message (see the worker output above)"
         lines.append(f"rank {rank} failed (exit code {failure.exitcode}): {why}")

@@ -12,7 +12,12 @@ from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
 from gradsync.inject import parse_slow
 from gradsync.strategies.base import parse_strategy, uses_servers
+from gradsync.telemetry.stragglers import StragglerConfig
 from gradsync.workloads import WORKLOADS
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_LOCAL_PROCESSES = 256
+MAX_PARAMS = 1_000_000_000
 
 
 def default_out() -> str:
@@ -43,6 +48,8 @@ class RunConfig:
     straggler_window: int = 20
     straggler_threshold: float = 0.75
     plots: bool = True
+    balance: bool = False
+    check_every: int = 100
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -64,8 +71,26 @@ class RunConfig:
             raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
         if self.lr is not None and not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
-        if not self.timeout > 0:
-            raise UsageError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if not 0 < self.timeout <= MAX_TIMEOUT_S:
+            raise UsageError(
+                f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds (a week), "
+                f"got {self.timeout}"
+            )
+        if self.nproc > MAX_LOCAL_PROCESSES:
+            raise UsageError(
+                f"--nproc {self.nproc} is more local workers than gradsync starts on one machine "
+                f"(at most {MAX_LOCAL_PROCESSES}); use torchrun across nodes for more"
+            )
+        if not 1000 <= self.params <= MAX_PARAMS:
+            raise UsageError(
+                f"--params must be between 1000 and {MAX_PARAMS:,} (4 GB of fp32), "
+                f"got {self.params}"
+            )
+        try:
+            StragglerConfig(window=self.straggler_window, threshold=self.straggler_threshold)
+        except UsageError as exc:
+            flag = "--straggler-window" if "window" in str(exc) else "--straggler-threshold"
+            raise UsageError(f"{flag}: {exc}") from None
         if self.data is not None and not Path(self.data).is_file():
             raise UsageError(f"--data file {self.data!r} does not exist or is not a file")
         if self.uses_servers and self.compression not in (None, "none"):
@@ -74,6 +99,10 @@ class RunConfig:
                 "parameter-server pushes are not supported yet; compression works with bsp, "
                 "local:H and diloco:H"
             )
+        if self.balance and parse_strategy(self.strategy).name != "bsp":
+            raise UsageError(f"--balance needs --strategy bsp, got {self.strategy}")
+        if self.check_every < 0:
+            raise UsageError(f"--check-every must be >= 0 (0: off), got {self.check_every}")
         if self.servers < 1:
             raise UsageError(f"--servers must be at least 1, got {self.servers}")
         for s in parse_slow(self.slow):

@@ -7,29 +7,36 @@ from dataclasses import dataclass
 
 from gradsync.errors import UsageError
 
-SLOW_FORM = "RANK:FACTOR[@STEP] (e.g. 3:2 or 1:1.5@100), comma-separated for several ranks"
+MAX_FACTOR = 1000.0  # beyond this a "slowdown" is a hang; inf would sleep nan seconds
+SLOW_FORM = (
+    "RANK:FACTOR[@START[-END]] (e.g. 3:2, 1:1.5@100 or 1:3@10-40), comma-separated for several"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Slowdown:
-    """Make ``rank``'s compute ``factor`` times as long from step ``start`` on."""
+    """Make ``rank``'s compute ``factor`` times as long from step ``start`` on (until ``end``,
+    exclusive, when given)."""
 
     rank: int
     factor: float
     start: int = 0
+    end: int | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise UsageError(f"slowdown rank must be >= 0, got {self.rank}")
-        if not self.factor >= 1.0:
-            raise UsageError(f"slowdown factor must be >= 1, got {self.factor}")
+        if not 1.0 <= self.factor <= MAX_FACTOR:
+            raise UsageError(f"slowdown factor must be in [1, {MAX_FACTOR:g}], got {self.factor}")
         if self.start < 0:
             raise UsageError(f"slowdown start step must be >= 0, got {self.start}")
+        if self.end is not None and self.end <= self.start:
+            raise UsageError(f"slowdown end step {self.end} must be after its start {self.start}")
 
     def delay(self, rank: int, step: int, natural_compute: float) -> float:
         """Seconds to sleep: proportional to the rank's own measured compute, so the slowdown
         scales with the workload instead of adding a constant."""
-        if rank != self.rank or step < self.start:
+        if rank != self.rank or step < self.start or (self.end is not None and step >= self.end):
             return 0.0
         return (self.factor - 1.0) * natural_compute
 
@@ -39,13 +46,19 @@ def parse_slow(spec: str | None) -> list[Slowdown]:
         return []
     out = []
     for part in spec.split(","):
-        head, _, start = part.strip().partition("@")
+        head, _, when = part.strip().partition("@")
         rank, sep, factor = head.partition(":")
+        start, dash, end = when.partition("-")
         try:
-            if not sep:
+            if not sep or (dash and not (start and end)):
                 raise ValueError
             out.append(
-                Slowdown(rank=int(rank), factor=float(factor), start=int(start) if start else 0)
+                Slowdown(
+                    rank=int(rank),
+                    factor=float(factor),
+                    start=int(start) if start else 0,
+                    end=int(end) if end else None,
+                )
             )
         except ValueError:
             raise UsageError(f"bad --slow value {part.strip()!r}; valid: {SLOW_FORM}") from None

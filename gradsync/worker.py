@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsync import runtime
 from gradsync.config import RunConfig
 from gradsync.progress import Progress
 from gradsync.synchronizer import Synchronizer
-from gradsync.telemetry.records import METRICS_FILE, StepRecord, write_records
+from gradsync.telemetry.records import METRICS_FILE, SPANS_FILE, StepRecord, write_records
 from gradsync.telemetry.stragglers import StragglerConfig, StragglerDetector
 from gradsync.workloads import make_workload
 
@@ -53,6 +54,18 @@ class _Rank0Sink:
             self.progress.interrupt(f"gradsync: straggler: {finding.describe()}")
 
 
+def _write_spans(sync: Synchronizer, run_dir: Path) -> None:
+    """Collective: gather every rank's spans (bucket communication, optimizer) to rank 0."""
+    spans = [s.to_json() for s in sync.spans]
+    gathered: list[list[str] | None] = [None] * sync.world_size
+    dist.all_gather_object(gathered, spans, group=sync.group)
+    if sync.rank == 0:
+        with open(run_dir / SPANS_FILE, "w", encoding="utf-8") as fh:
+            for part in gathered:
+                for line in part or []:
+                    fh.write(line + "\n")
+
+
 def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     """Train ``config.steps`` steps; rank 0 writes metrics.jsonl and report.json and returns the
     report as a dict (other ranks return None). Parameter-server ranks serve instead."""
@@ -78,17 +91,23 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         on_records=sink,
         servers=cfg.servers,
         timeout_s=cfg.timeout,
+        balance=cfg.balance,
+        check_every=cfg.check_every,
+        record_spans=True,
     )
     if sync.is_server:
         sync.serve()
+        _write_spans(sync, run_dir)
         sync.close()
         return None
     barrier_free = sync.strategy.barrier_free
-    per_rank = cfg.batch_size
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
     micro = cfg.micro_batches
     for step in range(cfg.steps):
-        with sync.step(micro_batches=micro, samples=per_rank) as s:
+        # Balanced runs get this step's shard sizes from measured speed; others split evenly.
+        sizes = sync.shard_sizes(cfg.global_batch)
+        lo = sum(sizes[:rank])
+        hi = lo + sizes[rank]
+        with sync.step(micro_batches=micro, samples=hi - lo) as s:
             total_loss = torch.zeros((), dtype=torch.float64)
             # Micro-batches split this rank's shard; the Synchronizer averages over them.
             bounds = [lo + (hi - lo) * i // micro for i in range(micro + 1)]
@@ -103,6 +122,7 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
             progress.update(step + 1, float(s.loss), 0.0, 0.0)
     report = sync.report()
     progress.close()
+    _write_spans(sync, run_dir)
     sync.close()
     if rank != 0:
         return None
