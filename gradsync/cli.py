@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +63,25 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="shard each global batch by measured speed (bsp; the update stays exact)",
     )
     p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        help="save a checkpoint every N steps into OUT/checkpoints (0: never)",
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in --out"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d.max_restarts,
+        help="restart the workers this many times after a failure, resuming from checkpoints",
+    )
+    p.add_argument("--kill", default=None, help="fault injection: SIGKILL rank RANK at STEP")
+    p.add_argument(
         "--check-every",
         type=int,
         default=d.check_every,
@@ -85,7 +105,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if not cfg.resume:
+        # A fresh run owns its directory's telemetry and fault markers; a resumed one keeps them.
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "faults", ignore_errors=True)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     cfg.save(run_dir, fp32_bytes_per_step=4 * _trainable_params(cfg))
     servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
     print(
@@ -93,7 +117,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{cfg.steps} steps, batch {cfg.batch_size}/worker -> {run_dir}",
         file=sys.stderr,
     )
-    results = launch(run_worker, (cfg.to_dict(),), nproc=cfg.processes, threads=cfg.threads)
+    results = launch(
+        run_worker,
+        (cfg.to_dict(),),
+        nproc=cfg.processes,
+        threads=cfg.threads,
+        max_restarts=cfg.max_restarts,
+    )
     if results.get(0) is None:
         raise RuntimeError("rank 0 returned no report")
     from gradsync.telemetry.cli import summarize_run

@@ -10,7 +10,7 @@ from typing import Any
 
 from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
-from gradsync.inject import parse_slow
+from gradsync.inject import parse_kill, parse_slow
 from gradsync.strategies.base import parse_strategy, uses_servers
 from gradsync.telemetry.stragglers import StragglerConfig
 from gradsync.workloads import WORKLOADS
@@ -50,6 +50,11 @@ class RunConfig:
     plots: bool = True
     balance: bool = False
     check_every: int = 100
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+    max_restarts: int = 0
+    kill: str | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -103,6 +108,30 @@ class RunConfig:
             raise UsageError(f"--balance needs --strategy bsp, got {self.strategy}")
         if self.check_every < 0:
             raise UsageError(f"--check-every must be >= 0 (0: off), got {self.check_every}")
+        if self.checkpoint_every < 0:
+            raise UsageError(
+                f"--checkpoint-every must be >= 0 (0: off), got {self.checkpoint_every}"
+            )
+        if self.keep_checkpoints < 1:
+            raise UsageError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
+        if not 0 <= self.max_restarts <= 1000:
+            raise UsageError(f"--max-restarts must be between 0 and 1000, got {self.max_restarts}")
+        kills = parse_kill(self.kill)
+        for k in kills:
+            if k.rank >= self.processes:
+                raise UsageError(
+                    f"--kill names rank {k.rank}, but ranks are 0..{self.processes - 1}"
+                )
+        if (self.checkpoint_every or self.resume or kills) and self.uses_servers:
+            raise UsageError(
+                f"checkpoints, --resume and --kill are not supported with {self.strategy} yet "
+                "(the parameter servers' state is not saved); use bsp, local:H or diloco:H"
+            )
+        if kills and self.max_restarts < len(kills):
+            raise UsageError(
+                f"--kill injects {len(kills)} failure(s) but --max-restarts is "
+                f"{self.max_restarts}: the run could not survive them"
+            )
         if self.servers < 1:
             raise UsageError(f"--servers must be at least 1, got {self.servers}")
         for s in parse_slow(self.slow):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from gradsync.errors import UsageError
 
@@ -76,3 +80,55 @@ def apply_slowdowns(slowdowns: list[Slowdown], rank: int, step: int, natural: fl
     if delay > 0:
         time.sleep(delay)
     return delay
+
+
+KILL_FORM = "RANK:STEP (e.g. 1:37), comma-separated for several"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Kill:
+    """Kill ``rank`` with SIGKILL when it reaches ``step``, once per run directory."""
+
+    rank: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.step < 0:
+            raise UsageError(f"--kill needs a rank and a step >= 0, got {self.rank}:{self.step}")
+
+
+def parse_kill(spec: str | None) -> list[Kill]:
+    if spec is None or not spec.strip():
+        return []
+    out = []
+    for part in spec.split(","):
+        rank, sep, step = part.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            out.append(Kill(rank=int(rank), step=int(step)))
+        except ValueError:
+            raise UsageError(f"bad --kill value {part.strip()!r}; valid: {KILL_FORM}") from None
+    if len({(k.rank, k.step) for k in out}) != len(out):
+        raise UsageError(f"--kill lists the same rank and step twice: {spec!r}")
+    return out
+
+
+def maybe_kill(kills: list[Kill], rank: int, step: int, marker_dir: Path) -> None:
+    """SIGKILL this process if a kill is due here and has not fired before.
+
+    A marker file, written and synced before the signal, makes each kill fire once: after a
+    restart resumes from an earlier checkpoint, the same step comes round again.
+    """
+    for k in kills:
+        if k.rank != rank or k.step != step:
+            continue
+        marker = marker_dir / f"kill-rank{rank}-step{step}.json"
+        if marker.exists():
+            continue
+        marker_dir.mkdir(parents=True, exist_ok=True)
+        with open(marker, "w", encoding="utf-8") as fh:
+            json.dump({"rank": rank, "step": step, "time": time.time()}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)

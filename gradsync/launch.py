@@ -47,6 +47,11 @@ def launch(
     # Children inherit the environment at spawn: cap intra-op threads before torch starts there.
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["GRADSYNC_THREADS"] = str(threads)
+    if max_restarts > 0:
+        # With the rendezvous store shared into the workers, a restarted round can read the
+        # previous round's gloo addresses and fail to connect (pytorch/pytorch#135712): give
+        # each round a fresh store hosted by its rank 0 instead.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -280,6 +281,21 @@ class Synchronizer:
     def state_dict(self) -> dict[str, Any]:
         """Strategy and compressor state (not the model or optimizer: save those as usual)."""
         return {"step": self._step, "strategy": self.strategy.state_dict()}
+
+    def save(self, directory: str | Path, *, keep: int = 2, **extra: Any) -> float:
+        """Collective: checkpoint model, optimizer, strategy/compressor state and RNG into
+        ``directory`` (atomic, checksummed, last ``keep`` kept); ``extra`` holds plain values
+        such as the data position. Returns the seconds it took on this rank."""
+        from gradsync.fault import resume
+
+        return resume.save(self, directory, keep=keep, extra=extra)
+
+    def load(self, directory: str | Path) -> dict[str, Any] | None:
+        """Collective: resume from the newest intact checkpoint in ``directory``; returns its
+        extras plus ``step`` (the next step to run), or None when there is no checkpoint."""
+        from gradsync.fault import resume
+
+        return resume.load(self, directory)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._step = int(state["step"])

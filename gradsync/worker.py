@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,7 @@ import torch.distributed as dist
 
 from gradsync import runtime
 from gradsync.config import RunConfig
+from gradsync.inject import maybe_kill, parse_kill
 from gradsync.progress import Progress
 from gradsync.synchronizer import Synchronizer
 from gradsync.telemetry.records import METRICS_FILE, SPANS_FILE, StepRecord, write_records
@@ -66,6 +70,43 @@ def _write_spans(sync: Synchronizer, run_dir: Path) -> None:
                     fh.write(line + "\n")
 
 
+CHECKPOINT_DIR = "checkpoints"
+FAULTS_DIR = "faults"
+FINAL_MODEL = "final_model.pt"
+
+
+def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int:
+    """The step to start at: 0, or the newest checkpoint's after --resume or a restart by
+    the elastic agent (it sets TORCHELASTIC_RESTART_COUNT)."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not (cfg.resume or (restarted and cfg.checkpoint_every)):
+        return 0
+    extra = sync.load(run_dir / CHECKPOINT_DIR)
+    start = int(extra["step"]) if extra else 0
+    if rank == 0:
+        _drop_records_from(run_dir / METRICS_FILE, start)
+        why = "restart" if restarted else "--resume"
+        print(f"gradsync: {why}: resuming at step {start}", file=sys.stderr, flush=True)
+    return start
+
+
+def _drop_records_from(path: Path, step: int) -> None:
+    """Steps at or after the resume point will run again: forget their old records."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line)["step"] < step
+    ]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def _log_checkpoint(directory: Path, step: int, seconds: float) -> None:
+    with open(directory / "log.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": step, "seconds": seconds, "time": time.time()}) + "\n")
+
+
 def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     """Train ``config.steps`` steps; rank 0 writes metrics.jsonl and report.json and returns the
     report as a dict (other ranks return None). Parameter-server ranks serve instead."""
@@ -102,7 +143,12 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         return None
     barrier_free = sync.strategy.barrier_free
     micro = cfg.micro_batches
-    for step in range(cfg.steps):
+    start = _resume(sync, cfg, run_dir, rank)
+    kills = parse_kill(cfg.kill)
+    checkpoints = run_dir / CHECKPOINT_DIR
+    for step in range(start, cfg.steps):
+        if kills:
+            maybe_kill(kills, rank, step, run_dir / FAULTS_DIR)
         # Balanced runs get this step's shard sizes from measured speed; others split evenly.
         sizes = sync.shard_sizes(cfg.global_batch)
         lo = sum(sizes[:rank])
@@ -120,7 +166,14 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         if barrier_free and rank == 0 and (step + 1) % cfg.telemetry_every == 0:
             # No gathering mid-run without a barrier: show rank 0's own view meanwhile.
             progress.update(step + 1, float(s.loss), 0.0, 0.0)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            seconds = sync.save(checkpoints, keep=cfg.keep_checkpoints, data_position=step + 1)
+            if rank == 0:
+                _log_checkpoint(checkpoints, step + 1, seconds)
     report = sync.report()
+    if rank == 0:
+        # The final parameters, so runs (interrupted or not) can be compared bit for bit.
+        torch.save(model.state_dict(), run_dir / FINAL_MODEL)
     progress.close()
     _write_spans(sync, run_dir)
     sync.close()

@@ -267,6 +267,17 @@ class CheckpointStore:
             return info
         return None
 
+    def at(self, step: int) -> CheckpointInfo:
+        """The committed checkpoint of ``step`` (manifest read, sizes checked), for ranks that
+        were told which step to resume from; ``CheckpointError`` if it is not usable."""
+        path = self.step_dir(step)
+        try:
+            info = _read_manifest(path, step)
+            _verify(info, checksums=False)
+        except _Invalid as why:
+            raise CheckpointError(f"checkpoint {path}: {why}") from None
+        return info
+
     def load(
         self,
         info: CheckpointInfo,
