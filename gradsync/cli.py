@@ -82,6 +82,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kill", default=None, help="fault injection: SIGKILL rank RANK at STEP")
     p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run on an emulated cluster of H network-namespace hosts (root; see docs)",
+    )
+    p.add_argument("--link", default="1gbit", help="link rate of each emulated host (tc tbf)")
+    p.add_argument(
         "--check-every",
         type=int,
         default=d.check_every,
@@ -117,15 +124,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{cfg.steps} steps, batch {cfg.batch_size}/worker -> {run_dir}",
         file=sys.stderr,
     )
-    results = launch(
-        run_worker,
-        (cfg.to_dict(),),
-        nproc=cfg.processes,
-        threads=cfg.threads,
-        max_restarts=cfg.max_restarts,
-    )
-    if results.get(0) is None:
-        raise RuntimeError("rank 0 returned no report")
+    if cfg.hosts:
+        _run_on_cluster(cfg, run_dir)
+    else:
+        results = launch(
+            run_worker,
+            (cfg.to_dict(),),
+            nproc=cfg.processes,
+            threads=cfg.threads,
+            max_restarts=cfg.max_restarts,
+        )
+        if results.get(0) is None:
+            raise RuntimeError("rank 0 returned no report")
     from gradsync.telemetry.cli import summarize_run
 
     print(
@@ -137,6 +147,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
+    """The same workers, started by torch's launcher inside each emulated host's namespace."""
+    from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing
+
+    missing = requirements_missing()
+    if missing:
+        raise UsageError(f"--hosts needs the emulated cluster: {missing}")
+    per_host = cfg.processes // cfg.hosts
+    print(
+        f"gradsync run: emulated cluster of {cfg.hosts} hosts, {cfg.link} links, "
+        f"{per_host} process(es) per host",
+        file=sys.stderr,
+    )
+    with Cluster(hosts=cfg.hosts, link=cfg.link) as cluster:
+        rc = launch_on_cluster(
+            cluster,
+            ["gradsync.worker", "--config", str(run_dir / "config.json")],
+            nproc_per_host=per_host,
+            env={"OMP_NUM_THREADS": str(cfg.threads), "GRADSYNC_THREADS": str(cfg.threads)},
+            timeout_s=cfg.timeout + 60.0 * cfg.steps,
+        )
+    if rc != 0:
+        raise RuntimeError(f"workers on the emulated cluster failed (exit code {rc})")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

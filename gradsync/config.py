@@ -55,6 +55,8 @@ class RunConfig:
     resume: bool = False
     max_restarts: int = 0
     kill: str | None = None
+    hosts: int = 0
+    link: str = "1gbit"
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -132,6 +134,8 @@ class RunConfig:
                 f"--kill injects {len(kills)} failure(s) but --max-restarts is "
                 f"{self.max_restarts}: the run could not survive them"
             )
+        if self.hosts:
+            self._check_hosts()
         if self.servers < 1:
             raise UsageError(f"--servers must be at least 1, got {self.servers}")
         for s in parse_slow(self.slow):
@@ -140,6 +144,20 @@ class RunConfig:
                     f"--slow names rank {s.rank}, but ranks are 0..{self.nproc - 1} "
                     f"with --nproc {self.nproc}"
                 )
+
+    def _check_hosts(self) -> None:
+        from gradsync.cluster import parse_rate
+
+        if self.hosts < 0:
+            raise UsageError(f"--hosts must be >= 0 (0: no emulated cluster), got {self.hosts}")
+        parse_rate(self.link)
+        if self.processes % self.hosts:
+            raise UsageError(
+                f"{self.processes} processes do not split evenly over --hosts {self.hosts}; "
+                "use a number of workers (plus servers) that is a multiple of the hosts"
+            )
+        if self.max_restarts:
+            raise UsageError("--max-restarts is not supported with --hosts yet")
 
     @property
     def uses_servers(self) -> bool:

@@ -102,6 +102,18 @@ def _drop_records_from(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
+def _log_recovery(directory: Path, resumed_at: int) -> None:
+    """When the first step after a resume completed: the end of the outage."""
+    directory.mkdir(parents=True, exist_ok=True)
+    entry = {
+        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "resumed_at_step": resumed_at,
+        "first_step_done": time.time(),
+    }
+    with open(directory / "recoveries.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry) + "\n")
+
+
 def _log_checkpoint(directory: Path, step: int, seconds: float) -> None:
     with open(directory / "log.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps({"step": step, "seconds": seconds, "time": time.time()}) + "\n")
@@ -144,6 +156,7 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     barrier_free = sync.strategy.barrier_free
     micro = cfg.micro_batches
     start = _resume(sync, cfg, run_dir, rank)
+    recovering = start > 0 and rank == 0
     kills = parse_kill(cfg.kill)
     checkpoints = run_dir / CHECKPOINT_DIR
     for step in range(start, cfg.steps):
@@ -166,6 +179,9 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         if barrier_free and rank == 0 and (step + 1) % cfg.telemetry_every == 0:
             # No gathering mid-run without a barrier: show rank 0's own view meanwhile.
             progress.update(step + 1, float(s.loss), 0.0, 0.0)
+        if recovering:
+            recovering = False
+            _log_recovery(run_dir / FAULTS_DIR, start)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             seconds = sync.save(checkpoints, keep=cfg.keep_checkpoints, data_position=step + 1)
             if rank == 0:
@@ -183,3 +199,17 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     result = report.to_dict()
     result["world_size"] = world
     return result
+
+
+def main() -> None:
+    """``python -m gradsync.worker --config RUN_DIR/config.json``: one worker under torchrun."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--config", required=True, help="a run's config.json")
+    args = parser.parse_args()
+    run_worker(json.loads(Path(args.config).read_text(encoding="utf-8")))
+
+
+if __name__ == "__main__":
+    main()
