@@ -9,11 +9,19 @@ for x, y in loader:
 report = sync.report()
 """
 
+from gradsync.balance import ShardBalancer
 from gradsync.compression import Compressor, parse_compression
 from gradsync.errors import DivergenceError, SyncTimeoutError, UsageError
 from gradsync.inject import Slowdown
 from gradsync.runtime import init
-from gradsync.strategies import Strategy, parse_strategy
+from gradsync.strategies import (
+    BSP,
+    DiLoCo,
+    LocalSGD,
+    ParameterServer,
+    Strategy,
+    parse_strategy,
+)
 from gradsync.synchronizer import StepHandle, Synchronizer
 from gradsync.telemetry.records import StepRecord
 from gradsync.telemetry.report import RankTotals, RunReport
@@ -21,7 +29,12 @@ from gradsync.telemetry.report import RankTotals, RunReport
 __version__ = "0.1.0"
 
 __all__ = [
+    "BSP",
     "Compressor",
+    "DiLoCo",
+    "LocalSGD",
+    "ParameterServer",
+    "ShardBalancer",
     "DivergenceError",
     "RankTotals",
     "RunReport",

@@ -1,7 +1,12 @@
 import gradsync as gs
 
 FROZEN_API = {
+    "BSP",
     "Compressor",
+    "DiLoCo",
+    "LocalSGD",
+    "ParameterServer",
+    "ShardBalancer",
     "DivergenceError",
     "RankTotals",
     "RunReport",

@@ -10,6 +10,7 @@ from gradsync.strategies.base import (
     parse_strategy_spec,
     uses_servers,
 )
+from gradsync.strategies.bsp import BSP
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer, ServerStats
 
@@ -22,6 +23,7 @@ __all__ = [
     "parse_strategy",
     "parse_strategy_spec",
     "uses_servers",
+    "BSP",
     "DiLoCo",
     "LocalSGD",
     "ParameterServer",
