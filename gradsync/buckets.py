@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gradsync.fault.guards import is_finite
 from gradsync.telemetry.records import Span
 
 MB = 1024 * 1024
@@ -207,7 +208,7 @@ class BucketReducer:
         bucket.fill_from_grads()
         if self.scale != 1.0:
             bucket.buffer().mul_(self.scale)
-        if self.poison_nonfinite and not bool(torch.isfinite(bucket.buffer()).all()):
+        if self.poison_nonfinite and not is_finite(bucket.buffer()):
             bucket.buffer().fill_(float("nan"))
             self.local_nonfinite = True
         t0, wall0 = time.perf_counter(), time.time()

@@ -121,3 +121,19 @@ def test_charlm_learns_from_stdlib_text() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
+
+
+def test_finiteness_check_is_exact_and_does_not_overflow_half_precision() -> None:
+    from gradsync.fault.guards import is_finite
+
+    x = torch.randn(1000)
+    assert is_finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[123] = bad
+        assert not is_finite(y)
+    opposite = x.clone()
+    opposite[1], opposite[2] = float("inf"), -float("inf")  # sums to NaN: still caught
+    assert not is_finite(opposite)
+    # 100k x 60000 overflows an fp16 sum, but every element is finite
+    assert is_finite(torch.full((100_000,), 60000.0, dtype=torch.float16))
