@@ -45,6 +45,8 @@ class BenchRow:
     time_s: float
     algbw: float
     busbw: float
+    #: every repeat's time (the slowest rank's), so the simulator can sample the spread
+    samples_s: tuple[float, ...] = ()
 
 
 def _worker(sizes: tuple[int, ...], repeats: tuple[int, ...]) -> list[list[float]]:
@@ -93,6 +95,7 @@ def run_bench(cfg: BenchConfig) -> tuple[list[BenchRow], Fit]:
                 time_s=t,
                 algbw=algbw(nbytes, t),
                 busbw=busbw("allreduce", cfg.nproc, nbytes, t),
+                samples_s=tuple(slowest),
             )
         )
     fit = fit_alpha_beta([r.nbytes for r in rows], [r.time_s for r in rows], n=cfg.nproc)

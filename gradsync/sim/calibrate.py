@@ -22,7 +22,8 @@ from gradsync.errors import UsageError
 from gradsync.sim.config import CommModel, Strategy, parse_strategy
 from gradsync.sim.model import AlphaBeta, Fit
 from gradsync.sim.simulate import SimResult, simulate
-from gradsync.telemetry.records import read_records
+from gradsync.sim.table import CollectiveTable
+from gradsync.telemetry.records import read_records, read_spans
 
 CALIBRATION_KIND = "gradsync.allreduce_calibration"
 
@@ -55,9 +56,32 @@ def load_calibration(path: str | Path) -> AlphaBeta:
     )
 
 
+def load_calibration_table(path: str | Path) -> CollectiveTable | None:
+    """The measured repeats in a calibration file, or None if it holds only the fit."""
+    link = load_calibration(path)
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    rows = sorted(
+        (float(m["bytes"]), tuple(m.get("samples_s") or [m["time_s"]]))
+        for m in doc.get("measurements", [])
+        if m.get("time_s", 0) > 0
+    )
+    if not rows:
+        return None
+    return CollectiveTable(
+        nproc=int(doc.get("nproc", 2)),
+        sizes=tuple(r[0] for r in rows),
+        samples_s=tuple(r[1] for r in rows),
+        link=link,
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class RunProfile:
-    """What the simulator needs from one real run, in ms and bytes."""
+    """What the simulator needs from one real run, in ms and bytes.
+
+    Rows of the ``*_steps`` arrays are the run's steps (after warm-up) that every rank
+    recorded, so a prediction can resample whole steps and keep what ranks shared.
+    """
 
     nproc: int
     strategy: str
@@ -67,14 +91,46 @@ class RunProfile:
     measured_step_ms: float  # median over steps of the slowest rank's compute + sync
     measured_barrier_tax: float
     measured_comm_ms: float  # median comm (sync minus barrier wait) over rank-steps
+    compute_steps: np.ndarray  # (steps, nproc): each rank's compute at each step
+    comm_steps: np.ndarray  # (steps,): max over ranks of comm, what the step pays
+    # (steps,): the last rank to finish compute, from its compute end to its last bucket's
+    # all-reduce end (spans.jsonl); the rest of comm_steps is the host's own overhead
+    # (write-back, optimizer, start skew, scheduling). None without spans.
+    collective_steps: np.ndarray | None = None
     config: dict[str, Any] = field(default_factory=dict)
 
     def slowest_rank(self) -> int:
         return max(self.compute_ms, key=lambda r: float(np.median(self.compute_ms[r])))
 
 
+def _collective_steps(run_dir: str | Path, steps: list[int]) -> np.ndarray | None:
+    try:
+        spans = read_spans(run_dir)
+    except (OSError, ValueError):
+        return None
+    compute_end: dict[int, dict[int, float]] = defaultdict(dict)
+    bucket_end: dict[tuple[int, int], float] = {}
+    for sp in spans:
+        if sp.name == "compute":
+            compute_end[sp.step][sp.rank] = sp.start + sp.dur
+        elif sp.cat == "comm" and sp.name.startswith("allreduce"):
+            key = (sp.step, sp.rank)
+            bucket_end[key] = max(bucket_end.get(key, 0.0), sp.start + sp.dur)
+    out = []
+    for t in steps:
+        ends = compute_end.get(t)
+        if not ends:
+            return None
+        last = max(ends, key=lambda r: ends[r])
+        if (t, last) not in bucket_end:
+            return None
+        out.append(1000.0 * max(0.0, bucket_end[(t, last)] - ends[last]))
+    return np.asarray(out)
+
+
 def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
-    """Read ``metrics.jsonl`` (and ``config.json`` if present), skipping ``warmup`` steps."""
+    """Read ``metrics.jsonl`` (and ``config.json``, ``spans.jsonl`` if present), skipping
+    ``warmup`` steps."""
     records = [r for r in read_records(run_dir) if not r.skipped]
     steps = sorted({r.step for r in records})
     if len(steps) <= warmup:
@@ -87,11 +143,18 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     compute: dict[int, list[float]] = defaultdict(list)
     step_wall: dict[int, float] = defaultdict(float)
+    grid: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
     for r in records:
         compute[r.rank].append(1000.0 * r.compute)
         step_wall[r.step] = max(step_wall[r.step], 1000.0 * (r.compute + r.sync))
+        grid[r.step][r.rank] = (1000.0 * r.compute, 1000.0 * r.comm)
+    ranks = sorted(compute)
+    full = [t for t in sorted(grid) if len(grid[t]) == len(ranks)]
+    if not full:
+        raise UsageError(f"{run_dir}: no step after warm-up was recorded by every rank")
     idle = sum(r.idle for r in records)
     wall = sum(r.compute + r.sync for r in records)
+    collective = _collective_steps(run_dir, full) if Path(run_dir).is_dir() else None
     return RunProfile(
         nproc=int(config.get("nproc", len(compute))),
         strategy=str(config.get("strategy", "bsp")),
@@ -101,6 +164,9 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
         measured_step_ms=float(np.median(list(step_wall.values()))),
         measured_barrier_tax=idle / wall if wall > 0 else 0.0,
         measured_comm_ms=float(np.median([1000.0 * r.comm for r in records])),
+        compute_steps=np.asarray([[grid[t][k][0] for k in ranks] for t in full]),
+        comm_steps=np.asarray([max(grid[t][k][1] for k in ranks) for t in full]),
+        collective_steps=collective,
         config=config,
     )
 
@@ -135,26 +201,47 @@ class WhatIf:
         return ", ".join(parts) or "as run"
 
 
+RESAMPLE_MODES = ("steps", "ranks")
+
+
 @dataclass(kw_only=True, slots=True)
 class Prediction:
     what_if: str
     step_ms: float  # median step (bsp: superstep; others: wall / steps)
     barrier_tax: float
-    comm_ms: float
+    comm_ms: float  # median unhidden comm per step
+    comm_source: str
     result: SimResult
 
 
-def comm_for(profile: RunProfile, link: AlphaBeta | None, ratio: float) -> CommModel:
-    """All-reduce of the per-step payload in ``bucket_mb`` buckets, each paying its latency."""
+def _collective_ms(
+    profile: RunProfile,
+    run_collective: np.ndarray,
+    link: AlphaBeta | None,
+    table: CollectiveTable | None,
+    workers: int,
+    ratio: float,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, str]:
+    """Per simulated step, the all-reduce time the slowest rank waits for, and its source."""
+    steps = run_collective.shape[0]
     nbytes = profile.bytes_per_step / ratio
-    if link is None:
-        # No fitted link: reuse the run's own unhidden comm, so only compute is predicted.
-        return CommModel(comm_ms=profile.measured_comm_ms / ratio)
     bucket = profile.bucket_mb * 2**20
     buckets = max(1, math.ceil(nbytes / bucket)) if bucket > 0 else 1
-    # Folding the per-bucket latencies into alpha keeps CommModel a single message.
-    folded = AlphaBeta(alpha=link.alpha * buckets, beta=link.beta, algorithm=link.algorithm)
-    return CommModel(link=folded, nbytes=nbytes)
+    if workers < 2:
+        return np.zeros(steps), "none (1 worker)"
+    if table is not None:
+        # Every bucket is charged in full: on the measured runs the payload is one bucket,
+        # launched when backward ends, so nothing of it is hidden.
+        draws = [table.sample_s(nbytes / buckets, steps, rng, workers) for _ in range(buckets)]
+        return 1000.0 * np.sum(draws, axis=0), "calibration (measured repeats)"
+    if link is not None:
+        # Folding the per-bucket latencies into alpha keeps it a single message.
+        folded = AlphaBeta(alpha=link.alpha * buckets, beta=link.beta, algorithm=link.algorithm)
+        t = CommModel(link=folded, nbytes=nbytes).exchange_ms(workers)
+        return np.full(steps, t), "calibration (alpha-beta line)"
+    # The run's own all-reduces; compression is assumed to shrink them in proportion.
+    return run_collective / ratio, "run telemetry"
 
 
 def predict(
@@ -162,25 +249,60 @@ def predict(
     link: AlphaBeta | None,
     what_if: WhatIf | None = None,
     *,
+    table: CollectiveTable | None = None,
+    resample: str = "steps",
+    host_overhead: bool = True,
     steps: int = 1000,
     seed: int = 0,
 ) -> Prediction:
-    """Resample each rank's compute ``steps`` times and simulate the (changed) run."""
+    """Simulate the (changed) run on ``steps`` steps resampled from its telemetry.
+
+    A step costs the slowest rank's compute plus the comm it cannot hide. That comm is the
+    all-reduce (from ``table``, else ``link``, else the run's own) plus the host's overhead
+    around it measured in the run (write-back, optimizer, start skew between ranks).
+    ``resample="steps"`` draws whole steps, keeping what ranks (and comm) shared at a step;
+    ``"ranks"`` draws each rank's compute and the comm independently. ``host_overhead=False``
+    drops the run's overhead, leaving compute plus the all-reduce alone.
+    """
+    if resample not in RESAMPLE_MODES:
+        raise UsageError(f"resample must be one of {', '.join(RESAMPLE_MODES)}, got {resample!r}")
     wi = what_if or WhatIf()
-    samples = dict(profile.compute_ms)
-    if wi.remove_straggler and len(samples) > 1:
-        slow = profile.slowest_rank()
-        samples[slow] = np.concatenate([v for r, v in samples.items() if r != slow])
-    ranks = sorted(samples)
-    workers = wi.workers or profile.nproc
     rng = np.random.default_rng(seed)
+    grid = profile.compute_steps
+    n_run, n_ranks = grid.shape
+    workers = wi.workers or profile.nproc
     # A bigger world cycles the measured ranks, keeping the share of slow ones.
-    compute = np.column_stack(
-        [rng.choice(samples[ranks[w % len(ranks)]], size=steps) for w in range(workers)]
+    cols = np.arange(workers) % n_ranks
+    if resample == "steps":
+        rows = np.broadcast_to(rng.integers(n_run, size=steps)[:, None], (steps, workers))
+        comm_rows = rows[:, 0]
+    else:
+        rows = rng.integers(n_run, size=(steps, workers))
+        comm_rows = rng.integers(n_run, size=steps)
+    src = np.broadcast_to(cols, (steps, workers)).copy()
+    if wi.remove_straggler and n_ranks > 1:
+        slow = profile.slowest_rank()
+        others = np.array([k for k in range(n_ranks) if k != slow])
+        hit = src == slow
+        # The straggler gets another rank's compute at the same step: pooled, still correlated.
+        src[hit] = rng.choice(others, size=int(hit.sum()))
+    compute = grid[rows, src]
+    run_comm = profile.comm_steps[comm_rows]
+    if profile.collective_steps is None:
+        run_collective, overhead = run_comm, np.zeros(steps)
+    else:
+        run_collective = profile.collective_steps[comm_rows]
+        overhead = np.maximum(run_comm - run_collective, 0.0)
+    if not host_overhead:
+        overhead = np.zeros(steps)
+    collective, source = _collective_ms(
+        profile, run_collective, link, table, workers, wi.compression_ratio, rng
     )
+    if profile.collective_steps is not None and host_overhead:
+        source += " + run overhead"
+    comm_steps = collective + overhead if workers > 1 else np.zeros(steps)
     strategy: Strategy = parse_strategy(wi.strategy or profile.strategy)
-    comm = comm_for(profile, link, wi.compression_ratio)
-    res = simulate(strategy, compute, comm)
+    res = simulate(strategy, compute, CommModel(comm_ms=0.0), comm_steps=comm_steps)
     if strategy.kind == "bsp" and res.step_ms is not None:
         step = float(np.median(res.step_ms))
     else:
@@ -190,6 +312,7 @@ def predict(
         what_if=wi.describe(),
         step_ms=step,
         barrier_tax=float(res.idle_ms.sum() / busy) if busy > 0 else 0.0,
-        comm_ms=comm.exchange_ms(workers),
+        comm_ms=float(np.median(comm_steps)),
+        comm_source=source,
         result=res,
     )

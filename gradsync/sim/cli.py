@@ -86,6 +86,13 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--remove-straggler", action="store_true", help="what-if: slowest rank fixed")
     f.add_argument("--compression-ratio", type=float, default=1.0, help="what-if: bytes / R")
     f.add_argument("--warmup", type=int, default=2, help="steps of the run to skip (default 2)")
+    f.add_argument(
+        "--resample",
+        choices=("steps", "ranks"),
+        default="steps",
+        help="draw whole measured steps (keeps cross-rank correlation; default) or each "
+        "rank's compute independently",
+    )
     sim.set_defaults(func=cmd_simulate)
 
     bench = subparsers.add_parser("bench", help="measure collectives on the live backend")
@@ -239,7 +246,14 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     backend = default_backend()
     rows, fit = run_bench(cfg)
     measurements = [
-        {"bytes": r.nbytes, "time_s": r.time_s, "algbw": r.algbw, "busbw": r.busbw} for r in rows
+        {
+            "bytes": r.nbytes,
+            "time_s": r.time_s,
+            "algbw": r.algbw,
+            "busbw": r.busbw,
+            "samples_s": list(r.samples_s),
+        }
+        for r in rows
     ]
     save_calibration(args.out, fit, {"backend": backend, "measurements": measurements})
     gbit = 8 / fit.beta / 1e9 if fit.beta > 0 else math.inf

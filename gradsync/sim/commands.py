@@ -137,11 +137,13 @@ def sweeps(args: argparse.Namespace) -> int:
 
 
 def from_run(args: argparse.Namespace) -> int:
-    from gradsync.sim.calibrate import WhatIf, load_profile, predict
+    from gradsync.sim.calibrate import WhatIf, load_calibration_table, load_profile, predict
 
     profile = load_profile(args.from_run, warmup=args.warmup)
     link = link_from_args(args)
-    base = predict(profile, link, seed=args.seed)
+    table = load_calibration_table(args.calibration) if args.calibration else None
+    opts: dict[str, Any] = {"table": table, "resample": args.resample, "seed": args.seed}
+    base = predict(profile, link, **opts)
     what_if = WhatIf(
         workers=args.workers,
         strategy=args.strategy if args.strategy != "bsp" else None,
@@ -149,12 +151,13 @@ def from_run(args: argparse.Namespace) -> int:
         compression_ratio=args.compression_ratio,
     )
     changed = what_if.describe() != "as run"
-    alt = predict(profile, link, what_if, seed=args.seed) if changed else None
+    alt = predict(profile, link, what_if, **opts) if changed else None
     doc: dict[str, Any] = {
         "run": str(args.from_run),
         "nproc": profile.nproc,
         "bytes_per_step": profile.bytes_per_step,
-        "comm_source": "alpha-beta" if link else "run telemetry (no --calibration)",
+        "comm_source": base.comm_source,
+        "resample": args.resample,
         "measured": {
             "median_step_ms": profile.measured_step_ms,
             "barrier_tax": profile.measured_barrier_tax,
@@ -169,7 +172,8 @@ def from_run(args: argparse.Namespace) -> int:
     err = base.step_ms / profile.measured_step_ms - 1 if profile.measured_step_ms > 0 else 0.0
     lines = [
         f"run {args.from_run}: {profile.nproc} ranks, {profile.strategy}, "
-        f"{profile.bytes_per_step / 2**20:.2f} MiB per step, comm from {doc['comm_source']}",
+        f"{profile.bytes_per_step / 2**20:.2f} MiB per step",
+        f"comm from {base.comm_source}; compute resampled by {args.resample}",
         f"{'':24}{'measured':>10}{'predicted':>11}",
         f"{'median step (ms)':24}{profile.measured_step_ms:>10.2f}{base.step_ms:>11.2f}"
         f"   ({err:+.1%})",

@@ -80,15 +80,27 @@ def simulate(
     comm: CommModel,
     *,
     overlap: Overlap | None = None,
+    comm_steps: np.ndarray | None = None,
 ) -> SimResult:
-    """Simulate ``strategy`` on a ``(steps, workers)`` compute matrix."""
+    """Simulate ``strategy`` on a ``(steps, workers)`` compute matrix.
+
+    ``comm_steps`` (``(steps,)``, ms), when given, replaces ``comm``'s constant exchange with
+    one exchange time per step, e.g. resampled from a real run's telemetry.
+    """
     strat = parse_strategy(strategy) if isinstance(strategy, str) else strategy
     c = np.asarray(compute_ms, dtype=float)
     if c.ndim != 2 or c.size == 0:
         raise UsageError("compute matrix must be (steps, workers) with at least one of each")
     if overlap is not None and strat.kind != "bsp":
         raise UsageError(f"--overlap applies to bsp only, not {strat.spec}")
-    exchange = comm.exchange_ms(c.shape[1])
+    if comm_steps is None:
+        exchange = np.full(c.shape[0], comm.exchange_ms(c.shape[1]))
+    else:
+        if overlap is not None:
+            raise UsageError("per-step comm times cannot be combined with --overlap")
+        exchange = np.asarray(comm_steps, dtype=float)
+        if exchange.shape != (c.shape[0],) or not np.all(exchange >= 0):
+            raise UsageError("per-step comm must be one time >= 0 ms per step")
     if strat.kind == "bsp":
         if overlap is not None:
             return _bsp_overlap(c, comm, overlap)
@@ -113,9 +125,8 @@ def _barrier_result(spec: str, c: np.ndarray, step: np.ndarray, unhidden: np.nda
     )
 
 
-def _bsp(c: np.ndarray, exchange: float) -> SimResult:
-    comm = np.full(c.shape[0], exchange)
-    return _barrier_result("bsp", c, c.max(axis=1) + comm, comm)
+def _bsp(c: np.ndarray, exchange: np.ndarray) -> SimResult:
+    return _barrier_result("bsp", c, c.max(axis=1) + exchange, exchange)
 
 
 def _bsp_overlap(c: np.ndarray, comm: CommModel, ov: Overlap) -> SimResult:
@@ -130,15 +141,15 @@ def _bsp_overlap(c: np.ndarray, comm: CommModel, ov: Overlap) -> SimResult:
     return _barrier_result("bsp+overlap", c, finish, finish - slowest)
 
 
-def _async(c: np.ndarray, exchange: float) -> SimResult:
+def _async(c: np.ndarray, exchange: np.ndarray) -> SimResult:
     # No bound: each worker runs back to back; staleness follows from the finish times.
-    end = np.cumsum(c + exchange, axis=0)
+    end = np.cumsum(c + exchange[:, None], axis=0)
     start = np.zeros_like(end)
     start[1:] = end[:-1]
     return _free_running("async", c, exchange, start, end)
 
 
-def _ssp(c: np.ndarray, exchange: float, bound: float, spec: str) -> SimResult:
+def _ssp(c: np.ndarray, exchange: np.ndarray, bound: float, spec: str) -> SimResult:
     if math.isinf(bound) or bound >= c.shape[0]:
         bound = c.shape[0]  # a bound no worker can reach; the recurrence below still runs
     s = int(bound)
@@ -151,14 +162,14 @@ def _ssp(c: np.ndarray, exchange: float, bound: float, spec: str) -> SimResult:
         # Clock t may read only once every worker has finished clock t - s - 1.
         gate = everyone_done[t - s - 1] if t - s - 1 >= 0 else 0.0
         start[t] = np.maximum(prev_end, gate)
-        end[t] = start[t] + (c[t] + exchange)  # cumsum's association: ssp:inf == async exactly
+        end[t] = start[t] + (c[t] + exchange[t])  # cumsum's association: ssp:inf == async exactly
         everyone_done[t] = end[t].max()
         prev_end = end[t]
     return _free_running(spec, c, exchange, start, end)
 
 
 def _free_running(
-    spec: str, c: np.ndarray, exchange: float, start: np.ndarray, end: np.ndarray
+    spec: str, c: np.ndarray, exchange: np.ndarray, start: np.ndarray, end: np.ndarray
 ) -> SimResult:
     wall = float(end[-1].max())
     idle = np.empty_like(c)
@@ -176,13 +187,13 @@ def _free_running(
         strategy=spec,
         compute_ms=c,
         idle_ms=idle,
-        comm_ms=np.full(c.shape[0], exchange),
+        comm_ms=exchange.copy(),
         wall_ms=wall,
         staleness=staleness.astype(np.int64),
     )
 
 
-def _periodic(c: np.ndarray, exchange: float, h: int, spec: str) -> SimResult:
+def _periodic(c: np.ndarray, exchange: np.ndarray, h: int, spec: str) -> SimResult:
     # local:H and diloco:H cost the same: H local steps, then one all-reduce of the parameters
     # (local SGD) or pseudo-gradient (DiLoCo) behind a barrier; a short last round syncs too.
     steps = c.shape[0]
@@ -191,9 +202,9 @@ def _periodic(c: np.ndarray, exchange: float, h: int, spec: str) -> SimResult:
     idle = np.zeros_like(c)
     idle[last_of_round] = rounds.max(axis=1)[:, None] - rounds
     comm = np.zeros(steps)
-    comm[last_of_round] = exchange
+    comm[last_of_round] = exchange[last_of_round]
     step = np.zeros(steps)
-    step[last_of_round] = rounds.max(axis=1) + exchange
+    step[last_of_round] = rounds.max(axis=1) + exchange[last_of_round]
     return SimResult(
         strategy=spec,
         compute_ms=c,

@@ -1,0 +1,183 @@
+"""Calibrated prediction: the step model, resampling modes, the measured all-reduce table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradsync.errors import UsageError
+from gradsync.sim import AlphaBeta, WhatIf, load_profile, predict, simulate
+from gradsync.sim.calibrate import load_calibration_table
+from gradsync.sim.config import CommModel
+from gradsync.sim.table import CollectiveTable
+from gradsync.telemetry.records import Span, StepRecord, fill_idle, write_records
+
+LINK = AlphaBeta(alpha=0.0, beta=1e-9)
+
+
+def _run(
+    path: Path,
+    compute: np.ndarray,
+    *,
+    collective_ms: float,
+    overhead_ms: float,
+    spans: bool = True,
+    nbytes: int = 1_000_000,
+) -> Path:
+    """A 4-rank BSP run: every rank waits for the slowest, then ``collective_ms`` of
+    all-reduce, then ``overhead_ms`` (write-back, optimizer). Compute in ms, (steps, ranks)."""
+    records, span_list = [], []
+    t0 = 0.0
+    for step, row in enumerate(compute):
+        for rank, c in enumerate(row):
+            records.append(
+                StepRecord(
+                    rank=rank,
+                    step=step,
+                    time=t0,
+                    compute=c / 1000,
+                    sync=0.0,
+                    idle=0.0,
+                    comm=0.0,
+                    samples=8,
+                    bytes=nbytes,
+                )
+            )
+        slow_end = t0 + row.max() / 1000
+        for rank, c in enumerate(row):
+            span_list.append(Span(rank, step, "compute", t0, c / 1000))
+            ar = Span(rank, step, "allreduce[0]", t0 + c / 1000, 0.0, "comm")
+            ar.dur = slow_end + collective_ms / 1000 - ar.start
+            span_list.append(ar)
+        t0 = slow_end + (collective_ms + overhead_ms) / 1000
+    records = fill_idle(records)
+    for r in records:
+        r.sync = r.idle + (collective_ms + overhead_ms) / 1000
+        r.comm = r.sync - r.idle
+    path.mkdir()
+    write_records(path / "metrics.jsonl", records, append=False)
+    if spans:
+        write_records(path / "spans.jsonl", span_list, append=False)
+    (path / "config.json").write_text(json.dumps({"nproc": 4, "strategy": "bsp"}))
+    return path
+
+
+def _steady(steps: int = 40, slow_rank: int | None = None) -> np.ndarray:
+    c = np.full((steps, 4), 10.0)
+    if slow_rank is not None:
+        c[:, slow_rank] = 20.0
+    return c
+
+
+def test_bsp_with_per_step_comm_adds_it_to_the_slowest_compute() -> None:
+    c = np.array([[1.0, 3.0], [2.0, 2.0], [5.0, 1.0]])
+    res = simulate("bsp", c, CommModel(comm_ms=0.0), comm_steps=np.array([1.0, 2.0, 0.5]))
+    assert res.step_ms is not None
+    np.testing.assert_allclose(res.step_ms, [4.0, 4.0, 5.5])
+    for strategy in ("ssp:1", "async", "local:2"):
+        free = simulate(strategy, c, CommModel(comm_ms=0.0), comm_steps=np.ones(3))
+        total = free.compute_ms + free.idle_ms + free.comm_ms[:, None]
+        np.testing.assert_allclose(total.sum(axis=0), free.wall_ms)
+    with pytest.raises(UsageError, match="per-step comm"):
+        simulate("bsp", c, CommModel(comm_ms=0.0), comm_steps=np.ones(2))
+
+
+def test_profile_splits_comm_into_all_reduce_and_host_overhead(tmp_path: Path) -> None:
+    prof = load_profile(_run(tmp_path / "r", _steady(), collective_ms=4.0, overhead_ms=2.0))
+    assert prof.collective_steps is not None
+    np.testing.assert_allclose(prof.collective_steps, 4.0, atol=1e-6)
+    np.testing.assert_allclose(prof.comm_steps, 6.0, atol=1e-6)
+    assert prof.measured_step_ms == pytest.approx(16.0)
+    run_only = predict(prof, None)
+    assert run_only.step_ms == pytest.approx(16.0)
+    assert run_only.comm_source == "run telemetry + run overhead"
+    # 1 MB on a 1 GB/s ring of 4 costs 1.5 ms; the 2 ms host overhead stays the run's.
+    linked = predict(prof, LINK)
+    assert linked.step_ms == pytest.approx(10.0 + 1.5 + 2.0)
+    assert predict(prof, LINK, host_overhead=False).step_ms == pytest.approx(11.5)
+    # Without spans the whole comm counts as the all-reduce.
+    bare = load_profile(
+        _run(tmp_path / "bare", _steady(), collective_ms=4.0, overhead_ms=2.0, spans=False)
+    )
+    assert bare.collective_steps is None
+    assert predict(bare, LINK).step_ms == pytest.approx(11.5)
+
+
+def test_whole_step_resampling_keeps_what_ranks_share(tmp_path: Path) -> None:
+    # One step in three is slow on every rank at once (a shared hiccup): the slowest rank's
+    # median is 10 ms. Drawn rank by rank, most steps would contain a slow draw.
+    c = np.full((60, 4), 10.0)
+    c[::3] = 30.0
+    prof = load_profile(_run(tmp_path / "r", c, collective_ms=1.0, overhead_ms=0.0), warmup=0)
+    assert prof.measured_step_ms == pytest.approx(11.0)
+    assert predict(prof, None, resample="steps").step_ms == pytest.approx(11.0)
+    assert predict(prof, None, resample="ranks").step_ms == pytest.approx(31.0)
+    with pytest.raises(UsageError, match="resample"):
+        predict(prof, None, resample="bogus")
+
+
+def test_what_ifs_change_what_they_name(tmp_path: Path) -> None:
+    prof = load_profile(
+        _run(tmp_path / "r", _steady(slow_rank=2), collective_ms=4.0, overhead_ms=2.0)
+    )
+    assert prof.slowest_rank() == 2
+    base = predict(prof, LINK)
+    assert base.step_ms == pytest.approx(20.0 + 1.5 + 2.0)
+    fixed = predict(prof, LINK, WhatIf(remove_straggler=True))
+    assert fixed.step_ms == pytest.approx(10.0 + 1.5 + 2.0)
+    assert fixed.barrier_tax == pytest.approx(0.0)
+    squeezed = predict(prof, LINK, WhatIf(compression_ratio=4))
+    assert squeezed.comm_ms == pytest.approx(1.5 / 4 + 2.0)
+    wide = predict(prof, LINK, WhatIf(workers=8))
+    assert wide.result.workers == 8
+    assert wide.comm_ms == pytest.approx(1000 * LINK.time("allreduce", 8, 1e6) + 2.0)
+    stale = predict(prof, LINK, WhatIf(strategy="ssp:2"))
+    assert stale.result.strategy == "ssp:2"
+    assert stale.step_ms < base.step_ms + 1e-9
+
+
+def test_table_interpolates_measured_times_log_log() -> None:
+    table = CollectiveTable(
+        nproc=4,
+        sizes=(1e3, 1e5),
+        samples_s=((1e-3, 2e-3, 3e-3), (4e-3, 8e-3, 12e-3)),
+        link=LINK,
+    )
+    assert table.median_s(1e3) == pytest.approx(2e-3)
+    assert table.median_s(1e4) == pytest.approx(4e-3)  # halfway in log size: geometric mean
+    assert table.median_s(10) == pytest.approx(2e-3)  # the latency floor
+    big = LINK.time("allreduce", 4, 1e7) / LINK.time("allreduce", 4, 1e5)
+    assert table.median_s(1e7) == pytest.approx(8e-3 * big)
+    eight = LINK.time("allreduce", 8, 1e3) / LINK.time("allreduce", 4, 1e3)
+    assert table.median_s(1e3, workers=8) == pytest.approx(2e-3 * eight)
+    draws = table.sample_s(1e5, 500, np.random.default_rng(0))
+    assert set(np.round(draws, 6)) <= {0.004, 0.008, 0.012}
+    with pytest.raises(UsageError):
+        CollectiveTable(nproc=4, sizes=(2.0, 1.0), samples_s=((1.0,), (1.0,)), link=LINK)
+
+
+def test_prediction_draws_the_all_reduce_from_the_calibration_repeats(tmp_path: Path) -> None:
+    prof = load_profile(_run(tmp_path / "r", _steady(), collective_ms=4.0, overhead_ms=2.0))
+    cal = tmp_path / "cal.json"
+    cal.write_text(
+        json.dumps(
+            {
+                "kind": "gradsync.allreduce_calibration",
+                "nproc": 4,
+                "alpha_s": 0.0,
+                "beta_s_per_byte": 1e-9,
+                "measurements": [
+                    {"bytes": 1_000_000, "time_s": 0.003, "samples_s": [0.002, 0.003, 0.004]},
+                    {"bytes": 4_000_000, "time_s": 0.009},
+                ],
+            }
+        )
+    )
+    table = load_calibration_table(cal)
+    assert table is not None and table.sizes == (1e6, 4e6)
+    pred = predict(prof, LINK, table=table)
+    assert pred.comm_source == "calibration (measured repeats) + run overhead"
+    assert pred.step_ms == pytest.approx(10.0 + 3.0 + 2.0)
