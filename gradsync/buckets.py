@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gradsync.compression.base import FlatBucket
 from gradsync.fault.guards import is_finite
 from gradsync.telemetry.records import Span
 
@@ -47,43 +48,24 @@ def plan_buckets(params: Sequence[torch.Tensor], bucket_mb: float) -> list[list[
     return buckets
 
 
-class GradBucket:
-    """One bucket: its parameters and a flat buffer, with DDP ``GradBucket``'s surface."""
+class GradBucket(FlatBucket):
+    """One bucket: its parameters and a flat buffer they are copied into, with DDP
+    ``GradBucket``'s surface (inherited from ``FlatBucket``)."""
 
-    __slots__ = ("_index", "_params", "_buffer", "_is_last", "offsets")
+    __slots__ = ("offsets",)
 
     def __init__(self, index: int, params: list[torch.Tensor], is_last: bool) -> None:
-        self._index = index
-        self._params = params
-        self._is_last = is_last
         total = sum(p.numel() for p in params)
-        self._buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        super().__init__(buffer, index=index, is_last=is_last, params=params)
         self.offsets: list[int] = []
         offset = 0
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
 
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        return [
-            self._buffer[o : o + p.numel()].view_as(p)
-            for o, p in zip(self.offsets, self._params, strict=True)
-        ]
-
     def fill_from_grads(self) -> None:
-        for view, p in zip(self.gradients(), self._params, strict=True):
+        for view, p in zip(self.gradients(), self.parameters(), strict=True):
             if p.grad is None:
                 view.zero_()
             else:
