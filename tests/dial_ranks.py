@@ -63,6 +63,23 @@ def staleness(rank: int, world: int, spec: str) -> dict[str, Any]:
     return train(rank, world, spec, 16, slow="1:4")
 
 
+def adamw_on_servers(rank: int, world: int) -> dict[str, Any]:
+    """The server rebuilds the user's optimizer: AdamW's param group carries keys that its
+    constructor does not take."""
+    w = make_workload("mlp", seed=5, params=3000)
+    model = w.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sync = gs.Synchronizer(model, opt, strategy="ssp:1", timeout_s=20)
+    if sync.is_server:
+        return {"server": sync.serve()}
+    for step in range(4):
+        with sync.step():
+            x, y = w.batch(step, 8, rank * 4, rank * 4 + 4)
+            w.loss(model, x, y).backward()
+    sync.report()
+    return {"params": flat_params(model)}
+
+
 def server_dies(rank: int, world: int) -> dict[str, Any]:
     w = make_workload("mlp", seed=5, params=3000, dtype="float64")
     model = w.build_model()

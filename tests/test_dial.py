@@ -63,6 +63,13 @@ def test_ssp_bound_holds_and_async_exceeds_it() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_server_rebuilds_adamw() -> None:
+    results = run_ranks(dial_ranks.adamw_on_servers, 3, timeout_s=90)
+    assert len(results[2]["server"].updates) == 2 * 4
+    assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+@pytest.mark.timeout(120)
 def test_dead_server_fails_workers_with_its_name_not_a_hang() -> None:
     t0 = time.monotonic()
     results = run_ranks(

@@ -9,6 +9,7 @@ error naming it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import queue
 import threading
@@ -32,10 +33,14 @@ class _Pull:
 def _server_optimizer(
     user: torch.optim.Optimizer, params: list[torch.Tensor]
 ) -> torch.optim.Optimizer:
-    """The user's optimizer class and hyper-parameters, over this server's shard."""
-    hyper = {k: v for k, v in user.param_groups[0].items() if k != "params"}
-    for key in ("initial_lr", "name"):
-        hyper.pop(key, None)
+    """The user's optimizer class and hyper-parameters, over this server's shard.
+
+    A param group also holds keys the constructor does not take (schedulers' ``initial_lr``,
+    AdamW's ``decoupled_weight_decay`` in recent torch), so only the constructor's own keyword
+    arguments are passed on.
+    """
+    accepted = inspect.signature(type(user).__init__).parameters
+    hyper = {k: v for k, v in user.param_groups[0].items() if k != "params" and k in accepted}
     return type(user)(params, **hyper)
 
 
