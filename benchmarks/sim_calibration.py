@@ -144,5 +144,31 @@ def main() -> int:
     return 0
 
 
+def write_benchmarks() -> int:
+    """Run main() and, with --write, put its markdown into BENCHMARKS.md's section."""
+    import contextlib
+    import io
+
+    write = "--write" in sys.argv
+    if write:
+        sys.argv.remove("--write")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main()
+    text = buf.getvalue()
+    print(text)
+    if write and rc == 0:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from benchmarks.mdtable import machine, write_section
+
+        head = (
+            "## Calibrated prediction against measured runs (simulator)\n\n"
+            f"Command: `python benchmarks/sim_calibration.py {' '.join(sys.argv[1:])} --write`. "
+            f"Machine: {machine()}. Method and reading: docs/simulator.md.\n\n"
+        )
+        write_section("sim_calibration", head + text)
+    return rc
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(write_benchmarks())
