@@ -64,12 +64,28 @@ class GradBucket(FlatBucket):
             self.offsets.append(offset)
             offset += p.numel()
 
-    def fill_from_grads(self) -> None:
+    def attach_grads(self) -> None:
+        """Make every ``p.grad`` a view into this bucket's buffer.
+
+        Autograd then accumulates straight into the buffer (in place, since gradients are
+        defined and grad mode is off during backward), so a launch needs no copy in and the
+        reduced result no copy out: DDP's ``gradient_as_bucket_view``.
+        """
         for view, p in zip(self.gradients(), self.parameters(), strict=True):
-            if p.grad is None:
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    def collect_grads(self) -> None:
+        """Before a launch: bring in any gradient that is not (or no longer) a view into the
+        buffer (the user set ``p.grad`` to None, or replaced it), and re-point it."""
+        for view, p in zip(self.gradients(), self.parameters(), strict=True):
+            g = p.grad
+            if g is None:
                 view.zero_()
-            else:
-                view.copy_(p.grad)
+                p.grad = view
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                p.grad = view
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +140,9 @@ class BucketReducer:
         self.launch_log = []
         self._spans = []
         self.local_nonfinite = False
+        for b in self.buckets:
+            b.buffer().zero_()
+            b.attach_grads()
 
     def backward_passes(self) -> int:
         """How many backward passes reached at least one parameter this step."""
@@ -147,16 +166,15 @@ class BucketReducer:
         return out
 
     def write_back(self, reduced: list[torch.Tensor], scale: float = 1.0) -> None:
-        """Copy reduced buffers into ``p.grad`` (creating it where no rank had a gradient)."""
+        """Put the reduced buffers into ``p.grad`` (every parameter gets one, zeros where no
+        rank had a gradient). An in-place all-reduce already left them there."""
         for bucket, flat in zip(self.buckets, reduced, strict=True):
-            for o, p in zip(bucket.offsets, bucket.parameters(), strict=True):
-                view = flat[o : o + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
-                if scale != 1.0:
-                    p.grad.mul_(scale)
+            buf = bucket.buffer()
+            if flat.data_ptr() != buf.data_ptr():
+                buf.copy_(flat)
+            if scale != 1.0:
+                buf.mul_(scale)
+            bucket.attach_grads()
 
     def take_spans(self) -> list[Span]:
         spans, self._spans = self._spans, []
@@ -187,7 +205,7 @@ class BucketReducer:
             self._next_to_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
-        bucket.fill_from_grads()
+        bucket.collect_grads()
         if self.scale != 1.0:
             bucket.buffer().mul_(self.scale)
         if self.poison_nonfinite and not is_finite(bucket.buffer()):

@@ -157,6 +157,11 @@ class Synchronizer:
         return list(self._sizes)
 
     @property
+    def watch(self) -> ArrivalWatch:
+        """The timeout diagnosis every synchronizing wait of this Synchronizer goes through."""
+        return self._watch
+
+    @property
     def is_server(self) -> bool:
         """True on parameter-server ranks: call ``serve()`` there instead of training."""
         return bool(getattr(self.strategy, "is_server", False))

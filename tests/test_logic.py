@@ -137,3 +137,18 @@ def test_finiteness_check_is_exact_and_does_not_overflow_half_precision() -> Non
     assert not is_finite(opposite)
     # 100k x 60000 overflows an fp16 sum, but every element is finite
     assert is_finite(torch.full((100_000,), 60000.0, dtype=torch.float16))
+
+
+def test_hang_diagnosis_counts_a_rank_one_step_ahead_as_arrived() -> None:
+    import torch.distributed as dist
+
+    from gradsync.fault.diagnose import ArrivalWatch
+
+    store = dist.HashStore()
+    watch = ArrivalWatch(0, 4, 20.0, store=store, arrive_after_s=0.1)
+    # a 4-host partition: rank 1's ring all-reduce finished step 5 and it waits at step 6,
+    # rank 2 waits at step 5, rank 3 (behind the cut link) last waited at step 4
+    store.set("gradsync/arrive/1", "6")
+    store.set("gradsync/arrive/2", "5")
+    store.set("gradsync/arrive/3", "4")
+    assert watch.arrivals(5) == ([0, 1, 2], [3])

@@ -1,11 +1,13 @@
 """Hang diagnosis: when a synchronizing wait times out, say who never arrived.
 
 Recording every arrival in the store would cost a round trip on every step. Instead a
-watchdog thread records a rank's arrival at a step only once its wait has lasted
-``arrive_after_s``: the ranks that are waiting at a hung barrier all record themselves within
-seconds, the rank that hangs never does. When the wait finally fails (torch.distributed's own
-timeout, or a peer that vanished), the error names the step, the collective, the ranks that
-arrived and those that did not.
+watchdog thread records, once a wait has lasted ``arrive_after_s``, the furthest step at which
+this rank has waited (one key per rank): the ranks waiting at a hung barrier all record
+themselves within seconds, the rank that hangs never does. A rank that got one step further
+(its part of a ring all-reduce finished before the link died) is stuck at the next step and
+records that, which counts as having arrived at every earlier one. When the wait finally
+fails (torch.distributed's own timeout, or a peer that vanished), the error names the step,
+the collective, the ranks that arrived and those that did not.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ class ArrivalWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _key(self, step: int, rank: int) -> str:
-        return f"{_PREFIX}/{step}/{rank}"
+    def _key(self, rank: int) -> str:
+        return f"{_PREFIX}/{rank}"
 
     def _run(self) -> None:
         tick = max(0.05, min(0.5, self.arrive_after_s / 4))
@@ -66,7 +68,7 @@ class ArrivalWatch:
             step, since = waiting
             if self._recorded != step and time.monotonic() - since >= self.arrive_after_s:
                 try:
-                    self.store.set(self._key(step, self.rank), "1")
+                    self.store.set(self._key(self.rank), str(step))
                     self._recorded = step
                 except Exception:  # noqa: BLE001 - a dead store must not kill training
                     pass
@@ -101,7 +103,7 @@ class ArrivalWatch:
         if self.store is None:
             return
         try:
-            self.store.set(self._key(step, self.rank), "1")
+            self.store.set(self._key(self.rank), str(step))
         except Exception:  # noqa: BLE001 - the store may have died with the peer
             return
         time.sleep(min(1.0, self.arrive_after_s))
@@ -126,7 +128,8 @@ class ArrivalWatch:
                 if r == self.rank:
                     continue
                 try:
-                    if self.store.check([self._key(step, r)]):
+                    key = self._key(r)
+                    if self.store.check([key]) and int(self.store.get(key)) >= step:
                         arrived.append(r)
                 except Exception:  # noqa: BLE001 - diagnosis is best effort
                     break

@@ -55,12 +55,12 @@ def save(
         "extra": extra or {},
     }
     store.save(step, sync.rank, sync.world_size, state)
-    dist.barrier(group=sync.group)
+    _barrier(sync, step, "checkpoint barrier (every rank saved)")
     if sync.rank == 0:
         store.commit(step, sync.world_size)
     # After save() returns anywhere, the checkpoint is complete: a rank that dies right after
     # a checkpoint step must find it on restart.
-    dist.barrier(group=sync.group)
+    _barrier(sync, step, "checkpoint barrier (manifest committed)")
     return time.perf_counter() - started
 
 
@@ -110,6 +110,11 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     extra: dict[str, Any] = dict(state.get("extra") or {})
     extra["step"] = sync.step_count
     return extra
+
+
+def _barrier(sync: Synchronizer, step: int, what: str) -> None:
+    """A barrier whose failure names the ranks that never arrived, like every other wait."""
+    sync.watch.run(step, what, lambda: dist.barrier(group=sync.group))
 
 
 def _global_zero(sync: Synchronizer) -> int:
