@@ -116,6 +116,16 @@ class Strategy(Protocol):
         ...
 
 
+def compressor_state_dict(state: Any) -> dict[str, Any]:
+    """The ``{"compressor": ...}`` part of a strategy's state dict (residuals, factors)."""
+    return {"compressor": state.state_dict() if state is not None else {}}
+
+
+def load_compressor_state(state: Any, saved: dict[str, Any]) -> None:
+    if state is not None:
+        state.load_state_dict(saved.get("compressor", {}))
+
+
 def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float = 300.0) -> Strategy:
     """A ``Strategy`` from a spec string (or the object itself, passed through).
 

@@ -16,7 +16,12 @@ from gradsync.buckets import BucketReducer, GradBucket
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
 from gradsync.fault.guards import all_finite, scrub_nonfinite_state
-from gradsync.strategies.base import StepOutcome, SyncContext
+from gradsync.strategies.base import (
+    StepOutcome,
+    SyncContext,
+    compressor_state_dict,
+    load_compressor_state,
+)
 from gradsync.telemetry.records import Span
 
 
@@ -103,11 +108,10 @@ class BSP:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"compressor": self._state.state_dict() if self._state is not None else {}}
+        return compressor_state_dict(self._state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._state is not None:
-            self._state.load_state_dict(state.get("compressor", {}))
+        load_compressor_state(self._state, state)
 
     def close(self) -> None:
         if self._reducer is not None:

@@ -17,7 +17,12 @@ import torch
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.fault.guards import all_finite
-from gradsync.strategies.base import StepOutcome, SyncContext
+from gradsync.strategies.base import (
+    StepOutcome,
+    SyncContext,
+    compressor_state_dict,
+    load_compressor_state,
+)
 
 
 def _flat(params: list[torch.Tensor]) -> torch.Tensor:
@@ -94,11 +99,10 @@ class _Periodic:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        return {"compressor": self._state.state_dict() if self._state is not None else {}}
+        return compressor_state_dict(self._state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._state is not None:
-            self._state.load_state_dict(state.get("compressor", {}))
+        load_compressor_state(self._state, state)
 
     def close(self) -> None:
         pass
