@@ -262,3 +262,26 @@ def test_job_slowdown_obeys_the_same_rules() -> None:
 def test_config_rejects_bad_rule_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(UsageError, match=next(iter(kwargs))):
         StragglerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_idle_caused_at_a_barrier_is_measured_over_the_whole_period() -> None:
+    """Under local:4 a barrier's idle covers the 4 steps since the previous barrier; an interval
+    that starts mid-period must not divide it by the wall of the few steps it happens to hold."""
+    from gradsync.telemetry.records import StepRecord, fill_idle
+    from gradsync.telemetry.scores import StepMatrix, pace_and_idle
+
+    records = []
+    for step in range(16):
+        barrier = step % 4 == 3
+        for rank in range(3):
+            compute = 3.0 if rank == 2 else 1.0
+            # at a barrier the fast ranks wait 4 x (3 - 1) = 8 s, plus 0.1 s of communication
+            sync = (8.1 if rank != 2 else 0.1) if barrier else 0.0
+            records.append(
+                StepRecord(rank, step, 0.0, compute, sync, 0.0, 0.0, 4, 0, barrier=barrier)
+            )
+    m = StepMatrix.from_records(fill_idle(records))
+    assert m.idle[15, 0] == pytest.approx(8.0)
+    _, share = pace_and_idle(m, col=2, lo=14, hi=16)
+    # one period of a fast rank: 3 local steps of 1 s, then 1 s + 8.1 s at the barrier
+    assert share == pytest.approx(8.0 / 12.1)

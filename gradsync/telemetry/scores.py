@@ -44,6 +44,8 @@ class StepMatrix:
     compute: np.ndarray
     idle: np.ndarray
     wall: np.ndarray
+    #: per step: whether it ended at a barrier (every step under BSP; every H-th under local SGD)
+    barrier: np.ndarray
 
     @classmethod
     def from_records(cls, records: Iterable[StepRecord]) -> StepMatrix:
@@ -52,18 +54,22 @@ class StepMatrix:
         ranks = np.array(sorted({r.rank for r in recs}), dtype=np.int64)
         shape = (len(steps), len(ranks))
         compute, idle, wall = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
+        barrier = np.zeros(len(steps), dtype=bool)
         if recs:
             i = np.searchsorted(steps, [r.step for r in recs])
             j = np.searchsorted(ranks, [r.rank for r in recs])
             compute[i, j] = [r.compute for r in recs]
             idle[i, j] = [r.idle for r in recs]
             wall[i, j] = [r.compute + r.sync for r in recs]
-        return cls(steps, ranks, compute, idle, wall)
+            barrier[i] |= np.array([r.barrier for r in recs], dtype=bool)
+        return cls(steps, ranks, compute, idle, wall, barrier)
 
     def rows(self, lo: int, hi: int | None = None) -> StepMatrix:
         """The recorded steps ``lo`` to ``hi`` (exclusive), as a view."""
         s = slice(lo, hi)
-        return StepMatrix(self.steps[s], self.ranks, self.compute[s], self.idle[s], self.wall[s])
+        return StepMatrix(
+            self.steps[s], self.ranks, self.compute[s], self.idle[s], self.wall[s], self.barrier[s]
+        )
 
 
 @dataclass(slots=True)
@@ -162,8 +168,18 @@ def pace_and_idle(m: StepMatrix, col: int, lo: int, hi: int) -> tuple[int, float
     # since the previous barrier, and the rank that arrived last need not be the slowest *then*.
     idle_rows = m.idle[lo:hi]
     last = idle_rows[:, col] <= np.nanmin(np.where(np.isnan(idle_rows), np.inf, idle_rows), axis=1)
+    last &= m.barrier[lo:hi]
     idle = float(np.nansum(idle_rows[last][:, others]))
-    wall = float(np.nansum(m.wall[lo:hi][:, others]))
+    # A barrier's idle covers every step since the previous barrier, so it is measured against
+    # the others' wall time over those whole periods: from just after the last barrier before
+    # the interval to the last barrier inside it (under BSP, exactly the interval).
+    inside = np.nonzero(m.barrier[lo:hi])[0]
+    if inside.size == 0:
+        return int(paced.sum()), 0.0
+    before = np.nonzero(m.barrier[:lo])[0]
+    start = int(before[-1]) + 1 if before.size else 0
+    end = lo + int(inside[-1]) + 1
+    wall = float(np.nansum(m.wall[start:end][:, others]))
     return int(paced.sum()), idle / wall if wall > 0 else 0.0
 
 
