@@ -61,7 +61,8 @@ class BSP:
 
     def begin_step(self, step: int, micro_batches: int) -> None:
         assert self._ctx is not None
-        self._ctx.optimizer.zero_grad(set_to_none=True)
+        # No optimizer.zero_grad() here: arm() zeroes the bucket buffers that every p.grad is
+        # a view into; dropping the grads would only make it re-create the views.
         self._micro_batches = micro_batches
         # Hooks launch buckets (and count their bytes) during backward, inside the block.
         self._bytes_at_start = self._state.bytes_sent
