@@ -159,8 +159,16 @@ class ParameterServer:
         for s, msg in enumerate(pushes):
             dst = self._global(self.server_rank(s))
             reply = torch.empty(1 + self._shard_numel(s), dtype=msg.dtype)
-            works.append((s, dist.isend(msg, dst=dst, group=self._group)))
-            works.append((s, dist.irecv(reply, src=dst, group=self._group)))
+            # gloo raises at posting time, not only at wait, when the server's connection is
+            # already closed (it died): both must name the server.
+            what = f"parameter server rank {self.server_rank(s)} at step {step}"
+            try:
+                works.append((s, dist.isend(msg, dst=dst, group=self._group)))
+                works.append((s, dist.irecv(reply, src=dst, group=self._group)))
+            except RuntimeError as exc:
+                raise SyncTimeoutError(
+                    f"sending to {what} failed: {str(exc).splitlines()[0]}"
+                ) from exc
             replies.append(reply)
         for s, work in works:
             self._wait(

@@ -98,7 +98,13 @@ def run_server(ps: ParameterServer, ctx: SyncContext) -> ServerStats:
         msg = torch.cat([flat.new_tensor([held]), flat])
         if len(sends) > 64:  # forget sends that completed; keep the rest (and their tensors)
             sends[:] = [x for x in sends if not x.is_completed()]  # type: ignore[attr-defined]
-        sends.append(dist.isend(msg, dst=ps._global(w), group=ctx.group))
+        try:
+            sends.append(dist.isend(msg, dst=ps._global(w), group=ctx.group))
+        except RuntimeError as exc:  # gloo raises here when the worker's connection is closed
+            raise SyncTimeoutError(
+                f"parameter server rank {ps.rank}: lost worker rank {w}: "
+                f"{str(exc).splitlines()[0]}"
+            ) from exc
 
     while not all(done):
         try:
