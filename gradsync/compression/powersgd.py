@@ -93,6 +93,11 @@ def plan_bucket(bucket: BucketLike, matrix_rank: int, min_rate: float) -> Plan:
     shapes = [list(p.shape) for p in bucket.parameters()]
     if sum(_prod(s) for s in shapes) != numel:
         shapes = [[numel]]  # parameters do not describe the buffer: treat it as one vector
+    return plan_shapes(shapes, matrix_rank, min_rate)
+
+
+def plan_shapes(shapes: list[list[int]], matrix_rank: int, min_rate: float) -> Plan:
+    """Which of the flat, concatenated ``shapes`` go low-rank and which go plain (pure)."""
     matrices: list[tuple[int, int, int, int]] = []
     plain: list[tuple[int, int]] = []
     offset = 0
