@@ -124,11 +124,13 @@ class RunConfig:
                 raise UsageError(
                     f"--kill names rank {k.rank}, but ranks are 0..{self.processes - 1}"
                 )
-        if (self.checkpoint_every or self.resume or kills) and self.uses_servers:
-            raise UsageError(
-                f"checkpoints, --resume and --kill are not supported with {self.strategy} yet "
-                "(the parameter servers' state is not saved); use bsp, local:H or diloco:H"
-            )
+        for k in kills:
+            if self.uses_servers and k.rank >= self.nproc:
+                # A server only serves: it has no step of its own at which to kill itself.
+                raise UsageError(
+                    f"--kill names rank {k.rank}, a parameter server with --strategy "
+                    f"{self.strategy}; only worker ranks 0..{self.nproc - 1} can be killed"
+                )
         if kills and self.max_restarts < len(kills):
             raise UsageError(
                 f"--kill injects {len(kills)} failure(s) but --max-restarts is "

@@ -173,11 +173,16 @@ class Synchronizer:
 
     def serve(self) -> Any:
         """On a parameter-server rank: serve until every worker is done, then take part in the
-        final telemetry gather. Returns the server's statistics (``ServerStats``)."""
+        final telemetry gather. Returns the server's statistics (``ServerStats``).
+
+        When the workers call ``save()``, the server writes its own part of that checkpoint
+        from here; after ``load()`` on this rank, it starts from the loaded state."""
         serve = getattr(self.strategy, "serve", None)
         if serve is None or not self.is_server:
             raise UsageError("serve() is for parameter-server ranks (ssp:S or async strategies)")
-        stats = serve()
+        from gradsync.fault import resume
+
+        stats = serve(checkpoint=lambda state: resume.save_server(self, state))
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(-1, final=True)
@@ -290,14 +295,17 @@ class Synchronizer:
     def save(self, directory: str | Path, *, keep: int = 2, **extra: Any) -> float:
         """Collective: checkpoint model, optimizer, strategy/compressor state and RNG into
         ``directory`` (atomic, checksummed, last ``keep`` kept); ``extra`` holds plain values
-        such as the data position. Returns the seconds it took on this rank."""
+        such as the data position. Returns the seconds it took on this rank. With parameter
+        servers the workers call it (after the same step) and the servers, inside ``serve()``,
+        write their part."""
         from gradsync.fault import resume
 
         return resume.save(self, directory, keep=keep, extra=extra)
 
     def load(self, directory: str | Path) -> dict[str, Any] | None:
         """Collective: resume from the newest intact checkpoint in ``directory``; returns its
-        extras plus ``step`` (the next step to run), or None when there is no checkpoint."""
+        extras plus ``step`` (the next step to run), or None when there is no checkpoint.
+        With parameter servers every rank calls it, servers before ``serve()``."""
         from gradsync.fault import resume
 
         return resume.load(self, directory)

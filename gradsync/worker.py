@@ -149,6 +149,8 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         record_spans=True,
     )
     if sync.is_server:
+        # Servers resume too (their parameters, optimizer state and clocks): load is collective.
+        _resume(sync, cfg, run_dir, rank)
         sync.serve()
         _write_spans(sync, run_dir)
         sync.close()

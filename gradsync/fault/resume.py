@@ -3,6 +3,22 @@
 A checkpoint holds, per rank: the model and optimizer state dicts, the Synchronizer's strategy
 and compressor state (error-feedback residuals, PowerSGD factors, DiLoCo's outer optimizer,
 the step), RNG states, and the caller's extras (the data position). Both calls are collective.
+Every strategy resumes exactly where its checkpoint left it: bsp, local:H and diloco:H, and the
+parameter-server strategies ssp:S and async.
+
+Parameter servers (``ssp:S``, ``async``): the servers hold the parameters and the optimizer
+state, so they write a file too (their shard of the parameters, their optimizer's state, the
+clocks: pushes applied per worker and how fresh each worker's parameters were). Workers call
+``sync.save()`` after their N-th push; each sends every server a checkpoint request behind
+that push on the same ordered channel, so a server holding every worker's request has applied
+exactly N pushes of each. It then takes its snapshot inside ``sync.serve()`` and joins the
+workers' collectives: rank 0 broadcasts the step and the directory (servers do not know it),
+telemetry is gathered (so the records of the steps before a checkpoint survive a crash), every
+rank writes its file, and rank 0 commits the manifest after a barrier, as for every strategy:
+the checkpoint is complete only once workers and servers have all written. ``sync.load()`` is
+collective over servers too: call it on every rank, servers before ``serve()``, which then
+starts from the saved state. A parameter-server checkpoint resumes only onto the same numbers
+of workers and servers (each server's shard and clocks are per worker).
 
 Resuming with a different number of ranks is supported for BSP only: every BSP replica holds
 the same model and optimizer state, so rank 0's file seeds every rank, and the data position is
@@ -29,12 +45,20 @@ if TYPE_CHECKING:
     from gradsync.synchronizer import Synchronizer
 
 
-def _refuse_servers(sync: Synchronizer) -> None:
-    if sync.strategy.barrier_free:
-        raise UsageError(
-            f"checkpoints are not supported with {sync.strategy.name} yet: the parameter "
-            "servers' state is not saved; use bsp, local:H or diloco:H"
-        )
+def _layout(sync: Synchronizer) -> dict[str, int]:
+    layout = getattr(sync.strategy, "layout", None)
+    return dict(layout) if layout is not None else {"workers": sync.world_size, "servers": 0}
+
+
+def _has_servers(sync: Synchronizer) -> bool:
+    return _layout(sync)["servers"] > 0
+
+
+def _describe(world: int, layout: dict[str, int] | None) -> str:
+    if not layout or not layout.get("servers"):
+        return f"{world} ranks"
+    w, k = layout["workers"], layout["servers"]
+    return f"{world} ranks ({w} worker{'s' * (w != 1)} + {k} server{'s' * (k != 1)})"
 
 
 def save(
@@ -42,18 +66,71 @@ def save(
 ) -> float:
     """Collective: every rank writes its file, rank 0 commits the manifest once all have.
     Returns the seconds this rank spent, barriers included."""
-    _refuse_servers(sync)
+    if sync.is_server:
+        raise UsageError(
+            "this rank is a parameter server: it checkpoints inside sync.serve() when the "
+            "workers call sync.save(); call save() on worker ranks only"
+        )
     started = time.perf_counter()
     store = CheckpointStore(directory, keep=keep)
     step = sync.step_count
+    if _has_servers(sync):
+        sync.strategy.request_checkpoint(step)  # type: ignore[attr-defined]
+        order = _order(sync, step, {"step": step, "directory": str(directory)})
+        if order["step"] != step:
+            raise CheckpointError(
+                f"sync.save() called at step {step} on rank {sync.rank} but at step "
+                f"{order['step']} on rank 0: every worker must save after the same step"
+            )
+        sync.flush_telemetry()
     state = {
         "model": sync.model.state_dict(),
         "optimizer": sync.optimizer.state_dict(),
         "sync": sync.state_dict(),
         "rng": rng_state(),
         "strategy": sync.strategy.name,
+        "layout": _layout(sync),
         "extra": extra or {},
     }
+    _write(sync, store, step, state)
+    return time.perf_counter() - started
+
+
+def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
+    """A parameter server's part of ``save()``, called from ``serve()`` once every worker's
+    checkpoint request has arrived: the same collectives as the workers, and its own file."""
+    pushed = server_state["pushed"]
+    order = _order(sync, min(pushed), None)
+    step = int(order["step"])
+    if any(c != step for c in pushed):
+        raise CheckpointError(
+            f"parameter server rank {sync.rank}: the workers saved at step {step}, but it has "
+            f"applied {pushed} pushes of workers 0..{len(pushed) - 1}"
+        )
+    sync.flush_telemetry()
+    sync.load_state_dict({"step": step, "strategy": {}})
+    state = {
+        "server": server_state,
+        "sync": sync.state_dict(),
+        "strategy": sync.strategy.name,
+        "layout": _layout(sync),
+        "extra": {},
+    }
+    _write(sync, CheckpointStore(order["directory"]), step, state)
+
+
+def _order(sync: Synchronizer, step: int, mine: dict[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's ``{"step", "directory"}`` of this save, on every rank (servers included)."""
+    box: list[Any] = [mine if sync.rank == 0 else None]
+    sync.watch.run(
+        step,
+        "checkpoint start (every worker asked, every server ready)",
+        lambda: dist.broadcast_object_list(box, src=_global_zero(sync), group=sync.group),
+    )
+    return dict(box[0])
+
+
+def _write(sync: Synchronizer, store: CheckpointStore, step: int, state: dict[str, Any]) -> None:
     store.save(step, sync.rank, sync.world_size, state)
     _barrier(sync, step, "checkpoint barrier (every rank saved)")
     if sync.rank == 0:
@@ -61,37 +138,44 @@ def save(
     # After save() returns anywhere, the checkpoint is complete: a rank that dies right after
     # a checkpoint step must find it on restart.
     _barrier(sync, step, "checkpoint barrier (manifest committed)")
-    return time.perf_counter() - started
 
 
 def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
-    """Collective: restore the newest valid checkpoint; return its extras (None if none)."""
-    _refuse_servers(sync)
+    """Collective (parameter servers included): restore the newest valid checkpoint; return
+    its extras plus ``step`` (None if there is none). A server keeps its state for ``serve()``."""
     store = CheckpointStore(directory)
     choice: list[Any] = [None]
+    mine: dict[str, Any] | None = None
     if sync.rank == 0 and Path(directory).exists():
         info = store.latest(allow_world_change=True)
-        choice = [None if info is None else (info.step, info.world_size)]
+        if info is not None:
+            # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
+            # servers), so all of them refuse alike; a file it cannot read fails every rank.
+            saved: tuple[Any, Any, str | None]
+            try:
+                mine = store.load(info, 0)
+                saved = (mine.get("strategy"), mine.get("layout"), None)
+            except CheckpointError as exc:
+                saved = (None, None, str(exc))
+            choice = [(info.step, info.world_size, *saved)]
     # Rank 0 decides, so every rank resumes from the same step even if a file is being judged
     # differently elsewhere (a warning it already printed says why it skipped a newer one).
     dist.broadcast_object_list(choice, src=_global_zero(sync), group=sync.group)
     if choice[0] is None:
         return None
-    step, saved_world = choice[0]
-    info = store.at(step)
+    step, saved_world, saved_strategy, saved_layout, error = choice[0]
+    if error is not None:
+        raise CheckpointError(error)
+    _check_compatible(sync, step, saved_world, saved_strategy, saved_layout)
     changed = saved_world != sync.world_size
-    if changed and sync.strategy.name != "bsp":
-        raise CheckpointError(
-            f"checkpoint at step {step} was written by {saved_world} ranks; resuming "
-            f"{sync.strategy.name} with {sync.world_size} is not supported (its per-rank state "
-            "has no meaning at another size). Resume with the same number of ranks, or use bsp."
-        )
-    state = store.load(info, sync.rank, source_rank=0 if changed else None)
-    if state.get("strategy") != sync.strategy.name:
-        raise CheckpointError(
-            f"checkpoint at step {step} was written by strategy {state.get('strategy')!r}, "
-            f"this run uses {sync.strategy.name!r}"
-        )
+    if mine is None:
+        state = store.load(store.at(step), sync.rank, source_rank=0 if changed else None)
+    else:
+        state = mine
+    if sync.is_server:
+        sync.strategy.restore_server(state["server"])  # type: ignore[attr-defined]
+        sync.load_state_dict(state["sync"])
+        return {**(state.get("extra") or {}), "step": sync.step_count}
     sync.model.load_state_dict(state["model"])
     sync.optimizer.load_state_dict(state["optimizer"])
     lost = bool(state["sync"].get("strategy", {}).get("compressor"))
@@ -110,6 +194,36 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     extra: dict[str, Any] = dict(state.get("extra") or {})
     extra["step"] = sync.step_count
     return extra
+
+
+def _check_compatible(
+    sync: Synchronizer,
+    step: int,
+    saved_world: int,
+    saved_strategy: str | None,
+    saved_layout: dict[str, int] | None,
+) -> None:
+    """Refuse, on every rank alike, a checkpoint this run cannot continue."""
+    name = sync.strategy.name
+    if saved_strategy != name:
+        raise CheckpointError(
+            f"checkpoint at step {step} was written by strategy {saved_strategy!r}, "
+            f"this run uses {name!r}"
+        )
+    layout = _layout(sync)
+    if _has_servers(sync) and (saved_world, saved_layout) != (sync.world_size, layout):
+        raise CheckpointError(
+            f"checkpoint at step {step} was written by {_describe(saved_world, saved_layout)}; "
+            f"this run has {_describe(sync.world_size, layout)}: resuming {name} needs the same "
+            "numbers of workers and servers (each server's shard of the parameters and its "
+            "per-worker clocks are saved). Resume with the saved numbers (--nproc, --servers)."
+        )
+    if saved_world != sync.world_size and name != "bsp":
+        raise CheckpointError(
+            f"checkpoint at step {step} was written by {saved_world} ranks; resuming "
+            f"{name} with {sync.world_size} is not supported (its per-rank state "
+            "has no meaning at another size). Resume with the same number of ranks, or use bsp."
+        )
 
 
 def _barrier(sync: Synchronizer, step: int, what: str) -> None:

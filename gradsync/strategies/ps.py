@@ -18,12 +18,22 @@ reuses the process group (and its timeouts) the job already has, and needs no se
 rendezvous; a server waits for each worker in its own thread, so one slow worker never delays
 another's reply. benchmarks/ps_transport.py measures a push/pull round trip against an
 all-reduce of the same bytes (see BENCHMARKS.md).
+
+Messages: every message a worker sends a server is one tensor of the shard's size plus one,
+whose element 0 is its kind: ``_GRADIENT`` (the payload is the gradient; the server replies
+with parameters), ``_CHECKPOINT`` (no payload, no reply: this worker is inside
+``sync.save()`` after its N-th push) or ``_DONE`` (the worker finished; the server replies with
+the final parameters once every worker is done). Checkpoints: a server snapshots its state once
+it holds every unfinished worker's ``_CHECKPOINT``; each request follows that worker's N-th push
+on the same ordered channel, so the server has then applied exactly N pushes of each. See
+``gradsync.fault.resume`` for the rest of the protocol.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +43,8 @@ import torch.distributed as dist
 from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.strategies.base import StepOutcome, SyncContext
 
-_GRADIENT, _DONE = 0.0, 1.0
+# Message kinds (element 0 of every worker -> server message).
+_GRADIENT, _DONE, _CHECKPOINT = 0.0, 1.0, 2.0
 
 
 def shard_by_size(sizes: list[int], servers: int) -> list[list[int]]:
@@ -63,9 +74,16 @@ class AppliedUpdate:
 
 @dataclass(slots=True)
 class ServerStats:
+    """What one server did. ``updates`` and ``held_seconds`` cover this process only;
+    ``clocks`` (pushes applied per worker) and ``checkpoints`` continue across a resume, and
+    ``resumed_at`` is the step of the checkpoint this server started from (0: none)."""
+
     server_rank: int
     updates: list[AppliedUpdate] = field(default_factory=list)
     held_seconds: float = 0.0
+    clocks: list[int] = field(default_factory=list)
+    resumed_at: int = 0
+    checkpoints: list[int] = field(default_factory=list)
 
     @property
     def max_staleness(self) -> int:
@@ -91,6 +109,7 @@ class ParameterServer:
         self._shards: list[list[int]] = []
         self._micro_batches = 1
         self._finished = False
+        self._restored: dict[str, Any] | None = None  # a server's checkpointed state, for serve()
 
     # -- layout -------------------------------------------------------------------------------
     def setup(self, ctx: SyncContext) -> None:
@@ -126,6 +145,22 @@ class ParameterServer:
     def _shard_numel(self, s: int) -> int:
         return sum(self._params[i].numel() for i in self._shards[s])
 
+    @property
+    def layout(self) -> dict[str, int]:
+        """Workers and servers: a checkpoint resumes only onto the same layout."""
+        return {"workers": self.num_workers, "servers": self.servers}
+
+    def _control(self, kind: float) -> list[torch.Tensor]:
+        """A payload-less message of ``kind`` for every server (sized like a push: a receive
+        is posted for the shard's size before the server knows what comes)."""
+        msgs = []
+        for s in range(self.servers):
+            dtype = self._params[self._shards[s][0]].dtype if self._shards[s] else torch.float32
+            msg = torch.zeros(1 + self._shard_numel(s), dtype=dtype)
+            msg[0] = kind
+            msgs.append(msg)
+        return msgs
+
     # -- worker side ----------------------------------------------------------------------------
     def begin_step(self, step: int, micro_batches: int) -> None:
         assert self._ctx is not None
@@ -155,21 +190,10 @@ class ParameterServer:
 
     def _exchange(self, pushes: list[torch.Tensor], step: int | str) -> float:
         """Send one message to every server and install the parameters they send back."""
-        replies, works = [], []
-        for s, msg in enumerate(pushes):
-            dst = self._global(self.server_rank(s))
-            reply = torch.empty(1 + self._shard_numel(s), dtype=msg.dtype)
-            # gloo raises at posting time, not only at wait, when the server's connection is
-            # already closed (it died): both must name the server.
-            what = f"parameter server rank {self.server_rank(s)} at step {step}"
-            try:
-                works.append((s, dist.isend(msg, dst=dst, group=self._group)))
-                works.append((s, dist.irecv(reply, src=dst, group=self._group)))
-            except RuntimeError as exc:
-                raise SyncTimeoutError(
-                    f"sending to {what} failed: {str(exc).splitlines()[0]}"
-                ) from exc
-            replies.append(reply)
+        replies = [
+            torch.empty(1 + self._shard_numel(s), dtype=msg.dtype) for s, msg in enumerate(pushes)
+        ]
+        works = self._post(pushes, replies, step)
         for s, work in works:
             self._wait(
                 work, f"the reply of parameter server rank {self.server_rank(s)} at step {step}"
@@ -180,6 +204,40 @@ class ParameterServer:
                 held = max(held, float(reply[0]))
                 self._install(s, reply[1:])
         return held
+
+    def _post(
+        self, msgs: list[torch.Tensor], replies: list[torch.Tensor] | None, step: int | str
+    ) -> list[tuple[int, Any]]:
+        """Post a send of ``msgs[s]`` to server s (and a receive of ``replies[s]``)."""
+        works = []
+        for s, msg in enumerate(msgs):
+            dst = self._global(self.server_rank(s))
+            # gloo raises at posting time, not only at wait, when the server's connection is
+            # already closed (it died): both must name the server.
+            what = f"parameter server rank {self.server_rank(s)} at step {step}"
+            try:
+                works.append((s, dist.isend(msg, dst=dst, group=self._group)))
+                if replies is not None:
+                    works.append((s, dist.irecv(replies[s], src=dst, group=self._group)))
+            except RuntimeError as exc:
+                raise SyncTimeoutError(
+                    f"sending to {what} failed: {str(exc).splitlines()[0]}"
+                ) from exc
+        return works
+
+    def request_checkpoint(self, step: int) -> None:
+        """Worker side of ``sync.save()``: ask every server to snapshot its state now, after
+        this worker's ``step``-th push. No reply: the servers then join the save's collectives."""
+        assert not self.is_server  # resume.save() refuses servers with a message
+        if self._finished:
+            raise UsageError("training already finished (report() ended it): nothing to save")
+        msgs = self._control(_CHECKPOINT)
+        for s, work in self._post(msgs, None, step):
+            self._wait(
+                work,
+                f"the checkpoint request to parameter server rank {self.server_rank(s)} "
+                f"at step {step}",
+            )
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -211,24 +269,29 @@ class ParameterServer:
         if self.is_server or self._finished:
             return
         self._finished = True
-        pushes = []
-        for s in range(self.servers):
-            dtype = self._params[self._shards[s][0]].dtype if self._shards[s] else torch.float32
-            msg = torch.zeros(1 + self._shard_numel(s), dtype=dtype)
-            msg[0] = _DONE
-            pushes.append(msg)
-        self._exchange(pushes, "end")
+        self._exchange(self._control(_DONE), "end")
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Workers agree only at the end, once every one has fetched the final parameters."""
         return final
 
     # -- server side ----------------------------------------------------------------------------
-    def serve(self) -> ServerStats:
+    def serve(self, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> ServerStats:
+        """Serve until every worker is done. ``checkpoint(state)`` is called with this server's
+        state when the workers ask for a checkpoint; it writes it and joins their collectives
+        (``Synchronizer.serve`` passes ``gradsync.fault.resume.save_server``)."""
         from gradsync.strategies.ps_server import run_server
 
         assert self._ctx is not None
-        return run_server(self, self._ctx)
+        restored, self._restored = self._restored, None
+        return run_server(self, self._ctx, checkpoint=checkpoint, restored=restored)
+
+    def restore_server(self, state: dict[str, Any]) -> None:
+        """Hold a server's checkpointed state (parameters, optimizer state, clocks) for the
+        next ``serve()``, which starts from it."""
+        if not self.is_server:
+            raise UsageError("restore_server() is for parameter-server ranks")
+        self._restored = state
 
     def state_dict(self) -> dict[str, Any]:
         return {}

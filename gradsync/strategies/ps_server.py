@@ -5,6 +5,14 @@ torch.distributed release the GIL, so an idle server costs no CPU); the main thr
 updates and answers in arrival order, so the parameters a reply carries are a consistent
 snapshot. A worker that disappears, or stays silent past the timeout, ends the server with an
 error naming it.
+
+Checkpoints: a worker's ``_CHECKPOINT`` message pauses its receiver thread (it posts no
+receive until the checkpoint is over, so no point-to-point receive is pending while the
+server takes part in the save's collectives, and a slow save does not count against the
+receive timeout). Once every unfinished worker has asked, no reply is pending either (each
+worker waited for its last reply before asking), and the server hands its state (its
+parameters, its optimizer's state and the clocks) to the ``checkpoint`` callback, then lets
+the receivers go on.
 """
 
 from __future__ import annotations
@@ -14,14 +22,24 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradsync.errors import SyncTimeoutError
+from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.strategies.base import SyncContext
-from gradsync.strategies.ps import _DONE, AppliedUpdate, ParameterServer, ServerStats
+from gradsync.strategies.ps import (
+    _CHECKPOINT,
+    _DONE,
+    AppliedUpdate,
+    ParameterServer,
+    ServerStats,
+)
+
+Checkpoint = Callable[[dict[str, Any]], None]
 
 
 @dataclass(slots=True)
@@ -44,109 +62,229 @@ def _server_optimizer(
     return type(user)(params, **hyper)
 
 
-def run_server(ps: ParameterServer, ctx: SyncContext) -> ServerStats:
-    s = ps.rank - ps.num_workers
-    shard = [ps._params[i] for i in ps._shards[s]]
-    # The server owns its own copies: the model object on this rank is only a shape template.
-    params = [p.detach().clone().requires_grad_(True) for p in shard]
-    optimizer = _server_optimizer(ctx.optimizer, params)
-    numel = sum(p.numel() for p in params)
-    dtype = params[0].dtype if params else torch.float32
-    workers = ps.num_workers
-    stats = ServerStats(server_rank=ps.rank)
-    inbox: queue.Queue[tuple[int, torch.Tensor | BaseException]] = queue.Queue()
+class _Receivers:
+    """One thread per worker posting receives for its messages into ``inbox``; a thread that
+    delivers a ``_CHECKPOINT`` waits for ``resume(w)`` before receiving again."""
 
-    def receive(w: int) -> None:
+    def __init__(self, ps: ParameterServer, ctx: SyncContext, numel: int, dtype: torch.dtype):
+        self.inbox: queue.Queue[tuple[int, torch.Tensor | BaseException]] = queue.Queue()
+        self._go = [queue.SimpleQueue[None]() for _ in range(ps.num_workers)]
+        self._ps, self._ctx, self._numel, self._dtype = ps, ctx, numel, dtype
+        self.threads = [
+            threading.Thread(target=self._receive, args=(w,), daemon=True)
+            for w in range(ps.num_workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def resume(self, w: int) -> None:
+        self._go[w].put(None)
+
+    def _receive(self, w: int) -> None:
+        ps = self._ps
         src = ps._global(w)
         while True:
-            buf = torch.empty(1 + numel, dtype=dtype)
+            buf = torch.empty(1 + self._numel, dtype=self._dtype)
             try:
-                work = dist.irecv(buf, src=src, group=ctx.group)
+                work = dist.irecv(buf, src=src, group=self._ctx.group)
                 assert work is not None
                 if work.wait(timeout=ps.timeout) is False:
                     raise SyncTimeoutError(f"no message within {ps.timeout.total_seconds():.0f}s")
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                inbox.put((w, exc))
+                self.inbox.put((w, exc))
                 return
-            inbox.put((w, buf))
-            if float(buf[0]) == _DONE:
+            self.inbox.put((w, buf))
+            kind = float(buf[0])
+            if kind == _DONE:
                 return
+            if kind == _CHECKPOINT:
+                # The main thread owns the timeout meanwhile (it is in the save's collectives,
+                # or waiting for the other workers' requests); it ends the process on failure.
+                self._go[w].get()
 
-    threads = [threading.Thread(target=receive, args=(w,), daemon=True) for w in range(workers)]
-    for t in threads:
-        t.start()
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=1.0)
 
-    pushed = [0] * workers
-    done = [False] * workers
-    pending: dict[int, _Pull] = {}
-    fresh_through = [-1] * workers  # k of the parameters last sent to each worker
-    sends: list[object] = []
 
-    def snapshot() -> torch.Tensor:
+class _Server:
+    """The state of one server and what it does with each kind of message."""
+
+    def __init__(
+        self,
+        ps: ParameterServer,
+        ctx: SyncContext,
+        checkpoint: Checkpoint | None,
+        restored: dict[str, Any] | None,
+    ) -> None:
+        self.ps, self.ctx, self.checkpoint = ps, ctx, checkpoint
+        s = ps.rank - ps.num_workers
+        shard = [ps._params[i] for i in ps._shards[s]]
+        # The server owns its own copies: the model object on this rank is only a shape template.
+        self.params = [p.detach().clone().requires_grad_(True) for p in shard]
+        self.optimizer = _server_optimizer(ctx.optimizer, self.params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.workers = ps.num_workers
+        self.stats = ServerStats(server_rank=ps.rank)
+        self.pushed = [0] * self.workers
+        self.done = [False] * self.workers
+        self.pending: dict[int, _Pull] = {}
+        self.fresh_through = [-1] * self.workers  # k of the parameters last sent to each worker
+        self.requested = [False] * self.workers  # sent _CHECKPOINT, not yet served
+        self.sends: list[Any] = []
+        if restored is not None:
+            self._restore(restored)
+        self.stats.clocks = self.pushed
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only, so ``torch.load(weights_only=True)`` reads it."""
+        return {
+            "params": [p.detach().clone() for p in self.params],
+            "optimizer": self.optimizer.state_dict(),
+            "pushed": list(self.pushed),
+            "fresh_through": list(self.fresh_through),
+            "checkpoints": list(self.stats.checkpoints),
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        saved = state["params"]
+        shapes = [tuple(p.shape) for p in self.params]
+        if [tuple(t.shape) for t in saved] != shapes or len(state["pushed"]) != self.workers:
+            from gradsync.fault.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"parameter server rank {self.ps.rank}: the checkpoint holds a shard of shapes "
+                f"{[tuple(t.shape) for t in saved]} for {len(state['pushed'])} workers; this "
+                f"server's shard is {shapes} for {self.workers} workers (a different model or "
+                "layout)"
+            )
         with torch.no_grad():
-            return torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
+            for p, t in zip(self.params, saved, strict=True):
+                p.copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.pushed = [int(c) for c in state["pushed"]]
+        self.fresh_through = [int(k) for k in state["fresh_through"]]
+        self.stats.checkpoints = [int(c) for c in state.get("checkpoints", [])]
+        self.stats.resumed_at = min(self.pushed)
 
-    def allowed(clock: int) -> bool:
+    def on_checkpoint(self, w: int, receivers: _Receivers) -> None:
+        self.requested[w] = True
+        self.maybe_checkpoint(receivers)
+
+    def maybe_checkpoint(self, receivers: _Receivers) -> None:
+        """Snapshot once every unfinished worker has asked; then let their receivers go on."""
+        if not any(self.requested) or not all(
+            self.done[v] or self.requested[v] for v in range(self.workers)
+        ):
+            return
+        if self.checkpoint is None:
+            raise UsageError(
+                f"parameter server rank {self.ps.rank}: the workers asked for a checkpoint, but "
+                "serve() was given no checkpoint callback (call sync.serve(), which passes one)"
+            )
+        # Each worker waited for its last reply before asking, so nothing is held back here.
+        assert not self.pending, self.pending
+        self.stats.checkpoints.append(min(self.pushed))
+        self.checkpoint(self.state_dict())
+        for v in range(self.workers):
+            if self.requested[v]:
+                self.requested[v] = False
+                receivers.resume(v)
+
+    # -- gradients and replies ------------------------------------------------------------------
+    def on_gradient(self, w: int, grad: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.grad = grad[offset : offset + p.numel()].view_as(p) / self.workers
+            offset += p.numel()
+        self.optimizer.step()
+        self.stats.updates.append(AppliedUpdate(w, self.pushed[w], self.fresh_through[w]))
+        self.pushed[w] += 1
+        self.pending[w] = _Pull(clock=self.pushed[w], since=time.perf_counter())
+
+    def allowed(self, clock: int) -> bool:
         # Clock c may start once every worker's updates from clocks <= c - S - 1 are applied,
         # i.e. each worker has pushed at least c - S gradients. Finished workers never block.
-        if math.isinf(ps.staleness):
+        if math.isinf(self.ps.staleness):
             return True
-        need = clock - int(ps.staleness)
-        return all(done[w] or pushed[w] >= need for w in range(workers))
+        need = clock - int(self.ps.staleness)
+        return all(self.done[w] or self.pushed[w] >= need for w in range(self.workers))
 
-    def reply(w: int, held: float, flat: torch.Tensor) -> None:
+    def answer_ready(self) -> None:
+        ready = [v for v, pull in self.pending.items() if self.allowed(pull.clock)]
+        if not ready:
+            return
+        flat = self.snapshot()
+        k = min(self.pushed) - 1
+        now = time.perf_counter()
+        for v in sorted(ready):
+            held = now - self.pending.pop(v).since
+            self.stats.held_seconds += held
+            self.fresh_through[v] = k
+            self.reply(v, held, flat)
+
+    def snapshot(self) -> torch.Tensor:
+        with torch.no_grad():
+            if not self.params:
+                return torch.zeros(0)
+            return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def reply(self, w: int, held: float, flat: torch.Tensor) -> None:
         msg = torch.cat([flat.new_tensor([held]), flat])
-        if len(sends) > 64:  # forget sends that completed; keep the rest (and their tensors)
-            sends[:] = [x for x in sends if not x.is_completed()]  # type: ignore[attr-defined]
+        if len(self.sends) > 64:  # forget sends that completed; keep the rest (and their tensors)
+            self.sends[:] = [x for x in self.sends if not x.is_completed()]
         try:
-            sends.append(dist.isend(msg, dst=ps._global(w), group=ctx.group))
+            self.sends.append(dist.isend(msg, dst=self.ps._global(w), group=self.ctx.group))
         except RuntimeError as exc:  # gloo raises here when the worker's connection is closed
             raise SyncTimeoutError(
-                f"parameter server rank {ps.rank}: lost worker rank {w}: "
+                f"parameter server rank {self.ps.rank}: lost worker rank {w}: "
                 f"{str(exc).splitlines()[0]}"
             ) from exc
 
-    while not all(done):
+    def finish(self) -> None:
+        final = self.snapshot()
+        for w in range(self.workers):
+            self.reply(w, 0.0, final)
+        for work in self.sends:
+            work.wait(timeout=self.ps.timeout)
+
+
+def run_server(
+    ps: ParameterServer,
+    ctx: SyncContext,
+    *,
+    checkpoint: Checkpoint | None = None,
+    restored: dict[str, Any] | None = None,
+) -> ServerStats:
+    """Serve until every worker is done; start from ``restored`` (a checkpointed
+    ``state_dict``) if given, and hand ``checkpoint`` this server's state when asked."""
+    server = _Server(ps, ctx, checkpoint, restored)
+    receivers = _Receivers(ps, ctx, server.numel, server.dtype)
+    timeout = ps.timeout.total_seconds()
+    while not all(server.done):
         try:
-            w, item = inbox.get(timeout=ps.timeout.total_seconds())
+            w, item = receivers.inbox.get(timeout=timeout)
         except queue.Empty:
-            silent = [w for w in range(workers) if not done[w]]
+            silent = [w for w in range(server.workers) if not server.done[w]]
             raise SyncTimeoutError(
-                f"parameter server rank {ps.rank}: workers {silent} sent nothing for "
-                f"{ps.timeout.total_seconds():.0f}s"
+                f"parameter server rank {ps.rank}: workers {silent} sent nothing for {timeout:.0f}s"
             ) from None
         if isinstance(item, BaseException):
             raise SyncTimeoutError(
                 f"parameter server rank {ps.rank}: lost worker rank {w}: "
                 f"{str(item).splitlines()[0] if str(item) else type(item).__name__}"
             ) from item
-        if float(item[0]) == _DONE:
-            done[w] = True
+        kind = float(item[0])
+        if kind == _DONE:
+            server.done[w] = True
+            server.maybe_checkpoint(receivers)
+        elif kind == _CHECKPOINT:
+            server.on_checkpoint(w, receivers)
         else:
-            offset = 0
-            grad = item[1:]
-            for p in params:
-                p.grad = grad[offset : offset + p.numel()].view_as(p) / workers
-                offset += p.numel()
-            optimizer.step()
-            stats.updates.append(AppliedUpdate(w, pushed[w], fresh_through[w]))
-            pushed[w] += 1
-            pending[w] = _Pull(clock=pushed[w], since=time.perf_counter())
-        ready = [v for v, pull in pending.items() if allowed(pull.clock)]
-        if ready:
-            flat = snapshot()
-            k = min(pushed) - 1
-            now = time.perf_counter()
-            for v in sorted(ready):
-                held = now - pending.pop(v).since
-                stats.held_seconds += held
-                fresh_through[v] = k
-                reply(v, held, flat)
-    final = snapshot()
-    for w in range(workers):
-        reply(w, 0.0, final)
-    for work in sends:
-        work.wait(timeout=ps.timeout)  # type: ignore[attr-defined]
-    for t in threads:
-        t.join(timeout=1.0)
-    return stats
+            server.on_gradient(w, item[1:])
+        server.answer_ready()
+    server.finish()
+    receivers.join()
+    return server.stats

@@ -1,0 +1,87 @@
+"""Rank functions for the parameter-server checkpoint tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gradsync as gs
+from gradsync.fault.checkpoint import CheckpointError
+from gradsync.workloads import make_workload
+from tests.ranks import flat_params
+
+PER_RANK = 4
+STEPS = 6
+SAVE_AT = 3
+SPECS = ("ssp:0", "ssp:1")
+
+
+def _sync(spec: str, servers: int = 1) -> tuple[Any, torch.nn.Module, gs.Synchronizer]:
+    # Momentum: the servers' optimizer state must come back for the trajectory to continue.
+    w = make_workload("mlp", seed=5, params=3000, dtype="float64")
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sync = gs.Synchronizer(model, opt, strategy=spec, servers=servers, timeout_s=20)
+    return w, model, sync
+
+
+def _train(spec: str, directory: Path, *, resume: bool) -> dict[str, Any]:
+    """Train to STEPS, saving after step SAVE_AT (fresh) or starting from that save (resume)."""
+    w, model, sync = _sync(spec)
+    start = 0
+    if resume:
+        extra = sync.load(directory)
+        assert extra is not None
+        start = int(extra["step"])
+    if sync.is_server:
+        out: dict[str, Any] = {"server": sync.serve(), "start": start}
+        sync.close()
+        return out
+    # ssp:0 with every worker on the same batch: both pushes of a round carry the same
+    # gradient, so the order in which the server applies them (which changes the result under
+    # momentum) cannot matter and the trajectory is deterministic.
+    shard = 0 if spec == "ssp:0" else sync.rank
+    for step in range(start, STEPS):
+        with sync.step(samples=PER_RANK):
+            x, y = w.batch(
+                step, PER_RANK * sync.num_workers, shard * PER_RANK, (shard + 1) * PER_RANK
+            )
+            w.loss(model, x, y).backward()
+        if not resume and step + 1 == SAVE_AT:
+            sync.save(directory, data_position=step + 1)
+    report = sync.report()
+    sync.close()
+    return {
+        "params": flat_params(model),
+        "start": start,
+        "steps": sorted((r.rank, r.step) for r in report.records),
+    }
+
+
+def first_run(rank: int, world: int, root: str) -> dict[str, Any]:
+    return {spec: _train(spec, Path(root) / spec, resume=False) for spec in SPECS}
+
+
+def _refusal(spec: str, directory: Path, servers: int) -> str:
+    _, _, sync = _sync(spec, servers=servers)
+    try:
+        sync.load(directory)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        sync.close()
+    return "loaded"
+
+
+def second_run(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Resume both runs in a fresh group, then try the ssp:1 checkpoint on another layout of
+    the same number of ranks (1 worker + 2 servers): refused on every rank."""
+    out: dict[str, Any] = {spec: _train(spec, Path(root) / spec, resume=True) for spec in SPECS}
+    out["two servers"] = _refusal("ssp:1", Path(root) / "ssp:1", servers=2)
+    return out
+
+
+def more_ranks(rank: int, world: int, root: str) -> str:
+    return _refusal("ssp:1", Path(root) / "ssp:1", servers=1)

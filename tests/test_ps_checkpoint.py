@@ -1,0 +1,127 @@
+"""Checkpoint and resume with parameter servers (ssp:S, async): the servers save their shard,
+optimizer state and clocks with the workers' checkpoint and start from them on resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.testing import RankFailure, run_ranks
+from gradsync.workloads import make_workload
+from tests import ps_checkpoint_ranks as ranks
+from tests.test_cli_run import gradsync
+
+SERVER = 2  # 2 workers + 1 server: the server is the last rank
+
+
+@pytest.mark.timeout(150)
+def test_resumed_servers_continue_from_the_checkpoint(tmp_path: Path) -> None:
+    first = run_ranks(ranks.first_run, 3, str(tmp_path), timeout_s=120)
+    second = run_ranks(ranks.second_run, 3, str(tmp_path), timeout_s=120)
+    for spec in ranks.SPECS:
+        # the uninterrupted run: the checkpoint's collectives did not disturb it
+        before = first[SERVER][spec]["server"]
+        assert before.clocks == [ranks.STEPS] * 2 and before.checkpoints == [ranks.SAVE_AT]
+        assert len(before.updates) == 2 * ranks.STEPS
+        # telemetry of every step of both workers, whether gathered at the save or at the end
+        want = sorted((r, s) for r in (0, 1) for s in range(ranks.STEPS))
+        assert first[0][spec]["steps"] == want, spec
+        # the resumed run starts at the checkpoint on every rank, servers included...
+        assert [second[r][spec]["start"] for r in range(3)] == [ranks.SAVE_AT] * 3
+        after = second[SERVER][spec]["server"]
+        # ...and the server's clocks go on from there: it applied only the missing pushes
+        assert after.resumed_at == ranks.SAVE_AT and after.clocks == [ranks.STEPS] * 2
+        assert after.checkpoints == [ranks.SAVE_AT]
+        assert sorted(u.clock for u in after.updates) == sorted(
+            list(range(ranks.SAVE_AT, ranks.STEPS)) * 2
+        )
+        if spec == "ssp:1":
+            assert max(u.staleness for u in after.updates) <= 1
+        assert torch.equal(second[0][spec]["params"], second[1][spec]["params"])
+    # ssp:0 on identical batches is deterministic: the resumed run lands where the uninterrupted
+    # one did (the servers' momentum buffers included, or it would not).
+    assert torch.allclose(
+        second[0]["ssp:0"]["params"], first[0]["ssp:0"]["params"], rtol=1e-9, atol=1e-12
+    )
+    assert not torch.equal(first[0]["ssp:0"]["params"], first[0]["ssp:1"]["params"])
+    # the same 3 ranks laid out as 1 worker + 2 servers: refused on every rank
+    for r in range(3):
+        message = second[r]["two servers"]
+        assert "written by 3 ranks (2 workers + 1 server)" in message, message
+        assert "this run has 3 ranks (1 worker + 2 servers)" in message, message
+
+
+@pytest.mark.timeout(150)
+def test_resuming_servers_on_more_ranks_is_refused(tmp_path: Path) -> None:
+    run_ranks(ranks.first_run, 3, str(tmp_path), timeout_s=120)
+    got = run_ranks(ranks.more_ranks, 4, str(tmp_path), timeout_s=120, allow_failures=True)
+    assert not any(isinstance(g, RankFailure) for g in got), got
+    for message in got:
+        assert "written by 3 ranks (2 workers + 1 server)" in message, message
+        assert "this run has 4 ranks (3 workers + 1 server)" in message, message
+        assert "same numbers of workers and servers" in message
+
+
+COMMON = [
+    "--workload", "mlp", "--params", "3000", "--steps", "12", "--nproc", "2",
+    "--no-plots", "--no-progress", "--timeout", "60",
+]  # fmt: skip
+
+
+def _final(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "final_model.pt", weights_only=True)
+
+
+def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in state.values()])
+
+
+def _last_loss(run: Path) -> float:
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    last = max(r["step"] for r in records)
+    return sum(r["loss"] for r in records if r["step"] == last) / 2
+
+
+@pytest.mark.timeout(240)
+def test_killed_worker_with_async_servers_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    proc = gradsync("run", "--out", str(clean), "--strategy", "async", *COMMON, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # worker 1 dies at step 7, between the checkpoints of steps 5 and 10
+    proc = gradsync(
+        "run", "--out", str(faulty), "--strategy", "async", *COMMON,
+        "--checkpoint-every", "5", "--max-restarts", "1", "--kill", "1:7",
+        timeout=200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restart: resuming at step 5" in proc.stderr
+    assert (faulty / "faults" / "kill-rank1-step7.json").exists()
+    recoveries = (faulty / "faults" / "recoveries.jsonl").read_text().splitlines()
+    assert [json.loads(x)["resumed_at_step"] for x in recoveries] == [5]
+    # every step's telemetry, once per worker: steps 0-4 were gathered at the checkpoint
+    records = [json.loads(x) for x in (faulty / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["rank"], r["step"]) for r in records) == sorted(
+        (r, s) for r in (0, 1) for s in range(12)
+    )
+    # async is not deterministic (the server applies pushes in arrival order), so "close":
+    # two clean runs end about 0.03-0.09 apart, after moving about 0.6 from the start
+    a, b = _last_loss(clean), _last_loss(faulty)
+    assert math.isfinite(b) and abs(a - b) <= 0.1 * abs(a), (a, b)
+    start = _flat(make_workload("mlp", seed=0, params=3000).build_model().state_dict())
+    want, got = _flat(_final(clean)), _flat(_final(faulty))
+    assert torch.isfinite(got).all()
+    assert (got - want).norm() < 0.3 * (want - start).norm()
+
+
+def test_parameter_server_kill_of_a_server_rank_is_refused(tmp_path: Path) -> None:
+    proc = gradsync(
+        "run", "--out", str(tmp_path / "run"), "--strategy", "ssp:1", *COMMON,
+        "--checkpoint-every", "5", "--max-restarts", "1", "--kill", "2:3",
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "--kill names rank 2, a parameter server" in proc.stderr
