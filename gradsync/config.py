@@ -100,12 +100,6 @@ class RunConfig:
             raise UsageError(f"{flag}: {exc}") from None
         if self.data is not None and not Path(self.data).is_file():
             raise UsageError(f"--data file {self.data!r} does not exist or is not a file")
-        if self.uses_servers and self.compression not in (None, "none"):
-            raise UsageError(
-                f"--compress {self.compression} with --strategy {self.strategy}: compressed "
-                "parameter-server pushes are not supported yet; compression works with bsp, "
-                "local:H and diloco:H"
-            )
         if self.balance and parse_strategy(self.strategy).name != "bsp":
             raise UsageError(f"--balance needs --strategy bsp, got {self.strategy}")
         if self.check_every < 0:

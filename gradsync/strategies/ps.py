@@ -40,11 +40,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.compression._wire import derive_seed
+from gradsync.compression.push import PushCodec, make_push_codec
 from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.strategies.base import StepOutcome, SyncContext
 
 # Message kinds (element 0 of every worker -> server message).
 _GRADIENT, _DONE, _CHECKPOINT = 0.0, 1.0, 2.0
+_BYTE_HEADER = 8  # header bytes of a compressed message (uint8): the kind, then padding
 
 
 def shard_by_size(sizes: list[int], servers: int) -> list[list[int]]:
@@ -110,6 +113,7 @@ class ParameterServer:
         self._micro_batches = 1
         self._finished = False
         self._restored: dict[str, Any] | None = None  # a server's checkpointed state, for serve()
+        self._codecs: list[PushCodec] = []
 
     # -- layout -------------------------------------------------------------------------------
     def setup(self, ctx: SyncContext) -> None:
@@ -122,13 +126,11 @@ class ParameterServer:
                 f"{self.servers} server(s) leave no worker in a group of {self.world} ranks; "
                 "launch at least servers + 1 processes"
             )
-        if ctx.compressor.spec != "none":
-            raise UsageError(
-                f"compression {ctx.compressor.spec!r} is not supported with {self.name} yet: "
-                "parameter-server pushes go uncompressed (use bsp, local:H or diloco:H)"
-            )
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
         self._shards = shard_by_size([p.numel() for p in self._params], self.servers)
+        # Worker side: one codec per shard, holding its error-feedback residual.
+        if self.compressed and not self.is_server:
+            self._codecs = [self.codec(s, self.rank) for s in range(self.servers)]
 
     @property
     def is_server(self) -> bool:
@@ -146,6 +148,37 @@ class ParameterServer:
         return sum(self._params[i].numel() for i in self._shards[s])
 
     @property
+    def compressed(self) -> bool:
+        assert self._ctx is not None
+        return self._ctx.compressor.spec != "none"
+
+    def codec(self, s: int, worker: int) -> PushCodec:
+        """The codec for ``worker``'s pushes to server ``s``; the server builds the same one
+        (same seed) to decode them, which is all randomk needs to draw the same indices."""
+        assert self._ctx is not None
+        return make_push_codec(
+            self._ctx.compressor,
+            self._shard_numel(s),
+            self._param_dtype(s),
+            shapes=[tuple(self._params[i].shape) for i in self._shards[s]],
+            seed=derive_seed(worker, s),
+        )
+
+    def _param_dtype(self, s: int) -> torch.dtype:
+        shard = self._shards[s]
+        return self._params[shard[0]].dtype if shard else torch.float32
+
+    def wire(self, s: int) -> tuple[torch.dtype, int, int]:
+        """``(dtype, header, payload)`` of every message to server ``s``: element 0 is the
+        kind. Uncompressed, the payload is the gradient in the parameters' dtype after a
+        1-element header; compressed, it is the codec's bytes after an 8-byte header (which
+        keeps the payload 8-byte aligned for the codec's views)."""
+        if not self.compressed:
+            return self._param_dtype(s), 1, self._shard_numel(s)
+        codec = self._codecs[s] if self._codecs else self.codec(s, 0)
+        return codec.payload_dtype, _BYTE_HEADER, codec.payload_numel
+
+    @property
     def layout(self) -> dict[str, int]:
         """Workers and servers: a checkpoint resumes only onto the same layout."""
         return {"workers": self.num_workers, "servers": self.servers}
@@ -155,8 +188,8 @@ class ParameterServer:
         is posted for the shard's size before the server knows what comes)."""
         msgs = []
         for s in range(self.servers):
-            dtype = self._params[self._shards[s][0]].dtype if self._shards[s] else torch.float32
-            msg = torch.zeros(1 + self._shard_numel(s), dtype=dtype)
+            dtype, header, payload = self.wire(s)
+            msg = torch.zeros(header + payload, dtype=dtype)
             msg[0] = kind
             msgs.append(msg)
         return msgs
@@ -173,7 +206,7 @@ class ParameterServer:
 
     def finish_step(self, step: int) -> StepOutcome:
         pushes = []
-        for shard in self._shards:
+        for s, shard in enumerate(self._shards):
             grads = [self._params[i].grad for i in shard]
             flat = torch.cat(
                 [
@@ -183,15 +216,25 @@ class ParameterServer:
                     for i, g in zip(shard, grads, strict=True)
                 ]
             )
-            pushes.append(torch.cat([flat.new_tensor([_GRADIENT]), flat]))
+            if self.compressed:
+                # The server decodes with its count of this worker's pushes, which equals this
+                # step: one push per step, and both sides resume from the same checkpoint.
+                payload = self._codecs[s].encode(flat, step)
+                header = torch.zeros(_BYTE_HEADER, dtype=payload.dtype)
+                header[0] = int(_GRADIENT)
+                pushes.append(torch.cat([header, payload]))
+            else:
+                pushes.append(torch.cat([flat.new_tensor([_GRADIENT]), flat]))
         held = self._exchange(pushes, step)
         nbytes = sum(p.numel() * p.element_size() for p in pushes)
         return StepOutcome(bytes_sent=nbytes, barrier=False, idle=held)
 
     def _exchange(self, pushes: list[torch.Tensor], step: int | str) -> float:
         """Send one message to every server and install the parameters they send back."""
+        # Replies always carry parameters (in their dtype), whatever the pushes were encoded as.
         replies = [
-            torch.empty(1 + self._shard_numel(s), dtype=msg.dtype) for s, msg in enumerate(pushes)
+            torch.empty(1 + self._shard_numel(s), dtype=self._param_dtype(s))
+            for s in range(len(pushes))
         ]
         works = self._post(pushes, replies, step)
         for s, work in works:
@@ -294,10 +337,21 @@ class ParameterServer:
         self._restored = state
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        """A worker's error-feedback residuals (and PowerSGD factors), one per shard; the
+        servers' state is saved by the servers themselves (see ``serve``)."""
+        return {"codecs": [c.state_dict() for c in self._codecs]} if self._codecs else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        del state
+        saved = state.get("codecs", [])
+        if len(saved) != len(self._codecs):
+            spec = self._ctx.compressor.spec if self._ctx else "?"
+            raise UsageError(
+                f"the saved state holds {len(saved)} push codec(s), this worker has "
+                f"{len(self._codecs)} (compression {spec}, {self.servers} server(s)): resume "
+                "with the same --compress and --servers"
+            )
+        for codec, codec_state in zip(self._codecs, saved, strict=True):
+            codec.load_state_dict(codec_state)
 
     def close(self) -> None:
         pass

@@ -66,10 +66,12 @@ class _Receivers:
     """One thread per worker posting receives for its messages into ``inbox``; a thread that
     delivers a ``_CHECKPOINT`` waits for ``resume(w)`` before receiving again."""
 
-    def __init__(self, ps: ParameterServer, ctx: SyncContext, numel: int, dtype: torch.dtype):
+    def __init__(
+        self, ps: ParameterServer, ctx: SyncContext, message_numel: int, dtype: torch.dtype
+    ):
         self.inbox: queue.Queue[tuple[int, torch.Tensor | BaseException]] = queue.Queue()
         self._go = [queue.SimpleQueue[None]() for _ in range(ps.num_workers)]
-        self._ps, self._ctx, self._numel, self._dtype = ps, ctx, numel, dtype
+        self._ps, self._ctx, self._numel, self._dtype = ps, ctx, message_numel, dtype
         self.threads = [
             threading.Thread(target=self._receive, args=(w,), daemon=True)
             for w in range(ps.num_workers)
@@ -84,7 +86,7 @@ class _Receivers:
         ps = self._ps
         src = ps._global(w)
         while True:
-            buf = torch.empty(1 + self._numel, dtype=self._dtype)
+            buf = torch.empty(self._numel, dtype=self._dtype)
             try:
                 work = dist.irecv(buf, src=src, group=self._ctx.group)
                 assert work is not None
@@ -126,6 +128,11 @@ class _Server:
         self.numel = sum(p.numel() for p in self.params)
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.workers = ps.num_workers
+        # What a message to this server looks like; compressed pushes are decoded with the
+        # codec of the worker that sent them (the same seed it encoded with).
+        self.wire_dtype, self.header, payload = ps.wire(s)
+        self.message_numel = self.header + payload
+        self.codecs = [ps.codec(s, w) for w in range(self.workers)] if ps.compressed else []
         self.stats = ServerStats(server_rank=ps.rank)
         self.pushed = [0] * self.workers
         self.done = [False] * self.workers
@@ -194,7 +201,10 @@ class _Server:
                 receivers.resume(v)
 
     # -- gradients and replies ------------------------------------------------------------------
-    def on_gradient(self, w: int, grad: torch.Tensor) -> None:
+    def on_gradient(self, w: int, message: torch.Tensor) -> None:
+        payload = message[self.header :]
+        # A worker's k-th push was encoded at its step k (pushed[w] counts them, across resumes).
+        grad = self.codecs[w].decode(payload, self.pushed[w]) if self.codecs else payload
         offset = 0
         for p in self.params:
             p.grad = grad[offset : offset + p.numel()].view_as(p) / self.workers
@@ -261,7 +271,7 @@ def run_server(
     """Serve until every worker is done; start from ``restored`` (a checkpointed
     ``state_dict``) if given, and hand ``checkpoint`` this server's state when asked."""
     server = _Server(ps, ctx, checkpoint, restored)
-    receivers = _Receivers(ps, ctx, server.numel, server.dtype)
+    receivers = _Receivers(ps, ctx, server.message_numel, server.wire_dtype)
     timeout = ps.timeout.total_seconds()
     while not all(server.done):
         try:
@@ -283,7 +293,7 @@ def run_server(
         elif kind == _CHECKPOINT:
             server.on_checkpoint(w, receivers)
         else:
-            server.on_gradient(w, item[1:])
+            server.on_gradient(w, item)
         server.answer_ready()
     server.finish()
     receivers.join()
