@@ -36,11 +36,18 @@ def held_out_loss(workload: Workload, model: torch.nn.Module, rank: int, world: 
 
 
 def train_each(
-    rank: int, world: int, specs: list[str], steps: int, seed: int, per_rank: int
+    rank: int,
+    world: int,
+    specs: list[str],
+    steps: int,
+    seed: int,
+    per_rank: int,
+    sgd_lr: float | None = None,
 ) -> dict[str, dict[str, float]]:
     """Train ``charlm`` for ``steps`` BSP steps with each compression spec (``"none"``: plain
-    all-reduce) and the workload's own optimizer (AdamW) and learning rate; return, per spec,
-    the held-out loss and the mean over ranks of the last 10 steps' training loss."""
+    all-reduce) and the workload's own optimizer (AdamW) and learning rate, or SGD with
+    momentum 0.9 at ``sgd_lr``; return, per spec, the held-out loss and the mean over ranks of
+    the last 10 steps' training loss."""
     torch.set_num_threads(1)
     workload = make_workload("charlm", seed=seed)
     global_batch = per_rank * world
@@ -48,7 +55,11 @@ def train_each(
     out: dict[str, dict[str, float]] = {}
     for spec in specs:
         model = workload.build_model()
-        opt = workload.make_optimizer(model, workload.default_lr)
+        opt = (
+            workload.make_optimizer(model, workload.default_lr)
+            if sgd_lr is None
+            else torch.optim.SGD(model.parameters(), lr=sgd_lr, momentum=0.9)
+        )
         sync = gs.Synchronizer(model, opt, strategy="bsp", compression=spec, telemetry=False)
         losses: list[float] = []
         for step in range(steps):

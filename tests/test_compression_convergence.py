@@ -13,6 +13,16 @@ Measured here (seed 0): fp16, bf16, int8 +0.0%, ``topk:0.1`` +3.4%, ``randomk:0.
 1000 steps), and neither did another learning rate or a cosine schedule. ``sign`` misses the bound
 at every setting tried, so its case is a strict xfail: it turns into a failure once sign holds.
 The negative control, ``randomk:0.01``, checks that the bound rejects a bad setting.
+
+Why top-k at 1% and sign lag with AdamW: Adam divides each coordinate by the root of its own
+mean squared gradient, and a sparsified or sign-compressed gradient inflates that estimate (a
+coordinate receives 0 most steps and an accumulated burst now and then, or +-the chunk's mean
+magnitude every step), so small-gradient coordinates take much smaller steps than under
+uncompressed Adam. Error feedback was designed for SGD: with SGD and momentum 0.9 (lr 0.1, the
+same 200 steps and seed) ``topk:0.01`` ends +2.5% from BSP, which the last test checks. A
+warm-up of uncompressed steps also helps sign under AdamW (+5.4% after 20 plain steps, +4.6%
+after 50) but does not make it hold at a reasonable cost. ``sign`` with SGD is worse
+(+49.5% at lr 0.1, +5.6% at 0.03, divergence at 0.3).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ SEED = 0
 PER_RANK = 16
 BOUND = 1.05  # final loss <= 1.05 x uncompressed BSP's
 SPECS = ["fp16", "bf16", "int8", "topk:0.1", "randomk:0.5", "sign", "powersgd:4"]
+SGD_LR = 0.1
 BROKEN = "randomk:0.01"  # values scaled by n/k = 100: misses the bound (+27.5%)
 
 SIGN_MISSES = pytest.mark.xfail(
@@ -70,3 +81,15 @@ def test_bound_rejects_a_broken_setting(final_losses: dict[str, dict[str, float]
     """randomk with a tiny fraction is far outside the bound: the check can fail."""
     base = final_losses["none"]["held_out"]
     assert final_losses[BROKEN]["held_out"] > BOUND * base, final_losses[BROKEN]
+
+
+@pytest.mark.timeout(120)
+def test_topk_one_percent_holds_with_sgd_momentum() -> None:
+    """The issue's own fraction, topk:0.01, within 5% of BSP when both use SGD with momentum
+    (the optimizer error feedback was designed for): +2.5% measured."""
+    losses = run_ranks(
+        train_each, 2, ["none", "topk:0.01"], STEPS, SEED, PER_RANK, SGD_LR, timeout_s=110
+    )[0]
+    base, loss = losses["none"]["held_out"], losses["topk:0.01"]["held_out"]
+    assert math.isfinite(base) and base < 0.6 * math.log(128), losses
+    assert loss <= BOUND * base, f"topk:0.01 with SGD: {loss:.4f} vs {base:.4f}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -123,3 +125,12 @@ def test_public_api_is_frozen() -> None:
     )
     for name in compression.__all__:
         assert hasattr(compression, name), name
+
+
+def test_small_randomk_fractions_warn_and_larger_ones_do_not() -> None:
+    with pytest.warns(UserWarning, match=r"randomk:0\.01: .*scaled by n/k \(about 100\)"):
+        parse_compression("randomk:0.01")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_compression("randomk:0.1")
+        parse_compression("topk:0.01")
