@@ -56,6 +56,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         default=d.straggler_threshold,
         help="flag a rank whose relative score falls below this",
     )
+    p.add_argument(
+        "--straggler-warmup",
+        type=int,
+        default=d.straggler_warmup,
+        help="first steps never scored for stragglers",
+    )
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip PNG plots")
     p.add_argument(
         "--balance",
@@ -144,6 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             window=cfg.straggler_window,
             threshold=cfg.straggler_threshold,
             plots=cfg.plots,
+            warmup=cfg.straggler_warmup,
         )
     )
     return 0

@@ -47,6 +47,7 @@ class RunConfig:
     servers: int = 1
     straggler_window: int = 20
     straggler_threshold: float = 0.75
+    straggler_warmup: int = 10
     plots: bool = True
     balance: bool = False
     check_every: int = 100
@@ -94,9 +95,17 @@ class RunConfig:
                 f"got {self.params}"
             )
         try:
-            StragglerConfig(window=self.straggler_window, threshold=self.straggler_threshold)
+            StragglerConfig(
+                window=self.straggler_window,
+                threshold=self.straggler_threshold,
+                warmup=self.straggler_warmup,
+            )
         except UsageError as exc:
-            flag = "--straggler-window" if "window" in str(exc) else "--straggler-threshold"
+            flag = next(
+                f"--straggler-{name}"
+                for name in ("window", "threshold", "warmup")
+                if str(exc).startswith(name)
+            )
             raise UsageError(f"{flag}: {exc}") from None
         if self.data is not None and not Path(self.data).is_file():
             raise UsageError(f"--data file {self.data!r} does not exist or is not a file")

@@ -30,7 +30,11 @@ class _Rank0Sink:
         self.path = Path(cfg.out) / METRICS_FILE
         self.progress = progress
         self.detector = StragglerDetector(
-            StragglerConfig(window=cfg.straggler_window, threshold=cfg.straggler_threshold),
+            StragglerConfig(
+                window=cfg.straggler_window,
+                threshold=cfg.straggler_threshold,
+                warmup=cfg.straggler_warmup,
+            ),
             world_size=world,
         )
         self.samples = 0

@@ -467,6 +467,7 @@ def test_slow_flag(capsys: pytest.CaptureFixture[str], launches: Launches, text:
         "--slow=1:inf",  # accepted, then (inf - 1) * 0.0 = nan: silently never sleeps
         "--straggler-window=0",  # summarize_run: UsageError only after all steps ran
         "--straggler-threshold=nan",
+        "--straggler-warmup=-1",
         "--params=100000000000",  # once: the launcher tried to allocate 400 GB to count them
         "--nproc=100000000",
     ],

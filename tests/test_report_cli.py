@@ -57,6 +57,20 @@ def test_report_json_and_no_plots(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert not any((run / name).exists() for name in PLOT_FILES)
 
 
+def test_report_warmup_leaves_early_steps_unscored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # rank 3 is slow over steps 0-40 only: a start-up effect if the warm-up covers it
+    run = make_run(tmp_path / "run", slow=[(3, 0, 40, 2.0)])
+    found = []
+    for warmup in ("0", "60"):
+        assert main(["report", str(run), "--json", "--no-plots", "--warmup", warmup]) == 0
+        found.append([f["rank"] for f in json.loads(capsys.readouterr().out)["stragglers"]])
+    assert found == [[3], []]
+    assert main(["report", str(run), "--warmup", "-2"]) == 2
+    assert "warmup must be an integer >= 0" in capsys.readouterr().err
+
+
 def test_summarize_run_on_a_clean_run(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", slow=[])
     text = summarize_run(run, plots=False)

@@ -62,10 +62,14 @@ class RunAnalysis:
 
 
 def analyze_run(
-    run_dir: str | Path, window: int = 20, threshold: float = 0.75, plots: bool = True
+    run_dir: str | Path,
+    window: int = 20,
+    threshold: float = 0.75,
+    plots: bool = True,
+    warmup: int = 10,
 ) -> RunAnalysis:
     """Read a run directory, find stragglers, write trace.json (and the PNGs) into it."""
-    cfg = StragglerConfig(window=window, threshold=threshold)
+    cfg = StragglerConfig(window=window, threshold=threshold, warmup=warmup)
     path = Path(run_dir)
     if not path.is_dir():
         raise UsageError(f"no run directory at {str(path)!r}: pass the directory a run wrote")
@@ -77,7 +81,7 @@ def analyze_run(
         raise UsageError(f"cannot read {path / METRICS_FILE}: {e}") from e
     if not records:
         raise UsageError(f"{path / METRICS_FILE} holds no step records: did the run take a step?")
-    findings = find_stragglers(records, cfg.window, cfg.threshold)
+    findings = find_stragglers(records, cfg.window, cfg.threshold, warmup=cfg.warmup)
     analysis = RunAnalysis(
         path, cfg, RunReport.from_records(records), findings, _bytes(records, path)
     )
@@ -90,10 +94,14 @@ def analyze_run(
 
 
 def summarize_run(
-    run_dir: str | Path, window: int = 20, threshold: float = 0.75, plots: bool = True
+    run_dir: str | Path,
+    window: int = 20,
+    threshold: float = 0.75,
+    plots: bool = True,
+    warmup: int = 10,
 ) -> str:
     """Write trace.json and the PNGs into ``run_dir``; return the text summary."""
-    return analyze_run(run_dir, window, threshold, plots).format()
+    return analyze_run(run_dir, window, threshold, plots, warmup).format()
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -111,13 +119,21 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         default=0.75,
         help="flag a rank whose score falls below this, in (0, 1) (default 0.75)",
     )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="first steps never scored (start-up is slow everywhere) (default 10)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=handler)
 
 
 def handler(args: argparse.Namespace) -> int:
-    analysis = analyze_run(args.run_dir, args.window, args.threshold, plots=not args.no_plots)
+    analysis = analyze_run(
+        args.run_dir, args.window, args.threshold, plots=not args.no_plots, warmup=args.warmup
+    )
     print(json.dumps(analysis.to_dict(), indent=2) if args.json else analysis.format())
     return 0
 
