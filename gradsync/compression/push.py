@@ -22,7 +22,8 @@ from previous steps: the server keeps one codec per worker only because randomk'
 from the worker's seed.
 
 Wire format (``_wire.pack`` of the pieces, in this order; ``n`` = numel, ``d`` = the gradient
-dtype, ``c`` = chunk, 1024 by default; 4-byte pieces first so they stay aligned):
+dtype, ``c`` = int8's chunk, 1024 by default, ``s`` = sign's chunk, 64 by default; 4-byte pieces
+first so they stay aligned):
 
 ==============  ==============================================================  =============
 spec            pieces                                                          fp32 ratio
@@ -32,7 +33,7 @@ spec            pieces                                                          
 ``int8``        ``ceil(n/c)`` fp32 scales, ``n`` int8 codes (stochastic)        ~0.251
 ``topk:F``      ``k`` int32 indices, ``k`` values in ``d``                      2F
 ``randomk:F``   ``k`` fp32 values, already scaled by ``n/k``; no indices        F
-``sign``        ``ceil(n/c)`` fp32 scales ``mean|x|``, ``ceil(n/8)`` sign bytes  ~0.032
+``sign``        ``ceil(n/s)`` fp32 scales ``mean|x|``, ``ceil(n/8)`` sign bytes  ~0.047
 ``powersgd:R``  every matrix's P (rows x R) then Q (cols x R) in fp32, then     shapes
                 the uncompressed elements (vectors, small matrices) in ``d``
 ==============  ==============================================================  =============

@@ -1,13 +1,22 @@
 """``sign``: one bit per element plus one fp32 scale per chunk (the EF-signSGD compressor).
 
-Each chunk of ``chunk`` elements (default 1024, a multiple of 8) is sent as its signs packed
+Each chunk of ``chunk`` elements (default 64, a multiple of 8) is sent as its signs packed
 eight to a byte and the scale ``mean |x|`` over the chunk, so the decoded chunk
 ``scale * sign(x)`` has the same L1 norm as ``x`` (Karimireddy et al., 2019). Zeros count as
 positive. The estimate is biased; ``parse_compression("sign")`` wraps it in error feedback, which
 is what makes scaled sign compression converge. Payloads differ per rank and cannot be summed as
 bits, so they are all-gathered and decoded in rank order.
 
-Bytes this rank hands to the collective: ``ceil(n / 8) + 4 * ceil(n / chunk)``, about n / 8.
+Bytes this rank hands to the collective: ``ceil(n / 8) + 4 * ceil(n / chunk)``, about 0.19 n
+at the default chunk (21x fewer than fp32).
+
+Why 64 and not 1024: the optimizer sees the decoded gradient, and a chunk's one scale replaces
+every element's magnitude. Adam divides each coordinate by its own running magnitude, so a
+small-gradient coordinate sharing a chunk with large ones takes a much smaller step than it
+would uncompressed. On charlm (AdamW, 2 ranks, 200 steps, seeds 0 and 1) the held-out loss
+gap to uncompressed BSP was +11.5% and +13.0% at chunk 1024, +8.1% at 256, +5.1% and +5.6% at
+128, +2.8% and +3.5% at 64, +2.9% at 32: 64 is the largest chunk inside 5%, for 1.5x the bytes
+of chunk 1024.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch.nn.functional as F
 from gradsync.compression._wire import all_gather_mean, pack, unpack
 from gradsync.compression.base import BucketLike, Compressor
 
-DEFAULT_CHUNK = 1024
+DEFAULT_CHUNK = 64
 
 
 @dataclass(slots=True)
