@@ -65,15 +65,24 @@ class GradBucket(FlatBucket):
             offset += p.numel()
 
     def attach_grads(self) -> None:
-        """Make every ``p.grad`` a view into this bucket's buffer.
-
-        Autograd then accumulates straight into the buffer (in place, since gradients are
-        defined and grad mode is off during backward), so a launch needs no copy in and the
-        reduced result no copy out: DDP's ``gradient_as_bucket_view``.
-        """
+        """Make every ``p.grad`` a view into this bucket's buffer (after the exchange, so the
+        optimizer reads the reduced gradient in place: DDP's ``gradient_as_bucket_view``)."""
         for view, p in zip(self.gradients(), self.parameters(), strict=True):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
+
+    def release_grads(self) -> None:
+        """Before a step's backward: set every ``p.grad`` to None.
+
+        Autograd then hands each parameter its freshly computed gradient tensor as is, and
+        ``collect_grads`` copies it into the buffer at launch: one pass over the bytes. Keeping
+        the views attached instead would make the step zero the buffer and then accumulate
+        into it (a write pass, then two reads and a write), which measured about 3 ms more per
+        step than DDP on a 6M-parameter model. Later backward passes of the same step (micro-
+        batches) accumulate into the tensor autograd handed over.
+        """
+        for p in self.parameters():
+            p.grad = None
 
     def collect_grads(self) -> None:
         """Before a launch: bring in any gradient that is not (or no longer) a view into the
@@ -141,8 +150,7 @@ class BucketReducer:
         self._spans = []
         self.local_nonfinite = False
         for b in self.buckets:
-            b.buffer().zero_()
-            b.attach_grads()
+            b.release_grads()
 
     def backward_passes(self) -> int:
         """How many backward passes reached at least one parameter this step."""

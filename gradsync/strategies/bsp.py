@@ -61,8 +61,8 @@ class BSP:
 
     def begin_step(self, step: int, micro_batches: int) -> None:
         assert self._ctx is not None
-        # No optimizer.zero_grad() here: arm() zeroes the bucket buffers that every p.grad is
-        # a view into; dropping the grads would only make it re-create the views.
+        # No optimizer.zero_grad() here: arm() releases every p.grad (it was a view into a
+        # bucket holding last step's reduced gradient) before the backward pass.
         self._micro_batches = micro_batches
         # Hooks launch buckets (and count their bytes) during backward, inside the block.
         self._bytes_at_start = self._state.bytes_sent
