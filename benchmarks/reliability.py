@@ -1,12 +1,15 @@
 """Reliability under repeated worker loss: writes RELIABILITY.md.
 
     python benchmarks/reliability.py [--steps 500 --kills 20 --every 25 --seed 7]
+                                     [--strategies bsp,async]
 
-Runs the same BSP job twice through `gradsync run`: once uninterrupted, once with KILLS
-SIGKILLs of random ranks at random steps (--kill, --max-restarts). Reports whether the faulty
-run completed, whether its final parameters are bitwise equal to the clean run's, the steps
-lost per failure (kill step minus the checkpoint resumed from), the time from each kill to the
-next completed step, and the checkpoint cost relative to the step time.
+For each strategy (BSP, and `async` with a parameter server), runs the same job twice through
+`gradsync run`: once uninterrupted, once with KILLS SIGKILLs of random worker ranks at random
+steps (--kill, --max-restarts). Reports whether the faulty run completed, whether its final
+parameters are bitwise equal to the clean run's (BSP; an async run is not reproducible, so for
+it the final losses are compared), the steps lost per failure (kill step minus the checkpoint
+resumed from), the time from each kill to the next completed step, and the checkpoint cost
+relative to the step time.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from benchmarks.mdtable import machine, table  # noqa: E402
 RELIABILITY_MD = Path(__file__).resolve().parent.parent / "RELIABILITY.md"
 
 
-def run(out: Path, args: argparse.Namespace, *extra: str) -> tuple[int, float]:
+def run(out: Path, args: argparse.Namespace, strategy: str, *extra: str) -> tuple[int, float]:
     cmd = [
         sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", "mlp",
+        "--strategy", strategy,
         "--steps", str(args.steps), "--seed", str(args.seed), "--checkpoint-every",
         str(args.every), "--out", str(out), "--no-plots", "--no-progress", *extra,
     ]  # fmt: skip
@@ -49,28 +53,32 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--kills", type=int, default=20)
-    p.add_argument("--every", type=int, default=25, help="checkpoint every N steps")
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--write", action="store_true")
-    args = p.parse_args()
+def final_loss(run_dir: Path) -> float:
+    """Mean training loss of rank 0's last 10 steps."""
+    rows = sorted(
+        (r["step"], r["loss"]) for r in jsonl(run_dir / "metrics.jsonl") if r["rank"] == 0
+    )
+    last = [loss for _, loss in rows[-10:]]
+    return statistics.mean(last) if last else float("nan")
+
+
+def measure(strategy: str, args: argparse.Namespace) -> tuple[str, list[list[str]]]:
+    """One clean and one faulty run of ``strategy``; returns the kill spec and the table rows."""
     rng = random.Random(args.seed)
     steps = sorted(rng.sample(range(1, args.steps), args.kills))
-    kills = [(rng.randrange(2), s) for s in steps]
+    kills = [(rng.randrange(2), s) for s in steps]  # worker ranks only (servers come after)
     spec = ",".join(f"{r}:{s}" for r, s in kills)
     with TemporaryDirectory(prefix="gradsync-reliability-") as tmp:
         clean, faulty = Path(tmp) / "clean", Path(tmp) / "faulty"
-        rc_clean, wall_clean = run(clean, args)
-        rc, wall = run(faulty, args, "--kill", spec, "--max-restarts", str(args.kills))
+        rc_clean, wall_clean = run(clean, args, strategy)
+        rc, wall = run(faulty, args, strategy, "--kill", spec, "--max-restarts", str(args.kills))
         completed = rc == 0 and rc_clean == 0
         equal = False
         if completed:
             a = torch.load(clean / "final_model.pt", weights_only=True)
             b = torch.load(faulty / "final_model.pt", weights_only=True)
             equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        losses = (final_loss(faulty), final_loss(clean))
         fired = sorted(
             (json.loads(f.read_text()) for f in (faulty / "faults").glob("kill-*.json")),
             key=lambda k: k["time"],
@@ -93,14 +101,21 @@ def main() -> None:
     lost_cell = f"{statistics.median(lost):.0f} ({max(lost)})" if lost else "n/a"
     outage_cell = f"{statistics.median(outage):.1f} s ({max(outage):.1f} s)" if outage else "n/a"
     relative = ckpt_median / step_median
+    if strategy == "bsp":
+        same = ["final parameters bitwise equal to the uninterrupted run", "yes" if equal else "no"]
+    else:
+        same = [
+            "final loss (last 10 steps), faulty / uninterrupted run (not bitwise: async)",
+            f"{losses[0]:.4f} / {losses[1]:.4f} ({losses[0] / losses[1] - 1:+.1%})",
+        ]
     rows = [
         ["run completed", "yes" if completed else f"no (exit {rc})"],
         ["kills injected / fired / recovered", f"{args.kills} / {len(fired)} / {len(outage)}"],
-        ["final parameters bitwise equal to the uninterrupted run", "yes" if equal else "no"],
+        same,
         ["steps lost per failure: median (max)", lost_cell],
         ["kill to next completed step: median (max)", outage_cell],
         ["wall time: faulty run / clean run", f"{wall:.0f} s / {wall_clean:.0f} s"],
-        ["checkpoint save (2 ranks, barriers included): median", f"{ckpt_median * 1e3:.1f} ms"],
+        ["checkpoint save (all ranks, barriers included): median", f"{ckpt_median * 1e3:.1f} ms"],
         ["median step time (clean run)", f"{step_median * 1e3:.1f} ms"],
         [
             "checkpoint cost relative to one step",
@@ -108,18 +123,45 @@ def main() -> None:
             f"({relative / args.every:.1%} of step time)",
         ],
     ]
+    return spec, rows
+
+
+TITLES = {
+    "bsp": "BSP, 2 ranks",
+    "async": "async parameter server, 2 workers + 1 server (the server's shard, optimizer "
+    "state and clocks are checkpointed with the workers)",
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--every", type=int, default=25, help="checkpoint every N steps")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--strategies", default="bsp,async", help="comma-separated: bsp, async")
+    p.add_argument("--write", action="store_true")
+    args = p.parse_args()
+    strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]
+    if not strategies or not set(strategies) <= set(TITLES):
+        p.error(f"--strategies takes {', '.join(TITLES)}; got {args.strategies!r}")
+    sections, spec = [], ""
+    for strategy in strategies:
+        spec, rows = measure(strategy, args)
+        sections.append(f"## {TITLES[strategy]}\n\n" + table(["measure", "value"], rows))
     cmd = (
         f"python benchmarks/reliability.py --steps {args.steps} --kills {args.kills} "
-        f"--every {args.every} --seed {args.seed} --write"
+        f"--every {args.every} --seed {args.seed} --strategies {','.join(strategies)} --write"
     )
     text = (
         "# Reliability\n\n"
         f"Command: `{cmd}`. Machine: {machine()}.\n\n"
-        f"BSP on `mlp` (100k parameters), 2 ranks, {args.steps} steps, a checkpoint every "
-        f"{args.every} steps, {args.kills} SIGKILLs of a random rank at random steps "
-        f"(`--kill {spec}`), `--max-restarts {args.kills}`. Each kill makes torch's elastic "
-        "agent stop the group and start a new round; workers resume from the newest checkpoint.\n\n"
-        + table(["measure", "value"], rows)
+        f"`mlp` (100k parameters), {args.steps} steps, a checkpoint every "
+        f"{args.every} steps, {args.kills} SIGKILLs of a random worker rank at random steps "
+        f"(`--kill {spec}`, the same for every strategy), `--max-restarts {args.kills}`. Each "
+        "kill makes torch's elastic agent stop the group and start a new round; every rank "
+        "resumes from the newest checkpoint.\n\n"
+        + "\n\n".join(sections)
         + "\n\nThe time from a kill to the next completed step is dominated by starting new "
         "worker processes (Python and torch imports, rendezvous, gloo connection set-up) on this "
         "machine, not by loading the checkpoint.\n"
