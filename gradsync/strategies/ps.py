@@ -19,8 +19,10 @@ rendezvous; a server waits for each worker in its own thread, so one slow worker
 another's reply. benchmarks/ps_transport.py measures a push/pull round trip against an
 all-reduce of the same bytes (see BENCHMARKS.md).
 
-Messages: every message a worker sends a server is one tensor of the shard's size plus one,
-whose element 0 is its kind: ``_GRADIENT`` (the payload is the gradient; the server replies
+Messages: every message a worker sends a server is one tensor, a header whose element 0 is its
+kind, then a payload of a fixed size (``ParameterServer.wire``: uncompressed, a 1-element header
+and the shard's gradient; compressed, an 8-byte header and the push codec's bytes). Kinds:
+``_GRADIENT`` (the payload is the gradient; the server replies
 with parameters), ``_CHECKPOINT`` (no payload, no reply: this worker is inside
 ``sync.save()`` after its N-th push) or ``_DONE`` (the worker finished; the server replies with
 the final parameters once every worker is done). Checkpoints: a server snapshots its state once
@@ -183,16 +185,19 @@ class ParameterServer:
         """Workers and servers: a checkpoint resumes only onto the same layout."""
         return {"workers": self.num_workers, "servers": self.servers}
 
+    def _message(self, s: int, kind: float, payload: torch.Tensor | None = None) -> torch.Tensor:
+        """A message of ``kind`` to server ``s``: the header, then ``payload`` (zeros when
+        None: a receive is posted for a push's size before the server knows what comes)."""
+        dtype, header, size = self.wire(s)
+        msg = torch.zeros(header + size, dtype=dtype)
+        msg[0] = kind
+        if payload is not None:
+            msg[header:] = payload
+        return msg
+
     def _control(self, kind: float) -> list[torch.Tensor]:
-        """A payload-less message of ``kind`` for every server (sized like a push: a receive
-        is posted for the shard's size before the server knows what comes)."""
-        msgs = []
-        for s in range(self.servers):
-            dtype, header, payload = self.wire(s)
-            msg = torch.zeros(header + payload, dtype=dtype)
-            msg[0] = kind
-            msgs.append(msg)
-        return msgs
+        """A payload-less message of ``kind`` for every server."""
+        return [self._message(s, kind) for s in range(self.servers)]
 
     # -- worker side ----------------------------------------------------------------------------
     def begin_step(self, step: int, micro_batches: int) -> None:
@@ -216,15 +221,10 @@ class ParameterServer:
                     for i, g in zip(shard, grads, strict=True)
                 ]
             )
-            if self.compressed:
-                # The server decodes with its count of this worker's pushes, which equals this
-                # step: one push per step, and both sides resume from the same checkpoint.
-                payload = self._codecs[s].encode(flat, step)
-                header = torch.zeros(_BYTE_HEADER, dtype=payload.dtype)
-                header[0] = int(_GRADIENT)
-                pushes.append(torch.cat([header, payload]))
-            else:
-                pushes.append(torch.cat([flat.new_tensor([_GRADIENT]), flat]))
+            # The server decodes with its count of this worker's pushes, which equals this
+            # step: one push per step, and both sides resume from the same checkpoint.
+            payload = self._codecs[s].encode(flat, step) if self.compressed else flat
+            pushes.append(self._message(s, _GRADIENT, payload))
         held = self._exchange(pushes, step)
         nbytes = sum(p.numel() * p.element_size() for p in pushes)
         return StepOutcome(bytes_sent=nbytes, barrier=False, idle=held)
