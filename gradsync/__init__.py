@@ -9,24 +9,53 @@ for x, y in loader:
 report = sync.report()
 """
 
-from gradsync.balance import ShardBalancer
-from gradsync.compression import Compressor, parse_compression
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Only the errors are imported eagerly. Every other public name is loaded on first use
+# (PEP 562), so that torch-free parts such as ``gradsync.sim`` (pure Python and numpy) can be
+# imported, and ``gradsync simulate`` run, on a machine without torch.
 from gradsync.errors import DivergenceError, SyncTimeoutError, UsageError
-from gradsync.inject import Slowdown
-from gradsync.runtime import init
-from gradsync.strategies import (
-    BSP,
-    DiLoCo,
-    LocalSGD,
-    ParameterServer,
-    Strategy,
-    parse_strategy,
-)
-from gradsync.synchronizer import StepHandle, Synchronizer
-from gradsync.telemetry.records import StepRecord
-from gradsync.telemetry.report import RankTotals, RunReport
+
+if TYPE_CHECKING:  # the static view of the lazy names below, for mypy and editors
+    from gradsync.balance import ShardBalancer
+    from gradsync.compression import Compressor, parse_compression
+    from gradsync.inject import Slowdown
+    from gradsync.runtime import init
+    from gradsync.strategies import (
+        BSP,
+        DiLoCo,
+        LocalSGD,
+        ParameterServer,
+        Strategy,
+        parse_strategy,
+    )
+    from gradsync.synchronizer import StepHandle, Synchronizer
+    from gradsync.telemetry.records import StepRecord
+    from gradsync.telemetry.report import RankTotals, RunReport
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "BSP": "gradsync.strategies",
+    "Compressor": "gradsync.compression",
+    "DiLoCo": "gradsync.strategies",
+    "LocalSGD": "gradsync.strategies",
+    "ParameterServer": "gradsync.strategies",
+    "RankTotals": "gradsync.telemetry.report",
+    "RunReport": "gradsync.telemetry.report",
+    "ShardBalancer": "gradsync.balance",
+    "Slowdown": "gradsync.inject",
+    "StepHandle": "gradsync.synchronizer",
+    "StepRecord": "gradsync.telemetry.records",
+    "Strategy": "gradsync.strategies",
+    "Synchronizer": "gradsync.synchronizer",
+    "init": "gradsync.runtime",
+    "parse_compression": "gradsync.compression",
+    "parse_strategy": "gradsync.strategies",
+}
 
 __all__ = [
     "BSP",
@@ -49,3 +78,16 @@ __all__ = [
     "parse_compression",
     "parse_strategy",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -26,9 +26,12 @@ def _run(
     overhead_ms: float,
     spans: bool = True,
     nbytes: int = 1_000_000,
+    late_ms: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0),
 ) -> Path:
     """A 4-rank BSP run: every rank waits for the slowest, then ``collective_ms`` of
-    all-reduce, then ``overhead_ms`` (write-back, optimizer). Compute in ms, (steps, ranks)."""
+    all-reduce, then ``overhead_ms`` (write-back, optimizer). Compute in ms, (steps, ranks).
+    Rank r enters every step ``late_ms[r]`` late, so its step timer records that much less
+    sync than a rank that was on time."""
     records, span_list = [], []
     t0 = 0.0
     for step, row in enumerate(compute):
@@ -55,7 +58,7 @@ def _run(
         t0 = slow_end + (collective_ms + overhead_ms) / 1000
     records = fill_idle(records)
     for r in records:
-        r.sync = r.idle + (collective_ms + overhead_ms) / 1000
+        r.sync = r.idle + (collective_ms + overhead_ms - late_ms[r.rank]) / 1000
         r.comm = r.sync - r.idle
     path.mkdir()
     write_records(path / "metrics.jsonl", records, append=False)
@@ -181,3 +184,26 @@ def test_prediction_draws_the_all_reduce_from_the_calibration_repeats(tmp_path: 
     pred = predict(prof, LINK, table=table)
     assert pred.comm_source == "calibration (measured repeats) + run overhead"
     assert pred.step_ms == pytest.approx(10.0 + 3.0 + 2.0)
+
+
+def test_predicted_tax_counts_worker_time_as_the_telemetry_does(tmp_path: Path) -> None:
+    # Ranks 1-3 enter each step 1, 2, 3 ms late: the telemetry's worker-time (each rank's
+    # compute + sync) leaves that out, so the tax divides by 4 x (20 + 6) - 6 per step.
+    late = (0.0, 1.0, 2.0, 3.0)
+    prof = load_profile(
+        _run(
+            tmp_path / "r",
+            _steady(slow_rank=2),
+            collective_ms=4.0,
+            overhead_ms=2.0,
+            late_ms=late,
+        )
+    )
+    assert prof.measured_barrier_tax == pytest.approx(30.0 / (4 * 26.0 - 6.0))
+    assert prof.measured_step_ms == pytest.approx(26.0)
+    pred = predict(prof, None)
+    assert pred.step_ms == pytest.approx(26.0)  # the step still pays the slowest rank's comm
+    assert pred.barrier_tax == pytest.approx(prof.measured_barrier_tax)
+    # Without the run's host overhead there is no record of who was late either.
+    bare = predict(prof, None, host_overhead=False)
+    assert bare.barrier_tax == pytest.approx(30.0 / (4 * 24.0))

@@ -117,6 +117,18 @@ def test_sweeps_write_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFix
         (["--comm-ms", "5", "--message-mb", "10"], "cannot be combined"),
         (["--alpha-us", "5"], "--message-mb"),
         (["--sweep-staleness", "0,x"], "inf"),
+        (["--workers", "0"], "--workers must be at least 1, got 0"),
+        (["--workers", "-3", "--sweep-workers", "4"], "--workers must be at least 1"),
+        (["--jitter", "nan"], "--jitter must be a finite number"),
+        (["--jitter", "inf"], "--jitter must be a finite number"),
+        (["--comm-ms", "nan"], "--comm-ms must be a finite number"),
+        (["--message-mb", "nan"], "--message-mb must be a finite number"),
+        (["--message-mb", "1", "--link-gbps", "inf"], "--link-gbps must be a finite number"),
+        (["--straggler", "1:nan"], "straggler factor must be a finite number"),
+        (["--straggler", "x:2"], "integer rank"),
+        (["--straggler", "nan:2"], "integer rank"),
+        (["--transient", "0.1:inf"], "transient factor must be a finite number"),
+        (["--from", "runs/x", "--warmup", "-1"], "--warmup must be >= 0"),
     ],
 )
 def test_bad_input_is_a_usage_error(
@@ -193,13 +205,74 @@ def test_from_run_predicts_and_answers_what_if(
 def test_from_run_rejects_what_is_not_a_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
-        run_cli(["simulate", "--from", str(tmp_path)], capsys)
+    # An empty folder and a missing one: a usage error naming the folder and what it needs.
+    for folder in (tmp_path, tmp_path / "missing"):
+        with pytest.raises(UsageError, match="metrics.jsonl") as info:
+            run_cli(["simulate", "--from", str(folder)], capsys)
+        assert str(folder) in str(info.value) and "config.json" in str(info.value)
+    # Through the gradsync command: exit 2 and one line on stderr, no traceback.
+    from gradsync.cli import main
+
+    assert main(["simulate", "--from", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradsync: error: --from ") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
     bad = tmp_path / "cal.json"
     bad.write_text("{}")
     run = _fake_run(tmp_path / "run", slow_rank=None)
     with pytest.raises(UsageError, match="calibration"):
         run_cli(["simulate", "--from", str(run), "--calibration", str(bad)], capsys)
+
+
+def test_ssp0_what_if_equals_the_as_run_bsp_prediction(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ssp:0 is BSP, so its what-if must not move the step: the same statistic for both.
+    run = _fake_run(tmp_path / "slow", slow_rank=2)
+    doc = run_json(["simulate", "--from", str(run), "--strategy", "ssp:0"], capsys)
+    assert doc["what_if"]["median_step_ms"] == pytest.approx(
+        doc["predicted"]["median_step_ms"], rel=1e-9
+    )
+    assert doc["what_if"]["barrier_tax"] == pytest.approx(doc["predicted"]["barrier_tax"])
+    assert "median" in doc["step_statistic"]
+    text = run_cli(["simulate", "--from", str(run), "--strategy", "ssp:0"], capsys)
+    assert "(+0.0% vs as run)" in text and "for every strategy" in text
+
+
+def test_injected_idle_uses_the_base_mean_not_the_realised_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # With jitter the realised compute differs from the base; the definition subtracts the
+    # mean *base* compute x steps (25.25 x 4) and the comm x steps (6 x 4) from wall-clock.
+    argv = ["simulate", "--compute", "20,22,21,38", "--comm-ms", "6", "--steps", "4"]
+    argv += ["--jitter", "3", "--seed", "5"]
+    doc = run_json(argv, capsys)
+    rng = random.Random(5)
+    base = [20.0, 22.0, 21.0, 38.0]
+    compute = [[b + rng.uniform(-3, 3) for b in base] for _ in range(4)]
+    wall = sum(max(row) + 6 for row in compute)
+    for row, expected in zip(doc["per_step"], compute, strict=True):
+        assert row["compute_ms"] == pytest.approx(expected)
+    assert doc["wall_ms"] == pytest.approx(wall)
+    assert doc["barrier_idle_ms"] == pytest.approx(wall - 25.25 * 4 - 6 * 4)
+    realised_mean = sum(map(sum, compute)) / 16
+    assert abs(realised_mean - 25.25) > 0.1  # so the two definitions give different numbers
+    assert doc["barrier_idle_ms"] != pytest.approx(wall - realised_mean * 4 - 6 * 4)
+
+
+def test_a_fit_with_no_bandwidth_is_a_warning_not_an_infinite_link() -> None:
+    from gradsync.sim.bench import describe_fit
+    from gradsync.sim.model import Fit
+
+    good = Fit(alpha=1e-4, beta=1e-9, op="allreduce", algorithm="ring", n=2, max_rel_error=0.1)
+    line, warnings = describe_fit(good)
+    assert "8.00 Gbit/s link" in line and warnings == []
+    flat = Fit(alpha=-1e-6, beta=-1e-12, op="allreduce", algorithm="ring", n=2, max_rel_error=1)
+    line, warnings = describe_fit(flat)
+    assert "inf" not in line and "not resolved" in line
+    assert len(warnings) == 2
+    assert "beta" in warnings[0] and "--repeats" in warnings[0] and "--sizes" in warnings[0]
+    assert "alpha" in warnings[1]
 
 
 @pytest.mark.timeout(60)

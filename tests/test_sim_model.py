@@ -26,6 +26,20 @@ A, B, S = 1e-5, 1e-9, 1_000_000  # 10 us per message, 1 ns per byte (1 GB/s), 1 
         ("broadcast", "tree", 8, 3 * (A + S * B)),
         ("reducescatter", "tree", 8, 3 * (A + S * B) + 3 * A + 7 / 8 * S * B),
         ("allgather", "tree", 8, 3 * A + 7 / 8 * S * B + 3 * (A + S * B)),
+        # binary tree in heap order, single-port, whole messages. n=7 (full): a parent
+        # receives from its 2 children one after the other, 2 levels: 4 rounds up, 4 down.
+        ("allreduce", "binary_tree", 7, 8 * (A + S * B)),
+        ("broadcast", "binary_tree", 7, 4 * (A + S * B)),
+        # n=2: one edge, 1 round each way; n=3: the root's 2 children, 2 rounds each way
+        ("allreduce", "binary_tree", 2, 2 * (A + S * B)),
+        ("allreduce", "binary_tree", 3, 4 * (A + S * B)),
+        # n=4: 0->{1,2}, 1->{3}. Up: 3->1 and 2->0 in round 1, 1->0 in round 2. Down: 0->1,
+        # then 0->2 and 1->3 together: 2 rounds.
+        ("allreduce", "binary_tree", 4, 4 * (A + S * B)),
+        # n=5: 0->{1,2}, 1->{3,4}. Up: 1 gets 3 then 4 (round 2), 0 gets 2 (round 1) then 1
+        # (round 3). Down: 0->1, then 0->2 and 1->3, then 1->4: 3 rounds.
+        ("allreduce", "binary_tree", 5, 6 * (A + S * B)),
+        ("broadcast", "binary_tree", 5, 3 * (A + S * B)),
         # recursive halving-doubling (Rabenseifner)
         ("allreduce", "rhd", 8, 6 * A + 1.75 * S * B),
         ("reducescatter", "rhd", 8, 3 * A + 7 / 8 * S * B),
@@ -38,8 +52,21 @@ def test_costs_match_hand_computed(op: str, algorithm: str, n: int, expected: fl
 
 
 def test_one_rank_costs_nothing() -> None:
-    for algorithm in ("ring", "tree", "rhd"):
+    for algorithm in ("ring", "tree", "binary_tree", "rhd"):
         assert collective_time("allreduce", 1, S, A, B, algorithm) == 0.0
+
+
+def test_binary_tree_is_the_binomial_trees_slower_cousin_without_pipelining() -> None:
+    # Whole messages, one at a time: a binary tree pays two rounds per level where the
+    # binomial tree pays one per doubling, so 4(log2(n+1) - 1) rounds against 2 log2 n.
+    for k in (2, 3, 5, 10):
+        n = 2**k - 1
+        assert cost_terms("allreduce", "binary_tree", n) == (4.0 * (k - 1), 4.0 * (k - 1))
+    assert collective_time("allreduce", 64, S, A, B, "binary_tree") > collective_time(
+        "allreduce", 64, S, A, B, "tree"
+    )
+    with pytest.raises(UsageError, match="binary_tree models allreduce and broadcast only"):
+        cost_terms("reducescatter", "binary_tree", 4)
 
 
 def test_ring_beats_tree_on_bandwidth_and_tree_beats_ring_on_latency() -> None:
@@ -70,7 +97,7 @@ def test_ring_allreduce_busbw_equals_link_bandwidth_for_large_messages() -> None
 
 def test_fit_recovers_exact_parameters() -> None:
     sizes = [4096 * 4**i for i in range(8)]
-    for algorithm, n in (("ring", 4), ("tree", 8), ("rhd", 16)):
+    for algorithm, n in (("ring", 4), ("tree", 8), ("binary_tree", 6), ("rhd", 16)):
         a, b = cost_terms("allreduce", algorithm, n)
         times = [a * 50e-6 + b * s * 2e-9 for s in sizes]
         fit = fit_alpha_beta(sizes, times, n=n, algorithm=algorithm)
@@ -102,7 +129,7 @@ def test_fit_rejects_degenerate_input() -> None:
 
 
 def test_bad_names_list_the_valid_ones() -> None:
-    with pytest.raises(UsageError, match="ring, tree, rhd"):
+    with pytest.raises(UsageError, match="ring, tree, binary_tree, rhd"):
         collective_time("allreduce", 4, S, A, B, "butterfly")
     with pytest.raises(UsageError, match="allreduce, reducescatter, allgather, broadcast"):
         cost_terms("alltoall", "ring", 4)

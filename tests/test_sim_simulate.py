@@ -88,6 +88,8 @@ def test_ssp_zero_equals_bsp() -> None:
     assert ssp0.wall_ms == pytest.approx(bsp.wall_ms)
     np.testing.assert_allclose(ssp0.idle_per_worker, bsp.idle_per_worker)
     assert ssp0.staleness.max() == 0
+    # and the per-step statistic the calibrated prediction reports is the same superstep
+    np.testing.assert_allclose(ssp0.period_step_ms(), bsp.step_ms, rtol=1e-12)
 
 
 def test_ssp_inf_equals_async() -> None:
@@ -119,6 +121,34 @@ def test_local_sgd_by_hand() -> None:
     np.testing.assert_array_equal(res.comm_ms, [0.0, 5.0, 5.0])
     np.testing.assert_array_equal(res.staleness[:, 0], [0, 1, 0])
     assert simulate("diloco:2", c, FIXED).wall_ms == res.wall_ms
+
+
+def test_period_step_is_the_pace_of_every_worker() -> None:
+    c = np.array([[10.0, 20.0], [10.0, 20.0], [10.0, 20.0], [10.0, 20.0]])
+    no_comm = CommModel(comm_ms=0.0)
+    # Async: every worker has finished clock t when the slow one has, at 20 (t + 1).
+    np.testing.assert_allclose(simulate("async", c, no_comm).period_step_ms(), [20.0] * 4)
+    # local:2: rounds of max(20, 40) + 5 over 2 steps.
+    np.testing.assert_allclose(simulate("local:2", c, FIXED).period_step_ms(), [22.5, 22.5])
+    # local:3 on 4 steps: a round of 3 (60 + 5) / 3, then a short one (20 + 5) / 1.
+    np.testing.assert_allclose(simulate("local:3", c, FIXED).period_step_ms(), [65 / 3, 25.0])
+
+
+def test_throughput_while_all_train_shows_what_async_gains_from_not_waiting() -> None:
+    # Two workers, 10 and 20 ms a step, 4 steps, no comm.
+    c = np.array([[10.0, 20.0]] * 4)
+    no_comm = CommModel(comm_ms=0.0)
+    free = simulate("async", c, no_comm)
+    # Every worker runs 4 steps: 8 worker-steps in 80 ms, whatever the strategy.
+    assert free.throughput == pytest.approx(100.0)
+    # Worker 0 finishes at 40 ms; by then it did 4 steps and worker 1 did 2: 6 in 40 ms.
+    assert free.throughput_while_all_train == pytest.approx(150.0)
+    # ssp:1: worker 0 runs 0-10, 10-20, 20-30, then waits for clock 1 (done at 40): 40-50.
+    bounded = simulate("ssp:1", c, no_comm)
+    assert bounded.throughput == pytest.approx(100.0)
+    assert bounded.throughput_while_all_train == pytest.approx(6 / 0.050)
+    bsp = simulate("bsp", c, no_comm)
+    assert bsp.throughput_while_all_train == bsp.throughput == pytest.approx(100.0)
 
 
 STRATEGIES = [
@@ -198,6 +228,15 @@ def test_config_validation_names_the_bad_value() -> None:
         ComputeModel(workers=4, steps=1, base_ms=(1.0,), stragglers=((9, 2.0),))
     with pytest.raises(UsageError, match="--jitter"):
         ComputeModel(workers=4, steps=1, base_ms=(1.0,), jitter_ms=-1.0)
+    for bad in (math.nan, math.inf):
+        with pytest.raises(UsageError, match="--jitter must be a finite number"):
+            ComputeModel(workers=4, steps=1, base_ms=(1.0,), jitter_ms=bad)
+        with pytest.raises(UsageError, match="straggler factor"):
+            ComputeModel(workers=4, steps=1, base_ms=(1.0,), stragglers=((1, bad),))
+        with pytest.raises(UsageError, match="transient factor"):
+            ComputeModel(workers=4, steps=1, base_ms=(1.0,), transient_factor=bad)
+        with pytest.raises(UsageError, match="message size"):
+            CommModel(link=AlphaBeta(alpha=0.0, beta=1e-9), nbytes=bad)
     with pytest.raises(UsageError, match="either"):
         CommModel()
     with pytest.raises(UsageError, match="--buckets"):

@@ -102,6 +102,38 @@ def run_bench(cfg: BenchConfig) -> tuple[list[BenchRow], Fit]:
     return rows, fit
 
 
+def describe_fit(fit: Fit) -> tuple[str, list[str]]:
+    """The fit's one-line summary, and warnings for parameters the timings did not resolve.
+
+    A least-squares fit to noisy times can give beta <= 0 (or alpha < 0): the times did not
+    grow with size (or shrink to a floor) beyond their noise. That is not an infinitely fast
+    link; the simulator clamps such a value to 0 when it loads the file.
+    """
+    warnings = []
+    if fit.beta > 0:
+        link = f"{8 / fit.beta / 1e9:.2f} Gbit/s link"
+    else:
+        link = "link bandwidth not resolved"
+        warnings.append(
+            f"the fitted beta is {fit.beta * 1e9:.4f} ns/byte (<= 0): the measured times do not "
+            "grow with message size beyond their noise, so they say nothing about the link's "
+            "bandwidth (it is not infinite); use more --repeats, or larger --sizes (MiB and "
+            "up) where transfer time dominates, on a quieter machine"
+        )
+    if fit.alpha < 0:
+        warnings.append(
+            f"the fitted alpha is {fit.alpha * 1e6:.1f} us (< 0): the small-message times are "
+            "too noisy to resolve the latency (it is treated as 0); use more --repeats, or "
+            "add smaller --sizes"
+        )
+    line = (
+        f"fit ({fit.algorithm} {fit.op}, {fit.n} ranks): alpha = {fit.alpha * 1e6:.1f} us, "
+        f"beta = {fit.beta * 1e9:.4f} ns/byte ({link}), "
+        f"worst relative error {fit.max_rel_error:.1%}"
+    )
+    return line, warnings
+
+
 def format_table(rows: list[BenchRow], nproc: int, backend: str) -> str:
     lines = [
         f"# all-reduce, {nproc} ranks, backend {backend}, float32, in-place",

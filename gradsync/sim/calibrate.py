@@ -23,7 +23,7 @@ from gradsync.sim.config import CommModel, Strategy, parse_strategy
 from gradsync.sim.model import AlphaBeta, Fit
 from gradsync.sim.simulate import SimResult, simulate
 from gradsync.sim.table import CollectiveTable
-from gradsync.telemetry.records import read_records, read_spans
+from gradsync.telemetry.records import StepRecord, read_records, read_spans
 
 CALIBRATION_KIND = "gradsync.allreduce_calibration"
 
@@ -97,6 +97,11 @@ class RunProfile:
     # all-reduce end (spans.jsonl); the rest of comm_steps is the host's own overhead
     # (write-back, optimizer, start skew, scheduling). None without spans.
     collective_steps: np.ndarray | None = None
+    # (steps,): max over ranks of comm minus its mean over ranks. A rank that entered the step
+    # late (start skew) records less sync than the one that waited for it; that difference is
+    # elapsed time outside the late rank's compute + sync, so the telemetry's worker-time (the
+    # barrier tax's denominator) does not count it. None for a profile built by hand.
+    comm_spread_steps: np.ndarray | None = None
     config: dict[str, Any] = field(default_factory=dict)
 
     def slowest_rank(self) -> int:
@@ -128,10 +133,29 @@ def _collective_steps(run_dir: str | Path, steps: list[int]) -> np.ndarray | Non
     return np.asarray(out)
 
 
+RUN_FILES = "metrics.jsonl (per-rank step records) and config.json (nproc, strategy, bucket_mb)"
+
+
+def _read_run_records(run_dir: str | Path) -> list[StepRecord]:
+    """The run's step records, or a UsageError that says what a run directory holds."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise UsageError(f"--from {run_dir}: no such directory; a run directory holds {RUN_FILES}")
+    if path.is_dir() and not (path / "metrics.jsonl").is_file():
+        raise UsageError(
+            f"--from {run_dir}: not a gradsync run directory (no metrics.jsonl); it needs "
+            f"{RUN_FILES}, as written by gradsync run --out DIR"
+        )
+    try:
+        return read_records(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UsageError(f"--from {run_dir}: cannot read its metrics.jsonl: {exc}") from None
+
+
 def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
     """Read ``metrics.jsonl`` (and ``config.json``, ``spans.jsonl`` if present), skipping
     ``warmup`` steps."""
-    records = [r for r in read_records(run_dir) if not r.skipped]
+    records = [r for r in _read_run_records(run_dir) if not r.skipped]
     steps = sorted({r.step for r in records})
     if len(steps) <= warmup:
         raise UsageError(f"{run_dir} has {len(steps)} steps; need more than --warmup {warmup}")
@@ -140,7 +164,10 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
     cfg_path = Path(run_dir) / "config.json"
     config: dict[str, Any] = {}
     if Path(run_dir).is_dir() and cfg_path.exists():
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(f"--from {run_dir}: cannot read its config.json: {exc}") from None
     compute: dict[int, list[float]] = defaultdict(list)
     step_wall: dict[int, float] = defaultdict(float)
     grid: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
@@ -167,6 +194,12 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
         compute_steps=np.asarray([[grid[t][k][0] for k in ranks] for t in full]),
         comm_steps=np.asarray([max(grid[t][k][1] for k in ranks) for t in full]),
         collective_steps=collective,
+        comm_spread_steps=np.asarray(
+            [
+                max(grid[t][k][1] for k in ranks) - float(np.mean([grid[t][k][1] for k in ranks]))
+                for t in full
+            ]
+        ),
         config=config,
     )
 
@@ -207,8 +240,11 @@ RESAMPLE_MODES = ("steps", "ranks")
 @dataclass(kw_only=True, slots=True)
 class Prediction:
     what_if: str
-    step_ms: float  # median step (bsp: superstep; others: wall / steps)
-    barrier_tax: float
+    # Median over sync periods of the time per step, the same statistic for every strategy
+    # (``SimResult.period_step_ms``): the superstep for bsp and ssp:0.
+    step_ms: float
+    mean_step_ms: float  # wall-clock / steps
+    barrier_tax: float  # idle / worker-time, worker-time counted as the telemetry counts it
     comm_ms: float  # median unhidden comm per step
     comm_source: str
     result: SimResult
@@ -303,14 +339,18 @@ def predict(
     comm_steps = collective + overhead if workers > 1 else np.zeros(steps)
     strategy: Strategy = parse_strategy(wi.strategy or profile.strategy)
     res = simulate(strategy, compute, CommModel(comm_ms=0.0), comm_steps=comm_steps)
-    if strategy.kind == "bsp" and res.step_ms is not None:
-        step = float(np.median(res.step_ms))
-    else:
-        step = res.wall_ms / steps
-    busy = res.workers * res.wall_ms
+    spread = np.zeros(steps)
+    if profile.comm_spread_steps is not None and host_overhead and workers > 1:
+        spread = profile.comm_spread_steps[comm_rows]
+    # The run's telemetry counts each rank's own compute + sync; the spread of comm across
+    # ranks (late starters) is outside it. Without this the tax is divided by more
+    # worker-time than the measured one, and comes out low. Only steps that pay comm have it.
+    unrecorded = np.minimum(spread, res.comm_ms)
+    busy = res.workers * (res.wall_ms - float(unrecorded.sum()))
     return Prediction(
         what_if=wi.describe(),
-        step_ms=step,
+        step_ms=float(np.median(res.period_step_ms())),
+        mean_step_ms=res.wall_ms / steps,
         barrier_tax=float(res.idle_ms.sum() / busy) if busy > 0 else 0.0,
         comm_ms=float(np.median(comm_steps)),
         comm_source=source,

@@ -138,21 +138,55 @@ def parse_size(text: str) -> int:
         if t and t[-1] in units:
             return int(float(t[:-1]) * units[t[-1]])
         return int(t)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise UsageError(f"bad size {text!r}: use bytes or a K/M/G suffix, e.g. 64K") from None
+
+
+# Float flags of ``simulate``, by argparse dest; each must be a finite number when given.
+FLOAT_FLAGS = {
+    "jitter": "--jitter",
+    "comm_ms": "--comm-ms",
+    "message_mb": "--message-mb",
+    "alpha_us": "--alpha-us",
+    "link_gbps": "--link-gbps",
+    "backward_frac": "--backward-frac",
+    "compression_ratio": "--compression-ratio",
+}
+
+
+def check_finite(args: argparse.Namespace) -> None:
+    """argparse's ``type=float`` takes 'nan' and 'inf'; no flag here means anything by them."""
+    for dest, flag in FLOAT_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, got {value}")
+
+
+def parse_straggler(text: str) -> tuple[int, float]:
+    head, sep, _ = text.partition(":")
+    try:
+        rank = int(head)
+    except ValueError:
+        rank = None
+    if rank is None or not sep:
+        raise UsageError(
+            f"--straggler needs RANK:FACTOR with an integer rank (e.g. 3:2.0), got {text!r}"
+        )
+    return rank, parse_pair(text, "--straggler")[1]
 
 
 def compute_model(args: argparse.Namespace) -> ComputeModel:
     base = parse_floats(args.compute, "--compute")
+    if args.workers is not None and args.workers < 1:
+        # Checked here, not left to "or": 0 would otherwise fall back to the default silently.
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
     workers = args.workers or (len(base) if len(base) > 1 else 4)
     if len(base) > 1 and len(base) != workers and not args.sweep_workers:
         raise UsageError(
             f"--compute has {len(base)} values but --workers is {workers}; "
             "give one value per worker or a single value"
         )
-    stragglers = tuple(
-        (int(r), f) for r, f in (parse_pair(s, "--straggler") for s in args.straggler)
-    )
+    stragglers = tuple(parse_straggler(s) for s in args.straggler)
     prob, factor = parse_pair(args.transient, "--transient") if args.transient else (0.0, 1.0)
     return ComputeModel(
         workers=workers,
@@ -228,6 +262,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.table_steps < 0:
         raise UsageError(f"--table-steps must be >= 0, got {args.table_steps}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0 steps, got {args.warmup}")
+    check_finite(args)
     if args.from_run:
         return commands.from_run(args)
     if args.sweep_staleness or args.sweep_workers:
@@ -238,7 +275,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     from gradsync.runtime import default_backend
-    from gradsync.sim.bench import DEFAULT_SIZES, BenchConfig, format_table, run_bench
+    from gradsync.sim.bench import DEFAULT_SIZES, BenchConfig, describe_fit, format_table, run_bench
     from gradsync.sim.calibrate import save_calibration
 
     sizes = tuple(parse_size(s) for s in args.sizes.split(",")) if args.sizes else DEFAULT_SIZES
@@ -256,16 +293,11 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
         for r in rows
     ]
     save_calibration(args.out, fit, {"backend": backend, "measurements": measurements})
-    gbit = 8 / fit.beta / 1e9 if fit.beta > 0 else math.inf
+    fit_line, warnings = describe_fit(fit)
+    for w in warnings:
+        print(f"gradsync: warning: {w}", file=sys.stderr)
     text = "\n".join(
-        [
-            format_table(rows, cfg.nproc, backend),
-            "",
-            f"fit (ring all-reduce, {cfg.nproc} ranks): alpha = {fit.alpha * 1e6:.1f} us, "
-            f"beta = {fit.beta * 1e9:.4f} ns/byte ({gbit:.2f} Gbit/s link), "
-            f"worst relative error {fit.max_rel_error:.1%}",
-            f"saved to {Path(args.out)}",
-        ]
+        [format_table(rows, cfg.nproc, backend), "", fit_line, f"saved to {Path(args.out)}"]
     )
     doc = {
         "backend": backend,
@@ -274,6 +306,7 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
         "alpha_s": fit.alpha,
         "beta_s_per_byte": fit.beta,
         "max_rel_error": fit.max_rel_error,
+        "warnings": warnings,
         "saved": str(args.out),
     }
     emit(args, doc, text)

@@ -112,12 +112,14 @@ def sweeps(args: argparse.Namespace) -> int:
         strategies = [parse_strategy(s) for s in args.strategies.split(",") if s.strip()]
         eff: dict[str, list[float]] = {s.spec: [] for s in strategies}
         wall: dict[str, list[float]] = {s.spec: [] for s in strategies}
+        busy: dict[str, list[float]] = {s.spec: [] for s in strategies}
         for n in counts:
             compute = base.with_workers(n).draw()
             for s in strategies:
                 res = simulate(s, compute, comm)
                 eff[s.spec].append(res.efficiency)
                 wall[s.spec].append(res.wall_ms)
+                busy[s.spec].append(res.throughput_while_all_train)
         png = plot_scaling(counts, eff, plot_dir / "sim_scaling.png")
         rows = [[n] + [eff[s][i] for s in eff] for i, n in enumerate(counts)]
         texts += [
@@ -129,11 +131,20 @@ def sweeps(args: argparse.Namespace) -> int:
             "workers": counts,
             "efficiency": eff,
             "wall_ms": wall,
+            "throughput_while_all_train_steps_per_s": busy,
             "exchange_ms": [comm.exchange_ms(n) for n in counts],
         }
         doc["scaling_plot"] = str(png)
     emit(args, doc, "\n".join(texts).rstrip())
     return 0
+
+
+# One statistic for every strategy, so that a what-if's delta compares like with like.
+# Spelled out in docs/simulator.md: the superstep under bsp and ssp:0, the slowest worker's
+# pace under ssp/async, a round / H under local/diloco.
+STEP_STATISTIC = (
+    "median over sync periods (1 step; H for local/diloco) of the time per step, for every strategy"
+)
 
 
 def from_run(args: argparse.Namespace) -> int:
@@ -164,9 +175,11 @@ def from_run(args: argparse.Namespace) -> int:
         },
         "predicted": {
             "median_step_ms": base.step_ms,
+            "mean_step_ms": base.mean_step_ms,
             "barrier_tax": base.barrier_tax,
             "comm_ms": base.comm_ms,
         },
+        "step_statistic": STEP_STATISTIC,
         "slowest_rank": profile.slowest_rank(),
     }
     err = base.step_ms / profile.measured_step_ms - 1 if profile.measured_step_ms > 0 else 0.0
@@ -174,6 +187,7 @@ def from_run(args: argparse.Namespace) -> int:
         f"run {args.from_run}: {profile.nproc} ranks, {profile.strategy}, "
         f"{profile.bytes_per_step / 2**20:.2f} MiB per step",
         f"comm from {base.comm_source}; compute resampled by {args.resample}",
+        f"step = {STEP_STATISTIC}",
         f"{'':24}{'measured':>10}{'predicted':>11}",
         f"{'median step (ms)':24}{profile.measured_step_ms:>10.2f}{base.step_ms:>11.2f}"
         f"   ({err:+.1%})",
@@ -183,6 +197,7 @@ def from_run(args: argparse.Namespace) -> int:
         doc["what_if"] = {
             "change": alt.what_if,
             "median_step_ms": alt.step_ms,
+            "mean_step_ms": alt.mean_step_ms,
             "barrier_tax": alt.barrier_tax,
             "comm_ms": alt.comm_ms,
         }

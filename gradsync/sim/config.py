@@ -91,17 +91,20 @@ class ComputeModel:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if not self.base_ms or any(not (b >= 0 and math.isfinite(b)) for b in self.base_ms):
             raise UsageError(f"--compute needs finite times >= 0 ms, got {list(self.base_ms)}")
-        if self.jitter_ms < 0:
-            raise UsageError(f"--jitter must be >= 0 ms, got {self.jitter_ms}")
+        # Written as "not (ok)" so that nan, which fails every comparison, is rejected too.
+        if not (self.jitter_ms >= 0 and math.isfinite(self.jitter_ms)):
+            raise UsageError(f"--jitter must be a finite number >= 0 ms, got {self.jitter_ms}")
         for rank, factor in self.stragglers:
             if not 0 <= rank < self.workers:
                 raise UsageError(f"straggler rank {rank} is not in 0..{self.workers - 1}")
-            if factor <= 0:
-                raise UsageError(f"straggler factor must be > 0, got {factor}")
+            if not (factor > 0 and math.isfinite(factor)):
+                raise UsageError(f"straggler factor must be a finite number > 0, got {factor}")
         if not 0 <= self.transient_prob <= 1:
             raise UsageError(f"transient probability must be in [0, 1], got {self.transient_prob}")
-        if self.transient_factor <= 0:
-            raise UsageError(f"transient factor must be > 0, got {self.transient_factor}")
+        if not (self.transient_factor > 0 and math.isfinite(self.transient_factor)):
+            raise UsageError(
+                f"transient factor must be a finite number > 0, got {self.transient_factor}"
+            )
 
     def base(self) -> np.ndarray:
         """Each worker's base compute in ms, with persistent stragglers applied."""
@@ -148,8 +151,8 @@ class CommModel:
             raise UsageError("give either a fixed --comm-ms or an alpha-beta link, not both")
         if self.comm_ms is not None and not (self.comm_ms >= 0 and math.isfinite(self.comm_ms)):
             raise UsageError(f"--comm-ms must be a finite number >= 0, got {self.comm_ms}")
-        if self.nbytes < 0:
-            raise UsageError(f"message size must be >= 0 bytes, got {self.nbytes}")
+        if not (self.nbytes >= 0 and math.isfinite(self.nbytes)):
+            raise UsageError(f"message size must be a finite number >= 0 bytes, got {self.nbytes}")
 
     def exchange_ms(self, workers: int, fraction: float = 1.0) -> float:
         """One all-reduce of ``fraction`` of the message among ``workers`` ranks."""

@@ -6,6 +6,10 @@ cost is ``latency_terms(n) * alpha + bandwidth_terms(n) * S * beta``, with ``S``
 buffer as nccl-tests counts it (for all-gather the gathered output, for reduce-scatter the
 input). Formulas follow Thakur, Rabenseifner and Gropp (2005); ``lg`` is ``ceil(log2 n)``,
 exact for powers of two and a slight underestimate otherwise (MPICH adds a fix-up round).
+
+``tree`` is the binomial tree (the minimum spanning tree MPI libraries use); ``binary_tree`` is
+a complete binary tree in heap order, not pipelined, in the single-port model (a rank sends
+or receives one whole message at a time), with its round count computed exactly.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from gradsync.errors import UsageError
 
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast")
-ALGORITHMS = ("ring", "tree", "rhd")
+ALGORITHMS = ("ring", "tree", "binary_tree", "rhd")
+# A binary tree is only modelled where its cost is well defined without a scatter schedule.
+BINARY_TREE_OPS = ("allreduce", "broadcast")
 
 # nccl-tests (doc/PERFORMANCE.md): busbw = algbw * factor, so that busbw is comparable to the
 # link's peak whatever the rank count.
@@ -38,6 +45,44 @@ def _check(op: str, algorithm: str, n: int) -> None:
         raise UsageError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
     if n < 1:
         raise UsageError(f"number of ranks must be at least 1, got {n}")
+    if algorithm == "binary_tree" and op not in BINARY_TREE_OPS:
+        raise UsageError(
+            f"binary_tree models {' and '.join(BINARY_TREE_OPS)} only, not {op}; "
+            "use ring, tree (binomial) or rhd"
+        )
+
+
+def _children(m: int) -> tuple[int, int]:
+    """Sizes of the two subtrees under the root of a complete binary tree of ``m`` nodes.
+
+    A subtree of a complete tree in heap order is complete itself, so its shape, and hence
+    its cost, depends on its size alone.
+    """
+    if m <= 1:
+        return 0, 0
+    h = m.bit_length() - 1  # levels below the root
+    half = 1 << (h - 1)  # room on the left subtree's last level
+    left = (half - 1) + min(m - ((1 << h) - 1), half)
+    return left, m - 1 - left
+
+
+@lru_cache(maxsize=256)
+def binary_tree_rounds(m: int) -> tuple[int, int]:
+    """``(reduce, broadcast)`` rounds on a complete binary tree of ``m`` ranks, single-port.
+
+    Reduce: a rank receives its children's partial sums one after the other, the one that is
+    ready first first, then is ready to send up. Broadcast: a rank sends to its children one
+    after the other, the one whose subtree takes longer first.
+    """
+    left, right = _children(m)
+    if left == 0:
+        return 0, 0
+    kids = [binary_tree_rounds(k) for k in (left, right) if k > 0]
+    t = 0
+    for ready in sorted(r for r, _ in kids):
+        t = max(t, ready) + 1
+    down = sorted((b for _, b in kids), reverse=True)
+    return t, max(i + 1 + b for i, b in enumerate(down))
 
 
 def cost_terms(op: str, algorithm: str, n: int) -> tuple[float, float]:
@@ -56,6 +101,11 @@ def cost_terms(op: str, algorithm: str, n: int) -> tuple[float, float]:
             "allgather": (float(n - 1), part),
             "broadcast": (float(lg + n - 1), 2.0 * part),
         }[op]
+    if algorithm == "binary_tree":
+        # Whole messages up the tree (reduce), then down (broadcast): every round moves S.
+        up, down = binary_tree_rounds(n)
+        rounds = float(up + down) if op == "allreduce" else float(down)
+        return rounds, rounds
     if algorithm == "tree":
         # Binomial tree moving whole messages: reduce to a root, then broadcast back down.
         return {

@@ -10,6 +10,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
+LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
+MARKERS = ("o", "s", "^", "D", "v", "x", "P")
+
 
 def plot_staleness(
     labels: Sequence[str], wall_ms: Sequence[float], idle_ms: Sequence[float], path: str | Path
@@ -33,8 +36,23 @@ def plot_scaling(
 ) -> Path:
     """Scaling efficiency against the number of workers, one line per strategy."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for strategy, values in efficiency.items():
-        ax.plot(list(workers), list(values), marker="o", label=strategy)
+    # Strategies can give the same line (ssp:S and async with a persistent straggler): each
+    # gets its own dash pattern and hollow marker, drawn thinner and smaller than the one
+    # before, so a line on top of another leaves the one below visible around it.
+    drawn: dict[str, Sequence[float]] = {}
+    for i, (strategy, values) in enumerate(efficiency.items()):
+        same = [k for k, v in drawn.items() if _same_line(v, values)]
+        drawn[strategy] = values
+        ax.plot(
+            list(workers),
+            list(values),
+            linestyle=LINE_STYLES[i % len(LINE_STYLES)],
+            marker=MARKERS[i % len(MARKERS)],
+            markersize=max(3.0, 9.0 - 1.5 * i),
+            markerfacecolor="none",
+            linewidth=max(1.0, 2.6 - 0.4 * i),
+            label=f"{strategy} (= {same[0]})" if same else strategy,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(workers), [str(w) for w in workers])
     ax.set_ylim(0, 1.05)
@@ -44,6 +62,12 @@ def plot_scaling(
     ax.grid(True, alpha=0.3)
     ax.legend()
     return _save(fig, path)
+
+
+def _same_line(a: Sequence[float], b: Sequence[float]) -> bool:
+    if len(a) != len(b):
+        return False
+    return all(abs(x - y) <= 1e-3 * max(abs(x), 1e-9) for x, y in zip(a, b, strict=True))
 
 
 def _save(fig: plt.Figure, path: str | Path) -> Path:

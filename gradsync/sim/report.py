@@ -95,6 +95,7 @@ def free_summary(res: SimResult) -> dict[str, Any]:
         "idle_per_worker_ms": res.idle_per_worker.tolist(),
         "idle_total_ms": float(res.idle_ms.sum()),
         "throughput_steps_per_s": res.throughput,
+        "throughput_while_all_train_steps_per_s": res.throughput_while_all_train,
         "efficiency": res.efficiency,
         "staleness": {
             "mean": float(st.mean()),
@@ -122,7 +123,11 @@ def format_free(summary: dict[str, Any]) -> str:
             f"({summary['workers']} workers x {summary['steps']} steps)",
             f"wall-clock              {summary['wall_ms']:.2f} ms",
             f"idle per worker (ms)    {idle_text}",
-            f"throughput              {summary['throughput_steps_per_s']:.1f} worker-steps/s",
+            f"throughput              {summary['throughput_steps_per_s']:.1f} worker-steps/s "
+            "(every worker runs --steps steps)",
+            f"  while all train       "
+            f"{summary['throughput_while_all_train_steps_per_s']:.1f} worker-steps/s "
+            "(until the first worker finishes: a run of fixed duration)",
             f"scaling efficiency      {summary['efficiency']:.1%}",
             f"staleness (clocks)      mean {s['mean']:.2f}  p50 {s['p50']:g}  p99 {s['p99']:g}  "
             f"max {s['max']}",

@@ -4,7 +4,10 @@ recurrence allows), so that 1024 workers x 1000 steps takes well under a second.
 Every result obeys one accounting identity per worker: compute + idle + unhidden comm = wall.
 ``idle`` is time a worker is blocked: at a barrier, at the staleness bound, or after its last
 step while the slowest worker finishes (so that strategies with and without barriers compare).
-Each worker runs the same number of steps; a faster worker under ``async`` does not take more.
+Each worker runs the same number of steps; a faster worker under ``async`` does not take more,
+so ``throughput`` (over the whole run) cannot show what async gains with a persistent
+straggler; ``throughput_while_all_train`` (up to the moment the first worker runs out of
+steps) does, as a run of fixed duration would.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class SimResult:
     wall_ms: float
     staleness: np.ndarray  # updates each worker's read missed, in clocks (0 under BSP)
     step_ms: np.ndarray | None = None  # (steps,): superstep time, for the barrier strategies
+    # (steps,): when every worker had finished clock t, for the free-running strategies
+    done_ms: np.ndarray | None = None
+    period: int = 1  # clocks per synchronisation period: H for local/diloco, else 1
+    # worker-steps per second until the first worker finished its last step (None: barrier
+    # strategies, where every worker finishes at the same moment)
+    steady_throughput: float | None = None
 
     @property
     def steps(self) -> int:
@@ -62,6 +71,33 @@ class SimResult:
     def throughput(self) -> float:
         """Worker-steps per second of wall-clock."""
         return self.steps * self.workers / (self.wall_ms / 1000.0) if self.wall_ms > 0 else 0.0
+
+    @property
+    def throughput_while_all_train(self) -> float:
+        """Worker-steps per second while every worker is still training.
+
+        Counts the steps finished by the moment the first worker finished its last one. Under
+        a barrier it equals ``throughput``; under async with a persistent straggler it is the
+        rate a run of fixed duration would see, the fast workers not waiting for the slow one.
+        """
+        return self.throughput if self.steady_throughput is None else self.steady_throughput
+
+    def period_step_ms(self) -> np.ndarray:
+        """Time per step of each synchronisation period (one clock; H clocks for local/diloco).
+
+        A period's time runs from the moment every worker had finished the previous period to
+        the moment every worker has finished this one: the superstep under bsp (and ssp:0),
+        the pace of the slowest worker under ssp and async, a whole round over H under
+        local/diloco. Its median is the "median step" the calibrated prediction reports for
+        every strategy; its mean over the run is ``wall_ms / steps``.
+        """
+        h = self.period
+        ends = np.minimum(np.arange(h - 1, self.steps + h - 1, h), self.steps - 1)
+        lengths = np.diff(ends, prepend=-1)
+        if self.step_ms is not None:
+            return self.step_ms[ends] / lengths
+        assert self.done_ms is not None
+        return np.diff(self.done_ms[ends], prepend=0.0) / lengths
 
     @property
     def efficiency(self) -> float:
@@ -183,6 +219,8 @@ def _free_running(
     clock = np.arange(c.shape[0])[:, None]
     # A zero-length step ends when it starts; it still has not finished before it began.
     staleness = clock - np.minimum(finished, clock)
+    first_out = float(end[-1].min())
+    steady = float((end <= first_out).sum()) / (first_out / 1000.0) if first_out > 0 else 0.0
     return SimResult(
         strategy=spec,
         compute_ms=c,
@@ -190,6 +228,8 @@ def _free_running(
         comm_ms=exchange.copy(),
         wall_ms=wall,
         staleness=staleness.astype(np.int64),
+        done_ms=everyone_done,
+        steady_throughput=steady,
     )
 
 
@@ -213,6 +253,7 @@ def _periodic(c: np.ndarray, exchange: np.ndarray, h: int, spec: str) -> SimResu
         wall_ms=float(step.sum()),
         staleness=np.broadcast_to((np.arange(steps) % h)[:, None], c.shape).astype(np.int64),
         step_ms=step,
+        period=h,
     )
 
 
