@@ -1,18 +1,26 @@
-"""Load-balanced BSP with a straggler, against plain BSP and against no straggler, 4 workers.
+"""Load-balanced BSP with a straggler, against plain BSP and against no straggler.
 
-    python benchmarks/balance.py [--repeats 4] [--steps 100] [--write]
+    python benchmarks/balance.py [--repeats 3] [--steps 90] [--write [--md FILE]] [--quick]
 
-Three configurations of the `gradsync run` worker (`gradsync.worker.run_worker`, launched like
-`gradsync run`): BSP with no straggler, BSP with rank 3 slowed 2x (`slow="3:2"`), and balanced
-BSP (`balance=True`) with the same straggler. Workload `charlm`: its compute grows with the
-samples a rank takes and dominates its step (the gradient is 0.5 MB), which is what moving
-samples off a slow rank can win back; the default `mlp` (100k parameters) takes a few
-milliseconds a step, so there is little compute to move and fixed per-step costs dominate. Each
-repeat runs the three in turn, forward on even repeats and reversed on odd ones; figures are
-medians over repeats of ratios within the same repeat. samples/s is all ranks' samples over
-wall time from the metrics records (first step's start to the last step's end, as `gradsync
-compare` measures it), over the whole run and over the steady state after the first `--warmup`
-steps, once the balancer has settled.
+Two setups of the `gradsync run` worker (`gradsync.worker.run_worker`, launched like `gradsync
+run`), each in three configurations: BSP with no straggler, BSP with one rank slowed 2x, and
+balanced BSP (`balance=True`) with the same straggler.
+
+- 4 ranks, `--slow 3:2`: the configuration issue 5 names. On a machine with fewer cores than
+  ranks the ranks time-share cores, and the injected slowdown (a sleep proportional to the
+  straggler's own compute) hands its core to the other ranks, so it costs little and there is
+  little for balancing to win back.
+- 2 ranks, `--slow 1:2`: a core per rank on a 2-core machine, so the slowdown costs what it
+  says and the mitigation can show.
+
+Workload `charlm`: its compute grows with the samples a rank takes and dominates its step (the
+gradient is 0.5 MB), which is what moving samples off a slow rank can win back; the default
+`mlp` (100k parameters) takes a few milliseconds a step, mostly fixed costs that no share
+changes. Each repeat runs the three configurations of a setup in turn, forward on even repeats
+and reversed on odd ones; figures are medians over repeats of ratios within the same repeat.
+samples/s is all ranks' samples over wall time from the metrics records (first step's start to
+the last step's end, as `gradsync compare` measures it), over the whole run and over the steady
+state after the first `--warmup` steps, once the balancer has settled.
 """
 
 from __future__ import annotations
@@ -22,12 +30,13 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.mdtable import machine, table, write_section  # noqa: E402
+from benchmarks.mdtable import BENCHMARKS_MD, machine, table, write_section  # noqa: E402
 from gradsync.config import RunConfig  # noqa: E402
 from gradsync.launch import launch  # noqa: E402
 from gradsync.telemetry.records import StepRecord, read_records  # noqa: E402
@@ -35,15 +44,30 @@ from gradsync.telemetry.report import RunReport  # noqa: E402
 from gradsync.worker import run_worker  # noqa: E402
 
 COMMAND = "python benchmarks/balance.py --write"
-NPROC = 4
-SLOW = "3:2"
-SLOW_RANK, SLOW_FACTOR = 3, 2.0
 SEED = 0
 BATCH = 16  # per rank, the gradsync run default
-CONFIGS = {  # name: (slow, balance)
-    "no straggler": (None, False),
-    "BSP, straggler": (SLOW, False),
-    "balanced BSP, straggler": (SLOW, True),
+
+
+@dataclass(frozen=True)
+class Setup:
+    nproc: int
+    slow_rank: int
+    factor: float
+
+    @property
+    def slow(self) -> str:
+        return f"{self.slow_rank}:{self.factor:g}"
+
+    @property
+    def title(self) -> str:
+        return f"{self.nproc} ranks, `--slow {self.slow}`"
+
+
+SETUPS = (Setup(4, 3, 2.0), Setup(2, 1, 2.0))
+CONFIGS = {  # name: (straggler, balance)
+    "no straggler": (False, False),
+    "BSP, straggler": (True, False),
+    "balanced BSP, straggler": (True, True),
 }
 
 
@@ -55,15 +79,15 @@ def rate(records: list[StepRecord], first_step: int = 0) -> float:
     return sum(r.samples for r in recs) / (end - start)
 
 
-def run_one(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    slow, balance = CONFIGS[name]
+def run_one(setup: Setup, name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    straggler, balance = CONFIGS[name]
     cfg = RunConfig(
-        nproc=NPROC,
+        nproc=setup.nproc,
         workload=args.workload,
         steps=args.steps,
         batch_size=BATCH,
         seed=SEED,
-        slow=slow,
+        slow=setup.slow if straggler else None,
         balance=balance,
         progress=False,
         plots=False,
@@ -74,7 +98,7 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     launch(run_worker, (cfg.to_dict(),), nproc=cfg.processes, threads=cfg.threads)
     records = read_records(out)
     last = max(r.step for r in records)
-    slow_share = [r.samples for r in records if r.step == last and r.rank == SLOW_RANK]
+    slow_share = [r.samples for r in records if r.step == last and r.rank == setup.slow_rank]
     return {
         "whole": rate(records),
         "steady": rate(records, args.warmup),
@@ -83,23 +107,32 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace, out: Path) -> list[dict[str, dict[str, Any]]]:
+Repeats = list[dict[str, dict[str, Any]]]
+
+
+def run(setup: Setup, args: argparse.Namespace, out: Path) -> Repeats:
     names = list(CONFIGS)
     repeats = []
     for r in range(args.repeats):
         order = names if r % 2 == 0 else names[::-1]
-        print(f"repeat {r + 1}/{args.repeats}: {', '.join(order)}", file=sys.stderr)
-        repeats.append({n: run_one(n, args, out / f"r{r}-{i}") for i, n in enumerate(order)})
+        print(f"{setup.title}, repeat {r + 1}/{args.repeats}: {', '.join(order)}", file=sys.stderr)
+        repeats.append(
+            {
+                n: run_one(setup, n, args, out / f"{setup.nproc}-r{r}-{i}")
+                for i, n in enumerate(order)
+            }
+        )
     return repeats
 
 
-def render(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
+def render_setup(setup: Setup, repeats: Repeats) -> str:
     def med(name: str, key: str, over: str | None = None) -> float:
         return statistics.median(
             rep[name][key] / (rep[over][key] if over else 1.0) for rep in repeats
         )
 
     plain, balanced, clean = "BSP, straggler", "balanced BSP, straggler", "no straggler"
+    n, f = setup.nproc, setup.factor
     rows = [
         [
             name,
@@ -109,7 +142,7 @@ def render(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
             f"{med(name, 'whole', plain):.2f}",
             f"{med(name, 'whole', clean):.2f}",
             f"{med(name, 'tax'):.1%}",
-            f"{med(name, 'slow_rank_samples'):.0f} of {BATCH * NPROC}",
+            f"{med(name, 'slow_rank_samples'):.0f} of {BATCH * n}",
         ]
         for name in CONFIGS
     ]
@@ -122,16 +155,16 @@ def render(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
             "/ plain BSP (whole run)",
             "/ no straggler (whole run)",
             "barrier tax (steady)",
-            "rank 3 samples, last step",
+            f"rank {setup.slow_rank} samples, last step",
         ],
         rows,
     )
     # Reference from the slowdown alone, with a core per rank and compute proportional to
-    # samples: shares follow speeds (1, 1, 1, 1/factor), so balanced BSP keeps
-    # sum(speeds) / NPROC of the no-straggler rate and beats plain BSP by sum(speeds) / (NPROC /
-    # factor). A fixed per-step cost and shared cores both move the measurement away from it.
-    speeds = NPROC - 1 + 1 / SLOW_FACTOR
-    ideal_clean, ideal_plain = speeds / NPROC, speeds / (NPROC / SLOW_FACTOR)
+    # samples: shares follow speeds (1, ..., 1, 1/factor), so balanced BSP keeps sum(speeds) /
+    # n of the no-straggler rate and beats plain BSP by sum(speeds) / (n / factor). A fixed
+    # per-step cost and shared cores both move the measurement away from it.
+    speeds = n - 1 + 1 / f
+    ideal_clean, ideal_plain = speeds / n, speeds / (n / f)
     vs_plain, vs_clean = med(balanced, "steady", plain), med(balanced, "steady", clean)
     plain_clean = med(plain, "steady", clean)
     cores = os.cpu_count() or 1
@@ -139,48 +172,59 @@ def render(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
         f"Balanced BSP ran at {vs_plain:.2f}x plain BSP's samples/s with the straggler and at "
         f"{vs_clean:.2f}x the no-straggler run (steady state); plain BSP with the straggler "
         f"ran at {plain_clean:.2f}x the no-straggler run. The idealised reference for a "
-        f"{SLOW_FACTOR:g}x slower rank of {NPROC}, with a core per rank and compute "
-        f"proportional to samples, is {ideal_plain:.2f}x plain BSP and {ideal_clean:.2f}x no "
-        f"straggler (and plain BSP at {1 / SLOW_FACTOR:.2f}x)."
+        f"{f:g}x slower rank of {n}, with a core per rank and compute proportional to "
+        f"samples, is {ideal_plain:.2f}x plain BSP and {ideal_clean:.2f}x no straggler (and "
+        f"plain BSP at {1 / f:.2f}x)."
     )
-    if cores < NPROC:
+    if cores < n:
         text += (
-            f" This machine has {cores} cores for {NPROC} ranks, so ranks time-share cores: "
-            "the injected slowdown is a sleep proportional to the straggler's own measured "
+            f" This machine has {cores} cores for {n} ranks, so ranks time-share cores: the "
+            "injected slowdown is a sleep proportional to the straggler's own measured "
             "compute, during which its core goes to the other ranks, so neither the slowdown "
             "nor the gain from balancing is the one-core-per-rank figure above."
         )
+    return f"### {setup.title}\n\n{body}\n\n{text}\n"
+
+
+def render(results: dict[Setup, Repeats], args: argparse.Namespace) -> str:
     head = (
         "## Load-balanced BSP with a straggler (issue 5)\n\n"
         f"Command: `{COMMAND}` (repeats {args.repeats}, {args.steps} steps, steady state from "
         f"step {args.warmup}, seed {SEED}). Machine: {machine()}. Workload {args.workload}, "
-        f"{NPROC} ranks, batch {BATCH} per rank (global {BATCH * NPROC}), 1 thread per rank, "
-        f"gloo on loopback, rank {SLOW_RANK} slowed {SLOW_FACTOR:g}x (`--slow {SLOW}`) where "
-        "stated. Medians over repeats of ratios within the same repeat; the three "
-        "configurations run in alternating order (forward, then reversed).\n"
+        f"batch {BATCH} per rank, 1 thread per rank, gloo on loopback; the straggler is "
+        "slowed 2x where stated. Medians over repeats of ratios within the same repeat; the "
+        "three configurations of a setup run in alternating order (forward, then reversed). "
+        "The 4-rank setup is the one issue 5 names; the 2-rank one gives every rank a core "
+        "on a 2-core machine, where the slowdown costs what it says and balancing can win it "
+        "back.\n"
     )
-    return head + "\n" + body + "\n\n" + text + "\n"
+    return head + "".join("\n" + render_setup(s, results[s]) for s in results)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=100)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=90)
     parser.add_argument("--warmup", type=int, default=30, help="steps left out of 'steady'")
     parser.add_argument("--workload", default="charlm", help="charlm (default) or mlp")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (not for tables)")
-    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    parser.add_argument("--write", action="store_true", help="update the markdown file")
+    parser.add_argument(
+        "--md", type=Path, default=BENCHMARKS_MD, help="file --write updates (BENCHMARKS.md)"
+    )
     args = parser.parse_args()
     if args.quick:
-        args.repeats, args.steps, args.warmup = 2, 30, 10
+        args.repeats, args.steps, args.warmup = 1, 20, 10
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} must be less than --steps {args.steps}")
     with tempfile.TemporaryDirectory(prefix="gradsync-balance-") as tmp:
-        repeats = run(args, Path(tmp))
-    text = render(repeats, args)
+        results = {setup: run(setup, args, Path(tmp)) for setup in SETUPS}
+    text = render(results, args)
     print(text)
     if args.write:
-        write_section("balance", text)
+        write_section("balance", text, args.md)
 
 
 if __name__ == "__main__":

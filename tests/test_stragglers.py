@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gradsync.errors import UsageError
-from gradsync.telemetry.records import StepRecord, fill_idle
+from gradsync.telemetry.cli import analyze_run
+from gradsync.telemetry.records import METRICS_FILE, StepRecord, fill_idle, write_records
 from gradsync.telemetry.stragglers import (
     Finding,
     StragglerConfig,
     StragglerDetector,
     find_stragglers,
+    rank_scores,
     runs,
     synthetic_records,
     window_scores,
@@ -285,3 +290,142 @@ def test_idle_caused_at_a_barrier_is_measured_over_the_whole_period() -> None:
     _, share = pace_and_idle(m, col=2, lo=14, hi=16)
     # one period of a fast rank: 3 local steps of 1 s, then 1 s + 8.1 s at the barrier
     assert share == pytest.approx(8.0 / 12.1)
+
+
+# Half the ranks or fewer straggling is not a job-wide slowdown (the job's pace is the lower
+# median of the ranks' compute), and intervals start where the rank slowed.
+
+
+@pytest.mark.parametrize(
+    ("world", "slow", "expected"),
+    [
+        (2, [1], [("straggler", 1)]),  # the plain median of two ranks is their mean
+        (4, [1, 2], [("straggler", 1), ("straggler", 2)]),
+        (4, [0, 1, 2], [("slowdown", None)]),  # more than half: the job slowed
+    ],
+)
+def test_job_wide_slowdown_needs_more_than_half_the_ranks(
+    world: int, slow: list[int], expected: list[tuple[str, int | None]]
+) -> None:
+    recs = synthetic_records(200, world, slow=[(r, 40, 199, 2.0) for r in slow], seed=19)
+    found = find_stragglers(recs)
+    assert [(f.kind, f.rank) for f in found] == expected, [f.describe() for f in found]
+    assert all((f.first_step, f.last_step) == (40, 199) for f in found)
+    live = feed_by_step(StragglerDetector(), recs)
+    assert sorted((f.kind, f.rank or -1) for f in live) == sorted((k, r or -1) for k, r in expected)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_interval_starts_where_the_rank_slowed_not_where_the_machine_changed(world: int) -> None:
+    # Before step 40 every rank computes 2x longer (contention); from step 40 the others are
+    # back to normal and rank 1 is not. Against the others' median over the whole stretch, its
+    # steps before 40 would look slow too; at each step they were not slower than the others.
+    recs = synthetic_records(
+        200, world, slow=[(None, 0, 39, 2.0), (1, 40, 199, 2.0)], jitter=0.1, seed=20
+    )
+    (f,) = find_stragglers(recs)
+    assert f.rank == 1 and abs(f.first_step - 40) <= 2 and f.last_step >= 197, f.describe()
+    (live,) = feed_by_step(StragglerDetector(), recs)
+    assert live.rank == 1 and abs(live.first_step - 40) <= 2, live.describe()
+
+
+def balanced_records(
+    steps: int,
+    sizes: Callable[[int], list[int]],
+    speed: Callable[[int, int], float],
+    *,
+    fixed: float = 0.0,
+    per_sample: float = 0.01,
+    jitter: float = 0.05,
+    seed: int = 0,
+) -> list[StepRecord]:
+    """A BSP run under load balancing: rank r takes sizes(step)[r] samples and computes
+    (fixed + per_sample * samples) / speed(step, r), jittered."""
+    rng = np.random.default_rng(seed)
+    out: list[StepRecord] = []
+    for s in range(steps):
+        n = sizes(s)
+        c = [
+            (fixed + per_sample * n[r]) / speed(s, r) * rng.uniform(1 - jitter, 1 + jitter)
+            for r in range(len(n))
+        ]
+        for r in range(len(n)):
+            idle = max(c) - c[r]
+            out.append(StepRecord(r, s, float(s), c[r], idle + 0.001, idle, 0.001, n[r], 0))
+    return out
+
+
+def test_a_rank_overloaded_by_balancing_is_not_a_straggler() -> None:
+    # Speeds are equal, but the balancer still gives rank 0 29 of 32 samples (it lags behind a
+    # slowdown of rank 1 that ended): rank 0 computes longest at every step, per sample it
+    # is as fast as rank 1.
+    recs = balanced_records(
+        150, lambda s: [16, 16] if s < 30 else [29, 3], lambda s, r: 1.0, fixed=0.02
+    )
+    assert find_stragglers(recs) == []
+    assert feed_by_step(StragglerDetector(), recs) == []
+
+
+def test_a_balanced_straggler_is_reported_until_balancing_took_over() -> None:
+    # Rank 1 is 3x slower from step 40; from step 60 it takes a quarter of the samples, and
+    # both ranks compute equally long. Nobody waits any more, and the steps, though 1.5x as
+    # long as before for both ranks, are not a job-wide slowdown: per sample rank 0 is as fast
+    # as ever.
+    recs = balanced_records(
+        200,
+        lambda s: [16, 16] if s < 60 else [24, 8],
+        lambda s, r: 1 / 3 if (r == 1 and s >= 40) else 1.0,
+    )
+    found = find_stragglers(recs)
+    assert [(f.kind, f.rank, f.first_step) for f in found] == [("straggler", 1, 40)]
+    assert 59 <= found[0].last_step <= 62
+    assert found[0].slowdown == pytest.approx(3.0, rel=0.1)
+    assert [(f.kind, f.rank) for f in feed_by_step(StragglerDetector(), recs)] == [("straggler", 1)]
+
+
+def test_a_straggler_balancing_cannot_fix_is_judged_per_step() -> None:
+    # A fixed cost dominates the step, so even at 1 sample of 32 rank 1 (3x slower) sets the
+    # pace. Per sample it looks 16 times slower again; the finding gives the time it costs.
+    recs = balanced_records(
+        200,
+        lambda s: [16, 16] if s < 60 else [31, 1],
+        lambda s, r: 1 / 3 if (r == 1 and s >= 40) else 1.0,
+        fixed=0.1,
+        per_sample=0.001,
+    )
+    (f,) = find_stragglers(recs)
+    assert (f.rank, f.first_step, f.last_step) == (1, 40, 199)
+    ratio_after = 3 * (0.1 + 0.001) / (0.1 + 0.031)  # per step, at 31 to 1 samples
+    assert 2.0 < ratio_after < f.slowdown < 3.0  # between the balanced and unbalanced ratios
+    assert f.share == pytest.approx((20 * 16 + 140 * 1) / 160 / 16, rel=0.01)
+    assert "(with 0.18x an even share of the samples)" in f.describe()
+
+
+def test_rank_scores_give_each_ranks_last_and_lowest_scores(tmp_path: Path) -> None:
+    recs = synthetic_records(200, 4, jitter=0.05, slow=[(3, 100, 159, 2.0)], seed=21)
+    scores = {s.rank: s for s in rank_scores(recs)}
+    assert sorted(scores) == [0, 1, 2, 3]
+    slow = scores[3]
+    assert slow.lowest_relative == pytest.approx(0.5, abs=0.05)
+    assert slow.lowest_individual == pytest.approx(0.5, abs=0.05)
+    # the lowest window lies inside the slow stretch (window of 20 ending at its step)
+    assert 119 <= slow.lowest_relative_step <= 159  # type: ignore[operator]
+    assert slow.relative == pytest.approx(1.0, abs=0.1)  # recovered by the last window
+    for r in (0, 1, 2):
+        assert scores[r].lowest_relative > 0.9 and scores[r].lowest_individual > 0.9  # type: ignore[operator]
+    # Too short a run: no window after warm-up, no scores (None, not NaN, for JSON).
+    (short,) = rank_scores(synthetic_records(25, 1))
+    assert short.relative is None and short.lowest_individual_step is None
+    # `gradsync report --json` and the text summary carry them.
+    run = tmp_path / "run"
+    run.mkdir()
+    write_records(run / METRICS_FILE, recs)
+    analysis = analyze_run(run, plots=False)
+    data = json.loads(json.dumps(analysis.to_dict()))
+    assert data["scores"][3]["lowest_relative"] == pytest.approx(slow.lowest_relative)
+    assert data["scores"][3]["lowest_relative_step"] == slow.lowest_relative_step
+    text = analysis.format()
+    assert "scores (window 20 steps;" in text
+    low = f"{slow.lowest_relative:.2f} \\({slow.lowest_relative_step}\\)"
+    row = rf"\n +3 +{slow.relative:.2f} +{low} "
+    assert re.search(row, text), text

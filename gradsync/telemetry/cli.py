@@ -16,7 +16,14 @@ from typing import Any
 from gradsync.errors import UsageError
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records, read_spans
 from gradsync.telemetry.report import RunReport
-from gradsync.telemetry.stragglers import Finding, StragglerConfig, find_stragglers
+from gradsync.telemetry.stragglers import (
+    Finding,
+    RankScores,
+    StragglerConfig,
+    find_stragglers,
+    format_scores,
+    rank_scores,
+)
 from gradsync.telemetry.trace import write_trace
 
 __all__ = ["TRACE_FILE", "add_parsers", "analyze_run", "handler", "main", "summarize_run"]
@@ -32,6 +39,7 @@ class RunAnalysis:
     findings: list[Finding]
     bytes: dict[str, float]
     outputs: list[Path] = field(default_factory=list)
+    scores: list[RankScores] = field(default_factory=list)
 
     def format(self) -> str:
         ranks = len(self.report.ranks)
@@ -44,6 +52,13 @@ class RunAnalysis:
             f"the others waiting for it, for {cfg.min_len} steps or more after the first "
             f"{cfg.warmup} (see docs/observability.md)"
         ]
+        if any(s.lowest_relative is not None for s in self.scores):
+            lines += [
+                "",
+                f"scores (window {cfg.window} steps; relative: vs the fastest rank, individual: "
+                "vs its own best; 1.00 = as fast; last window and lowest):",
+            ]
+            lines += format_scores(self.scores)
         if self.outputs:
             lines += ["", "written:"] + [f"  {p}" for p in self.outputs]
             lines.append("  (open trace.json at https://ui.perfetto.dev or chrome://tracing)")
@@ -57,6 +72,7 @@ class RunAnalysis:
             "report": self.report.to_dict(),
             "bytes": self.bytes,
             "stragglers": [f.to_dict() for f in self.findings],
+            "scores": [s.to_dict() for s in self.scores],
             "outputs": [str(p) for p in self.outputs],
         }
 
@@ -85,6 +101,7 @@ def analyze_run(
     analysis = RunAnalysis(
         path, cfg, RunReport.from_records(records), findings, _bytes(records, path)
     )
+    analysis.scores = rank_scores(records, cfg.window, warmup=cfg.warmup)
     analysis.outputs.append(write_trace(path / TRACE_FILE, records, read_spans(path), findings))
     if plots:
         from gradsync.telemetry.plots import write_plots  # matplotlib is slow to import

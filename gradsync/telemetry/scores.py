@@ -6,6 +6,14 @@ sliding window of ``window`` recorded steps, using the window's median compute:
 - relative = fastest rank's median compute / this rank's median compute
 - individual = this rank's best (lowest) windowed median so far / its current windowed median
 
+Under load-balanced BSP a rank's compute also depends on how many samples it was given, so every
+score is computed twice, on compute and on compute per sample (scaled to an even share, so the
+two are the same number when shares are equal), and the higher (kinder) score of the two counts:
+a rank given more samples than the others is slower per step but not per sample (overloaded,
+not slow), and a rank given fewer samples because it is slow takes per step no longer than the
+others once balancing works. Per sample alone would not do: a step's fixed cost (launching
+kernels, the Python around them) makes a rank with a small shard look slow per sample.
+
 ``synthetic_records`` makes a BSP run without processes, for tests and demos. The helpers below
 turn flagged windows into step intervals (``runs``, ``kadane``) and measure
 the evidence for one (``ratio``, ``above_others``, ``pace_shares``); deciding what counts as a
@@ -27,10 +35,13 @@ __all__ = [
     "StepMatrix",
     "WindowScores",
     "above_others",
+    "job_pace",
     "kadane",
     "pace_shares",
     "ratio",
     "runs",
+    "slow_steps",
+    "slowdown",
     "window_scores",
 ]
 
@@ -46,6 +57,9 @@ class StepMatrix:
     wall: np.ndarray
     #: per step: whether it ended at a barrier (every step under BSP; every H-th under local SGD)
     barrier: np.ndarray
+    #: compute scaled to an even share of the step's samples: compute * mean samples / samples.
+    #: ``compute`` itself (the same array) when every step's shares are equal or unknown
+    per_sample: np.ndarray
 
     @classmethod
     def from_records(cls, records: Iterable[StepRecord]) -> StepMatrix:
@@ -54,6 +68,7 @@ class StepMatrix:
         ranks = np.array(sorted({r.rank for r in recs}), dtype=np.int64)
         shape = (len(steps), len(ranks))
         compute, idle, wall = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
+        samples = np.full(shape, np.nan)
         barrier = np.zeros(len(steps), dtype=bool)
         if recs:
             i = np.searchsorted(steps, [r.step for r in recs])
@@ -61,15 +76,48 @@ class StepMatrix:
             compute[i, j] = [r.compute for r in recs]
             idle[i, j] = [r.idle for r in recs]
             wall[i, j] = [r.compute + r.sync for r in recs]
+            samples[i, j] = [r.samples for r in recs]
             barrier[i] |= np.array([r.barrier for r in recs], dtype=bool)
-        return cls(steps, ranks, compute, idle, wall, barrier)
+        return cls(steps, ranks, compute, idle, wall, barrier, _per_sample(compute, samples))
 
     def rows(self, lo: int, hi: int | None = None) -> StepMatrix:
         """The recorded steps ``lo`` to ``hi`` (exclusive), as a view."""
         s = slice(lo, hi)
+        compute = self.compute[s]
+        per = compute if self.per_sample is self.compute else self.per_sample[s]  # keep `uneven`
         return StepMatrix(
-            self.steps[s], self.ranks, self.compute[s], self.idle[s], self.wall[s], self.barrier[s]
+            self.steps[s],
+            self.ranks,
+            compute,
+            self.idle[s],
+            self.wall[s],
+            self.barrier[s],
+            per,
         )
+
+    @property
+    def uneven(self) -> bool:
+        """Whether some step gave ranks different numbers of samples (load balancing)."""
+        return self.per_sample is not self.compute
+
+    def shares(self, col: int, lo: int, hi: int) -> float:
+        """Rank ``col``'s samples over rows [lo, hi) / an even share of them (1.0: even)."""
+        if not self.uneven:
+            return 1.0
+        ratio = self.compute[lo:hi, col] / self.per_sample[lo:hi, col]  # samples / mean samples
+        ok = ratio[~np.isnan(ratio)]
+        return float(ok.mean()) if ok.size else 1.0
+
+
+def _per_sample(compute: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """Compute scaled to an even share: ``compute`` itself when no step's shares differ."""
+    known = samples > 0  # NaN (no record) and 0 (samples not recorded) compare False
+    with quiet():
+        mean = np.nanmean(np.where(known, samples, np.nan), axis=1, keepdims=True)
+    scale = np.where(known, mean / np.where(known, samples, 1.0), 1.0)
+    if np.all((scale == 1.0) | np.isnan(scale)):
+        return compute  # shares were even at every step (or unknown): identical arrays
+    return compute * np.where(np.isnan(scale), 1.0, scale)
 
 
 @dataclass(slots=True)
@@ -79,9 +127,12 @@ class WindowScores:
     end_steps: np.ndarray
     ranks: np.ndarray
     median: np.ndarray  # [windows, ranks] median compute
+    median_per_sample: np.ndarray  # [windows, ranks] median of ``StepMatrix.per_sample``
     relative: np.ndarray  # [windows, ranks]
     individual: np.ndarray  # [windows, ranks]
-    job_median: np.ndarray  # [windows] windowed median of the per-step median across ranks
+    #: [windows] windowed median of the job's per-step pace (``job_pace``), per step and per sample
+    job_median: np.ndarray
+    job_median_per_sample: np.ndarray
     job_individual: np.ndarray  # [windows]
 
 
@@ -89,18 +140,42 @@ def window_scores(records: Iterable[StepRecord] | StepMatrix, window: int = 20) 
     """Relative and individual scores of every rank for every full window (NaN: too few records)."""
     m = records if isinstance(records, StepMatrix) else StepMatrix.from_records(records)
     med = _windowed_median(m.compute, window)
-    job = _windowed_median(nanmedian(m.compute, axis=1)[:, None], window)[:, 0]
+    per = _windowed_median(m.per_sample, window) if m.uneven else med
+    job = _windowed_median(job_pace(m.compute)[:, None], window)[:, 0]
+    job_per = _windowed_median(job_pace(m.per_sample)[:, None], window)[:, 0] if m.uneven else job
     with np.errstate(all="ignore"), quiet():
-        fastest = np.nanmin(med, axis=1, keepdims=True) if med.size else med
         return WindowScores(
             end_steps=m.steps[window - 1 :],
             ranks=m.ranks,
             median=med,
-            relative=fastest / med,
-            individual=np.fmin.accumulate(med, axis=0) / med,
+            median_per_sample=per,
+            relative=np.fmax(_relative(med), _relative(per)),
+            individual=np.fmax(
+                np.fmin.accumulate(med, axis=0) / med, np.fmin.accumulate(per, axis=0) / per
+            ),
             job_median=job,
-            job_individual=np.fmin.accumulate(job) / job,
+            job_median_per_sample=job_per,
+            job_individual=np.fmax(
+                np.fmin.accumulate(job) / job, np.fmin.accumulate(job_per) / job_per
+            ),
         )
+
+
+def _relative(med: np.ndarray) -> np.ndarray:
+    fastest = np.nanmin(med, axis=1, keepdims=True) if med.size else med
+    return fastest / med
+
+
+def job_pace(compute: np.ndarray) -> np.ndarray:
+    """Per step, the lower median of the ranks' compute: the job as a whole is slower only when
+    more than half of its ranks are. (The plain median of two ranks is their mean, which one
+    straggler lifts; a job-wide slowdown lifts the fastest half too.)"""
+    c = np.sort(compute, axis=1)  # NaN sorts last
+    n = np.sum(~np.isnan(compute), axis=1)
+    out = np.full(c.shape[0], np.nan)
+    has = n > 0
+    out[has] = c[has, (n[has] - 1) // 2]
+    return out
 
 
 def ratio(compute: np.ndarray, col: int) -> float:
@@ -110,6 +185,30 @@ def ratio(compute: np.ndarray, col: int) -> float:
     others = np.delete(med, col)
     ok = others[~np.isnan(others)]
     return float(med[col]) / float(ok.min()) if ok.size and ok.min() > 0 else np.nan
+
+
+def slowdown(m: StepMatrix, col: int, lo: int, hi: int) -> float:
+    """``ratio`` over rows [lo, hi), per step and per sample: the smaller (kinder) of the two."""
+    raw = ratio(m.compute[lo:hi], col)
+    return raw if not m.uneven else float(np.fmin(raw, ratio(m.per_sample[lo:hi], col)))
+
+
+def slow_steps(m: StepMatrix, col: int, threshold: float) -> np.ndarray:
+    """Per row, whether rank ``col`` computed at least 1/threshold times as long as the typical
+    other rank *at that step* (the median of the others), per step and per sample.
+
+    Comparing within a step, not with a reference taken over many steps, keeps machine-wide
+    changes out of the interval: a rank that sleeps leaves its core to the others, which then
+    run faster than before it slowed, and their faster steps must not make its earlier steps
+    look slow."""
+    flags = _slow_at_step(m.compute, col, threshold)
+    return flags & _slow_at_step(m.per_sample, col, threshold) if m.uneven else flags
+
+
+def _slow_at_step(compute: np.ndarray, col: int, threshold: float) -> np.ndarray:
+    typical = nanmedian(np.delete(compute, col, axis=1), axis=1)
+    with np.errstate(all="ignore"):
+        return np.asarray(typical / compute[:, col] < threshold)
 
 
 def pace_shares(compute: np.ndarray) -> np.ndarray:
@@ -152,7 +251,7 @@ def kadane(slow: np.ndarray) -> tuple[int, int] | None:
 
 
 def slow_interval(slow: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
-    """Rows [a, b] of the slow stretch inside rows [lo, hi)."""
+    """Rows [a, b] of the slow stretch inside rows [lo, hi) (all of them if none is slow)."""
     found = kadane(slow[lo:hi])
     return (lo, hi - 1) if found is None else (lo + found[0], lo + found[1])
 

@@ -44,23 +44,28 @@ from gradsync.telemetry.scores import (
     StepMatrix,
     WindowScores,
     above_others,
+    job_pace,
     nanmedian,
     pace_and_idle,
     pace_shares,
-    ratio,
     runs,
     slow_interval,
+    slow_steps,
+    slowdown,
     synthetic_records,
     window_scores,
 )
 
 __all__ = [
     "Finding",
+    "RankScores",
     "StepMatrix",
     "StragglerConfig",
     "StragglerDetector",
     "WindowScores",
     "find_stragglers",
+    "format_scores",
+    "rank_scores",
     "runs",
     "synthetic_records",
     "window_scores",
@@ -110,6 +115,8 @@ class Finding:
     it arrived last) over their wall time (compute + sync) in the interval. ``detected_at``: the
     step at which the live detector warns (batch: would have warned). ``above_others``: the share
     of the interval's steps where the rank computed longer than the other ranks' median.
+    ``share``: the rank's samples over the interval / an even share of them (1.0 unless load
+    balancing moved samples; the slowdown is then also judged per sample, see ``scores``).
     """
 
     kind: Literal["straggler", "slowdown"]
@@ -124,6 +131,7 @@ class Finding:
     detected_at: int = -1
     ongoing: bool = False
     above_others: float | None = None
+    share: float = 1.0
 
     def describe(self) -> str:
         span = f"steps {self.first_step}-{self.last_step}"
@@ -135,6 +143,8 @@ class Finding:
                 "a job-wide slowdown, not one straggler (look for a shared cause: input "
                 "pipeline, throttling, a busy host)"
             )
+        if abs(self.share - 1.0) > 0.05:
+            span += f" (with {self.share:.2f}x an even share of the samples)"
         return (
             f"rank {self.rank}: {self.slowdown:.1f}x slower than the fastest rank over {span}; "
             f"it set the pace in {self.paced_steps} of {self.steps} steps; "
@@ -158,7 +168,8 @@ def find_stragglers(
     full = records if isinstance(records, StepMatrix) else StepMatrix.from_records(records)
     m, w, th = full.rows(cfg.warmup), cfg.window, cfg.threshold
     sc = window_scores(m, w)
-    job_best = np.fmin.accumulate(sc.job_median)
+    best = np.fmin.accumulate(sc.job_median), np.fmin.accumulate(sc.job_median_per_sample)
+    job_best = list(zip(best[0].tolist(), best[1].tolist(), strict=True))
     out: list[Finding] = []
     for col, score in [*enumerate(sc.relative.T), (None, sc.job_individual)]:
         for w0, w1 in runs(score < th, merge_gap=w):
@@ -170,6 +181,84 @@ def find_stragglers(
                 f = _candidate(m, cfg, col, w0, w1 + w, low, job_best[w0], whole_run=True)
                 out.append(replace(f or first, detected_at=first.detected_at, ongoing=False))
     return sorted(out, key=lambda f: (f.first_step, -1 if f.rank is None else f.rank))
+
+
+@dataclass(frozen=True, slots=True)
+class RankScores:
+    """One rank's scores over a finished run (None: no full window after warm-up).
+
+    ``relative`` and ``individual`` are those of the last full window; ``lowest_*`` the lowest
+    of any window, with the step that window ended at (``lowest_*_step``)."""
+
+    rank: int
+    relative: float | None
+    individual: float | None
+    lowest_relative: float | None
+    lowest_relative_step: int | None
+    lowest_individual: float | None
+    lowest_individual_step: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rank_scores(
+    records: Iterable[StepRecord] | StepMatrix, window: int = 20, *, warmup: int = 10
+) -> list[RankScores]:
+    """Every rank's relative and individual scores: the last window's and the lowest, scored
+    like ``find_stragglers`` (the first ``warmup`` recorded steps left out)."""
+    cfg = StragglerConfig(window=window, warmup=warmup)
+    full = records if isinstance(records, StepMatrix) else StepMatrix.from_records(records)
+    sc = window_scores(full.rows(cfg.warmup), cfg.window)
+    out = []
+    for col, rank in enumerate(sc.ranks.tolist()):
+        rel, ind = _last_and_lowest(sc.relative[:, col]), _last_and_lowest(sc.individual[:, col])
+        out.append(
+            RankScores(
+                rank=int(rank),
+                relative=rel[0],
+                individual=ind[0],
+                lowest_relative=rel[1],
+                lowest_relative_step=None if rel[2] is None else int(sc.end_steps[rel[2]]),
+                lowest_individual=ind[1],
+                lowest_individual_step=None if ind[2] is None else int(sc.end_steps[ind[2]]),
+            )
+        )
+    return out
+
+
+def _last_and_lowest(score: np.ndarray) -> tuple[float | None, float | None, int | None]:
+    ok = np.flatnonzero(~np.isnan(score))
+    if not ok.size:
+        return None, None, None
+    low = int(ok[np.argmin(score[ok])])
+    return float(score[ok[-1]]), float(score[low]), low
+
+
+def format_scores(scores: list[RankScores], limit: int = 16) -> list[str]:
+    """A table for the text report: every rank, or the ``limit // 2`` lowest of a larger job."""
+    shown = scores
+    if len(scores) > limit:
+        key = [np.inf if s.lowest_relative is None else s.lowest_relative for s in scores]
+        shown = [scores[i] for i in sorted(np.argsort(key, kind="stable")[: limit // 2].tolist())]
+
+    def num(x: float | None, step: int | None = None) -> str:
+        text = "-" if x is None else f"{x:.2f}"
+        return text if step is None else f"{text} ({step})"
+
+    lines = [
+        f"  {'rank':>4}  {'relative':>8}  {'lowest (step)':>14}  {'individual':>10}  "
+        f"{'lowest (step)':>14}"
+    ]
+    lines += [
+        f"  {s.rank:>4}  {num(s.relative):>8}  "
+        f"{num(s.lowest_relative, s.lowest_relative_step):>14}  {num(s.individual):>10}  "
+        f"{num(s.lowest_individual, s.lowest_individual_step):>14}"
+        for s in shown
+    ]
+    if len(shown) < len(scores):
+        lines.append(f"  ({len(scores) - len(shown)} more ranks, none lower: see --json)")
+    return lines
 
 
 class StragglerDetector:
@@ -188,8 +277,9 @@ class StragglerDetector:
         self._pending: dict[int, dict[int, StepRecord]] = {}
         self._rows: deque[list[StepRecord]] = deque(maxlen=self.config.window)
         self._seen = 0  # steps processed, warm-up included
-        self._best: dict[int, float] = {}
-        self._job_best = np.inf
+        # the best windowed medians so far, per step and per sample (see ``scores``)
+        self._best: dict[int, tuple[float, float]] = {}
+        self._job_best = (np.inf, np.inf)
         self._calm: dict[tuple[str, int | None], int] = {}  # open episode -> windows unflagged
 
     def update(self, records: Iterable[StepRecord]) -> list[Finding]:
@@ -219,21 +309,22 @@ class StragglerDetector:
             return []
         m = StepMatrix.from_records(r for rs in self._rows for r in rs)
         sc = window_scores(m, w)
-        med, rel = sc.median[-1], sc.relative[-1]
+        med, per, rel = sc.median[-1], sc.median_per_sample[-1], sc.relative[-1]
         flagged: dict[tuple[str, int | None], float] = {}
         for col, rank in enumerate(m.ranks.tolist()):
             if np.isnan(med[col]):
                 continue
-            best = min(self._best.get(rank, np.inf), float(med[col]))
+            now = (float(med[col]), float(per[col]))
+            best = _lower(self._best.get(rank, (np.inf, np.inf)), now)
             self._best[rank] = best
-            self.scores[rank] = (float(rel[col]), best / float(med[col]))
+            self.scores[rank] = (float(rel[col]), _score(best, now))
             if rel[col] < cfg.threshold:
                 flagged[("straggler", rank)] = float(rel[col])
-        job = float(sc.job_median[-1])
-        if not np.isnan(job):
-            self._job_best = min(self._job_best, job)
-            if self._job_best / job < cfg.threshold:
-                flagged[("slowdown", None)] = self._job_best / job
+        job = (float(sc.job_median[-1]), float(sc.job_median_per_sample[-1]))
+        if not np.isnan(job[0]):
+            self._job_best = _lower(self._job_best, job)
+            if (score := _score(self._job_best, job)) < cfg.threshold:
+                flagged[("slowdown", None)] = score
         for key in list(self._calm):
             self._calm[key] = 0 if key in flagged else self._calm[key] + 1
             if self._calm[key] >= w:
@@ -253,13 +344,26 @@ class StragglerDetector:
 _ABOVE_OTHERS = 2 / 3  # rule 4: noise rarely keeps a rank behind the typical one this often
 
 
-def _waited_for(window: np.ndarray, col: int, threshold: float) -> bool:
-    """Rule 4 on one window: a minority of candidates, behind the typical rank, pacing."""
-    med = nanmedian(window, axis=0)
+def _lower(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return (min(a[0], b[0]), min(a[1], b[1]))
+
+
+def _score(best: tuple[float, float], now: tuple[float, float]) -> float:
+    """best / now, per step and per sample: the higher (kinder) of the two, as in ``scores``."""
     with np.errstate(all="ignore"):
-        candidates = int(np.sum(np.nanmin(med) / med < threshold))
-    if 2 * candidates > len(med):  # most ranks "slower than the fastest": that one is fast
+        return float(np.fmax(best[0] / now[0], best[1] / now[1]))
+
+
+def _waited_for(m: StepMatrix, lo: int, hi: int, col: int, threshold: float) -> bool:
+    """Rule 4 on rows [lo, hi): a minority of candidates, behind the typical rank, pacing.
+
+    Candidates are counted with the scores' (per step and per sample) relative score; waiting
+    is about time, so the rest looks at compute per step."""
+    relative = window_scores(m.rows(lo, hi), hi - lo).relative
+    candidates = int(np.sum(relative[-1] < threshold)) if relative.size else 0
+    if 2 * candidates > len(m.ranks):  # most ranks "slower than the fastest": that one is fast
         return False
+    window = m.compute[lo:hi]
     behind = [above_others(window, j) >= _ABOVE_OTHERS for j in range(window.shape[1])]
     return behind[col] and pace_shares(window)[col] * (sum(behind) + 1) >= 1.0
 
@@ -271,12 +375,12 @@ def _candidate(
     lo: int,
     hi: int,
     score: float,
-    job_best: float,
+    job_best: tuple[float, float],
     whole_run: bool = False,
 ) -> Finding | None:
     """Rank ``col``'s (None: the job's) candidate in rows [lo, hi), if the rules accept it."""
     if col is None:
-        return _slowdown(m, lo, hi, cfg, float(job_best), score)
+        return _slowdown(m, lo, hi, cfg, job_best, score)
     return _straggler(m, col, lo, hi, cfg, score, whole_run)
 
 
@@ -294,14 +398,11 @@ def _straggler(
     Rule 4 is checked on the rows given (the flagged window) unless ``whole_run``: a batch
     episode's rows may span quiet stretches between flagged windows that already passed it.
     """
-    others = np.arange(len(m.ranks)) != col
-    if not whole_run and not _waited_for(m.compute[lo:hi], col, cfg.threshold):
+    if not whole_run and not _waited_for(m, lo, hi, col, cfg.threshold):
         return None
-    ref = np.nanmin(nanmedian(m.compute[lo:hi][:, others], axis=0), initial=np.inf)
-    with np.errstate(all="ignore"):
-        a, b = slow_interval(ref / m.compute[:, col] < cfg.threshold, lo, hi)
-    slowdown = ratio(m.compute[a : b + 1], col)
-    if not cfg.supports(b - a + 1, slowdown):
+    a, b = slow_interval(slow_steps(m, col, cfg.threshold), lo, hi)
+    times = slowdown(m, col, a, b + 1)
+    if not cfg.supports(b - a + 1, times):
         return None
     paced, idle_share = pace_and_idle(m, col, a, b + 1)
     return Finding(
@@ -310,12 +411,13 @@ def _straggler(
         first_step=int(m.steps[a]),
         last_step=int(m.steps[b]),
         steps=b - a + 1,
-        slowdown=slowdown,
+        slowdown=times,
         score=score,
         paced_steps=paced,
         idle_share=idle_share,
         detected_at=int(m.steps[hi - 1]),
         above_others=above_others(m.compute[a : b + 1], col),
+        share=m.shares(col, a, b + 1),
     )
 
 
@@ -324,15 +426,22 @@ def _slowdown(
     lo: int,
     hi: int,
     cfg: StragglerConfig,
-    ref: float,
+    ref: tuple[float, float],
     score: float,
 ) -> Finding | None:
-    """The job-wide finding for the candidate in rows [lo, hi), or None if the rules reject it."""
-    job = nanmedian(m.compute, axis=1)
+    """The job-wide finding for the candidate in rows [lo, hi), or None if the rules reject it.
+
+    The job's pace is the lower median of the ranks' compute at each step (``job_pace``): it
+    moves only when more than half of the ranks slowed, the complement of rule 4."""
+    kinds = [(m.compute, ref[0])] + ([(m.per_sample, ref[1])] if m.uneven else [])
     with np.errstate(all="ignore"):
-        a, b = slow_interval(ref / job < cfg.threshold, lo, hi)
-    slowdown = float(nanmedian(job[a : b + 1], axis=0)) / ref if ref > 0 else np.nan
-    if not cfg.supports(b - a + 1, slowdown):
+        jobs = [(job_pace(c), r) for c, r in kinds]
+        a, b = slow_interval(
+            np.logical_and.reduce([r / j < cfg.threshold for j, r in jobs]), lo, hi
+        )
+        ratios = [float(nanmedian(j[a : b + 1], axis=0)) / r if r > 0 else np.nan for j, r in jobs]
+    times = float(np.min(ratios))  # NaN if any is unknown: rule 3 then rejects it
+    if not cfg.supports(b - a + 1, times):
         return None
     return Finding(
         kind="slowdown",
@@ -340,7 +449,7 @@ def _slowdown(
         first_step=int(m.steps[a]),
         last_step=int(m.steps[b]),
         steps=b - a + 1,
-        slowdown=slowdown,
+        slowdown=times,
         score=score,
         detected_at=int(m.steps[hi - 1]),
     )
