@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import gradsync as gs
 from gradsync.balance import ShardBalancer
@@ -38,23 +39,94 @@ def nan_once(rank: int, world: int, compression: str | None) -> dict[str, Any]:
     }
 
 
-def hang_at_step_5(rank: int, world: int) -> dict[str, Any]:
+def _gave_up(rank: int) -> None:
+    """Tell the rank that stays away that this one has its error (see ``_stay_away``)."""
+    dist.distributed_c10d._get_default_store().set(f"test/gave-up/{rank}", "1")
+
+
+def _stay_away(rank: int, world: int, limit_s: float = 60.0) -> None:
+    """Take no part in anything until every other rank has failed with its diagnosis, so the
+    test lasts only as long as the timeout (without ever joining the collective they wait at)."""
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"test/gave-up/{r}" for r in range(world) if r != rank]
+    deadline = time.monotonic() + limit_s
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def hang_at_step_5(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
+    """The last rank stops participating at step 5 without a word."""
     w = make_workload("mlp", seed=2, params=3000)
     model = w.build_model()
     opt = make_optimizer("sgd", model)
-    sync = gs.Synchronizer(model, opt, timeout_s=4)
+    sync = gs.Synchronizer(model, opt, timeout_s=timeout_s)
     started = time.monotonic()
     try:
         for step in range(10):
-            if rank == 1 and step == 5:
-                time.sleep(15)  # stops participating without a word
-                return {"slept": True}
+            if rank == world - 1 and step == 5:
+                _stay_away(rank, world)
+                return {"stayed_away": True}
             with sync.step():
-                x, y = w.batch(step, 8, rank * 4, rank * 4 + 4)
+                x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
                 w.loss(model, x, y).backward()
             started = time.monotonic()
     except SyncTimeoutError as exc:
-        return {"error": str(exc), "waited": time.monotonic() - started}
+        waited = time.monotonic() - started
+        _gave_up(rank)
+        return {"error": str(exc), "waited": waited}
+    return {"error": None}
+
+
+def hang_before_averaging(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    """local:4 / diloco:4: the last rank stops before the averaging step 7 (steps 4-7 local)."""
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    opt = make_optimizer("sgd", model)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, timeout_s=3)
+    started = time.monotonic()
+    try:
+        for step in range(8):
+            if rank == world - 1 and step == 7:
+                _stay_away(rank, world)
+                return {"stayed_away": True}
+            started = time.monotonic()
+            with sync.step():
+                x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
+                w.loss(model, x, y).backward()
+    except SyncTimeoutError as exc:
+        waited = time.monotonic() - started
+        _gave_up(rank)
+        return {"error": str(exc), "waited": waited}
+    return {"error": None}
+
+
+def skips_report(rank: int, world: int) -> dict[str, Any]:
+    """The last rank trains every step but never calls report(). The others are slow in the
+    last step, so it waits at that step's exchange long enough to record its arrival there:
+    that must not count as arriving at report()'s final check."""
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    opt = make_optimizer("sgd", model)
+    sync = gs.Synchronizer(model, opt, timeout_s=3)
+    for step in range(6):
+        with sync.step():
+            if step == 5 and rank != world - 1:
+                time.sleep(2 * sync.watch.arrive_after_s)  # before backward launches buckets
+            x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
+            w.loss(model, x, y).backward()
+    if rank == world - 1:
+        key = "gradsync/arrive/" + str(rank)
+        store = dist.distributed_c10d._get_default_store()
+        recorded = store.get(key).decode() if store.check([key]) else None
+        _stay_away(rank, world)
+        return {"stayed_away": True, "recorded": recorded}
+    started = time.monotonic()
+    try:
+        sync.report()
+    except SyncTimeoutError as exc:
+        waited = time.monotonic() - started
+        _gave_up(rank)
+        return {"error": str(exc), "waited": waited}
     return {"error": None}
 
 
@@ -78,6 +150,26 @@ def perturbed(rank: int, world: int) -> dict[str, Any]:
     return {"error": None, "completed": done}
 
 
+def perturbed_before_the_end(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's parameter changes after the last periodic check: only report()'s catches it."""
+    w = make_workload("mlp", seed=2, params=3000, dtype="float64")
+    model = w.build_model()
+    opt = make_optimizer("sgd", model)
+    sync = gs.Synchronizer(model, opt, check_every=5)
+    for step in range(8):  # periodic check after step 4 only
+        with sync.step():
+            x, y = w.batch(step, 8, rank * 4, rank * 4 + 4)
+            w.loss(model, x, y).backward()
+        if step == 6 and rank == 1:
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1e-3
+    try:
+        sync.report()
+    except DivergenceError as exc:
+        return {"error": str(exc), "steps": sync.step_count}
+    return {"error": None, "steps": sync.step_count}
+
+
 def uneven_shares(rank: int, world: int, optimizer: str) -> torch.Tensor:
     """Deliberately unequal fixed shards: the update must still be the global-batch mean."""
     w = make_workload("mlp", seed=3, params=5000, dtype="float64")
@@ -96,11 +188,12 @@ def uneven_shares(rank: int, world: int, optimizer: str) -> torch.Tensor:
 
 
 def adaptive_shares(rank: int, world: int) -> list[list[int]]:
-    """Rank 1 is 3x slower during steps 10-39; shards should follow it there and back."""
+    """Rank 1 is 3x slower during steps 10-49 (telemetry every 10 steps, the default); shards
+    should follow it there and back."""
     w = make_workload("mlp", seed=3, params=200_000)
     model = w.build_model()
     opt = make_optimizer("sgd", model)
-    sync = gs.Synchronizer(model, opt, balance=True, telemetry_every=5, slow="1:3@10-40")
+    sync = gs.Synchronizer(model, opt, balance=True, slow="1:3@10-50")
     gb = 512  # enough samples that compute, not the fixed per-step cost, dominates
     history = []
     for step in range(90):

@@ -24,11 +24,21 @@ def test_nan_on_one_rank_skips_the_same_step_everywhere(compression: str | None)
 
 @pytest.mark.timeout(120)
 def test_hung_rank_is_named_within_the_timeout() -> None:
-    r0, r1 = run_ranks(guard_ranks.hang_at_step_5, 2, collective_timeout_s=4, timeout_s=90)
-    assert r1 == {"slept": True}
-    assert r0["error"] is not None
-    assert "step 5" in r0["error"] and "never arrived: ranks [1]" in r0["error"]
-    assert r0["waited"] < 4 + 6  # the timeout plus a few seconds, not a hang
+    # The process group's own timeout (30 s) is far longer than the Synchronizer's (4 s): the
+    # Synchronizer's must be the one that ends the wait. Three ranks, so that "arrived" can
+    # only come from arrival records (with two, the other rank is the only one left).
+    r0, r1, r2 = run_ranks(
+        guard_ranks.hang_at_step_5, 3, 4.0, collective_timeout_s=30, timeout_s=90
+    )
+    assert r2 == {"stayed_away": True}
+    for r in (r0, r1):
+        assert r["error"] is not None
+        assert r["error"].startswith("step 5: gradient exchange"), r["error"]
+        assert "arrived: ranks [0, 1]; never arrived: ranks [2]" in r["error"], r["error"]
+        assert "(timeout 4s)" in r["error"]
+        # the timeout plus a few seconds, not the group's 30 s (measured from the end of the
+        # last step, so process start, slow on a loaded machine, does not count)
+        assert r["waited"] < 4 + 3, r
 
 
 @pytest.mark.timeout(120)
@@ -40,6 +50,17 @@ def test_divergence_is_caught_at_the_next_check_with_the_tensor_named() -> None:
         assert "'2.bias'" in r["error"]
         assert r["completed"] == list(range(9))  # perturbed after step 6; caught after step 9
     assert "step 9" in r0["error"]
+
+
+@pytest.mark.timeout(120)
+def test_divergence_after_the_last_periodic_check_is_caught_by_report() -> None:
+    r0, r1 = run_ranks(guard_ranks.perturbed_before_the_end, 2)
+    for r in (r0, r1):
+        assert r["steps"] == 8  # training went through: the periodic check (step 4) was clean
+        assert r["error"] is not None
+        assert "end-of-run check after step 7" in r["error"], r["error"]
+        assert "rank(s) [1] differ from rank 0" in r["error"]
+        assert "first differing parameter: '0.weight'" in r["error"]
 
 
 @pytest.mark.timeout(150)
@@ -55,13 +76,19 @@ def test_uneven_shards_still_give_the_global_batch_mean(world: int) -> None:
 
 @pytest.mark.timeout(200)
 def test_shards_follow_a_slowdown_and_return_when_it_ends() -> None:
+    from statistics import median
+
     history = run_ranks(guard_ranks.adaptive_shares, 2, timeout_s=180)[0]
     slow_share = [sizes[1] / sum(sizes) for sizes in history]
     assert slow_share[0] == 0.5
-    # within a few telemetry windows of step 10 the slow rank gets clearly less...
-    assert min(slow_share[25:40]) < 0.38, slow_share
-    # ...and after the slowdown ends at step 40 it gets its share back
-    assert slow_share[-1] > 0.44, slow_share
+    # Rank 1 is 3x slower from step 10, telemetry comes every 10 steps: two batches later its
+    # share is well on the way to about 1/4 (tests/test_balance.py holds the balancer to
+    # within 25% of the ideal on synthetic timings; real ones on a shared machine vary too
+    # much from batch to batch for that bound here)...
+    assert median(slow_share[30:50]) <= 0.4, slow_share
+    # ...and within two straggler windows (40 steps) of the end of the slowdown at step 50 the
+    # shares are even again: the first batch at the new speeds sends them back.
+    assert 0.5 in slow_share[50:90], slow_share
 
 
 def test_split_is_exact_and_deterministic() -> None:

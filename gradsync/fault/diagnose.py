@@ -1,29 +1,61 @@
-"""Hang diagnosis: when a synchronizing wait times out, say who never arrived.
+"""Hang diagnosis: every synchronizing wait is bounded, and a wait that fails says who never came.
+
+The bound is the Synchronizer's ``timeout_s``, made the collective timeout of its process group
+(``GroupTimeout``) for as long as it is open: the backend itself then fails any collective that
+waits longer, on gloo within the timeout and with the group's connections closed, so nothing is
+left running that would keep the process alive past the error, and later collectives on the
+group fail at once. (Abandoning a wait on the Python side instead would leave the collective
+pending until the group's own, possibly much longer, timeout: the process could not exit
+before it.) On NCCL the same timeout arms the watchdog, which by default tears the process
+down itself, so the diagnosis may not get printed there.
 
 Recording every arrival in the store would cost a round trip on every step. Instead a
-watchdog thread records, once a wait has lasted ``arrive_after_s``, the furthest step at which
-this rank has waited (one key per rank): the ranks waiting at a hung barrier all record
-themselves within seconds, the rank that hangs never does. A rank that got one step further
-(its part of a ring all-reduce finished before the link died) is stuck at the next step and
-records that, which counts as having arrived at every earlier one. When the wait finally
-fails (torch.distributed's own timeout, or a peer that vanished), the error names the step,
-the collective, the ranks that arrived and those that did not.
+watchdog thread records, once a wait has lasted ``arrive_after_s``, the furthest position at
+which this rank has waited (one key per rank): the ranks waiting at a hung collective all
+record themselves within seconds, the rank that hangs never does. A rank that got one step
+further (its part of a ring all-reduce finished before the link died) is stuck at the next
+wait and records that, which counts as having arrived at every earlier one.
+
+A position is ``(step, n)``: the n-th consecutive wait at that step. Every rank runs the same
+collectives in the same order, so positions agree across ranks even where several waits share
+a step (an exchange, a telemetry gather and a divergence check after the same step) and a rank
+that stopped after the first of them is not counted as having arrived at the later ones. Waits
+before the first step use ``START``; those after the last (the final check and gathers of
+``report()``) use ``END``, which orders after every step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
-from gradsync.errors import SyncTimeoutError
+from gradsync.errors import DivergenceError, SyncTimeoutError
 
 T = TypeVar("T")
 _PREFIX = "gradsync/arrive"
+#: position of waits before step 0 (the initial broadcast of parameters)
+START = -1
+#: position of waits after the last step (report()'s final check and gathers)
+END = 1 << 62
+
+Position = tuple[int, int]
+
+
+def where(step: int) -> str:
+    """How a message names a wait's step."""
+    if step == START:
+        return "before step 0"
+    if step == END:
+        return "end of run"
+    return f"step {step}"
 
 
 def default_store() -> Any | None:
@@ -33,7 +65,73 @@ def default_store() -> Any | None:
         return None
 
 
+def _backends(group: dist.ProcessGroup | None) -> list[Any]:
+    """The backend objects (gloo, NCCL) behind ``group``; empty where torch hides them."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        found: list[Any] = []
+        for device in pg._device_types:
+            backend = pg._get_backend(torch.device(device))
+            if all(backend is not b for b in found):
+                found.append(backend)
+        return found
+    except (RuntimeError, ValueError, AttributeError):
+        return []
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """The collective timeout of ``group`` in seconds (the longest of its backends), or None
+    where torch does not tell."""
+    seconds = []
+    for backend in _backends(group):
+        try:
+            seconds.append(backend.options._timeout.total_seconds())
+        except AttributeError:
+            continue
+    return max(seconds) if seconds else None
+
+
+def _set_timeout(group: dist.ProcessGroup | None, seconds: float) -> bool:
+    backends = _backends(group)
+    if not backends:
+        return False
+    try:
+        for backend in backends:
+            backend._set_default_timeout(datetime.timedelta(seconds=seconds))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+class GroupTimeout:
+    """Holds ``group``'s collective timeout at ``seconds`` until ``restore()``.
+
+    ``seconds`` is what the timeout really is afterwards: the requested value, or the group's
+    own where its backend cannot be changed (then that one bounds every wait, and messages
+    say so)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, seconds: float) -> None:
+        self.group = group
+        self.previous = group_timeout(group)
+        self.applied = _set_timeout(group, seconds)
+        self.seconds = seconds if self.applied or self.previous is None else self.previous
+
+    def restore(self) -> None:
+        if self.applied and self.previous is not None:
+            self.applied = False
+            _set_timeout(self.group, self.previous)
+
+
+def _parse(value: bytes | str) -> Position:
+    text = value.decode() if isinstance(value, bytes) else value
+    step, _, n = text.partition(":")
+    return int(step), int(n or 0)
+
+
 class ArrivalWatch:
+    """Turns the failure of a synchronizing wait into a ``SyncTimeoutError`` naming the step,
+    the collective, the ranks that arrived and the ranks that never did."""
+
     def __init__(
         self,
         rank: int,
@@ -41,6 +139,7 @@ class ArrivalWatch:
         timeout_s: float,
         store: Any | None = None,
         arrive_after_s: float | None = None,
+        scope: str = "",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -49,93 +148,125 @@ class ArrivalWatch:
         self.arrive_after_s = (
             arrive_after_s if arrive_after_s is not None else min(2.0, timeout_s / 4)
         )
-        self._waiting: tuple[int, float] | None = None
-        self._recorded: int | None = None
+        # Synchronizers on different process groups sharing one store keep separate records.
+        self._prefix = f"{_PREFIX}/{scope}" if scope else _PREFIX
+        self._position: Position | None = None  # of the latest wait begun on this rank
+        self._waiting: tuple[Position, float] | None = None
+        self._recorded: Position | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _key(self, rank: int) -> str:
-        return f"{_PREFIX}/{rank}"
+        return f"{self._prefix}/{rank}"
+
+    def _record(self, position: Position) -> None:
+        if self.store is None:
+            return
+        self.store.set(self._key(self.rank), f"{position[0]}:{position[1]}")
+        self._recorded = position
 
     def _run(self) -> None:
         tick = max(0.05, min(0.5, self.arrive_after_s / 4))
         while not self._stop.wait(tick):
             with self._lock:
                 waiting = self._waiting
-            if waiting is None or self.store is None:
+            if waiting is None:
                 continue
-            step, since = waiting
-            if self._recorded != step and time.monotonic() - since >= self.arrive_after_s:
-                try:
-                    self.store.set(self._key(self.rank), str(step))
-                    self._recorded = step
-                except Exception:  # noqa: BLE001 - a dead store must not kill training
-                    pass
+            position, since = waiting
+            if self._recorded != position and time.monotonic() - since >= self.arrive_after_s:
+                with contextlib.suppress(Exception):  # a dead store must not kill training
+                    self._record(position)
+
+    def next_position(self, step: int | None) -> Position:
+        """The position of a wait about to begin at ``step`` (None: the latest wait's step)."""
+        last = self._position
+        if step is None:
+            step = last[0] if last is not None else START
+        position = (step, last[1] + 1) if last is not None and last[0] == step else (step, 0)
+        self._position = position
+        return position
 
     @contextmanager
-    def waiting(self, step: int) -> Iterator[None]:
+    def waiting(self, position: Position) -> Iterator[None]:
         if self._thread is None and self.store is not None and self.world_size > 1:
             self._thread = threading.Thread(target=self._run, name="gradsync-arrivals", daemon=True)
             self._thread.start()
         with self._lock:
-            self._waiting = (step, time.monotonic())
+            outer = self._waiting
+            self._waiting = (position, time.monotonic())
         try:
             yield
         finally:
             with self._lock:
-                self._waiting = None
+                self._waiting = outer
 
-    def run(self, step: int, what: str, wait: Callable[[], T]) -> T:
-        """Run ``wait()``; turn its failure into a ``SyncTimeoutError`` naming absent ranks."""
+    def run(self, step: int | None, what: str, wait: Callable[[], T]) -> T:
+        """Run ``wait()`` (collectives and the wait for them) as the next wait at ``step``
+        (None: at the latest wait's step); turn its failure into a ``SyncTimeoutError``."""
+        position = self.next_position(step)
         started = time.monotonic()
-        with self.waiting(step):
+        with self.waiting(position):
             try:
                 return wait()
+            except (SyncTimeoutError, DivergenceError):
+                raise  # already diagnosed (a nested wait), or not a failed wait at all
             except (RuntimeError, dist.DistBackendError) as exc:
                 waited = time.monotonic() - started
-                self._record_failure(step)
-                raise SyncTimeoutError(self.describe(step, what, waited, exc)) from exc
+                self._record_failure(position)
+                raise SyncTimeoutError(self.describe(position, what, waited, exc)) from exc
 
-    def _record_failure(self, step: int) -> None:
+    def _record_failure(self, position: Position) -> None:
         """A wait that failed fast (a peer vanished) left no time for the watchdog: record
         this rank's arrival now and give the other survivors a moment to record theirs."""
-        if self.store is None:
-            return
         try:
-            self.store.set(self._key(self.rank), str(step))
+            self._record(position)
         except Exception:  # noqa: BLE001 - the store may have died with the peer
             return
-        time.sleep(min(1.0, self.arrive_after_s))
+        if self.store is not None:
+            time.sleep(min(1.0, self.arrive_after_s))
 
-    def describe(self, step: int, what: str, waited: float, exc: BaseException) -> str:
-        arrived, absent = self.arrivals(step)
+    def describe(
+        self, position: int | Position, what: str, waited: float, exc: BaseException
+    ) -> str:
+        pos = (position, 0) if isinstance(position, int) else position
+        arrived, absent, readable = self._arrivals(pos)
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        who = (
-            f"arrived: ranks {arrived}; never arrived: ranks {absent}"
-            if arrived
-            else "no arrival records (the store is unreachable or the wait failed at once)"
-        )
+        who = f"arrived: ranks {arrived}; never arrived: ranks {absent}"
+        if not readable:
+            who = (
+                f"arrived: ranks {arrived}; the others are unknown (the store holding arrival "
+                "records could not be read)"
+            )
         return (
-            f"step {step}: {what} failed after {waited:.1f}s "
-            f"(timeout {self.timeout_s:.0f}s): {who}. Cause: {cause}"
+            f"{where(pos[0])}: {what} failed after {waited:.1f}s "
+            f"(timeout {self.timeout_s:g}s): {who}. Cause: {cause}"
         )
 
-    def arrivals(self, step: int) -> tuple[list[int], list[int]]:
+    def arrivals(self, position: int | Position) -> tuple[list[int], list[int]]:
+        """Ranks recorded at ``position`` or further (this one included), and the rest."""
+        arrived, absent, _ = self._arrivals(
+            (position, 0) if isinstance(position, int) else position
+        )
+        return arrived, absent
+
+    def _arrivals(self, pos: Position) -> tuple[list[int], list[int], bool]:
         arrived = [self.rank]
+        readable = self.store is not None
         if self.store is not None:
             for r in range(self.world_size):
                 if r == self.rank:
                     continue
                 try:
                     key = self._key(r)
-                    if self.store.check([key]) and int(self.store.get(key)) >= step:
+                    if self.store.check([key]) and _parse(self.store.get(key)) >= pos:
                         arrived.append(r)
                 except Exception:  # noqa: BLE001 - diagnosis is best effort
+                    readable = False
                     break
         arrived.sort()
         absent = [r for r in range(self.world_size) if r not in arrived]
-        return arrived, absent
+        return arrived, absent, readable
 
     def close(self) -> None:
         self._stop.set()

@@ -15,6 +15,7 @@ fingerprints, so any difference is a bug or corruption, reported with the first 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,14 +72,10 @@ def fingerprint(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return torch.stack(rows).cpu()
 
 
-def check_replicas(
-    named: list[tuple[str, torch.Tensor]],
-    group: dist.ProcessGroup | None,
-    step: int,
-    ranks: list[int] | None = None,
-) -> None:
-    """Collective over ``group``: raise ``DivergenceError`` if replicas differ. ``ranks`` limits
-    the comparison to those group ranks (parameter servers hold no replica)."""
+def gather_fingerprints(
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Collective over ``group``: every rank's fingerprint, by group rank."""
     mine = fingerprint(named)
     world = dist.get_world_size(group)
     device = (
@@ -89,8 +86,28 @@ def check_replicas(
     local = mine.to(device) if device is not None else mine
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
-    prints = [g.cpu() for g in gathered]
-    compared = ranks if ranks is not None else list(range(world))
+    return [g.cpu() for g in gathered]
+
+
+def check_replicas(
+    named: list[tuple[str, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    step: int,
+    ranks: list[int] | None = None,
+    *,
+    run: Callable[[Callable[[], list[torch.Tensor]]], list[torch.Tensor]] | None = None,
+    final: bool = False,
+) -> None:
+    """Collective over ``group``: raise ``DivergenceError`` if replicas differ. ``ranks`` limits
+    the comparison to those group ranks (parameter servers hold no replica). ``run`` wraps the
+    gather (the Synchronizer's timeout diagnosis); the comparison stays outside it, so a
+    ``DivergenceError`` is never mistaken for a failed wait."""
+
+    def gather() -> list[torch.Tensor]:
+        return gather_fingerprints(named, group)
+
+    prints = run(gather) if run is not None else gather()
+    compared = ranks if ranks is not None else list(range(len(prints)))
     reference = prints[compared[0]]
     bad = [r for r in compared if not torch.equal(prints[r], reference)]
     if not bad:
@@ -100,8 +117,11 @@ def check_replicas(
         for i in range(reference.shape[0])
         if any(not torch.equal(prints[r][i], reference[i]) for r in bad)
     )
+    when = f"at step {step}"
+    if final:  # a parameter server has no step of its own to name
+        when = f"at the end-of-run check after step {step}" if step >= 0 else "at the end of run"
     raise DivergenceError(
-        f"replicas diverged at step {step}: rank(s) {bad} differ from rank {compared[0]}; "
+        f"replicas diverged {when}: rank(s) {bad} differ from rank {compared[0]}; "
         f"first differing parameter: {named[first][0]!r} "
         f"(sum {float(reference[first, 0]):.17g} on rank {compared[0]} vs "
         f"{float(prints[bad[0]][first, 0]):.17g} on rank {bad[0]})"

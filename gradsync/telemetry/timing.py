@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,8 +55,11 @@ class TelemetryCollector:
         group: dist.ProcessGroup | None,
         flush_every: int = 10,
         sink: Callable[[list[StepRecord]], None] | None = None,
+        watch: Any = None,
     ) -> None:
+        """``watch`` (an ``ArrivalWatch``) diagnoses a gather that times out."""
         self.group = group
+        self.watch = watch
         self.flush_every = flush_every
         self.sink = sink
         self.records: list[StepRecord] = []
@@ -85,8 +89,9 @@ class TelemetryCollector:
     def due(self) -> bool:
         return len(self._pending) >= self.flush_every
 
-    def flush(self) -> list[StepRecord]:
-        """Collective: every rank of the group must call it. Returns the new complete records."""
+    def flush(self, step: int | None = None) -> list[StepRecord]:
+        """Collective: every rank of the group must call it. Returns the new complete records.
+        ``step`` places the gather for the timeout diagnosis (None: at the latest wait's)."""
         rows = [
             [
                 float(p.step),
@@ -104,7 +109,11 @@ class TelemetryCollector:
         ]
         self._pending = []
         local = torch.tensor(rows, dtype=torch.float64).reshape(-1, len(_COLUMNS))
-        gathered = self._gather(local)
+        if self.watch is not None:
+            what = f"telemetry gather ({local.shape[0]} pending step record(s) on this rank)"
+            gathered = self.watch.run(step, what, lambda: self._gather(local))
+        else:
+            gathered = self._gather(local)
         new = [
             StepRecord(
                 rank=rank,
