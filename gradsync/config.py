@@ -13,7 +13,8 @@ from gradsync.errors import UsageError
 from gradsync.inject import parse_kill, parse_slow
 from gradsync.strategies.base import parse_strategy, uses_servers
 from gradsync.telemetry.stragglers import StragglerConfig
-from gradsync.workloads import WORKLOADS
+from gradsync.workloads import WORKLOADS, make_workload
+from gradsync.workloads.data import check_data_file
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_LOCAL_PROCESSES = 256
@@ -107,8 +108,8 @@ class RunConfig:
                 if str(exc).startswith(name)
             )
             raise UsageError(f"{flag}: {exc}") from None
-        if self.data is not None and not Path(self.data).is_file():
-            raise UsageError(f"--data file {self.data!r} does not exist or is not a file")
+        if self.data is not None:
+            check_data_file(self.data)
         if self.balance and parse_strategy(self.strategy).name != "bsp":
             raise UsageError(f"--balance needs --strategy bsp, got {self.strategy}")
         if self.check_every < 0:
@@ -143,11 +144,33 @@ class RunConfig:
             self._check_hosts()
         if self.servers < 1:
             raise UsageError(f"--servers must be at least 1, got {self.servers}")
+        self._check_servers()
         for s in parse_slow(self.slow):
             if s.rank >= self.nproc:
                 raise UsageError(
                     f"--slow names rank {s.rank}, but ranks are 0..{self.nproc - 1} "
                     f"with --nproc {self.nproc}"
+                )
+
+    def _check_servers(self) -> None:
+        if not self.uses_servers:
+            if self.servers != 1:
+                raise UsageError(
+                    f"--servers {self.servers} is for the parameter-server strategies (ssp:S, "
+                    f"async); --strategy {self.strategy} runs no servers"
+                )
+            return
+        if self.servers > 1:
+            # Every server needs a parameter tensor of its own (shards are whole tensors).
+            workload = make_workload(
+                self.workload, seed=self.seed, data=self.data, params=self.params
+            )
+            tensors = sum(p.requires_grad for p in workload.build_model().parameters())
+            if self.servers > tensors:
+                raise UsageError(
+                    f"--servers {self.servers} is more than the {tensors} trainable parameter "
+                    f"tensors of workload {self.workload}: each server holds whole tensors, so "
+                    f"use at most {tensors} servers"
                 )
 
     def _check_hosts(self) -> None:

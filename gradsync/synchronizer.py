@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from gradsync.balance import ShardBalancer
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
-from gradsync.fault.diagnose import ArrivalWatch
+from gradsync.fault.diagnose import END, START, ArrivalWatch, GroupTimeout
 from gradsync.fault.guards import check_replicas
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
 from gradsync.strategies.base import StepOutcome, Strategy, SyncContext, parse_strategy
@@ -43,7 +44,14 @@ class Synchronizer:
     On block exit the strategy synchronizes and ``optimizer.step()`` has run. Gradients are
     zeroed at block entry. Parameters and buffers are broadcast from rank 0 at construction,
     so replicas start identical (as DDP does).
+
+    ``timeout_s`` bounds every synchronizing wait: it is the group's collective timeout from
+    construction until ``close()`` (see ``gradsync.fault.diagnose``).
     """
+
+    #: Synchronizers created so far in this process, per process group: each one keeps its
+    #: own arrival records, so a later one never reads an earlier one's
+    _created: ClassVar[dict[str, int]] = {}
 
     def __init__(
         self,
@@ -96,26 +104,47 @@ class Synchronizer:
         if self.balancer is not None and not telemetry:
             raise UsageError("balance=True needs telemetry (it balances on measured compute)")
         self._sizes: list[int] | None = None
-        self._collector = TelemetryCollector(group, telemetry_every, self._on_gathered)
+        # timeout_s becomes the group's collective timeout while this Synchronizer is open,
+        # so the backend itself ends any wait that outlasts it (see gradsync.fault.diagnose).
+        self._group_timeout = GroupTimeout(group, timeout_s) if self.world_size > 1 else None
+        self._watch = ArrivalWatch(
+            self.rank,
+            self.world_size,
+            self._group_timeout.seconds if self._group_timeout is not None else timeout_s,
+            scope=self._arrival_scope(group),
+        )
+        self._collector = TelemetryCollector(
+            group, telemetry_every, self._on_gathered, watch=self._watch
+        )
         self._user_sink = on_records
-        self._watch = ArrivalWatch(self.rank, self.world_size, timeout_s)
         self._step = 0
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
         self._final_checked = False
-        self._broadcast_initial_state()
-        self.strategy.setup(
-            SyncContext(
-                model=model,
-                optimizer=optimizer,
-                group=group,
-                compressor=self.compressor,
-                bucket_mb=float(bucket_mb),
-                record_spans=record_spans,
-                skip_nonfinite=skip_nonfinite,
-                watch=self._watch,
+        try:
+            self._broadcast_initial_state()
+            self.strategy.setup(
+                SyncContext(
+                    model=model,
+                    optimizer=optimizer,
+                    group=group,
+                    compressor=self.compressor,
+                    bucket_mb=float(bucket_mb),
+                    record_spans=record_spans,
+                    skip_nonfinite=skip_nonfinite,
+                    watch=self._watch,
+                )
             )
-        )
+        except BaseException:
+            self._release_timeout()
+            raise
+
+    @classmethod
+    def _arrival_scope(cls, group: dist.ProcessGroup | None) -> str:
+        name = str(getattr(group, "group_name", "")) if group is not None else ""
+        n = cls._created.get(name, 0)
+        cls._created[name] = n + 1
+        return "/".join(part for part in (name, str(n) if n else "") if part)
 
     def _make_balancer(self, balance: bool | ShardBalancer) -> ShardBalancer | None:
         if balance is False:
@@ -186,7 +215,8 @@ class Synchronizer:
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(-1, final=True)
-        self.flush_telemetry()
+        self._final_flush()
+        self._final_handshake()
         return stats
 
     @property
@@ -243,7 +273,18 @@ class Synchronizer:
         if identical is None or not identical(step, final):
             return
         workers = list(range(self.num_workers))
-        check_replicas(list(self.model.named_parameters()), self.group, step, workers)
+        what = (
+            "final divergence check (fingerprint gather)"
+            if final
+            else ("divergence check (fingerprint gather)")
+        )
+
+        def run(gather: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+            return self._watch.run(END if final else step, what, gather)
+
+        check_replicas(
+            list(self.model.named_parameters()), self.group, step, workers, run=run, final=final
+        )
 
     def _record(
         self, h: StepHandle, wall0: float, compute: float, sync: float, out: StepOutcome
@@ -261,7 +302,7 @@ class Synchronizer:
             out.idle,
         )
         if self._collector.due() and not self.strategy.barrier_free:
-            self._collector.flush()
+            self._collector.flush(h.step)
 
     def _add_spans(self, spans: list[Span], wall0: float, compute: float, sync: float) -> None:
         step = self._step
@@ -275,6 +316,32 @@ class Synchronizer:
         """Collective: gather pending step records from every rank now."""
         return self._collector.flush() if self.telemetry_enabled else []
 
+    def _final_flush(self) -> None:
+        # Positioned after every step, like the final check: see gradsync.fault.diagnose.
+        if self.telemetry_enabled:
+            self._collector.flush(END)
+
+    def _final_handshake(self) -> None:
+        """Collective: the last one of ``report()`` and ``serve()``, a barrier every rank meets
+        after its final collectives, so no rank leaves while a peer still talks to it.
+
+        Its Work is also what makes exiting safe. gloo runs collectives on its own threads; the
+        thread that drops a finished collective's last reference frees its tensors, and freeing
+        a tensor Python knows needs the GIL. If that happens after the interpreter began to shut
+        down, the thread is killed mid-destructor and the process aborts ("terminate called
+        without an active exception", SIGABRT), typically under torchrun, where nothing
+        destroys the group before exit. A gloo barrier holds weak references to every
+        collective still queued or in progress when it is posted, so none of them is freed
+        before the barrier itself is; collectives that finished earlier were freed before it was
+        posted. Keeping the barrier's Work alive for the rest of the process (``_hold``) thus
+        leaves no tensor for a gloo thread to free at exit."""
+        if self.world_size == 1:
+            return
+        work = dist.barrier(group=self.group, async_op=True)
+        assert work is not None
+        self._watch.run(END, "final handshake (barrier)", work.wait)
+        _hold(work)
+
     def report(self) -> RunReport:
         """Collective (every rank calls it): per-rank, per-step timings and totals so far.
 
@@ -285,7 +352,8 @@ class Synchronizer:
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(self._step - 1, final=True)
-        self.flush_telemetry()
+        self._final_flush()
+        self._final_handshake()
         return RunReport.from_records(self._collector.records)
 
     def state_dict(self) -> dict[str, Any]:
@@ -316,12 +384,42 @@ class Synchronizer:
 
     def close(self) -> None:
         self.strategy.close()
+        self._release_timeout()
+
+    def _release_timeout(self) -> None:
+        """Give the group back the collective timeout it had before this Synchronizer."""
         self._watch.close()
+        if self._group_timeout is not None:
+            self._group_timeout.restore()
 
     def _broadcast_initial_state(self) -> None:
         if self.world_size == 1:
             return
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        with torch.no_grad():
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                dist.broadcast(t.data, src=src, group=self.group)
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+
+        def broadcast() -> None:
+            with torch.no_grad():
+                works = [
+                    dist.broadcast(t.data, src=src, group=self.group, async_op=True)
+                    for t in tensors
+                ]
+                for work in works:
+                    assert work is not None
+                    work.wait()
+
+        what = f"initial broadcast of {len(tensors)} parameter/buffer tensors from rank 0"
+        self._watch.run(START, what, broadcast)
+
+
+# The latest final-handshake Work (see ``Synchronizer._final_handshake``). The list is never
+# freed, not even when the interpreter shuts down (the extra reference below), so that Work is
+# never released by a gloo thread at exit. Replacing it releases the previous one on this thread:
+# the new barrier has been posted by then, so a gloo thread has either let the previous one go
+# already, or the new barrier refers to it and defers freeing it until the new one is freed.
+_HANDSHAKES: list[Any] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HANDSHAKES))
+
+
+def _hold(work: Any) -> None:
+    _HANDSHAKES[:] = [work]

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from gradsync import runtime
 from gradsync.config import RunConfig
+from gradsync.fault.diagnose import END
 from gradsync.inject import maybe_kill, parse_kill
-from gradsync.progress import Progress
+from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.synchronizer import Synchronizer
 from gradsync.telemetry.records import METRICS_FILE, SPANS_FILE, StepRecord, write_records
 from gradsync.telemetry.stragglers import StragglerConfig, StragglerDetector
@@ -66,7 +67,14 @@ def _write_spans(sync: Synchronizer, run_dir: Path) -> None:
     """Collective: gather every rank's spans (bucket communication, optimizer) to rank 0."""
     spans = [s.to_json() for s in sync.spans]
     gathered: list[list[str] | None] = [None] * sync.world_size
-    dist.all_gather_object(gathered, spans, group=sync.group)
+    sync.watch.run(
+        END,
+        "gather of timeline spans to rank 0",
+        lambda: dist.all_gather_object(gathered, spans, group=sync.group),
+    )
+    # This gather comes after report()'s final handshake: end on another one, so that exiting
+    # stays safe under torchrun (see Synchronizer._final_handshake).
+    sync._final_handshake()
     if sync.rank == 0:
         with open(run_dir / SPANS_FILE, "w", encoding="utf-8") as fh:
             for part in gathered:
@@ -134,7 +142,11 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     workload = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)
     model = workload.build_model().to(runtime.device())
     optimizer = workload.make_optimizer(model, cfg.lr or workload.default_lr)
-    progress = Progress(cfg.steps, enabled=cfg.progress and rank == 0)
+    progress = Progress(
+        cfg.steps,
+        enabled=cfg.progress and rank == 0,
+        heartbeat=run_dir / HEARTBEAT_FILE if rank == 0 else None,  # followed by compare
+    )
     workers = cfg.nproc
     sink = _Rank0Sink(cfg, progress, workers) if rank == 0 else None
     sync = Synchronizer(

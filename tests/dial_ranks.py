@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import gradsync as gs
+from gradsync.errors import SyncTimeoutError
 from gradsync.strategies import DiLoCo
 from gradsync.workloads import make_workload
 from tests.ranks import flat_params
@@ -17,13 +20,20 @@ PER_RANK = 4
 
 
 def train(
-    rank: int, world: int, strategy: Any, steps: int, *, lr: float = 0.05, slow: str | None = None
+    rank: int,
+    world: int,
+    strategy: Any,
+    steps: int,
+    *,
+    lr: float = 0.05,
+    slow: str | None = None,
+    servers: int = 1,
 ) -> dict[str, Any]:
     """Plain SGD on the float64 mlp; returns parameters, per-step bytes and server stats."""
     w = make_workload("mlp", seed=5, params=3000, dtype="float64")
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sync = gs.Synchronizer(model, opt, strategy=strategy, slow=slow, timeout_s=20)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, slow=slow, timeout_s=20, servers=servers)
     if sync.is_server:
         stats = sync.serve()
         return {"server": stats}
@@ -54,8 +64,31 @@ def equivalences(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def ssp_zero(rank: int, world: int) -> dict[str, Any]:
-    return train(rank, world, "ssp:0", 10)
+def ssp_zero(rank: int, world: int, servers: int = 1) -> dict[str, Any]:
+    return train(rank, world, "ssp:0", 10, servers=servers)
+
+
+def scheduled_groups(rank: int, world: int, strategy: str, servers: int = 1) -> dict[str, Any]:
+    """Plain SGD with weights and biases in two param groups of different lr, and an LR
+    schedule stepped after every step on every training rank."""
+    w = make_workload("mlp", seed=5, params=3000, dtype="float64")
+    model = w.build_model()
+    named = list(model.named_parameters())
+    weights = [p for n, p in named if n.endswith("weight")]
+    biases = [p for n, p in named if n.endswith("bias")]
+    opt = torch.optim.SGD([{"params": weights, "lr": 0.05}, {"params": biases, "lr": 0.3}], lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.6**step)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, servers=servers, timeout_s=20)
+    if sync.is_server:
+        return {"server": sync.serve()}
+    workers = sync.num_workers
+    for step in range(6):
+        with sync.step():
+            x, y = w.batch(step, PER_RANK * workers, rank * PER_RANK, (rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+        schedule.step()
+    sync.report()
+    return {"params": flat_params(model)}
 
 
 def staleness(rank: int, world: int, spec: str) -> dict[str, Any]:
@@ -80,17 +113,53 @@ def adamw_on_servers(rank: int, world: int) -> dict[str, Any]:
     return {"params": flat_params(model)}
 
 
-def server_dies(rank: int, world: int) -> dict[str, Any]:
+def _train_until_failure(rank: int, sync: gs.Synchronizer, w: Any, model: Any) -> dict[str, Any]:
+    """Workers: train until a synchronizing wait fails; how long that took, and the error."""
+    t0 = time.monotonic()
+    try:
+        for step in range(5):
+            with sync.step():
+                x, y = w.batch(step, 8, rank * 4, rank * 4 + 4)
+                w.loss(model, x, y).backward()
+    except SyncTimeoutError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def server_dies(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     w = make_workload("mlp", seed=5, params=3000, dtype="float64")
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    sync = gs.Synchronizer(model, opt, strategy="ssp:1", timeout_s=10)
-    if sync.is_server:
-        for _ in range(3):  # serve nothing, then vanish without a word at the workers' step 0
-            pass
+    sync = gs.Synchronizer(model, opt, strategy="ssp:1", timeout_s=timeout_s)
+    if sync.is_server:  # serve nothing: vanish without a word at the workers' step 0
         os.kill(os.getpid(), signal.SIGKILL)
-    for step in range(5):
-        with sync.step():
-            x, y = w.batch(step, 8, rank * 4, rank * 4 + 4)
-            w.loss(model, x, y).backward()
-    return {}
+    return _train_until_failure(rank, sync, w, model)
+
+
+def server_hangs(rank: int, world: int, timeout_s: float, marks: str) -> dict[str, Any]:
+    """The server stays alive, connections open, but never serves (stuck in a long
+    computation); it gives up only once every worker has recorded its verdict in ``marks``."""
+    w = make_workload("mlp", seed=5, params=3000, dtype="float64")
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync = gs.Synchronizer(model, opt, strategy="ssp:1", timeout_s=timeout_s)
+    if sync.is_server:
+        done = [Path(marks) / str(r) for r in range(sync.num_workers)]
+        deadline = time.monotonic() + timeout_s + 60
+        while not all(d.exists() for d in done) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {}
+    out = _train_until_failure(rank, sync, w, model)
+    (Path(marks) / str(rank)).touch()
+    return out
+
+
+def too_many_servers(rank: int, world: int) -> str:
+    """Two servers for a model of one parameter tensor: every rank refuses it."""
+    model = torch.nn.Linear(4, 2, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        gs.Synchronizer(model, opt, strategy="async", servers=2, timeout_s=20)
+    except gs.UsageError as exc:
+        return str(exc)
+    return "accepted"

@@ -126,7 +126,7 @@ INT_FLAGS = {
     "--steps": ("steps", lambda v: v >= 1),
     "--batch-size": ("batch_size", lambda v: v >= 1),  # --micro-batches 1 divides anything
     "--micro-batches": ("micro_batches", lambda v: v >= 1 and DEFAULT_BATCH % v == 0),
-    "--servers": ("servers", lambda v: v >= 1),
+    "--servers": ("servers", lambda v: v == 1),  # bsp (the default) runs no servers
 }
 # bounded: Python refuses to parse ints of more than 4300 digits (argparse would say so)
 SMALL_OR_ANY_INT = st.one_of(st.integers(-3, 40), st.integers(-(10**30), 10**30))

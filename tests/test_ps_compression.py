@@ -49,8 +49,9 @@ def test_compressed_pushes_put_the_codec_bytes_on_the_wire(
     codec = ranks.codec(spec)
     plain = every_spec[0]["none"]["bytes"]
     sent = every_spec[0][spec]["bytes"]
-    assert plain == [8 * (numel + 1)] * ranks.STEPS  # float64 gradient plus its kind
-    assert sent == [codec.payload_numel + 8] * ranks.STEPS  # the payload plus an 8-byte header
+    # The header: 8 bytes (the kind), then 8 (the lr of the optimizer's one param group).
+    assert plain == [8 * numel + 16] * ranks.STEPS  # float64 gradient plus the header
+    assert sent == [codec.payload_numel + 16] * ranks.STEPS  # the payload plus the header
     assert max(sent) < max(plain)  # type: ignore[type-var]
 
 

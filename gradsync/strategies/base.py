@@ -129,8 +129,15 @@ def load_compressor_state(state: Any, saved: dict[str, Any]) -> None:
 def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float = 300.0) -> Strategy:
     """A ``Strategy`` from a spec string (or the object itself, passed through).
 
-    ``servers`` and ``timeout_s`` apply to the parameter-server strategies (``ssp:S``, ``async``).
+    ``servers`` and ``timeout_s`` apply to the parameter-server strategies (``ssp:S``, ``async``);
+    ``servers`` other than 1 with another strategy is refused rather than ignored.
     """
+    if servers != 1 and not uses_servers(spec):
+        name = spec if isinstance(spec, str) else getattr(spec, "name", type(spec).__name__)
+        raise UsageError(
+            f"servers={servers} is for the parameter-server strategies (ssp:S, async); "
+            f"strategy {name} runs no servers"
+        )
     if isinstance(spec, Strategy):
         return spec
     parsed = parse_strategy_spec(spec)

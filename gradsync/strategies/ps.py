@@ -2,30 +2,55 @@
 
 Layout: with K servers, the **last K ranks** are servers and ranks ``0..W-1`` are workers, so
 rank 0 is always a worker (it writes the run's files). Parameters are sharded across servers
-by size (largest tensor first, onto the least loaded server).
+by size, whole tensors (largest first, onto the least loaded server), so there may be no more
+servers than trainable parameter tensors.
 
 A worker's step at clock c: compute a gradient, push each server its shard, and wait for the
 server's reply, which carries the parameters to compute clock c+1 with. Under ``ssp:S`` a
 server holds that reply until every worker's updates from clocks up to ``c+1 - S - 1`` have
 been applied (the time held is the worker's ``idle``); under ``async`` it replies at once.
-The server applies each push with the user's optimizer class and hyper-parameters (its
-momentum or Adam state lives on the server), scaled by 1/W so that one round of W pushes moves
-the parameters as far as one BSP step; with plain SGD, ``ssp:0`` follows BSP's trajectory.
+
+Update rule: each push is one ``step()`` of the user's optimizer class on the server, with each
+param group's hyper-parameters (every parameter keeps its group; parameters in no group are
+never updated, as with the optimizer itself) and its state (momentum, Adam moments) living on
+the server. The gradient is divided by W first, and the push carries the worker's current lr
+of every group, which the server uses for that step, so LR schedulers stepped on the workers
+take effect. With plain SGD the W pushes of a round then add up to one BSP step, and ``ssp:0``
+follows BSP's trajectory. With momentum the steady-state step per round is BSP's too, but the
+buffer decays once per push, i.e. over W times fewer rounds. Adaptive optimizers (Adam, AdamW,
+Adagrad, RMSprop) normalise the 1/W away: every push moves the parameters about as far as a
+BSP step, so a round of W pushes moves about W times as far (measured: 4 pushes of g/4 under
+AdamW, 4x one BSP step). That is asynchronous SGD's usual semantics (each push is an update,
+as in Downpour SGD); it is kept because the design has the server apply the user's optimizer
+with the user's hyper-parameters, and the user knows whether to divide an adaptive lr by W.
 
 Transport: point-to-point ``isend``/``irecv`` of torch.distributed on the job's gloo (or NCCL)
-group. We chose it over ``torch.distributed.rpc`` because it moves tensors without pickling,
-reuses the process group (and its timeouts) the job already has, and needs no second
-rendezvous; a server waits for each worker in its own thread, so one slow worker never delays
-another's reply. benchmarks/ps_transport.py measures a push/pull round trip against an
-all-reduce of the same bytes (see BENCHMARKS.md).
+group; a server waits for each worker in its own thread, so one slow worker never delays
+another's reply. ``benchmarks/ps_transport.py`` times a push/pull round trip of S bytes against
+an all-reduce of the same S bytes, and ``torch.distributed.rpc`` (TensorPipe) sending the same
+tensor, 4 KiB to 16 MiB (BENCHMARKS.md, section "Parameter-server transport"). What it showed
+on 2-core loopback: with one worker, from 1 MiB up a push/pull costs about what the all-reduce
+costs (each moves S bytes each way over one link); with two workers sharing one server it costs
+more (1.5x to 3x), because the server's link carries every worker's push and pull while the
+all-reduce's per-rank traffic does not grow with the workers: that is the price of decoupling
+the workers, which is what ssp and async buy (add servers with ``--servers`` to split it).
+Below 1 MiB every method is latency-bound and the ranking varied between runs on a loaded
+machine. rpc was never clearly faster than point-to-point for one worker and was slower with
+two workers on large messages; it would also need a second rendezvous and its own agent
+threads and timeouts, and it serialises each call. Point-to-point reuses the process group
+(and its timeouts) the job already has, moves tensors as they are, and works on NCCL too:
+hence the choice.
 
-Messages: every message a worker sends a server is one tensor, a header whose element 0 is its
-kind, then a payload of a fixed size (``ParameterServer.wire``: uncompressed, a 1-element header
-and the shard's gradient; compressed, an 8-byte header and the push codec's bytes). Kinds:
-``_GRADIENT`` (the payload is the gradient; the server replies
-with parameters), ``_CHECKPOINT`` (no payload, no reply: this worker is inside
-``sync.save()`` after its N-th push) or ``_DONE`` (the worker finished; the server replies with
-the final parameters once every worker is done). Checkpoints: a server snapshots its state once
+Messages: every message a worker sends a server is one tensor: a header, then a payload of a
+fixed size (``ParameterServer.wire``). The header is 8 bytes whose first element is the kind,
+then the worker's current lr of each of the optimizer's G param groups as float64 (8 bytes
+each, whatever the message's dtype); the payload is the shard's gradient in the parameters'
+dtype, or with compression the push codec's bytes (the message is then uint8, and the header
+keeps the payload 8-byte aligned for the codec's views). Kinds: ``_GRADIENT`` (the payload is
+the gradient; the server replies with parameters), ``_CHECKPOINT`` (no payload, no reply: this
+worker is inside ``sync.save()`` after its N-th push) or ``_DONE`` (the worker finished; the
+server replies with the final parameters once every worker is done; see ``ps_server`` for the
+order of the shutdown). Checkpoints: a server snapshots its state once
 it holds every unfinished worker's ``_CHECKPOINT``; each request follows that worker's N-th push
 on the same ordered channel, so the server has then applied exactly N pushes of each. See
 ``gradsync.fault.resume`` for the rest of the protocol.
@@ -49,7 +74,8 @@ from gradsync.strategies.base import StepOutcome, SyncContext
 
 # Message kinds (element 0 of every worker -> server message).
 _GRADIENT, _DONE, _CHECKPOINT = 0.0, 1.0, 2.0
-_BYTE_HEADER = 8  # header bytes of a compressed message (uint8): the kind, then padding
+_KIND_BYTES = 8  # the header's first part: the kind, then padding to 8 bytes
+_LR_BYTES = 8  # then one float64 per param group: the worker's current lr
 
 
 def shard_by_size(sizes: list[int], servers: int) -> list[list[int]]:
@@ -112,6 +138,8 @@ class ParameterServer:
         self._ctx: SyncContext | None = None
         self._params: list[torch.Tensor] = []
         self._shards: list[list[int]] = []
+        self._groups = 0  # param groups of the user's optimizer, fixed at setup
+        self._group_of: list[int] = []  # each parameter's group (-1: in none)
         self._micro_batches = 1
         self._finished = False
         self._restored: dict[str, Any] | None = None  # a server's checkpointed state, for serve()
@@ -129,7 +157,17 @@ class ParameterServer:
                 "launch at least servers + 1 processes"
             )
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
+        if self.servers > len(self._params):
+            raise UsageError(
+                f"{self.servers} parameter servers for a model with {len(self._params)} "
+                f"trainable parameter tensor(s): each server needs at least one; use at most "
+                f"{len(self._params)} server(s)"
+            )
         self._shards = shard_by_size([p.numel() for p in self._params], self.servers)
+        groups = ctx.optimizer.param_groups
+        self._groups = len(groups)
+        where = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
+        self._group_of = [where.get(id(p), -1) for p in self._params]
         # Worker side: one codec per shard, holding its error-feedback residual.
         if self.compressed and not self.is_server:
             self._codecs = [self.codec(s, self.rank) for s in range(self.servers)]
@@ -171,14 +209,18 @@ class ParameterServer:
         return self._params[shard[0]].dtype if shard else torch.float32
 
     def wire(self, s: int) -> tuple[torch.dtype, int, int]:
-        """``(dtype, header, payload)`` of every message to server ``s``: element 0 is the
-        kind. Uncompressed, the payload is the gradient in the parameters' dtype after a
-        1-element header; compressed, it is the codec's bytes after an 8-byte header (which
-        keeps the payload 8-byte aligned for the codec's views)."""
+        """``(dtype, header, payload)`` of every message to server ``s``, in elements of dtype
+        (see the module docstring). Uncompressed, the payload is the gradient in the
+        parameters' dtype; compressed, it is the codec's bytes."""
         if not self.compressed:
-            return self._param_dtype(s), 1, self._shard_numel(s)
-        codec = self._codecs[s] if self._codecs else self.codec(s, 0)
-        return codec.payload_dtype, _BYTE_HEADER, codec.payload_numel
+            dtype, payload = self._param_dtype(s), self._shard_numel(s)
+        else:
+            codec = self._codecs[s] if self._codecs else self.codec(s, 0)
+            dtype, payload = codec.payload_dtype, codec.payload_numel
+        header_bytes = _KIND_BYTES + _LR_BYTES * self._groups
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        assert header_bytes % itemsize == 0, dtype
+        return dtype, header_bytes // itemsize, payload
 
     @property
     def layout(self) -> dict[str, int]:
@@ -186,14 +228,38 @@ class ParameterServer:
         return {"workers": self.num_workers, "servers": self.servers}
 
     def _message(self, s: int, kind: float, payload: torch.Tensor | None = None) -> torch.Tensor:
-        """A message of ``kind`` to server ``s``: the header, then ``payload`` (zeros when
-        None: a receive is posted for a push's size before the server knows what comes)."""
+        """A message of ``kind`` to server ``s``: the header (the kind and this worker's lr of
+        every param group), then ``payload`` (zeros when None: a receive is posted for a push's
+        size before the server knows what comes)."""
         dtype, header, size = self.wire(s)
         msg = torch.zeros(header + size, dtype=dtype)
         msg[0] = kind
+        msg[:header].view(torch.uint8)[_KIND_BYTES:] = self._current_lrs().view(torch.uint8)
         if payload is not None:
             msg[header:] = payload
         return msg
+
+    def _current_lrs(self) -> torch.Tensor:
+        """The lr of each of the optimizer's param groups now (NaN where a group has none):
+        what a scheduler on the workers set, for the server to apply."""
+        assert self._ctx is not None
+        groups = self._ctx.optimizer.param_groups
+        if len(groups) != self._groups:
+            raise UsageError(
+                f"the optimizer has {len(groups)} param groups, but had {self._groups} when the "
+                "Synchronizer was built: the parameter servers cannot follow groups added later"
+            )
+        return torch.tensor([float(g.get("lr", math.nan)) for g in groups], dtype=torch.float64)
+
+    def read_lrs(self, message: torch.Tensor) -> list[float]:
+        """Server side: the worker's lr per param group, from a message's header."""
+        start, stop = _KIND_BYTES, _KIND_BYTES + _LR_BYTES * self._groups
+        raw = message.view(torch.uint8)[start:stop].clone()
+        return raw.view(torch.float64).tolist()
+
+    def group_of(self, s: int) -> list[int]:
+        """The user's param group of each parameter of server ``s``'s shard (-1: none)."""
+        return [self._group_of[i] for i in self._shards[s]]
 
     def _control(self, kind: float) -> list[torch.Tensor]:
         """A payload-less message of ``kind`` for every server."""
@@ -226,21 +292,22 @@ class ParameterServer:
             payload = self._codecs[s].encode(flat, step) if self.compressed else flat
             pushes.append(self._message(s, _GRADIENT, payload))
         held = self._exchange(pushes, step)
+        # The optimizer steps on the servers. Record that it ran, as torch's wrapper of
+        # optimizer.step() does, so an LR scheduler stepped here does not warn that it never did.
+        assert self._ctx is not None
+        self._ctx.optimizer._opt_called = True  # type: ignore[attr-defined]
         nbytes = sum(p.numel() * p.element_size() for p in pushes)
         return StepOutcome(bytes_sent=nbytes, barrier=False, idle=held)
 
-    def _exchange(self, pushes: list[torch.Tensor], step: int | str) -> float:
+    def _exchange(self, pushes: list[torch.Tensor], step: int | str, sent: str = "push") -> float:
         """Send one message to every server and install the parameters they send back."""
         # Replies always carry parameters (in their dtype), whatever the pushes were encoded as.
         replies = [
             torch.empty(1 + self._shard_numel(s), dtype=self._param_dtype(s))
             for s in range(len(pushes))
         ]
-        works = self._post(pushes, replies, step)
-        for s, work in works:
-            self._wait(
-                work, f"the reply of parameter server rank {self.server_rank(s)} at step {step}"
-            )
+        for what, work in self._post(pushes, replies, step, sent):
+            self._wait(work, what)
         held = 0.0
         with torch.no_grad():
             for s, reply in enumerate(replies):
@@ -249,22 +316,30 @@ class ParameterServer:
         return held
 
     def _post(
-        self, msgs: list[torch.Tensor], replies: list[torch.Tensor] | None, step: int | str
-    ) -> list[tuple[int, Any]]:
-        """Post a send of ``msgs[s]`` to server s (and a receive of ``replies[s]``)."""
+        self,
+        msgs: list[torch.Tensor],
+        replies: list[torch.Tensor] | None,
+        step: int | str,
+        sent: str,
+    ) -> list[tuple[str, Any]]:
+        """Post a send of ``msgs[s]`` to server s (and a receive of ``replies[s]``); returns
+        each posted operation with what to call it when it fails (``sent``: what the send is)."""
         works = []
         for s, msg in enumerate(msgs):
             dst = self._global(self.server_rank(s))
             # gloo raises at posting time, not only at wait, when the server's connection is
             # already closed (it died): both must name the server.
-            what = f"parameter server rank {self.server_rank(s)} at step {step}"
+            server = f"parameter server rank {self.server_rank(s)} at step {step}"
             try:
-                works.append((s, dist.isend(msg, dst=dst, group=self._group)))
+                works.append(
+                    (f"the {sent} to {server}", dist.isend(msg, dst=dst, group=self._group))
+                )
                 if replies is not None:
-                    works.append((s, dist.irecv(replies[s], src=dst, group=self._group)))
+                    recv = dist.irecv(replies[s], src=dst, group=self._group)
+                    works.append((f"the reply of {server}", recv))
             except RuntimeError as exc:
                 raise SyncTimeoutError(
-                    f"sending to {what} failed: {str(exc).splitlines()[0]}"
+                    f"sending to {server} failed: {str(exc).splitlines()[0]}"
                 ) from exc
         return works
 
@@ -274,13 +349,8 @@ class ParameterServer:
         assert not self.is_server  # resume.save() refuses servers with a message
         if self._finished:
             raise UsageError("training already finished (report() ended it): nothing to save")
-        msgs = self._control(_CHECKPOINT)
-        for s, work in self._post(msgs, None, step):
-            self._wait(
-                work,
-                f"the checkpoint request to parameter server rank {self.server_rank(s)} "
-                f"at step {step}",
-            )
+        for what, work in self._post(self._control(_CHECKPOINT), None, step, "checkpoint request"):
+            self._wait(work, what)
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -312,7 +382,7 @@ class ParameterServer:
         if self.is_server or self._finished:
             return
         self._finished = True
-        self._exchange(self._control(_DONE), "end")
+        self._exchange(self._control(_DONE), "end", "end-of-training message")
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Workers agree only at the end, once every one has fetched the final parameters."""

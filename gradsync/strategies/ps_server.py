@@ -13,6 +13,14 @@ receive timeout). Once every unfinished worker has asked, no reply is pending ei
 worker waited for its last reply before asking), and the server hands its state (its
 parameters, its optimizer's state and the clocks) to the ``checkpoint`` callback, then lets
 the receivers go on.
+
+Shutdown, in order: a receiver thread returns right after delivering its worker's ``_DONE``,
+so once every worker is done no receive is posted; the server then sends every worker the
+final parameters, waits until every send it made has completed, and joins the receiver
+threads. Each worker, in ``finalize()``, has waited for its ``_DONE`` send and for that reply.
+Only then do servers and workers meet in the final collectives (replica check, telemetry) and
+the final handshake (``Synchronizer._final_handshake``), so no rank leaves while a peer still
+talks to it.
 """
 
 from __future__ import annotations
@@ -49,17 +57,35 @@ class _Pull:
 
 
 def _server_optimizer(
-    user: torch.optim.Optimizer, params: list[torch.Tensor]
-) -> torch.optim.Optimizer:
-    """The user's optimizer class and hyper-parameters, over this server's shard.
+    user: torch.optim.Optimizer, params: list[torch.Tensor], group_of: list[int]
+) -> tuple[torch.optim.Optimizer | None, list[int]]:
+    """The user's optimizer class over this server's shard, each parameter in a group with the
+    hyper-parameters of its group in ``user`` (``group_of``: its index there, -1 for none).
 
-    A param group also holds keys the constructor does not take (schedulers' ``initial_lr``,
-    AdamW's ``decoupled_weight_decay`` in recent torch), so only the constructor's own keyword
-    arguments are passed on.
-    """
+    Returns the optimizer (None when no parameter of the shard is in any group: nothing here is
+    ever updated) and, for each of its groups, the index of the user's group it copies.
+    Only the constructor's own keyword arguments are passed as defaults (the optimizer's
+    ``defaults`` may hold others, such as AdamW's ``decoupled_weight_decay`` in recent torch),
+    and only hyper-parameter keys (those in ``defaults``) are copied from a group, leaving out
+    what schedulers add (``initial_lr``)."""
     accepted = inspect.signature(type(user).__init__).parameters
-    hyper = {k: v for k, v in user.param_groups[0].items() if k != "params" and k in accepted}
-    return type(user)(params, **hyper)
+    defaults = {k: v for k, v in user.defaults.items() if k in accepted}
+    groups: list[dict[str, Any]] = []
+    source: list[int] = []
+    for g, group in enumerate(user.param_groups):
+        mine = [p for p, of in zip(params, group_of, strict=True) if of == g]
+        if not mine:
+            continue
+        hyper = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in group.items()
+            if k != "params" and k in user.defaults
+        }
+        groups.append({"params": mine, **hyper})
+        source.append(g)
+    if not groups:
+        return None, []
+    return type(user)(groups, **defaults), source
 
 
 class _Receivers:
@@ -105,8 +131,15 @@ class _Receivers:
                 self._go[w].get()
 
     def join(self) -> None:
-        for t in self.threads:
-            t.join(timeout=1.0)
+        """After every worker's ``_DONE``: each thread returned right after delivering it, so
+        no receive is left posted when the server goes on to the final collectives."""
+        for w, t in enumerate(self.threads):
+            t.join(timeout=self._ps.timeout.total_seconds())
+            if t.is_alive():
+                raise SyncTimeoutError(
+                    f"parameter server rank {self._ps.rank}: the receiver of worker rank {w} "
+                    "did not end after that worker finished"
+                )
 
 
 class _Server:
@@ -124,7 +157,9 @@ class _Server:
         shard = [ps._params[i] for i in ps._shards[s]]
         # The server owns its own copies: the model object on this rank is only a shape template.
         self.params = [p.detach().clone().requires_grad_(True) for p in shard]
-        self.optimizer = _server_optimizer(ctx.optimizer, self.params)
+        self.optimizer, self.group_source = _server_optimizer(
+            ctx.optimizer, self.params, ps.group_of(s)
+        )
         self.numel = sum(p.numel() for p in self.params)
         self.dtype = self.params[0].dtype if self.params else torch.float32
         self.workers = ps.num_workers
@@ -149,7 +184,7 @@ class _Server:
         """Tensors and plain values only, so ``torch.load(weights_only=True)`` reads it."""
         return {
             "params": [p.detach().clone() for p in self.params],
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
             "pushed": list(self.pushed),
             "fresh_through": list(self.fresh_through),
             "checkpoints": list(self.stats.checkpoints),
@@ -170,7 +205,8 @@ class _Server:
         with torch.no_grad():
             for p, t in zip(self.params, saved, strict=True):
                 p.copy_(t)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.pushed = [int(c) for c in state["pushed"]]
         self.fresh_through = [int(k) for k in state["fresh_through"]]
         self.stats.checkpoints = [int(c) for c in state.get("checkpoints", [])]
@@ -209,10 +245,25 @@ class _Server:
         for p in self.params:
             p.grad = grad[offset : offset + p.numel()].view_as(p) / self.workers
             offset += p.numel()
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self._set_lrs(self.ps.read_lrs(message))
+            self.optimizer.step()
         self.stats.updates.append(AppliedUpdate(w, self.pushed[w], self.fresh_through[w]))
         self.pushed[w] += 1
         self.pending[w] = _Pull(clock=self.pushed[w], since=time.perf_counter())
+
+    def _set_lrs(self, lrs: list[float]) -> None:
+        """This push's step uses the lr the worker's optimizer had for each group (its
+        scheduler's, if it has one)."""
+        assert self.optimizer is not None
+        for group, g in zip(self.optimizer.param_groups, self.group_source, strict=True):
+            lr = lrs[g]
+            if math.isnan(lr):  # the user's group has no lr
+                continue
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
 
     def allowed(self, clock: int) -> bool:
         # Clock c may start once every worker's updates from clocks <= c - S - 1 are applied,
@@ -254,11 +305,26 @@ class _Server:
             ) from exc
 
     def finish(self) -> None:
+        """Send every worker the final parameters and wait until every send has completed (the
+        earlier replies too), so none is in flight when the final collectives begin."""
         final = self.snapshot()
         for w in range(self.workers):
             self.reply(w, 0.0, final)
+        timeout = self.ps.timeout
         for work in self.sends:
-            work.wait(timeout=self.ps.timeout)
+            try:
+                ok = work.wait(timeout=timeout)
+            except RuntimeError as exc:
+                raise SyncTimeoutError(
+                    f"parameter server rank {self.ps.rank}: sending the final parameters "
+                    f"failed: {str(exc).splitlines()[0]}"
+                ) from exc
+            if ok is False:
+                raise SyncTimeoutError(
+                    f"parameter server rank {self.ps.rank}: a reply was not taken within "
+                    f"{timeout.total_seconds():.0f}s"
+                )
+        self.sends.clear()
 
 
 def run_server(

@@ -1,0 +1,102 @@
+"""Parameter-server pieces that need no process group: sharding, the servers' optimizer, and
+the validation of ``--servers``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradsync as gs
+from gradsync.config import RunConfig
+from gradsync.errors import UsageError
+from gradsync.strategies.ps import shard_by_size
+from gradsync.strategies.ps_server import _server_optimizer
+
+# -- shard_by_size --------------------------------------------------------------------------
+
+
+def test_shard_by_size_places_largest_first_on_the_least_loaded_server() -> None:
+    # 100 -> s0; 60 -> s1; 50 -> s1 (60 < 100); 40 -> s0 (100 < 110); 10 -> s1 (110 < 140)
+    assert shard_by_size([10, 100, 50, 60, 40], 2) == [[1, 4], [0, 2, 3]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 10_000), min_size=1, max_size=40),
+    servers=st.integers(1, 8),
+)
+def test_shard_by_size_every_tensor_once_balanced_and_deterministic(
+    sizes: list[int], servers: int
+) -> None:
+    shards = shard_by_size(sizes, servers)
+    assert len(shards) == servers
+    assert sorted(i for shard in shards for i in shard) == list(range(len(sizes)))  # each once
+    assert all(shard == sorted(shard) for shard in shards)
+    loads = [sum(sizes[i] for i in shard) for shard in shards]
+    # Greedy onto the least loaded: no server exceeds another by more than one tensor's size.
+    assert max(loads) - min(loads) <= max(sizes)
+    if servers <= len(sizes):
+        assert all(shards)  # nobody is left without a tensor
+    assert shard_by_size(list(sizes), servers) == shards  # same input, same layout
+
+
+# -- the servers' optimizer -----------------------------------------------------------------
+
+
+def _model_and_groups() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    w0, b0, w1, b1 = model.parameters()
+    opt = torch.optim.SGD(
+        [
+            {"params": [w0, w1], "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+            {"params": [b0], "lr": 0.5, "momentum": 0.0, "nesterov": False},
+        ],
+        lr=1.0,
+    )
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # adds initial_lr to every group
+    return model, opt
+
+
+def test_server_optimizer_keeps_each_parameters_group() -> None:
+    model, user = _model_and_groups()
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    group_of = [0, 1, 0, -1]  # w0, b0, w1 in their groups; b1 in none
+    server, source = _server_optimizer(user, params, group_of)
+    assert server is not None and type(server) is torch.optim.SGD
+    assert source == [0, 1]
+    first, second = server.param_groups
+    assert [id(p) for p in first["params"]] == [id(params[0]), id(params[2])]
+    assert [id(p) for p in second["params"]] == [id(params[1])]
+    assert (first["lr"], first["momentum"], first["weight_decay"]) == (0.1, 0.9, 0.01)
+    assert (second["lr"], second["momentum"], second["weight_decay"]) == (0.5, 0.0, 0.0)
+    assert "initial_lr" not in first  # a scheduler's bookkeeping, not a hyper-parameter
+    # b1 is in no group of the user's optimizer: the server never updates it either
+    assert all(id(p) != id(params[3]) for g in server.param_groups for p in g["params"])
+
+
+def test_server_optimizer_is_none_for_a_shard_outside_every_group() -> None:
+    model, user = _model_and_groups()
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    assert _server_optimizer(user, params[3:], [-1]) == (None, [])
+
+
+# -- validation of --servers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "local:4", "diloco:8"])
+def test_servers_with_a_strategy_that_has_none_is_refused(strategy: str) -> None:
+    with pytest.raises(UsageError, match=rf"--servers 2 is for .*ssp:S, async.*{strategy}"):
+        RunConfig(strategy=strategy, servers=2, out="unused")
+    with pytest.raises(UsageError, match=rf"servers=2 is for .*strategy {strategy} runs no"):
+        gs.parse_strategy(strategy, servers=2)
+    RunConfig(strategy=strategy, out="unused")  # the default (1) is fine
+
+
+def test_more_servers_than_parameter_tensors_is_refused_naming_the_count() -> None:
+    # the mlp workload has 6 trainable tensors (3 layers: weight and bias each)
+    with pytest.raises(UsageError, match="--servers 7 is more than the 6 trainable parameter"):
+        RunConfig(strategy="async", workload="mlp", servers=7, nproc=1, out="unused")
+    RunConfig(strategy="async", workload="mlp", servers=6, nproc=1, out="unused")
