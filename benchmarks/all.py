@@ -24,7 +24,15 @@ from benchmarks.mdtable import machine, table, write_section  # noqa: E402
 
 # In the order `make bench` has always used: cheap loopback ones first, the cluster (which
 # needs root) last, so a machine without root still regenerates everything else.
-BENCHMARKS = ("bsp_vs_ddp", "compression", "dial", "balance", "sim_calibration", "reliability")
+BENCHMARKS = (
+    "bsp_vs_ddp",
+    "compression",
+    "ps_transport",
+    "dial",
+    "balance",
+    "sim_calibration",
+    "reliability",
+)
 CLUSTER = "cluster"
 BUDGET_MIN = 30.0
 

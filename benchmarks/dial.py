@@ -1,6 +1,7 @@
 """The synchronization dial with a straggler: every strategy against BSP, 4 workers, charlm.
 
-    python benchmarks/dial.py [--repeats 3] [--steps 150] [--target 2.5] [--write]
+    python benchmarks/dial.py [--repeats 3] [--steps 150] [--target 2.5]
+                              [--jitter-repeats 2] [--write]
 
 Each repeat runs `gradsync.compare.run_comparison` over bsp, ssp:2, async, local:8, diloco:16
 (ssp and async add one parameter-server process), same seed, rank 3 slowed 2x (`slow="3:2"`),
@@ -10,6 +11,10 @@ repeats. Samples/s and seconds to the target loss are run_comparison's: all work
 over the wall time from the first step's start to the last step's end, and the first step at
 which the 10-step moving average of the loss (mean over workers) is at or below the target,
 stamped with the time the slowest worker finished that step.
+
+A second, shorter configuration (`--jitter-repeats`, 0 to skip) runs bsp, ssp:2 and async with
+a straggler that moves: at step s, rank s mod 4 is slowed 3x for that one step. That is where
+the staleness slack can pay off, unlike with a straggler that stays slow.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from gradsync.compare import _dirname, run_comparison  # noqa: E402
 from gradsync.config import RunConfig  # noqa: E402
 from gradsync.strategies.base import uses_servers  # noqa: E402
 from gradsync.telemetry.records import StepRecord, read_records  # noqa: E402
+from gradsync.workloads import make_workload  # noqa: E402
 
 COMMAND = "python benchmarks/dial.py --write"
 STRATEGIES = ("bsp", "ssp:2", "async", "local:8", "diloco:16")
@@ -37,6 +43,27 @@ SLOW = "3:2"
 NPROC = 4
 SEED = 0
 EXPECTED_SPEEDUP = 1.3  # the issue's expectation for ssp and async against BSP
+JITTER_STRATEGIES = ("bsp", "ssp:2", "async")
+JITTER_STEPS = 50
+JITTER_FACTOR = 3.0
+
+
+def jitter_slow(steps: int, nproc: int = NPROC, factor: float = JITTER_FACTOR) -> str:
+    """A straggler that moves every step: rank s mod nproc is slowed ``factor``x at step s."""
+    return ",".join(f"{s % nproc}:{factor:g}@{s}-{s + 1}" for s in range(steps))
+
+
+def _slow_rank_and_factor(slow: str) -> tuple[int, float]:
+    rank, _, factor = slow.partition(":")
+    return int(rank), float(factor.partition("@")[0])
+
+
+def _all_busy_stop(records: list[StepRecord]) -> float:
+    """When the first worker finished its last step."""
+    ends: dict[int, float] = {}
+    for r in records:
+        ends[r.rank] = max(ends.get(r.rank, 0.0), r.time + r.compute + r.sync)
+    return min(ends.values())
 
 
 def all_busy_rate(records: list[StepRecord]) -> float:
@@ -47,15 +74,50 @@ def all_busy_rate(records: list[StepRecord]) -> float:
     clock when the first worker finishes, counting the steps completed by then.
     """
     start = min(r.time for r in records)
-    ends: dict[int, float] = {}
-    for r in records:
-        ends[r.rank] = max(ends.get(r.rank, 0.0), r.time + r.compute + r.sync)
-    stop = min(ends.values())
+    stop = _all_busy_stop(records)
     done = sum(r.samples for r in records if r.time + r.compute + r.sync <= stop)
     return done / (stop - start) if stop > start else 0.0
 
 
-def run(args: argparse.Namespace, out: Path) -> list[dict[str, dict[str, Any]]]:
+def straggler_step_s(records: list[StepRecord], rank: int) -> float | None:
+    """Mean wall time (compute + sync) of ``rank``'s steps while every worker trained."""
+    stop = _all_busy_stop(records)
+    mine = [
+        r.compute + r.sync
+        for r in records
+        if r.rank == rank and r.time + r.compute + r.sync <= stop
+    ]
+    return sum(mine) / len(mine) if mine else None
+
+
+def run_set(
+    base: RunConfig,
+    strategies: list[str],
+    repeats: int,
+    target: float | None,
+    out: Path,
+    slow_rank: int | None,
+) -> list[dict[str, dict[str, Any]]]:
+    """``repeats`` comparisons of ``strategies`` (forward, then reversed order), each row with
+    the while-all-train rate and the straggler's step time added."""
+    results = []
+    for r in range(repeats):
+        order = list(strategies) if r % 2 == 0 else list(reversed(strategies))
+        rep_out = out / f"repeat{r}"
+        print(f"repeat {r + 1}/{repeats}: {', '.join(order)}", file=sys.stderr)
+        result = run_comparison(replace(base, out=str(rep_out)), order, target, show_progress=False)
+        rows = {row["strategy"]: row for row in result["rows"]}
+        for spec, row in rows.items():
+            records = read_records(rep_out / _dirname(spec))
+            row["all_busy_samples_per_s"] = all_busy_rate(records)
+            row["straggler_step_s"] = (
+                None if slow_rank is None else straggler_step_s(records, slow_rank)
+            )
+        results.append(rows)
+    return results
+
+
+def run(args: argparse.Namespace, out: Path) -> dict[str, list[dict[str, dict[str, Any]]]]:
     base = RunConfig(
         nproc=NPROC,
         workload=args.workload,
@@ -66,19 +128,22 @@ def run(args: argparse.Namespace, out: Path) -> list[dict[str, dict[str, Any]]]:
         plots=False,
         out=str(out),
     )
-    repeats = []
-    for r in range(args.repeats):
-        order = list(args.strategies) if r % 2 == 0 else list(reversed(args.strategies))
-        rep_out = out / f"repeat{r}"
-        print(f"repeat {r + 1}/{args.repeats}: {', '.join(order)}", file=sys.stderr)
-        result = run_comparison(
-            replace(base, out=str(rep_out)), order, args.target, show_progress=False
+    sets = {
+        "straggler": run_set(
+            base,
+            args.strategies,
+            args.repeats,
+            args.target,
+            out / "straggler",
+            _slow_rank_and_factor(SLOW)[0],
         )
-        rows = {row["strategy"]: row for row in result["rows"]}
-        for spec, row in rows.items():
-            row["all_busy_samples_per_s"] = all_busy_rate(read_records(rep_out / _dirname(spec)))
-        repeats.append(rows)
-    return repeats
+    }
+    if args.jitter_repeats > 0:
+        jitter = replace(base, steps=args.jitter_steps, slow=jitter_slow(args.jitter_steps))
+        sets["jitter"] = run_set(
+            jitter, list(JITTER_STRATEGIES), args.jitter_repeats, None, out / "jitter", None
+        )
+    return sets
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -100,9 +165,9 @@ def _vs_bsp(repeats: list[dict[str, dict[str, Any]]], s: str, key: str) -> float
     return _median([_ratio(rep[s][key], rep["bsp"][key]) for rep in repeats])
 
 
-def render(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
-    strategies = list(args.strategies)
-    n = len(repeats)
+def _summary(
+    repeats: list[dict[str, dict[str, Any]]], strategies: list[str]
+) -> dict[str, dict[str, Any]]:
     summary: dict[str, dict[str, Any]] = {}
     for s in strategies:
         rows = [rep[s] for rep in repeats]
@@ -117,13 +182,38 @@ def render(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
             "final": _median([r["final_loss"] for r in rows]),
             "mb": _median([r["mb_sent"] for r in rows]),
             "tax": _median([r["barrier_tax"] for r in rows]),
+            "straggler_ms": _median(
+                [
+                    None if r.get("straggler_step_s") is None else r["straggler_step_s"] * 1e3
+                    for r in rows
+                ]
+            ),
         }
+    return summary
+
+
+def _optimizer_name(workload: str) -> str:
+    """The class of the workload's optimizer, which the parameter server rebuilds."""
+    w = make_workload(workload, seed=SEED)
+    return type(w.make_optimizer(w.build_model(), w.default_lr)).__name__
+
+
+def render(
+    sets: dict[str, list[dict[str, dict[str, Any]]]],
+    args: argparse.Namespace,
+    optimizer: str | None = None,
+) -> str:
+    strategies = list(args.strategies)
+    repeats = sets["straggler"]
+    n = len(repeats)
+    summary = _summary(repeats, strategies)
     body = table(
         [
             "strategy",
             "samples/s",
             "samples/s / BSP",
             "samples/s while all train / BSP",
+            "straggler ms/step while all train",
             "steps to target",
             "s to target",
             "s to target / BSP",
@@ -138,6 +228,7 @@ def render(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
                 _fmt(m["sps"], ".0f"),
                 _fmt(m["sps_ratio"], ".2f"),
                 _fmt(m["busy_ratio"], ".2f"),
+                _fmt(m["straggler_ms"], ".1f"),
                 _fmt(m["steps_to"], ".0f"),
                 _fmt(m["s_to"], ".1f"),
                 _fmt(m["s_ratio"], ".2f"),
@@ -151,28 +242,85 @@ def render(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
     )
     cores = os.cpu_count() or 1
     servers = any(uses_servers(s) for s in strategies)
+    opt = optimizer if optimizer is not None else _optimizer_name(args.workload)
     head = (
         "## The synchronization dial with a straggler (issue 3)\n\n"
         f"Command: `{COMMAND}` (repeats {args.repeats}, {args.steps} steps per worker, seed "
-        f"{SEED}, target loss {args.target}). Machine: {machine()}. Workload {args.workload}, "
-        f"{NPROC} workers (plus 1 parameter server for ssp/async), batch 16 per worker, "
-        f"1 thread per process, gloo on loopback, rank 3 slowed 2x (`--slow {SLOW}`). Medians "
+        f"{SEED}, target loss {args.target}). Machine: {machine()}. Workload {args.workload} "
+        f"({opt}), {NPROC} workers (plus 1 parameter server for ssp/async), batch 16 per "
+        "worker, 1 thread per process, gloo on loopback, rank 3 slowed 2x "
+        f"(`--slow {SLOW}`). Medians "
         "over repeats of per-repeat ratios against BSP; strategies run in alternating order "
         "(forward, then reversed). `samples/s` is all workers' samples over the wall time from "
         "the first step to the last; `while all train` stops the clock when the first worker "
         "finishes its steps. Time to target: first step whose 10-step moving-average loss is "
-        "at or below the target, at the time the slowest worker finished that step.\n"
+        "at or below the target, at the time the slowest worker finished that step. MB sent: "
+        "every rank's payload, for ssp/async the workers' pushes plus the servers' replies "
+        "(the pulled parameters), so about twice BSP's.\n"
     )
-    return head + "\n" + body + "\n\n" + _findings(summary, strategies, n, cores, servers) + "\n"
+    text = (
+        head
+        + "\n"
+        + body
+        + "\n\n"
+        + _findings(summary, strategies, n, cores, servers, args.steps, opt)
+        + "\n"
+    )
+    if "jitter" in sets:
+        text += "\n" + _render_jitter(sets["jitter"], args)
+    return text
+
+
+def _render_jitter(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
+    strategies = [s for s in JITTER_STRATEGIES if s in repeats[0]]
+    m = _summary(repeats, strategies)
+    body = table(
+        ["strategy", "samples/s", "samples/s / BSP", "final loss", "barrier tax"],
+        [
+            [
+                s,
+                _fmt(m[s]["sps"], ".0f"),
+                _fmt(m[s]["sps_ratio"], ".2f"),
+                _fmt(m[s]["final"], ".4f"),
+                _fmt(m[s]["tax"], ".1%"),
+            ]
+            for s in strategies
+        ],
+    )
+    gains = [f"{s} {_fmt(m[s]['sps_ratio'], '.2f')}x" for s in strategies if s != "bsp"]
+    # Ideal: BSP pays the slowed rank's step every step; with enough slack every worker pays
+    # its own slow step once every NPROC steps.
+    ideal = JITTER_FACTOR / (1 + (JITTER_FACTOR - 1) / NPROC)
+    return (
+        "### A moving straggler\n\n"
+        f"The same set-up with {args.jitter_steps} steps per worker and "
+        f"{args.jitter_repeats} repeat{'s' if args.jitter_repeats != 1 else ''}, but at step "
+        f"s rank s mod {NPROC} is slowed "
+        f"{JITTER_FACTOR:g}x for that step only (`--slow 0:{JITTER_FACTOR:g}@0-1,"
+        f"1:{JITTER_FACTOR:g}@1-2,...`): every worker is as slow as every other on average, "
+        "and each step has one straggler. BSP waits for it every step; a staleness slack "
+        "lets the others run on and the slowed worker catch up on its next fast steps.\n\n"
+        f"{body}\n\nAgainst BSP: {', '.join(gains)} (ideal with enough slack and a core per "
+        f"process: {ideal:.2f}x, every worker paying its own slow step once every {NPROC} "
+        "steps instead of every step paying one).\n"
+    )
 
 
 def _findings(
-    m: dict[str, dict[str, Any]], strategies: list[str], n: int, cores: int, servers: bool
+    m: dict[str, dict[str, Any]],
+    strategies: list[str],
+    n: int,
+    cores: int,
+    servers: bool,
+    steps: int,
+    optimizer: str,
 ) -> str:
     """Sentences generated from the measured medians: expectation met or not, and why."""
+    slow_rank, factor = _slow_rank_and_factor(SLOW)
     out = []
-    for s in ("ssp:2", "async"):
-        if s not in m or m[s]["sps_ratio"] is None:
+    ps = [s for s in strategies if uses_servers(s)]
+    for s in ps:
+        if m[s]["sps_ratio"] is None:
             continue
         met = m[s]["sps_ratio"] >= EXPECTED_SPEEDUP
         out.append(
@@ -186,9 +334,28 @@ def _findings(
         f"Reached the target loss in every repeat: {', '.join(reached) or 'none'}"
         + (f"; not in every repeat: {', '.join(missed)}." if missed else ".")
     )
+    paragraphs = [" ".join(out)]
+    if ps:
+        paragraphs += _why_not_faster(m, ps, steps, factor, slow_rank, cores)
+    for s in ps:
+        if not s.startswith("ssp") or m[s]["steps_to"] is None or m["bsp"]["steps_to"] is None:
+            continue
+        if "adam" in optimizer.lower() and m[s]["steps_to"] < m["bsp"]["steps_to"]:
+            paragraphs.append(
+                f"Why {s} reached the target in fewer steps than BSP ({m[s]['steps_to']:.0f} "
+                f"against {m['bsp']['steps_to']:.0f}): the server applies every push with the "
+                f"workload's optimizer ({optimizer}), scaled by 1/W so that, with plain SGD, a "
+                f"round of W pushes moves as far as one BSP step. {optimizer} normalises each "
+                "coordinate's update by its running gradient scale, which cancels the 1/W: "
+                f"each push then moves the parameters about as far as a whole BSP step, and a "
+                f"round of {NPROC} pushes about {NPROC} times as far, on {NPROC} gradients of "
+                "one worker's batch each instead of their mean. Per step index that is more "
+                "progress than BSP (with more noise per update), so the step counts are not "
+                "the same unit of work across these strategies."
+            )
     procs = NPROC + (1 if servers else 0)
     if cores < procs:
-        out.append(
+        paragraphs.append(
             f"This machine has {cores} cores for {NPROC} workers"
             + (" plus a server" if servers else "")
             + ", so processes time-share cores and no strategy runs as it would with a core "
@@ -203,14 +370,105 @@ def _findings(
             + ". The ratios here can therefore differ in either direction from those on a "
             "machine with a core per process."
         )
-    if servers:
+    return "\n\n".join(paragraphs)
+
+
+def _why_not_faster(
+    m: dict[str, dict[str, Any]],
+    ps: list[str],
+    steps: int,
+    factor: float,
+    slow_rank: int,
+    cores: int,
+) -> list[str]:
+    """Why the parameter server cannot reach the expected speed-up with this straggler."""
+    out = []
+    ideal = ((NPROC - 1) * factor + 1) / NPROC
+    missed = [
+        s for s in ps if m[s]["sps_ratio"] is not None and m[s]["sps_ratio"] < EXPECTED_SPEEDUP
+    ]
+    if missed:
         out.append(
-            "Every worker runs the same number of steps, so under ssp and async the run's wall "
-            "time still ends when the straggler finishes its own steps; the whole-run samples/s "
-            "therefore includes a tail in which only the straggler trains, which the "
-            "while-all-train column leaves out."
+            f"Why not {EXPECTED_SPEEDUP}x over the whole run: every worker runs the same "
+            f"{steps} steps, so the run ends when the straggler (rank {slow_rank}, "
+            f"{factor:g}x) finishes its own, under ssp and async as under BSP. The run's samples "
+            "are fixed, so with a core per process whole-run samples/s can exceed BSP's only by "
+            "what BSP adds to the straggler's own step (its all-reduce; it never waits at the "
+            "barrier, it is the one waited for), whatever the strategy; the fast workers' head "
+            "start only ends in a tail where the straggler trains alone. The while-all-train "
+            "column is the figure that can show a gain: with "
+            f"{NPROC - 1} workers at full speed and one at 1/{factor:g}, its ideal is "
+            f"(({NPROC - 1} × {factor:g} + 1) / {NPROC}) = {ideal:.2f}x BSP's."
         )
-    return " ".join(out)
+    for s in ps:
+        busy = m[s]["busy_ratio"]
+        if not s.startswith("ssp") or busy is None or busy >= EXPECTED_SPEEDUP:
+            continue
+        bound = int(s.split(":")[1])
+        extra = (NPROC - 1) * bound / (NPROC * steps)
+        out.append(
+            f"Why {s} stays near BSP even while all train "
+            f"({_fmt(m[s]['busy_ratio'], '.2f')}x): a fast worker may be at most {bound} "
+            "steps ahead of the slowest one. With a straggler that stays "
+            f"{factor:g}x slower, the fast workers are {bound} steps ahead after a few steps "
+            "and from then on wait for it at every step, so everyone moves at the straggler's "
+            f"pace, as under BSP. The slack is worth at most {bound} extra steps per fast "
+            f"worker over the run, {NPROC - 1} × {bound} of {NPROC} × {steps} worker-steps "
+            f"({extra:.1%} more samples): {EXPECTED_SPEEDUP}x is out of reach by design for "
+            "a persistent straggler, and what is left is the parameter server's own cost "
+            "(a push/pull round trip through one server each step, and the server's CPU). "
+            "SSP pays off when slowness is transient or jittery: the slack absorbs a slow "
+            "step and the straggler catches up afterwards."
+        )
+    if "async" in ps and m["async"]["s_ratio"] is not None and m["bsp"]["steps_to"]:
+        a, b = m["async"], m["bsp"]
+        staleness = (NPROC - 1) * factor
+        if a["steps_to"] is not None and a["steps_to"] <= 1.1 * b["steps_to"]:
+            text = (
+                f"Time to target under async: about as many steps as BSP ({a['steps_to']:.0f} "
+                f"against {b['steps_to']:.0f}), so its stale gradients cost little progress "
+                f"per step index here, but {a['s_ratio']:.2f}x BSP's time."
+            )
+        else:
+            text = (
+                f"Time to target under async: {_fmt(a['steps_to'], '.0f')} steps against "
+                f"BSP's {b['steps_to']:.0f}, and {a['s_ratio']:.2f}x BSP's time. Its gradients "
+                f"are stale: each of the straggler's is applied after about {staleness:.0f} "
+                "pushes of the fast workers have moved the parameters it was computed from, "
+                "and the fast workers' miss the straggler's latest, so each update is worth "
+                "less."
+            )
+        text += (
+            " A step's loss is the mean over the workers at that step index, stamped when the "
+            "slowest worker finished it, so the time to target is the straggler's time to "
+            "reach that step: the fast workers' extra steps help only through the parameters "
+            "the straggler pulls."
+        )
+        slower = (
+            a["straggler_ms"] is not None
+            and b["straggler_ms"] is not None
+            and a["straggler_ms"] > 1.05 * b["straggler_ms"]
+        )
+        if slower:
+            text += (
+                " And the straggler itself ran more slowly than under BSP (its steps took "
+                f"{a['straggler_ms']:.0f} ms against {b['straggler_ms']:.0f} ms while all "
+                "trained, push/pull included)"
+                + (
+                    f": it shares the {cores} cores with {NPROC - 1} fast workers and the "
+                    "server, which never wait for it, while under BSP the others block at the "
+                    "barrier and leave it the CPU."
+                    if cores < NPROC + 1
+                    else "."
+                )
+            )
+        if a["sps_ratio"]:
+            text += (
+                f" Over the whole run, async's wall time (the straggler's) was "
+                f"{1 / a['sps_ratio']:.2f}x BSP's."
+            )
+        out.append(text)
+    return out
 
 
 def main() -> None:
@@ -222,6 +480,13 @@ def main() -> None:
     parser.add_argument(
         "--strategies", default=",".join(STRATEGIES), help="comma-separated; must include bsp"
     )
+    parser.add_argument(
+        "--jitter-repeats",
+        type=int,
+        default=2,
+        help="repeats of the moving-straggler set (bsp, ssp:2, async); 0 skips it",
+    )
+    parser.add_argument("--jitter-steps", type=int, default=JITTER_STEPS)
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (not for tables)")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     args = parser.parse_args()
@@ -230,9 +495,10 @@ def main() -> None:
         parser.error("--strategies must include bsp: every figure is a ratio against it")
     if args.quick:
         args.repeats, args.steps = 2, 20
+        args.jitter_repeats, args.jitter_steps = min(args.jitter_repeats, 1), 12
     with tempfile.TemporaryDirectory(prefix="gradsync-dial-") as tmp:
-        repeats = run(args, Path(tmp))
-    text = render(repeats, args)
+        sets = run(args, Path(tmp))
+    text = render(sets, args)
     print(text)
     if args.write:
         write_section("dial", text)

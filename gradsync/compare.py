@@ -4,6 +4,12 @@ Each strategy runs in turn through the same launcher as ``gradsync run``, into i
 sub-directory. The table compares final loss, steps and wall time to a common target loss,
 samples/s, bytes sent and barrier tax; two plots show loss against wall-clock and against
 bytes sent.
+
+Bytes sent are every rank's payload: what workers hand to collectives (before the algorithm's
+2(n-1)/n factor), and under ``ssp:S``/``async`` the workers' pushes plus the servers' replies
+(the parameter pulls). Telemetry records only the pushes (servers keep no step records), so
+the pulls are added here: one reply per worker step, the shard's parameters after a
+one-element header, from each server.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import numpy as np
 
 from gradsync.config import RunConfig
 from gradsync.errors import UsageError
-from gradsync.progress import Progress
-from gradsync.strategies.base import parse_strategy
+from gradsync.progress import HEARTBEAT_FILE, Progress, read_heartbeat
+from gradsync.strategies.base import parse_strategy, uses_servers
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records
 from gradsync.telemetry.report import RunReport
 
@@ -32,6 +38,7 @@ class Curve:
     strategy: str
     steps: np.ndarray
     loss: np.ndarray  # mean over workers, smoothed
+    raw: np.ndarray  # mean over workers, as reported step by step (the progress line's loss)
     seconds: np.ndarray  # wall-clock at the end of each step, from the run's first step
     bytes: np.ndarray  # cumulative, all ranks
     report: RunReport
@@ -41,7 +48,9 @@ class Curve:
         return int(hits[0]) if hits.size else None
 
 
-def curve_from_records(strategy: str, records: list[StepRecord]) -> Curve:
+def curve_from_records(strategy: str, records: list[StepRecord], pull_bytes: int = 0) -> Curve:
+    """``pull_bytes``: bytes the servers send each worker per step (parameter-server runs),
+    counted with the workers' own bytes."""
     steps = sorted({r.step for r in records})
     by_step: dict[int, list[StepRecord]] = {}
     for r in records:
@@ -59,11 +68,12 @@ def curve_from_records(strategy: str, records: list[StepRecord]) -> Curve:
     seconds = np.array(
         [max(r.time + r.compute + r.sync for r in by_step[s]) - start for s in steps]
     )
-    nbytes = np.cumsum([sum(r.bytes for r in by_step[s]) for s in steps])
+    nbytes = np.cumsum([sum(r.bytes + pull_bytes for r in by_step[s]) for s in steps])
     return Curve(
         strategy,
         np.array(steps),
         smooth,
+        loss,
         np.maximum.accumulate(seconds),
         nbytes,
         RunReport.from_records(records),
@@ -81,6 +91,28 @@ def parse_strategies(text: str) -> list[str]:
     return specs
 
 
+def refuse_strategy_flag(strategy: str | None) -> None:
+    """compare takes its strategies from ``--strategies``; a ``--strategy`` (a `gradsync run`
+    flag) would otherwise be silently ignored."""
+    if strategy is not None:
+        example = strategy if strategy.strip() == "bsp" else f"bsp,{strategy}"
+        raise UsageError(
+            f"gradsync compare takes --strategies (comma-separated), not --strategy "
+            f"{strategy!r}; e.g. --strategies {example}"
+        )
+
+
+def pull_bytes_per_step(cfg: RunConfig) -> int:
+    """Bytes the parameter servers send one worker per step: every trainable parameter, plus
+    a one-element header from each server (``ParameterServer``'s reply)."""
+    from gradsync.workloads import make_workload
+
+    model = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)
+    params = [p for p in model.build_model().parameters() if p.requires_grad]
+    header = params[0].element_size() if params else 0
+    return sum(p.numel() * p.element_size() for p in params) + cfg.servers * header
+
+
 def run_comparison(
     base: RunConfig, strategies: list[str], target: float | None, show_progress: bool = True
 ) -> dict[str, Any]:
@@ -91,16 +123,22 @@ def run_comparison(
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress(base.steps * len(strategies), enabled=show_progress)
     curves: list[Curve] = []
+    pulls: int | None = None
     for i, spec in enumerate(strategies):
-        cfg = replace(base, strategy=spec, out=str(out / _dirname(spec)), progress=False)
+        # --servers is for the parameter-server strategies; the others run without servers.
+        servers = base.servers if uses_servers(spec) else 1
+        cfg = replace(
+            base, strategy=spec, servers=servers, out=str(out / _dirname(spec)), progress=False
+        )
         run_dir = Path(cfg.out)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / METRICS_FILE).unlink(missing_ok=True)
+        (run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
         cfg.save(run_dir)
         progress.label = f"{spec} ({i + 1}/{len(strategies)})"
         stop = threading.Event()
         watcher = threading.Thread(
-            target=_watch, args=(run_dir, cfg.nproc, i * base.steps, progress, stop), daemon=True
+            target=_watch, args=(run_dir, i * base.steps, progress, stop), daemon=True
         )
         watcher.start()
         try:
@@ -108,32 +146,46 @@ def run_comparison(
         finally:
             stop.set()
             watcher.join()
-        curves.append(curve_from_records(spec, read_records(run_dir)))
-        progress.update((i + 1) * base.steps, float(curves[-1].loss[-1]), 0.0, 0.0)
+        pull = 0
+        if uses_servers(spec):
+            if pulls is None:  # the same model and servers for every strategy: count once
+                pulls = pull_bytes_per_step(cfg)
+            pull = pulls
+        curve = curve_from_records(spec, read_records(run_dir), pull)
+        curves.append(curve)
+        # The same loss the runs' own progress lines show: this step's, not the moving average.
+        last = float(curve.raw[-1])
+        progress.update((i + 1) * base.steps, None if np.isnan(last) else last, 0.0, 0.0)
     progress.close()
-    return summarize(curves, target, out)
+    return summarize(curves, target, out, plots=base.plots)
 
 
 def _watch(
-    run_dir: Path, workers: int, offset: int, progress: Progress, stop: threading.Event
+    run_dir: Path,
+    offset: int,
+    progress: Progress,
+    stop: threading.Event,
+    interval: float = 1.0,
 ) -> None:
-    """Advance the comparison's progress line from the metrics rank 0 writes as it goes."""
-    path = run_dir / METRICS_FILE
-    while not stop.wait(1.0):
-        try:
-            lines = path.read_text().splitlines()
-        except OSError:
+    """Advance the comparison's progress line from the heartbeat rank 0 of the run rewrites
+    at every progress update (every strategy, parameter server included)."""
+    seen = None
+    while not stop.wait(interval):
+        beat = read_heartbeat(run_dir)
+        if beat is None or beat == seen:
             continue
-        if lines:
-            last = json.loads(lines[-1])
-            progress.update(offset + len(lines) // workers, last.get("loss"), 0.0, 0.0)
+        seen = beat
+        loss = beat.get("loss")
+        progress.update(offset + int(beat.get("step", 0)), loss, 0.0, 0.0)
 
 
 def _dirname(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
 
 
-def summarize(curves: list[Curve], target: float | None, out: Path) -> dict[str, Any]:
+def summarize(
+    curves: list[Curve], target: float | None, out: Path, plots: bool = True
+) -> dict[str, Any]:
     finals = [float(c.loss[-1]) for c in curves]
     # Default target: the worst final loss, so every strategy reaches it and the table
     # compares how fast each gets there.
@@ -157,7 +209,7 @@ def summarize(curves: list[Curve], target: float | None, out: Path) -> dict[str,
         )
     result = {"target_loss": goal, "rows": rows}
     (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-    result["plots"] = [str(p) for p in _plots(curves, goal, out)]
+    result["plots"] = [str(p) for p in _plots(curves, goal, out)] if plots else []
     return result
 
 
@@ -175,6 +227,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['strategy']:<12} {r['final_loss']:>10.4f} {steps:>12} {secs:>9} "
             f"{r['samples_per_s']:>10,.0f} {r['mb_sent']:>9.1f} {r['barrier_tax']:>11.1%}"
         )
+    lines.append(
+        "MB sent: every rank's payload; for ssp/async, pushes to and pulls from the servers"
+    )
     lines += [f"plot: {p}" for p in result.get("plots", [])]
     return "\n".join(lines)
 

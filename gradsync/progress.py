@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
-from typing import TextIO
+from pathlib import Path
+from typing import Any, TextIO
+
+# Rank 0 rewrites this file in the run directory at every progress update, whether or not the
+# progress line is shown, so another process (`gradsync compare`) can follow a run that draws
+# no line of its own, parameter-server runs included (their metrics arrive only at the end).
+HEARTBEAT_FILE = "progress.json"
+
+
+def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
+    """The latest ``{"step", "total", "loss"}`` a run reported, or None before the first."""
+    try:
+        data = json.loads((Path(run_dir) / HEARTBEAT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 class Progress:
-    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        total: int,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        heartbeat: Path | None = None,
+    ) -> None:
         self.total = total
+        self.heartbeat = heartbeat
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.interactive = self.stream.isatty()
@@ -18,6 +42,8 @@ class Progress:
         self.label = ""
 
     def update(self, step: int, loss: float | None, samples_per_s: float, tax: float) -> None:
+        if self.heartbeat is not None:
+            self._beat(step, loss)
         if not self.enabled:
             return
         width = 24
@@ -40,6 +66,18 @@ class Progress:
             self.stream.write(line + "\n")
             self.stream.flush()
             self._last_line_at = now
+
+    def _beat(self, step: int, loss: float | None) -> None:
+        """Replace the heartbeat file atomically: a reader never sees half a line."""
+        assert self.heartbeat is not None
+        tmp = self.heartbeat.with_name(self.heartbeat.name + ".tmp")
+        try:
+            tmp.write_text(
+                json.dumps({"step": step, "total": self.total, "loss": loss}), encoding="utf-8"
+            )
+            os.replace(tmp, self.heartbeat)
+        except OSError:
+            pass  # a progress display must never stop training (e.g. a full disk)
 
     def interrupt(self, message: str) -> None:
         """Print a line of its own (a warning) without garbling the progress line."""

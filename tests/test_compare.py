@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gradsync.compare import curve_from_records, parse_strategies, summarize
-from gradsync.telemetry.records import StepRecord
+from gradsync.cli import main as cli_main
+from gradsync.compare import _watch, curve_from_records, parse_strategies, summarize
+from gradsync.progress import HEARTBEAT_FILE, Progress, read_heartbeat
+from gradsync.telemetry.records import StepRecord, read_records
 from tests.test_cli_run import gradsync
 
 
@@ -35,6 +39,58 @@ def test_target_is_reached_on_the_smoothed_curve(tmp_path: Path) -> None:
     assert rows["slow"]["steps_to_target"] == 30
     assert json.loads((tmp_path / "compare.json").read_text())["rows"][0]["strategy"] == "fast"
     assert (tmp_path / "loss_vs_time.png").stat().st_size > 0
+
+
+def test_curve_counts_pulls_and_keeps_the_raw_loss() -> None:
+    c = curve_from_records("ps", _records([1.0] * 29 + [0.0], 0.1, 10), pull_bytes=100)
+    # every worker step: its own 10 bytes pushed plus the 100 the servers sent back
+    assert c.bytes[-1] == 2 * 30 * (10 + 100)
+    assert c.raw[-1] == 0.0  # the last step's mean loss, as the runs' progress lines show it
+    assert c.loss[-1] == pytest.approx(0.9)  # the moving average the target is judged on
+
+
+def test_heartbeat_is_written_without_a_progress_line(tmp_path: Path) -> None:
+    assert read_heartbeat(tmp_path) is None
+    shown = Progress(10, enabled=False, heartbeat=tmp_path / HEARTBEAT_FILE)
+    shown.update(7, 1.25, 0.0, 0.0)
+    assert read_heartbeat(tmp_path) == {"step": 7, "total": 10, "loss": 1.25}
+    (tmp_path / HEARTBEAT_FILE).write_text("{half")  # never raises on a bad file
+    assert read_heartbeat(tmp_path) is None
+
+
+class _Recorder(Progress):
+    def __init__(self) -> None:
+        super().__init__(100, enabled=False)
+        self.seen: list[tuple[int, float | None]] = []
+
+    def update(self, step: int, loss: float | None, samples_per_s: float, tax: float) -> None:
+        self.seen.append((step, loss))
+
+
+def test_watch_advances_the_comparison_from_the_heartbeat(tmp_path: Path) -> None:
+    recorder, stop = _Recorder(), threading.Event()
+    watcher = threading.Thread(target=_watch, args=(tmp_path, 40, recorder, stop, 0.01))
+    watcher.start()
+    try:
+        for step in (10, 20):
+            Progress(50, enabled=False, heartbeat=tmp_path / HEARTBEAT_FILE).update(
+                step, 2.0 - step / 100, 0.0, 0.0
+            )
+            for _ in range(500):  # up to 5 s for the watcher to poll
+                if recorder.seen and recorder.seen[-1][0] == 40 + step:
+                    break
+                stop.wait(0.01)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert recorder.seen == [(50, 1.9), (60, 1.8)]  # offset + step, each heartbeat once
+
+
+def test_compare_refuses_the_run_strategy_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["compare", "--strategy", "ssp:2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--strategies" in err and "'ssp:2'" in err
 
 
 def test_strategy_list_errors() -> None:
@@ -68,7 +124,25 @@ def test_compare_runs_each_strategy_and_writes_table_and_plots(tmp_path: Path) -
     assert [r["strategy"] for r in result["rows"]] == ["bsp", "local:4", "ssp:1"]
     by = {r["strategy"]: r for r in result["rows"]}
     assert by["local:4"]["mb_sent"] == pytest.approx(by["bsp"]["mb_sent"] / 4)
+    # ssp pushes a gradient and pulls the parameters back: twice BSP's payload, up to headers
+    assert by["ssp:1"]["mb_sent"] == pytest.approx(2 * by["bsp"]["mb_sent"], rel=1e-3)
     for name in ("bsp", "local-4", "ssp-1"):
         assert (out / name / "metrics.jsonl").exists()
+        # rank 0's heartbeat, which the comparison's progress line follows, reached the end
+        assert read_heartbeat(out / name) == {
+            "step": 16,
+            "total": 16,
+            "loss": pytest.approx(_last_mean_loss(out / name)),
+        }
     assert (out / "loss_vs_time.png").exists() and (out / "loss_vs_bytes.png").exists()
     assert "steps→target" in proc.stdout and "local:4" in proc.stdout
+    # The final progress line shows the last step's loss, as the earlier ones do, not the
+    # moving average
+    final = re.findall(r"step 48/48\s+loss (\S+)", proc.stderr)
+    assert final and set(final) == {f"{_last_mean_loss(out / 'ssp-1'):.4f}"}
+
+
+def _last_mean_loss(run_dir: Path) -> float:
+    records = read_records(run_dir)
+    last = max(r.step for r in records)
+    return float(np.mean([r.loss for r in records if r.step == last and r.loss is not None]))

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.fault.guards import all_finite
@@ -54,6 +55,7 @@ class _Periodic:
         self._params: list[torch.Tensor] = []
         self._state: Any = None
         self._micro_batches = 1
+        self._step = 0  # of the synchronization under way, for the timeout diagnosis
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
@@ -80,6 +82,7 @@ class _Periodic:
         if (step + 1) % self.period:
             return StepOutcome(barrier=False, skipped=skipped)
         before = self._state.bytes_sent
+        self._step = step
         self._synchronize()
         return StepOutcome(
             bytes_sent=self._state.bytes_sent - before, barrier=True, skipped=skipped
@@ -91,9 +94,16 @@ class _Periodic:
 
     def _mean(self, flat: torch.Tensor) -> torch.Tensor:
         """Mean over ranks through the compressor (plain all-reduce when uncompressed)."""
-        assert self._ctx is not None
+        ctx = self._ctx
+        assert ctx is not None
         bucket = FlatBucket(flat, index=0, is_last=True, params=self._params)
-        return self._ctx.compressor.hook(self._state, bucket).wait()
+        if ctx.watch is None:
+            return ctx.compressor.hook(self._state, bucket).wait()
+        # The hook is inside the diagnosis too: some compressors wait on a first round there.
+        what = f"averaging of {self.name}:{self.period} ({ctx.compressor.spec})"
+        return ctx.watch.run(
+            self._step, what, lambda: ctx.compressor.hook(self._state, bucket).wait()
+        )
 
     def _synchronize(self) -> None:
         raise NotImplementedError
@@ -109,12 +119,44 @@ class _Periodic:
 
 
 class LocalSGD(_Periodic):
-    """``local:H``: average the parameters every H steps."""
+    """``local:H``: average the parameters every H steps.
+
+    Uncompressed, the parameters themselves are averaged. Through a lossy compressor they must
+    not be: a sparsifier would zero most of every replica, and error feedback would carry whole
+    parameters as residuals. There each rank sends the change since the last synchronization
+    instead, and every replica becomes the last synchronized parameters plus the mean change,
+    which is the same average when nothing is lost.
+    """
 
     name = "local"
 
+    def __init__(self, period: int) -> None:
+        super().__init__(period)
+        self._anchor: torch.Tensor | None = None  # last synchronized parameters (lossy only)
+
+    def setup(self, ctx: SyncContext) -> None:
+        super().setup(ctx)
+        if ctx.compressor is not ALLREDUCE:
+            # Taken after the Synchronizer's initial broadcast: the same on every rank.
+            self._anchor = _flat(self._params).clone()
+
     def _synchronize(self) -> None:
-        _unflat_into(self._mean(_flat(self._params)), self._params)
+        if self._anchor is None:
+            _unflat_into(self._mean(_flat(self._params)), self._params)
+            return
+        self._anchor += self._mean(_flat(self._params) - self._anchor)
+        _unflat_into(self._anchor, self._params)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._anchor is not None:
+            state["anchor"] = self._anchor.detach().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self._anchor is not None and "anchor" in state:
+            self._anchor.copy_(state["anchor"])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,288 @@
+"""The parameter server's transport: a push/pull round trip against an all-reduce of the same bytes.
+
+    python benchmarks/ps_transport.py [--repeats 7] [--write]
+
+gloo on loopback, 1 thread per process, float32 messages of 4 KiB to 16 MiB. Two layouts:
+
+- **1 worker + 1 server** (2 processes): the worker sends S bytes to the server and receives S
+  bytes back (``isend``/``irecv``, what gradsync's parameter server does every step), against
+  ``all_reduce`` of S bytes between the same two processes.
+- **2 workers + 1 server** (3 processes): both workers push and pull S bytes at once through
+  the one server, against ``all_reduce`` of S bytes between the two workers alone (what BSP
+  would do with the same workers; the server process idles meanwhile).
+
+Where ``torch.distributed.rpc`` (TensorPipe) starts on this machine, a third method sends the
+same tensor with ``rpc_sync`` to a function on the server that returns it (the push and the
+pull in one call). Every method is timed on worker rank 0 as the mean of a block of round trips
+between two barriers; blocks of the methods are interleaved with the order rotated by repeat,
+and the table shows the median over repeats. Throughput is S over the time of one round trip
+(the bytes one worker pushes, which it also pulls back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gradsync as gs  # noqa: E402
+from benchmarks.mdtable import BENCHMARKS_MD, machine, table, write_section  # noqa: E402
+from gradsync.launch import launch  # noqa: E402
+
+COMMAND = "python benchmarks/ps_transport.py --write"
+SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # bytes
+BLOCK_BYTES = 16 << 20  # a block moves about this much per method, so small sizes repeat more
+MAX_ROUNDS = 100  # small messages are latency-bound: 100 round trips already time them well
+METHODS = ("push/pull", "all-reduce", "rpc")
+RPC_TIMEOUT_S = 60.0
+
+
+def _size_label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def _echo(t: torch.Tensor) -> torch.Tensor:
+    """Runs on the server under rpc: returning the pushed tensor is the pull."""
+    return t
+
+
+def _push_pull(numel: int, workers: int) -> Callable[[], None]:
+    """One round: every worker sends S bytes to the server (the last rank) and receives S back.
+
+    The server posts a receive from every worker and answers each as its push arrives, in
+    worker order; gradsync's server answers from one thread per worker, which this sequential
+    loop approximates for workers that push at the same moment.
+    """
+    rank, server = dist.get_rank(), dist.get_world_size() - 1
+    if rank == server:
+        bufs = [torch.empty(numel) for _ in range(workers)]
+
+        def serve() -> None:
+            recvs = [dist.irecv(bufs[w], src=w) for w in range(workers)]
+            sends = []
+            for w, work in enumerate(recvs):
+                work.wait()
+                sends.append(dist.isend(bufs[w], dst=w))
+            for work in sends:
+                work.wait()
+
+        return serve
+    push, pull = torch.ones(numel), torch.empty(numel)
+
+    def round_trip() -> None:
+        sent = dist.isend(push, dst=server)
+        got = dist.irecv(pull, src=server)
+        sent.wait()
+        got.wait()
+
+    return round_trip
+
+
+def _all_reduce(numel: int, group: dist.ProcessGroup | None, member: bool) -> Callable[[], None]:
+    buf = torch.ones(numel)
+
+    def step() -> None:
+        if member:  # the server of the 3-process layout is not in the workers' group
+            dist.all_reduce(buf, group=group)
+
+    return step
+
+
+def _rpc(numel: int, server_name: str, is_server: bool) -> Callable[[], None]:
+    import torch.distributed.rpc as rpc
+
+    push = torch.ones(numel)
+
+    def step() -> None:
+        if not is_server:  # the server's rpc agent answers from its own threads
+            rpc.rpc_sync(server_name, _echo, args=(push,))
+
+    return step
+
+
+def _start_rpc(store_file: str, rank: int, world: int) -> bool:
+    """Start an rpc agent on every rank (a FileStore rendezvous: the launcher's store is taken);
+    False everywhere if any rank failed, so no rank waits on an agent that is not there."""
+    import torch.distributed.rpc as rpc
+
+    ok = True
+    try:
+        rpc.init_rpc(
+            f"rank{rank}",
+            rank=rank,
+            world_size=world,
+            rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                init_method=f"file://{store_file}", rpc_timeout=RPC_TIMEOUT_S
+            ),
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure means "rpc not measured here"
+        print(f"rank {rank}: rpc unavailable: {str(exc).splitlines()[0]}", file=sys.stderr)
+        ok = False
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if ok and not flag.item():
+        rpc.shutdown(graceful=False)
+    return bool(flag.item())
+
+
+def _time_block(fn: Callable[[], None], rounds: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - t0) / rounds
+
+
+def worker(args: dict[str, Any]) -> dict[str, Any] | None:
+    gs.init(backend="gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    workers = world - 1
+    server = world - 1
+    # The all-reduce runs among the workers only: with one worker (2 processes) that would be
+    # no exchange at all, so the 2-process layout all-reduces between both processes.
+    if workers > 1:
+        group = dist.new_group(list(range(workers)))
+        member = rank < workers
+    else:
+        group, member = None, True
+    use_rpc = args["rpc"] and _start_rpc(args["store"], rank, world)
+    results: dict[int, dict[str, list[float]]] = {}
+    for nbytes in args["sizes"]:
+        numel = nbytes // 4
+        fns = {
+            "push/pull": _push_pull(numel, workers),
+            "all-reduce": _all_reduce(numel, group, member),
+        }
+        if use_rpc:
+            fns["rpc"] = _rpc(numel, f"rank{server}", rank == server)
+        rounds = max(3, min(MAX_ROUNDS, BLOCK_BYTES // nbytes))
+        for fn in fns.values():  # warm-up: connections, buffers
+            _time_block(fn, 2)
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        names = list(fns)
+        for r in range(args["repeats"]):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                times[name].append(_time_block(fns[name], rounds))
+        results[nbytes] = times
+    if use_rpc:
+        import torch.distributed.rpc as rpc
+
+        rpc.shutdown()
+    if rank != 0:
+        return None
+    return {
+        nbytes: {k: statistics.median(v) for k, v in times.items()}
+        for nbytes, times in results.items()
+    }
+
+
+def _layout_table(res: dict[int, dict[str, float]]) -> str:
+    methods = [m for m in METHODS if all(m in res[n] for n in res)]
+    header = ["message"]
+    for m in methods:
+        header += [f"{m} ms", f"{m} MB/s"]
+    header += [f"{m} / all-reduce" for m in methods if m != "all-reduce"]
+    rows = []
+    for nbytes, t in res.items():
+        row = [_size_label(nbytes)]
+        for m in methods:
+            row += [f"{t[m] * 1e3:.3f}", f"{nbytes / t[m] / 1e6:,.0f}"]
+        row += [f"{t[m] / t['all-reduce']:.2f}" for m in methods if m != "all-reduce"]
+        rows.append(row)
+    return table(header, rows)
+
+
+def _ratios(res: dict[int, dict[str, float]], method: str, min_bytes: int = 0) -> list[float]:
+    return [t[method] / t["all-reduce"] for n, t in res.items() if method in t and n >= min_bytes]
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}x to {hi:.2f}x"
+
+
+def findings(layouts: dict[str, dict[int, dict[str, float]]]) -> str:
+    """Sentences generated from the measured medians."""
+    out = []
+    big = 1 << 20
+    for name, res in layouts.items():
+        pp = _ratios(res, "push/pull", big)
+        small = _ratios(res, "push/pull")[0]
+        text = (
+            f"{name}: a push/pull round trip takes {_span(pp)} the time of an all-reduce of the "
+            f"same bytes from 1 MiB up ({small:.2f}x at {_size_label(min(res))})"
+        )
+        rpc = _ratios(res, "rpc", big)
+        if rpc:
+            text += f"; rpc takes {_span(rpc)} ({_ratios(res, 'rpc')[0]:.2f}x at the smallest)"
+        out.append(text + ".")
+    return " ".join(out)
+
+
+def render(layouts: dict[str, dict[int, dict[str, float]]], args: argparse.Namespace) -> str:
+    rpc_note = (
+        ""
+        if any("rpc" in t for res in layouts.values() for t in res.values())
+        else " torch.distributed.rpc did not start on this machine, so it has no column."
+    )
+    tables = "\n\n".join(f"{name}:\n\n{_layout_table(res)}" for name, res in layouts.items())
+    return (
+        "## Parameter-server transport: push/pull against all-reduce (issue 3)\n\n"
+        f"Command: `{COMMAND}` (repeats {args.repeats}). Machine: {machine()}. gloo on "
+        "loopback, 1 thread per process, float32 messages. `push/pull`: a worker `isend`s S "
+        "bytes to the server and `irecv`s S bytes back (the parameter server's step); "
+        "`all-reduce`: `dist.all_reduce` of S bytes among the workers (between both processes "
+        "when there is one worker); `rpc`: `torch.distributed.rpc.rpc_sync` of the S-byte "
+        "tensor to a server function that returns it. Time of one round trip on worker rank 0 "
+        "(mean of a block between barriers), median over interleaved repeats with the order "
+        "rotated; MB/s is S over that time; the ratio columns divide by the all-reduce time in "
+        f"the same run.{rpc_note}\n\n"
+        f"{tables}\n\n{findings(layouts)}\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-rpc", dest="rpc", action="store_false", help="skip the rpc method")
+    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    parser.add_argument(
+        "--md", type=Path, default=BENCHMARKS_MD, help="file --write updates (default %(default)s)"
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run (not for tables)")
+    args = parser.parse_args()
+    sizes = SIZES[::2] if args.quick else SIZES
+    if args.quick:
+        args.repeats = 2
+    layouts = {}
+    with tempfile.TemporaryDirectory(prefix="gradsync-ps-transport-") as tmp:
+        for name, nproc in (("1 worker + 1 server", 2), ("2 workers + 1 server", 3)):
+            print(f"{name} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
+            opts = {
+                "sizes": sizes,
+                "repeats": args.repeats,
+                "rpc": args.rpc,
+                "store": os.path.join(tmp, f"rpc-{nproc}"),
+            }
+            layouts[name] = launch(worker, (opts,), nproc=nproc)[0]
+    text = render(layouts, args)
+    print(text)
+    if args.write:
+        write_section("ps_transport", text, path=args.md)
+
+
+if __name__ == "__main__":
+    main()
