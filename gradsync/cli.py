@@ -16,89 +16,193 @@ from gradsync.errors import UsageError
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of ``run`` and ``compare``; every help names the default (the README's table too)."""
     from gradsync.config import RunConfig
 
     d = RunConfig(out="runs/x")
-    p.add_argument(
-        "--nproc", type=int, default=d.nproc, help="worker processes (default %(default)s)"
+    add = p.add_argument
+    add(
+        "--nproc",
+        type=int,
+        default=d.nproc,
+        metavar="N",
+        help="worker processes (default: %(default)s)",
     )
-    p.add_argument("--workload", default=d.workload, help="charlm | mlp (default %(default)s)")
-    p.add_argument(
-        "--strategy", default=d.strategy, help="bsp | local:H | diloco:H | ssp:S | async"
+    add("--workload", default=d.workload, help="charlm | mlp (default: %(default)s)")
+    add(
+        "--strategy",
+        default=d.strategy,
+        metavar="SPEC",
+        help="bsp | local:H | diloco:H | ssp:S | async (default: %(default)s)",
     )
-    p.add_argument("--compress", dest="compression", default=None, help="compression spec")
-    p.add_argument(
-        "--steps", type=int, default=d.steps, help="training steps (default %(default)s)"
+    add(
+        "--compress",
+        dest="compression",
+        default=None,
+        metavar="SPEC",
+        help="fp16 | bf16 | int8 | topk:F | randomk:F | sign | powersgd:R (default: none)",
     )
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per rank per step")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (workload default)")
-    p.add_argument("--bucket-mb", type=float, default=d.bucket_mb, help="bucket size in MB")
-    p.add_argument(
-        "--micro-batches", type=int, default=d.micro_batches, help="backward passes per step"
+    add("--steps", type=int, default=d.steps, help="training steps (default: %(default)s)")
+    add(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        metavar="B",
+        help="samples per worker per step (default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
-    p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
-    p.add_argument("--data", default=None, help="text file for charlm (default: stdlib sources)")
-    p.add_argument("--params", type=int, default=d.params, help="mlp parameter count")
-    p.add_argument("--slow", default=None, help="inject a straggler: RANK:FACTOR[@STEP]")
-    p.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout, seconds")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line")
-    p.add_argument(
-        "--servers", type=int, default=d.servers, help="parameter servers for ssp:S and async"
+    add("--lr", type=float, default=None, help="learning rate (default: the workload's own)")
+    add(
+        "--bucket-mb",
+        type=float,
+        default=d.bucket_mb,
+        metavar="MB",
+        help="gradient bucket size in MB (default: %(default)g)",
     )
-    p.add_argument(
-        "--straggler-window", type=int, default=d.straggler_window, help="steps per score window"
+    add(
+        "--micro-batches",
+        type=int,
+        default=d.micro_batches,
+        metavar="K",
+        help="backward passes per step; must divide --batch-size (default: %(default)s)",
     )
-    p.add_argument(
+    add(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed of the model's initialisation and the data order (default: %(default)s)",
+    )
+    add("--out", default=None, metavar="DIR", help="run directory (default: runs/<timestamp>)")
+    add(
+        "--threads",
+        type=int,
+        default=d.threads,
+        metavar="T",
+        help="intra-op threads per rank (default: %(default)s)",
+    )
+    add(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="text file for charlm (default: a sample of the standard library's sources)",
+    )
+    add(
+        "--params",
+        type=int,
+        default=d.params,
+        metavar="N",
+        help="mlp parameter count (default: %(default)s)",
+    )
+    add(
+        "--slow",
+        default=None,
+        metavar="RANK:FACTOR[@START[-END]]",
+        help="inject a straggler: make RANK's compute FACTOR times as long from step START "
+        "(default 0) until step END, exclusive (default: to the end); e.g. 3:2, 1:1.5@100 or "
+        "1:3@10-40, comma-separated for several (default: none)",
+    )
+    add(
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        metavar="S",
+        help="seconds a synchronizing wait may take before failing (default: %(default)g)",
+    )
+    add(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no live progress line (default: shown)",
+    )
+    add(
+        "--servers",
+        type=int,
+        default=d.servers,
+        metavar="K",
+        help="parameter servers for ssp:S and async (default: %(default)s)",
+    )
+    add(
+        "--straggler-window",
+        type=int,
+        default=d.straggler_window,
+        metavar="N",
+        help="steps per straggler score window (default: %(default)s)",
+    )
+    add(
         "--straggler-threshold",
         type=float,
         default=d.straggler_threshold,
-        help="flag a rank whose relative score falls below this",
+        metavar="X",
+        help="flag a rank whose relative score falls below this (default: %(default)s)",
     )
-    p.add_argument(
+    add(
         "--straggler-warmup",
         type=int,
         default=d.straggler_warmup,
-        help="first steps never scored for stragglers",
+        metavar="N",
+        help="first steps never scored for stragglers (default: %(default)s)",
     )
-    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip PNG plots")
-    p.add_argument(
+    add("--no-plots", dest="plots", action="store_false", help="skip PNG plots (default: drawn)")
+    add(
         "--balance",
         action="store_true",
-        help="shard each global batch by measured speed (bsp; the update stays exact)",
+        help="shard each global batch by measured speed (bsp; the update stays exact; "
+        "default: off)",
     )
-    p.add_argument(
+    add(
         "--checkpoint-every",
         type=int,
         default=d.checkpoint_every,
-        help="save a checkpoint every N steps into OUT/checkpoints (0: never)",
+        metavar="N",
+        help="save a checkpoint every N steps into OUT/checkpoints (0: never; "
+        "default: %(default)s)",
     )
-    p.add_argument(
-        "--keep-checkpoints", type=int, default=d.keep_checkpoints, help="checkpoints kept"
+    add(
+        "--keep-checkpoints",
+        type=int,
+        default=d.keep_checkpoints,
+        metavar="N",
+        help="checkpoints kept (default: %(default)s)",
     )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint in --out"
+    add(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --out (default: off)",
     )
-    p.add_argument(
+    add(
         "--max-restarts",
         type=int,
         default=d.max_restarts,
-        help="restart the workers this many times after a failure, resuming from checkpoints",
+        metavar="R",
+        help="restart the workers this many times after a failure, resuming from "
+        "checkpoints (default: %(default)s)",
     )
-    p.add_argument("--kill", default=None, help="fault injection: SIGKILL rank RANK at STEP")
-    p.add_argument(
+    add(
+        "--kill",
+        default=None,
+        metavar="RANK:STEP",
+        help="fault injection: SIGKILL that rank at that step, once; e.g. 1:37, "
+        "comma-separated for several (default: none)",
+    )
+    add(
         "--hosts",
         type=int,
-        default=0,
-        help="run on an emulated cluster of H network-namespace hosts (root; see docs)",
+        default=d.hosts,
+        metavar="H",
+        help="run on an emulated cluster of H network-namespace hosts (root; see docs; "
+        "0: local processes; default: %(default)s)",
     )
-    p.add_argument("--link", default="1gbit", help="link rate of each emulated host (tc tbf)")
-    p.add_argument(
+    add(
+        "--link",
+        default=d.link,
+        metavar="RATE",
+        help="link rate of each emulated host, tc tbf syntax (default: %(default)s)",
+    )
+    add(
         "--check-every",
         type=int,
         default=d.check_every,
-        help="compare replica fingerprints every N steps (0: off; default %(default)s)",
+        metavar="N",
+        help="compare replica fingerprints every N steps (0: off; default: %(default)s)",
     )
 
 
@@ -182,9 +286,18 @@ def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from gradsync.compare import format_table, parse_strategies, run_comparison
+    from gradsync.compare import (
+        format_table,
+        parse_strategies,
+        refuse_strategy_flag,
+        run_comparison,
+    )
+    from gradsync.strategies.base import uses_servers
 
+    refuse_strategy_flag(args.strategy)
     strategies = parse_strategies(args.strategies)
+    # A placeholder for RunConfig (each run sets its own): one that takes --servers, if any does.
+    args.strategy = next((s for s in strategies if uses_servers(s)), strategies[0])
     cfg = _config_from_args(args)
     if args.out is None:
         cfg.out = cfg.out.replace("runs/", "runs/compare-", 1)
@@ -231,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="loss to time each strategy to (default: the worst final loss of the set)",
     )
     _add_run_flags(compare)
-    compare.set_defaults(func=cmd_compare)
+    # None tells cmd_compare that --strategy was not given (it refuses it: use --strategies).
+    compare.set_defaults(func=cmd_compare, strategy=None)
     for module in ("gradsync.sim.cli", "gradsync.telemetry.cli", "gradsync.cluster.cli"):
         _add_optional_parsers(module, sub)
     return parser

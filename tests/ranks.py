@@ -63,32 +63,52 @@ def exactness(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def micro_batches(rank: int, world: int, micro: int, per_rank: int) -> dict[str, Any]:
-    """Train with ``micro`` backward passes per step; record when buckets launch relative to
-    the end of the last backward pass."""
+    """Train with ``micro`` backward passes per step and time every gradient and every bucket
+    launch, to show when communication starts relative to the backward passes."""
     w = make_workload("mlp", seed=3, params=5000, dtype="float64")
     model = w.build_model()
     opt = make_optimizer("sgd", model)
-    sync = gs.Synchronizer(model, opt, bucket_mb=0.005)
-    first = next(model.parameters())  # input layer: its gradient is the last one produced
-    marks: list[float] = []
-    first.register_post_accumulate_grad_hook(lambda p: marks.append(time.perf_counter()))
+    params = list(model.parameters())
+    # Registered before the Synchronizer exists, so on each parameter this hook runs before
+    # the Synchronizer's: the time of a gradient's arrival is taken before any launch it
+    # triggers. A hook registered after it would time a launch made from the very last
+    # gradient's hook as "before the backward pass ended", and overlap would go unchecked.
+    arrivals: list[tuple[int, float]] = []
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(
+            lambda _, i=i: arrivals.append((i, time.perf_counter()))
+        )
+    sync = gs.Synchronizer(model, opt, bucket_mb=0.005)  # 6 buckets, one or two tensors each
+    reducer = sync.strategy.reducer  # type: ignore[attr-defined]
+    index = {id(p): i for i, p in enumerate(params)}
+    last_bucket = [index[id(p)] for p in reducer.buckets[-1].parameters()]
     gb = per_rank * world
-    launched_before_backward_end = []
+    timelines = []
     for step in range(5):
+        arrivals.clear()
         with sync.step(micro_batches=micro):
             lo = rank * per_rank
             for i in range(micro):
                 a, b = lo + per_rank * i // micro, lo + per_rank * (i + 1) // micro
                 x, y = w.batch(step, gb, a, b)
                 w.loss(model, x, y).backward()
-        log = sync.strategy.reducer.launch_log  # type: ignore[attr-defined]
-        backward_end = marks[-1]
-        launched_before_backward_end.append(sum(1 for _, t, _ in log if t < backward_end))
-        buckets = len(log)
+        # Split the arrivals into backward passes: every parameter gets one gradient per pass.
+        per_pass = [arrivals[k * len(params) : (k + 1) * len(params)] for k in range(micro)]
+        assert sum(map(len, per_pass)) == len(arrivals) == micro * len(params)
+        final = dict(per_pass[-1])
+        timelines.append(
+            {
+                "launches": sorted(t for _, t, _ in reducer.launch_log),
+                # the end of the previous backward pass (or the step's start)
+                "final_pass_start": max(t for _, t in per_pass[-2]) if micro > 1 else 0.0,
+                "last_bucket_first_grad": min(final[i] for i in last_bucket),
+                "backward_end": max(final.values()),
+            }
+        )
     return {
         "params": flat_params(model),
-        "early": launched_before_backward_end,
-        "buckets": buckets,
+        "timelines": timelines,
+        "buckets": len(reducer.buckets),
     }
 
 

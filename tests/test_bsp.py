@@ -33,17 +33,25 @@ def test_bsp_equals_single_process_on_global_batch(world: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_micro_batches_equal_one_larger_batch_and_still_overlap() -> None:
+@pytest.mark.parametrize("micro", [1, 4])
+def test_micro_batches_equal_one_larger_batch_and_buckets_overlap_backward(micro: int) -> None:
     world, per_rank = 2, 8
-    results = run_ranks(ranks.micro_batches, world, 4, per_rank)
-    # 4 micro-batches of 2 per rank == one step on the 16-sample global batch.
+    results = run_ranks(ranks.micro_batches, world, micro, per_rank)
+    # k micro-batches of 8 / k per rank == one step on the 16-sample global batch.
     expected = ranks.train_reference("sgd", steps=5, global_batch=world * per_rank)
     for r in results:
         _assert_close(r["params"], expected)
     assert torch.equal(results[0]["params"], results[1]["params"])
-    assert results[0]["buckets"] > 1
-    # Overlap: on every step some bucket was launched before the last gradient was produced.
-    assert all(n >= 1 for n in results[0]["early"]), results[0]["early"]
+    for r in results:
+        assert r["buckets"] >= 3, r["buckets"]
+        for step, t in enumerate(r["timelines"]):
+            assert len(t["launches"]) == r["buckets"], (step, t)
+            # Communication only on the k-th backward pass: nothing before it begins.
+            assert t["launches"][0] > t["final_pass_start"], (step, t)
+            # Overlap: a bucket was already in flight while the gradients of the last bucket
+            # had yet to be computed (so, strictly before the backward pass ended).
+            assert t["launches"][0] < t["last_bucket_first_grad"], (step, t)
+            assert t["last_bucket_first_grad"] <= t["backward_end"]
 
 
 @pytest.mark.timeout(120)

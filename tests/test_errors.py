@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
@@ -24,7 +25,12 @@ from tests.test_cli_run import gradsync
         (["--nproc", "0"], "--nproc must be at least 1, got 0"),
         (["--bucket-mb", "0"], "--bucket-mb must be > 0, got 0.0"),
         (["--micro-batches", "0"], "--micro-batches must be at least 1, got 0"),
-        (["--data", "/nonexistent/corpus.txt"], "--data file '/nonexistent/corpus.txt' does not"),
+        (
+            ["--data", "/nonexistent/corpus.txt"],
+            "--data file '/nonexistent/corpus.txt' does not exist or is not a file; pass an "
+            "existing text file of at least 1024 bytes, or omit --data to train on the "
+            "standard-library sample",
+        ),
         (["--workload", "resnet"], "unknown workload 'resnet'; valid: charlm, mlp"),
         (["--slow", "1x3"], "bad --slow value '1x3'"),
         (["--nproc", "2", "--slow", "5:2"], "names rank 5, but ranks are 0..1"),
@@ -43,10 +49,42 @@ def test_strategy_spec_error_names_valid_forms() -> None:
         gs.parse_strategy("bps")
 
 
-def test_step_before_init_is_a_clear_error() -> None:
+@pytest.mark.timeout(60)
+def test_data_file_too_small_names_size_and_what_is_valid(tmp_path) -> None:
+    small = tmp_path / "small.txt"
+    small.write_text("tiny corpus")
+    proc = gradsync("run", "--out", str(tmp_path / "r"), "--data", str(small), timeout=60)
+    assert proc.returncode == 2
+    assert f"--data file '{small}' holds 11 bytes; pass an existing text file of at least " in (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_synchronizer_before_init_is_a_clear_error() -> None:
+    # The Synchronizer is the first thing that needs the process group: it broadcasts the
+    # initial parameters, so without gs.init() there is no sync.step() to call yet.
     model = nn.Linear(2, 1)
-    with pytest.raises(UsageError, match=r"call gs.init\(\) first"):
+    with pytest.raises(UsageError, match=r"gs.Synchronizer needs torch.distributed: call gs.init"):
         gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_step_after_the_process_group_is_gone_is_a_clear_error(tmp_path) -> None:
+    # A one-rank group in this process (FileStore: no port), destroyed between steps.
+    model = nn.Linear(2, 1)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with sync.step():
+            model(torch.ones(1, 2)).sum().backward()
+        assert sync.step_count == 1
+    finally:
+        dist.destroy_process_group()
+    no_group = r"sync.step\(\) needs torch.distributed: call gs.init"
+    with pytest.raises(UsageError, match=no_group), sync.step():
+        pytest.fail("the block must not run without a process group")
+    assert sync.step_count == 1
 
 
 def _bad_synchronizers(rank: int, world: int) -> list[str]:

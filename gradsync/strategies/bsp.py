@@ -11,7 +11,9 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from gradsync import runtime
 from gradsync.buckets import BucketReducer, GradBucket
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
@@ -37,12 +39,19 @@ class BSP:
         self._bytes_at_start = 0
         #: n_r * W / N for load-balanced shards (set by the Synchronizer each step)
         self.sample_weight = 1.0
+        #: plain all-reduce: the mean's 1/W and 1/k are applied while gradients are copied into
+        #: their buckets and the exchange is a bare sum, so no pass over the reduced buffers
+        #: is needed to divide them (DDP does the same). Compressors divide in their own hook.
+        self.fused_mean = False
+        self._world = 1
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         self._state = ctx.compressor.make_state(ctx.group)
         self._reducer = BucketReducer(params, ctx.bucket_mb, self._exchange, ctx.record_spans)
+        self._world = runtime.world_size(ctx.group)
+        self.fused_mean = ctx.compressor is ALLREDUCE
         # A plain sum carries NaN/Inf to every rank by itself; lossy exchanges need the poison.
         self._reducer.poison_nonfinite = ctx.skip_nonfinite and ctx.compressor is not ALLREDUCE
 
@@ -57,6 +66,8 @@ class BSP:
 
     def _exchange(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         assert self._ctx is not None
+        if self.fused_mean:
+            return _allreduce_sum(self._state, bucket)
         return self._ctx.compressor.hook(self._state, bucket)
 
     def begin_step(self, step: int, micro_batches: int) -> None:
@@ -66,7 +77,10 @@ class BSP:
         self._micro_batches = micro_batches
         # Hooks launch buckets (and count their bytes) during backward, inside the block.
         self._bytes_at_start = self._state.bytes_sent
-        self.reducer.scale = self.sample_weight
+        scale = self.sample_weight
+        if self.fused_mean:
+            scale /= self._world * micro_batches
+        self.reducer.scale = scale
         self.reducer.arm(micro_batches)
 
     def finish_step(self, step: int) -> StepOutcome:
@@ -94,9 +108,11 @@ class BSP:
             ctx.optimizer.zero_grad(set_to_none=True)
             scrub_nonfinite_state(self._state)
             return StepOutcome(bytes_sent=nbytes, skipped=True, spans=spans)
-        # The mean over ranks is taken by the hook; the mean over micro-batches here, so that
-        # k micro-batches of a mean-reduced loss equal one batch k times as large.
-        reducer.write_back(reduced, scale=1.0 / self._micro_batches)
+        # The mean over ranks and micro-batches (so that k micro-batches of a mean-reduced loss
+        # equal one batch k times as large) was applied at copy-in for a plain sum; otherwise
+        # the compressor's hook took the mean over ranks and the micro-batches' is taken here.
+        remaining = 1.0 if self.fused_mean else 1.0 / self._micro_batches
+        reducer.write_back(reduced, scale=remaining)
         wall0, t0 = time.time(), time.perf_counter()
         ctx.optimizer.step()
         if ctx.record_spans:
@@ -117,3 +133,16 @@ class BSP:
     def close(self) -> None:
         if self._reducer is not None:
             self._reducer.close()
+
+
+def _allreduce_sum(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The uncompressed exchange without its division: the bucket already holds g / W."""
+    buf = bucket.buffer()
+    state.bytes_sent += buf.numel() * buf.element_size()
+    work = dist.all_reduce(buf, group=state.group, async_op=True)
+    assert work is not None
+    return work.get_future().then(_first)
+
+
+def _first(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    return fut.value()[0]

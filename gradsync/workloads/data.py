@@ -16,6 +16,8 @@ from gradsync.errors import UsageError
 
 VOCAB = 128
 DEFAULT_BYTES = 1_000_000
+#: the smallest text worth training on: room for many distinct 64-character windows
+MIN_BYTES = 1024
 _SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 
 
@@ -31,13 +33,29 @@ def stdlib_sources() -> list[Path]:
     return files
 
 
+def _valid_data() -> str:
+    return (
+        f"pass an existing text file of at least {MIN_BYTES} bytes, or omit --data to train "
+        "on the standard-library sample"
+    )
+
+
+def check_data_file(path: str) -> None:
+    """Raise ``UsageError`` unless ``path`` is a readable file holding enough text: called
+    before any worker starts, so a bad ``--data`` costs no launch."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--data file {path!r} does not exist or is not a file; {_valid_data()}")
+    size = p.stat().st_size
+    if size < MIN_BYTES:
+        raise UsageError(f"--data file {path!r} holds {size} bytes; {_valid_data()}")
+
+
 def load_text(path: str | None = None, max_bytes: int = DEFAULT_BYTES) -> torch.Tensor:
     """Token ids (int64) of ``path``, or of a stdlib sample when ``path`` is None."""
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise UsageError(f"--data file {path!r} does not exist or is not a file")
-        raw = p.read_bytes()[:max_bytes]
+        check_data_file(path)
+        raw = Path(path).read_bytes()[:max_bytes]
     else:
         files = stdlib_sources()
         # Every k-th file in sorted order spreads the sample across the whole library.
@@ -50,7 +68,7 @@ def load_text(path: str | None = None, max_bytes: int = DEFAULT_BYTES) -> torch.
             if total >= max_bytes:
                 break
         raw = b"\n".join(chunks)[:max_bytes]
-    if len(raw) < 1024:
-        raise UsageError(f"--data file {path!r} holds {len(raw)} bytes; at least 1024 are needed")
+    if len(raw) < MIN_BYTES:  # only a truncated read or a tiny stdlib can get here
+        raise UsageError(f"--data file {path!r} holds {len(raw)} bytes; {_valid_data()}")
     ids = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
     return ids.clamp_(max=VOCAB - 1)
