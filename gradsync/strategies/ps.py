@@ -29,17 +29,18 @@ group; a server waits for each worker in its own thread, so one slow worker neve
 another's reply. ``benchmarks/ps_transport.py`` times a push/pull round trip of S bytes against
 an all-reduce of the same S bytes, and ``torch.distributed.rpc`` (TensorPipe) sending the same
 tensor, 4 KiB to 16 MiB (BENCHMARKS.md, section "Parameter-server transport"). What it showed
-on 2-core loopback: with one worker, from 1 MiB up a push/pull costs about what the all-reduce
-costs (each moves S bytes each way over one link); with two workers sharing one server it costs
-more (1.5x to 3x), because the server's link carries every worker's push and pull while the
-all-reduce's per-rank traffic does not grow with the workers: that is the price of decoupling
-the workers, which is what ssp and async buy (add servers with ``--servers`` to split it).
-Below 1 MiB every method is latency-bound and the ranking varied between runs on a loaded
-machine. rpc was never clearly faster than point-to-point for one worker and was slower with
-two workers on large messages; it would also need a second rendezvous and its own agent
-threads and timeouts, and it serialises each call. Point-to-point reuses the process group
-(and its timeouts) the job already has, moves tensors as they are, and works on NCCL too:
-hence the choice.
+on 2-core loopback (the figures in BENCHMARKS.md are from ``make bench``): with one worker,
+from 1 MiB up a push/pull costs about what the all-reduce costs (0.75x to 1.04x; each moves S
+bytes each way over one link); with two workers sharing one server it costs more (1.4x to 2.5x),
+because the server's link carries every worker's push and pull while the all-reduce's per-rank
+traffic does not grow with the workers: that is the price of decoupling the workers, which is
+what ssp and async buy (add servers with ``--servers`` to split it). Below 1 MiB every method
+is latency-bound and the ranking varied between runs. From 1 MiB up rpc was within about
+1.5x of point-to-point either way (faster at some sizes, slower at others, and the ranking
+changed between runs); below that it was slower (3.7x at 4 KiB with one worker). rpc would
+also need a second rendezvous, its own agent threads and timeouts, and it serialises each call.
+Point-to-point reuses the process group (and its timeouts) the job already has, moves tensors
+as they are, and works on NCCL too: hence the choice.
 
 Messages: every message a worker sends a server is one tensor: a header, then a payload of a
 fixed size (``ParameterServer.wire``). The header is 8 bytes whose first element is the kind,
