@@ -13,35 +13,13 @@ the old code, 5 of 6 runs of this command aborted this way; without the long int
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.torchrun import ROOT, torchrun
+
 RUN_TIMEOUT_S = 60
-
-
-def _torchrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    # Own process group, so a run past its timeout takes its ranks with it.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun {' '.join(args)} ran past {RUN_TIMEOUT_S}s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S + 30)
@@ -54,8 +32,6 @@ def test_parameter_server_example_exits_cleanly_under_torchrun(tmp_path: Path) -
     for strategy in ("async", "ssp:1", "async"):
         args = ["--standalone", "--nproc_per_node=3", "examples/train_ps.py"]
         args += ["--strategy", strategy, "--steps", "5", "--params", "2000"]
-        result = _torchrun(args, env)
-        tail = result.stdout[-3000:]
-        assert result.returncode == 0, f"{strategy}: exit {result.returncode}\n{tail}"
-        assert "terminate called" not in result.stdout
-        assert "final loss" in result.stdout  # rank 0 trained to the end and printed its report
+        out = torchrun(args, env, RUN_TIMEOUT_S)  # fails the test on a non-zero exit
+        assert "terminate called" not in out
+        assert "final loss" in out  # rank 0 trained to the end and printed its report
