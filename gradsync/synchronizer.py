@@ -273,11 +273,8 @@ class Synchronizer:
         if identical is None or not identical(step, final):
             return
         workers = list(range(self.num_workers))
-        what = (
-            "final divergence check (fingerprint gather)"
-            if final
-            else ("divergence check (fingerprint gather)")
-        )
+        what = "final divergence check" if final else "divergence check"
+        what += " (fingerprint gather)"
 
         def run(gather: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
             return self._watch.run(END if final else step, what, gather)

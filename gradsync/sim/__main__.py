@@ -7,23 +7,15 @@ so planning works on a laptop with nothing but numpy (and matplotlib for the swe
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
-from gradsync.errors import UsageError
+from gradsync.entry import run_commands
 from gradsync.sim.cli import add_parsers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gradsync.sim")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except UsageError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+    return run_commands("python -m gradsync.sim", add_parsers, argv)
 
 
 if __name__ == "__main__":

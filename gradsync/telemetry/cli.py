@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync.entry import run_commands
 from gradsync.errors import UsageError
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records, read_spans
 from gradsync.telemetry.report import RunReport
@@ -157,14 +158,7 @@ def handler(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry point (``python -m gradsync.telemetry.cli report RUN_DIR``)."""
-    parser = argparse.ArgumentParser(prog="gradsync")
-    add_parsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except UsageError as e:
-        print(f"gradsync {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return run_commands("gradsync", add_parsers, argv)
 
 
 def _bytes(records: list[StepRecord], run_dir: Path) -> dict[str, float]:
