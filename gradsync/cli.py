@@ -16,203 +16,18 @@ from gradsync.errors import UsageError
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    """Flags of ``run`` and ``compare``; every help names the default (the README's table too)."""
+    """Flags of ``run`` and ``compare``: one per field of RunConfig, declared there."""
     from gradsync.config import RunConfig
+    from gradsync.flags import add_flags
 
-    d = RunConfig(out="runs/x")
-    add = p.add_argument
-    add(
-        "--nproc",
-        type=int,
-        default=d.nproc,
-        metavar="N",
-        help="worker processes (default: %(default)s)",
-    )
-    add("--workload", default=d.workload, help="charlm | mlp (default: %(default)s)")
-    add(
-        "--strategy",
-        default=d.strategy,
-        metavar="SPEC",
-        help="bsp | local:H | diloco:H | ssp:S | async (default: %(default)s)",
-    )
-    add(
-        "--compress",
-        dest="compression",
-        default=None,
-        metavar="SPEC",
-        help="fp16 | bf16 | int8 | topk:F | randomk:F | sign | powersgd:R (default: none)",
-    )
-    add("--steps", type=int, default=d.steps, help="training steps (default: %(default)s)")
-    add(
-        "--batch-size",
-        type=int,
-        default=d.batch_size,
-        metavar="B",
-        help="samples per worker per step (default: %(default)s)",
-    )
-    add("--lr", type=float, default=None, help="learning rate (default: the workload's own)")
-    add(
-        "--bucket-mb",
-        type=float,
-        default=d.bucket_mb,
-        metavar="MB",
-        help="gradient bucket size in MB (default: %(default)g)",
-    )
-    add(
-        "--micro-batches",
-        type=int,
-        default=d.micro_batches,
-        metavar="K",
-        help="backward passes per step; must divide --batch-size (default: %(default)s)",
-    )
-    add(
-        "--seed",
-        type=int,
-        default=d.seed,
-        help="seed of the model's initialisation and the data order (default: %(default)s)",
-    )
-    add("--out", default=None, metavar="DIR", help="run directory (default: runs/<timestamp>)")
-    add(
-        "--threads",
-        type=int,
-        default=d.threads,
-        metavar="T",
-        help="intra-op threads per rank (default: %(default)s)",
-    )
-    add(
-        "--data",
-        default=None,
-        metavar="FILE",
-        help="text file for charlm (default: a sample of the standard library's sources)",
-    )
-    add(
-        "--params",
-        type=int,
-        default=d.params,
-        metavar="N",
-        help="mlp parameter count (default: %(default)s)",
-    )
-    add(
-        "--slow",
-        default=None,
-        metavar="RANK:FACTOR[@START[-END]]",
-        help="inject a straggler: make RANK's compute FACTOR times as long from step START "
-        "(default 0) until step END, exclusive (default: to the end); e.g. 3:2, 1:1.5@100 or "
-        "1:3@10-40, comma-separated for several (default: none)",
-    )
-    add(
-        "--timeout",
-        type=float,
-        default=d.timeout,
-        metavar="S",
-        help="seconds a synchronizing wait may take before failing (default: %(default)g)",
-    )
-    add(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no live progress line (default: shown)",
-    )
-    add(
-        "--servers",
-        type=int,
-        default=d.servers,
-        metavar="K",
-        help="parameter servers for ssp:S and async (default: %(default)s)",
-    )
-    add(
-        "--straggler-window",
-        type=int,
-        default=d.straggler_window,
-        metavar="N",
-        help="steps per straggler score window (default: %(default)s)",
-    )
-    add(
-        "--straggler-threshold",
-        type=float,
-        default=d.straggler_threshold,
-        metavar="X",
-        help="flag a rank whose relative score falls below this (default: %(default)s)",
-    )
-    add(
-        "--straggler-warmup",
-        type=int,
-        default=d.straggler_warmup,
-        metavar="N",
-        help="first steps never scored for stragglers (default: %(default)s)",
-    )
-    add("--no-plots", dest="plots", action="store_false", help="skip PNG plots (default: drawn)")
-    add(
-        "--balance",
-        action="store_true",
-        help="shard each global batch by measured speed (bsp; the update stays exact; "
-        "default: off)",
-    )
-    add(
-        "--checkpoint-every",
-        type=int,
-        default=d.checkpoint_every,
-        metavar="N",
-        help="save a checkpoint every N steps into OUT/checkpoints (0: never; "
-        "default: %(default)s)",
-    )
-    add(
-        "--keep-checkpoints",
-        type=int,
-        default=d.keep_checkpoints,
-        metavar="N",
-        help="checkpoints kept (default: %(default)s)",
-    )
-    add(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in --out (default: off)",
-    )
-    add(
-        "--max-restarts",
-        type=int,
-        default=d.max_restarts,
-        metavar="R",
-        help="restart the workers this many times after a failure, resuming from "
-        "checkpoints (default: %(default)s)",
-    )
-    add(
-        "--kill",
-        default=None,
-        metavar="RANK:STEP",
-        help="fault injection: SIGKILL that rank at that step, once; e.g. 1:37, "
-        "comma-separated for several (default: none)",
-    )
-    add(
-        "--hosts",
-        type=int,
-        default=d.hosts,
-        metavar="H",
-        help="run on an emulated cluster of H network-namespace hosts (root; see docs; "
-        "0: local processes; default: %(default)s)",
-    )
-    add(
-        "--link",
-        default=d.link,
-        metavar="RATE",
-        help="link rate of each emulated host, tc tbf syntax (default: %(default)s)",
-    )
-    add(
-        "--check-every",
-        type=int,
-        default=d.check_every,
-        metavar="N",
-        help="compare replica fingerprints every N steps (0: off; default: %(default)s)",
-    )
+    add_flags(p, RunConfig)
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
-    from gradsync.config import RunConfig, default_out
+    from gradsync.config import RunConfig
+    from gradsync.flags import from_namespace
 
-    fields = set(RunConfig.__dataclass_fields__)
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    values["out"] = args.out or default_out()
-    return RunConfig(**values)
+    return from_namespace(RunConfig, args)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -292,7 +107,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         refuse_strategy_flag,
         run_comparison,
     )
-    from gradsync.strategies.base import uses_servers
+    from gradsync.strategies.factory import uses_servers
 
     refuse_strategy_flag(args.strategy)
     strategies = parse_strategies(args.strategies)

@@ -1,0 +1,122 @@
+"""Command-line flags declared once, on a config dataclass's fields.
+
+A field made with :func:`flag` carries what only the command line needs: its help text,
+metavar, the help group it is shown in and, where it is not ``--field-name``, its option
+string. The rest comes from the field itself: the name (``batch_size`` -> ``--batch-size``),
+the default, and the argparse type or action from the annotation (``int``, ``float``, ``str``,
+optional ones, and ``bool``: ``--name`` turns on a field that defaults to off, ``--no-name``
+turns off one that defaults to on). :func:`add_flags` builds the options of a parser from
+``dataclasses.fields`` and :func:`from_namespace` builds the config back from the parsed values,
+so validation stays the config's own (its ``__post_init__``). A field without a flag is set by
+code only. Torch-free: nothing here imports more than the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+FLAG_KEY = "gradsync.flag"  # the key of a field's metadata that holds its Flag
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Flag:
+    """What the command line shows for one config field (everything else is the field's)."""
+
+    help: str
+    group: str
+    metavar: str | None = None
+    option: str | None = None  # the option string, where it is not --field-name
+
+    def option_for(self, f: dataclasses.Field[Any]) -> str:
+        if self.option is not None:
+            return self.option
+        name = f.name.replace("_", "-")
+        if f.default is True:
+            return f"--no-{name}"  # a bool that defaults to on: the flag turns it off
+        return f"--{name}"
+
+
+def flag(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    group: str,
+    metavar: str | None = None,
+    option: str | None = None,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A dataclass field with its command-line flag: ``nproc: int = flag(4, help=...)``.
+
+    ``factory`` instead of ``default`` makes the default computed per config (``--out``); the
+    flag then defaults to None, which :func:`from_namespace` reads as "not given".
+    """
+    meta = {FLAG_KEY: Flag(help=help, group=group, metavar=metavar, option=option)}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_of(f: dataclasses.Field[Any]) -> Flag | None:
+    """The flag a field declares, or None for a field set by code only."""
+    spec = f.metadata.get(FLAG_KEY)
+    return spec if isinstance(spec, Flag) else None
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add an option for every flag field of dataclass ``cls``, in field order, by group."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        spec = flag_of(f)
+        if spec is None:
+            continue
+        if spec.group not in groups:
+            groups[spec.group] = parser.add_argument_group(spec.group)
+        groups[spec.group].add_argument(
+            spec.option_for(f), dest=f.name, help=spec.help, **_how(f, hints[f.name], spec)
+        )
+
+
+def _how(f: dataclasses.Field[Any], hint: Any, spec: Flag) -> dict[str, Any]:
+    """The argparse keywords that parse field ``f``'s values: action, or type and default."""
+    kind = _scalar(hint)
+    if kind is bool:
+        if f.default not in (True, False) or spec.metavar is not None:
+            raise TypeError(f"bool field {f.name} needs a default of True or False, no metavar")
+        return {"action": "store_false" if f.default else "store_true"}
+    if kind not in (int, float, str):
+        raise TypeError(f"field {f.name}: no command-line type for {hint!r}")
+    default = None if f.default is dataclasses.MISSING else f.default
+    how: dict[str, Any] = {"default": default, "metavar": spec.metavar}
+    if kind is not str:
+        how["type"] = kind
+    return how
+
+
+def _scalar(hint: Any) -> Any:
+    """``X`` for ``X`` or ``X | None``; the hint itself for anything else."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def from_namespace(cls: Callable[..., T], args: argparse.Namespace) -> T:
+    """``cls`` from the parsed flags; a flag left at None takes a computed default's value."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if flag_of(f) is None or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if f.default_factory is not dataclasses.MISSING and value in (None, ""):
+            continue  # not given (or given empty): the factory's default, e.g. runs/<timestamp>
+        values[f.name] = value
+    return cls(**values)

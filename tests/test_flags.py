@@ -1,0 +1,215 @@
+"""The flags of `gradsync run` and `gradsync compare` are RunConfig's fields, declared once.
+
+Every field with a flag has exactly one option in both parsers, with the field's default and a
+type that parses it back; every option is a field; and a value RunConfig refuses is refused by
+the command line with exit code 2 and RunConfig's own message, naming the option users typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gradsync.launch
+import gradsync.telemetry.cli
+from gradsync.cli import _config_from_args, build_parser, main
+from gradsync.config import RunConfig
+from gradsync.errors import UsageError
+from gradsync.flags import add_flags, flag, flag_of, from_namespace
+
+pytestmark = pytest.mark.unit
+
+CONFIG_ONLY = {"telemetry_every"}  # set by code (library callers, benchmarks), no flag
+FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+FLAG_FIELDS = sorted(name for name, f in FIELDS.items() if flag_of(f) is not None)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The parser's options by dest, each dest once; compare's own two left out."""
+    actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    dests = [a.dest for a in actions if a.dest not in ("strategies", "target_loss")]
+    assert len(dests) == len(set(dests)), "a field with two options"
+    return {a.dest: a for a in actions if a.dest in dests}
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_every_field_is_a_flag_and_every_flag_a_field(command: str) -> None:
+    options = _options(_subparser(command))
+    assert set(FIELDS) - set(options) == CONFIG_ONLY
+    assert set(options) == set(FLAG_FIELDS)
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_flag_defaults_are_the_fields_defaults(command: str) -> None:
+    options = _options(_subparser(command))
+    for name in FLAG_FIELDS:
+        field, action = FIELDS[name], options[name]
+        if command == "compare" and name == "strategy":
+            assert action.default is None  # compare refuses --strategy (use --strategies)
+        elif field.default_factory is not dataclasses.MISSING:
+            assert action.default is None, name  # not given: the factory's value
+        else:
+            assert action.default == field.default, name
+            assert type(action.default) is type(field.default), name
+
+
+def test_no_flags_give_the_default_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = _config_from_args(_subparser("run").parse_args([]))
+    assert cfg.out.startswith("runs/")
+    assert cfg == RunConfig(out=cfg.out)
+    given = _config_from_args(_subparser("run").parse_args(["--out", "there"]))
+    assert given.out == "there"
+
+
+def test_each_flag_parses_its_default_back() -> None:
+    """The option's type is the field's: ``--x=<default>`` gives the default, typed alike."""
+    options, run = _options(_subparser("run")), _subparser("run")
+    for name in FLAG_FIELDS:
+        default, option = FIELDS[name].default, options[name].option_strings[0]
+        if isinstance(default, bool):
+            flipped = vars(run.parse_args([option]))[name]
+            assert flipped is (not default), name
+        elif default is not None and default is not dataclasses.MISSING:
+            parsed = vars(run.parse_args([f"{option}={default}"]))[name]
+            assert parsed == default and type(parsed) is type(default), name
+
+
+# -- a value RunConfig refuses: the same refusal on the command line ------------------------
+
+# Each case: the fields set (one bad value, or a combination), for every check RunConfig makes.
+INVALID: list[dict[str, Any]] = [
+    {"nproc": 0},
+    {"nproc": 257},
+    {"workload": "nope"},
+    {"strategy": "nope"},
+    {"compression": "nope"},
+    {"steps": 0},
+    {"batch_size": 0},
+    {"micro_batches": 0},
+    {"micro_batches": 3},  # does not divide the default batch of 16
+    {"threads": 0},
+    {"bucket_mb": 0.0},
+    {"lr": -1.0},
+    {"timeout": 0.0},
+    {"timeout": math.inf},
+    {"params": 10},
+    {"straggler_window": 0},
+    {"straggler_threshold": math.nan},
+    {"straggler_warmup": -1},
+    {"data": "no-such-file.txt"},
+    {"balance": True, "strategy": "local:4"},
+    {"check_every": -1},
+    {"checkpoint_every": -1},
+    {"keep_checkpoints": 0},
+    {"max_restarts": 1001},
+    {"kill": "nope"},
+    {"kill": "9:3", "max_restarts": 1},
+    {"kill": "1:3"},  # no --max-restarts to survive it
+    {"kill": "4:3", "strategy": "async", "max_restarts": 1},  # rank 4 is the server
+    {"hosts": -1},
+    {"hosts": 3},  # 4 processes do not split over 3 hosts
+    {"hosts": 2, "link": "fast"},
+    {"servers": 0},
+    {"servers": 2},  # bsp runs no servers
+    {"slow": "nope"},
+    {"slow": "7:2"},
+]
+ANY_VALUE = {"seed", "out", "resume", "progress", "plots"}  # no value of these is refused
+
+
+def _argv(values: dict[str, Any]) -> list[str]:
+    options = _options(_subparser("run"))
+    argv = []
+    for name, value in values.items():
+        option = options[name].option_strings[0]
+        argv.append(option if isinstance(value, bool) else f"{option}={value}")
+    return argv
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[Any]]:
+    calls: list[Any] = []
+
+    def launch(*args: Any, **kwargs: Any) -> dict[int, Any]:
+        calls.append(args)
+        return {0: {}}
+
+    monkeypatch.setattr(gradsync.launch, "launch", launch)
+    monkeypatch.setattr(gradsync.telemetry.cli, "summarize_run", lambda *a, **k: "")
+    monkeypatch.chdir(tmp_path)
+    yield calls
+
+
+def test_every_flag_is_checked_or_takes_any_value() -> None:
+    checked = {name for case in INVALID for name in case}
+    assert checked | ANY_VALUE == set(FLAG_FIELDS)
+
+
+@pytest.mark.parametrize("values", INVALID, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
+def test_cli_refuses_what_the_config_refuses_with_its_message(
+    values: dict[str, Any], capsys: pytest.CaptureFixture[str], no_launch: list[Any]
+) -> None:
+    with pytest.raises(UsageError) as refused:
+        RunConfig(out="run", **values)
+    code = main(["run", "--out=run", *_argv(values)])
+    err = capsys.readouterr().err
+    assert code == 2 and not no_launch
+    assert err.splitlines() == [f"gradsync: error: {refused.value}"]
+    # It names what the user typed: the option, or (spec parsers) the bad value itself.
+    options = _options(_subparser("run"))
+    typed = [options[n].option_strings[0] for n in values] + [repr(str(v)) for v in values.values()]
+    assert any(text in str(refused.value) for text in typed), refused.value
+
+
+def test_cli_launches_what_the_config_accepts(
+    capsys: pytest.CaptureFixture[str], no_launch: list[Any]
+) -> None:
+    values = {"nproc": 2, "workload": "mlp", "compression": "fp16", "lr": 0.5, "balance": True}
+    code = main(["run", "--out=run", "--no-plots", "--no-progress", *_argv(values)])
+    assert code == 0, capsys.readouterr().err
+    (config,) = no_launch[0][1]
+    assert {k: config[k] for k in values} == values
+    assert config["plots"] is False and config["progress"] is False
+
+
+# -- gradsync.flags on a config of its own ---------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True)
+class Toy:
+    count: int = flag(3, metavar="N", help="count (default: %(default)s)", group="toy")
+    rate: float | None = flag(None, help="rate (default: none)", group="toy")
+    name: str = flag("a", option="--label", help="name (default: %(default)s)", group="other")
+    loud: bool = flag(True, help="quiet (default: loud)", group="toy")
+    dry: bool = flag(False, help="dry run (default: off)", group="toy")
+    tag: str = flag(factory=lambda: "made", help="tag (default: made)", group="other")
+    hidden: int = 0
+
+
+def test_add_flags_derives_options_types_and_groups() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Toy)
+    groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    assert groups["toy"] == ["count", "rate", "loud", "dry"]
+    assert groups["other"] == ["name", "tag"]
+    args = parser.parse_args(["--count=5", "--rate=0.5", "--label=b", "--no-loud", "--dry"])
+    assert from_namespace(Toy, args) == Toy(count=5, rate=0.5, name="b", loud=False, dry=True)
+    assert from_namespace(Toy, parser.parse_args([])) == Toy()
+    assert from_namespace(Toy, parser.parse_args(["--tag="])).tag == "made"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--count=x"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hidden=1"])
