@@ -26,7 +26,7 @@ import numpy as np
 from gradsync.config import RunConfig
 from gradsync.errors import UsageError
 from gradsync.progress import HEARTBEAT_FILE, Progress, read_heartbeat
-from gradsync.strategies.base import parse_strategy, uses_servers
+from gradsync.strategies.factory import parse_strategy, uses_servers
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records
 from gradsync.telemetry.report import RunReport
 

@@ -1,17 +1,23 @@
-"""``RunConfig``: everything ``gradsync run`` needs, validated before any process starts."""
+"""``RunConfig``: everything ``gradsync run`` needs, validated before any process starts.
+
+Its fields are also the declaration of the flags of ``gradsync run`` and ``gradsync compare``
+(gradsync.flags builds the parser from them): a new field with :func:`flag` is a new flag, with
+its default and help, and a field without one is set by code only.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
+from gradsync.flags import flag
 from gradsync.inject import parse_kill, parse_slow
-from gradsync.strategies.base import parse_strategy, uses_servers
+from gradsync.strategies.factory import parse_strategy, uses_servers
 from gradsync.telemetry.stragglers import StragglerConfig
 from gradsync.workloads import WORKLOADS, make_workload
 from gradsync.workloads.data import check_data_file
@@ -20,6 +26,14 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_LOCAL_PROCESSES = 256
 MAX_PARAMS = 1_000_000_000
 
+# The help groups of `gradsync run --help`, in the order the fields below first name them.
+TRAINING = "training"
+SYNC = "synchronization"
+STRAGGLERS = "stragglers"
+FAULTS = "fault tolerance"
+CLUSTER = "emulated cluster"
+OUTPUT = "output"
+
 
 def default_out() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -27,46 +41,181 @@ def default_out() -> str:
 
 @dataclass(slots=True, kw_only=True)
 class RunConfig:
-    nproc: int = 4
-    workload: str = "charlm"
-    strategy: str = "bsp"
-    compression: str | None = None
-    steps: int = 200
-    batch_size: int = 16
-    lr: float | None = None
-    bucket_mb: float = 25.0
-    micro_batches: int = 1
-    seed: int = 0
-    out: str = field(default_factory=default_out)
-    threads: int = 1
-    data: str | None = None
-    params: int = 100_000
-    slow: str | None = None
-    timeout: float = 300.0
-    telemetry_every: int = 10
-    progress: bool = True
-    servers: int = 1
-    straggler_window: int = 20
-    straggler_threshold: float = 0.75
-    straggler_warmup: int = 10
-    plots: bool = True
-    balance: bool = False
-    check_every: int = 100
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    resume: bool = False
-    max_restarts: int = 0
-    kill: str | None = None
-    hosts: int = 0
-    link: str = "1gbit"
+    """Every help names its default (the README's `gradsync run` reference lists each flag)."""
+
+    nproc: int = flag(
+        4, metavar="N", help="worker processes (default: %(default)s)", group=TRAINING
+    )
+    workload: str = flag("charlm", help="charlm | mlp (default: %(default)s)", group=TRAINING)
+    steps: int = flag(200, help="training steps (default: %(default)s)", group=TRAINING)
+    batch_size: int = flag(
+        16, metavar="B", help="samples per worker per step (default: %(default)s)", group=TRAINING
+    )
+    lr: float | None = flag(
+        None, help="learning rate (default: the workload's own)", group=TRAINING
+    )
+    micro_batches: int = flag(
+        1,
+        metavar="K",
+        help="backward passes per step; must divide --batch-size (default: %(default)s)",
+        group=TRAINING,
+    )
+    seed: int = flag(
+        0,
+        help="seed of the model's initialisation and the data order (default: %(default)s)",
+        group=TRAINING,
+    )
+    threads: int = flag(
+        1, metavar="T", help="intra-op threads per rank (default: %(default)s)", group=TRAINING
+    )
+    data: str | None = flag(
+        None,
+        metavar="FILE",
+        help="text file for charlm (default: a sample of the standard library's sources)",
+        group=TRAINING,
+    )
+    params: int = flag(
+        100_000, metavar="N", help="mlp parameter count (default: %(default)s)", group=TRAINING
+    )
+    strategy: str = flag(
+        "bsp",
+        metavar="SPEC",
+        help="bsp | local:H | diloco:H | ssp:S | async (default: %(default)s)",
+        group=SYNC,
+    )
+    servers: int = flag(
+        1,
+        metavar="K",
+        help="parameter servers for ssp:S and async (default: %(default)s)",
+        group=SYNC,
+    )
+    compression: str | None = flag(
+        None,
+        option="--compress",
+        metavar="SPEC",
+        help="fp16 | bf16 | int8 | topk:F | randomk:F | sign | powersgd:R (default: none)",
+        group=SYNC,
+    )
+    bucket_mb: float = flag(
+        25.0, metavar="MB", help="gradient bucket size in MB (default: %(default)g)", group=SYNC
+    )
+    balance: bool = flag(
+        False,
+        help="shard each global batch by measured speed (bsp; the update stays exact; "
+        "default: off)",
+        group=SYNC,
+    )
+    timeout: float = flag(
+        300.0,
+        metavar="S",
+        help="seconds a synchronizing wait may take before failing (default: %(default)g)",
+        group=SYNC,
+    )
+    slow: str | None = flag(
+        None,
+        metavar="RANK:FACTOR[@START[-END]]",
+        help="inject a straggler: make RANK's compute FACTOR times as long from step START "
+        "(default 0) until step END, exclusive (default: to the end); e.g. 3:2, 1:1.5@100 or "
+        "1:3@10-40, comma-separated for several (default: none)",
+        group=STRAGGLERS,
+    )
+    straggler_window: int = flag(
+        20,
+        metavar="N",
+        help="steps per straggler score window (default: %(default)s)",
+        group=STRAGGLERS,
+    )
+    straggler_threshold: float = flag(
+        0.75,
+        metavar="X",
+        help="flag a rank whose relative score falls below this (default: %(default)s)",
+        group=STRAGGLERS,
+    )
+    straggler_warmup: int = flag(
+        10,
+        metavar="N",
+        help="first steps never scored for stragglers (default: %(default)s)",
+        group=STRAGGLERS,
+    )
+    check_every: int = flag(
+        100,
+        metavar="N",
+        help="compare replica fingerprints every N steps (0: off; default: %(default)s)",
+        group=FAULTS,
+    )
+    checkpoint_every: int = flag(
+        0,
+        metavar="N",
+        help="save a checkpoint every N steps into OUT/checkpoints (0: never; "
+        "default: %(default)s)",
+        group=FAULTS,
+    )
+    keep_checkpoints: int = flag(
+        2, metavar="N", help="checkpoints kept (default: %(default)s)", group=FAULTS
+    )
+    resume: bool = flag(
+        False, help="continue from the newest checkpoint in --out (default: off)", group=FAULTS
+    )
+    max_restarts: int = flag(
+        0,
+        metavar="R",
+        help="restart the workers this many times after a failure, resuming from "
+        "checkpoints (default: %(default)s)",
+        group=FAULTS,
+    )
+    kill: str | None = flag(
+        None,
+        metavar="RANK:STEP",
+        help="fault injection: SIGKILL that rank at that step, once; e.g. 1:37, "
+        "comma-separated for several (default: none)",
+        group=FAULTS,
+    )
+    hosts: int = flag(
+        0,
+        metavar="H",
+        help="run on an emulated cluster of H network-namespace hosts (root; see docs; "
+        "0: local processes; default: %(default)s)",
+        group=CLUSTER,
+    )
+    link: str = flag(
+        "1gbit",
+        metavar="RATE",
+        help="link rate of each emulated host, tc tbf syntax (default: %(default)s)",
+        group=CLUSTER,
+    )
+    out: str = flag(
+        factory=default_out,
+        metavar="DIR",
+        help="run directory (default: runs/<timestamp>)",
+        group=OUTPUT,
+    )
+    progress: bool = flag(True, help="no live progress line (default: shown)", group=OUTPUT)
+    plots: bool = flag(True, help="skip PNG plots (default: drawn)", group=OUTPUT)
+    telemetry_every: int = 10  # no flag: rank 0's telemetry gather period, for library callers
 
     def __post_init__(self) -> None:
+        # One concern each, in this order: with several bad values, the first one here is named.
+        self._check_job()
+        self._check_sizes()
+        self._check_limits()
+        self._check_stragglers()
+        self._check_inputs()
+        self._check_recovery()
+        self._check_kill()
+        if self.hosts:
+            self._check_hosts()
+        self._check_servers()
+        self._check_slow()
+
+    def _check_job(self) -> None:
         if self.nproc < 1:
             raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
         if self.workload not in WORKLOADS:
             raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
         parse_strategy(self.strategy)  # raises with the valid forms
         parse_compression(self.compression)
+
+    def _check_sizes(self) -> None:
         for name in ("steps", "batch_size", "micro_batches", "threads", "telemetry_every"):
             value = getattr(self, name)
             if value < 1:
@@ -80,6 +229,9 @@ class RunConfig:
             raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
         if self.lr is not None and not self.lr > 0:
             raise UsageError(f"--lr must be > 0, got {self.lr}")
+
+    def _check_limits(self) -> None:
+        """Values that would pass the workers' own checks and fail or hang much later."""
         if not 0 < self.timeout <= MAX_TIMEOUT_S:
             raise UsageError(
                 f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds (a week), "
@@ -95,6 +247,8 @@ class RunConfig:
                 f"--params must be between 1000 and {MAX_PARAMS:,} (4 GB of fp32), "
                 f"got {self.params}"
             )
+
+    def _check_stragglers(self) -> None:
         try:
             StragglerConfig(
                 window=self.straggler_window,
@@ -102,16 +256,20 @@ class RunConfig:
                 warmup=self.straggler_warmup,
             )
         except UsageError as exc:
-            flag = next(
+            option = next(
                 f"--straggler-{name}"
                 for name in ("window", "threshold", "warmup")
                 if str(exc).startswith(name)
             )
-            raise UsageError(f"{flag}: {exc}") from None
+            raise UsageError(f"{option}: {exc}") from None
+
+    def _check_inputs(self) -> None:
         if self.data is not None:
             check_data_file(self.data)
-        if self.balance and parse_strategy(self.strategy).name != "bsp":
+        if self.balance and not parse_strategy(self.strategy).weights_samples:
             raise UsageError(f"--balance needs --strategy bsp, got {self.strategy}")
+
+    def _check_recovery(self) -> None:
         if self.check_every < 0:
             raise UsageError(f"--check-every must be >= 0 (0: off), got {self.check_every}")
         if self.checkpoint_every < 0:
@@ -122,6 +280,8 @@ class RunConfig:
             raise UsageError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
         if not 0 <= self.max_restarts <= 1000:
             raise UsageError(f"--max-restarts must be between 0 and 1000, got {self.max_restarts}")
+
+    def _check_kill(self) -> None:
         kills = parse_kill(self.kill)
         for k in kills:
             if k.rank >= self.processes:
@@ -140,19 +300,10 @@ class RunConfig:
                 f"--kill injects {len(kills)} failure(s) but --max-restarts is "
                 f"{self.max_restarts}: the run could not survive them"
             )
-        if self.hosts:
-            self._check_hosts()
-        if self.servers < 1:
-            raise UsageError(f"--servers must be at least 1, got {self.servers}")
-        self._check_servers()
-        for s in parse_slow(self.slow):
-            if s.rank >= self.nproc:
-                raise UsageError(
-                    f"--slow names rank {s.rank}, but ranks are 0..{self.nproc - 1} "
-                    f"with --nproc {self.nproc}"
-                )
 
     def _check_servers(self) -> None:
+        if self.servers < 1:
+            raise UsageError(f"--servers must be at least 1, got {self.servers}")
         if not self.uses_servers:
             if self.servers != 1:
                 raise UsageError(
@@ -171,6 +322,14 @@ class RunConfig:
                     f"--servers {self.servers} is more than the {tensors} trainable parameter "
                     f"tensors of workload {self.workload}: each server holds whole tensors, so "
                     f"use at most {tensors} servers"
+                )
+
+    def _check_slow(self) -> None:
+        for s in parse_slow(self.slow):
+            if s.rank >= self.nproc:
+                raise UsageError(
+                    f"--slow names rank {s.rank}, but ranks are 0..{self.nproc - 1} "
+                    f"with --nproc {self.nproc}"
                 )
 
     def _check_hosts(self) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import compat, runtime
 from gradsync.balance import ShardBalancer
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
@@ -21,7 +20,8 @@ from gradsync.errors import UsageError
 from gradsync.fault.diagnose import END, START, ArrivalWatch, GroupTimeout
 from gradsync.fault.guards import check_replicas
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
-from gradsync.strategies.base import StepOutcome, Strategy, SyncContext, parse_strategy
+from gradsync.strategies.base import Layout, StepOutcome, StepPlan, Strategy, SyncContext
+from gradsync.strategies.factory import parse_strategy
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.timing import TelemetryCollector
@@ -93,6 +93,7 @@ class Synchronizer:
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
         self.strategy = parse_strategy(strategy, servers=servers, timeout_s=timeout_s)
+        self.layout = Layout.of(self.world_size, self.strategy.servers)
         self.compressor = parse_compression(compression)
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
         self.telemetry_enabled = telemetry
@@ -133,6 +134,8 @@ class Synchronizer:
                     record_spans=record_spans,
                     skip_nonfinite=skip_nonfinite,
                     watch=self._watch,
+                    layout=self.layout,
+                    rank=self.rank,
                 )
             )
         except BaseException:
@@ -149,7 +152,7 @@ class Synchronizer:
     def _make_balancer(self, balance: bool | ShardBalancer) -> ShardBalancer | None:
         if balance is False:
             return None
-        if self.strategy.name != "bsp":
+        if not self.strategy.weights_samples:
             raise UsageError(
                 f"balance needs the bsp strategy (got {self.strategy.name}): "
                 "other strategies do not average one global batch per step"
@@ -193,12 +196,12 @@ class Synchronizer:
     @property
     def is_server(self) -> bool:
         """True on parameter-server ranks: call ``serve()`` there instead of training."""
-        return bool(getattr(self.strategy, "is_server", False))
+        return self.layout.role(self.rank) == "server"
 
     @property
     def num_workers(self) -> int:
         """Ranks that train (all of them, except parameter servers)."""
-        return int(getattr(self.strategy, "num_workers", self.world_size))
+        return self.layout.workers
 
     def serve(self) -> Any:
         """On a parameter-server rank: serve until every worker is done, then take part in the
@@ -206,12 +209,12 @@ class Synchronizer:
 
         When the workers call ``save()``, the server writes its own part of that checkpoint
         from here; after ``load()`` on this rank, it starts from the loaded state."""
-        serve = getattr(self.strategy, "serve", None)
-        if serve is None or not self.is_server:
+        role = self.strategy.server_role()
+        if role is None or not self.is_server:
             raise UsageError("serve() is for parameter-server ranks (ssp:S or async strategies)")
         from gradsync.fault import resume
 
-        stats = serve(checkpoint=lambda state: resume.save_server(self, state))
+        stats = role.serve(lambda state: resume.save_server(self, state))
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(-1, final=True)
@@ -233,6 +236,7 @@ class Synchronizer:
         if self._in_step:
             raise UsageError("sync.step() blocks cannot be nested")
         runtime.require_initialized("sync.step()")
+        weight = 1.0
         if self.balancer is not None:
             if self._sizes is None:
                 raise UsageError(
@@ -240,22 +244,23 @@ class Synchronizer:
                     "take that many samples on this rank"
                 )
             sizes, self._sizes = self._sizes, None
-            self.strategy.sample_weight = (  # type: ignore[attr-defined]
-                sizes[self.rank] * self.world_size / sum(sizes)
-            )
+            weight = sizes[self.rank] * self.world_size / sum(sizes)
             samples = samples or sizes[self.rank]
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
         self._in_step = True
         try:
             wall0, t0 = time.time(), time.perf_counter()
-            self.strategy.begin_step(self._step, micro_batches)
+            self.strategy.begin_step(
+                StepPlan(step=self._step, micro_batches=micro_batches, sample_weight=weight)
+            )
             slept = 0.0
             if self.slowdowns:
                 slept = apply_slowdowns(self.slowdowns, self.rank, self._step, self._natural)
             yield handle
             t1 = time.perf_counter()
             self._natural = t1 - t0 - slept
-            outcome = self.strategy.finish_step(self._step)
+            outcome = self.strategy.gradients_ready(self._step)
+            outcome = self.strategy.update(self._step, outcome)
             t2 = time.perf_counter()
         finally:
             self._in_step = False
@@ -269,8 +274,7 @@ class Synchronizer:
 
     def _check_replicas(self, step: int, final: bool = False) -> None:
         """Collective every ``check_every`` steps (and at the end): compare fingerprints."""
-        identical = getattr(self.strategy, "replicas_identical", None)
-        if identical is None or not identical(step, final):
+        if not self.strategy.replicas_identical(step, final):
             return
         workers = list(range(self.num_workers))
         what = "final divergence check" if final else "divergence check"
@@ -330,22 +334,21 @@ class Synchronizer:
         destroys the group before exit. A gloo barrier holds weak references to every
         collective still queued or in progress when it is posted, so none of them is freed
         before the barrier itself is; collectives that finished earlier were freed before it was
-        posted. Keeping the barrier's Work alive for the rest of the process (``_hold``) thus
-        leaves no tensor for a gloo thread to free at exit."""
+        posted. Keeping the barrier's Work alive for the rest of the process
+        (``compat.hold_until_exit``; a later handshake replaces it, on this thread, after its
+        own barrier is posted) thus leaves no tensor for a gloo thread to free at exit."""
         if self.world_size == 1:
             return
         work = dist.barrier(group=self.group, async_op=True)
         assert work is not None
         self._watch.run(END, "final handshake (barrier)", work.wait)
-        _hold(work)
+        compat.hold_until_exit("final handshake", work)
 
     def report(self) -> RunReport:
         """Collective (every rank calls it): per-rank, per-step timings and totals so far.
 
         With a parameter server this ends training: workers fetch the final parameters."""
-        finalize = getattr(self.strategy, "finalize", None)
-        if finalize is not None:
-            finalize()
+        self.strategy.finalize()
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(self._step - 1, final=True)
@@ -407,16 +410,3 @@ class Synchronizer:
 
         what = f"initial broadcast of {len(tensors)} parameter/buffer tensors from rank 0"
         self._watch.run(START, what, broadcast)
-
-
-# The latest final-handshake Work (see ``Synchronizer._final_handshake``). The list is never
-# freed, not even when the interpreter shuts down (the extra reference below), so that Work is
-# never released by a gloo thread at exit. Replacing it releases the previous one on this thread:
-# the new barrier has been posted by then, so a gloo thread has either let the previous one go
-# already, or the new barrier refers to it and defers freeing it until the new one is freed.
-_HANDSHAKES: list[Any] = []
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HANDSHAKES))
-
-
-def _hold(work: Any) -> None:
-    _HANDSHAKES[:] = [work]

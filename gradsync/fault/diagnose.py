@@ -27,16 +27,15 @@ before the first step use ``START``; those after the last (the final check and g
 from __future__ import annotations
 
 import contextlib
-import datetime
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
+from gradsync import compat
 from gradsync.errors import DivergenceError, SyncTimeoutError
 
 T = TypeVar("T")
@@ -58,51 +57,6 @@ def where(step: int) -> str:
     return f"step {step}"
 
 
-def default_store() -> Any | None:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
-
-
-def _backends(group: dist.ProcessGroup | None) -> list[Any]:
-    """The backend objects (gloo, NCCL) behind ``group``; empty where torch hides them."""
-    try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        found: list[Any] = []
-        for device in pg._device_types:
-            backend = pg._get_backend(torch.device(device))
-            if all(backend is not b for b in found):
-                found.append(backend)
-        return found
-    except (RuntimeError, ValueError, AttributeError):
-        return []
-
-
-def group_timeout(group: dist.ProcessGroup | None) -> float | None:
-    """The collective timeout of ``group`` in seconds (the longest of its backends), or None
-    where torch does not tell."""
-    seconds = []
-    for backend in _backends(group):
-        try:
-            seconds.append(backend.options._timeout.total_seconds())
-        except AttributeError:
-            continue
-    return max(seconds) if seconds else None
-
-
-def _set_timeout(group: dist.ProcessGroup | None, seconds: float) -> bool:
-    backends = _backends(group)
-    if not backends:
-        return False
-    try:
-        for backend in backends:
-            backend._set_default_timeout(datetime.timedelta(seconds=seconds))
-    except (RuntimeError, AttributeError):
-        return False
-    return True
-
-
 class GroupTimeout:
     """Holds ``group``'s collective timeout at ``seconds`` until ``restore()``.
 
@@ -112,14 +66,14 @@ class GroupTimeout:
 
     def __init__(self, group: dist.ProcessGroup | None, seconds: float) -> None:
         self.group = group
-        self.previous = group_timeout(group)
-        self.applied = _set_timeout(group, seconds)
+        self.previous = compat.collective_timeout(group)
+        self.applied = compat.set_collective_timeout(group, seconds)
         self.seconds = seconds if self.applied or self.previous is None else self.previous
 
     def restore(self) -> None:
         if self.applied and self.previous is not None:
             self.applied = False
-            _set_timeout(self.group, self.previous)
+            compat.set_collective_timeout(self.group, self.previous)
 
 
 def _parse(value: bytes | str) -> Position:
@@ -144,7 +98,7 @@ class ArrivalWatch:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.store = store if store is not None else default_store()
+        self.store = store if store is not None else compat.default_store()
         self.arrive_after_s = (
             arrive_after_s if arrive_after_s is not None else min(2.0, timeout_s / 4)
         )

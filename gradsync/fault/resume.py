@@ -20,8 +20,9 @@ collective over servers too: call it on every rank, servers before ``serve()``, 
 starts from the saved state. A parameter-server checkpoint resumes only onto the same numbers
 of workers and servers (each server's shard and clocks are per worker).
 
-Resuming with a different number of ranks is supported for BSP only: every BSP replica holds
-the same model and optimizer state, so rank 0's file seeds every rank, and the data position is
+Resuming with a different number of ranks is supported for ``resizable`` strategies (BSP):
+every BSP replica holds the same model and optimizer state, so rank 0's file seeds every rank,
+and the data position is
 the step (each step's global batch is a function of the seed and the step). Per-rank
 compressor state (error-feedback residuals) cannot be re-sharded and restarts from zero, with
 a warning. Other strategies keep per-rank state that has no meaning at another world size,
@@ -46,12 +47,12 @@ if TYPE_CHECKING:
 
 
 def _layout(sync: Synchronizer) -> dict[str, int]:
-    layout = getattr(sync.strategy, "layout", None)
-    return dict(layout) if layout is not None else {"workers": sync.world_size, "servers": 0}
+    """The layout as a checkpoint records it (plain values, for ``weights_only`` loading)."""
+    return {"workers": sync.layout.workers, "servers": sync.layout.servers}
 
 
 def _has_servers(sync: Synchronizer) -> bool:
-    return _layout(sync)["servers"] > 0
+    return sync.layout.servers > 0
 
 
 def _describe(world: int, layout: dict[str, int] | None) -> str:
@@ -74,8 +75,8 @@ def save(
     started = time.perf_counter()
     store = CheckpointStore(directory, keep=keep)
     step = sync.step_count
+    sync.strategy.prepare_checkpoint(step)
     if _has_servers(sync):
-        sync.strategy.request_checkpoint(step)  # type: ignore[attr-defined]
         order = _order(sync, step, {"step": step, "directory": str(directory)})
         if order["step"] != step:
             raise CheckpointError(
@@ -172,8 +173,9 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
         state = store.load(store.at(step), sync.rank, source_rank=0 if changed else None)
     else:
         state = mine
-    if sync.is_server:
-        sync.strategy.restore_server(state["server"])  # type: ignore[attr-defined]
+    role = sync.strategy.server_role()
+    if role is not None:
+        role.restore(state["server"])
         sync.load_state_dict(state["sync"])
         return {**(state.get("extra") or {}), "step": sync.step_count}
     sync.model.load_state_dict(state["model"])
@@ -218,7 +220,7 @@ def _check_compatible(
             "numbers of workers and servers (each server's shard of the parameters and its "
             "per-worker clocks are saved). Resume with the saved numbers (--nproc, --servers)."
         )
-    if saved_world != sync.world_size and name != "bsp":
+    if saved_world != sync.world_size and not sync.strategy.resizable:
         raise CheckpointError(
             f"checkpoint at step {step} was written by {saved_world} ranks; resuming "
             f"{name} with {sync.world_size} is not supported (its per-rank state "

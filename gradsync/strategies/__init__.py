@@ -1,22 +1,33 @@
-"""Strategies: when and what replicas exchange. ``parse_strategy`` turns a spec into one."""
+"""Strategies: when and what replicas exchange. ``parse_strategy`` turns a spec into one.
+
+``base`` is the protocol (every phase of a step is a member), ``factory`` maps spec strings to
+the concrete strategies: ``bsp``, ``local_sgd`` (local:H, diloco:H) and the parameter server
+(``ps`` the worker role and the strategy, ``ps_server`` the server role, ``ps_wire`` what they
+share).
+"""
 
 from gradsync.strategies.base import (
     STRATEGY_FORMS,
+    Layout,
+    ServerRole,
     StepOutcome,
+    StepPlan,
     Strategy,
     StrategySpec,
     SyncContext,
-    parse_strategy,
     parse_strategy_spec,
-    uses_servers,
 )
 from gradsync.strategies.bsp import BSP
+from gradsync.strategies.factory import parse_strategy, uses_servers
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer, ServerStats
 
 __all__ = [
     "STRATEGY_FORMS",
+    "Layout",
+    "ServerRole",
     "StepOutcome",
+    "StepPlan",
     "Strategy",
     "StrategySpec",
     "SyncContext",

@@ -1,15 +1,34 @@
-"""The strategy protocol and the spec strings shared by the API and the CLI.
+"""The strategy protocol: every phase of a step, and everything else the ``Synchronizer``,
+checkpointing and the CLI need from a strategy, as members. Nothing outside a strategy asks
+what it is (no ``getattr``, no name checks): it asks the protocol.
 
-A strategy decides when and what replicas exchange. The ``Synchronizer`` owns the step loop and
-telemetry; it calls ``begin_step`` before the user's block runs and ``finish_step`` after it
-exits, and ``finish_step`` returns once the update has been applied.
+A step, phase by phase (docs/architecture.md has the picture):
+
+1. ``begin_step(plan)`` before the user's block: zero or release gradients, arm the hooks;
+   ``plan`` carries the step, the micro-batch count and this rank's sample weight.
+2. The user's block: forward and backward; exchanges may start from autograd hooks.
+3. ``gradients_ready(step)``: the exchange has finished and ``p.grad`` holds the gradient the
+   update will use (or the outcome says the step is skipped, on every rank that must agree).
+   This is the point where a user may clip, unscale or log.
+4. ``update(step, outcome)``: apply the update: the user's optimizer, or the strategy's own
+   (a sharded step, a push to a server, a periodic average); returns the step's outcome.
+
+Around the steps: ``setup(ctx)`` once, ``finalize()`` when training ends (a final average, the
+last pull from the servers), ``replicas_identical`` for the divergence check,
+``prepare_checkpoint`` / ``state_dict`` / ``load_state_dict`` for checkpoints, ``close()``.
+Ranks that do not train (parameter servers) are declared by ``servers`` and run the
+``ServerRole`` that ``server_role()`` gives them, through ``Synchronizer.serve()``.
+
+``Strategy`` is a ``typing.Protocol`` with defaults: a class that subclasses it explicitly
+inherits the no-op members and writes only what it does differently.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -82,6 +101,42 @@ class StepOutcome:
     spans: list[Span] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    """What ``begin_step`` is told about the step about to run."""
+
+    step: int
+    micro_batches: int = 1
+    #: this rank's gradient weight, ``n_r * W / N`` when shards are balanced (1.0 otherwise),
+    #: so the update stays the mean over the global batch; see ``Strategy.weights_samples``
+    sample_weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Which ranks train and which serve: the servers are the last ``servers`` ranks, so rank 0
+    always trains (it writes the run's files)."""
+
+    workers: int
+    servers: int = 0
+
+    @classmethod
+    def of(cls, world_size: int, servers: int) -> Layout:
+        if servers and world_size - servers < 1:
+            raise UsageError(
+                f"{servers} server(s) leave no worker in a group of {world_size} ranks; "
+                "launch at least servers + 1 processes"
+            )
+        return cls(workers=world_size - servers, servers=servers)
+
+    @property
+    def world_size(self) -> int:
+        return self.workers + self.servers
+
+    def role(self, rank: int) -> Literal["worker", "server"]:
+        return "server" if rank >= self.workers else "worker"
+
+
 @dataclass(slots=True, kw_only=True)
 class SyncContext:
     """The runtime objects a strategy works on (config lives in the strategy itself)."""
@@ -96,6 +151,27 @@ class SyncContext:
     skip_nonfinite: bool = True
     #: turns a failed wait into an error naming the ranks that never arrived
     watch: Any = None
+    #: the ranks' roles (``Layout.of(world, strategy.servers)``)
+    layout: Layout = field(default_factory=lambda: Layout(workers=1))
+    rank: int = 0
+
+
+#: what a server role hands its state to when the workers ask for a checkpoint
+CheckpointSink = Callable[[dict[str, Any]], None]
+
+
+class ServerRole(Protocol):
+    """What a rank that serves instead of training runs (``Synchronizer.serve()``)."""
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Start the next ``serve()`` from a checkpointed state (``state`` as handed to the
+        checkpoint sink)."""
+        ...
+
+    def serve(self, checkpoint: CheckpointSink) -> Any:
+        """Serve until every worker is done; hand ``checkpoint`` this server's state whenever
+        the workers save. Returns the server's statistics."""
+        ...
 
 
 @runtime_checkable
@@ -103,17 +179,55 @@ class Strategy(Protocol):
     name: str
     #: True when ranks must not be made to wait for each other outside the strategy's own
     #: exchanges (asynchronous strategies): telemetry then gathers only at the end.
-    barrier_free: bool
+    barrier_free: bool = False
+    #: how many ranks (the last ones) serve instead of training; see ``Layout``
+    servers: int = 0
+    #: whether the strategy applies ``StepPlan.sample_weight``, i.e. averages one global batch
+    #: per step, so shards of different sizes can be balanced across ranks
+    weights_samples: bool = False
+    #: whether its checkpointed state means the same at another world size (rank 0's file can
+    #: then seed every rank of a resized job)
+    resizable: bool = False
 
     def setup(self, ctx: SyncContext) -> None: ...
-    def begin_step(self, step: int, micro_batches: int) -> None: ...
-    def finish_step(self, step: int) -> StepOutcome: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
+
+    def begin_step(self, plan: StepPlan) -> None: ...
+
+    def gradients_ready(self, step: int) -> StepOutcome:
+        """Finish the exchange: afterwards ``p.grad`` holds the gradient the update will use,
+        unless the outcome is ``skipped``."""
+        return StepOutcome()
+
+    def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        """Apply the update (unless ``outcome.skipped``); returns the step's final outcome."""
+        ...
+
+    def finalize(self) -> None:
+        """Training ends (``report()``): leave every replica identical (a final average, the
+        last pull); called once, before the final divergence check."""
+        return None
+
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Whether replicas must match after ``step`` (the same answer on every rank)."""
-        ...
+        return True
+
+    def server_role(self) -> ServerRole | None:
+        """The role of this rank if it is a server (after ``setup``); None on workers."""
+        return None
+
+    def prepare_checkpoint(self, step: int) -> None:
+        """Called on every worker at the start of ``sync.save()``, after ``step`` steps, before
+        any of the save's collectives (parameter servers are asked to snapshot here)."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def compressor_state_dict(state: Any) -> dict[str, Any]:
@@ -124,40 +238,3 @@ def compressor_state_dict(state: Any) -> dict[str, Any]:
 def load_compressor_state(state: Any, saved: dict[str, Any]) -> None:
     if state is not None:
         state.load_state_dict(saved.get("compressor", {}))
-
-
-def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float = 300.0) -> Strategy:
-    """A ``Strategy`` from a spec string (or the object itself, passed through).
-
-    ``servers`` and ``timeout_s`` apply to the parameter-server strategies (``ssp:S``, ``async``);
-    ``servers`` other than 1 with another strategy is refused rather than ignored.
-    """
-    if servers != 1 and not uses_servers(spec):
-        name = spec if isinstance(spec, str) else getattr(spec, "name", type(spec).__name__)
-        raise UsageError(
-            f"servers={servers} is for the parameter-server strategies (ssp:S, async); "
-            f"strategy {name} runs no servers"
-        )
-    if isinstance(spec, Strategy):
-        return spec
-    parsed = parse_strategy_spec(spec)
-    if parsed.kind == "bsp":
-        from gradsync.strategies.bsp import BSP
-
-        return BSP()
-    if parsed.kind in ("local", "diloco"):
-        from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
-
-        assert parsed.period is not None
-        return LocalSGD(parsed.period) if parsed.kind == "local" else DiLoCo(parsed.period)
-    from gradsync.strategies.ps import ParameterServer
-
-    bound = math.inf if parsed.kind == "async" else float(parsed.staleness or 0.0)
-    return ParameterServer(bound, servers=servers, timeout_s=timeout_s)
-
-
-def uses_servers(spec: str | Strategy) -> bool:
-    """Whether a strategy runs parameter-server ranks (which take no part in training)."""
-    if isinstance(spec, str):
-        return parse_strategy_spec(spec).kind in ("ssp", "async")
-    return hasattr(spec, "serve")

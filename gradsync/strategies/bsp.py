@@ -20,6 +20,8 @@ from gradsync.errors import UsageError
 from gradsync.fault.guards import all_finite, scrub_nonfinite_state
 from gradsync.strategies.base import (
     StepOutcome,
+    StepPlan,
+    Strategy,
     SyncContext,
     compressor_state_dict,
     load_compressor_state,
@@ -27,9 +29,12 @@ from gradsync.strategies.base import (
 from gradsync.telemetry.records import Span
 
 
-class BSP:
+class BSP(Strategy):
     name = "bsp"
     barrier_free = False
+    weights_samples = True
+    #: every replica holds the same model and optimizer state, so rank 0's seeds any world size
+    resizable = True
 
     def __init__(self) -> None:
         self._ctx: SyncContext | None = None
@@ -37,8 +42,6 @@ class BSP:
         self._state: Any = None
         self._micro_batches = 1
         self._bytes_at_start = 0
-        #: n_r * W / N for load-balanced shards (set by the Synchronizer each step)
-        self.sample_weight = 1.0
         #: plain all-reduce: the mean's 1/W and 1/k are applied while gradients are copied into
         #: their buckets and the exchange is a bare sum, so no pass over the reduced buffers
         #: is needed to divide them (DDP does the same). Compressors divide in their own hook.
@@ -70,20 +73,20 @@ class BSP:
             return _allreduce_sum(self._state, bucket)
         return self._ctx.compressor.hook(self._state, bucket)
 
-    def begin_step(self, step: int, micro_batches: int) -> None:
+    def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
         # No optimizer.zero_grad() here: arm() releases every p.grad (it was a view into a
         # bucket holding last step's reduced gradient) before the backward pass.
-        self._micro_batches = micro_batches
+        self._micro_batches = plan.micro_batches
         # Hooks launch buckets (and count their bytes) during backward, inside the block.
         self._bytes_at_start = self._state.bytes_sent
-        scale = self.sample_weight
+        scale = plan.sample_weight
         if self.fused_mean:
-            scale /= self._world * micro_batches
+            scale /= self._world * plan.micro_batches
         self.reducer.scale = scale
-        self.reducer.arm(micro_batches)
+        self.reducer.arm(plan.micro_batches)
 
-    def finish_step(self, step: int) -> StepOutcome:
+    def gradients_ready(self, step: int) -> StepOutcome:
         assert self._ctx is not None
         reducer = self.reducer
         passes = reducer.backward_passes()
@@ -113,11 +116,18 @@ class BSP:
         # the compressor's hook took the mean over ranks and the micro-batches' is taken here.
         remaining = 1.0 if self.fused_mean else 1.0 / self._micro_batches
         reducer.write_back(reduced, scale=remaining)
-        wall0, t0 = time.time(), time.perf_counter()
-        ctx.optimizer.step()
-        if ctx.record_spans:
-            spans.append(Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step"))
         return StepOutcome(bytes_sent=nbytes, spans=spans)
+
+    def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        assert self._ctx is not None
+        if outcome.skipped:
+            return outcome
+        wall0, t0 = time.time(), time.perf_counter()
+        self._ctx.optimizer.step()
+        if self._ctx.record_spans:
+            span = Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step")
+            outcome.spans.append(span)
+        return outcome
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Whether every replica must hold the same parameters after ``step`` (always, in BSP).

@@ -18,28 +18,18 @@ from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.fault.guards import all_finite
+from gradsync.flat import copy_into, flatten
 from gradsync.strategies.base import (
     StepOutcome,
+    StepPlan,
+    Strategy,
     SyncContext,
     compressor_state_dict,
     load_compressor_state,
 )
 
 
-def _flat(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
-
-
-def _unflat_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
-
-
-class _Periodic:
+class _Periodic(Strategy):
     """Shared step logic: local steps, and a synchronization every ``period`` steps."""
 
     name = "periodic"
@@ -62,31 +52,37 @@ class _Periodic:
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
         self._state = ctx.compressor.make_state(ctx.group)
 
-    def begin_step(self, step: int, micro_batches: int) -> None:
+    def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
         self._ctx.optimizer.zero_grad(set_to_none=True)
-        self._micro_batches = micro_batches
+        self._micro_batches = plan.micro_batches
 
-    def finish_step(self, step: int) -> StepOutcome:
+    def gradients_ready(self, step: int) -> StepOutcome:
+        """The local gradient (mean over micro-batches): nothing is exchanged before a local
+        step."""
         assert self._ctx is not None
         grads = [p.grad for p in self._params if p.grad is not None]
         # A local step is this rank's own business: a non-finite gradient skips it here only.
-        skipped = self._ctx.skip_nonfinite and not all_finite(grads)
-        if skipped:
+        if self._ctx.skip_nonfinite and not all_finite(grads):
             self._ctx.optimizer.zero_grad(set_to_none=True)
-        else:
-            if self._micro_batches > 1:
-                for g in grads:
-                    g.div_(self._micro_batches)
+            return StepOutcome(barrier=False, skipped=True)
+        if self._micro_batches > 1:
+            for g in grads:
+                g.div_(self._micro_batches)
+        return StepOutcome(barrier=False)
+
+    def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        assert self._ctx is not None
+        if not outcome.skipped:
             self._ctx.optimizer.step()
         if (step + 1) % self.period:
-            return StepOutcome(barrier=False, skipped=skipped)
+            return outcome
         before = self._state.bytes_sent
         self._step = step
         self._synchronize()
-        return StepOutcome(
-            bytes_sent=self._state.bytes_sent - before, barrier=True, skipped=skipped
-        )
+        outcome.bytes_sent += self._state.bytes_sent - before
+        outcome.barrier = True
+        return outcome
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Replicas agree right after each synchronization, and only then."""
@@ -114,9 +110,6 @@ class _Periodic:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_compressor_state(self._state, state)
 
-    def close(self) -> None:
-        pass
-
 
 class LocalSGD(_Periodic):
     """``local:H``: average the parameters every H steps.
@@ -138,14 +131,14 @@ class LocalSGD(_Periodic):
         super().setup(ctx)
         if ctx.compressor is not ALLREDUCE:
             # Taken after the Synchronizer's initial broadcast: the same on every rank.
-            self._anchor = _flat(self._params).clone()
+            self._anchor = flatten(self._params).clone()
 
     def _synchronize(self) -> None:
         if self._anchor is None:
-            _unflat_into(self._mean(_flat(self._params)), self._params)
+            copy_into(self._mean(flatten(self._params)), self._params)
             return
-        self._anchor += self._mean(_flat(self._params) - self._anchor)
-        _unflat_into(self._anchor, self._params)
+        self._anchor += self._mean(flatten(self._params) - self._anchor)
+        copy_into(self._anchor, self._params)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -201,7 +194,7 @@ class DiLoCo(_Periodic):
         super().setup(ctx)
         # The global copy is taken after the Synchronizer's broadcast, so it is the same on
         # every rank; it lives as one flat tensor that the outer optimizer owns.
-        self._global = _flat(self._params).clone()
+        self._global = flatten(self._params).clone()
         momentum = self.outer.outer_momentum
         self._outer_opt = torch.optim.SGD(
             [self._global],
@@ -212,11 +205,11 @@ class DiLoCo(_Periodic):
 
     def _synchronize(self) -> None:
         assert self._global is not None and self._outer_opt is not None
-        pseudo = self._global - _flat(self._params)
+        pseudo = self._global - flatten(self._params)
         self._global.grad = self._mean(pseudo)
         self._outer_opt.step()
         self._global.grad = None
-        _unflat_into(self._global, self._params)
+        copy_into(self._global, self._params)
 
     def state_dict(self) -> dict[str, Any]:
         assert self._global is not None and self._outer_opt is not None

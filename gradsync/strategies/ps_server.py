@@ -1,4 +1,6 @@
-"""The server side of ``gradsync.strategies.ps``: apply pushes, hold replies to the bound.
+"""The server role of the parameter server (``ssp:S``, ``async``): apply pushes, hold replies
+to the staleness bound. ``PSServer`` is what ``Synchronizer.serve()`` runs on a server rank; it
+knows the workers only through the shared ``ps_wire.ShardPlan`` and the messages they send.
 
 One receiver thread per worker blocks on that worker's next message (threads waiting in
 torch.distributed release the GIL, so an idle server costs no CPU); the main thread applies
@@ -6,7 +8,7 @@ updates and answers in arrival order, so the parameters a reply carries are a co
 snapshot. A worker that disappears, or stays silent past the timeout, ends the server with an
 error naming it.
 
-Checkpoints: a worker's ``_CHECKPOINT`` message pauses its receiver thread (it posts no
+Checkpoints: a worker's ``CHECKPOINT`` message pauses its receiver thread (it posts no
 receive until the checkpoint is over, so no point-to-point receive is pending while the
 server takes part in the save's collectives, and a slow save does not count against the
 receive timeout). Once every unfinished worker has asked, no reply is pending either (each
@@ -14,10 +16,10 @@ worker waited for its last reply before asking), and the server hands its state 
 parameters, its optimizer's state and the clocks) to the ``checkpoint`` callback, then lets
 the receivers go on.
 
-Shutdown, in order: a receiver thread returns right after delivering its worker's ``_DONE``,
+Shutdown, in order: a receiver thread returns right after delivering its worker's ``DONE``,
 so once every worker is done no receive is posted; the server then sends every worker the
 final parameters, waits until every send it made has completed, and joins the receiver
-threads. Each worker, in ``finalize()``, has waited for its ``_DONE`` send and for that reply.
+threads. Each worker, in ``finalize()``, has waited for its ``DONE`` send and for that reply.
 Only then do servers and workers meet in the final collectives (replica check, telemetry) and
 the final handshake (``Synchronizer._final_handshake``), so no rank leaves while a peer still
 talks to it.
@@ -30,24 +32,47 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync.errors import SyncTimeoutError, UsageError
-from gradsync.strategies.base import SyncContext
-from gradsync.strategies.ps import (
-    _CHECKPOINT,
-    _DONE,
-    AppliedUpdate,
-    ParameterServer,
-    ServerStats,
-)
+from gradsync.strategies.base import CheckpointSink, SyncContext
+from gradsync.strategies.ps_wire import CHECKPOINT, DONE, ShardPlan
 
-Checkpoint = Callable[[dict[str, Any]], None]
+
+@dataclass(slots=True)
+class AppliedUpdate:
+    """One gradient the server applied: worker, its clock c, and k, the largest clock through
+    which every worker's updates were in the parameters that gradient was computed from."""
+
+    worker: int
+    clock: int
+    fresh_through: int
+
+    @property
+    def staleness(self) -> int:
+        return self.clock - 1 - self.fresh_through
+
+
+@dataclass(slots=True)
+class ServerStats:
+    """What one server did. ``updates`` and ``held_seconds`` cover this process only;
+    ``clocks`` (pushes applied per worker) and ``checkpoints`` continue across a resume, and
+    ``resumed_at`` is the step of the checkpoint this server started from (0: none)."""
+
+    server_rank: int
+    updates: list[AppliedUpdate] = field(default_factory=list)
+    held_seconds: float = 0.0
+    clocks: list[int] = field(default_factory=list)
+    resumed_at: int = 0
+    checkpoints: list[int] = field(default_factory=list)
+
+    @property
+    def max_staleness(self) -> int:
+        return max((u.staleness for u in self.updates), default=0)
 
 
 @dataclass(slots=True)
@@ -90,17 +115,15 @@ def _server_optimizer(
 
 class _Receivers:
     """One thread per worker posting receives for its messages into ``inbox``; a thread that
-    delivers a ``_CHECKPOINT`` waits for ``resume(w)`` before receiving again."""
+    delivers a ``CHECKPOINT`` waits for ``resume(w)`` before receiving again."""
 
-    def __init__(
-        self, ps: ParameterServer, ctx: SyncContext, message_numel: int, dtype: torch.dtype
-    ):
+    def __init__(self, plan: ShardPlan, rank: int, message_numel: int, dtype: torch.dtype):
         self.inbox: queue.Queue[tuple[int, torch.Tensor | BaseException]] = queue.Queue()
-        self._go = [queue.SimpleQueue[None]() for _ in range(ps.num_workers)]
-        self._ps, self._ctx, self._numel, self._dtype = ps, ctx, message_numel, dtype
+        self._go = [queue.SimpleQueue[None]() for _ in range(plan.workers)]
+        self._plan, self._rank, self._numel, self._dtype = plan, rank, message_numel, dtype
         self.threads = [
             threading.Thread(target=self._receive, args=(w,), daemon=True)
-            for w in range(ps.num_workers)
+            for w in range(plan.workers)
         ]
         for t in self.threads:
             t.start()
@@ -109,35 +132,35 @@ class _Receivers:
         self._go[w].put(None)
 
     def _receive(self, w: int) -> None:
-        ps = self._ps
-        src = ps._global(w)
+        plan = self._plan
+        src = plan.global_rank(w)
         while True:
             buf = torch.empty(self._numel, dtype=self._dtype)
             try:
-                work = dist.irecv(buf, src=src, group=self._ctx.group)
+                work = dist.irecv(buf, src=src, group=plan.group)
                 assert work is not None
-                if work.wait(timeout=ps.timeout) is False:
-                    raise SyncTimeoutError(f"no message within {ps.timeout.total_seconds():.0f}s")
+                if work.wait(timeout=plan.timeout) is False:
+                    raise SyncTimeoutError(f"no message within {plan.timeout.total_seconds():.0f}s")
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 self.inbox.put((w, exc))
                 return
             self.inbox.put((w, buf))
             kind = float(buf[0])
-            if kind == _DONE:
+            if kind == DONE:
                 return
-            if kind == _CHECKPOINT:
+            if kind == CHECKPOINT:
                 # The main thread owns the timeout meanwhile (it is in the save's collectives,
                 # or waiting for the other workers' requests); it ends the process on failure.
                 self._go[w].get()
 
     def join(self) -> None:
-        """After every worker's ``_DONE``: each thread returned right after delivering it, so
+        """After every worker's ``DONE``: each thread returned right after delivering it, so
         no receive is left posted when the server goes on to the final collectives."""
         for w, t in enumerate(self.threads):
-            t.join(timeout=self._ps.timeout.total_seconds())
+            t.join(timeout=self._plan.timeout.total_seconds())
             if t.is_alive():
                 raise SyncTimeoutError(
-                    f"parameter server rank {self._ps.rank}: the receiver of worker rank {w} "
+                    f"parameter server rank {self._rank}: the receiver of worker rank {w} "
                     "did not end after that worker finished"
                 )
 
@@ -147,33 +170,34 @@ class _Server:
 
     def __init__(
         self,
-        ps: ParameterServer,
+        plan: ShardPlan,
         ctx: SyncContext,
-        checkpoint: Checkpoint | None,
+        staleness: float,
+        rank: int,
+        checkpoint: CheckpointSink | None,
         restored: dict[str, Any] | None,
     ) -> None:
-        self.ps, self.ctx, self.checkpoint = ps, ctx, checkpoint
-        s = ps.rank - ps.num_workers
-        shard = [ps._params[i] for i in ps._shards[s]]
+        self.plan, self.staleness, self.rank, self.checkpoint = plan, staleness, rank, checkpoint
+        s = rank - plan.workers
         # The server owns its own copies: the model object on this rank is only a shape template.
-        self.params = [p.detach().clone().requires_grad_(True) for p in shard]
+        self.params = [p.detach().clone().requires_grad_(True) for p in plan.shard_params(s)]
         self.optimizer, self.group_source = _server_optimizer(
-            ctx.optimizer, self.params, ps.group_of(s)
+            ctx.optimizer, self.params, plan.group_of(s)
         )
         self.numel = sum(p.numel() for p in self.params)
         self.dtype = self.params[0].dtype if self.params else torch.float32
-        self.workers = ps.num_workers
+        self.workers = plan.workers
         # What a message to this server looks like; compressed pushes are decoded with the
         # codec of the worker that sent them (the same seed it encoded with).
-        self.wire_dtype, self.header, payload = ps.wire(s)
+        self.wire_dtype, self.header, payload = plan.wire(s)
         self.message_numel = self.header + payload
-        self.codecs = [ps.codec(s, w) for w in range(self.workers)] if ps.compressed else []
-        self.stats = ServerStats(server_rank=ps.rank)
+        self.codecs = [plan.codec(s, w) for w in range(self.workers)] if plan.compressed else []
+        self.stats = ServerStats(server_rank=rank)
         self.pushed = [0] * self.workers
         self.done = [False] * self.workers
         self.pending: dict[int, _Pull] = {}
         self.fresh_through = [-1] * self.workers  # k of the parameters last sent to each worker
-        self.requested = [False] * self.workers  # sent _CHECKPOINT, not yet served
+        self.requested = [False] * self.workers  # sent CHECKPOINT, not yet served
         self.sends: list[Any] = []
         if restored is not None:
             self._restore(restored)
@@ -197,7 +221,7 @@ class _Server:
             from gradsync.fault.checkpoint import CheckpointError
 
             raise CheckpointError(
-                f"parameter server rank {self.ps.rank}: the checkpoint holds a shard of shapes "
+                f"parameter server rank {self.rank}: the checkpoint holds a shard of shapes "
                 f"{[tuple(t.shape) for t in saved]} for {len(state['pushed'])} workers; this "
                 f"server's shard is {shapes} for {self.workers} workers (a different model or "
                 "layout)"
@@ -224,7 +248,7 @@ class _Server:
             return
         if self.checkpoint is None:
             raise UsageError(
-                f"parameter server rank {self.ps.rank}: the workers asked for a checkpoint, but "
+                f"parameter server rank {self.rank}: the workers asked for a checkpoint, but "
                 "serve() was given no checkpoint callback (call sync.serve(), which passes one)"
             )
         # Each worker waited for its last reply before asking, so nothing is held back here.
@@ -246,7 +270,7 @@ class _Server:
             p.grad = grad[offset : offset + p.numel()].view_as(p) / self.workers
             offset += p.numel()
         if self.optimizer is not None:
-            self._set_lrs(self.ps.read_lrs(message))
+            self._set_lrs(self.plan.read_lrs(message))
             self.optimizer.step()
         self.stats.updates.append(AppliedUpdate(w, self.pushed[w], self.fresh_through[w]))
         self.pushed[w] += 1
@@ -268,9 +292,9 @@ class _Server:
     def allowed(self, clock: int) -> bool:
         # Clock c may start once every worker's updates from clocks <= c - S - 1 are applied,
         # i.e. each worker has pushed at least c - S gradients. Finished workers never block.
-        if math.isinf(self.ps.staleness):
+        if math.isinf(self.staleness):
             return True
-        need = clock - int(self.ps.staleness)
+        need = clock - int(self.staleness)
         return all(self.done[w] or self.pushed[w] >= need for w in range(self.workers))
 
     def answer_ready(self) -> None:
@@ -297,10 +321,10 @@ class _Server:
         if len(self.sends) > 64:  # forget sends that completed; keep the rest (and their tensors)
             self.sends[:] = [x for x in self.sends if not x.is_completed()]
         try:
-            self.sends.append(dist.isend(msg, dst=self.ps._global(w), group=self.ctx.group))
+            self.sends.append(dist.isend(msg, dst=self.plan.global_rank(w), group=self.plan.group))
         except RuntimeError as exc:  # gloo raises here when the worker's connection is closed
             raise SyncTimeoutError(
-                f"parameter server rank {self.ps.rank}: lost worker rank {w}: "
+                f"parameter server rank {self.rank}: lost worker rank {w}: "
                 f"{str(exc).splitlines()[0]}"
             ) from exc
 
@@ -310,53 +334,67 @@ class _Server:
         final = self.snapshot()
         for w in range(self.workers):
             self.reply(w, 0.0, final)
-        timeout = self.ps.timeout
+        timeout = self.plan.timeout
         for work in self.sends:
             try:
                 ok = work.wait(timeout=timeout)
             except RuntimeError as exc:
                 raise SyncTimeoutError(
-                    f"parameter server rank {self.ps.rank}: sending the final parameters "
+                    f"parameter server rank {self.rank}: sending the final parameters "
                     f"failed: {str(exc).splitlines()[0]}"
                 ) from exc
             if ok is False:
                 raise SyncTimeoutError(
-                    f"parameter server rank {self.ps.rank}: a reply was not taken within "
+                    f"parameter server rank {self.rank}: a reply was not taken within "
                     f"{timeout.total_seconds():.0f}s"
                 )
         self.sends.clear()
 
 
-def run_server(
-    ps: ParameterServer,
-    ctx: SyncContext,
-    *,
-    checkpoint: Checkpoint | None = None,
-    restored: dict[str, Any] | None = None,
-) -> ServerStats:
-    """Serve until every worker is done; start from ``restored`` (a checkpointed
-    ``state_dict``) if given, and hand ``checkpoint`` this server's state when asked."""
-    server = _Server(ps, ctx, checkpoint, restored)
-    receivers = _Receivers(ps, ctx, server.message_numel, server.wire_dtype)
-    timeout = ps.timeout.total_seconds()
+class PSServer:
+    """The server role (``strategies.base.ServerRole``) of one server rank."""
+
+    def __init__(self, plan: ShardPlan, ctx: SyncContext, staleness: float, rank: int) -> None:
+        self._plan, self._ctx, self._staleness, self.rank = plan, ctx, staleness, rank
+        self._restored: dict[str, Any] | None = None
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Hold a server's checkpointed state (parameters, optimizer state, clocks) for the
+        next ``serve()``, which starts from it."""
+        self._restored = state
+
+    def serve(self, checkpoint: CheckpointSink | None = None) -> ServerStats:
+        """Serve until every worker is done. ``checkpoint(state)`` is called with this server's
+        state when the workers ask for a checkpoint; it writes it and joins their collectives
+        (``Synchronizer.serve`` passes ``gradsync.fault.resume.save_server``)."""
+        restored, self._restored = self._restored, None
+        server = _Server(self._plan, self._ctx, self._staleness, self.rank, checkpoint, restored)
+        return _serve(server)
+
+
+def _serve(server: _Server) -> ServerStats:
+    """The receive loop: apply every message in arrival order until every worker is done."""
+    plan, rank = server.plan, server.rank
+    receivers = _Receivers(plan, rank, server.message_numel, server.wire_dtype)
+    timeout = plan.timeout.total_seconds()
     while not all(server.done):
         try:
             w, item = receivers.inbox.get(timeout=timeout)
         except queue.Empty:
             silent = [w for w in range(server.workers) if not server.done[w]]
             raise SyncTimeoutError(
-                f"parameter server rank {ps.rank}: workers {silent} sent nothing for {timeout:.0f}s"
+                f"parameter server rank {rank}: workers {silent} sent nothing for {timeout:.0f}s"
             ) from None
         if isinstance(item, BaseException):
             raise SyncTimeoutError(
-                f"parameter server rank {ps.rank}: lost worker rank {w}: "
+                f"parameter server rank {rank}: lost worker rank {w}: "
                 f"{str(item).splitlines()[0] if str(item) else type(item).__name__}"
             ) from item
         kind = float(item[0])
-        if kind == _DONE:
+        if kind == DONE:
             server.done[w] = True
             server.maybe_checkpoint(receivers)
-        elif kind == _CHECKPOINT:
+        elif kind == CHECKPOINT:
             server.on_checkpoint(w, receivers)
         else:
             server.on_gradient(w, item)
@@ -364,3 +402,6 @@ def run_server(
     server.finish()
     receivers.join()
     return server.stats
+
+
+__all__ = ["AppliedUpdate", "PSServer", "ServerStats"]

@@ -1,0 +1,122 @@
+"""Every private torch API gradsync uses, in one place, each with its fallback.
+
+torch offers no public way to do these things, and each has changed name or shape across
+releases. Callers get a plain answer (None, False, an empty list) when the private API is
+missing, so a torch that drops one degrades a feature instead of breaking a run; each fallback
+is tested in ``tests/test_compat.py``.
+
+- ``default_group`` / ``default_store``: the process group and store ``init_process_group``
+  made (``distributed_c10d._get_default_group`` / ``_get_default_store``).
+- ``collective_timeout`` / ``set_collective_timeout``: read and change a live group's
+  collective timeout (the backends' ``options._timeout`` and ``_set_default_timeout``), so
+  that ``Synchronizer(timeout_s=...)`` bounds every wait without a new group.
+- ``mark_optimizer_stepped``: the flag torch's ``optimizer.step`` wrapper sets
+  (``_opt_called``), for strategies whose update runs elsewhere (parameter servers), so an LR
+  scheduler stepped on the worker does not warn that the optimizer never stepped.
+- ``hold_until_exit``: a reference the interpreter never drops, even while it shuts down
+  (``Py_IncRef`` through ctypes), for the exit-safety hold of the final handshake.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_c10d: Any = getattr(dist, "distributed_c10d", None)
+
+
+def default_group() -> dist.ProcessGroup | None:
+    """The default (world) process group, or None where it is not initialized or hidden."""
+    try:
+        return _c10d._get_default_group()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def default_store() -> Any | None:
+    """The default group's store, or None where it is not initialized or hidden."""
+    try:
+        return _c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def backends(group: dist.ProcessGroup | None) -> list[Any]:
+    """The backend objects (gloo, NCCL) behind ``group`` (None: the default group); empty where
+    torch hides them."""
+    pg: Any = group if group is not None else default_group()
+    if pg is None:
+        return []
+    try:
+        found: list[Any] = []
+        for device in pg._device_types:
+            backend = pg._get_backend(torch.device(device))
+            if all(backend is not b for b in found):
+                found.append(backend)
+        return found
+    except (RuntimeError, ValueError, AttributeError):
+        return []
+
+
+def collective_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """``group``'s collective timeout in seconds (the longest of its backends'), or None where
+    torch does not tell."""
+    seconds = []
+    for backend in backends(group):
+        try:
+            seconds.append(backend.options._timeout.total_seconds())
+        except AttributeError:
+            continue
+    return max(seconds) if seconds else None
+
+
+def set_collective_timeout(group: dist.ProcessGroup | None, seconds: float) -> bool:
+    """Make ``seconds`` the collective timeout of every backend of ``group``; False where torch
+    does not allow it (the group keeps its own timeout then)."""
+    found = backends(group)
+    if not found:
+        return False
+    try:
+        for backend in found:
+            backend._set_default_timeout(datetime.timedelta(seconds=seconds))
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Record that ``optimizer``'s update ran, as torch's ``step()`` wrapper does; harmless
+    where torch no longer reads the flag (schedulers then just may warn)."""
+    stepped: Any = optimizer
+    stepped._opt_called = True
+
+
+# Objects held by hold_until_exit (one list, itself never freed).
+_HELD: list[Any] | None = None
+
+
+def hold_until_exit(slot: str, obj: Any) -> None:
+    """Keep ``obj`` referenced for the rest of the process, its shutdown included: a reference
+    Python never drops, so nothing ``obj`` keeps alive is freed by another thread at exit.
+    A later call with the same ``slot`` releases the previous object (on this thread) and
+    holds the new one. The permanent reference is taken on the first call, not at import."""
+    global _HELD
+    if _HELD is None:
+        _HELD = []
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HELD))
+    _HELD[:] = [(s, o) for s, o in _HELD if s != slot] + [(slot, obj)]
+
+
+__all__ = [
+    "backends",
+    "collective_timeout",
+    "default_group",
+    "default_store",
+    "hold_until_exit",
+    "mark_optimizer_stepped",
+    "set_collective_timeout",
+]

@@ -1,0 +1,49 @@
+"""Spec string -> ``Strategy``: the one place that knows every concrete strategy.
+
+It lives apart from the protocol (``strategies.base``) so that the concrete strategies, which
+import the protocol, are never imported by it: no import cycle.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gradsync.errors import UsageError
+from gradsync.strategies.base import Strategy, parse_strategy_spec
+from gradsync.strategies.bsp import BSP
+from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
+from gradsync.strategies.ps import ParameterServer
+
+
+def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float = 300.0) -> Strategy:
+    """A ``Strategy`` from a spec string (or the object itself, passed through).
+
+    ``servers`` and ``timeout_s`` apply to the parameter-server strategies (``ssp:S``, ``async``);
+    ``servers`` other than 1 with another strategy is refused rather than ignored.
+    """
+    if servers != 1 and not uses_servers(spec):
+        name = spec if isinstance(spec, str) else spec.name
+        raise UsageError(
+            f"servers={servers} is for the parameter-server strategies (ssp:S, async); "
+            f"strategy {name} runs no servers"
+        )
+    if isinstance(spec, Strategy):
+        return spec
+    parsed = parse_strategy_spec(spec)
+    if parsed.kind == "bsp":
+        return BSP()
+    if parsed.kind in ("local", "diloco"):
+        assert parsed.period is not None
+        return LocalSGD(parsed.period) if parsed.kind == "local" else DiLoCo(parsed.period)
+    bound = math.inf if parsed.kind == "async" else float(parsed.staleness or 0.0)
+    return ParameterServer(bound, servers=servers, timeout_s=timeout_s)
+
+
+def uses_servers(spec: str | Strategy) -> bool:
+    """Whether a strategy runs parameter-server ranks (which take no part in training)."""
+    if isinstance(spec, str):
+        return parse_strategy_spec(spec).kind in ("ssp", "async")
+    return spec.servers > 0
+
+
+__all__ = ["parse_strategy", "uses_servers"]

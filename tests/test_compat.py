@@ -1,0 +1,99 @@
+"""Each private torch API behind ``gradsync.compat``: what it gives, and its fallback."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import warnings
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradsync import compat
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A real one-rank gloo group in this process (FileStore: no port, no other process)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_without_a_group_every_lookup_answers_none() -> None:
+    assert not dist.is_initialized()
+    assert compat.default_group() is None
+    assert compat.default_store() is None
+    assert compat.backends(None) == []
+    assert compat.collective_timeout(None) is None
+    assert compat.set_collective_timeout(None, 5.0) is False
+
+
+def test_the_default_group_and_store_are_found(one_rank_group: None) -> None:
+    assert compat.default_group() is not None
+    store = compat.default_store()
+    assert store is not None
+    store.set("compat/test", "1")
+    assert store.get("compat/test") == b"1"
+
+
+def test_the_collective_timeout_is_read_and_changed(one_rank_group: None) -> None:
+    assert compat.collective_timeout(None) == 30.0
+    assert compat.set_collective_timeout(None, 7.0) is True
+    assert compat.collective_timeout(None) == 7.0
+
+
+def test_a_torch_without_the_private_names_degrades_to_the_fallbacks(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compat, "_c10d", object())
+    assert compat.default_group() is None
+    assert compat.default_store() is None
+    # A group object that hides its backends (no _device_types / _get_backend).
+    hidden = object()
+    assert compat.backends(hidden) == []  # type: ignore[arg-type]
+    assert compat.collective_timeout(hidden) is None  # type: ignore[arg-type]
+    assert compat.set_collective_timeout(hidden, 3.0) is False  # type: ignore[arg-type]
+
+
+def test_marking_the_optimizer_stepped_silences_the_scheduler_warning() -> None:
+    def scheduler_warnings(mark: bool) -> list[str]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        if mark:
+            compat.mark_optimizer_stepped(opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sched.step()
+        return [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
+
+    assert scheduler_warnings(mark=False)  # the warning exists in this torch
+    assert scheduler_warnings(mark=True) == []
+
+
+def test_a_held_object_lives_until_its_slot_is_reused() -> None:
+    class Work:
+        pass
+
+    first, second = Work(), Work()
+    first_ref = weakref.ref(first)
+    compat.hold_until_exit("test slot", first)
+    del first
+    gc.collect()
+    assert first_ref() is not None
+    compat.hold_until_exit("other slot", second)
+    assert first_ref() is not None  # another slot does not release it
+    compat.hold_until_exit("test slot", Work())
+    gc.collect()
+    assert first_ref() is None

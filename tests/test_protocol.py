@@ -1,0 +1,56 @@
+"""The strategy protocol is complete: a strategy written against it alone (``AverageEveryStep``
+in ``toy_strategy_ranks``) trains, checkpoints, resumes and reports through the Synchronizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.strategies import Layout, Strategy, parse_strategy, uses_servers
+from gradsync.testing import run_ranks
+from tests import toy_strategy_ranks
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(240)
+def test_a_toy_strategy_trains_checkpoints_resumes_and_reports(tmp_path: Path) -> None:
+    steps, save_at = 8, 4
+    results = run_ranks(
+        toy_strategy_ranks.toy_lifecycle, 2, str(tmp_path / "ckpt"), steps, save_at, timeout_s=200
+    )
+    for rank, out in enumerate(results):
+        assert out["losses"][-1] < out["losses"][0], out["losses"]
+        # Averaging every step keeps replicas identical (the divergence check ran every 2 steps).
+        assert torch.equal(out["straight"], results[0]["straight"])
+        # Resumed from the step-4 checkpoint, the second half lands on the same bits.
+        assert torch.equal(out["resumed"], out["straight"]), rank
+        # The strategy's own state went through the checkpoint: 4 restored + 4 more averages.
+        assert out["toy_state"] == {"averages": steps}
+        assert out["resumed_state"] == {"averages": steps}
+        # With plain SGD the mean of the local steps is BSP's step.
+        torch.testing.assert_close(out["straight"], out["bsp"], rtol=1e-10, atol=1e-12)
+        assert out["steps_reported"] == [steps, steps - save_at]
+        assert out["ranks_reported"] == 2
+        assert out["bytes"] > 0
+        assert out["final_loss"] is not None
+        assert any(name.startswith("step") for name in out["checkpoints"]), out["checkpoints"]
+
+
+@pytest.mark.unit
+def test_a_strategy_object_passes_through_and_declares_its_layout() -> None:
+    toy = toy_strategy_ranks.AverageEveryStep()
+    assert isinstance(toy, Strategy)
+    assert parse_strategy(toy) is toy
+    assert not uses_servers(toy)
+    assert uses_servers(parse_strategy("ssp:1"))
+    assert Layout.of(4, parse_strategy("async").servers) == Layout(workers=3, servers=1)
+    assert Layout(workers=3, servers=1).role(3) == "server"
+    assert Layout(workers=3, servers=1).role(0) == "worker"
+
+
+@pytest.mark.unit
+def test_a_layout_without_workers_is_refused() -> None:
+    with pytest.raises(ValueError, match="leave no worker in a group of 2 ranks"):
+        Layout.of(2, 2)
