@@ -74,19 +74,7 @@ class Synchronizer:
         check_every: int = 100,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
-        if not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
-            raise UsageError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-        if telemetry_every < 1:
-            raise UsageError(f"telemetry_every must be >= 1, got {telemetry_every}")
-        if check_every < 0:
-            raise UsageError(f"check_every must be >= 0 (0 turns the check off), got {check_every}")
-        if not timeout_s > 0:
-            raise UsageError(f"timeout_s must be > 0, got {timeout_s}")
-        if not any(p.requires_grad for p in model.parameters()):
-            raise UsageError(
-                f"model {type(model).__name__} has no trainable parameters "
-                "(none with requires_grad=True): there is nothing to synchronize"
-            )
+        _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s)
         self.model = model
         self.optimizer = optimizer
         self.group = group
@@ -410,3 +398,26 @@ class Synchronizer:
 
         what = f"initial broadcast of {len(tensors)} parameter/buffer tensors from rank 0"
         self._watch.run(START, what, broadcast)
+
+
+def _check_arguments(
+    model: torch.nn.Module,
+    bucket_mb: float,
+    telemetry_every: int,
+    check_every: int,
+    timeout_s: float,
+) -> None:
+    """``UsageError`` naming the first bad ``Synchronizer`` argument and what is valid."""
+    if not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
+        raise UsageError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+    if telemetry_every < 1:
+        raise UsageError(f"telemetry_every must be >= 1, got {telemetry_every}")
+    if check_every < 0:
+        raise UsageError(f"check_every must be >= 0 (0 turns the check off), got {check_every}")
+    if not timeout_s > 0:
+        raise UsageError(f"timeout_s must be > 0, got {timeout_s}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UsageError(
+            f"model {type(model).__name__} has no trainable parameters "
+            "(none with requires_grad=True): there is nothing to synchronize"
+        )

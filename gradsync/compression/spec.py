@@ -1,8 +1,12 @@
-"""Compression spec strings, shared by the API and the CLI: ``"powersgd:4"`` -> a Compressor."""
+"""Compression spec strings, shared by the API and the CLI: ``"powersgd:4"`` -> a Compressor.
+
+``gradsync.spec`` parses the string (and words every message about a bad one); this module only
+maps the parsed kind to the compressor it names.
+"""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import Compressor
@@ -12,42 +16,33 @@ from gradsync.compression.int8 import int8
 from gradsync.compression.powersgd import powersgd
 from gradsync.compression.sign import sign
 from gradsync.compression.sparse import randomk, topk
-from gradsync.errors import UsageError
+from gradsync.spec import COMPRESSION_FORMS, CompressionSpec, parse_compression_spec
 
-VALID_FORMS = (
-    "none, fp16, bf16, int8, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
-    "powersgd:RANK (integer >= 1)"
-)
-
-_NO_ARGUMENT = ("none", "fp16", "bf16", "int8", "sign")
+#: The valid compression spec forms (``gradsync.spec.COMPRESSION_FORMS``).
+VALID_FORMS = COMPRESSION_FORMS
 
 
-def _bad(spec: str, reason: str) -> UsageError:
-    return UsageError(f"invalid compression spec {spec!r}: {reason}; valid forms: {VALID_FORMS}")
+def _fraction(spec: CompressionSpec) -> float:
+    assert isinstance(spec.argument, float), spec
+    return spec.argument
 
 
-def _fraction(spec: str, name: str, arg: str) -> float:
-    if not arg:
-        raise _bad(spec, f"{name} needs a fraction, as in {name}:0.01")
-    try:
-        fraction = float(arg)
-    except ValueError:
-        raise _bad(spec, f"fraction {arg!r} is not a number") from None
-    if math.isnan(fraction) or not 0.0 < fraction <= 1.0:
-        raise _bad(spec, f"fraction {arg} is outside (0, 1]")
-    return fraction
+def _rank(spec: CompressionSpec) -> int:
+    assert isinstance(spec.argument, int), spec
+    return spec.argument
 
 
-def _rank(spec: str, arg: str) -> int:
-    if not arg:
-        raise _bad(spec, "powersgd needs a rank, as in powersgd:4")
-    try:
-        rank = int(arg)
-    except ValueError:
-        raise _bad(spec, f"rank {arg!r} is not an integer") from None
-    if rank < 1:
-        raise _bad(spec, f"rank {arg} must be at least 1")
-    return rank
+#: kind -> the Compressor it names, for every kind in ``gradsync.spec.COMPRESSION_TABLE``.
+BUILDERS: dict[str, Callable[[CompressionSpec], Compressor]] = {
+    "none": lambda _: ALLREDUCE,
+    "fp16": lambda _: FP16,
+    "bf16": lambda _: BF16,
+    "int8": lambda _: int8(),
+    "sign": lambda _: error_feedback(sign()),
+    "topk": lambda s: error_feedback(topk(_fraction(s))),
+    "randomk": lambda s: randomk(_fraction(s)),
+    "powersgd": lambda s: error_feedback(powersgd(_rank(s))),
+}
 
 
 def parse_compression(spec: str | Compressor | None) -> Compressor:
@@ -58,33 +53,7 @@ def parse_compression(spec: str | Compressor | None) -> Compressor:
     A Compressor object passes through unchanged. Raises ``UsageError`` naming the bad value
     and ``VALID_FORMS``.
     """
-    if spec is None:
-        return ALLREDUCE
     if isinstance(spec, Compressor):
         return spec
-    if not isinstance(spec, str):
-        raise UsageError(
-            f"compression must be a spec string, a Compressor or None, got {type(spec).__name__}"
-            f" {spec!r}; valid forms: {VALID_FORMS}"
-        )
-    name, colon, arg = spec.strip().lower().partition(":")
-    arg = arg.strip()
-    if name in _NO_ARGUMENT:
-        if colon:
-            raise _bad(spec, f"{name} takes no argument")
-        if name == "none":
-            return ALLREDUCE
-        if name == "fp16":
-            return FP16
-        if name == "bf16":
-            return BF16
-        if name == "int8":
-            return int8()
-        return error_feedback(sign())
-    if name == "topk":
-        return error_feedback(topk(_fraction(spec, name, arg)))
-    if name == "randomk":
-        return randomk(_fraction(spec, name, arg))
-    if name == "powersgd":
-        return error_feedback(powersgd(_rank(spec, arg)))
-    raise _bad(spec, f"unknown compressor {name!r}")
+    parsed = parse_compression_spec(spec)
+    return BUILDERS[parsed.kind](parsed)

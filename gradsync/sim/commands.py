@@ -9,8 +9,14 @@ from typing import Any
 
 from gradsync.errors import UsageError
 from gradsync.sim import report
-from gradsync.sim.cli import comm_model, compute_model, emit, link_from_args, overlap_from_args
 from gradsync.sim.config import Strategy, parse_strategy
+from gradsync.sim.options import (
+    comm_model,
+    compute_model,
+    emit,
+    link_from_args,
+    overlap_from_args,
+)
 from gradsync.sim.simulate import overlap_summary, simulate
 
 

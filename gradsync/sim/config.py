@@ -14,54 +14,52 @@ import numpy as np
 
 from gradsync.errors import UsageError
 from gradsync.sim.model import AlphaBeta
+from gradsync.spec import STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
-STRATEGY_FORMS = "bsp, ssp:S (S an integer >= 0 or inf), async, local:H, diloco:H (H >= 1)"
+#: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
+SIMULATED = ("bsp", "ssp", "async", "local", "diloco")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Strategy:
-    """A parsed spec string. ``param`` is S for ssp (``math.inf`` allowed), H for local/diloco."""
+    """A strategy as the simulator reads it: ``param`` is S for ssp (``math.inf`` allowed), H
+    for local/diloco, 0 for the others.
+
+    Checked by ``gradsync.spec``, the parser of every spec string, so a Strategy built directly
+    is refused with the same message as the spec string it stands for.
+    """
 
     kind: str
     param: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("bsp", "ssp", "async", "local", "diloco"):
-            raise UsageError(f"unknown strategy {self.kind!r}; valid: {STRATEGY_FORMS}")
-        if self.kind in ("local", "diloco") and (self.param < 1 or self.param != int(self.param)):
-            raise UsageError(
-                f"{self.kind}:H needs H >= 1, got {self.param}; valid: {STRATEGY_FORMS}"
-            )
-        if self.kind == "ssp" and not (
-            math.isinf(self.param) or (self.param >= 0 and self.param == int(self.param))
-        ):
-            raise UsageError(f"ssp:S needs S >= 0, got {self.param}; valid: {STRATEGY_FORMS}")
+        parse_strategy_spec(self.spec)
+        if self.kind not in SIMULATED:
+            models = ", ".join(STRATEGY_TABLE[k].usage for k in SIMULATED)
+            raise UsageError(f"the simulator does not model {self.spec!r}; it models {models}")
+
+    @classmethod
+    def from_spec(cls, spec: StrategySpec) -> Strategy:
+        """The simulator's view of a parsed spec string."""
+        if spec.period is not None:
+            return cls(kind=spec.kind, param=spec.period)
+        if spec.staleness is not None:
+            return cls(kind=spec.kind, param=spec.staleness)
+        return cls(kind=spec.kind)
 
     @property
     def spec(self) -> str:
-        if self.kind in ("bsp", "async"):
+        """The spec string this stands for (canonical, ``"ssp:inf"``, once it is valid)."""
+        form = STRATEGY_TABLE.get(self.kind)
+        p = float(self.param)
+        if (form is None or form.parse is None) and p == 0:
             return self.kind
-        return f"{self.kind}:{'inf' if math.isinf(self.param) else int(self.param)}"
+        return f"{self.kind}:{int(p) if p.is_integer() else p!r}"
 
 
 def parse_strategy(text: str) -> Strategy:
-    """Parse ``bsp``, ``ssp:S``, ``async``, ``local:H`` or ``diloco:H``."""
-    name, _, arg = text.strip().lower().partition(":")
-    if name in ("bsp", "async"):
-        if arg:
-            raise UsageError(f"strategy {text!r} takes no parameter; valid: {STRATEGY_FORMS}")
-        return Strategy(kind=name)
-    if name in ("ssp", "local", "diloco"):
-        if not arg:
-            raise UsageError(f"strategy {text!r} needs a parameter; valid: {STRATEGY_FORMS}")
-        if name == "ssp" and arg == "inf":
-            return Strategy(kind="ssp", param=math.inf)
-        try:
-            value = int(arg)
-        except ValueError:
-            raise UsageError(f"bad parameter in {text!r}; valid: {STRATEGY_FORMS}") from None
-        return Strategy(kind=name, param=value)
-    raise UsageError(f"unknown strategy {text!r}; valid: {STRATEGY_FORMS}")
+    """Parse ``bsp``, ``ssp:S``, ``async``, ``local:H`` or ``diloco:H`` (``gradsync.spec``)."""
+    return Strategy.from_spec(parse_strategy_spec(text))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

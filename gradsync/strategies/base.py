@@ -25,7 +25,6 @@ inherits the no-op members and writes only what it does differently.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -35,57 +34,8 @@ import torch.distributed as dist
 
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
+from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 from gradsync.telemetry.records import Span
-
-STRATEGY_FORMS = (
-    "bsp, local:H, diloco:H, ssp:S, async (H an integer >= 1, S an integer >= 0 or inf)"
-)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StrategySpec:
-    kind: str
-    period: int | None = None  # H for local/diloco
-    staleness: float | None = None  # S for ssp (inf for async)
-
-    def __str__(self) -> str:
-        if self.kind in ("local", "diloco"):
-            return f"{self.kind}:{self.period}"
-        if self.kind == "ssp":
-            s = self.staleness
-            return "ssp:inf" if s is not None and math.isinf(s) else f"ssp:{int(s or 0)}"
-        return self.kind
-
-
-def parse_strategy_spec(spec: str) -> StrategySpec:
-    """Parse ``bsp``, ``local:H``, ``diloco:H``, ``ssp:S`` or ``async`` (else ``ValueError``)."""
-    if not isinstance(spec, str):
-        raise UsageError(f"strategy must be a spec string or a Strategy, got {type(spec).__name__}")
-    text = spec.strip().lower()
-    kind, _, arg = text.partition(":")
-    if kind in ("bsp", "async") and not arg:
-        return StrategySpec(kind=kind)
-    if kind in ("local", "diloco") and arg:
-        try:
-            period = int(arg)
-        except ValueError:
-            period = 0
-        if period >= 1:
-            return StrategySpec(kind=kind, period=period)
-        raise UsageError(f"strategy {spec!r}: H must be an integer >= 1; valid: {STRATEGY_FORMS}")
-    if kind == "ssp" and arg:
-        if arg == "inf":
-            return StrategySpec(kind="ssp", staleness=math.inf)
-        try:
-            bound = int(arg)
-        except ValueError:
-            bound = -1
-        if bound >= 0:
-            return StrategySpec(kind="ssp", staleness=float(bound))
-        raise UsageError(
-            f"strategy {spec!r}: S must be an integer >= 0 or inf; valid: {STRATEGY_FORMS}"
-        )
-    raise UsageError(f"unknown strategy {spec!r}; valid: {STRATEGY_FORMS}")
 
 
 @dataclass(slots=True)
@@ -238,3 +188,19 @@ def compressor_state_dict(state: Any) -> dict[str, Any]:
 def load_compressor_state(state: Any, saved: dict[str, Any]) -> None:
     if state is not None:
         state.load_state_dict(saved.get("compressor", {}))
+
+
+__all__ = [
+    "STRATEGY_FORMS",
+    "CheckpointSink",
+    "Layout",
+    "ServerRole",
+    "StepOutcome",
+    "StepPlan",
+    "Strategy",
+    "StrategySpec",
+    "SyncContext",
+    "compressor_state_dict",
+    "load_compressor_state",
+    "parse_strategy_spec",
+]

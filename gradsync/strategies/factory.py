@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from gradsync.errors import UsageError
-from gradsync.strategies.base import Strategy, parse_strategy_spec
+from gradsync.spec import parse_strategy_spec
+from gradsync.strategies.base import Strategy
 from gradsync.strategies.bsp import BSP
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer
@@ -42,7 +43,7 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
 def uses_servers(spec: str | Strategy) -> bool:
     """Whether a strategy runs parameter-server ranks (which take no part in training)."""
     if isinstance(spec, str):
-        return parse_strategy_spec(spec).kind in ("ssp", "async")
+        return parse_strategy_spec(spec).uses_servers
     return spec.servers > 0
 
 

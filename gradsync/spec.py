@@ -1,0 +1,304 @@
+"""Strategy and compression spec strings: one parser for the library, the CLI and the simulator.
+
+``parse_strategy_spec("local:8")`` gives a :class:`StrategySpec` and
+``parse_compression_spec("topk:0.01")`` a :class:`CompressionSpec`: plain values, and no torch
+here, so the simulator and the CLI can check a spec on a machine without it. What a spec builds
+is up to the caller, which maps ``kind`` to a constructor: ``gradsync.strategies`` (a
+``Strategy``), ``gradsync.compression.spec`` (a ``Compressor``), ``gradsync.sim.config`` (a
+simulated strategy). A bad spec raises :class:`~gradsync.errors.UsageError` (a ``ValueError``)
+naming the bad value and the valid forms, with the same message wherever it was typed.
+
+Every form is one entry of ``STRATEGY_TABLE`` or ``COMPRESSION_TABLE``, and ``STRATEGY_FORMS``
+and ``COMPRESSION_FORMS``, the text the messages end with, are written from them. A new strategy
+is one ``StrategyForm`` (plus the ``StrategySpec`` field it fills, when its argument is a new
+kind of value); a new compressor one ``CompressionForm`` and its constructor in
+``gradsync.compression.spec``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from gradsync.errors import UsageError
+
+__all__ = [
+    "COMPRESSION_FORMS",
+    "COMPRESSION_TABLE",
+    "STRATEGY_FORMS",
+    "STRATEGY_TABLE",
+    "CompressionForm",
+    "CompressionSpec",
+    "StrategyForm",
+    "StrategySpec",
+    "parse_compression_spec",
+    "parse_strategy_spec",
+]
+
+
+class _Refused(ValueError):
+    """An argument broke its form's rule, for the reason given; the parser adds the spec and
+    the valid forms."""
+
+
+# -- strategies --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StrategySpec:
+    """A parsed strategy spec; ``str()`` gives it back in canonical form (``"ssp:inf"``)."""
+
+    kind: str
+    period: int | None = None  # H for local/diloco
+    staleness: float | None = None  # S for ssp (math.inf allowed)
+
+    def __str__(self) -> str:
+        form = STRATEGY_TABLE.get(self.kind)
+        if form is None or form.show is None:
+            return self.kind
+        return f"{self.kind}:{form.show(self)}"
+
+    @property
+    def uses_servers(self) -> bool:
+        """Whether the strategy runs parameter-server ranks besides the workers."""
+        form = STRATEGY_TABLE.get(self.kind)
+        return form is not None and form.servers
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyForm:
+    """One documented strategy form: ``kind``, or ``kind:ARG`` when it takes an argument."""
+
+    kind: str
+    #: the argument's name in the forms ("H"); "" when the strategy takes none
+    arg: str = ""
+    #: what the argument must be ("an integer >= 1"), for the forms and the messages
+    rule: str = ""
+    #: the argument's text -> the ``StrategySpec`` fields it sets; raises ``ValueError`` when
+    #: the text breaks ``rule`` (``_Refused(reason)`` to say something more specific)
+    parse: Callable[[str], dict[str, Any]] | None = None
+    #: the argument of a parsed spec, as ``str(spec)`` writes it
+    show: Callable[[StrategySpec], str] | None = None
+    #: whether the strategy runs parameter-server ranks besides the workers
+    servers: bool = False
+
+    @property
+    def usage(self) -> str:
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+
+def _period(text: str) -> dict[str, Any]:
+    period = int(text)
+    if period < 1:
+        raise ValueError(text)
+    return {"period": period}
+
+
+def _staleness(text: str) -> dict[str, Any]:
+    if text == "inf":
+        return {"staleness": math.inf}
+    bound = int(text)
+    if bound < 0:
+        raise ValueError(text)
+    try:
+        return {"staleness": float(bound)}
+    except OverflowError:
+        raise _Refused(f"S={text} is too large for a float; use inf") from None
+
+
+def _show_period(spec: StrategySpec) -> str:
+    return str(spec.period)
+
+
+def _show_staleness(spec: StrategySpec) -> str:
+    s = spec.staleness
+    return "inf" if s is not None and math.isinf(s) else str(int(s or 0))
+
+
+def _table(forms: Iterable[Any]) -> Mapping[str, Any]:
+    return MappingProxyType({form.kind: form for form in forms})
+
+
+#: Every strategy spec form, in the order the messages list them.
+STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
+    [
+        StrategyForm("bsp"),
+        StrategyForm("local", "H", "an integer >= 1", _period, _show_period),
+        StrategyForm("diloco", "H", "an integer >= 1", _period, _show_period),
+        StrategyForm(
+            "ssp", "S", "an integer >= 0 or inf", _staleness, _show_staleness, servers=True
+        ),
+        StrategyForm("async", servers=True),
+    ]
+)
+
+
+def _strategy_forms(table: Mapping[str, StrategyForm]) -> str:
+    """``bsp, local:H, ... (H an integer >= 1, ...)``: the forms, then each argument's rule."""
+    usages = ", ".join(form.usage for form in table.values())
+    rules = dict.fromkeys(f"{f.arg} {f.rule}" for f in table.values() if f.arg)
+    return f"{usages} ({', '.join(rules)})" if rules else usages
+
+
+STRATEGY_FORMS = _strategy_forms(STRATEGY_TABLE)
+
+
+def parse_strategy_spec(spec: str) -> StrategySpec:
+    """Parse a strategy spec (``bsp``, ``local:H``, ``diloco:H``, ``ssp:S``, ``async``).
+
+    Case and surrounding blanks are ignored. Anything else raises ``UsageError`` (a
+    ``ValueError``) naming ``spec`` and ``STRATEGY_FORMS``. This is the one strategy parser:
+    ``gradsync.strategies`` re-exports it and builds a ``Strategy`` from its result, and the
+    simulator and the CLI check specs with it.
+    """
+    if not isinstance(spec, str):
+        raise UsageError(
+            f"strategy must be a spec string or a Strategy, got {type(spec).__name__}; "
+            f"valid: {STRATEGY_FORMS}"
+        )
+    kind, colon, arg = spec.strip().lower().partition(":")
+    arg = arg.strip()
+    form = STRATEGY_TABLE.get(kind)
+    if form is None:
+        raise UsageError(f"unknown strategy {spec!r}; valid: {STRATEGY_FORMS}")
+    if form.parse is None:
+        if colon:
+            raise UsageError(
+                f"unknown strategy {spec!r}: {kind} takes no parameter; valid: {STRATEGY_FORMS}"
+            )
+        return StrategySpec(kind=kind)
+    if not arg:
+        raise UsageError(
+            f"unknown strategy {spec!r}: {kind} needs a parameter, as in {form.usage}; "
+            f"valid: {STRATEGY_FORMS}"
+        )
+    try:
+        fields = form.parse(arg)
+    except ValueError as exc:
+        reason = str(exc) if isinstance(exc, _Refused) else f"{form.arg} must be {form.rule}"
+        raise UsageError(f"strategy {spec!r}: {reason}; valid: {STRATEGY_FORMS}") from None
+    return StrategySpec(kind=kind, **fields)
+
+
+# -- compression -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompressionSpec:
+    """A parsed compression spec; ``str()`` gives the canonical spec, the one the
+    ``Compressor`` built from it reports as ``Compressor.spec``."""
+
+    kind: str
+    #: FRACTION for topk/randomk (a float), RANK for powersgd (an int); None for the others
+    argument: float | int | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.argument is None else f"{self.kind}:{self.argument}"
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionForm:
+    """One documented compression form: ``kind``, or ``kind:ARG`` when it takes an argument."""
+
+    kind: str
+    #: the argument's name in the forms ("FRACTION"); "" when the compressor takes none
+    arg: str = ""
+    #: what the argument must be, written after the forms that share it ("integer >= 1")
+    rule: str = ""
+    #: ``(kind, argument text)`` -> the argument; raises ``_Refused(reason)`` (text may be "")
+    parse: Callable[[str, str], float | int] | None = None
+
+    @property
+    def usage(self) -> str:
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+
+def _fraction(kind: str, text: str) -> float:
+    if not text:
+        raise _Refused(f"{kind} needs a fraction, as in {kind}:0.01")
+    try:
+        fraction = float(text)
+    except ValueError:
+        raise _Refused(f"fraction {text!r} is not a number") from None
+    if math.isnan(fraction) or not 0.0 < fraction <= 1.0:
+        raise _Refused(f"fraction {text} is outside (0, 1]")
+    return fraction
+
+
+def _rank(kind: str, text: str) -> int:
+    if not text:
+        raise _Refused(f"{kind} needs a rank, as in {kind}:4")
+    try:
+        rank = int(text)
+    except ValueError:
+        raise _Refused(f"rank {text!r} is not an integer") from None
+    if rank < 1:
+        raise _Refused(f"rank {text} must be at least 1")
+    return rank
+
+
+#: Every compression spec form, in the order the messages list them.
+COMPRESSION_TABLE: Mapping[str, CompressionForm] = _table(
+    [
+        CompressionForm("none"),
+        CompressionForm("fp16"),
+        CompressionForm("bf16"),
+        CompressionForm("int8"),
+        CompressionForm("sign"),
+        CompressionForm("topk", "FRACTION", "0 < FRACTION <= 1", _fraction),
+        CompressionForm("randomk", "FRACTION", "0 < FRACTION <= 1", _fraction),
+        CompressionForm("powersgd", "RANK", "integer >= 1", _rank),
+    ]
+)
+
+
+def _compression_forms(table: Mapping[str, CompressionForm]) -> str:
+    """``none, ..., topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), ...``: a rule follows
+    the last of the consecutive forms that share it."""
+    forms = list(table.values())
+    parts = []
+    for form, after in zip(forms, [*forms[1:], None], strict=True):
+        last = form.rule and (after is None or after.rule != form.rule)
+        parts.append(f"{form.usage} ({form.rule})" if last else form.usage)
+    return ", ".join(parts)
+
+
+COMPRESSION_FORMS = _compression_forms(COMPRESSION_TABLE)
+
+
+def _bad_compression(spec: str, reason: str) -> UsageError:
+    return UsageError(
+        f"invalid compression spec {spec!r}: {reason}; valid forms: {COMPRESSION_FORMS}"
+    )
+
+
+def parse_compression_spec(spec: str | None) -> CompressionSpec:
+    """Parse a compression spec (``fp16``, ``topk:0.01``, ``powersgd:4``, ...); None is ``none``.
+
+    Case and blanks around the spec and its argument are ignored. Anything else raises
+    ``UsageError`` (a ``ValueError``) naming ``spec`` and ``COMPRESSION_FORMS``.
+    ``gradsync.compression.parse_compression`` builds a ``Compressor`` from the result.
+    """
+    if spec is None:
+        return CompressionSpec(kind="none")
+    if not isinstance(spec, str):
+        raise UsageError(
+            f"compression must be a spec string, a Compressor or None, got {type(spec).__name__}"
+            f" {spec!r}; valid forms: {COMPRESSION_FORMS}"
+        )
+    kind, colon, arg = spec.strip().lower().partition(":")
+    arg = arg.strip()
+    form = COMPRESSION_TABLE.get(kind)
+    if form is None:
+        raise _bad_compression(spec, f"unknown compressor {kind!r}")
+    if form.parse is None:
+        if colon:
+            raise _bad_compression(spec, f"{kind} takes no argument")
+        return CompressionSpec(kind=kind)
+    try:
+        return CompressionSpec(kind=kind, argument=form.parse(kind, arg))
+    except _Refused as exc:
+        raise _bad_compression(spec, str(exc)) from None
