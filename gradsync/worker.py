@@ -149,21 +149,7 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     )
     workers = cfg.nproc
     sink = _Rank0Sink(cfg, progress, workers) if rank == 0 else None
-    sync = Synchronizer(
-        model,
-        optimizer,
-        strategy=cfg.strategy,
-        compression=cfg.compression,
-        bucket_mb=cfg.bucket_mb,
-        telemetry_every=cfg.telemetry_every,
-        slow=cfg.slow,
-        on_records=sink,
-        servers=cfg.servers,
-        timeout_s=cfg.timeout,
-        balance=cfg.balance,
-        check_every=cfg.check_every,
-        record_spans=True,
-    )
+    sync = _synchronizer(cfg, model, optimizer, sink)
     if sync.is_server:
         # Servers resume too (their parameters, optimizer state and clocks): load is collective.
         _resume(sync, cfg, run_dir, rank)
@@ -172,7 +158,6 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         sync.close()
         return None
     barrier_free = sync.strategy.barrier_free
-    micro = cfg.micro_batches
     start = _resume(sync, cfg, run_dir, rank)
     recovering = start > 0 and rank == 0
     kills = parse_kill(cfg.kill)
@@ -180,23 +165,10 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     for step in range(start, cfg.steps):
         if kills:
             maybe_kill(kills, rank, step, run_dir / FAULTS_DIR)
-        # Balanced runs get this step's shard sizes from measured speed; others split evenly.
-        sizes = sync.shard_sizes(cfg.global_batch)
-        lo = sum(sizes[:rank])
-        hi = lo + sizes[rank]
-        with sync.step(micro_batches=micro, samples=hi - lo) as s:
-            total_loss = torch.zeros((), dtype=torch.float64)
-            # Micro-batches split this rank's shard; the Synchronizer averages over them.
-            bounds = [lo + (hi - lo) * i // micro for i in range(micro + 1)]
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-                x, y = workload.batch(step, cfg.global_batch, a, b)
-                loss = workload.loss(model, x.to(runtime.device()), y.to(runtime.device()))
-                loss.backward()
-                total_loss += loss.detach().double().cpu()
-            s.loss = total_loss / micro
+        loss = _train_step(sync, workload, cfg, step, rank)
         if barrier_free and rank == 0 and (step + 1) % cfg.telemetry_every == 0:
             # No gathering mid-run without a barrier: show rank 0's own view meanwhile.
-            progress.update(step + 1, float(s.loss), 0.0, 0.0)
+            progress.update(step + 1, loss, 0.0, 0.0)
         if recovering:
             recovering = False
             _log_recovery(run_dir / FAULTS_DIR, start)
@@ -217,6 +189,46 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     result = report.to_dict()
     result["world_size"] = world
     return result
+
+
+def _synchronizer(
+    cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sink: Any
+) -> Synchronizer:
+    return Synchronizer(
+        model,
+        optimizer,
+        strategy=cfg.strategy,
+        compression=cfg.compression,
+        bucket_mb=cfg.bucket_mb,
+        telemetry_every=cfg.telemetry_every,
+        slow=cfg.slow,
+        on_records=sink,
+        servers=cfg.servers,
+        timeout_s=cfg.timeout,
+        balance=cfg.balance,
+        check_every=cfg.check_every,
+        record_spans=True,
+    )
+
+
+def _train_step(sync: Synchronizer, workload: Any, cfg: RunConfig, step: int, rank: int) -> float:
+    """One step on this rank's shard of the step's global batch; returns its loss."""
+    # Balanced runs get this step's shard sizes from measured speed; others split evenly.
+    sizes = sync.shard_sizes(cfg.global_batch)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    micro = cfg.micro_batches
+    with sync.step(micro_batches=micro, samples=hi - lo) as s:
+        total_loss = torch.zeros((), dtype=torch.float64)
+        # Micro-batches split this rank's shard; the Synchronizer averages over them.
+        bounds = [lo + (hi - lo) * i // micro for i in range(micro + 1)]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            x, y = workload.batch(step, cfg.global_batch, a, b)
+            loss = workload.loss(sync.model, x.to(runtime.device()), y.to(runtime.device()))
+            loss.backward()
+            total_loss += loss.detach().double().cpu()
+        s.loss = total_loss / micro
+    return float(s.loss)
 
 
 def main() -> None:

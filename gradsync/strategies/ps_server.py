@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.errors import SyncTimeoutError, UsageError
+from gradsync.flat import flatten, views
 from gradsync.strategies.base import CheckpointSink, SyncContext
 from gradsync.strategies.ps_wire import CHECKPOINT, DONE, ShardPlan
 
@@ -265,10 +266,8 @@ class _Server:
         payload = message[self.header :]
         # A worker's k-th push was encoded at its step k (pushed[w] counts them, across resumes).
         grad = self.codecs[w].decode(payload, self.pushed[w]) if self.codecs else payload
-        offset = 0
-        for p in self.params:
-            p.grad = grad[offset : offset + p.numel()].view_as(p) / self.workers
-            offset += p.numel()
+        for p, g in zip(self.params, views(grad, self.params), strict=True):
+            p.grad = g / self.workers
         if self.optimizer is not None:
             self._set_lrs(self.plan.read_lrs(message))
             self.optimizer.step()
@@ -311,10 +310,7 @@ class _Server:
             self.reply(v, held, flat)
 
     def snapshot(self) -> torch.Tensor:
-        with torch.no_grad():
-            if not self.params:
-                return torch.zeros(0)
-            return torch.cat([p.detach().reshape(-1) for p in self.params])
+        return flatten(self.params)
 
     def reply(self, w: int, held: float, flat: torch.Tensor) -> None:
         msg = torch.cat([flat.new_tensor([held]), flat])
