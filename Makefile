@@ -36,7 +36,7 @@ test: check
 # About 31 minutes on 2 cores (see BENCHMARKS.md, bench_run); the cluster part needs root and is skipped with a message
 # otherwise.
 bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/all.py --write
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.all --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,6 @@
 """Load-balanced BSP with a straggler, against plain BSP and against no straggler.
 
-    python benchmarks/balance.py [--repeats 3] [--steps 90] [--write [--md FILE]] [--quick]
+    python -m benchmarks.balance [--repeats 3] [--steps 90] [--write [--md FILE]] [--quick]
 
 Two setups of the `gradsync run` worker (`gradsync.worker.run_worker`, launched like `gradsync
 run`), each in three configurations: BSP with no straggler, BSP with one rank slowed 2x, and
@@ -27,23 +27,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import REVERSE, Harness, interleave, machine, median_of_ratios, table
+from gradsync.config import RunConfig
+from gradsync.launch import launch
+from gradsync.telemetry.records import StepRecord, read_records
+from gradsync.telemetry.report import RunReport
+from gradsync.worker import run_worker
 
-from benchmarks.mdtable import BENCHMARKS_MD, machine, table, write_section  # noqa: E402
-from gradsync.config import RunConfig  # noqa: E402
-from gradsync.launch import launch  # noqa: E402
-from gradsync.telemetry.records import StepRecord, read_records  # noqa: E402
-from gradsync.telemetry.report import RunReport  # noqa: E402
-from gradsync.worker import run_worker  # noqa: E402
-
-COMMAND = "python benchmarks/balance.py --write"
 SEED = 0
 BATCH = 16  # per rank, the gradsync run default
 
@@ -112,24 +107,20 @@ Repeats = list[dict[str, dict[str, Any]]]
 
 def run(setup: Setup, args: argparse.Namespace, out: Path) -> Repeats:
     names = list(CONFIGS)
-    repeats = []
-    for r in range(args.repeats):
-        order = names if r % 2 == 0 else names[::-1]
-        print(f"{setup.title}, repeat {r + 1}/{args.repeats}: {', '.join(order)}", file=sys.stderr)
-        repeats.append(
-            {
-                n: run_one(setup, n, args, out / f"{setup.nproc}-r{r}-{i}")
-                for i, n in enumerate(order)
-            }
-        )
-    return repeats
+
+    def one(name: str, r: int) -> dict[str, Any]:
+        return run_one(setup, name, args, out / f"{setup.nproc}-r{r}-{names.index(name)}")
+
+    return interleave(names, args.repeats, one, REVERSE, progress=f"{setup.title}, ")
 
 
 def render_setup(setup: Setup, repeats: Repeats) -> str:
     def med(name: str, key: str, over: str | None = None) -> float:
-        return statistics.median(
-            rep[name][key] / (rep[over][key] if over else 1.0) for rep in repeats
-        )
+        """Median over repeats of ``name``'s figure (over ``over``'s in the same repeat)."""
+        dens = [rep[over][key] if over else 1.0 for rep in repeats]
+        value = median_of_ratios([rep[name][key] for rep in repeats], dens)
+        assert value is not None
+        return value
 
     plain, balanced, clean = "BSP, straggler", "balanced BSP, straggler", "no straggler"
     n, f = setup.nproc, setup.factor
@@ -147,16 +138,11 @@ def render_setup(setup: Setup, repeats: Repeats) -> str:
         for name in CONFIGS
     ]
     body = table(
-        [
-            "configuration",
-            "samples/s (steady)",
-            "/ plain BSP (steady)",
-            "/ no straggler (steady)",
-            "/ plain BSP (whole run)",
-            "/ no straggler (whole run)",
-            "barrier tax (steady)",
-            f"rank {setup.slow_rank} samples, last step",
-        ],
+        (
+            "configuration | samples/s (steady) | / plain BSP (steady) | "
+            "/ no straggler (steady) | / plain BSP (whole run) | / no straggler (whole run) | "
+            f"barrier tax (steady) | rank {setup.slow_rank} samples, last step"
+        ),
         rows,
     )
     # Reference from the slowdown alone, with a core per rank and compute proportional to
@@ -186,10 +172,10 @@ def render_setup(setup: Setup, repeats: Repeats) -> str:
     return f"### {setup.title}\n\n{body}\n\n{text}\n"
 
 
-def render(results: dict[Setup, Repeats], args: argparse.Namespace) -> str:
+def render(results: dict[Setup, Repeats], args: argparse.Namespace, command: str) -> str:
     head = (
         "## Load-balanced BSP with a straggler (issue 5)\n\n"
-        f"Command: `{COMMAND}` (repeats {args.repeats}, {args.steps} steps, steady state from "
+        f"Command: `{command}` (repeats {args.repeats}, {args.steps} steps, steady state from "
         f"step {args.warmup}, seed {SEED}). Machine: {machine()}. Workload {args.workload}, "
         f"batch {BATCH} per rank, 1 thread per rank, gloo on loopback; the straggler is "
         "slowed 2x where stated. Medians over repeats of ratios within the same repeat; the "
@@ -202,29 +188,16 @@ def render(results: dict[Setup, Repeats], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=90)
-    parser.add_argument("--warmup", type=int, default=30, help="steps left out of 'steady'")
-    parser.add_argument("--workload", default="charlm", help="charlm (default) or mlp")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (not for tables)")
-    parser.add_argument("--write", action="store_true", help="update the markdown file")
-    parser.add_argument(
-        "--md", type=Path, default=BENCHMARKS_MD, help="file --write updates (BENCHMARKS.md)"
-    )
-    args = parser.parse_args()
-    if args.quick:
-        args.repeats, args.steps, args.warmup = 1, 20, 10
+    h = Harness("benchmarks.balance", __doc__, repeats=3)
+    h.parser.add_argument("--steps", type=int, default=90)
+    h.parser.add_argument("--warmup", type=int, default=30, help="steps left out of 'steady'")
+    h.parser.add_argument("--workload", default="charlm", help="charlm (default) or mlp")
+    args = h.parse(repeats=1, steps=20, warmup=10)
     if args.warmup >= args.steps:
-        parser.error(f"--warmup {args.warmup} must be less than --steps {args.steps}")
+        h.error(f"--warmup {args.warmup} must be less than --steps {args.steps}")
     with tempfile.TemporaryDirectory(prefix="gradsync-balance-") as tmp:
         results = {setup: run(setup, args, Path(tmp)) for setup in SETUPS}
-    text = render(results, args)
-    print(text)
-    if args.write:
-        write_section("balance", text, args.md)
+    h.finish(render(results, args, h.command()))
 
 
 if __name__ == "__main__":

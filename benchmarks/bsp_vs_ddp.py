@@ -1,6 +1,6 @@
 """gradsync BSP against torch DDP (same bucket size) and compute-only, 2 gloo ranks.
 
-    python benchmarks/bsp_vs_ddp.py [--repeats 9] [--steps 30] [--no-sweep] [--write]
+    python -m benchmarks.bsp_vs_ddp [--repeats 9] [--steps 30] [--no-sweep] [--quick] [--write]
 
 Every configuration is measured in the same processes, interleaved with the order rotated by
 repeat (A B C, B C A, C A B, ...); a block is a number of steps between two barriers. Step
@@ -14,26 +14,31 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gradsync as gs
+from benchmarks.harness import (
+    Harness,
+    by_name,
+    fmt_iqr,
+    interleave,
+    machine,
+    median_iqr,
+    table,
+    time_block,
+)
+from gradsync.fault.guards import all_finite, check_replicas
+from gradsync.launch import launch
+from gradsync.workloads import make_workload
 
-import gradsync as gs  # noqa: E402
-from benchmarks.mdtable import machine, table, write_section  # noqa: E402
-from gradsync.fault.guards import all_finite, check_replicas  # noqa: E402
-from gradsync.launch import launch  # noqa: E402
-from gradsync.workloads import make_workload  # noqa: E402
-
-COMMAND = "python benchmarks/bsp_vs_ddp.py --write"
 SWEEP_MB = (0.25, 1.0, 5.0, 25.0, 100.0)
+KINDS = ("gradsync", "gradsync-no-telemetry", "gradsync-bare", "ddp", "compute-only")
 
 
 def _runner(kind: str, workload: Any, bucket_mb: float, per_rank: int) -> Callable[[int], None]:
@@ -81,30 +86,18 @@ def _runner(kind: str, workload: Any, bucket_mb: float, per_rank: int) -> Callab
     return local_step
 
 
-def _time_block(step: Callable[[int], None], steps: int, offset: int) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        step(offset + i)
-    dist.barrier()
-    return (time.perf_counter() - t0) / steps
-
-
 def _measure(
     configs: dict[str, Callable[[int], None]], repeats: int, steps: int
 ) -> dict[str, list[float]]:
     """Mean step time of every block, by configuration, in repeat order (one block of each
     configuration per repeat, so ratios can be taken within a repeat)."""
-    times: dict[str, list[float]] = {k: [] for k in configs}
     for step in configs.values():  # warm-up: allocator, first-bucket set-up
-        _time_block(step, 2, 0)
-    names = list(configs)
-    for r in range(repeats):
-        # Rotate the order (A B C, B C A, ...) so no configuration always runs first or right
-        # after the same other one: a fixed order showed the first one up to 10% slower.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(_time_block(configs[name], steps, r * steps))
-    return times
+        time_block(step, 2)
+    return by_name(
+        interleave(
+            list(configs), repeats, lambda name, r: time_block(configs[name], steps, r * steps)
+        )
+    )
 
 
 def worker(args: dict[str, Any]) -> dict[str, Any] | None:
@@ -115,16 +108,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
         ("mlp (6M params)", make_workload("mlp", params=6_000_000), 32),
         ("charlm", make_workload("charlm"), 16),
     ):
-        main = {
-            kind: _runner(kind, wl, 25.0, per_rank)
-            for kind in (
-                "gradsync",
-                "gradsync-no-telemetry",
-                "gradsync-bare",
-                "ddp",
-                "compute-only",
-            )
-        }
+        main = {kind: _runner(kind, wl, 25.0, per_rank) for kind in KINDS}
         out[name] = _measure(main, args["repeats"], args["steps"])
         if name.startswith("mlp"):
             out["features"] = _feature_costs(wl, per_rank)
@@ -187,28 +171,13 @@ def _flush_cost(flushes: int = 200, every: int = 10) -> float:
     return statistics.median(times) * 1e3
 
 
-def _spread(values: list[float]) -> tuple[float, float, float]:
-    """Median and interquartile range (the middle half of the values)."""
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return med, q1, q3
-
-
 def _ratios(res: dict[str, list[float]], num: str, den: str) -> list[float]:
-    """``num``/``den`` block by block within each repeat: the two ran minutes apart at most,
-    so slow drifts of the machine cancel."""
+    """``num``/``den`` block by block within each repeat."""
     return [a / b for a, b in zip(res[num], res[den], strict=True)]
 
 
-def _fmt_ratio(values: list[float]) -> str:
-    med, q1, q3 = _spread(values)
-    return f"{med:.3f} ({q1:.3f}-{q3:.3f})"
-
-
 def _fmt_pct(values: list[float]) -> str:
-    med, q1, q3 = _spread([(v - 1) * 100 for v in values])
-    return f"{med:+.1f}% ({q1:+.1f} to {q3:+.1f})"
+    return fmt_iqr([(v - 1) * 100 for v in values], "+.1f", "%", " to ")
 
 
 def _ms(values: list[float]) -> str:
@@ -225,9 +194,9 @@ def verdict(res: dict[str, Any]) -> str:
     lines = []
     for name in workloads:
         m = res[name]
-        ratio, q1, q3 = _spread(_ratios(m, "gradsync", "ddp"))
-        bare = _spread(_ratios(m, "gradsync-bare", "ddp"))[0]
-        tel = _spread(_ratios(m, "gradsync", "gradsync-no-telemetry"))[0] - 1
+        ratio, q1, q3 = median_iqr(_ratios(m, "gradsync", "ddp"))
+        bare = median_iqr(_ratios(m, "gradsync-bare", "ddp"))[0]
+        tel = median_iqr(_ratios(m, "gradsync", "gradsync-no-telemetry"))[0] - 1
         status = "meets" if ratio <= BAR_RATIO else "misses"
         where = (
             "the whole middle half of the blocks is within it"
@@ -254,7 +223,7 @@ def verdict(res: dict[str, Any]) -> str:
         (a - b) / d
         for a, b, d in zip(mlp["gradsync"], mlp["gradsync-bare"], mlp["ddp"], strict=True)
     ]
-    gap_med, gap_q1, gap_q3 = _spread(gap)
+    gap_med, gap_q1, gap_q3 = median_iqr(gap)
     if gap_q1 <= direct <= gap_q3:
         explained = "the direct timings account for it"
     elif direct < gap_q1:
@@ -277,7 +246,7 @@ def verdict(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render(res: dict[str, Any], args: argparse.Namespace) -> str:
+def render(res: dict[str, Any], args: argparse.Namespace, command: str) -> str:
     rows = []
     for name in ("mlp (6M params)", "charlm"):
         m = res[name]
@@ -287,21 +256,16 @@ def render(res: dict[str, Any], args: argparse.Namespace) -> str:
                 _ms(m["gradsync"]),
                 _ms(m["ddp"]),
                 _ms(m["compute-only"]),
-                _fmt_ratio(_ratios(m, "gradsync", "ddp")),
-                _fmt_ratio(_ratios(m, "gradsync-bare", "ddp")),
+                fmt_iqr(_ratios(m, "gradsync", "ddp")),
+                fmt_iqr(_ratios(m, "gradsync-bare", "ddp")),
                 _fmt_pct(_ratios(m, "gradsync", "gradsync-no-telemetry")),
             ]
         )
     main = table(
-        [
-            "workload",
-            "gradsync ms/step",
-            "DDP ms/step",
-            "compute-only ms/step",
-            "gradsync / DDP",
-            "bare gradsync / DDP",
-            "telemetry overhead",
-        ],
+        (
+            "workload | gradsync ms/step | DDP ms/step | compute-only ms/step | "
+            "gradsync / DDP | bare gradsync / DDP | telemetry overhead"
+        ),
         rows,
     )
     sweep = ""
@@ -314,7 +278,7 @@ def render(res: dict[str, Any], args: argparse.Namespace) -> str:
                     f"{mb:g}",
                     _ms(sw[f"gradsync@{mb}"]),
                     _ms(sw[f"ddp@{mb}"]),
-                    _fmt_ratio(_ratios(sw, f"gradsync@{mb}", f"ddp@{mb}")),
+                    fmt_iqr(_ratios(sw, f"gradsync@{mb}", f"ddp@{mb}")),
                 ]
                 for mb in SWEEP_MB
             ],
@@ -328,7 +292,7 @@ def render(res: dict[str, Any], args: argparse.Namespace) -> str:
     )
     return (
         "## BSP against DDP (issue: foundation)\n\n"
-        f"Command: `{COMMAND}` (repeats {args.repeats}, {args.steps} steps per block). "
+        f"Command: `{command}` (repeats {args.repeats}, {args.steps} steps per block). "
         f"Machine: {machine()}. 2 ranks, gloo on loopback, 1 thread per rank, SGD with "
         "momentum, bucket 25 MB unless stated. Step times are medians over repeats of a "
         "block's mean step time; the configurations run interleaved, order rotated by repeat. "
@@ -344,22 +308,17 @@ def render(res: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument(
+    h = Harness("benchmarks.bsp_vs_ddp", __doc__, repeats=9)
+    h.parser.add_argument("--steps", type=int, default=30, help="steps per block")
+    h.parser.add_argument(
         "--no-sweep", dest="sweep", action="store_false", help="skip the bucket-size sweep"
     )
-    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-    args = parser.parse_args()
+    args = h.parse(repeats=2, steps=3)
     if args.write and not args.sweep:
-        parser.error("--write needs the sweep (BENCHMARKS.md shows it)")
+        h.error("--write needs the sweep (BENCHMARKS.md shows it)")
     job = {"repeats": args.repeats, "steps": args.steps, "sweep": args.sweep}
     results = launch(worker, (job,), nproc=2)
-    text = render(results[0], args)
-    print(text)
-    if args.write:
-        write_section("bsp_vs_ddp", text)
+    h.finish(render(results[0], args, h.command()))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Issue 8 on the emulated cluster: gradsync against torch DDP over 1 Gbit/s links.
 
-    python benchmarks/cluster.py [--quick] [--write] [--repeats 2] [--parts 1,2,3]
+    python -m benchmarks.cluster [--quick] [--write] [--repeats 2] [--parts 1,2,3]
 
 Needs root and iproute2 (see docs/cluster.md). Brings up clusters of network namespaces
 joined by tbf-limited veth links (prefix ``gsb-``, so ``gradsync cluster down --prefix gsb-``
 removes anything a crash left behind, and nothing of anyone else's), runs
-``benchmarks/cluster_worker.py`` under torchrun on every host, and always tears down.
+``python -m benchmarks.cluster_worker`` under torchrun on every host, and always tears down.
 
 1. Time to a target loss and samples/s, ``mlp`` and ``charlm``, 2 and 4 hosts, 1 rank per
    host: torch DDP (the baseline), DDP with torch's PowerSGD hook, gradsync ``bsp``,
@@ -31,7 +31,6 @@ Each repeat is one torchrun launch running every configuration in turn in the sa
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -44,21 +43,17 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.harness import ROOT, ROTATE, Harness, machine, order, table
+from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing
+from gradsync.cluster.launch import agent_command
+from gradsync.cluster.system import kill_pids, pids_in
+from gradsync.cluster.system import run as ip_run
+from gradsync.sim import AlphaBeta, CommModel, Overlap, fit_alpha_beta, overlap_summary
 
-from benchmarks.mdtable import machine, table, write_section  # noqa: E402
-from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing  # noqa: E402
-from gradsync.cluster.launch import agent_command  # noqa: E402
-from gradsync.cluster.system import kill_pids, pids_in  # noqa: E402
-from gradsync.cluster.system import run as ip_run  # noqa: E402
-from gradsync.sim import AlphaBeta, CommModel, Overlap, fit_alpha_beta, overlap_summary  # noqa: E402
-
-COMMAND = ".venv/bin/python benchmarks/cluster.py"
 PREFIX = "gsb-"
 LINK = "1gbit"
 MA = 10  # moving-average window of the loss, in steps
@@ -75,53 +70,28 @@ class Config:
     key: str  # the worker's run name
     label: str
     mode: str
-    fields: tuple[tuple[str, str], ...] = ()
+    fields: str = ""  # more of the worker's --config keys: "key=value,..."
     exact: bool = True  # same math as DDP: N steps are enough to reach DDP's final loss
-    gradsync: bool = False
+
+    @property
+    def gradsync(self) -> bool:
+        return self.mode == "gradsync"
 
     def run_arg(self, steps: int) -> str:
-        extra = "".join(f",{k}={v}" for k, v in self.fields)
+        extra = f",{self.fields}" if self.fields else ""
         return f"{self.key}={self.mode}{extra},steps={steps}"
 
 
 PART1 = (
     Config("ddp", "torch DDP (baseline)", "ddp"),
     Config("ddp-powersgd", "DDP + torch PowerSGD hook, rank 4", "ddp-powersgd", exact=False),
-    Config("bsp", "gradsync bsp", "gradsync", gradsync=True),
-    Config(
-        "bsp-powersgd4",
-        "gradsync bsp + powersgd:4",
-        "gradsync",
-        (("compress", "powersgd:4"),),
-        exact=False,
-        gradsync=True,
-    ),
-    Config(
-        "bsp-topk",
-        "gradsync bsp + topk:0.01",
-        "gradsync",
-        (("compress", "topk:0.01"),),
-        exact=False,
-        gradsync=True,
-    ),
-    Config(
-        "diloco16",
-        "gradsync diloco:16",
-        "gradsync",
-        (("strategy", "diloco:16"),),
-        exact=False,
-        gradsync=True,
-    ),
+    Config("bsp", "gradsync bsp", "gradsync"),
+    Config("bsp-powersgd4", "gradsync bsp + powersgd:4", "gradsync", "compress=powersgd:4", False),
+    Config("bsp-topk", "gradsync bsp + topk:0.01", "gradsync", "compress=topk:0.01", False),
+    Config("diloco16", "gradsync diloco:16", "gradsync", "strategy=diloco:16", False),
     # Plain local SGD with a short period: a quarter of the exchanges, with a
     # loss per step close to synchronous SGD's, so it is the dial's setting for a slow link.
-    Config(
-        "local4",
-        "gradsync local:4",
-        "gradsync",
-        (("strategy", "local:4"),),
-        exact=False,
-        gradsync=True,
-    ),
+    Config("local4", "gradsync local:4", "gradsync", "strategy=local:4", False),
     Config("compute-only", "compute-only (limit, no communication)", "compute-only"),
 )
 
@@ -143,7 +113,6 @@ class Settings:
     parts: tuple[int, ...] = (1, 2, 3)
     quick: bool = False
     workloads: tuple[str, ...] = ("mlp", "charlm")
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def approx_steps(n: int) -> int:
@@ -197,7 +166,7 @@ def worker_env() -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         # The workers run ``python -m benchmarks.cluster_worker`` from our cwd; make the module
         # importable from anywhere.
-        "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""),
+        "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else ""),
     }
 
 
@@ -252,11 +221,9 @@ def part1(settings: Settings, hosts: int, workdir: Path) -> dict[str, Any]:
         for rep in range(settings.repeats):
             for wl in settings.workloads:
                 wl_args, n = settings.workload_args(wl)
-                order = list(PART1)
-                order = order[rep % len(order) :] + order[: rep % len(order)]
                 runs = [
                     "--config=" + c.run_arg(n if c.exact else settings.approx_steps(n))
-                    for c in order
+                    for c in order(PART1, rep, ROTATE)
                 ]
                 t0 = time.monotonic()
                 res = launch(
@@ -348,17 +315,11 @@ def render_part1(summary: dict[str, Any], wl: str, hosts: int, settings: Setting
         else f"charlm (default size), global batch {settings.charlm_batch}"
     )
     t = summary["targets"]
-    head = [
-        "configuration",
-        "steps",
-        "samples/s",
-        "vs DDP",
-        f"s to {t['final']:.4f} (DDP's final +{FINAL_SLACK:.0%})",
-        "speed-up vs DDP",
-        f"s to {t['half']:.4f} (DDP's half-way)",
-        "speed-up vs DDP",
-        f"final loss (MA{MA})",
-    ]
+    head = (
+        "configuration | steps | samples/s | vs DDP | "
+        f"s to {t['final']:.4f} (DDP's final +{FINAL_SLACK:.0%}) | speed-up vs DDP | "
+        f"s to {t['half']:.4f} (DDP's half-way) | speed-up vs DDP | final loss (MA{MA})"
+    )
     return f"**{what}, {hosts} hosts**\n\n{table(head, out)}\n"
 
 
@@ -402,7 +363,7 @@ def part2(settings: Settings, workdir: Path) -> list[dict[str, Any]]:
         sizes = [2**16, 2**18, 2**20, 2**22, grad]
         configs = ["compute=compute-only"] + [f"b{mb:g}=gradsync,bucket_mb={mb}" for mb in SWEEP_MB]
         for rep in range(settings.repeats):
-            order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
+            now = order(configs, rep, ROTATE)
             t0 = time.monotonic()
             res = launch(
                 cluster,
@@ -412,7 +373,7 @@ def part2(settings: Settings, workdir: Path) -> list[dict[str, Any]]:
                     str(settings.sweep_steps),
                     "--probe-sizes",
                     ",".join(str(s) for s in sizes),
-                    *(f"--config={c}" for c in order),
+                    *(f"--config={c}" for c in now),
                 ],
                 workdir / f"p2-{rep}.json",
                 900,
@@ -506,17 +467,10 @@ def render_part2(s: dict[str, Any]) -> str:
         ]
         for r in s["rows"]
     ]
-    head = [
-        "bucket MB",
-        "buckets",
-        "measured ms/step",
-        "vs compute-only",
-        "comm if not hidden ms",
-        "hidden (measured)",
-        "simulator ms/step",
-        "hidden (simulator)",
-        "simulator error",
-    ]
+    head = (
+        "bucket MB | buckets | measured ms/step | vs compute-only | comm if not hidden ms | "
+        "hidden (measured) | simulator ms/step | hidden (simulator) | simulator error"
+    )
     bw = 8 / s["beta"] / 1e9 if s["beta"] > 0 else math.inf
     return (
         f"Compute-only step {s['compute_s'] * 1e3:.1f} ms "
@@ -581,7 +535,6 @@ def _set_link(cluster: Cluster, host: int, up: bool) -> None:
 
 def part3(settings: Settings, workdir: Path) -> dict[str, Any]:
     hosts = settings.partition_hosts
-    victim = hosts - 1  # chosen again below, once the ranks' hosts are known
     timeout = settings.partition_timeout
     out = workdir / "p3.json"
     progress = workdir / "p3.progress"
@@ -597,94 +550,118 @@ def part3(settings: Settings, workdir: Path) -> dict[str, Any]:
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10",
         "--progress", str(progress), "--out", str(out),
     ]  # fmt: skip
-    res: dict[str, Any] = {"hosts": hosts, "victim_host": victim, "timeout": timeout}
+    # The victim is chosen again once the ranks' hosts are known.
+    res: dict[str, Any] = {"hosts": hosts, "victim_host": hosts - 1, "timeout": timeout}
     with Cluster(hosts=hosts, link=LINK, prefix=PREFIX) as cluster:
         procs: list[subprocess.Popen[bytes]] = []
-        link_down = False
         try:
             procs = _start_agents(cluster, args, max_restarts=2, log=log)
-
-            def step() -> int:
-                try:
-                    return int(progress.read_text().split()[1])
-                except (OSError, IndexError, ValueError):
-                    return -1
-
-            def mid_interval() -> bool:
-                # Half-way between checkpoints (every 10 steps), so the link dies during a
-                # gradient exchange, which is under gradsync's hang diagnosis; a checkpoint's
-                # barriers are not, and fail with torch's plain timeout naming nobody.
-                st = step()
-                return st >= 25 and st % 10 in (3, 4, 5, 6)
-
-            if (
-                not _wait_for(
-                    lambda: mid_interval() or all(p.poll() is not None for p in procs),
-                    time.monotonic() + 300,
-                    every=0.01,
-                )
-                or step() < 25
-            ):
-                raise RuntimeError(f"part 3: training did not reach step 25; see {log}")
-            hosts_by_rank = json.loads(Path(f"{out}.hosts.json").read_text())
-            # Not host 0 (the agents' rendezvous store, needed to restart) nor the host of
-            # global rank 0 (the workers' store, needed to name who is missing); the rendezvous,
-            # not host order, assigns ranks.
-            allowed = [h for h in range(1, hosts) if h != hosts_by_rank[0]]
-            victim = max(allowed) if allowed else hosts - 1
-            res["victim_host"] = victim
-            victims = [r for r, h in enumerate(hosts_by_rank) if h == victim]
-            survivors = [r for r, h in enumerate(hosts_by_rank) if h != victim]
-            res.update(hosts_by_rank=hosts_by_rank, victims=victims, survivors=survivors)
-            res["down_at_step"] = step()
-            _set_link(cluster, victim, up=False)
-            link_down = True
-            t_down = time.time()
-
-            def errors() -> dict[int, dict[str, Any]]:
-                found = {}
-                for p in workdir.glob("p3.json.try0.rank*.error.json"):
-                    with contextlib.suppress(OSError, ValueError):
-                        e = json.loads(p.read_text())
-                        found[int(e["rank"])] = e
-                return found
-
-            _wait_for(
-                lambda: set(survivors) <= set(errors()),
-                time.monotonic() + timeout + 60,
-            )
-            # A moment for the cut-off rank to report too, if it can, before the link returns.
-            _wait_for(lambda: set(victims) <= set(errors()), time.monotonic() + 5)
-            res["errors"] = errors()
-            res["t_down"] = t_down
-            _set_link(cluster, victim, up=True)
-            link_down = False
-            res["t_up"] = time.time()
-            ok = _wait_for(lambda: all(p.poll() is not None for p in procs), time.monotonic() + 300)
-            res["rcs"] = [p.poll() for p in procs]
-            # The cut-off side's own view, which it may only have reported after the link came
-            # back (its store writes wait for the link).
-            res["errors"] = {**errors(), **res["errors"]}
-            res["finished"] = ok and out.exists()
-            if out.exists():
-                final = json.loads(out.read_text())["runs"][0]
-                res["resumed_from"] = final["start_step"]
-                res["restart_count"] = final["restart_count"]
-                res["final_step"] = final["start_step"] + len(final["loss"]) - 1
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    # Rank 0 stamped its last step's end; times are from the resumed round's start.
-                    last_end = float(progress.read_text().split()[2])
-                    res["resumed_at"] = last_end - final["time_s"][-1]
+            _cut_link(cluster, procs, res, workdir, log)
+            _resume(procs, res, workdir)
         finally:
-            if link_down:
+            if res.pop("link_down", False):
                 with contextlib.suppress(Exception):
-                    _set_link(cluster, victim, up=True)
+                    _set_link(cluster, res["victim_host"], up=True)
             for ns in cluster.namespaces():
                 kill_pids(pids_in(ns))
             for p in procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(timeout=10)
     return res
+
+
+def _progress_step(progress: Path) -> int:
+    """The last step rank 0 finished, from its progress file; -1 before the first."""
+    try:
+        return int(progress.read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _rank_errors(workdir: Path) -> dict[int, dict[str, Any]]:
+    """What each rank of the first round wrote when it failed, by rank."""
+    found = {}
+    for p in workdir.glob("p3.json.try0.rank*.error.json"):
+        with contextlib.suppress(OSError, ValueError):
+            e = json.loads(p.read_text())
+            found[int(e["rank"])] = e
+    return found
+
+
+def _cut_link(
+    cluster: Cluster,
+    procs: list[subprocess.Popen[bytes]],
+    res: dict[str, Any],
+    workdir: Path,
+    log: Path,
+) -> None:
+    """Take one host's switch port down mid-run, collect what every rank reported, and bring
+    the port back; what happened goes into ``res`` (``link_down`` while the port is down)."""
+    hosts, timeout = res["hosts"], res["timeout"]
+    out, progress = workdir / "p3.json", workdir / "p3.progress"
+
+    def mid_interval() -> bool:
+        # Half-way between checkpoints (every 10 steps), so the link dies during a
+        # gradient exchange, which is under gradsync's hang diagnosis; a checkpoint's
+        # barriers are not, and fail with torch's plain timeout naming nobody.
+        st = _progress_step(progress)
+        return st >= 25 and st % 10 in (3, 4, 5, 6)
+
+    if (
+        not _wait_for(
+            lambda: mid_interval() or all(p.poll() is not None for p in procs),
+            time.monotonic() + 300,
+            every=0.01,
+        )
+        or _progress_step(progress) < 25
+    ):
+        raise RuntimeError(f"part 3: training did not reach step 25; see {log}")
+    hosts_by_rank = json.loads(Path(f"{out}.hosts.json").read_text())
+    # Not host 0 (the agents' rendezvous store, needed to restart) nor the host of
+    # global rank 0 (the workers' store, needed to name who is missing); the rendezvous,
+    # not host order, assigns ranks.
+    allowed = [h for h in range(1, hosts) if h != hosts_by_rank[0]]
+    victim = max(allowed) if allowed else hosts - 1
+    res["victim_host"] = victim
+    victims = [r for r, h in enumerate(hosts_by_rank) if h == victim]
+    survivors = [r for r, h in enumerate(hosts_by_rank) if h != victim]
+    res.update(hosts_by_rank=hosts_by_rank, victims=victims, survivors=survivors)
+    res["down_at_step"] = _progress_step(progress)
+    _set_link(cluster, victim, up=False)
+    res["link_down"] = True
+    t_down = time.time()
+    _wait_for(
+        lambda: set(survivors) <= set(_rank_errors(workdir)),
+        time.monotonic() + timeout + 60,
+    )
+    # A moment for the cut-off rank to report too, if it can, before the link returns.
+    _wait_for(lambda: set(victims) <= set(_rank_errors(workdir)), time.monotonic() + 5)
+    res["errors"] = _rank_errors(workdir)
+    res["t_down"] = t_down
+    _set_link(cluster, victim, up=True)
+    res["link_down"] = False
+    res["t_up"] = time.time()
+
+
+def _resume(procs: list[subprocess.Popen[bytes]], res: dict[str, Any], workdir: Path) -> None:
+    """Wait for the agents to restart the workers and finish; how they resumed goes into
+    ``res``."""
+    out, progress = workdir / "p3.json", workdir / "p3.progress"
+    ok = _wait_for(lambda: all(p.poll() is not None for p in procs), time.monotonic() + 300)
+    res["rcs"] = [p.poll() for p in procs]
+    # The cut-off side's own view, which it may only have reported after the link came
+    # back (its store writes wait for the link).
+    res["errors"] = {**_rank_errors(workdir), **res["errors"]}
+    res["finished"] = ok and out.exists()
+    if out.exists():
+        final = json.loads(out.read_text())["runs"][0]
+        res["resumed_from"] = final["start_step"]
+        res["restart_count"] = final["restart_count"]
+        res["final_step"] = final["start_step"] + len(final["loss"]) - 1
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # Rank 0 stamped its last step's end; times are from the resumed round's start.
+            last_end = float(progress.read_text().split()[2])
+            res["resumed_at"] = last_end - final["time_s"][-1]
 
 
 _NAMED = re.compile(r"never arrived: ranks \[([\d, ]*)\]")
@@ -720,17 +697,10 @@ def render_part3(r: dict[str, Any]) -> str:
             ]
         )
     missing = [s for s in r.get("survivors", []) if s not in r.get("errors", {})]
-    head = [
-        "rank",
-        "host",
-        "role",
-        "error",
-        "named as never arrived",
-        "cut-off ranks named",
-        "survivors also named",
-        "s after link down",
-        "/ timeout",
-    ]
+    head = (
+        "rank | host | role | error | named as never arrived | cut-off ranks named | "
+        "survivors also named | s after link down | / timeout"
+    )
     text = "\n".join(lines) + "\n" + table(head, rows) + "\n"
     if missing:
         text += f"\nSurvivors that wrote no error: ranks {missing}.\n"
@@ -802,27 +772,19 @@ def run_parts(s: Settings, workdir: Path, raw: dict[str, Any], log: Path) -> tup
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="smoke run: small, 1 repeat, 2 hosts")
-    parser.add_argument(
-        "--write", action="store_true", help="update BENCHMARKS.md section 'cluster'"
-    )
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--parts", default="1,2,3", help="which parts to run (default all)")
-    parser.add_argument("--hosts", default=None, help="part 1 host counts (default 2,4)")
-    parser.add_argument("--workdir", default=None, help="keep worker JSON and logs here")
-    args = parser.parse_args()
+    h = Harness("benchmarks.cluster", __doc__, repeats=2, python=".venv/bin/python")
+    h.parser.add_argument("--parts", default="1,2,3", help="which parts to run (default all)")
+    h.parser.add_argument("--hosts", default=None, help="part 1 host counts (default 2,4)")
+    h.parser.add_argument("--workdir", default=None, help="keep worker JSON and logs here")
+    args = h.parse(repeats=1)
     missing = requirements_missing()
     if missing:
-        print(f"benchmarks/cluster.py: {missing}", file=sys.stderr)
+        print(f"benchmarks.cluster: {missing}", file=sys.stderr)
         return 2
     s = Settings()
     if args.quick:
         s = Settings(
             hosts=(2,),
-            repeats=1,
             mlp_params=1_000_000,
             mlp_steps=16,
             charlm_steps=32,
@@ -831,41 +793,27 @@ def main() -> int:
             partition_steps=60,
             quick=True,
         )
-    if args.repeats is not None:
-        s.repeats = args.repeats
+    s.repeats = args.repeats
     try:
         if args.hosts:
-            s.hosts = tuple(int(h) for h in args.hosts.split(","))
+            s.hosts = tuple(int(n) for n in args.hosts.split(","))
         s.parts = tuple(int(p) for p in args.parts.split(","))
-        hosts_ok = all(h >= 2 for h in s.hosts)
+        hosts_ok = all(n >= 2 for n in s.hosts)
     except ValueError:
-        parser.error("--parts and --hosts take comma-separated integers")
-    if not set(s.parts) <= {1, 2, 3} or not hosts_ok or s.repeats < 1:
-        parser.error("need --parts among 1,2,3, --hosts of at least 2 and --repeats >= 1")
+        h.error("--parts and --hosts take comma-separated integers")
+    if not set(s.parts) <= {1, 2, 3} or not hosts_ok:
+        h.error("need --parts among 1,2,3 and --hosts of at least 2")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gradsync-cluster-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "workers.log"
-    say(f"benchmarks/cluster.py: worker output in {log}")
+    say(f"benchmarks.cluster: worker output in {log}")
     started = time.monotonic()
     raw: dict[str, Any] = {}
     with worker_output_to(log):
         sections, ok = run_parts(s, workdir, raw, log)
     elapsed = time.monotonic() - started
     (workdir / "summary.json").write_text(json.dumps(raw, indent=1, default=str))
-    # The command as given, less where its scratch files went.
-    argv, shown = sys.argv[1:], []
-    while argv:
-        a = argv.pop(0)
-        if a == "--workdir":
-            argv = argv[1:]
-        elif not a.startswith("--workdir="):
-            shown.append(a)
-    md = render(s, sections, elapsed, " ".join([COMMAND, *shown]))
-    say(md)
-    if args.write and ok:
-        write_section("cluster", md)
-    elif args.write:
-        say("a part failed: BENCHMARKS.md left as it was")
+    h.finish(render(s, sections, elapsed, h.command()), None if ok else "a part failed")
     return 0 if ok else 1
 
 

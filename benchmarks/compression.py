@@ -1,6 +1,6 @@
 """Gradient compressors under BSP, and gradsync PowerSGD against DDP's own PowerSGD hook.
 
-    python benchmarks/compression.py [--repeats 5] [--steps 20] [--write]
+    python -m benchmarks.compression [--repeats 5] [--steps 20] [--quick] [--write]
 
 2 gloo ranks on loopback, 1 thread per rank, workloads `charlm` (120k parameters) and `mlp`
 with 6M parameters (so that a gradient is 24 MB and the exchange is not negligible). Every
@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,14 +28,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gradsync as gs
+from benchmarks.harness import REVERSE, Harness, by_name, interleave, machine, table, time_block
+from gradsync.launch import launch
+from gradsync.workloads import make_workload
 
-import gradsync as gs  # noqa: E402
-from benchmarks.mdtable import machine, table, write_section  # noqa: E402
-from gradsync.launch import launch  # noqa: E402
-from gradsync.workloads import make_workload  # noqa: E402
-
-COMMAND = "python benchmarks/compression.py --write"
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk:0.01", "randomk:0.01", "sign", "powersgd:4")
 DDP_CONFIGS = ("ddp", "ddp+powersgd:4")
 WARMUP = 10  # both PowerSGDs run plain all-reduce for their first 10 steps: keep those untimed
@@ -91,28 +85,17 @@ class _Config:
         self.step = gs_step
 
 
-def _time_block(cfg: _Config, first: int, steps: int) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    for i in range(first, first + steps):
-        cfg.step(i)
-    dist.barrier()
-    return (time.perf_counter() - t0) / steps
-
-
 def _measure(workload: Any, per_rank: int, repeats: int, steps: int) -> dict[str, Any]:
     names = list(COMPRESSORS) + list(DDP_CONFIGS)
     configs = {n: _Config(n, workload, per_rank) for n in names}
     params = sum(p.numel() for p in workload.build_model().parameters())
-    times: dict[str, list[float]] = {n: [] for n in names}
     for cfg in configs.values():
-        _time_block(cfg, 0, WARMUP)
-    for r in range(repeats):
-        # Forward, then reversed: a drift in machine speed over the run (other load, thermal)
-        # then falls on every configuration alike instead of on the last ones of each round.
-        order = names if r % 2 == 0 else names[::-1]
-        for n in order:
-            times[n].append(_time_block(configs[n], WARMUP + r * steps, steps))
+        time_block(cfg.step, WARMUP)
+
+    def block(n: str, r: int) -> float:  # training goes on across blocks: step numbers too
+        return time_block(configs[n].step, steps, WARMUP + r * steps)
+
+    times = by_name(interleave(names, repeats, block, REVERSE))
     out: dict[str, Any] = {"params": params, "steps_total": WARMUP + repeats * steps}
     for n, cfg in configs.items():
         last = torch.tensor(statistics.fmean(cfg.losses[-LAST:]), dtype=torch.float64)
@@ -141,10 +124,12 @@ def _gap(loss: float, base: float) -> float:
     return loss / base - 1.0
 
 
-def render(res: dict[str, Any], args: argparse.Namespace, workloads: list[str]) -> str:
+def render(
+    res: dict[str, Any], args: argparse.Namespace, workloads: list[str], command: str
+) -> str:
     parts = [
         "## Gradient compression (issue 4)\n",
-        f"Command: `{COMMAND}` (repeats {args.repeats}, {args.steps} steps per block, seed "
+        f"Command: `{command}` (repeats {args.repeats}, {args.steps} steps per block, seed "
         f"{SEED}). Machine: {machine()}. 2 ranks, gloo on loopback, 1 thread per rank, bucket "
         f"25 MB, each workload's own optimizer and learning rate. Step time: median over "
         f"interleaved rounds, relative to uncompressed gradsync BSP in the same run. Final "
@@ -173,15 +158,10 @@ def render(res: dict[str, Any], args: argparse.Namespace, workloads: list[str]) 
         parts.append(
             f"### {name}: {m['params']:,} parameters, {m['steps_total']} steps\n\n"
             + table(
-                [
-                    "compressor",
-                    "MB/step sent",
-                    "ratio vs fp32",
-                    "ms/step",
-                    "step time / none",
-                    "final loss",
-                    "loss gap",
-                ],
+                (
+                    "compressor | MB/step sent | ratio vs fp32 | ms/step | step time / none | "
+                    "final loss | loss gap"
+                ),
                 rows,
             )
             + "\n"
@@ -204,7 +184,7 @@ def render(res: dict[str, Any], args: argparse.Namespace, workloads: list[str]) 
         parts.append(
             f"PowerSGD rank 4 side by side ({name}, same run, both start compressing at step "
             f"{WARMUP}, both with error feedback and warm start):\n\n"
-            + table(["configuration", "ms/step", "step time / DDP", "final loss"], side)
+            + table("configuration | ms/step | step time / DDP | final loss", side)
             + "\n"
         )
         parts.append(_findings(name, m) + "\n")
@@ -262,15 +242,11 @@ def _claim(m: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (not for tables)")
-    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-    args = parser.parse_args()
-    mlp_params = 6_000_000
-    if args.quick:
-        args.repeats, args.steps, mlp_params = 2, 3, 200_000
+    h = Harness("benchmarks.compression", __doc__, repeats=5)
+    h.parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    h.parser.set_defaults(mlp_params=6_000_000)
+    args = h.parse(repeats=2, steps=3, mlp_params=200_000)
+    mlp_params = args.mlp_params
     workloads = [
         ("charlm", "charlm", {}, 16),
         (f"mlp ({mlp_params / 1e6:g}M params)", "mlp", {"params": mlp_params}, 32),
@@ -280,10 +256,7 @@ def main() -> None:
         ({"repeats": args.repeats, "steps": args.steps, "workloads": workloads},),
         nproc=2,
     )
-    text = render(results[0], args, [w[0] for w in workloads])
-    print(text)
-    if args.write:
-        write_section("compression", text)
+    h.finish(render(results[0], args, [w[0] for w in workloads], h.command()))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The synchronization dial with a straggler: every strategy against BSP, 4 workers, charlm.
 
-    python benchmarks/dial.py [--repeats 3] [--steps 150] [--target 2.5]
-                              [--jitter-repeats 2] [--write]
+    python -m benchmarks.dial [--repeats 3] [--steps 150] [--target 2.5]
+                              [--jitter-repeats 2] [--quick] [--write]
 
 Each repeat runs `gradsync.compare.run_comparison` over bsp, ssp:2, async, local:8, diloco:16
 (ssp and async add one parameter-server process), same seed, rank 3 slowed 2x (`slow="3:2"`),
@@ -21,23 +21,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import re
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import REVERSE, Harness, machine, median, median_of_ratios, order, table
+from gradsync.compare import run_comparison
+from gradsync.config import RunConfig
+from gradsync.strategies import uses_servers
+from gradsync.telemetry.records import StepRecord, read_records
+from gradsync.workloads import make_workload
 
-from benchmarks.mdtable import machine, table, write_section  # noqa: E402
-from gradsync.compare import _dirname, run_comparison  # noqa: E402
-from gradsync.config import RunConfig  # noqa: E402
-from gradsync.strategies.base import uses_servers  # noqa: E402
-from gradsync.telemetry.records import StepRecord, read_records  # noqa: E402
-from gradsync.workloads import make_workload  # noqa: E402
-
-COMMAND = "python benchmarks/dial.py --write"
 STRATEGIES = ("bsp", "ssp:2", "async", "local:8", "diloco:16")
 SLOW = "3:2"
 NPROC = 4
@@ -51,6 +48,13 @@ JITTER_FACTOR = 3.0
 def jitter_slow(steps: int, nproc: int = NPROC, factor: float = JITTER_FACTOR) -> str:
     """A straggler that moves every step: rank s mod nproc is slowed ``factor``x at step s."""
     return ",".join(f"{s % nproc}:{factor:g}@{s}-{s + 1}" for s in range(steps))
+
+
+def run_dirname(spec: str) -> str:
+    """The directory ``run_comparison`` gives a strategy's run under its ``out``: the spec with
+    every run of other characters than letters and digits made one '-' (``ssp:2`` -> ``ssp-2``).
+    Kept in step with gradsync.compare by hand; a mismatch fails loudly (no metrics found)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
 
 
 def _slow_rank_and_factor(slow: str) -> tuple[int, float]:
@@ -102,13 +106,14 @@ def run_set(
     the while-all-train rate and the straggler's step time added."""
     results = []
     for r in range(repeats):
-        order = list(strategies) if r % 2 == 0 else list(reversed(strategies))
+        # One run_comparison runs the whole repeat, in this order.
+        now = order(strategies, r, REVERSE)
         rep_out = out / f"repeat{r}"
-        print(f"repeat {r + 1}/{repeats}: {', '.join(order)}", file=sys.stderr)
-        result = run_comparison(replace(base, out=str(rep_out)), order, target, show_progress=False)
+        print(f"repeat {r + 1}/{repeats}: {', '.join(now)}", file=sys.stderr)
+        result = run_comparison(replace(base, out=str(rep_out)), now, target, show_progress=False)
         rows = {row["strategy"]: row for row in result["rows"]}
         for spec, row in rows.items():
-            records = read_records(rep_out / _dirname(spec))
+            records = read_records(rep_out / run_dirname(spec))
             row["all_busy_samples_per_s"] = all_busy_rate(records)
             row["straggler_step_s"] = (
                 None if slow_rank is None else straggler_step_s(records, slow_rank)
@@ -146,23 +151,14 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, list[dict[str, dict[st
     return sets
 
 
-def _median(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "never" if value is None else format(value, spec)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 def _vs_bsp(repeats: list[dict[str, dict[str, Any]]], s: str, key: str) -> float | None:
     """Median over repeats of strategy s's figure over BSP's in the same repeat; a repeat where
     either is missing (target never reached) is left out."""
-    return _median([_ratio(rep[s][key], rep["bsp"][key]) for rep in repeats])
+    return median_of_ratios([rep[s][key] for rep in repeats], [rep["bsp"][key] for rep in repeats])
 
 
 def _summary(
@@ -172,17 +168,17 @@ def _summary(
     for s in strategies:
         rows = [rep[s] for rep in repeats]
         summary[s] = {
-            "sps": _median([r["samples_per_s"] for r in rows]),
+            "sps": median([r["samples_per_s"] for r in rows]),
             "sps_ratio": _vs_bsp(repeats, s, "samples_per_s"),
             "busy_ratio": _vs_bsp(repeats, s, "all_busy_samples_per_s"),
-            "steps_to": _median([r["steps_to_target"] for r in rows]),
-            "s_to": _median([r["seconds_to_target"] for r in rows]),
+            "steps_to": median([r["steps_to_target"] for r in rows]),
+            "s_to": median([r["seconds_to_target"] for r in rows]),
             "s_ratio": _vs_bsp(repeats, s, "seconds_to_target"),
             "reached": sum(r["steps_to_target"] is not None for r in rows),
-            "final": _median([r["final_loss"] for r in rows]),
-            "mb": _median([r["mb_sent"] for r in rows]),
-            "tax": _median([r["barrier_tax"] for r in rows]),
-            "straggler_ms": _median(
+            "final": median([r["final_loss"] for r in rows]),
+            "mb": median([r["mb_sent"] for r in rows]),
+            "tax": median([r["barrier_tax"] for r in rows]),
+            "straggler_ms": median(
                 [
                     None if r.get("straggler_step_s") is None else r["straggler_step_s"] * 1e3
                     for r in rows
@@ -201,42 +197,26 @@ def _optimizer_name(workload: str) -> str:
 def render(
     sets: dict[str, list[dict[str, dict[str, Any]]]],
     args: argparse.Namespace,
+    command: str,
     optimizer: str | None = None,
 ) -> str:
     strategies = list(args.strategies)
     repeats = sets["straggler"]
     n = len(repeats)
     summary = _summary(repeats, strategies)
+    head = (
+        "strategy | samples/s | samples/s / BSP | samples/s while all train / BSP | "
+        "straggler ms/step while all train | steps to target | s to target | s to target / BSP | "
+        "reached target | final loss | MB sent | barrier tax"
+    )
+    first = (("sps", ".0f"), ("sps_ratio", ".2f"), ("busy_ratio", ".2f"), ("straggler_ms", ".1f"))
+    first += (("steps_to", ".0f"), ("s_to", ".1f"), ("s_ratio", ".2f"))
+    last = (("final", ".4f"), ("mb", ".1f"), ("tax", ".1%"))
     body = table(
+        head,
         [
-            "strategy",
-            "samples/s",
-            "samples/s / BSP",
-            "samples/s while all train / BSP",
-            "straggler ms/step while all train",
-            "steps to target",
-            "s to target",
-            "s to target / BSP",
-            "reached target",
-            "final loss",
-            "MB sent",
-            "barrier tax",
-        ],
-        [
-            [
-                s,
-                _fmt(m["sps"], ".0f"),
-                _fmt(m["sps_ratio"], ".2f"),
-                _fmt(m["busy_ratio"], ".2f"),
-                _fmt(m["straggler_ms"], ".1f"),
-                _fmt(m["steps_to"], ".0f"),
-                _fmt(m["s_to"], ".1f"),
-                _fmt(m["s_ratio"], ".2f"),
-                f"{m['reached']}/{n}",
-                _fmt(m["final"], ".4f"),
-                _fmt(m["mb"], ".1f"),
-                _fmt(m["tax"], ".1%"),
-            ]
+            [s, *(_fmt(m[k], f) for k, f in first), f"{m['reached']}/{n}"]
+            + [_fmt(m[k], f) for k, f in last]
             for s, m in summary.items()
         ],
     )
@@ -245,7 +225,7 @@ def render(
     opt = optimizer if optimizer is not None else _optimizer_name(args.workload)
     head = (
         "## The synchronization dial with a straggler (issue 3)\n\n"
-        f"Command: `{COMMAND}` (repeats {args.repeats}, {args.steps} steps per worker, seed "
+        f"Command: `{command}` (repeats {args.repeats}, {args.steps} steps per worker, seed "
         f"{SEED}, target loss {args.target}). Machine: {machine()}. Workload {args.workload} "
         f"({opt}), {NPROC} workers (plus 1 parameter server for ssp/async), batch 16 per "
         "worker, 1 thread per process, gloo on loopback, rank 3 slowed 2x "
@@ -274,18 +254,10 @@ def render(
 def _render_jitter(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
     strategies = [s for s in JITTER_STRATEGIES if s in repeats[0]]
     m = _summary(repeats, strategies)
+    cells = (("sps", ".0f"), ("sps_ratio", ".2f"), ("final", ".4f"), ("tax", ".1%"))
     body = table(
-        ["strategy", "samples/s", "samples/s / BSP", "final loss", "barrier tax"],
-        [
-            [
-                s,
-                _fmt(m[s]["sps"], ".0f"),
-                _fmt(m[s]["sps_ratio"], ".2f"),
-                _fmt(m[s]["final"], ".4f"),
-                _fmt(m[s]["tax"], ".1%"),
-            ]
-            for s in strategies
-        ],
+        "strategy | samples/s | samples/s / BSP | final loss | barrier tax",
+        [[s, *(_fmt(m[s][k], f) for k, f in cells)] for s in strategies],
     )
     gains = [f"{s} {_fmt(m[s]['sps_ratio'], '.2f')}x" for s in strategies if s != "bsp"]
     # Ideal: BSP pays the slowed rank's step every step; with enough slack every worker pays
@@ -421,87 +393,84 @@ def _why_not_faster(
             "step and the straggler catches up afterwards."
         )
     if "async" in ps and m["async"]["s_ratio"] is not None and m["bsp"]["steps_to"]:
-        a, b = m["async"], m["bsp"]
-        staleness = (NPROC - 1) * factor
-        if a["steps_to"] is not None and a["steps_to"] <= 1.1 * b["steps_to"]:
-            text = (
-                f"Time to target under async: about as many steps as BSP ({a['steps_to']:.0f} "
-                f"against {b['steps_to']:.0f}), so its stale gradients cost little progress "
-                f"per step index here, but {a['s_ratio']:.2f}x BSP's time."
-            )
-        else:
-            text = (
-                f"Time to target under async: {_fmt(a['steps_to'], '.0f')} steps against "
-                f"BSP's {b['steps_to']:.0f}, and {a['s_ratio']:.2f}x BSP's time. Its gradients "
-                f"are stale: each of the straggler's is applied after about {staleness:.0f} "
-                "pushes of the fast workers have moved the parameters it was computed from, "
-                "and the fast workers' miss the straggler's latest, so each update is worth "
-                "less."
-            )
-        text += (
-            " A step's loss is the mean over the workers at that step index, stamped when the "
-            "slowest worker finished it, so the time to target is the straggler's time to "
-            "reach that step: the fast workers' extra steps help only through the parameters "
-            "the straggler pulls."
-        )
-        slower = (
-            a["straggler_ms"] is not None
-            and b["straggler_ms"] is not None
-            and a["straggler_ms"] > 1.05 * b["straggler_ms"]
-        )
-        if slower:
-            text += (
-                " And the straggler itself ran more slowly than under BSP (its steps took "
-                f"{a['straggler_ms']:.0f} ms against {b['straggler_ms']:.0f} ms while all "
-                "trained, push/pull included)"
-                + (
-                    f": it shares the {cores} cores with {NPROC - 1} fast workers and the "
-                    "server, which never wait for it, while under BSP the others block at the "
-                    "barrier and leave it the CPU."
-                    if cores < NPROC + 1
-                    else "."
-                )
-            )
-        if a["sps_ratio"]:
-            text += (
-                f" Over the whole run, async's wall time (the straggler's) was "
-                f"{1 / a['sps_ratio']:.2f}x BSP's."
-            )
-        out.append(text)
+        out.append(_async_to_target(m, factor, cores))
     return out
 
 
+def _async_to_target(m: dict[str, dict[str, Any]], factor: float, cores: int) -> str:
+    """Why async reaches the target loss when it does, against BSP."""
+    a, b = m["async"], m["bsp"]
+    staleness = (NPROC - 1) * factor
+    if a["steps_to"] is not None and a["steps_to"] <= 1.1 * b["steps_to"]:
+        text = (
+            f"Time to target under async: about as many steps as BSP ({a['steps_to']:.0f} "
+            f"against {b['steps_to']:.0f}), so its stale gradients cost little progress "
+            f"per step index here, but {a['s_ratio']:.2f}x BSP's time."
+        )
+    else:
+        text = (
+            f"Time to target under async: {_fmt(a['steps_to'], '.0f')} steps against "
+            f"BSP's {b['steps_to']:.0f}, and {a['s_ratio']:.2f}x BSP's time. Its gradients "
+            f"are stale: each of the straggler's is applied after about {staleness:.0f} "
+            "pushes of the fast workers have moved the parameters it was computed from, "
+            "and the fast workers' miss the straggler's latest, so each update is worth "
+            "less."
+        )
+    text += (
+        " A step's loss is the mean over the workers at that step index, stamped when the "
+        "slowest worker finished it, so the time to target is the straggler's time to "
+        "reach that step: the fast workers' extra steps help only through the parameters "
+        "the straggler pulls."
+    )
+    slower = (
+        a["straggler_ms"] is not None
+        and b["straggler_ms"] is not None
+        and a["straggler_ms"] > 1.05 * b["straggler_ms"]
+    )
+    if slower:
+        text += (
+            " And the straggler itself ran more slowly than under BSP (its steps took "
+            f"{a['straggler_ms']:.0f} ms against {b['straggler_ms']:.0f} ms while all "
+            "trained, push/pull included)"
+            + (
+                f": it shares the {cores} cores with {NPROC - 1} fast workers and the "
+                "server, which never wait for it, while under BSP the others block at the "
+                "barrier and leave it the CPU."
+                if cores < NPROC + 1
+                else "."
+            )
+        )
+    if a["sps_ratio"]:
+        text += (
+            f" Over the whole run, async's wall time (the straggler's) was "
+            f"{1 / a['sps_ratio']:.2f}x BSP's."
+        )
+    return text
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--target", type=float, default=2.5, help="target loss")
-    parser.add_argument("--workload", default="charlm", help="charlm (default) or mlp")
-    parser.add_argument(
+    h = Harness("benchmarks.dial", __doc__, repeats=3)
+    p = h.parser
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--target", type=float, default=2.5, help="target loss")
+    p.add_argument("--workload", default="charlm", help="charlm (default) or mlp")
+    p.add_argument(
         "--strategies", default=",".join(STRATEGIES), help="comma-separated; must include bsp"
     )
-    parser.add_argument(
+    p.add_argument(
         "--jitter-repeats",
         type=int,
         default=2,
         help="repeats of the moving-straggler set (bsp, ssp:2, async); 0 skips it",
     )
-    parser.add_argument("--jitter-steps", type=int, default=JITTER_STEPS)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (not for tables)")
-    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-    args = parser.parse_args()
+    p.add_argument("--jitter-steps", type=int, default=JITTER_STEPS)
+    args = h.parse(repeats=2, steps=20, jitter_repeats=1, jitter_steps=12)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if "bsp" not in args.strategies:
-        parser.error("--strategies must include bsp: every figure is a ratio against it")
-    if args.quick:
-        args.repeats, args.steps = 2, 20
-        args.jitter_repeats, args.jitter_steps = min(args.jitter_repeats, 1), 12
+        h.error("--strategies must include bsp: every figure is a ratio against it")
     with tempfile.TemporaryDirectory(prefix="gradsync-dial-") as tmp:
         sets = run(args, Path(tmp))
-    text = render(sets, args)
-    print(text)
-    if args.write:
-        write_section("dial", text)
+    h.finish(render(sets, args, h.command()))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The parameter server's transport: a push/pull round trip against an all-reduce of the same bytes.
 
-    python benchmarks/ps_transport.py [--repeats 7] [--write]
+    python -m benchmarks.ps_transport [--repeats 7] [--no-rpc] [--quick] [--write]
 
 gloo on loopback, 1 thread per process, float32 messages of 4 KiB to 16 MiB. Two layouts:
 
@@ -28,24 +28,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gradsync as gs
+from benchmarks.harness import Harness, by_name, interleave, machine, span, table, time_block
+from gradsync.launch import launch
 
-import gradsync as gs  # noqa: E402
-from benchmarks.mdtable import BENCHMARKS_MD, machine, table, write_section  # noqa: E402
-from gradsync.launch import launch  # noqa: E402
-
-COMMAND = "python benchmarks/ps_transport.py --write"
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # bytes
 BLOCK_BYTES = 16 << 20  # a block moves about this much per method, so small sizes repeat more
 MAX_ROUNDS = 100  # small messages are latency-bound: 100 round trips already time them well
 METHODS = ("push/pull", "all-reduce", "rpc")
 RPC_TIMEOUT_S = 60.0
+TIMES = "{:.2f}x"  # how a ratio to all-reduce prints
 
 
 def _size_label(nbytes: int) -> str:
@@ -136,13 +133,17 @@ def _start_rpc(store_file: str, rank: int, world: int) -> bool:
     return bool(flag.item())
 
 
-def _time_block(fn: Callable[[], None], rounds: int) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        fn()
-    dist.barrier()
-    return (time.perf_counter() - t0) / rounds
+def _time_rounds(fn: Callable[[], None], rounds: int) -> float:
+    return time_block(lambda _i: fn(), rounds)
+
+
+def _measure(
+    fns: dict[str, Callable[[], None]], rounds: int, repeats: int
+) -> dict[str, list[float]]:
+    """Seconds per round trip of every block, by method, in repeat order."""
+    for fn in fns.values():  # warm-up: connections, buffers
+        _time_rounds(fn, 2)
+    return by_name(interleave(list(fns), repeats, lambda name, _r: _time_rounds(fns[name], rounds)))
 
 
 def worker(args: dict[str, Any]) -> dict[str, Any] | None:
@@ -169,14 +170,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
         if use_rpc:
             fns["rpc"] = _rpc(numel, f"rank{server}", rank == server)
         rounds = max(3, min(MAX_ROUNDS, BLOCK_BYTES // nbytes))
-        for fn in fns.values():  # warm-up: connections, buffers
-            _time_block(fn, 2)
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        names = list(fns)
-        for r in range(args["repeats"]):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                times[name].append(_time_block(fns[name], rounds))
-        results[nbytes] = times
+        results[nbytes] = _measure(fns, rounds, args["repeats"])
     if use_rpc:
         import torch.distributed.rpc as rpc
 
@@ -209,11 +203,6 @@ def _ratios(res: dict[int, dict[str, float]], method: str, min_bytes: int = 0) -
     return [t[method] / t["all-reduce"] for n, t in res.items() if method in t and n >= min_bytes]
 
 
-def _span(values: list[float]) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}x to {hi:.2f}x"
-
-
 def findings(layouts: dict[str, dict[int, dict[str, float]]]) -> str:
     """Sentences generated from the measured medians."""
     out = []
@@ -222,17 +211,21 @@ def findings(layouts: dict[str, dict[int, dict[str, float]]]) -> str:
         pp = _ratios(res, "push/pull", big)
         small = _ratios(res, "push/pull")[0]
         text = (
-            f"{name}: a push/pull round trip takes {_span(pp)} the time of an all-reduce of the "
-            f"same bytes from 1 MiB up ({small:.2f}x at {_size_label(min(res))})"
+            f"{name}: a push/pull round trip takes {span(pp, TIMES)} the time of an all-reduce of "
+            f"the same bytes from 1 MiB up ({small:.2f}x at {_size_label(min(res))})"
         )
         rpc = _ratios(res, "rpc", big)
         if rpc:
-            text += f"; rpc takes {_span(rpc)} ({_ratios(res, 'rpc')[0]:.2f}x at the smallest)"
+            text += (
+                f"; rpc takes {span(rpc, TIMES)} ({_ratios(res, 'rpc')[0]:.2f}x at the smallest)"
+            )
         out.append(text + ".")
     return " ".join(out)
 
 
-def render(layouts: dict[str, dict[int, dict[str, float]]], args: argparse.Namespace) -> str:
+def render(
+    layouts: dict[str, dict[int, dict[str, float]]], args: argparse.Namespace, command: str
+) -> str:
     rpc_note = (
         ""
         if any("rpc" in t for res in layouts.values() for t in res.values())
@@ -241,7 +234,7 @@ def render(layouts: dict[str, dict[int, dict[str, float]]], args: argparse.Names
     tables = "\n\n".join(f"{name}:\n\n{_layout_table(res)}" for name, res in layouts.items())
     return (
         "## Parameter-server transport: push/pull against all-reduce (issue 3)\n\n"
-        f"Command: `{COMMAND}` (repeats {args.repeats}). Machine: {machine()}. gloo on "
+        f"Command: `{command}` (repeats {args.repeats}). Machine: {machine()}. gloo on "
         "loopback, 1 thread per process, float32 messages. `push/pull`: a worker `isend`s S "
         "bytes to the server and `irecv`s S bytes back (the parameter server's step); "
         "`all-reduce`: `dist.all_reduce` of S bytes among the workers (between both processes "
@@ -255,18 +248,11 @@ def render(layouts: dict[str, dict[int, dict[str, float]]], args: argparse.Names
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--no-rpc", dest="rpc", action="store_false", help="skip the rpc method")
-    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-    parser.add_argument(
-        "--md", type=Path, default=BENCHMARKS_MD, help="file --write updates (default %(default)s)"
-    )
-    parser.add_argument("--quick", action="store_true", help="smoke run (not for tables)")
-    args = parser.parse_args()
-    sizes = SIZES[::2] if args.quick else SIZES
-    if args.quick:
-        args.repeats = 2
+    h = Harness("benchmarks.ps_transport", __doc__, repeats=7)
+    h.parser.add_argument("--no-rpc", dest="rpc", action="store_false", help="skip rpc")
+    h.parser.set_defaults(sizes=SIZES)
+    args = h.parse(repeats=2, sizes=SIZES[::2])
+    sizes = args.sizes
     layouts = {}
     with tempfile.TemporaryDirectory(prefix="gradsync-ps-transport-") as tmp:
         for name, nproc in (("1 worker + 1 server", 2), ("2 workers + 1 server", 3)):
@@ -278,10 +264,7 @@ def main() -> None:
                 "store": os.path.join(tmp, f"rpc-{nproc}"),
             }
             layouts[name] = launch(worker, (opts,), nproc=nproc)[0]
-    text = render(layouts, args)
-    print(text)
-    if args.write:
-        write_section("ps_transport", text, path=args.md)
+    h.finish(render(layouts, args, h.command()))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Reliability under repeated worker loss: writes RELIABILITY.md.
 
-    python benchmarks/reliability.py [--steps 500 --kills 20 --every 25 --seed 7]
-                                     [--strategies bsp,async]
+    python -m benchmarks.reliability [--steps 500 --kills 20 --every 25 --seed 7]
+                                     [--strategies bsp,async] [--quick] [--write]
 
 For each strategy (BSP, and `async` with a parameter server), runs the same job twice through
 `gradsync run`: once uninterrupted, once with KILLS SIGKILLs of random worker ranks at random
@@ -26,11 +26,9 @@ from tempfile import TemporaryDirectory
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import ROOT, Harness, machine, table
 
-from benchmarks.mdtable import machine, table  # noqa: E402
-
-RELIABILITY_MD = Path(__file__).resolve().parent.parent / "RELIABILITY.md"
+RELIABILITY_MD = ROOT / "RELIABILITY.md"
 
 
 def run(out: Path, args: argparse.Namespace, strategy: str, *extra: str) -> tuple[int, float]:
@@ -134,24 +132,26 @@ TITLES = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    # The whole file is this benchmark's (no section), and nothing in it is repeated.
+    h = Harness("benchmarks.reliability", __doc__, repeats=None, section=None, md=RELIABILITY_MD)
+    p = h.parser
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--every", type=int, default=25, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--strategies", default="bsp,async", help="comma-separated: bsp, async")
-    p.add_argument("--write", action="store_true")
-    args = p.parse_args()
+    args = h.parse(steps=60, kills=2, every=10)
     strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]
     if not strategies or not set(strategies) <= set(TITLES):
-        p.error(f"--strategies takes {', '.join(TITLES)}; got {args.strategies!r}")
+        h.error(f"--strategies takes {', '.join(TITLES)}; got {args.strategies!r}")
     sections, spec = [], ""
     for strategy in strategies:
         spec, rows = measure(strategy, args)
-        sections.append(f"## {TITLES[strategy]}\n\n" + table(["measure", "value"], rows))
-    cmd = (
-        f"python benchmarks/reliability.py --steps {args.steps} --kills {args.kills} "
-        f"--every {args.every} --seed {args.seed} --strategies {','.join(strategies)} --write"
+        sections.append(f"## {TITLES[strategy]}\n\n" + table("measure | value", rows))
+    # Every setting spelled out, so the command reproduces the file whatever the defaults are.
+    cmd = h.command(
+        f"--steps {args.steps} --kills {args.kills} --every {args.every} --seed {args.seed} "
+        f"--strategies {','.join(strategies)} --write".split()
     )
     text = (
         "# Reliability\n\n"
@@ -166,9 +166,7 @@ def main() -> None:
         "worker processes (Python and torch imports, rendezvous, gloo connection set-up) on this "
         "machine, not by loading the checkpoint.\n"
     )  # fmt: skip
-    print(text)
-    if args.write:
-        RELIABILITY_MD.write_text(text)
+    h.finish(text)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ Straggler runs are also asked "what if the straggler were removed", against the 
 without one. Prints markdown tables (per run, then medians) and a paragraph, generated from
 the same figures, on where and why the prediction misses.
 
-    .venv/bin/python benchmarks/sim_calibration.py [--repeats 3] [--steps 80] [--workdir DIR]
+    .venv/bin/python -m benchmarks.sim_calibration [--repeats 3] [--steps 80] [--workdir DIR]
+                                                   [--quick] [--write]
 
 ``--reuse`` with ``--workdir`` of an earlier run re-predicts the calibration and runs already
 there (measuring only what is missing): a way to re-read old measurements with a new model.
@@ -34,8 +35,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.harness import Harness, machine, span
 from gradsync.sim.bench import BenchConfig, format_table, run_bench
 from gradsync.sim.calibrate import (
+    RunProfile,
     WhatIf,
     load_calibration_table,
     load_profile,
@@ -65,7 +68,7 @@ def err(p: float, m: float) -> str:
     return f"{p / m - 1:+.1%}" if m > 0 else "n/a"
 
 
-def calibrate(cal: Path, reuse: bool) -> Fit:
+def calibrate(cal: Path, reuse: bool, repeats: int) -> Fit:
     """Measure the 4-rank all-reduce into ``cal``, or read the fit back from it."""
     if reuse and cal.exists():
         doc = json.loads(cal.read_text(encoding="utf-8"))
@@ -77,7 +80,7 @@ def calibrate(cal: Path, reuse: bool) -> Fit:
             n=int(doc.get("nproc", 4)),
             max_rel_error=float(doc.get("max_rel_error", 0.0)),
         )
-    rows, fit = run_bench(BenchConfig(nproc=4, sizes=SIZES, repeats=40))
+    rows, fit = run_bench(BenchConfig(nproc=4, sizes=SIZES, repeats=repeats))
     measurements = [
         {"bytes": r.nbytes, "time_s": r.time_s, "samples_s": list(r.samples_s)} for r in rows
     ]
@@ -90,18 +93,15 @@ def _pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
-def _span(values: list[float], fmt: str = "{:+.1%}") -> str:
-    lo, hi = min(values), max(values)
-    return (
-        fmt.format(lo)
-        if fmt.format(lo) == fmt.format(hi)
-        else f"{fmt.format(lo)} to {fmt.format(hi)}"
-    )
+# One measured run: (name, kind, [measured, pred, ranks, no ovh, line, tax, pred tax]) in ms and
+# shares of worker-time.
+Run = tuple[str, str, list[float]]
+Groups = dict[tuple[str, str], list[list[float]]]
 
 
 def where_it_misses(
-    per_run: list[tuple[str, str, list[float]]],
-    groups: dict[tuple[str, str], list[list[float]]],
+    per_run: list[Run],
+    groups: Groups,
     removed: dict[str, list[float]],
     ranks: dict[str, list[float]],
     goal: float = 0.15,
@@ -122,7 +122,7 @@ def where_it_misses(
     met = all(abs(e) <= goal for e in med_err.values())
     out.append(
         f"**Where and why it misses** (generated from the figures above). Step time: the "
-        f"medians miss by {_span(list(med_err.values()))}, the worst single run by "
+        f"medians miss by {span(list(med_err.values()))}, the worst single run by "
         f"{_pct(worst)} ({worst_name}); the goal of {goal:.0%} is "
         f"{'met' if met else 'missed'}"
         + (
@@ -135,7 +135,7 @@ def where_it_misses(
     no_ovh = [v[3] / v[0] - 1 for _, _, v in per_run if v[0] > 0]
     out.append(
         f"Compute plus the calibrated all-reduce alone (no host overhead) misses by "
-        f"{_span(no_ovh)}: the rest of the step is the host's overhead around the "
+        f"{span(no_ovh)}: the rest of the step is the host's overhead around the "
         "all-reduce (write-back, optimizer, ranks entering the step at different times, "
         "waiting to be scheduled on "
         "4 processes sharing the cores). It comes from the run's telemetry, not from a link "
@@ -144,79 +144,83 @@ def where_it_misses(
     )
     gap = [(v[6] - v[5]) * 100 for _, _, v in per_run]
     out.append(
-        f"Barrier tax: predicted minus measured is {_span(gap, '{:+.1f}')} points per run. "
+        f"Barrier tax: predicted minus measured is {span(gap, '{:+.1f}')} points per run. "
         "The prediction divides idle by worker-time counted as the telemetry counts it (each "
         "rank's own compute + sync), not by the slowest rank's step times the ranks."
     )
     for wl, preds in removed.items():
         base = groups.get((wl, "no straggler"))
         slow = groups.get((wl, "straggler 3:2"))
-        if not base or not slow or not preds:
-            continue
-        m_base = statistics.median(r[0] for r in base)
-        m_slow = statistics.median(r[0] for r in slow)
-        p_removed = statistics.median(preds)
-        names = {
-            kind: [n for n, k, _ in per_run if n.startswith(f"{wl}-") and k == kind]
-            for kind in ("no straggler", "straggler 3:2")
-        }
-        others_base = statistics.median(ranks[n][0] for n in names["no straggler"])
-        others_slow = statistics.median(ranks[n][0] for n in names["straggler 3:2"])
-        straggler = statistics.median(ranks[n][1] for n in names["straggler 3:2"])
-        slowest_other = statistics.median(ranks[n][2] for n in names["straggler 3:2"])
-        text = (
-            f"What-if straggler removed, {wl}: {_pct(p_removed / m_base - 1)} against the "
-            f"measured runs without one. The injected straggler changed the measured step by "
-            f"{_pct(m_slow / m_base - 1)} only: rank {SLOW_RANK} computed a median "
-            f"{straggler:.2f} ms against {others_slow:.2f} ms for each other rank, but the "
-            f"slowest of the others already took {slowest_other:.2f} ms at the median step, and "
-            "the barrier pays for the slowest rank only."
-        )
-        change = others_slow / others_base - 1
-        if abs(change) >= 0.03:
-            text += (
-                f" The other ranks computed {abs(change):.0%} "
-                f"{'faster' if change < 0 else 'slower'} in the straggler runs ({others_slow:.2f} "
-                f"ms against {others_base:.2f} ms without one)"
-                + (
-                    ": the straggler sleeps, which frees a core for them, and the what-if keeps "
-                    "their faster compute, so it predicts a step shorter than the measured "
-                    "runs without a straggler."
-                    if change < 0
-                    else ", and the what-if keeps their slower compute."
-                )
-            )
-        out.append(text)
+        if base and slow and preds:
+            out.append(_straggler_removed(wl, preds, base, slow, per_run, ranks))
     return "\n\n".join(out)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each kind (A B A B ...)")
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument(
-        "--reuse",
-        action="store_true",
-        help="re-predict the calibration and runs already in --workdir; measure only what is "
-        "missing",
+def _straggler_removed(
+    wl: str,
+    preds: list[float],
+    base: list[list[float]],
+    slow: list[list[float]],
+    per_run: list[Run],
+    ranks: dict[str, list[float]],
+) -> str:
+    """What-if 'straggler removed' on workload ``wl`` against its runs without one, and why."""
+    m_base = statistics.median(r[0] for r in base)
+    m_slow = statistics.median(r[0] for r in slow)
+    p_removed = statistics.median(preds)
+    names = {
+        kind: [n for n, k, _ in per_run if n.startswith(f"{wl}-") and k == kind]
+        for kind in ("no straggler", "straggler 3:2")
+    }
+    others_base = statistics.median(ranks[n][0] for n in names["no straggler"])
+    others_slow = statistics.median(ranks[n][0] for n in names["straggler 3:2"])
+    straggler = statistics.median(ranks[n][1] for n in names["straggler 3:2"])
+    slowest_other = statistics.median(ranks[n][2] for n in names["straggler 3:2"])
+    text = (
+        f"What-if straggler removed, {wl}: {_pct(p_removed / m_base - 1)} against the "
+        f"measured runs without one. The injected straggler changed the measured step by "
+        f"{_pct(m_slow / m_base - 1)} only: rank {SLOW_RANK} computed a median "
+        f"{straggler:.2f} ms against {others_slow:.2f} ms for each other rank, but the "
+        f"slowest of the others already took {slowest_other:.2f} ms at the median step, and "
+        "the barrier pays for the slowest rank only."
     )
-    args = ap.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="gradsync-simcal-"))
-    work.mkdir(parents=True, exist_ok=True)
+    change = others_slow / others_base - 1
+    if abs(change) >= 0.03:
+        text += (
+            f" The other ranks computed {abs(change):.0%} "
+            f"{'faster' if change < 0 else 'slower'} in the straggler runs ({others_slow:.2f} "
+            f"ms against {others_base:.2f} ms without one)"
+            + (
+                ": the straggler sleeps, which frees a core for them, and the what-if keeps "
+                "their faster compute, so it predicts a step shorter than the measured "
+                "runs without a straggler."
+                if change < 0
+                else ", and the what-if keeps their slower compute."
+            )
+        )
+    return text
 
-    cal = work / "cal.json"
-    fit = calibrate(cal, args.reuse)
-    link, table = fit.model(), load_calibration_table(cal)
-    print(
-        f"calibration: alpha {fit.alpha * 1e6:.0f} us, beta {fit.beta * 1e9:.3f} ns/B, "
-        f"worst fit error {fit.max_rel_error:.0%} ({cal})",
-        file=sys.stderr,
-    )
 
-    cols = ["measured", "pred", "ranks", "no ovh", "line", "tax", "pred tax"]
-    per_run: list[tuple[str, str, list[float]]] = []
-    groups: dict[tuple[str, str], list[list[float]]] = defaultdict(list)
+def _rank_compute(prof: RunProfile) -> list[float]:
+    """[median compute of the other ranks, of rank SLOW_RANK, of the slowest other rank at
+    each step] (ms)."""
+    others = [c for r, c in prof.compute_ms.items() if r != SLOW_RANK]
+    rest = [r for r in range(prof.compute_steps.shape[1]) if r != SLOW_RANK]
+    return [
+        float(statistics.median(x for c in others for x in c)),
+        float(statistics.median(prof.compute_ms[SLOW_RANK])),
+        float(statistics.median(prof.compute_steps[:, rest].max(axis=1))),
+    ]
+
+
+def measure(
+    args: argparse.Namespace, work: Path, fit: Fit, cal: Path
+) -> tuple[list[Run], Groups, dict[str, list[float]], dict[str, list[float]]]:
+    """The real runs, A B A B, each predicted from its own telemetry (see where_it_misses
+    for what the returned figures hold)."""
+    link, cal_table = fit.model(), load_calibration_table(cal)
+    per_run: list[Run] = []
+    groups: Groups = defaultdict(list)
     removed: dict[str, list[float]] = defaultdict(list)
     ranks: dict[str, list[float]] = {}
     for i in range(args.repeats):
@@ -227,19 +231,13 @@ def main() -> int:
                 if not (args.reuse and (run / "metrics.jsonl").exists()):
                     real_run(run, args.steps, slow, flags)
                 prof = load_profile(run)
-                others = [c for r, c in prof.compute_ms.items() if r != SLOW_RANK]
-                rest = [r for r in range(prof.compute_steps.shape[1]) if r != SLOW_RANK]
-                ranks[name] = [
-                    float(statistics.median(x for c in others for x in c)),
-                    float(statistics.median(prof.compute_ms[SLOW_RANK])),
-                    float(statistics.median(prof.compute_steps[:, rest].max(axis=1))),
-                ]
-                pred = predict(prof, link, table=table)
+                ranks[name] = _rank_compute(prof)
+                pred = predict(prof, link, table=cal_table)
                 vals = [
                     prof.measured_step_ms,
                     pred.step_ms,
-                    predict(prof, link, table=table, resample="ranks").step_ms,
-                    predict(prof, link, table=table, host_overhead=False).step_ms,
+                    predict(prof, link, table=cal_table, resample="ranks").step_ms,
+                    predict(prof, link, table=cal_table, host_overhead=False).step_ms,
                     predict(prof, link).step_ms,
                     prof.measured_barrier_tax,
                     pred.barrier_tax,
@@ -248,32 +246,39 @@ def main() -> int:
                 groups[(wl, kind)].append(vals)
                 if slow:
                     wi = WhatIf(remove_straggler=True)
-                    removed[wl].append(predict(prof, link, wi, table=table).step_ms)
+                    removed[wl].append(predict(prof, link, wi, table=cal_table).step_ms)
                 print(f"{name}: measured {vals[0]:.2f} predicted {vals[1]:.2f}", file=sys.stderr)
+    return per_run, groups, removed, ranks
 
-    print(
-        "| run | kind | measured step (ms) | predicted (ms) | error | ranks indep. | no host "
-        "overhead | alpha-beta line | measured tax | predicted tax |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+HEADER = (
+    "| {} | kind | measured step (ms) | predicted (ms) | error | ranks indep. | no host "
+    "overhead | alpha-beta line | measured tax | predicted tax |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def render(
+    per_run: list[Run],
+    groups: Groups,
+    removed: dict[str, list[float]],
+    ranks: dict[str, list[float]],
+    repeats: int,
+) -> str:
+    """The per-run table, the table of medians, and the paragraph on where it misses."""
+    out = [HEADER.format("run")]
     for name, kind, v in per_run:
         m = v[0]
-        print(
+        out.append(
             f"| {name} | {kind} | {m:.2f} | {v[1]:.2f} | {err(v[1], m)} | {err(v[2], m)} | "
             f"{err(v[3], m)} | {err(v[4], m)} | {v[5]:.1%} | {v[6]:.1%} |"
         )
-    print()
-    print(f"Medians over {args.repeats} runs of each kind (errors of the medians):")
-    print()
-    print(
-        "| workload | kind | measured step (ms) | predicted (ms) | error | ranks indep. | "
-        "no host overhead | alpha-beta line | measured tax | predicted tax |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out += ["", f"Medians over {repeats} runs of each kind (errors of the medians):", ""]
+    out.append(HEADER.format("workload"))
     for (wl, kind), runs in groups.items():
-        med = [statistics.median(r[j] for r in runs) for j in range(len(cols))]
+        med = [statistics.median(r[j] for r in runs) for j in range(7)]
         m = med[0]
-        print(
+        out.append(
             f"| {wl} | {kind} | {m:.2f} | {med[1]:.2f} | {err(med[1], m)} | "
             f"{err(med[2], m)} | {err(med[3], m)} | {err(med[4], m)} | {med[5]:.1%} | "
             f"{med[6]:.1%} |"
@@ -281,40 +286,43 @@ def main() -> int:
     for wl in WORKLOADS:
         m = statistics.median(r[0] for r in groups[(wl, "no straggler")])
         p = statistics.median(removed[wl])
-        print(
+        out.append(
             f"| {wl} | straggler runs, what-if straggler removed, vs measured no-straggler | "
             f"{m:.2f} | {p:.2f} | {err(p, m)} | | | | | |"
         )
-    print()
-    print(where_it_misses(per_run, groups, removed, ranks))
+    out += ["", where_it_misses(per_run, groups, removed, ranks)]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    h = Harness("benchmarks.sim_calibration", __doc__, repeats=3)
+    h.parser.add_argument("--steps", type=int, default=80)
+    h.parser.add_argument("--workdir", default=None)
+    h.parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="re-predict the calibration and runs already in --workdir; measure only what is "
+        "missing",
+    )
+    h.parser.set_defaults(cal_repeats=40)  # all-reduce repeats per size in the calibration
+    args = h.parse(repeats=1, steps=20, cal_repeats=5)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="gradsync-simcal-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cal = work / "cal.json"
+    fit = calibrate(cal, args.reuse, args.cal_repeats)
+    print(
+        f"calibration: alpha {fit.alpha * 1e6:.0f} us, beta {fit.beta * 1e9:.3f} ns/B, "
+        f"worst fit error {fit.max_rel_error:.0%} ({cal})",
+        file=sys.stderr,
+    )
+    head = (
+        "## Calibrated prediction against measured runs (simulator)\n\n"
+        f"Command: `{h.command()}`. "
+        f"Machine: {machine()}. Method and reading: docs/simulator.md.\n\n"
+    )
+    h.finish(head + render(*measure(args, work, fit, cal), args.repeats))
     return 0
 
 
-def write_benchmarks() -> int:
-    """Run main() and, with --write, put its markdown into BENCHMARKS.md's section."""
-    import contextlib
-    import io
-
-    write = "--write" in sys.argv
-    if write:
-        sys.argv.remove("--write")
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = main()
-    text = buf.getvalue()
-    print(text)
-    if write and rc == 0:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from benchmarks.mdtable import machine, write_section
-
-        head = (
-            "## Calibrated prediction against measured runs (simulator)\n\n"
-            f"Command: `python benchmarks/sim_calibration.py {' '.join(sys.argv[1:])} --write`. "
-            f"Machine: {machine()}. Method and reading: docs/simulator.md.\n\n"
-        )
-        write_section("sim_calibration", head + text)
-    return rc
-
-
 if __name__ == "__main__":
-    sys.exit(write_benchmarks())
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""What every benchmark shares: its command line (``Harness``: ``--write``, ``--md``, ``--quick``,
+``--repeats``, the quoted command, the write-out), the interleaved run order (``interleave``,
+``order``), the statistics of per-repeat ratios (``median_of_ratios``, ``median_iqr``), the
+machine line and markdown tables. Benchmarks run as modules from the repository root:
+``python -m benchmarks.NAME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+
+K = TypeVar("K")
+R = TypeVar("R")
+
+# The orders a repeat runs its configurations in. Either way no configuration always runs
+# first, or always right after the same other one (a fixed order showed the first one up to
+# 10% slower), and a drift of the machine's speed over the run falls on all of them alike.
+ROTATE = "rotate"  # A B C, B C A, C A B, ...
+REVERSE = "reverse"  # A B C, C B A, A B C, ...
+
+# Options that say where output or scratch files go: not part of the quoted command.
+_NOT_QUOTED = ("--workdir", "--md")
+
+
+# The command line -------------------------------------------------------------------------------
+
+
+class Harness:
+    """One benchmark's options, quoted command and write-out. ``section`` names the marked
+    section of ``md`` that ``--write`` replaces (default: the module's name; None: the whole
+    file); ``repeats`` is the default of ``--repeats`` (None: no such flag); ``python`` starts
+    the quoted command (the cluster benchmark runs as root, outside the virtual environment).
+    """
+
+    def __init__(
+        self,
+        module: str,
+        doc: str | None,
+        *,
+        repeats: int | None,
+        section: str | None = "",
+        md: Path = BENCHMARKS_MD,
+        python: str = "python",
+    ) -> None:
+        self.module = module
+        self.section = module.rpartition(".")[2] if section == "" else section
+        self.python = python
+        self.parser = argparse.ArgumentParser(
+            prog=f"python -m {module}",
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        self.where = f"section '{self.section}' of " if self.section else ""
+        p = self.parser
+        p.add_argument("--write", action="store_true", help=f"update {self.where}the --md file")
+        p.add_argument("--md", type=Path, default=md, help="file --write updates (%(default)s)")
+        p.add_argument(
+            "--quick", action="store_true", help="smoke run: small and short, not for tables"
+        )
+        if repeats is not None:
+            p.add_argument("--repeats", type=int, default=repeats, help="default %(default)s")
+        self.args = argparse.Namespace()
+        self.argv: list[str] = []
+
+    def parse(self, argv: Sequence[str] | None = None, **quick: Any) -> argparse.Namespace:
+        """Parse the command line; with ``--quick``, ``quick`` replaces the defaults (flags
+        given explicitly still win, and names that are no flag become attributes too)."""
+        self.argv = list(sys.argv[1:] if argv is None else argv)
+        if quick and self.parser.parse_known_args(self.argv)[0].quick:
+            self.parser.set_defaults(**quick)
+        self.args = self.parser.parse_args(self.argv)
+        if getattr(self.args, "repeats", 1) < 1:
+            self.parser.error("--repeats must be at least 1")
+        return self.args
+
+    def error(self, message: str) -> NoReturn:
+        self.parser.error(message)
+
+    def command(self, argv: Sequence[str] | None = None) -> str:
+        """The command that reproduces this run, as the markdown quotes it: the arguments
+        given (or ``argv``), less where output and scratch files went."""
+        rest, shown = list(self.argv if argv is None else argv), []
+        while rest:
+            arg = rest.pop(0)
+            if arg in _NOT_QUOTED:
+                rest = rest[1:]
+            elif not arg.startswith(tuple(f"{o}=" for o in _NOT_QUOTED)):
+                shown.append(arg)
+        return " ".join([self.python, "-m", self.module, *shown])
+
+    def finish(self, text: str, skip: str | None = None) -> None:
+        """Print the markdown; with ``--write``, put it into the file, unless ``skip`` says why
+        not (a part failed, a partial run)."""
+        print(text, flush=True)
+        if not self.args.write:
+            return
+        md: Path = self.args.md
+        if skip:
+            print(f"{self.where}{md.name} left as it was: {skip}", file=sys.stderr)
+        elif self.section is None:
+            md.write_text(text)
+        else:
+            write_section(self.section, text, md)
+
+
+# Markdown ---------------------------------------------------------------------------------------
+
+
+def machine() -> str:
+    return (
+        f"{os.cpu_count()} cores ({platform.machine()}), Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )
+
+
+def table(header: str | list[str], rows: list[list[str]]) -> str:
+    """A markdown table; ``header`` may be written as it prints, ``"a | b | c"``."""
+    if isinstance(header, str):
+        header = header.split(" | ")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_section(name: str, body: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replace the text between ``<!-- name:start -->`` and ``<!-- name:end -->`` in ``path``
+    (appended if absent), so each benchmark rewrites only its own part of the file."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = (
+        pattern.sub(lambda _: block, text) if pattern.search(text) else text + "\n" + block + "\n"
+    )
+    path.write_text(text)
+
+
+# Run order --------------------------------------------------------------------------------------
+
+
+def order(names: Sequence[K], repeat: int, style: str = ROTATE) -> list[K]:
+    """The order of ``names`` in repeat ``repeat`` (from 0): ROTATE or REVERSE."""
+    names = list(names)
+    if style == ROTATE:
+        k = repeat % len(names) if names else 0
+        return names[k:] + names[:k]
+    if style == REVERSE:
+        return names if repeat % 2 == 0 else names[::-1]
+    raise ValueError(f"unknown order {style!r}")
+
+
+def interleave(
+    names: Sequence[K],
+    repeats: int,
+    run: Callable[[K, int], R],
+    style: str = ROTATE,
+    progress: str | None = None,
+) -> list[dict[K, R]]:
+    """``run(name, repeat)`` for every name in every repeat, in ``order``: per repeat, the
+    results by name. Ratios are then taken within a repeat, where the configurations ran
+    minutes apart at most, so slow drifts of the machine cancel. With ``progress``, a line
+    per repeat goes to stderr."""
+    results = []
+    for r in range(repeats):
+        now = order(names, r, style)
+        if progress is not None:
+            line = f"{progress}repeat {r + 1}/{repeats}: {', '.join(map(str, now))}"
+            print(line, file=sys.stderr, flush=True)
+        got = {n: run(n, r) for n in now}
+        results.append({n: got[n] for n in names})
+    return results
+
+
+def by_name(repeats: list[dict[K, R]]) -> dict[K, list[R]]:
+    """Per-repeat results regrouped: each name's results, in repeat order."""
+    return {n: [rep[n] for rep in repeats] for n in (repeats[0] if repeats else {})}
+
+
+def time_block(step: Callable[[int], Any], steps: int, first: int = 0) -> float:
+    """Mean seconds of ``step(i)`` for i in [first, first + steps), on every rank, between two
+    barriers so that every rank's block covers the same steps."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(first, first + steps):
+        step(i)
+    dist.barrier()
+    return (time.perf_counter() - t0) / steps
+
+
+# Statistics -------------------------------------------------------------------------------------
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """Median of the known values; None if there are none (a target never reached)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def median_of_ratios(num: Iterable[float | None], den: Iterable[float | None]) -> float | None:
+    """Median over repeats of the per-repeat ratio; a repeat where either figure is missing
+    (or the denominator is 0) is left out, and None if none is left."""
+    return median(None if a is None or not b else a / b for a, b in zip(num, den, strict=True))
+
+
+def median_iqr(values: Sequence[float]) -> tuple[float, float, float]:
+    """Median and interquartile range (the middle half of the values): (median, q1, q3)."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return med, q1, q3
+
+
+def fmt_iqr(values: Sequence[float], spec: str = ".3f", unit: str = "", sep: str = "-") -> str:
+    """``median (q1-q3)``: the figure and how far to trust it."""
+    med, q1, q3 = median_iqr(values)
+    return f"{med:{spec}}{unit} ({q1:{spec}}{sep}{q3:{spec}})"
+
+
+def span(values: Sequence[float], fmt: str = "{:+.1%}") -> str:
+    """``lo to hi``, or one figure where both print the same."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo} to {hi}"
