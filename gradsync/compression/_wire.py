@@ -1,26 +1,34 @@
 """Helpers shared by the compressors: byte packing, per-step seeds, and the all-gather exchange.
 
 Compressors whose payloads cannot be summed on the wire (int8 with per-rank scales, sign bits,
-top-k values with their indices) all-gather one byte payload per rank and decode every rank's
-payload in rank order. Decoding in the same order on every rank is what makes the mean bitwise
-identical across ranks, whatever the reduction order of the transport.
+top-k values with their indices) all-gather one byte payload per rank, packed from their
+codec's pieces, and decode every rank's payload in rank order with the same codec. Decoding
+in the same order on every rank is what makes the mean bitwise identical across ranks,
+whatever the reduction order of the transport.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from gradsync.compression.base import BucketLike
+from gradsync.compression.base import BucketLike, Codec
 
 _MASK64 = (1 << 64) - 1
 
-#: ``decode(payload, out)`` adds one rank's decoded contribution into ``out`` (flat, accumulator
-#: dtype). Adding rather than returning lets the all-gather path avoid one dense tensor per rank.
-Decode = Callable[[torch.Tensor, torch.Tensor], None]
+
+class GatherCodec(Codec, Protocol):
+    """A codec that can also add its decoded tensor into an accumulator.
+
+    ``accumulate(parts, out, step)`` adds one rank's decoded contribution into ``out`` (flat,
+    accumulator dtype). Adding rather than returning lets the all-gather path avoid one dense
+    tensor per rank (top-k scatters k values instead of building n).
+    """
+
+    def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None: ...
 
 
 def world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -85,16 +93,22 @@ def record_sent(state: Any, index: int, contribution: torch.Tensor) -> None:
 
 
 def all_gather_mean(
-    state: Any, bucket: BucketLike, payload: torch.Tensor, decode: Decode
+    state: Any, bucket: BucketLike, codec: GatherCodec, step: int
 ) -> torch.futures.Future[torch.Tensor]:
-    """All-gather ``payload`` (async), decode every rank's in rank order, return the mean.
+    """Encode the bucket with ``codec``, all-gather the packed payload (async), decode every
+    rank's in rank order, return the mean.
 
     One collective; the decode runs in the future's callback, so buckets still overlap.
     """
     buf = bucket.buffer()
     world, _ = world_and_rank(state.group)
     acc = accumulator_dtype(buf.dtype)
+    payload = pack(codec.encode(buf.reshape(-1), step))
     state.bytes_sent += payload.numel() * payload.element_size()
+
+    def decode(part: torch.Tensor, out: torch.Tensor) -> None:
+        codec.accumulate(unpack(part, codec.layout), out, step)
+
     if getattr(state, "sent", None) is not None:
         mine = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
         decode(payload, mine)

@@ -1,4 +1,9 @@
-"""The uncompressed exchange: a plain asynchronous all-reduce of the bucket, then divide."""
+"""The uncompressed exchange: a plain asynchronous all-reduce of the bucket, then divide.
+
+Its codec, for parameter-server pushes, is fp.py's :class:`~gradsync.compression.fp.CastCodec`
+with the gradient's own dtype on the wire: the values, exactly. The hook has nothing to encode
+(it reduces the buffer in place), so it does not call the codec.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.compression._wire import accumulator_dtype
 from gradsync.compression.base import BucketLike, Compressor
+from gradsync.compression.fp import CastCodec
 
 
 @dataclass(slots=True)
@@ -36,8 +43,20 @@ def allreduce_hook(state: AllReduceState, bucket: BucketLike) -> torch.futures.F
     return work.get_future().then(mean)
 
 
+def plain_codec(numel: int, dtype: torch.dtype, shapes: list[list[int]], stream: int) -> CastCodec:
+    """``Compressor.codec`` for ``none``: every value in its own dtype."""
+    del shapes, stream
+    return CastCodec(numel, dtype, accumulator_dtype(dtype))
+
+
 def _make_state(group: dist.ProcessGroup | None) -> AllReduceState:
     return AllReduceState(group=group)
 
 
-ALLREDUCE = Compressor(spec="none", make_state=_make_state, hook=allreduce_hook, nominal_ratio=1.0)
+ALLREDUCE = Compressor(
+    spec="none",
+    make_state=_make_state,
+    hook=allreduce_hook,
+    nominal_ratio=1.0,
+    codec=plain_codec,
+)

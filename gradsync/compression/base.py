@@ -12,6 +12,13 @@ over the ranks of ``state.group`` of ``bucket.buffer()``, same shape and dtype, 
 bitwise identical on every rank (replicas stay identical). The hook may write into the buffer.
 
 Every state counts ``bytes_sent``: the payload bytes this rank handed to collectives.
+
+A compressor family also has a **codec**: the pure encode/decode of one flat tensor into
+payload pieces (:class:`Codec`), with no communication. The family's hook builds its
+collective around that codec where the math is the same, and the parameter-server push path
+(``gradsync.compression.push``) frames the same codec's pieces into one point-to-point message.
+``Compressor.codec`` is the factory that builds it for a given tensor; a compressor without one
+works as a hook but cannot compress pushes.
 """
 
 from __future__ import annotations
@@ -32,6 +39,58 @@ class BucketLike(Protocol):
     def gradients(self) -> list[torch.Tensor]: ...
 
 
+#: ``(dtype, numel)`` of each payload piece, in order: what ``_wire.pack`` concatenates and
+#: ``_wire.unpack`` splits again. It depends only on the codec's arguments, never on the data.
+Layout = tuple[tuple[torch.dtype, int], ...]
+
+
+class Codec(Protocol):
+    """One family's encoding of a flat tensor into payload pieces, and back.
+
+    ``encode(x, step)`` takes a flat tensor and returns pieces matching ``layout``;
+    ``decode(parts, step)`` returns a new flat tensor in the accumulator dtype (at least fp32).
+    ``step`` is the encode's sequence number: stochastic codecs derive their random draw from
+    it (plus the key they were built with), so a decoder built with the same arguments redraws
+    what it needs. ``state_dict()`` holds what one encode carries to the next (PowerSGD's warm
+    start; empty for the others), tensors and plain values only.
+    """
+
+    @property
+    def layout(self) -> Layout: ...
+
+    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]: ...
+    def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class CodecFactory(Protocol):
+    """Builds a family's codec for ``numel`` elements of ``dtype``.
+
+    ``shapes`` are the tensors concatenated in the flat input, in order (their sizes add up to
+    ``numel``; ``[[numel]]`` when unknown), which PowerSGD needs to find matrices. ``stream``
+    names the caller's random stream (a parameter-server worker and shard), so two callers
+    with different streams draw independently. Families bind their own options (chunk,
+    fraction, rank, seed) with ``functools.partial``, which keeps a Compressor picklable.
+    """
+
+    def __call__(
+        self, numel: int, dtype: torch.dtype, shapes: list[list[int]], stream: int
+    ) -> Codec: ...
+
+
+class Stateless:
+    """Mixin for codecs that carry nothing from one encode to the next."""
+
+    __slots__ = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
 class CompressorState(Protocol):
     group: dist.ProcessGroup | None
     bytes_sent: int
@@ -45,13 +104,18 @@ Hook = Callable[[Any, BucketLike], "torch.futures.Future[torch.Tensor]"]
 
 @dataclass(frozen=True, slots=True)
 class Compressor:
-    """A named pair: how to make per-run state, and the hook that exchanges one bucket."""
+    """How to make per-run state, the hook that exchanges one bucket, and the family's codec."""
 
     spec: str
     make_state: Callable[[dist.ProcessGroup | None], Any]
     hook: Hook
     #: payload bytes per fp32 byte, for reports; None when it depends on the data.
     nominal_ratio: float | None = None
+    #: builds the family's :class:`Codec` (the same encoding the hook uses), for point-to-point
+    #: pushes; None for a compressor that only has a hook (``make_push_codec`` refuses it).
+    codec: CodecFactory | None = None
+    #: True when ``error_feedback`` wrapped it: a push keeps the worker's residual too.
+    feedback: bool = False
 
 
 class FlatBucket:

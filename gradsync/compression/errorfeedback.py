@@ -16,6 +16,10 @@ before its future completes. Every lossy gradsync compressor does; the plain all
 error to feed back. Residuals live in ``state_dict()["residuals"]`` keyed by bucket index
 (tensors only), so a resumed run continues exactly. If a bucket index's size changes (DDP's
 bucket rebuild after its first step), that index's residual is dropped rather than misapplied.
+
+The wrapped compressor keeps the inner codec and sets ``Compressor.feedback``: a
+parameter-server push (``gradsync.compression.push.PushCodec``) then keeps the same kind of
+residual on the worker, computed from the same codec's decode of what it sent.
 """
 
 from __future__ import annotations
@@ -98,12 +102,14 @@ def _make_state(make_inner: Any, group: dist.ProcessGroup | None) -> ErrorFeedba
 def error_feedback(compressor: Compressor) -> Compressor:
     """Wrap a compressor so its residual is added to the next gradient of the same bucket.
 
-    Raises ``TypeError`` when the compressor's state does not record what it sent. Same spec
-    and nominal ratio: error feedback changes no bytes on the wire.
+    Raises ``TypeError`` when the compressor's state does not record what it sent. Same spec,
+    nominal ratio and codec: error feedback changes no bytes on the wire.
     """
     return Compressor(
         spec=compressor.spec,
         make_state=functools.partial(_make_state, compressor.make_state),
         hook=functools.partial(error_feedback_hook, compressor.hook),
         nominal_ratio=compressor.nominal_ratio,
+        codec=compressor.codec,
+        feedback=True,
     )

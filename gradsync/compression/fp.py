@@ -6,10 +6,15 @@ values, each at most max/W, cannot overflow fp16 where the fp32 values did not),
 2 per element. The estimate is within half-precision rounding of the mean (relative error about
 2**-11 for fp16 normals, 2**-8 for bf16); fp16 cannot represent a per-rank share above 65504, and
 such values become inf (the non-finite guard then reports the step).
+
+:class:`CastCodec` is the encoding (every element, cast to the wire dtype): the hook casts each
+rank's share with it, parameter-server pushes send it, and ``none`` (allreduce.py) is the same
+codec with the gradient's own dtype on the wire.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.compression._wire import accumulator_dtype, record_sent, world_and_rank
-from gradsync.compression.base import BucketLike, Compressor
+from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
 
 
 @dataclass(slots=True)
@@ -34,16 +39,34 @@ class CastState:
         del state
 
 
+class CastCodec(Stateless):
+    """Every element, cast to ``wire``; decoded into a new tensor of the accumulator dtype."""
+
+    __slots__ = ("acc", "layout", "wire")
+
+    def __init__(self, numel: int, wire: torch.dtype, acc: torch.dtype) -> None:
+        self.wire, self.acc = wire, acc
+        self.layout: Layout = ((wire, numel),)
+
+    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+        return [x.to(self.wire)]
+
+    def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        return parts[0].to(self.acc, copy=True)  # never a view of the receive buffer
+
+
 def cast_hook(
     dtype: torch.dtype, state: CastState, bucket: BucketLike
 ) -> torch.futures.Future[torch.Tensor]:
     """Mean of ``bucket.buffer()`` over ranks, exchanged as ``dtype`` (bind dtype with partial)."""
     buf = bucket.buffer()
     world, _ = world_and_rank(state.group)
-    wire = buf.div(world).to(dtype)
+    codec = CastCodec(buf.numel(), dtype, accumulator_dtype(buf.dtype))
+    # Each rank's share, not its value: the wire's sum cannot overflow where the fp32 did not.
+    (wire,) = codec.encode(buf.div(world), 0)
     state.bytes_sent += wire.numel() * wire.element_size()
     if state.sent is not None:
-        record_sent(state, bucket.index(), wire.to(accumulator_dtype(buf.dtype)).mul_(world))
+        record_sent(state, bucket.index(), codec.decode([wire], 0).mul_(world))
     work = dist.all_reduce(wire, group=state.group, async_op=True)
     assert work is not None
 
@@ -61,11 +84,40 @@ def bf16_hook(state: CastState, bucket: BucketLike) -> torch.futures.Future[torc
     return cast_hook(torch.bfloat16, state, bucket)
 
 
+def cast_codec(
+    numel: int, dtype: torch.dtype, shapes: list[list[int]], stream: int, *, wire: torch.dtype
+) -> CastCodec:
+    """``Compressor.codec`` for fp16 / bf16 (bind ``wire`` with partial)."""
+    del shapes, stream
+    return CastCodec(numel, wire, accumulator_dtype(dtype))
+
+
 def _make_state(group: dist.ProcessGroup | None) -> CastState:
     return CastState(group=group)
 
 
-FP16 = Compressor(spec="fp16", make_state=_make_state, hook=fp16_hook, nominal_ratio=0.5)
-BF16 = Compressor(spec="bf16", make_state=_make_state, hook=bf16_hook, nominal_ratio=0.5)
+FP16 = Compressor(
+    spec="fp16",
+    make_state=_make_state,
+    hook=fp16_hook,
+    nominal_ratio=0.5,
+    codec=functools.partial(cast_codec, wire=torch.float16),
+)
+BF16 = Compressor(
+    spec="bf16",
+    make_state=_make_state,
+    hook=bf16_hook,
+    nominal_ratio=0.5,
+    codec=functools.partial(cast_codec, wire=torch.bfloat16),
+)
 
-__all__ = ["BF16", "FP16", "CastState", "bf16_hook", "cast_hook", "fp16_hook"]
+__all__ = [
+    "BF16",
+    "FP16",
+    "CastCodec",
+    "CastState",
+    "bf16_hook",
+    "cast_codec",
+    "cast_hook",
+    "fp16_hook",
+]

@@ -16,6 +16,10 @@ saves traffic up to about 8 ranks and is meant for few workers on slow links.
 Bytes this rank hands to the collective: ``n + 4 * ceil(n / chunk)``.
 Randomness: a private generator seeded from ``(seed, rank, bucket index, step)``, so runs are
 reproducible, ranks round independently (their errors average out) and the user's RNG is untouched.
+
+:class:`Int8Codec` is the encoding (``ceil(n / chunk)`` fp32 scales, then ``n`` int8 codes),
+used by the hook for every rank's payload and by parameter-server pushes, whose rounding
+stream is ``(derive_seed(seed, worker stream), step)`` instead.
 """
 
 from __future__ import annotations
@@ -29,14 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gradsync.compression._wire import (
+    accumulator_dtype,
     all_gather_mean,
     derive_seed,
     generator,
-    pack,
-    unpack,
     world_and_rank,
 )
-from gradsync.compression.base import BucketLike, Compressor
+from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
 
 DEFAULT_CHUNK = 1024
 
@@ -87,6 +90,32 @@ def dequantize(scale: torch.Tensor, codes: torch.Tensor, chunk: int) -> torch.Te
     return rows.view(-1)[: codes.numel()]
 
 
+class Int8Codec(Stateless):
+    """``ceil(n / chunk)`` fp32 scales, then ``n`` int8 codes (scales first: 4-byte aligned).
+
+    The rounding noise of an encode comes from ``derive_seed(*key, step)``: the hook's key is
+    ``(seed, rank, bucket index)``, a push's ``(derive_seed(seed, stream),)``. A decoder never
+    needs the noise, so only the encoding side's key matters.
+    """
+
+    __slots__ = ("acc", "chunk", "key", "layout", "numel")
+
+    def __init__(self, numel: int, chunk: int, key: tuple[int, ...], acc: torch.dtype) -> None:
+        self.numel, self.chunk, self.key, self.acc = numel, chunk, key, acc
+        self.layout: Layout = ((torch.float32, -(-numel // chunk)), (torch.int8, numel))
+
+    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+        gen = generator(derive_seed(*self.key, step), x.device)
+        scale, codes = quantize(x, self.chunk, gen)
+        return [scale, codes]
+
+    def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        return dequantize(parts[0], parts[1], self.chunk).to(self.acc)
+
+    def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
+        out.add_(dequantize(parts[0], parts[1], self.chunk).to(out.dtype))
+
+
 def int8_hook(state: Int8State, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
     """Mean over ranks via an async all-gather of int8 codes plus scales (one collective)."""
     buf = bucket.buffer()
@@ -94,16 +123,17 @@ def int8_hook(state: Int8State, bucket: BucketLike) -> torch.futures.Future[torc
     _, rank = world_and_rank(state.group)
     step = state.steps.get(index, 0)
     state.steps[index] = step + 1
-    gen = generator(derive_seed(state.seed, rank, index, step), buf.device)
-    scale, codes = quantize(buf, state.chunk, gen)
-    n_chunks, numel, chunk = scale.numel(), buf.numel(), state.chunk
+    acc = accumulator_dtype(buf.dtype)
+    codec = Int8Codec(buf.numel(), state.chunk, (state.seed, rank, index), acc)
+    return all_gather_mean(state, bucket, codec, step)
 
-    def decode(payload: torch.Tensor, out: torch.Tensor) -> None:
-        s, q = unpack(payload, [(torch.float32, n_chunks), (torch.int8, numel)])
-        out.add_(dequantize(s, q, chunk).to(out.dtype))
 
-    # Scales first: they stay 4-byte aligned inside the packed payload.
-    return all_gather_mean(state, bucket, pack([scale, codes]), decode)
+def int8_codec(
+    numel: int, dtype: torch.dtype, shapes: list[list[int]], stream: int, *, chunk: int, seed: int
+) -> Int8Codec:
+    """``Compressor.codec`` for int8: rounding noise from the caller's ``stream`` and ``seed``."""
+    del shapes
+    return Int8Codec(numel, chunk, (derive_seed(seed, stream),), accumulator_dtype(dtype))
 
 
 def int8(chunk: int = DEFAULT_CHUNK, seed: int = 0) -> Compressor:
@@ -117,4 +147,5 @@ def int8(chunk: int = DEFAULT_CHUNK, seed: int = 0) -> Compressor:
         make_state=functools.partial(Int8State, seed=seed, chunk=chunk),
         hook=int8_hook,
         nominal_ratio=(1.0 + 4.0 / chunk) / 4.0,
+        codec=functools.partial(int8_codec, chunk=chunk, seed=seed),
     )

@@ -22,6 +22,18 @@ min(R, n_i, m_i)``. This rank's decoded share, for error feedback, is ``P P^T M`
 projection on the agreed subspace, whose mean over ranks is exactly ``P Q^T / W``.
 The initial Q comes from a private generator seeded by ``(seed, bucket index)``, equal on all
 ranks; if a bucket index's layout changes (DDP rebuilds buckets after its first step), Q restarts.
+
+**The push codec** (:class:`PowerSGDCodec`, for parameter-server pushes) runs the same power
+iteration, with the same helpers (:class:`Plan` and its factor views, :func:`compute_p`,
+:func:`compute_q`, :func:`orthonormalize`), but in one shot: the worker computes P from its own
+M and warm Q, orthonormalizes it, computes Q, and sends both P and Q with the uncompressed
+elements in one message, so the server decodes ``P Q^T`` with no state of its own. The hook
+cannot do that: its P must be the *sum over ranks* before it is orthonormalized, so that every
+rank projects onto the same subspace and the mean of the ranks' ``P Q_r^T`` is exact. That
+needs a collective between the two halves of the iteration, hence two all-reduce rounds (and a
+Q shared by all ranks as the warm start). A push has one sender and no such agreement to reach,
+so one message suffices; it also has no ``start_iter`` phase, whose plain steps would change
+the payload size the server expects.
 """
 
 from __future__ import annotations
@@ -40,7 +52,9 @@ from gradsync.compression._wire import (
     record_sent,
     world_and_rank,
 )
-from gradsync.compression.base import BucketLike, Compressor
+from gradsync.compression.base import BucketLike, Compressor, Layout
+from gradsync.errors import UsageError
+from gradsync.flat import views
 
 
 @dataclass(slots=True)
@@ -87,6 +101,30 @@ class Plan:
     plain: tuple[tuple[int, int], ...]
     layout: list[list[int]]
 
+    @property
+    def p_numel(self) -> int:
+        return sum(rows * rank for _, rows, _, rank in self.matrices)
+
+    @property
+    def q_numel(self) -> int:
+        return sum(cols * rank for _, _, cols, rank in self.matrices)
+
+    @property
+    def plain_numel(self) -> int:
+        return sum(b - a for a, b in self.plain)
+
+    def matrix_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each compressed matrix (rows x cols), as a view into the flat bucket."""
+        return [flat[o : o + r * c].view(r, c) for o, r, c, _ in self.matrices]
+
+    def p_views(self, p_flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each matrix's P factor (rows x rank), as views into ``p_flat`` (``p_numel`` long)."""
+        return views(p_flat, [torch.Size((r, k)) for _, r, _, k in self.matrices])
+
+    def q_views(self, q_flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each matrix's Q factor (cols x rank), as views into ``q_flat`` (``q_numel`` long)."""
+        return views(q_flat, [torch.Size((c, k)) for _, _, c, k in self.matrices])
+
 
 def plan_bucket(bucket: BucketLike, matrix_rank: int, min_rate: float) -> Plan:
     numel = bucket.buffer().numel()
@@ -123,14 +161,32 @@ def _prod(shape: list[int]) -> int:
     return out
 
 
-def _orthonormalize(p: torch.Tensor) -> None:
+def orthonormalize(p: torch.Tensor) -> None:
+    """Replace the columns of ``p`` (rows x rank) by an orthonormal basis of their span, in place.
+
+    Reduced QR: an all-zero ``p`` still becomes a basis, so a matrix whose gradient was zero
+    for a step moves again on the next one.
+    """
     p.copy_(torch.linalg.qr(p).Q)
+
+
+def compute_p(mats: list[torch.Tensor], qs: list[torch.Tensor], ps: list[torch.Tensor]) -> None:
+    """The first half of a power iteration: ``P = M Q`` for every matrix, written into ``ps``."""
+    for m, q, p in zip(mats, qs, ps, strict=True):
+        torch.matmul(m, q, out=p)
+
+
+def compute_q(mats: list[torch.Tensor], ps: list[torch.Tensor], qs: list[torch.Tensor]) -> None:
+    """The second half: orthonormalize every P in place, then ``Q = M^T P`` into ``qs``."""
+    for m, p, q in zip(mats, ps, qs, strict=True):
+        orthonormalize(p)
+        torch.matmul(m.t(), p, out=q)
 
 
 def _warm_q(
     state: PowerSGDState, index: int, plan: Plan, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    total = sum(cols * rank for _, _, cols, rank in plan.matrices)
+    total = plan.q_numel
     q = state.q.get(index)
     fresh = q is None or q.numel() != total or state.layouts.get(index) != plan.layout
     if fresh:
@@ -141,11 +197,11 @@ def _warm_q(
     assert q is not None
     q = q.to(device=device, dtype=dtype)
     state.q[index] = q
-    views = _factor_views(q, [(cols, rank) for _, _, cols, rank in plan.matrices])
+    qs = plan.q_views(q)
     if fresh:
-        for v in views:
-            _orthonormalize(v)
-    return views
+        for v in qs:
+            orthonormalize(v)
+    return qs
 
 
 def _plain_mean(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
@@ -169,12 +225,11 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
     world, _ = world_and_rank(state.group)
     acc = accumulator_dtype(buf.dtype)
     flat = buf.reshape(-1)
-    mats = [flat[o : o + r * c].view(r, c).to(acc) for o, r, c, _ in plan.matrices]
+    mats = [m.to(acc) for m in plan.matrix_views(flat)]
     qs = _warm_q(state, index, plan, acc, buf.device)
-    ps_flat = torch.empty(sum(r * k for _, r, _, k in plan.matrices), dtype=acc, device=buf.device)
-    ps = _factor_views(ps_flat, [(r, k) for _, r, _, k in plan.matrices])
-    for m, q, p in zip(mats, qs, ps, strict=True):
-        torch.matmul(m, q, out=p)
+    ps_flat = torch.empty(plan.p_numel, dtype=acc, device=buf.device)
+    ps = plan.p_views(ps_flat)
+    compute_p(mats, qs, ps)
     state.bytes_sent += ps_flat.numel() * ps_flat.element_size()
     # Waited here, not in a future callback: a collective issued from a callback starts on a
     # transport thread at a moment that differs per rank, so with two buckets in flight ranks
@@ -182,16 +237,14 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
     p_work = dist.all_reduce(ps_flat, group=state.group, async_op=True)
     assert p_work is not None
     p_work.wait()
-    for p, m, q in zip(ps, mats, qs, strict=True):
-        _orthonormalize(p)
-        torch.matmul(m.t(), p, out=q)
+    compute_q(mats, ps, qs)
     if state.sent is not None:
         mine = flat.to(acc, copy=True)
-        for (o, r, c, _), p, q in zip(plan.matrices, ps, qs, strict=True):
-            mine[o : o + r * c].view(r, c).copy_(p @ q.t())
+        for view, p, q in zip(plan.matrix_views(mine), ps, qs, strict=True):
+            view.copy_(p @ q.t())
         record_sent(state, index, mine)
     # The uncompressed elements ride with Q, so the blocking all-reduce above stays small.
-    n_plain = sum(b - a for a, b in plan.plain)
+    n_plain = plan.plain_numel
     second = torch.cat([flat[a:b].to(acc) for a, b in plan.plain] + [state.q[index]])
     state.bytes_sent += second.numel() * second.element_size()
     q_work = dist.all_reduce(second, group=state.group, async_op=True)
@@ -200,8 +253,8 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
     def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         reduced = fut.value()[0]
         state.q[index].copy_(reduced[n_plain:])  # the summed Q is next step's warm start
-        for (o, r, c, _), p, q in zip(plan.matrices, ps, qs, strict=True):
-            flat[o : o + r * c].view(r, c).copy_(torch.mm(p, q.t()).div_(world))
+        for view, p, q in zip(plan.matrix_views(flat), ps, qs, strict=True):
+            view.copy_(torch.mm(p, q.t()).div_(world))
         start = 0
         for a, b in plan.plain:
             flat[a:b].copy_(reduced[start : start + b - a].div(world))
@@ -211,12 +264,81 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
     return q_work.get_future().then(finish)
 
 
-def _factor_views(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for rows, cols in shapes:
-        out.append(flat[offset : offset + rows * cols].view(rows, cols))
-        offset += rows * cols
-    return out
+class PowerSGDCodec:
+    """Every matrix's P (rows x R), then its Q (cols x R), in the accumulator dtype, then the
+    uncompressed elements in ``wire``: one local power iteration per encode, warm-started from
+    the previous encode's Q, so the decode ``P Q^T`` is stateless (see the module docstring)."""
+
+    __slots__ = ("acc", "layout", "numel", "plan", "q", "seed", "wire")
+
+    def __init__(
+        self, numel: int, plan: Plan, seed: int, wire: torch.dtype, acc: torch.dtype
+    ) -> None:
+        self.numel, self.plan, self.seed, self.wire, self.acc = numel, plan, seed, wire, acc
+        #: every matrix's Q (cols x R), concatenated: the warm start of the next encode.
+        self.q: torch.Tensor | None = None
+        self.layout: Layout = ((acc, plan.p_numel), (acc, plan.q_numel), (wire, plan.plain_numel))
+
+    def _warm_q(self, device: torch.device) -> list[torch.Tensor]:
+        if self.q is None:
+            gen = generator(self.seed, torch.device("cpu"))
+            self.q = torch.randn(self.plan.q_numel, generator=gen, dtype=self.acc)
+            for view in self.plan.q_views(self.q):
+                orthonormalize(view)
+        return self.plan.q_views(self.q.to(device))
+
+    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+        warm = self._warm_q(x.device)
+        p_flat = torch.empty(self.plan.p_numel, dtype=self.acc, device=x.device)
+        q_flat = torch.empty(self.plan.q_numel, dtype=self.acc, device=x.device)
+        ps, qs = self.plan.p_views(p_flat), self.plan.q_views(q_flat)
+        mats = self.plan.matrix_views(x)
+        compute_p(mats, warm, ps)
+        compute_q(mats, ps, qs)
+        # A new tensor, never written again: a state_dict taken earlier stays valid.
+        self.q = q_flat
+        plain = [x[a:b] for a, b in self.plan.plain]
+        rest = torch.cat(plain).to(self.wire) if plain else x.new_empty(0, dtype=self.wire)
+        return [p_flat, q_flat, rest]
+
+    def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        p_flat, q_flat, rest = parts
+        out = torch.zeros(self.numel, dtype=self.acc, device=p_flat.device)
+        ps, qs = self.plan.p_views(p_flat), self.plan.q_views(q_flat)
+        for view, p, q in zip(self.plan.matrix_views(out), ps, qs, strict=True):
+            torch.mm(p, q.t(), out=view)
+        start = 0
+        for a, b in self.plan.plain:
+            out[a:b] = rest[start : start + b - a]
+            start += b - a
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"q": self.q}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        q = state["q"]
+        if q is not None and q.numel() != self.plan.q_numel:
+            raise UsageError(
+                f"the saved state has {q.numel()} Q elements, this codec's shapes need "
+                f"{self.plan.q_numel}"
+            )
+        self.q = None if q is None else q.to(self.acc, copy=True)
+
+
+def powersgd_codec(
+    numel: int,
+    dtype: torch.dtype,
+    shapes: list[list[int]],
+    stream: int,
+    *,
+    rank: int,
+    min_compression_rate: float,
+    seed: int,
+) -> PowerSGDCodec:
+    """``Compressor.codec`` for PowerSGD: the matrix-shaped entries of ``shapes`` go low-rank."""
+    plan = plan_shapes(shapes, rank, min_compression_rate)
+    return PowerSGDCodec(numel, plan, derive_seed(seed, stream), dtype, accumulator_dtype(dtype))
 
 
 def powersgd(
@@ -238,4 +360,7 @@ def powersgd(
         ),
         hook=powersgd_hook,
         nominal_ratio=None,
+        codec=functools.partial(
+            powersgd_codec, rank=rank, min_compression_rate=min_compression_rate, seed=seed
+        ),
     )

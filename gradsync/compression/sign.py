@@ -8,7 +8,8 @@ is what makes scaled sign compression converge. Payloads differ per rank and can
 bits, so they are all-gathered and decoded in rank order.
 
 Bytes this rank hands to the collective: ``ceil(n / 8) + 4 * ceil(n / chunk)``, about 0.19 n
-at the default chunk (21x fewer than fp32).
+at the default chunk (21x fewer than fp32). :class:`SignCodec` is that encoding, shared by the
+hook (every rank's payload) and parameter-server pushes.
 
 Why 64 and not 1024: the optimizer sees the decoded gradient, and a chunk's one scale replaces
 every element's magnitude. Adam divides each coordinate by its own running magnitude, so a
@@ -29,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gradsync.compression._wire import all_gather_mean, pack, unpack
-from gradsync.compression.base import BucketLike, Compressor
+from gradsync.compression._wire import accumulator_dtype, all_gather_mean
+from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
 
 DEFAULT_CHUNK = 64
 
@@ -75,17 +76,39 @@ def unpack_signs(scale: torch.Tensor, packed: torch.Tensor, numel: int, chunk: i
     return signs.view(-1)[:numel]
 
 
+class SignCodec(Stateless):
+    """``ceil(n / chunk)`` fp32 scales ``mean |x|``, then ``ceil(n / 8)`` bytes of sign bits."""
+
+    __slots__ = ("acc", "chunk", "layout", "numel")
+
+    def __init__(self, numel: int, chunk: int, acc: torch.dtype) -> None:
+        self.numel, self.chunk, self.acc = numel, chunk, acc
+        self.layout: Layout = ((torch.float32, -(-numel // chunk)), (torch.uint8, -(-numel // 8)))
+
+    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+        scale, bits = pack_signs(x, self.chunk)
+        return [scale, bits]
+
+    def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        return unpack_signs(parts[0], parts[1], self.numel, self.chunk).to(self.acc)
+
+    def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
+        out.add_(unpack_signs(parts[0], parts[1], self.numel, self.chunk).to(out.dtype))
+
+
 def sign_hook(state: SignState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
     """Mean over ranks of scaled signs, via one async all-gather of bits plus scales."""
     buf = bucket.buffer()
-    scale, packed = pack_signs(buf, state.chunk)
-    n_chunks, n_bytes, numel, chunk = scale.numel(), packed.numel(), buf.numel(), state.chunk
+    codec = SignCodec(buf.numel(), state.chunk, accumulator_dtype(buf.dtype))
+    return all_gather_mean(state, bucket, codec, 0)
 
-    def decode(payload: torch.Tensor, out: torch.Tensor) -> None:
-        s, bits = unpack(payload, [(torch.float32, n_chunks), (torch.uint8, n_bytes)])
-        out.add_(unpack_signs(s, bits, numel, chunk).to(out.dtype))
 
-    return all_gather_mean(state, bucket, pack([scale, packed]), decode)
+def sign_codec(
+    numel: int, dtype: torch.dtype, shapes: list[list[int]], stream: int, *, chunk: int
+) -> SignCodec:
+    """``Compressor.codec`` for sign (deterministic: ``stream`` is not used)."""
+    del shapes, stream
+    return SignCodec(numel, chunk, accumulator_dtype(dtype))
 
 
 def sign(chunk: int = DEFAULT_CHUNK) -> Compressor:
@@ -97,4 +120,5 @@ def sign(chunk: int = DEFAULT_CHUNK) -> Compressor:
         make_state=functools.partial(SignState, chunk=chunk),
         hook=sign_hook,
         nominal_ratio=(chunk / 8 + 4) / (4 * chunk),
+        codec=functools.partial(sign_codec, chunk=chunk),
     )

@@ -12,6 +12,10 @@ dense tensor. Each kept value is scaled by ``n / k`` (each coordinate is kept wi
 ``k / n``), which makes the estimate unbiased; its variance per coordinate is ``x**2 (n/k - 1)``.
 Bytes: ``k * element size``. The index draw uses a generator on the buffer's device, so every
 rank must hold its buffer on the same device type.
+
+:class:`TopKCodec` and :class:`RandomKCodec` are the encodings, shared by the hooks and by
+parameter-server pushes. A push's randomk draws its indices on the CPU from
+``(derive_seed(seed, worker stream), step)``: worker and server may hold different devices.
 """
 
 from __future__ import annotations
@@ -30,12 +34,10 @@ from gradsync.compression._wire import (
     all_gather_mean,
     derive_seed,
     generator,
-    pack,
     record_sent,
-    unpack,
     world_and_rank,
 )
-from gradsync.compression.base import BucketLike, Compressor
+from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
 
 
 def kept(fraction: float, numel: int) -> int:
@@ -62,22 +64,47 @@ class TopKState:
         self.fraction = float(state["fraction"])
 
 
+class TopKCodec(Stateless):
+    """``k`` int32 indices, then the ``k`` values in ``wire``.
+
+    Indices first: int32 at offset 0 is aligned; values follow at 4k, aligned for <= 4 bytes.
+    """
+
+    __slots__ = ("acc", "k", "layout", "numel", "wire")
+
+    def __init__(self, numel: int, k: int, wire: torch.dtype, acc: torch.dtype) -> None:
+        self.numel, self.k, self.wire, self.acc = numel, k, wire, acc
+        self.layout: Layout = ((torch.int32, k), (wire, k))
+
+    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+        # sorted=False: order is irrelevant to the scatter and skips an O(k log k) sort.
+        index = x.abs().topk(self.k, sorted=False).indices
+        return [index.to(torch.int32), x[index].to(self.wire)]
+
+    def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=self.acc, device=parts[0].device)
+        out[parts[0].long()] = parts[1].to(self.acc)
+        return out
+
+    def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
+        # One encode's indices are distinct, so index_add_ has no colliding (racy) adds on GPU.
+        out.index_add_(0, parts[0].long(), parts[1].to(out.dtype))
+
+
 def topk_hook(state: TopKState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
     """Mean over ranks of each rank's top-k, via one async all-gather of indices plus values."""
     buf = bucket.buffer()
-    flat = buf.reshape(-1)
-    k = kept(state.fraction, flat.numel())
-    # sorted=False: order is irrelevant to the scatter and skips an O(k log k) sort.
-    index = flat.abs().topk(k, sorted=False).indices
-    values = flat[index]
+    n = buf.numel()
+    codec = TopKCodec(n, kept(state.fraction, n), buf.dtype, accumulator_dtype(buf.dtype))
+    return all_gather_mean(state, bucket, codec, 0)
 
-    def decode(payload: torch.Tensor, out: torch.Tensor) -> None:
-        idx, val = unpack(payload, [(torch.int32, k), (values.dtype, k)])
-        # One rank's indices are distinct, so index_add_ has no colliding (racy) adds on GPU.
-        out.index_add_(0, idx.long(), val.to(out.dtype))
 
-    # Indices first: int32 at offset 0 is aligned; values follow at 4k, aligned for <= 4 bytes.
-    return all_gather_mean(state, bucket, pack([index.to(torch.int32), values]), decode)
+def topk_codec(
+    numel: int, dtype: torch.dtype, shapes: list[list[int]], stream: int, *, fraction: float
+) -> TopKCodec:
+    """``Compressor.codec`` for topk (deterministic: ``stream`` is not used)."""
+    del shapes, stream
+    return TopKCodec(numel, kept(fraction, numel), dtype, accumulator_dtype(dtype))
 
 
 @dataclass(slots=True)
@@ -99,33 +126,92 @@ class RandomKState:
         self.steps = {int(k): int(v) for k, v in state["steps"].items()}
 
 
+class RandomKCodec(Stateless):
+    """``k`` values in the accumulator dtype, already scaled by ``n / k``; no indices.
+
+    Encoder and decoder draw the same k indices from ``derive_seed(*key, step)``, on
+    ``draw_device`` (None: the data's device, as every rank of a collective shares a device
+    type). :meth:`indices`, :meth:`gather` and :meth:`scatter` are the steps of encode and
+    decode, for a caller that needs the indices more than once per step (the hook).
+    """
+
+    __slots__ = ("acc", "draw_device", "k", "key", "layout", "numel")
+
+    def __init__(
+        self,
+        numel: int,
+        k: int,
+        key: tuple[int, ...],
+        acc: torch.dtype,
+        draw_device: torch.device | None = None,
+    ) -> None:
+        self.numel, self.k, self.key, self.acc = numel, k, key, acc
+        self.draw_device = draw_device
+        self.layout: Layout = ((acc, k),)
+
+    def indices(self, step: int, device: torch.device) -> torch.Tensor:
+        draw = device if self.draw_device is None else self.draw_device
+        gen = generator(derive_seed(*self.key, step), draw)
+        return torch.randperm(self.numel, generator=gen, device=draw)[: self.k].to(device)
+
+    def gather(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        # Each coordinate is kept with probability k/n: scaling by n/k makes it unbiased.
+        return x[chosen].to(self.acc).mul_(self.numel / self.k)
+
+    def scatter(self, values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=self.acc, device=values.device)
+        out[chosen] = values
+        return out
+
+    def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+        return [self.gather(x, self.indices(step, x.device))]
+
+    def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        return self.scatter(parts[0], self.indices(step, parts[0].device))
+
+
 def randomk_hook(state: RandomKState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
     """Mean over ranks of an unbiased random-k estimate, via one async all-reduce of k values."""
     buf = bucket.buffer()
     flat = buf.reshape(-1)
     n, index_key = flat.numel(), bucket.index()
-    k = kept(state.fraction, n)
     step = state.steps.get(index_key, 0)
     state.steps[index_key] = step + 1
     world, _ = world_and_rank(state.group)
-    gen = generator(derive_seed(state.seed, index_key, step), flat.device)
-    chosen = torch.randperm(n, generator=gen, device=flat.device)[:k]
-    acc = accumulator_dtype(buf.dtype)
-    values = flat[chosen].to(acc).mul_(n / k)
+    codec = RandomKCodec(
+        n, kept(state.fraction, n), (state.seed, index_key), accumulator_dtype(buf.dtype)
+    )
+    # Drawn once: the all-reduce sums values only, and the callback scatters them back here.
+    chosen = codec.indices(step, flat.device)
+    values = codec.gather(flat, chosen)
     state.bytes_sent += values.numel() * values.element_size()
     if state.sent is not None:
-        mine = torch.zeros(n, dtype=acc, device=flat.device)
-        mine[chosen] = values
-        record_sent(state, index_key, mine)
+        record_sent(state, index_key, codec.scatter(values, chosen))
     work = dist.all_reduce(values, group=state.group, async_op=True)
     assert work is not None
 
     def scatter(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        out = torch.zeros(n, dtype=acc, device=flat.device)
-        out[chosen] = fut.value()[0].div_(world)
+        out = codec.scatter(fut.value()[0].div_(world), chosen)
         return out.to(buf.dtype).view_as(buf)
 
     return work.get_future().then(scatter)
+
+
+def randomk_codec(
+    numel: int,
+    dtype: torch.dtype,
+    shapes: list[list[int]],
+    stream: int,
+    *,
+    fraction: float,
+    seed: int,
+) -> RandomKCodec:
+    """``Compressor.codec`` for randomk: indices drawn on the CPU, the same on either end."""
+    del shapes
+    key = (derive_seed(seed, stream),)
+    # A CUDA generator draws a different permutation from a CPU one with the same seed.
+    cpu = torch.device("cpu")
+    return RandomKCodec(numel, kept(fraction, numel), key, accumulator_dtype(dtype), cpu)
 
 
 def topk(fraction: float) -> Compressor:
@@ -136,6 +222,7 @@ def topk(fraction: float) -> Compressor:
         make_state=functools.partial(TopKState, fraction=fraction),
         hook=topk_hook,
         nominal_ratio=min(1.0, fraction) * 2.0,
+        codec=functools.partial(topk_codec, fraction=fraction),
     )
 
 
@@ -163,4 +250,5 @@ def randomk(fraction: float, seed: int = 0) -> Compressor:
         make_state=functools.partial(RandomKState, fraction=fraction, seed=seed),
         hook=randomk_hook,
         nominal_ratio=fraction,
+        codec=functools.partial(randomk_codec, fraction=fraction, seed=seed),
     )
