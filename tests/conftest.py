@@ -1,4 +1,31 @@
 import os
 
+import pytest
+
 # Every rank and the test process itself use one intra-op thread: the machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+#: The three tiers of DESIGN.md, registered in pyproject.toml; each test carries exactly one.
+TIERS = ("unit", "ranks", "e2e")
+
+
+def tier_errors(items: list[pytest.Item]) -> list[str]:
+    """One line per test without exactly one tier marker."""
+    errors = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            found = ", ".join(tiers) if tiers else "none"
+            errors.append(f"{item.nodeid}: {found}")
+    return errors
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything: an unmarked test fails any run
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    errors = tier_errors(items)
+    if errors:
+        raise pytest.UsageError(
+            f"{len(errors)} test(s) need exactly one tier marker, {' / '.join(TIERS)} "
+            "(pytestmark = pytest.mark.unit in the module, or one per test; see the markers "
+            "in pyproject.toml):\n  " + "\n  ".join(errors)
+        )

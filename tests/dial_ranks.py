@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 import gradsync as gs
+from gradsync import inject
 from gradsync.errors import SyncTimeoutError
 from gradsync.strategies import DiLoCo
 from gradsync.workloads import make_workload
@@ -26,14 +24,17 @@ def train(
     steps: int,
     *,
     lr: float = 0.05,
-    slow: str | None = None,
+    slow: float = 1.0,
     servers: int = 1,
 ) -> dict[str, Any]:
-    """Plain SGD on the float64 mlp; returns parameters, per-step bytes and server stats."""
+    """Plain SGD on the float64 mlp, worker 1 computing ``slow`` times as slowly; returns
+    parameters, per-step bytes and server stats."""
     w = make_workload("mlp", seed=5, params=3000, dtype="float64")
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sync = gs.Synchronizer(model, opt, strategy=strategy, slow=slow, timeout_s=20, servers=servers)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, timeout_s=20, servers=servers)
+    if slow > 1:
+        inject.slow(sync, rank=1, factor=slow)
     if sync.is_server:
         stats = sync.serve()
         return {"server": stats}
@@ -93,7 +94,7 @@ def scheduled_groups(rank: int, world: int, strategy: str, servers: int = 1) -> 
 
 def staleness(rank: int, world: int, spec: str) -> dict[str, Any]:
     # Worker 1 computes 4x as slowly: under async the fast worker runs ahead of it.
-    return train(rank, world, spec, 16, slow="1:4")
+    return train(rank, world, spec, 16, slow=4)
 
 
 def adamw_on_servers(rank: int, world: int) -> dict[str, Any]:
@@ -132,25 +133,22 @@ def server_dies(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sync = gs.Synchronizer(model, opt, strategy="ssp:1", timeout_s=timeout_s)
     if sync.is_server:  # serve nothing: vanish without a word at the workers' step 0
-        os.kill(os.getpid(), signal.SIGKILL)
+        inject.kill()
     return _train_until_failure(rank, sync, w, model)
 
 
-def server_hangs(rank: int, world: int, timeout_s: float, marks: str) -> dict[str, Any]:
+def server_hangs(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     """The server stays alive, connections open, but never serves (stuck in a long
-    computation); it gives up only once every worker has recorded its verdict in ``marks``."""
+    computation); it gives up only once every worker has its verdict."""
     w = make_workload("mlp", seed=5, params=3000, dtype="float64")
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sync = gs.Synchronizer(model, opt, strategy="ssp:1", timeout_s=timeout_s)
     if sync.is_server:
-        done = [Path(marks) / str(r) for r in range(sync.num_workers)]
-        deadline = time.monotonic() + timeout_s + 60
-        while not all(d.exists() for d in done) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        inject.hang(peers=range(sync.num_workers), limit_s=timeout_s + 60)
         return {}
     out = _train_until_failure(rank, sync, w, model)
-    (Path(marks) / str(rank)).touch()
+    inject.release_hang()
     return out
 
 

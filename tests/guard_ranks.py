@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
+from gradsync import inject
 from gradsync.balance import ShardBalancer
 from gradsync.errors import DivergenceError, SyncTimeoutError
 from gradsync.workloads import make_workload
@@ -21,14 +22,12 @@ def nan_once(rank: int, world: int, compression: str | None) -> dict[str, Any]:
     model = w.build_model()
     opt = make_optimizer("sgd", model)
     sync = gs.Synchronizer(model, opt, compression=compression, bucket_mb=0.005)
+    inject.nan_gradient(sync, rank=1, step=3)
     snapshots = []
     for step in range(8):
         with sync.step():
             x, y = w.batch(step, 8, rank * 4, rank * 4 + 4)
-            loss = w.loss(model, x, y)
-            if step == 3 and rank == 1:
-                loss = loss * float("nan")
-            loss.backward()
+            w.loss(model, x, y).backward()
         snapshots.append(flat_params(model))
     report = sync.report()
     return {
@@ -37,21 +36,6 @@ def nan_once(rank: int, world: int, compression: str | None) -> dict[str, Any]:
         "unchanged_at_skip": torch.equal(snapshots[2], snapshots[3]),
         "params": flat_params(model),
     }
-
-
-def _gave_up(rank: int) -> None:
-    """Tell the rank that stays away that this one has its error (see ``_stay_away``)."""
-    dist.distributed_c10d._get_default_store().set(f"test/gave-up/{rank}", "1")
-
-
-def _stay_away(rank: int, world: int, limit_s: float = 60.0) -> None:
-    """Take no part in anything until every other rank has failed with its diagnosis, so the
-    test lasts only as long as the timeout (without ever joining the collective they wait at)."""
-    store = dist.distributed_c10d._get_default_store()
-    keys = [f"test/gave-up/{r}" for r in range(world) if r != rank]
-    deadline = time.monotonic() + limit_s
-    while not store.check(keys) and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def hang_at_step_5(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
@@ -64,7 +48,7 @@ def hang_at_step_5(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     try:
         for step in range(10):
             if rank == world - 1 and step == 5:
-                _stay_away(rank, world)
+                inject.hang()  # until every other rank has its diagnosis
                 return {"stayed_away": True}
             with sync.step():
                 x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
@@ -72,7 +56,7 @@ def hang_at_step_5(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
             started = time.monotonic()
     except SyncTimeoutError as exc:
         waited = time.monotonic() - started
-        _gave_up(rank)
+        inject.release_hang()
         return {"error": str(exc), "waited": waited}
     return {"error": None}
 
@@ -87,7 +71,7 @@ def hang_before_averaging(rank: int, world: int, strategy: str) -> dict[str, Any
     try:
         for step in range(8):
             if rank == world - 1 and step == 7:
-                _stay_away(rank, world)
+                inject.hang()  # until every other rank has its diagnosis
                 return {"stayed_away": True}
             started = time.monotonic()
             with sync.step():
@@ -95,7 +79,7 @@ def hang_before_averaging(rank: int, world: int, strategy: str) -> dict[str, Any
                 w.loss(model, x, y).backward()
     except SyncTimeoutError as exc:
         waited = time.monotonic() - started
-        _gave_up(rank)
+        inject.release_hang()
         return {"error": str(exc), "waited": waited}
     return {"error": None}
 
@@ -118,14 +102,14 @@ def skips_report(rank: int, world: int) -> dict[str, Any]:
         key = "gradsync/arrive/" + str(rank)
         store = dist.distributed_c10d._get_default_store()
         recorded = store.get(key).decode() if store.check([key]) else None
-        _stay_away(rank, world)
+        inject.hang()  # until every other rank has its diagnosis
         return {"stayed_away": True, "recorded": recorded}
     started = time.monotonic()
     try:
         sync.report()
     except SyncTimeoutError as exc:
         waited = time.monotonic() - started
-        _gave_up(rank)
+        inject.release_hang()
         return {"error": str(exc), "waited": waited}
     return {"error": None}
 
@@ -193,7 +177,8 @@ def adaptive_shares(rank: int, world: int) -> list[list[int]]:
     w = make_workload("mlp", seed=3, params=200_000)
     model = w.build_model()
     opt = make_optimizer("sgd", model)
-    sync = gs.Synchronizer(model, opt, balance=True, slow="1:3@10-50")
+    sync = gs.Synchronizer(model, opt, balance=True)
+    inject.slow(sync, rank=1, factor=3, start=10, end=50)
     gb = 512  # enough samples that compute, not the fixed per-step cost, dominates
     history = []
     for step in range(90):

@@ -15,6 +15,8 @@ from gradsync.balance import ShardBalancer, equal_finish
 from gradsync.errors import UsageError
 from gradsync.telemetry.records import StepRecord
 
+pytestmark = pytest.mark.unit
+
 PER_SAMPLE = 1e-4  # seconds
 
 

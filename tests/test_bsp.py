@@ -9,6 +9,8 @@ import torch
 from gradsync.testing import run_ranks
 from tests import ranks
 
+pytestmark = pytest.mark.ranks
+
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-10) -> None:
     err = (actual - expected).abs().max().item()

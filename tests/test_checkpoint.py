@@ -27,6 +27,8 @@ from gradsync.fault import (
     set_rng_state,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _state(rank: int, step: int) -> dict[str, Any]:
     """What the training loop checkpoints: model, optimizer, sync state, RNG, data position."""

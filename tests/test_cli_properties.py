@@ -25,6 +25,8 @@ from gradsync.compression import VALID_FORMS, parse_compression
 from gradsync.inject import MAX_FACTOR, SLOW_FORM, parse_slow
 from gradsync.strategies import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 
+pytestmark = pytest.mark.unit
+
 # capsys and monkeypatch are function-scoped: every example resets capsys by reading it, and
 # the stubs are the same for every example, so sharing them across examples is sound.
 PROPERTY = settings(

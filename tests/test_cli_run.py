@@ -31,6 +31,7 @@ def _run(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], Path
     return proc, out
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_run_writes_config_metrics_and_report(tmp_path: Path) -> None:
     proc, out = _run(tmp_path)
@@ -53,6 +54,7 @@ def test_run_writes_config_metrics_and_report(tmp_path: Path) -> None:
     assert "final loss" in proc.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_slow_rank_sets_the_pace_and_raises_others_idle(tmp_path: Path) -> None:
     _, clean = _run(tmp_path / "clean")
@@ -72,6 +74,7 @@ def _run_parser() -> argparse.ArgumentParser:
     return sub.choices["run"]
 
 
+@pytest.mark.unit
 def test_run_help_states_every_default_and_the_slow_grammar() -> None:
     run = _run_parser()
     flags = [a for a in run._actions if a.option_strings and a.dest != "help"]
@@ -85,6 +88,7 @@ def test_run_help_states_every_default_and_the_slow_grammar() -> None:
     assert "(default: 16)" in text and "(default: 25)" in text  # --batch-size, --bucket-mb
 
 
+@pytest.mark.unit
 def test_readme_run_reference_lists_every_run_flag() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     reference = readme.split("## `gradsync run` reference", 1)[1].split("\n## ", 1)[0]

@@ -28,6 +28,7 @@ PREFIX = "gst-"
 # -- pure logic ----------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("text", "bps"),
@@ -37,6 +38,7 @@ def test_parse_rate(text: str, bps: int) -> None:
     assert parse_rate(text) == bps
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     "kwargs",
@@ -59,6 +61,7 @@ def test_cluster_config_rejects(kwargs: dict[str, object]) -> None:
         Cluster(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_names_fit_and_addresses_are_private() -> None:
     c = Cluster(hosts=250, link="1gbit", prefix="abcde-", name="wxyz")
@@ -73,6 +76,7 @@ def test_names_fit_and_addresses_are_private() -> None:
     assert Cluster(link="10gbit").burst_bytes == 10**10 // 8 // 1000  # 1 ms of the link
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_requirements_message_names_root(monkeypatch: pytest.MonkeyPatch) -> None:
     requirements_missing.cache_clear()
@@ -141,6 +145,7 @@ def cluster_2x100(needs_netns: None) -> Iterator[Cluster]:
         cleanup_stale(PREFIX, cluster.tag)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(90)
 def test_allreduce_bandwidth_matches_the_link(cluster_2x100: Cluster, tmp_path: Path) -> None:
     """8 MB all-reduce between 2 hosts with 100 Mbit/s links, each direction limited by tbf.
@@ -171,6 +176,7 @@ def test_allreduce_bandwidth_matches_the_link(cluster_2x100: Cluster, tmp_path: 
     _assert_gone(c, inodes, marker=str(out))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_down_removes_a_crashed_cluster(needs_netns: None, tmp_path: Path) -> None:
     """``up`` without a context manager, a process left inside, then ``gradsync cluster down``
@@ -202,6 +208,7 @@ def test_down_removes_a_crashed_cluster(needs_netns: None, tmp_path: Path) -> No
         cleanup_stale(PREFIX, c.tag)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_failing_worker_returns_its_code_and_leaves_nothing(cluster_2x100: Cluster) -> None:
     with cluster_2x100 as c:
@@ -212,6 +219,7 @@ def test_failing_worker_returns_its_code_and_leaves_nothing(cluster_2x100: Clust
     _assert_gone(c, inodes)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_timeout_kills_the_job(needs_netns: None, tmp_path: Path) -> None:
     """A job that cannot finish in time (50 MB through 10 Mbit/s takes 40 s per all-reduce)

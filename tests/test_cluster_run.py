@@ -11,6 +11,8 @@ import pytest
 from gradsync.cluster import requirements_missing
 from tests.test_cli_run import gradsync
 
+pytestmark = pytest.mark.e2e
+
 MISSING = requirements_missing()
 
 

@@ -25,6 +25,7 @@ def _records(losses: list[float], step_s: float, nbytes: int) -> list[StepRecord
     ]
 
 
+@pytest.mark.unit
 def test_target_is_reached_on_the_smoothed_curve(tmp_path: Path) -> None:
     fast = curve_from_records("fast", _records([1.0] * 5 + [0.1] * 25, 0.1, 10))
     slow = curve_from_records("slow", _records([1.0] * 20 + [0.5] * 10, 0.1, 1))
@@ -41,6 +42,7 @@ def test_target_is_reached_on_the_smoothed_curve(tmp_path: Path) -> None:
     assert (tmp_path / "loss_vs_time.png").stat().st_size > 0
 
 
+@pytest.mark.unit
 def test_curve_counts_pulls_and_keeps_the_raw_loss() -> None:
     c = curve_from_records("ps", _records([1.0] * 29 + [0.0], 0.1, 10), pull_bytes=100)
     # every worker step: its own 10 bytes pushed plus the 100 the servers sent back
@@ -49,6 +51,7 @@ def test_curve_counts_pulls_and_keeps_the_raw_loss() -> None:
     assert c.loss[-1] == pytest.approx(0.9)  # the moving average the target is judged on
 
 
+@pytest.mark.unit
 def test_heartbeat_is_written_without_a_progress_line(tmp_path: Path) -> None:
     assert read_heartbeat(tmp_path) is None
     shown = Progress(10, enabled=False, heartbeat=tmp_path / HEARTBEAT_FILE)
@@ -67,6 +70,7 @@ class _Recorder(Progress):
         self.seen.append((step, loss))
 
 
+@pytest.mark.unit
 def test_watch_advances_the_comparison_from_the_heartbeat(tmp_path: Path) -> None:
     recorder, stop = _Recorder(), threading.Event()
     watcher = threading.Thread(target=_watch, args=(tmp_path, 40, recorder, stop, 0.01))
@@ -86,6 +90,7 @@ def test_watch_advances_the_comparison_from_the_heartbeat(tmp_path: Path) -> Non
     assert recorder.seen == [(50, 1.9), (60, 1.8)]  # offset + step, each heartbeat once
 
 
+@pytest.mark.unit
 def test_compare_refuses_the_run_strategy_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["compare", "--strategy", "ssp:2", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
@@ -93,6 +98,7 @@ def test_compare_refuses_the_run_strategy_flag(capsys: pytest.CaptureFixture[str
     assert "--strategies" in err and "'ssp:2'" in err
 
 
+@pytest.mark.unit
 def test_strategy_list_errors() -> None:
     with pytest.raises(ValueError, match="valid: bsp"):
         parse_strategies("bsp,gossip")
@@ -102,6 +108,7 @@ def test_strategy_list_errors() -> None:
         parse_strategies(" , ")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_compare_runs_each_strategy_and_writes_table_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "cmp"

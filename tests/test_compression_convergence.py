@@ -33,6 +33,8 @@ import pytest
 from gradsync.testing import run_ranks
 from tests.convergence_ranks import train_each
 
+pytestmark = pytest.mark.ranks
+
 STEPS = 200
 SEED = 0
 PER_RANK = 16

@@ -20,6 +20,8 @@ from gradsync.compression import (
 )
 from gradsync.testing import run_ranks
 
+pytestmark = pytest.mark.ranks
+
 WORLD = 2
 STEPS = 4
 SHAPES = [(24, 16), (16,), (3, 4, 5), (40,)]

@@ -30,6 +30,8 @@ from gradsync.compression import (
     topk,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank() -> Iterator[None]:

@@ -23,6 +23,8 @@ from gradsync.compression.powersgd import PowerSGDState
 from gradsync.compression.sparse import RandomKState
 from gradsync.errors import UsageError
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("spec", "canonical", "inner", "feedback"),

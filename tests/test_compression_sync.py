@@ -12,6 +12,8 @@ from gradsync.testing import run_ranks
 from gradsync.workloads import make_workload
 from tests.ranks import flat_params
 
+pytestmark = pytest.mark.ranks
+
 SPECS = ["fp16", "bf16", "int8", "topk:0.05", "randomk:0.1", "sign", "powersgd:2"]
 
 

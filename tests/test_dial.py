@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from gradsync.errors import SyncTimeoutError
 from gradsync.testing import RankFailure, run_ranks
 from tests import dial_ranks
+
+pytestmark = pytest.mark.ranks
 
 
 @pytest.mark.timeout(150)
@@ -99,9 +99,9 @@ def test_dead_server_fails_workers_with_its_name_not_a_hang() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_hung_server_fails_workers_within_the_timeout_naming_it(tmp_path: Path) -> None:
+def test_hung_server_fails_workers_within_the_timeout_naming_it() -> None:
     # Alive, its connections open, but it never answers: only the timeout can tell.
-    results = run_ranks(dial_ranks.server_hangs, 3, TIMEOUT_S, str(tmp_path), timeout_s=90)
+    results = run_ranks(dial_ranks.server_hangs, 3, TIMEOUT_S, timeout_s=90)
     for w in (0, 1):
         error, seconds = results[w]["error"], results[w]["seconds"]
         assert error is not None and error.startswith(SyncTimeoutError.__name__), error

@@ -14,6 +14,7 @@ from gradsync.testing import run_ranks
 from tests.test_cli_run import gradsync
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -44,11 +45,13 @@ def test_cli_usage_errors(args: list[str], expected: str, tmp_path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.unit
 def test_strategy_spec_error_names_valid_forms() -> None:
     with pytest.raises(ValueError, match=r"valid: bsp, local:H, diloco:H, ssp:S, async"):
         gs.parse_strategy("bps")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_data_file_too_small_names_size_and_what_is_valid(tmp_path) -> None:
     small = tmp_path / "small.txt"
@@ -61,6 +64,7 @@ def test_data_file_too_small_names_size_and_what_is_valid(tmp_path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.unit
 def test_synchronizer_before_init_is_a_clear_error() -> None:
     # The Synchronizer is the first thing that needs the process group: it broadcasts the
     # initial parameters, so without gs.init() there is no sync.step() to call yet.
@@ -69,6 +73,7 @@ def test_synchronizer_before_init_is_a_clear_error() -> None:
         gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.unit
 def test_step_after_the_process_group_is_gone_is_a_clear_error(tmp_path) -> None:
     # A one-rank group in this process (FileStore: no port), destroyed between steps.
     model = nn.Linear(2, 1)
@@ -121,6 +126,7 @@ def _bad_synchronizers(rank: int, world: int) -> list[str]:
     return messages
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(90)
 def test_api_usage_errors() -> None:
     messages = run_ranks(_bad_synchronizers, 1)[0]

@@ -12,6 +12,7 @@ from tests.torchrun import ROOT, torchrun
 EXAMPLE = ROOT / "examples" / "train_charlm.py"
 
 
+@pytest.mark.unit
 def test_example_opens_with_the_command_this_test_runs() -> None:
     first = EXAMPLE.read_text().splitlines()[0]
     assert (
@@ -19,6 +20,7 @@ def test_example_opens_with_the_command_this_test_runs() -> None:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_example_trains_under_plain_torchrun() -> None:
     # --standalone: a c10d rendezvous on localhost with a free port, so runs cannot collide.

@@ -11,6 +11,8 @@ import torch
 
 from tests.test_cli_run import gradsync
 
+pytestmark = pytest.mark.e2e
+
 COMMON = ["--workload", "mlp", "--params", "20000", "--steps", "30", "--no-plots", "--no-progress"]
 
 

@@ -11,6 +11,7 @@ from gradsync.testing import run_ranks
 from tests import guard_ranks, ranks
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("compression", [None, "sign", "powersgd:2"])
 def test_nan_on_one_rank_skips_the_same_step_everywhere(compression: str | None) -> None:
@@ -22,6 +23,7 @@ def test_nan_on_one_rank_skips_the_same_step_everywhere(compression: str | None)
     assert bool(torch.isfinite(r0["params"]).all())  # training went on with finite state
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_hung_rank_is_named_within_the_timeout() -> None:
     # The process group's own timeout (30 s) is far longer than the Synchronizer's (4 s): the
@@ -41,6 +43,7 @@ def test_hung_rank_is_named_within_the_timeout() -> None:
         assert r["waited"] < 4 + 3, r
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_divergence_is_caught_at_the_next_check_with_the_tensor_named() -> None:
     r0, r1 = run_ranks(guard_ranks.perturbed, 2)
@@ -52,6 +55,7 @@ def test_divergence_is_caught_at_the_next_check_with_the_tensor_named() -> None:
     assert "step 9" in r0["error"]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_divergence_after_the_last_periodic_check_is_caught_by_report() -> None:
     r0, r1 = run_ranks(guard_ranks.perturbed_before_the_end, 2)
@@ -63,6 +67,7 @@ def test_divergence_after_the_last_periodic_check_is_caught_by_report() -> None:
         assert "first differing parameter: '0.weight'" in r["error"]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 3])
 def test_uneven_shards_still_give_the_global_batch_mean(world: int) -> None:
@@ -74,6 +79,7 @@ def test_uneven_shards_still_give_the_global_batch_mean(world: int) -> None:
         assert torch.equal(other, results[0])
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(200)
 def test_shards_follow_a_slowdown_and_return_when_it_ends() -> None:
     from statistics import median
@@ -91,6 +97,7 @@ def test_shards_follow_a_slowdown_and_return_when_it_ends() -> None:
     assert 0.5 in slow_share[50:90], slow_share
 
 
+@pytest.mark.unit
 def test_split_is_exact_and_deterministic() -> None:
     assert split(16, [1, 3]) == [4, 12]
     assert split(10, [1, 1, 1]) == [4, 3, 3]
@@ -100,6 +107,7 @@ def test_split_is_exact_and_deterministic() -> None:
         split(2, [1, 1, 1])
 
 
+@pytest.mark.unit
 def test_balancer_moves_toward_speed() -> None:
     b = ShardBalancer(2, damping=0.0)
     recs = [

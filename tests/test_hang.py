@@ -12,6 +12,8 @@ import pytest
 from gradsync.testing import run_ranks
 from tests import guard_ranks
 
+pytestmark = pytest.mark.ranks
+
 TIMEOUT_S = 3  # the Synchronizer's, in guard_ranks
 GROUP_TIMEOUT_S = 30
 

@@ -14,6 +14,8 @@ from gradsync.testing import run_ranks
 from gradsync.workloads import make_workload
 from tests.ranks import flat_params
 
+pytestmark = pytest.mark.ranks
+
 H = 4
 STEPS = 40  # 10 synchronizations
 PER_RANK = 8

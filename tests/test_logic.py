@@ -15,6 +15,8 @@ from gradsync.telemetry.report import RunReport
 from gradsync.workloads import make_workload
 from gradsync.workloads.mlp import hidden_for
 
+pytestmark = pytest.mark.unit
+
 
 def rec(rank: int, step: int, compute: float, sync: float) -> StepRecord:
     return StepRecord(rank, step, 0.0, compute, sync, 0.0, 0.0, 4, 100, loss=1.0)

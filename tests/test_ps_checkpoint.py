@@ -18,6 +18,7 @@ from tests.test_cli_run import gradsync
 SERVER = 2  # 2 workers + 1 server: the server is the last rank
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(150)
 def test_resumed_servers_continue_from_the_checkpoint(tmp_path: Path) -> None:
     first = run_ranks(ranks.first_run, 3, str(tmp_path), timeout_s=120)
@@ -55,6 +56,7 @@ def test_resumed_servers_continue_from_the_checkpoint(tmp_path: Path) -> None:
         assert "this run has 3 ranks (1 worker + 2 servers)" in message, message
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(150)
 def test_resuming_servers_on_more_ranks_is_refused(tmp_path: Path) -> None:
     run_ranks(ranks.first_run, 3, str(tmp_path), timeout_s=120)
@@ -86,6 +88,7 @@ def _last_loss(run: Path) -> float:
     return sum(r["loss"] for r in records if r["step"] == last) / 2
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_killed_worker_with_async_servers_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
@@ -117,6 +120,7 @@ def test_killed_worker_with_async_servers_resumes_from_the_checkpoint(tmp_path: 
     assert (got - want).norm() < 0.3 * (want - start).norm()
 
 
+@pytest.mark.e2e
 def test_parameter_server_kill_of_a_server_rank_is_refused(tmp_path: Path) -> None:
     proc = gradsync(
         "run", "--out", str(tmp_path / "run"), "--strategy", "ssp:1", *COMMON,

@@ -25,6 +25,7 @@ def every_spec() -> list[dict[str, object]]:
     return run_ranks(ranks.every_spec, ranks.WORKERS + 1, timeout_s=150)
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("spec", ranks.SPECS)
 def test_compressed_pushes_follow_the_reference_trajectory(
@@ -40,6 +41,7 @@ def test_compressed_pushes_follow_the_reference_trajectory(
     assert not torch.allclose(plain, want, **TOL)  # type: ignore[arg-type]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("spec", ranks.SPECS)
 def test_compressed_pushes_put_the_codec_bytes_on_the_wire(
@@ -55,6 +57,7 @@ def test_compressed_pushes_put_the_codec_bytes_on_the_wire(
     assert max(sent) < max(plain)  # type: ignore[type-var]
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(240)
 def test_worker_residuals_resume_from_a_checkpoint(tmp_path: Path) -> None:
     results = run_ranks(ranks.save_then_resume, ranks.WORKERS + 1, str(tmp_path), timeout_s=200)
@@ -64,6 +67,7 @@ def test_worker_residuals_resume_from_a_checkpoint(tmp_path: Path) -> None:
         assert torch.allclose(results[0][spec]["params"], ranks.reference(spec), **TOL), spec
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_cli_async_with_topk_survives_a_killed_worker(tmp_path: Path) -> None:
     out = tmp_path / "run"

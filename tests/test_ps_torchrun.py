@@ -19,6 +19,8 @@ import pytest
 
 from tests.torchrun import ROOT, torchrun
 
+pytestmark = pytest.mark.e2e
+
 RUN_TIMEOUT_S = 60
 
 

@@ -14,6 +14,8 @@ from gradsync.errors import UsageError
 from gradsync.strategies.ps import shard_by_size
 from gradsync.strategies.ps_server import _server_optimizer
 
+pytestmark = pytest.mark.unit
+
 # -- shard_by_size --------------------------------------------------------------------------
 
 

@@ -1,4 +1,8 @@
+import pytest
+
 import gradsync as gs
+
+pytestmark = pytest.mark.unit
 
 FROZEN_API = {
     "BSP",

@@ -17,6 +17,8 @@ from gradsync.compression.push import PushCodec, make_push_codec
 from gradsync.compression.sign import DEFAULT_CHUNK as DEFAULT_SIGN_CHUNK
 from gradsync.errors import UsageError
 
+pytestmark = pytest.mark.unit
+
 ALL_SPECS = ["none", "fp16", "bf16", "int8", "topk:0.1", "randomk:0.25", "sign", "powersgd:2"]
 EF_SPECS = ["topk:0.1", "sign", "powersgd:2"]
 # A shard of four parameters: two compressible matrices, a bias, and a matrix too small to

@@ -28,6 +28,7 @@ def make_run(
     return path
 
 
+@pytest.mark.unit
 def test_report_names_the_straggler_and_writes_outputs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -43,6 +44,7 @@ def test_report_names_the_straggler_and_writes_outputs(
         assert str(run / name) in out
 
 
+@pytest.mark.unit
 def test_report_json_and_no_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = make_run(tmp_path / "run", slow=[(1, 50, 119, 2.0)])
     assert main(["report", str(run), "--json", "--no-plots", "--window", "10"]) == 0
@@ -57,6 +59,7 @@ def test_report_json_and_no_plots(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert not any((run / name).exists() for name in PLOT_FILES)
 
 
+@pytest.mark.unit
 def test_report_warmup_leaves_early_steps_unscored(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -71,6 +74,7 @@ def test_report_warmup_leaves_early_steps_unscored(
     assert "warmup must be an integer >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_summarize_run_on_a_clean_run(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", slow=[])
     text = summarize_run(run, plots=False)
@@ -78,6 +82,7 @@ def test_summarize_run_on_a_clean_run(tmp_path: Path) -> None:
     assert "rank 0:" not in text
 
 
+@pytest.mark.unit
 def test_add_parsers_registers_report_on_a_host_parser(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser(prog="gradsync")
     add_parsers(parser.add_subparsers(dest="command"))
@@ -93,6 +98,7 @@ def test_add_parsers_registers_report_on_a_host_parser(tmp_path: Path) -> None:
         handler(args)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("setup", "argv", "message"),
     [
@@ -119,6 +125,7 @@ def test_bad_input_exits_2_with_a_message(
     assert "Traceback" not in err
 
 
+@pytest.mark.e2e
 def test_module_entry_point_exit_code(tmp_path: Path) -> None:
     missing = tmp_path / "missing"
     proc = subprocess.run(

@@ -15,6 +15,8 @@ import pytest
 
 from gradsync.telemetry.plots import PLOT_FILES
 
+pytestmark = pytest.mark.e2e
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LIVE_WARNING = "gradsync: straggler: "
 

@@ -15,6 +15,8 @@ from gradsync.sim.config import CommModel
 from gradsync.sim.table import CollectiveTable
 from gradsync.telemetry.records import Span, StepRecord, fill_idle, write_records
 
+pytestmark = pytest.mark.unit
+
 LINK = AlphaBeta(alpha=0.0, beta=1e-9)
 
 

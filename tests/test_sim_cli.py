@@ -27,6 +27,7 @@ def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> Any:
     return json.loads(run_cli([*argv, "--json"], capsys))
 
 
+@pytest.mark.unit
 def test_bsp_table_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
     doc = run_json(
         ["simulate", "--compute", "20,22,21,38", "--comm-ms", "6", "--steps", "3"], capsys
@@ -41,6 +42,7 @@ def test_bsp_table_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
     assert "superstep" in text and "barrier idle injected" in text and "132.00 ms" in text
 
 
+@pytest.mark.unit
 def test_same_seed_same_output(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "simulate",
@@ -62,6 +64,7 @@ def test_same_seed_same_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert other["wall_ms"] != first["wall_ms"]
 
 
+@pytest.mark.unit
 def test_overlap_report(capsys: pytest.CaptureFixture[str]) -> None:
     doc = run_json(["simulate", "--compute", "200", "--comm-ms", "60", "--overlap"], capsys)
     o = doc["overlap"]
@@ -73,6 +76,7 @@ def test_overlap_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert "best-case overlapped" in text and "23.1%" in text
 
 
+@pytest.mark.unit
 def test_sweeps_write_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     doc = run_json(
         [
@@ -108,6 +112,7 @@ def test_sweeps_write_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFix
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
@@ -170,6 +175,7 @@ def _fake_run(path: Path, slow_rank: int | None, steps: int = 40) -> Path:
     return path
 
 
+@pytest.mark.unit
 def test_from_run_predicts_and_answers_what_if(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -202,6 +208,7 @@ def test_from_run_predicts_and_answers_what_if(
     assert linked["what_if"]["comm_ms"] == pytest.approx(1.5 * 0.1)
 
 
+@pytest.mark.unit
 def test_from_run_rejects_what_is_not_a_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -224,6 +231,7 @@ def test_from_run_rejects_what_is_not_a_run(
         run_cli(["simulate", "--from", str(run), "--calibration", str(bad)], capsys)
 
 
+@pytest.mark.unit
 def test_ssp0_what_if_equals_the_as_run_bsp_prediction(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -239,6 +247,7 @@ def test_ssp0_what_if_equals_the_as_run_bsp_prediction(
     assert "(+0.0% vs as run)" in text and "for every strategy" in text
 
 
+@pytest.mark.unit
 def test_injected_idle_uses_the_base_mean_not_the_realised_one(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -260,6 +269,7 @@ def test_injected_idle_uses_the_base_mean_not_the_realised_one(
     assert doc["barrier_idle_ms"] != pytest.approx(wall - realised_mean * 4 - 6 * 4)
 
 
+@pytest.mark.unit
 def test_a_fit_with_no_bandwidth_is_a_warning_not_an_infinite_link() -> None:
     from gradsync.sim.bench import describe_fit
     from gradsync.sim.model import Fit
@@ -275,6 +285,7 @@ def test_a_fit_with_no_bandwidth_is_a_warning_not_an_infinite_link() -> None:
     assert "alpha" in warnings[1]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_bench_allreduce_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cal.json"

@@ -10,6 +10,8 @@ import pytest
 from gradsync.errors import UsageError
 from gradsync.sim import AlphaBeta, algbw, busbw, collective_time, cost_terms, fit_alpha_beta
 
+pytestmark = pytest.mark.unit
+
 A, B, S = 1e-5, 1e-9, 1_000_000  # 10 us per message, 1 ns per byte (1 GB/s), 1 MB
 
 

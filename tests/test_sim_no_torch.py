@@ -35,6 +35,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_simulator_runs_without_torch() -> None:
     out = subprocess.run(
@@ -45,6 +46,7 @@ def test_simulator_runs_without_torch() -> None:
     assert '"wall_ms": 100.0' in out.stdout  # 5 supersteps of 20 ms, no comm
 
 
+@pytest.mark.unit
 def test_public_names_still_resolve_lazily() -> None:
     import gradsync as gs
 

@@ -22,6 +22,8 @@ from gradsync.sim import (
 )
 from gradsync.sim.report import bsp_summary
 
+pytestmark = pytest.mark.unit
+
 FIXED = CommModel(comm_ms=5.0)
 
 

@@ -26,6 +26,8 @@ from gradsync.telemetry.stragglers import (
     window_scores,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def feed_by_step(det: StragglerDetector, records: list[StepRecord]) -> list[Finding]:
     by_step: dict[int, list[StepRecord]] = {}

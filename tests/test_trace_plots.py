@@ -9,11 +9,14 @@ from typing import Any
 
 import matplotlib.image as mpimg
 import numpy as np
+import pytest
 
 from gradsync.telemetry.plots import PLOT_FILES, write_plots
 from gradsync.telemetry.records import METRICS_FILE, Span, StepRecord, write_records
 from gradsync.telemetry.stragglers import find_stragglers, synthetic_records
 from gradsync.telemetry.trace import write_trace
+
+pytestmark = pytest.mark.unit
 
 
 def load(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
