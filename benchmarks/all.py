@@ -1,13 +1,9 @@
 """Run every benchmark one after another and record how long the whole regeneration took.
 
-    python -m benchmarks.all [--write] [--quick] [--only NAME,NAME]
-
-The benchmarks measure time, so they never share the cores: each runs to completion in its
-own process (1 thread per rank) before the next starts. A benchmark that fails does not stop
-the others; the exit status is non-zero if any failed. With ``--write`` every benchmark updates
-its own section of BENCHMARKS.md (or RELIABILITY.md), and this script adds a section with the
-minutes each one took, so the "regenerates in under 30 minutes" claim is a measurement.
-``--quick`` passes ``--quick`` on to every benchmark: a smoke run of the lot.
+The benchmarks measure time, so each runs alone in its own process before the next starts; one
+that fails does not stop the others (the exit status says). With ``--write`` each updates its
+own section and this script adds the minutes each took, so "regenerates in under 30 minutes"
+is a measurement; ``--quick`` passes ``--quick`` on: a smoke run of the lot.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Load-balanced BSP with a straggler, against plain BSP and against no straggler.
 
-    python -m benchmarks.balance [--repeats 3] [--steps 90] [--write [--md FILE]] [--quick]
-
-Two setups of the `gradsync run` worker (`gradsync.worker.run_worker`, launched like `gradsync
-run`), each in three configurations: BSP with no straggler, BSP with one rank slowed 2x, and
-balanced BSP (`balance=True`) with the same straggler.
-
-- 4 ranks, `--slow 3:2`: the configuration issue 5 names. On a machine with fewer cores than
-  ranks the ranks time-share cores, and the injected slowdown (a sleep proportional to the
-  straggler's own compute) hands its core to the other ranks, so it costs little and there is
-  little for balancing to win back.
-- 2 ranks, `--slow 1:2`: a core per rank on a 2-core machine, so the slowdown costs what it
-  says and the mitigation can show.
-
-Workload `charlm`: its compute grows with the samples a rank takes and dominates its step (the
-gradient is 0.5 MB), which is what moving samples off a slow rank can win back; the default
-`mlp` (100k parameters) takes a few milliseconds a step, mostly fixed costs that no share
-changes. Each repeat runs the three configurations of a setup in turn, forward on even repeats
-and reversed on odd ones; figures are medians over repeats of ratios within the same repeat.
-samples/s is all ranks' samples over wall time from the metrics records (first step's start to
-the last step's end, as `gradsync compare` measures it), over the whole run and over the steady
-state after the first `--warmup` steps, once the balancer has settled.
+Runs the `gradsync run` worker in two setups, each as BSP without a straggler, BSP with one and
+balanced BSP with one: 4 ranks with `--slow 3:2`, the set-up issue 5 names, and 2 ranks with
+`--slow 1:2`, which gives each rank a core on a 2-core machine, where the slowdown costs what it
+says. Workload `charlm`, whose compute grows with a rank's samples, which is what balancing
+moves; the default `mlp`'s few milliseconds are mostly fixed costs that no share changes.
 """
 
 from __future__ import annotations

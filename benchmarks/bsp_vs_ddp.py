@@ -1,13 +1,8 @@
 """gradsync BSP against torch DDP (same bucket size) and compute-only, 2 gloo ranks.
 
-    python -m benchmarks.bsp_vs_ddp [--repeats 9] [--steps 30] [--no-sweep] [--quick] [--write]
-
-Every configuration is measured in the same processes, interleaved with the order rotated by
-repeat (A B C, B C A, C A B, ...); a block is a number of steps between two barriers. Step
-times are medians over repeats of a block's mean step time; ratios are taken block by block
-against DDP's block of the same repeat and reported as the median with the interquartile range,
-so the table shows how far to trust each figure. What the default safety features cost over
-'bare' is also timed directly, and the text states against the issue's bar what was measured.
+Blocks of every configuration run interleaved in the same processes, and ratios are taken block
+by block within a repeat, so the table can show how far to trust each figure (the interquartile
+range). What the default safety features cost over 'bare' is also timed directly.
 """
 
 from __future__ import annotations
@@ -15,88 +10,41 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 import gradsync as gs
-from benchmarks.harness import (
-    Harness,
-    by_name,
-    fmt_iqr,
-    interleave,
-    machine,
-    median_iqr,
-    table,
-    time_block,
-)
+from benchmarks.harness import Harness, fmt_iqr, machine, median_iqr, table, time_interleaved
+from benchmarks.steps import Trainer
 from gradsync.fault.guards import all_finite, check_replicas
 from gradsync.launch import launch
 from gradsync.workloads import make_workload
 
 SWEEP_MB = (0.25, 1.0, 5.0, 25.0, 100.0)
+WORKLOADS = ("mlp (6M params)", "charlm")
 KINDS = ("gradsync", "gradsync-no-telemetry", "gradsync-bare", "ddp", "compute-only")
 
 
-def _runner(kind: str, workload: Any, bucket_mb: float, per_rank: int) -> Callable[[int], None]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = workload.build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    gb = per_rank * world
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
-    if kind.startswith("gradsync"):
-        # "gradsync-bare": no telemetry, no non-finite guard, no divergence check, to show
-        # what the safety features cost on top of the exchange itself.
-        bare = kind == "gradsync-bare"
-        sync = gs.Synchronizer(
-            model,
-            opt,
-            bucket_mb=bucket_mb,
-            telemetry=kind == "gradsync",
-            skip_nonfinite=not bare,
-            check_every=0 if bare else 100,
-        )
-
-        def step(i: int) -> None:
-            with sync.step(samples=per_rank):
-                x, y = workload.batch(i, gb, lo, hi)
-                workload.loss(model, x, y).backward()
-
-        return step
-    if kind == "ddp":
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-
-        def ddp_step(i: int) -> None:
-            opt.zero_grad(set_to_none=True)
-            x, y = workload.batch(i, gb, lo, hi)
-            workload.loss(ddp, x, y).backward()
-            opt.step()
-
-        return ddp_step
-
-    def local_step(i: int) -> None:  # compute-only: the same work with no communication
-        opt.zero_grad(set_to_none=True)
-        x, y = workload.batch(i, gb, lo, hi)
-        workload.loss(model, x, y).backward()
-        opt.step()
-
-    return local_step
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
 
-def _measure(
-    configs: dict[str, Callable[[int], None]], repeats: int, steps: int
-) -> dict[str, list[float]]:
-    """Mean step time of every block, by configuration, in repeat order (one block of each
-    configuration per repeat, so ratios can be taken within a repeat)."""
-    for step in configs.values():  # warm-up: allocator, first-bucket set-up
-        time_block(step, 2)
-    return by_name(
-        interleave(
-            list(configs), repeats, lambda name, r: time_block(configs[name], steps, r * steps)
-        )
+def _trainer(kind: str, workload: Any, bucket_mb: float, per_rank: int) -> Trainer:
+    # "gradsync-bare": no telemetry, no non-finite guard, no divergence check, to show what the
+    # safety features cost on top of the exchange itself.
+    bare = kind == "gradsync-bare"
+    return Trainer(
+        "gradsync" if kind.startswith("gradsync") else kind,
+        workload,
+        per_rank * dist.get_world_size(),
+        optimizer=_sgd,
+        bucket_mb=bucket_mb,
+        report_loss=False,
+        telemetry=kind == "gradsync",
+        skip_nonfinite=not bare,
+        check_every=0 if bare else 100,
     )
 
 
@@ -104,20 +52,21 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
     gs.init()
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
+    mlp, charlm = WORKLOADS
     for name, wl, per_rank in (
-        ("mlp (6M params)", make_workload("mlp", params=6_000_000), 32),
-        ("charlm", make_workload("charlm"), 16),
+        (mlp, make_workload("mlp", params=6_000_000), 32),
+        (charlm, make_workload("charlm"), 16),
     ):
-        main = {kind: _runner(kind, wl, 25.0, per_rank) for kind in KINDS}
-        out[name] = _measure(main, args["repeats"], args["steps"])
+        main = {kind: _trainer(kind, wl, 25.0, per_rank).step for kind in KINDS}
+        out[name] = time_interleaved(main, args["repeats"], args["steps"])
         if name.startswith("mlp"):
             out["features"] = _feature_costs(wl, per_rank)
             if args["sweep"]:
                 sweep = {}
                 for mb in SWEEP_MB:
-                    sweep[f"gradsync@{mb}"] = _runner("gradsync", wl, mb, per_rank)
-                    sweep[f"ddp@{mb}"] = _runner("ddp", wl, mb, per_rank)
-                out["sweep"] = _measure(sweep, max(3, args["repeats"] // 2), args["steps"])
+                    sweep[f"gradsync@{mb}"] = _trainer("gradsync", wl, mb, per_rank).step
+                    sweep[f"ddp@{mb}"] = _trainer("ddp", wl, mb, per_rank).step
+                out["sweep"] = time_interleaved(sweep, max(3, args["repeats"] // 2), args["steps"])
     out["flush_ms"] = _flush_cost()
     return out if dist.get_rank() == 0 else None
 
@@ -129,15 +78,13 @@ def _feature_costs(workload: Any, per_rank: int, runs: int = 30) -> dict[str, fl
     - guard: the non-finite check of one step, a read of every reduced gradient buffer;
     - check: one divergence check (fingerprint and all-gather), run every 100 steps.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = workload.build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    sync = gs.Synchronizer(model, opt, bucket_mb=25.0, telemetry=False, check_every=0)
-    with sync.step():
-        x, y = workload.batch(0, per_rank * world, rank * per_rank, (rank + 1) * per_rank)
-        workload.loss(model, x, y).backward()
+    # Bare: neither feature runs inside the step, only where timed here.
+    trainer = _trainer("gradsync-bare", workload, 25.0, per_rank)
+    trainer.step(0)  # the buffers then hold reduced gradients, as when the guard runs
+    sync = trainer.sync
+    assert sync is not None
     buffers = [b.buffer() for b in sync.strategy.reducer.buckets]  # type: ignore[attr-defined]
-    named = list(model.named_parameters())
+    named = list(trainer.model.named_parameters())
     guard, check = [], []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -190,9 +137,8 @@ BAR_RATIO, BAR_TELEMETRY = 1.05, 0.02
 def verdict(res: dict[str, Any]) -> str:
     """The issue's bar against what was measured, and where the defaults' cost over 'bare'
     goes, from the direct timings: written from the numbers, whichever way they fall."""
-    workloads = ("mlp (6M params)", "charlm")
     lines = []
-    for name in workloads:
+    for name in WORKLOADS:
         m = res[name]
         ratio, q1, q3 = median_iqr(_ratios(m, "gradsync", "ddp"))
         bare = median_iqr(_ratios(m, "gradsync-bare", "ddp"))[0]
@@ -210,7 +156,7 @@ def verdict(res: dict[str, Any]) -> str:
             f"bare gradsync/DDP {bare:.3f}; telemetry on/off {tel:+.1%} (bar {BAR_TELEMETRY:.0%})."
         )
     f = res["features"]
-    mlp = res["mlp (6M params)"]
+    mlp = res[WORKLOADS[0]]
     ddp_ms = statistics.median(mlp["ddp"]) * 1e3
     per_step = {
         "non-finite guard": f["guard_ms"],
@@ -247,20 +193,16 @@ def verdict(res: dict[str, Any]) -> str:
 
 
 def render(res: dict[str, Any], args: argparse.Namespace, command: str) -> str:
-    rows = []
-    for name in ("mlp (6M params)", "charlm"):
-        m = res[name]
-        rows.append(
-            [
-                name,
-                _ms(m["gradsync"]),
-                _ms(m["ddp"]),
-                _ms(m["compute-only"]),
-                fmt_iqr(_ratios(m, "gradsync", "ddp")),
-                fmt_iqr(_ratios(m, "gradsync-bare", "ddp")),
-                _fmt_pct(_ratios(m, "gradsync", "gradsync-no-telemetry")),
-            ]
-        )
+    rows = [
+        [
+            name,
+            *(_ms(res[name][kind]) for kind in ("gradsync", "ddp", "compute-only")),
+            fmt_iqr(_ratios(res[name], "gradsync", "ddp")),
+            fmt_iqr(_ratios(res[name], "gradsync-bare", "ddp")),
+            _fmt_pct(_ratios(res[name], "gradsync", "gradsync-no-telemetry")),
+        ]
+        for name in WORKLOADS
+    ]
     main = table(
         (
             "workload | gradsync ms/step | DDP ms/step | compute-only ms/step | "

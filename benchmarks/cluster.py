@@ -1,32 +1,11 @@
 """Issue 8 on the emulated cluster: gradsync against torch DDP over 1 Gbit/s links.
 
-    python -m benchmarks.cluster [--quick] [--write] [--repeats 2] [--parts 1,2,3]
-
-Needs root and iproute2 (see docs/cluster.md). Brings up clusters of network namespaces
-joined by tbf-limited veth links (prefix ``gsb-``, so ``gradsync cluster down --prefix gsb-``
-removes anything a crash left behind, and nothing of anyone else's), runs
-``python -m benchmarks.cluster_worker`` under torchrun on every host, and always tears down.
-
-1. Time to a target loss and samples/s, ``mlp`` and ``charlm``, 2 and 4 hosts, 1 rank per
-   host: torch DDP (the baseline), DDP with torch's PowerSGD hook, gradsync ``bsp``,
-   ``bsp`` + ``powersgd:4``, ``bsp`` + ``topk:0.01``, ``diloco:16``, ``local:4``, and
-   compute-only (the limit). Loss is the global batch's training loss (mean over ranks), as a
-   10-step moving average. Two targets from DDP's own curve (median over repeats): the loss it
-   reaches at its last step, and at half its steps. Exact methods (DDP, gradsync bsp) run N
-   steps; approximate ones run 2 N (rounded up to a multiple of 16, DiLoCo's period), so they
-   have room to reach a target later in steps but sooner in time.
-2. A bucket-size sweep of gradsync ``bsp`` on ``mlp`` over 2 hosts, against the simulator's
-   bucketed-overlap prediction (``gradsync.sim.overlap_summary``), fed with the measured
-   compute-only step, its measured backward share, and an alpha-beta fit of all-reduces
-   timed on the same link in the same launch.
-3. A partition: one host's switch port goes down mid-run; the other ranks must fail within
-   their timeout naming that host's ranks; the agents run with ``--max-restarts``, the link
-   comes back, and training resumes from the last checkpoint.
-
-Each repeat is one torchrun launch running every configuration in turn in the same processes
-(order rotated by repeat: A B C, B C A, ...), because a launch on the emulated hosts costs
-10-20 s, more than most configurations train. Medians over repeats; ratios against DDP (part
-1), compute-only (part 2) or the configured timeout (part 3) from the same run.
+Needs root and iproute2. Three parts: time to a target loss and samples/s against DDP, a
+bucket-size sweep against the simulator's overlap prediction, and a partition with resume from
+a checkpoint; docs/cluster.md describes each and how to run it. The clusters' prefix is
+``gsb-`` (``gradsync cluster down --prefix gsb-`` removes what a crash left, and nothing of
+anyone else's); every other exit tears down. Each repeat is one torchrun launch running every
+configuration in turn (order rotated by repeat), because a launch costs 10-20 s.
 """
 
 from __future__ import annotations
@@ -52,7 +31,8 @@ from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing
 from gradsync.cluster.launch import agent_command
 from gradsync.cluster.system import kill_pids, pids_in
 from gradsync.cluster.system import run as ip_run
-from gradsync.sim import AlphaBeta, CommModel, Overlap, fit_alpha_beta, overlap_summary
+from gradsync.sim import CommModel, Overlap, fit_alpha_beta, overlap_summary
+from gradsync.workloads.mlp import parameter_count
 
 PREFIX = "gsb-"
 LINK = "1gbit"
@@ -72,10 +52,6 @@ class Config:
     mode: str
     fields: str = ""  # more of the worker's --config keys: "key=value,..."
     exact: bool = True  # same math as DDP: N steps are enough to reach DDP's final loss
-
-    @property
-    def gradsync(self) -> bool:
-        return self.mode == "gradsync"
 
     def run_arg(self, steps: int) -> str:
         extra = f",{self.fields}" if self.fields else ""
@@ -170,17 +146,19 @@ def worker_env() -> dict[str, str]:
     }
 
 
-def launch(cluster: Cluster, args: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
+def launch(cluster: Cluster, args: list[str], out: Path, what: str) -> dict[str, Any]:
+    """One launch of the worker on every host; says how long it took, as ``what``."""
     for stale in out.parent.glob(out.name + "*"):
         stale.unlink()
     t0 = time.monotonic()
     rc = launch_on_cluster(
-        cluster, [MODULE, *args, "--out", str(out)], env=worker_env(), timeout_s=timeout_s
+        cluster, [MODULE, *args, "--out", str(out)], env=worker_env(), timeout_s=900
     )
     if rc != 0 or not out.exists():
         raise RuntimeError(f"launch failed (rc {rc}) after {time.monotonic() - t0:.0f}s: {args}")
     result: dict[str, Any] = json.loads(out.read_text())
     result["launch_s"] = time.monotonic() - t0
+    say(f"  {what}: {result['launch_s']:.0f}s")
     return result
 
 
@@ -191,10 +169,6 @@ def ma_at(losses: list[float], step: int, w: int = MA) -> float:
     """Moving average of the ``w`` steps ending at ``step`` (fewer at the start)."""
     window = losses[max(0, step - w + 1) : step + 1]
     return sum(window) / len(window)
-
-
-def final_ma(losses: list[float], w: int = MA) -> float:
-    return ma_at(losses, len(losses) - 1, w)
 
 
 def time_to_target(run: dict[str, Any], target: float) -> tuple[float, int] | None:
@@ -225,14 +199,9 @@ def part1(settings: Settings, hosts: int, workdir: Path) -> dict[str, Any]:
                     "--config=" + c.run_arg(n if c.exact else settings.approx_steps(n))
                     for c in order(PART1, rep, ROTATE)
                 ]
-                t0 = time.monotonic()
-                res = launch(
-                    cluster, [*wl_args, *runs], workdir / f"p1-{hosts}-{wl}-{rep}.json", 900
-                )
-                say(
-                    f"  part 1: {hosts} hosts, {wl}, repeat {rep + 1}/{settings.repeats}: "
-                    f"{time.monotonic() - t0:.0f}s"
-                )
+                out = workdir / f"p1-{hosts}-{wl}-{rep}.json"
+                what = f"part 1: {hosts} hosts, {wl}, repeat {rep + 1}/{settings.repeats}"
+                res = launch(cluster, [*wl_args, *runs], out, what)
                 entry = found.setdefault(wl, {"global_batch": res["global_batch"], "runs": {}})
                 entry["world_size"] = res["world_size"]
                 for r in res["runs"]:
@@ -265,7 +234,7 @@ def summarize_part1(data: dict[str, Any]) -> dict[str, Any]:
             "samples_per_s": statistics.median(samples_per_s(r, gb) for r in reps),
             "repeats": len(reps),
             "steps": reps[0]["steps"],
-            "final_ma": statistics.median(final_ma(r["loss"]) for r in reps),
+            "final_ma": statistics.median(ma_at(r["loss"], len(r["loss"]) - 1) for r in reps),
         }
         for key, target in targets.items():
             reached = [h for h in (time_to_target(r, target) for r in reps) if h is not None]
@@ -335,7 +304,7 @@ def goal_line(summary: dict[str, Any], wl: str, hosts: int) -> str:
         best = None
         for c in PART1:
             r = rows.get(c.key)
-            if c.gradsync and r and r[key]["s"] and base:
+            if c.mode == "gradsync" and r and r[key]["s"] and base:
                 speed = base / r[key]["s"]
                 if best is None or speed > best[0]:
                     best = (speed, c.label)
@@ -359,34 +328,16 @@ def part2(settings: Settings, workdir: Path) -> list[dict[str, Any]]:
     results = []
     with Cluster(hosts=2, link=LINK, prefix=PREFIX) as cluster:
         wl_args, _ = settings.workload_args("mlp")
-        grad = 4 * _mlp_params(settings.mlp_params)
-        sizes = [2**16, 2**18, 2**20, 2**22, grad]
+        # All-reduce sizes for the alpha-beta fit, up to the whole gradient.
+        sizes = [2**16, 2**18, 2**20, 2**22, 4 * parameter_count(settings.mlp_params)]
+        probe = ["--probe-sizes", ",".join(str(s) for s in sizes)]
+        fixed = [*wl_args, "--steps", str(settings.sweep_steps), *probe]
         configs = ["compute=compute-only"] + [f"b{mb:g}=gradsync,bucket_mb={mb}" for mb in SWEEP_MB]
         for rep in range(settings.repeats):
-            now = order(configs, rep, ROTATE)
-            t0 = time.monotonic()
-            res = launch(
-                cluster,
-                [
-                    *wl_args,
-                    "--steps",
-                    str(settings.sweep_steps),
-                    "--probe-sizes",
-                    ",".join(str(s) for s in sizes),
-                    *(f"--config={c}" for c in now),
-                ],
-                workdir / f"p2-{rep}.json",
-                900,
-            )
-            say(f"  part 2: repeat {rep + 1}/{settings.repeats}: {time.monotonic() - t0:.0f}s")
-            results.append(res)
+            runs = [f"--config={c}" for c in order(configs, rep, ROTATE)]
+            what = f"part 2: repeat {rep + 1}/{settings.repeats}"
+            results.append(launch(cluster, [*fixed, *runs], workdir / f"p2-{rep}.json", what))
     return results
-
-
-def _mlp_params(params: int) -> int:
-    from gradsync.workloads.mlp import parameter_count
-
-    return parameter_count(params)
 
 
 def _step_s(run: dict[str, Any]) -> float:
@@ -401,7 +352,7 @@ def summarize_part2(results: list[dict[str, Any]]) -> dict[str, Any]:
     sizes = [p["bytes"] for r in results for p in r["probe"]]
     times = [p["time_s"] for r in results for p in r["probe"]]
     fit = fit_alpha_beta(sizes, times, n=world)
-    link = fit.model()
+    link = fit.model()  # ring all-reduce, alpha and beta clamped at zero as the simulator uses
     by: dict[str, list[dict[str, Any]]] = {}
     for res in results:
         for run in res["runs"]:
@@ -410,19 +361,15 @@ def summarize_part2(results: list[dict[str, Any]]) -> dict[str, Any]:
     bwd = statistics.median(statistics.median(r["bwd_s"][2:] or r["bwd_s"]) for r in by["compute"])
     frac = min(1.0, bwd / compute)
     grad = by["compute"][0]["grad_bytes"]
+    model = CommModel(link=link, nbytes=grad)
     rows = []
     for mb in SWEEP_MB:
         runs = by[f"b{mb:g}"]
         measured = statistics.median(_step_s(r) for r in runs)
         buckets = runs[0]["bucket_bytes"]
         comm = sum(link.time("allreduce", world, b) for b in buckets)
-        model = CommModel(link=AlphaBeta(alpha=link.alpha, beta=link.beta), nbytes=grad)
-        sim = overlap_summary(
-            compute * 1e3,
-            model,
-            world,
-            Overlap(backward_frac=frac, buckets=len(buckets)),
-        )
+        overlap = Overlap(backward_frac=frac, buckets=len(buckets))
+        sim = overlap_summary(compute * 1e3, model, world, overlap)
         predicted = sim["bucketed_step_ms"] / 1e3
         # The simulator's buckets are equal and each pays the full latency terms.
         sim_comm = len(buckets) * model.exchange_ms(world, 1 / len(buckets)) / 1e3
@@ -441,7 +388,6 @@ def summarize_part2(results: list[dict[str, Any]]) -> dict[str, Any]:
         )
     return {
         "world": world,
-        # Clamped at zero as the simulator uses them (a fit can come out slightly negative).
         "alpha": link.alpha,
         "beta": link.beta,
         "fit_err": fit.max_rel_error,
@@ -668,9 +614,8 @@ _NAMED = re.compile(r"never arrived: ranks \[([\d, ]*)\]")
 
 
 def render_part3(r: dict[str, Any]) -> str:
-    lines = []
     victims = r.get("victims", [])
-    lines.append(
+    intro = (
         f"{r['hosts']} hosts, 1 rank each, gradsync bsp on mlp (0.5M parameters), timeout "
         f"{r['timeout']:g} s, checkpoint every 10 steps, agents with --max-restarts 2. At step "
         f"{r.get('down_at_step')} the switch port of host {r['victim_host']} (rank(s) {victims}) "
@@ -701,7 +646,7 @@ def render_part3(r: dict[str, Any]) -> str:
         "rank | host | role | error | named as never arrived | cut-off ranks named | "
         "survivors also named | s after link down | / timeout"
     )
-    text = "\n".join(lines) + "\n" + table(head, rows) + "\n"
+    text = f"{intro}\n{table(head, rows)}\n"
     if missing:
         text += f"\nSurvivors that wrote no error: ranks {missing}.\n"
     if r.get("finished"):
@@ -748,13 +693,8 @@ def run_parts(s: Settings, workdir: Path, raw: dict[str, Any], log: Path) -> tup
                         raw[f"part1-{wl}-{h}"] = summ
                         text.append(render_part1(summ, wl, h, s))
                         goals.append(goal_line(summ, wl, h))
-                body = (
-                    "\n".join(text)
-                    + "\nGoal (gradsync's best reaches the target at least 2x faster than DDP):"
-                    + "\n\n"
-                    + "\n".join(goals)
-                    + "\n"
-                )
+                goal = "Goal (gradsync's best reaches the target at least 2x faster than DDP):"
+                body = "\n".join(text) + f"\n{goal}\n\n" + "\n".join(goals) + "\n"
             elif part == 2:
                 summ2 = summarize_part2(part2(s, workdir))
                 raw["part2"] = summ2

@@ -1,30 +1,11 @@
-"""One training configuration on every rank, for ``benchmarks/cluster.py`` (issue 8).
+"""One launch of training configurations on every rank, for ``benchmarks/cluster.py`` (issue 8),
+run by torchrun on the emulated hosts; docs/cluster.md describes its use and its options.
 
-Run by torchrun inside the emulated hosts (``launch_on_cluster``), from the repository root::
-
-    python -m torch.distributed.run ... --module benchmarks.cluster_worker \\
-        --mode gradsync --strategy bsp --compress powersgd:4 --workload mlp --steps 64 \\
-        --global-batch 64 --out /tmp/r.json
-
-Modes: ``gradsync`` (``gs.Synchronizer`` with ``--strategy``/``--compress``/``--bucket-mb``),
-``ddp`` (``DistributedDataParallel``, ``--bucket-mb``), ``ddp-powersgd`` (DDP with torch's own
-``powerSGD_hook``, rank 4, vanilla all-reduce for the first 10 iterations, torch's defaults
-otherwise) and ``compute-only`` (the same work with no communication: the limit).
-
-Several configurations can share one launch (``--config NAME=MODE[,key=value...]``, repeatable;
-keys ``strategy``, ``compress``, ``bucket_mb``, ``steps``): they run one after another in the
-same processes, each with a fresh model, optimizer and DDP/Synchronizer. Starting torchrun on
-every emulated host costs 10-20 s, more than most configurations train, so the benchmark
-starts one launch per repeat rather than one per configuration.
-
-Every mode trains the same model from the same seed with the workload's own optimizer and
-learning rate, and rank r takes the same slice ``r`` of the same global batch at every step
-(as ``gradsync/worker.py`` does), so loss curves compare across modes. Rank 0 writes ``--out``
-(JSON): per step, the training loss of the global batch (mean over the ranks' slices; for
-DiLoCo, of the ranks' local models) and rank 0's time since the start of step 0. On a failure
-every rank writes ``--out``.try<RESTART>.rank<R>.error.json with the error, so a partition test
-can read who said what. With ``--checkpoint-dir``, gradsync runs checkpoint every
-``--checkpoint-every`` steps and a worker restarted by the elastic agent resumes from there.
+Several configurations (``--config NAME=MODE[,key=value...]``) share one launch, one after
+another in the same processes, because starting torchrun on every emulated host costs 10-20 s,
+more than most configurations train. Rank 0 writes ``--out`` (JSON): per configuration and
+step, the loss of the global batch and the time since step 0. On a failure every rank writes
+``--out``.try<RESTART>.rank<R>.error.json, so a partition test can read who said what.
 """
 
 from __future__ import annotations
@@ -33,28 +14,24 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 import gradsync as gs
+from benchmarks.steps import MODES, Trainer
 from gradsync.buckets import plan_buckets
+from gradsync.cluster.allreduce_probe import measure
 from gradsync.workloads import make_workload
 
-MODES = ("gradsync", "ddp", "ddp-powersgd", "compute-only")
-# torch's PowerSGD: the rank asked for in issue 8; 10 plain all-reduce iterations first, as
-# torch's documentation suggests, so the compressed phase starts from a sensible gradient.
-DDP_POWERSGD_RANK = 4
-DDP_POWERSGD_START = 10
+KEYS = ("strategy", "compress", "bucket_mb", "steps")  # what --config may set per run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,12 +56,7 @@ def parse_run(text: str, defaults: RunSpec) -> RunSpec:
     if not sep or not name or not rest:
         raise ValueError(f"bad --config {text!r}: use NAME=MODE[,key=value...]")
     mode, *pairs = rest.split(",")
-    fields: dict[str, Any] = {
-        "strategy": defaults.strategy,
-        "compress": defaults.compress,
-        "bucket_mb": defaults.bucket_mb,
-        "steps": defaults.steps,
-    }
+    fields: dict[str, Any] = {k: getattr(defaults, k) for k in KEYS}
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in fields:
@@ -119,133 +91,55 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     if args.global_batch < 1 or args.timeout <= 0:
         p.error("need --global-batch >= 1 and --timeout > 0")
     try:
-        defaults = RunSpec(
-            name=args.mode,
-            mode=args.mode,
-            strategy=args.strategy,
-            compress=args.compress,
-            bucket_mb=args.bucket_mb,
-            steps=args.steps,
-        )
+        defaults = RunSpec(name=args.mode, mode=args.mode, **{k: getattr(args, k) for k in KEYS})
         runs = [parse_run(r, defaults) for r in args.config] or [defaults]
     except ValueError as exc:
         p.error(str(exc))
     return args, runs
 
 
-def probe_allreduce(sizes: list[int], repeats: int = 3) -> list[dict[str, float]]:
-    """Median time of an all-reduce per size, each behind a barrier (slowest rank's time), for
-    the alpha-beta fit that the overlap prediction uses."""
-    out = []
-    for size in sizes:
-        buf = torch.ones(max(1, size // 4))
-        dist.all_reduce(buf)  # warm-up: connections and allocation
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - t0)
-        worst = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        out.append({"bytes": float(buf.numel() * 4), "time_s": statistics.median(worst.tolist())})
-    return out
+def probe_allreduce(sizes: list[int]) -> list[dict[str, Any]]:
+    """Per size, the median time of an all-reduce behind a barrier (the slowest rank's), for
+    the alpha-beta fit that the overlap prediction uses: ``gradsync cluster probe``'s timing."""
+    return [measure(size, iters=3, warmup=1) for size in sizes]
 
 
-class Trainer:
-    """Builds one run's step function; ``step(i)`` returns this rank's loss at step i."""
-
-    def __init__(self, args: argparse.Namespace, spec: RunSpec, world: int, rank: int) -> None:
-        self.args, self.spec = args, spec
-        self.workload = make_workload(args.workload, seed=args.seed, params=args.params)
-        self.model = self.workload.build_model()
-        self.opt = self.workload.make_optimizer(self.model, self.workload.default_lr)
-        if args.global_batch % world:
-            raise SystemExit(f"--global-batch {args.global_batch} does not split over {world}")
-        per_rank = args.global_batch // world
-        self.lo, self.hi = rank * per_rank, (rank + 1) * per_rank
-        self.fwd_s: list[float] = []
-        self.bwd_s: list[float] = []
-        self.sync: gs.Synchronizer | None = None
-        self.step: Callable[[int], float]
-        if spec.mode == "gradsync":
-            self.sync = gs.Synchronizer(
-                self.model,
-                self.opt,
-                strategy=spec.strategy,
-                compression=None if spec.compress == "none" else spec.compress,
-                bucket_mb=spec.bucket_mb,
-                timeout_s=args.timeout,
-            )
-            self.step = self._gradsync_step
-        elif spec.mode in ("ddp", "ddp-powersgd"):
-            self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=spec.bucket_mb)
-            if spec.mode == "ddp-powersgd":
-                from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-                state = psgd.PowerSGDState(
-                    process_group=None,
-                    matrix_approximation_rank=DDP_POWERSGD_RANK,
-                    start_powerSGD_iter=DDP_POWERSGD_START,
-                )
-                self.ddp.register_comm_hook(state, psgd.powerSGD_hook)
-            self.step = self._ddp_step
-        else:
-            self.step = self._local_step
-
-    def bucket_bytes(self) -> list[int]:
-        """Sizes of the buckets gradsync forms at this bucket size (for the overlap model)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        return [
-            sum(p.numel() * p.element_size() for p in b)
-            for b in plan_buckets(params, self.spec.bucket_mb)
-        ]
-
-    def _batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.workload.batch(i, self.args.global_batch, self.lo, self.hi)
-
-    def _gradsync_step(self, i: int) -> float:
-        assert self.sync is not None
-        with self.sync.step(samples=self.hi - self.lo) as s:
-            x, y = self._batch(i)
-            loss = self.workload.loss(self.model, x, y)
-            loss.backward()
-            s.loss = loss
-        return loss.item()
-
-    def _ddp_step(self, i: int) -> float:
-        self.opt.zero_grad(set_to_none=True)
-        x, y = self._batch(i)
-        loss = self.workload.loss(self.ddp, x, y)
-        loss.backward()
-        self.opt.step()
-        return loss.item()
-
-    def _local_step(self, i: int) -> float:
-        # Forward and backward timed apart: the backward share is what overlap can hide behind.
-        self.opt.zero_grad(set_to_none=True)
-        x, y = self._batch(i)
-        t0 = time.perf_counter()
-        loss = self.workload.loss(self.model, x, y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.fwd_s.append(t1 - t0)
-        self.bwd_s.append(t2 - t1)
-        return loss.item()
+def bucket_bytes(model: torch.nn.Module, bucket_mb: float) -> list[int]:
+    """Sizes of the buckets gradsync forms at this bucket size (for the overlap model)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [sum(p.numel() * p.element_size() for p in b) for b in plan_buckets(params, bucket_mb)]
 
 
-def warm_up(args: argparse.Namespace, world: int, rank: int) -> None:
+def make_trainer(args: argparse.Namespace, spec: RunSpec) -> Trainer:
+    """One run: a fresh model and the workload's own optimizer and rate; a compute-only run
+    times forward and backward apart (``fwd_s``, ``bwd_s``)."""
+    return Trainer(
+        spec.mode,
+        make_workload(args.workload, seed=args.seed, params=args.params),
+        args.global_batch,
+        bucket_mb=spec.bucket_mb,
+        time_phases=True,
+        strategy=spec.strategy,
+        compression=spec.compress,
+        timeout_s=args.timeout,
+    )
+
+
+def warm_up(args: argparse.Namespace) -> None:
     """Untimed: the first configuration of a launch must not pay for lazy initialisation
     (autograd and allocator start-up, gloo's first connections) that later ones skip."""
     if args.warmup_steps > 0:
         spec = RunSpec(name="warm-up", mode="compute-only", steps=args.warmup_steps)
-        trainer = Trainer(args, spec, world, rank)
+        trainer = make_trainer(args, spec)
         for i in range(spec.steps):
             trainer.step(i)
     dist.all_reduce(torch.ones(1 << 18))
     dist.barrier()
+
+
+def _restarts() -> int:
+    """How often the elastic agent restarted this worker group (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -258,13 +152,13 @@ def _write_json(path: str, obj: Any) -> None:
 def train_one(args: argparse.Namespace, spec: RunSpec, seen: dict[str, Any]) -> dict[str, Any]:
     """One configuration; ``seen`` holds the wall-clock time of the last finished step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = Trainer(args, spec, world, rank)
+    trainer = make_trainer(args, spec)
     params = sum(p.numel() for p in trainer.model.parameters())
     losses: list[float] = []
     times: list[float] = []
     start = 0
     ckpt = args.checkpoint_dir if trainer.sync is not None else None
-    if ckpt and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if ckpt and _restarts() > 0:
         # Restarted by the elastic agent (--max-restarts) after a failure: the same run goes
         # on from the newest complete checkpoint; each step's batch is a function of the step.
         assert trainer.sync is not None
@@ -273,7 +167,7 @@ def train_one(args: argparse.Namespace, spec: RunSpec, seen: dict[str, Any]) -> 
     dist.barrier()  # everyone starts step 0 together: times are from a common origin
     t0 = time.perf_counter()
     for i in range(start, spec.steps):
-        losses.append(trainer.step(i))
+        losses.append(trainer.step(i).item())
         times.append(time.perf_counter() - t0)
         seen.update(run=spec.name, last_step=i, last_step_at=time.time())
         if rank == 0 and args.progress:
@@ -294,17 +188,12 @@ def train_one(args: argparse.Namespace, spec: RunSpec, seen: dict[str, Any]) -> 
     dist.all_gather_object(gathered, losses)
     global_loss = [sum(col) / world for col in zip(*gathered, strict=True)]
     return {
-        "name": spec.name,
-        "mode": spec.mode,
-        "strategy": spec.strategy,
-        "compress": spec.compress,
-        "bucket_mb": spec.bucket_mb,
-        "steps": spec.steps,
+        **asdict(spec),
         "start_step": start,
-        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "restart_count": _restarts(),
         "params": params,
         "grad_bytes": params * 4,
-        "bucket_bytes": trainer.bucket_bytes(),
+        "bucket_bytes": bucket_bytes(trainer.model, spec.bucket_mb),
         "loss": global_loss,
         "loss_rank0": gathered[0],
         "time_s": times,
@@ -319,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     gs.init(backend="gloo", timeout_s=args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} does not split over {world}")
     host = int(os.environ.get("GRADSYNC_CLUSTER_HOST", "-1"))
     seen: dict[str, Any] = {"run": None, "last_step": -1, "last_step_at": time.time()}
     try:
@@ -326,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.all_gather_object(hosts, host)
         if rank == 0:  # early, so a partition test knows who lives where before anything fails
             _write_json(f"{args.out}.hosts.json", hosts)
-        warm_up(args, world, rank)
+        warm_up(args)
         probe = probe_allreduce([int(s) for s in args.probe_sizes.split(",") if s])
         results = []
         for spec in runs:
@@ -336,8 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every rank says what it saw, with wall-clock times the caller can set against the
         # moment it took a link down.
         _write_json(
-            f"{args.out}.try{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-            f".rank{rank}.error.json",
+            f"{args.out}.try{_restarts()}.rank{rank}.error.json",
             {
                 "rank": rank,
                 "host": host,

@@ -1,20 +1,9 @@
 """The synchronization dial with a straggler: every strategy against BSP, 4 workers, charlm.
 
-    python -m benchmarks.dial [--repeats 3] [--steps 150] [--target 2.5]
-                              [--jitter-repeats 2] [--quick] [--write]
-
-Each repeat runs `gradsync.compare.run_comparison` over bsp, ssp:2, async, local:8, diloco:16
-(ssp and async add one parameter-server process), same seed, rank 3 slowed 2x (`slow="3:2"`),
-in that order on even repeats and reversed on odd ones, so no strategy always runs first or
-last. Every figure is a ratio against BSP from the same repeat; the table shows medians over
-repeats. Samples/s and seconds to the target loss are run_comparison's: all workers' samples
-over the wall time from the first step's start to the last step's end, and the first step at
-which the 10-step moving average of the loss (mean over workers) is at or below the target,
-stamped with the time the slowest worker finished that step.
-
-A second, shorter configuration (`--jitter-repeats`, 0 to skip) runs bsp, ssp:2 and async with
-a straggler that moves: at step s, rank s mod 4 is slowed 3x for that one step. That is where
-the staleness slack can pay off, unlike with a straggler that stays slow.
+Each repeat runs `gradsync.compare.run_comparison` over the strategies, rank 3 slowed 2x, in
+alternating order, and every figure is a ratio against BSP from the same repeat. A second,
+shorter set (`--jitter-repeats`, 0 skips it) moves the straggler every step: that is where a
+staleness slack can pay off, unlike with a straggler that stays slow.
 """
 
 from __future__ import annotations
@@ -36,13 +25,15 @@ from gradsync.telemetry.records import StepRecord, read_records
 from gradsync.workloads import make_workload
 
 STRATEGIES = ("bsp", "ssp:2", "async", "local:8", "diloco:16")
-SLOW = "3:2"
+SLOW_RANK, SLOW_FACTOR = 3, 2.0
+SLOW = f"{SLOW_RANK}:{SLOW_FACTOR:g}"
 NPROC = 4
 SEED = 0
 EXPECTED_SPEEDUP = 1.3  # the issue's expectation for ssp and async against BSP
 JITTER_STRATEGIES = ("bsp", "ssp:2", "async")
 JITTER_STEPS = 50
 JITTER_FACTOR = 3.0
+Repeats = list[dict[str, dict[str, Any]]]  # per repeat, run_comparison's row by strategy
 
 
 def jitter_slow(steps: int, nproc: int = NPROC, factor: float = JITTER_FACTOR) -> str:
@@ -57,11 +48,6 @@ def run_dirname(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
 
 
-def _slow_rank_and_factor(slow: str) -> tuple[int, float]:
-    rank, _, factor = slow.partition(":")
-    return int(rank), float(factor.partition("@")[0])
-
-
 def _all_busy_stop(records: list[StepRecord]) -> float:
     """When the first worker finished its last step."""
     ends: dict[int, float] = {}
@@ -71,12 +57,8 @@ def _all_busy_stop(records: list[StepRecord]) -> float:
 
 
 def all_busy_rate(records: list[StepRecord]) -> float:
-    """Samples/s over the span in which every worker was still training.
-
-    Every worker runs the same number of steps, so under ssp/async the fast workers finish
-    early and the run's wall time ends with the straggler working alone; this rate stops the
-    clock when the first worker finishes, counting the steps completed by then.
-    """
+    """Samples/s until the first worker finished: under ssp/async the fast workers finish
+    early and the run's wall time ends with the straggler working alone."""
     start = min(r.time for r in records)
     stop = _all_busy_stop(records)
     done = sum(r.samples for r in records if r.time + r.compute + r.sync <= stop)
@@ -98,10 +80,10 @@ def run_set(
     base: RunConfig,
     strategies: list[str],
     repeats: int,
-    target: float | None,
     out: Path,
-    slow_rank: int | None,
-) -> list[dict[str, dict[str, Any]]]:
+    target: float | None = None,
+    straggler: int | None = None,
+) -> Repeats:
     """``repeats`` comparisons of ``strategies`` (forward, then reversed order), each row with
     the while-all-train rate and the straggler's step time added."""
     results = []
@@ -116,13 +98,13 @@ def run_set(
             records = read_records(rep_out / run_dirname(spec))
             row["all_busy_samples_per_s"] = all_busy_rate(records)
             row["straggler_step_s"] = (
-                None if slow_rank is None else straggler_step_s(records, slow_rank)
+                None if straggler is None else straggler_step_s(records, straggler)
             )
         results.append(rows)
     return results
 
 
-def run(args: argparse.Namespace, out: Path) -> dict[str, list[dict[str, dict[str, Any]]]]:
+def run(args: argparse.Namespace, out: Path) -> dict[str, Repeats]:
     base = RunConfig(
         nproc=NPROC,
         workload=args.workload,
@@ -133,20 +115,12 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, list[dict[str, dict[st
         plots=False,
         out=str(out),
     )
-    sets = {
-        "straggler": run_set(
-            base,
-            args.strategies,
-            args.repeats,
-            args.target,
-            out / "straggler",
-            _slow_rank_and_factor(SLOW)[0],
-        )
-    }
+    fixed = run_set(base, args.strategies, args.repeats, out / "straggler", args.target, SLOW_RANK)
+    sets = {"straggler": fixed}
     if args.jitter_repeats > 0:
         jitter = replace(base, steps=args.jitter_steps, slow=jitter_slow(args.jitter_steps))
         sets["jitter"] = run_set(
-            jitter, list(JITTER_STRATEGIES), args.jitter_repeats, None, out / "jitter", None
+            jitter, list(JITTER_STRATEGIES), args.jitter_repeats, out / "jitter"
         )
     return sets
 
@@ -155,36 +129,35 @@ def _fmt(value: float | None, spec: str) -> str:
     return "never" if value is None else format(value, spec)
 
 
-def _vs_bsp(repeats: list[dict[str, dict[str, Any]]], s: str, key: str) -> float | None:
-    """Median over repeats of strategy s's figure over BSP's in the same repeat; a repeat where
-    either is missing (target never reached) is left out."""
-    return median_of_ratios([rep[s][key] for rep in repeats], [rep["bsp"][key] for rep in repeats])
+# The summary's figures: medians over repeats of a row's value, and medians of per-repeat
+# ratios against BSP (a repeat where either is missing, a target never reached, is left out).
+MEDIANS = {
+    "sps": "samples_per_s",
+    "steps_to": "steps_to_target",
+    "s_to": "seconds_to_target",
+    "final": "final_loss",
+    "mb": "mb_sent",
+    "tax": "barrier_tax",
+}
+RATIOS = {
+    "sps_ratio": "samples_per_s",
+    "busy_ratio": "all_busy_samples_per_s",
+    "s_ratio": "seconds_to_target",
+}
 
 
-def _summary(
-    repeats: list[dict[str, dict[str, Any]]], strategies: list[str]
-) -> dict[str, dict[str, Any]]:
+def _summary(repeats: Repeats, strategies: list[str]) -> dict[str, dict[str, Any]]:
     summary: dict[str, dict[str, Any]] = {}
     for s in strategies:
         rows = [rep[s] for rep in repeats]
-        summary[s] = {
-            "sps": median([r["samples_per_s"] for r in rows]),
-            "sps_ratio": _vs_bsp(repeats, s, "samples_per_s"),
-            "busy_ratio": _vs_bsp(repeats, s, "all_busy_samples_per_s"),
-            "steps_to": median([r["steps_to_target"] for r in rows]),
-            "s_to": median([r["seconds_to_target"] for r in rows]),
-            "s_ratio": _vs_bsp(repeats, s, "seconds_to_target"),
-            "reached": sum(r["steps_to_target"] is not None for r in rows),
-            "final": median([r["final_loss"] for r in rows]),
-            "mb": median([r["mb_sent"] for r in rows]),
-            "tax": median([r["barrier_tax"] for r in rows]),
-            "straggler_ms": median(
-                [
-                    None if r.get("straggler_step_s") is None else r["straggler_step_s"] * 1e3
-                    for r in rows
-                ]
-            ),
-        }
+        m = {k: median([r[key] for r in rows]) for k, key in MEDIANS.items()}
+        for k, key in RATIOS.items():
+            bsp = [rep["bsp"][key] for rep in repeats]
+            m[k] = median_of_ratios([r[key] for r in rows], bsp)
+        m["reached"] = sum(r["steps_to_target"] is not None for r in rows)
+        straggler = [r.get("straggler_step_s") for r in rows]
+        m["straggler_ms"] = median([None if x is None else x * 1e3 for x in straggler])
+        summary[s] = m
     return summary
 
 
@@ -195,10 +168,7 @@ def _optimizer_name(workload: str) -> str:
 
 
 def render(
-    sets: dict[str, list[dict[str, dict[str, Any]]]],
-    args: argparse.Namespace,
-    command: str,
-    optimizer: str | None = None,
+    sets: dict[str, Repeats], args: argparse.Namespace, command: str, optimizer: str | None = None
 ) -> str:
     strategies = list(args.strategies)
     repeats = sets["straggler"]
@@ -238,20 +208,14 @@ def render(
         "every rank's payload, for ssp/async the workers' pushes plus the servers' replies "
         "(the pulled parameters), so about twice BSP's.\n"
     )
-    text = (
-        head
-        + "\n"
-        + body
-        + "\n\n"
-        + _findings(summary, strategies, n, cores, servers, args.steps, opt)
-        + "\n"
-    )
+    findings = _findings(summary, strategies, n, cores, servers, args.steps, opt)
+    text = f"{head}\n{body}\n\n{findings}\n"
     if "jitter" in sets:
         text += "\n" + _render_jitter(sets["jitter"], args)
     return text
 
 
-def _render_jitter(repeats: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> str:
+def _render_jitter(repeats: Repeats, args: argparse.Namespace) -> str:
     strategies = [s for s in JITTER_STRATEGIES if s in repeats[0]]
     m = _summary(repeats, strategies)
     cells = (("sps", ".0f"), ("sps_ratio", ".2f"), ("final", ".4f"), ("tax", ".1%"))
@@ -288,7 +252,6 @@ def _findings(
     optimizer: str,
 ) -> str:
     """Sentences generated from the measured medians: expectation met or not, and why."""
-    slow_rank, factor = _slow_rank_and_factor(SLOW)
     out = []
     ps = [s for s in strategies if uses_servers(s)]
     for s in ps:
@@ -308,7 +271,7 @@ def _findings(
     )
     paragraphs = [" ".join(out)]
     if ps:
-        paragraphs += _why_not_faster(m, ps, steps, factor, slow_rank, cores)
+        paragraphs += _why_not_faster(m, ps, steps, cores)
     for s in ps:
         if not s.startswith("ssp") or m[s]["steps_to"] is None or m["bsp"]["steps_to"] is None:
             continue
@@ -346,15 +309,11 @@ def _findings(
 
 
 def _why_not_faster(
-    m: dict[str, dict[str, Any]],
-    ps: list[str],
-    steps: int,
-    factor: float,
-    slow_rank: int,
-    cores: int,
+    m: dict[str, dict[str, Any]], ps: list[str], steps: int, cores: int
 ) -> list[str]:
     """Why the parameter server cannot reach the expected speed-up with this straggler."""
     out = []
+    factor = SLOW_FACTOR
     ideal = ((NPROC - 1) * factor + 1) / NPROC
     missed = [
         s for s in ps if m[s]["sps_ratio"] is not None and m[s]["sps_ratio"] < EXPECTED_SPEEDUP
@@ -362,7 +321,7 @@ def _why_not_faster(
     if missed:
         out.append(
             f"Why not {EXPECTED_SPEEDUP}x over the whole run: every worker runs the same "
-            f"{steps} steps, so the run ends when the straggler (rank {slow_rank}, "
+            f"{steps} steps, so the run ends when the straggler (rank {SLOW_RANK}, "
             f"{factor:g}x) finishes its own, under ssp and async as under BSP. The run's samples "
             "are fixed, so with a core per process whole-run samples/s can exceed BSP's only by "
             "what BSP adds to the straggler's own step (its all-reduce; it never waits at the "
@@ -393,14 +352,14 @@ def _why_not_faster(
             "step and the straggler catches up afterwards."
         )
     if "async" in ps and m["async"]["s_ratio"] is not None and m["bsp"]["steps_to"]:
-        out.append(_async_to_target(m, factor, cores))
+        out.append(_async_to_target(m, cores))
     return out
 
 
-def _async_to_target(m: dict[str, dict[str, Any]], factor: float, cores: int) -> str:
+def _async_to_target(m: dict[str, dict[str, Any]], cores: int) -> str:
     """Why async reaches the target loss when it does, against BSP."""
     a, b = m["async"], m["bsp"]
-    staleness = (NPROC - 1) * factor
+    staleness = (NPROC - 1) * SLOW_FACTOR
     if a["steps_to"] is not None and a["steps_to"] <= 1.1 * b["steps_to"]:
         text = (
             f"Time to target under async: about as many steps as BSP ({a['steps_to']:.0f} "

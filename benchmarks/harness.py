@@ -1,8 +1,8 @@
 """What every benchmark shares: its command line (``Harness``: ``--write``, ``--md``, ``--quick``,
 ``--repeats``, the quoted command, the write-out), the interleaved run order (``interleave``,
-``order``), the statistics of per-repeat ratios (``median_of_ratios``, ``median_iqr``), the
-machine line and markdown tables. Benchmarks run as modules from the repository root:
-``python -m benchmarks.NAME``.
+``order``, ``time_interleaved``), the statistics of per-repeat ratios (``median_of_ratios``,
+``median_iqr``), the machine line and markdown tables. Benchmarks run as modules from the
+repository root: ``python -m benchmarks.NAME``.
 """
 
 from __future__ import annotations
@@ -186,11 +186,6 @@ def interleave(
     return results
 
 
-def by_name(repeats: list[dict[K, R]]) -> dict[K, list[R]]:
-    """Per-repeat results regrouped: each name's results, in repeat order."""
-    return {n: [rep[n] for rep in repeats] for n in (repeats[0] if repeats else {})}
-
-
 def time_block(step: Callable[[int], Any], steps: int, first: int = 0) -> float:
     """Mean seconds of ``step(i)`` for i in [first, first + steps), on every rank, between two
     barriers so that every rank's block covers the same steps."""
@@ -200,6 +195,26 @@ def time_block(step: Callable[[int], Any], steps: int, first: int = 0) -> float:
         step(i)
     dist.barrier()
     return (time.perf_counter() - t0) / steps
+
+
+def time_interleaved(
+    steps: dict[K, Callable[[int], Any]],
+    repeats: int,
+    block: int,
+    *,
+    warmup: int = 2,
+    first: int = 0,
+    style: str = ROTATE,
+) -> dict[K, list[float]]:
+    """Mean step time of every block, by configuration, in repeat order: after ``warmup``
+    untimed steps of each (allocator, first buckets, connections), one block of ``block``
+    steps per configuration and repeat, steps ``first + r * block`` on in repeat r."""
+    for step in steps.values():
+        time_block(step, warmup)
+    runs = interleave(
+        list(steps), repeats, lambda n, r: time_block(steps[n], block, first + r * block), style
+    )
+    return {n: [run[n] for run in runs] for n in steps}
 
 
 # Statistics -------------------------------------------------------------------------------------

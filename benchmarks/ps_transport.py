@@ -1,22 +1,9 @@
 """The parameter server's transport: a push/pull round trip against an all-reduce of the same bytes.
 
-    python -m benchmarks.ps_transport [--repeats 7] [--no-rpc] [--quick] [--write]
-
-gloo on loopback, 1 thread per process, float32 messages of 4 KiB to 16 MiB. Two layouts:
-
-- **1 worker + 1 server** (2 processes): the worker sends S bytes to the server and receives S
-  bytes back (``isend``/``irecv``, what gradsync's parameter server does every step), against
-  ``all_reduce`` of S bytes between the same two processes.
-- **2 workers + 1 server** (3 processes): both workers push and pull S bytes at once through
-  the one server, against ``all_reduce`` of S bytes between the two workers alone (what BSP
-  would do with the same workers; the server process idles meanwhile).
-
-Where ``torch.distributed.rpc`` (TensorPipe) starts on this machine, a third method sends the
-same tensor with ``rpc_sync`` to a function on the server that returns it (the push and the
-pull in one call). Every method is timed on worker rank 0 as the mean of a block of round trips
-between two barriers; blocks of the methods are interleaved with the order rotated by repeat,
-and the table shows the median over repeats. Throughput is S over the time of one round trip
-(the bytes one worker pushes, which it also pulls back).
+Two layouts: 1 worker + 1 server (the all-reduce between the same two processes) and 2 workers
++ 1 server (both workers push and pull at once through the one server; the all-reduce between
+the two workers alone, what BSP would do with them). Where ``torch.distributed.rpc`` starts, a
+third method sends the tensor with ``rpc_sync`` to a server function that returns it.
 """
 
 from __future__ import annotations
@@ -34,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
-from benchmarks.harness import Harness, by_name, interleave, machine, span, table, time_block
+from benchmarks.harness import Harness, machine, span, table, time_interleaved
 from gradsync.launch import launch
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # bytes
@@ -43,6 +30,7 @@ MAX_ROUNDS = 100  # small messages are latency-bound: 100 round trips already ti
 METHODS = ("push/pull", "all-reduce", "rpc")
 RPC_TIMEOUT_S = 60.0
 TIMES = "{:.2f}x"  # how a ratio to all-reduce prints
+Round = Callable[[int], None]  # one round trip (the index time_interleaved passes is unused)
 
 
 def _size_label(nbytes: int) -> str:
@@ -54,7 +42,7 @@ def _echo(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _push_pull(numel: int, workers: int) -> Callable[[], None]:
+def _push_pull(numel: int, workers: int) -> Round:
     """One round: every worker sends S bytes to the server (the last rank) and receives S back.
 
     The server posts a receive from every worker and answers each as its push arrives, in
@@ -65,7 +53,7 @@ def _push_pull(numel: int, workers: int) -> Callable[[], None]:
     if rank == server:
         bufs = [torch.empty(numel) for _ in range(workers)]
 
-        def serve() -> None:
+        def serve(_i: int) -> None:
             recvs = [dist.irecv(bufs[w], src=w) for w in range(workers)]
             sends = []
             for w, work in enumerate(recvs):
@@ -77,7 +65,7 @@ def _push_pull(numel: int, workers: int) -> Callable[[], None]:
         return serve
     push, pull = torch.ones(numel), torch.empty(numel)
 
-    def round_trip() -> None:
+    def round_trip(_i: int) -> None:
         sent = dist.isend(push, dst=server)
         got = dist.irecv(pull, src=server)
         sent.wait()
@@ -86,22 +74,22 @@ def _push_pull(numel: int, workers: int) -> Callable[[], None]:
     return round_trip
 
 
-def _all_reduce(numel: int, group: dist.ProcessGroup | None, member: bool) -> Callable[[], None]:
+def _all_reduce(numel: int, group: dist.ProcessGroup | None, member: bool) -> Round:
     buf = torch.ones(numel)
 
-    def step() -> None:
+    def step(_i: int) -> None:
         if member:  # the server of the 3-process layout is not in the workers' group
             dist.all_reduce(buf, group=group)
 
     return step
 
 
-def _rpc(numel: int, server_name: str, is_server: bool) -> Callable[[], None]:
+def _rpc(numel: int, server_name: str, is_server: bool) -> Round:
     import torch.distributed.rpc as rpc
 
     push = torch.ones(numel)
 
-    def step() -> None:
+    def step(_i: int) -> None:
         if not is_server:  # the server's rpc agent answers from its own threads
             rpc.rpc_sync(server_name, _echo, args=(push,))
 
@@ -133,19 +121,6 @@ def _start_rpc(store_file: str, rank: int, world: int) -> bool:
     return bool(flag.item())
 
 
-def _time_rounds(fn: Callable[[], None], rounds: int) -> float:
-    return time_block(lambda _i: fn(), rounds)
-
-
-def _measure(
-    fns: dict[str, Callable[[], None]], rounds: int, repeats: int
-) -> dict[str, list[float]]:
-    """Seconds per round trip of every block, by method, in repeat order."""
-    for fn in fns.values():  # warm-up: connections, buffers
-        _time_rounds(fn, 2)
-    return by_name(interleave(list(fns), repeats, lambda name, _r: _time_rounds(fns[name], rounds)))
-
-
 def worker(args: dict[str, Any]) -> dict[str, Any] | None:
     gs.init(backend="gloo")
     torch.set_num_threads(1)
@@ -170,7 +145,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
         if use_rpc:
             fns["rpc"] = _rpc(numel, f"rank{server}", rank == server)
         rounds = max(3, min(MAX_ROUNDS, BLOCK_BYTES // nbytes))
-        results[nbytes] = _measure(fns, rounds, args["repeats"])
+        # Seconds per round trip of every block, by method, in repeat order.
+        results[nbytes] = time_interleaved(fns, args["repeats"], rounds)
     if use_rpc:
         import torch.distributed.rpc as rpc
 

@@ -1,15 +1,8 @@
 """Reliability under repeated worker loss: writes RELIABILITY.md.
 
-    python -m benchmarks.reliability [--steps 500 --kills 20 --every 25 --seed 7]
-                                     [--strategies bsp,async] [--quick] [--write]
-
-For each strategy (BSP, and `async` with a parameter server), runs the same job twice through
-`gradsync run`: once uninterrupted, once with KILLS SIGKILLs of random worker ranks at random
-steps (--kill, --max-restarts). Reports whether the faulty run completed, whether its final
-parameters are bitwise equal to the clean run's (BSP; an async run is not reproducible, so for
-it the final losses are compared), the steps lost per failure (kill step minus the checkpoint
-resumed from), the time from each kill to the next completed step, and the checkpoint cost
-relative to the step time.
+Per strategy, the same `gradsync run` job twice: uninterrupted, and with SIGKILLs of random
+worker ranks at random steps, recovered by the elastic agent from checkpoints; the faulty run's
+outcome against the clean one (bitwise for BSP), steps and time lost per kill, checkpoint cost.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Calibrated prediction against real runs: does the simulator predict a 4-rank run's median
 step time and barrier tax from its telemetry plus a measured all-reduce calibration?
 
-Runs, on this machine: ``gradsync bench allreduce --nproc 4`` once (sizes around both
-payloads, every repeat kept), then real 4-rank BSP runs of two workloads, without and with a
-straggler (``--slow 3:2``), interleaved A B A B. Workloads: ``tiny`` (mlp defaults, compute
-under 1 ms, all-reduce-bound) and ``big`` (``--params 500000 --batch-size 64``, compute about
-10 ms, a 1.9 MB all-reduce). Each run is predicted from its own telemetry several ways:
-
-- ``pred``: whole measured steps resampled (compute of every rank at one step), all-reduce
-  drawn from the calibration's measured repeats, plus the run's host overhead around it;
-- ``ranks``: the same, but each rank's compute drawn independently;
-- ``no ovh``: calibration all-reduce only, no host overhead (what a link model alone says);
-- ``line``: the calibration's alpha-beta line instead of its measured repeats.
-
-Straggler runs are also asked "what if the straggler were removed", against the measured runs
-without one. Prints markdown tables (per run, then medians) and a paragraph, generated from
-the same figures, on where and why the prediction misses.
-
-    .venv/bin/python -m benchmarks.sim_calibration [--repeats 3] [--steps 80] [--workdir DIR]
-                                                   [--quick] [--write]
-
-``--reuse`` with ``--workdir`` of an earlier run re-predicts the calibration and runs already
-there (measuring only what is missing): a way to re-read old measurements with a new model.
+Measures the calibration (``gradsync bench allreduce``), then real BSP runs of two workloads
+without and with a straggler, and predicts each from its own telemetry several ways; the method
+and how to read the tables are in docs/simulator.md. ``--reuse`` with the ``--workdir`` of an
+earlier run re-predicts what is already there, measuring only what is missing.
 """
 
 from __future__ import annotations
@@ -33,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import Harness, machine, span
@@ -96,22 +80,24 @@ def _pct(x: float) -> str:
 # One measured run: (name, kind, [measured, pred, ranks, no ovh, line, tax, pred tax]) in ms and
 # shares of worker-time.
 Run = tuple[str, str, list[float]]
-Groups = dict[tuple[str, str], list[list[float]]]
 
 
-def where_it_misses(
-    per_run: list[Run],
-    groups: Groups,
-    removed: dict[str, list[float]],
-    ranks: dict[str, list[float]],
-    goal: float = 0.15,
-) -> str:
-    """The 'where and why it misses' paragraph, from the figures of the tables above.
+@dataclass
+class Measured:
+    """The runs and their predictions: ``per_run`` in run order; ``groups`` the same figures by
+    (workload, kind); ``removed`` the what-if 'straggler removed' step of each straggler run,
+    by workload; ``ranks[name]`` [median compute of the other ranks, of rank SLOW_RANK, and of
+    the slowest other rank at each step] (ms)."""
 
-    ``per_run`` rows hold [measured, pred, ranks, no ovh, line, tax, pred tax] (ms, shares);
-    ``ranks[name]`` = [median compute of the other ranks, of rank SLOW_RANK, and of the
-    slowest other rank at each step] (ms).
-    """
+    per_run: list[Run] = field(default_factory=list)
+    groups: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
+    removed: dict[str, list[float]] = field(default_factory=dict)
+    ranks: dict[str, list[float]] = field(default_factory=dict)
+
+
+def where_it_misses(res: Measured, goal: float = 0.15) -> str:
+    """The 'where and why it misses' paragraph, from the figures of the tables above."""
+    per_run, groups = res.per_run, res.groups
     out = []
     errs = [(v[1] / v[0] - 1, name) for name, _, v in per_run if v[0] > 0]
     worst, worst_name = max(errs, key=lambda e: abs(e[0]))
@@ -148,28 +134,24 @@ def where_it_misses(
         "The prediction divides idle by worker-time counted as the telemetry counts it (each "
         "rank's own compute + sync), not by the slowest rank's step times the ranks."
     )
-    for wl, preds in removed.items():
+    for wl, preds in res.removed.items():
         base = groups.get((wl, "no straggler"))
         slow = groups.get((wl, "straggler 3:2"))
         if base and slow and preds:
-            out.append(_straggler_removed(wl, preds, base, slow, per_run, ranks))
+            out.append(_straggler_removed(res, wl, base, slow))
     return "\n\n".join(out)
 
 
 def _straggler_removed(
-    wl: str,
-    preds: list[float],
-    base: list[list[float]],
-    slow: list[list[float]],
-    per_run: list[Run],
-    ranks: dict[str, list[float]],
+    res: Measured, wl: str, base: list[list[float]], slow: list[list[float]]
 ) -> str:
     """What-if 'straggler removed' on workload ``wl`` against its runs without one, and why."""
     m_base = statistics.median(r[0] for r in base)
     m_slow = statistics.median(r[0] for r in slow)
-    p_removed = statistics.median(preds)
+    p_removed = statistics.median(res.removed[wl])
+    ranks = res.ranks
     names = {
-        kind: [n for n, k, _ in per_run if n.startswith(f"{wl}-") and k == kind]
+        kind: [n for n, k, _ in res.per_run if n.startswith(f"{wl}-") and k == kind]
         for kind in ("no straggler", "straggler 3:2")
     }
     others_base = statistics.median(ranks[n][0] for n in names["no straggler"])
@@ -213,16 +195,10 @@ def _rank_compute(prof: RunProfile) -> list[float]:
     ]
 
 
-def measure(
-    args: argparse.Namespace, work: Path, fit: Fit, cal: Path
-) -> tuple[list[Run], Groups, dict[str, list[float]], dict[str, list[float]]]:
-    """The real runs, A B A B, each predicted from its own telemetry (see where_it_misses
-    for what the returned figures hold)."""
+def measure(args: argparse.Namespace, work: Path, fit: Fit, cal: Path) -> Measured:
+    """The real runs, A B A B, each predicted from its own telemetry."""
     link, cal_table = fit.model(), load_calibration_table(cal)
-    per_run: list[Run] = []
-    groups: Groups = defaultdict(list)
-    removed: dict[str, list[float]] = defaultdict(list)
-    ranks: dict[str, list[float]] = {}
+    res = Measured(groups=defaultdict(list), removed=defaultdict(list))
     for i in range(args.repeats):
         for wl, flags in WORKLOADS.items():
             for kind, slow in (("no straggler", None), ("straggler 3:2", "3:2")):
@@ -231,7 +207,7 @@ def measure(
                 if not (args.reuse and (run / "metrics.jsonl").exists()):
                     real_run(run, args.steps, slow, flags)
                 prof = load_profile(run)
-                ranks[name] = _rank_compute(prof)
+                res.ranks[name] = _rank_compute(prof)
                 pred = predict(prof, link, table=cal_table)
                 vals = [
                     prof.measured_step_ms,
@@ -242,13 +218,13 @@ def measure(
                     prof.measured_barrier_tax,
                     pred.barrier_tax,
                 ]
-                per_run.append((name, kind, vals))
-                groups[(wl, kind)].append(vals)
+                res.per_run.append((name, kind, vals))
+                res.groups[(wl, kind)].append(vals)
                 if slow:
                     wi = WhatIf(remove_straggler=True)
-                    removed[wl].append(predict(prof, link, wi, table=cal_table).step_ms)
+                    res.removed[wl].append(predict(prof, link, wi, table=cal_table).step_ms)
                 print(f"{name}: measured {vals[0]:.2f} predicted {vals[1]:.2f}", file=sys.stderr)
-    return per_run, groups, removed, ranks
+    return res
 
 
 HEADER = (
@@ -258,39 +234,29 @@ HEADER = (
 )
 
 
-def render(
-    per_run: list[Run],
-    groups: Groups,
-    removed: dict[str, list[float]],
-    ranks: dict[str, list[float]],
-    repeats: int,
-) -> str:
+def _row(label: str, kind: str, v: list[float]) -> str:
+    m = v[0]
+    return (
+        f"| {label} | {kind} | {m:.2f} | {v[1]:.2f} | {err(v[1], m)} | {err(v[2], m)} | "
+        f"{err(v[3], m)} | {err(v[4], m)} | {v[5]:.1%} | {v[6]:.1%} |"
+    )
+
+
+def render(res: Measured, repeats: int) -> str:
     """The per-run table, the table of medians, and the paragraph on where it misses."""
-    out = [HEADER.format("run")]
-    for name, kind, v in per_run:
-        m = v[0]
-        out.append(
-            f"| {name} | {kind} | {m:.2f} | {v[1]:.2f} | {err(v[1], m)} | {err(v[2], m)} | "
-            f"{err(v[3], m)} | {err(v[4], m)} | {v[5]:.1%} | {v[6]:.1%} |"
-        )
+    out = [HEADER.format("run"), *(_row(*run) for run in res.per_run)]
     out += ["", f"Medians over {repeats} runs of each kind (errors of the medians):", ""]
     out.append(HEADER.format("workload"))
-    for (wl, kind), runs in groups.items():
-        med = [statistics.median(r[j] for r in runs) for j in range(7)]
-        m = med[0]
-        out.append(
-            f"| {wl} | {kind} | {m:.2f} | {med[1]:.2f} | {err(med[1], m)} | "
-            f"{err(med[2], m)} | {err(med[3], m)} | {err(med[4], m)} | {med[5]:.1%} | "
-            f"{med[6]:.1%} |"
-        )
+    for (wl, kind), runs in res.groups.items():
+        out.append(_row(wl, kind, [statistics.median(r[j] for r in runs) for j in range(7)]))
     for wl in WORKLOADS:
-        m = statistics.median(r[0] for r in groups[(wl, "no straggler")])
-        p = statistics.median(removed[wl])
+        m = statistics.median(r[0] for r in res.groups[(wl, "no straggler")])
+        p = statistics.median(res.removed[wl])
         out.append(
             f"| {wl} | straggler runs, what-if straggler removed, vs measured no-straggler | "
             f"{m:.2f} | {p:.2f} | {err(p, m)} | | | | | |"
         )
-    out += ["", where_it_misses(per_run, groups, removed, ranks)]
+    out += ["", where_it_misses(res)]
     return "\n".join(out) + "\n"
 
 
@@ -320,7 +286,7 @@ def main() -> int:
         f"Command: `{h.command()}`. "
         f"Machine: {machine()}. Method and reading: docs/simulator.md.\n\n"
     )
-    h.finish(head + render(*measure(args, work, fit, cal), args.repeats))
+    h.finish(head + render(measure(args, work, fit, cal), args.repeats))
     return 0
 
 
