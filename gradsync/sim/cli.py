@@ -47,6 +47,13 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="each worker-step slows by FACTOR with probability P",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of random.Random for the jitter")
+    _add_communication_and_strategy(sim)
+    _add_prediction(sim)
+    sim.set_defaults(func=cmd_simulate)
+    _add_bench(subparsers)
+
+
+def _add_communication_and_strategy(sim: argparse.ArgumentParser) -> None:
     c = sim.add_argument_group("communication (fixed, or alpha-beta for a message)")
     c.add_argument("--comm-ms", type=float, default=None, help="fixed ms per exchange")
     c.add_argument("--message-mb", type=float, default=None, help="gradient size in MiB")
@@ -74,6 +81,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--plot-dir", default=".", help="where sweep PNGs go (default .)")
     s.add_argument("--table-steps", type=int, default=20, help="rows of the BSP step table")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _add_prediction(sim: argparse.ArgumentParser) -> None:
     f = sim.add_argument_group("calibrated prediction from a real run")
     f.add_argument(
         "--from",
@@ -92,8 +102,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="draw whole measured steps (keeps cross-rank correlation; default) or each "
         "rank's compute independently",
     )
-    sim.set_defaults(func=cmd_simulate)
 
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="measure collectives on the live backend")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bsub.required = True

@@ -27,6 +27,93 @@ _STEP_TID, _FINDING_TID = 0, 1
 _US = 1e6
 
 
+class _Builder:
+    """The events of one trace: spans in integer microseconds from the run's start, and the
+    name of every (rank, thread) lane they use."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.events: list[dict[str, Any]] = []
+        self.threads: dict[tuple[int, int], str] = {}
+
+    def us(self, t: float) -> int:
+        # Integer microseconds from the run's start: epoch floats carry ~0.2 us of rounding, and
+        # children computed separately from their parent could poke out of it by that much.
+        return round((t - self.t0) * _US)
+
+    def span(self, rank: int, tid: int, name: str, cat: str, a: int, b: int, args: Any) -> None:
+        ev = {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": tid}
+        self.events.append({**ev, "ts": a, "dur": max(0, b - a), "args": args})
+
+    def steps(self, recs: list[StepRecord]) -> set[tuple[int, int]]:
+        """A step span per record, split into compute, sync and idle; returns the (rank, step)
+        pairs recorded."""
+        recorded: set[tuple[int, int]] = set()
+        for r, nxt in zip(recs, [*recs[1:], None], strict=False):
+            recorded.add((r.rank, r.step))
+            self.threads[(r.rank, _STEP_TID)] = "step"
+            args = {"step": r.step}
+            start = self.us(r.time)
+            sync = start + round(r.compute * _US)
+            end = sync + round(r.sync * _US)
+            if nxt is not None and nxt.rank == r.rank:
+                # Rounding each boundary on its own can push a step 1 us into the next one.
+                end = max(start, min(end, self.us(nxt.time)))
+                sync = min(sync, end)
+            self.span(r.rank, 0, f"step {r.step}", "step", start, end, {**args, "bytes": r.bytes})
+            self.span(r.rank, 0, "compute", "compute", start, sync, args)
+            self.span(r.rank, 0, "sync", "sync", sync, end, {**args, "comm_s": r.comm})
+            if r.idle > 0:
+                # min(): strategies without a barrier every step can carry idle > sync.
+                idle_end = min(end, sync + round(r.idle * _US))
+                self.span(r.rank, 0, "idle", "idle", sync, idle_end, args)
+        return recorded
+
+    def extra_spans(self, extra: list[Span], recorded: set[tuple[int, int]]) -> None:
+        """Spans the strategies recorded, each category on as many lanes as its overlaps need."""
+        lanes: dict[tuple[int, str], list[int]] = {}  # (rank, cat) -> end time of each lane
+        tids: dict[tuple[int, str, int], int] = {}
+        for s in extra:
+            if s.name in _DERIVED and (s.rank, s.step) in recorded:
+                continue
+            a = self.us(s.start)
+            b = a + round(s.dur * _US)
+            ends = lanes.setdefault((s.rank, s.cat), [])
+            lane = next((i for i, end in enumerate(ends) if end <= a), len(ends))
+            if lane == len(ends):
+                ends.append(0)
+            ends[lane] = b
+            key = (s.rank, s.cat, lane)
+            if key not in tids:
+                tids[key] = 2 + sum(1 for k in tids if k[0] == s.rank)
+                label = "runtime" if s.cat == "step" else s.cat
+                self.threads[(s.rank, tids[key])] = label if lane == 0 else f"{label} {lane + 1}"
+            self.span(s.rank, tids[key], s.name, s.cat, a, b, {"step": s.step, **(s.args or {})})
+
+    def findings(self, recs: list[StepRecord], findings: Sequence[Finding]) -> None:
+        for f in findings:
+            if f.rank is None or not recs:
+                continue
+            inside = [r for r in recs if r.rank == f.rank and f.first_step <= r.step <= f.last_step]
+            if inside:
+                last = inside[-1]
+                start, end = self.us(inside[0].time), self.us(last.time + last.compute + last.sync)
+                why = {"first_step": f.first_step, "last_step": f.last_step, "why": f.describe()}
+                name = f"straggler: {f.slowdown:.1f}x slower"
+                self.span(f.rank, _FINDING_TID, name, "straggler", start, end, why)
+                self.threads[(f.rank, _FINDING_TID)] = "stragglers"
+
+    def metadata(self) -> list[dict[str, Any]]:
+        meta: list[dict[str, Any]] = []
+        for rank in sorted({pid for pid, _ in self.threads}):
+            meta.append(_meta("process_name", rank, 0, {"name": f"rank {rank}"}))
+            meta.append(_meta("process_sort_index", rank, 0, {"sort_index": rank}))
+        for (rank, tid), name in sorted(self.threads.items()):
+            meta.append(_meta("thread_name", rank, tid, {"name": name}))
+            meta.append(_meta("thread_sort_index", rank, tid, {"sort_index": tid}))
+        return meta
+
+
 def trace_events(
     records: Iterable[StepRecord],
     spans: Iterable[Span] | None = None,
@@ -37,77 +124,11 @@ def trace_events(
     times = [r.time for r in recs] + [s.start for s in extra]
     # Offsets from the run's start keep microsecond precision that epoch microseconds would lose.
     t0 = min(times) if times else 0.0
-    events: list[dict[str, Any]] = []
-    threads: dict[tuple[int, int], str] = {}
-
-    def us(t: float) -> int:
-        # Integer microseconds from the run's start: epoch floats carry ~0.2 us of rounding, and
-        # children computed separately from their parent could poke out of it by that much.
-        return round((t - t0) * _US)
-
-    def span(rank: int, tid: int, name: str, cat: str, a: int, b: int, args: Any) -> None:
-        ev = {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": tid}
-        events.append({**ev, "ts": a, "dur": max(0, b - a), "args": args})
-
-    recorded: set[tuple[int, int]] = set()
-    for r, nxt in zip(recs, [*recs[1:], None], strict=False):
-        recorded.add((r.rank, r.step))
-        threads[(r.rank, _STEP_TID)] = "step"
-        args = {"step": r.step}
-        start = us(r.time)
-        sync = start + round(r.compute * _US)
-        end = sync + round(r.sync * _US)
-        if nxt is not None and nxt.rank == r.rank:
-            # Rounding each boundary on its own can push a step 1 us into the next one.
-            end = max(start, min(end, us(nxt.time)))
-            sync = min(sync, end)
-        span(r.rank, 0, f"step {r.step}", "step", start, end, {**args, "bytes": r.bytes})
-        span(r.rank, 0, "compute", "compute", start, sync, args)
-        span(r.rank, 0, "sync", "sync", sync, end, {**args, "comm_s": r.comm})
-        if r.idle > 0:
-            # min(): strategies without a barrier every step can carry idle > sync.
-            span(r.rank, 0, "idle", "idle", sync, min(end, sync + round(r.idle * _US)), args)
-
-    lanes: dict[tuple[int, str], list[int]] = {}  # (rank, cat) -> end time of each lane
-    tids: dict[tuple[int, str, int], int] = {}
-    for s in extra:
-        if s.name in _DERIVED and (s.rank, s.step) in recorded:
-            continue
-        a = us(s.start)
-        b = a + round(s.dur * _US)
-        ends = lanes.setdefault((s.rank, s.cat), [])
-        lane = next((i for i, end in enumerate(ends) if end <= a), len(ends))
-        if lane == len(ends):
-            ends.append(0)
-        ends[lane] = b
-        key = (s.rank, s.cat, lane)
-        if key not in tids:
-            tids[key] = 2 + sum(1 for k in tids if k[0] == s.rank)
-            label = "runtime" if s.cat == "step" else s.cat
-            threads[(s.rank, tids[key])] = label if lane == 0 else f"{label} {lane + 1}"
-        span(s.rank, tids[key], s.name, s.cat, a, b, {"step": s.step, **(s.args or {})})
-
-    for f in findings:
-        if f.rank is None or not recs:
-            continue
-        inside = [r for r in recs if r.rank == f.rank and f.first_step <= r.step <= f.last_step]
-        if inside:
-            last = inside[-1]
-            start, end = us(inside[0].time), us(last.time + last.compute + last.sync)
-            why = {"first_step": f.first_step, "last_step": f.last_step, "why": f.describe()}
-            name = f"straggler: {f.slowdown:.1f}x slower"
-            span(f.rank, _FINDING_TID, name, "straggler", start, end, why)
-            threads[(f.rank, _FINDING_TID)] = "stragglers"
-
-    meta: list[dict[str, Any]] = []
-    for rank in sorted({pid for pid, _ in threads}):
-        meta.append(_meta("process_name", rank, 0, {"name": f"rank {rank}"}))
-        meta.append(_meta("process_sort_index", rank, 0, {"sort_index": rank}))
-    for (rank, tid), name in sorted(threads.items()):
-        meta.append(_meta("thread_name", rank, tid, {"name": name}))
-        meta.append(_meta("thread_sort_index", rank, tid, {"sort_index": tid}))
+    trace = _Builder(t0)
+    trace.extra_spans(extra, trace.steps(recs))
+    trace.findings(recs, findings)
     return {
-        "traceEvents": meta + events,
+        "traceEvents": trace.metadata() + trace.events,
         "displayTimeUnit": "ms",
         "otherData": {"producer": "gradsync", "start_epoch_s": t0},
     }
