@@ -1,6 +1,8 @@
 import os
+from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 # Every rank and the test process itself use one intra-op thread: the machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -29,3 +31,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             "(pytestmark = pytest.mark.unit in the module, or one per test; see the markers "
             "in pyproject.toml):\n  " + "\n  ".join(errors)
         )
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    """A one-rank gloo group in this process for a test module (no other process, no port)."""
+    if dist.is_initialized():  # another module already made a (single-process) group
+        assert dist.get_world_size() == 1
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

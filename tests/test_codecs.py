@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gradsync.compression import (
     VALID_FORMS,
@@ -178,17 +177,6 @@ def test_powersgd_codec_never_grows_a_full_rank_matrix() -> None:
     m, approx = x[: 64 * 48].view(64, 48), out[: 64 * 48].view(64, 48)
     assert torch.linalg.matrix_rank(approx) == 2
     assert approx.norm() <= m.norm() * (1 + 1e-5)
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():  # another module already made a (single-process) group
-        assert dist.get_world_size() == 1
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("form", ["none", "fp16", "bf16", "sign", "topk:0.1"])

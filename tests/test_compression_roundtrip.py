@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gradsync.compression import (
     ALLREDUCE,
@@ -30,18 +28,8 @@ from gradsync.compression import (
     topk,
 )
 
-pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():  # another module already made a (single-process) group
-        assert dist.get_world_size() == 1
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+# The hooks run their collectives on a one-rank group (see conftest).
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_rank")]
 
 
 def exchange(compressor: Compressor, state: object, x: torch.Tensor, index: int = 0, **kw: object):
