@@ -145,6 +145,8 @@ class BucketReducer:
         self._exchange = exchange
         self._record_spans = record_spans
         self._armed = False
+        #: a gradient arrived after flush(), before the update
+        self.late_gradient = False
         self._micro_batches = 1
         self._seen: dict[int, int] = {}
         self._pending_params = [len(b.parameters()) for b in self.buckets]
@@ -183,6 +185,7 @@ class BucketReducer:
         """Launch every bucket not yet launched (block exit): missing gradients count as zero."""
         self._launch_ready(force=True)
         self._armed = False
+        self.late_gradient = False
 
     def flush_abort(self) -> None:
         """Disarm without launching (the step is being abandoned on a usage error)."""
@@ -219,6 +222,9 @@ class BucketReducer:
     # -- hooks ------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed:
+            # A backward pass after flush() (after StepHandle.synchronize()) adds into the
+            # reduced gradient on this rank only: BSP refuses the update then.
+            self.late_gradient = True
             return
         key = id(param)
         count = self._seen.get(key, 0) + 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,12 +30,34 @@ from gradsync.telemetry.timing import TelemetryCollector
 @dataclass(slots=True)
 class StepHandle:
     """Yielded by ``sync.step()``: set ``loss`` (a tensor or float) to have it reported, and
-    ``samples`` if the block's batch size differs from what the Synchronizer was told."""
+    ``samples`` if the block's batch size differs from what the Synchronizer was told.
+
+    ``synchronize()`` inside the block, after the last backward pass, is the gradient-ready
+    point: clip, unscale or log ``p.grad`` there. After the block, ``skipped`` tells whether
+    the update was skipped (a non-finite gradient) rather than applied."""
 
     step: int
     micro_batches: int
     loss: torch.Tensor | float | None = None
     samples: int = 0
+    #: after the block: True when the update was not applied (the gradient was not finite)
+    skipped: bool = False
+    _ready: Callable[[], bool] | None = field(default=None, repr=False)
+
+    def synchronize(self) -> bool:
+        """Finish this step's exchange now, inside the block, after its last backward pass.
+
+        Afterwards ``p.grad`` holds the gradient the update will use, and changing it in place
+        (``clip_grad_norm_``, ``GradScaler.unscale_``, logging its norm) changes the update:
+        under ``bsp`` the mean over ranks and micro-batches (the same on every rank); under
+        ``local:H`` / ``diloco:H`` this rank's own mean over micro-batches (the inner step's
+        gradient); under ``ssp:S`` / ``async`` this worker's gradient before it is pushed.
+        Returns False when the step will be skipped because the gradient is not finite (on
+        every rank that must agree). At most once per step; without it the exchange finishes
+        at the block's exit. No backward pass may follow it in the same block."""
+        if self._ready is None:
+            raise UsageError("synchronize() belongs inside a sync.step() block")
+        return self._ready()
 
 
 class Synchronizer:
@@ -235,6 +257,8 @@ class Synchronizer:
             weight = sizes[self.rank] * self.world_size / sum(sizes)
             samples = samples or sizes[self.rank]
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
+        ready = _GradientReady(self.strategy, self._step)
+        handle._ready = ready
         self._in_step = True
         try:
             wall0, t0 = time.time(), time.perf_counter()
@@ -246,16 +270,20 @@ class Synchronizer:
                 slept = apply_slowdowns(self.slowdowns, self.rank, self._step, self._natural)
             yield handle
             t1 = time.perf_counter()
-            self._natural = t1 - t0 - slept
-            outcome = self.strategy.gradients_ready(self._step)
+            outcome = ready.outcome()
             outcome = self.strategy.update(self._step, outcome)
             t2 = time.perf_counter()
         finally:
             self._in_step = False
+            handle._ready = None
+        # A synchronize() inside the block waited for the exchange: that is sync, not compute.
+        compute, sync = t1 - t0 - ready.seconds_in_block, t2 - t1 + ready.seconds_in_block
+        self._natural = compute - slept
+        handle.skipped = outcome.skipped
         if self.telemetry_enabled:
-            self._record(handle, wall0, t1 - t0, t2 - t1, outcome)
+            self._record(handle, wall0, compute, sync, outcome)
             if self.record_spans:
-                self._add_spans(outcome.spans, wall0, t1 - t0, t2 - t1)
+                self._add_spans(outcome.spans, wall0, compute, sync)
         self._step += 1
         if self.check_every and self._step % self.check_every == 0:
             self._check_replicas(self._step - 1)
@@ -421,3 +449,26 @@ def _check_arguments(
             f"model {type(model).__name__} has no trainable parameters "
             "(none with requires_grad=True): there is nothing to synchronize"
         )
+
+
+class _GradientReady:
+    """The gradient-ready phase of one step: run once, from ``StepHandle.synchronize()``
+    inside the block or at the block's exit, whichever comes first."""
+
+    def __init__(self, strategy: Strategy, step: int) -> None:
+        self._strategy, self._step = strategy, step
+        self._outcome: StepOutcome | None = None
+        self.seconds_in_block = 0.0
+
+    def __call__(self) -> bool:
+        if self._outcome is not None:
+            raise UsageError(f"synchronize() was already called in step {self._step}")
+        t0 = time.perf_counter()
+        self._outcome = self._strategy.gradients_ready(self._step)
+        self.seconds_in_block = time.perf_counter() - t0
+        return not self._outcome.skipped
+
+    def outcome(self) -> StepOutcome:
+        if self._outcome is None:
+            self._outcome = self._strategy.gradients_ready(self._step)
+        return self._outcome

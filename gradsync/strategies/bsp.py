@@ -120,6 +120,12 @@ class BSP(Strategy):
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         assert self._ctx is not None
+        if self.reducer.late_gradient:
+            raise UsageError(
+                f"step {step}: a backward pass ran after s.synchronize(); its gradient was added "
+                "to the averaged one on this rank only. Run every backward pass of the step "
+                "before synchronize()"
+            )
         if outcome.skipped:
             return outcome
         wall0, t0 = time.time(), time.perf_counter()

@@ -45,7 +45,9 @@ class _Periodic(Strategy):
         self._params: list[torch.Tensor] = []
         self._state: Any = None
         self._micro_batches = 1
-        self._step = 0  # of the synchronization under way, for the timeout diagnosis
+        self._step = 0  # the last step run: where a synchronization's wait is diagnosed
+        #: whether the replicas agree (right after a synchronization, or the initial broadcast)
+        self._in_sync = True
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
@@ -73,20 +75,32 @@ class _Periodic(Strategy):
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         assert self._ctx is not None
+        self._step = step  # the last step run, for the timeout diagnosis of a synchronization
         if not outcome.skipped:
             self._ctx.optimizer.step()
+        # Even after a skipped step: a skip is this rank's alone, and every rank must make the
+        # same decision in finalize() (it is a collective).
+        self._in_sync = False
         if (step + 1) % self.period:
             return outcome
         before = self._state.bytes_sent
-        self._step = step
         self._synchronize()
+        self._in_sync = True
         outcome.bytes_sent += self._state.bytes_sent - before
         outcome.barrier = True
         return outcome
 
+    def finalize(self) -> None:
+        """An incomplete last period ends with one more synchronization (an average, or an
+        outer step), so every replica leaves ``report()`` with the same parameters."""
+        if self._in_sync:
+            return
+        self._synchronize()
+        self._in_sync = True
+
     def replicas_identical(self, step: int, final: bool) -> bool:
-        """Replicas agree right after each synchronization, and only then."""
-        return (step + 1) % self.period == 0
+        """Replicas agree right after each synchronization (and at the end), and only then."""
+        return final or (step + 1) % self.period == 0
 
     def _mean(self, flat: torch.Tensor) -> torch.Tensor:
         """Mean over ranks through the compressor (plain all-reduce when uncompressed)."""
@@ -105,10 +119,11 @@ class _Periodic(Strategy):
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        return compressor_state_dict(self._state)
+        return {**compressor_state_dict(self._state), "in_sync": self._in_sync}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_compressor_state(self._state, state)
+        self._in_sync = bool(state.get("in_sync", True))
 
 
 class LocalSGD(_Periodic):

@@ -1,0 +1,93 @@
+"""Rank functions for the gradient-ready point (``s.synchronize()``) and final agreement
+(module level, so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import gradsync as gs
+from gradsync import inject
+from gradsync.workloads import make_workload
+
+MAX_NORM = 0.05
+PER_RANK = 4
+
+
+def _mlp() -> Any:
+    return make_workload("mlp", seed=3, params=5000, dtype="float64")
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def clipped_reference(world: int, steps: int) -> torch.Tensor:
+    """One process on the global batch, clipping the mean gradient: what BSP must equal."""
+    w = _mlp()
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = w.batch(step, PER_RANK * world, 0, PER_RANK * world)
+        w.loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+    return _flat(model)
+
+
+def clip_at_the_gradient_ready_point(
+    rank: int, world: int, strategy: str, steps: int, clip: bool
+) -> dict[str, Any]:
+    """Two micro-batches a step; clip at ``s.synchronize()`` (or not)."""
+    w = _mlp()
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    start = _flat(model)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, bucket_mb=0.01, check_every=1)
+    if sync.is_server:
+        sync.serve()
+        return {}
+    gb = PER_RANK * sync.num_workers
+    norms, ready = [], []
+    for step in range(steps):
+        with sync.step(micro_batches=2) as s:
+            for half in range(2):
+                lo = rank * PER_RANK + half * PER_RANK // 2
+                x, y = w.batch(step, gb, lo, lo + PER_RANK // 2)
+                w.loss(model, x, y).backward()
+            ready.append(s.synchronize())
+            if clip:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+    sync.report()
+    return {"final": _flat(model), "start": start, "norms": norms, "ready": ready}
+
+
+def skip_is_reported_on_the_handle(rank: int, world: int) -> dict[str, Any]:
+    w = _mlp()
+    model = w.build_model()
+    sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    inject.nan_gradient(sync, rank=1, step=2)
+    ready, skipped = [], []
+    for step in range(4):
+        with sync.step() as s:
+            x, y = w.batch(step, PER_RANK * world, rank * PER_RANK, (rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+            ready.append(s.synchronize())
+        skipped.append(s.skipped)
+    sync.report()
+    return {"ready": ready, "skipped": skipped}
+
+
+def periodic_ending_mid_period(rank: int, world: int, strategy: str, steps: int) -> torch.Tensor:
+    w = _mlp()
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, check_every=0)
+    for step in range(steps):
+        with sync.step():
+            x, y = w.batch(step, PER_RANK * world, rank * PER_RANK, (rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+    sync.report()
+    return _flat(model)
