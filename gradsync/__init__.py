@@ -12,6 +12,7 @@ report = sync.report()
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 # Only the errors are imported eagerly. Every other public name is loaded on first use
@@ -83,6 +84,10 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        # A subpackage or module (``gradsync.compression.ddp_comm_hook`` after a plain
+        # ``import gradsync``): loaded on first use like the names above.
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+            return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # cache: the next lookup is a plain module attribute

@@ -20,7 +20,10 @@ def default_backend() -> str:
 
 
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the process group described by torchrun's environment variables.
+    """Join the process group described by torchrun's environment variables, or, when none of
+    them is set (``python train.py``), make a world of one: a single-process group whose store
+    lives in this process, so nothing listens on a port and every strategy that needs no
+    second rank runs unchanged.
 
     Idempotent: a second call (or a call after the user initialised torch.distributed
     themselves) does nothing. Picks NCCL on CUDA, gloo on CPU, unless ``backend`` is given.
@@ -28,17 +31,24 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     if dist.is_initialized():
         return
     missing = [k for k in _REQUIRED_ENV if k not in os.environ]
-    if missing:
+    if missing and len(missing) < len(_REQUIRED_ENV):
         raise UsageError(
-            f"gs.init() needs the torchrun environment, but {', '.join(missing)} "
-            "is not set: launch with `torchrun --nproc_per_node=N script.py` or `gradsync run`"
+            f"gs.init() found part of the torchrun environment, but {', '.join(missing)} "
+            "is not set: launch with `torchrun --nproc_per_node=N script.py` or `gradsync run`, "
+            "or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT to run as one process"
         )
     chosen = backend or default_backend()
     if chosen not in ("gloo", "nccl"):
         raise UsageError(f"backend {chosen!r} is not supported; valid: 'gloo', 'nccl'")
     if chosen == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if missing:  # none of it: a world of one
+        dist.init_process_group(
+            chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
+    dist.init_process_group(chosen, timeout=timeout)
 
 
 def is_initialized() -> bool:
