@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from gradsync.strategies.factory import parse_strategy
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.timing import TelemetryCollector
+
+#: the accumulation conventions of ``Synchronizer(accumulation=...)``
+ACCUMULATION = ("mean", "sum")
 
 
 @dataclass(slots=True)
@@ -63,6 +66,10 @@ class StepHandle:
 class Synchronizer:
     """Wraps a model and the user's optimizer; each ``with sync.step():`` block is a superstep.
 
+    ``accumulation`` says how the k backward passes of ``sync.step(micro_batches=k)`` combine:
+    ``"mean"`` (default) averages their gradients, so each micro-batch's loss is a plain mean;
+    ``"sum"`` adds them, for scripts that divide each loss by k as DDP scripts do.
+
     On block exit the strategy synchronizes and ``optimizer.step()`` has run. Gradients are
     zeroed at block entry. Parameters and buffers are broadcast from rank 0 at construction,
     so replicas start identical (as DDP does).
@@ -94,9 +101,18 @@ class Synchronizer:
         balance: bool | ShardBalancer = False,
         skip_nonfinite: bool = True,
         check_every: int = 100,
+        accumulation: str = "mean",
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s)
+        if accumulation not in ACCUMULATION:
+            raise UsageError(
+                f"accumulation must be one of {', '.join(ACCUMULATION)}, got {accumulation!r}: "
+                "'mean' when each micro-batch's loss is its own mean (gradsync averages the k "
+                "backward passes), 'sum' when the script divides each loss by k (as DDP scripts "
+                "do with no_sync)"
+            )
+        self.accumulation: Literal["mean", "sum"] = "sum" if accumulation == "sum" else "mean"
         self.model = model
         self.optimizer = optimizer
         self.group = group
@@ -240,7 +256,8 @@ class Synchronizer:
     @contextmanager
     def step(self, micro_batches: int = 1, samples: int = 0) -> Iterator[StepHandle]:
         """One superstep. The block runs ``micro_batches`` backward passes; gradients accumulate
-        locally and are averaged over micro-batches and ranks; communication starts on the last."""
+        locally and are averaged over the ranks and, with ``accumulation="mean"``, over the
+        micro-batches too; communication starts on the last."""
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise UsageError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         if self._in_step:
@@ -262,9 +279,13 @@ class Synchronizer:
         self._in_step = True
         try:
             wall0, t0 = time.time(), time.perf_counter()
-            self.strategy.begin_step(
-                StepPlan(step=self._step, micro_batches=micro_batches, sample_weight=weight)
+            plan = StepPlan(
+                step=self._step,
+                micro_batches=micro_batches,
+                accumulation=self.accumulation,
+                sample_weight=weight,
             )
+            self.strategy.begin_step(plan)
             slept = 0.0
             if self.slowdowns:
                 slept = apply_slowdowns(self.slowdowns, self.rank, self._step, self._natural)

@@ -91,3 +91,25 @@ def periodic_ending_mid_period(rank: int, world: int, strategy: str, steps: int)
             w.loss(model, x, y).backward()
     sync.report()
     return _flat(model)
+
+
+def accumulate(rank: int, world: int, strategy: str, accumulation: str, divide: bool) -> Any:
+    """Two micro-batches a step; ``divide``: each loss divided by 2, as DDP scripts do. Plain
+    SGD: under ssp:0 the two workers' pushes may land in either order, which only rounding
+    can tell apart without momentum."""
+    w = _mlp()
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, accumulation=accumulation)
+    if sync.is_server:
+        sync.serve()
+        return None
+    gb = PER_RANK * sync.num_workers
+    for step in range(4):
+        with sync.step(micro_batches=2):
+            for half in range(2):
+                lo = rank * PER_RANK + half * PER_RANK // 2
+                loss = w.loss(model, *w.batch(step, gb, lo, lo + PER_RANK // 2))
+                (loss / 2 if divide else loss).backward()
+    sync.report()
+    return _flat(model)

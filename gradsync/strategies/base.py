@@ -57,9 +57,17 @@ class StepPlan:
 
     step: int
     micro_batches: int = 1
+    #: ``"mean"``: the update averages the micro-batches' gradients; ``"sum"``: it adds them
+    #: (the script divided each loss by the micro-batch count, as DDP scripts do)
+    accumulation: Literal["mean", "sum"] = "mean"
     #: this rank's gradient weight, ``n_r * W / N`` when shards are balanced (1.0 otherwise),
     #: so the update stays the mean over the global batch; see ``Strategy.weights_samples``
     sample_weight: float = 1.0
+
+    @property
+    def average_over(self) -> int:
+        """What the accumulated micro-batch gradients are divided by."""
+        return self.micro_batches if self.accumulation == "mean" else 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class BSP(Strategy):
         self._reducer: BucketReducer | None = None
         self._state: Any = None
         self._micro_batches = 1
+        self._average_over = 1
         self._bytes_at_start = 0
         #: plain all-reduce: the mean's 1/W and 1/k are applied while gradients are copied into
         #: their buckets and the exchange is a bare sum, so no pass over the reduced buffers
@@ -78,11 +79,12 @@ class BSP(Strategy):
         # No optimizer.zero_grad() here: arm() releases every p.grad (it was a view into a
         # bucket holding last step's reduced gradient) before the backward pass.
         self._micro_batches = plan.micro_batches
+        self._average_over = plan.average_over
         # Hooks launch buckets (and count their bytes) during backward, inside the block.
         self._bytes_at_start = self._state.bytes_sent
         scale = plan.sample_weight
         if self.fused_mean:
-            scale /= self._world * plan.micro_batches
+            scale /= self._world * plan.average_over
         self.reducer.scale = scale
         self.reducer.arm(plan.micro_batches)
 
@@ -114,7 +116,7 @@ class BSP(Strategy):
         # The mean over ranks and micro-batches (so that k micro-batches of a mean-reduced loss
         # equal one batch k times as large) was applied at copy-in for a plain sum; otherwise
         # the compressor's hook took the mean over ranks and the micro-batches' is taken here.
-        remaining = 1.0 if self.fused_mean else 1.0 / self._micro_batches
+        remaining = 1.0 if self.fused_mean else 1.0 / self._average_over
         reducer.write_back(reduced, scale=remaining)
         return StepOutcome(bytes_sent=nbytes, spans=spans)
 

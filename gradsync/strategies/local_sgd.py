@@ -44,7 +44,7 @@ class _Periodic(Strategy):
         self._ctx: SyncContext | None = None
         self._params: list[torch.Tensor] = []
         self._state: Any = None
-        self._micro_batches = 1
+        self._average_over = 1
         self._step = 0  # the last step run: where a synchronization's wait is diagnosed
         #: whether the replicas agree (right after a synchronization, or the initial broadcast)
         self._in_sync = True
@@ -57,7 +57,7 @@ class _Periodic(Strategy):
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
         self._ctx.optimizer.zero_grad(set_to_none=True)
-        self._micro_batches = plan.micro_batches
+        self._average_over = plan.average_over
 
     def gradients_ready(self, step: int) -> StepOutcome:
         """The local gradient (mean over micro-batches): nothing is exchanged before a local
@@ -68,9 +68,9 @@ class _Periodic(Strategy):
         if self._ctx.skip_nonfinite and not all_finite(grads):
             self._ctx.optimizer.zero_grad(set_to_none=True)
             return StepOutcome(barrier=False, skipped=True)
-        if self._micro_batches > 1:
+        if self._average_over > 1:
             for g in grads:
-                g.div_(self._micro_batches)
+                g.div_(self._average_over)
         return StepOutcome(barrier=False)
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:

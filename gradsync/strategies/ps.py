@@ -92,7 +92,7 @@ class ParameterServer(Strategy):
         self._ctx: SyncContext | None = None
         self._plan: ShardPlan | None = None
         self._server: PSServer | None = None
-        self._micro_batches = 1
+        self._average_over = 1
         self._finished = False
         self._codecs: list[PushCodec] = []
 
@@ -121,14 +121,14 @@ class ParameterServer(Strategy):
         if self._finished:
             raise UsageError("training already finished (report() ended it): no more steps")
         self._ctx.optimizer.zero_grad(set_to_none=True)
-        self._micro_batches = plan.micro_batches
+        self._average_over = plan.average_over
 
     def gradients_ready(self, step: int) -> StepOutcome:
         """This worker's own gradient, the mean over micro-batches: it is what gets pushed."""
-        if self._micro_batches > 1:
+        if self._average_over > 1:
             for p in self.plan.params:
                 if p.grad is not None:
-                    p.grad.div_(self._micro_batches)
+                    p.grad.div_(self._average_over)
         return StepOutcome(barrier=False)
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:

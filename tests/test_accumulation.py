@@ -1,0 +1,35 @@
+"""The two accumulation conventions: gradsync's mean over micro-batches, and DDP scripts' sum of
+losses already divided by the micro-batch count (``accumulation="sum"``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradsync as gs
+from gradsync.errors import UsageError
+from gradsync.testing import run_ranks
+from gradsync.workloads import make_workload
+from tests import gradient_ready_ranks as gr
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("strategy", "ranks"), [("bsp", 2), ("local:2", 2), ("ssp:0", 3)])
+def test_a_ddp_style_script_with_accumulation_sum_equals_the_mean_convention(
+    strategy: str, ranks: int
+) -> None:
+    mean = run_ranks(gr.accumulate, ranks, strategy, "mean", False)[0]
+    ddp_style = run_ranks(gr.accumulate, ranks, strategy, "sum", True)[0]
+    unported = run_ranks(gr.accumulate, ranks, strategy, "mean", True)[0]
+    torch.testing.assert_close(ddp_style, mean, rtol=1e-10, atol=1e-12)
+    # The trap the option exists for: DDP's convention under the mean halves every gradient.
+    assert not torch.allclose(unported, mean, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.unit
+def test_an_unknown_accumulation_names_the_valid_ones(one_rank: None) -> None:
+    w = make_workload("mlp", seed=0, params=2000)
+    model = w.build_model()
+    with pytest.raises(UsageError, match="accumulation must be one of mean, sum, got 'avg'"):
+        gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulation="avg")
