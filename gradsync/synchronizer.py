@@ -102,6 +102,7 @@ class Synchronizer:
         skip_nonfinite: bool = True,
         check_every: int = 100,
         accumulation: str = "mean",
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s)
@@ -113,6 +114,11 @@ class Synchronizer:
                 "do with no_sync)"
             )
         self.accumulation: Literal["mean", "sum"] = "sum" if accumulation == "sum" else "mean"
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise UsageError(
+                f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
+            )
+        self.scaler = scaler
         self.model = model
         self.optimizer = optimizer
         self.group = group
@@ -162,11 +168,16 @@ class Synchronizer:
                     watch=self._watch,
                     layout=self.layout,
                     rank=self.rank,
+                    scaler=scaler,
                 )
             )
         except BaseException:
             self._release_timeout()
             raise
+        # Counts every optimizer.step(); gradsync's own are expected, any other is the
+        # double-step trap of a ported script (optimizer.step() or scaler.step() kept).
+        self._optimizer_steps = self._expected_steps = 0
+        self._step_hook = optimizer.register_step_post_hook(self._count_optimizer_step)
 
     @classmethod
     def _arrival_scope(cls, group: dist.ProcessGroup | None) -> str:
@@ -273,6 +284,7 @@ class Synchronizer:
             sizes, self._sizes = self._sizes, None
             weight = sizes[self.rank] * self.world_size / sum(sizes)
             samples = samples or sizes[self.rank]
+        self._check_no_outside_update()
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
         ready = _GradientReady(self.strategy, self._step)
         handle._ready = ready
@@ -293,6 +305,7 @@ class Synchronizer:
             t1 = time.perf_counter()
             outcome = ready.outcome()
             outcome = self.strategy.update(self._step, outcome)
+            self._expected_steps = self._optimizer_steps
             t2 = time.perf_counter()
         finally:
             self._in_step = False
@@ -308,6 +321,20 @@ class Synchronizer:
         self._step += 1
         if self.check_every and self._step % self.check_every == 0:
             self._check_replicas(self._step - 1)
+
+    def _count_optimizer_step(self, *_: Any) -> None:
+        self._optimizer_steps += 1
+
+    def _check_no_outside_update(self) -> None:
+        extra = self._optimizer_steps - self._expected_steps
+        if extra:
+            self._expected_steps = self._optimizer_steps
+            raise UsageError(
+                f"optimizer.step() ran {extra} time(s) after step {self._step - 1}'s block "
+                "exited: gradsync already applies the update when a sync.step() block exits, "
+                "so the parameters moved twice. Remove optimizer.step() (and scaler.step(), "
+                "scaler.update()) from after the block; pass scaler= to the Synchronizer"
+            )
 
     def _check_replicas(self, step: int, final: bool = False) -> None:
         """Collective every ``check_every`` steps (and at the end): compare fingerprints."""
@@ -385,6 +412,7 @@ class Synchronizer:
         """Collective (every rank calls it): per-rank, per-step timings and totals so far.
 
         With a parameter server this ends training: workers fetch the final parameters."""
+        self._check_no_outside_update()
         self.strategy.finalize()
         if self.check_every and not self._final_checked:
             self._final_checked = True
@@ -420,6 +448,7 @@ class Synchronizer:
         self.strategy.load_state_dict(state["strategy"])
 
     def close(self) -> None:
+        self._step_hook.remove()
         self.strategy.close()
         self._release_timeout()
 

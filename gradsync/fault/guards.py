@@ -28,12 +28,12 @@ def is_finite(t: torch.Tensor) -> bool:
     """Whether every element is finite, in one reduction: NaN and Inf survive a sum.
 
     ``torch.isfinite(t).all()`` materialises a boolean tensor as large as ``t`` and costs tens
-    of times more on a large gradient. The sum is accumulated in at least float32, so half
-    precision buffers cannot overflow into a false alarm; a float32 gradient whose magnitudes
-    sum past 3e38 is flagged, which for a gradient is as good as infinite.
+    of times more on a large gradient, so it runs only to confirm a sum that is not finite:
+    finite values whose sum overflows (a loss scaled by a GradScaler can make them large) are
+    not mistaken for a non-finite gradient.
     """
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    return bool(torch.isfinite(t.sum(dtype=acc)))
+    return bool(torch.isfinite(t.sum(dtype=acc))) or bool(torch.isfinite(t).all())
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

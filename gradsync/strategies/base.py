@@ -112,6 +112,26 @@ class SyncContext:
     #: the ranks' roles (``Layout.of(world, strategy.servers)``)
     layout: Layout = field(default_factory=lambda: Layout(workers=1))
     rank: int = 0
+    #: the user's ``torch.amp.GradScaler``: it steps the optimizer and decides the skips
+    scaler: Any = None
+
+    @property
+    def scaling(self) -> bool:
+        """Whether an enabled GradScaler owns the step and the non-finite decision."""
+        return self.scaler is not None and bool(self.scaler.is_enabled())
+
+
+def optimizer_step(ctx: SyncContext) -> bool:
+    """The user's optimizer step, through their GradScaler when there is one; returns whether
+    the update was applied. The scaler skips a step whose unscaled gradient is not finite and
+    then lowers its scale (``backoff_factor`` < 1), so a lower scale means a skipped step."""
+    if not ctx.scaling:
+        ctx.optimizer.step()
+        return True
+    before = ctx.scaler.get_scale()
+    ctx.scaler.step(ctx.optimizer)
+    ctx.scaler.update()
+    return bool(ctx.scaler.get_scale() >= before)
 
 
 #: what a server role hands its state to when the workers ask for a checkpoint
@@ -210,5 +230,6 @@ __all__ = [
     "SyncContext",
     "compressor_state_dict",
     "load_compressor_state",
+    "optimizer_step",
     "parse_strategy_spec",
 ]

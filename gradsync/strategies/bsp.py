@@ -25,6 +25,7 @@ from gradsync.strategies.base import (
     SyncContext,
     compressor_state_dict,
     load_compressor_state,
+    optimizer_step,
 )
 from gradsync.telemetry.records import Span
 
@@ -108,11 +109,14 @@ class BSP(Strategy):
             reduced = reducer.wait(step)
         nbytes = self._state.bytes_sent - self._bytes_at_start
         spans = reducer.take_spans()
-        if ctx.skip_nonfinite and not all_finite(reduced):
-            # Every rank holds the same reduced bits, so every rank skips this same step.
-            ctx.optimizer.zero_grad(set_to_none=True)
+        if (ctx.skip_nonfinite or ctx.scaling) and not all_finite(reduced):
             scrub_nonfinite_state(self._state)
-            return StepOutcome(bytes_sent=nbytes, skipped=True, spans=spans)
+            if not ctx.scaling:
+                # Every rank holds the same reduced bits, so every rank skips this same step.
+                ctx.optimizer.zero_grad(set_to_none=True)
+                return StepOutcome(bytes_sent=nbytes, skipped=True, spans=spans)
+            # A GradScaler finds the same non-finite values on every rank in update() and
+            # skips there, lowering its scale as it would under DDP.
         # The mean over ranks and micro-batches (so that k micro-batches of a mean-reduced loss
         # equal one batch k times as large) was applied at copy-in for a plain sum; otherwise
         # the compressor's hook took the mean over ranks and the micro-batches' is taken here.
@@ -131,7 +135,7 @@ class BSP(Strategy):
         if outcome.skipped:
             return outcome
         wall0, t0 = time.time(), time.perf_counter()
-        self._ctx.optimizer.step()
+        outcome.skipped = not optimizer_step(self._ctx)
         if self._ctx.record_spans:
             span = Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step")
             outcome.spans.append(span)

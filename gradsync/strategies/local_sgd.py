@@ -26,6 +26,7 @@ from gradsync.strategies.base import (
     SyncContext,
     compressor_state_dict,
     load_compressor_state,
+    optimizer_step,
 )
 
 
@@ -65,7 +66,7 @@ class _Periodic(Strategy):
         assert self._ctx is not None
         grads = [p.grad for p in self._params if p.grad is not None]
         # A local step is this rank's own business: a non-finite gradient skips it here only.
-        if self._ctx.skip_nonfinite and not all_finite(grads):
+        if self._ctx.skip_nonfinite and not self._ctx.scaling and not all_finite(grads):
             self._ctx.optimizer.zero_grad(set_to_none=True)
             return StepOutcome(barrier=False, skipped=True)
         if self._average_over > 1:
@@ -77,7 +78,8 @@ class _Periodic(Strategy):
         assert self._ctx is not None
         self._step = step  # the last step run, for the timeout diagnosis of a synchronization
         if not outcome.skipped:
-            self._ctx.optimizer.step()
+            # A GradScaler, when given, skips on this rank's own non-finite gradient.
+            outcome.skipped = not optimizer_step(self._ctx)
         # Even after a skipped step: a skip is this rank's alone, and every rank must make the
         # same decision in finalize() (it is a collective).
         self._in_sync = False

@@ -97,6 +97,13 @@ class ParameterServer(Strategy):
         self._codecs: list[PushCodec] = []
 
     def setup(self, ctx: SyncContext) -> None:
+        if ctx.scaling:
+            raise UsageError(
+                f"a GradScaler cannot drive {self.name}: the parameter servers step the "
+                "optimizer, and a worker's push cannot be skipped. Unscale the gradient at "
+                "s.synchronize() yourself (grad / scaler.get_scale()), or use bsp, local:H "
+                "or diloco:H with scaler="
+            )
         self._ctx = ctx
         plan = self._plan = ShardPlan(ctx, self.servers, self.timeout_s)
         if ctx.layout.role(ctx.rank) == "server":
