@@ -242,6 +242,11 @@ class BucketReducer:
             self._next_to_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
+        # A named range in torch.profiler traces, beside the user's kernels and gloo's ops.
+        with torch.profiler.record_function(f"gradsync.launch[bucket {bucket.index()}]"):
+            self._copy_in_and_launch(bucket)
+
+    def _copy_in_and_launch(self, bucket: GradBucket) -> None:
         bucket.collect_grads(self.scale)
         if self.poison_nonfinite and not is_finite(bucket.buffer()):
             bucket.buffer().fill_(float("nan"))

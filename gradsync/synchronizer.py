@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from gradsync import compat, runtime
 from gradsync.balance import ShardBalancer
@@ -297,14 +298,16 @@ class Synchronizer:
                 accumulation=self.accumulation,
                 sample_weight=weight,
             )
-            self.strategy.begin_step(plan)
+            with record_function("gradsync.begin_step"):
+                self.strategy.begin_step(plan)
             slept = 0.0
             if self.slowdowns:
                 slept = apply_slowdowns(self.slowdowns, self.rank, self._step, self._natural)
             yield handle
             t1 = time.perf_counter()
             outcome = ready.outcome()
-            outcome = self.strategy.update(self._step, outcome)
+            with record_function("gradsync.update"):
+                outcome = self.strategy.update(self._step, outcome)
             self._expected_steps = self._optimizer_steps
             t2 = time.perf_counter()
         finally:
@@ -340,6 +343,10 @@ class Synchronizer:
         """Collective every ``check_every`` steps (and at the end): compare fingerprints."""
         if not self.strategy.replicas_identical(step, final):
             return
+        with record_function("gradsync.divergence_check"):
+            self._compare_fingerprints(step, final)
+
+    def _compare_fingerprints(self, step: int, final: bool) -> None:
         workers = list(range(self.num_workers))
         what = "final divergence check" if final else "divergence check"
         what += " (fingerprint gather)"
@@ -367,7 +374,8 @@ class Synchronizer:
             out.idle,
         )
         if self._collector.due() and not self.strategy.barrier_free:
-            self._collector.flush(h.step)
+            with record_function("gradsync.telemetry_gather"):
+                self._collector.flush(h.step)
 
     def _add_spans(self, spans: list[Span], wall0: float, compute: float, sync: float) -> None:
         step = self._step
@@ -413,7 +421,8 @@ class Synchronizer:
 
         With a parameter server this ends training: workers fetch the final parameters."""
         self._check_no_outside_update()
-        self.strategy.finalize()
+        with record_function("gradsync.finalize"):
+            self.strategy.finalize()
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(self._step - 1, final=True)
@@ -514,11 +523,15 @@ class _GradientReady:
         if self._outcome is not None:
             raise UsageError(f"synchronize() was already called in step {self._step}")
         t0 = time.perf_counter()
-        self._outcome = self._strategy.gradients_ready(self._step)
+        self._outcome = self._run()
         self.seconds_in_block = time.perf_counter() - t0
         return not self._outcome.skipped
 
     def outcome(self) -> StepOutcome:
         if self._outcome is None:
-            self._outcome = self._strategy.gradients_ready(self._step)
+            self._outcome = self._run()
         return self._outcome
+
+    def _run(self) -> StepOutcome:
+        with record_function("gradsync.gradients_ready"):
+            return self._strategy.gradients_ready(self._step)
