@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the static view of the lazy names below, for mypy and edito
     from gradsync.balance import ShardBalancer
     from gradsync.compression import Compressor, parse_compression
     from gradsync.inject import Slowdown
+    from gradsync.lr import scaled_lr, warmup
     from gradsync.runtime import init
     from gradsync.strategies import (
         BSP,
@@ -56,6 +57,8 @@ _LAZY = {
     "init": "gradsync.runtime",
     "parse_compression": "gradsync.compression",
     "parse_strategy": "gradsync.strategies",
+    "scaled_lr": "gradsync.lr",
+    "warmup": "gradsync.lr",
 }
 
 __all__ = [
@@ -78,6 +81,8 @@ __all__ = [
     "init",
     "parse_compression",
     "parse_strategy",
+    "scaled_lr",
+    "warmup",
 ]
 
 

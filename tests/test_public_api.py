@@ -24,6 +24,8 @@ FROZEN_API = {
     "init",
     "parse_compression",
     "parse_strategy",
+    "scaled_lr",
+    "warmup",
 }
 
 
