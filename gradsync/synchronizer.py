@@ -104,6 +104,7 @@ class Synchronizer:
         check_every: int = 100,
         accumulation: str = "mean",
         scaler: torch.amp.GradScaler | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s)
@@ -127,6 +128,13 @@ class Synchronizer:
         self.world_size = runtime.world_size(group)
         self.strategy = parse_strategy(strategy, servers=servers, timeout_s=timeout_s)
         self.layout = Layout.of(self.world_size, self.strategy.servers)
+        # DDP broadcasts buffers from rank 0 at the first forward after a gradient-syncing one:
+        # once per step, at its first micro-batch. The start of the step block is the same point.
+        self._step_buffers = (
+            list(model.buffers())
+            if broadcast_buffers and self.world_size > 1 and self.strategy.replicates_every_step
+            else []
+        )
         self.compressor = parse_compression(compression)
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
         self.telemetry_enabled = telemetry
@@ -299,6 +307,8 @@ class Synchronizer:
                 sample_weight=weight,
             )
             with record_function("gradsync.begin_step"):
+                if self._step_buffers:
+                    self._broadcast(self._step_buffers, self._step, "buffer broadcast")
                 self.strategy.begin_step(plan)
             slept = 0.0
             if self.slowdowns:
@@ -470,8 +480,14 @@ class Synchronizer:
     def _broadcast_initial_state(self) -> None:
         if self.world_size == 1:
             return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         tensors = list(self.model.parameters()) + list(self.model.buffers())
+        self._broadcast(tensors, START, "initial broadcast", "parameter/buffer")
+
+    def _broadcast(
+        self, tensors: list[torch.Tensor], step: int, name: str, kind: str = "buffer"
+    ) -> None:
+        """Rank 0's values of ``tensors`` on every rank, through the hang diagnosis."""
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
         def broadcast() -> None:
             with torch.no_grad():
@@ -483,8 +499,8 @@ class Synchronizer:
                     assert work is not None
                     work.wait()
 
-        what = f"initial broadcast of {len(tensors)} parameter/buffer tensors from rank 0"
-        self._watch.run(START, what, broadcast)
+        what = f"{name} of {len(tensors)} {kind} tensors from rank 0"
+        self._watch.run(step, what, broadcast)
 
 
 def _check_arguments(

@@ -166,6 +166,9 @@ class Strategy(Protocol):
     #: whether its checkpointed state means the same at another world size (rank 0's file can
     #: then seed every rank of a resized job)
     resizable: bool = False
+    #: whether replicas agree after every step: buffers (BatchNorm statistics) are then kept
+    #: in agreement too, from rank 0 at the start of every step, as DDP's broadcast_buffers
+    replicates_every_step: bool = False
 
     def setup(self, ctx: SyncContext) -> None: ...
 

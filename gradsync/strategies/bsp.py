@@ -36,6 +36,7 @@ class BSP(Strategy):
     weights_samples = True
     #: every replica holds the same model and optimizer state, so rank 0's seeds any world size
     resizable = True
+    replicates_every_step = True
 
     def __init__(self) -> None:
         self._ctx: SyncContext | None = None
