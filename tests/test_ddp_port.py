@@ -1,5 +1,6 @@
-"""A DDP script and its gradsync port (examples/ddp_lm.py, examples/ddp_lm_gradsync.py): a small
-diff, and under bsp the same final parameters, bit for bit."""
+"""Two DDP scripts and their gradsync ports (examples/ddp_lm.py and examples/ddp_vision.py, each
+with a ``_gradsync`` twin): a small diff, and under bsp the same final parameters and buffers,
+bit for bit."""
 
 from __future__ import annotations
 
@@ -14,15 +15,41 @@ import torch
 
 from tests.torchrun import ROOT, torchrun
 
-ORIGINAL = ROOT / "examples" / "ddp_lm.py"
-PORT = ROOT / "examples" / "ddp_lm_gradsync.py"
+EXAMPLES = ROOT / "examples"
 HEADER = 2  # each file's first two lines name the file itself: its command and docstring
+#: each pair's short run: arguments, and a line rank 0 prints once it evaluated and saved
+RUNS = {
+    "ddp_lm": (["--steps", "8", "--eval-every", "4"], "step 8 train loss"),
+    "ddp_vision": (["--epochs", "2", "--train-size", "256"], "epoch 2 loss"),
+}
 
 
-def changed_lines() -> tuple[int, int]:
+#: plain DDP under torchrun sometimes aborts at interpreter exit, after its work is done (1 run
+#: in 10 here): a gloo thread frees a collective's tensors while the interpreter shuts down (see
+#: Synchronizer._final_handshake, which gradsync's port goes through and DDP does not)
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def run_ddp_original(launch: list[str], env: dict[str, str]) -> str:
+    """The DDP baseline, run again (at most twice more) only when it hit that exit abort."""
+    for attempt in range(3):
+        try:
+            return torchrun(launch, env, timeout_s=110)
+        except pytest.fail.Exception as exc:
+            if EXIT_ABORT not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def pair(name: str) -> tuple[Path, Path]:
+    return EXAMPLES / f"{name}.py", EXAMPLES / f"{name}_gradsync.py"
+
+
+def changed_lines(name: str) -> tuple[int, int]:
     """(lines of the DDP script the port removes or rewrites, lines it adds), headers aside."""
-    a = ORIGINAL.read_text().splitlines()[HEADER:]
-    b = PORT.read_text().splitlines()[HEADER:]
+    original, port = pair(name)
+    a = original.read_text().splitlines()[HEADER:]
+    b = port.read_text().splitlines()[HEADER:]
     diff = list(difflib.unified_diff(a, b, lineterm="", n=0))[2:]
     removed = sum(1 for line in diff if line.startswith("-"))
     added = sum(1 for line in diff if line.startswith("+"))
@@ -30,36 +57,48 @@ def changed_lines() -> tuple[int, int]:
 
 
 @pytest.mark.unit
-def test_the_port_changes_at_most_15_lines_of_the_ddp_script() -> None:
-    removed, added = changed_lines()
+@pytest.mark.parametrize("name", RUNS)
+def test_the_port_changes_at_most_15_lines_of_the_ddp_script(name: str) -> None:
+    removed, added = changed_lines(name)
     assert removed <= 15 and added <= 15, (removed, added)
-    assert ORIGINAL.read_text().splitlines()[0].endswith("examples/ddp_lm.py --steps 40")
-    assert PORT.read_text().splitlines()[0].endswith("examples/ddp_lm_gradsync.py --steps 40")
+    for script in pair(name):
+        assert (
+            script.read_text()
+            .splitlines()[0]
+            .startswith(f"# torchrun --standalone --nproc_per_node=2 examples/{script.name}")
+        )
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
-def test_the_port_ends_bitwise_equal_to_the_ddp_script(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", RUNS)
+def test_the_port_ends_bitwise_equal_to_the_ddp_script(name: str, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    finals = {}
-    for script in (ORIGINAL, PORT):
+    args, printed = RUNS[name]
+    finals = []
+    original, port = pair(name)
+    for script in (original, port):
         out = tmp_path / script.stem
-        args = ["--standalone", "--nproc_per_node=2", str(script), "--steps", "8"]
-        log = torchrun([*args, "--eval-every", "4", "--out", str(out)], env, timeout_s=110)
-        assert "step 8 train loss" in log, log[-2000:]
+        launch = ["--standalone", "--nproc_per_node=2", str(script), *args, "--out", str(out)]
+        if script == original:
+            log = run_ddp_original(launch, env)
+        else:  # the port gets no second chance: gradsync's exit must be clean
+            log = torchrun(launch, env, timeout_s=110)
+        assert printed in log, log[-2000:]
         assert (out / "checkpoint.pt").exists()  # rank 0's evaluation and checkpoint ran
-        finals[script.stem] = torch.load(out / "final.pt", weights_only=True)
-    ddp, ours = finals["ddp_lm"], finals["ddp_lm_gradsync"]
+        finals.append(torch.load(out / "final.pt", weights_only=True))
+    ddp, ours = finals
     assert ddp.keys() == ours.keys()
-    for name in ddp:
-        assert torch.equal(ddp[name], ours[name]), name
+    for key in ddp:  # parameters and buffers (BatchNorm statistics) alike
+        assert torch.equal(ddp[key], ours[key]), key
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_the_port_also_runs_as_plain_python(tmp_path: Path) -> None:
+def test_a_port_also_runs_as_plain_python(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    args = [str(PORT), "--steps", "2", "--eval-every", "2", "--out", str(tmp_path)]
+    port = pair("ddp_lm")[1]
+    args = [str(port), "--steps", "2", "--eval-every", "2", "--out", str(tmp_path)]
     done = subprocess.run(
         [sys.executable, *args],
         env={**env, "OMP_NUM_THREADS": "1"},
