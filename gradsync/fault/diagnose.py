@@ -105,7 +105,7 @@ class ArrivalWatch:
         # Synchronizers on different process groups sharing one store keep separate records.
         self._prefix = f"{_PREFIX}/{scope}" if scope else _PREFIX
         self._position: Position | None = None  # of the latest wait begun on this rank
-        self._waiting: tuple[Position, float] | None = None
+        self._waiting: tuple[Position, float, str] | None = None
         self._recorded: Position | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -114,9 +114,12 @@ class ArrivalWatch:
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
 
-    def _record(self, position: Position) -> None:
+    def _record(self, position: Position, what: str = "") -> None:
         if self.store is None:
             return
+        # The wait's name first, under its own key: whoever reads the position then finds the
+        # name of that wait (or a later one) beside it.
+        self.store.set(self._key(self.rank) + "/what", what)
         self.store.set(self._key(self.rank), f"{position[0]}:{position[1]}")
         self._recorded = position
 
@@ -127,10 +130,10 @@ class ArrivalWatch:
                 waiting = self._waiting
             if waiting is None:
                 continue
-            position, since = waiting
+            position, since, what = waiting
             if self._recorded != position and time.monotonic() - since >= self.arrive_after_s:
                 with contextlib.suppress(Exception):  # a dead store must not kill training
-                    self._record(position)
+                    self._record(position, what)
 
     def next_position(self, step: int | None) -> Position:
         """The position of a wait about to begin at ``step`` (None: the latest wait's step)."""
@@ -142,13 +145,13 @@ class ArrivalWatch:
         return position
 
     @contextmanager
-    def waiting(self, position: Position) -> Iterator[None]:
+    def waiting(self, position: Position, what: str = "") -> Iterator[None]:
         if self._thread is None and self.store is not None and self.world_size > 1:
             self._thread = threading.Thread(target=self._run, name="gradsync-arrivals", daemon=True)
             self._thread.start()
         with self._lock:
             outer = self._waiting
-            self._waiting = (position, time.monotonic())
+            self._waiting = (position, time.monotonic(), what)
         try:
             yield
         finally:
@@ -160,21 +163,21 @@ class ArrivalWatch:
         (None: at the latest wait's step); turn its failure into a ``SyncTimeoutError``."""
         position = self.next_position(step)
         started = time.monotonic()
-        with self.waiting(position):
+        with self.waiting(position, what):
             try:
                 return wait()
             except (SyncTimeoutError, DivergenceError):
                 raise  # already diagnosed (a nested wait), or not a failed wait at all
             except (RuntimeError, dist.DistBackendError) as exc:
                 waited = time.monotonic() - started
-                self._record_failure(position)
+                self._record_failure(position, what)
                 raise SyncTimeoutError(self.describe(position, what, waited, exc)) from exc
 
-    def _record_failure(self, position: Position) -> None:
+    def _record_failure(self, position: Position, what: str) -> None:
         """A wait that failed fast (a peer vanished) left no time for the watchdog: record
         this rank's arrival now and give the other survivors a moment to record theirs."""
         try:
-            self._record(position)
+            self._record(position, what)
         except Exception:  # noqa: BLE001 - the store may have died with the peer
             return
         if self.store is not None:
@@ -194,7 +197,33 @@ class ArrivalWatch:
             )
         return (
             f"{where(pos[0])}: {what} failed after {waited:.1f}s "
-            f"(timeout {self.timeout_s:g}s): {who}. Cause: {cause}"
+            f"(timeout {self.timeout_s:g}s): {who}.{self._elsewhere(pos, what)} Cause: {cause}"
+        )
+
+    def _elsewhere(self, pos: Position, what: str) -> str:
+        """Where each rank is waiting, when some are not at this very wait: ranks in different
+        collectives or steps (one called only on some ranks, such as sync.save() on rank 0)."""
+        places = {self.rank: (pos, what)}
+        for r in range(self.world_size):
+            if r == self.rank or self.store is None:
+                continue
+            try:
+                key = self._key(r)
+                if self.store.check([key]):
+                    at = _parse(self.store.get(key))
+                    if at >= pos:  # arrived; an older record is a rank that never did
+                        named = self.store.check([key + "/what"])
+                        places[r] = (at, self.store.get(key + "/what").decode() if named else "")
+            except Exception:  # noqa: BLE001 - diagnosis is best effort
+                return ""
+        if len(set(places.values())) < 2:
+            return ""
+        each = "; ".join(
+            f"rank {r} at {where(p[0])} in {w or 'a wait'}" for r, (p, w) in sorted(places.items())
+        )
+        return (
+            f" The ranks are not all in the same collective: {each}. A collective called on "
+            "some ranks only (sync.save() or report() on rank 0 alone, a skipped step) does this."
         )
 
     def arrivals(self, position: int | Position) -> tuple[list[int], list[int]]:
