@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,17 +30,22 @@ def _config_from_args(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gradsync.launch import launch
-    from gradsync.worker import run_worker
+    from gradsync.rundir import claim
 
     cfg = _config_from_args(args)
     run_dir = Path(cfg.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.resume:
-        # A fresh run owns its directory's telemetry and fault markers; a resumed one keeps them.
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "faults", ignore_errors=True)
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    # Held until this process ends: no second run in the same directory meanwhile.
+    claimed = claim(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    try:
+        return _run(cfg, run_dir)
+    finally:
+        claimed.release()
+
+
+def _run(cfg: Any, run_dir: Path) -> int:
+    from gradsync.launch import launch
+    from gradsync.worker import run_worker
+
     cfg.save(run_dir, fp32_bytes_per_step=4 * _trainable_params(cfg))
     servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
     print(

@@ -17,6 +17,7 @@ from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
 from gradsync.flags import flag
 from gradsync.inject import parse_kill, parse_slow
+from gradsync.rundir import OVERWRITE_AND_RESUME
 from gradsync.strategies.factory import parse_strategy, uses_servers
 from gradsync.telemetry.stragglers import StragglerConfig
 from gradsync.workloads import WORKLOADS, make_workload
@@ -156,6 +157,12 @@ class RunConfig:
     resume: bool = flag(
         False, help="continue from the newest checkpoint in --out (default: off)", group=FAULTS
     )
+    overwrite: bool = flag(
+        False,
+        help="start over in an --out that holds a run, deleting its checkpoints (default: "
+        "refuse such an --out)",
+        group=FAULTS,
+    )
     max_restarts: int = flag(
         0,
         metavar="R",
@@ -280,6 +287,8 @@ class RunConfig:
             raise UsageError(f"--keep-checkpoints must be at least 1, got {self.keep_checkpoints}")
         if not 0 <= self.max_restarts <= 1000:
             raise UsageError(f"--max-restarts must be between 0 and 1000, got {self.max_restarts}")
+        if self.resume and self.overwrite:
+            raise UsageError(OVERWRITE_AND_RESUME)
 
     def _check_kill(self) -> None:
         kills = parse_kill(self.kill)

@@ -8,6 +8,7 @@ the launcher stubbed, so no worker is ever started.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterator
@@ -56,10 +57,15 @@ def launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Launch
     yield stub
 
 
+#: a fresh --out for every call: gradsync run refuses a directory that already holds a run
+_RUNS = itertools.count()
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], launches: Launches, *flags: str) -> Outcome:
     capsys.readouterr()
     launches.calls.clear()
-    argv = ["run", "--workload=mlp", "--out=run", "--no-progress", "--no-plots", *flags]
+    out = f"--out=run-{next(_RUNS)}"
+    argv = ["run", "--workload=mlp", out, "--no-progress", "--no-plots", *flags]
     try:
         code = main(argv)
         argparse_error = False

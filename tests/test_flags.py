@@ -126,6 +126,7 @@ INVALID: list[dict[str, Any]] = [
     {"servers": 2},  # bsp runs no servers
     {"slow": "nope"},
     {"slow": "7:2"},
+    {"overwrite": True, "resume": True},
 ]
 ANY_VALUE = {"seed", "out", "resume", "progress", "plots"}  # no value of these is refused
 

@@ -1,0 +1,67 @@
+"""gradsync run never deletes a run's checkpoints unasked, and one run holds a directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gradsync.cli import main
+from gradsync.errors import UsageError
+from gradsync.rundir import LOCK_FILE, claim
+
+pytestmark = pytest.mark.unit
+
+RUN = ["run", "--nproc", "1", "--workload", "mlp", "--steps", "2", "--no-progress"]
+
+
+def _previous_run(out: Path) -> Path:
+    kept = out / "checkpoints" / "step-000010" / "rank-0.pt"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("a checkpoint")
+    (out / "report.json").write_text("{}")
+    return kept
+
+
+def test_a_fresh_run_into_a_used_directory_is_refused_and_deletes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kept = _previous_run(tmp_path)
+    assert main([*RUN, "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "already holds a run (checkpoints, report.json)" in error
+    assert "--resume" in error and "--overwrite" in error
+    assert kept.read_text() == "a checkpoint"
+
+
+def test_overwrite_starts_over_and_resume_keeps_the_checkpoints(tmp_path: Path) -> None:
+    kept = _previous_run(tmp_path)
+    claim(tmp_path, resume=True, overwrite=False).release()
+    assert kept.exists()
+    claim(tmp_path, resume=False, overwrite=True).release()
+    assert not (tmp_path / "checkpoints").exists()
+    assert (tmp_path / "report.json").exists()  # only the run's own state goes
+    with pytest.raises(UsageError, match="pass one"):
+        claim(tmp_path, resume=True, overwrite=True)
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused_naming_the_holder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    holder = claim(tmp_path / "out", resume=False, overwrite=False)
+    try:
+        assert main([*RUN, "--out", str(tmp_path / "out"), "--resume"]) == 2
+        error = capsys.readouterr().err
+        assert "is in use by another gradsync run (pid " in error, error
+    finally:
+        holder.release()
+    # Released (as when its process ends): the directory can be claimed again.
+    claim(tmp_path / "out", resume=True, overwrite=False).release()
+    assert (tmp_path / "out" / LOCK_FILE).exists()
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(UsageError, match="is a file, not a directory"):
+        claim(target, resume=False, overwrite=False)
