@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -164,6 +165,7 @@ class Synchronizer:
         self._natural = 0.0  # last step's compute without injected slowdown
         self._final_checked = False
         try:
+            self._check_same_model()
             self._broadcast_initial_state()
             self.strategy.setup(
                 SyncContext(
@@ -477,6 +479,30 @@ class Synchronizer:
         if self._group_timeout is not None:
             self._group_timeout.restore()
 
+    def _check_same_model(self) -> None:
+        """Collective: every rank built the same model (names, shapes, dtypes, trainability).
+        Otherwise the initial broadcast would abort inside the backend (shapes), hang (a
+        different number of tensors) or, worse, train (a transposed weight of the same size)."""
+        if self.world_size == 1:
+            return
+        mine = model_signature(self.model)
+        digest = hashlib.sha256(repr(mine).encode()).digest()[:8]
+        fingerprint = torch.tensor(
+            [int.from_bytes(digest, "little", signed=True)], device=runtime.device()
+        )
+        everyone = [torch.zeros_like(fingerprint) for _ in range(self.world_size)]
+        what = "model check (a fingerprint of every rank's parameter names and shapes)"
+        self._watch.run(
+            START, what, lambda: dist.all_gather(everyone, fingerprint, group=self.group)
+        )
+        if all(torch.equal(f, everyone[0]) for f in everyone):
+            return
+        signatures: list[Any] = [None] * self.world_size
+        self._watch.run(
+            START, what, lambda: dist.all_gather_object(signatures, mine, group=self.group)
+        )
+        raise UsageError(describe_model_mismatch(signatures))
+
     def _broadcast_initial_state(self) -> None:
         if self.world_size == 1:
             return
@@ -551,3 +577,49 @@ class _GradientReady:
     def _run(self) -> StepOutcome:
         with record_function("gradsync.gradients_ready"):
             return self._strategy.gradients_ready(self._step)
+
+
+Signature = list[tuple[str, str, tuple[int, ...], str, bool]]
+
+
+def model_signature(model: torch.nn.Module) -> Signature:
+    """What every rank's model must agree on: each parameter's and buffer's name, shape, dtype
+    and whether it trains, in registration order."""
+    params = [
+        ("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        for name, p in model.named_parameters()
+    ]
+    buffers = [
+        ("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in model.named_buffers()
+    ]
+    return params + buffers
+
+
+def describe_model_mismatch(signatures: list[Signature]) -> str:
+    """Which rank's model differs from rank 0's, and the first tensor where it does."""
+    reference = signatures[0]
+    for rank, theirs in enumerate(signatures[1:], start=1):
+        if theirs == reference:
+            continue
+        for ours, other in zip(reference, theirs, strict=False):
+            if ours != other:
+                return (
+                    f"rank {rank} built a different model than rank 0: {_show(ours)} on rank 0, "
+                    f"{_show(other)} on rank {rank}. Every rank must build the same model "
+                    "before the Synchronizer (same code, same arguments)"
+                )
+        longer, count = (rank, len(theirs)) if len(theirs) > len(reference) else (0, len(reference))
+        extra = (theirs if longer else reference)[min(len(theirs), len(reference))]
+        return (
+            f"rank {rank} built a different model than rank 0: {len(reference)} tensors on "
+            f"rank 0, {len(theirs)} on rank {rank}; the first one only rank {longer} has "
+            f"({count} in all) is {_show(extra)}. Every rank must build the same model before "
+            "the Synchronizer"
+        )
+    return "the ranks' models differ (their fingerprints do not match)"
+
+
+def _show(entry: tuple[str, str, tuple[int, ...], str, bool]) -> str:
+    kind, name, shape, dtype, trains = entry
+    frozen = "" if trains or kind == "buffer" else ", frozen"
+    return f"{kind} {name!r} {list(shape)} {dtype.removeprefix('torch.')}{frozen}"

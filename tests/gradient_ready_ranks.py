@@ -131,3 +131,23 @@ def save_on_rank_zero_only(rank: int, world: int, directory: str) -> str | None:
     except SyncTimeoutError as exc:
         return str(exc)
     return None
+
+
+def mismatched_models(rank: int, world: int, kind: str) -> str | None:
+    """Rank 1 builds a different model: a transposed layer of the same size, or one more."""
+    from torch import nn
+
+    from gradsync.errors import UsageError
+
+    layers: list[nn.Module] = [nn.Linear(16, 8), nn.Linear(8, 1)]
+    if rank == 1 and kind == "transposed":
+        layers[0] = nn.Linear(8, 16, bias=False)
+        layers.insert(1, nn.Linear(16, 8))
+    if rank == 1 and kind == "extra":
+        layers.append(nn.Linear(1, 1))
+    model = nn.Sequential(*layers)
+    try:
+        gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout_s=10)
+    except UsageError as exc:
+        return str(exc)
+    return None
