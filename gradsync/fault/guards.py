@@ -108,6 +108,10 @@ def check_replicas(
 
     prints = run(gather) if run is not None else gather()
     compared = ranks if ranks is not None else list(range(len(prints)))
+    when = f"at step {step}"
+    if final:  # a parameter server has no step of its own to name
+        when = f"at the end-of-run check after step {step}" if step >= 0 else "at the end of run"
+    _refuse_nonfinite(named, prints, compared, when)
     reference = prints[compared[0]]
     bad = [r for r in compared if not torch.equal(prints[r], reference)]
     if not bad:
@@ -117,12 +121,27 @@ def check_replicas(
         for i in range(reference.shape[0])
         if any(not torch.equal(prints[r][i], reference[i]) for r in bad)
     )
-    when = f"at step {step}"
-    if final:  # a parameter server has no step of its own to name
-        when = f"at the end-of-run check after step {step}" if step >= 0 else "at the end of run"
     raise DivergenceError(
         f"replicas diverged {when}: rank(s) {bad} differ from rank {compared[0]}; "
         f"first differing parameter: {named[first][0]!r} "
         f"(sum {float(reference[first, 0]):.17g} on rank {compared[0]} vs "
         f"{float(prints[bad[0]][first, 0]):.17g} on rank {bad[0]})"
+    )
+
+
+def _refuse_nonfinite(
+    named: list[tuple[str, torch.Tensor]], prints: list[torch.Tensor], ranks: list[int], when: str
+) -> None:
+    """NaN compares unequal to itself, so replicas that all hold NaN would read as diverged:
+    say what is wrong instead, naming the first non-finite parameter and where it is."""
+    finite = {r: torch.isfinite(prints[r]).all(dim=1) for r in ranks}
+    if all(bool(f.all()) for f in finite.values()):
+        return
+    first = min(int((~f).nonzero()[0]) for f in finite.values() if not bool(f.all()))
+    where = [r for r in ranks if not bool(finite[r][first])]
+    raise DivergenceError(
+        f"parameters are not finite {when}: {named[first][0]!r} holds NaN or Inf on rank(s) "
+        f"{where}. The non-finite guard skips steps whose gradient is not finite, so the update "
+        "itself made them (a learning rate too high, an optimizer state already non-finite, "
+        "or parameters changed outside the step)"
     )
