@@ -151,3 +151,25 @@ def mismatched_models(rank: int, world: int, kind: str) -> str | None:
     except UsageError as exc:
         return str(exc)
     return None
+
+
+def nan_on_one_parameter_server_worker(rank: int, world: int, compression: str | None) -> Any:
+    """Worker 1's gradient is NaN at step 2 under async with one server."""
+    w = _mlp()
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sync = gs.Synchronizer(model, opt, strategy="async", compression=compression)
+    if sync.is_server:
+        return {"server": sync.serve()}
+    inject.nan_gradient(sync, rank=1, step=2)
+    skipped = []
+    for step in range(6):
+        with sync.step() as s:
+            w.loss(model, *w.batch(step, 8, rank * 4, rank * 4 + 4)).backward()
+        skipped.append(s.skipped)
+    report = sync.report()
+    return {
+        "finite": bool(torch.isfinite(_flat(model)).all()),
+        "skipped": skipped,
+        "skipped_steps": report.skipped_steps,
+    }

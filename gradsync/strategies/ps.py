@@ -60,6 +60,7 @@ import torch
 from gradsync import compat
 from gradsync.compression.push import PushCodec
 from gradsync.errors import UsageError
+from gradsync.fault.guards import all_finite
 from gradsync.flat import copy_into
 from gradsync.strategies.base import StepOutcome, StepPlan, Strategy, SyncContext
 from gradsync.strategies.ps_server import AppliedUpdate, PSServer, ServerStats
@@ -67,6 +68,7 @@ from gradsync.strategies.ps_wire import (
     CHECKPOINT,
     DONE,
     GRADIENT,
+    SKIPPED,
     ShardPlan,
     current_lrs,
     shard_by_size,
@@ -131,16 +133,23 @@ class ParameterServer(Strategy):
         self._average_over = plan.average_over
 
     def gradients_ready(self, step: int) -> StepOutcome:
-        """This worker's own gradient, the mean over micro-batches: it is what gets pushed."""
+        """This worker's own gradient, the mean over micro-batches: it is what gets pushed,
+        unless it is not finite: then this worker skips the step (it pushes nothing)."""
+        assert self._ctx is not None
+        grads = [p.grad for p in self.plan.params if p.grad is not None]
+        if self._ctx.skip_nonfinite and not all_finite(grads):
+            return StepOutcome(barrier=False, skipped=True)
         if self._average_over > 1:
-            for p in self.plan.params:
-                if p.grad is not None:
-                    p.grad.div_(self._average_over)
+            for g in grads:
+                g.div_(self._average_over)
         return StepOutcome(barrier=False)
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """Push each server its shard's gradient; install the parameters it sends back."""
         plan = self.plan
+        if outcome.skipped:  # the servers count the push and reply; no codec sees the NaN
+            outcome.idle = self._exchange(self._control(SKIPPED), step, "skipped push")
+            return outcome
         lrs = self._current_lrs()
         pushes = []
         for s in range(self.servers):

@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from gradsync.errors import SyncTimeoutError, UsageError
+from gradsync.fault.guards import is_finite
 from gradsync.flat import flatten, views
 from gradsync.strategies.base import CheckpointSink, SyncContext
-from gradsync.strategies.ps_wire import CHECKPOINT, DONE, ShardPlan
+from gradsync.strategies.ps_wire import CHECKPOINT, DONE, SKIPPED, ShardPlan
 
 
 @dataclass(slots=True)
@@ -70,6 +71,10 @@ class ServerStats:
     clocks: list[int] = field(default_factory=list)
     resumed_at: int = 0
     checkpoints: list[int] = field(default_factory=list)
+    #: pushes applied as nothing: skipped by their worker (a non-finite gradient), or refused
+    #: here because they decoded to non-finite values
+    skipped_pushes: int = 0
+    refused_pushes: int = 0
 
     @property
     def max_staleness(self) -> int:
@@ -266,12 +271,25 @@ class _Server:
         payload = message[self.header :]
         # A worker's k-th push was encoded at its step k (pushed[w] counts them, across resumes).
         grad = self.codecs[w].decode(payload, self.pushed[w]) if self.codecs else payload
+        if not is_finite(grad):
+            # One worker's NaN would reach every worker through the parameters it pulls.
+            self.stats.refused_pushes += 1
+            self.on_skipped(w)
+            return
         for p, g in zip(self.params, views(grad, self.params), strict=True):
             p.grad = g / self.workers
         if self.optimizer is not None:
             self._set_lrs(self.plan.read_lrs(message))
             self.optimizer.step()
         self.stats.updates.append(AppliedUpdate(w, self.pushed[w], self.fresh_through[w]))
+        self._counted(w)
+
+    def on_skipped(self, w: int) -> None:
+        """A push that applies nothing still counts: the worker's clock moves on."""
+        self.stats.skipped_pushes += 1
+        self._counted(w)
+
+    def _counted(self, w: int) -> None:
         self.pushed[w] += 1
         self.pending[w] = _Pull(clock=self.pushed[w], since=time.perf_counter())
 
@@ -392,6 +410,8 @@ def _serve(server: _Server) -> ServerStats:
             server.maybe_checkpoint(receivers)
         elif kind == CHECKPOINT:
             server.on_checkpoint(w, receivers)
+        elif kind == SKIPPED:
+            server.on_skipped(w)
         else:
             server.on_gradient(w, item)
         server.answer_ready()

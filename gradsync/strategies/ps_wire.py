@@ -14,7 +14,9 @@ whatever the message's dtype); the payload is the shard's gradient in the parame
 or with compression the push codec's bytes (the message is then uint8, and the header keeps
 the payload 8-byte aligned for the codec's views). Kinds: ``GRADIENT`` (the payload is the
 gradient; the server replies with parameters), ``CHECKPOINT`` (no payload, no reply: this
-worker is inside ``sync.save()`` after its N-th push) or ``DONE`` (the worker finished; the
+worker is inside ``sync.save()`` after its N-th push), ``SKIPPED`` (no payload: this step's
+gradient was not finite, so the worker pushes nothing; the server counts the push, applies
+nothing and replies with parameters) or ``DONE`` (the worker finished; the
 server replies with the final parameters once every worker is done). A reply is one tensor in
 the parameters' dtype: the seconds the server held it, then the shard's parameters.
 
@@ -38,7 +40,7 @@ from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.strategies.base import SyncContext
 
 # Message kinds (element 0 of every worker -> server message).
-GRADIENT, DONE, CHECKPOINT = 0.0, 1.0, 2.0
+GRADIENT, DONE, CHECKPOINT, SKIPPED = 0.0, 1.0, 2.0, 3.0
 _KIND_BYTES = 8  # the header's first part: the kind, then padding to 8 bytes
 _LR_BYTES = 8  # then one float64 per param group: the worker's current lr
 
@@ -189,4 +191,4 @@ def current_lrs(optimizer: torch.optim.Optimizer, groups: int) -> torch.Tensor:
     return torch.tensor([float(g.get("lr", math.nan)) for g in found], dtype=torch.float64)
 
 
-__all__ = ["CHECKPOINT", "DONE", "GRADIENT", "ShardPlan", "current_lrs", "shard_by_size"]
+__all__ = ["CHECKPOINT", "DONE", "GRADIENT", "SKIPPED", "ShardPlan", "current_lrs", "shard_by_size"]
