@@ -24,6 +24,8 @@ from gradsync.workloads import WORKLOADS, make_workload
 from gradsync.workloads.data import check_data_file
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+DEFAULT_LINK = "1gbit"
+MIN_TIMEOUT_S = 1.0  # below it no collective of a real job completes before its own timeout
 MAX_LOCAL_PROCESSES = 256
 MAX_PARAMS = 1_000_000_000
 
@@ -185,7 +187,7 @@ class RunConfig:
         group=CLUSTER,
     )
     link: str = flag(
-        "1gbit",
+        DEFAULT_LINK,
         metavar="RATE",
         help="link rate of each emulated host, tc tbf syntax (default: %(default)s)",
         group=CLUSTER,
@@ -211,6 +213,10 @@ class RunConfig:
         self._check_kill()
         if self.hosts:
             self._check_hosts()
+        elif self.link != DEFAULT_LINK:
+            raise UsageError(
+                f"--link {self.link} sets the emulated cluster's links: it needs --hosts H"
+            )
         self._check_servers()
         self._check_slow()
 
@@ -239,11 +245,13 @@ class RunConfig:
 
     def _check_limits(self) -> None:
         """Values that would pass the workers' own checks and fail or hang much later."""
-        if not 0 < self.timeout <= MAX_TIMEOUT_S:
+        if not MIN_TIMEOUT_S <= self.timeout <= MAX_TIMEOUT_S:
             raise UsageError(
-                f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds (a week), "
-                f"got {self.timeout}"
+                f"--timeout must be between {MIN_TIMEOUT_S:g} second and {MAX_TIMEOUT_S:.0f} "
+                f"seconds (a week), got {self.timeout}"
             )
+        if not 0 <= self.seed < 2**64:
+            raise UsageError(f"--seed must be between 0 and 2**64 - 1, got {self.seed}")
         if self.nproc > MAX_LOCAL_PROCESSES:
             raise UsageError(
                 f"--nproc {self.nproc} is more local workers than gradsync starts on one machine "
@@ -272,6 +280,11 @@ class RunConfig:
 
     def _check_inputs(self) -> None:
         if self.data is not None:
+            if self.workload != "charlm":
+                raise UsageError(
+                    f"--data is the text charlm trains on; --workload {self.workload} "
+                    "makes its own data: drop --data or use --workload charlm"
+                )
             check_data_file(self.data)
         if self.balance and not parse_strategy(self.strategy).weights_samples:
             raise UsageError(f"--balance needs --strategy bsp, got {self.strategy}")
@@ -304,6 +317,12 @@ class RunConfig:
                     f"--kill names rank {k.rank}, a parameter server with --strategy "
                     f"{self.strategy}; only worker ranks 0..{self.nproc - 1} can be killed"
                 )
+        late = [k for k in kills if k.step >= self.steps]
+        if late:
+            raise UsageError(
+                f"--kill {late[0].rank}:{late[0].step} would never fire: the run has --steps "
+                f"{self.steps} (steps 0..{self.steps - 1})"
+            )
         if kills and self.max_restarts < len(kills):
             raise UsageError(
                 f"--kill injects {len(kills)} failure(s) but --max-restarts is "

@@ -127,8 +127,13 @@ INVALID: list[dict[str, Any]] = [
     {"slow": "nope"},
     {"slow": "7:2"},
     {"overwrite": True, "resume": True},
+    {"timeout": 1e-9},
+    {"seed": 2**64},
+    {"data": "README.md", "workload": "mlp"},
+    {"link": "100mbit"},  # no --hosts
+    {"kill": "1:500", "max_restarts": 1},  # past the default 200 steps
 ]
-ANY_VALUE = {"seed", "out", "resume", "progress", "plots"}  # no value of these is refused
+ANY_VALUE = {"out", "resume", "progress", "plots"}  # no value of these is refused
 
 
 def _argv(values: dict[str, Any]) -> list[str]:
