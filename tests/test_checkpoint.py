@@ -373,3 +373,24 @@ def test_config_validation(tmp_path: Path) -> None:
         store.save(-1, 0, 1, {})
     with pytest.raises(CheckpointError, match="must be a dict"):
         store.save(1, 0, 1, [torch.ones(1)])  # type: ignore[arg-type]
+
+
+class _Shell:
+    """Pickles as a call of os.system: what a crafted checkpoint would run on load."""
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.system, ("true",))
+
+
+def test_a_refusal_names_the_blocked_global_and_never_suggests_disabling_weights_only(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "crafted.pt"
+    torch.save({"model": _Shell()}, path)
+    with pytest.raises(CheckpointError) as exc:
+        safe_load(path)
+    message = str(exc.value)
+    assert "posix.system" in message or "nt.system" in message, message
+    assert "weights_only" not in message, message

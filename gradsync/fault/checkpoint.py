@@ -343,14 +343,16 @@ def safe_load(path: str | Path, *, map_location: str | torch.device | None = "cp
 
 
 def _torch_reason(e: BaseException) -> str:
-    """The informative line of torch's multi-paragraph load error."""
+    """The informative line of torch's multi-paragraph load error: the one naming what was
+    blocked ("unsupported GLOBAL posix.system"). torch's other paragraphs advise loading with
+    weights_only=False or allowlisting the global, which is no advice for a file that tried to
+    run code, so they are never passed on."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     for ln in lines:
-        if "Unsupported" in ln or "WeightsUnpickler error" in ln:
-            # torch goes on to suggest allowlisting the global: not advice for a file that
-            # tried to call exec, so stop at the reason.
+        if "unsupported" in ln.lower() or "weightsunpickler error" in ln.lower():
             return ln.split(" Please use", 1)[0]
-    return lines[0] if lines else type(e).__name__
+    safe = [ln for ln in lines if "weights_only" not in ln]
+    return safe[0] if safe else type(e).__name__
 
 
 def _read_manifest(path: Path, step: int) -> CheckpointInfo:
