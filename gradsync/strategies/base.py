@@ -25,7 +25,7 @@ inherits the no-op members and writes only what it does differently.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
+from gradsync.fault.guards import all_finite
 from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 from gradsync.telemetry.records import Span
 
@@ -119,6 +120,21 @@ class SyncContext:
     def scaling(self) -> bool:
         """Whether an enabled GradScaler owns the step and the non-finite decision."""
         return self.scaler is not None and bool(self.scaler.is_enabled())
+
+
+def local_gradient(
+    params: Sequence[torch.Tensor], ctx: SyncContext, average_over: int
+) -> StepOutcome:
+    """``gradients_ready`` for strategies whose update starts from this rank's own gradient
+    (local steps, parameter-server pushes): the mean over micro-batches, or a skipped step
+    when it is not finite, which is this rank's alone (unless a GradScaler decides that)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if ctx.skip_nonfinite and not ctx.scaling and not all_finite(grads):
+        return StepOutcome(barrier=False, skipped=True)
+    if average_over > 1:
+        for g in grads:
+            g.div_(average_over)
+    return StepOutcome(barrier=False)
 
 
 def optimizer_step(ctx: SyncContext) -> bool:
@@ -233,6 +249,7 @@ __all__ = [
     "SyncContext",
     "compressor_state_dict",
     "load_compressor_state",
+    "local_gradient",
     "optimizer_step",
     "parse_strategy_spec",
 ]

@@ -17,7 +17,6 @@ import torch
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
-from gradsync.fault.guards import all_finite
 from gradsync.flat import copy_into, flatten
 from gradsync.strategies.base import (
     StepOutcome,
@@ -26,6 +25,7 @@ from gradsync.strategies.base import (
     SyncContext,
     compressor_state_dict,
     load_compressor_state,
+    local_gradient,
     optimizer_step,
 )
 
@@ -64,15 +64,11 @@ class _Periodic(Strategy):
         """The local gradient (mean over micro-batches): nothing is exchanged before a local
         step."""
         assert self._ctx is not None
-        grads = [p.grad for p in self._params if p.grad is not None]
         # A local step is this rank's own business: a non-finite gradient skips it here only.
-        if self._ctx.skip_nonfinite and not self._ctx.scaling and not all_finite(grads):
+        outcome = local_gradient(self._params, self._ctx, self._average_over)
+        if outcome.skipped:
             self._ctx.optimizer.zero_grad(set_to_none=True)
-            return StepOutcome(barrier=False, skipped=True)
-        if self._average_over > 1:
-            for g in grads:
-                g.div_(self._average_over)
-        return StepOutcome(barrier=False)
+        return outcome
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         assert self._ctx is not None

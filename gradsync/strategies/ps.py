@@ -60,9 +60,14 @@ import torch
 from gradsync import compat
 from gradsync.compression.push import PushCodec
 from gradsync.errors import UsageError
-from gradsync.fault.guards import all_finite
 from gradsync.flat import copy_into
-from gradsync.strategies.base import StepOutcome, StepPlan, Strategy, SyncContext
+from gradsync.strategies.base import (
+    StepOutcome,
+    StepPlan,
+    Strategy,
+    SyncContext,
+    local_gradient,
+)
 from gradsync.strategies.ps_server import AppliedUpdate, PSServer, ServerStats
 from gradsync.strategies.ps_wire import (
     CHECKPOINT,
@@ -136,13 +141,7 @@ class ParameterServer(Strategy):
         """This worker's own gradient, the mean over micro-batches: it is what gets pushed,
         unless it is not finite: then this worker skips the step (it pushes nothing)."""
         assert self._ctx is not None
-        grads = [p.grad for p in self.plan.params if p.grad is not None]
-        if self._ctx.skip_nonfinite and not all_finite(grads):
-            return StepOutcome(barrier=False, skipped=True)
-        if self._average_over > 1:
-            for g in grads:
-                g.div_(self._average_over)
-        return StepOutcome(barrier=False)
+        return local_gradient(self.plan.params, self._ctx, self._average_over)
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """Push each server its shard's gradient; install the parameters it sends back."""
