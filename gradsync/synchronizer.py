@@ -21,6 +21,7 @@ from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.fault.diagnose import END, START, ArrivalWatch, GroupTimeout
 from gradsync.fault.guards import check_replicas
+from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
 from gradsync.strategies.base import Layout, StepOutcome, StepPlan, Strategy, SyncContext
 from gradsync.strategies.factory import parse_strategy
@@ -108,14 +109,7 @@ class Synchronizer:
         broadcast_buffers: bool = True,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
-        _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s)
-        if accumulation not in ACCUMULATION:
-            raise UsageError(
-                f"accumulation must be one of {', '.join(ACCUMULATION)}, got {accumulation!r}: "
-                "'mean' when each micro-batch's loss is its own mean (gradsync averages the k "
-                "backward passes), 'sum' when the script divides each loss by k (as DDP scripts "
-                "do with no_sync)"
-            )
+        _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s, accumulation)
         self.accumulation: Literal["mean", "sum"] = "sum" if accumulation == "sum" else "mean"
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise UsageError(
@@ -131,10 +125,8 @@ class Synchronizer:
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         # DDP broadcasts buffers from rank 0 at the first forward after a gradient-syncing one:
         # once per step, at its first micro-batch. The start of the step block is the same point.
-        self._step_buffers = (
-            list(model.buffers())
-            if broadcast_buffers and self.world_size > 1 and self.strategy.replicates_every_step
-            else []
+        self._sync_buffers = (
+            broadcast_buffers and self.world_size > 1 and self.strategy.replicates_every_step
         )
         self.compressor = parse_compression(compression)
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
@@ -309,8 +301,10 @@ class Synchronizer:
                 sample_weight=weight,
             )
             with record_function("gradsync.begin_step"):
-                if self._step_buffers:
-                    self._broadcast(self._step_buffers, self._step, "buffer broadcast")
+                # Read each step, as DDP does: a module may have replaced a buffer since.
+                buffers = list(self.model.buffers()) if self._sync_buffers else []
+                if buffers:
+                    self._broadcast(buffers, self._step, "buffer broadcast")
                 self.strategy.begin_step(plan)
             slept = 0.0
             if self.slowdowns:
@@ -512,18 +506,21 @@ class Synchronizer:
     def _broadcast(
         self, tensors: list[torch.Tensor], step: int, name: str, kind: str = "buffer"
     ) -> None:
-        """Rank 0's values of ``tensors`` on every rank, through the hang diagnosis."""
+        """Rank 0's values of ``tensors`` on every rank, through the hang diagnosis: one
+        broadcast per dtype and device (as DDP coalesces), not one per tensor."""
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
 
         def broadcast() -> None:
-            with torch.no_grad():
-                works = [
-                    dist.broadcast(t.data, src=src, group=self.group, async_op=True)
-                    for t in tensors
-                ]
-                for work in works:
-                    assert work is not None
-                    work.wait()
+            flats = [flatten(group) for group in groups.values()]
+            works = [dist.broadcast(f, src=src, group=self.group, async_op=True) for f in flats]
+            for work in works:
+                assert work is not None
+                work.wait()
+            for flat, group in zip(flats, groups.values(), strict=True):
+                copy_into(flat, group)
 
         what = f"{name} of {len(tensors)} {kind} tensors from rank 0"
         self._watch.run(step, what, broadcast)
@@ -535,6 +532,7 @@ def _check_arguments(
     telemetry_every: int,
     check_every: int,
     timeout_s: float,
+    accumulation: str,
 ) -> None:
     """``UsageError`` naming the first bad ``Synchronizer`` argument and what is valid."""
     if not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
@@ -549,6 +547,13 @@ def _check_arguments(
         raise UsageError(
             f"model {type(model).__name__} has no trainable parameters "
             "(none with requires_grad=True): there is nothing to synchronize"
+        )
+    if accumulation not in ACCUMULATION:
+        raise UsageError(
+            f"accumulation must be one of {', '.join(ACCUMULATION)}, got {accumulation!r}: "
+            "'mean' when each micro-batch's loss is its own mean (gradsync averages the k "
+            "backward passes), 'sum' when the script divides each loss by k (as DDP scripts "
+            "do with no_sync)"
         )
 
 
