@@ -15,12 +15,17 @@ is tested in ``tests/test_compat.py``.
   scheduler stepped on the worker does not warn that the optimizer never stepped.
 - ``hold_until_exit``: a reference the interpreter never drops, even while it shuts down
   (``Py_IncRef`` through ctypes), for the exit-safety hold of the final handshake.
+- ``override_shared_store_server``: have torch's rendezvous handler make the TCPStore it shares
+  with its workers through our function (its ``_create_tcp_store_server``), so that the store
+  listens on the run's address instead of every interface (see ``gradsync.stores``; this one
+  and its fallback are tested in ``tests/test_stores.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,6 +116,16 @@ def hold_until_exit(slot: str, obj: Any) -> None:
     _HELD[:] = [(s, o) for s, o in _HELD if s != slot] + [(slot, obj)]
 
 
+def override_shared_store_server(handler: Any, make: Callable[[str, int], Any]) -> bool:
+    """Make ``handler`` (torch's ``DynamicRendezvousHandler``) create the store it shares with
+    its workers as ``make(addr, port)``; False where the handler has no such step (the caller
+    then shares no store)."""
+    if not callable(getattr(handler, "_create_tcp_store_server", None)):
+        return False
+    handler._create_tcp_store_server = make
+    return True
+
+
 __all__ = [
     "backends",
     "collective_timeout",
@@ -118,5 +133,6 @@ __all__ = [
     "default_store",
     "hold_until_exit",
     "mark_optimizer_stepped",
+    "override_shared_store_server",
     "set_collective_timeout",
 ]

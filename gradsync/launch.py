@@ -3,11 +3,18 @@
 ``gradsync run --nproc N`` and ``torchrun --nproc_per_node=N`` start workers the same way:
 c10d rendezvous on a loopback store with a free port, the same environment variables, the
 same restart semantics; so a worker that runs under one runs under the other.
+
+Two things differ, both for the process gradsync runs in, not for the workers' view: the
+rendezvous is torch's c10d rendezvous under gradsync's name (``gradsync.stores``), because
+torch's own binds its stores to every interface whatever host it is given, and a reaper kills a
+stopped worker the agent has asked to exit (``gradsync.reaper``), because the agent would wait
+30 seconds for it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +22,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from gradsync import stores
 from gradsync.errors import UsageError
+from gradsync.reaper import StoppedWorkerReaper
 
 LOOPBACK = "127.0.0.1"
 
@@ -33,10 +42,10 @@ def launch(
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` in ``nproc`` worker processes; return each rank's return value.
 
-    The rendezvous store binds to ``host`` (loopback by default: torch.distributed has no
-    authentication, so nothing listens beyond this machine unless asked). Port 0 lets the
-    store pick a free port. Raises torch's ``ChildFailedError`` when a worker fails and the
-    restarts are spent.
+    Every store of the run listens on ``host`` only (loopback by default: torch.distributed has
+    no authentication, so nothing listens beyond this machine unless asked), and gloo too on
+    loopback. Port 0 lets the store pick a free port. Raises torch's ``ChildFailedError`` when a
+    worker fails and the restarts are spent.
     """
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
@@ -52,14 +61,19 @@ def launch(
         # previous round's gloo addresses and fail to connect (pytorch/pytorch#135712): give
         # each round a fresh store hosted by its rank 0 instead.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if host == LOOPBACK and "lo" in (name for _, name in socket.if_nameindex()):
+        # gloo listens on the address this machine's host name resolves to, which need not be
+        # loopback: keep its sockets where the stores are.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    stores.register_rendezvous()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=run_id or uuid.uuid4().hex[:12],
-        rdzv_backend="c10d",
+        rdzv_backend=stores.RENDEZVOUS_BACKEND,
         rdzv_endpoint=f"{host}:0",
-        rdzv_configs={"timeout": 120},
+        rdzv_configs={"timeout": 120, "is_host": True},
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -69,7 +83,8 @@ def launch(
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
         config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-    return elastic_launch(config, _recorded)(entrypoint, *args)
+    with StoppedWorkerReaper():
+        return elastic_launch(config, _recorded)(entrypoint, *args)
 
 
 @record

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.errors import UsageError
+from gradsync.stores import process_group_store
 
 DEFAULT_TIMEOUT_S = 300.0
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -48,7 +49,14 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
             chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
         return
-    dist.init_process_group(chosen, timeout=timeout)
+    # Where rank 0 serves the store itself, torch's env:// would have it listen on every
+    # interface: make it here, on MASTER_ADDR only (None: env:// does no such thing).
+    store = process_group_store(timeout)
+    if store is None:
+        dist.init_process_group(chosen, timeout=timeout)
+        return
+    rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(chosen, store=store, rank=rank_, world_size=world, timeout=timeout)
 
 
 def is_initialized() -> bool:

@@ -1,8 +1,10 @@
 """Start a job on an emulated cluster: one torchrun agent per host, inside the host's namespace.
 
-Each agent is torch's own launcher (``python -m torch.distributed.run``), so a worker that runs
-here runs unchanged on real machines. The agents meet through c10d rendezvous on host 0's
-address; ``--local-addr`` makes each agent advertise its host's address (by default it would
+Each agent is torch's own launcher (``torch.distributed.run``, started through
+``gradsync.cluster.agent``), so a worker that runs here runs unchanged on real machines. The
+agents meet through c10d rendezvous on host 0's address, under gradsync's backend name so that
+its stores listen on that address only (torch's would listen on every interface of the
+namespace); ``--local-addr`` makes each agent advertise its host's address (by default it would
 advertise the machine's hostname, which resolves outside the namespaces), and
 ``GLOO_SOCKET_IFNAME`` binds gloo to the host's rate-limited interface.
 """
@@ -20,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from gradsync.cluster.netns import Cluster, Host, install_exit_handlers, restore_handlers
 from gradsync.cluster.system import kill_pids, list_namespaces, tool
 from gradsync.errors import UsageError
+from gradsync.stores import RENDEZVOUS_BACKEND
 
 TIMEOUT_EXIT = 124  # as timeout(1): the job ran past its deadline and was killed
 
@@ -59,10 +62,10 @@ def agent_command(
     is_host = "1" if host.index == 0 else "0"
     return [
         _ip(), "netns", "exec", host.netns,
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "gradsync.cluster.agent",
         "--nnodes", str(cluster.hosts),
         "--nproc-per-node", str(nproc_per_host),
-        "--rdzv-backend", "c10d",
+        "--rdzv-backend", RENDEZVOUS_BACKEND,
         "--rdzv-endpoint", endpoint,
         "--rdzv-id", run_id,
         "--rdzv-conf", f"is_host={is_host},join_timeout={join_timeout_s}",

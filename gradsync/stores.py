@@ -1,0 +1,184 @@
+"""TCP stores that listen on the run's own address, never on every interface.
+
+torch.distributed has no authentication: whoever reaches a TCPStore reads and writes its keys
+(the rendezvous state, every rank's address, whatever the job keeps there). torch's TCPStore
+server binds the wildcard address whatever host name it is given; only a socket handed to it
+(``master_listen_fd``) makes it listen where we say. So every store a gradsync run serves is made
+here, on a socket bound to the run's address (127.0.0.1 for a local run, the emulated host's
+address with ``--hosts``):
+
+- the elastic agent's rendezvous store: :data:`RENDEZVOUS_BACKEND` is torch's own c10d
+  rendezvous (its ``C10dRendezvousBackend`` and ``DynamicRendezvousHandler``, unchanged) under a
+  name of ours, whose store we make; the launchers ask for it (:func:`register_rendezvous`);
+- the store the agent shares with its workers (torch makes it inside the rendezvous handler;
+  ``compat.override_shared_store_server`` has it made here; where torch offers no such hook,
+  sharing is turned off so that the next case applies);
+- the store rank 0 serves itself when the agent shares none (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``,
+  which ``--max-restarts`` sets): :func:`process_group_store`, used by ``gs.init()``.
+
+gloo's own listening sockets follow ``GLOO_SOCKET_IFNAME``, which the launchers set.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import ipaddress
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync import compat
+from gradsync.errors import UsageError
+
+#: The rendezvous backend name gradsync's launchers pass to torch's elastic agent.
+RENDEZVOUS_BACKEND = "gradsync-c10d"
+#: The prefix ``init_process_group`` puts on a store it made itself (env://); the store made here
+#: gets the same one, so that its keys are where a torch-made store would have them.
+PROCESS_GROUP_PREFIX = "default_pg"
+_DEFAULT_READ_TIMEOUT_S = 60  # torch's c10d rendezvous default
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host`` (an address or a name) only; ``port`` 0: a free one."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
+def _use_libuv() -> bool:
+    """Whether the store may use torch's libuv server, as torch decides (``USE_LIBUV``), except
+    before torch 2.8, whose libuv server ignores a socket it is handed (pytorch#150215) and would
+    bind every interface anyway: the classic server takes one in every torch gradsync supports."""
+    if os.environ.get("USE_LIBUV", "1") != "1":
+        return False
+    return bool(torch.torch_version.TorchVersion(torch.__version__) >= "2.8")
+
+
+def server_store(
+    host: str,
+    port: int,
+    *,
+    timeout: datetime.timedelta | None = None,
+    world_size: int | None = None,
+    wait_for_workers: bool = False,
+) -> dist.TCPStore:
+    """A TCPStore server listening on ``host`` only (``port`` 0: a free port; ``.port`` says which).
+
+    Multi-tenant, as torch's own servers are, so that a second store object in this process on
+    the same port shares the server."""
+    sock = listening_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the socket from here on, and closes it
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    try:
+        return dist.TCPStore(
+            host,
+            bound_port,
+            world_size,
+            True,
+            wait_for_workers=wait_for_workers,
+            multi_tenant=True,
+            master_listen_fd=fd,
+            use_libuv=_use_libuv(),
+            **kwargs,
+        )
+    except TypeError:  # refused before torch took the socket: it is still ours to close
+        os.close(fd)
+        raise
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for an IPv6 address) as a pair; the port is required."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"rendezvous endpoint {endpoint!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _create_rendezvous_handler(params: Any) -> Any:
+    """torch's c10d rendezvous handler over a store listening on the endpoint's host only.
+
+    ``is_host`` (rendezvous config) says whether this agent serves the store; without it, an
+    agent serves a loopback or port-0 endpoint (only this machine can reach one) and joins any
+    other as a client, where torch would guess from the machine's host name."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class _Backend(C10dRendezvousBackend):
+        # torch checks that a handler's backend carries the name it was registered under.
+        @property
+        def name(self) -> str:
+            return RENDEZVOUS_BACKEND
+
+    host, port = split_endpoint(params.endpoint)
+    timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", _DEFAULT_READ_TIMEOUT_S))
+    is_host = params.get_as_bool("is_host")
+    if is_host is None:
+        is_host = port == 0 or _is_loopback(host)
+    store: dist.Store
+    if is_host:
+        store = server_store(host, port, timeout=timeout)
+    else:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    handler = create_handler(store, _Backend(store, params.run_id), params)
+    if not compat.override_shared_store_server(handler, lambda addr, p: server_store(addr, p)):
+        # No way to bind the store the agent would share: share none, so rank 0 serves one
+        # (bound by gs.init()). Read by the handler at each rendezvous and by the workers.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return handler
+
+
+def register_rendezvous() -> None:
+    """Make :data:`RENDEZVOUS_BACKEND` known to torch's launcher in this process (idempotent)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(RENDEZVOUS_BACKEND, _create_rendezvous_handler)
+
+
+def _address_literal(name: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return None
+
+
+def process_group_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store for ``init_process_group`` from torchrun's environment when rank 0 serves it
+    (the agent shares none): rank 0's server listens on ``MASTER_ADDR`` only. None where
+    torch's env:// does the same job: when the workers use the agent's store (they only connect),
+    or ``MASTER_ADDR`` is a host name (binding the address it resolves to here could miss the one
+    the other ranks reach), or not an address of this machine.
+
+    The decision rests on the environment alone, the same on every rank, so the ranks agree."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    addr = _address_literal(os.environ["MASTER_ADDR"])
+    if addr is None:
+        return None
+    port, rank = int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    store: dist.Store
+    if rank == 0:
+        try:
+            store = server_store(
+                addr, port, timeout=timeout, world_size=world, wait_for_workers=True
+            )
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            return None  # not ours (a NAT address?): torch's wildcard server, as before
+    else:
+        store = dist.TCPStore(addr, port, world, False, timeout)
+    return dist.PrefixStore(PROCESS_GROUP_PREFIX, store)

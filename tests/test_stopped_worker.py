@@ -1,0 +1,80 @@
+"""A stopped worker (SIGSTOP: a hang from outside the process) ends `gradsync run` within its
+--timeout plus a few seconds, with the stopped rank named and no process of the run left, where
+torch's elastic agent alone waits 30 more seconds for the stopped worker to act on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.proctree import PROC, Watched, watch_until_exit
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_S = 10
+GRACE_S = 5  # what the run may take beyond its --timeout to fail, report and exit
+
+
+def _workers(watched: Watched, root: int) -> list[int]:
+    found = []
+    for pid in watched.survivors():
+        try:
+            cmd = (PROC / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if pid != root and b"spawn_main" in cmd:
+            found.append(pid)
+    return found
+
+
+def _wait_for_training(proc: subprocess.Popen[str], watched: Watched, metrics: Path) -> None:
+    """Until steps are being recorded (every rank is past its start-up)."""
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.stat().st_size > 0):
+        assert proc.poll() is None, "the run ended before training started"
+        assert time.monotonic() < deadline, "no step recorded in 120 s"
+        watched.sample(proc.pid)
+        time.sleep(0.1)
+    watched.sample(proc.pid)
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", "mlp"),
+            *("--steps", "100000", "--timeout", str(TIMEOUT_S), "--no-plots", "--no-progress"),
+            *("--out", str(out)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    watched = Watched()
+    try:
+        _wait_for_training(proc, watched, out / "metrics.jsonl")
+        workers = _workers(watched, proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[-1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        rc = watch_until_exit(proc, watched, timeout_s=TIMEOUT_S + 60)
+        took = time.monotonic() - stopped_at
+        left = watched.survivors()
+    finally:
+        watched.kill_all()
+        proc.kill()
+        _, stderr = proc.communicate(timeout=30)
+    assert rc == 1, f"exit code {rc}: {stderr[-3000:]}"
+    assert "never arrived: ranks [" in stderr, stderr[-3000:]
+    assert took <= TIMEOUT_S + GRACE_S, f"exited {took:.1f}s after the stop: {stderr[-3000:]}"
+    assert left == [], f"processes of the run still alive after it exited: {left}"
