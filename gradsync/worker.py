@@ -18,7 +18,15 @@ from gradsync.fault.diagnose import END
 from gradsync.inject import maybe_kill, parse_kill
 from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.synchronizer import Synchronizer
-from gradsync.telemetry.records import METRICS_FILE, SPANS_FILE, StepRecord, write_records
+from gradsync.telemetry.cli import REPORT_FILE, analyze_records
+from gradsync.telemetry.records import (
+    METRICS_FILE,
+    SPANS_FILE,
+    StepRecord,
+    read_records,
+    write_records,
+)
+from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import StragglerConfig, StragglerDetector
 from gradsync.workloads import make_workload
 
@@ -91,14 +99,17 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
     """The step to start at: 0, or the newest checkpoint's after --resume or a restart by
     the elastic agent (it sets TORCHELASTIC_RESTART_COUNT)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if not (cfg.resume or (restarted and cfg.checkpoint_every)):
+    if not (cfg.resume or restarted):
         return 0
-    extra = sync.load(run_dir / CHECKPOINT_DIR)
+    extra = sync.load(run_dir / CHECKPOINT_DIR) if cfg.resume or cfg.checkpoint_every else None
     start = int(extra["step"]) if extra else 0
     if rank == 0:
+        # Every step from here on runs again, a restart without checkpoints included: their
+        # earlier records would count the rolled-back work twice in the report.
         _drop_records_from(run_dir / METRICS_FILE, start)
         why = "restart" if restarted else "--resume"
-        print(f"gradsync: {why}: resuming at step {start}", file=sys.stderr, flush=True)
+        how = "starting over (no --checkpoint-every)" if extra is None else "resuming"
+        print(f"gradsync: {why}: {how} at step {start}", file=sys.stderr, flush=True)
     return start
 
 
@@ -173,6 +184,11 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
             recovering = False
             _log_recovery(run_dir / FAULTS_DIR, start)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            if not sync.layout.servers:  # with servers, save() gathers them itself
+                # Gather the records of the steps before the checkpoint with it: a restart
+                # runs again only the steps after it, so records still held in memory when a
+                # rank dies (gathered every telemetry_every steps) would be lost for good.
+                sync.flush_telemetry()
             seconds = sync.save(checkpoints, keep=cfg.keep_checkpoints, data_position=step + 1)
             if rank == 0:
                 _log_checkpoint(checkpoints, step + 1, seconds)
@@ -185,10 +201,26 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     sync.close()
     if rank != 0:
         return None
-    report.save(run_dir / "report.json")
-    result = report.to_dict()
+    result = _write_report(run_dir, cfg, report)
     result["world_size"] = world
     return result
+
+
+def _write_report(run_dir: Path, cfg: RunConfig, report: RunReport) -> dict[str, Any]:
+    """Write report.json: the report of every step of the run and the straggler findings
+    ``gradsync report`` gives. Built from metrics.jsonl, not this attempt's ``report``, which
+    after a restart holds only the steps since the resume point. Returns the report's dict."""
+    records = read_records(run_dir) if (run_dir / METRICS_FILE).exists() else report.records
+    stragglers = StragglerConfig(
+        window=cfg.straggler_window,
+        threshold=cfg.straggler_threshold,
+        warmup=cfg.straggler_warmup,
+    )
+    analysis = analyze_records(run_dir, records, stragglers)
+    (run_dir / REPORT_FILE).write_text(
+        json.dumps(analysis.run_report(), indent=2) + "\n", encoding="utf-8"
+    )
+    return analysis.report.to_dict()
 
 
 def _synchronizer(

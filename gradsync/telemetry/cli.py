@@ -27,9 +27,19 @@ from gradsync.telemetry.stragglers import (
 )
 from gradsync.telemetry.trace import write_trace
 
-__all__ = ["TRACE_FILE", "add_parsers", "analyze_run", "handler", "main", "summarize_run"]
+__all__ = [
+    "REPORT_FILE",
+    "TRACE_FILE",
+    "add_parsers",
+    "analyze_records",
+    "analyze_run",
+    "handler",
+    "main",
+    "summarize_run",
+]
 
 TRACE_FILE = "trace.json"
+REPORT_FILE = "report.json"  # written by the run itself (gradsync.worker), never by `report`
 
 
 @dataclass(slots=True)
@@ -77,6 +87,19 @@ class RunAnalysis:
             "outputs": [str(p) for p in self.outputs],
         }
 
+    def run_report(self) -> dict[str, Any]:
+        """What a run writes into its report.json: the report's fields at the top level (as
+        ``RunReport.to_dict``), plus the straggler findings and scores ``--json`` gives."""
+        return {
+            **self.report.to_dict(),
+            "straggler_window": self.config.window,
+            "straggler_threshold": self.config.threshold,
+            "straggler_warmup": self.config.warmup,
+            "stragglers": [f.to_dict() for f in self.findings],
+            "scores": [s.to_dict() for s in self.scores],
+            "bytes": self.bytes,
+        }
+
 
 def analyze_run(
     run_dir: str | Path,
@@ -98,16 +121,24 @@ def analyze_run(
         raise UsageError(f"cannot read {path / METRICS_FILE}: {e}") from e
     if not records:
         raise UsageError(f"{path / METRICS_FILE} holds no step records: did the run take a step?")
-    findings = find_stragglers(records, cfg.window, cfg.threshold, warmup=cfg.warmup)
-    analysis = RunAnalysis(
-        path, cfg, RunReport.from_records(records), findings, _bytes(records, path)
+    analysis = analyze_records(path, records, cfg)
+    analysis.outputs.append(
+        write_trace(path / TRACE_FILE, records, read_spans(path), analysis.findings)
     )
-    analysis.scores = rank_scores(records, cfg.window, warmup=cfg.warmup)
-    analysis.outputs.append(write_trace(path / TRACE_FILE, records, read_spans(path), findings))
     if plots:
         from gradsync.telemetry.plots import write_plots  # matplotlib is slow to import
 
-        analysis.outputs += write_plots(records, path, findings)
+        analysis.outputs += write_plots(records, path, analysis.findings)
+    return analysis
+
+
+def analyze_records(run_dir: Path, records: list[StepRecord], cfg: StragglerConfig) -> RunAnalysis:
+    """The report, straggler findings, scores and bytes of ``records``; writes nothing."""
+    findings = find_stragglers(records, cfg.window, cfg.threshold, warmup=cfg.warmup)
+    analysis = RunAnalysis(
+        run_dir, cfg, RunReport.from_records(records), findings, _bytes(records, run_dir)
+    )
+    analysis.scores = rank_scores(records, cfg.window, warmup=cfg.warmup)
     return analysis
 
 

@@ -110,8 +110,28 @@ def write_records(path: Path, records: Iterable[StepRecord | Span], append: bool
 
 
 def read_records(run_dir: str | Path) -> list[StepRecord]:
-    """Read ``metrics.jsonl`` from a run directory (or the file itself)."""
-    return [StepRecord.from_dict(d) for d in _read_jsonl(_resolve(run_dir, METRICS_FILE))]
+    """Read ``metrics.jsonl`` from a run directory (or the file itself): one record per rank
+    per step, the latest attempt's where a restart ran a step again (see ``latest_attempts``)."""
+    return latest_attempts(
+        StepRecord.from_dict(d) for d in _read_jsonl(_resolve(run_dir, METRICS_FILE))
+    )
+
+
+def latest_attempts(records: Iterable[StepRecord]) -> list[StepRecord]:
+    """Every (rank, step) once: the last record of it, in the order given (file order).
+
+    A run restarted by the elastic agent runs again the steps after its checkpoint (all of
+    them, without checkpoints), and ``metrics.jsonl`` is appended to: a step's later record is
+    its latest attempt, the one whose update the run kept. Counting both would count the
+    rolled-back work twice. A record that replaces another takes its own place in the order
+    (after the records written before it), and a file without repeats reads back unchanged.
+    """
+    latest: dict[tuple[int, int], StepRecord] = {}
+    for r in records:
+        key = (r.rank, r.step)
+        latest.pop(key, None)
+        latest[key] = r
+    return list(latest.values())
 
 
 def read_spans(run_dir: str | Path) -> list[Span]:

@@ -1,0 +1,91 @@
+"""Telemetry of a run restarted by the elastic agent: every completed step once, the latest
+attempt's record where a step ran twice, and report.json with the straggler findings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.config import RunConfig
+from gradsync.telemetry.records import METRICS_FILE, read_records, write_records
+from gradsync.telemetry.report import RunReport
+from gradsync.telemetry.stragglers import synthetic_records
+from gradsync.worker import _write_report
+
+STEPS, RANKS, BYTES = 40, 2, 1000
+
+
+def _attempts(tmp: Path, killed_at: int, resumed_at: int) -> Path:
+    """metrics.jsonl as two attempts append it: the first ran steps 0..killed_at-1, the second
+    (bytes doubled, to tell them apart) steps resumed_at..STEPS-1."""
+    first = synthetic_records(STEPS, RANKS, bytes_per_step=BYTES, seed=1)
+    second = synthetic_records(STEPS, RANKS, bytes_per_step=2 * BYTES, seed=2)
+    write_records(tmp / METRICS_FILE, [r for r in first if r.step < killed_at])
+    write_records(tmp / METRICS_FILE, [r for r in second if r.step >= resumed_at])
+    return tmp
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("resumed_at", [0, 15], ids=["no-checkpoint", "checkpoint"])
+def test_each_step_counts_once_with_its_latest_attempt(tmp_path: Path, resumed_at: int) -> None:
+    records = read_records(_attempts(tmp_path, killed_at=20, resumed_at=resumed_at))
+    assert sorted((r.rank, r.step) for r in records) == [
+        (rank, step) for rank in range(RANKS) for step in range(STEPS)
+    ]
+    rerun = {r.step for r in records if r.bytes == 2 * BYTES}
+    assert rerun == set(range(resumed_at, STEPS))  # the rerun steps: the second attempt's
+    report = RunReport.from_records(records)
+    assert report.steps == STEPS
+    # Without the merge: 60 steps' bytes per rank without a checkpoint (rolled back twice).
+    expected = resumed_at * BYTES + (STEPS - resumed_at) * 2 * BYTES
+    assert [t.bytes for t in report.ranks] == [expected] * RANKS
+
+
+@pytest.mark.unit
+def test_report_json_covers_every_attempt_and_names_the_stragglers(tmp_path: Path) -> None:
+    recs = synthetic_records(120, 4, slow=[(2, 40, 119, 2.0)], bytes_per_step=BYTES, seed=3)
+    write_records(tmp_path / METRICS_FILE, recs)
+    write_records(tmp_path / METRICS_FILE, [r for r in recs if r.step >= 100])  # a rerun
+    cfg = RunConfig(workload="mlp", nproc=4, out=str(tmp_path))
+    # This attempt's own report holds only its steps since the resume point.
+    own = RunReport.from_records([r for r in recs if r.step >= 100])
+    result = _write_report(tmp_path, cfg, own)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert result["steps"] == data["steps"] == 120
+    assert [r["steps"] for r in data["ranks"]] == [120] * 4
+    assert [(f["rank"], f["first_step"]) for f in data["stragglers"]] == [(2, 40)]
+    assert data["straggler_window"] == cfg.straggler_window and len(data["scores"]) == 4
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_restarted_run_reports_every_step_once(tmp_path: Path) -> None:
+    # Checkpoints every 5 steps, telemetry gathered every 10: at the kill (step 17), steps
+    # 10..14 are before the checkpoint the restart resumes from and are never run again.
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync.cli", "run", "--workload", "mlp", "--nproc", "2"]
+        + ["--steps", "30", "--checkpoint-every", "5", "--kill", "1:17", "--max-restarts", "1"]
+        + ["--no-plots", "--no-progress", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restart: resuming at step 15" in proc.stderr
+    lines = (out / METRICS_FILE).read_text().splitlines()
+    keys = [(d["rank"], d["step"]) for d in map(json.loads, lines)]
+    assert sorted(keys) == [(rank, step) for rank in range(2) for step in range(30)]
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 30 and [r["steps"] for r in report["ranks"]] == [30, 30]
+    per_step = {d["bytes"] for d in map(json.loads, lines)}
+    assert len(per_step) == 1 and [r["bytes"] for r in report["ranks"]] == [30 * per_step.pop()] * 2
+    assert report["stragglers"] == []  # present, and empty on a clean run
+    # The checkpoint records its compressor, which a --resume with another one is refused by.
+    (newest,) = sorted((out / "checkpoints").glob("step-*"))[-1:]
+    assert torch.load(newest / "rank-0.pt", weights_only=True)["compression"] == "none"
