@@ -37,9 +37,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Held until this process ends: no second run in the same directory meanwhile.
     claimed = claim(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
+        if cfg.resume:
+            _check_resume(cfg, run_dir)
         return _run(cfg, run_dir)
     finally:
         claimed.release()
+
+
+def _check_resume(cfg: Any, run_dir: Path) -> None:
+    """Refuse a --resume the workers would fail (or worse, quietly start over) before any
+    starts, and before config.json is rewritten with this run's flags."""
+    from gradsync.compression import parse_compression
+    from gradsync.fault.resume import check_resumable
+    from gradsync.worker import CHECKPOINT_DIR
+
+    check_resumable(run_dir / CHECKPOINT_DIR, parse_compression(cfg.compression).spec)
 
 
 def _run(cfg: Any, run_dir: Path) -> int:

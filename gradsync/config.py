@@ -20,7 +20,7 @@ from gradsync.inject import parse_kill, parse_slow
 from gradsync.rundir import OVERWRITE_AND_RESUME
 from gradsync.strategies.factory import parse_strategy, uses_servers
 from gradsync.telemetry.stragglers import StragglerConfig
-from gradsync.workloads import WORKLOADS, make_workload
+from gradsync.workloads import WORKLOADS, make_workload, physical_memory, step_bytes
 from gradsync.workloads.data import check_data_file
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -28,6 +28,9 @@ DEFAULT_LINK = "1gbit"
 MIN_TIMEOUT_S = 1.0  # below it no collective of a real job completes before its own timeout
 MAX_LOCAL_PROCESSES = 256
 MAX_PARAMS = 1_000_000_000
+#: above any learning rate that trains (SGD's and AdamW's sensible ones are below 10); far
+#: larger ones overflow float32 parameters in the first update instead (3.4e38 and up)
+MAX_LR = 1e6
 
 # The help groups of `gradsync run --help`, in the order the fields below first name them.
 TRAINING = "training"
@@ -240,8 +243,8 @@ class RunConfig:
             )
         if not self.bucket_mb > 0:
             raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
-        if self.lr is not None and not self.lr > 0:
-            raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if self.lr is not None and not 0 < self.lr <= MAX_LR:
+            raise UsageError(f"--lr must be a number > 0 and at most {MAX_LR:g}, got {self.lr}")
 
     def _check_limits(self) -> None:
         """Values that would pass the workers' own checks and fail or hang much later."""
@@ -262,6 +265,22 @@ class RunConfig:
                 f"--params must be between 1000 and {MAX_PARAMS:,} (4 GB of fp32), "
                 f"got {self.params}"
             )
+        self._check_batch_memory()
+
+    def _check_batch_memory(self) -> None:
+        """A batch whose activations cannot fit in this machine's memory fails in the workers'
+        first step with the allocator's error (or the kernel's OOM killer): refuse it here. The
+        estimate is a lower bound, so only batches that certainly do not fit are refused."""
+        per_sample = self.nproc * step_bytes(self.workload, self.params, 1, self.nproc)
+        memory = physical_memory()
+        if memory is None or self.batch_size * per_sample <= memory:
+            return
+        raise UsageError(
+            f"--batch-size {self.batch_size} needs at least "
+            f"{self.batch_size * per_sample / 2**30:,.1f} GiB for the activations of "
+            f"{self.nproc} {self.workload} worker(s), more than this machine's "
+            f"{memory / 2**30:.1f} GiB: use at most --batch-size {memory // per_sample}"
+        )
 
     def _check_stragglers(self) -> None:
         try:

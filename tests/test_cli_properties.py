@@ -23,8 +23,10 @@ import gradsync.launch
 import gradsync.telemetry.cli
 from gradsync.cli import main
 from gradsync.compression import VALID_FORMS, parse_compression
+from gradsync.config import MAX_LR
 from gradsync.inject import MAX_FACTOR, SLOW_FORM, parse_slow
 from gradsync.strategies import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
+from gradsync.workloads import physical_memory, step_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -36,6 +38,8 @@ PROPERTY = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 DEFAULT_BATCH = 16  # RunConfig's default --batch-size, which --micro-batches must divide
+# The largest --batch-size of run_cli's run (4 mlp workers) this machine's memory holds.
+MAX_BATCH = (physical_memory() or 2**62) // (4 * step_bytes("mlp", 100_000, 1, 4))
 
 
 class Launches:
@@ -132,7 +136,7 @@ def _is_float(text: str) -> bool:
 INT_FLAGS = {
     "--nproc": ("nproc", lambda v: 1 <= v <= 256),  # more is not a local job (MAX_LOCAL_PROCESSES)
     "--steps": ("steps", lambda v: v >= 1),
-    "--batch-size": ("batch_size", lambda v: v >= 1),  # --micro-batches 1 divides anything
+    "--batch-size": ("batch_size", lambda v: 1 <= v <= MAX_BATCH),  # --micro-batches 1: any
     "--micro-batches": ("micro_batches", lambda v: v >= 1 and DEFAULT_BATCH % v == 0),
     "--servers": ("servers", lambda v: v == 1),  # bsp (the default) runs no servers
 }
@@ -155,6 +159,8 @@ def _at_boundaries(flags: Any, values: tuple[Any, ...]) -> Any:
 @PROPERTY
 @given(flag=st.sampled_from(sorted(INT_FLAGS)), value=SMALL_OR_ANY_INT)
 @_at_boundaries(INT_FLAGS, (-1, 0, 1, 2))
+@example(flag="--batch-size", value=MAX_BATCH)
+@example(flag="--batch-size", value=MAX_BATCH + 1)
 def test_int_flags(
     capsys: pytest.CaptureFixture[str], launches: Launches, flag: str, value: int
 ) -> None:
@@ -201,11 +207,14 @@ ANY_FLOAT = st.one_of(
 @PROPERTY
 @given(flag=st.sampled_from(sorted(FLOAT_FLAGS)), value=ANY_FLOAT)
 @_at_boundaries(FLOAT_FLAGS, (0.0, -0.0, math.nan, 5e-324, math.inf))
+@example(flag="--lr", value=MAX_LR)
+@example(flag="--lr", value=math.nextafter(MAX_LR, math.inf))
 def test_float_flags(
     capsys: pytest.CaptureFixture[str], launches: Launches, flag: str, value: float
 ) -> None:
     outcome = run_cli(capsys, launches, f"{flag}={value!r}")
-    if value > 0:  # nan and every value <= 0 are refused
+    # nan, every value <= 0 and --lr above MAX_LR (inf included) are refused
+    if value > 0 and (flag != "--lr" or value <= MAX_LR):
         outcome.assert_launched(**{FLOAT_FLAGS[flag]: value})
     else:
         outcome.assert_user_error(flag, str(value))

@@ -132,6 +132,9 @@ INVALID: list[dict[str, Any]] = [
     {"data": "README.md", "workload": "mlp"},
     {"link": "100mbit"},  # no --hosts
     {"kill": "1:500", "max_restarts": 1},  # past the default 200 steps
+    {"lr": 1e308},  # overflows float32 parameters in the first update
+    {"lr": math.inf},
+    {"batch_size": 1_000_000_000},  # terabytes of activations
 ]
 ANY_VALUE = {"out", "resume", "progress", "plots"}  # no value of these is refused
 

@@ -90,6 +90,7 @@ def save(
         "sync": sync.state_dict(),
         "rng": rng_state(),
         "strategy": sync.strategy.name,
+        "compression": sync.compressor.spec,  # load() refuses another compressor's state
         "layout": _layout(sync),
         "extra": extra or {},
     }
@@ -114,6 +115,7 @@ def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
         "server": server_state,
         "sync": sync.state_dict(),
         "strategy": sync.strategy.name,
+        "compression": sync.compressor.spec,  # load() refuses another compressor's state
         "layout": _layout(sync),
         "extra": {},
     }
@@ -152,22 +154,23 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
         if info is not None:
             # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
             # servers), so all of them refuse alike; a file it cannot read fails every rank.
-            saved: tuple[Any, Any, str | None]
+            saved: tuple[Any, Any, Any, str | None]
             try:
                 mine = store.load(info, 0)
-                saved = (mine.get("strategy"), mine.get("layout"), None)
+                saved = (mine.get("strategy"), mine.get("layout"), mine.get("compression"), None)
             except CheckpointError as exc:
-                saved = (None, None, str(exc))
+                saved = (None, None, None, str(exc))
             choice = [(info.step, info.world_size, *saved)]
     # Rank 0 decides, so every rank resumes from the same step even if a file is being judged
     # differently elsewhere (a warning it already printed says why it skipped a newer one).
     dist.broadcast_object_list(choice, src=_global_zero(sync), group=sync.group)
     if choice[0] is None:
         return None
-    step, saved_world, saved_strategy, saved_layout, error = choice[0]
+    step, saved_world, saved_strategy, saved_layout, saved_compression, error = choice[0]
     if error is not None:
         raise CheckpointError(error)
     _check_compatible(sync, step, saved_world, saved_strategy, saved_layout)
+    _check_compression(step, saved_compression, sync.compressor.spec)
     changed = saved_world != sync.world_size
     if mine is None:
         state = store.load(store.at(step), sync.rank, source_rank=0 if changed else None)
@@ -189,13 +192,52 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
             stacklevel=2,
         )
     if changed:
-        sync.load_state_dict({"step": state["sync"]["step"], "strategy": {}})
+        # The strategy keeps the state it was built with (fresh compressor state): an empty
+        # dict instead would make error feedback look for saved residuals (KeyError 'inner').
+        sync.load_state_dict(
+            {"step": state["sync"]["step"], "strategy": sync.strategy.state_dict()}
+        )
     else:
         sync.load_state_dict(state["sync"])
         set_rng_state(state["rng"])
     extra: dict[str, Any] = dict(state.get("extra") or {})
     extra["step"] = sync.step_count
     return extra
+
+
+def check_resumable(directory: str | Path, compression: str) -> None:
+    """Before ``gradsync run --resume`` starts a worker: ``UsageError`` when ``directory``
+    holds checkpoints but none is usable (each one's reason named), or when the one the run
+    would resume from was written with another compression than ``compression`` (a spec).
+    A directory without checkpoints passes: the run starts at step 0, as ``load`` does."""
+    store = CheckpointStore(directory)
+    with warnings.catch_warnings(record=True) as caught:
+        # The workers warn about each skipped checkpoint again when they load: not twice here.
+        warnings.simplefilter("always", CheckpointWarning)
+        info = store.latest(allow_world_change=True)
+    skipped = [w for w in caught if issubclass(w.category, CheckpointWarning)]
+    if info is None:
+        if skipped:
+            reasons = "; ".join(_skip_reason(w.message, Path(directory)) for w in skipped)
+            raise UsageError(
+                f"--resume: none of the {len(skipped)} checkpoint(s) in {directory} is usable "
+                f"({reasons}); resuming would silently start over at step 0. Restore a good "
+                "checkpoint, or pass --overwrite instead of --resume to start over (it deletes "
+                "them)"
+            )
+        return
+    try:
+        saved = store.load(info, 0).get("compression")
+        _check_compression(info.step, saved, compression)
+    except CheckpointError as exc:
+        raise UsageError(f"--resume: {exc}") from None
+
+
+def _skip_reason(message: Warning | str, directory: Path) -> str:
+    """``step-000020: rank-0.pt is corrupted: ...`` from a CheckpointWarning of ``latest``."""
+    text = str(message).removeprefix("skipping checkpoint ")
+    text = text.removesuffix("; falling back to an earlier checkpoint")
+    return text.removeprefix(f"{directory}/")
 
 
 def _check_compatible(
@@ -226,6 +268,26 @@ def _check_compatible(
             f"{name} with {sync.world_size} is not supported (its per-rank state "
             "has no meaning at another size). Resume with the same number of ranks, or use bsp."
         )
+
+
+def _check_compression(step: int, saved: str | None, current: str) -> None:
+    """Refuse a checkpoint written with another compressor (or none): its state (error-feedback
+    residuals, PowerSGD factors) belongs to that compressor, and loading it into another one
+    fails or, worse, seems to work. Starting the new compressor's state from zero instead would
+    quietly make the resumed run a different one than the checkpoint's: refused, as a changed
+    strategy is. Checkpoints from before gradsync recorded the compressor (None) are not checked."""
+    if saved is None or saved == current:
+        return
+    raise CheckpointError(
+        f"checkpoint at step {step} was written with compression {saved}, this run uses "
+        f"{current}: its compressor state cannot continue under another compressor. Resume with "
+        f"the checkpoint's compression ({compression_flag(saved)}), or start a new run"
+    )
+
+
+def compression_flag(spec: str) -> str:
+    """How a user asks for compression ``spec`` on the command line."""
+    return "no --compress" if spec == "none" else f"--compress {spec}"
 
 
 def _barrier(sync: Synchronizer, step: int, what: str) -> None:

@@ -7,6 +7,7 @@ to be built or shipped.
 
 from __future__ import annotations
 
+import codecs
 import sysconfig
 from pathlib import Path
 
@@ -49,6 +50,63 @@ def check_data_file(path: str) -> None:
     size = p.stat().st_size
     if size < MIN_BYTES:
         raise UsageError(f"--data file {path!r} holds {size} bytes; {_valid_data()}")
+    with open(p, "rb") as fh:
+        found = not_text(fh.read(DEFAULT_BYTES))  # what load_text trains on
+    if found:
+        encoding = "UTF-32" if "UTF-32" in found else "UTF-16"
+        fix = (
+            f"convert it (iconv -f {encoding} -t UTF-8)"
+            if encoding in found
+            else "pass a text file"
+        )
+        raise UsageError(
+            f"--data file {path!r} is not UTF-8 or ASCII text: {found}; charlm trains on a "
+            f"text file's bytes as characters: {fix}"
+        )
+
+
+#: Byte-order marks of the encodings whose text is not its bytes as characters (UTF-32's
+#: little-endian mark begins with UTF-16's, so it comes first).
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+
+
+def not_text(raw: bytes) -> str | None:
+    """What makes ``raw`` unfit for charlm, which takes bytes as characters, or None for text.
+
+    UTF-16 (with or without a byte-order mark) would teach the model that every other character
+    is NUL, binary data that characters mean nothing. Other 8-bit text (Latin-1) passes: its
+    bytes above 127 fold into one symbol, as UTF-8's do.
+    """
+    for bom, encoding in _BOMS:
+        if raw.startswith(bom):
+            return f"it starts with a {encoding} byte-order mark"
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        even, odd = raw[0::2], raw[1::2]
+        if max(even.count(0) / max(len(even), 1), odd.count(0) / max(len(odd), 1)) > 0.4:
+            return "every other byte is NUL, as in UTF-16 text without a byte-order mark"
+        return f"it holds NUL bytes, as binary files do (the first at byte {nul})"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
+        return None
+    except UnicodeDecodeError:
+        pass
+    controls = sum(raw.count(c) for c in _CONTROLS)
+    if controls * 10 > len(raw):
+        return (
+            f"it is not UTF-8 and {controls} of its first {len(raw)} bytes are control "
+            "characters, as in binary files"
+        )
+    return None
+
+
+#: bytes that no text holds (tab, newlines and form feed aside)
+_CONTROLS = [c for c in range(1, 32) if chr(c) not in "\t\n\r\f\v"] + [127]
 
 
 def load_text(path: str | None = None, max_bytes: int = DEFAULT_BYTES) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""--resume that cannot continue the run is refused before any worker starts: checkpoints that
+are all unusable (not a silent start at step 0), or another compressor than the checkpoint's
+(not ``KeyError: 'inner'``); and ``sync.load`` refuses the latter too, naming both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gradsync.launch
+from gradsync import Synchronizer
+from gradsync.cli import main
+from gradsync.errors import UsageError
+from gradsync.fault import CheckpointError, CheckpointStore
+from gradsync.fault.resume import check_resumable
+from gradsync.fault.rng import rng_state
+
+pytestmark = pytest.mark.unit
+
+
+def _checkpoint(directory: Path, step: int, **state: Any) -> Path:
+    store = CheckpointStore(directory, keep=5)
+    store.save(step, 0, 1, {"strategy": "bsp", "extra": {}, **state})
+    store.commit(step, 1)
+    return store.step_dir(step)
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_no_checkpoint_at_all_starts_at_step_0(tmp_path: Path) -> None:
+    check_resumable(tmp_path / "absent", "none")
+    (tmp_path / "empty").mkdir()
+    check_resumable(tmp_path / "empty", "none")
+
+
+def test_checkpoints_none_of_them_usable_are_refused_with_each_reason(tmp_path: Path) -> None:
+    _corrupt(_checkpoint(tmp_path, 10, compression="none") / "rank-0.pt")
+    (_checkpoint(tmp_path, 20, compression="none") / "MANIFEST.json").unlink()
+    with pytest.raises(UsageError) as refused:
+        check_resumable(tmp_path, "none")
+    message = str(refused.value)
+    assert message.startswith(f"--resume: none of the 2 checkpoint(s) in {tmp_path} is usable")
+    assert "step-000020: incomplete: no MANIFEST.json" in message
+    assert "step-000010: rank-0.pt is corrupted" in message
+    assert "--overwrite" in message and "\n" not in message
+
+
+def test_an_older_usable_checkpoint_is_resumed_from(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 10, compression="none")
+    _corrupt(_checkpoint(tmp_path, 20, compression="none") / "rank-0.pt")
+    check_resumable(tmp_path, "none")  # step 10, with the workers' warning about step 20
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "hint"),
+    [
+        ("none", "topk:0.1", "(no --compress)"),
+        ("powersgd:2", "none", "(--compress powersgd:2)"),
+        ("int8", "fp16", "(--compress int8)"),
+    ],
+)
+def test_another_compressor_is_refused_naming_both(
+    tmp_path: Path, saved: str, now: str, hint: str
+) -> None:
+    _checkpoint(tmp_path, 10, compression=saved)
+    check_resumable(tmp_path, saved)
+    with pytest.raises(UsageError) as refused:
+        check_resumable(tmp_path, now)
+    message = str(refused.value)
+    assert f"written with compression {saved}, this run uses {now}" in message
+    assert hint in message
+
+
+def test_a_checkpoint_from_before_compressors_were_recorded_is_not_judged(tmp_path: Path) -> None:
+    _checkpoint(tmp_path, 10)
+    check_resumable(tmp_path, "topk:0.1")
+
+
+def test_cli_refuses_before_launching_or_rewriting_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launched: list[object] = []
+    monkeypatch.setattr(gradsync.launch, "launch", lambda *a, **k: launched.append(a))
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoints", 10, compression="none")
+    (run / "config.json").write_text(json.dumps({"compression": None}))
+    code = main(["run", "--workload=mlp", "--resume", "--compress=sign", f"--out={run}"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and not launched
+    assert len(err) == 1 and err[0].startswith("gradsync: error: --resume: checkpoint at step 10")
+    assert json.loads((run / "config.json").read_text()) == {"compression": None}
+
+
+def _sync(compression: str | None) -> Synchronizer:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    return Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), compression=compression)
+
+
+def test_load_refuses_another_compressors_state(tmp_path: Path, one_rank: None) -> None:
+    plain = _sync(None)
+    # What sync.save() writes for rank 0 (written here without its background writer).
+    _checkpoint(
+        tmp_path,
+        3,
+        model=plain.model.state_dict(),
+        optimizer=plain.optimizer.state_dict(),
+        sync={**plain.state_dict(), "step": 3},
+        rng=rng_state(),
+        strategy=plain.strategy.name,
+        compression=plain.compressor.spec,
+        layout={"workers": 1, "servers": 0},
+    )
+    plain.close()
+    compressed = _sync("topk:0.5")
+    try:
+        with pytest.raises(CheckpointError, match="compression none, this run uses topk:0.5"):
+            compressed.load(tmp_path)  # was: KeyError: 'inner'
+    finally:
+        compressed.close()
+    again = _sync(None)
+    try:
+        assert again.load(tmp_path) == {"step": 3}
+    finally:
+        again.close()
+
+
+def test_resuming_on_another_world_size_restarts_error_feedback(
+    tmp_path: Path, one_rank: None
+) -> None:
+    two = _sync("topk:0.5")
+    store = CheckpointStore(tmp_path)
+    for rank in range(2):  # a BSP checkpoint of two ranks, resumed here on one
+        state = {
+            "model": two.model.state_dict(),
+            "optimizer": two.optimizer.state_dict(),
+            "sync": {**two.state_dict(), "step": 3},
+            "rng": rng_state(),
+            "strategy": two.strategy.name,
+            "compression": two.compressor.spec,
+            "layout": {"workers": 2, "servers": 0},
+            "extra": {},
+        }
+        store.save(3, rank, 2, state)
+    store.commit(3, 2)
+    try:
+        with pytest.warns(UserWarning, match="restarts from zero"):
+            assert two.load(tmp_path) == {"step": 3}  # was: KeyError: 'inner'
+    finally:
+        two.close()
