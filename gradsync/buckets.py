@@ -161,6 +161,7 @@ class BucketReducer:
         #: replace a non-finite local bucket by NaN before a lossy exchange (see fault.guards)
         self.poison_nonfinite = False
         self.local_nonfinite = False
+        self._poison_rest = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     # -- step lifecycle ---------------------------------------------------------------------
@@ -181,11 +182,22 @@ class BucketReducer:
         """How many backward passes reached at least one parameter this step."""
         return max(self._seen.values(), default=0)
 
-    def flush(self) -> None:
-        """Launch every bucket not yet launched (block exit): missing gradients count as zero."""
-        self._launch_ready(force=True)
+    def flush(self, poison: bool = False) -> None:
+        """Launch every bucket not yet launched (block exit): missing gradients count as zero.
+        ``poison``: fill them with NaN instead (this rank's block raised), so that every rank
+        finds the step's gradient non-finite and skips it."""
+        self._poison_rest = poison
+        try:
+            self._launch_ready(force=True)
+        finally:
+            self._poison_rest = False
         self._armed = False
         self.late_gradient = False
+
+    @property
+    def armed(self) -> bool:
+        """Whether this step's buckets still wait for gradients (flush() has not run)."""
+        return self._armed
 
     def flush_abort(self) -> None:
         """Disarm without launching (the step is being abandoned on a usage error)."""
@@ -248,7 +260,7 @@ class BucketReducer:
 
     def _copy_in_and_launch(self, bucket: GradBucket) -> None:
         bucket.collect_grads(self.scale)
-        if self.poison_nonfinite and not is_finite(bucket.buffer()):
+        if self._poison_rest or (self.poison_nonfinite and not is_finite(bucket.buffer())):
             bucket.buffer().fill_(float("nan"))
             self.local_nonfinite = True
         t0, wall0 = time.perf_counter(), time.time()

@@ -7,11 +7,15 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from gradsync.errors import UsageError
 from gradsync.stores import process_group_store
 
-DEFAULT_TIMEOUT_S = 300.0
+#: the process group's collective timeout when gs.init() is not given one: torch's default,
+#: as for a DDP script. It bounds the user's own collectives; gradsync's are bounded by the
+#: Synchronizer's ``timeout_s`` while it runs (see gradsync.fault.diagnose).
+DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -25,6 +29,9 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     them is set (``python train.py``), make a world of one: a single-process group whose store
     lives in this process, so nothing listens on a port and every strategy that needs no
     second rank runs unchanged.
+
+    ``timeout_s`` is the group's collective timeout (torch's default, 30 minutes, unless
+    given); gradsync's own waits have the Synchronizer's ``timeout_s`` instead.
 
     Idempotent: a second call (or a call after the user initialised torch.distributed
     themselves) does nothing. Picks NCCL on CUDA, gloo on CPU, unless ``backend`` is given.

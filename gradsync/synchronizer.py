@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ from gradsync.balance import ShardBalancer
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
-from gradsync.fault.diagnose import END, START, ArrivalWatch, GroupTimeout
+from gradsync.fault.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
+from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.fault.guards import check_replicas
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
@@ -48,6 +50,8 @@ class StepHandle:
     samples: int = 0
     #: after the block: True when the update was not applied (the gradient was not finite)
     skipped: bool = False
+    #: why it was skipped, when the reason is known (another rank's block raised)
+    skip_reason: str | None = None
     _ready: Callable[[], bool] | None = field(default=None, repr=False)
 
     def synchronize(self) -> bool:
@@ -77,8 +81,16 @@ class Synchronizer:
     zeroed at block entry. Parameters and buffers are broadcast from rank 0 at construction,
     so replicas start identical (as DDP does).
 
-    ``timeout_s`` bounds every synchronizing wait: it is the group's collective timeout from
-    construction until ``close()`` (see ``gradsync.fault.diagnose``).
+    ``timeout_s`` bounds gradsync's own waits: it is the group's collective timeout while
+    gradsync runs (a step block, ``save``, ``report``), and the user's timeout comes back
+    between steps (see ``gradsync.fault.diagnose``). A rank still in its own code between
+    steps (an evaluation on rank 0) is waited for up to ``between_steps_timeout_s`` before
+    the next collective is posted (``gradsync.fault.gate``); None turns that gate off, and then
+    ``timeout_s`` bounds those waits too.
+
+    If a rank's block raises, its peers skip that step with it (under ``bsp`` its unsent
+    buckets go out as NaN) and the exception propagates on that rank; caught there, training
+    goes on in step on every rank.
     """
 
     #: Synchronizers created so far in this process, per process group: each one keeps its
@@ -107,9 +119,15 @@ class Synchronizer:
         accumulation: str = "mean",
         scaler: torch.amp.GradScaler | None = None,
         broadcast_buffers: bool = True,
+        between_steps_timeout_s: float | None = DEFAULT_BETWEEN_STEPS_S,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s, accumulation)
+        if between_steps_timeout_s is not None and not between_steps_timeout_s > 0:
+            raise UsageError(
+                f"between_steps_timeout_s must be > 0 or None (no gate), "
+                f"got {between_steps_timeout_s!r}"
+            )
         self.accumulation: Literal["mean", "sum"] = "sum" if accumulation == "sum" else "mean"
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise UsageError(
@@ -148,6 +166,14 @@ class Synchronizer:
             self._group_timeout.seconds if self._group_timeout is not None else timeout_s,
             scope=self._arrival_scope(group),
         )
+        # Parameter servers serve inside gradsync, never in the user's code: no gate there.
+        self._gate = (
+            StepGate(self._watch, self._watch.timeout_s, between_steps_timeout_s)
+            if self.world_size > 1
+            and between_steps_timeout_s is not None
+            and not self.strategy.servers
+            else None
+        )
         self._collector = TelemetryCollector(
             group, telemetry_every, self._on_gathered, watch=self._watch
         )
@@ -157,6 +183,7 @@ class Synchronizer:
         self._natural = 0.0  # last step's compute without injected slowdown
         self._final_checked = False
         try:
+            self._pass_gate(START, "construction of the Synchronizer")
             self._check_same_model()
             self._broadcast_initial_state()
             self.strategy.setup(
@@ -172,11 +199,13 @@ class Synchronizer:
                     layout=self.layout,
                     rank=self.rank,
                     scaler=scaler,
+                    gate=self._gate,
                 )
             )
         except BaseException:
             self._release_timeout()
             raise
+        self._back_to_user()
         # Counts every optimizer.step(); gradsync's own are expected, any other is the
         # double-step trap of a ported script (optimizer.step() or scaler.step() kept).
         self._optimizer_steps = self._expected_steps = 0
@@ -254,6 +283,7 @@ class Synchronizer:
             raise UsageError("serve() is for parameter-server ranks (ssp:S or async strategies)")
         from gradsync.fault import resume
 
+        self._enter_gradsync()  # a server runs gradsync's waits only, until the end
         stats = role.serve(lambda state: resume.save_server(self, state))
         if self.check_every and not self._final_checked:
             self._final_checked = True
@@ -277,52 +307,83 @@ class Synchronizer:
         if self._in_step:
             raise UsageError("sync.step() blocks cannot be nested")
         runtime.require_initialized("sync.step()")
-        weight = 1.0
-        if self.balancer is not None:
-            if self._sizes is None:
-                raise UsageError(
-                    "balance=True: call sync.shard_sizes(global_batch) before each step and "
-                    "take that many samples on this rank"
-                )
-            sizes, self._sizes = self._sizes, None
-            weight = sizes[self.rank] * self.world_size / sum(sizes)
-            samples = samples or sizes[self.rank]
+        weight, samples = self._sample_weight(samples)
         self._check_no_outside_update()
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
         ready = _GradientReady(self.strategy, self._step)
         handle._ready = ready
         self._in_step = True
+        self._watch.enter(BLOCK, self._step)
         try:
+            if self.strategy.replicates_every_step:
+                self._pass_gate(self._step, "the step")
+            self._enter_gradsync()
             wall0, t0 = time.time(), time.perf_counter()
-            plan = StepPlan(
-                step=self._step,
-                micro_batches=micro_batches,
-                accumulation=self.accumulation,
-                sample_weight=weight,
-            )
-            with record_function("gradsync.begin_step"):
-                # Read each step, as DDP does: a module may have replaced a buffer since.
-                buffers = list(self.model.buffers()) if self._sync_buffers else []
-                if buffers:
-                    self._broadcast(buffers, self._step, "buffer broadcast")
-                self.strategy.begin_step(plan)
-            slept = 0.0
-            if self.slowdowns:
-                slept = apply_slowdowns(self.slowdowns, self.rank, self._step, self._natural)
-            yield handle
+            slept = self._begin(micro_batches, weight)
+            try:
+                yield handle
+            except Exception as exc:
+                self._abandon(handle, ready, exc, wall0, t0)
+                raise
             t1 = time.perf_counter()
             outcome = ready.outcome()
             with record_function("gradsync.update"):
                 outcome = self.strategy.update(self._step, outcome)
             self._expected_steps = self._optimizer_steps
-            t2 = time.perf_counter()
+            # A synchronize() inside the block waited for the exchange: that is sync time.
+            self._natural = t1 - t0 - ready.seconds_in_block - slept
+            self._end_step(handle, outcome, wall0, t0, t1, ready.seconds_in_block)
         finally:
             self._in_step = False
             handle._ready = None
-        # A synchronize() inside the block waited for the exchange: that is sync, not compute.
-        compute, sync = t1 - t0 - ready.seconds_in_block, t2 - t1 + ready.seconds_in_block
-        self._natural = compute - slept
+            self._back_to_user()
+
+    def _sample_weight(self, samples: int) -> tuple[float, int]:
+        """This rank's gradient weight and sample count for the step about to begin."""
+        if self.balancer is None:
+            return 1.0, samples
+        if self._sizes is None:
+            raise UsageError(
+                "balance=True: call sync.shard_sizes(global_batch) before each step and "
+                "take that many samples on this rank"
+            )
+        sizes, self._sizes = self._sizes, None
+        weight = sizes[self.rank] * self.world_size / sum(sizes)
+        return weight, samples or sizes[self.rank]
+
+    def _begin(self, micro_batches: int, weight: float) -> float:
+        """The begin-step phase (buffers, the strategy's own); returns the injected sleep."""
+        plan = StepPlan(
+            step=self._step,
+            micro_batches=micro_batches,
+            accumulation=self.accumulation,
+            sample_weight=weight,
+        )
+        with record_function("gradsync.begin_step"):
+            # Read each step, as DDP does: a module may have replaced a buffer since.
+            buffers = list(self.model.buffers()) if self._sync_buffers else []
+            if buffers:
+                self._broadcast(buffers, self._step, "buffer broadcast")
+            self.strategy.begin_step(plan)
+        if not self.slowdowns:
+            return 0.0
+        return apply_slowdowns(self.slowdowns, self.rank, self._step, self._natural)
+
+    def _end_step(
+        self,
+        handle: StepHandle,
+        outcome: StepOutcome,
+        wall0: float,
+        t0: float,
+        t1: float,
+        sync_in_block: float,
+    ) -> None:
+        """Telemetry, the step count and the periodic divergence check, after the update."""
+        t2 = time.perf_counter()
+        compute, sync = t1 - t0 - sync_in_block, t2 - t1 + sync_in_block
         handle.skipped = outcome.skipped
+        if outcome.skipped and self.world_size > 1:
+            handle.skip_reason = self._skip_reason(handle.step)
         if self.telemetry_enabled:
             self._record(handle, wall0, compute, sync, outcome)
             if self.record_spans:
@@ -330,6 +391,75 @@ class Synchronizer:
         self._step += 1
         if self.check_every and self._step % self.check_every == 0:
             self._check_replicas(self._step - 1)
+
+    def _abandon(
+        self, handle: StepHandle, ready: _GradientReady, exc: Exception, wall0: float, t0: float
+    ) -> None:
+        """This rank's block raised ``exc``: leave word for the peers, take part in the step's
+        exchange so that every rank skips it together, and count the step, so that training
+        goes on in step on every rank if the exception is caught. Failures here become notes
+        on ``exc``, which the caller re-raises."""
+        step = handle.step
+        text = f"{type(exc).__name__}: {exc}".strip()
+        self._watch.note_failure(step, text[:500])
+        t1 = time.perf_counter()
+        try:
+            outcome = ready.abandoned()
+            outcome = self.strategy.update(step, outcome)
+            self._expected_steps = self._optimizer_steps
+            self._end_step(handle, outcome, wall0, t0, t1, ready.seconds_in_block)
+        except Exception as inner:  # noqa: BLE001 - the user's exception is the one to raise
+            exc.add_note(
+                f"gradsync: step {step} could not be completed for the other ranks after this "
+                f"exception: {type(inner).__name__}: {inner}"
+            )
+
+    def _skip_reason(self, step: int) -> str | None:
+        """Why every rank skipped ``step``, when a rank's block raised (its failure note)."""
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            failed = self._watch.failure_of(rank)
+            if failed is not None and failed[0] == step:
+                reason = f"rank {rank}'s step {step} block raised {failed[1]}"
+                warnings.warn(
+                    f"gradsync: step {step} skipped on every rank: {reason}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return reason
+        return None
+
+    def _pass_gate(self, step: int, what: str) -> None:
+        """Wait (in the store) until every rank is back from its own code; see fault.gate."""
+        if self._gate is not None:
+            self._gate.ensure(step, what)
+
+    def _enter_gradsync(self) -> None:
+        """gradsync's collectives follow: ``timeout_s`` bounds them."""
+        if self._group_timeout is not None:
+            self._group_timeout.enter()
+
+    def _back_to_user(self) -> None:
+        """Control returns to the user's code: their collective timeout, and a gate before
+        gradsync's next collective."""
+        self._watch.enter(BETWEEN, self._step - 1 if self._step else START)
+        if self._gate is not None:
+            self._gate.left()
+        if self._group_timeout is not None:
+            self._group_timeout.leave()
+
+    @contextmanager
+    def _gradsync_call(self, step: int, what: str) -> Iterator[None]:
+        """A collective API call made between steps (save, load, report): gate, then
+        ``timeout_s``, then back to the user."""
+        self._watch.enter(BLOCK, step, what)
+        try:
+            self._pass_gate(step, what)
+            self._enter_gradsync()
+            yield
+        finally:
+            self._back_to_user()
 
     def _count_optimizer_step(self, *_: Any) -> None:
         self._optimizer_steps += 1
@@ -393,7 +523,10 @@ class Synchronizer:
 
     def flush_telemetry(self) -> list[StepRecord]:
         """Collective: gather pending step records from every rank now."""
-        return self._collector.flush() if self.telemetry_enabled else []
+        if not self.telemetry_enabled:
+            return []
+        with self._gradsync_call(self._step, "telemetry gather"):
+            return self._collector.flush()
 
     def _final_flush(self) -> None:
         # Positioned after every step, like the final check: see gradsync.fault.diagnose.
@@ -427,13 +560,14 @@ class Synchronizer:
 
         With a parameter server this ends training: workers fetch the final parameters."""
         self._check_no_outside_update()
-        with record_function("gradsync.finalize"):
-            self.strategy.finalize()
-        if self.check_every and not self._final_checked:
-            self._final_checked = True
-            self._check_replicas(self._step - 1, final=True)
-        self._final_flush()
-        self._final_handshake()
+        with self._gradsync_call(END, "report()"):
+            with record_function("gradsync.finalize"):
+                self.strategy.finalize()
+            if self.check_every and not self._final_checked:
+                self._final_checked = True
+                self._check_replicas(self._step - 1, final=True)
+            self._final_flush()
+            self._final_handshake()
         return RunReport.from_records(self._collector.records)
 
     def state_dict(self) -> dict[str, Any]:
@@ -448,7 +582,8 @@ class Synchronizer:
         write their part."""
         from gradsync.fault import resume
 
-        return resume.save(self, directory, keep=keep, extra=extra)
+        with self._gradsync_call(self._step, "sync.save()"):
+            return resume.save(self, directory, keep=keep, extra=extra)
 
     def load(self, directory: str | Path) -> dict[str, Any] | None:
         """Collective: resume from the newest intact checkpoint in ``directory``; returns its
@@ -456,7 +591,8 @@ class Synchronizer:
         With parameter servers every rank calls it, servers before ``serve()``."""
         from gradsync.fault import resume
 
-        return resume.load(self, directory)
+        with self._gradsync_call(self._step, "sync.load()"):
+            return resume.load(self, directory)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._step = int(state["step"])
@@ -577,6 +713,13 @@ class _GradientReady:
     def outcome(self) -> StepOutcome:
         if self._outcome is None:
             self._outcome = self._run()
+        return self._outcome
+
+    def abandoned(self) -> StepOutcome:
+        """The outcome when the block raised: the exchange's, if synchronize() had run;
+        otherwise what the strategy makes of an abandoned step."""
+        if self._outcome is None:
+            self._outcome = self._strategy.abandon(self._step)
         return self._outcome
 
     def _run(self) -> StepOutcome:

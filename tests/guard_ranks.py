@@ -38,6 +38,10 @@ def nan_once(rank: int, world: int, compression: str | None) -> dict[str, Any]:
     }
 
 
+class _StayedAway(Exception):
+    """A hung rank's way out of its step block once its peers have their diagnosis."""
+
+
 def hang_at_step_5(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     """The last rank stops participating at step 5 without a word."""
     w = make_workload("mlp", seed=2, params=3000)
@@ -47,13 +51,17 @@ def hang_at_step_5(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     started = time.monotonic()
     try:
         for step in range(10):
-            if rank == world - 1 and step == 5:
-                inject.hang()  # until every other rank has its diagnosis
-                return {"stayed_away": True}
             with sync.step():
+                if rank == world - 1 and step == 5:
+                    # Stuck inside its step (its peers have passed the step's gate) until
+                    # every other rank has its diagnosis; then it leaves by an exception.
+                    inject.hang()
+                    raise _StayedAway
                 x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
                 w.loss(model, x, y).backward()
             started = time.monotonic()
+    except _StayedAway:
+        return {"stayed_away": True}
     except SyncTimeoutError as exc:
         waited = time.monotonic() - started
         inject.release_hang()
@@ -66,7 +74,9 @@ def hang_before_averaging(rank: int, world: int, strategy: str) -> dict[str, Any
     w = make_workload("mlp", seed=2, params=3000)
     model = w.build_model()
     opt = make_optimizer("sgd", model)
-    sync = gs.Synchronizer(model, opt, strategy=strategy, timeout_s=3)
+    # Staying away between steps is waited for up to between_steps_timeout_s (the user's
+    # code, such as an evaluation, runs there): keep that short here.
+    sync = gs.Synchronizer(model, opt, strategy=strategy, timeout_s=3, between_steps_timeout_s=3)
     started = time.monotonic()
     try:
         for step in range(8):
@@ -91,7 +101,7 @@ def skips_report(rank: int, world: int) -> dict[str, Any]:
     w = make_workload("mlp", seed=2, params=3000)
     model = w.build_model()
     opt = make_optimizer("sgd", model)
-    sync = gs.Synchronizer(model, opt, timeout_s=3)
+    sync = gs.Synchronizer(model, opt, timeout_s=3, between_steps_timeout_s=3)
     for step in range(6):
         with sync.step():
             if step == 5 and rank != world - 1:

@@ -1,8 +1,9 @@
 """Hang diagnosis of the waits outside the BSP exchange: local SGD's averaging, and report().
 
-Each test has one rank stay away from a collective; the others must fail within the
-Synchronizer's timeout (3 s here, the process group's is 30 s) with the step, the collective
-and the absent rank named, instead of a raw backend error after the group's timeout.
+Each test has one rank stay away, in its own code between steps, from a collective; the others
+must fail at the gate before it within the Synchronizer's between_steps_timeout_s (3 s here,
+the process group's timeout is 30 s) with the step, the collective, the absent rank and where
+it is named, instead of a raw backend error after the group's timeout.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def test_rank_missing_a_local_sgd_averaging_is_named() -> None:
     )
     assert r1 == {"stayed_away": True}
     assert r0["error"] is not None
-    assert r0["error"].startswith("step 7: averaging of local:4 (none)"), r0["error"]
+    assert r0["error"].startswith("step 7: averaging of local:4 (waiting"), r0["error"]
     assert "never arrived: ranks [1]" in r0["error"]
-    assert f"(timeout {TIMEOUT_S}s)" in r0["error"]
+    assert "Rank 1 is still in its own code between steps 6 and 7" in r0["error"]
+    assert f"{TIMEOUT_S}s for a rank in its own code" in r0["error"]
     assert r0["waited"] < TIMEOUT_S + 3, r0
 
 
@@ -44,8 +46,8 @@ def test_rank_that_never_calls_report_is_named() -> None:
     assert r2 == {"stayed_away": True, "recorded": "5:0"}
     for r in (r0, r1):
         assert r["error"] is not None
-        # ...which does not count as arriving at the final check, a later wait.
-        assert r["error"].startswith("end of run: final divergence check"), r["error"]
-        assert "arrived: ranks [0, 1]; never arrived: ranks [2]" in r["error"], r["error"]
-        assert f"(timeout {TIMEOUT_S}s)" in r["error"]
+        # ...which does not count as arriving at report(), a later gate.
+        assert r["error"].startswith("end of run: report() (waiting"), r["error"]
+        assert "never arrived: ranks [2]" in r["error"], r["error"]
+        assert "Rank 2 is still in its own code between steps 5 and 6" in r["error"]
         assert r["waited"] < TIMEOUT_S + 3, r

@@ -22,6 +22,11 @@ a step (an exchange, a telemetry gather and a divergence check after the same st
 that stopped after the first of them is not counted as having arrived at the later ones. Waits
 before the first step use ``START``; those after the last (the final check and gathers of
 ``report()``) use ``END``, which orders after every step.
+
+The same thread also publishes a heartbeat every ``beat_s``: where this rank is (between steps
+in the user's code, inside its step block, at a step gate, in a wait) and a counter that
+advances as long as the process runs. ``gradsync.fault.gate`` reads it to tell a peer busy in
+the user's code (an evaluation on rank 0) from one that hangs or is gone.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -46,6 +52,40 @@ START = -1
 END = 1 << 62
 
 Position = tuple[int, int]
+
+#: phases a heartbeat names (see ``ArrivalWatch.enter``)
+BETWEEN, BLOCK, GATE, WAIT = "between", "block", "gate", "wait"
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """A peer's last heartbeat: ``seq`` advances while it lives; ``phase`` at ``step``
+    (``detail``: the wait's name, or the gate's number)."""
+
+    seq: int
+    phase: str
+    step: int
+    detail: str
+
+    @classmethod
+    def parse(cls, value: bytes | str) -> Beat:
+        text = value.decode() if isinstance(value, bytes) else value
+        seq, phase, step, detail = text.split("|", 3)
+        return cls(int(seq), phase, int(step), detail)
+
+    def place(self) -> str:
+        """Where the peer is, in words."""
+        if self.phase == BETWEEN:
+            if self.step == START:
+                return "in its own code before step 0"
+            return f"in its own code between steps {self.step} and {self.step + 1}"
+        if self.phase == BLOCK:
+            if self.detail:
+                return f"in {self.detail} ({where(self.step)})"
+            return f"inside its step {self.step} block"
+        if self.phase == GATE:
+            return f"waiting to begin {self.detail}"
+        return f"at {where(self.step)} in {self.detail or 'a wait'}"
 
 
 def where(step: int) -> str:
@@ -70,10 +110,23 @@ class GroupTimeout:
         self.applied = compat.set_collective_timeout(group, seconds)
         self.seconds = seconds if self.applied or self.previous is None else self.previous
 
-    def restore(self) -> None:
-        if self.applied and self.previous is not None:
-            self.applied = False
+        #: whether ``seconds`` is in force now (between ``enter`` and ``leave``)
+        self.inside = self.applied
+
+    def enter(self) -> None:
+        """gradsync's own collectives follow: bound them by ``seconds``."""
+        if self.applied and not self.inside:
+            self.inside = compat.set_collective_timeout(self.group, self.seconds)
+
+    def leave(self) -> None:
+        """Back to the user's code: their own timeout bounds their collectives."""
+        if self.applied and self.inside and self.previous is not None:
             compat.set_collective_timeout(self.group, self.previous)
+            self.inside = False
+
+    def restore(self) -> None:
+        self.leave()
+        self.applied = False
 
 
 def _parse(value: bytes | str) -> Position:
@@ -98,7 +151,7 @@ class ArrivalWatch:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.store = store if store is not None else compat.default_store()
+        self.store: Any = store if store is not None else compat.default_store()
         self.arrive_after_s = (
             arrive_after_s if arrive_after_s is not None else min(2.0, timeout_s / 4)
         )
@@ -110,9 +163,74 @@ class ArrivalWatch:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: how often the heartbeat is written; a peer silent for ``stale_s`` is not running
+        self.beat_s = min(1.0, max(0.05, timeout_s / 4))
+        self.stale_s = max(3 * self.beat_s, 1.0)
+        self._phase: tuple[str, int, str] = (BETWEEN, START, "")
+        self._beats = 0
+        self._garbage: list[str] = []
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
+
+    @property
+    def prefix(self) -> str:
+        """Where this watch's records live in the store (other records of it go beside)."""
+        return self._prefix
+
+    # -- heartbeat --------------------------------------------------------------------------
+    def enter(self, phase: str, step: int, detail: str = "") -> None:
+        """Say where this rank is now (a plain assignment: the thread publishes it)."""
+        self._phase = (phase, step, detail)
+
+    def start(self) -> None:
+        """Start the watchdog thread (arrival records and the heartbeat), once."""
+        if self._thread is None and self.store is not None and self.world_size > 1:
+            self._thread = threading.Thread(target=self._run, name="gradsync-arrivals", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        with self._lock:
+            waiting = self._waiting
+        phase, step, detail = self._phase
+        if waiting is not None:
+            (step, _), _, detail = waiting
+            phase = WAIT
+        self._beats += 1
+        self.store.set(f"{self._prefix}/beat/{self.rank}", f"{self._beats}|{phase}|{step}|{detail}")
+
+    def beat_of(self, rank: int) -> Beat | None:
+        """``rank``'s last heartbeat, or None when it has written none."""
+        key = f"{self._prefix}/beat/{rank}"
+        if self.store is None or not self.store.check([key]):
+            return None
+        return Beat.parse(self.store.get(key))
+
+    def discard(self, keys: list[str]) -> None:
+        """Delete ``keys`` from the store soon, from the watchdog thread."""
+        self._garbage.extend(keys)
+
+    def _collect_garbage(self) -> None:
+        while self._garbage:
+            self.store.delete_key(self._garbage.pop(0))
+
+    def note_failure(self, step: int, text: str) -> None:
+        """Leave word that this rank's step ``step`` failed (its block raised), for the peers'
+        messages; best effort."""
+        if self.store is not None and self.world_size > 1:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{self._prefix}/failed/{self.rank}", f"{step}|{text}")
+
+    def failure_of(self, rank: int) -> tuple[int, str] | None:
+        """The step and the words of ``rank``'s last failure note, if it left one."""
+        key = f"{self._prefix}/failed/{rank}"
+        try:
+            if self.store is None or not self.store.check([key]):
+                return None
+            step, _, text = self.store.get(key).decode().partition("|")
+            return int(step), text
+        except Exception:  # noqa: BLE001 - diagnosis is best effort
+            return None
 
     def _record(self, position: Position, what: str = "") -> None:
         if self.store is None:
@@ -124,8 +242,14 @@ class ArrivalWatch:
         self._recorded = position
 
     def _run(self) -> None:
-        tick = max(0.05, min(0.5, self.arrive_after_s / 4))
+        tick = max(0.05, min(0.5, self.arrive_after_s / 4, self.beat_s / 2))
+        next_beat = 0.0
         while not self._stop.wait(tick):
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.beat_s
+                with contextlib.suppress(Exception):  # a dead store must not kill training
+                    self._beat()
+                    self._collect_garbage()
             with self._lock:
                 waiting = self._waiting
             if waiting is None:
@@ -146,9 +270,7 @@ class ArrivalWatch:
 
     @contextmanager
     def waiting(self, position: Position, what: str = "") -> Iterator[None]:
-        if self._thread is None and self.store is not None and self.world_size > 1:
-            self._thread = threading.Thread(target=self._run, name="gradsync-arrivals", daemon=True)
-            self._thread.start()
+        self.start()
         with self._lock:
             outer = self._waiting
             self._waiting = (position, time.monotonic(), what)
@@ -195,9 +317,15 @@ class ArrivalWatch:
                 f"arrived: ranks {arrived}; the others are unknown (the store holding arrival "
                 "records could not be read)"
             )
+        raised = "".join(
+            f" Rank {r}'s step {failed[0]} block raised {failed[1]}."
+            for r, failed in ((r, self.failure_of(r)) for r in absent)
+            if failed is not None
+        )
         return (
             f"{where(pos[0])}: {what} failed after {waited:.1f}s "
-            f"(timeout {self.timeout_s:g}s): {who}.{self._elsewhere(pos, what)} Cause: {cause}"
+            f"(timeout {self.timeout_s:g}s): {who}.{raised}{self._elsewhere(pos, what)} "
+            f"Cause: {cause}"
         )
 
     def _elsewhere(self, pos: Position, what: str) -> str:

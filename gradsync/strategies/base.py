@@ -115,6 +115,9 @@ class SyncContext:
     rank: int = 0
     #: the user's ``torch.amp.GradScaler``: it steps the optimizer and decides the skips
     scaler: Any = None
+    #: a ``StepGate`` to pass (``gate.ensure(step, what)``) before a collective that follows
+    #: the user's code, such as a periodic average; None where ranks are not gated
+    gate: Any = None
 
     @property
     def scaling(self) -> bool:
@@ -198,6 +201,14 @@ class Strategy(Protocol):
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """Apply the update (unless ``outcome.skipped``); returns the step's final outcome."""
         ...
+
+    def abandon(self, step: int) -> StepOutcome:
+        """The user's block raised on this rank before the gradient-ready point: finish what
+        the peers expect of this step's exchange, with a contribution that makes every rank
+        skip it where that can be done; ``update`` then runs with the outcome as usual (and
+        the exception propagates). The default suits strategies that exchange nothing inside
+        the block."""
+        return StepOutcome(skipped=True)
 
     def finalize(self) -> None:
         """Training ends (``report()``): leave every replica identical (a final average, the

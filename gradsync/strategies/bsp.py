@@ -102,6 +102,27 @@ class BSP(Strategy):
                 f"backward pass(es); run exactly {self._micro_batches}"
             )
         reducer.flush()
+        return self._finish_exchange(step)
+
+    def abandon(self, step: int) -> StepOutcome:
+        """This rank's block raised: send NaN for every bucket not yet sent, so the peers'
+        exchange completes and every rank skips the step together (the non-finite guard, or
+        the GradScaler). Buckets all sent already: the step completes as on the peers."""
+        assert self._ctx is not None
+        reducer = self.reducer
+        if not reducer.armed:
+            return StepOutcome(skipped=True)
+        if not (self._ctx.skip_nonfinite or self._ctx.scaling):
+            # Nothing would make the peers skip a NaN: they would apply it. Leave them to time
+            # out instead; their message names this rank's exception.
+            reducer.flush_abort()
+            return StepOutcome(skipped=True)
+        reducer.flush(poison=True)
+        return self._finish_exchange(step)
+
+    def _finish_exchange(self, step: int) -> StepOutcome:
+        assert self._ctx is not None
+        reducer = self.reducer
         ctx = self._ctx
         if ctx.watch is not None:
             what = f"gradient exchange ({len(reducer.buckets)} bucket(s), {ctx.compressor.spec})"

@@ -17,6 +17,7 @@ import torch
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
+from gradsync.fault.diagnose import END
 from gradsync.flat import copy_into, flatten
 from gradsync.strategies.base import (
     StepOutcome,
@@ -70,6 +71,13 @@ class _Periodic(Strategy):
             self._ctx.optimizer.zero_grad(set_to_none=True)
         return outcome
 
+    def abandon(self, step: int) -> StepOutcome:
+        """This rank's block raised: its local step is skipped; a synchronization due at this
+        step still happens (in ``update``), with this rank's parameters as they are."""
+        assert self._ctx is not None
+        self._ctx.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(barrier=False, skipped=True)
+
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         assert self._ctx is not None
         self._step = step  # the last step run, for the timeout diagnosis of a synchronization
@@ -82,6 +90,8 @@ class _Periodic(Strategy):
         if (step + 1) % self.period:
             return outcome
         before = self._state.bytes_sent
+        if self._ctx.gate is not None:
+            self._ctx.gate.ensure(step, f"averaging of {self.name}:{self.period}")
         self._synchronize()
         self._in_sync = True
         outcome.bytes_sent += self._state.bytes_sent - before
@@ -93,6 +103,8 @@ class _Periodic(Strategy):
         outer step), so every replica leaves ``report()`` with the same parameters."""
         if self._in_sync:
             return
+        if self._ctx is not None and self._ctx.gate is not None:
+            self._ctx.gate.ensure(END, f"final averaging of {self.name}:{self.period}")
         self._synchronize()
         self._in_sync = True
 

@@ -143,6 +143,13 @@ class ParameterServer(Strategy):
         assert self._ctx is not None
         return local_gradient(self.plan.params, self._ctx, self._average_over)
 
+    def abandon(self, step: int) -> StepOutcome:
+        """This worker's block raised: it skips the step, and ``update`` tells the servers so
+        (a payload-less message), as for a non-finite gradient."""
+        assert self._ctx is not None
+        self._ctx.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(barrier=False, skipped=True)
+
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """Push each server its shard's gradient; install the parameters it sends back."""
         plan = self.plan
