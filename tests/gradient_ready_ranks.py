@@ -115,24 +115,6 @@ def accumulate(rank: int, world: int, strategy: str, accumulation: str, divide: 
     return _flat(model)
 
 
-def save_on_rank_zero_only(rank: int, world: int, directory: str) -> str | None:
-    """The rank-0-only checkpoint of many DDP scripts, with gradsync's collective save."""
-    from gradsync.errors import SyncTimeoutError
-
-    w = _mlp()
-    model = w.build_model()
-    sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout_s=4)
-    try:
-        for step in range(3):
-            with sync.step():
-                w.loss(model, *w.batch(step, 8, rank * 4, rank * 4 + 4)).backward()
-            if rank == 0 and step == 1:
-                sync.save(directory)
-    except SyncTimeoutError as exc:
-        return str(exc)
-    return None
-
-
 def mismatched_models(rank: int, world: int, kind: str) -> str | None:
     """Rank 1 builds a different model: a transposed layer of the same size, or one more."""
     from torch import nn

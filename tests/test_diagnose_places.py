@@ -1,8 +1,7 @@
-"""A failed wait says where each rank is waiting when the ranks are in different collectives."""
+"""A failed wait says where each rank is waiting when the ranks are in different collectives
+(the gate before a collective says so too: tests/test_gate.py, a save on rank 0 alone)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -48,17 +47,6 @@ def test_a_plain_hang_is_not_called_a_different_collective() -> None:
     assert "not all in the same collective" not in message
     # Records without the wait's name (a store written by an older gradsync) still read.
     assert "never arrived: ranks [2]" in _describe({1: "5", 2: "4"}, (5, 0), "barrier")
-
-
-@pytest.mark.ranks
-@pytest.mark.timeout(90)
-def test_a_save_on_rank_zero_alone_names_where_each_rank_waits(tmp_path: Path) -> None:
-    results = run_ranks(gr.save_on_rank_zero_only, 2, str(tmp_path / "ckpt"), timeout_s=80)
-    message = results[0]
-    assert message is not None, results
-    assert "not all in the same collective" in message, message
-    assert "rank 0 at step 2 in checkpoint barrier" in message, message  # after 2 steps
-    assert "rank 1 at step 2 in gradient exchange" in message, message
 
 
 @pytest.mark.ranks
