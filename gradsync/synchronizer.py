@@ -53,6 +53,8 @@ class StepHandle:
     #: why it was skipped, when the reason is known (another rank's block raised)
     skip_reason: str | None = None
     _ready: Callable[[], bool] | None = field(default=None, repr=False)
+    _params: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _applies: bool | None = field(default=None, repr=False)
 
     def synchronize(self) -> bool:
         """Finish this step's exchange now, inside the block, after its last backward pass.
@@ -67,7 +69,20 @@ class StepHandle:
         at the block's exit. No backward pass may follow it in the same block."""
         if self._ready is None:
             raise UsageError("synchronize() belongs inside a sync.step() block")
-        return self._ready()
+        self._applies = self._ready()
+        return self._applies
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``synchronize()`` (unless done already), then clip the gradient the update will use
+        to ``max_norm`` with ``torch.nn.utils.clip_grad_norm_``; returns its total norm before
+        clipping. Under ``bsp`` that is the norm of the mean gradient over ranks (the same on
+        every rank, so the clipped update is the one a single process would make); under
+        ``local:H`` / ``diloco:H`` and ``ssp:S`` / ``async`` the norm of this rank's own
+        gradient (see ``synchronize``). A step to be skipped clips nothing."""
+        if self._applies is None:
+            self.synchronize()
+        grads = [p for p in self._params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
 
 
 class Synchronizer:
@@ -312,6 +327,7 @@ class Synchronizer:
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
         ready = _GradientReady(self.strategy, self._step)
         handle._ready = ready
+        handle._params = [p for p in self.model.parameters() if p.requires_grad]
         self._in_step = True
         self._watch.enter(BLOCK, self._step)
         try:

@@ -49,16 +49,23 @@ def _optimizer(model: nn.Module) -> tuple[Any, Any]:
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
-def tied_weights_against_ddp(rank: int, world: int, compiled: bool) -> dict[str, Any]:
+def tied_weights_against_ddp(
+    rank: int, world: int, compiled: bool, bf16_and_clip: bool = False
+) -> dict[str, Any]:
     """The tied model with an LR scheduler, under gradsync (compiled with torch.compile's
-    aot_eager backend or not) and under DDP."""
+    aot_eager backend or not) and under DDP; with ``bf16_and_clip``, the forward under bf16
+    autocast and the averaged gradient clipped to a max norm."""
     model = TiedLM()
     opt, sched = _optimizer(model)
     net = torch.compile(model, backend="aot_eager") if compiled else model
     sync = gs.Synchronizer(model, opt, check_every=1)
     for step in range(STEPS):
-        with sync.step():
-            _loss(net, step, rank).backward()
+        with sync.step() as s:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_and_clip):
+                loss = _loss(net, step, rank)
+            loss.backward()
+            if bf16_and_clip:
+                s.clip_grad_norm_(0.05)
         sched.step()
     sync.report()
     sync.close()
@@ -69,7 +76,11 @@ def tied_weights_against_ddp(rank: int, world: int, compiled: bool) -> dict[str,
     opt, sched = _optimizer(model)
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        _loss(ddp, step, rank).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_and_clip):
+            loss = _loss(ddp, step, rank)
+        loss.backward()
+        if bf16_and_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
         sched.step()
     return {"gradsync": ours, "ddp": _state(model), "tied": model.head.weight is model.embed.weight}

@@ -1,4 +1,5 @@
-"""Models and set-ups users bring: tied weights, torch.compile, LR schedulers."""
+"""Models and set-ups users bring: tied weights, torch.compile, LR schedulers, bf16 autocast,
+clipping."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ def test_tied_weights_with_a_scheduler_are_bitwise_equal_to_ddp() -> None:
     for out in run_ranks(interop_ranks.tied_weights_against_ddp, 2, False):
         assert out["tied"]
         assert out["gradsync"].keys() == out["ddp"].keys()
+        for name, value in out["ddp"].items():
+            assert torch.equal(out["gradsync"][name], value), name
+
+
+@pytest.mark.timeout(120)
+def test_bf16_autocast_and_max_norm_clipping_are_bitwise_equal_to_ddp() -> None:
+    for out in run_ranks(interop_ranks.tied_weights_against_ddp, 2, False, True):
         for name, value in out["ddp"].items():
             assert torch.equal(out["gradsync"][name], value), name
 
