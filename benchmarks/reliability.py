@@ -125,8 +125,11 @@ TITLES = {
 
 
 def main() -> None:
-    # The whole file is this benchmark's (no section), and nothing in it is repeated.
-    h = Harness("benchmarks.reliability", __doc__, repeats=None, section=None, md=RELIABILITY_MD)
+    # Its own marked section of the file (the tried/expected/now table sits beside it), and
+    # nothing in it is repeated.
+    h = Harness(
+        "benchmarks.reliability", __doc__, repeats=None, section="reliability", md=RELIABILITY_MD
+    )
     p = h.parser
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--kills", type=int, default=20)
@@ -140,14 +143,14 @@ def main() -> None:
     sections, spec = [], ""
     for strategy in strategies:
         spec, rows = measure(strategy, args)
-        sections.append(f"## {TITLES[strategy]}\n\n" + table("measure | value", rows))
+        sections.append(f"### {TITLES[strategy]}\n\n" + table("measure | value", rows))
     # Every setting spelled out, so the command reproduces the file whatever the defaults are.
     cmd = h.command(
         f"--steps {args.steps} --kills {args.kills} --every {args.every} --seed {args.seed} "
         f"--strategies {','.join(strategies)} --write".split()
     )
     text = (
-        "# Reliability\n\n"
+        "## Repeated worker loss\n\n"
         f"Command: `{cmd}`. Machine: {machine()}.\n\n"
         f"`mlp` (100k parameters), {args.steps} steps, a checkpoint every "
         f"{args.every} steps, {args.kills} SIGKILLs of a random worker rank at random steps "
