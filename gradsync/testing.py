@@ -1,6 +1,7 @@
 """Run a function as several ranks of a real gloo process group, for tests and examples.
 
-Each rank is a spawned process joined through a ``FileStore`` (no port to collide on). The
+Each rank is a spawned process joined through a TCPStore that the caller's process serves on
+127.0.0.1 with a port the system picks (nothing to collide on, nothing beyond loopback). The
 caller gets every rank's return value, or an error naming the rank that failed; a hard
 deadline kills every child, so a deadlocked collective fails the test instead of hanging it.
 """
@@ -11,7 +12,6 @@ import datetime
 import io
 import os
 import queue
-import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from gradsync.stores import server_store
 
 
 class RankFailure(RuntimeError):
@@ -29,7 +31,7 @@ def _child(
     fn: Callable[..., Any],
     rank: int,
     world: int,
-    store_path: str,
+    store_port: int,
     args: tuple[Any, ...],
     results: Any,
     collective_timeout_s: float,
@@ -39,7 +41,15 @@ def _child(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
     )
     try:
-        store = dist.FileStore(store_path, world)
+        # A TCPStore rather than a FileStore: gradsync's gates wait on store keys every step,
+        # and a FileStore's wait polls every 10 ms.
+        store = dist.TCPStore(
+            "127.0.0.1",
+            store_port,
+            world,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
         dist.init_process_group(
             "gloo",
             store=store,
@@ -83,12 +93,12 @@ def run_ranks(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="gradsync-ranks-") as tmp:
-        store_path = os.path.join(tmp, "store")
+    server = server_store("127.0.0.1", 0, timeout=datetime.timedelta(seconds=collective_timeout_s))
+    try:
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, store_path, args, results, collective_timeout_s),
+                args=(fn, r, world_size, server.port, args, results, collective_timeout_s),
                 daemon=True,
             )
             for r in range(world_size)
@@ -123,6 +133,8 @@ def run_ranks(
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
+    finally:
+        del server  # its listening socket closes with it: nothing is left listening
     ordered = [out[r] for r in range(world_size)]
     failures = [v for v in ordered if isinstance(v, RankFailure)]
     if failures and not allow_failures:

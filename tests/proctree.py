@@ -9,12 +9,24 @@ import ipaddress
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 PROC = Path("/proc")
 LISTEN = "0A"  # the TCP state column of /proc/net/tcp*
+
+
+def start_run(*args: str) -> subprocess.Popen[str]:
+    """``gradsync run ARGS`` in a session of its own, stderr captured for the messages."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gradsync.cli", "run", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def descendants(root: int) -> set[int]:

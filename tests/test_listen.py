@@ -8,15 +8,13 @@ processes holds (/proc/PID/net/tcp and tcp6, matched to the process's descriptor
 from __future__ import annotations
 
 import ipaddress
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gradsync.cluster import requirements_missing
 from gradsync.cluster.netns import SUBNET
-from tests.proctree import Watched, is_loopback, watch_until_exit
+from tests.proctree import Watched, is_loopback, start_run, watch_until_exit
 
 pytestmark = pytest.mark.e2e
 
@@ -24,13 +22,7 @@ COMMON = ["--nproc", "2", "--workload", "mlp", "--no-plots", "--no-progress"]
 
 
 def _watched_run(out: Path, *extra: str, timeout_s: float = 200) -> tuple[Watched, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradsync.cli", "run", *COMMON, "--out", str(out), *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_run(*COMMON, "--out", str(out), *extra)
     watched = Watched()
     try:
         rc = watch_until_exit(proc, watched, timeout_s)

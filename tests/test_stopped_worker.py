@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.proctree import PROC, Watched, watch_until_exit
+from tests.proctree import PROC, Watched, start_run, watch_until_exit
 
 pytestmark = pytest.mark.e2e
 
@@ -49,16 +48,9 @@ def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", "mlp"),
-            *("--steps", "100000", "--timeout", str(TIMEOUT_S), "--no-plots", "--no-progress"),
-            *("--out", str(out)),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    proc = start_run(
+        *("--nproc", "2", "--workload", "mlp", "--steps", "100000"),
+        *("--timeout", str(TIMEOUT_S), "--no-plots", "--no-progress", "--out", str(out)),
     )
     watched = Watched()
     try:
