@@ -105,6 +105,14 @@ def raises_in_block(rank: int, world: int, strategy: str, where: str) -> dict[st
     }
 
 
+def raises_in_block_each_way(rank: int, world: int) -> dict[str, Any]:
+    """``raises_in_block`` for each (strategy, where) of RAISES, in one process group."""
+    return {case: raises_in_block(rank, world, *case) for case in RAISES}
+
+
+RAISES = [("bsp", "before backward"), ("bsp", "after backward"), ("local:2", "before backward")]
+
+
 def raises_uncaught(rank: int, world: int) -> dict[str, Any]:
     """Rank 1's block raises at step 3 and nothing catches it: the others must fail within
     seconds (not the timeout), naming rank 1 and its exception."""

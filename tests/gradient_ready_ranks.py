@@ -115,6 +115,15 @@ def accumulate(rank: int, world: int, strategy: str, accumulation: str, divide: 
     return _flat(model)
 
 
+def accumulate_each_way(rank: int, world: int, strategy: str) -> Any:
+    """``accumulate`` three ways in one process group (one start-up): the mean convention, the
+    DDP style under ``accumulation="sum"``, and the DDP style left under the mean."""
+    return [
+        accumulate(rank, world, strategy, accumulation, divide)
+        for accumulation, divide in (("mean", False), ("sum", True), ("mean", True))
+    ]
+
+
 def mismatched_models(rank: int, world: int, kind: str) -> str | None:
     """Rank 1 builds a different model: a transposed layer of the same size, or one more."""
     from torch import nn

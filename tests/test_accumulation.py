@@ -19,9 +19,7 @@ from tests import gradient_ready_ranks as gr
 def test_a_ddp_style_script_with_accumulation_sum_equals_the_mean_convention(
     strategy: str, ranks: int
 ) -> None:
-    mean = run_ranks(gr.accumulate, ranks, strategy, "mean", False)[0]
-    ddp_style = run_ranks(gr.accumulate, ranks, strategy, "sum", True)[0]
-    unported = run_ranks(gr.accumulate, ranks, strategy, "mean", True)[0]
+    mean, ddp_style, unported = run_ranks(gr.accumulate_each_way, ranks, strategy)[0]
     torch.testing.assert_close(ddp_style, mean, rtol=1e-10, atol=1e-12)
     # The trap the option exists for: DDP's convention under the mean halves every gradient.
     assert not torch.allclose(unported, mean, rtol=1e-6, atol=1e-8)

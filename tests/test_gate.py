@@ -44,25 +44,21 @@ def test_a_rank_that_stops_responding_between_steps_is_named_within_the_timeout(
         assert r["waited"] < gate_ranks.TIMEOUT_S + 8, r
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("strategy", "where"),
-    [("bsp", "before backward"), ("bsp", "after backward"), ("local:2", "before backward")],
-)
-def test_a_block_that_raises_on_one_rank_is_skipped_by_every_rank(
-    strategy: str, where: str
-) -> None:
-    r0, r1 = run_ranks(gate_ranks.raises_in_block, 2, strategy, where, timeout_s=90)
-    assert r1["caught"] == [3]
-    assert r0["steps"] == r1["steps"] == 6  # in step: the abandoned step counts everywhere
-    assert torch.equal(r0["params"], r1["params"])
-    if strategy == "bsp" and where == "before backward":
-        # Its buckets went out as NaN: rank 0 skipped the same step and was told why.
-        assert r0["skipped"] == [3]
-        assert r0["reasons"] == ["rank 1's step 3 block raised Boom: bad batch"]
-    if strategy == "bsp" and where == "after backward":
-        # Every bucket had gone out: the step completed on every rank, rank 1 included.
-        assert r0["skipped"] == []
+@pytest.mark.timeout(150)
+def test_a_block_that_raises_on_one_rank_is_skipped_by_every_rank() -> None:
+    by_rank = run_ranks(gate_ranks.raises_in_block_each_way, 2, timeout_s=140)
+    for strategy, where in gate_ranks.RAISES:
+        r0, r1 = (out[(strategy, where)] for out in by_rank)
+        assert r1["caught"] == [3]
+        assert r0["steps"] == r1["steps"] == 6  # in step: the abandoned step counts everywhere
+        assert torch.equal(r0["params"], r1["params"]), (strategy, where)
+        if strategy == "bsp" and where == "before backward":
+            # Its buckets went out as NaN: rank 0 skipped the same step and was told why.
+            assert r0["skipped"] == [3]
+            assert r0["reasons"] == ["rank 1's step 3 block raised Boom: bad batch"]
+        if strategy == "bsp" and where == "after backward":
+            # Every bucket had gone out: the step completed on every rank, rank 1 included.
+            assert r0["skipped"] == []
 
 
 @pytest.mark.timeout(120)

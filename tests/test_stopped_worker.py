@@ -61,7 +61,12 @@ def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
         stopped_at = time.monotonic()
         rc = watch_until_exit(proc, watched, timeout_s=TIMEOUT_S + 60)
         took = time.monotonic() - stopped_at
-        left = watched.survivors()
+        # A process of the run may still be on its way out as the run's own process exits
+        # (a helper such as multiprocessing's resource tracker ends when its pipe closes):
+        # what matters is that nothing is left within the same bound.
+        while watched.survivors() and time.monotonic() - stopped_at < TIMEOUT_S + GRACE_S:
+            time.sleep(0.05)
+        left = [(pid, _command(pid)) for pid in watched.survivors()]
     finally:
         watched.kill_all()
         proc.kill()
@@ -70,3 +75,10 @@ def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
     assert "never arrived: ranks [" in stderr, stderr[-3000:]
     assert took <= TIMEOUT_S + GRACE_S, f"exited {took:.1f}s after the stop: {stderr[-3000:]}"
     assert left == [], f"processes of the run still alive after it exited: {left}"
+
+
+def _command(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
