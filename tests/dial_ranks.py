@@ -97,6 +97,11 @@ def staleness(rank: int, world: int, spec: str) -> dict[str, Any]:
     return train(rank, world, spec, 16, slow=4)
 
 
+def staleness_each(rank: int, world: int, specs: list[str]) -> dict[str, Any]:
+    """``staleness`` under each of ``specs`` in turn, in one process group (one start-up)."""
+    return {spec: staleness(rank, world, spec) for spec in specs}
+
+
 def adamw_on_servers(rank: int, world: int) -> dict[str, Any]:
     """The server rebuilds the user's optimizer: AdamW's param group carries keys that its
     constructor does not take."""

@@ -48,6 +48,11 @@ def long_evaluation_on_rank_0(rank: int, world: int, strategy: str) -> dict[str,
     return {"params": flat_params(model), "steps": sync.step_count}
 
 
+def long_evaluation_each(rank: int, world: int, strategies: list[str]) -> dict[str, Any]:
+    """``long_evaluation_on_rank_0`` under each strategy in turn, in one process group."""
+    return {s: long_evaluation_on_rank_0(rank, world, s) for s in strategies}
+
+
 def frozen_between_steps(rank: int, world: int) -> dict[str, Any]:
     """The last rank stops responding between steps 2 and 3 (its heartbeat stops, as when the
     process is stopped or frozen): the others must fail within the timeout, not wait for it as
