@@ -105,17 +105,23 @@ class StepGate:
         watch = self.watch
         started = time.monotonic()
         peers: dict[int, _Peer] = {}
-        slice_s = watch.arrive_after_s
+        try:
+            # The usual case: every rank arrives within moments, answered by one blocking wait.
+            watch.store.wait([go], datetime.timedelta(seconds=watch.arrive_after_s))
+            return
+        except RuntimeError as exc:  # DistStoreError: nobody set it in that time
+            if "time" not in str(exc).lower():
+                raise SyncTimeoutError(
+                    f"{where(step)}: {what}: the store holding the gate failed: {exc}"
+                ) from exc
+        # A long wait (an evaluation on a peer) polls instead: every store wait that times out
+        # makes torch log a warning, which would fill stderr twice a second.
         while True:
-            try:
-                watch.store.wait([go], datetime.timedelta(seconds=slice_s))
-                return
-            except RuntimeError as exc:  # DistStoreError: this slice timed out
-                if "time" not in str(exc).lower():
-                    raise SyncTimeoutError(
-                        f"{where(step)}: {what}: the store holding the gate failed: {exc}"
-                    ) from exc
-            slice_s = min(0.5, watch.beat_s)
+            judge_at = time.monotonic() + min(0.5, watch.beat_s)
+            while time.monotonic() < judge_at:
+                if watch.store.check([go]):
+                    return
+                time.sleep(0.02)
             reasons = self._judge(peers, started)
             # A peer that passed already may have moved on by the time its beat was read.
             if reasons and not watch.store.check([go]):
