@@ -151,6 +151,9 @@ class Synchronizer:
         self.scaler = scaler
         self.model = model
         self.optimizer = optimizer
+        # What the strategies synchronize (their lists are taken at setup too): listed once,
+        # not on every step, for StepHandle.clip_grad_norm_.
+        self._trainable: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self.group = group
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
@@ -327,7 +330,7 @@ class Synchronizer:
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
         ready = _GradientReady(self.strategy, self._step)
         handle._ready = ready
-        handle._params = [p for p in self.model.parameters() if p.requires_grad]
+        handle._params = self._trainable
         self._in_step = True
         self._watch.enter(BLOCK, self._step)
         try:
