@@ -11,9 +11,9 @@ gate, the step's collectives run under ``timeout_s`` as before.
 
 At gate ``g`` each rank adds one to a counter named after ``g``, its step and what follows
 (a step, a save, an average); the rank that brings it to the world size sets a "go" key the
-others wait on (two store round trips: tens of microseconds on an idle loopback, 0.3-0.8 ms on
-a loaded 2-core machine). Ranks at different steps or collectives count under different names
-and never meet: the gate then says which rank is where, instead of pairing their exchanges.
+others wait on (two store round trips per gate). Ranks at different steps or collectives
+count under different names and never meet: the gate then says which rank is where, instead
+of pairing their exchanges.
 
 While it waits, the gate reads its peers' heartbeats (``ArrivalWatch``) and judges each rank
 that has not arrived:
