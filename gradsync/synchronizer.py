@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -20,6 +21,8 @@ from gradsync.balance import ShardBalancer
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
+from gradsync.fault.background import CheckpointWriter
+from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.fault.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.fault.guards import check_replicas
@@ -200,6 +203,11 @@ class Synchronizer:
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
         self._final_checked = False
+        self._writer: CheckpointWriter | None = None
+        self._published: str | None = None  # the checkpoint directory servers were told
+        # Names this run's checkpoint files, the same on every rank (rank 0's, broadcast with
+        # the initial state): a commit never pairs them with files of a rolled-back attempt.
+        self._save_id = secrets.token_hex(8)
         try:
             self._pass_gate(START, "construction of the Synchronizer")
             self._check_same_model()
@@ -593,16 +601,55 @@ class Synchronizer:
         """Strategy and compressor state (not the model or optimizer: save those as usual)."""
         return {"step": self._step, "strategy": self.strategy.state_dict()}
 
-    def save(self, directory: str | Path, *, keep: int = 2, **extra: Any) -> float:
-        """Collective: checkpoint model, optimizer, strategy/compressor state and RNG into
-        ``directory`` (atomic, checksummed, last ``keep`` kept); ``extra`` holds plain values
-        such as the data position. Returns the seconds it took on this rank. With parameter
-        servers the workers call it (after the same step) and the servers, inside ``serve()``,
-        write their part."""
+    def save(
+        self, directory: str | Path, *, keep: int = 2, wait: bool = True, **extra: Any
+    ) -> float:
+        """Collective: checkpoint model, optimizer, strategy/compressor state, RNG and the
+        step records not yet gathered into ``directory`` (atomic, checksummed, last ``keep``
+        kept); ``extra`` holds plain values such as the data position. Returns the seconds it
+        took on this rank. With parameter servers the workers call it (after the same step)
+        and the servers, inside ``serve()``, write their part.
+
+        ``wait=False`` returns as soon as the state is copied: a background thread writes the
+        file and rank 0's commits the checkpoint once every rank's file is on disk, so a
+        checkpoint can be taken every step. Until then the newest complete checkpoint is an
+        earlier one. ``close()`` (and ``wait_for_checkpoints()``) wait for the writes; errors
+        of the background thread are raised by the next ``save``, ``wait_for_checkpoints`` or
+        ``close``. With ``wait=True`` the checkpoint is complete when this returns."""
         from gradsync.fault import resume
 
+        if not wait:  # posts no collective, so no gate either: a copy and a hand-over
+            return resume.save(self, directory, keep=keep, extra=extra, wait=False)
         with self._gradsync_call(self._step, "sync.save()"):
             return resume.save(self, directory, keep=keep, extra=extra)
+
+    def wait_for_checkpoints(self, timeout_s: float | None = None) -> None:
+        """Until every checkpoint this rank saved is written (and, on rank 0, committed)."""
+        if self._writer is not None:
+            self._writer.flush(self.timeout_s if timeout_s is None else timeout_s)
+
+    def _checkpoint_writer(self, directory: str | Path, keep: int) -> CheckpointWriter:
+        """This rank's background writer for ``directory`` (one directory at a time)."""
+        store_dir = Path(directory)
+        if self._writer is not None and self._writer.store.directory != store_dir:
+            writer, self._writer = self._writer, None
+            writer.close(self.timeout_s)
+        if self._writer is None:
+            self._writer = CheckpointWriter(
+                CheckpointStore(store_dir, keep=keep),
+                rank=self.rank,
+                world_size=self.world_size,
+                save_id=self._save_id,
+                timeout_s=self.timeout_s,
+            )
+        self._writer.store.keep = keep
+        return self._writer
+
+    def _pending_telemetry(self) -> torch.Tensor:
+        return self._collector.pending_rows()
+
+    def _restore_telemetry(self, rows: torch.Tensor) -> None:
+        self._collector.restore_pending(rows)
 
     def load(self, directory: str | Path) -> dict[str, Any] | None:
         """Collective: resume from the newest intact checkpoint in ``directory``; returns its
@@ -618,6 +665,15 @@ class Synchronizer:
         self.strategy.load_state_dict(state["strategy"])
 
     def close(self) -> None:
+        """Wait for the checkpoints still being written, then release what this holds."""
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                writer.close(self.timeout_s)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self._step_hook.remove()
         self.strategy.close()
         self._release_timeout()
@@ -655,8 +711,11 @@ class Synchronizer:
     def _broadcast_initial_state(self) -> None:
         if self.world_size == 1:
             return
+        token = torch.tensor([int(self._save_id, 16) - (1 << 63)], dtype=torch.int64)
+        token = token.to(runtime.device())
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        self._broadcast(tensors, START, "initial broadcast", "parameter/buffer")
+        self._broadcast([*tensors, token], START, "initial broadcast", "parameter/buffer")
+        self._save_id = f"{int(token.item()) + (1 << 63):016x}"
 
     def _broadcast(
         self, tensors: list[torch.Tensor], step: int, name: str, kind: str = "buffer"

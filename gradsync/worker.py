@@ -108,7 +108,12 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
         # earlier records would count the rolled-back work twice in the report.
         _drop_records_from(run_dir / METRICS_FILE, start)
         why = "restart" if restarted else "--resume"
-        how = "starting over (no --checkpoint-every)" if extra is None else "resuming"
+        if extra is not None:
+            how = "resuming"
+        elif cfg.checkpoint_every:
+            how = "starting over (no checkpoint was complete yet)"
+        else:
+            how = "starting over (no --checkpoint-every)"
         print(f"gradsync: {why}: {how} at step {start}", file=sys.stderr, flush=True)
     return start
 
@@ -138,6 +143,7 @@ def _log_recovery(directory: Path, resumed_at: int) -> None:
 
 
 def _log_checkpoint(directory: Path, step: int, seconds: float) -> None:
+    directory.mkdir(parents=True, exist_ok=True)  # the writer thread may not have made it yet
     with open(directory / "log.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps({"step": step, "seconds": seconds, "time": time.time()}) + "\n")
 
@@ -184,12 +190,12 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
             recovering = False
             _log_recovery(run_dir / FAULTS_DIR, start)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            if not sync.layout.servers:  # with servers, save() gathers them itself
-                # Gather the records of the steps before the checkpoint with it: a restart
-                # runs again only the steps after it, so records still held in memory when a
-                # rank dies (gathered every telemetry_every steps) would be lost for good.
-                sync.flush_telemetry()
-            seconds = sync.save(checkpoints, keep=cfg.keep_checkpoints, data_position=step + 1)
+            # Written in the background: the step pays for a copy of the state. The records of
+            # the steps not gathered yet go with it, so a restart that rolls back to it keeps
+            # them. close() below waits for the last writes.
+            seconds = sync.save(
+                checkpoints, keep=cfg.keep_checkpoints, wait=False, data_position=step + 1
+            )
             if rank == 0:
                 _log_checkpoint(checkpoints, step + 1, seconds)
     report = sync.report()

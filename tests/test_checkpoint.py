@@ -26,6 +26,7 @@ from gradsync.fault import (
     safe_load,
     set_rng_state,
 )
+from gradsync.fault.packing import Packed
 
 pytestmark = pytest.mark.unit
 
@@ -122,11 +123,11 @@ def test_failed_write_leaves_previous_file_and_no_temp(
     first = store.save(5, 0, 1, {"x": torch.ones(100)})
     before = first.read_bytes()
 
-    def half_then_crash(obj: object, f: Any) -> None:
+    def half_then_crash(self: object, f: Any) -> None:
         f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(torch, "save", half_then_crash)
+    monkeypatch.setattr(Packed, "write_to", half_then_crash)
     with pytest.raises(OSError, match="disk full"):
         store.save(5, 0, 1, {"x": torch.zeros(100)})
     assert first.read_bytes() == before

@@ -6,11 +6,15 @@
     DIR/step-000120/rank-0.pt.sum    size and sha256 of rank-0.pt, written by rank 0's save
     DIR/step-000120/MANIFEST.json    written last, by rank 0's commit: marks the step complete
 
-Protocol (the store does no collectives; the caller owns the barrier)::
+Protocol (the store does no collectives; the caller decides when every rank has written)::
 
     store.save(step, rank, world_size, state)      # every rank
-    barrier()                                      # caller's collective
+    barrier()                                      # or: poll until not store.missing(...)
     if rank == 0: store.commit(step, world_size)   # writes the manifest, prunes to ``keep``
+
+Each file holds the state packed (``gradsync.fault.packing``): a snapshot is one copy of the
+tensors, and ``CheckpointWriter`` (``gradsync.fault.background``) writes and commits it off the
+training thread, so a checkpoint can be taken every step.
 
 On resume every rank calls ``latest(world_size)`` (same answer on a shared filesystem: it only
 reads) and ``load(info, rank)``, which reads with ``torch.load(weights_only=True)``.
@@ -36,6 +40,8 @@ from typing import IO, Any
 
 import torch
 
+from gradsync.fault.packing import Packed, is_packed_file, pack, read_packed, unpack
+
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
@@ -45,6 +51,7 @@ __all__ = [
     "CheckpointWarning",
     "FileEntry",
     "safe_load",
+    "snapshot",
 ]
 
 FORMAT = "gradsync-checkpoint"
@@ -124,32 +131,70 @@ class CheckpointStore:
         Raises ``CheckpointError`` before writing anything if ``state`` holds an object that
         ``torch.load(weights_only=True)`` would refuse: better to fail at save than at resume.
         """
+        return self.write(step, rank, world_size, snapshot(state))
+
+    def write(
+        self, step: int, rank: int, world_size: int, packed: Packed, *, save_id: str = ""
+    ) -> Path:
+        """Write a ``snapshot()`` of this rank's state for ``step``, atomically, with its size
+        and sha256 beside it; ``save_id`` names the save every rank's file belongs to, so a
+        commit never pairs this file with another run's (see ``missing``)."""
         start = time.perf_counter()
         _check_int("step", step, 0)
         _check_int("world_size", world_size, 1)
         if _check_int("rank", rank, 0) >= world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-        if not isinstance(state, dict):
-            raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
-        _check_weights_only_safe(state, "state")
         step_dir = self.step_dir(step)
         step_dir.mkdir(parents=True, exist_ok=True)
         # A manifest left by an earlier save of this step (the run resumed from an older
         # checkpoint and came back here) would vouch for files that are about to be replaced.
         (step_dir / MANIFEST).unlink(missing_ok=True)
         target = step_dir / _rank_file(rank)
-        _atomic_write(target, lambda f: torch.save(state, f))
-        size, digest = _hash_file(target)
-        summary = json.dumps({"size": size, "sha256": digest}).encode()
-        _atomic_write(target.with_name(target.name + ".sum"), lambda f: f.write(summary))
+        written: list[tuple[int, str]] = []
+        _atomic_write(target, lambda f: written.append(packed.write_to(f)))
+        size, digest = written[0]
+        meta = {"size": size, "sha256": digest, "save_id": save_id}
+        summary = json.dumps(meta).encode()
+        # No fsync of its own: commit copies it into the manifest, which is fsynced; the rank
+        # file's rename is made durable by the directory's fsync.
+        _atomic_write(
+            target.with_name(target.name + ".sum"), lambda f: f.write(summary), sync=False
+        )
         _fsync_dir(step_dir)
         self.last_save_bytes = size
         self.last_save_seconds = time.perf_counter() - start
         return target
 
-    def commit(self, step: int, world_size: int, *, prune: bool = True) -> CheckpointInfo:
-        """Mark ``step`` complete by writing its manifest (rank 0, after every rank's save
-        returned and a barrier), then prune to ``keep`` checkpoints unless ``prune=False``."""
+    def missing(self, step: int, world_size: int, save_id: str = "") -> list[int]:
+        """Ranks whose file of ``step`` for ``save_id`` is not written yet (a file left by
+        another run or attempt, with another ``save_id``, counts as missing)."""
+        step_dir = self.step_dir(step)
+        absent = []
+        for rank in range(world_size):
+            summary = step_dir / (_rank_file(rank) + ".sum")
+            try:
+                meta = json.loads(summary.read_bytes())
+            except (OSError, ValueError):
+                absent.append(rank)
+                continue
+            if meta.get("save_id", "") != save_id:
+                absent.append(rank)
+        return absent
+
+    def committed(self, step: int, save_id: str = "") -> bool:
+        """Whether ``step``'s manifest is written, by the commit of ``save_id``."""
+        try:
+            data = json.loads((self.step_dir(step) / MANIFEST).read_bytes())
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and data.get("save_id", "") == save_id
+
+    def commit(
+        self, step: int, world_size: int, *, prune: bool = True, save_id: str = ""
+    ) -> CheckpointInfo:
+        """Mark ``step`` complete by writing its manifest (rank 0, once every rank's file of
+        ``save_id`` is written: ``missing()`` is empty), then prune to ``keep`` checkpoints
+        unless ``prune=False``."""
         start = time.perf_counter()
         _check_int("step", step, 0)
         _check_int("world_size", world_size, 1)
@@ -163,6 +208,9 @@ class CheckpointStore:
                 missing.append(rank)
                 continue
             meta = json.loads(summary.read_text())
+            if meta.get("save_id", "") != save_id:
+                missing.append(rank)
+                continue
             actual = path.stat().st_size
             if actual != meta["size"]:
                 raise CheckpointError(
@@ -189,6 +237,7 @@ class CheckpointStore:
             "step": step,
             "world_size": world_size,
             "created": created,
+            "save_id": save_id,
             "files": {
                 str(r): {"name": e.name, "size": e.size, "sha256": e.sha256}
                 for r, e in files.items()
@@ -311,7 +360,7 @@ class CheckpointStore:
             _check_entry(path, entry, checksums=True)
         except _Invalid as why:
             raise CheckpointError(f"cannot load {path}: {why}") from None
-        state = safe_load(path, map_location=map_location)
+        state = _read_state(path, map_location)
         if not isinstance(state, dict):
             raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict")
         self.last_load_seconds = time.perf_counter() - start
@@ -327,6 +376,32 @@ class CheckpointStore:
             if m and p.is_dir():
                 found.append((int(m.group(1)), p))
         return sorted(found, reverse=True)
+
+
+def snapshot(state: dict[str, Any]) -> Packed:
+    """A copy of ``state`` for ``CheckpointStore.write``, taken now (training may change the
+    tensors afterwards). ``CheckpointError`` names an entry ``torch.load(weights_only=True)``
+    would refuse, before anything is written."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
+    try:
+        return pack(state)
+    except TypeError as e:
+        # The walk that names where the offending object sits runs only on this error path:
+        # a snapshot is taken every step, so its own walk is the only one.
+        _check_weights_only_safe(state, "state")
+        raise CheckpointError(f"cannot checkpoint state: {e}") from None
+
+
+def _read_state(path: Path, map_location: str | torch.device | None) -> Any:
+    """A rank file's state: gradsync's packed format, or (files from before it) a plain state
+    through ``safe_load``."""
+    if not is_packed_file(path):
+        return safe_load(path, map_location=map_location)
+    try:
+        return unpack(read_packed(path.read_bytes()), map_location)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from None
 
 
 def safe_load(path: str | Path, *, map_location: str | torch.device | None = "cpu") -> Any:
@@ -413,15 +488,16 @@ def _hash_file(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write through a temporary name in the same directory, fsync, then rename over ``path``:
-    a reader sees the old file or the whole new one, never a partial write."""
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, sync: bool = True) -> None:
+    """Write through a temporary name in the same directory, fsync (unless ``sync=False``), then
+    rename over ``path``: a reader sees the old file or the whole new one, never a part."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}")
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

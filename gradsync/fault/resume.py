@@ -6,16 +6,19 @@ the step), RNG states, and the caller's extras (the data position). Both calls a
 Every strategy resumes exactly where its checkpoint left it: bsp, local:H and diloco:H, and the
 parameter-server strategies ssp:S and async.
 
+Every rank hands a snapshot of its state to its background writer (``fault.background``);
+rank 0's commits the checkpoint once every rank's file is written. No collective is posted,
+so ``save(wait=False)`` costs the step a copy; ``save()`` waits for the commit. The step
+records not gathered yet go into each rank's file and ``load`` puts them back.
+
 Parameter servers (``ssp:S``, ``async``): the servers hold the parameters and the optimizer
 state, so they write a file too (their shard of the parameters, their optimizer's state, the
 clocks: pushes applied per worker and how fresh each worker's parameters were). Workers call
 ``sync.save()`` after their N-th push; each sends every server a checkpoint request behind
 that push on the same ordered channel, so a server holding every worker's request has applied
-exactly N pushes of each. It then takes its snapshot inside ``sync.serve()`` and joins the
-workers' collectives: rank 0 broadcasts the step and the directory (servers do not know it),
-telemetry is gathered (so the records of the steps before a checkpoint survive a crash), every
-rank writes its file, and rank 0 commits the manifest after a barrier, as for every strategy:
-the checkpoint is complete only once workers and servers have all written. ``sync.load()`` is
+exactly N pushes of each. It then snapshots inside ``sync.serve()`` and writes its file in
+the background, in the directory rank 0 published in the store before its request. The
+checkpoint is complete once workers and servers have all written. ``sync.load()`` is
 collective over servers too: call it on every rank, servers before ``serve()``, which then
 starts from the saved state. A parameter-server checkpoint resumes only onto the same numbers
 of workers and servers (each server's shard and clocks are per worker).
@@ -31,6 +34,7 @@ so they refuse.
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from pathlib import Path
@@ -39,7 +43,12 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from gradsync.errors import UsageError
-from gradsync.fault.checkpoint import CheckpointError, CheckpointStore, CheckpointWarning
+from gradsync.fault.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    CheckpointWarning,
+    snapshot,
+)
 from gradsync.fault.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -63,53 +72,65 @@ def _describe(world: int, layout: dict[str, int] | None) -> str:
 
 
 def save(
-    sync: Synchronizer, directory: str | Path, *, keep: int = 2, extra: dict[str, Any] | None = None
+    sync: Synchronizer,
+    directory: str | Path,
+    *,
+    keep: int = 2,
+    extra: dict[str, Any] | None = None,
+    wait: bool = True,
 ) -> float:
-    """Collective: every rank writes its file, rank 0 commits the manifest once all have.
-    Returns the seconds this rank spent, barriers included."""
+    """Every rank snapshots its state and hands it to its background writer; rank 0's writer
+    commits the manifest once every rank's file is written. With ``wait`` this returns once
+    the checkpoint is complete; without, right after the snapshot. Returns the seconds this
+    rank spent here."""
     if sync.is_server:
         raise UsageError(
             "this rank is a parameter server: it checkpoints inside sync.serve() when the "
             "workers call sync.save(); call save() on worker ranks only"
         )
     started = time.perf_counter()
-    store = CheckpointStore(directory, keep=keep)
     step = sync.step_count
+    if _has_servers(sync) and sync.rank == 0:
+        _publish_directory(sync, directory, keep)
+    # Parameter servers snapshot once every worker's request (sent behind its step-th push)
+    # has arrived; the request goes out after the directory is published.
     sync.strategy.prepare_checkpoint(step)
-    if _has_servers(sync):
-        order = _order(sync, step, {"step": step, "directory": str(directory)})
-        if order["step"] != step:
-            raise CheckpointError(
-                f"sync.save() called at step {step} on rank {sync.rank} but at step "
-                f"{order['step']} on rank 0: every worker must save after the same step"
-            )
-        sync.flush_telemetry()
-    state = {
-        "model": sync.model.state_dict(),
-        "optimizer": sync.optimizer.state_dict(),
+    state: dict[str, Any] = {
         "sync": sync.state_dict(),
         "rng": rng_state(),
         "strategy": sync.strategy.name,
         "compression": sync.compressor.spec,  # load() refuses another compressor's state
         "layout": _layout(sync),
+        "telemetry": sync._pending_telemetry(),
         "extra": extra or {},
     }
-    _write(sync, store, step, state)
+    if sync.strategy.resizable and sync.rank != 0:
+        # Every replica's model and optimizer state is rank 0's (what makes the strategy
+        # resizable), so only rank 0 writes them: with a checkpoint every step, the bytes
+        # written, and the CPU the kernel spends on them, would otherwise grow with the ranks.
+        state["replica_of"] = 0
+    else:
+        state["model"] = sync.model.state_dict()
+        state["optimizer"] = sync.optimizer.state_dict()
+    writer = sync._checkpoint_writer(directory, keep)
+    writer.submit(step, snapshot(state))
+    if wait:
+        writer.wait(step)
     return time.perf_counter() - started
 
 
 def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
-    """A parameter server's part of ``save()``, called from ``serve()`` once every worker's
-    checkpoint request has arrived: the same collectives as the workers, and its own file."""
+    """A parameter server's part of a checkpoint, called from ``serve()`` once every worker's
+    request has arrived: its own file, written in the background like the workers'."""
     pushed = server_state["pushed"]
-    order = _order(sync, min(pushed), None)
-    step = int(order["step"])
+    step = min(pushed)
     if any(c != step for c in pushed):
         raise CheckpointError(
-            f"parameter server rank {sync.rank}: the workers saved at step {step}, but it has "
-            f"applied {pushed} pushes of workers 0..{len(pushed) - 1}"
+            f"parameter server rank {sync.rank}: the workers asked for a checkpoint with "
+            f"{pushed} pushes applied of workers 0..{len(pushed) - 1}: every worker must save "
+            "after the same step"
         )
-    sync.flush_telemetry()
+    directory, keep = _published_directory(sync)
     sync.load_state_dict({"step": step, "strategy": {}})
     state = {
         "server": server_state,
@@ -117,35 +138,36 @@ def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
         "strategy": sync.strategy.name,
         "compression": sync.compressor.spec,  # load() refuses another compressor's state
         "layout": _layout(sync),
+        "telemetry": sync._pending_telemetry(),
         "extra": {},
     }
-    _write(sync, CheckpointStore(order["directory"]), step, state)
+    sync._checkpoint_writer(directory, keep).submit(step, snapshot(state))
 
 
-def _order(sync: Synchronizer, step: int, mine: dict[str, Any] | None) -> dict[str, Any]:
-    """Rank 0's ``{"step", "directory"}`` of this save, on every rank (servers included)."""
-    box: list[Any] = [mine if sync.rank == 0 else None]
-    sync.watch.run(
-        step,
-        "checkpoint start (every worker asked, every server ready)",
-        lambda: dist.broadcast_object_list(box, src=_global_zero(sync), group=sync.group),
-    )
-    return dict(box[0])
+def _directory_key(sync: Synchronizer) -> str:
+    return f"{sync.watch.prefix}/checkpoint-directory"
 
 
-def _write(sync: Synchronizer, store: CheckpointStore, step: int, state: dict[str, Any]) -> None:
-    store.save(step, sync.rank, sync.world_size, state)
-    _barrier(sync, step, "checkpoint barrier (every rank saved)")
-    if sync.rank == 0:
-        store.commit(step, sync.world_size)
-    # After save() returns anywhere, the checkpoint is complete: a rank that dies right after
-    # a checkpoint step must find it on restart.
-    _barrier(sync, step, "checkpoint barrier (manifest committed)")
+def _publish_directory(sync: Synchronizer, directory: str | Path, keep: int) -> None:
+    """Rank 0 tells the servers where this save goes (they never see the call), through the
+    store, before its request: a server reads it once every request has arrived."""
+    value = json.dumps({"directory": str(directory), "keep": keep})
+    if sync.watch.store is not None and value != sync._published:
+        sync.watch.store.set(_directory_key(sync), value)
+        sync._published = value
+
+
+def _published_directory(sync: Synchronizer) -> tuple[str, int]:
+    if sync.watch.store is None:
+        raise CheckpointError("parameter-server checkpoints need the process group's store")
+    data = json.loads(sync.watch.store.get(_directory_key(sync)))
+    return str(data["directory"]), int(data["keep"])
 
 
 def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     """Collective (parameter servers included): restore the newest valid checkpoint; return
     its extras plus ``step`` (None if there is none). A server keeps its state for ``serve()``."""
+    sync.wait_for_checkpoints()  # a save still being written would be missed or half-seen
     store = CheckpointStore(directory)
     choice: list[Any] = [None]
     mine: dict[str, Any] | None = None
@@ -173,9 +195,15 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     _check_compression(step, saved_compression, sync.compressor.spec)
     changed = saved_world != sync.world_size
     if mine is None:
-        state = store.load(store.at(step), sync.rank, source_rank=0 if changed else None)
+        info = store.at(step)
+        state = store.load(info, sync.rank, source_rank=0 if changed else None)
+        if "model" not in state and state.get("replica_of") == 0:
+            shared = store.load(info, 0)  # the replica's model and optimizer state
+            state.update(model=shared["model"], optimizer=shared["optimizer"])
     else:
         state = mine
+    if "telemetry" in state:  # the records of the steps before the checkpoint, not gathered
+        sync._restore_telemetry(state["telemetry"])
     role = sync.strategy.server_role()
     if role is not None:
         role.restore(state["server"])
@@ -288,11 +316,6 @@ def _check_compression(step: int, saved: str | None, current: str) -> None:
 def compression_flag(spec: str) -> str:
     """How a user asks for compression ``spec`` on the command line."""
     return "no --compress" if spec == "none" else f"--compress {spec}"
-
-
-def _barrier(sync: Synchronizer, step: int, what: str) -> None:
-    """A barrier whose failure names the ranks that never arrived, like every other wait."""
-    sync.watch.run(step, what, lambda: dist.barrier(group=sync.group))
 
 
 def _global_zero(sync: Synchronizer) -> int:

@@ -89,9 +89,9 @@ class TelemetryCollector:
     def due(self) -> bool:
         return len(self._pending) >= self.flush_every
 
-    def flush(self, step: int | None = None) -> list[StepRecord]:
-        """Collective: every rank of the group must call it. Returns the new complete records.
-        ``step`` places the gather for the timeout diagnosis (None: at the latest wait's)."""
+    def pending_rows(self) -> torch.Tensor:
+        """The records not gathered yet, one float64 row each (a checkpoint carries them, so
+        the steps before it keep their records when a restart rolls back to it)."""
         rows = [
             [
                 float(p.step),
@@ -107,8 +107,24 @@ class TelemetryCollector:
             ]
             for p in self._pending
         ]
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1, len(_COLUMNS))
+
+    def restore_pending(self, rows: torch.Tensor) -> None:
+        """Put back the rows ``pending_rows`` returned, ahead of anything recorded since."""
+        restored = [
+            _Pending(
+                int(r[0]), r[1], r[2], r[3], int(r[4]), int(r[5]),
+                None if r[6] != r[6] else r[6], bool(r[7]), bool(r[8]), r[9],
+            )
+            for r in rows.reshape(-1, len(_COLUMNS)).tolist()
+        ]  # fmt: skip
+        self._pending[:0] = restored
+
+    def flush(self, step: int | None = None) -> list[StepRecord]:
+        """Collective: every rank of the group must call it. Returns the new complete records.
+        ``step`` places the gather for the timeout diagnosis (None: at the latest wait's)."""
+        local = self.pending_rows()
         self._pending = []
-        local = torch.tensor(rows, dtype=torch.float64).reshape(-1, len(_COLUMNS))
         if self.watch is not None:
             what = f"telemetry gather ({local.shape[0]} pending step record(s) on this rank)"
             gathered = self.watch.run(step, what, lambda: self._gather(local))

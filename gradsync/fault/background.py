@@ -1,0 +1,219 @@
+"""Checkpoints written off the training thread: snapshot at the step boundary, write behind.
+
+``sync.save(directory, wait=False)`` copies the state (``checkpoint.snapshot``) and hands it to
+this rank's ``CheckpointWriter``, whose thread serializes, checksums and writes the file while
+training goes on. Rank 0's writer also commits: once every rank's file of a step is on disk
+(``CheckpointStore.missing`` is empty: each rank's ``.sum`` names the same ``save_id``), it
+writes the manifest and prunes to ``keep``, exactly as a blocking save's commit does. No
+collective is involved, so a checkpoint costs the training thread only the copy; the files are
+atomic and checksummed as before, and a step is restorable only once its manifest exists.
+
+At most ``depth`` snapshots wait for the thread; a further ``submit`` blocks until one is
+written (the memory bound, and a disk slower than the steps shows up as step time rather than
+as checkpoints silently dropped). Errors of the thread (a full disk, a rank whose file never
+came) are raised by the next ``submit``, ``wait`` or ``close`` on the training thread.
+
+Why not ``torch.distributed.checkpoint.async_save``: it plans every save with collectives over
+the group (tens of milliseconds per call for a small model), writes DCP's own layout without
+our manifest and checksums, and is meant for checkpoints minutes apart. Sharded strategies,
+whose state DCP re-shards on load, use it (see docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
+from gradsync.fault.packing import Packed
+
+__all__ = ["CheckpointWriter"]
+
+#: how often rank 0's thread looks for its peers' files of a step it has written itself
+_POLL_S = 0.002
+
+
+@dataclass(slots=True)
+class _Commit:
+    step: int
+    deadline: float
+
+
+class CheckpointWriter:
+    """One rank's background writer for one checkpoint directory (see the module docstring).
+
+    ``save_id`` must be the same string on every rank of this run (and differ from any earlier
+    run's or attempt's): it keeps rank 0 from committing a step with a peer's file left by an
+    attempt that was rolled back. ``timeout_s`` bounds how long rank 0 waits for a peer's file
+    after writing its own, and how long ``wait`` waits.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        rank: int,
+        world_size: int,
+        save_id: str,
+        timeout_s: float,
+        depth: int = 2,
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.store = store
+        self.rank, self.world_size, self.save_id = rank, world_size, save_id
+        self.timeout_s, self.depth = timeout_s, depth
+        self._jobs: deque[tuple[int, Packed]] = deque()
+        self._commits: deque[_Commit] = deque()
+        self._cond = threading.Condition()
+        self._written = -1  # newest step this rank's file is on disk for
+        self._committed = -1  # rank 0: newest step whose manifest it wrote
+        self._busy = False
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"gradsync-checkpoint-writer-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def commits(self) -> bool:
+        return self.rank == 0
+
+    def submit(self, step: int, packed: Packed) -> None:
+        """Queue ``packed`` as this rank's file of ``step``; blocks while ``depth`` wait."""
+        with self._cond:
+            self._raise_error()
+            while len(self._jobs) >= self.depth and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            if self._closing:
+                raise CheckpointError("the checkpoint writer is closed")
+            self._jobs.append((step, packed))
+            self._cond.notify_all()
+
+    def wait(self, step: int, timeout_s: float | None = None) -> None:
+        """Until ``step``'s checkpoint is complete: committed (rank 0) or its manifest seen
+        (other ranks, once their own file is written). ``CheckpointError`` after the timeout."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while not self._done(step):
+                self._raise_error()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckpointError(self._late(step, limit))
+                self._cond.wait(min(left, _POLL_S) if self._written >= step else left)
+            self._raise_error()
+
+    def _done(self, step: int) -> bool:
+        if self.commits:
+            return self._committed >= step
+        return self._written >= step and self.store.committed(step, self.save_id)
+
+    def _late(self, step: int, limit: float) -> str:
+        if self._written < step:
+            return (
+                f"rank {self.rank}: its file of checkpoint step {step} was not written in "
+                f"{limit:g} s"
+            )
+        missing = self.store.missing(step, self.world_size, self.save_id)
+        who = f"no file from rank(s) {', '.join(map(str, missing))}" if missing else "not committed"
+        return (
+            f"checkpoint of step {step} in {self.store.directory} is incomplete after {limit:g} s: "
+            f"{who}; sync.save() must be called on every rank after the same step"
+        )
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Until every queued snapshot is written and (rank 0) committed or given up."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while self._jobs or self._busy or self._commits:
+                self._raise_error()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckpointError(
+                        f"rank {self.rank}: checkpoints still being written to "
+                        f"{self.store.directory} after {limit:g} s"
+                    )
+                self._cond.wait(min(left, 0.05))
+            self._raise_error()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Write what is queued, then stop the thread; raises what went wrong in it."""
+        try:
+            self.flush(timeout_s)
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._thread.join(timeout=5.0)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closing:
+                    if self._commits:
+                        self._cond.wait(_POLL_S)
+                        break
+                    self._cond.wait()
+                if self._closing and not self._jobs:
+                    return
+                job = self._jobs.popleft() if self._jobs else None
+                self._busy = job is not None
+                self._cond.notify_all()
+            try:
+                if job is not None:
+                    self._write(*job)
+                if self.commits:
+                    self._try_commits()
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                error = exc
+                if not isinstance(exc, CheckpointError):
+                    error = CheckpointError(
+                        f"rank {self.rank}: writing a checkpoint to {self.store.directory} "
+                        f"failed: {type(exc).__name__}: {exc}"
+                    )
+                    error.__cause__ = exc
+                with self._cond:
+                    self._error = error
+                    self._commits.clear()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, step: int, packed: Packed) -> None:
+        self.store.write(step, self.rank, self.world_size, packed, save_id=self.save_id)
+        with self._cond:
+            self._written = step
+            if self.commits:
+                self._commits.append(_Commit(step, time.monotonic() + self.timeout_s))
+            self._cond.notify_all()
+
+    def _try_commits(self) -> None:
+        """Commit, oldest first, each step whose files are all written; give up on one whose
+        files are still missing at its deadline (raised on the training thread)."""
+        while self._commits:
+            head = self._commits[0]
+            if not self.store.missing(head.step, self.world_size, self.save_id):
+                self.store.commit(head.step, self.world_size, save_id=self.save_id)
+                with self._cond:
+                    self._commits.popleft()
+                    self._committed = head.step
+                    self._cond.notify_all()
+                continue
+            if time.monotonic() > head.deadline:
+                with self._cond:
+                    self._commits.popleft()
+                raise CheckpointError(self._late(head.step, self.timeout_s))
+            return

@@ -1,0 +1,250 @@
+"""A checkpoint state as a few flat tensors and a JSON tree: a snapshot cheap to take and write.
+
+``pack(state)`` copies every tensor of a nested state (dicts, lists, tuples, numbers, strings)
+into one flat CPU buffer per dtype and describes the rest as JSON; ``Packed.write_to`` writes a
+header and the buffers' raw bytes, hashing them on the way; ``read_packed`` and ``unpack``
+rebuild the state. Why our own format rather than ``torch.save`` of the state: ``torch.save``
+pickles each tensor through a Python callback and writes each storage as a zip record with
+its CRC, about 15 us per tensor here, so a small transformer's model and AdamW state (about
+240 tensors) took 4 ms to serialize, and even two packed buffers took 0.8 ms: most of a
+checkpoint's cost when one is taken every step. Here the copy into the buffers is the only
+work at the step boundary, and writing is one ``write`` of the buffers' memory.
+
+The file holds no pickle at all: a magic line, the length of a JSON header, the header (the
+tree, each buffer's dtype, length and offset) and the bytes. Reading it can build nothing but
+tensors, numbers, strings and containers, and names dtypes only as dtypes, so a crafted file
+cannot run code. Files written before this format (``torch.save`` of a plain state) are still
+read, with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+
+__all__ = ["MAGIC", "Packed", "is_packed_file", "pack", "read_packed", "unpack"]
+
+MAGIC = b"gradsync-packed-state\n"
+PACKED_VERSION = 1
+_ALIGN = 64  # each buffer starts at a multiple of this in the file
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A snapshot: ``tree`` (JSON-ready, tensors replaced by references) and the buffers."""
+
+    tree: Any
+    buffers: list[torch.Tensor]
+
+    def write_to(self, f: IO[bytes]) -> tuple[int, str]:
+        """Write the header and the buffers' bytes to ``f``; returns (size, sha256 hex)."""
+        entries, offset = [], 0
+        for buf in self.buffers:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            entries.append({"numel": buf.numel(), "offset": offset})
+            offset += buf.numel() * buf.element_size()
+        header = json.dumps(
+            {
+                "version": PACKED_VERSION,
+                "byteorder": sys.byteorder,
+                "tree": self.tree,
+                "buffers": entries,
+            },
+            separators=(",", ":"),
+        ).encode()
+        start = MAGIC + len(header).to_bytes(8, "little") + header
+        digest = hashlib.sha256()
+        size = 0
+        for chunk in _chunks(start, self.buffers, entries):
+            f.write(chunk)
+            digest.update(chunk)  # hashlib lets other threads run while it hashes
+            size += len(chunk)
+        return size, digest.hexdigest()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+class _Leaves:
+    """Tensors met while walking the tree, grouped by dtype (one buffer each)."""
+
+    def __init__(self) -> None:
+        self.by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.sizes: dict[torch.dtype, int] = {}
+
+    def add(self, t: torch.Tensor) -> list[Any]:
+        group = self.by_dtype.setdefault(t.dtype, [])
+        offset = self.sizes.get(t.dtype, 0)
+        group.append(t)
+        self.sizes[t.dtype] = offset + t.numel()
+        return [_dtype_name(t.dtype), offset, list(t.shape)]
+
+
+def pack(state: Any) -> Packed:
+    """Copy ``state``'s tensors into per-dtype buffers (on the CPU) and describe the rest.
+
+    Containers are rebuilt as JSON, so later changes to the caller's dicts and lists do not
+    reach the snapshot. Raises ``TypeError`` for anything else (the caller checks states with
+    ``_check_weights_only_safe`` first, which names the offending entry).
+    """
+    leaves = _Leaves()
+    tree = _encode(state, leaves)
+    order = list(leaves.by_dtype)
+    index = {dtype: i for i, dtype in enumerate(order)}
+    buffers = []
+    for dtype in order:
+        flat = [t.detach().reshape(-1).cpu() for t in leaves.by_dtype[dtype]]
+        buffers.append(torch.cat(flat))
+    names = {_dtype_name(d): index[d] for d in order}
+    return Packed(tree={"index": names, "root": tree}, buffers=buffers)
+
+
+def _chunks(start: bytes, buffers: list[torch.Tensor], entries: list[dict[str, int]]) -> Any:
+    """The file's bytes in order: header, then each buffer's memory at its aligned offset."""
+    yield start
+    at = 0
+    for buf, entry in zip(buffers, entries, strict=True):
+        if entry["offset"] > at:
+            yield bytes(entry["offset"] - at)
+        # Raw bytes whatever the dtype (numpy has no bfloat16): a byte view of the buffer.
+        raw = memoryview(buf.view(torch.uint8).numpy().data) if buf.numel() else memoryview(b"")
+        yield raw
+        at = entry["offset"] + len(raw)
+
+
+def is_packed_file(path: Any) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
+def read_packed(data: bytes | bytearray) -> Packed:
+    """A ``Packed`` from a file's bytes (``ValueError`` when they are not a well-formed one);
+    the buffers are copies, so ``data`` may go."""
+    if not data.startswith(MAGIC):
+        raise ValueError("not a gradsync packed state (wrong magic)")
+    n = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
+    body = len(MAGIC) + 8
+    header = json.loads(bytes(data[body : body + n]))
+    if not isinstance(header, dict) or header.get("version") != PACKED_VERSION:
+        raise ValueError(f"packed state version {header.get('version')!r}; this gradsync reads 1")
+    if header.get("byteorder") != sys.byteorder:
+        raise ValueError(f"written on a {header.get('byteorder')}-endian machine")
+    tree = header["tree"]
+    names = sorted(tree["index"], key=lambda name: int(tree["index"][name]))
+    payload = memoryview(data)[body + n :]
+    buffers = []
+    for name, entry in zip(names, header["buffers"], strict=True):
+        dtype = _dtype(name)
+        nbytes = int(entry["numel"]) * torch.empty(0, dtype=dtype).element_size()
+        lo = int(entry["offset"])
+        if lo < 0 or lo + nbytes > len(payload):
+            raise ValueError(f"buffer {name} lies outside the file")
+        raw = bytearray(payload[lo : lo + nbytes])
+        buffers.append(
+            torch.frombuffer(raw, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
+        )
+    return Packed(tree=tree, buffers=buffers)
+
+
+def unpack(packed: Packed, device: str | torch.device | None = None) -> Any:
+    """The state ``pack`` saw (each tensor its own), its tensors on ``device`` (default: the
+    CPU)."""
+    if device is not None and torch.device(device).type != "cpu":
+        packed = Packed(packed.tree, [b.to(device) for b in packed.buffers])
+    tree = packed.tree
+    buffers = packed.buffers
+    by_name = {name: buffers[int(i)] for name, i in tree["index"].items()}
+    for name, buf in by_name.items():
+        if not isinstance(buf, torch.Tensor) or buf.dtype != _dtype(name) or buf.dim() != 1:
+            raise ValueError(f"packed buffer {name!r} is not a flat {name} tensor")
+    return _decode(tree["root"], by_name)
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, str(name), None)
+    if not isinstance(found, torch.dtype):  # a crafted file naming some other torch attribute
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return found
+
+
+def _encode(obj: Any, leaves: _Leaves) -> Any:
+    kind = type(obj)
+    if kind in _SCALARS:
+        return obj
+    # Exact types, as torch.load(weights_only=True) knows them: a subclass (a defaultdict, a
+    # namedtuple, a tensor subclass) would come back as its base class, silently.
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if obj.layout != torch.strided or obj.is_quantized:
+            raise TypeError(f"cannot pack a {obj.layout} tensor")
+        return {"x": leaves.add(obj)}
+    if kind is dict or kind is OrderedDict:
+        pairs = [[_encode(k, leaves), _encode(v, leaves)] for k, v in obj.items()]
+        return {"o" if kind is OrderedDict else "d": pairs}
+    if kind is list:
+        # A list of plain numbers (an RNG state: 625 ints) is copied as it is, not walked.
+        if all(type(v) in _SCALARS for v in obj):
+            return {"l": list(obj)}
+        return {"l": [_encode(v, leaves) for v in obj]}
+    if kind is tuple:
+        return {"t": [_encode(v, leaves) for v in obj]}
+    if kind is set:
+        return {"s": [_encode(v, leaves) for v in obj]}
+    if kind is torch.Size:
+        return {"z": list(obj)}
+    if kind is torch.dtype:
+        return {"y": _dtype_name(obj)}
+    if kind is torch.device:
+        return {"v": str(obj)}
+    if kind in (bytes, bytearray):
+        return {"b": base64.b64encode(obj).decode("ascii"), "mutable": kind is bytearray}
+    if kind is complex:
+        return {"c": [obj.real, obj.imag]}
+    raise TypeError(f"cannot pack a {kind.__module__}.{kind.__qualname__}")
+
+
+def _decode(node: Any, buffers: dict[str, torch.Tensor]) -> Any:
+    if not isinstance(node, dict):
+        return node
+    ((tag, value), *rest) = node.items()
+    if tag == "x":
+        dtype, offset, shape = value
+        n = 1
+        for s in shape:
+            n *= int(s)
+        return buffers[dtype][offset : offset + n].view(shape).clone()
+    if tag in ("d", "o"):
+        items = ((_decode(k, buffers), _decode(v, buffers)) for k, v in value)
+        return OrderedDict(items) if tag == "o" else dict(items)
+    if tag == "l":
+        return [_decode(v, buffers) for v in value]
+    if tag == "t":
+        return tuple(_decode(v, buffers) for v in value)
+    if tag == "s":
+        return {_decode(v, buffers) for v in value}
+    if tag == "z":
+        return torch.Size(value)
+    if tag == "y":
+        return _dtype(value)
+    if tag == "v":
+        return torch.device(value)
+    if tag == "b":
+        raw = base64.b64decode(value)
+        return bytearray(raw) if rest and rest[0][1] else raw
+    if tag == "c":
+        return complex(value[0], value[1])
+    raise ValueError(f"unknown node {tag!r} in a packed state")

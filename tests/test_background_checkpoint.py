@@ -1,0 +1,215 @@
+"""Checkpoints every step: the packed snapshot (``gradsync.fault.packing``) and the background
+writer that writes and commits it (``gradsync.fault.background``), two ranks' writers sharing
+one directory in this process."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradsync.fault import CheckpointError, CheckpointStore, rng_state
+from gradsync.fault.background import CheckpointWriter
+from gradsync.fault.checkpoint import MANIFEST, snapshot
+from gradsync.fault.packing import pack, read_packed, unpack
+
+pytestmark = pytest.mark.unit
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _same(a: Any, b: Any, where: str = "state") -> None:
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), where
+
+
+def test_a_packed_state_comes_back_with_every_type_and_value() -> None:
+    model, opt = _trained()
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": rng_state(),
+        "misc": [1, 2.5, float("nan"), None, True, "s", b"raw", (3, "t"), {4, 5}, complex(1, 2)],
+        "types": {"dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2])},
+        "ordered": OrderedDict(b=torch.tensor(1, dtype=torch.int64), a=torch.zeros(0)),
+        7: {"int key": torch.arange(6, dtype=torch.float64).view(2, 3).t()},  # non-contiguous
+    }
+    buffer = io.BytesIO()
+    size, digest = pack(state).write_to(buffer)
+    raw = buffer.getvalue()
+    assert (size, digest) == (len(raw), hashlib.sha256(raw).hexdigest())
+    back = unpack(read_packed(raw))
+    _same(state, back)
+    # Each tensor is its own, not a view of a shared buffer a later write could reach.
+    back["model"]["0.weight"].add_(1)
+    assert torch.equal(back["model"]["1.weight"], state["model"]["1.weight"])
+    fresh_model, fresh_opt = _trained()
+    fresh_model.load_state_dict(back["model"])
+    fresh_opt.load_state_dict(back["optimizer"])
+
+
+def test_a_snapshot_is_a_copy_taken_when_it_is_made() -> None:
+    model, _ = _trained()
+    extra = {"position": [1, 2]}
+    packed = snapshot({"model": model.state_dict(), "extra": extra})
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    extra["position"].append(3)
+    back = unpack(packed)
+    assert not torch.equal(back["model"]["0.weight"], model[0].weight)
+    assert back["extra"] == {"position": [1, 2]}
+
+
+def test_subclasses_that_would_come_back_as_their_base_class_are_refused() -> None:
+    from collections import defaultdict, namedtuple
+
+    point = namedtuple("point", "x y")
+    for bad, name in [(defaultdict(int), "defaultdict"), (point(1, 2), "point")]:
+        with pytest.raises(CheckpointError, match=name):
+            snapshot({"extra": {"x": bad}})
+
+
+def test_a_crafted_packed_file_naming_another_torch_attribute_is_refused(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(1, 0, 1, {"x": torch.ones(2)})
+    store.commit(1, 1)
+    path = tmp_path / "step-000001" / "rank-0.pt"
+    packed = read_packed(path.read_bytes())
+    packed.tree["root"]["d"][0][1] = {"y": "load"}  # torch.load is no dtype
+    with open(path, "wb") as f:
+        packed.write_to(f)
+    # The checksums vouch for the crafted file, as they would for one written by an attacker.
+    raw = path.read_bytes()
+    manifest = json.loads((path.parent / MANIFEST).read_text())
+    manifest["files"]["0"].update(size=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    (path.parent / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="not a torch dtype"):
+        store.load(store.at(1), 0)
+
+
+def _writers(tmp_path: Path, save_id: str = "run-a", **kw: Any) -> list[CheckpointWriter]:
+    return [
+        CheckpointWriter(
+            CheckpointStore(tmp_path, keep=2),
+            rank=r,
+            world_size=2,
+            save_id=save_id,
+            timeout_s=kw.get("timeout_s", 10.0),
+        )
+        for r in range(2)
+    ]
+
+
+def test_two_ranks_write_in_the_background_and_rank_0_commits_keeping_two(tmp_path: Path) -> None:
+    writers = _writers(tmp_path)
+    try:
+        for step in range(1, 6):
+            for rank, w in enumerate(writers):
+                w.submit(step, snapshot({"w": torch.full((3,), float(step + rank)), "s": step}))
+        for w in writers:
+            w.wait(5)
+        for w in writers:
+            w.close()
+    finally:
+        for w in writers:
+            w.close(timeout_s=1)
+    store = CheckpointStore(tmp_path)
+    info = store.latest(2)
+    assert info is not None and info.step == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000005"]
+    assert torch.equal(store.load(info, 1)["w"], torch.full((3,), 6.0))
+    assert json.loads((info.path / MANIFEST).read_text())["save_id"] == "run-a"
+
+
+def test_a_peer_file_left_by_a_rolled_back_attempt_is_never_committed(tmp_path: Path) -> None:
+    # Attempt A wrote rank 1's file of step 3, then the run was rolled back to an older step.
+    old = _writers(tmp_path, "attempt-a")
+    old[1].submit(3, snapshot({"w": torch.zeros(1)}))
+    old[1].close()
+    old[0].close()
+    # Attempt B: rank 0 writes step 3; rank 1's file there is attempt A's.
+    new = _writers(tmp_path, "attempt-b", timeout_s=0.5)
+    new[0].submit(3, snapshot({"w": torch.ones(1)}))
+    with pytest.raises(CheckpointError, match=r"step 3 .* no file from rank\(s\) 1"):
+        new[0].wait(3)
+    with pytest.raises(CheckpointError, match=r"step 3 .* no file from rank\(s\) 1"):
+        new[0].flush()  # the thread gives the step up at its deadline, and says so once
+    assert not (tmp_path / "step-000003" / MANIFEST).exists()
+    # Once attempt B's rank 1 writes its own, a later step commits.
+    new[0].submit(4, snapshot({"w": torch.ones(1)}))
+    new[1].submit(4, snapshot({"w": torch.ones(1)}))
+    new[0].wait(4)
+    for w in new:
+        w.close()
+    assert CheckpointStore(tmp_path).latest(2).step == 4  # type: ignore[union-attr]
+
+
+def test_a_rank_whose_peer_never_writes_fails_on_the_training_thread(tmp_path: Path) -> None:
+    rank0, rank1 = _writers(tmp_path, timeout_s=0.3)
+    rank1.close()
+    rank0.submit(1, snapshot({"w": torch.ones(1)}))
+    time.sleep(0.6)  # past the deadline: the thread gave up on step 1
+    with pytest.raises(CheckpointError, match=r"incomplete after 0.3 s: no file from rank\(s\) 1"):
+        rank0.submit(2, snapshot({"w": torch.ones(1)}))
+    rank0.close(timeout_s=0.1)
+
+
+def test_a_failed_write_is_raised_by_the_next_call(tmp_path: Path) -> None:
+    (tmp_path / "blocked").write_text("a file where the directory should be")
+    writer = CheckpointWriter(
+        CheckpointStore(tmp_path / "blocked"), rank=1, world_size=2, save_id="x", timeout_s=5
+    )
+    writer.submit(1, snapshot({"w": torch.ones(1)}))
+    with pytest.raises(CheckpointError, match="rank 1: writing a checkpoint .* failed"):
+        writer.flush()
+    writer.close()
+
+
+def test_submit_waits_while_depth_snapshots_are_queued(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    gate = threading.Event()
+    real_write = store.write
+
+    def slow_write(*args: Any, **kwargs: Any) -> Path:
+        gate.wait(10)
+        return real_write(*args, **kwargs)
+
+    store.write = slow_write  # type: ignore[method-assign]
+    writer = CheckpointWriter(store, rank=1, world_size=2, save_id="x", timeout_s=10, depth=2)
+    for step in (1, 2, 3):  # one being written, two queued
+        writer.submit(step, snapshot({"w": torch.ones(1)}))
+    blocked = threading.Thread(target=writer.submit, args=(4, snapshot({"w": torch.ones(1)})))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive()  # a fourth waits for room
+    gate.set()
+    blocked.join(10)
+    assert not blocked.is_alive()
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-00000{s}" for s in (1, 2, 3, 4)]
