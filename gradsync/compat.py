@@ -13,6 +13,11 @@ is tested in ``tests/test_compat.py``.
 - ``mark_optimizer_stepped``: the flag torch's ``optimizer.step`` wrapper sets
   (``_opt_called``), for strategies whose update runs elsewhere (parameter servers), so an LR
   scheduler stepped on the worker does not warn that the optimizer never stepped.
+- ``scaler_unscaled`` / ``scaler_found_inf``: whether ``GradScaler.unscale_(optimizer)`` has
+  run since the last ``update()``, and the inf/NaN counts it recorded for ``optimizer`` (its
+  ``_per_optimizer_states``), so that ``zero:2``, where each rank unscales only its shard of the
+  gradient, can make every rank's scaler decide on the whole gradient (as torch's FSDP
+  ``ShardedGradScaler`` does by all-reducing the same counts).
 - ``hold_until_exit``: a reference the interpreter never drops, even while it shuts down
   (``Py_IncRef`` through ctypes), for the exit-safety hold of the final handshake.
 - ``override_shared_store_server``: have torch's rendezvous handler make the TCPStore it shares
@@ -98,6 +103,39 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     where torch no longer reads the flag (schedulers then just may warn)."""
     stepped: Any = optimizer
     stepped._opt_called = True
+
+
+def _scaler_states(scaler: Any) -> dict[int, Any] | None:
+    states = getattr(scaler, "_per_optimizer_states", None)
+    return states if isinstance(states, dict) else None
+
+
+def scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool | None:
+    """Whether ``scaler.unscale_(optimizer)`` already ran since the scaler's last ``update()``
+    (calling it twice raises); None where torch does not tell."""
+    states = _scaler_states(scaler)
+    try:
+        from torch.amp.grad_scaler import OptState
+    except ImportError:
+        return None
+    if states is None:
+        return None
+    state = states.get(id(optimizer))  # .get: indexing the defaultdict would add an entry
+    if state is None:
+        return False
+    stage = state.get("stage") if isinstance(state, dict) else None
+    return None if stage is None else stage is OptState.UNSCALED
+
+
+def scaler_found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The inf/NaN counts (one tensor per device) that ``unscale_`` recorded for ``optimizer``
+    and that ``step()`` and ``update()`` read; changing them in place changes the decision.
+    Empty where torch hides them or nothing was recorded."""
+    state = (_scaler_states(scaler) or {}).get(id(optimizer))
+    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    if not isinstance(found, dict):
+        return []
+    return [t for t in found.values() if isinstance(t, torch.Tensor)]
 
 
 # Objects held by hold_until_exit (one list, itself never freed).

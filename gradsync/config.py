@@ -18,7 +18,9 @@ from gradsync.errors import UsageError
 from gradsync.flags import flag
 from gradsync.inject import parse_kill, parse_slow
 from gradsync.rundir import OVERWRITE_AND_RESUME
-from gradsync.strategies.factory import parse_strategy, uses_servers
+from gradsync.spec import parse_strategy_spec
+from gradsync.strategies.factory import check_compression, parse_strategy, uses_servers
+from gradsync.strategies.zero_shards import OwnerLayout
 from gradsync.telemetry.stragglers import StragglerConfig
 from gradsync.workloads import WORKLOADS, make_workload, physical_memory, step_bytes
 from gradsync.workloads.data import check_data_file
@@ -86,7 +88,7 @@ class RunConfig:
     strategy: str = flag(
         "bsp",
         metavar="SPEC",
-        help="bsp | local:H | diloco:H | ssp:S | async (default: %(default)s)",
+        help="bsp | zero:N | local:H | diloco:H | ssp:S | async (default: %(default)s)",
         group=SYNC,
     )
     servers: int = flag(
@@ -221,6 +223,7 @@ class RunConfig:
                 f"--link {self.link} sets the emulated cluster's links: it needs --hosts H"
             )
         self._check_servers()
+        self._check_shards()
         self._check_slow()
 
     def _check_job(self) -> None:
@@ -229,7 +232,7 @@ class RunConfig:
         if self.workload not in WORKLOADS:
             raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
         parse_strategy(self.strategy)  # raises with the valid forms
-        parse_compression(self.compression)
+        check_compression(self.strategy, parse_compression(self.compression).spec)
 
     def _check_sizes(self) -> None:
         for name in ("steps", "batch_size", "micro_batches", "threads", "telemetry_every"):
@@ -306,7 +309,9 @@ class RunConfig:
                 )
             check_data_file(self.data)
         if self.balance and not parse_strategy(self.strategy).weights_samples:
-            raise UsageError(f"--balance needs --strategy bsp, got {self.strategy}")
+            raise UsageError(
+                f"--balance needs --strategy bsp, zero:1 or zero:2, got {self.strategy}"
+            )
 
     def _check_recovery(self) -> None:
         if self.check_every < 0:
@@ -370,6 +375,18 @@ class RunConfig:
                     f"tensors of workload {self.workload}: each server holds whole tensors, so "
                     f"use at most {tensors} servers"
                 )
+
+    def _check_shards(self) -> None:
+        """zero:N gives every rank whole tensors of the model: refuse here a run whose workers
+        would each refuse it (the same message)."""
+        spec = parse_strategy_spec(self.strategy)
+        if spec.kind != "zero":
+            return
+        workload = make_workload(self.workload, seed=self.seed, data=self.data, params=self.params)
+        trainable = [p for p in workload.build_model().parameters() if p.requires_grad]
+        # The built-in workloads' optimizers update every trainable tensor (and building one
+        # here would cost a second).
+        OwnerLayout(trainable, self.nproc, 0).check(trainable, str(spec))
 
     def _check_slow(self) -> None:
         for s in parse_slow(self.slow):

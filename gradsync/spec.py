@@ -54,6 +54,7 @@ class StrategySpec:
     kind: str
     period: int | None = None  # H for local/diloco
     staleness: float | None = None  # S for ssp (math.inf allowed)
+    stage: int | None = None  # N for zero
 
     def __str__(self) -> str:
         form = STRATEGY_TABLE.get(self.kind)
@@ -109,6 +110,22 @@ def _staleness(text: str) -> dict[str, Any]:
         raise _Refused(f"S={text} is too large for a float; use inf") from None
 
 
+def _stage(text: str) -> dict[str, Any]:
+    stage = int(text)
+    if stage == 3:
+        raise _Refused(
+            "zero:3 (parameters sharded too) is not available yet; use zero:1 (optimizer state "
+            "sharded) or zero:2 (optimizer state and gradients)"
+        )
+    if stage not in (1, 2):
+        raise ValueError(text)
+    return {"stage": stage}
+
+
+def _show_stage(spec: StrategySpec) -> str:
+    return str(spec.stage)
+
+
 def _show_period(spec: StrategySpec) -> str:
     return str(spec.period)
 
@@ -126,6 +143,7 @@ def _table(forms: Iterable[Any]) -> Mapping[str, Any]:
 STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
     [
         StrategyForm("bsp"),
+        StrategyForm("zero", "N", "1 or 2", _stage, _show_stage),
         StrategyForm("local", "H", "an integer >= 1", _period, _show_period),
         StrategyForm("diloco", "H", "an integer >= 1", _period, _show_period),
         StrategyForm(
@@ -147,7 +165,8 @@ STRATEGY_FORMS = _strategy_forms(STRATEGY_TABLE)
 
 
 def parse_strategy_spec(spec: str) -> StrategySpec:
-    """Parse a strategy spec (``bsp``, ``local:H``, ``diloco:H``, ``ssp:S``, ``async``).
+    """Parse a strategy spec (``bsp``, ``zero:N``, ``local:H``, ``diloco:H``, ``ssp:S``,
+    ``async``).
 
     Case and surrounding blanks are ignored. Anything else raises ``UsageError`` (a
     ``ValueError``) naming ``spec`` and ``STRATEGY_FORMS``. This is the one strategy parser:

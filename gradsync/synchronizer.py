@@ -28,7 +28,14 @@ from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.fault.guards import check_replicas
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
-from gradsync.strategies.base import Layout, StepOutcome, StepPlan, Strategy, SyncContext
+from gradsync.strategies.base import (
+    Layout,
+    StepOutcome,
+    StepPlan,
+    Strategy,
+    SyncContext,
+    clip_grad_norm,
+)
 from gradsync.strategies.factory import parse_strategy
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
@@ -57,6 +64,7 @@ class StepHandle:
     skip_reason: str | None = None
     _ready: Callable[[], bool] | None = field(default=None, repr=False)
     _params: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _strategy: Strategy | None = field(default=None, repr=False)
     _applies: bool | None = field(default=None, repr=False)
 
     def synchronize(self) -> bool:
@@ -81,11 +89,13 @@ class StepHandle:
         clipping. Under ``bsp`` that is the norm of the mean gradient over ranks (the same on
         every rank, so the clipped update is the one a single process would make); under
         ``local:H`` / ``diloco:H`` and ``ssp:S`` / ``async`` the norm of this rank's own
-        gradient (see ``synchronize``). A step to be skipped clips nothing."""
+        gradient (see ``synchronize``); under ``zero:2``, where each rank holds its shard of
+        the mean gradient, the norm is combined over the shards (a collective). A step to be
+        skipped clips nothing."""
         if self._applies is None:
             self.synchronize()
-        grads = [p for p in self._params if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type)
+        assert self._strategy is not None
+        return clip_grad_norm(self._strategy, self._params, max_norm, norm_type)
 
 
 class Synchronizer:
@@ -249,7 +259,7 @@ class Synchronizer:
             return None
         if not self.strategy.weights_samples:
             raise UsageError(
-                f"balance needs the bsp strategy (got {self.strategy.name}): "
+                f"balance needs bsp, zero:1 or zero:2 (got {self.strategy.name}): "
                 "other strategies do not average one global batch per step"
             )
         if isinstance(balance, ShardBalancer):
@@ -339,6 +349,7 @@ class Synchronizer:
         ready = _GradientReady(self.strategy, self._step)
         handle._ready = ready
         handle._params = self._trainable
+        handle._strategy = self.strategy
         self._in_step = True
         self._watch.enter(BLOCK, self._step)
         try:

@@ -128,7 +128,7 @@ def test_nothing_reaches_around_the_strategy_protocol() -> None:
 # Private torch names gradsync uses; only gradsync/compat.py may spell them.
 PRIVATE_TORCH = re.compile(
     r"_get_default_group|_get_default_store|_set_default_timeout|options\._timeout|"
-    r"_opt_called|Py_IncRef|_get_backend|_device_types"
+    r"_opt_called|Py_IncRef|_get_backend|_device_types|_per_optimizer_states"
 )
 
 

@@ -18,7 +18,7 @@ from tests.test_cli_run import gradsync
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--strategy", "bogus"], "unknown strategy 'bogus'; valid: bsp, local:H"),
+        (["--strategy", "bogus"], "unknown strategy 'bogus'; valid: bsp, zero:N, local:H"),
         (["--strategy", "local:0"], "H must be an integer >= 1"),
         (["--strategy", "ssp:-1"], "S must be an integer >= 0 or inf"),
         (["--strategy", "ssp:1", "--servers", "0"], "--servers must be at least 1, got 0"),
@@ -47,7 +47,7 @@ def test_cli_usage_errors(args: list[str], expected: str, tmp_path) -> None:
 
 @pytest.mark.unit
 def test_strategy_spec_error_names_valid_forms() -> None:
-    with pytest.raises(ValueError, match=r"valid: bsp, local:H, diloco:H, ssp:S, async"):
+    with pytest.raises(ValueError, match=r"valid: bsp, zero:N, local:H, diloco:H, ssp:S, async"):
         gs.parse_strategy("bps")
 
 

@@ -31,7 +31,10 @@ from gradsync.spec import (
 pytestmark = pytest.mark.unit
 
 # The texts the messages end with, as the API has always printed them.
-STRATEGY_TEXT = "bsp, local:H, diloco:H, ssp:S, async (H an integer >= 1, S an integer >= 0 or inf)"
+STRATEGY_TEXT = (
+    "bsp, zero:N, local:H, diloco:H, ssp:S, async "
+    "(N 1 or 2, H an integer >= 1, S an integer >= 0 or inf)"
+)
 COMPRESSION_TEXT = (
     "none, fp16, bf16, int8, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
     "powersgd:RANK (integer >= 1)"
@@ -43,6 +46,7 @@ def test_the_forms_are_written_from_the_tables_as_before() -> None:
     assert COMPRESSION_FORMS == COMPRESSION_TEXT
     assert [f.usage for f in STRATEGY_TABLE.values()] == [
         "bsp",
+        "zero:N",
         "local:H",
         "diloco:H",
         "ssp:S",
@@ -165,8 +169,8 @@ def test_a_new_strategy_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> N
     }
     monkeypatch.setattr(spec_module, "STRATEGY_TABLE", table)
     assert spec_module._strategy_forms(table) == (
-        "bsp, local:H, diloco:H, ssp:S, async, hogwild, stage:N "
-        "(H an integer >= 1, S an integer >= 0 or inf, N 1, 2 or 3)"
+        "bsp, zero:N, local:H, diloco:H, ssp:S, async, hogwild, stage:N "
+        "(N 1 or 2, H an integer >= 1, S an integer >= 0 or inf, N 1, 2 or 3)"
     )
     hogwild = parse_strategy_spec("Hogwild")
     assert (hogwild, str(hogwild), hogwild.uses_servers) == (

@@ -45,6 +45,8 @@ class Strategy:
             return cls(kind=spec.kind, param=spec.period)
         if spec.staleness is not None:
             return cls(kind=spec.kind, param=spec.staleness)
+        if spec.stage is not None:  # refused as not simulated, under its own name
+            return cls(kind=spec.kind, param=spec.stage)
         return cls(kind=spec.kind)
 
     @property

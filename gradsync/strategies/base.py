@@ -25,7 +25,7 @@ inherits the no-op members and writes only what it does differently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -140,6 +140,38 @@ def local_gradient(
     return StepOutcome(barrier=False)
 
 
+def total_norm(grads: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type`` norm of ``grads`` taken together, as ``clip_grad_norm_`` computes it
+    (torch's own function where this torch has it, so BSP's clip stays bitwise DDP's)."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:
+        return get_total_norm(list(grads), norm_type)
+    if not grads:  # torch < 2.6: the same formula, per tensor then over the tensors
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def clip_grad_norm(
+    strategy: Strategy, params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the gradient the update will use, with the total
+    norm from ``strategy.grad_norm`` (the whole gradient's, also where each rank holds a part
+    of it, as under ``zero:2``); returns that norm. Call it at the gradient-ready point, on
+    every rank: it is collective when ``grad_norm`` is."""
+    params = list(params)
+    total = strategy.grad_norm(params, norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    clip = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+    if clip is not None:
+        clip([p for p in params if p.grad is not None], max_norm, total)
+    else:  # torch < 2.6: its formula
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device))
+    return total
+
+
 def optimizer_step(ctx: SyncContext) -> bool:
     """The user's optimizer step, through their GradScaler when there is one; returns whether
     the update was applied. The scaler skips a step whose unscaled gradient is not finite and
@@ -202,6 +234,14 @@ class Strategy(Protocol):
         """Apply the update (unless ``outcome.skipped``); returns the step's final outcome."""
         ...
 
+    def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """After ``gradients_ready``: the total ``norm_type`` norm of the gradient the update
+        will use, over ``params`` (what ``StepHandle.clip_grad_norm_`` clips to). The default
+        reads this rank's ``p.grad``, which holds the whole of it; a strategy whose ranks each
+        hold a part (``zero:2``) combines the parts, so every rank gets the same global norm
+        (a collective there: call it on every rank)."""
+        return total_norm([p.grad for p in params if p.grad is not None], norm_type)
+
     def abandon(self, step: int) -> StepOutcome:
         """The user's block raised on this rank before the gradient-ready point: finish what
         the peers expect of this step's exchange, with a contribution that makes every rank
@@ -258,9 +298,11 @@ __all__ = [
     "Strategy",
     "StrategySpec",
     "SyncContext",
+    "clip_grad_norm",
     "compressor_state_dict",
     "load_compressor_state",
     "local_gradient",
     "optimizer_step",
     "parse_strategy_spec",
+    "total_norm",
 ]

@@ -97,10 +97,7 @@ class BSP(Strategy):
         if passes != self._micro_batches:
             # Checked before flush so no rank has launched a partial set of buckets because of it.
             reducer.flush_abort()
-            raise UsageError(
-                f"sync.step(micro_batches={self._micro_batches}) but the block ran {passes} "
-                f"backward pass(es); run exactly {self._micro_batches}"
-            )
+            raise wrong_passes(self._micro_batches, passes)
         reducer.flush()
         return self._finish_exchange(step)
 
@@ -149,11 +146,7 @@ class BSP(Strategy):
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         assert self._ctx is not None
         if self.reducer.late_gradient:
-            raise UsageError(
-                f"step {step}: a backward pass ran after s.synchronize(); its gradient was added "
-                "to the averaged one on this rank only. Run every backward pass of the step "
-                "before synchronize()"
-            )
+            raise late_gradient(step)
         if outcome.skipped:
             return outcome
         wall0, t0 = time.time(), time.perf_counter()
@@ -177,6 +170,23 @@ class BSP(Strategy):
     def close(self) -> None:
         if self._reducer is not None:
             self._reducer.close()
+
+
+def wrong_passes(micro_batches: int, passes: int) -> UsageError:
+    """The block ran another number of backward passes than ``sync.step`` announced."""
+    return UsageError(
+        f"sync.step(micro_batches={micro_batches}) but the block ran {passes} "
+        f"backward pass(es); run exactly {micro_batches}"
+    )
+
+
+def late_gradient(step: int) -> UsageError:
+    """A backward pass ran after the gradient-ready point (``s.synchronize()``)."""
+    return UsageError(
+        f"step {step}: a backward pass ran after s.synchronize(); its gradient was added "
+        "to the averaged one on this rank only. Run every backward pass of the step "
+        "before synchronize()"
+    )
 
 
 def _allreduce_sum(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

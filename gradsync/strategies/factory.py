@@ -14,6 +14,7 @@ from gradsync.strategies.base import Strategy
 from gradsync.strategies.bsp import BSP
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer
+from gradsync.strategies.zero import ZeroStage1, ZeroStage2, refuse_compression
 
 
 def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float = 300.0) -> Strategy:
@@ -33,11 +34,23 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
     parsed = parse_strategy_spec(spec)
     if parsed.kind == "bsp":
         return BSP()
+    if parsed.kind == "zero":
+        return ZeroStage1() if parsed.stage == 1 else ZeroStage2()
     if parsed.kind in ("local", "diloco"):
         assert parsed.period is not None
         return LocalSGD(parsed.period) if parsed.kind == "local" else DiLoCo(parsed.period)
     bound = math.inf if parsed.kind == "async" else float(parsed.staleness or 0.0)
     return ParameterServer(bound, servers=servers, timeout_s=timeout_s)
+
+
+def check_compression(spec: str | Strategy, compression: str) -> None:
+    """Refuse a strategy spec with a compression spec its exchange cannot carry, before any
+    rank starts (the strategy's ``setup`` refuses the same, with the same message)."""
+    if isinstance(spec, str):
+        parsed = parse_strategy_spec(spec)
+        if parsed.kind == "zero":
+            assert parsed.stage is not None
+            refuse_compression(parsed.stage, compression)
 
 
 def uses_servers(spec: str | Strategy) -> bool:
@@ -47,4 +60,4 @@ def uses_servers(spec: str | Strategy) -> bool:
     return spec.servers > 0
 
 
-__all__ = ["parse_strategy", "uses_servers"]
+__all__ = ["check_compression", "parse_strategy", "uses_servers"]

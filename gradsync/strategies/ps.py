@@ -108,8 +108,8 @@ class ParameterServer(Strategy):
             raise UsageError(
                 f"a GradScaler cannot drive {self.name}: the parameter servers step the "
                 "optimizer, and a worker's push cannot be skipped. Unscale the gradient at "
-                "s.synchronize() yourself (grad / scaler.get_scale()), or use bsp, local:H "
-                "or diloco:H with scaler="
+                "s.synchronize() yourself (grad / scaler.get_scale()), or use bsp, zero:N, "
+                "local:H or diloco:H with scaler="
             )
         self._ctx = ctx
         plan = self._plan = ShardPlan(ctx, self.servers, self.timeout_s)

@@ -214,8 +214,12 @@ def _format_bytes(b: dict[str, float], ranks: int) -> str:
     )
     # Uncompressed runs send fp32 gradients: a "1.0x fewer" line would only be noise.
     if "compression_ratio" in b and abs(b["compression_ratio"] - 1.0) > 0.01:
+        ratio = b["compression_ratio"]
+        # Some strategies send more than the gradient (zero:N also gathers the parameters, a
+        # parameter server replies with them): "0.6x fewer" would read as a saving.
+        than = f"{ratio:.1f}x fewer" if ratio > 1 else f"{1 / ratio:.1f}x more"
         line += (
-            f"; {b['compression_ratio']:.1f}x fewer than fp32 gradients "
+            f"; {than} than fp32 gradients "
             f"({b['fp32_per_rank_step'] / 1e6:.3f} MB per rank per step)"
         )
     return line

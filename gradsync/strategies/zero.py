@@ -1,0 +1,350 @@
+"""ZeRO stages 1 and 2 (``zero:1``, ``zero:2``): BSP's trajectory, with the optimizer state
+(stage 1), then the gradient too (stage 2), held 1/N per rank.
+
+- ``zero:1``: the gradient is exchanged exactly as under ``bsp`` (the same bucketed, overlapped
+  all-reduce, so every compressor works as it does there); each rank then steps the optimizer on
+  the parameter tensors it owns, and one all-gather brings every rank's updated tensors to
+  every rank. Every rank holds the whole mean gradient, as under ``bsp``.
+- ``zero:2``: after the backward pass one reduce-scatter sums the gradient so that each rank
+  receives only its own tensors' part (laid out by owner, padded to equal chunks); the others'
+  gradients are freed (their ``p.grad`` is None), then the same shard step and all-gather.
+
+Both follow one process on the global batch (tested in float64 to 1e-10 on 2 and 3 ranks, SGD
+with momentum and AdamW, with micro-batches and uneven shards) and leave every replica with
+the same parameters after every step. Ownership and the update (the user's optimizer itself,
+stepped on the owned tensors only) are in ``zero_shards``, which says why that keeps the
+user's optimizer, param groups and schedulers unchanged.
+
+Why not torch's own pieces: ``ZeroRedundancyOptimizer`` *is* an optimizer, built from a class
+and defaults: the user's optimizer object would stop being the one that steps, so the
+schedulers attached to it, its ``state_dict()`` in checkpoints and the Synchronizer's count of
+its steps would no longer mean anything; it has no stage 2 (it expects whole gradients, as DDP
+leaves them), it brings the update back with one broadcast per rank rather than one
+all-gather, and its ``state_dict()`` is a collective consolidation on one rank, where gradsync
+writes one file per rank without a collective. Its partition rule (whole tensors, largest to
+the least loaded rank) is the one used here. FSDP2's ``fully_shard`` replaces the module's
+parameters by sharded DTensors, so it must run before the optimizer is built (the user's
+optimizer would hold the old tensors), the divergence check would compare shards, and it
+gathers parameters in the forward pass: that is stage 3, the candidate for ``zero:3``.
+
+The gradient-ready point (``s.synchronize()``): under ``zero:1`` ``p.grad`` holds the mean
+gradient, as under ``bsp``, so anything done there (``clip_grad_norm_``, ``scaler.unscale_``)
+works as there. Under ``zero:2`` it holds the mean gradient of this rank's tensors only, and
+the others' ``p.grad`` is None (freeing them is the point of the stage; a script that reads
+another rank's part there must use ``zero:1``). A norm needs every rank's part, so clipping
+must take it from ``grad_norm`` (one all-reduce of the shards' sums): ``clip_grad_norm(
+sync.strategy, params, max_norm)`` from ``gradsync.strategies``, which the step handle's
+``s.clip_grad_norm_`` calls. ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+there would clip each shard by its own norm. ``scaler.unscale_(optimizer)`` there works
+(each rank unscales its shard; the skip decision is agreed in the update).
+
+Non-finite gradients skip the step on every rank together: under ``zero:1`` as under ``bsp``
+(every rank holds the same reduced bits); under ``zero:2`` each rank checks its shard and one
+one-element all-reduce tells every rank. With a GradScaler, the scaler decides (see
+``ShardedUpdate._unscale``). ``--balance`` works: each rank's gradient is weighted by its
+share on its way into the exchange, as under ``bsp``, so the mean stays the global batch's.
+
+Compression: ``zero:1`` takes every compressor (its exchange is BSP's). ``zero:2`` refuses them:
+gradsync's compressors are all-reduce hooks (a bucket in, the whole mean out, identical on
+every rank) and cannot return a shard.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync import compat, runtime
+from gradsync.compression.allreduce import ALLREDUCE
+from gradsync.errors import UsageError
+from gradsync.fault.guards import all_finite
+from gradsync.spec import COMPRESSION_FORMS
+from gradsync.strategies.base import StepOutcome, StepPlan, Strategy, SyncContext, total_norm
+from gradsync.strategies.bsp import BSP, late_gradient, wrong_passes
+from gradsync.strategies.zero_shards import (
+    FlatGroup,
+    OwnerLayout,
+    ShardedUpdate,
+    reduce_scatter_flat,
+    updated_by,
+)
+from gradsync.telemetry.records import Span
+
+
+def refuse_compression(stage: int, compression: str) -> None:
+    """``UsageError`` when ``zero:<stage>`` cannot exchange its gradient with ``compression``
+    (a compression spec), saying why and what is valid."""
+    if stage != 1 and compression != "none":
+        raise _compression_error(stage, compression)
+
+
+def _compression_error(stage: int, compression: str) -> UsageError:
+    return UsageError(
+        f"zero:{stage} cannot compress its gradient exchange (compression {compression}): it "
+        "reduce-scatters the gradient so that each rank receives only its own shard, and "
+        "gradsync's compressors are all-reduce hooks that return the whole mean gradient. "
+        f"Use zero:{stage} without compression, or zero:1, which exchanges the gradient as "
+        f"bsp does and takes every compressor ({COMPRESSION_FORMS})"
+    )
+
+
+def _check_scaler(ctx: SyncContext, name: str) -> None:
+    if ctx.scaling and compat.scaler_unscaled(ctx.scaler, ctx.optimizer) is None:
+        raise UsageError(
+            f"{name} cannot use this torch's GradScaler: it must see whether the gradient was "
+            "unscaled already and agree on the scaler's inf/NaN check across ranks, and this "
+            "torch hides both. Use bsp with scaler=, or bf16 autocast (no scaler)"
+        )
+
+
+class ZeroStage1(BSP):
+    """``zero:1``: BSP's exchange, a sharded optimizer step, one all-gather of the update."""
+
+    name = "zero:1"
+    #: each rank's file holds its own shard of the optimizer state
+    resizable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._shards: ShardedUpdate | None = None
+
+    def setup(self, ctx: SyncContext) -> None:
+        _check_scaler(ctx, self.name)
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        layout = OwnerLayout(params, runtime.world_size(ctx.group), ctx.rank)
+        layout.check(updated_by(ctx.optimizer), self.name)
+        super().setup(ctx)
+        self._shards = ShardedUpdate(ctx, layout, self.name)
+
+    @property
+    def shards(self) -> ShardedUpdate:
+        assert self._shards is not None, "setup() has not run"
+        return self._shards
+
+    def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        if self.reducer.late_gradient:
+            raise late_gradient(step)
+        if outcome.skipped:
+            return outcome
+        applied, nbytes = self.shards.apply(step, full_grads=True)
+        outcome.skipped = not applied
+        outcome.bytes_sent += nbytes
+        outcome.spans.extend(self.shards.take_spans())
+        return outcome
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **self.shards.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shards.load_state_dict(state)
+        super().load_state_dict(state)
+
+
+class _BackwardPasses:
+    """Counts the backward passes of a step (post-accumulate-grad hooks), and notices one that
+    comes after the gradient-ready point."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.armed = False
+        #: a gradient arrived after the exchange, before the update
+        self.late = False
+        self._seen: dict[int, int] = {}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def arm(self) -> None:
+        self.armed, self.late, self._seen = True, False, {}
+
+    def disarm(self) -> None:
+        self.armed, self.late = False, False
+
+    def count(self) -> int:
+        return max(self._seen.values(), default=0)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            self.late = True
+            return
+        self._seen[id(param)] = self._seen.get(id(param), 0) + 1
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class ZeroStage2(Strategy):
+    """``zero:2``: one reduce-scatter of the gradient, a sharded step, one all-gather."""
+
+    name = "zero:2"
+    barrier_free = False
+    #: the update is the mean over the global batch, so shards may be balanced (--balance)
+    weights_samples = True
+    resizable = False
+    replicates_every_step = True
+
+    def __init__(self) -> None:
+        self._ctx: SyncContext | None = None
+        self._layout: OwnerLayout | None = None
+        self._shards: ShardedUpdate | None = None
+        self._passes: _BackwardPasses | None = None
+        #: this rank's part of the reduced gradient, one buffer per flat group
+        self._received: list[torch.Tensor] = []
+        self._micro_batches = 1
+        self._scale = 1.0
+
+    def setup(self, ctx: SyncContext) -> None:
+        if ctx.compressor is not ALLREDUCE:  # a Compressor object too, whatever its spec
+            raise _compression_error(2, ctx.compressor.spec)
+        _check_scaler(ctx, self.name)
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        layout = self._layout = OwnerLayout(params, runtime.world_size(ctx.group), ctx.rank)
+        layout.check(updated_by(ctx.optimizer), self.name)
+        self._ctx = ctx
+        self._shards = ShardedUpdate(ctx, layout, self.name)
+        self._passes = _BackwardPasses(params)
+        self._received = [g.empty(1) for g in layout.groups]
+
+    def _parts(self) -> tuple[SyncContext, OwnerLayout, ShardedUpdate, _BackwardPasses]:
+        assert self._ctx and self._layout and self._shards and self._passes, "setup() has not run"
+        return self._ctx, self._layout, self._shards, self._passes
+
+    def begin_step(self, plan: StepPlan) -> None:
+        _, layout, _, passes = self._parts()
+        # Released, not zeroed: backward then hands every parameter a fresh gradient tensor,
+        # which is copied once into the exchange's buffer and freed (as under bsp).
+        for p in layout.params:
+            p.grad = None
+        self._micro_batches = plan.micro_batches
+        # The mean over ranks and micro-batches (and the balancing weight) rides on the copy
+        # into the exchange's buffer, so the reduce-scatter is a plain sum.
+        self._scale = plan.sample_weight / (layout.world * plan.average_over)
+        passes.arm()
+
+    def gradients_ready(self, step: int) -> StepOutcome:
+        _, _, _, passes = self._parts()
+        count = passes.count()
+        if count != self._micro_batches:
+            passes.disarm()
+            raise wrong_passes(self._micro_batches, count)
+        return self._exchange(step, poison=False)
+
+    def abandon(self, step: int) -> StepOutcome:
+        """This rank's block raised: send NaN for the whole gradient, so every owner finds its
+        shard non-finite and every rank skips the step (the guard, or the GradScaler)."""
+        ctx, _, _, passes = self._parts()
+        if not passes.armed:
+            return StepOutcome(skipped=True)
+        if not (ctx.skip_nonfinite or ctx.scaling):
+            # Nothing would make the peers skip a NaN: leave them to time out, naming this rank.
+            passes.disarm()
+            return StepOutcome(skipped=True)
+        return self._exchange(step, poison=True)
+
+    def _exchange(self, step: int, poison: bool) -> StepOutcome:
+        ctx, layout, shards, passes = self._parts()
+        passes.disarm()
+        wall0, t0 = time.time(), time.perf_counter()
+        sends = [self._pack(g, poison) for g in layout.groups]
+
+        def run() -> None:
+            works = [
+                reduce_scatter_flat(received, send, group=ctx.group, async_op=True)
+                for received, send in zip(self._received, sends, strict=True)
+            ]
+            for work in works:
+                work.wait()
+
+        what = f"zero:2 gradient reduce-scatter ({len(sends)} buffer(s))"
+        shards.collective(step, what, run)
+        nbytes = sum(s.numel() * s.element_size() for s in sends)
+        sends.clear()  # frees the whole-gradient buffers: only this rank's shard is kept
+        spans = []
+        if ctx.record_spans:
+            args = {"bytes": nbytes}
+            spans.append(
+                Span(-1, -1, "reduce_scatter", wall0, time.perf_counter() - t0, "comm", args)
+            )
+        for g, received in zip(layout.groups, self._received, strict=True):
+            for i in g.owned(layout.rank):
+                g.params[i].grad = g.view(received, i, base=layout.rank * g.chunk)
+        if ctx.skip_nonfinite and not ctx.scaling and not self._all_ranks_finite(step):
+            ctx.optimizer.zero_grad(set_to_none=True)
+            return StepOutcome(bytes_sent=nbytes, skipped=True, spans=spans)
+        return StepOutcome(bytes_sent=nbytes, spans=spans)
+
+    def _pack(self, group: FlatGroup, poison: bool) -> torch.Tensor:
+        """The whole local gradient of one flat group, by owner, scaled on the way in; each
+        ``p.grad`` is freed once copied."""
+        send = group.empty(group.world)
+        for i, p in enumerate(group.params):
+            view = group.view(send, i)
+            g = p.grad
+            if g is None:  # no gradient this step on this rank: it counts as zero
+                view.zero_()
+            else:
+                torch.mul(g, self._scale, out=view)
+            p.grad = None
+        group.zero_padding(send, range(group.world))
+        if poison:
+            send.fill_(float("nan"))
+        return send
+
+    def _all_ranks_finite(self, step: int) -> bool:
+        """Whether every rank's shard of the mean gradient is finite: one 1-element sum."""
+        ctx, _, shards, _ = self._parts()
+        bad = torch.tensor([0.0 if all_finite(self._received) else 1.0], device=runtime.device())
+
+        def agree() -> None:
+            dist.all_reduce(bad, group=ctx.group)
+
+        shards.collective(step, "zero:2 non-finite check (all-reduce)", agree)
+        return bool(bad.item() == 0.0)
+
+    def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the whole mean gradient: each rank's shard's, combined over the ranks by
+        one all-reduce (of norm^p, or the max for the infinity norm). Collective."""
+        ctx, layout, shards, _ = self._parts()
+        norm_type = float(norm_type)
+        local = total_norm([p.grad for p in params if p.grad is not None], norm_type)
+        # float64 on every rank: ranks whose shards differ in dtype must post the same
+        # collective, and the sum of powers loses nothing before the root
+        local = local.to(runtime.device(), torch.float64)
+        inf = norm_type == math.inf
+        part = local.clone() if inf else local.pow(norm_type)
+
+        def combine() -> None:
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(part, op=op, group=ctx.group)
+
+        shards.collective(None, "zero:2 gradient norm (all-reduce)", combine)
+        total = part if inf else part.pow(1.0 / norm_type)
+        return total.to(layout.params[0].dtype)  # the same dtype on every rank
+
+    def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        _, _, shards, passes = self._parts()
+        if passes.late:
+            raise late_gradient(step)
+        if outcome.skipped:
+            return outcome
+        applied, nbytes = shards.apply(step, full_grads=False)
+        outcome.skipped = not applied
+        outcome.bytes_sent += nbytes
+        outcome.spans.extend(shards.take_spans())
+        return outcome
+
+    def state_dict(self) -> dict[str, Any]:
+        _, _, shards, _ = self._parts()
+        return shards.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _, _, shards, _ = self._parts()
+        shards.load_state_dict(state)
+
+    def close(self) -> None:
+        if self._passes is not None:
+            self._passes.close()

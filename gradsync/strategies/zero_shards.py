@@ -1,0 +1,266 @@
+"""What ``zero:1`` and ``zero:2`` share: which rank owns which parameter, the flat buffers laid
+out by owner, and the sharded update (the user's optimizer on the owned tensors, then one
+all-gather of the updated parameters).
+
+Ownership is by whole tensor, balanced by size: largest first, each to the least loaded rank
+(``ps_wire.shard_by_size``, the rule the parameter servers use and the one torch's
+``ZeroRedundancyOptimizer`` uses). A whole tensor keeps every per-tensor optimizer rule exact
+(AdamW's moments, momentum, weight decay), so the user's optimizer can step a shard unchanged;
+shards are uneven by up to one tensor, and a model needs at least one tensor per rank.
+
+The update is the user's optimizer itself, stepped with the ``.grad`` of every tensor this rank
+does not own set to None: torch's optimizers skip such a parameter entirely (no step, no weight
+decay, no state; the documented meaning of a None gradient, see ``Optimizer.zero_grad``) and
+create a parameter's state at its first step, so each rank's optimizer holds the state of its
+own shard only. The user's param groups, hyper-parameters and schedulers (lr or any other)
+act on the step unchanged, the GradScaler steps it as usual, and the per-rank checkpoint files,
+which already hold each rank's ``optimizer.state_dict()``, hold each rank's shard. An optimizer
+whose step reads every parameter together (LBFGS's closure, a norm over all tensors) would see
+only the shard: such optimizers do not fit ZeRO at all.
+
+Each stage moves tensors through flat buffers of ``world`` equal chunks, one per (dtype,
+device): rank r's tensors in registration order from ``r * chunk``, padded with zeros to the
+largest shard. One ``all_gather`` per buffer brings every rank's updated tensors to every rank;
+under ``zero:2`` the gradient goes the other way first, one ``reduce_scatter`` per buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from gradsync import compat, runtime
+from gradsync.errors import UsageError
+from gradsync.strategies.base import SyncContext, optimizer_step
+from gradsync.strategies.ps_wire import shard_by_size
+from gradsync.telemetry.records import Span
+
+T = TypeVar("T")
+
+# torch 2.13 renamed the flat collectives (the old names warn); torch >= 2.4 has the old ones.
+all_gather_flat: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat: Any = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FlatGroup:
+    """The parameters of one dtype and device, laid out by owner in ``world`` chunks of
+    ``chunk`` elements; ``offsets[i]`` is where ``params[i]`` starts in the whole buffer."""
+
+    params: tuple[torch.Tensor, ...]
+    owners: tuple[int, ...]
+    offsets: tuple[int, ...]
+    #: elements of each rank's tensors (its chunk holds ``chunk - loads[r]`` of padding)
+    loads: tuple[int, ...]
+    chunk: int
+    world: int
+
+    def empty(self, chunks: int) -> torch.Tensor:
+        p = self.params[0]
+        return torch.empty(chunks * self.chunk, dtype=p.dtype, device=p.device)
+
+    def view(self, flat: torch.Tensor, i: int, base: int = 0) -> torch.Tensor:
+        """``params[i]``'s place in ``flat``, a buffer that starts at element ``base``."""
+        p = self.params[i]
+        start = self.offsets[i] - base
+        return flat[start : start + p.numel()].view_as(p)
+
+    def owned(self, rank: int) -> list[int]:
+        return [i for i, o in enumerate(self.owners) if o == rank]
+
+    def zero_padding(self, flat: torch.Tensor, ranks: Sequence[int], base: int = 0) -> None:
+        """Zero the padding of ``ranks``' chunks in ``flat`` (which starts at element ``base``),
+        so that what a collective carries there is deterministic."""
+        for r in ranks:
+            flat[r * self.chunk + self.loads[r] - base : (r + 1) * self.chunk - base].zero_()
+
+
+def _flat_groups(params: list[torch.Tensor], owners: list[int], world: int) -> list[FlatGroup]:
+    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, p in enumerate(params):
+        kinds.setdefault((p.dtype, p.device), []).append(i)
+    groups = []
+    for members in kinds.values():
+        members.sort(key=lambda i: (owners[i], i))
+        load = [0] * world
+        for i in members:
+            load[owners[i]] += params[i].numel()
+        chunk = max(load)
+        offsets, filled = [], [r * chunk for r in range(world)]
+        for i in members:
+            offsets.append(filled[owners[i]])
+            filled[owners[i]] += params[i].numel()
+        groups.append(
+            FlatGroup(
+                params=tuple(params[i] for i in members),
+                owners=tuple(owners[i] for i in members),
+                offsets=tuple(offsets),
+                loads=tuple(load),
+                chunk=chunk,
+                world=world,
+            )
+        )
+    return groups
+
+
+class OwnerLayout:
+    """Who owns which trainable parameter (the same on every rank), and the flat groups."""
+
+    def __init__(self, params: Sequence[torch.Tensor], world: int, rank: int) -> None:
+        self.params = list(params)
+        self.world, self.rank = world, rank
+        self.owners = [0] * len(self.params)
+        for owner, shard in enumerate(shard_by_size([p.numel() for p in self.params], world)):
+            for i in shard:
+                self.owners[i] = owner
+        self.mine = [p for p, o in zip(self.params, self.owners, strict=True) if o == rank]
+        self.others = [p for p, o in zip(self.params, self.owners, strict=True) if o != rank]
+        self.groups = _flat_groups(self.params, self.owners, world)
+
+    def check(self, updated: Iterable[torch.Tensor], name: str) -> None:
+        """``UsageError`` unless every rank owns one of the tensors the optimizer ``updated``
+        (a rank without one would have nothing to step, and a GradScaler nothing to check)."""
+        ids = {id(p) for p in updated}
+        stepped = [id(p) in ids for p in self.params]
+        for r in range(self.world):
+            if not any(s and o == r for s, o in zip(stepped, self.owners, strict=True)):
+                raise UsageError(
+                    f"{name} gives each rank whole parameter tensors to update, but with "
+                    f"{self.world} ranks rank {r} would get none of those the optimizer "
+                    f"updates (the model has {len(self.params)} trainable tensor(s), "
+                    f"{sum(stepped)} of them in the optimizer's param groups): run {name} on "
+                    f"at most {sum(stepped)} rank(s), or use bsp"
+                )
+
+    def numel(self, rank: int) -> int:
+        """Elements of the parameters ``rank`` owns (its share of the optimizer state)."""
+        return sum(p.numel() for p, o in zip(self.params, self.owners, strict=True) if o == rank)
+
+
+def updated_by(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors ``optimizer`` steps: those of its param groups."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class ShardedUpdate:
+    """The update of both stages: the user's optimizer on this rank's tensors (through the
+    GradScaler when there is one), then every rank's updated tensors gathered everywhere."""
+
+    def __init__(self, ctx: SyncContext, layout: OwnerLayout, name: str) -> None:
+        self.ctx, self.layout, self.name = ctx, layout, name
+        self.spans: list[Span] = []
+
+    def collective(self, step: int | None, what: str, run: Callable[[], T]) -> T:
+        """``run`` (collectives and their waits) through the hang diagnosis, when there is one
+        (``step`` None: the step of the latest wait)."""
+        watch = self.ctx.watch
+        return run() if watch is None else watch.run(step, what, run)
+
+    def apply(self, step: int, *, full_grads: bool) -> tuple[bool, int]:
+        """Step the owned tensors, then gather; returns (applied, bytes sent). ``full_grads``:
+        every rank holds the whole mean gradient (``zero:1``), else only its shard's."""
+        ctx = self.ctx
+        if ctx.scaling:
+            self._unscale(step, full_grads)
+        wall0, t0 = time.time(), time.perf_counter()
+        # zero:1 holds every gradient: hide the others' from the optimizer for its step only,
+        # so that after the block p.grad is the mean gradient as under bsp.
+        hidden = [(p, p.grad) for p in self.layout.others] if full_grads else []
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            applied = optimizer_step(ctx)
+        finally:
+            for p, g in hidden:
+                p.grad = g
+        if ctx.record_spans:
+            self.spans.append(Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step"))
+        # Every rank decided alike (the same gradient, or the scaler's agreed counts), so
+        # either every rank gathers or none does.
+        return applied, self.gather(step) if applied else 0
+
+    def _unscale(self, step: int, full_grads: bool) -> None:
+        """Make the GradScaler's skip decision the whole gradient's on every rank. Unscaling
+        here (unless the user did at the gradient-ready point) while ``zero:1`` still holds
+        every gradient makes its inf/NaN check the global one; ``zero:2``'s ranks each check
+        their shard, so their counts are summed over ranks, as FSDP's ShardedGradScaler does."""
+        ctx = self.ctx
+        if not compat.scaler_unscaled(ctx.scaler, ctx.optimizer):
+            ctx.scaler.unscale_(ctx.optimizer)
+        if full_grads:
+            return
+        counts = compat.scaler_found_inf(ctx.scaler, ctx.optimizer)
+        total = torch.zeros(1, dtype=torch.float32, device=runtime.device())
+        for c in counts:
+            total += c.to(total.device).reshape(1)
+
+        def agree() -> None:
+            dist.all_reduce(total, group=ctx.group)
+
+        self.collective(step, f"{self.name} GradScaler inf/NaN count (all-reduce)", agree)
+        for c in counts:
+            c.copy_(total.reshape(c.shape).to(c.device))
+
+    def gather(self, step: int) -> int:
+        """Every rank's updated tensors to every rank: one all-gather per flat group."""
+        layout, ctx = self.layout, self.ctx
+        rank, world = layout.rank, layout.world
+        wall0, t0 = time.time(), time.perf_counter()
+        fulls, nbytes = [], 0
+        with torch.no_grad():
+            sends = []
+            for g in layout.groups:
+                mine = g.empty(1)
+                for i in g.owned(rank):
+                    g.view(mine, i, base=rank * g.chunk).copy_(g.params[i])
+                g.zero_padding(mine, [rank], base=rank * g.chunk)
+                sends.append(mine)
+                fulls.append(g.empty(world))
+                nbytes += mine.numel() * mine.element_size()
+
+            def run() -> None:
+                works = [
+                    all_gather_flat(full, mine, group=ctx.group, async_op=True)
+                    for full, mine in zip(fulls, sends, strict=True)
+                ]
+                for work in works:
+                    work.wait()
+
+            what = f"{self.name} parameter all-gather ({len(fulls)} buffer(s))"
+            self.collective(step, what, run)
+            for g, full in zip(layout.groups, fulls, strict=True):
+                for i, owner in enumerate(g.owners):
+                    if owner != rank:
+                        g.params[i].copy_(g.view(full, i))
+        if ctx.record_spans:
+            args = {"bytes": nbytes}
+            self.spans.append(
+                Span(-1, -1, "allgather", wall0, time.perf_counter() - t0, "comm", args)
+            )
+        return nbytes
+
+    def take_spans(self) -> list[Span]:
+        spans, self.spans = self.spans, []
+        return spans
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"owners": list(self.layout.owners)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint sharded otherwise: each rank's file holds the optimizer state of
+        the tensors it owned, which another owner would silently start from zero."""
+        saved = state.get("owners")
+        if saved is not None and list(saved) != self.layout.owners:
+            raise UsageError(
+                f"this {self.name} checkpoint was sharded differently (owners of the "
+                f"parameter tensors by index: {list(saved)}; this run: {self.layout.owners}): "
+                "each rank's file holds the optimizer state of the tensors it owned. Resume "
+                "with the same model and number of ranks"
+            )

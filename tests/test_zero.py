@@ -1,0 +1,380 @@
+"""ZeRO stages 1 and 2 (``zero:1``, ``zero:2``): one process's trajectory on the global batch,
+identical replicas, the optimizer state (and, for stage 2, the gradient) held per shard, the
+gradient-ready point, skips, the GradScaler, checkpoints, refusals and the CLI.
+
+The multi-rank checks share two spawns per world size (``zero_ranks.exactness`` and
+``zero_ranks.scenarios`` run every case in one group), so each test below reads its part."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gradsync as gs
+from gradsync import compat
+from gradsync.config import RunConfig
+from gradsync.errors import UsageError
+from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
+from gradsync.strategies import ZeroStage1, ZeroStage2, parse_strategy
+from gradsync.strategies.zero_shards import OwnerLayout
+from gradsync.telemetry.cli import _format_bytes
+from gradsync.testing import run_ranks
+from gradsync.workloads import make_workload
+from tests import zero_ranks as zr
+
+STAGES = ("zero:1", "zero:2")
+
+
+@functools.cache
+def _reference(optimizer: str, world: int, clip: bool = False) -> list[torch.Tensor]:
+    return zr.reference(optimizer, world, clip)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err <= 1e-10 * scale, f"{what}: max abs error {err:.3e} exceeds 1e-10 x {scale:.3e}"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def exact(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    world = int(request.param)
+    return world, run_ranks(zr.exactness, world, timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def scenes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("zero-checkpoints")
+    return run_ranks(zr.scenarios, 2, str(root), timeout_s=150)
+
+
+# -- exactness (2 and 3 ranks, uneven shards) --------------------------------------------------
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_both_stages_follow_one_process_on_the_global_batch(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """float64, SGD with momentum and AdamW, two param groups, an lr schedule, 2 micro-batches
+    a step: every step's parameters match one process on the whole global batch."""
+    world, results = exact
+    for stage in STAGES:
+        for optimizer in ("sgd", "adamw"):
+            name = f"{stage} {optimizer}"
+            expected = _reference(optimizer, world)
+            for step, params in enumerate(results[0][name]["params"]):
+                _assert_close(params, expected[step], f"{name}, step {step}")
+    # The schedule mattered (so following it was checked): the lr changed every step.
+    lrs = [0.05 / (zr.STEPS + 1), 0.02 / (zr.STEPS + 1)]
+    assert results[0]["zero:2 sgd"]["lrs"] == pytest.approx(lrs, rel=1e-12)
+    # Not vacuous: training moved the parameters.
+    start = zr.flat(zr._workload().build_model())
+    assert not torch.allclose(results[0]["zero:2 adamw"]["params"][-1], start)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_every_rank_holds_the_same_parameters_after_every_step(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    world, results = exact
+    for name in zr.exactness_cases(world):
+        for step in range(zr.STEPS):
+            first = results[0][name]["params"][step]
+            for rank, out in enumerate(results[1:], start=1):
+                assert torch.equal(out[name]["params"][step], first), (name, step, rank)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_each_rank_holds_only_its_shards_optimizer_state_and_zero2_only_its_gradient(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    world, results = exact
+    tensors = set(range(6))  # the mlp's 3 weights and 3 biases
+    for stage in STAGES:
+        for optimizer in ("sgd", "adamw"):
+            name = f"{stage} {optimizer}"
+            states = [set(out[name]["state"]) for out in results]
+            # Every tensor's state on exactly one rank; every rank steps some tensor.
+            assert sum(len(s) for s in states) == len(tensors), (name, states)
+            assert set().union(*states) == tensors, (name, states)
+            assert all(states), (name, states)
+            grads = [set(out[name]["grads"]) for out in results]
+            if stage == "zero:1":  # the mean gradient everywhere, as under bsp
+                assert grads == [tensors] * world, (name, grads)
+            else:  # only the owned tensors' gradient survives the exchange
+                assert grads == states, (name, grads)
+    # The shards are uneven: the greedy size split of the mlp's tensors cannot balance them.
+    sizes = [p.numel() for p in zr._workload().build_model().parameters()]
+    loads = [sum(sizes[i] for i in out["zero:1 sgd"]["state"]) for out in results]
+    assert len(set(loads)) == world, loads
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_zero1_exchanges_as_bsp_so_it_ends_bitwise_equal_to_bsp_with_a_compressor_too(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = exact
+    for out in results:
+        assert torch.equal(out["zero:1 sgd"]["params"][-1], out["bsp sgd"]["params"][-1])
+        # top-k with error feedback: lossy, but the same exchange, so the same bits
+        assert torch.equal(out["zero:1 topk"]["params"][-1], out["bsp topk"]["params"][-1])
+        assert not torch.equal(out["zero:1 topk"]["params"][-1], out["zero:1 sgd"]["params"][-1])
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_clipping_at_the_gradient_ready_point_clips_the_global_gradient(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """zero:1 through ``s.clip_grad_norm_``; zero:2 through ``strategy.grad_norm`` (its shards'
+    sums, one all-reduce), which ``clip_grad_norm`` in the protocol module uses."""
+    world, results = exact
+    expected = _reference("sgd", world, clip=True)
+    for name in ("zero:1 clip handle", "zero:2 clip strategy"):
+        norms = results[0][name]["norms"]
+        assert min(norms) > zr.MAX_NORM, norms  # every step was cut
+        for out in results:
+            assert out[name]["norms"] == norms, name  # the global norm, on every rank
+            _assert_close(out[name]["params"][-1], expected[-1], name)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_zero2_clip_through_the_step_handle_clips_the_global_gradient(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    world, results = exact
+    expected = _reference("sgd", world, clip=True)
+    for out in results:
+        _assert_close(out["zero:2 clip handle"]["params"][-1], expected[-1], "zero:2 handle")
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_zero2_with_balanced_uneven_shards_keeps_the_global_batch_mean(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    world, results = exact
+    expected = _reference("adamw", world)
+    _assert_close(results[0]["zero:2 balanced"]["params"][-1], expected[-1], "balanced")
+
+
+# -- skips, the GradScaler, checkpoints, refusals (2 ranks) ------------------------------------
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_a_nan_gradient_or_a_raising_block_on_one_rank_skips_the_step_on_every_rank(
+    scenes: list[dict[str, Any]],
+) -> None:
+    # The poisoned tensor is in rank 0's shard only: under zero:2 rank 1 sees a finite shard
+    # and must learn from the others that the step is skipped.
+    names = [n for n, _ in zr._workload().build_model().named_parameters()]
+    sizes = [p.numel() for p in zr._workload().build_model().parameters()]
+    owners = OwnerLayout([torch.zeros(n) for n in sizes], world=2, rank=0).owners
+    assert owners[names.index(zr.POISONED)] == 0 and 1 in owners
+    for stage in STAGES:
+        for out in scenes:
+            run = out[f"nan {stage}"]
+            skips = [zr.NAN_STEP <= s <= zr.NAN_STEP + 1 for s in range(zr.STEPS)]
+            assert run["skipped"] == skips, (stage, run["skipped"])
+            params = run["params"]
+            assert torch.equal(params[zr.NAN_STEP + 1], params[zr.NAN_STEP - 1]), stage
+            assert torch.equal(params[-1], scenes[0][f"nan {stage}"]["params"][-1]), stage
+            assert bool(torch.isfinite(params[-1]).all())
+            assert not torch.equal(params[-1], params[-2]), stage  # training went on
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_a_grad_scaler_drives_both_stages_as_it_drives_bsp(
+    scenes: list[dict[str, Any]],
+) -> None:
+    """An infinite gradient on rank 1 at one step; unscaled by the user at the gradient-ready
+    point or left to the step: the same skips and scales as bsp, the same parameters."""
+    for out in scenes:
+        runs = out["scaler"]
+        bsp = runs["bsp unscale=False"]
+        expected = [step == zr.INF_STEP for step in range(zr.STEPS + 2)]
+        assert bsp["skipped"] == expected
+        assert bsp["scales"][-1] > bsp["scales"][zr.INF_STEP]  # it backed off, then grew
+        for name, run in runs.items():
+            assert run["skipped"] == expected, name
+            assert run["scales"] == bsp["scales"], name
+            torch.testing.assert_close(run["params"], bsp["params"], rtol=1e-6, atol=0)
+            assert torch.equal(run["params"], scenes[0]["scaler"][name]["params"]), name
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_a_checkpoint_resumes_bitwise_each_rank_with_its_shard_of_the_optimizer_state(
+    scenes: list[dict[str, Any]],
+) -> None:
+    for stage in STAGES:
+        counts = []
+        for out in scenes:
+            straight, resumed = (
+                out["checkpoints"][stage]["straight"],
+                out["checkpoints"][stage]["resumed"],
+            )
+            assert resumed["start"] == zr.SAVE_AT
+            # AdamW restarted from zero moments would land elsewhere.
+            assert torch.equal(resumed["params"], straight["params"]), stage
+            assert resumed["state"] == straight["state"]
+            counts.append(resumed["state"])
+        assert sum(counts) == 6 and min(counts) > 0, counts  # each file: its own shard
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_a_stage_refuses_compression_and_a_model_too_small_to_shard_saying_why(
+    scenes: list[dict[str, Any]],
+) -> None:
+    for out in scenes:
+        refused = out["refusals"]
+        assert refused["zero:2 fp16"].startswith(
+            "zero:2 cannot compress its gradient exchange (compression fp16): it reduce-scatters"
+        )
+        assert "or zero:1, which exchanges the gradient as bsp does" in refused["zero:2 fp16"]
+        for stage in STAGES:
+            message = refused[f"{stage} one tensor"]
+            assert message.startswith(f"{stage} gives each rank whole parameter tensors"), message
+            assert f"run {stage} on at most 1 rank(s), or use bsp" in message
+
+
+# -- specs, the factory, the CLI's checks, the layout (no processes) ---------------------------
+
+
+@pytest.mark.unit
+def test_the_stage_specs_parse_and_zero3_is_refused_as_not_available_yet() -> None:
+    assert parse_strategy_spec("zero:1") == StrategySpec(kind="zero", stage=1)
+    assert str(parse_strategy_spec(" ZERO: 2 ")) == "zero:2"
+    assert "zero:N" in STRATEGY_FORMS and "N 1 or 2" in STRATEGY_FORMS
+    with pytest.raises(UsageError, match=r"zero:3 \(parameters sharded too\) is not available"):
+        parse_strategy_spec("zero:3")
+    with pytest.raises(UsageError, match="strategy 'zero:4': N must be 1 or 2; valid: bsp"):
+        parse_strategy_spec("zero:4")
+    assert isinstance(parse_strategy("zero:1"), ZeroStage1)
+    assert isinstance(parse_strategy("zero:2"), ZeroStage2)
+    assert parse_strategy("zero:2").weights_samples and not parse_strategy("zero:2").resizable
+    with pytest.raises(UsageError, match="servers=2 is for the parameter-server strategies"):
+        parse_strategy("zero:2", servers=2)
+
+
+@pytest.mark.unit
+def test_the_cli_refuses_what_a_stage_cannot_run_before_starting_ranks() -> None:
+    with pytest.raises(UsageError, match=r"zero:2 cannot compress .* \(compression fp16\)"):
+        RunConfig(strategy="zero:2", compression="fp16", out="unused")
+    RunConfig(strategy="zero:1", compression="fp16", out="unused")  # BSP's exchange: accepted
+    RunConfig(strategy="zero:2", balance=True, out="unused")
+    with pytest.raises(UsageError, match="--servers 2 is for the parameter-server strategies"):
+        RunConfig(strategy="zero:2", servers=2, out="unused")
+    # The mlp has 6 tensors: an 8-rank zero:2 leaves ranks with nothing to step.
+    with pytest.raises(UsageError, match=r"run zero:2 on at most 6 rank\(s\), or use bsp"):
+        RunConfig(strategy="zero:2", workload="mlp", nproc=8, out="unused")
+
+
+@pytest.mark.unit
+def test_the_layout_gives_whole_tensors_by_size_in_equal_padded_chunks() -> None:
+    params = [torch.zeros(10), torch.zeros(7), torch.zeros(3, dtype=torch.float64), torch.zeros(4)]
+    layout = OwnerLayout(params, world=2, rank=1)
+    # Largest first to the least loaded: 10 | 7, then 4 to rank 1 (7 < 10), 3 to rank 0.
+    assert layout.owners == [0, 1, 0, 1]
+    assert layout.numel(0) == 13 and layout.numel(1) == 11
+    f32, f64 = layout.groups
+    assert f32.chunk == 11 and f32.offsets == (0, 11, 18) and f32.loads == (10, 11)
+    assert f64.chunk == 3 and f64.loads == (3, 0)  # rank 1's float64 chunk is all padding
+    buf = torch.full((22,), 5.0)
+    f32.zero_padding(buf, [0, 1])
+    assert buf[10].item() == 0.0 and int((buf == 0).sum()) == 1
+    assert layout.mine == [params[1], params[3]] and layout.others == [params[0], params[2]]
+
+
+@pytest.mark.unit
+def test_the_scaler_helpers_read_torchs_state_and_fall_back_when_it_is_hidden() -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    assert compat.scaler_unscaled(scaler, opt) is False
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)
+    assert compat.scaler_unscaled(scaler, opt) is True
+    assert [float(t) for t in compat.scaler_found_inf(scaler, opt)] == [0.0]
+    assert compat.scaler_unscaled(object(), opt) is None
+    assert compat.scaler_found_inf(object(), opt) == []
+
+
+@pytest.mark.unit
+def test_the_bytes_line_says_more_when_a_run_sends_more_than_fp32_gradients() -> None:
+    line = _format_bytes(
+        {"per_rank_step": 2e6, "total": 4e6, "compression_ratio": 0.5, "fp32_per_rank_step": 1e6},
+        2,
+    )
+    assert "2.0x more than fp32 gradients" in line
+
+
+# -- a world of one (the test process) ---------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stage", STAGES)
+def test_on_one_rank_a_stage_is_plain_training_and_refuses_a_late_backward(
+    one_rank: None, stage: str
+) -> None:
+    w = make_workload("mlp", seed=0, params=2000, dtype="float64")
+    model, plain = w.build_model(), w.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    sync = gs.Synchronizer(model, opt, strategy=stage)
+    for step in range(3):
+        x, y = w.batch(step, 8, 0, 8)
+        with sync.step():
+            w.loss(model, x, y).backward()
+        ref.zero_grad()
+        w.loss(plain, x, y).backward()
+        ref.step()
+    assert torch.equal(zr.flat(model), zr.flat(plain))
+    wrong = pytest.raises(UsageError, match=r"micro_batches=2\) but the block ran 1")
+    with wrong, sync.step(micro_batches=2):
+        w.loss(model, *w.batch(3, 8, 0, 8)).backward()
+    late = pytest.raises(UsageError, match="a backward pass ran after s.synchronize()")
+    with late, sync.step() as s:
+        w.loss(model, *w.batch(4, 8, 0, 8)).backward()
+        s.synchronize()
+        w.loss(model, *w.batch(4, 8, 0, 8)).backward()
+    sync.close()
+    assert not math.isnan(float(zr.flat(model).sum()))
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+def test_gradsync_run_with_zero2_trains_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", "mlp",
+         "--params", "3000", "--steps", "6", "--strategy", "zero:2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy zero:2" in proc.stdout + proc.stderr and "final loss" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 6 and len(report["ranks"]) == 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["bytes"] > 0 for r in records) and not any(r["skipped"] for r in records)
