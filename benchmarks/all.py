@@ -27,7 +27,7 @@ BENCHMARKS = (
     "reliability",
 )
 CLUSTER = "cluster"
-BUDGET_MIN = 30.0
+BUDGET_MIN = 40.0
 
 
 def main() -> int:

@@ -166,12 +166,12 @@ def main() -> None:
     # Its own marked section of the file (the tried/expected/now table sits beside it), and
     # nothing in it is repeated.
     h = Harness(
-        "benchmarks.reliability", __doc__, repeats=5, section="reliability", md=RELIABILITY_MD
+        "benchmarks.reliability", __doc__, repeats=3, section="reliability", md=RELIABILITY_MD
     )
     p = h.parser
     p.add_argument("--workload", default="charlm")
     p.add_argument("--steps", type=int, default=500, help="steps of the runs with kills")
-    p.add_argument("--cost-steps", type=int, default=200, help="steps of the cost runs")
+    p.add_argument("--cost-steps", type=int, default=150, help="steps of the cost runs")
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--every", type=int, default=1, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=7)
