@@ -14,9 +14,10 @@ as checkpoints silently dropped). Errors of the thread (a full disk, a rank whos
 came) are raised by the next ``submit``, ``wait`` or ``close`` on the training thread.
 
 Why not ``torch.distributed.checkpoint.async_save``: it plans every save with collectives over
-the group (tens of milliseconds per call for a small model), writes DCP's own layout without
-our manifest and checksums, and is meant for checkpoints minutes apart. Sharded strategies,
-whose state DCP re-shards on load, use it (see docs/checkpoints.md).
+the group (its cost per call was not measured here), writes DCP's own layout without our
+manifest and checksums, and is meant for checkpoints minutes apart. DCP remains the candidate
+for sharded strategies whose state must be re-sharded on load (not used yet: ``zero:N``
+checkpoints are per-rank files and refuse another world size).
 """
 
 from __future__ import annotations
