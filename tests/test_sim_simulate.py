@@ -221,7 +221,7 @@ def test_specs_parse_and_reject() -> None:
     for bad in ("ssp", "ssp:-1", "local:0", "diloco:x", "async:2", "gossip"):
         with pytest.raises(UsageError, match="valid"):
             parse_strategy(bad)
-    with pytest.raises(UsageError, match="bsp only"):
+    with pytest.raises(UsageError, match="bsp and zero:1 only"):
         simulate("async", np.ones((2, 2)), FIXED, overlap=Overlap())
 
 

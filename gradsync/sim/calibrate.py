@@ -217,7 +217,7 @@ class WhatIf:
         if self.workers is not None and self.workers < 1:
             raise UsageError(f"--workers must be at least 1, got {self.workers}")
         if self.strategy is not None:
-            parse_strategy(self.strategy)
+            _calibrated(parse_strategy(self.strategy))
         if not (self.compression_ratio >= 1 and math.isfinite(self.compression_ratio)):
             raise UsageError(f"--compression-ratio must be >= 1, got {self.compression_ratio}")
 
@@ -235,6 +235,21 @@ class WhatIf:
 
 
 RESAMPLE_MODES = ("steps", "ranks")
+
+
+def _calibrated(strategy: Strategy) -> Strategy:
+    """``strategy``, or a UsageError when the calibrated prediction does not model it.
+
+    ``zero:N`` is left out: its measured comm holds an all-gather that neither the run's
+    all-reduce spans nor the all-reduce calibration describe.
+    """
+    if strategy.kind == "zero":
+        raise UsageError(
+            f"simulate --from does not predict {strategy.spec} (its all-gather is not in the "
+            "all-reduce calibration); simulate it without --from, e.g. "
+            f"gradsync simulate --strategy {strategy.spec} --message-mb M"
+        )
+    return strategy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -337,7 +352,7 @@ def predict(
     if profile.collective_steps is not None and host_overhead:
         source += " + run overhead"
     comm_steps = collective + overhead if workers > 1 else np.zeros(steps)
-    strategy: Strategy = parse_strategy(wi.strategy or profile.strategy)
+    strategy: Strategy = _calibrated(parse_strategy(wi.strategy or profile.strategy))
     res = simulate(strategy, compute, CommModel(comm_ms=0.0), comm_steps=comm_steps)
     spread = np.zeros(steps)
     if profile.comm_spread_steps is not None and host_overhead and workers > 1:

@@ -13,15 +13,16 @@ from gradsync.sim.config import parse_strategy
 from gradsync.sim.model import ALGORITHMS
 from gradsync.sim.options import emit
 
-DEFAULT_SWEEP_STRATEGIES = "bsp,ssp:4,async,local:8"
+DEFAULT_SWEEP_STRATEGIES = "bsp,zero:1,zero:2,ssp:4,async,local:8"
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     sim = subparsers.add_parser(
         "simulate",
         help="predict step time, idle and staleness of a strategy at any scale",
-        description="Simulate data-parallel training (no processes): BSP, SSP, async, local "
-        "SGD, DiLoCo, overlap; sweeps over staleness and workers; or predict a real run.",
+        description="Simulate data-parallel training (no processes): BSP, ZeRO stages 1 and 2, "
+        "SSP, async, local SGD, DiLoCo, overlap; sweeps over staleness and workers; or predict "
+        "a real run.",
     )
     g = sim.add_argument_group("workers and compute")
     g.add_argument(
@@ -62,8 +63,12 @@ def _add_communication_and_strategy(sim: argparse.ArgumentParser) -> None:
     c.add_argument("--algorithm", choices=ALGORITHMS, default=None, help="all-reduce algorithm")
     c.add_argument("--calibration", default=None, help="alpha/beta JSON from bench allreduce")
     s = sim.add_argument_group("strategy and output")
-    s.add_argument("--strategy", default="bsp", help="bsp | ssp:S | async | local:H | diloco:H")
-    s.add_argument("--overlap", action="store_true", help="BSP with bucketed overlap")
+    s.add_argument(
+        "--strategy",
+        default="bsp",
+        help="bsp | zero:1 | zero:2 | ssp:S | async | local:H | diloco:H",
+    )
+    s.add_argument("--overlap", action="store_true", help="BSP (or zero:1) with bucketed overlap")
     s.add_argument(
         "--backward-frac",
         type=float,

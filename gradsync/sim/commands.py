@@ -7,9 +7,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gradsync.errors import UsageError
 from gradsync.sim import report
-from gradsync.sim.config import Strategy, parse_strategy
+from gradsync.sim.config import CommModel, Strategy, parse_strategy
 from gradsync.sim.options import (
     comm_model,
     compute_model,
@@ -17,7 +19,35 @@ from gradsync.sim.options import (
     link_from_args,
     overlap_from_args,
 )
-from gradsync.sim.simulate import overlap_summary, simulate
+from gradsync.sim.simulate import overlap_summary, simulate, zero_comm_ms
+
+#: The strategies ``simulate --strategy zero:N`` prints side by side.
+BESIDE_BSP = ("bsp", "zero:1", "zero:2")
+
+
+def beside_bsp(compute: np.ndarray, comm: CommModel) -> list[dict[str, Any]]:
+    """One row per strategy of ``BESIDE_BSP`` on the same compute: its per-step comm."""
+    workers = compute.shape[1]
+    rows = []
+    for spec in BESIDE_BSP:
+        strategy = parse_strategy(spec)
+        if strategy.kind == "zero":
+            op, grad_ms, gather_ms = zero_comm_ms(int(strategy.param), comm, workers)
+        else:
+            op, grad_ms, gather_ms = "allreduce", comm.exchange_ms(workers), 0.0
+        res = simulate(strategy, compute, comm)
+        rows.append(
+            {
+                "strategy": spec,
+                "gradient": op,
+                "gradient_ms": grad_ms,
+                "allgather_ms": gather_ms,
+                "comm_ms": grad_ms + gather_ms,
+                "mean_step_ms": res.wall_ms / res.steps,
+                "wall_ms": res.wall_ms,
+            }
+        )
+    return rows
 
 
 def single(args: argparse.Namespace) -> int:
@@ -28,12 +58,23 @@ def single(args: argparse.Namespace) -> int:
     if args.overlap:
         ov = overlap_from_args(args)
         summary = overlap_summary(mean_base, comm, model.workers, ov)
-        plain = report.bsp_summary(simulate("bsp", compute, comm), mean_base)
+        plain_res = simulate(strategy, compute, comm)
+        plain = report.bsp_summary(plain_res, mean_base)
         over = report.bsp_summary(simulate(strategy, compute, comm, overlap=ov), mean_base)
-        doc: dict[str, Any] = {"overlap": summary, "bsp": plain, "bsp_overlap": over}
+        name = strategy.spec
+        doc: dict[str, Any] = {"overlap": summary, name: plain, f"{name}_overlap": over}
+        gather = ""
+        if strategy.kind == "zero":
+            gather_ms = zero_comm_ms(int(strategy.param), comm, model.workers)[2]
+            doc["allgather_ms"] = gather_ms
+            gather = (
+                f"{name} also all-gathers the parameters after the optimizer step: "
+                f"{gather_ms:.2f} ms per step, never overlapped"
+            )
         text = "\n".join(
             [
                 report.format_overlap(summary),
+                *([gather] if gather else []),
                 "",
                 f"simulated {model.workers} workers x {model.steps} steps: wall-clock "
                 f"{plain['wall_ms']:.2f} ms without overlap, {over['wall_ms']:.2f} ms with "
@@ -49,6 +90,12 @@ def single(args: argparse.Namespace) -> int:
         summary = report.bsp_summary(res, mean_base)
         doc = {**summary, "per_step": report.bsp_steps(res)}
         emit(args, doc, report.format_bsp(res, summary, args.table_steps))
+    elif strategy.kind == "zero":
+        summary = report.bsp_summary(res, mean_base)
+        rows = beside_bsp(compute, comm)
+        doc = {**summary, "beside_bsp": rows, "per_step": report.bsp_steps(res)}
+        text = report.format_bsp(res, summary, args.table_steps)
+        emit(args, doc, f"{text}\n\n{report.format_beside(rows)}")
     else:
         summary = report.free_summary(res)
         emit(args, summary, report.format_free(summary))
@@ -139,6 +186,7 @@ def sweeps(args: argparse.Namespace) -> int:
             "wall_ms": wall,
             "throughput_while_all_train_steps_per_s": busy,
             "exchange_ms": [comm.exchange_ms(n) for n in counts],
+            "allgather_ms": [comm.collective_ms("allgather", n) for n in counts],
         }
         doc["scaling_plot"] = str(png)
     emit(args, doc, "\n".join(texts).rstrip())

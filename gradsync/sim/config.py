@@ -17,7 +17,27 @@ from gradsync.sim.model import AlphaBeta
 from gradsync.spec import STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
-SIMULATED = ("bsp", "ssp", "async", "local", "diloco")
+SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco")
+#: The ZeRO stages the simulator models (``zero:3`` is neither run nor modelled).
+ZERO_STAGES = (1, 2)
+
+
+def modelled() -> str:
+    """The strategies the simulator models, as a user types them (for its messages)."""
+    return ", ".join(
+        ", ".join(f"zero:{n}" for n in ZERO_STAGES) if k == "zero" else STRATEGY_TABLE[k].usage
+        for k in SIMULATED
+    )
+
+
+def _check_spec(text: str) -> StrategySpec:
+    """``parse_strategy_spec``; a refused ``zero:N`` also says what the simulator models."""
+    try:
+        return parse_strategy_spec(text)
+    except UsageError as exc:
+        if text.strip().lower().startswith("zero:"):
+            raise UsageError(f"{exc}; the simulator models {modelled()}") from None
+        raise
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,10 +53,9 @@ class Strategy:
     param: float = 0.0
 
     def __post_init__(self) -> None:
-        parse_strategy_spec(self.spec)
+        _check_spec(self.spec)
         if self.kind not in SIMULATED:
-            models = ", ".join(STRATEGY_TABLE[k].usage for k in SIMULATED)
-            raise UsageError(f"the simulator does not model {self.spec!r}; it models {models}")
+            raise UsageError(f"the simulator does not model {self.spec!r}; it models {modelled()}")
 
     @classmethod
     def from_spec(cls, spec: StrategySpec) -> Strategy:
@@ -45,7 +64,7 @@ class Strategy:
             return cls(kind=spec.kind, param=spec.period)
         if spec.staleness is not None:
             return cls(kind=spec.kind, param=spec.staleness)
-        if spec.stage is not None:  # refused as not simulated, under its own name
+        if spec.stage is not None:  # zero:N, N the ZeRO stage
             return cls(kind=spec.kind, param=spec.stage)
         return cls(kind=spec.kind)
 
@@ -60,8 +79,9 @@ class Strategy:
 
 
 def parse_strategy(text: str) -> Strategy:
-    """Parse ``bsp``, ``ssp:S``, ``async``, ``local:H`` or ``diloco:H`` (``gradsync.spec``)."""
-    return Strategy.from_spec(parse_strategy_spec(text))
+    """Parse ``bsp``, ``zero:1``, ``zero:2``, ``ssp:S``, ``async``, ``local:H`` or
+    ``diloco:H`` (``gradsync.spec``)."""
+    return Strategy.from_spec(_check_spec(text))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,7 +159,9 @@ class CommModel:
     """Cost of one exchange (an all-reduce of the gradient or the parameters), in ms.
 
     Either a fixed ``comm_ms``, or the alpha-beta cost of all-reducing ``nbytes`` on the
-    simulated number of workers, so that it grows with the world size.
+    simulated number of workers, so that it grows with the world size. ``nbytes`` is also the
+    size of the parameters (a gradient has its parameter's dtype), which ``zero:N``
+    all-gathers.
     """
 
     comm_ms: float | None = None
@@ -158,5 +180,17 @@ class CommModel:
         """One all-reduce of ``fraction`` of the message among ``workers`` ranks."""
         if self.comm_ms is not None:
             return self.comm_ms * fraction
+        return self.collective_ms("allreduce", workers, fraction)
+
+    def collective_ms(self, op: str, workers: int, fraction: float = 1.0) -> float:
+        """One ``op`` (``gradsync.sim.model.OPS``) of ``fraction`` of the message.
+
+        Alpha-beta: the link's formula for ``op``. Fixed ``comm_ms``: that is one all-reduce,
+        so a reduce-scatter or an all-gather is half of it (the ring all-reduce is exactly one
+        of each, ``model.cost_terms``); a broadcast is priced as an all-reduce.
+        """
+        if self.comm_ms is not None:
+            half = op in ("reducescatter", "allgather")
+            return self.comm_ms * fraction * (0.5 if half else 1.0)
         assert self.link is not None
-        return 1000.0 * self.link.time("allreduce", workers, self.nbytes * fraction)
+        return 1000.0 * self.link.time(op, workers, self.nbytes * fraction)

@@ -152,6 +152,18 @@ def format_overlap(o: dict[str, float]) -> str:
     )
 
 
+def format_beside(rows: list[dict[str, Any]]) -> str:
+    """The per-step comm of bsp and the zero stages on the same compute, one row each."""
+    header = ["strategy", "gradient", "gradient_ms", "allgather_ms", "comm_ms", "step_ms"]
+    table = [[r[k] for k in header[:-1]] + [r["mean_step_ms"]] for r in rows]
+    return "\n".join(
+        [
+            "beside bsp (same compute; per step, ms; step = wall-clock / steps)",
+            format_rows(header, table),
+        ]
+    )
+
+
 def format_rows(header: list[str], rows: list[list[Any]]) -> str:
     def cell(x: Any) -> str:
         return f"{x:.3f}" if isinstance(x, float) else str(x)

@@ -25,7 +25,8 @@ from gradsync.sim.config import CommModel, Strategy, parse_strategy
 class Overlap:
     """BSP with bucketed overlap: the backward pass (the last ``backward_frac`` of compute)
     produces gradients evenly; ``buckets`` equal buckets are all-reduced one after another,
-    each as soon as every worker has produced it."""
+    each as soon as every worker has produced it. ``zero:1`` exchanges its gradient the same
+    way (then all-gathers, not overlapped); ``zero:2`` has nothing to overlap."""
 
     backward_frac: float = 2.0 / 3.0
     buckets: int = 4
@@ -127,8 +128,18 @@ def simulate(
     c = np.asarray(compute_ms, dtype=float)
     if c.ndim != 2 or c.size == 0:
         raise UsageError("compute matrix must be (steps, workers) with at least one of each")
-    if overlap is not None and strat.kind != "bsp":
-        raise UsageError(f"--overlap applies to bsp only, not {strat.spec}")
+    if overlap is not None and strat.spec not in OVERLAPPED:
+        raise UsageError(
+            f"--overlap applies to {' and '.join(OVERLAPPED)} only, not {strat.spec}"
+            + (" (its reduce-scatter runs after the backward pass)" if strat.kind == "zero" else "")
+        )
+    if strat.kind == "zero":
+        if comm_steps is not None:
+            raise UsageError(
+                f"per-step comm times are not modelled for {strat.spec}: its gradient exchange "
+                "and all-gather are priced from the comm model"
+            )
+        return _zero(c, comm, int(strat.param), overlap)
     if comm_steps is None:
         exchange = np.full(c.shape[0], comm.exchange_ms(c.shape[1]))
     else:
@@ -146,6 +157,35 @@ def simulate(
     if strat.kind == "ssp":
         return _ssp(c, exchange, strat.param, strat.spec)
     return _periodic(c, exchange, int(strat.param), strat.spec)
+
+
+#: Strategies whose gradient exchange overlaps the backward pass under ``--overlap``.
+OVERLAPPED = ("bsp", "zero:1")
+
+
+def zero_comm_ms(stage: int, comm: CommModel, workers: int) -> tuple[str, float, float]:
+    """``(gradient op, its ms, all-gather ms)`` of one ``zero:<stage>`` step.
+
+    ``zero:1`` all-reduces the gradient (as ``bsp``) and ``zero:2`` reduce-scatters it; both
+    then all-gather the updated parameters (``comm.nbytes``, a gradient's size).
+    """
+    op = "allreduce" if stage == 1 else "reducescatter"
+    return op, comm.collective_ms(op, workers), comm.collective_ms("allgather", workers)
+
+
+def _zero(c: np.ndarray, comm: CommModel, stage: int, ov: Overlap | None) -> SimResult:
+    # The gradient exchange (overlapped with backward under zero:1 --overlap, as bsp's), then
+    # the optimizer step on the shard (inside compute: not modelled apart), then the
+    # all-gather, which needs the step's result and so is never hidden; then the barrier.
+    _, grad_ms, gather_ms = zero_comm_ms(stage, comm, c.shape[1])
+    spec = f"zero:{stage}"
+    if ov is not None:
+        bucketed = _bsp_overlap(c, comm, ov)
+        assert bucketed.step_ms is not None
+        step = bucketed.step_ms + gather_ms
+        return _barrier_result(f"{spec}+overlap", c, step, bucketed.comm_ms + gather_ms)
+    unhidden = np.full(c.shape[0], grad_ms + gather_ms)
+    return _barrier_result(spec, c, c.max(axis=1) + unhidden, unhidden)
 
 
 def _barrier_result(spec: str, c: np.ndarray, step: np.ndarray, unhidden: np.ndarray) -> SimResult:
