@@ -24,9 +24,9 @@ starts from the saved state. A parameter-server checkpoint resumes only onto the
 of workers and servers (each server's shard and clocks are per worker).
 
 Resuming with a different number of ranks is supported for ``resizable`` strategies (BSP):
-every BSP replica holds the same model and optimizer state, so rank 0's file seeds every rank,
-and the data position is
-the step (each step's global batch is a function of the seed and the step). Per-rank
+every BSP replica holds the same model and optimizer state, written as one share per rank
+(``replicas``) and put back together from all the saved ranks' files on load, and the data
+position is the step (each step's global batch is a function of the seed and the step). Per-rank
 compressor state (error-feedback residuals) cannot be re-sharded and restarts from zero, with
 a warning. Other strategies keep per-rank state that has no meaning at another world size,
 so they refuse.
@@ -43,8 +43,10 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from gradsync.errors import UsageError
+from gradsync.fault import replicas
 from gradsync.fault.checkpoint import (
     CheckpointError,
+    CheckpointInfo,
     CheckpointStore,
     CheckpointWarning,
     snapshot,
@@ -104,14 +106,16 @@ def save(
         "telemetry": sync._pending_telemetry(),
         "extra": extra or {},
     }
-    if sync.strategy.resizable and sync.rank != 0:
-        # Every replica's model and optimizer state is rank 0's (what makes the strategy
-        # resizable), so only rank 0 writes them: with a checkpoint every step, the bytes
-        # written, and the CPU the kernel spends on them, would otherwise grow with the ranks.
-        state["replica_of"] = 0
+    replicated = {"model": sync.model.state_dict(), "optimizer": sync.optimizer.state_dict()}
+    if sync.strategy.resizable:
+        # Every replica holds the same model and optimizer state (what makes the strategy
+        # resizable): each rank writes a share of it, so the bytes written do not grow with
+        # the ranks and no rank's step pays for all of them (``replicas``).
+        owner = replicas.owners(replicated, sync.world_size)
+        state["replicated"] = replicas.share(replicated, sync.rank, owner)
+        state["replicated_owners"] = owner
     else:
-        state["model"] = sync.model.state_dict()
-        state["optimizer"] = sync.optimizer.state_dict()
+        state.update(replicated)
     writer = sync._checkpoint_writer(directory, keep)
     writer.submit(step, snapshot(state))
     if wait:
@@ -197,11 +201,10 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     if mine is None:
         info = store.at(step)
         state = store.load(info, sync.rank, source_rank=0 if changed else None)
-        if "model" not in state and state.get("replica_of") == 0:
-            shared = store.load(info, 0)  # the replica's model and optimizer state
-            state.update(model=shared["model"], optimizer=shared["optimizer"])
     else:
+        assert info is not None  # rank 0 read ``mine`` from it
         state = mine
+    _join_replicated(store, info, state, 0 if changed or mine is not None else sync.rank)
     if "telemetry" in state:  # the records of the steps before the checkpoint, not gathered
         sync._restore_telemetry(state["telemetry"])
     role = sync.strategy.server_role()
@@ -214,8 +217,9 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     lost = bool(state["sync"].get("strategy", {}).get("compressor"))
     if changed and lost and sync.rank == 0:
         warnings.warn(
-            f"resuming BSP from {saved_world} ranks on {sync.world_size}: model and optimizer "
-            "come from rank 0; per-rank compressor state (error feedback) restarts from zero",
+            f"resuming BSP from {saved_world} ranks on {sync.world_size}: the model and "
+            "optimizer state come from the checkpoint; per-rank compressor state (error "
+            "feedback) restarts from zero",
             CheckpointWarning,
             stacklevel=2,
         )
@@ -231,6 +235,24 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     extra: dict[str, Any] = dict(state.get("extra") or {})
     extra["step"] = sync.step_count
     return extra
+
+
+def _join_replicated(
+    store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any], source: int
+) -> None:
+    """Put the model and optimizer state of a resizable strategy's checkpoint (``source``'s
+    file is ``state``) back together from every rank's share, into ``state``."""
+    if "replicated" in state:
+        owner = state["replicated_owners"]
+        shares = [
+            state["replicated"] if r == source else store.load(info, r)["replicated"]
+            for r in range(info.world_size)
+        ]
+        state.update(replicas.join(shares, owner))
+    elif "model" not in state and state.get("replica_of") == 0:
+        # Written before the shares (gradsync 0.x): rank 0's file held the replica's state.
+        shared = store.load(info, 0)
+        state.update(model=shared["model"], optimizer=shared["optimizer"])
 
 
 def check_resumable(directory: str | Path, compression: str) -> None:

@@ -1,0 +1,101 @@
+"""State that every replica holds alike, written once in all, a share by each replica.
+
+Under a resizable strategy (``bsp``) every rank holds the same model and optimizer state. When
+one rank writes all of it, a checkpoint every step costs that rank the whole copy, checksum and
+write while the others do almost nothing, and the step, which waits for the slowest rank, pays
+the whole cost. Here each rank writes a share: whole tensors, balanced by bytes (largest first,
+to the least loaded rank: the rule of ``ps_wire.shard_by_size``), the other tensors replaced by
+empty placeholders of their dtype so the tree keeps its shape. ``join`` puts the shares of
+every rank's file back together, by the owner list saved beside them.
+
+Why not DCP's deduplication of replicated tensors: it plans every save with collectives, and
+these checkpoints are written without any (see ``background``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["join", "owners", "share"]
+
+
+def owners(tree: Any, world_size: int) -> list[int]:
+    """The rank that writes each tensor of ``tree`` (in ``_tensors`` order), balanced by bytes.
+    Deterministic for a given tree's shapes and dtypes, so every replica computes the same."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    sizes = [t.numel() * t.element_size() for t in _tensors(tree)]
+    load = [0] * world_size
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+def share(tree: Any, rank: int, owner: Sequence[int]) -> Any:
+    """``tree`` with every tensor that ``rank`` does not own replaced by an empty tensor of its
+    dtype (the tensors it owns are the caller's own: ``pack`` copies them)."""
+    return _map_tensors(
+        tree, lambda i, t: t if owner[i] == rank else torch.empty(0, dtype=t.dtype), len(owner)
+    )
+
+
+def join(shares: Sequence[Any], owner: Sequence[int]) -> Any:
+    """The whole tree from every rank's ``share`` (``shares[r]`` is rank ``r``'s): each tensor
+    is taken from its owner's share, the containers and other values from rank 0's."""
+    if not shares:
+        raise ValueError("no shares to join")
+    by_rank = [list(_tensors(s)) for s in shares]
+    for r, tensors in enumerate(by_rank):
+        if len(tensors) != len(owner):
+            raise ValueError(
+                f"rank {r}'s share holds {len(tensors)} tensors, the owner list {len(owner)}"
+            )
+    if max(owner, default=0) >= len(shares):
+        raise ValueError(f"the owner list names rank {max(owner)}, only {len(shares)} shares")
+    return _map_tensors(shares[0], lambda i, _: by_rank[owner[i]][i], len(owner))
+
+
+def _tensors(tree: Any) -> Any:
+    """Every tensor of ``tree`` in a fixed order (dicts in insertion order, then sequences)."""
+    # The container types ``_map_tensors`` rebuilds, exactly (``pack`` refuses subclasses).
+    kind = type(tree)
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif kind is dict or kind is OrderedDict:
+        for value in tree.values():
+            yield from _tensors(value)
+    elif kind is list or kind is tuple:
+        for value in tree:
+            yield from _tensors(value)
+
+
+def _map_tensors(tree: Any, fn: Callable[[int, torch.Tensor], Any], expected: int) -> Any:
+    counter = [0]
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            i = counter[0]
+            counter[0] += 1
+            if i >= expected:
+                raise ValueError(f"the tree holds more than the {expected} tensors expected")
+            return fn(i, node)
+        kind = type(node)
+        if kind is dict or kind is OrderedDict:
+            return kind((k, walk(v)) for k, v in node.items())
+        if kind is list:
+            return [walk(v) for v in node]
+        if kind is tuple:
+            return tuple(walk(v) for v in node)
+        return node
+
+    result = walk(tree)
+    if counter[0] != expected:
+        raise ValueError(f"the tree holds {counter[0]} tensors, {expected} were expected")
+    return result

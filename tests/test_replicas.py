@@ -1,0 +1,80 @@
+"""The replicas' model and optimizer state written as one share per rank and joined on load."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from gradsync.fault import replicas
+from gradsync.fault.packing import pack, unpack
+
+pytestmark = pytest.mark.unit
+
+
+def _trained_state() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return (
+            type(a) is type(b)
+            and list(a) == list(b)  # type: ignore[call-overload]
+            and all(_equal(a[k], b[k]) for k in a)  # type: ignore[index]
+        )
+    if isinstance(a, list | tuple):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)  # type: ignore[arg-type]
+            and all(_equal(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[call-overload]
+        )
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shares_written_and_read_back_join_to_the_whole_state(world: int) -> None:
+    state = _trained_state()
+    owner = replicas.owners(state, world)
+    # Through the checkpoint file's own format, as save and load see them.
+    shares = [unpack(pack(replicas.share(state, r, owner))) for r in range(world)]
+    assert _equal(replicas.join(shares, owner), state)
+
+
+def test_each_rank_writes_only_its_share_and_the_shares_are_balanced() -> None:
+    state = _trained_state()
+    total = pack(state).nbytes
+    owner = replicas.owners(state, 3)
+    written = [pack(replicas.share(state, r, owner)).nbytes for r in range(3)]
+    assert sum(written) == total  # every byte once
+    largest = max(t.numel() * t.element_size() for t in replicas._tensors(state))
+    assert max(written) - min(written) <= largest
+    assert replicas.owners(_trained_state(), 3) == owner  # every replica computes the same
+
+
+def test_containers_keep_their_types() -> None:
+    state = {"m": OrderedDict(w=torch.ones(2)), "t": (torch.zeros(3), 5), "l": [torch.ones(1)]}
+    owner = replicas.owners(state, 2)
+    joined = replicas.join([replicas.share(state, r, owner) for r in range(2)], owner)
+    assert type(joined["m"]) is OrderedDict and type(joined["t"]) is tuple
+    assert _equal(joined, state)
+
+
+def test_shares_of_another_model_are_refused() -> None:
+    state = _trained_state()
+    owner = replicas.owners(state, 2)
+    other = {"model": {"w": torch.ones(2)}, "optimizer": {}}
+    with pytest.raises(ValueError, match="holds 1 tensors"):
+        replicas.join([replicas.share(state, 0, owner), other], owner)
+    with pytest.raises(ValueError, match="names rank 1, only 1 shares"):
+        replicas.join([replicas.share(state, 0, owner)], owner)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        replicas.owners(state, 0)
