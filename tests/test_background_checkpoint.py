@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradsync.fault import CheckpointError, CheckpointStore, rng_state
+from gradsync.fault import CheckpointError, CheckpointStore, CheckpointWarning, rng_state
 from gradsync.fault.background import CheckpointWriter
 from gradsync.fault.checkpoint import MANIFEST, snapshot
 from gradsync.fault.packing import pack, read_packed, unpack
@@ -121,6 +122,7 @@ def _writers(tmp_path: Path, save_id: str = "run-a", **kw: Any) -> list[Checkpoi
             world_size=2,
             save_id=save_id,
             timeout_s=kw.get("timeout_s", 10.0),
+            durable_every_s=kw.get("durable_every_s", 0.0),
         )
         for r in range(2)
     ]
@@ -145,6 +147,47 @@ def test_two_ranks_write_in_the_background_and_rank_0_commits_keeping_two(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000005"]
     assert torch.equal(store.load(info, 1)["w"], torch.full((3,), 6.0))
     assert json.loads((info.path / MANIFEST).read_text())["save_id"] == "run-a"
+
+
+def test_between_durable_commits_the_newest_durable_checkpoint_is_kept_for_a_machine_crash(
+    tmp_path: Path,
+) -> None:
+    writers = _writers(tmp_path, durable_every_s=3600.0)
+    try:
+        for step in range(1, 6):
+            for w in writers:
+                # step 4 is a blocking save's (sync.save(dir) with wait=True): always durable
+                w.submit(step, snapshot({"w": torch.full((2,), float(step))}), durable=step == 4)
+            for w in writers:
+                w.wait(step)
+    finally:
+        for w in writers:
+            w.close(timeout_s=5)
+    manifests = {
+        p.name: json.loads((p / MANIFEST).read_text())["durable"] for p in tmp_path.iterdir()
+    }
+    # the first commit is durable, then only step 4's until an hour has passed
+    assert manifests == {"step-000004": True, "step-000005": False}
+    store = CheckpointStore(tmp_path)
+    # A crash of the machine tore the files of the newest, unsynced checkpoint: the durable
+    # one kept beside it is what the run resumes from.
+    (tmp_path / "step-000005" / "rank-1.pt").write_bytes(b"")
+    with pytest.warns(CheckpointWarning, match="step-000005"):
+        info = store.latest(2)
+    assert info is not None and info.step == 4 and info.durable
+
+
+def test_prune_keeps_the_newest_durable_checkpoint_besides_the_newest_keep(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in range(1, 6):
+        store.save(step, 0, 1, {"s": step})
+        store.commit(step, 1, durable=step == 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-000002",
+        "step-000004",
+        "step-000005",
+    ]
+    assert [store.at(s).durable for s in (2, 4, 5)] == [True, False, False]
 
 
 def test_a_peer_file_left_by_a_rolled_back_attempt_is_never_committed(tmp_path: Path) -> None:
@@ -213,3 +256,27 @@ def test_submit_waits_while_depth_snapshots_are_queued(tmp_path: Path) -> None:
     assert not blocked.is_alive()
     writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-00000{s}" for s in (1, 2, 3, 4)]
+
+
+def test_only_durable_writes_and_commits_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    store = CheckpointStore(tmp_path, keep=2)
+    for rank in range(2):
+        store.write(1, rank, 2, snapshot({"r": rank}), durable=False)
+    store.commit(1, 2, durable=False)
+    assert synced == []  # the background checkpoint between durable ones: page cache only
+    for rank in range(2):
+        store.write(2, rank, 2, snapshot({"r": rank}), durable=False)
+    store.commit(2, 2)
+    # the durable commit fsyncs every rank's file (whoever wrote it), the manifest, the dirs
+    assert {"rank-0.pt", "rank-1.pt", "step-000002", tmp_path.name} <= set(synced)
+    assert any(MANIFEST in name for name in synced)  # under its temporary name, then renamed

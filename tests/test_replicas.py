@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gradsync.fault import replicas
-from gradsync.fault.packing import pack, unpack
+from gradsync.fault.packing import BufferPool, pack, unpack
 
 pytestmark = pytest.mark.unit
 
@@ -63,18 +63,47 @@ def test_each_rank_writes_only_its_share_and_the_shares_are_balanced() -> None:
 def test_containers_keep_their_types() -> None:
     state = {"m": OrderedDict(w=torch.ones(2)), "t": (torch.zeros(3), 5), "l": [torch.ones(1)]}
     owner = replicas.owners(state, 2)
-    joined = replicas.join([replicas.share(state, r, owner) for r in range(2)], owner)
+    shares = [unpack(pack(replicas.share(state, r, owner))) for r in range(2)]
+    joined = replicas.join(shares, owner)
     assert type(joined["m"]) is OrderedDict and type(joined["t"]) is tuple
     assert _equal(joined, state)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_rank_that_owns_no_tensor_of_a_dtype_packs_its_placeholders(pooled: bool) -> None:
+    state = {"w": torch.ones(4), "n": torch.arange(3), "b": torch.zeros(2, dtype=torch.float64)}
+    owner = replicas.owners(state, 3)
+    pool = BufferPool() if pooled else None
+    shares = [unpack(pack(replicas.share(state, r, owner), pool)) for r in range(3)]
+    assert sorted(owner) == [0, 1, 2]  # one tensor (one dtype) each
+    assert _equal(replicas.join(shares, owner), state)
+
+
+def test_pooled_buffers_are_reused_only_once_released() -> None:
+    pool = BufferPool()
+    state = {"w": torch.ones(4)}
+    first = pack(state, pool)
+    state["w"].add_(1)
+    second = pack(state, pool)  # the first is not released: a buffer of its own
+    assert first.buffers[0].data_ptr() != second.buffers[0].data_ptr()
+    assert torch.equal(unpack(first)["w"], torch.ones(4))
+    assert first.release is not None
+    first.release()
+    third = pack(state, pool)
+    assert third.buffers[0].data_ptr() == first.buffers[0].data_ptr()
+    assert torch.equal(unpack(third)["w"], torch.full((4,), 2.0))
 
 
 def test_shares_of_another_model_are_refused() -> None:
     state = _trained_state()
     owner = replicas.owners(state, 2)
     other = {"model": {"w": torch.ones(2)}, "optimizer": {}}
+    mine = unpack(pack(replicas.share(state, 0, owner)))
     with pytest.raises(ValueError, match="holds 1 tensors"):
-        replicas.join([replicas.share(state, 0, owner), other], owner)
+        replicas.join([mine, other], owner)
     with pytest.raises(ValueError, match="names rank 1, only 1 shares"):
-        replicas.join([replicas.share(state, 0, owner)], owner)
+        replicas.join([mine], owner)
+    with pytest.raises(ValueError, match="holds 1 tensors, 3 owned"):
+        pack(replicas.share(other, 0, [0, 1, 0]))
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         replicas.owners(state, 0)

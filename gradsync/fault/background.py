@@ -8,6 +8,16 @@ writes the manifest and prunes to ``keep``, exactly as a blocking save's commit 
 collective is involved, so a checkpoint costs the training thread only the copy; the files are
 atomic and checksummed as before, and a step is restorable only once its manifest exists.
 
+Durability: a file written in the background is not fsynced, and neither is the manifest of
+its step, except every ``durable_every_s`` (30 s) on rank 0, whose commit then fsyncs every
+rank's file of that step, the manifest and the directories. A checkpoint every step that
+fsynced everything made each step wait for the disk (the files outlive the step by only
+``keep`` steps: unsynced, most never reach the disk at all). The files are as atomic and
+checksummed either way, so a killed process (what gradsync recovers from) loses nothing; a
+crash of the machine may tear the checkpoints written since the newest durable one, whose
+checksums then fail, and ``latest`` falls back to it: ``prune`` keeps the newest durable
+checkpoint besides the newest ``keep``. ``save(wait=True)`` is always durable.
+
 At most ``depth`` snapshots wait for the thread; a further ``submit`` blocks until one is
 written (the memory bound, and a disk slower than the steps shows up as step time rather than
 as checkpoints silently dropped). Errors of the thread (a full disk, a rank whose file never
@@ -28,18 +38,22 @@ from collections import deque
 from dataclasses import dataclass
 
 from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
-from gradsync.fault.packing import Packed
+from gradsync.fault.packing import BufferPool, Packed
 
 __all__ = ["CheckpointWriter"]
 
 #: how often rank 0's thread looks for its peers' files of a step it has written itself
 _POLL_S = 0.002
+#: at most this long between durable checkpoints (fsynced) among those written in the
+#: background; the kernel writes dirty pages back after about as long (30 s on Linux) anyway
+DURABLE_EVERY_S = 30.0
 
 
 @dataclass(slots=True)
 class _Commit:
     step: int
     deadline: float
+    durable: bool
 
 
 class CheckpointWriter:
@@ -60,13 +74,20 @@ class CheckpointWriter:
         save_id: str,
         timeout_s: float,
         depth: int = 2,
+        durable_every_s: float = DURABLE_EVERY_S,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if not durable_every_s >= 0:
+            raise ValueError(f"durable_every_s must be >= 0, got {durable_every_s}")
         self.store = store
         self.rank, self.world_size, self.save_id = rank, world_size, save_id
         self.timeout_s, self.depth = timeout_s, depth
-        self._jobs: deque[tuple[int, Packed]] = deque()
+        self.durable_every_s = durable_every_s
+        #: buffers for this rank's snapshots: one per queued job, one being written, one spare
+        self.pool = BufferPool(depth + 2)
+        self._last_durable = -float("inf")  # rank 0: when it last committed a durable step
+        self._jobs: deque[tuple[int, Packed, bool]] = deque()
         self._commits: deque[_Commit] = deque()
         self._cond = threading.Condition()
         self._written = -1  # newest step this rank's file is on disk for
@@ -83,8 +104,12 @@ class CheckpointWriter:
     def commits(self) -> bool:
         return self.rank == 0
 
-    def submit(self, step: int, packed: Packed) -> None:
-        """Queue ``packed`` as this rank's file of ``step``; blocks while ``depth`` wait."""
+    def submit(self, step: int, packed: Packed, *, durable: bool = False) -> None:
+        """Queue ``packed`` as this rank's file of ``step``; blocks while ``depth`` wait.
+
+        ``durable`` fsyncs the file (and makes rank 0's commit of the step durable); without
+        it, rank 0 makes a commit durable only every ``durable_every_s`` (see the module
+        docstring)."""
         with self._cond:
             self._raise_error()
             while len(self._jobs) >= self.depth and self._error is None:
@@ -92,7 +117,7 @@ class CheckpointWriter:
             self._raise_error()
             if self._closing:
                 raise CheckpointError("the checkpoint writer is closed")
-            self._jobs.append((step, packed))
+            self._jobs.append((step, packed, durable))
             self._cond.notify_all()
 
     def wait(self, step: int, timeout_s: float | None = None) -> None:
@@ -193,12 +218,17 @@ class CheckpointWriter:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write(self, step: int, packed: Packed) -> None:
-        self.store.write(step, self.rank, self.world_size, packed, save_id=self.save_id)
+    def _write(self, step: int, packed: Packed, durable: bool) -> None:
+        self.store.write(
+            step, self.rank, self.world_size, packed, save_id=self.save_id, durable=durable
+        )
+        if packed.release is not None:  # written: its buffers may take the next snapshot
+            packed.release()
         with self._cond:
             self._written = step
             if self.commits:
-                self._commits.append(_Commit(step, time.monotonic() + self.timeout_s))
+                deadline = time.monotonic() + self.timeout_s
+                self._commits.append(_Commit(step, deadline, durable))
             self._cond.notify_all()
 
     def _try_commits(self) -> None:
@@ -206,8 +236,14 @@ class CheckpointWriter:
         files are still missing at its deadline (raised on the training thread)."""
         while self._commits:
             head = self._commits[0]
-            if not self.store.missing(head.step, self.world_size, self.save_id):
-                self.store.commit(head.step, self.world_size, save_id=self.save_id)
+            now = time.monotonic()
+            durable = head.durable or now - self._last_durable >= self.durable_every_s
+            done = self.store.try_commit(
+                head.step, self.world_size, save_id=self.save_id, durable=durable
+            )
+            if not isinstance(done, list):
+                if durable:
+                    self._last_durable = now
                 with self._cond:
                     self._commits.popleft()
                     self._committed = head.step

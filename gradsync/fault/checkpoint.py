@@ -40,7 +40,7 @@ from typing import IO, Any
 
 import torch
 
-from gradsync.fault.packing import Packed, is_packed_file, pack, read_packed, unpack
+from gradsync.fault.packing import BufferPool, Packed, is_packed_file, pack, read_packed, unpack
 
 __all__ = [
     "FORMAT_VERSION",
@@ -90,6 +90,8 @@ class CheckpointInfo:
     path: Path
     files: Mapping[int, FileEntry] = field(default_factory=dict)
     created: float = 0.0
+    #: whether its files, manifest and directory entries were fsynced (see ``commit``)
+    durable: bool = True
 
     def file(self, rank: int) -> Path:
         return self.path / self.files[rank].name
@@ -134,11 +136,20 @@ class CheckpointStore:
         return self.write(step, rank, world_size, snapshot(state))
 
     def write(
-        self, step: int, rank: int, world_size: int, packed: Packed, *, save_id: str = ""
+        self,
+        step: int,
+        rank: int,
+        world_size: int,
+        packed: Packed,
+        *,
+        save_id: str = "",
+        durable: bool = True,
     ) -> Path:
         """Write a ``snapshot()`` of this rank's state for ``step``, atomically, with its size
         and sha256 beside it; ``save_id`` names the save every rank's file belongs to, so a
-        commit never pairs this file with another run's (see ``missing``)."""
+        commit never pairs this file with another run's (see ``missing``). ``durable=False``
+        skips the fsyncs: the file is as atomic, but may not survive a crash of the machine
+        until a durable ``commit`` of its step fsyncs it."""
         start = time.perf_counter()
         _check_int("step", step, 0)
         _check_int("world_size", world_size, 1)
@@ -151,7 +162,7 @@ class CheckpointStore:
         (step_dir / MANIFEST).unlink(missing_ok=True)
         target = step_dir / _rank_file(rank)
         written: list[tuple[int, str]] = []
-        _atomic_write(target, lambda f: written.append(packed.write_to(f)))
+        _atomic_write(target, lambda f: written.append(packed.write_to(f)), sync=durable)
         size, digest = written[0]
         meta = {"size": size, "sha256": digest, "save_id": save_id}
         summary = json.dumps(meta).encode()
@@ -160,7 +171,8 @@ class CheckpointStore:
         _atomic_write(
             target.with_name(target.name + ".sum"), lambda f: f.write(summary), sync=False
         )
-        _fsync_dir(step_dir)
+        if durable:
+            _fsync_dir(step_dir)
         self.last_save_bytes = size
         self.last_save_seconds = time.perf_counter() - start
         return target
@@ -190,46 +202,59 @@ class CheckpointStore:
         return isinstance(data, dict) and data.get("save_id", "") == save_id
 
     def commit(
-        self, step: int, world_size: int, *, prune: bool = True, save_id: str = ""
+        self,
+        step: int,
+        world_size: int,
+        *,
+        prune: bool = True,
+        save_id: str = "",
+        durable: bool = True,
     ) -> CheckpointInfo:
         """Mark ``step`` complete by writing its manifest (rank 0, once every rank's file of
         ``save_id`` is written: ``missing()`` is empty), then prune to ``keep`` checkpoints
-        unless ``prune=False``."""
+        unless ``prune=False``.
+
+        ``durable`` (the default) fsyncs every rank's file, the manifest and the directories
+        first, so the checkpoint survives a crash of the machine, not only of the processes.
+        Without it the checkpoint is as atomic and checksummed, and ``prune`` keeps the newest
+        durable checkpoint as well, for a crash that leaves the newer ones torn (their
+        checksums then fail and ``latest`` falls back to it)."""
+        info = self.try_commit(step, world_size, prune=prune, save_id=save_id, durable=durable)
+        if isinstance(info, list):
+            raise CheckpointError(
+                f"cannot commit step {step}: no complete file from rank(s) "
+                f"{', '.join(map(str, info))} of {world_size} in {self.step_dir(step)}; call "
+                "commit on rank 0 only after every rank's save has returned (a barrier)"
+            )
+        return info
+
+    def try_commit(
+        self,
+        step: int,
+        world_size: int,
+        *,
+        prune: bool = True,
+        save_id: str = "",
+        durable: bool = True,
+    ) -> CheckpointInfo | list[int]:
+        """``commit``, or the ranks whose file of ``save_id`` is missing (nothing written):
+        what a committer polling for its peers' files calls, reading each ``.sum`` once."""
         start = time.perf_counter()
         _check_int("step", step, 0)
         _check_int("world_size", world_size, 1)
         step_dir = self.step_dir(step)
-        files: dict[int, FileEntry] = {}
-        missing = []
-        for rank in range(world_size):
-            path = step_dir / _rank_file(rank)
-            summary = path.with_name(path.name + ".sum")
-            if not (path.is_file() and summary.is_file()):
-                missing.append(rank)
-                continue
-            meta = json.loads(summary.read_text())
-            if meta.get("save_id", "") != save_id:
-                missing.append(rank)
-                continue
-            actual = path.stat().st_size
-            if actual != meta["size"]:
-                raise CheckpointError(
-                    f"cannot commit step {step}: {path} is {actual} bytes but its save wrote "
-                    f"{meta['size']}"
-                )
-            files[rank] = FileEntry(name=path.name, size=actual, sha256=meta["sha256"])
-        if missing:
-            raise CheckpointError(
-                f"cannot commit step {step}: no complete file from rank(s) "
-                f"{', '.join(map(str, missing))} of {world_size} in {step_dir}; call commit on "
-                "rank 0 only after every rank's save has returned (a barrier)"
-            )
+        files = self._written_files(step_dir, world_size, save_id)
+        if isinstance(files, list):
+            return files
         # Leftovers from an earlier, larger world or a crashed write would sit next to the
         # checkpoint looking like part of it.
         for extra in step_dir.iterdir():
             m = re.match(r"^rank-(\d+)\.pt(\.sum)?$", extra.name)
             if (m and int(m.group(1)) >= world_size) or extra.name.endswith(_TMP_SUFFIX):
                 extra.unlink(missing_ok=True)
+        if durable:
+            for entry in files.values():
+                _fsync_file(step_dir / entry.name)
         created = time.time()
         manifest = {
             "format": FORMAT,
@@ -238,21 +263,53 @@ class CheckpointStore:
             "world_size": world_size,
             "created": created,
             "save_id": save_id,
+            "durable": durable,
             "files": {
                 str(r): {"name": e.name, "size": e.size, "sha256": e.sha256}
                 for r, e in files.items()
             },
         }
         data = (json.dumps(manifest, indent=2) + "\n").encode()
-        _atomic_write(step_dir / MANIFEST, lambda f: f.write(data))
-        _fsync_dir(step_dir)
-        _fsync_dir(self.directory)
+        _atomic_write(step_dir / MANIFEST, lambda f: f.write(data), sync=durable)
+        if durable:
+            _fsync_dir(step_dir)
+            _fsync_dir(self.directory)
         self.last_commit_seconds = time.perf_counter() - start
         if prune:
             self.prune(newest=step)
         return CheckpointInfo(
-            step=step, world_size=world_size, path=step_dir, files=files, created=created
+            step=step,
+            world_size=world_size,
+            path=step_dir,
+            files=files,
+            created=created,
+            durable=durable,
         )
+
+    def _written_files(
+        self, step_dir: Path, world_size: int, save_id: str
+    ) -> dict[int, FileEntry] | list[int]:
+        """Each rank's file of ``save_id`` as its ``.sum`` describes it, or the ranks missing."""
+        files: dict[int, FileEntry] = {}
+        missing = []
+        for rank in range(world_size):
+            path = step_dir / _rank_file(rank)
+            try:
+                meta = json.loads((step_dir / (path.name + ".sum")).read_bytes())
+                actual = path.stat().st_size
+            except (OSError, ValueError):
+                missing.append(rank)
+                continue
+            if not isinstance(meta, dict) or meta.get("save_id", "") != save_id:
+                missing.append(rank)
+                continue
+            if actual != meta["size"]:
+                raise CheckpointError(
+                    f"cannot commit step {step_dir.name}: {path} is {actual} bytes but its save "
+                    f"wrote {meta['size']}"
+                )
+            files[rank] = FileEntry(name=path.name, size=actual, sha256=meta["sha256"])
+        return missing if missing else files
 
     def prune(self, *, newest: int | None = None) -> list[Path]:
         """Keep the newest ``keep`` complete checkpoints at or below step ``newest`` (default:
@@ -269,6 +326,11 @@ class CheckpointStore:
         if not complete:  # nothing committed yet: anything here may be a save in progress
             return []
         kept = set(complete[: self.keep])
+        by_step = dict(dirs)
+        for step in complete:  # newest first: the newest durable one stays too
+            if _is_durable(by_step[step]):
+                kept.add(step)
+                break
         oldest_kept = min(kept)
         removed = []
         for step, path in dirs:
@@ -378,14 +440,15 @@ class CheckpointStore:
         return sorted(found, reverse=True)
 
 
-def snapshot(state: dict[str, Any]) -> Packed:
+def snapshot(state: dict[str, Any], *, pool: BufferPool | None = None) -> Packed:
     """A copy of ``state`` for ``CheckpointStore.write``, taken now (training may change the
-    tensors afterwards). ``CheckpointError`` names an entry ``torch.load(weights_only=True)``
-    would refuse, before anything is written."""
+    tensors afterwards), into buffers from ``pool`` if given (see ``Packed.release``).
+    ``CheckpointError`` names an entry ``torch.load(weights_only=True)`` would refuse, before
+    anything is written."""
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
     try:
-        return pack(state)
+        return pack(state, pool)
     except TypeError as e:
         # The walk that names where the offending object sits runs only on this error path:
         # a snapshot is taken every step, so its own walk is the only one.
@@ -452,11 +515,19 @@ def _read_manifest(path: Path, step: int) -> CheckpointInfo:
             for r, e in data["files"].items()
         }
         created = float(data.get("created", 0.0))
+        durable = bool(data.get("durable", True))  # manifests before the flag were all fsynced
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise _Invalid(f"{MANIFEST} is malformed ({type(e).__name__}: {e})") from None
     if sorted(files) != list(range(world_size)):
         raise _Invalid(f"{MANIFEST} lists ranks {sorted(files)} for a world of {world_size}")
-    return CheckpointInfo(step=step, world_size=world_size, path=path, files=files, created=created)
+    return CheckpointInfo(
+        step=step,
+        world_size=world_size,
+        path=path,
+        files=files,
+        created=created,
+        durable=durable,
+    )
 
 
 def _verify(info: CheckpointInfo, *, checksums: bool) -> None:
@@ -502,6 +573,24 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, sync: boo
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _is_durable(step_dir: Path) -> bool:
+    try:
+        data = json.loads((step_dir / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool(data.get("durable", True))
+
+
+def _fsync_file(path: Path) -> None:
+    """Make a file written (by any process on this machine) durable: fsync flushes the file's
+    pages whoever wrote them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -23,13 +23,26 @@ import base64
 import hashlib
 import json
 import sys
+import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
 
-__all__ = ["MAGIC", "Packed", "is_packed_file", "pack", "read_packed", "unpack"]
+from gradsync import compat
+
+__all__ = [
+    "MAGIC",
+    "BufferPool",
+    "Packed",
+    "Share",
+    "is_packed_file",
+    "pack",
+    "read_packed",
+    "unpack",
+]
 
 MAGIC = b"gradsync-packed-state\n"
 PACKED_VERSION = 1
@@ -42,6 +55,8 @@ class Packed:
 
     tree: Any
     buffers: list[torch.Tensor]
+    #: hands the buffers back to the ``BufferPool`` they came from: call once they are written
+    release: Callable[[], None] | None = field(default=None, compare=False)
 
     def write_to(self, f: IO[bytes]) -> tuple[int, str]:
         """Write the header and the buffers' bytes to ``f``; returns (size, sha256 hex)."""
@@ -73,14 +88,56 @@ class Packed:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A subtree of which this rank packs only the tensors ``owner`` gives to ``rank`` (in
+    ``fault.replicas`` order); each other tensor is packed as an empty tensor of its dtype."""
+
+    tree: Any
+    owner: Sequence[int]
+    rank: int
+
+
+class BufferPool:
+    """Buffers of earlier snapshots of the same layout, reused (a snapshot every step would
+    otherwise allocate, and fault in, a fresh copy of the state each time), with their views
+    per tensor so that one fused copy fills them. Thread-safe: a writer thread releases."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._free: dict[Any, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: Any) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        with self._lock:
+            free = self._free.get(key)
+            return free.pop() if free else None
+
+    def give(self, key: Any, entry: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            if len(free) < self.size:
+                free.append(entry)
+
+
 class _Leaves:
     """Tensors met while walking the tree, grouped by dtype (one buffer each)."""
 
     def __init__(self) -> None:
         self.by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         self.sizes: dict[torch.dtype, int] = {}
+        self.share: tuple[Sequence[int], int] | None = None  # inside a ``Share``: owner, rank
+        self.shared = 0  # tensors of the ``Share`` met so far
 
     def add(self, t: torch.Tensor) -> list[Any]:
+        if self.share is not None:
+            owner, rank = self.share
+            i, self.shared = self.shared, self.shared + 1
+            if i >= len(owner):
+                raise ValueError(f"the shared tree holds more than the {len(owner)} tensors owned")
+            if owner[i] != rank:  # another rank writes it: an empty tensor of its dtype
+                self.by_dtype.setdefault(t.dtype, [])
+                return [_dtype_name(t.dtype), 0, [0]]
         group = self.by_dtype.setdefault(t.dtype, [])
         offset = self.sizes.get(t.dtype, 0)
         group.append(t)
@@ -88,23 +145,59 @@ class _Leaves:
         return [_dtype_name(t.dtype), offset, list(t.shape)]
 
 
-def pack(state: Any) -> Packed:
+def pack(state: Any, pool: BufferPool | None = None) -> Packed:
     """Copy ``state``'s tensors into per-dtype buffers (on the CPU) and describe the rest.
 
     Containers are rebuilt as JSON, so later changes to the caller's dicts and lists do not
     reach the snapshot. Raises ``TypeError`` for anything else (the caller checks states with
-    ``_check_weights_only_safe`` first, which names the offending entry).
+    ``_check_weights_only_safe`` first, which names the offending entry). With ``pool``, the
+    buffers come from (and, through ``Packed.release``, go back to) it.
     """
     leaves = _Leaves()
     tree = _encode(state, leaves)
     order = list(leaves.by_dtype)
-    index = {dtype: i for i, dtype in enumerate(order)}
-    buffers = []
-    for dtype in order:
-        flat = [t.detach().reshape(-1).cpu() for t in leaves.by_dtype[dtype]]
-        buffers.append(torch.cat(flat))
-    names = {_dtype_name(d): index[d] for d in order}
-    return Packed(tree={"index": names, "root": tree}, buffers=buffers)
+    groups = [leaves.by_dtype[dtype] for dtype in order]
+    names = {_dtype_name(d): i for i, d in enumerate(order)}
+    tree = {"index": names, "root": tree}
+    if pool is None or any(t.device.type != "cpu" for g in groups for t in g):
+        buffers = [
+            torch.cat([t.detach().reshape(-1).cpu() for t in g]) if g else torch.empty(0, dtype=d)
+            for d, g in zip(order, groups, strict=True)
+        ]
+        return Packed(tree=tree, buffers=buffers)
+    # Pooled per dtype: a group whose shapes change every step (the step records not gathered
+    # yet) takes a fresh buffer without keeping the model's from being reused.
+    keys = [(d, tuple(t.shape for t in g)) for d, g in zip(order, groups, strict=True)]
+    entries = []
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    for key, group in zip(keys, groups, strict=True):
+        entry = pool.take(key)
+        if entry is None:
+            buf = torch.empty(leaves.sizes.get(key[0], 0), dtype=key[0])
+            views = [
+                buf[at : at + t.numel()].view(t.shape)
+                for at, t in zip(_offsets(group), group, strict=True)
+            ]
+            entry = (buf, views)
+        entries.append(entry)
+        dst.extend(entry[1])
+        src.extend(t.detach() for t in group)
+    compat.foreach_copy(dst, src)
+
+    def release() -> None:
+        for key, entry in zip(keys, entries, strict=True):
+            pool.give(key, entry)
+
+    return Packed(tree=tree, buffers=[e[0] for e in entries], release=release)
+
+
+def _offsets(group: list[torch.Tensor]) -> list[int]:
+    offsets, at = [], 0
+    for t in group:
+        offsets.append(at)
+        at += t.numel()
+    return offsets
 
 
 def _chunks(start: bytes, buffers: list[torch.Tensor], entries: list[dict[str, int]]) -> Any:
@@ -186,6 +279,19 @@ def _encode(obj: Any, leaves: _Leaves) -> Any:
     kind = type(obj)
     if kind in _SCALARS:
         return obj
+    if kind is Share:
+        if leaves.share is not None:
+            raise TypeError("a Share inside a Share")
+        leaves.share, leaves.shared = (obj.owner, obj.rank), 0
+        try:
+            encoded = _encode(obj.tree, leaves)
+        finally:
+            leaves.share = None
+        if leaves.shared != len(obj.owner):
+            raise ValueError(
+                f"the shared tree holds {leaves.shared} tensors, {len(obj.owner)} owned"
+            )
+        return encoded
     # Exact types, as torch.load(weights_only=True) knows them: a subclass (a defaultdict, a
     # namedtuple, a tensor subclass) would come back as its base class, silently.
     if kind is torch.Tensor or kind is torch.nn.Parameter:

@@ -5,8 +5,10 @@ one rank writes all of it, a checkpoint every step costs that rank the whole cop
 write while the others do almost nothing, and the step, which waits for the slowest rank, pays
 the whole cost. Here each rank writes a share: whole tensors, balanced by bytes (largest first,
 to the least loaded rank: the rule of ``ps_wire.shard_by_size``), the other tensors replaced by
-empty placeholders of their dtype so the tree keeps its shape. ``join`` puts the shares of
-every rank's file back together, by the owner list saved beside them.
+empty placeholders of their dtype so the tree keeps its shape (``share`` marks the subtree;
+``pack`` leaves the others' tensors out in its one walk of the state, copying only this rank's).
+``join`` puts the shares of every rank's file back together, by the owner list saved beside
+them.
 
 Why not DCP's deduplication of replicated tensors: it plans every save with collectives, and
 these checkpoints are written without any (see ``background``).
@@ -14,11 +16,14 @@ these checkpoints are written without any (see ``background``).
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from gradsync.fault.packing import Share
 
 __all__ = ["join", "owners", "share"]
 
@@ -28,22 +33,26 @@ def owners(tree: Any, world_size: int) -> list[int]:
     Deterministic for a given tree's shapes and dtypes, so every replica computes the same."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    sizes = [t.numel() * t.element_size() for t in _tensors(tree)]
+    sizes = tuple(t.numel() * t.element_size() for t in _tensors(tree))
+    return list(_balanced(sizes, world_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _balanced(sizes: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    # The same model every step: computed once per layout (a checkpoint every step).
     load = [0] * world_size
     owner = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         r = min(range(world_size), key=lambda r: (load[r], r))
         owner[i] = r
         load[r] += sizes[i]
-    return owner
+    return tuple(owner)
 
 
-def share(tree: Any, rank: int, owner: Sequence[int]) -> Any:
-    """``tree`` with every tensor that ``rank`` does not own replaced by an empty tensor of its
-    dtype (the tensors it owns are the caller's own: ``pack`` copies them)."""
-    return _map_tensors(
-        tree, lambda i, t: t if owner[i] == rank else torch.empty(0, dtype=t.dtype), len(owner)
-    )
+def share(tree: Any, rank: int, owner: Sequence[int]) -> Share:
+    """``tree`` as ``rank`` writes it: ``pack`` copies the tensors ``rank`` owns and packs
+    every other one as an empty tensor of its dtype (``unpack`` gives that tree back)."""
+    return Share(tree, owner, rank)
 
 
 def join(shares: Sequence[Any], owner: Sequence[int]) -> Any:

@@ -117,7 +117,7 @@ def save(
     else:
         state.update(replicated)
     writer = sync._checkpoint_writer(directory, keep)
-    writer.submit(step, snapshot(state))
+    writer.submit(step, snapshot(state, pool=writer.pool), durable=wait)
     if wait:
         writer.wait(step)
     return time.perf_counter() - started
@@ -145,7 +145,8 @@ def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
         "telemetry": sync._pending_telemetry(),
         "extra": {},
     }
-    sync._checkpoint_writer(directory, keep).submit(step, snapshot(state))
+    writer = sync._checkpoint_writer(directory, keep)
+    writer.submit(step, snapshot(state, pool=writer.pool))
 
 
 def _directory_key(sync: Synchronizer) -> str:
