@@ -25,6 +25,7 @@ BENCHMARKS = (
     "balance",
     "sim_calibration",
     "reliability",
+    "zero",
 )
 CLUSTER = "cluster"
 BUDGET_MIN = 40.0
