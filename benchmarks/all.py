@@ -20,6 +20,7 @@ from benchmarks.harness import ROOT, Harness, machine, table
 BENCHMARKS = (
     "bsp_vs_ddp",
     "compression",
+    "codec_speed",
     "ps_transport",
     "dial",
     "balance",

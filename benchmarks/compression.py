@@ -9,6 +9,7 @@ losses after the same number of steps.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
+from benchmarks.codec_speed import load_note
 from benchmarks.harness import REVERSE, Harness, machine, table, time_interleaved
 from benchmarks.steps import POWERSGD_START, Trainer
 from gradsync.launch import launch
@@ -96,11 +98,11 @@ def render(
     parts = [
         "## Gradient compression (issue 4)\n",
         f"Command: `{command}` (repeats {args.repeats}, {args.steps} steps per block, seed "
-        f"{SEED}). Machine: {machine()}. 2 ranks, gloo on loopback, 1 thread per rank, bucket "
-        f"25 MB, each workload's own optimizer and learning rate. Step time: median over "
-        f"interleaved rounds, relative to uncompressed gradsync BSP in the same run. Final "
-        f"loss: mean over ranks of the last {LAST} steps' training loss after the same number "
-        f"of steps from the same seed; gap relative to uncompressed BSP.\n",
+        f"{SEED}). Machine: {machine()}; {load_note(args.load)}. 2 ranks, gloo on loopback, "
+        "1 thread per rank, bucket 25 MB, each workload's own optimizer and learning rate. "
+        "Step time: median over interleaved rounds, relative to uncompressed gradsync BSP in "
+        f"the same run. Final loss: mean over ranks of the last {LAST} steps' training loss "
+        "after the same number of steps from the same seed; gap relative to uncompressed BSP.\n",
     ]
     for name in workloads:
         m = res[name]
@@ -200,11 +202,13 @@ def main() -> None:
         ("charlm", "charlm", {}, 16),
         (f"mlp ({mlp_params / 1e6:g}M params)", "mlp", {"params": mlp_params}, 32),
     ]
+    args.load = [os.getloadavg()[0]]
     results = launch(
         worker,
         ({"repeats": args.repeats, "steps": args.steps, "workloads": workloads},),
         nproc=2,
     )
+    args.load.append(os.getloadavg()[0])
     h.finish(render(results[0], args, [w[0] for w in workloads], h.command()))
 
 

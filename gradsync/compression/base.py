@@ -91,6 +91,22 @@ class Stateless:
         del state
 
 
+class Contribution(Protocol):
+    """This rank's decoded contribution kept in a form cheaper than a dense tensor.
+
+    A hook may record one in ``state.sent[index]`` instead of the tensor: the error-feedback
+    wrapper then calls ``subtract_from(corrected)``, which returns ``corrected`` minus the
+    contribution, computed in place. PowerSGD's is ``P P^T M``, which it subtracts from its
+    factors rather than building an n x m product only to subtract it.
+    """
+
+    def subtract_from(self, corrected: torch.Tensor) -> torch.Tensor: ...
+
+
+#: What a hook records in ``state.sent[index]`` for error feedback.
+Sent = torch.Tensor | Contribution
+
+
 class CompressorState(Protocol):
     group: dist.ProcessGroup | None
     bytes_sent: int

@@ -12,10 +12,12 @@ and mass is conserved: over T steps, ``sum(contributions) + e_T == sum(g)`` (to 
 
 The wrapping protocol is one attribute: an inner state that supports error feedback has
 ``sent: dict[int, Tensor] | None`` (None = do not record) and its hook fills ``sent[index]``
-before its future completes. Every lossy gradsync compressor does; the plain all-reduce has no
-error to feed back. Residuals live in ``state_dict()["residuals"]`` keyed by bucket index
-(tensors only), so a resumed run continues exactly. If a bucket index's size changes (DDP's
-bucket rebuild after its first step), that index's residual is dropped rather than misapplied.
+before its future completes, with the contribution as a tensor or as a ``base.Contribution``
+that subtracts itself from the corrected gradient in place. Every lossy gradsync compressor
+does; the plain all-reduce has no error to feed back. Residuals live in
+``state_dict()["residuals"]`` keyed by bucket index (tensors only), so a resumed run continues
+exactly. If a bucket index's size changes (DDP's bucket rebuild after its first step), that
+index's residual is dropped rather than misapplied.
 
 The wrapped compressor keeps the inner codec and sets ``Compressor.feedback``: a
 parameter-server push (``gradsync.compression.push.PushCodec``) then keeps the same kind of
@@ -89,7 +91,11 @@ def error_feedback_hook(
     def keep_residual(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         value = done.value()
         sent = state.inner.sent.pop(index)
-        state.residuals[index] = corrected.sub_(sent.view_as(corrected).to(corrected.dtype))
+        if isinstance(sent, torch.Tensor):
+            residual = corrected.sub_(sent.view_as(corrected).to(corrected.dtype))
+        else:
+            residual = sent.subtract_from(corrected)
+        state.residuals[index] = residual
         return value
 
     return fut.then(keep_residual)

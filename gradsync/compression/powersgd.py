@@ -19,7 +19,12 @@ index, and for buckets with no compressible matrix, the hook is a plain all-redu
 Bytes this rank hands to collectives per compressed step, in the accumulator dtype (fp32):
 ``4 * (u + sum (n_i + m_i) * R_i)`` where u counts uncompressed elements and ``R_i =
 min(R, n_i, m_i)``. This rank's decoded share, for error feedback, is ``P P^T M``: its
-projection on the agreed subspace, whose mean over ranks is exactly ``P Q^T / W``.
+projection on the agreed subspace, whose mean over ranks is exactly ``P Q^T / W``; it is
+recorded as its factors (:class:`Projection`), which the error-feedback wrapper subtracts from
+the corrected gradient in place.
+
+The products (``_lowrank``) are written in the layouts one-thread MKL runs fastest, which
+makes ``powersgd:4`` step faster than DDP with torch's ``powerSGD_hook`` (BENCHMARKS.md).
 The initial Q comes from a private generator seeded by ``(seed, bucket index)``, equal on all
 ranks; if a bucket index's layout changes (DDP rebuilds buckets after its first step), Q restarts.
 
@@ -45,6 +50,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.compression._lowrank import (
+    compute_p,
+    compute_q,
+    orthonormalize,
+    subtract_outer,
+    write_outer,
+)
 from gradsync.compression._wire import (
     accumulator_dtype,
     derive_seed,
@@ -161,28 +173,6 @@ def _prod(shape: list[int]) -> int:
     return out
 
 
-def orthonormalize(p: torch.Tensor) -> None:
-    """Replace the columns of ``p`` (rows x rank) by an orthonormal basis of their span, in place.
-
-    Reduced QR: an all-zero ``p`` still becomes a basis, so a matrix whose gradient was zero
-    for a step moves again on the next one.
-    """
-    p.copy_(torch.linalg.qr(p).Q)
-
-
-def compute_p(mats: list[torch.Tensor], qs: list[torch.Tensor], ps: list[torch.Tensor]) -> None:
-    """The first half of a power iteration: ``P = M Q`` for every matrix, written into ``ps``."""
-    for m, q, p in zip(mats, qs, ps, strict=True):
-        torch.matmul(m, q, out=p)
-
-
-def compute_q(mats: list[torch.Tensor], ps: list[torch.Tensor], qs: list[torch.Tensor]) -> None:
-    """The second half: orthonormalize every P in place, then ``Q = M^T P`` into ``qs``."""
-    for m, p, q in zip(mats, ps, qs, strict=True):
-        orthonormalize(p)
-        torch.matmul(m.t(), p, out=q)
-
-
 def _warm_q(
     state: PowerSGDState, index: int, plan: Plan, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
@@ -239,9 +229,8 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
     p_work.wait()
     compute_q(mats, ps, qs)
     if state.sent is not None:
-        mine = flat.to(acc, copy=True)
-        for view, p, q in zip(plan.matrix_views(mine), ps, qs, strict=True):
-            view.copy_(p @ q.t())
+        # Q is overwritten by the summed Q when the exchange completes: keep this rank's.
+        mine = Projection(plan, ps, plan.q_views(state.q[index].clone()))
         record_sent(state, index, mine)
     # The uncompressed elements ride with Q, so the blocking all-reduce above stays small.
     n_plain = plan.plain_numel
@@ -253,15 +242,58 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
     def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         reduced = fut.value()[0]
         state.q[index].copy_(reduced[n_plain:])  # the summed Q is next step's warm start
-        for view, p, q in zip(plan.matrix_views(flat), ps, qs, strict=True):
-            view.copy_(torch.mm(p, q.t()).div_(world))
-        start = 0
-        for a, b in plan.plain:
-            flat[a:b].copy_(reduced[start : start + b - a].div(world))
-            start += b - a
+        write_mean(plan, flat, ps, qs, reduced[:n_plain], world)
         return buf
 
     return q_work.get_future().then(finish)
+
+
+def write_mean(
+    plan: Plan,
+    flat: torch.Tensor,
+    ps: list[torch.Tensor],
+    qs: list[torch.Tensor],
+    plain_sum: torch.Tensor,
+    world: int,
+) -> None:
+    """Write the mean into the bucket: ``P (Q / W)^T`` per matrix, the plain sums over W."""
+    for view, p, q in zip(plan.matrix_views(flat), ps, qs, strict=True):
+        # Dividing Q (cols x R) instead of the product saves a pass over the n x m result;
+        # the matmul writes straight into the bucket where the dtypes allow.
+        q_mean = q.div(world)
+        if view.dtype == p.dtype:
+            write_outer(view, p, q_mean)
+        else:
+            mean = torch.empty(view.shape, dtype=p.dtype, device=p.device)
+            write_outer(mean, p, q_mean)
+            view.copy_(mean)
+    start = 0
+    for a, b in plan.plain:
+        flat[a:b].copy_(plain_sum[start : start + b - a].div(world))
+        start += b - a
+
+
+class Projection:
+    """This rank's share ``P P^T M = P Q^T`` (Q = M^T P, before the sum), kept as factors.
+
+    ``subtract_from`` turns the corrected gradient into the residual in place: ``M - P Q^T``
+    per matrix (:func:`subtract_outer`) and zero, exactly, for what went uncompressed.
+    Materializing ``P Q^T`` first, as a dense contribution, cost a copy of the bucket, a pass
+    per matrix and one more to subtract it.
+    """
+
+    __slots__ = ("plan", "ps", "qs")
+
+    def __init__(self, plan: Plan, ps: list[torch.Tensor], qs: list[torch.Tensor]) -> None:
+        self.plan, self.ps, self.qs = plan, ps, qs
+
+    def subtract_from(self, corrected: torch.Tensor) -> torch.Tensor:
+        flat = corrected.view(-1)
+        for view, p, q in zip(self.plan.matrix_views(flat), self.ps, self.qs, strict=True):
+            subtract_outer(view, p, q)
+        for a, b in self.plan.plain:
+            flat[a:b].sub_(flat[a:b])  # sent as is: 0, or NaN where the input was not finite
+        return corrected
 
 
 class PowerSGDCodec:
@@ -303,10 +335,14 @@ class PowerSGDCodec:
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
         p_flat, q_flat, rest = parts
-        out = torch.zeros(self.numel, dtype=self.acc, device=p_flat.device)
+        # Where the shapes cover every element (as push codecs check), each is written below:
+        # no zero fill first.
+        covered = sum(r * c for _, r, c, _ in self.plan.matrices) + self.plan.plain_numel
+        make = torch.empty if covered == self.numel else torch.zeros
+        out = make(self.numel, dtype=self.acc, device=p_flat.device)
         ps, qs = self.plan.p_views(p_flat), self.plan.q_views(q_flat)
         for view, p, q in zip(self.plan.matrix_views(out), ps, qs, strict=True):
-            torch.mm(p, q.t(), out=view)
+            write_outer(view, p, q)
         start = 0
         for a, b in self.plan.plain:
             out[a:b] = rest[start : start + b - a]

@@ -45,11 +45,12 @@ spec            pieces                                                          
 
 ``k = ceil(F * n)`` (at least 1). randomk sends no indices: both ends draw them from a CPU
 generator seeded by ``(seed, step)``, which halves the payload (4k bytes instead of 8k) for an
-O(n) ``randperm`` on each side; the server knows the step because a worker's pushes arrive in
-order, and the CPU generator makes the draw independent of the device on either end. PowerSGD
-computes P and Q locally (one power iteration, warm-started from the previous Q) and sends both,
-so the decode ``P Q^T`` needs no server state. Unlike the all-reduce hook it has no
-``start_iter`` phase of plain steps: those would change the payload size.
+O(k log k) draw (``sparse.random_subset``) on each side; the server knows the step because a
+worker's pushes arrive in order, and the CPU generator makes the draw independent of the device
+on either end. PowerSGD computes P and Q locally (one power iteration, warm-started from the
+previous Q) and sends both, so the decode ``P Q^T`` needs no server state. Unlike the
+all-reduce hook it has no ``start_iter`` phase of plain steps: those would change the payload
+size.
 """
 
 from __future__ import annotations

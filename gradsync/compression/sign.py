@@ -23,6 +23,7 @@ of chunk 1024.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gradsync.compression._wire import accumulator_dtype, all_gather_mean
+from gradsync.compression._wire import (
+    accumulator_dtype,
+    add_scaled_chunks_,
+    all_gather_mean,
+    blocks,
+    scale_chunks_,
+    split_chunks,
+)
 from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
 
 DEFAULT_CHUNK = 64
@@ -50,30 +58,82 @@ class SignState:
         self.chunk = int(state["chunk"])
 
 
+#: ``w * PACK`` gathers the lowest bit of each of the 8 bytes of an int64 word ``w`` into its
+#: top byte, byte j's bit landing on bit j: every partial product falls on its own bit (no
+#: carries), and those meant for the top byte are exactly the 8 wanted ones. The product wraps
+#: past 2**64 by design: torch's int64 multiply wraps in two's complement (tests compare the
+#: result with the portable weighted sum below).
+PACK = 0x0102040810204080
+
+
 def _bit_weights(device: torch.device) -> torch.Tensor:
     return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
 
+@functools.cache
+def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Row ``b``: the 8 signs (+1 for a set bit, -1 otherwise) that byte ``b`` packs."""
+    bits = (torch.arange(256, device=device)[:, None] & _bit_weights(device)) != 0
+    return bits.to(dtype).mul_(2.0).sub_(1.0)
+
+
+def chunk_mean_abs(flat: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``mean |x|`` per chunk of flat ``x``, dividing the short last chunk by its own length."""
+    n = flat.numel()
+    out = torch.empty(-(-n // chunk), device=flat.device)
+    for start, stop in blocks(n, chunk):
+        # |x| a block at a time: a bucket-sized temporary costs more than the sum itself.
+        rows, tail = split_chunks(flat[start:stop], chunk)
+        first = start // chunk
+        torch.sum(rows.abs(), dim=1, out=out[first : first + rows.shape[0]])
+        if tail.numel():
+            out[-1] = tail.abs().sum()
+    out[: n // chunk].div_(chunk)
+    if n % chunk:
+        out[-1] /= n % chunk
+    return out
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Flat bool ``bits`` (a multiple of 8 long) -> one byte per 8, bit ``8i + j`` on bit ``j``
+    of byte ``i``."""
+    if sys.byteorder != "little":  # the word trick below reads bytes in little-endian order
+        weights = _bit_weights(bits.device)
+        return (bits.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+    # One int64 word per output byte: multiply, keep the top byte. Two passes over n/8 words
+    # instead of eight shifts, or a weighted sum, over all n bytes.
+    product = bits.view(torch.uint8).view(torch.int64).mul_(PACK)
+    return product.view(torch.uint8)[7::8].clone()
+
+
 def pack_signs(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat ``x`` -> (fp32 scale per chunk, sign bits packed eight to a byte)."""
-    n = x.numel()
-    pad = (-n) % chunk
-    rows = F.pad(x.reshape(-1).float(), (0, pad)).view(-1, chunk)
-    # Padding is zeros, so it adds nothing to the sum; divide by the real count per chunk.
-    counts = torch.full((rows.shape[0],), float(chunk), device=rows.device)
-    counts[-1] = chunk - pad
-    scale = rows.abs().sum(dim=1) / counts
-    bits = (rows >= 0).to(torch.uint8).view(-1, 8)
-    packed = (bits * _bit_weights(rows.device)).sum(dim=1, dtype=torch.uint8)
-    # Whole chunks are only needed for the scales; the bits stop at the last real byte.
-    return scale, packed[: -(-n // 8)]
+    """Flat ``x`` -> (fp32 scale per chunk, sign bits packed eight to a byte).
+
+    Zeros count as positive, and so do the unused bits of the last byte (as before, when the
+    input was padded with zeros).
+    """
+    flat = x.reshape(-1).float()
+    n = flat.numel()
+    bits = torch.empty(-(-n // 8) * 8, dtype=torch.bool, device=flat.device)
+    bits[n:] = True
+    torch.ge(flat, 0, out=bits[:n])
+    return chunk_mean_abs(flat, chunk), pack_bits(bits)
 
 
-def unpack_signs(scale: torch.Tensor, packed: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
-    bits = (packed[:, None] & _bit_weights(packed.device)) != 0
-    signs = F.pad(bits.view(-1).float(), (0, scale.numel() * chunk - 8 * packed.numel()))
-    signs = signs.view(-1, chunk).mul_(2.0).sub_(1.0).mul_(scale[:, None])
-    return signs.view(-1)[:numel]
+def signs_of(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """+1 or -1 per element, as a new flat tensor of ``dtype``: one table row per byte."""
+    table = _sign_table(dtype, packed.device)
+    return F.embedding(packed.long(), table).view(-1)[:numel]
+
+
+def unpack_signs(
+    scale: torch.Tensor,
+    packed: torch.Tensor,
+    numel: int,
+    chunk: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    return scale_chunks_(signs_of(packed, numel, dtype), scale, chunk)
 
 
 class SignCodec(Stateless):
@@ -90,10 +150,16 @@ class SignCodec(Stateless):
         return [scale, bits]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
-        return unpack_signs(parts[0], parts[1], self.numel, self.chunk).to(self.acc)
+        return unpack_signs(parts[0], parts[1], self.numel, self.chunk, self.acc)
 
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
-        out.add_(unpack_signs(parts[0], parts[1], self.numel, self.chunk).to(out.dtype))
+        # +-1 times the scale is exact, so this equals out.add_(decode(...)) bit for bit. A block
+        # at a time (chunks are a multiple of 8: blocks start on a byte), no bucket-sized signs.
+        scale, packed = parts
+        for start, stop in blocks(self.numel, self.chunk):
+            signs = signs_of(packed[start // 8 : -(-stop // 8)], stop - start, out.dtype)
+            first, last = start // self.chunk, -(-stop // self.chunk)
+            add_scaled_chunks_(out[start:stop], signs, scale[first:last], self.chunk)
 
 
 def sign_hook(state: SignState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.compression._select import random_subset, top_magnitudes
 from gradsync.compression._wire import (
     accumulator_dtype,
     all_gather_mean,
@@ -77,9 +78,8 @@ class TopKCodec(Stateless):
         self.layout: Layout = ((torch.int32, k), (wire, k))
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
-        # sorted=False: order is irrelevant to the scatter and skips an O(k log k) sort.
-        index = x.abs().topk(self.k, sorted=False).indices
-        return [index.to(torch.int32), x[index].to(self.wire)]
+        index, values = top_magnitudes(x, self.k)
+        return [index.to(torch.int32), values.to(self.wire)]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=self.acc, device=parts[0].device)
@@ -152,7 +152,7 @@ class RandomKCodec(Stateless):
     def indices(self, step: int, device: torch.device) -> torch.Tensor:
         draw = device if self.draw_device is None else self.draw_device
         gen = generator(derive_seed(*self.key, step), draw)
-        return torch.randperm(self.numel, generator=gen, device=draw)[: self.k].to(device)
+        return random_subset(self.numel, self.k, gen, draw).to(device)
 
     def gather(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         # Each coordinate is kept with probability k/n: scaling by n/k makes it unbiased.
