@@ -229,9 +229,7 @@ def memory_reading(mem: dict[str, Any], specs: list[str], ranks: list[int]) -> s
         return ""
     numels = next(iter(next(iter(mem.values())).values()))["numels"]
     full = full_bytes(numels)
-    gathers = ", ".join(
-        f"{(n + 1) * 4 * largest_shard(numels, n) / MB:.1f} MB at {n}" for n in ranks
-    )
+    kept = ", ".join(f"{n * 4 * largest_shard(numels, n) / MB:.1f} MB at {n}" for n in ranks)
     saved = ", ".join(f"{(1 - 1 / n) * full['optimizer'] / MB:.1f} MB at {n}" for n in ranks)
     grads = ", ".join(f"{(1 - 1 / n) * full['grads'] / MB:.1f} MB at {n}" for n in ranks)
     text = "Peak resident memory (over start) against bsp's with as many ranks: "
@@ -240,14 +238,15 @@ def memory_reading(mem: dict[str, Any], specs: list[str], ranks: list[int]) -> s
     if below:
         text += ("; " if above else "") + "below it for " + ", ".join(below)
     return (
-        text + ". Holding less between steps lowers the peak only by what the step's own "
-        "buffers do not take back: every zero:1/zero:2 step allocates, for its parameter "
-        "all-gather, a buffer of all N chunks and one of its own chunk (N + 1 chunks of the "
-        f"largest shard: {gathers} rank(s) for this model), and zero:2 packs the whole "
-        "gradient into one buffer for its reduce-scatter while the backward's gradients are "
-        f"being freed; stage 1 saves (1 - 1/N) of AdamW's state ({saved} rank(s)), stage 2 "
-        f"also (1 - 1/N) of the gradients ({grads} rank(s)). The held bytes are the issue's "
-        "measure; the peak is what a rank needs to have free."
+        text + ". Holding less between steps lowers the peak only by what the stage's own "
+        "buffers do not take back: every zero:1/zero:2 rank keeps one flat buffer of N chunks "
+        f"of the largest shard for its parameter exchange ({kept} rank(s) for this model; "
+        "allocated once and reused, not counted as gradients or parameters above; zero:1 on "
+        "one rank, with nothing to exchange, never touches it), into which "
+        "zero:2 also packs each gradient as the backward pass finishes it, plus zero:2's own "
+        f"chunk of the reduced gradient; stage 1 saves (1 - 1/N) of AdamW's state ({saved} "
+        f"rank(s)), stage 2 also (1 - 1/N) of the gradients ({grads} rank(s)). The held bytes "
+        "are the issue's measure; the peak is what a rank needs to have free."
     )
 
 
@@ -257,13 +256,15 @@ def comm_reading(tim: dict[str, Any]) -> str:
         return ""
     return (
         "The exchanges themselves, timed in the same processes (float32, the model's "
-        f"{tim['comm_mb']:.1f} MB in 2 chunks, medians): one all-gather (zero:1 and zero:2's "
-        f"parameter exchange) {c['all_gather']:.1f} ms, one broadcast from each rank of its "
-        "chunk (the bytes ZeroRedundancyOptimizer broadcasts, which it sends parameter by "
-        f"parameter) {c['broadcasts']:.1f} ms; one reduce-scatter "
-        f"(zero:2's gradient exchange) {c['reduce_scatter']:.1f} ms, one all-reduce (bsp's and "
-        f"zero:1's) {c['all_reduce']:.1f} ms. These are gloo's implementations on loopback; "
-        "another backend ranks them differently."
+        f"{tim['comm_mb']:.1f} MB in 2 chunks, medians): the parameters, by one all-gather "
+        f"(zero:1 and zero:2's way on NCCL) {c['all_gather']:.1f} ms, by one broadcast from "
+        "each rank of its chunk (their way on gloo, and the bytes ZeroRedundancyOptimizer "
+        f"broadcasts parameter by parameter) {c['broadcasts']:.1f} ms; the gradient, by one "
+        f"reduce-scatter (zero:2's way on NCCL) {c['reduce_scatter']:.1f} ms, by a ring of "
+        f"send/receive pairs (zero:2's way on gloo) {c['ring']:.1f} ms, by one all-reduce "
+        f"(bsp's and zero:1's) {c['all_reduce']:.1f} ms. These are gloo's implementations on "
+        "loopback; another backend ranks them differently, which is why the stages choose by "
+        "backend."
     )
 
 
@@ -429,7 +430,7 @@ def _params(mem: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    h = Harness("benchmarks.zero", __doc__, repeats=9)
+    h = Harness("benchmarks.zero", __doc__, repeats=7)
     p = h.parser
     p.add_argument(
         "--strategies",
@@ -437,7 +438,7 @@ def main() -> int:
         help="comma-separated gradsync specs; one gradsync refuses is skipped (%(default)s)",
     )
     p.add_argument("--ranks", default="1,2,4", help="rank counts of the memory part")
-    p.add_argument("--steps", type=int, default=6, help="steps per timed block")
+    p.add_argument("--steps", type=int, default=4, help="steps per timed block")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     p.add_argument("--mem-steps", type=int, default=3, help="steps before memory is counted")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")

@@ -245,11 +245,15 @@ def time_rank(job: dict[str, Any]) -> dict[str, Any] | None:
 
 def collectives(numel: int, repeats: int) -> dict[str, float]:
     """Median milliseconds of the exchanges the stages are built of, for a float32 tensor of
-    ``numel`` elements split in ``world`` chunks: what zero:1/2 send (one all-gather of the
-    parameters, zero:2's reduce-scatter of the gradient) beside what BSP and
-    ZeroRedundancyOptimizer send (one all-reduce; one broadcast from each rank of its chunk).
-    Interleaved, between barriers."""
-    from gradsync.strategies.zero_shards import all_gather_flat, reduce_scatter_flat
+    ``numel`` elements split in ``world`` chunks: what zero:1/2 send (the parameters by one
+    all-gather on NCCL, by one broadcast from each rank of its chunk on gloo; zero:2's gradient
+    by one reduce-scatter on NCCL, by a ring of send/receive pairs on gloo) beside what BSP
+    sends (one all-reduce). Interleaved, between barriers."""
+    from gradsync.strategies.zero_shards import (
+        all_gather_flat,
+        reduce_scatter_flat,
+        ring_reduce_scatter,
+    )
 
     world = dist.get_world_size()
     chunk = -(-numel // world)
@@ -266,6 +270,7 @@ def collectives(numel: int, repeats: int) -> dict[str, float]:
         "broadcasts": broadcasts,
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter": lambda: reduce_scatter_flat(mine, full),
+        "ring": lambda: ring_reduce_scatter(mine, full, dist.get_rank(), world),
     }
     times: dict[str, list[float]] = {k: [] for k in ops}
     for _ in range(repeats):

@@ -24,7 +24,12 @@ from gradsync.config import RunConfig
 from gradsync.errors import UsageError
 from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 from gradsync.strategies import ZeroStage1, ZeroStage2, parse_strategy
-from gradsync.strategies.zero_shards import OwnerLayout
+from gradsync.strategies.zero_shards import (
+    COLLECTIVE,
+    POINT_TO_POINT,
+    OwnerLayout,
+    choose_exchange,
+)
 from gradsync.telemetry.cli import _format_bytes
 from gradsync.testing import run_ranks
 from gradsync.workloads import make_workload
@@ -34,8 +39,10 @@ STAGES = ("zero:1", "zero:2")
 
 
 @functools.cache
-def _reference(optimizer: str, world: int, clip: bool = False) -> list[torch.Tensor]:
-    return zr.reference(optimizer, world, clip)
+def _reference(
+    optimizer: str, world: int, clip: bool = False, edited: bool = False
+) -> list[torch.Tensor]:
+    return zr.reference(optimizer, world, clip, edited)
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -118,6 +125,50 @@ def test_each_rank_holds_only_its_shards_optimizer_state_and_zero2_only_its_grad
     sizes = [p.numel() for p in zr._workload().build_model().parameters()]
     loads = [sum(sizes[i] for i in out["zero:1 sgd"]["state"]) for out in results]
     assert len(set(loads)) == world, loads
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_gloo_picks_point_to_point_and_either_way_of_exchanging_follows_one_process(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """Broadcasts and a send/receive ring (gloo's way), or the flat all-gather and
+    reduce-scatter (NCCL's, forced here on gloo): the same trajectory, to 1e-10."""
+    world, results = exact
+    expected = _reference("adamw", world)
+    for stage in STAGES:
+        assert results[0][f"{stage} adamw"]["buffers"][-1]["exchange"] == POINT_TO_POINT
+        for exchange in (COLLECTIVE, POINT_TO_POINT):
+            name = f"{stage} adamw {exchange}"
+            for out in results:
+                assert out[name]["buffers"][-1]["exchange"] == exchange, name
+                for step, params in enumerate(out[name]["params"]):
+                    _assert_close(params, expected[step], f"{name}, step {step}")
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_the_buffers_are_kept_between_steps_and_a_parameter_changed_between_steps_holds(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """Every step reuses the same flat buffers; no parameter or gradient shares their storage
+    (the next step overwrites them); a change the user makes to every parameter between steps
+    is what the next step starts from, on every rank, as in one process."""
+    world, results = exact
+    for name in zr.exactness_cases(world):
+        if not name.startswith("zero"):
+            continue
+        for out in results:
+            buffers = out[name]["buffers"]
+            assert all(b["ptrs"] == buffers[0]["ptrs"] for b in buffers), name
+            assert not any(b["params_alias"] or b["grads_alias"] for b in buffers), name
+    expected, unedited = _reference("sgd", world, edited=True), _reference("sgd", world)
+    assert not torch.allclose(expected[-1], unedited[-1])  # the edit mattered
+    for stage in STAGES:
+        name = f"{stage} sgd edited"
+        for out in results:
+            for step, params in enumerate(out[name]["params"]):
+                _assert_close(params, expected[step], f"{name}, step {step}")
 
 
 @pytest.mark.ranks
@@ -300,6 +351,18 @@ def test_the_layout_gives_whole_tensors_by_size_in_equal_padded_chunks() -> None
     f32.zero_padding(buf, [0, 1])
     assert buf[10].item() == 0.0 and int((buf == 0).sum()) == 1
     assert layout.mine == [params[1], params[3]] and layout.others == [params[0], params[2]]
+
+
+@pytest.mark.unit
+def test_the_exchange_is_chosen_by_the_backend_that_carries_the_tensors() -> None:
+    assert choose_exchange("gloo", "cpu") == POINT_TO_POINT
+    assert choose_exchange("nccl", "cuda") == COLLECTIVE
+    assert choose_exchange("cpu:gloo,cuda:nccl", "cpu") == POINT_TO_POINT
+    assert choose_exchange("cpu:gloo,cuda:nccl", "cuda") == COLLECTIVE
+    assert choose_exchange("mpi", "cpu") == COLLECTIVE
+    with pytest.raises(ValueError, match="exchange must be one of auto, point-to-point"):
+        ZeroStage2(exchange="ring")
+    assert ZeroStage1().exchange == "auto"
 
 
 @pytest.mark.unit

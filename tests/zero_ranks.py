@@ -15,6 +15,7 @@ import gradsync as gs
 from gradsync import inject
 from gradsync.balance import ShardBalancer
 from gradsync.errors import UsageError
+from gradsync.strategies import ZeroStage1, ZeroStage2
 from gradsync.strategies.base import clip_grad_norm
 from gradsync.workloads import make_workload
 
@@ -24,6 +25,7 @@ STEPS = 4
 MAX_NORM = 0.05  # below the mean gradient's norm at every step, so the clip cuts
 SHARES = [1.0, 3.0, 2.0]  # fixed uneven shards for the balanced case
 TIMEOUT_S = 30.0  # a rank left waiting by a bug fails the test in seconds, not minutes
+EDIT_STEP = 2  # the "edit" cases change every parameter in place before this step
 
 
 def _workload(dtype: str = "float64") -> Any:
@@ -55,7 +57,18 @@ def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
 
 
-def reference(optimizer: str, world: int, clip: bool = False) -> list[torch.Tensor]:
+def edit(model: nn.Module) -> None:
+    """What a user may do to the parameters between steps (a manual rescale, a partial
+    reload): every tensor changed in place, alike on every rank. A stage that kept stale
+    copies in its reused buffers would bring the old values back."""
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            p.mul_(0.5 + 0.1 * k)
+
+
+def reference(
+    optimizer: str, world: int, clip: bool = False, edited: bool = False
+) -> list[torch.Tensor]:
     """One process on the whole global batch, with the same groups and schedule: what every
     stage must reproduce. The parameters after every step."""
     w = _workload()
@@ -65,6 +78,8 @@ def reference(optimizer: str, world: int, clip: bool = False) -> list[torch.Tens
     gb = PER_RANK * world
     out = []
     for step in range(STEPS):
+        if edited and step == EDIT_STEP:
+            edit(model)
         opt.zero_grad()
         w.loss(model, *w.batch(step, gb, 0, gb)).backward()
         if clip:
@@ -110,21 +125,28 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     balance = (
         ShardBalancer(world, shares=SHARES[:world], adapt=False) if case.get("balanced") else False
     )
+    strategy: Any = case["strategy"]
+    if "exchange" in case:  # the stage object itself, with its way of exchanging forced
+        stage = ZeroStage1 if strategy == "zero:1" else ZeroStage2
+        strategy = stage(exchange=case["exchange"])
     sync = gs.Synchronizer(
         model,
         opt,
-        strategy=case["strategy"],
+        strategy=strategy,
         compression=case.get("compression"),
         bucket_mb=0.01,  # several buckets under zero:1, as under bsp
         check_every=1,  # the divergence check after every step, besides the test's own
         balance=balance,
         timeout_s=TIMEOUT_S,
     )
-    params, norms = [], []
+    params, norms, buffers = [], [], []
     for step in range(STEPS):
+        if case.get("edit") and step == EDIT_STEP:
+            edit(model)
         norms.append(_step_block(sync, w, model, step, rank, case))
         sched.step()
         params.append(flat(model))
+        buffers.append(_buffers(sync, model))
     index = {id(p): i for i, p in enumerate(model.parameters())}
     out = {
         "params": params,
@@ -133,10 +155,30 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         "state": sorted(index[id(p)] for p in opt.state),
         "grads": sorted(i for i, p in enumerate(model.parameters()) if p.grad is not None),
         "lrs": [g["lr"] for g in opt.param_groups],
+        "buffers": buffers,
     }
     sync.report()
     sync.close()
     return out
+
+
+def _buffers(sync: gs.Synchronizer, model: nn.Module) -> dict[str, Any] | None:
+    """A stage's kept buffers after a step: their addresses (the same every step when they
+    are reused), how the stage exchanges, and whether a parameter or a gradient shares
+    storage with one (a parameter must not: the next step overwrites the buffer)."""
+    strategy = sync.strategy
+    if not isinstance(strategy, ZeroStage1 | ZeroStage2):
+        return None
+    shards = strategy.shards
+    kept = {t.untyped_storage().data_ptr() for t in shards.flat}
+    tensors = list(model.parameters())
+    grads = [p.grad for p in tensors if p.grad is not None]
+    return {
+        "ptrs": [t.data_ptr() for t in shards.flat],
+        "exchange": shards.exchange,
+        "params_alias": any(p.untyped_storage().data_ptr() in kept for p in tensors),
+        "grads_alias": any(g.untyped_storage().data_ptr() in kept for g in grads),
+    }
 
 
 def exactness_cases(world: int) -> dict[str, dict[str, Any]]:
@@ -149,6 +191,13 @@ def exactness_cases(world: int) -> dict[str, dict[str, Any]]:
     cases["zero:2 clip strategy"] = {"strategy": "zero:2", "optimizer": "sgd", "clip": "strategy"}
     cases["zero:2 clip handle"] = {"strategy": "zero:2", "optimizer": "sgd", "clip": "handle"}
     cases["zero:2 balanced"] = {"strategy": "zero:2", "optimizer": "adamw", "balanced": True}
+    # NCCL's way (the flat all-gather and reduce-scatter), forced here on gloo, and gloo's
+    # own chosen explicitly: both must give the same trajectory
+    for stage in ("zero:1", "zero:2"):
+        for exchange in ("collective", "point-to-point"):
+            case = {"strategy": stage, "optimizer": "adamw", "exchange": exchange}
+            cases[f"{stage} adamw {exchange}"] = case
+        cases[f"{stage} sgd edited"] = {"strategy": stage, "optimizer": "sgd", "edit": True}
     for spec in ("bsp", "zero:1"):
         cases[f"{spec} topk"] = {"strategy": spec, "optimizer": "sgd", "compression": "topk:0.1"}
     return cases

@@ -3,11 +3,19 @@
 
 - ``zero:1``: the gradient is exchanged exactly as under ``bsp`` (the same bucketed, overlapped
   all-reduce, so every compressor works as it does there); each rank then steps the optimizer on
-  the parameter tensors it owns, and one all-gather brings every rank's updated tensors to
-  every rank. Every rank holds the whole mean gradient, as under ``bsp``.
-- ``zero:2``: after the backward pass one reduce-scatter sums the gradient so that each rank
-  receives only its own tensors' part (laid out by owner, padded to equal chunks); the others'
-  gradients are freed (their ``p.grad`` is None), then the same shard step and all-gather.
+  the parameter tensors it owns, and one exchange brings every rank's updated tensors to every
+  rank (an all-gather on NCCL, one broadcast per owner on gloo). Every rank holds the whole
+  mean gradient, as under ``bsp``.
+- ``zero:2``: as the backward pass finishes each tensor's gradient (its last micro-batch), the
+  gradient is scaled into the rank's kept flat buffer (laid out by owner, padded to equal
+  chunks) and freed, so the whole gradient never exists twice; then one reduce-scatter (NCCL)
+  or a ring of send/receive pairs (gloo) sums the buffer so that each rank receives only its
+  own tensors' part. Either way each rank sends (N - 1)/N of the gradient's bytes, half of what
+  an all-reduce sends, and receives into one chunk-sized buffer; the others' gradients are
+  freed (their ``p.grad`` is None), then the same shard step and exchange of the update.
+  Memory: between steps a rank holds its chunk of the gradient plus the kept buffer (one copy
+  of the parameters' bytes, shared by the gradient's way out and the parameters' way back,
+  which are never in use together); no step allocates a full-size buffer.
 
 Both follow one process on the global batch (tested in float64 to 1e-10 on 2 and 3 ranks, SGD
 with momentum and AdamW, with micro-batches and uneven shards) and leave every replica with
@@ -16,15 +24,15 @@ stepped on the owned tensors only) are in ``zero_shards``, which says why that k
 user's optimizer, param groups and schedulers unchanged.
 
 Why not torch's own pieces: ``ZeroRedundancyOptimizer`` *is* an optimizer, built from a class
-and defaults: the user's optimizer object would stop being the one that steps, so the
-schedulers attached to it, its ``state_dict()`` in checkpoints and the Synchronizer's count of
-its steps would no longer mean anything; it has no stage 2 (it expects whole gradients, as DDP
-leaves them), it brings the update back with one broadcast per rank rather than one
-all-gather, and its ``state_dict()`` is a collective consolidation on one rank, where gradsync
-writes one file per rank without a collective. Its partition rule (whole tensors, largest to
-the least loaded rank) is the one used here. FSDP2's ``fully_shard`` replaces the module's
-parameters by sharded DTensors, so it must run before the optimizer is built (the user's
-optimizer would hold the old tensors), the divergence check would compare shards, and it
+and defaults: the user's optimizer object would stop being the one that steps, so the schedulers
+attached to it, its ``state_dict()`` in checkpoints and the Synchronizer's count of its steps
+would no longer mean anything; it has no stage 2 (it expects whole gradients, as DDP leaves
+them), it brings the update back tensor by tensor (one broadcast per parameter) rather than in
+one flat buffer per rank, and its ``state_dict()`` is a collective consolidation on one rank,
+where gradsync writes one file per rank without a collective. Its partition rule (whole tensors,
+largest to the least loaded rank) is the one used here. FSDP2's ``fully_shard`` replaces the
+module's parameters by sharded DTensors, so it must run before the optimizer is built (the
+user's optimizer would hold the old tensors), the divergence check would compare shards, and it
 gathers parameters in the forward pass: that is stage 3, the candidate for ``zero:3``.
 
 The gradient-ready point (``s.synchronize()``): under ``zero:1`` ``p.grad`` holds the mean
@@ -53,7 +61,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,10 +75,13 @@ from gradsync.spec import COMPRESSION_FORMS
 from gradsync.strategies.base import StepOutcome, StepPlan, Strategy, SyncContext, total_norm
 from gradsync.strategies.bsp import BSP, late_gradient, wrong_passes
 from gradsync.strategies.zero_shards import (
+    POINT_TO_POINT,
     FlatGroup,
     OwnerLayout,
     ShardedUpdate,
+    check_exchange,
     reduce_scatter_flat,
+    ring_reduce_scatter,
     updated_by,
 )
 from gradsync.telemetry.records import Span
@@ -109,8 +120,10 @@ class ZeroStage1(BSP):
     #: each rank's file holds its own shard of the optimizer state
     resizable = False
 
-    def __init__(self) -> None:
+    def __init__(self, exchange: str = "auto") -> None:
         super().__init__()
+        #: how the update travels (``zero_shards.EXCHANGES``; "auto": by the group's backend)
+        self.exchange = check_exchange(exchange)
         self._shards: ShardedUpdate | None = None
 
     def setup(self, ctx: SyncContext) -> None:
@@ -119,7 +132,7 @@ class ZeroStage1(BSP):
         layout = OwnerLayout(params, runtime.world_size(ctx.group), ctx.rank)
         layout.check(updated_by(ctx.optimizer), self.name)
         super().setup(ctx)
-        self._shards = ShardedUpdate(ctx, layout, self.name)
+        self._shards = ShardedUpdate(ctx, layout, self.name, self.exchange)
 
     @property
     def shards(self) -> ShardedUpdate:
@@ -146,18 +159,23 @@ class ZeroStage1(BSP):
 
 
 class _BackwardPasses:
-    """Counts the backward passes of a step (post-accumulate-grad hooks), and notices one that
-    comes after the gradient-ready point."""
+    """Counts the backward passes of a step (post-accumulate-grad hooks), hands each parameter
+    to ``on_last`` once its gradient has accumulated the step's last pass, and notices a pass
+    that comes after the gradient-ready point."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], on_last: Callable[[torch.Tensor], None]
+    ) -> None:
         self.armed = False
         #: a gradient arrived after the exchange, before the update
         self.late = False
         self._seen: dict[int, int] = {}
+        self._passes = 1
+        self._on_last = on_last
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def arm(self) -> None:
-        self.armed, self.late, self._seen = True, False, {}
+    def arm(self, passes: int) -> None:
+        self.armed, self.late, self._seen, self._passes = True, False, {}, passes
 
     def disarm(self) -> None:
         self.armed, self.late = False, False
@@ -169,7 +187,9 @@ class _BackwardPasses:
         if not self.armed:
             self.late = True
             return
-        self._seen[id(param)] = self._seen.get(id(param), 0) + 1
+        seen = self._seen[id(param)] = self._seen.get(id(param), 0) + 1
+        if seen == self._passes:
+            self._on_last(param)
 
     def close(self) -> None:
         for h in self._handles:
@@ -187,13 +207,19 @@ class ZeroStage2(Strategy):
     resizable = False
     replicates_every_step = True
 
-    def __init__(self) -> None:
+    def __init__(self, exchange: str = "auto") -> None:
+        #: how the gradient and the update travel (``zero_shards.EXCHANGES``)
+        self.exchange = check_exchange(exchange)
         self._ctx: SyncContext | None = None
         self._layout: OwnerLayout | None = None
         self._shards: ShardedUpdate | None = None
         self._passes: _BackwardPasses | None = None
         #: this rank's part of the reduced gradient, one buffer per flat group
         self._received: list[torch.Tensor] = []
+        #: where each parameter's gradient goes: (flat group, index in it)
+        self._slots: dict[int, tuple[int, int]] = {}
+        #: the parameters whose gradient is already in the exchange's buffer this step
+        self._packed: set[int] = set()
         self._micro_batches = 1
         self._scale = 1.0
 
@@ -205,9 +231,17 @@ class ZeroStage2(Strategy):
         layout = self._layout = OwnerLayout(params, runtime.world_size(ctx.group), ctx.rank)
         layout.check(updated_by(ctx.optimizer), self.name)
         self._ctx = ctx
-        self._shards = ShardedUpdate(ctx, layout, self.name)
-        self._passes = _BackwardPasses(params)
+        self._shards = ShardedUpdate(ctx, layout, self.name, self.exchange)
+        self._passes = _BackwardPasses(params, self._pack_one)
         self._received = [g.empty(1) for g in layout.groups]
+        self._slots = {
+            id(p): (k, i) for k, g in enumerate(layout.groups) for i, p in enumerate(g.params)
+        }
+
+    @property
+    def shards(self) -> ShardedUpdate:
+        assert self._shards is not None, "setup() has not run"
+        return self._shards
 
     def _parts(self) -> tuple[SyncContext, OwnerLayout, ShardedUpdate, _BackwardPasses]:
         assert self._ctx and self._layout and self._shards and self._passes, "setup() has not run"
@@ -223,7 +257,8 @@ class ZeroStage2(Strategy):
         # The mean over ranks and micro-batches (and the balancing weight) rides on the copy
         # into the exchange's buffer, so the reduce-scatter is a plain sum.
         self._scale = plan.sample_weight / (layout.world * plan.average_over)
-        passes.arm()
+        self._packed.clear()
+        passes.arm(plan.micro_batches)
 
     def gradients_ready(self, step: int) -> StepOutcome:
         _, _, _, passes = self._parts()
@@ -249,20 +284,27 @@ class ZeroStage2(Strategy):
         ctx, layout, shards, passes = self._parts()
         passes.disarm()
         wall0, t0 = time.time(), time.perf_counter()
-        sends = [self._pack(g, poison) for g in layout.groups]
+        sends = shards.flat
+        for g, send in zip(layout.groups, sends, strict=True):
+            self._pack_rest(g, send, poison)
+        ring = shards.exchange == POINT_TO_POINT
 
         def run() -> None:
+            pairs = zip(self._received, sends, strict=True)
+            if ring:
+                for received, send in pairs:
+                    ring_reduce_scatter(received, send, layout.rank, layout.world, ctx.group)
+                return
             works = [
                 reduce_scatter_flat(received, send, group=ctx.group, async_op=True)
-                for received, send in zip(self._received, sends, strict=True)
+                for received, send in pairs
             ]
             for work in works:
                 work.wait()
 
-        what = f"zero:2 gradient reduce-scatter ({len(sends)} buffer(s))"
-        shards.collective(step, what, run)
+        kind = "ring reduce-scatter (send/receive)" if ring else "reduce-scatter"
+        shards.collective(step, f"zero:2 gradient {kind} ({len(sends)} buffer(s))", run)
         nbytes = sum(s.numel() * s.element_size() for s in sends)
-        sends.clear()  # frees the whole-gradient buffers: only this rank's shard is kept
         spans = []
         if ctx.record_spans:
             args = {"bytes": nbytes}
@@ -277,22 +319,34 @@ class ZeroStage2(Strategy):
             return StepOutcome(bytes_sent=nbytes, skipped=True, spans=spans)
         return StepOutcome(bytes_sent=nbytes, spans=spans)
 
-    def _pack(self, group: FlatGroup, poison: bool) -> torch.Tensor:
-        """The whole local gradient of one flat group, by owner, scaled on the way in; each
-        ``p.grad`` is freed once copied."""
-        send = group.empty(group.world)
+    def _pack_one(self, param: torch.Tensor) -> None:
+        """The backward pass has finished ``param``'s gradient for this step: scale it into the
+        exchange's buffer and free it now, so that the whole gradient never exists twice (the
+        backward's tensors and the buffer) and the copies run while backward goes on."""
+        k, i = self._slots[id(param)]
+        _, layout, shards, _ = self._parts()
+        g = layout.groups[k]
+        if param.grad is not None:
+            torch.mul(param.grad, self._scale, out=g.view(shards.flat[k], i))
+            param.grad = None
+            self._packed.add(id(param))
+
+    def _pack_rest(self, group: FlatGroup, send: torch.Tensor, poison: bool) -> None:
+        """Complete one flat group's buffer: the gradients not packed during backward (a
+        tensor left out of a micro-batch: scaled in now; one without a gradient on this rank:
+        zero) and the padding; with ``poison``, NaN everywhere instead."""
         for i, p in enumerate(group.params):
+            if id(p) in self._packed:
+                continue
             view = group.view(send, i)
-            g = p.grad
-            if g is None:  # no gradient this step on this rank: it counts as zero
+            if p.grad is None:
                 view.zero_()
             else:
-                torch.mul(g, self._scale, out=view)
+                torch.mul(p.grad, self._scale, out=view)
             p.grad = None
         group.zero_padding(send, range(group.world))
         if poison:
             send.fill_(float("nan"))
-        return send
 
     def _all_ranks_finite(self, step: int) -> bool:
         """Whether every rank's shard of the mean gradient is finite: one 1-element sum."""

@@ -20,8 +20,24 @@ only the shard: such optimizers do not fit ZeRO at all.
 
 Each stage moves tensors through flat buffers of ``world`` equal chunks, one per (dtype,
 device): rank r's tensors in registration order from ``r * chunk``, padded with zeros to the
-largest shard. One ``all_gather`` per buffer brings every rank's updated tensors to every rank;
-under ``zero:2`` the gradient goes the other way first, one ``reduce_scatter`` per buffer.
+largest shard. Each rank allocates that buffer once (``ShardedUpdate.flat``) and keeps it
+between steps: a fresh 76 MB buffer cost 49 ms a step to allocate and fault in on the
+benchmark's machine, against 11 ms to copy into a kept one. The parameters never alias it (the
+gathered tensors are copied out), so overwriting it at the next step changes nothing the user
+holds; ``zero:2`` packs its gradient into the same buffer, which is free until the update's
+gather. Held between steps, it is one extra copy of the parameters' bytes per rank, which
+the tables count as neither gradient nor parameter.
+
+How the buffers travel depends on the backend (``choose_exchange``): NCCL (and any backend but
+gloo) takes the flat collectives, an in-place ``all_gather_into_tensor`` per buffer and, under
+``zero:2``, one ``reduce_scatter_tensor``. Gloo's versions of those are slow on CPU: for the
+benchmark's 76 MB on 2 ranks the flat all-gather took 168-200 ms where one broadcast from each
+rank of its own chunk took 31-44 ms (the same bytes), and the reduce-scatter 187-220 ms where an
+all-reduce took 91-100 ms and a ring of send/receive pairs 69 ms. So on gloo the parameters
+come back by one broadcast per owner, straight into the kept buffer, and the gradient goes by
+that ring (``ring_reduce_scatter``): each rank sends (N - 1)/N of the gradient, as a
+reduce-scatter does (an all-reduce would send twice that), and receives into its own shard's
+buffer only.
 """
 
 from __future__ import annotations
@@ -47,6 +63,62 @@ all_gather_flat: Any = getattr(dist, "all_gather_single", None) or dist.all_gath
 reduce_scatter_flat: Any = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
+
+#: the ways of carrying the stages' buffers: broadcasts and a send/receive ring (gloo's fast
+#: path), or the flat all-gather and reduce-scatter (NCCL's natural one)
+POINT_TO_POINT, COLLECTIVE = "point-to-point", "collective"
+EXCHANGES = ("auto", POINT_TO_POINT, COLLECTIVE)
+
+
+def check_exchange(exchange: str) -> str:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {exchange!r}")
+    return exchange
+
+
+def choose_exchange(backend: str, device_type: str) -> str:
+    """How to carry tensors of ``device_type`` over a group whose backend is ``backend`` (as
+    ``dist.get_backend`` names it: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``): point to
+    point where gloo carries them, the flat collectives everywhere else."""
+    if ":" in backend:
+        per_device = dict(part.split(":", 1) for part in backend.split(","))
+        backend = per_device.get(device_type, "")
+    return POINT_TO_POINT if backend.strip().lower() == "gloo" else COLLECTIVE
+
+
+def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
+    """``rank`` of ``group`` as the point-to-point calls name it (the default group's rank)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def ring_reduce_scatter(
+    received: torch.Tensor, send: torch.Tensor, rank: int, world: int, group: Any = None
+) -> None:
+    """Sum ``send`` (``world`` chunks, one per rank) over the ranks so that ``received`` gets
+    the sum of chunk ``rank``: ``world - 1`` rounds in which each rank passes a partial sum to
+    the next and adds the one it receives into ``send`` (which it overwrites). ``received``
+    doubles as the landing place of every round, so nothing else is allocated."""
+    chunk = received.numel()
+
+    def part(r: int) -> torch.Tensor:
+        return send[r * chunk : (r + 1) * chunk]
+
+    if world == 1:
+        received.copy_(part(0))
+        return
+    right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+    for s in range(world - 1):
+        # round s passes on chunk rank-s-1 (summed over s+1 ranks so far) and receives chunk
+        # rank-s-2 from the left; the last round's is this rank's own chunk
+        ops = [
+            dist.P2POp(dist.isend, part((rank - s - 1) % world), right, group),
+            dist.P2POp(dist.irecv, received, left, group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if s < world - 2:
+            part((rank - s - 2) % world).add_(received)
+    received.add_(part(rank))
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +225,20 @@ class ShardedUpdate:
     """The update of both stages: the user's optimizer on this rank's tensors (through the
     GradScaler when there is one), then every rank's updated tensors gathered everywhere."""
 
-    def __init__(self, ctx: SyncContext, layout: OwnerLayout, name: str) -> None:
+    def __init__(
+        self, ctx: SyncContext, layout: OwnerLayout, name: str, exchange: str = "auto"
+    ) -> None:
         self.ctx, self.layout, self.name = ctx, layout, name
         self.spans: list[Span] = []
+        if check_exchange(exchange) == "auto":
+            device = layout.params[0].device.type
+            exchange = choose_exchange(str(dist.get_backend(ctx.group)), device)
+        #: how the buffers travel: POINT_TO_POINT or COLLECTIVE
+        self.exchange = exchange
+        #: one buffer of ``world`` chunks per flat group, kept between steps (the module's
+        #: docstring says why); its pages are touched at first use (under ``zero:1`` on one
+        #: rank, never)
+        self.flat = [g.empty(layout.world) for g in layout.groups]
 
     def collective(self, step: int | None, what: str, run: Callable[[], T]) -> T:
         """``run`` (collectives and their waits) through the hang diagnosis, when there is one
@@ -209,42 +292,69 @@ class ShardedUpdate:
             c.copy_(total.reshape(c.shape).to(c.device))
 
     def gather(self, step: int) -> int:
-        """Every rank's updated tensors to every rank: one all-gather per flat group."""
+        """Every rank's updated tensors to every rank, through the kept buffers: one in-place
+        all-gather per flat group, or on gloo one broadcast per owner's chunk."""
         layout, ctx = self.layout, self.ctx
-        rank, world = layout.rank, layout.world
+        if layout.world == 1:  # the optimizer updated every tensor in place: nothing to send
+            return 0
+        rank = layout.rank
         wall0, t0 = time.time(), time.perf_counter()
-        fulls, nbytes = [], 0
+        nbytes = 0
         with torch.no_grad():
-            sends = []
-            for g in layout.groups:
-                mine = g.empty(1)
+            mine = []
+            for g, full in zip(layout.groups, self.flat, strict=True):
+                base = rank * g.chunk
+                own = full[base : base + g.chunk]
                 for i in g.owned(rank):
-                    g.view(mine, i, base=rank * g.chunk).copy_(g.params[i])
-                g.zero_padding(mine, [rank], base=rank * g.chunk)
-                sends.append(mine)
-                fulls.append(g.empty(world))
-                nbytes += mine.numel() * mine.element_size()
-
-            def run() -> None:
-                works = [
-                    all_gather_flat(full, mine, group=ctx.group, async_op=True)
-                    for full, mine in zip(fulls, sends, strict=True)
-                ]
-                for work in works:
-                    work.wait()
-
-            what = f"{self.name} parameter all-gather ({len(fulls)} buffer(s))"
-            self.collective(step, what, run)
-            for g, full in zip(layout.groups, fulls, strict=True):
-                for i, owner in enumerate(g.owners):
-                    if owner != rank:
-                        g.params[i].copy_(g.view(full, i))
+                    g.view(own, i, base=base).copy_(g.params[i])
+                g.zero_padding(own, [rank], base=base)
+                mine.append(own)
+                nbytes += own.numel() * own.element_size()
+            what = f"{self.name} parameter {self._gather_name()} ({len(mine)} buffer(s))"
+            self.collective(step, what, lambda: self._exchange_params(mine))
         if ctx.record_spans:
             args = {"bytes": nbytes}
             self.spans.append(
                 Span(-1, -1, "allgather", wall0, time.perf_counter() - t0, "comm", args)
             )
         return nbytes
+
+    def _gather_name(self) -> str:
+        return "broadcasts" if self.exchange == POINT_TO_POINT else "all-gather"
+
+    def _exchange_params(self, mine: list[torch.Tensor]) -> None:
+        """Fill every flat buffer from its owners (``mine``: this rank's chunk of each) and copy
+        the other ranks' tensors out; on gloo each owner's tensors are copied out as soon as its
+        broadcast lands, while the later ones are still on the wire."""
+        layout, group = self.layout, self.ctx.group
+        if self.exchange == COLLECTIVE:
+            works = [
+                all_gather_flat(full, own, group=group, async_op=True)
+                for full, own in zip(self.flat, mine, strict=True)
+            ]
+            for work in works:
+                work.wait()
+            for g, full in zip(layout.groups, self.flat, strict=True):
+                for owner in range(layout.world):
+                    if owner != layout.rank:
+                        self._unpack(g, full, owner)
+            return
+        pending = []
+        for g, full in zip(layout.groups, self.flat, strict=True):
+            for owner in range(layout.world):
+                chunk = full[owner * g.chunk : (owner + 1) * g.chunk]
+                work = dist.broadcast(chunk, src=_peer(group, owner), group=group, async_op=True)
+                pending.append((g, full, owner, work))
+        for g, full, owner, work in pending:
+            work.wait()
+            if owner != layout.rank:
+                self._unpack(g, full, owner)
+
+    @staticmethod
+    def _unpack(g: FlatGroup, full: torch.Tensor, owner: int) -> None:
+        for i, o in enumerate(g.owners):
+            if o == owner:
+                g.params[i].copy_(g.view(full, i))
 
     def take_spans(self) -> list[Span]:
         spans, self.spans = self.spans, []
