@@ -24,12 +24,17 @@ is tested in ``tests/test_compat.py``.
   with its workers through our function (its ``_create_tcp_store_server``), so that the store
   listens on the run's address instead of every interface (see ``gradsync.stores``; this one
   and its fallback are tested in ``tests/test_stores.py``).
+- ``fsdp2``: FSDP2's ``fully_shard``, ``DTensor`` and ``DeviceMesh``, public from torch 2.6
+  (``torch.distributed.fsdp``, ``torch.distributed.tensor``) and private before
+  (``torch.distributed._composable.fsdp``, ``torch.distributed._tensor``); None where this
+  torch has neither, so ``zero:3`` is refused with that reason.
 """
 
 from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -170,11 +175,38 @@ __all__ = [
     "default_group",
     "default_store",
     "foreach_copy",
+    "fsdp2",
     "hold_until_exit",
+    "is_dtensor",
     "mark_optimizer_stepped",
     "override_shared_store_server",
     "set_collective_timeout",
 ]
+
+
+@functools.lru_cache(maxsize=1)
+def fsdp2() -> tuple[Any, Any, Any] | None:
+    """``(fully_shard, DTensor, DeviceMesh)`` from wherever this torch keeps them, or None."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:
+        return None
+    try:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return fully_shard, DTensor, DeviceMesh
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (a parameter FSDP2 sharded); False where torch has none."""
+    found = fsdp2()
+    return found is not None and isinstance(t, found[1])
 
 
 def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

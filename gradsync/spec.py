@@ -112,12 +112,7 @@ def _staleness(text: str) -> dict[str, Any]:
 
 def _stage(text: str) -> dict[str, Any]:
     stage = int(text)
-    if stage == 3:
-        raise _Refused(
-            "zero:3 (parameters sharded too) is not available yet; use zero:1 (optimizer state "
-            "sharded) or zero:2 (optimizer state and gradients)"
-        )
-    if stage not in (1, 2):
+    if stage not in (1, 2, 3):
         raise ValueError(text)
     return {"stage": stage}
 
@@ -143,7 +138,7 @@ def _table(forms: Iterable[Any]) -> Mapping[str, Any]:
 STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
     [
         StrategyForm("bsp"),
-        StrategyForm("zero", "N", "1 or 2", _stage, _show_stage),
+        StrategyForm("zero", "N", "1, 2 or 3", _stage, _show_stage),
         StrategyForm("local", "H", "an integer >= 1", _period, _show_period),
         StrategyForm("diloco", "H", "an integer >= 1", _period, _show_period),
         StrategyForm(

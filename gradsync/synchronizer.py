@@ -171,6 +171,7 @@ class Synchronizer:
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
         self.strategy = parse_strategy(strategy, servers=servers, timeout_s=timeout_s)
+        _check_sharded_model(model, self.strategy)
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         # DDP broadcasts buffers from rank 0 at the first forward after a gradient-syncing one:
         # once per step, at its first micro-batch. The start of the step block is the same point.
@@ -241,6 +242,7 @@ class Synchronizer:
         except BaseException:
             self._release_timeout()
             raise
+        self._trainable = self.strategy.trainable() or self._trainable
         self._back_to_user()
         # Counts every optimizer.step(); gradsync's own are expected, any other is the
         # double-step trap of a ported script (optimizer.step() or scaler.step() kept).
@@ -724,7 +726,10 @@ class Synchronizer:
             return
         token = torch.tensor([int(self._save_id, 16) - (1 << 63)], dtype=torch.int64)
         token = token.to(runtime.device())
-        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        # A model sharded with FSDP2 already holds one shard per rank, not a replica.
+        tensors = [
+            t for t in [*self.model.parameters(), *self.model.buffers()] if not compat.is_dtensor(t)
+        ]
         self._broadcast([*tensors, token], START, "initial broadcast", "parameter/buffer")
         self._save_id = f"{int(token.item()) + (1 << 63):016x}"
 
@@ -749,6 +754,15 @@ class Synchronizer:
 
         what = f"{name} of {len(tensors)} {kind} tensors from rank 0"
         self._watch.run(step, what, broadcast)
+
+
+def _check_sharded_model(model: torch.nn.Module, strategy: Strategy) -> None:
+    if not strategy.takes_sharded_models and any(compat.is_dtensor(p) for p in model.parameters()):
+        raise UsageError(
+            f"this model's parameters are FSDP2 DTensors (it went through fully_shard), which "
+            f"strategy {strategy.name} cannot synchronize: it exchanges whole tensors. Use "
+            "strategy='zero:3' (--strategy zero:3), which takes the sharded model as it is"
+        )
 
 
 def _check_arguments(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import compat, runtime
 from gradsync.config import RunConfig
 from gradsync.fault.diagnose import END
 from gradsync.inject import maybe_kill, parse_kill
@@ -199,9 +199,13 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
             if rank == 0:
                 _log_checkpoint(checkpoints, step + 1, seconds)
     report = sync.report()
+    # The final parameters, so runs (interrupted or not) can be compared bit for bit: whole
+    # tensors (gathering zero:3's shards is a collective, so every rank takes part).
+    final = {
+        k: v.full_tensor() if compat.is_dtensor(v) else v for k, v in model.state_dict().items()
+    }
     if rank == 0:
-        # The final parameters, so runs (interrupted or not) can be compared bit for bit.
-        torch.save(model.state_dict(), run_dir / FINAL_MODEL)
+        torch.save(final, run_dir / FINAL_MODEL)
     progress.close()
     _write_spans(sync, run_dir)
     sync.close()

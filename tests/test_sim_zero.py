@@ -1,7 +1,8 @@
-"""The simulator's ZeRO stages: ``zero:1`` and ``zero:2`` priced with the alpha-beta model.
+"""The simulator's ZeRO stages priced with the alpha-beta model.
 
 ``zero:1`` = bsp's all-reduce + one all-gather of the parameters; ``zero:2`` = one
-reduce-scatter + the same all-gather (docs/simulator.md). Ring costs are written out by hand
+reduce-scatter + the same all-gather; ``zero:3`` = one reduce-scatter + two all-gathers (before
+the forward and the backward pass) (docs/simulator.md). Ring costs are written out by hand
 here, not taken from ``gradsync.sim.model``, so a wrong formula there is caught too.
 """
 
@@ -122,11 +123,12 @@ def test_simulate_prints_zero_rows_beside_bsp(capsys: pytest.CaptureFixture[str]
     assert rows["bsp"][1:3] == ["allreduce", f"{2 * gather:.3f}"]
     assert rows["zero:1"][1:4] == ["allreduce", f"{2 * gather:.3f}", f"{gather:.3f}"]
     assert rows["zero:2"][1:4] == ["reducescatter", f"{gather:.3f}", f"{gather:.3f}"]
+    assert rows["zero:3"][1:4] == ["reducescatter", f"{gather:.3f}", f"{2 * gather:.3f}"]
     doc = json.loads(
         _run_cli([*argv, "--link-gbps", "1", "--strategy", "zero:1", "--json"], capsys)
     )
     assert doc["strategy"] == "zero:1"
-    assert [r["strategy"] for r in doc["beside_bsp"]] == ["bsp", "zero:1", "zero:2"]
+    assert [r["strategy"] for r in doc["beside_bsp"]] == ["bsp", "zero:1", "zero:2", "zero:3"]
     assert doc["comm_ms_total"] == pytest.approx(5 * 3 * gather)
 
 
@@ -140,17 +142,28 @@ def test_sweep_shows_zero_beside_bsp(capsys: pytest.CaptureFixture[str], tmp_pat
     assert (tmp_path / "sim_scaling.png").is_file()
 
 
+@pytest.mark.parametrize("n", [2, 4, 7])
+def test_zero3_comm_is_a_reduce_scatter_and_two_all_gathers(n: int) -> None:
+    c = _compute(n)
+    res = simulate("zero:3", c, _link())
+    expected = 3 * _ring_half_ms(n, ALPHA, SLOW_BETA, NBYTES)
+    np.testing.assert_allclose(res.comm_ms, expected, rtol=1e-12)
+    assert res.strategy == "zero:3"
+
+
 @pytest.mark.parametrize(
-    "make", [lambda: parse_strategy("zero:3"), lambda: Strategy(kind="zero", param=3)]
+    "make", [lambda: parse_strategy("zero:4"), lambda: Strategy(kind="zero", param=4)]
 )
-def test_zero3_is_refused_naming_what_is_modelled(make: Any) -> None:
-    with pytest.raises(UsageError, match=r"zero:3.*the simulator models bsp, zero:1, zero:2, ssp"):
+def test_a_stage_beyond_3_is_refused_naming_what_is_modelled(make: Any) -> None:
+    with pytest.raises(
+        UsageError, match=r"zero:4.*the simulator models bsp, zero:1, zero:2, zero:3"
+    ):
         make()
 
 
 def test_zero_refusals_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(UsageError, match="the simulator models bsp, zero:1, zero:2"):
-        _run_cli(["simulate", "--strategy", "zero:3"], capsys)
+    with pytest.raises(UsageError, match="the simulator models bsp, zero:1, zero:2, zero:3"):
+        _run_cli(["simulate", "--strategy", "zero:4"], capsys)
     with pytest.raises(UsageError, match="reduce-scatter runs after the backward pass"):
         _run_cli(["simulate", "--strategy", "zero:2", "--overlap"], capsys)
     with pytest.raises(UsageError, match="does not predict zero:1"):

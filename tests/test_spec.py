@@ -33,7 +33,7 @@ pytestmark = pytest.mark.unit
 # The texts the messages end with, as the API has always printed them.
 STRATEGY_TEXT = (
     "bsp, zero:N, local:H, diloco:H, ssp:S, async "
-    "(N 1 or 2, H an integer >= 1, S an integer >= 0 or inf)"
+    "(N 1, 2 or 3, H an integer >= 1, S an integer >= 0 or inf)"
 )
 COMPRESSION_TEXT = (
     "none, fp16, bf16, int8, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
@@ -170,7 +170,7 @@ def test_a_new_strategy_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(spec_module, "STRATEGY_TABLE", table)
     assert spec_module._strategy_forms(table) == (
         "bsp, zero:N, local:H, diloco:H, ssp:S, async, hogwild, stage:N "
-        "(N 1 or 2, H an integer >= 1, S an integer >= 0 or inf, N 1, 2 or 3)"
+        "(N 1, 2 or 3, H an integer >= 1, S an integer >= 0 or inf)"
     )
     hogwild = parse_strategy_spec("Hogwild")
     assert (hogwild, str(hogwild), hogwild.uses_servers) == (

@@ -309,13 +309,12 @@ def test_a_stage_refuses_compression_and_a_model_too_small_to_shard_saying_why(
 
 
 @pytest.mark.unit
-def test_the_stage_specs_parse_and_zero3_is_refused_as_not_available_yet() -> None:
+def test_the_stage_specs_parse_and_a_stage_beyond_3_is_refused() -> None:
     assert parse_strategy_spec("zero:1") == StrategySpec(kind="zero", stage=1)
     assert str(parse_strategy_spec(" ZERO: 2 ")) == "zero:2"
-    assert "zero:N" in STRATEGY_FORMS and "N 1 or 2" in STRATEGY_FORMS
-    with pytest.raises(UsageError, match=r"zero:3 \(parameters sharded too\) is not available"):
-        parse_strategy_spec("zero:3")
-    with pytest.raises(UsageError, match="strategy 'zero:4': N must be 1 or 2; valid: bsp"):
+    assert str(parse_strategy_spec("zero:3")) == "zero:3"
+    assert "zero:N" in STRATEGY_FORMS and "N 1, 2 or 3" in STRATEGY_FORMS
+    with pytest.raises(UsageError, match="strategy 'zero:4': N must be 1, 2 or 3; valid: bsp"):
         parse_strategy_spec("zero:4")
     assert isinstance(parse_strategy("zero:1"), ZeroStage1)
     assert isinstance(parse_strategy("zero:2"), ZeroStage2)

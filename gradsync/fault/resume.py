@@ -106,7 +106,10 @@ def save(
         "telemetry": sync._pending_telemetry(),
         "extra": extra or {},
     }
-    replicated = {"model": sync.model.state_dict(), "optimizer": sync.optimizer.state_dict()}
+    replicated = {
+        "model": sync.strategy.model_state_dict(sync.model),
+        "optimizer": sync.optimizer.state_dict(),
+    }
     if sync.strategy.resizable:
         # Every replica holds the same model and optimizer state (what makes the strategy
         # resizable): each rank writes a share of it, so the bytes written do not grow with
@@ -213,7 +216,7 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
         role.restore(state["server"])
         sync.load_state_dict(state["sync"])
         return {**(state.get("extra") or {}), "step": sync.step_count}
-    sync.model.load_state_dict(state["model"])
+    sync.strategy.load_model_state_dict(sync.model, state["model"])
     sync.optimizer.load_state_dict(state["optimizer"])
     lost = bool(state["sync"].get("strategy", {}).get("compressor"))
     if changed and lost and sync.rank == 0:

@@ -20,7 +20,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     sim = subparsers.add_parser(
         "simulate",
         help="predict step time, idle and staleness of a strategy at any scale",
-        description="Simulate data-parallel training (no processes): BSP, ZeRO stages 1 and 2, "
+        description="Simulate data-parallel training (no processes): BSP, ZeRO stages 1, 2 and 3, "
         "SSP, async, local SGD, DiLoCo, overlap; sweeps over staleness and workers; or predict "
         "a real run.",
     )
@@ -66,7 +66,7 @@ def _add_communication_and_strategy(sim: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--strategy",
         default="bsp",
-        help="bsp | zero:1 | zero:2 | ssp:S | async | local:H | diloco:H",
+        help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | diloco:H",
     )
     s.add_argument("--overlap", action="store_true", help="BSP (or zero:1) with bucketed overlap")
     s.add_argument(

@@ -22,7 +22,7 @@ from gradsync.sim.options import (
 from gradsync.sim.simulate import overlap_summary, simulate, zero_comm_ms
 
 #: The strategies ``simulate --strategy zero:N`` prints side by side.
-BESIDE_BSP = ("bsp", "zero:1", "zero:2")
+BESIDE_BSP = ("bsp", "zero:1", "zero:2", "zero:3")
 
 
 def beside_bsp(compute: np.ndarray, comm: CommModel) -> list[dict[str, Any]]:

@@ -18,8 +18,8 @@ from gradsync.spec import STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
 SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco")
-#: The ZeRO stages the simulator models (``zero:3`` is neither run nor modelled).
-ZERO_STAGES = (1, 2)
+#: The ZeRO stages the simulator models.
+ZERO_STAGES = (1, 2, 3)
 
 
 def modelled() -> str:

@@ -167,10 +167,14 @@ def zero_comm_ms(stage: int, comm: CommModel, workers: int) -> tuple[str, float,
     """``(gradient op, its ms, all-gather ms)`` of one ``zero:<stage>`` step.
 
     ``zero:1`` all-reduces the gradient (as ``bsp``) and ``zero:2`` reduce-scatters it; both
-    then all-gather the updated parameters (``comm.nbytes``, a gradient's size).
+    then all-gather the updated parameters (``comm.nbytes``, a gradient's size). ``zero:3``
+    reduce-scatters the gradient and all-gathers the parameters twice, before the forward and
+    again before the backward pass (FSDP2 frees them after each); priced unhidden, as gloo on
+    CPU runs them (FSDP2's prefetch overlaps them with compute on GPUs).
     """
     op = "allreduce" if stage == 1 else "reducescatter"
-    return op, comm.collective_ms(op, workers), comm.collective_ms("allgather", workers)
+    gathers = 2 if stage == 3 else 1
+    return op, comm.collective_ms(op, workers), gathers * comm.collective_ms("allgather", workers)
 
 
 def _zero(c: np.ndarray, comm: CommModel, stage: int, ov: Overlap | None) -> SimResult:

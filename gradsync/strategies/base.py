@@ -220,6 +220,8 @@ class Strategy(Protocol):
     #: whether replicas agree after every step: buffers (BatchNorm statistics) are then kept
     #: in agreement too, from rank 0 at the start of every step, as DDP's broadcast_buffers
     replicates_every_step: bool = False
+    #: whether it takes a model whose parameters FSDP2 already sharded (DTensors)
+    takes_sharded_models: bool = False
 
     def setup(self, ctx: SyncContext) -> None: ...
 
@@ -267,6 +269,20 @@ class Strategy(Protocol):
         """Called on every worker at the start of ``sync.save()``, after ``step`` steps, before
         any of the save's collectives (parameter servers are asked to snapshot here)."""
         return None
+
+    def trainable(self) -> list[torch.Tensor] | None:
+        """After ``setup``: the tensors the user's optimizer steps, where they are no longer
+        the model's parameters (``zero:3``: this rank's shards); None keeps the model's."""
+        return None
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The model's part of this rank's checkpoint (plain tensors: ``zero:3`` gives this
+        rank's shards where ``model.state_dict()`` would give DTensors)."""
+        return model.state_dict()
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
+        """Restore what ``model_state_dict`` saved."""
+        model.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -15,6 +15,7 @@ from gradsync.strategies.bsp import BSP
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer
 from gradsync.strategies.zero import ZeroStage1, ZeroStage2, refuse_compression
+from gradsync.strategies.zero3 import ZeroStage3
 
 
 def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float = 300.0) -> Strategy:
@@ -35,7 +36,8 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
     if parsed.kind == "bsp":
         return BSP()
     if parsed.kind == "zero":
-        return ZeroStage1() if parsed.stage == 1 else ZeroStage2()
+        stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+        return stages[parsed.stage or 1]()
     if parsed.kind in ("local", "diloco"):
         assert parsed.period is not None
         return LocalSGD(parsed.period) if parsed.kind == "local" else DiLoCo(parsed.period)

@@ -221,6 +221,34 @@ def updated_by(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def unscale_agreed(
+    ctx: SyncContext,
+    collective: Callable[[str, Callable[[], None]], None],
+    name: str,
+    full_grads: bool,
+) -> None:
+    """Make the GradScaler's skip decision the whole gradient's on every rank. Unscaling
+    here (unless the user did at the gradient-ready point) while ``zero:1`` still holds
+    every gradient makes its inf/NaN check the global one; under ``zero:2`` and ``zero:3``
+    the ranks each check their shard, so their counts are summed over ranks (``collective``
+    runs the all-reduce), as FSDP's ShardedGradScaler does."""
+    if not compat.scaler_unscaled(ctx.scaler, ctx.optimizer):
+        ctx.scaler.unscale_(ctx.optimizer)
+    if full_grads:
+        return
+    counts = compat.scaler_found_inf(ctx.scaler, ctx.optimizer)
+    total = torch.zeros(1, dtype=torch.float32, device=runtime.device())
+    for c in counts:
+        total += c.to(total.device).reshape(1)
+
+    def agree() -> None:
+        dist.all_reduce(total, group=ctx.group)
+
+    collective(f"{name} GradScaler inf/NaN count (all-reduce)", agree)
+    for c in counts:
+        c.copy_(total.reshape(c.shape).to(c.device))
+
+
 class ShardedUpdate:
     """The update of both stages: the user's optimizer on this rank's tensors (through the
     GradScaler when there is one), then every rank's updated tensors gathered everywhere."""
@@ -270,26 +298,9 @@ class ShardedUpdate:
         return applied, self.gather(step) if applied else 0
 
     def _unscale(self, step: int, full_grads: bool) -> None:
-        """Make the GradScaler's skip decision the whole gradient's on every rank. Unscaling
-        here (unless the user did at the gradient-ready point) while ``zero:1`` still holds
-        every gradient makes its inf/NaN check the global one; ``zero:2``'s ranks each check
-        their shard, so their counts are summed over ranks, as FSDP's ShardedGradScaler does."""
-        ctx = self.ctx
-        if not compat.scaler_unscaled(ctx.scaler, ctx.optimizer):
-            ctx.scaler.unscale_(ctx.optimizer)
-        if full_grads:
-            return
-        counts = compat.scaler_found_inf(ctx.scaler, ctx.optimizer)
-        total = torch.zeros(1, dtype=torch.float32, device=runtime.device())
-        for c in counts:
-            total += c.to(total.device).reshape(1)
-
-        def agree() -> None:
-            dist.all_reduce(total, group=ctx.group)
-
-        self.collective(step, f"{self.name} GradScaler inf/NaN count (all-reduce)", agree)
-        for c in counts:
-            c.copy_(total.reshape(c.shape).to(c.device))
+        unscale_agreed(
+            self.ctx, lambda what, run: self.collective(step, what, run), self.name, full_grads
+        )
 
     def gather(self, step: int) -> int:
         """Every rank's updated tensors to every rank, through the kept buffers: one in-place

@@ -1,0 +1,174 @@
+"""ZeRO stage 3 (``zero:3``, FSDP2 underneath): one process's trajectory on the global batch,
+each rank holding 1/N of the parameters and optimizer state, a model the user sharded
+themselves, the non-finite skip agreed by every rank, checkpoints, refusals and the CLI.
+
+One spawn per world size (``zero3_ranks.everything``) runs every case; each test reads its part.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradsync import compat
+from gradsync.strategies import parse_strategy
+from gradsync.strategies.zero3 import ZeroStage3, _units
+from gradsync.testing import run_ranks
+from gradsync.workloads import make_workload
+from tests import zero3_ranks as z3
+from tests import zero_ranks as zr
+
+pytestmark = pytest.mark.skipif(compat.fsdp2() is None, reason="this torch has no FSDP2")
+
+
+@functools.cache
+def _reference(optimizer: str, world: int, clip: bool = False) -> list[torch.Tensor]:
+    return zr.reference(optimizer, world, clip)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err <= 1e-10 * scale, f"{what}: max abs error {err:.3e} exceeds 1e-10 x {scale:.3e}"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    world = int(request.param)
+    root = tmp_path_factory.mktemp(f"zero3-{world}")
+    return world, run_ranks(z3.everything, world, str(root), timeout_s=240)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_zero3_follows_one_process_on_the_global_batch(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """float64, SGD with momentum and AdamW, two param groups, an lr schedule, 2 micro-batches
+    a step, uneven shards on 3 ranks; clipping through the step handle clips the global
+    gradient; a model the user sharded with fully_shard trains the same."""
+    world, results = runs
+    for name, case in z3.exactness_cases().items():
+        expected = _reference(case["optimizer"], world, clip=case.get("clip") == "handle")
+        for rank, out in enumerate(results):
+            for step, params in enumerate(out[name]["params"]):
+                _assert_close(params, expected[step], f"{name}, rank {rank}, step {step}")
+    clipped = results[0]["sgd clip handle"]["norms"]
+    assert all(n is not None and n > zr.MAX_NORM for n in clipped), clipped  # the clip cut
+    assert len({tuple(out["sgd clip handle"]["norms"]) for out in results}) == 1
+    lrs = [0.05 / (zr.STEPS + 1), 0.02 / (zr.STEPS + 1)]
+    assert results[0]["sgd"]["lrs"] == pytest.approx(lrs, rel=1e-12)  # the schedule was followed
+    start = zr.flat(zr._workload().build_model())
+    assert not torch.allclose(results[0]["adamw"]["params"][-1], start)  # training moved them
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_each_rank_holds_its_shard_of_the_parameters_and_of_the_optimizer_state(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    world, results = runs
+    total = sum(p.numel() for p in zr._workload().build_model().parameters())
+    for name in ("adamw", "adamw presharded"):
+        held = [out[name]["held"] for out in results]
+        assert sum(held) == total, (name, held)  # every element once, on one rank
+        # Shards by rows: no rank holds more than its share plus one row of each tensor.
+        assert max(held) <= total / world + 64 * 6, (name, held)
+        # AdamW's two moments, of this rank's shard only
+        assert [out[name]["state"] for out in results] == [2 * h for h in held]
+        assert all(out[name]["sharded"] for out in results)  # the module holds DTensors
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = runs
+    nan = [out["nan"] for out in results]
+    # Only rank 0's shard held the NaN: rank 1 skipped because the ranks agreed.
+    assert nan[0]["finite_here"][z3.NAN_STEP] is False
+    assert nan[1]["finite_here"][z3.NAN_STEP] is True
+    for out in nan:
+        assert out["skipped"] == [s == z3.NAN_STEP for s in range(zr.STEPS)]
+        assert torch.equal(out["params"][z3.NAN_STEP], out["params"][z3.NAN_STEP - 1])
+        assert torch.isfinite(out["params"][-1]).all()
+        assert not torch.equal(out["params"][-1], out["params"][z3.NAN_STEP])
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_a_checkpoint_resumes_bitwise_each_rank_with_its_shards(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = runs
+    for out in results:
+        assert out["resumed"]["start"] == z3.SAVE_AT
+        # AdamW restarted from zero moments, or parameters left at their start, land elsewhere.
+        assert torch.equal(out["resumed"]["params"], out["straight"]["params"])
+        assert out["resumed"]["state"] == out["straight"]["state"] == 6
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_zero3_refuses_what_it_cannot_run_saying_why(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = runs
+    for out in results:
+        refused = out["refusals"]
+        assert refused["compression"].startswith(
+            "zero:3 cannot compress its gradient exchange (compression fp16)"
+        ), refused["compression"]
+        assert "build the Synchronizer before the first optimizer step" in refused["stepped"]
+        assert refused["balance"].startswith("balance needs bsp, zero:1 or zero:2 (got zero:3)")
+        assert "FSDP2 DTensors" in refused["sharded under bsp"]
+        assert "strategy='zero:3'" in refused["sharded under bsp"]
+
+
+@pytest.mark.unit
+def test_the_units_are_the_blocks_of_a_sequential_and_none_with_a_shared_parameter() -> None:
+    mlp = make_workload("mlp", seed=0, params=5000).build_model()
+    assert _units(mlp) == [m for m in mlp if next(m.parameters(), None) is not None]
+    charlm = make_workload("charlm", seed=0).build_model()
+    assert _units(charlm) == list(charlm.blocks)  # type: ignore[union-attr]
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    assert _units(tied) == []
+    stage = parse_strategy("zero:3")
+    assert isinstance(stage, ZeroStage3) and not stage.resizable and not stage.weights_samples
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_gradsync_run_with_zero3_matches_bsp_and_resumes_after_a_kill(tmp_path: Path) -> None:
+    def run(strategy: str, out: Path, *extra: str) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", "mlp",
+               "--strategy", strategy, "--steps", "12", "--seed", "7", "--out", str(out),
+               "--no-plots", "--no-progress", "--timeout", "60", *extra]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((out / "report.json").read_text())
+
+    bsp = run("bsp", tmp_path / "bsp")
+    killed = run(
+        "zero:3", tmp_path / "z3", "--checkpoint-every", "1", "--kill", "1:6", "--max-restarts", "1"
+    )
+    assert killed["steps"] == bsp["steps"]
+    assert killed["final_loss"] == pytest.approx(bsp["final_loss"], rel=1e-5)
+    # The final model is whole (rank 0 gathered the shards), and the same as bsp's.
+    ours = torch.load(tmp_path / "z3" / "final_model.pt", weights_only=True)
+    theirs = torch.load(tmp_path / "bsp" / "final_model.pt", weights_only=True)
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert ours[k].shape == theirs[k].shape
+        assert torch.allclose(ours[k], theirs[k], rtol=1e-4, atol=1e-6), k

@@ -1,0 +1,167 @@
+"""Rank functions for the ``zero:3`` tests (module level, so spawned ranks can import them).
+
+One spawn per world size runs every case in one group: the exactness cases, the pre-sharded
+model, the non-finite skip, the checkpoint and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import gradsync as gs
+from gradsync import compat
+from tests import zero_ranks as zr
+
+SAVE_AT = 2
+NAN_STEP = 1
+
+
+def full(model: nn.Module) -> torch.Tensor:
+    """Every parameter, whole (a collective for the sharded ones: call it on every rank)."""
+    return torch.cat(
+        [
+            (p.full_tensor() if compat.is_dtensor(p) else p).detach().reshape(-1)
+            for p in model.parameters()
+        ]
+    )
+
+
+def _shard_as_a_user_would(model: nn.Module) -> None:
+    fully_shard, _, mesh_cls = compat.fsdp2() or (None, None, None)
+    assert fully_shard is not None
+    mesh = mesh_cls.from_group(torch.distributed.group.WORLD, "cpu")
+    for layer in model:
+        if next(layer.parameters(), None) is not None:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    w = zr._workload()
+    model = w.build_model()
+    if case.get("presharded"):  # the user's own FSDP2 model, its optimizer over the DTensors
+        _shard_as_a_user_would(model)
+    opt = zr.make_optimizer(case["optimizer"], model)
+    sched = zr.make_scheduler(opt)
+    sync = gs.Synchronizer(model, opt, strategy="zero:3", timeout_s=zr.TIMEOUT_S)
+    params, norms = [], []
+    for step in range(zr.STEPS):
+        norms.append(zr._step_block(sync, w, model, step, rank, case))
+        sched.step()
+        params.append(full(model))
+    held = [p for group in opt.param_groups for p in group["params"]]
+    out = {
+        "params": params,
+        "norms": norms,
+        "lrs": [g["lr"] for g in opt.param_groups],
+        # what this rank holds: its shards' elements, and its optimizer state's
+        "held": sum(p.numel() for p in held),
+        "state": sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0),
+        "sharded": all(compat.is_dtensor(p) for p in model.parameters()),
+    }
+    sync.report()
+    sync.close()
+    return out
+
+
+def exactness_cases() -> dict[str, dict[str, Any]]:
+    return {
+        "sgd": {"optimizer": "sgd"},
+        "adamw": {"optimizer": "adamw"},
+        "sgd clip handle": {"optimizer": "sgd", "clip": "handle"},
+        "adamw presharded": {"optimizer": "adamw", "presharded": True},
+    }
+
+
+def nonfinite_skips(rank: int, world: int) -> dict[str, Any]:
+    """At NAN_STEP rank 1's gradient is NaN in the first layer's first output row only, which
+    lies in rank 0's shard: rank 1's own shard stays finite, so only the ranks' agreement
+    makes rank 1 skip too."""
+    w = zr._workload()
+    model = w.build_model()
+    opt = zr.make_optimizer("sgd", model)
+    sync = gs.Synchronizer(model, opt, strategy="zero:3", timeout_s=zr.TIMEOUT_S)
+
+    def poison_row(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[:, 0] = float("nan")
+        return grad
+
+    def on_output(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if rank == 1 and sync.step_count == NAN_STEP:
+            output.register_hook(poison_row)
+
+    model[0].register_forward_hook(on_output)
+    skipped, params, finite_here = [], [], []
+    for step in range(zr.STEPS):
+        with sync.step() as s:
+            w.loss(model, *zr._batch(w, step, rank, world)).backward()
+            s.synchronize()
+            finite_here.append(
+                all(bool(p.grad.isfinite().all()) for p in opt.param_groups[0]["params"])
+            )
+        skipped.append(s.skipped)
+        params.append(full(model))
+    sync.report()
+    sync.close()
+    return {"skipped": skipped, "params": params, "finite_here": finite_here}
+
+
+def _checkpointed(directory: Path, rank: int, world: int, resume: bool) -> dict[str, Any]:
+    w = zr._workload()
+    model = w.build_model()
+    opt = zr.make_optimizer("adamw", model)
+    sync = gs.Synchronizer(model, opt, strategy="zero:3", timeout_s=zr.TIMEOUT_S)
+    start = 0
+    if resume:
+        extra = sync.load(directory)
+        assert extra is not None
+        start = int(extra["step"])
+    for step in range(start, zr.STEPS):
+        with sync.step():
+            w.loss(model, *zr._batch(w, step, rank, world)).backward()
+        if not resume and step + 1 == SAVE_AT:
+            sync.save(directory)
+    out = {"params": full(model), "start": start, "state": len(opt.state)}
+    sync.report()
+    sync.close()
+    return out
+
+
+def refusals(rank: int, world: int) -> dict[str, str]:
+    w = zr._workload()
+
+    def build(**kw: Any) -> gs.Synchronizer:
+        model = w.build_model()
+        opt = zr.make_optimizer("adamw", model)
+        if kw.pop("stepped", False):  # a state the shards would not match
+            w.loss(model, *zr._batch(w, 0, rank, world)).backward()
+            opt.step()
+        return gs.Synchronizer(model, opt, timeout_s=zr.TIMEOUT_S, **kw)
+
+    def sharded_under_bsp() -> gs.Synchronizer:
+        model = w.build_model()
+        _shard_as_a_user_would(model)
+        return gs.Synchronizer(model, zr.make_optimizer("sgd", model), strategy="bsp")
+
+    return {
+        "compression": zr._refusal(lambda: build(strategy="zero:3", compression="fp16")),
+        "stepped": zr._refusal(lambda: build(strategy="zero:3", stepped=True)),
+        "balance": zr._refusal(lambda: build(strategy="zero:3", balance=True)),
+        "sharded under bsp": zr._refusal(sharded_under_bsp),
+    }
+
+
+def everything(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        name: train(rank, world, case) for name, case in exactness_cases().items()
+    }
+    out["nan"] = nonfinite_skips(rank, world)
+    directory = Path(root) / f"zero3-{world}"
+    out["straight"] = _checkpointed(directory, rank, world, resume=False)
+    out["resumed"] = _checkpointed(directory, rank, world, resume=True)
+    out["refusals"] = refusals(rank, world)
+    return out
