@@ -120,6 +120,25 @@ def test_a_checkpoint_resumes_bitwise_each_rank_with_its_shards(
 
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("worlds", [(2, 3), (3, 2)], ids=["2 to 3 ranks", "3 to 2 ranks"])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(
+    worlds: tuple[int, int], tmp_path: Path
+) -> None:
+    """Saved on one number of ranks, resumed on another: every tensor's shards and AdamW's
+    moments are split anew, and the run follows one process whose global batch changed size
+    at the checkpoint (float64, to 1e-10)."""
+    before, after = worlds
+    run_ranks(z3.resized, before, str(tmp_path), False, timeout_s=120)
+    resumed = run_ranks(z3.resized, after, str(tmp_path), True, timeout_s=120)
+    expected = z3.resized_reference(worlds)
+    for rank, out in enumerate(resumed):
+        assert out["start"] == z3.SAVE_AT
+        assert out["state"] == 6  # every parameter's moments came back
+        _assert_close(out["params"], expected, f"rank {rank} after resuming on {after} ranks")
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
 def test_zero3_refuses_what_it_cannot_run_saying_why(
     runs: tuple[int, list[dict[str, Any]]],
 ) -> None:

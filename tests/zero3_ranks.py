@@ -110,7 +110,9 @@ def nonfinite_skips(rank: int, world: int) -> dict[str, Any]:
     return {"skipped": skipped, "params": params, "finite_here": finite_here}
 
 
-def _checkpointed(directory: Path, rank: int, world: int, resume: bool) -> dict[str, Any]:
+def _checkpointed(
+    directory: Path, rank: int, world: int, resume: bool, stop: int = zr.STEPS
+) -> dict[str, Any]:
     w = zr._workload()
     model = w.build_model()
     opt = zr.make_optimizer("adamw", model)
@@ -120,7 +122,7 @@ def _checkpointed(directory: Path, rank: int, world: int, resume: bool) -> dict[
         extra = sync.load(directory)
         assert extra is not None
         start = int(extra["step"])
-    for step in range(start, zr.STEPS):
+    for step in range(start, zr.STEPS if resume else stop):
         with sync.step():
             w.loss(model, *zr._batch(w, step, rank, world)).backward()
         if not resume and step + 1 == SAVE_AT:
@@ -129,6 +131,26 @@ def _checkpointed(directory: Path, rank: int, world: int, resume: bool) -> dict[
     sync.report()
     sync.close()
     return out
+
+
+def resized(rank: int, world: int, directory: str, resume: bool) -> dict[str, Any]:
+    """The first SAVE_AT steps on one number of ranks, saved; the rest resumed on another."""
+    out = _checkpointed(Path(directory), rank, world, resume=resume, stop=SAVE_AT)
+    return out
+
+
+def resized_reference(worlds: tuple[int, int]) -> torch.Tensor:
+    """One process: the first SAVE_AT steps on the first world's global batch, the rest on
+    the second's (each step's global batch is PER_RANK x ranks)."""
+    w = zr._workload()
+    model = w.build_model()
+    opt = zr.make_optimizer("adamw", model)
+    for step in range(zr.STEPS):
+        gb = zr.PER_RANK * (worlds[0] if step < SAVE_AT else worlds[1])
+        opt.zero_grad()
+        w.loss(model, *w.batch(step, gb, 0, gb)).backward()
+        opt.step()
+    return zr.flat(model)
 
 
 def refusals(rank: int, world: int) -> dict[str, str]:

@@ -209,6 +209,9 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
         assert info is not None  # rank 0 read ``mine`` from it
         state = mine
     _join_replicated(store, info, state, 0 if changed or mine is not None else sync.rank)
+    if changed and not sync.strategy.resizable:  # reshardable (``_check_compatible``)
+        every = [state if r == 0 else store.load(info, r) for r in range(saved_world)]
+        state.update(sync.strategy.reshard(every))
     if "telemetry" in state:  # the records of the steps before the checkpoint, not gathered
         sync._restore_telemetry(state["telemetry"])
     role = sync.strategy.server_role()
@@ -316,7 +319,9 @@ def _check_compatible(
             "numbers of workers and servers (each server's shard of the parameters and its "
             "per-worker clocks are saved). Resume with the saved numbers (--nproc, --servers)."
         )
-    if saved_world != sync.world_size and not sync.strategy.resizable:
+    if saved_world != sync.world_size and not (
+        sync.strategy.resizable or sync.strategy.reshardable
+    ):
         raise CheckpointError(
             f"checkpoint at step {step} was written by {saved_world} ranks; resuming "
             f"{name} with {sync.world_size} is not supported (its per-rank state "

@@ -222,6 +222,9 @@ class Strategy(Protocol):
     replicates_every_step: bool = False
     #: whether it takes a model whose parameters FSDP2 already sharded (DTensors)
     takes_sharded_models: bool = False
+    #: whether ``reshard`` can split every rank's saved state anew for another world size
+    #: (a strategy that is not ``resizable`` resumes on the saved world size otherwise)
+    reshardable: bool = False
 
     def setup(self, ctx: SyncContext) -> None: ...
 
@@ -283,6 +286,11 @@ class Strategy(Protocol):
     def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
         """Restore what ``model_state_dict`` saved."""
         model.load_state_dict(state)
+
+    def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """When ``reshardable``: this rank's ``"model"`` and ``"optimizer"`` state at the
+        current world size, from every saved rank's checkpoint (``saved[r]`` is rank r's)."""
+        raise UsageError(f"{self.name} cannot reshard its checkpoints for another world size")
 
     def state_dict(self) -> dict[str, Any]:
         return {}

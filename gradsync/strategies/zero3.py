@@ -32,7 +32,16 @@ as under ``zero:2``, checkpoints of this rank's shards (plain tensors).
 Limits: the gradient exchange is FSDP2's, so compression is refused (as for ``zero:2``) and so
 is ``balance`` (FSDP2 divides every gradient by the world size). Its collectives run inside
 the user's forward and backward, so telemetry counts them as compute; ``bytes_sent`` is the
-schedule's (see ``_bytes_per_pass``). A checkpoint resumes on the same number of ranks only.
+schedule's (see ``_bytes_per_pass``).
+
+Checkpoints: each rank writes its shards of the parameters and of the optimizer state, as
+plain tensors, in gradsync's own files (atomic, checksummed, written in the background, see
+``gradsync.fault``). Resuming on another number of ranks (``reshard``) reads every saved rank's
+file and takes this rank's rows of each tensor put back together. Why not DCP: its save plans
+every checkpoint with collectives, where gradsync's are written without any (a checkpoint
+every step costs the training thread a copy), and FSDP2's row shards are put back together by
+a concatenation; DCP would earn its place for layouts that are not rows of whole tensors
+(tensor parallelism), which gradsync does not run.
 """
 
 from __future__ import annotations
@@ -144,8 +153,9 @@ class ZeroStage3(Strategy):
     """``zero:3``: FSDP2's sharded forward and backward, the user's optimizer on the shards."""
 
     name = "zero:3"
-    #: each rank's file holds its own shards
+    #: each rank's file holds its own shards, which ``reshard`` splits anew for another size
     resizable = False
+    reshardable = True
     takes_sharded_models = True
 
     def __init__(self) -> None:
@@ -285,6 +295,55 @@ class ZeroStage3(Strategy):
                 if target.shape != state[k].shape:
                     raise UsageError(
                         f"zero:3 checkpoint's shard of {k} is {tuple(state[k].shape)}, this "
-                        f"rank's is {tuple(target.shape)}: resume on the same number of ranks"
+                        f"rank's is {tuple(target.shape)}: the checkpoint is another model's"
                     )
                 target.copy_(state[k])
+
+    def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """This rank's model and optimizer state on the current number of ranks from every
+        saved rank's shards: FSDP2 splits each tensor by rows as ``torch.chunk`` does, so the
+        saved shards end to end are the whole tensor, and this rank takes its rows of it. A
+        state tensor of a parameter's shard shape (momentum, Adam's moments) is split as its
+        parameter; one of another shape (Adam's step count) is the same on every rank."""
+        ctx = self._ctx
+        assert ctx is not None, "setup() has not run"
+        world, rank = runtime.world_size(ctx.group), ctx.rank
+        current = self.model_state_dict(ctx.model)
+        model = {
+            k: _rows(torch.cat([s["model"][k] for s in saved]), world, rank, k, now.shape)
+            if compat.is_dtensor(v)
+            else saved[0]["model"][k]
+            for (k, now), v in zip(current.items(), ctx.model.state_dict().values(), strict=True)
+        }
+        params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
+        first = saved[0]["optimizer"]
+        state: dict[Any, Any] = {}
+        for i, entry in first["state"].items():
+            shape = params[int(i)].shape
+            state[i] = {
+                key: _rows(
+                    torch.cat([s["optimizer"]["state"][i][key] for s in saved]),
+                    world,
+                    rank,
+                    f"optimizer state {key!r} of parameter {i}",
+                    shape,
+                )
+                if value.dim() > 0
+                else value
+                for key, value in entry.items()
+            }
+        return {"model": model, "optimizer": {**first, "state": state}}
+
+
+def _rows(whole: torch.Tensor, world: int, rank: int, what: str, shape: Any) -> torch.Tensor:
+    """``rank``'s rows of ``whole`` as FSDP2 splits it over ``world`` ranks (``torch.chunk``,
+    ranks past the last chunk holding none), checked against the shard this rank holds."""
+    chunks = torch.chunk(whole, world, dim=0)
+    mine = chunks[rank] if rank < len(chunks) else whole[:0]
+    if mine.shape != shape:
+        raise UsageError(
+            f"zero:3 cannot reshard {what}: the saved shards make a {tuple(whole.shape)} tensor, "
+            f"whose rows for rank {rank} of {world} are {tuple(mine.shape)}, but this rank holds "
+            f"{tuple(shape)}"
+        )
+    return mine.clone()
