@@ -111,12 +111,17 @@ def nonfinite_skips(rank: int, world: int) -> dict[str, Any]:
 
 
 def _checkpointed(
-    directory: Path, rank: int, world: int, resume: bool, stop: int = zr.STEPS
+    directory: Path,
+    rank: int,
+    world: int,
+    resume: bool,
+    stop: int = zr.STEPS,
+    spec: str = "zero:3",
 ) -> dict[str, Any]:
     w = zr._workload()
     model = w.build_model()
     opt = zr.make_optimizer("adamw", model)
-    sync = gs.Synchronizer(model, opt, strategy="zero:3", timeout_s=zr.TIMEOUT_S)
+    sync = gs.Synchronizer(model, opt, strategy=spec, timeout_s=zr.TIMEOUT_S)
     start = 0
     if resume:
         extra = sync.load(directory)
@@ -133,10 +138,9 @@ def _checkpointed(
     return out
 
 
-def resized(rank: int, world: int, directory: str, resume: bool) -> dict[str, Any]:
+def resized(rank: int, world: int, directory: str, resume: bool, spec: str) -> dict[str, Any]:
     """The first SAVE_AT steps on one number of ranks, saved; the rest resumed on another."""
-    out = _checkpointed(Path(directory), rank, world, resume=resume, stop=SAVE_AT)
-    return out
+    return _checkpointed(Path(directory), rank, world, resume=resume, stop=SAVE_AT, spec=spec)
 
 
 def resized_reference(worlds: tuple[int, int]) -> torch.Tensor:

@@ -81,6 +81,7 @@ from gradsync.strategies.zero_shards import (
     ShardedUpdate,
     check_exchange,
     reduce_scatter_flat,
+    reshard_owned,
     ring_reduce_scatter,
     updated_by,
 )
@@ -117,8 +118,9 @@ class ZeroStage1(BSP):
     """``zero:1``: BSP's exchange, a sharded optimizer step, one all-gather of the update."""
 
     name = "zero:1"
-    #: each rank's file holds its own shard of the optimizer state
+    #: each rank's file holds its own shard of the optimizer state (``reshard`` re-deals it)
     resizable = False
+    reshardable = True
 
     def __init__(self, exchange: str = "auto") -> None:
         super().__init__()
@@ -149,6 +151,9 @@ class ZeroStage1(BSP):
         outcome.bytes_sent += nbytes
         outcome.spans.extend(self.shards.take_spans())
         return outcome
+
+    def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return reshard_owned(saved, self.shards.ctx.optimizer, self.shards.layout.mine)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **self.shards.state_dict()}
@@ -204,7 +209,9 @@ class ZeroStage2(Strategy):
     barrier_free = False
     #: the update is the mean over the global batch, so shards may be balanced (--balance)
     weights_samples = True
+    #: each rank's file holds its own shard of the optimizer state (``reshard`` re-deals it)
     resizable = False
+    reshardable = True
     replicates_every_step = True
 
     def __init__(self, exchange: str = "auto") -> None:
@@ -390,6 +397,9 @@ class ZeroStage2(Strategy):
         outcome.bytes_sent += nbytes
         outcome.spans.extend(shards.take_spans())
         return outcome
+
+    def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return reshard_owned(saved, self.shards.ctx.optimizer, self.shards.layout.mine)
 
     def state_dict(self) -> dict[str, Any]:
         _, _, shards, _ = self._parts()

@@ -221,6 +221,22 @@ def updated_by(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def reshard_owned(
+    saved: Sequence[dict[str, Any]], optimizer: torch.optim.Optimizer, mine: Sequence[torch.Tensor]
+) -> dict[str, Any]:
+    """``zero:1`` / ``zero:2`` state for another world size: the model is whole in every saved
+    file; the optimizer state of each tensor is in its old owner's file, and this rank keeps
+    that of the tensors it owns now (``mine``)."""
+    ids = {id(p) for p in mine}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    every: dict[Any, Any] = {}
+    for s in saved:
+        every.update(s["optimizer"]["state"])
+    first = saved[0]["optimizer"]
+    state = {i: entry for i, entry in every.items() if id(params[int(i)]) in ids}
+    return {"model": saved[0]["model"], "optimizer": {**first, "state": state}}
+
+
 def unscale_agreed(
     ctx: SyncContext,
     collective: Callable[[str, Callable[[], None]], None],
