@@ -107,6 +107,20 @@ def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(
 
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
+def test_a_grad_scaler_decides_on_the_whole_gradient_as_under_bsp(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = runs
+    for out in results:
+        bsp, ours = out["scaler"]["bsp"], out["scaler"]["zero:3"]
+        assert bsp["skipped"][z3.NAN_STEP] and bsp["scales"][z3.NAN_STEP] < 2.0**16
+        assert ours["skipped"] == bsp["skipped"]
+        assert ours["scales"] == bsp["scales"]
+        assert torch.allclose(ours["params"], bsp["params"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
 def test_a_checkpoint_resumes_bitwise_each_rank_with_its_shards(
     runs: tuple[int, list[dict[str, Any]]],
 ) -> None:

@@ -76,6 +76,24 @@ def exactness_cases() -> dict[str, dict[str, Any]]:
     }
 
 
+def _poison_first_row(
+    model: nn.Module, sync: gs.Synchronizer, rank: int, step: int, value: float
+) -> None:
+    """On ``rank`` at ``step``, make the gradient of the first layer's first output row
+    ``value``: under ``zero:3`` that row lies in rank 0's shard only."""
+
+    def poison_row(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[:, 0] = value
+        return grad
+
+    def on_output(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if sync.rank == rank and sync.step_count == step:
+            output.register_hook(poison_row)
+
+    model[0].register_forward_hook(on_output)
+
+
 def nonfinite_skips(rank: int, world: int) -> dict[str, Any]:
     """At NAN_STEP rank 1's gradient is NaN in the first layer's first output row only, which
     lies in rank 0's shard: rank 1's own shard stays finite, so only the ranks' agreement
@@ -84,17 +102,7 @@ def nonfinite_skips(rank: int, world: int) -> dict[str, Any]:
     model = w.build_model()
     opt = zr.make_optimizer("sgd", model)
     sync = gs.Synchronizer(model, opt, strategy="zero:3", timeout_s=zr.TIMEOUT_S)
-
-    def poison_row(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        grad[:, 0] = float("nan")
-        return grad
-
-    def on_output(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-        if rank == 1 and sync.step_count == NAN_STEP:
-            output.register_hook(poison_row)
-
-    model[0].register_forward_hook(on_output)
+    _poison_first_row(model, sync, 1, NAN_STEP, float("nan"))
     skipped, params, finite_here = [], [], []
     for step in range(zr.STEPS):
         with sync.step() as s:
@@ -108,6 +116,27 @@ def nonfinite_skips(rank: int, world: int) -> dict[str, Any]:
     sync.report()
     sync.close()
     return {"skipped": skipped, "params": params, "finite_here": finite_here}
+
+
+def scaled(rank: int, world: int, spec: str) -> dict[str, Any]:
+    """A GradScaler (float32) with an infinite gradient in rank 0's shard at NAN_STEP, sent by
+    rank 1: the scaler must back off and skip on every rank, as under bsp."""
+    w = zr._workload("float32")
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    sync = gs.Synchronizer(model, opt, strategy=spec, scaler=scaler, timeout_s=zr.TIMEOUT_S)
+    _poison_first_row(model, sync, 1, NAN_STEP, float("inf"))
+    scales, skipped = [], []
+    for step in range(zr.STEPS + 2):
+        with sync.step() as s:
+            scaler.scale(w.loss(model, *zr._batch(w, step, rank, world))).backward()
+        scales.append(scaler.get_scale())
+        skipped.append(s.skipped)
+    out = {"params": full(model), "scales": scales, "skipped": skipped}
+    sync.report()
+    sync.close()
+    return out
 
 
 def _checkpointed(
@@ -186,6 +215,7 @@ def everything(rank: int, world: int, root: str) -> dict[str, Any]:
         name: train(rank, world, case) for name, case in exactness_cases().items()
     }
     out["nan"] = nonfinite_skips(rank, world)
+    out["scaler"] = {spec: scaled(rank, world, spec) for spec in ("bsp", "zero:3")}
     directory = Path(root) / f"zero3-{world}"
     out["straight"] = _checkpointed(directory, rank, world, resume=False)
     out["resumed"] = _checkpointed(directory, rank, world, resume=True)
