@@ -22,6 +22,7 @@ from gradsync.spec import parse_strategy_spec
 from gradsync.strategies.factory import check_compression, parse_strategy, uses_servers
 from gradsync.strategies.zero_shards import OwnerLayout
 from gradsync.telemetry.stragglers import StragglerConfig
+from gradsync.topology import check_allreduce, check_hierarchical
 from gradsync.workloads import WORKLOADS, make_workload, physical_memory, step_bytes
 from gradsync.workloads.data import check_data_file
 
@@ -106,6 +107,13 @@ class RunConfig:
     )
     bucket_mb: float = flag(
         25.0, metavar="MB", help="gradient bucket size in MB (default: %(default)g)", group=SYNC
+    )
+    allreduce: str = flag(
+        "ring",
+        metavar="KIND",
+        help="ring (flat) | hierarchical: sum within each host, then across hosts among one "
+        "rank per host (bsp, zero:1; default: %(default)s)",
+        group=SYNC,
     )
     balance: bool = flag(
         False,
@@ -231,7 +239,9 @@ class RunConfig:
             raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
         if self.workload not in WORKLOADS:
             raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
-        parse_strategy(self.strategy)  # raises with the valid forms
+        strategy = parse_strategy(self.strategy)  # raises with the valid forms
+        check_allreduce(self.allreduce)
+        check_hierarchical(self.allreduce, strategy, parse_compression(self.compression).spec)
         check_compression(self.strategy, parse_compression(self.compression).spec)
 
     def _check_sizes(self) -> None:

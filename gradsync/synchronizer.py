@@ -40,6 +40,7 @@ from gradsync.strategies.factory import parse_strategy
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.timing import TelemetryCollector
+from gradsync.topology import Hierarchy, check_allreduce, check_hierarchical
 
 #: the accumulation conventions of ``Synchronizer(accumulation=...)``
 ACCUMULATION = ("mean", "sum")
@@ -148,6 +149,7 @@ class Synchronizer:
         scaler: torch.amp.GradScaler | None = None,
         broadcast_buffers: bool = True,
         between_steps_timeout_s: float | None = DEFAULT_BETWEEN_STEPS_S,
+        allreduce: str = "ring",
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s, accumulation)
@@ -172,6 +174,7 @@ class Synchronizer:
         self.world_size = runtime.world_size(group)
         self.strategy = parse_strategy(strategy, servers=servers, timeout_s=timeout_s)
         _check_sharded_model(model, self.strategy)
+        self.allreduce = check_allreduce(allreduce)
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         # DDP broadcasts buffers from rank 0 at the first forward after a gradient-syncing one:
         # once per step, at its first micro-batch. The start of the step block is the same point.
@@ -179,6 +182,8 @@ class Synchronizer:
             broadcast_buffers and self.world_size > 1 and self.strategy.replicates_every_step
         )
         self.compressor = parse_compression(compression)
+        check_hierarchical(self.allreduce, self.strategy, self.compressor.spec)
+        self._hierarchy: Hierarchy | None = None
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
         self.telemetry_enabled = telemetry
         self.record_spans = record_spans
@@ -223,6 +228,8 @@ class Synchronizer:
             self._pass_gate(START, "construction of the Synchronizer")
             self._check_same_model()
             self._broadcast_initial_state()
+            if self.allreduce == "hierarchical" and self.world_size > 1:
+                self._hierarchy = Hierarchy(group, timeout_s)
             self.strategy.setup(
                 SyncContext(
                     model=model,
@@ -237,6 +244,7 @@ class Synchronizer:
                     rank=self.rank,
                     scaler=scaler,
                     gate=self._gate,
+                    hierarchy=self._hierarchy,
                 )
             )
         except BaseException:
@@ -689,6 +697,8 @@ class Synchronizer:
     def _close(self) -> None:
         self._step_hook.remove()
         self.strategy.close()
+        if self._hierarchy is not None:
+            self._hierarchy.close()
         self._release_timeout()
 
     def _release_timeout(self) -> None:

@@ -242,6 +242,7 @@ def _synchronizer(
         strategy=cfg.strategy,
         compression=cfg.compression,
         bucket_mb=cfg.bucket_mb,
+        allreduce=cfg.allreduce,
         telemetry_every=cfg.telemetry_every,
         slow=cfg.slow,
         on_records=sink,

@@ -102,6 +102,7 @@ INVALID: list[dict[str, Any]] = [
     {"micro_batches": 3},  # does not divide the default batch of 16
     {"threads": 0},
     {"bucket_mb": 0.0},
+    {"allreduce": "tree"},
     {"lr": -1.0},
     {"timeout": 0.0},
     {"timeout": math.inf},

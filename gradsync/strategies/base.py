@@ -118,6 +118,9 @@ class SyncContext:
     #: a ``StepGate`` to pass (``gate.ensure(step, what)``) before a collective that follows
     #: the user's code, such as a periodic average; None where ranks are not gated
     gate: Any = None
+    #: ``allreduce="hierarchical"``: the ``gradsync.topology.Hierarchy`` that sums across
+    #: hosts through one leader each (None: a flat all-reduce over ``group``)
+    hierarchy: Any = None
 
     @property
     def scaling(self) -> bool:
@@ -222,6 +225,9 @@ class Strategy(Protocol):
     replicates_every_step: bool = False
     #: whether it takes a model whose parameters FSDP2 already sharded (DTensors)
     takes_sharded_models: bool = False
+    #: whether it sums its gradient through ``SyncContext.hierarchy`` when one is given
+    #: (``allreduce="hierarchical"``); the others refuse it
+    takes_hierarchy: bool = False
     #: whether ``reshard`` can split every rank's saved state anew for another world size
     #: (a strategy that is not ``resizable`` resumes on the saved world size otherwise)
     reshardable: bool = False

@@ -37,6 +37,7 @@ class BSP(Strategy):
     #: every replica holds the same model and optimizer state, so rank 0's seeds any world size
     resizable = True
     replicates_every_step = True
+    takes_hierarchy = True
 
     def __init__(self) -> None:
         self._ctx: SyncContext | None = None
@@ -72,6 +73,10 @@ class BSP(Strategy):
 
     def _exchange(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         assert self._ctx is not None
+        if self.fused_mean and self._ctx.hierarchy is not None:
+            buf = bucket.buffer()
+            self._state.bytes_sent += buf.numel() * buf.element_size()
+            return self._ctx.hierarchy.sum_async(buf)
         if self.fused_mean:
             return _allreduce_sum(self._state, bucket)
         return self._ctx.compressor.hook(self._state, bucket)

@@ -1,0 +1,138 @@
+"""Hierarchical all-reduce (``allreduce="hierarchical"``): the sum equals the flat all-reduce's
+to float tolerance, every rank ends with the same bits, hosts come from ``GRADSYNC_HOST`` /
+torchrun's node rank, and BSP trains through it as through the flat exchange.
+
+Four ranks on loopback stand for hosts by ``GRADSYNC_HOST`` (2 hosts x 2 ranks, interleaved,
+uneven); one spawn runs every case."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradsync as gs
+from gradsync.config import RunConfig
+from gradsync.errors import UsageError
+from gradsync.strategies import parse_strategy
+from gradsync.testing import run_ranks
+from gradsync.topology import Hierarchy, check_allreduce, check_hierarchical, host_key
+from tests import zero_ranks as zr
+
+LAYOUTS = {"2x2": [0, 0, 1, 1], "interleaved": [0, 1, 0, 1], "3+1": [0, 0, 0, 1]}
+
+
+def _sums(rank: int, hosts: list[int]) -> dict[str, Any]:
+    os.environ["GRADSYNC_HOST"] = str(hosts[rank])
+    hierarchy = Hierarchy()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(10_000, dtype=torch.float64, generator=gen)
+    flat = x.clone()
+    dist.all_reduce(flat)
+    pending = [hierarchy.sum_async(x.clone() * (k + 1)) for k in range(3)]  # queued in order
+    sums = [f.wait() for f in pending]
+    out = {
+        "errors": [float((s - flat * (k + 1)).abs().max()) for k, s in enumerate(sums)],
+        "first": sums[0],
+        "hosts": hierarchy.layout.hosts,
+        "leader": hierarchy.is_leader,
+        "inter_host_bytes": hierarchy.inter_host_bytes(800),
+    }
+    hierarchy.close()
+    return out
+
+
+def _train(rank: int, hosts: list[int], allreduce: str, spec: str) -> dict[str, Any]:
+    os.environ["GRADSYNC_HOST"] = str(hosts[rank])
+    w = zr._workload()
+    model = w.build_model()
+    opt = zr.make_optimizer("adamw", model)
+    sync = gs.Synchronizer(
+        model, opt, strategy=spec, allreduce=allreduce, bucket_mb=0.01, check_every=1
+    )
+    for step in range(zr.STEPS):
+        part = zr.PER_RANK // zr.MICRO
+        with sync.step(micro_batches=zr.MICRO):
+            for m in range(zr.MICRO):
+                lo = rank * zr.PER_RANK + m * part
+                w.loss(model, *w.batch(step, zr.PER_RANK * 4, lo, lo + part)).backward()
+    sums = sync._hierarchy.sums if sync._hierarchy is not None else 0
+    sync.report()
+    sync.close()
+    return {"params": zr.flat(model), "sums": sums}
+
+
+def everything(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {name: _sums(rank, hosts) for name, hosts in LAYOUTS.items()}
+    for spec in ("bsp", "zero:1"):
+        for allreduce in ("ring", "hierarchical"):
+            out[f"{spec} {allreduce}"] = _train(rank, LAYOUTS["2x2"], allreduce, spec)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_ranks(everything, 4, timeout_s=240)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_the_sum_is_the_flat_all_reduces_and_every_rank_holds_the_same_bits(
+    results: list[dict[str, Any]],
+) -> None:
+    expected_hosts = {
+        "2x2": [[0, 1], [2, 3]],
+        "interleaved": [[0, 2], [1, 3]],
+        "3+1": [[0, 1, 2], [3]],
+    }
+    for name in LAYOUTS:
+        for rank, out in enumerate(results):
+            assert max(out[name]["errors"]) < 1e-12, (name, rank, out[name]["errors"])
+            assert torch.equal(out[name]["first"], results[0][name]["first"]), (name, rank)
+            assert out[name]["hosts"] == expected_hosts[name]
+        leaders = [out[name]["leader"] for out in results]
+        assert leaders == [r in (h[0] for h in expected_hosts[name]) for r in range(4)]
+    # Only leaders cross hosts, each 2 (H - 1)/H of the bytes: with 2 hosts, 1x.
+    assert [out["2x2"]["inter_host_bytes"] for out in results] == [800, 0, 800, 0]
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_bsp_and_zero1_train_through_it_as_through_the_flat_all_reduce(
+    results: list[dict[str, Any]],
+) -> None:
+    for spec in ("bsp", "zero:1"):
+        flat = results[0][f"{spec} ring"]["params"]
+        for rank, out in enumerate(results):
+            ours = out[f"{spec} hierarchical"]["params"]
+            assert torch.equal(ours, results[0][f"{spec} hierarchical"]["params"]), (spec, rank)
+            err = (ours - flat).abs().max().item()
+            assert err <= 1e-10 * flat.abs().max().item(), (spec, rank, err)
+            # every bucket of every step went through it (0.01 MB buckets: several a step)
+            assert out[f"{spec} hierarchical"]["sums"] >= 2 * zr.STEPS, out
+            assert out[f"{spec} ring"]["sums"] == 0
+        start = zr.flat(zr._workload().build_model())
+        assert not torch.allclose(results[0][f"{spec} hierarchical"]["params"], start)
+
+
+@pytest.mark.unit
+def test_what_it_refuses_names_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert check_allreduce("ring") == "ring"
+    with pytest.raises(UsageError, match="allreduce must be one of ring, hierarchical, got 'tree'"):
+        check_allreduce("tree")
+    check_hierarchical("hierarchical", parse_strategy("zero:1"), "none")
+    check_hierarchical("ring", parse_strategy("local:4"), "int8")  # flat: anything goes
+    with pytest.raises(UsageError, match="strategy local does not exchange through it"):
+        check_hierarchical("hierarchical", parse_strategy("local:4"), "none")
+    with pytest.raises(UsageError, match="does not compress yet \\(compression int8\\)"):
+        check_hierarchical("hierarchical", parse_strategy("bsp"), "int8")
+    with pytest.raises(UsageError, match="strategy zero:2 does not exchange through it"):
+        RunConfig(strategy="zero:2", allreduce="hierarchical", out="unused")
+    monkeypatch.delenv("GRADSYNC_HOST", raising=False)
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert host_key() == "GROUP_RANK=3"
+    monkeypatch.setenv("GRADSYNC_HOST", "rack1-a")
+    assert host_key() == "GRADSYNC_HOST=rack1-a"
