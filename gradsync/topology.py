@@ -28,7 +28,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +58,9 @@ def host_key() -> str:
 
 
 def check_hierarchical(allreduce: str, strategy: Any, compression: str) -> None:
-    """``UsageError`` when ``strategy`` (a ``Strategy``) or ``compression`` (a spec) cannot run
-    under ``allreduce``, saying what can."""
+    """``UsageError`` when ``strategy`` (a ``Strategy``) cannot run under ``allreduce``, saying
+    what can (``compression``, a spec, composes with either)."""
+    del compression
     if allreduce != "hierarchical":
         return
     if not strategy.takes_hierarchy:
@@ -67,11 +68,6 @@ def check_hierarchical(allreduce: str, strategy: Any, compression: str) -> None:
             f"allreduce='hierarchical' sums the gradient of bsp and zero:1; strategy "
             f"{strategy.name} does not exchange through it. Use allreduce='ring' with "
             f"{strategy.name}, or bsp / zero:1"
-        )
-    if compression != "none":
-        raise UsageError(
-            f"allreduce='hierarchical' does not compress yet (compression {compression}): its "
-            "sums are exact. Use compression=None with it, or allreduce='ring' to compress"
         )
 
 
@@ -97,6 +93,7 @@ class Hierarchy:
         keys: list[str | None] = [None] * world
         dist.all_gather_object(keys, host_key(), group=group)
         self.layout = _layout([str(k) for k in keys], ranks)
+        self.world = world
         me = dist.get_rank()
         wait = datetime.timedelta(seconds=timeout_s)  # as the Synchronizer bounds its group's
         mine: dist.ProcessGroup | None = None
@@ -114,7 +111,7 @@ class Hierarchy:
         self.is_leader = me == self.leader
         #: sums run so far (one per bucket exchanged)
         self.sums = 0
-        self._jobs: queue.Queue[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]] | None]
+        self._jobs: queue.Queue[tuple[torch.Tensor, torch.futures.Future[torch.Tensor], Any] | None]
         self._jobs = queue.Queue()
         self._thread = threading.Thread(
             target=self._run, name="gradsync-hierarchical-allreduce", daemon=True
@@ -130,10 +127,26 @@ class Hierarchy:
         h = self.hosts
         return 2 * (h - 1) * nbytes // h if self.is_leader and h > 1 else 0
 
+    @property
+    def leader_group(self) -> dist.ProcessGroup | None:
+        """The leaders' group (None on other ranks, or with one host)."""
+        return self._leader_group if self.is_leader else None
+
     def sum_async(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """The sum of ``tensor`` over every rank, in place, when the future completes."""
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._jobs.put((tensor, fut))
+        self._jobs.put((tensor, fut, None))
+        return fut
+
+    def mean_async(
+        self, tensor: torch.Tensor, across: Callable[[], torch.futures.Future[torch.Tensor]]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The mean of ``tensor`` over every rank, in place, with the inter-host step done by
+        ``across`` on the leaders: it must give the mean over ``leader_group`` of ``tensor``
+        (a compressor's hook on the leaders' group), which here holds the host's sum. Only
+        the leaders' traffic is compressed; the host sums stay exact."""
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._jobs.put((tensor, fut, across))
         return fut
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -144,9 +157,9 @@ class Hierarchy:
             job = self._jobs.get()
             if job is None:
                 return
-            tensor, fut = job
+            tensor, fut, across = job
             try:
-                self._sum(tensor)
+                self._sum(tensor) if across is None else self._mean(tensor, across)
                 self.sums += 1
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 fut.set_exception(exc)  # type: ignore[arg-type]  # torch stubs say Tensor
@@ -158,6 +171,22 @@ class Hierarchy:
             dist.reduce(tensor, dst=self.leader, group=self._host_group)
         if self.is_leader and self._leader_group is not None:
             dist.all_reduce(tensor, group=self._leader_group)
+        if self._host_group is not None:
+            dist.broadcast(tensor, src=self.leader, group=self._host_group)
+
+    def _mean(
+        self, tensor: torch.Tensor, across: Callable[[], torch.futures.Future[torch.Tensor]]
+    ) -> None:
+        if self._host_group is not None:
+            dist.reduce(tensor, dst=self.leader, group=self._host_group)
+        if self.is_leader:
+            if self._leader_group is not None:
+                mean_of_hosts = across().wait()  # the hosts' sums / H
+                if mean_of_hosts is not tensor:
+                    tensor.copy_(mean_of_hosts)
+                tensor.mul_(self.hosts / self.world)
+            else:
+                tensor.div_(self.world)
         if self._host_group is not None:
             dist.broadcast(tensor, src=self.leader, group=self._host_group)
 

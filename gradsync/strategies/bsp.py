@@ -55,7 +55,10 @@ class BSP(Strategy):
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        self._state = ctx.compressor.make_state(ctx.group)
+        hierarchy = ctx.hierarchy
+        # Under a hierarchy a compressor runs on the leaders only, across hosts.
+        group = ctx.group if hierarchy is None else hierarchy.leader_group
+        self._state = ctx.compressor.make_state(group)
         self._reducer = BucketReducer(params, ctx.bucket_mb, self._exchange, ctx.record_spans)
         self._world = runtime.world_size(ctx.group)
         self.fused_mean = ctx.compressor is ALLREDUCE
@@ -79,6 +82,13 @@ class BSP(Strategy):
             return self._ctx.hierarchy.sum_async(buf)
         if self.fused_mean:
             return _allreduce_sum(self._state, bucket)
+        hierarchy = self._ctx.hierarchy
+        if hierarchy is not None:
+            if not hierarchy.is_leader:  # its part is the reduce to the host's leader
+                buf = bucket.buffer()
+                self._state.bytes_sent += buf.numel() * buf.element_size()
+            hook, state = self._ctx.compressor.hook, self._state
+            return hierarchy.mean_async(bucket.buffer(), lambda: hook(state, bucket))
         return self._ctx.compressor.hook(self._state, bucket)
 
     def begin_step(self, plan: StepPlan) -> None:
