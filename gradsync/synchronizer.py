@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 import time
@@ -368,8 +369,14 @@ class Synchronizer:
             self._enter_gradsync()
             wall0, t0 = time.time(), time.perf_counter()
             slept = self._begin(micro_batches, weight)
+            in_block = (
+                self._watch.in_block(self._step, "the step's forward and backward collectives")
+                if self.strategy.collectives_in_block
+                else contextlib.nullcontext()
+            )
             try:
-                yield handle
+                with in_block:
+                    yield handle
             except Exception as exc:
                 self._abandon(handle, ready, exc, wall0, t0)
                 raise

@@ -44,12 +44,14 @@ def _wait_for_training(proc: subprocess.Popen[str], watched: Watched, metrics: P
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["bsp", "zero:3"])
 def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
-    tmp_path: Path,
+    tmp_path: Path, strategy: str
 ) -> None:
+    """zero:3 too: there the survivor waits inside FSDP2's gathers, in the user's forward."""
     out = tmp_path / "run"
     proc = start_run(
-        *("--nproc", "2", "--workload", "mlp", "--steps", "100000"),
+        *("--nproc", "2", "--workload", "mlp", "--steps", "100000", "--strategy", strategy),
         *("--timeout", str(TIMEOUT_S), "--no-plots", "--no-progress", "--out", str(out)),
     )
     watched = Watched()

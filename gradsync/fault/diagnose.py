@@ -295,6 +295,25 @@ class ArrivalWatch:
                 self._record_failure(position, what)
                 raise SyncTimeoutError(self.describe(position, what, waited, exc)) from exc
 
+    @contextmanager
+    def in_block(self, step: int, what: str) -> Iterator[None]:
+        """The user's block as one wait at ``step``, for a strategy whose collectives run inside
+        it (FSDP2's gathers under ``zero:3``): a collective that fails there becomes a
+        ``SyncTimeoutError`` naming the ranks that never arrived; other exceptions pass."""
+        position = self.next_position(step)
+        started = time.monotonic()
+        with self.waiting(position, what):
+            try:
+                yield
+            except (RuntimeError, dist.DistBackendError) as exc:
+                if isinstance(exc, SyncTimeoutError | DivergenceError) or not _failed_collective(
+                    exc
+                ):
+                    raise
+                waited = time.monotonic() - started
+                self._record_failure(position, what)
+                raise SyncTimeoutError(self.describe(position, what, waited, exc)) from exc
+
     def _record_failure(self, position: Position, what: str) -> None:
         """A wait that failed fast (a peer vanished) left no time for the watchdog: record
         this rank's arrival now and give the other survivors a moment to record theirs."""
@@ -381,3 +400,15 @@ class ArrivalWatch:
 
     def close(self) -> None:
         self._stop.set()
+
+
+#: what gloo's and NCCL's errors say when a collective's peer is gone or late
+_COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "NCCL")
+
+
+def _failed_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed (a backend error, a gloo or NCCL timeout or a
+    closed connection) rather than an error of the user's own code."""
+    if isinstance(exc, dist.DistBackendError):
+        return True
+    return any(text in str(exc) for text in _COLLECTIVE_FAILURES)

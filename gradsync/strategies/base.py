@@ -225,6 +225,9 @@ class Strategy(Protocol):
     replicates_every_step: bool = False
     #: whether it takes a model whose parameters FSDP2 already sharded (DTensors)
     takes_sharded_models: bool = False
+    #: whether its collectives run inside the user's block (FSDP2's under ``zero:3``): a
+    #: failed one there is then diagnosed as a failed wait, naming the ranks that never came
+    collectives_in_block: bool = False
     #: whether it sums its gradient through ``SyncContext.hierarchy`` when one is given
     #: (``allreduce="hierarchical"``); the others refuse it
     takes_hierarchy: bool = False

@@ -160,6 +160,7 @@ class ZeroStage3(Strategy):
     #: every step ends with the ranks in step (FSDP2's collectives): gated at the block's entry,
     #: and buffers (not sharded) kept in agreement from rank 0, as under ``bsp``
     replicates_every_step = True
+    collectives_in_block = True
 
     def __init__(self) -> None:
         self._ctx: SyncContext | None = None
