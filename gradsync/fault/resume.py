@@ -212,8 +212,9 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     if changed and not sync.strategy.resizable:  # reshardable (``_check_compatible``)
         every = [state if r == 0 else store.load(info, r) for r in range(saved_world)]
         state.update(sync.strategy.reshard(every))
-    if "telemetry" in state:  # the records of the steps before the checkpoint, not gathered
-        sync._restore_telemetry(state["telemetry"])
+    rows = _own_telemetry(store, info, state, sync.rank, changed)
+    if rows is not None:  # the records of the steps before the checkpoint, not gathered
+        sync._restore_telemetry(rows)
     role = sync.strategy.server_role()
     if role is not None:
         role.restore(state["server"])
@@ -242,6 +243,19 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     extra: dict[str, Any] = dict(state.get("extra") or {})
     extra["step"] = sync.step_count
     return extra
+
+
+def _own_telemetry(
+    store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any], rank: int, changed: bool
+) -> Any:
+    """This rank's step records not gathered before the checkpoint: from its own file, also
+    when the world size changed (``state`` is then rank 0's); none for a rank the saved run
+    did not have, whose steps were never run."""
+    if not changed or rank == 0:
+        return state.get("telemetry")
+    if rank >= info.world_size:
+        return None
+    return store.load(info, rank).get("telemetry")
 
 
 def _join_replicated(
