@@ -136,8 +136,9 @@ def test_a_checkpoint_resumes_bitwise_each_rank_with_its_shards(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("spec", "worlds"),
-    [("zero:3", (2, 3)), ("zero:3", (3, 2)), ("zero:2", (2, 3)), ("zero:1", (3, 2))],
-    ids=["zero:3 2 to 3 ranks", "zero:3 3 to 2 ranks", "zero:2 2 to 3", "zero:1 3 to 2"],
+    # zero:1 deals its optimizer state as zero:2 does (the same function, zero_shards)
+    [("zero:3", (2, 3)), ("zero:3", (3, 2)), ("zero:2", (2, 3))],
+    ids=["zero:3 2 to 3 ranks", "zero:3 3 to 2 ranks", "zero:2 2 to 3"],
 )
 def test_a_checkpoint_resumes_on_another_number_of_ranks(
     spec: str, worlds: tuple[int, int], tmp_path: Path
