@@ -10,6 +10,22 @@ exact for powers of two and a slight underestimate otherwise (MPICH adds a fix-u
 ``tree`` is the binomial tree (the minimum spanning tree MPI libraries use); ``binary_tree`` is
 a complete binary tree in heap order, not pipelined, in the single-port model (a rank sends
 or receives one whole message at a time), with its round count computed exactly.
+
+``reduce`` (to one root) is broadcast's mirror image: ring, a ring reduce-scatter then a
+binomial gather of the pieces to the root, ``(n-1 + lg) alpha + 2(n-1)/n S beta``; tree,
+``lg (alpha + S beta)``; rhd, Rabenseifner's recursive halving then a binomial gather,
+``2 lg alpha + 2(n-1)/n S beta``; ``binary_tree`` is not offered (``BINARY_TREE_OPS``). The
+additions themselves are not priced, as in the other reducing collectives.
+
+Two levels (``hierarchical_allreduce_time``, ``flat_allreduce_time``): ``H`` hosts of ``L``
+ranks, an ``intra`` link inside a host and an ``inter`` link between hosts. The hierarchical
+all-reduce of ``gradsync.topology`` is three collectives in turn: a reduce to the host's
+leader over ``L`` ranks on ``intra``, an all-reduce among the ``H`` leaders on ``inter``, a
+broadcast over ``L`` ranks on ``intra``. A flat ring over all ``N = H L`` ranks (ranks of a
+host adjacent in the ring, as torchrun numbers them) moves ``S/N`` over every link of the ring
+at each of its ``2(N-1)`` steps, all at once, so a step lasts as long as its slowest link:
+with ``H > 1`` it is the flat all-reduce over ``N`` ranks priced on the slower link, each
+host's link carrying ``2(N-1)/N S`` against the leaders' ``2(H-1)/H S``.
 """
 
 from __future__ import annotations
@@ -23,7 +39,7 @@ import numpy as np
 
 from gradsync.errors import UsageError
 
-OPS = ("allreduce", "reducescatter", "allgather", "broadcast")
+OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce")
 ALGORITHMS = ("ring", "tree", "binary_tree", "rhd")
 # A binary tree is only modelled where its cost is well defined without a scatter schedule.
 BINARY_TREE_OPS = ("allreduce", "broadcast")
@@ -35,6 +51,7 @@ _BUS_FACTORS = {
     "reducescatter": lambda n: (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
 }
 
 
@@ -100,6 +117,8 @@ def cost_terms(op: str, algorithm: str, n: int) -> tuple[float, float]:
             "reducescatter": (float(n - 1), part),
             "allgather": (float(n - 1), part),
             "broadcast": (float(lg + n - 1), 2.0 * part),
+            # The mirror image of broadcast: ring reduce-scatter, then gather to the root.
+            "reduce": (float(n - 1 + lg), 2.0 * part),
         }[op]
     if algorithm == "binary_tree":
         # Whole messages up the tree (reduce), then down (broadcast): every round moves S.
@@ -113,6 +132,7 @@ def cost_terms(op: str, algorithm: str, n: int) -> tuple[float, float]:
             "reducescatter": (2.0 * lg, lg + part),
             "allgather": (2.0 * lg, lg + part),
             "broadcast": (float(lg), float(lg)),
+            "reduce": (float(lg), float(lg)),
         }[op]
     # Recursive halving (reduce-scatter) and recursive doubling (all-gather): Rabenseifner.
     return {
@@ -120,6 +140,7 @@ def cost_terms(op: str, algorithm: str, n: int) -> tuple[float, float]:
         "reducescatter": (float(lg), part),
         "allgather": (float(lg), part),
         "broadcast": (2.0 * lg, 2.0 * part),
+        "reduce": (2.0 * lg, 2.0 * part),
     }[op]
 
 
@@ -131,6 +152,44 @@ def collective_time(
         raise UsageError(f"message size must be 0 or more bytes, got {nbytes}")
     a, b = cost_terms(op, algorithm, n)
     return a * alpha + b * nbytes * beta
+
+
+def _check_hosts(hosts: int, per_host: int) -> None:
+    if hosts < 1 or per_host < 1:
+        raise UsageError(f"need at least 1 host and 1 rank per host, got {hosts} x {per_host}")
+
+
+def hierarchical_allreduce_time(
+    hosts: int, per_host: int, nbytes: float, inter: AlphaBeta, intra: AlphaBeta
+) -> float:
+    """Seconds for ``gradsync.topology``'s all-reduce of ``nbytes`` over ``hosts`` hosts of
+    ``per_host`` ranks: reduce to the leader (``intra``), all-reduce among the leaders
+    (``inter``), broadcast from the leader (``intra``), one after the other."""
+    _check_hosts(hosts, per_host)
+    return (
+        intra.time("reduce", per_host, nbytes)
+        + inter.time("allreduce", hosts, nbytes)
+        + intra.time("broadcast", per_host, nbytes)
+    )
+
+
+def flat_allreduce_time(
+    hosts: int, per_host: int, nbytes: float, inter: AlphaBeta, intra: AlphaBeta
+) -> float:
+    """Seconds for one all-reduce of ``nbytes`` over all ``hosts x per_host`` ranks, with
+    ``inter``'s algorithm: every step waits for its slowest link, so across hosts it is the
+    all-reduce over all the ranks priced on each link alone, the slower of the two (the module
+    docstring)."""
+    _check_hosts(hosts, per_host)
+    n = hosts * per_host
+    if hosts == 1:
+        return intra.time("allreduce", n, nbytes)
+    # Per step each link costs alpha + (its share of S) beta, the same share on both links,
+    # so the slowest step is one link's whole: not the larger alpha plus the larger beta.
+    return max(
+        collective_time("allreduce", n, nbytes, link.alpha, link.beta, inter.algorithm)
+        for link in (inter, intra)
+    )
 
 
 def algbw(nbytes: float, seconds: float) -> float:

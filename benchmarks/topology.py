@@ -1,0 +1,380 @@
+"""Hierarchical against flat all-reduce on the emulated cluster, 1 Gbit/s between hosts, 2 ranks
+per host, with the simulator's two-level prediction beside each measured all-reduce.
+
+Needs root and iproute2. Per host count (2 and 4 hosts), one cluster and one torchrun launch
+(``benchmarks/topology_worker.py``, which says what it times): the all-reduce of a 12 MB float32
+tensor, flat ``dist.all_reduce`` against ``gradsync.topology.Hierarchy.sum``, alternating; the
+step time of the mlp workload with a 12 MB gradient under torch DDP, gradsync bsp ring, gradsync
+bsp hierarchical and compute-only, interleaved; probes of each level for the simulator. The
+clusters' prefix is ``gst-`` (``gradsync cluster down --prefix gst-`` removes what a crash
+left, and nothing of anyone else's); every other exit tears down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster import say, worker_env, worker_output_to
+from benchmarks.harness import Harness, fmt_iqr, machine, median_iqr, table
+from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing
+from gradsync.cluster.system import list_namespaces
+from gradsync.sim.model import (
+    AlphaBeta,
+    fit_alpha_beta,
+    flat_allreduce_time,
+    hierarchical_allreduce_time,
+)
+
+PREFIX = "gst-"
+LINK = "1gbit"
+MODULE = "benchmarks.topology_worker"
+PER_HOST = 2
+GOAL_SPEEDUP = 1.5
+GOAL_SIM_ERR = 0.15
+OTHERS_CORES = 0.2  # CPU others may use during a launch before we call it interference
+STEP_LABELS = {
+    "ddp": "torch DDP",
+    "ring": "gradsync bsp, ring (flat)",
+    "hierarchical": "gradsync bsp, hierarchical",
+    "compute-only": "compute-only (no communication)",
+}
+
+
+@dataclass
+class Settings:
+    hosts: tuple[int, ...] = (2, 4)
+    nbytes: int = 12_000_000
+    iters: int = 16
+    params: int = 3_000_000  # 12 MB of float32 gradient, as benchmarks/cluster.py's mlp
+    global_batch: int = 64
+    step_repeats: int = 4
+    block: int = 4
+
+    def worker_args(self) -> list[str]:
+        return [
+            "--nbytes", str(self.nbytes), "--iters", str(self.iters),
+            "--params", str(self.params), "--global-batch", str(self.global_batch),
+            "--step-repeats", str(self.step_repeats), "--block", str(self.block),
+        ]  # fmt: skip
+
+
+def run_cluster(s: Settings, hosts: int, workdir: Path) -> dict[str, Any]:
+    out = workdir / f"topology-{hosts}x{PER_HOST}.json"
+    out.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    others = set(others_now())
+    cpu0 = cpu_seconds()
+    with Cluster(hosts=hosts, link=LINK, prefix=PREFIX) as cluster:
+        rc = launch_on_cluster(
+            cluster,
+            [MODULE, *s.worker_args(), "--out", str(out)],
+            nproc_per_host=PER_HOST,
+            env=worker_env(),
+            timeout_s=600,
+        )
+        others |= set(others_now())
+        cpu1 = cpu_seconds()
+    if rc != 0 or not out.exists():
+        raise RuntimeError(
+            f"{hosts} hosts: launch failed (rc {rc}) after {time.monotonic() - t0:.0f}s"
+        )
+    res: dict[str, Any] = json.loads(out.read_text())
+    res["launch_s"] = time.monotonic() - t0
+    # The cores are shared: another emulated cluster (a benchmark) or CPU time used by
+    # processes not ours while we ran means our times include someone else's work. (The load
+    # average cannot tell: our own 8 ranks put it above 2.)
+    res["others"] = sorted({ns.rsplit("-", 1)[0] for ns in others})
+    busy, mine = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+    res["others_cores"] = max(0.0, busy - mine) / res["launch_s"]
+    res["busy_cores"] = busy / res["launch_s"]
+    say(f"  {hosts} hosts x {PER_HOST}: {res['launch_s']:.0f}s")
+    return res
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, of this process and its waited-for
+    descendants: the agents and through them the workers), both since boot."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9]
+        )
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    me = os.times()
+    return busy, me.user + me.system + me.children_user + me.children_system
+
+
+def others_now() -> list[str]:
+    """Network namespaces that are not ours (another engineer's emulated cluster)."""
+    return [ns for ns in list_namespaces() if not ns.startswith(PREFIX)]
+
+
+def fit_levels(res: dict[str, Any]) -> tuple[AlphaBeta, AlphaBeta, dict[str, float]]:
+    """The inter-host link from the leaders' all-reduce (H ranks, one per host); the intra-host
+    path from a host's reduce then broadcast, which in the model cost the same (each is the
+    other's mirror image), so half of their time is one reduce."""
+    hosts, per_host = res["hosts"], res["world_size"] // res["hosts"]
+    lead = res["probe"]["leaders_allreduce"]
+    fit_inter = fit_alpha_beta(
+        [p["bytes"] for p in lead], [statistics.median(p["times_s"]) for p in lead], n=hosts
+    )
+    host = res["probe"]["host_reduce_bcast"]
+    fit_intra = fit_alpha_beta(
+        [p["bytes"] for p in host],
+        [statistics.median(p["times_s"]) / 2 for p in host],
+        n=per_host,
+        op="reduce",
+    )
+    errs = {"inter_fit_err": fit_inter.max_rel_error, "intra_fit_err": fit_intra.max_rel_error}
+    return fit_inter.model(), fit_intra.model(), errs
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    hosts, per_host, nbytes = res["hosts"], res["world_size"] // res["hosts"], res["nbytes"]
+    inter, intra, errs = fit_levels(res)
+    flat, hier = res["allreduce"]["flat"], res["allreduce"]["hierarchical"]
+    ratios = [f / h for f, h in zip(flat, hier, strict=True)]
+    pred = {
+        "flat": flat_allreduce_time(hosts, per_host, nbytes, inter, intra),
+        "hierarchical": hierarchical_allreduce_time(hosts, per_host, nbytes, inter, intra),
+    }
+    sent = {
+        k: statistics.median(res["allreduce"][f"{k}_sent_bytes"]) / nbytes
+        for k in ("flat", "hierarchical")
+    }
+    blocks = res["steps"]["blocks_s"]
+    n = res["world_size"]
+    # Bytes each host's link carries, in gradients: flat ring 2(N-1)/N, leaders 2(H-1)/H.
+    bound = (2 * (n - 1) / n) / (2 * (hosts - 1) / hosts)
+    return {
+        "hosts": hosts,
+        "per_host": per_host,
+        "nbytes": nbytes,
+        "inter": inter,
+        "intra": intra,
+        **errs,
+        "flat": flat,
+        "hierarchical": hier,
+        "ratios": ratios,
+        "pred": pred,
+        "pred_ratio": pred["flat"] / pred["hierarchical"],
+        "bound": bound,
+        "sent": sent,
+        "blocks": blocks,
+        "grad_bytes": res["steps"]["grad_bytes"],
+        "launch_s": res["launch_s"],
+        "layout": res["layout"],
+        "others": res["others"],
+        "others_cores": res["others_cores"],
+        "busy_cores": res["busy_cores"],
+    }
+
+
+def _err(pred: float, measured: float) -> str:
+    return f"{(pred / measured - 1) * 100:+.0f}%"
+
+
+def render_allreduce(r: dict[str, Any]) -> str:
+    n, hosts = r["hosts"] * r["per_host"], r["hosts"]
+    model_sent = {"flat": 2 * (n - 1) / n, "hierarchical": 2 * (hosts - 1) / hosts}
+    rows = []
+    for kind in ("flat", "hierarchical"):
+        med = median_iqr(r[kind])[0]
+        rows.append(
+            [
+                "flat dist.all_reduce (ring)" if kind == "flat" else "Hierarchy.sum",
+                fmt_iqr([t * 1e3 for t in r[kind]], ".1f"),
+                f"{r['nbytes'] / med * 8 / 1e9:.2f}",
+                f"{r['pred'][kind] * 1e3:.1f}",
+                _err(r["pred"][kind], med),
+                f"{r['sent'][kind]:.2f} ({model_sent[kind]:.2f})",
+            ]
+        )
+    rows.append(
+        [
+            "ratio flat / hierarchical",
+            fmt_iqr(r["ratios"], ".2f", "x"),
+            "-",
+            f"{r['pred_ratio']:.2f}x",
+            _err(r["pred_ratio"], median_iqr(r["ratios"])[0]),
+            f"{r['sent']['flat'] / r['sent']['hierarchical']:.2f} ({r['bound']:.2f})",
+        ]
+    )
+    head = (
+        f"all-reduce of {r['nbytes'] / 1e6:g} MB | measured ms, median (IQR) | algbw Gbit/s | "
+        "simulator ms | error | sent per host link, in gradients (model)"
+    )
+    return table(head, rows)
+
+
+def render_steps(r: dict[str, Any]) -> str:
+    b = r["blocks"]
+    ddp = statistics.median(b["ddp"])
+    compute = statistics.median(b["compute-only"])
+    rows = []
+    for key, label in STEP_LABELS.items():
+        med = statistics.median(b[key])
+        # Each bucket exchange is the whole gradient (one 25 MB bucket), after the backward
+        # pass: nothing to overlap, so the simulator's step is compute + one all-reduce.
+        sim = {"ring": "flat", "hierarchical": "hierarchical"}.get(key)
+        pred = compute + r["pred"][sim] if sim else None
+        rows.append(
+            [
+                label,
+                fmt_iqr([t * 1e3 for t in b[key]], ".1f"),
+                f"{ddp / med:.2f}x" if key != "ddp" else "1.00x",
+                f"{pred * 1e3:.1f} ({_err(pred, med)})" if pred else "-",
+            ]
+        )
+    head = (
+        "configuration | ms/step, median (IQR) of blocks | speed vs DDP | simulator ms/step (error)"
+    )
+    return table(head, rows)
+
+
+def render_case(r: dict[str, Any]) -> str:
+    inter, intra = r["inter"], r["intra"]
+    gbit = 8 / inter.beta / 1e9 if inter.beta > 0 else float("inf")
+    return (
+        f"### {r['hosts']} hosts x {r['per_host']} ranks (layout {r['layout']}; launch "
+        f"{r['launch_s']:.0f} s)\n\n{interference(r)}"
+        f"Simulator links, fitted in the same launch: inter-host from the {r['hosts']} leaders' "
+        f"ring all-reduce at 1, 4 and 16 MiB: alpha {inter.alpha * 1e6:.0f} us, beta "
+        f"{inter.beta * 1e9:.2f} ns/B ({gbit:.2f} Gbit/s), worst fit error "
+        f"{r['inter_fit_err'] * 100:.0f}%; intra-host from every host's reduce + broadcast at "
+        f"the same sizes (half of it as one reduce): alpha {intra.alpha * 1e6:.0f} us, beta "
+        f"{intra.beta * 1e9:.2f} ns/B, worst fit error {r['intra_fit_err'] * 100:.0f}%. "
+        f"{r['nbytes'] / 1e6:g} MB is not among the fitted sizes.\n\n"
+        f"{render_allreduce(r)}\n\n"
+        f"Training steps, mlp {r['grad_bytes'] / 1e6:.1f} MB gradient:\n\n{render_steps(r)}\n"
+    )
+
+
+def interference(r: dict[str, Any]) -> str:
+    cores = os.cpu_count() or 1
+    found = []
+    if r["others"]:
+        found.append(f"other emulated clusters were up during the launch: {', '.join(r['others'])}")
+    if r["others_cores"] > OTHERS_CORES:
+        found.append(
+            f"processes not ours used {r['others_cores']:.2f} of the {cores} cores on average "
+            f"during it (the machine was busy {r['busy_cores']:.2f} cores)"
+        )
+    if not found:
+        return (
+            f"No other emulated cluster up; processes not ours used {r['others_cores']:.2f} of "
+            f"the {cores} cores on average during the launch.\n\n"
+        )
+    return "**Interference:** " + "; ".join(found) + " (times include others' work).\n\n"
+
+
+def goal_lines(results: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for r in results:
+        ratio = median_iqr(r["ratios"])[0]
+        sp = "met" if ratio >= GOAL_SPEEDUP else "not met"
+        n, hosts = r["hosts"] * r["per_host"], r["hosts"]
+        flat_b, hier_b = 2 * (n - 1) / n, 2 * (hosts - 1) / hosts
+        intra, L, S = r["intra"], r["per_host"], r["nbytes"]
+        local = intra.time("reduce", L, S) + intra.time("broadcast", L, S)
+        why = (
+            f" (the upper bound with free intra-host steps is the ratio of bytes per host link, "
+            f"2(N-1)/N : 2(H-1)/H = {flat_b:.3f} : {hier_b:.3f} = {r['bound']:.2f}x"
+            + (", below the goal by construction" if r["bound"] < GOAL_SPEEDUP else "")
+            + f"; the intra-host reduce and broadcast, which run before and after the leaders' "
+            f"step and not beside it, cost {local * 1e3:.0f} ms of the simulator's "
+            f"{r['pred']['hierarchical'] * 1e3:.0f})"
+        )
+        errs = {k: abs(r["pred"][k] / median_iqr(r[k])[0] - 1) for k in ("flat", "hierarchical")}
+        worst = max(errs.values())
+        sim = "met" if worst <= GOAL_SIM_ERR else "not met"
+        lines.append(
+            f"- {r['hosts']} x {r['per_host']}: flat / hierarchical = {ratio:.2f}x, "
+            f"goal {GOAL_SPEEDUP}x {sp}{why}; simulator error flat {errs['flat'] * 100:.0f}%, "
+            f"hierarchical {errs['hierarchical'] * 100:.0f}%, goal {GOAL_SIM_ERR:.0%} {sim}."
+        )
+    return lines
+
+
+def render(
+    s: Settings, results: list[dict[str, Any]], failed: list[str], elapsed: float, command: str
+) -> str:
+    cases = "\n".join(render_case(r) for r in results)
+    fails = "".join(f"\nFailed: {f}\n" for f in failed)
+    goals = "\n".join(goal_lines(results))
+    return (
+        "## Hierarchical all-reduce against flat, emulated cluster, 1 Gbit/s between hosts\n\n"
+        f"Command (as root): `{command}`. Machine: {machine()}. Whole run: "
+        f"{elapsed / 60:.1f} min.\n\n"
+        f"Hosts are network namespaces joined by {LINK} links (tc tbf each way, docs/cluster.md), "
+        f"{PER_HOST} ranks per host (torchrun, gloo, 1 thread each); traffic between the ranks "
+        "of a host goes over the host's loopback, not limited. One launch per host count. "
+        f"All-reduce: {s.iters} of each kind, flat and hierarchical alternating (the first of a "
+        "pair alternating too), each behind a barrier; a time is the slowest rank's; the ratio is "
+        "taken per pair. Sent per host link: the bytes the host's interface sent during one "
+        "all-reduce (its tx counter, frame headers included; the host that sent most), over "
+        "the tensor's size; the model's figure is 2(N-1)/N for the flat ring, 2(H-1)/H for the "
+        f"leaders. Steps: mlp with {s.params / 1e6:g}M parameters, global batch "
+        f"{s.global_batch}, bucket 25 MB (one bucket), {s.step_repeats} blocks of {s.block} "
+        "steps per configuration after 2 warm-up steps, interleaved (order rotated per block); "
+        "a block's figure is its mean step time, slowest rank. Simulator: "
+        "`gradsync.sim.model.flat_allreduce_time` (ring over N = H x L ranks, paced by the "
+        "inter-host link) and `hierarchical_allreduce_time` (reduce + leaders' all-reduce + "
+        "broadcast), links fitted as said under each table; its step time is compute-only's "
+        "plus one predicted all-reduce (one bucket after the backward pass: nothing overlaps), "
+        "a rough figure beside the steps, not one of the goals."
+        f"\n\n{cases}{fails}\n"
+        f"Goals (hierarchical moves 12 MB at least {GOAL_SPEEDUP}x faster than flat; "
+        f"the simulator within {GOAL_SIM_ERR:.0%} of each measured all-reduce):\n\n{goals}\n"
+    )
+
+
+def main() -> int:
+    h = Harness("benchmarks.topology", __doc__, repeats=None, python=".venv/bin/python")
+    h.parser.add_argument("--hosts", default="2,4", help="host counts (default 2,4)")
+    h.parser.add_argument("--workdir", default=None, help="keep worker JSON and logs here")
+    args = h.parse()
+    missing = requirements_missing()
+    if missing:
+        print(f"benchmarks.topology: {missing}", file=sys.stderr)
+        return 2
+    s = Settings()
+    if args.quick:
+        s = Settings(iters=4, params=1_000_000, nbytes=4_000_000, step_repeats=1, block=2)
+    try:
+        s.hosts = tuple(int(n) for n in args.hosts.split(","))
+    except ValueError:
+        h.error("--hosts takes comma-separated integers")
+    if not all(n >= 2 for n in s.hosts):
+        h.error("--hosts: at least 2 hosts each")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gradsync-topology-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "workers.log"
+    say(f"benchmarks.topology: worker output in {log}")
+    started = time.monotonic()
+    results, failed = [], []
+    with worker_output_to(log):
+        for hosts in s.hosts:
+            try:
+                results.append(summarize(run_cluster(s, hosts, workdir)))
+            except Exception as exc:  # noqa: BLE001 - report it, run the other host count
+                say(f"  {hosts} hosts failed: {exc}")
+                failed.append(f"{hosts} hosts: {type(exc).__name__}: {exc} (workers' log: {log})")
+    elapsed = time.monotonic() - started
+    raw = [{k: v for k, v in r.items() if k not in ("inter", "intra")} for r in results]
+    (workdir / "summary.json").write_text(json.dumps(raw, indent=1))
+    text = render(s, results, failed, elapsed, h.command())
+    skip = "a host count failed" if failed else ("a smoke run (--quick)" if args.quick else None)
+    h.finish(text, skip)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
