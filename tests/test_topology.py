@@ -25,11 +25,11 @@ from tests import zero_ranks as zr
 LAYOUTS = {"2x2": [0, 0, 1, 1], "interleaved": [0, 1, 0, 1], "3+1": [0, 0, 0, 1]}
 
 
-def _sums(rank: int, hosts: list[int]) -> dict[str, Any]:
+def _sums(rank: int, hosts: list[int], numel: int = 10_000) -> dict[str, Any]:
     os.environ["GRADSYNC_HOST"] = str(hosts[rank])
     hierarchy = Hierarchy()
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(10_000, dtype=torch.float64, generator=gen)
+    x = torch.randn(numel, dtype=torch.float64, generator=gen)
     flat = x.clone()
     dist.all_reduce(flat)
     pending = [hierarchy.sum_async(x.clone() * (k + 1)) for k in range(3)]  # queued in order
@@ -81,6 +81,8 @@ def _train(
 
 def everything(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {name: _sums(rank, hosts) for name, hosts in LAYOUTS.items()}
+    # 5.6 MB: in pieces, pipelined (PIECE_BYTES)
+    out["pieces"] = _sums(rank, LAYOUTS["2x2"], 700_000)
     for spec in ("bsp", "zero:1"):
         for allreduce in ("ring", "hierarchical"):
             out[f"{spec} {allreduce}"] = _train(rank, LAYOUTS["2x2"], allreduce, spec)
@@ -113,6 +115,9 @@ def test_the_sum_is_the_flat_all_reduces_and_every_rank_holds_the_same_bits(
             assert out[name]["hosts"] == expected_hosts[name]
         leaders = [out[name]["leader"] for out in results]
         assert leaders == [r in (h[0] for h in expected_hosts[name]) for r in range(4)]
+    for rank, out in enumerate(results):  # the pipelined pieces add up as the whole does
+        assert max(out["pieces"]["errors"]) < 1e-12, (rank, out["pieces"]["errors"])
+        assert torch.equal(out["pieces"]["first"], results[0]["pieces"]["first"]), rank
     # Only leaders cross hosts, each 2 (H - 1)/H of the bytes: with 2 hosts, 1x.
     assert [out["2x2"]["inter_host_bytes"] for out in results] == [800, 0, 800, 0]
 
