@@ -55,6 +55,11 @@ class StrategySpec:
     period: int | None = None  # H for local/diloco
     staleness: float | None = None  # S for ssp (math.inf allowed)
     stage: int | None = None  # N for zero
+    #: streaming DiLoCo (``diloco:H:F:TAU:ALPHA``): fragments, delay and mixing weight; None
+    #: for plain ``diloco:H`` (and every other kind)
+    fragments: int | None = None
+    delay: int | None = None
+    alpha: float | None = None
 
     def __str__(self) -> str:
         form = STRATEGY_TABLE.get(self.kind)
@@ -85,10 +90,13 @@ class StrategyForm:
     show: Callable[[StrategySpec], str] | None = None
     #: whether the strategy runs parameter-server ranks besides the workers
     servers: bool = False
+    #: optional arguments after ARG, as the forms write them ("[:F]"), and their rules
+    options: str = ""
+    option_rules: str = ""
 
     @property
     def usage(self) -> str:
-        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+        return f"{self.kind}:{self.arg}{self.options}" if self.arg else self.kind
 
 
 def _period(text: str) -> dict[str, Any]:
@@ -117,6 +125,59 @@ def _stage(text: str) -> dict[str, Any]:
     return {"stage": stage}
 
 
+def default_delay(period: int, fragments: int) -> int:
+    """Streaming DiLoCo's TAU when none is given: one inner step of overlap where the schedule
+    leaves room for it (F > 1 and TAU * F < H), so each fragment's exchange hides behind the
+    next step's compute; 0 (no overlap, plain DiLoCo's timing) otherwise."""
+    return 1 if 1 < fragments < period else 0
+
+
+def _diloco(text: str) -> dict[str, Any]:
+    """``H``, or ``H:F[:TAU[:ALPHA]]`` for streaming DiLoCo; one fragment with no delay and
+    ALPHA 0 is plain ``diloco:H``, and parses as it."""
+    parts = [part.strip() for part in text.split(":")]
+    if len(parts) > 4:
+        raise _Refused(f"diloco takes at most H:F:TAU:ALPHA, got {len(parts)} values")
+    fields = _period(parts[0])
+    if len(parts) == 1:
+        return fields
+    period = fields["period"]
+    try:
+        fragments = int(parts[1])
+    except ValueError:
+        fragments = 0
+    if not 1 <= fragments <= period:
+        raise _Refused(f"F={parts[1]} must be an integer from 1 to H={period}")
+    delay = default_delay(period, fragments)
+    if len(parts) > 2:
+        try:
+            delay = int(parts[2])
+        except ValueError:
+            delay = -1
+        if delay < 0 or delay * fragments >= period:
+            raise _Refused(
+                f"TAU={parts[2]} must be an integer >= 0 below H/F={period / fragments:g}"
+            )
+    alpha = 0.0
+    if len(parts) > 3:
+        try:
+            alpha = float(parts[3])
+        except ValueError:
+            alpha = math.nan
+        if not 0.0 <= alpha <= 1.0:
+            raise _Refused(f"ALPHA={parts[3]} must be a number from 0 to 1")
+    if fragments == 1 and delay == 0 and alpha == 0:
+        return fields
+    return {**fields, "fragments": fragments, "delay": delay, "alpha": alpha}
+
+
+def _show_diloco(spec: StrategySpec) -> str:
+    if spec.fragments is None:
+        return str(spec.period)
+    alpha = f":{spec.alpha!r}" if spec.alpha else ""
+    return f"{spec.period}:{spec.fragments}:{spec.delay or 0}{alpha}"
+
+
 def _show_stage(spec: StrategySpec) -> str:
     return str(spec.stage)
 
@@ -140,7 +201,15 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
         StrategyForm("bsp"),
         StrategyForm("zero", "N", "1, 2 or 3", _stage, _show_stage),
         StrategyForm("local", "H", "an integer >= 1", _period, _show_period),
-        StrategyForm("diloco", "H", "an integer >= 1", _period, _show_period),
+        StrategyForm(
+            "diloco",
+            "H",
+            "an integer >= 1",
+            _diloco,
+            _show_diloco,
+            options="[:F[:TAU[:ALPHA]]]",
+            option_rules="F an integer from 1 to H, TAU an integer >= 0 below H/F, ALPHA in [0, 1]",
+        ),
         StrategyForm(
             "ssp", "S", "an integer >= 0 or inf", _staleness, _show_staleness, servers=True
         ),
@@ -152,7 +221,13 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
 def _strategy_forms(table: Mapping[str, StrategyForm]) -> str:
     """``bsp, local:H, ... (H an integer >= 1, ...)``: the forms, then each argument's rule."""
     usages = ", ".join(form.usage for form in table.values())
-    rules = dict.fromkeys(f"{f.arg} {f.rule}" for f in table.values() if f.arg)
+    rules = dict.fromkeys(
+        rule
+        for f in table.values()
+        if f.arg
+        for rule in (f"{f.arg} {f.rule}", f.option_rules)
+        if rule
+    )
     return f"{usages} ({', '.join(rules)})" if rules else usages
 
 
@@ -261,6 +336,7 @@ COMPRESSION_TABLE: Mapping[str, CompressionForm] = _table(
         CompressionForm("fp16"),
         CompressionForm("bf16"),
         CompressionForm("int8"),
+        CompressionForm("int4"),
         CompressionForm("sign"),
         CompressionForm("topk", "FRACTION", "0 < FRACTION <= 1", _fraction),
         CompressionForm("randomk", "FRACTION", "0 < FRACTION <= 1", _fraction),

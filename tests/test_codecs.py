@@ -33,8 +33,9 @@ from gradsync.errors import UsageError
 pytestmark = pytest.mark.unit
 
 #: one instance of every form VALID_FORMS names.
-FORMS = ["none", "fp16", "bf16", "int8", "sign", "topk:0.1", "randomk:0.1", "powersgd:2"]
-BIASED = {"sign", "topk:0.1", "powersgd:2"}  # parse_compression wraps these in error feedback
+FORMS = ["none", "fp16", "bf16", "int8", "int4", "sign", "topk:0.1", "randomk:0.1", "powersgd:2"]
+#: parse_compression wraps these in error feedback
+BIASED = {"int4", "sign", "topk:0.1", "powersgd:2"}
 
 # Two matrices PowerSGD compresses, a bias, and a 3x4 matrix too small to save 2x at rank 2.
 SHAPES = [[64, 48], [48], [3, 4], [32, 5, 6]]
@@ -100,6 +101,13 @@ def _int8(x: torch.Tensor, out: torch.Tensor) -> None:
     assert torch.all((out - x).abs() <= step * (1 + 1e-6))
 
 
+def _int4(x: torch.Tensor, out: torch.Tensor) -> None:
+    # Rounded to nearest: within half a step s = max|x| / 7 of the element's 128-element chunk.
+    rows = torch.nn.functional.pad(x.abs(), (0, (-N) % 128)).view(-1, 128)
+    step = (rows.amax(1) / 7).repeat_interleave(128)[:N]
+    assert torch.all((out - x).abs() <= step / 2 * (1 + 1e-6))
+
+
 def _sign(x: torch.Tensor, out: torch.Tensor) -> None:
     # scale * sign(x) per 64-element chunk, scale = mean|x|: the error's energy is exactly
     # |x|^2 - |x|_1^2 / c per chunk, at most (1 - 1/c) |x|^2.
@@ -140,6 +148,7 @@ BOUNDS: dict[str, tuple[Callable[[int], torch.Tensor], Callable[..., None]]] = {
     "fp16": (gradient, _half(torch.float16, 2**-11)),
     "bf16": (gradient, _half(torch.bfloat16, 2**-8)),
     "int8": (gradient, _int8),
+    "int4": (gradient, _int4),
     "sign": (gradient, _sign),
     "topk:0.1": (gradient, _topk),
     "randomk:0.1": (gradient, _randomk),

@@ -32,11 +32,12 @@ pytestmark = pytest.mark.unit
 
 # The texts the messages end with, as the API has always printed them.
 STRATEGY_TEXT = (
-    "bsp, zero:N, local:H, diloco:H, ssp:S, async "
-    "(N 1, 2 or 3, H an integer >= 1, S an integer >= 0 or inf)"
+    "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]]], ssp:S, async "
+    "(N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 below H/F, "
+    "ALPHA in [0, 1], S an integer >= 0 or inf)"
 )
 COMPRESSION_TEXT = (
-    "none, fp16, bf16, int8, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
+    "none, fp16, bf16, int8, int4, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
     "powersgd:RANK (integer >= 1)"
 )
 
@@ -48,7 +49,7 @@ def test_the_forms_are_written_from_the_tables_as_before() -> None:
         "bsp",
         "zero:N",
         "local:H",
-        "diloco:H",
+        "diloco:H[:F[:TAU[:ALPHA]]]",
         "ssp:S",
         "async",
     ]
@@ -169,8 +170,9 @@ def test_a_new_strategy_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> N
     }
     monkeypatch.setattr(spec_module, "STRATEGY_TABLE", table)
     assert spec_module._strategy_forms(table) == (
-        "bsp, zero:N, local:H, diloco:H, ssp:S, async, hogwild, stage:N "
-        "(N 1, 2 or 3, H an integer >= 1, S an integer >= 0 or inf)"
+        "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]]], ssp:S, async, hogwild, stage:N "
+        "(N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 below "
+        "H/F, ALPHA in [0, 1], S an integer >= 0 or inf)"
     )
     hogwild = parse_strategy_spec("Hogwild")
     assert (hogwild, str(hogwild), hogwild.uses_servers) == (

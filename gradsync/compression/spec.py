@@ -12,6 +12,7 @@ from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import Compressor
 from gradsync.compression.errorfeedback import error_feedback
 from gradsync.compression.fp import BF16, FP16
+from gradsync.compression.int4 import int4
 from gradsync.compression.int8 import int8
 from gradsync.compression.powersgd import powersgd
 from gradsync.compression.sign import sign
@@ -38,6 +39,7 @@ BUILDERS: dict[str, Callable[[CompressionSpec], Compressor]] = {
     "fp16": lambda _: FP16,
     "bf16": lambda _: BF16,
     "int8": lambda _: int8(),
+    "int4": lambda _: error_feedback(int4()),
     "sign": lambda _: error_feedback(sign()),
     "topk": lambda s: error_feedback(topk(_fraction(s))),
     "randomk": lambda s: randomk(_fraction(s)),
@@ -48,8 +50,9 @@ BUILDERS: dict[str, Callable[[CompressionSpec], Compressor]] = {
 def parse_compression(spec: str | Compressor | None) -> Compressor:
     """A Compressor from a spec string; None and ``"none"`` give the plain all-reduce.
 
-    The biased compressors (``topk``, ``sign``, ``powersgd``) come wrapped in error feedback;
-    ``int8`` and ``randomk`` are unbiased and ``fp16``/``bf16`` only round, so they do not.
+    The biased compressors (``int4``, ``topk``, ``sign``, ``powersgd``) come wrapped in error
+    feedback; ``int8`` and ``randomk`` are unbiased and ``fp16``/``bf16`` only round, so they
+    do not.
     A Compressor object passes through unchanged. Raises ``UsageError`` naming the bad value
     and ``VALID_FORMS``.
     """

@@ -40,7 +40,14 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
         return stages[parsed.stage or 1]()
     if parsed.kind in ("local", "diloco"):
         assert parsed.period is not None
-        return LocalSGD(parsed.period) if parsed.kind == "local" else DiLoCo(parsed.period)
+        if parsed.kind == "local":
+            return LocalSGD(parsed.period)
+        return DiLoCo(
+            parsed.period,
+            fragments=parsed.fragments or 1,
+            delay=parsed.delay or 0,
+            alpha=parsed.alpha or 0.0,
+        )
     bound = math.inf if parsed.kind == "async" else float(parsed.staleness or 0.0)
     return ParameterServer(bound, servers=servers, timeout_s=timeout_s)
 

@@ -1,4 +1,5 @@
-"""Periodic averaging: local SGD (``local:H``) and DiLoCo (``diloco:H``).
+"""Periodic averaging: local SGD (``local:H``) and DiLoCo (``diloco:H``, and streaming DiLoCo,
+``diloco:H:F:TAU:ALPHA``, whose schedule and fragments ``streaming`` holds).
 
 Every worker steps the user's optimizer on its own gradient for H steps with no communication.
 Then local SGD averages the parameters; DiLoCo averages the pseudo-gradient (global parameters
@@ -9,8 +10,9 @@ worth of bytes every H steps: 1/H of BSP's per step, before compression.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -19,6 +21,7 @@ from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.fault.diagnose import END
 from gradsync.flat import copy_into, flatten
+from gradsync.spec import StrategySpec, parse_strategy_spec
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,
@@ -29,6 +32,7 @@ from gradsync.strategies.base import (
     local_gradient,
     optimizer_step,
 )
+from gradsync.strategies.streaming import Exchange, offsets, strided_fragments
 
 
 class _Periodic(Strategy):
@@ -87,6 +91,11 @@ class _Periodic(Strategy):
         # Even after a skipped step: a skip is this rank's alone, and every rank must make the
         # same decision in finalize() (it is a collective).
         self._in_sync = False
+        return self._exchange(step, outcome)
+
+    def _exchange(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        """The synchronization due after local step ``step``, if any."""
+        assert self._ctx is not None
         if (step + 1) % self.period:
             return outcome
         before = self._state.bytes_sent
@@ -112,18 +121,34 @@ class _Periodic(Strategy):
         """Replicas agree right after each synchronization (and at the end), and only then."""
         return final or (step + 1) % self.period == 0
 
-    def _mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks through the compressor (plain all-reduce when uncompressed)."""
+    def _mean(
+        self, flat: torch.Tensor, index: int = 0, params: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Mean over ranks through the compressor (plain all-reduce when uncompressed);
+        ``index`` keys the compressor's per-bucket state (a streaming fragment's own)."""
+        return cast(torch.Tensor, self._launch(flat, index, params, wait=True))
+
+    def _launch(
+        self, flat: torch.Tensor, index: int, params: list[torch.Tensor] | None, wait: bool
+    ) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
+        """Start the mean over ranks of ``flat``; its value when ``wait``, else its future."""
         ctx = self._ctx
         assert ctx is not None
-        bucket = FlatBucket(flat, index=0, is_last=True, params=self._params)
+        bucket = FlatBucket(flat, index=index, is_last=True, params=params or self._params)
+
+        def run() -> torch.Tensor | torch.futures.Future[torch.Tensor]:
+            future = ctx.compressor.hook(self._state, bucket)
+            return future.wait() if wait else future
+
         if ctx.watch is None:
-            return ctx.compressor.hook(self._state, bucket).wait()
+            return run()
         # The hook is inside the diagnosis too: some compressors wait on a first round there.
-        what = f"averaging of {self.name}:{self.period} ({ctx.compressor.spec})"
-        return ctx.watch.run(
-            self._step, what, lambda: ctx.compressor.hook(self._state, bucket).wait()
-        )
+        return ctx.watch.run(self._step, f"averaging of {self._label(index)}", run)
+
+    def _label(self, index: int) -> str:
+        """What an exchange is called in a timeout's diagnosis."""
+        assert self._ctx is not None
+        return f"{self.name}:{self.period} ({self._ctx.compressor.spec})"
 
     def _synchronize(self) -> None:
         raise NotImplementedError
@@ -197,6 +222,12 @@ class DiLoCo(_Periodic):
 
     With ``outer_lr=1`` and no momentum the outer step lands on the average of the local
     parameters, which is local SGD.
+
+    Streaming DiLoCo (``diloco:H:F:TAU:ALPHA``, or ``fragments``, ``delay`` and ``alpha``
+    here): F fragments, each synchronized every H steps at its own offset, its exchange applied
+    TAU steps after it started and mixed into the local fragment with weight ALPHA; see
+    ``gradsync.strategies.streaming``. Plain DiLoCo is its one-fragment, undelayed case, and
+    runs through the same code. ``delay=None`` picks ``gradsync.spec.default_delay``.
     """
 
     name = "diloco"
@@ -207,45 +238,189 @@ class DiLoCo(_Periodic):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        *,
+        fragments: int = 1,
+        delay: int | None = None,
+        alpha: float = 0.0,
     ) -> None:
         super().__init__(period)
         self.outer = OuterConfig(
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov
         )
-        self._global: torch.Tensor | None = None
+        spec = _streaming_spec(period, fragments, delay, alpha)
+        #: the canonical spec (``diloco:8:2:1``), for messages
+        self.spec = str(spec)
+        self.streaming = spec.fragments is not None
+        self.fragments = spec.fragments or 1
+        self.delay = spec.delay or 0
+        self.alpha = spec.alpha or 0.0
+        self._offsets = offsets(period, self.fragments)
+        self._fragment_params: list[list[torch.Tensor]] = []
+        self._globals: list[torch.Tensor] = []
         self._outer_opt: torch.optim.SGD | None = None
+        self._pending: list[Exchange] = []
 
     def setup(self, ctx: SyncContext) -> None:
         super().setup(ctx)
-        # The global copy is taken after the Synchronizer's broadcast, so it is the same on
-        # every rank; it lives as one flat tensor that the outer optimizer owns.
-        self._global = flatten(self._params).clone()
+        groups = strided_fragments(ctx.model, self._params, self.fragments, self.spec)
+        self._fragment_params = [[self._params[i] for i in group] for group in groups]
+        # The global copies are taken after the Synchronizer's broadcast, so they are the same
+        # on every rank; each fragment's lives as one flat tensor that the outer optimizer owns
+        # (it steps only the fragment whose gradient is set).
+        self._globals = [flatten(params).clone() for params in self._fragment_params]
         momentum = self.outer.outer_momentum
         self._outer_opt = torch.optim.SGD(
-            [self._global],
+            self._globals,
             lr=self.outer.outer_lr,
             momentum=momentum,
             nesterov=self.outer.nesterov and momentum > 0,
         )
 
-    def _synchronize(self) -> None:
-        assert self._global is not None and self._outer_opt is not None
-        pseudo = self._global - flatten(self._params)
-        self._global.grad = self._mean(pseudo)
+    def _label(self, index: int) -> str:
+        if not self.streaming:
+            return super()._label(index)
+        assert self._ctx is not None
+        return f"{self.spec} fragment {index} ({self._ctx.compressor.spec})"
+
+    def _exchange(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        """Apply the exchanges due after ``step``, then start the fragments scheduled here (and
+        apply them at once when there is no delay)."""
+        assert self._ctx is not None
+        applied = self._apply_due(step)
+        starting = [p for p, at in enumerate(self._offsets) if (step + 1) % self.period == at]
+        if starting:
+            if self._ctx.gate is not None:
+                self._ctx.gate.ensure(step, f"averaging of {self.name}:{self.period}")
+            before = self._state.bytes_sent
+            for p in starting:
+                self._start(p, step)
+            outcome.bytes_sent += self._state.bytes_sent - before
+            applied += self._apply_due(step)
+        if applied:
+            # Ranks wait for each other where an exchange is applied, not where it starts.
+            outcome.barrier = True
+            self._in_sync = self._replicated()
+        return outcome
+
+    def _replicated(self) -> bool:
+        """Whether the replicas agree right after an exchange was applied: only when that
+        exchange covered the whole model and replaced it."""
+        return self.fragments == 1 and self.alpha == 0 and not self._pending
+
+    def _start(self, fragment: int, step: int) -> None:
+        params = self._fragment_params[fragment]
+        pseudo = self._globals[fragment] - flatten(params)
+        result = (
+            self._mean(pseudo, fragment, params)
+            if self.delay == 0
+            else self._launch(pseudo, fragment, params, wait=False)
+        )
+        self._pending.append(Exchange(fragment, step + self.delay, result))
+
+    def _apply_due(self, step: int) -> int:
+        """Apply (in the order they started) the exchanges due by ``step``; how many."""
+        due = [ex for ex in self._pending if ex.due <= step]
+        self._pending = [ex for ex in self._pending if ex.due > step]
+        for ex in due:
+            self._apply(ex.fragment, self._resolve(ex), self.alpha)
+        return len(due)
+
+    def _resolve(self, ex: Exchange) -> torch.Tensor:
+        """The mean pseudo-gradient of ``ex``, waited for if still in flight (the wait is this
+        rank's communication or idle time: it lands in the step's sync time)."""
+        if isinstance(ex.result, torch.Tensor):
+            return ex.result
+        ctx, future = self._ctx, ex.result
+        assert ctx is not None
+        if ctx.watch is None:
+            mean = future.wait()
+        else:
+            mean = ctx.watch.run(
+                self._step, f"averaging of {self._label(ex.fragment)}", future.wait
+            )
+        ex.result = mean
+        return mean
+
+    def _apply(self, fragment: int, mean: torch.Tensor, alpha: float) -> None:
+        """The outer step of one fragment, then its local copy mixed with the new global one."""
+        assert self._outer_opt is not None
+        target = self._globals[fragment]
+        target.grad = mean
         self._outer_opt.step()
-        self._global.grad = None
-        copy_into(self._global, self._params)
+        target.grad = None
+        params = self._fragment_params[fragment]
+        if alpha == 0:
+            copy_into(target, params)
+        else:
+            # alpha * local + (1 - alpha) * global
+            copy_into(torch.lerp(target, flatten(params).to(target.dtype), alpha), params)
+
+    def _synchronize(self) -> None:
+        """Every fragment at once, replaced by its new global copy (the end of training)."""
+        for fragment, params in enumerate(self._fragment_params):
+            pseudo = self._globals[fragment] - flatten(params)
+            self._apply(fragment, self._mean(pseudo, fragment, params), 0.0)
+
+    def finalize(self) -> None:
+        """Exchanges still in flight are applied first, as they would have been; then, unless
+        that left the replicas agreeing, one synchronous exchange of every fragment."""
+        if self._apply_due(sys.maxsize):
+            self._in_sync = self._replicated()
+        super().finalize()
+
+    def replicas_identical(self, step: int, final: bool) -> bool:
+        """At the end; mid-run right after each exchange, and only for one fragment replaced
+        by its global copy (with several, the others have moved on locally)."""
+        if final:
+            return True
+        if self.fragments > 1 or self.alpha:
+            return False
+        started = step - self.delay
+        return started >= 0 and (started + 1) % self.period == 0
 
     def state_dict(self) -> dict[str, Any]:
-        assert self._global is not None and self._outer_opt is not None
+        assert self._outer_opt is not None
+        # Exchanges in flight are waited for first: their results are saved (and applied at
+        # their due step after a resume), and an error-feedback residual only reaches the
+        # compressor's state when its exchange completes.
+        pending = [
+            {"fragment": ex.fragment, "due": ex.due, "mean": self._resolve(ex).detach().clone()}
+            for ex in self._pending
+        ]
         state = super().state_dict()
-        state["global"] = self._global.detach().clone()
+        state["global"] = torch.cat([g.detach() for g in self._globals]).clone()
         state["outer_optimizer"] = self._outer_opt.state_dict()
+        if self.streaming:
+            state["streaming"] = {"fragments": self.fragments, "pending": pending}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self._outer_opt is not None
+        saved = state.get("streaming", {})
+        if int(saved.get("fragments", 1)) != self.fragments:
+            raise UsageError(
+                f"the checkpoint was saved by diloco with {saved.get('fragments', 1)} "
+                f"fragment(s); this run is {self.spec} with {self.fragments}: resume with the "
+                "same number of fragments"
+            )
+        for ex in self._pending:  # whatever is in flight completes before it is replaced
+            self._resolve(ex)
         super().load_state_dict(state)
-        assert self._global is not None and self._outer_opt is not None
+        sizes = [g.numel() for g in self._globals]
         with torch.no_grad():
-            self._global.copy_(state["global"])
+            for target, part in zip(self._globals, state["global"].split(sizes), strict=True):
+                target.copy_(part)
         self._outer_opt.load_state_dict(state["outer_optimizer"])
+        self._pending = [
+            Exchange(int(ex["fragment"]), int(ex["due"]), ex["mean"].clone())
+            for ex in saved.get("pending", [])
+        ]
+
+
+def _streaming_spec(period: int, fragments: int, delay: int | None, alpha: float) -> StrategySpec:
+    """The spec a DiLoCo built by hand stands for, checked by the one spec parser, so a bad
+    argument gets the message of the spec string that would carry it."""
+    text = f"diloco:{period}:{fragments}"
+    if delay is None:
+        delay = parse_strategy_spec(text).delay or 0
+    return parse_strategy_spec(f"{text}:{delay}:{alpha}")
