@@ -23,6 +23,7 @@ BENCHMARKS = (
     "codec_speed",
     "ps_transport",
     "dial",
+    "hogwild",
     "balance",
     "sim_calibration",
     "reliability",

@@ -411,6 +411,12 @@ class RunConfig:
 
         if self.hosts < 0:
             raise UsageError(f"--hosts must be >= 0 (0: no emulated cluster), got {self.hosts}")
+        if parse_strategy_spec(self.strategy).kind == "hogwild" and self.hosts > 1:
+            # The same refusal as the workers' own host check, before anything is launched.
+            raise UsageError(
+                f"hogwild runs on one host (its workers share the parameters in memory): drop "
+                f"--hosts {self.hosts}, or use async, local:H or bsp across hosts"
+            )
         parse_rate(self.link)
         if self.processes % self.hosts:
             raise UsageError(

@@ -214,6 +214,7 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
             "ssp", "S", "an integer >= 0 or inf", _staleness, _show_staleness, servers=True
         ),
         StrategyForm("async", servers=True),
+        StrategyForm("hogwild"),
     ]
 )
 

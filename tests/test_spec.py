@@ -32,7 +32,7 @@ pytestmark = pytest.mark.unit
 
 # The texts the messages end with, as the API has always printed them.
 STRATEGY_TEXT = (
-    "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]]], ssp:S, async "
+    "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]]], ssp:S, async, hogwild "
     "(N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 below H/F, "
     "ALPHA in [0, 1], S an integer >= 0 or inf)"
 )
@@ -52,6 +52,7 @@ def test_the_forms_are_written_from_the_tables_as_before() -> None:
         "diloco:H[:F[:TAU[:ALPHA]]]",
         "ssp:S",
         "async",
+        "hogwild",
     ]
 
 

@@ -66,7 +66,7 @@ def _add_communication_and_strategy(sim: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--strategy",
         default="bsp",
-        help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | diloco:H",
+        help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | diloco:H | hogwild",
     )
     s.add_argument("--overlap", action="store_true", help="BSP (or zero:1) with bucketed overlap")
     s.add_argument(

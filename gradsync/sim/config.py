@@ -17,7 +17,7 @@ from gradsync.sim.model import AlphaBeta
 from gradsync.spec import STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
-SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco")
+SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco", "hogwild")
 #: The ZeRO stages the simulator models.
 ZERO_STAGES = (1, 2, 3)
 

@@ -154,6 +154,8 @@ def simulate(
         return _bsp(c, exchange)
     if strat.kind == "async":
         return _async(c, exchange)
+    if strat.kind == "hogwild":
+        return _hogwild(c)
     if strat.kind == "ssp":
         return _ssp(c, exchange, strat.param, strat.spec)
     return _periodic(c, exchange, int(strat.param), strat.spec)
@@ -227,6 +229,17 @@ def _async(c: np.ndarray, exchange: np.ndarray) -> SimResult:
     start = np.zeros_like(end)
     start[1:] = end[:-1]
     return _free_running("async", c, exchange, start, end)
+
+
+def _hogwild(c: np.ndarray) -> SimResult:
+    # One host, one shared copy: an update is a write into memory, part of the step's compute,
+    # and nothing crosses a link, so the comm model does not apply. Free-running as async, with
+    # no exchange at all.
+    none = np.zeros(c.shape[0])
+    end = np.cumsum(c, axis=0)
+    start = np.zeros_like(end)
+    start[1:] = end[:-1]
+    return _free_running("hogwild", c, none, start, end)
 
 
 def _ssp(c: np.ndarray, exchange: np.ndarray, bound: float, spec: str) -> SimResult:

@@ -12,6 +12,7 @@ from gradsync.errors import UsageError
 from gradsync.spec import parse_strategy_spec
 from gradsync.strategies.base import Strategy
 from gradsync.strategies.bsp import BSP
+from gradsync.strategies.hogwild import Hogwild, refusal_of_compression
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer
 from gradsync.strategies.zero import ZeroStage1, ZeroStage2, refuse_compression
@@ -35,6 +36,8 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
     parsed = parse_strategy_spec(spec)
     if parsed.kind == "bsp":
         return BSP()
+    if parsed.kind == "hogwild":
+        return Hogwild()
     if parsed.kind == "zero":
         stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
         return stages[parsed.stage or 1]()
@@ -60,6 +63,8 @@ def check_compression(spec: str | Strategy, compression: str) -> None:
         if parsed.kind == "zero":
             assert parsed.stage is not None
             refuse_compression(parsed.stage, compression)
+        if parsed.kind == "hogwild" and compression != "none":
+            raise UsageError(refusal_of_compression(compression))
 
 
 def uses_servers(spec: str | Strategy) -> bool:
