@@ -60,6 +60,12 @@ class Strategy:
     @classmethod
     def from_spec(cls, spec: StrategySpec) -> Strategy:
         """The simulator's view of a parsed spec string."""
+        if spec.fragments is not None:
+            raise UsageError(
+                f"the simulator does not model streaming DiLoCo ({spec}) yet: its fragments, "
+                f"delay and merge would be priced as plain diloco:{spec.period}. Simulate "
+                f"diloco:{spec.period}, or run it (gradsync run --strategy {spec})"
+            )
         if spec.period is not None:
             return cls(kind=spec.kind, param=spec.period)
         if spec.staleness is not None:
