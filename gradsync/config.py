@@ -89,7 +89,8 @@ class RunConfig:
     strategy: str = flag(
         "bsp",
         metavar="SPEC",
-        help="bsp | zero:N | local:H | diloco:H | ssp:S | async (default: %(default)s)",
+        help="bsp | zero:N (N 1-3) | local:H | diloco:H[:F[:TAU[:ALPHA]]] | ssp:S | async | "
+        "hogwild (default: %(default)s)",
         group=SYNC,
     )
     servers: int = flag(
@@ -102,7 +103,7 @@ class RunConfig:
         None,
         option="--compress",
         metavar="SPEC",
-        help="fp16 | bf16 | int8 | topk:F | randomk:F | sign | powersgd:R (default: none)",
+        help="fp16 | bf16 | int8 | int4 | topk:F | randomk:F | sign | powersgd:R (default: none)",
         group=SYNC,
     )
     bucket_mb: float = flag(
