@@ -113,7 +113,7 @@ class RunConfig:
         "ring",
         metavar="KIND",
         help="ring (flat) | hierarchical: sum within each host, then across hosts among one "
-        "rank per host (bsp, zero:1; default: %(default)s)",
+        "rank per host (bsp, zero:1, local:H, diloco:H; default: %(default)s)",
         group=SYNC,
     )
     balance: bool = flag(

@@ -65,9 +65,9 @@ def check_hierarchical(allreduce: str, strategy: Any, compression: str) -> None:
         return
     if not strategy.takes_hierarchy:
         raise UsageError(
-            f"allreduce='hierarchical' sums the gradient of bsp and zero:1; strategy "
-            f"{strategy.name} does not exchange through it. Use allreduce='ring' with "
-            f"{strategy.name}, or bsp / zero:1"
+            f"allreduce='hierarchical' carries the exchanges of bsp, zero:1, local:H and "
+            f"diloco:H; strategy {strategy.name} does not exchange through it. Use "
+            f"allreduce='ring' with {strategy.name}"
         )
 
 

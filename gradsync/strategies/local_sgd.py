@@ -40,6 +40,8 @@ class _Periodic(Strategy):
 
     name = "periodic"
     barrier_free = False
+    #: its averages go through ``SyncContext.hierarchy`` when one is given
+    takes_hierarchy = True
 
     def __init__(self, period: int) -> None:
         if not isinstance(period, int) or period < 1:
@@ -58,7 +60,9 @@ class _Periodic(Strategy):
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
-        self._state = ctx.compressor.make_state(ctx.group)
+        # Under a hierarchy the compressor (or plain all-reduce) runs among the hosts' leaders.
+        group = ctx.group if ctx.hierarchy is None else ctx.hierarchy.leader_group
+        self._state = ctx.compressor.make_state(group)
 
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
@@ -137,7 +141,13 @@ class _Periodic(Strategy):
         bucket = FlatBucket(flat, index=index, is_last=True, params=params or self._params)
 
         def run() -> torch.Tensor | torch.futures.Future[torch.Tensor]:
-            future = ctx.compressor.hook(self._state, bucket)
+            if ctx.hierarchy is None:
+                future = ctx.compressor.hook(self._state, bucket)
+            else:  # summed in the host, the hook across hosts among the leaders, sent back
+                if not ctx.hierarchy.is_leader:
+                    self._state.bytes_sent += flat.numel() * flat.element_size()
+                hook, state = ctx.compressor.hook, self._state
+                future = ctx.hierarchy.mean_async(flat, lambda: hook(state, bucket))
             return future.wait() if wait else future
 
         if ctx.watch is None:
