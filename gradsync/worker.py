@@ -199,6 +199,7 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
             if rank == 0:
                 _log_checkpoint(checkpoints, step + 1, seconds)
     report = sync.report()
+    measured = sync.strategy.summary()
     # The final parameters, so runs (interrupted or not) can be compared bit for bit: whole
     # tensors (gathering zero:3's shards is a collective, so every rank takes part).
     final = {
@@ -211,15 +212,19 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     sync.close()
     if rank != 0:
         return None
-    result = _write_report(run_dir, cfg, report)
+    result = _write_report(run_dir, cfg, report, measured)
     result["world_size"] = world
     return result
 
 
-def _write_report(run_dir: Path, cfg: RunConfig, report: RunReport) -> dict[str, Any]:
+def _write_report(
+    run_dir: Path, cfg: RunConfig, report: RunReport, measured: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Write report.json: the report of every step of the run and the straggler findings
-    ``gradsync report`` gives. Built from metrics.jsonl, not this attempt's ``report``, which
-    after a restart holds only the steps since the resume point. Returns the report's dict."""
+    ``gradsync report`` gives, plus what the strategy measured itself (``measured``, under
+    "strategy_summary", when it has anything). Built from metrics.jsonl, not this attempt's
+    ``report``, which after a restart holds only the steps since the resume point. Returns the
+    report's dict."""
     records = read_records(run_dir) if (run_dir / METRICS_FILE).exists() else report.records
     stragglers = StragglerConfig(
         window=cfg.straggler_window,
@@ -227,9 +232,10 @@ def _write_report(run_dir: Path, cfg: RunConfig, report: RunReport) -> dict[str,
         warmup=cfg.straggler_warmup,
     )
     analysis = analyze_records(run_dir, records, stragglers)
-    (run_dir / REPORT_FILE).write_text(
-        json.dumps(analysis.run_report(), indent=2) + "\n", encoding="utf-8"
-    )
+    written = analysis.run_report()
+    if measured:
+        written["strategy_summary"] = measured
+    (run_dir / REPORT_FILE).write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
     return analysis.report.to_dict()
 
 

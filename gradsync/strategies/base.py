@@ -296,6 +296,11 @@ class Strategy(Protocol):
         """Restore what ``model_state_dict`` saved."""
         model.load_state_dict(state)
 
+    def summary(self) -> dict[str, Any]:
+        """After ``finalize``: what the strategy itself measured over the run, plain values for
+        report.json (hogwild: updates applied and their staleness); empty for most."""
+        return {}
+
     def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """When ``reshardable``: this rank's ``"model"`` and ``"optimizer"`` state at the
         current world size, from every saved rank's checkpoint (``saved[r]`` is rank r's)."""

@@ -351,6 +351,15 @@ class Hogwild(Strategy):
         assert self._ctx is not None
         return {"counters": self.stats_row()}
 
+    def summary(self) -> dict[str, Any]:
+        stats = self.stats()
+        return {
+            "updates_applied": stats.applied,
+            "updates_per_rank": list(stats.updates),
+            "staleness_mean": stats.mean_staleness,
+            "staleness_max": max(stats.staleness_max, default=0),
+        }
+
     def stats_row(self) -> list[int]:
         """This rank's counters (updates, staleness sum, staleness max)."""
         assert self._ctx is not None and self._counters is not None
