@@ -28,11 +28,12 @@ BENCHMARKS = (
     "sim_calibration",
     "reliability",
     "zero",
+    "zero_cluster",  # needs root (exit 2 without), like the cluster; about 4 minutes
     "topology",  # needs root too (exit 2 without), like the cluster; a few minutes
 )
 CLUSTER = "cluster"
 #: these exit 2 where they cannot build an emulated cluster (no root, no iproute2): skipped
-NEEDS_ROOT = (CLUSTER, "topology")
+NEEDS_ROOT = (CLUSTER, "topology", "zero_cluster")
 BUDGET_MIN = 40.0
 
 

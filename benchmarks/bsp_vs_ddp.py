@@ -250,7 +250,7 @@ def render(res: dict[str, Any], args: argparse.Namespace, command: str) -> str:
 
 
 def main() -> None:
-    h = Harness("benchmarks.bsp_vs_ddp", __doc__, repeats=9)
+    h = Harness("benchmarks.bsp_vs_ddp", __doc__, repeats=7)
     h.parser.add_argument("--steps", type=int, default=30, help="steps per block")
     h.parser.add_argument(
         "--no-sweep", dest="sweep", action="store_false", help="skip the bucket-size sweep"

@@ -193,7 +193,7 @@ def _claim(m: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    h = Harness("benchmarks.compression", __doc__, repeats=5)
+    h = Harness("benchmarks.compression", __doc__, repeats=4)
     h.parser.add_argument("--steps", type=int, default=20, help="steps per block")
     h.parser.set_defaults(mlp_params=6_000_000)
     args = h.parse(repeats=2, steps=3, mlp_params=200_000)

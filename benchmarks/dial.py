@@ -408,7 +408,7 @@ def _async_to_target(m: dict[str, dict[str, Any]], cores: int) -> str:
 
 
 def main() -> None:
-    h = Harness("benchmarks.dial", __doc__, repeats=3)
+    h = Harness("benchmarks.dial", __doc__, repeats=2)
     p = h.parser
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--target", type=float, default=2.5, help="target loss")
