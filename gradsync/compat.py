@@ -28,6 +28,14 @@ is tested in ``tests/test_compat.py``.
   (``torch.distributed.fsdp``, ``torch.distributed.tensor``) and private before
   (``torch.distributed._composable.fsdp``, ``torch.distributed._tensor``); None where this
   torch has neither, so ``zero:3`` is refused with that reason.
+- ``is_fsdp_module`` / ``fsdp_comms``: which modules ``fully_shard`` wrapped, and the
+  all-gather and reduce-scatter objects each of their FSDP2 parameter groups calls
+  (``_get_fsdp_state()._fsdp_param_groups``, or ``_fsdp_param_group`` in earlier torch, their
+  ``_all_gather_comm`` and ``_reduce_scatter_comm``), so that ``zero:3`` can hand FSDP2, through
+  the public ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (torch >= 2.9), timed
+  collectives that wrap whatever the module had, a user's own custom collectives included.
+  None where torch lacks those setters or hides the groups: ``zero:3`` then leaves FSDP2's
+  collectives alone, and their time counts as compute.
 """
 
 from __future__ import annotations
@@ -176,8 +184,10 @@ __all__ = [
     "default_store",
     "foreach_copy",
     "fsdp2",
+    "fsdp_comms",
     "hold_until_exit",
     "is_dtensor",
+    "is_fsdp_module",
     "mark_optimizer_stepped",
     "override_shared_store_server",
     "set_collective_timeout",
@@ -207,6 +217,43 @@ def is_dtensor(t: object) -> bool:
     """Whether ``t`` is a DTensor (a parameter FSDP2 sharded); False where torch has none."""
     found = fsdp2()
     return found is not None and isinstance(t, found[1])
+
+
+@functools.lru_cache(maxsize=1)
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def is_fsdp_module(module: object) -> bool:
+    """Whether ``fully_shard`` wrapped ``module``; False where torch has no FSDP2."""
+    cls = _fsdp_module_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def fsdp_comms(module: Any) -> list[tuple[Any, Any]] | None:
+    """``(all_gather, reduce_scatter)``: the collectives each of FSDP2 module ``module``'s
+    parameter groups calls (an empty list for a module that holds no parameter of its own);
+    None where this torch cannot replace them (no ``set_custom_all_gather``) or hides them."""
+    setters = ("set_custom_all_gather", "set_custom_reduce_scatter")
+    if not all(callable(getattr(module, name, None)) for name in setters):
+        return None
+    try:
+        state = module._get_fsdp_state()
+        # A list since FSDP2 allowed a mesh per parameter, one group (or None) before.
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = state._fsdp_param_group
+            groups = [] if one is None else [one]
+        return [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
+    except (AttributeError, TypeError):
+        return None
 
 
 def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

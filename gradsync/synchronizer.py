@@ -385,8 +385,9 @@ class Synchronizer:
             with record_function("gradsync.update"):
                 outcome = self.strategy.update(self._step, outcome)
             self._expected_steps = self._optimizer_steps
-            # A synchronize() inside the block waited for the exchange: that is sync time.
-            self._natural = t1 - t0 - ready.seconds_in_block - slept
+            # A synchronize() inside the block waited for the exchange, and a strategy's
+            # collectives in the block (zero:3) waited for the peers: that is sync time.
+            self._natural = t1 - t0 - ready.seconds_in_block - outcome.comm_in_block - slept
             self._end_step(handle, outcome, wall0, t0, t1, ready.seconds_in_block)
         finally:
             self._in_step = False
@@ -435,6 +436,7 @@ class Synchronizer:
     ) -> None:
         """Telemetry, the step count and the periodic divergence check, after the update."""
         t2 = time.perf_counter()
+        sync_in_block += outcome.comm_in_block
         compute, sync = t1 - t0 - sync_in_block, t2 - t1 + sync_in_block
         handle.skipped = outcome.skipped
         if outcome.skipped and self.world_size > 1:

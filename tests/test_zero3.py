@@ -1,6 +1,7 @@
 """ZeRO stage 3 (``zero:3``, FSDP2 underneath): one process's trajectory on the global batch,
 each rank holding 1/N of the parameters and optimizer state, a model the user sharded
-themselves, the non-finite skip agreed by every rank, checkpoints, refusals and the CLI.
+themselves, the non-finite skip agreed by every rank, checkpoints, refusals, the telemetry of
+FSDP2's collectives and the CLI.
 
 One spawn per world size (``zero3_ranks.everything``) runs every case; each test reads its part.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -178,6 +180,76 @@ def test_zero3_refuses_what_it_cannot_run_saying_why(
         assert refused["balance"].startswith("balance needs bsp, zero:1 or zero:2 (got zero:3)")
         assert "FSDP2 DTensors" in refused["sharded under bsp"]
         assert "strategy='zero:3'" in refused["sharded under bsp"]
+
+
+def _ring_bytes(params: list[torch.Tensor], world: int) -> int:
+    """What each rank sends on a ring to all-gather (or reduce-scatter) ``params`` as FSDP2
+    shards them: N - 1 shards, each tensor's rows padded to a multiple of N."""
+    rows = [-(-p.shape[0] // world) * p[0].numel() * p.element_size() for p in params]
+    return (world - 1) * sum(rows)
+
+
+def _bytes_per_pass(case: str, world: int) -> int:
+    """The bytes each rank sends per micro-batch in a telemetry case, from FSDP2's schedule:
+    a unit is gathered before its forward and again before its backward, then its gradient
+    reduce-scattered; the root's parameters stay gathered from forward to backward."""
+    model = zr._workload().build_model()
+    layers = [list(m.parameters()) for m in model if next(m.parameters(), None) is not None]
+    if case == "presharded":  # the first layer a unit, the other two at the root
+        return 3 * _ring_bytes(layers[0], world) + 2 * _ring_bytes(layers[1] + layers[2], world)
+    return sum(3 * _ring_bytes(params, world) for params in layers)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["zero:3", "presharded"])
+def test_fsdp2_collectives_are_communication_in_the_telemetry_with_their_bytes(
+    runs: tuple[int, list[dict[str, Any]]], case: str
+) -> None:
+    """The time a rank spends blocked in FSDP2's gathers and reduce-scatters, inside the
+    user's block, is sync (communication, or idle where it waited for a slower rank), not
+    compute; the bytes are what FSDP2 moved; rank 1's extra compute is the others' idle."""
+    world, results = runs
+    per_pass = _bytes_per_pass(case, world)
+    for rank, out in enumerate(results):
+        tel = out["telemetry"][case]
+        assert len(tel["records"]) == z3.TELEMETRY_STEPS
+        for rec in tel["records"]:
+            blocked = sum(d for step, _, d in tel["comm_spans"] if step == rec["step"])
+            assert blocked > 0 and rec["comm"] > 0, (rank, rec)
+            assert rec["sync"] >= blocked, (rank, rec, blocked)  # taken out of compute
+            assert rec["bytes"] == zr.MICRO * per_pass, (rank, rec["bytes"], zr.MICRO * per_pass)
+        if case == "zero:3":  # the explicit asynchronous gather was timed where FSDP2 waited
+            waits = [(step, d) for step, name, d in tel["comm_spans"] if name == "allgather wait"]
+            assert [step for step, _ in waits] == [z3.ASYNC_STEP], waits
+        idle = statistics.median(rec["idle"] for rec in tel["records"])
+        if rank == 1:
+            assert idle < 0.5 * z3.SLEEP_S, idle
+        else:  # it waited for rank 1 inside FSDP2's first gather of every step
+            assert idle > 0.6 * z3.SLEEP_S, (rank, idle)
+    total = sum(p.numel() * p.element_size() for p in zr._workload().build_model().parameters())
+    schedule = 3 * total * (world - 1) // world  # gradsync's estimate when it cannot measure
+    if case == "presharded":  # the root's parameters are gathered once a micro-batch, not twice
+        assert per_pass < schedule
+    else:  # the same schedule, plus the padding of rows that do not divide by N (41 here)
+        assert per_pass >= schedule
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_without_custom_collectives_zero3_reports_the_schedules_bytes_and_no_comm_spans(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """A torch whose FSDP2 cannot take custom collectives: today's behaviour (the collectives'
+    time is compute, ``bytes`` the schedule's estimate), and training goes on."""
+    world, results = runs
+    total = sum(p.numel() * p.element_size() for p in zr._workload().build_model().parameters())
+    for out in results:
+        tel = out["telemetry"]["fallback"]
+        assert tel["comm_spans"] == []
+        assert [r["bytes"] for r in tel["records"]] == [
+            zr.MICRO * 3 * total * (world - 1) // world
+        ] * z3.TELEMETRY_STEPS
 
 
 @pytest.mark.unit

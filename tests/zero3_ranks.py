@@ -1,10 +1,12 @@
 """Rank functions for the ``zero:3`` tests (module level, so spawned ranks can import them).
 
 One spawn per world size runs every case in one group: the exactness cases, the pre-sharded
-model, the non-finite skip, the checkpoint and the refusals."""
+model, the non-finite skip, the checkpoint, the refusals and the telemetry of FSDP2's
+collectives."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,9 @@ from tests import zero_ranks as zr
 
 SAVE_AT = 2
 NAN_STEP = 1
+SLEEP_S = 0.05  # rank 1's extra compute at every step of the telemetry cases
+TELEMETRY_STEPS = 6
+ASYNC_STEP = 2  # where the zero:3 telemetry case gathers the first layer asynchronously
 
 
 def full(model: nn.Module) -> torch.Tensor:
@@ -210,6 +215,58 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     }
 
 
+def _shard_root_heavy(model: nn.Module) -> None:
+    """A user's wrapping that leaves parameters at the root: the first layer is the only unit.
+    FSDP2 keeps the root's parameters gathered from its forward to its backward."""
+    fully_shard, _, mesh_cls = compat.fsdp2() or (None, None, None)
+    assert fully_shard is not None
+    mesh = mesh_cls.from_group(torch.distributed.group.WORLD, "cpu")
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def telemetry(rank: int, world: int, case: str) -> dict[str, Any]:
+    """Steps of MICRO micro-batches in which rank 1 computes SLEEP_S longer than the others:
+    what each rank recorded (its step records and the spans of FSDP2's collectives). Cases:
+    ``zero:3`` (gradsync shards the model), ``presharded`` (the user's ``_shard_root_heavy``),
+    ``fallback`` (a torch without custom collectives, as ``compat.fsdp_comms`` reports it).
+    At ASYNC_STEP of ``zero:3`` the first layer is gathered by an explicit asynchronous
+    ``unshard``, which its forward then uses, so the step's bytes are unchanged."""
+    w = zr._workload()
+    model = w.build_model()
+    if case == "presharded":
+        _shard_root_heavy(model)
+    opt = zr.make_optimizer("sgd", model)
+    hidden = compat.fsdp_comms
+    if case == "fallback":
+        compat.fsdp_comms = lambda module: None  # type: ignore[assignment]
+    try:
+        sync = gs.Synchronizer(
+            model, opt, strategy="zero:3", timeout_s=zr.TIMEOUT_S, record_spans=True
+        )
+    finally:
+        compat.fsdp_comms = hidden  # type: ignore[assignment]
+    part = zr.PER_RANK // zr.MICRO
+    gb = zr.PER_RANK * world
+    for step in range(TELEMETRY_STEPS):
+        with sync.step(micro_batches=zr.MICRO):
+            if rank == 1:  # compute by definition; the others wait in FSDP2's first gather
+                time.sleep(SLEEP_S)
+            if case == "zero:3" and step == ASYNC_STEP:  # FSDP2 then blocks in Work.wait()
+                model[0].unshard(async_op=True).wait()
+            for m in range(zr.MICRO):
+                lo = rank * zr.PER_RANK + m * part
+                w.loss(model, *w.batch(step, gb, lo, lo + part)).backward()
+    report = sync.report()
+    keys = ("step", "compute", "sync", "idle", "comm", "bytes")
+    out = {
+        "records": [{k: getattr(r, k) for k in keys} for r in report.records if r.rank == rank],
+        "comm_spans": [(s.step, s.name, s.dur) for s in sync.spans if s.cat == "comm"],
+    }
+    sync.close()
+    return out
+
+
 def everything(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         name: train(rank, world, case) for name, case in exactness_cases().items()
@@ -220,4 +277,5 @@ def everything(rank: int, world: int, root: str) -> dict[str, Any]:
     out["straight"] = _checkpointed(directory, rank, world, resume=False)
     out["resumed"] = _checkpointed(directory, rank, world, resume=True)
     out["refusals"] = refusals(rank, world)
+    out["telemetry"] = {c: telemetry(rank, world, c) for c in ("zero:3", "presharded", "fallback")}
     return out

@@ -49,6 +49,9 @@ class StepOutcome:
     barrier: bool = True
     #: measured wait imposed by others, for steps without a barrier (SSP's bound)
     idle: float = 0.0
+    #: seconds this rank spent blocked in the strategy's collectives inside the user's block
+    #: (FSDP2's gathers under ``zero:3``): telemetry counts them as sync, not compute
+    comm_in_block: float = 0.0
     spans: list[Span] = field(default_factory=list)
 
 

@@ -29,10 +29,26 @@ the whole gradient), the non-finite skip agreed by one all-reduce of a flag, the
 gradient norm for clipping (the shards' sums combined), the GradScaler's inf/NaN counts agreed
 as under ``zero:2``, checkpoints of this rank's shards (plain tensors).
 
+Telemetry: FSDP2's collectives run inside the user's forward and backward, where the
+Synchronizer's clock says compute. gradsync hands every FSDP2 module timed collectives through
+FSDP2's public ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, each wrapping the
+collective the module had (FSDP2's default, or a user's own), so the memory and the call stay
+FSDP2's or the user's. Each measures the wall time the calling thread spends in the call and
+in the ``wait()`` of an asynchronous one (where FSDP2 blocks for it): the time the training
+thread was held by communication, waiting for the slowest peer included. The step reports it
+as ``comm_in_block``, which the Synchronizer counts as sync instead of compute, so ``idle``
+(the wait for a slower rank, which under ``zero:3`` happens inside FSDP2's first gather), the
+barrier tax and the straggler findings mean what they mean under ``bsp``. ``bytes_sent`` is
+counted from the tensors FSDP2 hands the collectives: (N - 1)/N of the gathered output or of
+the reduce-scatter's input, what each rank sends on a ring, FSDP2's padding included. On CUDA
+with NCCL a collective returns once queued on FSDP2's stream, so the time measured is the
+queuing (the GPU-side wait shows where the thread next synchronizes, as under every strategy).
+Where torch has no custom collectives (before 2.9) or FSDP2 refuses them (a module with more
+than one parameter group), nothing is wrapped: the collectives count as compute and
+``bytes_sent`` is the schedule's (``_bytes_per_pass``).
+
 Limits: the gradient exchange is FSDP2's, so compression is refused (as for ``zero:2``) and so
-is ``balance`` (FSDP2 divides every gradient by the world size). Its collectives run inside
-the user's forward and backward, so telemetry counts them as compute; ``bytes_sent`` is the
-schedule's (see ``_bytes_per_pass``).
+is ``balance`` (FSDP2 divides every gradient by the world size).
 
 Checkpoints: each rank writes its shards of the parameters and of the optimizer state, as
 plain tensors, in gradsync's own files (atomic, checksummed, written in the background, see
@@ -46,8 +62,9 @@ a concatenation; DCP would earn its place for layouts that are not rows of whole
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -149,6 +166,141 @@ def _repoint(optimizer: torch.optim.Optimizer, shard: Any) -> torch.nn.Parameter
     return mine
 
 
+class _Meter:
+    """FSDP2's collectives on this rank since the step began: the seconds the calling thread
+    was blocked in them, the bytes a ring sends for them, and (with spans on) one span each."""
+
+    def __init__(self) -> None:
+        #: whether FSDP2 calls the timed collectives (see ``_instrument``)
+        self.active = False
+        self.record_spans = False
+        # The backward pass may run on autograd's device threads (CUDA), not the caller's.
+        self._lock = threading.Lock()
+        self.seconds, self.nbytes, self.spans = 0.0, 0, list[Span]()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds, self.nbytes, self.spans = 0.0, 0, []
+
+    def add(self, name: str, wall0: float, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.seconds += seconds
+            self.nbytes += nbytes
+            if self.record_spans:
+                args = {"bytes": nbytes} if nbytes else None
+                self.spans.append(Span(-1, -1, name, wall0, seconds, "comm", args))
+
+
+class _TimedWork(dist.Work):
+    """An asynchronous collective's handle, whose ``wait()`` (where FSDP2 blocks for it) is
+    timed; FSDP2 checks for a ``Work``, hence the subclass."""
+
+    def __init__(self, inner: dist.Work, meter: _Meter, name: str) -> None:
+        super().__init__()
+        self._inner, self._meter, self._name = inner, meter, name
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        wall0, t0 = time.time(), time.perf_counter()
+        try:
+            return bool(self._inner.wait(*args, **kwargs))
+        finally:
+            self._meter.add(f"{self._name} wait", wall0, time.perf_counter() - t0, 0)
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
+
+
+class _TimedComm:
+    """One of an FSDP2 module's collectives (``inner``: FSDP2's default or the user's own),
+    timed and counted into ``meter``; allocating its buffers stays ``inner``'s."""
+
+    name = "collective"
+
+    def __init__(self, inner: Any, meter: _Meter) -> None:
+        # A model handed to a second Synchronizer: wrap what the user had, not our wrapper.
+        self.inner: Any = inner.inner if isinstance(inner, _TimedComm) else inner
+        self.meter = meter
+
+    def allocate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.inner.allocate(*args, **kwargs)  # type: ignore[no-any-return]
+
+    def _timed(self, full: torch.Tensor, group: dist.ProcessGroup, run: Callable[[], Any]) -> Any:
+        """``run()`` timed; ``full`` is the collective's whole buffer (the gathered output, the
+        reduce-scatter's input), of which each rank sends (N - 1)/N on a ring."""
+        world = group.size()
+        nbytes = full.numel() * full.element_size() * (world - 1) // world
+        wall0, t0 = time.time(), time.perf_counter()
+        work = run()
+        self.meter.add(self.name, wall0, time.perf_counter() - t0, nbytes)
+        return _TimedWork(work, self.meter, self.name) if isinstance(work, dist.Work) else work
+
+
+class _TimedAllGather(_TimedComm):
+    name = "allgather"
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any:
+        def run() -> Any:
+            return self.inner(
+                output_tensor=output_tensor,
+                input_tensor=input_tensor,
+                group=group,
+                async_op=async_op,
+            )
+
+        return self._timed(output_tensor, group, run)
+
+
+class _TimedReduceScatter(_TimedComm):
+    name = "reduce_scatter"
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        def run() -> Any:
+            return self.inner(
+                output_tensor=output_tensor,
+                input_tensor=input_tensor,
+                group=group,
+                op=op,
+                async_op=async_op,
+            )
+
+        return self._timed(input_tensor, group, run)
+
+
+def _instrument(model: torch.nn.Module, meter: _Meter) -> bool:
+    """Have every FSDP2 module of ``model`` call timed collectives wrapping its own. All or
+    nothing, so that no step reports some of FSDP2's traffic as communication and the rest as
+    compute: False, with nothing changed, where this torch cannot replace them or a module has
+    several parameter groups (FSDP2 refuses custom collectives there)."""
+    found: list[tuple[Any, Any, Any]] = []
+    for module in model.modules():
+        if not compat.is_fsdp_module(module):
+            continue
+        comms = compat.fsdp_comms(module)
+        if comms is None or len(comms) > 1:
+            return False
+        found.extend((module, gather, scatter) for gather, scatter in comms)
+    for module, gather, scatter in found:
+        module.set_custom_all_gather(_TimedAllGather(gather, meter))
+        module.set_custom_reduce_scatter(_TimedReduceScatter(scatter, meter))
+    return bool(found)
+
+
 class ZeroStage3(Strategy):
     """``zero:3``: FSDP2's sharded forward and backward, the user's optimizer on the shards."""
 
@@ -167,7 +319,7 @@ class ZeroStage3(Strategy):
         self._pairs: list[tuple[torch.nn.Parameter, Any]] = []
         self._average_over = 1
         self._passes = 1
-        self._spans: list[Span] = []
+        self._meter = _Meter()
 
     def setup(self, ctx: SyncContext) -> None:
         if ctx.compressor.spec != "none":
@@ -181,6 +333,8 @@ class ZeroStage3(Strategy):
             )
         self._ctx = ctx
         self._pairs = shard_model(ctx.model, ctx.optimizer, ctx.group)
+        self._meter.active = _instrument(ctx.model, self._meter)
+        self._meter.record_spans = ctx.record_spans
 
     def trainable(self) -> list[torch.Tensor] | None:
         return [mine for mine, shard in self._pairs if shard.requires_grad]
@@ -188,6 +342,7 @@ class ZeroStage3(Strategy):
     def begin_step(self, plan: StepPlan) -> None:
         self._average_over = plan.average_over
         self._passes = plan.micro_batches
+        self._meter.reset()  # collectives between steps (an evaluation forward) are not the step's
         for _, shard in self._pairs:  # FSDP2 would add this step's shards to the last ones
             shard.grad = None
 
@@ -204,7 +359,10 @@ class ZeroStage3(Strategy):
                 mine.grad = None if shard.grad is None else shard.grad.to_local()
                 if mine.grad is not None:
                     grads.append(mine.grad)
-        outcome = StepOutcome(bytes_sent=self._passes * self._bytes_per_pass())
+        # Measured bytes are added in update(), once every collective of the step has run.
+        outcome = StepOutcome(
+            bytes_sent=0 if self._meter.active else self._passes * self._bytes_per_pass()
+        )
         if ctx.skip_nonfinite and not ctx.scaling and not self._all_ranks_finite(step, grads):
             outcome.skipped = True
             return outcome
@@ -261,6 +419,7 @@ class ZeroStage3(Strategy):
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         ctx = self._ctx
         assert ctx is not None, "setup() has not run"
+        self._account(outcome)
         if outcome.skipped:
             return outcome
         if ctx.scaling:
@@ -272,6 +431,16 @@ class ZeroStage3(Strategy):
         if ctx.record_spans:
             outcome.spans.append(Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step"))
         return outcome
+
+    def _account(self, outcome: StepOutcome) -> None:
+        """The step's FSDP2 collectives, as measured since ``begin_step``: their time is sync
+        (the Synchronizer takes it out of compute), their bytes the step's."""
+        meter = self._meter
+        if not meter.active:
+            return
+        outcome.comm_in_block += meter.seconds
+        outcome.bytes_sent += meter.nbytes
+        outcome.spans.extend(meter.spans)
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         # Each shard exists on one rank only: there are no replicas to compare.
