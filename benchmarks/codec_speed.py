@@ -43,7 +43,7 @@ from gradsync.compression import parse_compression
 from gradsync.launch import launch
 from gradsync.workloads import make_workload
 
-SPECS = ("fp16", "bf16", "int8", "topk:0.01", "randomk:0.01", "sign", "powersgd:4")
+SPECS = ("fp16", "bf16", "int8", "topk:0.01", "randomk:0.01", "sign", "powersgd:4", "sparseloco")
 COPY = "memory copy"
 MLP_PARAMS = 6_000_000
 SEED = 0

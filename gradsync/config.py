@@ -19,7 +19,12 @@ from gradsync.flags import flag
 from gradsync.inject import parse_kill, parse_slow
 from gradsync.rundir import OVERWRITE_AND_RESUME
 from gradsync.spec import parse_strategy_spec
-from gradsync.strategies.factory import check_compression, parse_strategy, uses_servers
+from gradsync.strategies.factory import (
+    check_compression,
+    check_compressor,
+    parse_strategy,
+    uses_servers,
+)
 from gradsync.strategies.zero_shards import OwnerLayout
 from gradsync.telemetry.stragglers import StragglerConfig
 from gradsync.topology import check_allreduce, check_hierarchical
@@ -103,7 +108,8 @@ class RunConfig:
         None,
         option="--compress",
         metavar="SPEC",
-        help="fp16 | bf16 | int8 | int4 | topk:F | randomk:F | sign | powersgd:R (default: none)",
+        help="fp16 | bf16 | int8 | int4 | topk:F | randomk:F | sign | powersgd:R | "
+        "sparseloco[:D[:C[:B]]] (local:H, diloco:H) (default: none)",
         group=SYNC,
     )
     bucket_mb: float = flag(
@@ -244,6 +250,7 @@ class RunConfig:
         check_allreduce(self.allreduce)
         check_hierarchical(self.allreduce, strategy, parse_compression(self.compression).spec)
         check_compression(self.strategy, parse_compression(self.compression).spec)
+        check_compressor(strategy, parse_compression(self.compression))
 
     def _check_sizes(self) -> None:
         for name in ("steps", "batch_size", "micro_batches", "threads", "telemetry_every"):

@@ -282,11 +282,16 @@ class CompressionSpec:
     ``Compressor`` built from it reports as ``Compressor.spec``."""
 
     kind: str
-    #: FRACTION for topk/randomk (a float), RANK for powersgd (an int); None for the others
-    argument: float | int | None = None
+    #: FRACTION for topk/randomk (a float), RANK for powersgd (an int), (DENSITY, CHUNK, BETA)
+    #: for sparseloco; None for the others
+    argument: float | int | tuple[float, int, float] | None = None
 
     def __str__(self) -> str:
-        return self.kind if self.argument is None else f"{self.kind}:{self.argument}"
+        if self.argument is None:
+            return self.kind
+        if isinstance(self.argument, tuple):
+            return ":".join([self.kind, *(str(value) for value in self.argument)])
+        return f"{self.kind}:{self.argument}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,11 +304,15 @@ class CompressionForm:
     #: what the argument must be, written after the forms that share it ("integer >= 1")
     rule: str = ""
     #: ``(kind, argument text)`` -> the argument; raises ``_Refused(reason)`` (text may be "")
-    parse: Callable[[str, str], float | int] | None = None
+    parse: Callable[[str, str], float | int | tuple[float, int, float]] | None = None
+    #: whether the argument may be left out (``sparseloco`` alone takes its defaults)
+    optional: bool = False
 
     @property
     def usage(self) -> str:
-        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+        if not self.arg:
+            return self.kind
+        return f"{self.kind}[:{self.arg}]" if self.optional else f"{self.kind}:{self.arg}"
 
 
 def _fraction(kind: str, text: str) -> float:
@@ -330,6 +339,44 @@ def _rank(kind: str, text: str) -> int:
     return rank
 
 
+#: sparseloco's (DENSITY, CHUNK, BETA) when the spec leaves them out: 2% of each chunk of 4096
+#: kept (k = 82), the accumulator decayed by 0.95 per exchange (see gradsync.compression.sparseloco)
+SPARSELOCO_DEFAULTS: tuple[float, int, float] = (0.02, 4096, 0.95)
+#: the CHUNK sparseloco accepts: its in-chunk indices travel in ceil(log2(CHUNK)) bits
+SPARSELOCO_CHUNKS = (16, 65536)
+
+
+def _sparseloco(kind: str, text: str) -> tuple[float, int, float]:
+    """``[DENSITY[:CHUNK[:BETA]]]``, each part left out taking its default."""
+    parts = [part.strip() for part in text.split(":")] if text else []
+    if len(parts) > 3:
+        raise _Refused(f"{kind} takes at most DENSITY:CHUNK:BETA, got {len(parts)} values")
+    density, chunk, beta = SPARSELOCO_DEFAULTS
+    if parts and parts[0]:
+        try:
+            density = float(parts[0])
+        except ValueError:
+            density = math.nan
+        if not 0.0 < density <= 1.0:  # NaN fails too
+            raise _Refused(f"DENSITY={parts[0]} must be a number in (0, 1]")
+    if len(parts) > 1:
+        low, high = SPARSELOCO_CHUNKS
+        try:
+            chunk = int(parts[1])
+        except ValueError:
+            chunk = 0
+        if not low <= chunk <= high:
+            raise _Refused(f"CHUNK={parts[1]} must be an integer from {low} to {high}")
+    if len(parts) > 2:
+        try:
+            beta = float(parts[2])
+        except ValueError:
+            beta = math.nan
+        if not 0.0 <= beta <= 1.0:
+            raise _Refused(f"BETA={parts[2]} must be a number from 0 to 1")
+    return density, chunk, beta
+
+
 #: Every compression spec form, in the order the messages list them.
 COMPRESSION_TABLE: Mapping[str, CompressionForm] = _table(
     [
@@ -342,6 +389,14 @@ COMPRESSION_TABLE: Mapping[str, CompressionForm] = _table(
         CompressionForm("topk", "FRACTION", "0 < FRACTION <= 1", _fraction),
         CompressionForm("randomk", "FRACTION", "0 < FRACTION <= 1", _fraction),
         CompressionForm("powersgd", "RANK", "integer >= 1", _rank),
+        CompressionForm(
+            "sparseloco",
+            "DENSITY[:CHUNK[:BETA]]",
+            f"0 < DENSITY <= 1, CHUNK an integer from {SPARSELOCO_CHUNKS[0]} to "
+            f"{SPARSELOCO_CHUNKS[1]}, 0 <= BETA <= 1",
+            _sparseloco,
+            optional=True,
+        ),
     ]
 )
 

@@ -37,7 +37,7 @@ from gradsync.strategies.base import (
     SyncContext,
     clip_grad_norm,
 )
-from gradsync.strategies.factory import parse_strategy
+from gradsync.strategies.factory import check_compressor, parse_strategy
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.timing import TelemetryCollector
@@ -184,6 +184,7 @@ class Synchronizer:
         )
         self.compressor = parse_compression(compression)
         check_hierarchical(self.allreduce, self.strategy, self.compressor.spec)
+        check_compressor(self.strategy, self.compressor)
         self._hierarchy: Hierarchy | None = None
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
         self.telemetry_enabled = telemetry

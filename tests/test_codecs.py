@@ -33,8 +33,19 @@ from gradsync.errors import UsageError
 pytestmark = pytest.mark.unit
 
 #: one instance of every form VALID_FORMS names.
-FORMS = ["none", "fp16", "bf16", "int8", "int4", "sign", "topk:0.1", "randomk:0.1", "powersgd:2"]
-#: parse_compression wraps these in error feedback
+FORMS = [
+    "none",
+    "fp16",
+    "bf16",
+    "int8",
+    "int4",
+    "sign",
+    "topk:0.1",
+    "randomk:0.1",
+    "powersgd:2",
+    "sparseloco",
+]
+#: parse_compression wraps these in error feedback (sparseloco keeps its own accumulator)
 BIASED = {"int4", "sign", "topk:0.1", "powersgd:2"}
 
 # Two matrices PowerSGD compresses, a bias, and a 3x4 matrix too small to save 2x at rank 2.
@@ -143,6 +154,16 @@ def _powersgd(x: torch.Tensor, out: torch.Tensor) -> None:
     assert torch.equal(out[plain], x[plain])
 
 
+def _sparseloco(x: torch.Tensor, out: torch.Tensor) -> None:
+    # One chunk of 4096 holds all N: its k = ceil(0.02 N) largest magnitudes, signs kept, each
+    # at one of two levels (see tests/test_sparseloco.py for the levels themselves).
+    k = math.ceil(0.02 * N)
+    sent = out.nonzero().squeeze(1)
+    assert torch.equal(sent, x.abs().topk(k).indices.sort().values)
+    assert torch.equal(out[sent].sign(), x[sent].sign())
+    assert out[sent].abs().unique().numel() <= 2
+
+
 BOUNDS: dict[str, tuple[Callable[[int], torch.Tensor], Callable[..., None]]] = {
     "none": (gradient, _exact),
     "fp16": (gradient, _half(torch.float16, 2**-11)),
@@ -153,6 +174,7 @@ BOUNDS: dict[str, tuple[Callable[[int], torch.Tensor], Callable[..., None]]] = {
     "topk:0.1": (gradient, _topk),
     "randomk:0.1": (gradient, _randomk),
     "powersgd:2": (low_rank, _powersgd),
+    "sparseloco": (gradient, _sparseloco),
 }
 
 
@@ -188,7 +210,7 @@ def test_powersgd_codec_never_grows_a_full_rank_matrix() -> None:
     assert approx.norm() <= m.norm() * (1 + 1e-5)
 
 
-@pytest.mark.parametrize("form", ["none", "fp16", "bf16", "sign", "topk:0.1"])
+@pytest.mark.parametrize("form", ["none", "fp16", "bf16", "sign", "topk:0.1", "sparseloco"])
 def test_on_one_rank_the_hook_returns_its_codecs_round_trip(one_rank: None, form: str) -> None:
     # With one rank the hook's mean is this rank's decoded payload. The deterministic families
     # must give exactly the codec's round trip; a hook with its own encoding would not.

@@ -38,7 +38,8 @@ STRATEGY_TEXT = (
 )
 COMPRESSION_TEXT = (
     "none, fp16, bf16, int8, int4, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
-    "powersgd:RANK (integer >= 1)"
+    "powersgd:RANK (integer >= 1), sparseloco[:DENSITY[:CHUNK[:BETA]]] (0 < DENSITY <= 1, "
+    "CHUNK an integer from 16 to 65536, 0 <= BETA <= 1)"
 )
 
 

@@ -5,10 +5,11 @@ per-run state (``bytes_sent``, ``state_dict()``), and ``hook(state, bucket)`` re
 the mean over ranks of ``bucket.buffer()``, bitwise identical on every rank. The same pair plugs
 into DDP through :func:`ddp_comm_hook`. See docs/compression.md.
 
-Each family's module (fp, int8, sign, sparse, powersgd, allreduce) holds its hook and its codec
-(``Compressor.codec``: the encode/decode of a flat tensor, see ``base.Codec``); the hook uses the
-codec, and parameter-server pushes (``push.make_push_codec``) frame the same codec, so adding a
-compressor means writing one module. ``errorfeedback`` wraps any of them.
+Each family's module (fp, int8, int4, sign, sparse, sparseloco, powersgd, allreduce) holds
+its hook and its codec (``Compressor.codec``: the encode/decode of a flat tensor, see
+``base.Codec``); the hook uses the codec, and parameter-server pushes
+(``push.make_push_codec``) frame the same codec, so adding a compressor means writing one
+module. ``errorfeedback`` wraps any of them (sparseloco keeps its own decaying accumulator).
 """
 
 from gradsync.compression.allreduce import ALLREDUCE, AllReduceState, allreduce_hook

@@ -132,6 +132,10 @@ class Compressor:
     codec: CodecFactory | None = None
     #: True when ``error_feedback`` wrapped it: a push keeps the worker's residual too.
     feedback: bool = False
+    #: True when its state is the outer momentum of a periodic average (sparseloco's decaying
+    #: accumulator): only ``local:H`` and ``diloco:H`` take it, and DiLoCo's outer step then
+    #: runs without a momentum of its own.
+    replaces_momentum: bool = False
 
 
 class FlatBucket:

@@ -17,6 +17,7 @@ from gradsync.compression.int8 import int8
 from gradsync.compression.powersgd import powersgd
 from gradsync.compression.sign import sign
 from gradsync.compression.sparse import randomk, topk
+from gradsync.compression.sparseloco import sparseloco
 from gradsync.spec import COMPRESSION_FORMS, CompressionSpec, parse_compression_spec
 
 #: The valid compression spec forms (``gradsync.spec.COMPRESSION_FORMS``).
@@ -33,6 +34,11 @@ def _rank(spec: CompressionSpec) -> int:
     return spec.argument
 
 
+def _options(spec: CompressionSpec) -> tuple[float, int, float]:
+    assert isinstance(spec.argument, tuple), spec
+    return spec.argument
+
+
 #: kind -> the Compressor it names, for every kind in ``gradsync.spec.COMPRESSION_TABLE``.
 BUILDERS: dict[str, Callable[[CompressionSpec], Compressor]] = {
     "none": lambda _: ALLREDUCE,
@@ -44,6 +50,7 @@ BUILDERS: dict[str, Callable[[CompressionSpec], Compressor]] = {
     "topk": lambda s: error_feedback(topk(_fraction(s))),
     "randomk": lambda s: randomk(_fraction(s)),
     "powersgd": lambda s: error_feedback(powersgd(_rank(s))),
+    "sparseloco": lambda s: sparseloco(*_options(s)),
 }
 
 
@@ -52,7 +59,7 @@ def parse_compression(spec: str | Compressor | None) -> Compressor:
 
     The biased compressors (``int4``, ``topk``, ``sign``, ``powersgd``) come wrapped in error
     feedback; ``int8`` and ``randomk`` are unbiased and ``fp16``/``bf16`` only round, so they
-    do not.
+    do not; ``sparseloco`` keeps its own decaying accumulator (``local:H``/``diloco:H`` only).
     A Compressor object passes through unchanged. Raises ``UsageError`` naming the bad value
     and ``VALID_FORMS``.
     """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.spec import parse_strategy_spec
 from gradsync.strategies.base import Strategy
@@ -67,6 +68,17 @@ def check_compression(spec: str | Strategy, compression: str) -> None:
             raise UsageError(refusal_of_compression(compression))
 
 
+def check_compressor(strategy: Strategy, compressor: Compressor) -> None:
+    """Refuse a compressor whose state is the outer momentum of a periodic average
+    (``sparseloco``) under a strategy without one, in one line naming where it runs."""
+    if compressor.replaces_momentum and not isinstance(strategy, LocalSGD | DiLoCo):
+        raise UsageError(
+            f"compression {compressor.spec} needs local:H or diloco:H, not {strategy.name}: its "
+            "decaying accumulator is the outer momentum of a periodic average (diloco then "
+            "takes its outer step without momentum); to compress gradients use topk:F"
+        )
+
+
 def uses_servers(spec: str | Strategy) -> bool:
     """Whether a strategy runs parameter-server ranks (which take no part in training)."""
     if isinstance(spec, str):
@@ -74,4 +86,4 @@ def uses_servers(spec: str | Strategy) -> bool:
     return spec.servers > 0
 
 
-__all__ = ["check_compression", "parse_strategy", "uses_servers"]
+__all__ = ["check_compression", "check_compressor", "parse_strategy", "uses_servers"]

@@ -233,6 +233,10 @@ class DiLoCo(_Periodic):
     With ``outer_lr=1`` and no momentum the outer step lands on the average of the local
     parameters, which is local SGD.
 
+    With ``sparseloco`` compression (``Compressor.replaces_momentum``) the outer optimizer runs
+    without momentum, whatever ``outer_momentum`` says: the compressor's decaying error-feedback
+    accumulator is the momentum (SparseLoCo), and the outer step is plain SGD at ``outer_lr``.
+
     Streaming DiLoCo (``diloco:H:F:TAU:ALPHA``, or ``fragments``, ``delay`` and ``alpha``
     here): F fragments, each synchronized every H steps at its own offset, its exchange applied
     TAU steps after it started and mixed into the local fragment with weight ALPHA; see
@@ -278,7 +282,9 @@ class DiLoCo(_Periodic):
         # on every rank; each fragment's lives as one flat tensor that the outer optimizer owns
         # (it steps only the fragment whose gradient is set).
         self._globals = [flatten(params).clone() for params in self._fragment_params]
-        momentum = self.outer.outer_momentum
+        # sparseloco's decaying accumulator is the outer momentum already (SparseLoCo): a
+        # second one on top of it would apply every exchange again for many more.
+        momentum = 0.0 if ctx.compressor.replaces_momentum else self.outer.outer_momentum
         self._outer_opt = torch.optim.SGD(
             self._globals,
             lr=self.outer.outer_lr,
