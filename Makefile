@@ -33,7 +33,7 @@ test: check
 
 # Regenerates BENCHMARKS.md and RELIABILITY.md, one benchmark after another (they measure
 # time, so they must not share the cores), and records how long each took in BENCHMARKS.md.
-# About 38 minutes on 2 cores (estimated; see BENCHMARKS.md, bench_run); the cluster part needs root and is skipped with a message
+# About 39 minutes on 2 cores (estimated; see BENCHMARKS.md, bench_run); the cluster part needs root and is skipped with a message
 # otherwise.
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.all --write

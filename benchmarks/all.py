@@ -30,10 +30,11 @@ BENCHMARKS = (
     "zero",
     "zero_cluster",  # needs root (exit 2 without), like the cluster; about 4 minutes
     "topology",  # needs root too (exit 2 without), like the cluster; a few minutes
+    "streaming_sim",  # needs root too; about 2 minutes (4 gradsync runs on the cluster)
 )
 CLUSTER = "cluster"
 #: these exit 2 where they cannot build an emulated cluster (no root, no iproute2): skipped
-NEEDS_ROOT = (CLUSTER, "topology", "zero_cluster")
+NEEDS_ROOT = (CLUSTER, "topology", "zero_cluster", "streaming_sim")
 BUDGET_MIN = 40.0
 
 

@@ -172,7 +172,7 @@ def render(results: dict[Setup, Repeats], args: argparse.Namespace, command: str
 
 
 def main() -> None:
-    h = Harness("benchmarks.balance", __doc__, repeats=3)
+    h = Harness("benchmarks.balance", __doc__, repeats=2)
     h.parser.add_argument("--steps", type=int, default=90)
     h.parser.add_argument("--warmup", type=int, default=30, help="steps left out of 'steady'")
     h.parser.add_argument("--workload", default="charlm", help="charlm (default) or mlp")

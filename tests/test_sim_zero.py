@@ -177,13 +177,3 @@ def test_zero_specs_parse_through_the_shared_parser() -> None:
         spec = parse_strategy_spec(text)
         strategy = parse_strategy(text)
         assert strategy.spec == str(spec) and strategy.param == spec.stage
-
-
-def test_streaming_diloco_is_refused_rather_than_priced_as_plain_diloco(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    with pytest.raises(UsageError, match=r"does not model streaming DiLoCo \(diloco:8:2:1\)"):
-        parse_strategy("diloco:8:2")
-    with pytest.raises(UsageError, match="Simulate diloco:8, or run it"):
-        _run_cli(["simulate", "--strategy", "diloco:8:2:1:0.5"], capsys)
-    assert parse_strategy("diloco:8").spec == "diloco:8"

@@ -1,7 +1,8 @@
 """The simulator: strategies' cost predicted instead of run (pure Python and numpy).
 
-``model`` holds the alpha-beta collective costs and the fit; ``simulate`` the per-strategy
-simulation; ``calibrate`` the prediction of a real run from its telemetry. Nothing here
+``model`` holds the alpha-beta collective costs and the fit (and the two-level all-reduce);
+``simulate`` the per-strategy simulation; ``streaming`` streaming DiLoCo's fragments and
+timeline; ``calibrate`` the prediction of a real run from its telemetry. Nothing here
 starts a process or touches torch.distributed, except ``bench`` (imported on demand).
 """
 
@@ -16,7 +17,7 @@ from gradsync.sim.calibrate import (
     predict,
     save_calibration,
 )
-from gradsync.sim.config import CommModel, ComputeModel, Strategy, parse_strategy
+from gradsync.sim.config import CommModel, ComputeModel, Hosts, Strategy, parse_strategy
 from gradsync.sim.model import (
     ALGORITHMS,
     OPS,
@@ -37,6 +38,7 @@ __all__ = [
     "CommModel",
     "ComputeModel",
     "Fit",
+    "Hosts",
     "Overlap",
     "Prediction",
     "RunProfile",

@@ -241,8 +241,15 @@ def _calibrated(strategy: Strategy) -> Strategy:
     """``strategy``, or a UsageError when the calibrated prediction does not model it.
 
     ``zero:N`` is left out: its measured comm holds an all-gather that neither the run's
-    all-reduce spans nor the all-reduce calibration describe.
+    all-reduce spans nor the all-reduce calibration describe. Streaming DiLoCo too: a run's
+    step holds one whole model's exchange, not one fragment's overlapped with later steps.
     """
+    if strategy.streaming:
+        raise UsageError(
+            f"simulate --from does not predict {strategy.spec} (the run's per-step comm is a "
+            "whole model's exchange, not a fragment's); simulate it without --from, e.g. "
+            f"gradsync simulate --strategy {strategy.spec} --message-mb M [--layers LIST]"
+        )
     if strategy.kind == "zero":
         raise UsageError(
             f"simulate --from does not predict {strategy.spec} (its all-gather is not in the "

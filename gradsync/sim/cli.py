@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gradsync.errors import UsageError
 from gradsync.sim import commands
-from gradsync.sim.config import parse_strategy
+from gradsync.sim.config import ALLREDUCE_CHOICES, parse_strategy
 from gradsync.sim.model import ALGORITHMS
 from gradsync.sim.options import emit
 
@@ -21,8 +21,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "simulate",
         help="predict step time, idle and staleness of a strategy at any scale",
         description="Simulate data-parallel training (no processes): BSP, ZeRO stages 1, 2 and 3, "
-        "SSP, async, local SGD, DiLoCo, overlap; sweeps over staleness and workers; or predict "
-        "a real run.",
+        "SSP, async, local SGD, DiLoCo (plain and streaming), overlap, hosts with a flat or "
+        "hierarchical all-reduce; sweeps over staleness and workers; or predict a real run.",
     )
     g = sim.add_argument_group("workers and compute")
     g.add_argument(
@@ -62,11 +62,27 @@ def _add_communication_and_strategy(sim: argparse.ArgumentParser) -> None:
     c.add_argument("--link-gbps", type=float, default=None, help="link bandwidth, Gbit/s (10)")
     c.add_argument("--algorithm", choices=ALGORITHMS, default=None, help="all-reduce algorithm")
     c.add_argument("--calibration", default=None, help="alpha/beta JSON from bench allreduce")
+    c.add_argument(
+        "--compression-ratio",
+        type=float,
+        default=1.0,
+        help="a compressor's: each exchange carries bytes / R (int4 about 7.5, int8 about 4; "
+        "not zero:N's collectives); with --from, the what-if",
+    )
+    _add_hosts(sim)
     s = sim.add_argument_group("strategy and output")
     s.add_argument(
         "--strategy",
         default="bsp",
-        help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | diloco:H | hogwild",
+        help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | "
+        "diloco:H[:F[:TAU[:ALPHA]]] | hogwild",
+    )
+    s.add_argument(
+        "--layers",
+        default=None,
+        metavar="LIST",
+        help="sizes of the model's layers in module order (any unit), for streaming DiLoCo's "
+        "fragments (layer i in fragment i %% F); default: each fragment 1/F of the bytes",
     )
     s.add_argument("--overlap", action="store_true", help="BSP (or zero:1) with bucketed overlap")
     s.add_argument(
@@ -88,6 +104,34 @@ def _add_communication_and_strategy(sim: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _add_hosts(sim: argparse.ArgumentParser) -> None:
+    h = sim.add_argument_group(
+        "hosts (as gradsync run --hosts H --allreduce KIND; alpha-beta model only)"
+    )
+    h.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        metavar="H",
+        help="spread the workers evenly over H hosts; --link-gbps and --alpha-us are then the "
+        "link between hosts (default: one link, no hosts)",
+    )
+    h.add_argument(
+        "--allreduce",
+        choices=ALLREDUCE_CHOICES,
+        default="ring",
+        help="ring: one flat ring over every rank, paced by the slower link; hierarchical: "
+        "reduce in each host, all-reduce among one leader per host, broadcast back (bsp, "
+        "zero:1, local:H, diloco:H), shown beside ring (default ring)",
+    )
+    h.add_argument(
+        "--intra-gbps", type=float, default=None, help="bandwidth inside a host, Gbit/s (100)"
+    )
+    h.add_argument(
+        "--intra-alpha-us", type=float, default=None, help="latency inside a host, us (5)"
+    )
+
+
 def _add_prediction(sim: argparse.ArgumentParser) -> None:
     f = sim.add_argument_group("calibrated prediction from a real run")
     f.add_argument(
@@ -98,7 +142,6 @@ def _add_prediction(sim: argparse.ArgumentParser) -> None:
         help="predict this run from its telemetry",
     )
     f.add_argument("--remove-straggler", action="store_true", help="what-if: slowest rank fixed")
-    f.add_argument("--compression-ratio", type=float, default=1.0, help="what-if: bytes / R")
     f.add_argument("--warmup", type=int, default=2, help="steps of the run to skip (default 2)")
     f.add_argument(
         "--resample",
@@ -146,6 +189,8 @@ FLOAT_FLAGS = {
     "link_gbps": "--link-gbps",
     "backward_frac": "--backward-frac",
     "compression_ratio": "--compression-ratio",
+    "intra_gbps": "--intra-gbps",
+    "intra_alpha_us": "--intra-alpha-us",
 }
 
 
@@ -164,6 +209,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"--warmup must be >= 0 steps, got {args.warmup}")
     check_finite(args)
     if args.from_run:
+        extra = [
+            flag
+            for flag, given in (
+                ("--hosts", args.hosts is not None),
+                ("--layers", args.layers is not None),
+                ("--allreduce hierarchical", args.allreduce != "ring"),
+            )
+            if given
+        ]
+        if extra:
+            # --from prices the run's own measured exchanges, not a link model.
+            raise UsageError(
+                f"{', '.join(extra)} apply to a simulation, not to --from's prediction of a run; "
+                "drop them, or simulate without --from"
+            )
         return commands.from_run(args)
     if args.sweep_staleness or args.sweep_workers:
         return commands.sweeps(args)

@@ -11,11 +11,24 @@ import numpy as np
 
 from gradsync.errors import UsageError
 from gradsync.sim import report
-from gradsync.sim.config import CommModel, Strategy, parse_strategy
+from gradsync.sim.beside import (
+    allreduce_rows,
+    format_allreduce,
+    format_streaming,
+    streaming_rows,
+)
+from gradsync.sim.config import (
+    CommModel,
+    ComputeModel,
+    Strategy,
+    parse_strategy,
+    takes_hierarchy,
+)
 from gradsync.sim.options import (
     comm_model,
     compute_model,
     emit,
+    layers_from_args,
     link_from_args,
     overlap_from_args,
 )
@@ -26,11 +39,15 @@ BESIDE_BSP = ("bsp", "zero:1", "zero:2", "zero:3")
 
 
 def beside_bsp(compute: np.ndarray, comm: CommModel) -> list[dict[str, Any]]:
-    """One row per strategy of ``BESIDE_BSP`` on the same compute: its per-step comm."""
+    """One row per strategy of ``BESIDE_BSP`` on the same compute: its per-step comm (under the
+    hierarchical all-reduce, only those that exchange through it: bsp and zero:1)."""
     workers = compute.shape[1]
     rows = []
+    hierarchical = comm.hosts is not None and comm.hosts.allreduce == "hierarchical"
     for spec in BESIDE_BSP:
         strategy = parse_strategy(spec)
+        if hierarchical and not takes_hierarchy(strategy):
+            continue
         if strategy.kind == "zero":
             op, grad_ms, gather_ms = zero_comm_ms(int(strategy.param), comm, workers)
         else:
@@ -53,53 +70,91 @@ def beside_bsp(compute: np.ndarray, comm: CommModel) -> list[dict[str, Any]]:
 def single(args: argparse.Namespace) -> int:
     model, comm = compute_model(args), comm_model(args)
     strategy = parse_strategy(args.strategy)
-    compute = model.draw()
-    mean_base = float(model.base().mean())
-    if args.overlap:
-        ov = overlap_from_args(args)
-        summary = overlap_summary(mean_base, comm, model.workers, ov)
-        plain_res = simulate(strategy, compute, comm)
-        plain = report.bsp_summary(plain_res, mean_base)
-        over = report.bsp_summary(simulate(strategy, compute, comm, overlap=ov), mean_base)
-        name = strategy.spec
-        doc: dict[str, Any] = {"overlap": summary, name: plain, f"{name}_overlap": over}
-        gather = ""
-        if strategy.kind == "zero":
-            gather_ms = zero_comm_ms(int(strategy.param), comm, model.workers)[2]
-            doc["allgather_ms"] = gather_ms
-            gather = (
-                f"{name} also all-gathers the parameters after the optimizer step: "
-                f"{gather_ms:.2f} ms per step, never overlapped"
-            )
-        text = "\n".join(
-            [
-                report.format_overlap(summary),
-                *([gather] if gather else []),
-                "",
-                f"simulated {model.workers} workers x {model.steps} steps: wall-clock "
-                f"{plain['wall_ms']:.2f} ms without overlap, {over['wall_ms']:.2f} ms with "
-                f"({1 - over['wall_ms'] / plain['wall_ms']:.1%} saved)"
-                if plain["wall_ms"] > 0
-                else "",
-            ]
+    layers = layers_from_args(args)
+    if layers is not None and not strategy.streaming:
+        raise UsageError(
+            f"--layers sizes the fragments of streaming DiLoCo (diloco:H:F[:TAU[:ALPHA]]); "
+            f"{strategy.spec} has none"
         )
-        emit(args, doc, text)
-        return 0
-    res = simulate(strategy, compute, comm)
+    compute = model.draw()
+    if args.overlap:
+        doc, text = _overlapped(args, strategy, model, compute, comm)
+    else:
+        doc, text = _one(args, strategy, model, compute, comm, layers)
+    if comm.hosts is not None and comm.hosts.allreduce == "hierarchical":
+        ov = overlap_from_args(args) if args.overlap else None
+        rows = allreduce_rows(strategy, compute, comm, layers=layers, overlap=ov)
+        doc["allreduce_beside"] = rows
+        text += "\n\n" + format_allreduce(rows, comm, model.workers)
+    emit(args, doc, text)
+    return 0
+
+
+def _overlapped(
+    args: argparse.Namespace,
+    strategy: Strategy,
+    model: ComputeModel,
+    compute: np.ndarray,
+    comm: CommModel,
+) -> tuple[dict[str, Any], str]:
+    mean_base = float(model.base().mean())
+    ov = overlap_from_args(args)
+    summary = overlap_summary(mean_base, comm, model.workers, ov)
+    plain = report.bsp_summary(simulate(strategy, compute, comm), mean_base)
+    over = report.bsp_summary(simulate(strategy, compute, comm, overlap=ov), mean_base)
+    name = strategy.spec
+    doc: dict[str, Any] = {"overlap": summary, name: plain, f"{name}_overlap": over}
+    gather = ""
+    if strategy.kind == "zero":
+        gather_ms = zero_comm_ms(int(strategy.param), comm, model.workers)[2]
+        doc["allgather_ms"] = gather_ms
+        gather = (
+            f"{name} also all-gathers the parameters after the optimizer step: "
+            f"{gather_ms:.2f} ms per step, never overlapped"
+        )
+    text = "\n".join(
+        [
+            report.format_overlap(summary),
+            *([gather] if gather else []),
+            "",
+            f"simulated {model.workers} workers x {model.steps} steps: wall-clock "
+            f"{plain['wall_ms']:.2f} ms without overlap, {over['wall_ms']:.2f} ms with "
+            f"({1 - over['wall_ms'] / plain['wall_ms']:.1%} saved)"
+            if plain["wall_ms"] > 0
+            else "",
+        ]
+    )
+    return doc, text
+
+
+def _one(
+    args: argparse.Namespace,
+    strategy: Strategy,
+    model: ComputeModel,
+    compute: np.ndarray,
+    comm: CommModel,
+    layers: list[float] | None,
+) -> tuple[dict[str, Any], str]:
+    res = simulate(strategy, compute, comm, layers=layers)
+    mean_base = float(model.base().mean())
     if strategy.kind == "bsp":
         summary = report.bsp_summary(res, mean_base)
         doc = {**summary, "per_step": report.bsp_steps(res)}
-        emit(args, doc, report.format_bsp(res, summary, args.table_steps))
-    elif strategy.kind == "zero":
+        return doc, report.format_bsp(res, summary, args.table_steps)
+    if strategy.kind == "zero":
         summary = report.bsp_summary(res, mean_base)
         rows = beside_bsp(compute, comm)
         doc = {**summary, "beside_bsp": rows, "per_step": report.bsp_steps(res)}
         text = report.format_bsp(res, summary, args.table_steps)
-        emit(args, doc, f"{text}\n\n{report.format_beside(rows)}")
-    else:
-        summary = report.free_summary(res)
-        emit(args, summary, report.format_free(summary))
-    return 0
+        return doc, f"{text}\n\n{report.format_beside(rows)}"
+    doc = report.free_summary(res)
+    text = report.format_free(doc)
+    if strategy.streaming:
+        # Streaming's point is what it changes against plain diloco:H: shown side by side.
+        rows = streaming_rows(strategy, compute, comm, layers)
+        doc["beside_plain"] = rows
+        text += "\n\n" + format_streaming(rows)
+    return doc, text
 
 
 def _parse_staleness(text: str) -> list[float]:
@@ -124,6 +179,11 @@ def sweeps(args: argparse.Namespace) -> int:
     plot_dir = Path(args.plot_dir)
     base = compute_model(args)
     comm = comm_model(args)
+    layers = layers_from_args(args)
+    if layers is not None and not args.sweep_workers:
+        raise UsageError(
+            "--layers sizes streaming DiLoCo's fragments; the staleness sweep has none"
+        )
     if args.sweep_staleness:
         from gradsync.sim.plots import plot_staleness
 
@@ -152,45 +212,61 @@ def sweeps(args: argparse.Namespace) -> int:
         doc["staleness_plot"] = str(png)
         texts += [report.format_rows(header, rows), f"plot: {png}", ""]
     if args.sweep_workers:
-        from gradsync.sim.plots import plot_scaling
-
-        try:
-            counts = [int(x) for x in args.sweep_workers.split(",") if x.strip()]
-        except ValueError:
-            raise UsageError(
-                f"--sweep-workers takes integers, got {args.sweep_workers!r}"
-            ) from None
-        if not counts or min(counts) < 1:
-            raise UsageError(f"--sweep-workers needs counts >= 1, got {args.sweep_workers!r}")
-        strategies = [parse_strategy(s) for s in args.strategies.split(",") if s.strip()]
-        eff: dict[str, list[float]] = {s.spec: [] for s in strategies}
-        wall: dict[str, list[float]] = {s.spec: [] for s in strategies}
-        busy: dict[str, list[float]] = {s.spec: [] for s in strategies}
-        for n in counts:
-            compute = base.with_workers(n).draw()
-            for s in strategies:
-                res = simulate(s, compute, comm)
-                eff[s.spec].append(res.efficiency)
-                wall[s.spec].append(res.wall_ms)
-                busy[s.spec].append(res.throughput_while_all_train)
-        png = plot_scaling(counts, eff, plot_dir / "sim_scaling.png")
-        rows = [[n] + [eff[s][i] for s in eff] for i, n in enumerate(counts)]
-        texts += [
-            "scaling efficiency (share of worker-time spent computing)",
-            report.format_rows(["workers", *eff], rows),
-            f"plot: {png}",
-        ]
-        doc["workers_sweep"] = {
-            "workers": counts,
-            "efficiency": eff,
-            "wall_ms": wall,
-            "throughput_while_all_train_steps_per_s": busy,
-            "exchange_ms": [comm.exchange_ms(n) for n in counts],
-            "allgather_ms": [comm.collective_ms("allgather", n) for n in counts],
-        }
-        doc["scaling_plot"] = str(png)
+        texts += _workers_sweep(args, base, comm, layers, doc)
     emit(args, doc, "\n".join(texts).rstrip())
     return 0
+
+
+def _workers_sweep(
+    args: argparse.Namespace,
+    base: ComputeModel,
+    comm: CommModel,
+    layers: list[float] | None,
+    doc: dict[str, Any],
+) -> list[str]:
+    """``--sweep-workers``: every strategy at every world size; fills ``doc``, returns the text."""
+    from gradsync.sim.plots import plot_scaling
+
+    plot_dir = Path(args.plot_dir)
+    try:
+        counts = [int(x) for x in args.sweep_workers.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--sweep-workers takes integers, got {args.sweep_workers!r}") from None
+    if not counts or min(counts) < 1:
+        raise UsageError(f"--sweep-workers needs counts >= 1, got {args.sweep_workers!r}")
+    strategies = [parse_strategy(s) for s in args.strategies.split(",") if s.strip()]
+    if layers is not None and not any(s.streaming for s in strategies):
+        raise UsageError(
+            "--layers sizes the fragments of streaming DiLoCo (diloco:H:F[:TAU[:ALPHA]]); "
+            f"none of --strategies {args.strategies} has any"
+        )
+    eff: dict[str, list[float]] = {s.spec: [] for s in strategies}
+    wall: dict[str, list[float]] = {s.spec: [] for s in strategies}
+    busy: dict[str, list[float]] = {s.spec: [] for s in strategies}
+    for n in counts:
+        compute = base.with_workers(n).draw()
+        for s in strategies:
+            res = simulate(s, compute, comm, layers=layers)
+            eff[s.spec].append(res.efficiency)
+            wall[s.spec].append(res.wall_ms)
+            busy[s.spec].append(res.throughput_while_all_train)
+    png = plot_scaling(counts, eff, plot_dir / "sim_scaling.png")
+    rows = [[n] + [eff[s][i] for s in eff] for i, n in enumerate(counts)]
+    texts = [
+        "scaling efficiency (share of worker-time spent computing)",
+        report.format_rows(["workers", *eff], rows),
+        f"plot: {png}",
+    ]
+    doc["workers_sweep"] = {
+        "workers": counts,
+        "efficiency": eff,
+        "wall_ms": wall,
+        "throughput_while_all_train_steps_per_s": busy,
+        "exchange_ms": [comm.exchange_ms(n) for n in counts],
+        "allgather_ms": [comm.collective_ms("allgather", n) for n in counts],
+    }
+    doc["scaling_plot"] = str(png)
+    return texts
 
 
 # One statistic for every strategy, so that a what-if's delta compares like with like.

@@ -13,7 +13,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from gradsync.errors import UsageError
-from gradsync.sim.model import AlphaBeta
+from gradsync.sim.model import (
+    AlphaBeta,
+    flat_allreduce_time,
+    flat_collective_time,
+    hierarchical_allreduce_time,
+)
 from gradsync.spec import STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
@@ -43,7 +48,8 @@ def _check_spec(text: str) -> StrategySpec:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Strategy:
     """A strategy as the simulator reads it: ``param`` is S for ssp (``math.inf`` allowed), H
-    for local/diloco, 0 for the others.
+    for local/diloco, 0 for the others. Streaming DiLoCo (``diloco:H:F:TAU:ALPHA``) also sets
+    ``fragments``, ``delay`` and ``alpha``; plain ``diloco:H`` is F=1, TAU=0, ALPHA=0.
 
     Checked by ``gradsync.spec``, the parser of every spec string, so a Strategy built directly
     is refused with the same message as the spec string it stands for.
@@ -51,20 +57,37 @@ class Strategy:
 
     kind: str
     param: float = 0.0
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
 
     def __post_init__(self) -> None:
         _check_spec(self.spec)
         if self.kind not in SIMULATED:
             raise UsageError(f"the simulator does not model {self.spec!r}; it models {modelled()}")
+        if self.kind != "diloco" and (self.fragments, self.delay, self.alpha) != (1, 0, 0.0):
+            raise UsageError(
+                f"fragments, delay and alpha are streaming DiLoCo's (diloco:H:F:TAU:ALPHA), "
+                f"not {self.spec}'s"
+            )
+
+    @property
+    def streaming(self) -> bool:
+        """Whether this is streaming DiLoCo, priced fragment by fragment (plain diloco:H is
+        the one-fragment, undelayed, unmixed case, and the spec parser gives it back as such)."""
+        return self.kind == "diloco" and (self.fragments, self.delay, self.alpha) != (1, 0, 0.0)
 
     @classmethod
     def from_spec(cls, spec: StrategySpec) -> Strategy:
         """The simulator's view of a parsed spec string."""
         if spec.fragments is not None:
-            raise UsageError(
-                f"the simulator does not model streaming DiLoCo ({spec}) yet: its fragments, "
-                f"delay and merge would be priced as plain diloco:{spec.period}. Simulate "
-                f"diloco:{spec.period}, or run it (gradsync run --strategy {spec})"
+            assert spec.period is not None
+            return cls(
+                kind=spec.kind,
+                param=spec.period,
+                fragments=spec.fragments,
+                delay=spec.delay or 0,
+                alpha=spec.alpha or 0.0,
             )
         if spec.period is not None:
             return cls(kind=spec.kind, param=spec.period)
@@ -81,12 +104,16 @@ class Strategy:
         p = float(self.param)
         if (form is None or form.parse is None) and p == 0:
             return self.kind
-        return f"{self.kind}:{int(p) if p.is_integer() else p!r}"
+        text = f"{self.kind}:{int(p) if p.is_integer() else p!r}"
+        if self.streaming:
+            # The parser's canonical form (gradsync.spec._show_diloco): TAU always, ALPHA if set.
+            text += f":{self.fragments}:{self.delay}" + (f":{self.alpha!r}" if self.alpha else "")
+        return text
 
 
 def parse_strategy(text: str) -> Strategy:
-    """Parse ``bsp``, ``zero:1``, ``zero:2``, ``ssp:S``, ``async``, ``local:H`` or
-    ``diloco:H`` (``gradsync.spec``)."""
+    """Parse ``bsp``, ``zero:1``, ``zero:2``, ``zero:3``, ``ssp:S``, ``async``, ``local:H``,
+    ``diloco:H`` or ``diloco:H:F[:TAU[:ALPHA]]`` (``gradsync.spec``)."""
     return Strategy.from_spec(_check_spec(text))
 
 
@@ -160,6 +187,49 @@ class ComputeModel:
         return compute
 
 
+#: ``--allreduce``'s choices, as ``gradsync run`` names them (``gradsync.topology``, which needs
+#: torch, has the same tuple).
+ALLREDUCE_CHOICES = ("ring", "hierarchical")
+#: The strategies whose exchange goes through the hierarchical all-reduce (the runtime's
+#: ``Strategy.takes_hierarchy``): bsp's and zero:1's gradient, local SGD's and DiLoCo's averages.
+HIERARCHICAL = ("bsp", "zero:1", "local:H", "diloco:H")
+
+
+def takes_hierarchy(strategy: Strategy) -> bool:
+    """Whether ``strategy`` exchanges through the hierarchical all-reduce at run time."""
+    return strategy.kind in ("bsp", "local", "diloco") or strategy.spec == "zero:1"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hosts:
+    """The workers spread evenly over ``hosts`` hosts: the comm model's link runs between hosts,
+    ``intra`` inside one; ``allreduce`` is ``ring`` (one flat ring over every rank, paced by
+    the slower link) or ``hierarchical`` (``gradsync.topology``: reduce in the host, all-reduce
+    among one leader per host, broadcast back). Priced by ``gradsync.sim.model``'s
+    ``flat_allreduce_time`` and ``hierarchical_allreduce_time``."""
+
+    hosts: int
+    intra: AlphaBeta
+    allreduce: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1:
+            raise UsageError(f"--hosts must be at least 1, got {self.hosts}")
+        if self.allreduce not in ALLREDUCE_CHOICES:
+            raise UsageError(
+                f"--allreduce must be one of {', '.join(ALLREDUCE_CHOICES)}, got {self.allreduce!r}"
+            )
+
+    def per_host(self, workers: int) -> int:
+        """Ranks per host; every host holds as many (as ``gradsync run --hosts`` requires)."""
+        if workers % self.hosts:
+            raise UsageError(
+                f"{workers} workers do not split evenly over --hosts {self.hosts}; use a number "
+                "of workers that is a multiple of the hosts"
+            )
+        return workers // self.hosts
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CommModel:
     """Cost of one exchange (an all-reduce of the gradient or the parameters), in ms.
@@ -167,12 +237,17 @@ class CommModel:
     Either a fixed ``comm_ms``, or the alpha-beta cost of all-reducing ``nbytes`` on the
     simulated number of workers, so that it grows with the world size. ``nbytes`` is also the
     size of the parameters (a gradient has its parameter's dtype), which ``zero:N``
-    all-gathers.
+    all-gathers. ``ratio`` is a compressor's: an exchange carries ``nbytes / ratio`` (a fixed
+    ``comm_ms`` shrinks in proportion); zero:N's collectives are never compressed.
+    ``hosts`` (alpha-beta only) puts the workers on hosts, ``link`` then being the link between
+    them.
     """
 
     comm_ms: float | None = None
     link: AlphaBeta | None = None
     nbytes: float = 0.0
+    ratio: float = 1.0
+    hosts: Hosts | None = None
 
     def __post_init__(self) -> None:
         if (self.comm_ms is None) == (self.link is None):
@@ -181,22 +256,49 @@ class CommModel:
             raise UsageError(f"--comm-ms must be a finite number >= 0, got {self.comm_ms}")
         if not (self.nbytes >= 0 and math.isfinite(self.nbytes)):
             raise UsageError(f"message size must be a finite number >= 0 bytes, got {self.nbytes}")
+        if not (self.ratio >= 1 and math.isfinite(self.ratio)):
+            raise UsageError(f"--compression-ratio must be a finite number >= 1, got {self.ratio}")
+        if self.hosts is not None and self.link is None:
+            raise UsageError(
+                "--hosts needs the alpha-beta model (--message-mb, --link-gbps between hosts, "
+                "--intra-gbps inside one), not a fixed --comm-ms"
+            )
 
     def exchange_ms(self, workers: int, fraction: float = 1.0) -> float:
-        """One all-reduce of ``fraction`` of the message among ``workers`` ranks."""
+        """One all-reduce of ``fraction`` of the message among ``workers`` ranks, compressed."""
         if self.comm_ms is not None:
-            return self.comm_ms * fraction
-        return self.collective_ms("allreduce", workers, fraction)
+            return self.comm_ms * fraction / self.ratio
+        assert self.link is not None
+        nbytes = self.nbytes * fraction
+        if self.hosts is None:
+            return 1000.0 * self.link.time("allreduce", workers, nbytes / self.ratio)
+        per_host, inter, intra = self.hosts.per_host(workers), self.link, self.hosts.intra
+        if self.hosts.allreduce == "hierarchical":
+            # The runtime compresses what crosses hosts only; the host sums are exact.
+            return 1000.0 * hierarchical_allreduce_time(
+                self.hosts.hosts, per_host, nbytes, inter, intra, inter_nbytes=nbytes / self.ratio
+            )
+        return 1000.0 * flat_allreduce_time(
+            self.hosts.hosts, per_host, nbytes / self.ratio, inter, intra
+        )
 
     def collective_ms(self, op: str, workers: int, fraction: float = 1.0) -> float:
-        """One ``op`` (``gradsync.sim.model.OPS``) of ``fraction`` of the message.
+        """One ``op`` (``gradsync.sim.model.OPS``) of ``fraction`` of the message, uncompressed.
 
-        Alpha-beta: the link's formula for ``op``. Fixed ``comm_ms``: that is one all-reduce,
-        so a reduce-scatter or an all-gather is half of it (the ring all-reduce is exactly one
-        of each, ``model.cost_terms``); a broadcast is priced as an all-reduce.
+        Alpha-beta: the link's formula for ``op`` (on hosts: the all-reduce as ``hosts.allreduce``
+        says, the others a flat ring paced by the slower link). Fixed ``comm_ms``: that is one
+        all-reduce, so a reduce-scatter or an all-gather is half of it (the ring all-reduce is
+        exactly one of each, ``model.cost_terms``); a broadcast is priced as an all-reduce.
         """
         if self.comm_ms is not None:
             half = op in ("reducescatter", "allgather")
             return self.comm_ms * fraction * (0.5 if half else 1.0)
         assert self.link is not None
-        return 1000.0 * self.link.time(op, workers, self.nbytes * fraction)
+        if self.hosts is None:
+            return 1000.0 * self.link.time(op, workers, self.nbytes * fraction)
+        if op == "allreduce":
+            return replace(self, ratio=1.0).exchange_ms(workers, fraction)
+        per_host = self.hosts.per_host(workers)
+        return 1000.0 * flat_collective_time(
+            op, self.hosts.hosts, per_host, self.nbytes * fraction, self.link, self.hosts.intra
+        )

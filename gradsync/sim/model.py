@@ -160,15 +160,26 @@ def _check_hosts(hosts: int, per_host: int) -> None:
 
 
 def hierarchical_allreduce_time(
-    hosts: int, per_host: int, nbytes: float, inter: AlphaBeta, intra: AlphaBeta
+    hosts: int,
+    per_host: int,
+    nbytes: float,
+    inter: AlphaBeta,
+    intra: AlphaBeta,
+    *,
+    inter_nbytes: float | None = None,
 ) -> float:
     """Seconds for ``gradsync.topology``'s all-reduce of ``nbytes`` over ``hosts`` hosts of
     ``per_host`` ranks: reduce to the leader (``intra``), all-reduce among the leaders
-    (``inter``), broadcast from the leader (``intra``), one after the other."""
+    (``inter``), broadcast from the leader (``intra``), one after the other.
+
+    ``inter_nbytes`` (default ``nbytes``) is what the leaders exchange: less than ``nbytes``
+    under a compressor, which the runtime applies only across hosts (the host sums are exact).
+    """
     _check_hosts(hosts, per_host)
+    across = nbytes if inter_nbytes is None else inter_nbytes
     return (
         intra.time("reduce", per_host, nbytes)
-        + inter.time("allreduce", hosts, nbytes)
+        + inter.time("allreduce", hosts, across)
         + intra.time("broadcast", per_host, nbytes)
     )
 
@@ -180,14 +191,22 @@ def flat_allreduce_time(
     ``inter``'s algorithm: every step waits for its slowest link, so across hosts it is the
     all-reduce over all the ranks priced on each link alone, the slower of the two (the module
     docstring)."""
+    return flat_collective_time("allreduce", hosts, per_host, nbytes, inter, intra)
+
+
+def flat_collective_time(
+    op: str, hosts: int, per_host: int, nbytes: float, inter: AlphaBeta, intra: AlphaBeta
+) -> float:
+    """``flat_allreduce_time`` for any ``op`` of ``OPS``: a ring's reduce-scatter or all-gather
+    moves the same share over every link at each step too, so the slower link paces it."""
     _check_hosts(hosts, per_host)
     n = hosts * per_host
     if hosts == 1:
-        return intra.time("allreduce", n, nbytes)
+        return intra.time(op, n, nbytes)
     # Per step each link costs alpha + (its share of S) beta, the same share on both links,
     # so the slowest step is one link's whole: not the larger alpha plus the larger beta.
     return max(
-        collective_time("allreduce", n, nbytes, link.alpha, link.beta, inter.algorithm)
+        collective_time(op, n, nbytes, link.alpha, link.beta, inter.algorithm)
         for link in (inter, intra)
     )
 

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from gradsync.errors import UsageError
-from gradsync.sim.config import CommModel, ComputeModel
+from gradsync.sim.config import CommModel, ComputeModel, Hosts
 from gradsync.sim.model import AlphaBeta
 from gradsync.sim.simulate import Overlap
 
@@ -97,8 +97,11 @@ def link_from_args(args: argparse.Namespace) -> AlphaBeta | None:
 
 def comm_model(args: argparse.Namespace) -> CommModel:
     link = link_from_args(args)
+    ratio = args.compression_ratio
+    hosts = hosts_from_args(args)
     if link is None:
-        return CommModel(comm_ms=0.0 if args.comm_ms is None else args.comm_ms)
+        fixed = 0.0 if args.comm_ms is None else args.comm_ms
+        return CommModel(comm_ms=fixed, ratio=ratio, hosts=hosts)
     if args.comm_ms is not None:
         raise UsageError(
             "--comm-ms is a fixed cost; it cannot be combined with the alpha-beta "
@@ -107,7 +110,46 @@ def comm_model(args: argparse.Namespace) -> CommModel:
         )
     if args.message_mb is None or args.message_mb < 0:
         raise UsageError("the alpha-beta model needs --message-mb (gradient size in MiB, >= 0)")
-    return CommModel(link=link, nbytes=args.message_mb * 2**20)
+    return CommModel(link=link, nbytes=args.message_mb * 2**20, ratio=ratio, hosts=hosts)
+
+
+# The defaults of the path inside a host: ten times the default link between hosts, and a
+# quarter of its latency (shared memory or a PCIe/NVLink hop, against a network round trip).
+INTRA_GBPS, INTRA_ALPHA_US = 100.0, 5.0
+
+
+def hosts_from_args(args: argparse.Namespace) -> Hosts | None:
+    """``--hosts H`` with ``--allreduce`` and the intra-host link; None without ``--hosts``,
+    where the flags that only mean something on hosts are refused rather than ignored."""
+    if args.hosts is None:
+        given = [
+            f
+            for f, v in (
+                ("--intra-gbps", args.intra_gbps),
+                ("--intra-alpha-us", args.intra_alpha_us),
+            )
+            if v is not None
+        ]
+        if args.allreduce == "hierarchical":
+            given.insert(0, "--allreduce hierarchical")
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} describe(s) hosts: give --hosts H too (the --workers are "
+                "spread evenly over H hosts; --link-gbps is then the link between hosts)"
+            )
+        return None
+    gbps = INTRA_GBPS if args.intra_gbps is None else args.intra_gbps
+    if not gbps > 0:
+        raise UsageError(f"--intra-gbps must be > 0, got {gbps}")
+    alpha_us = INTRA_ALPHA_US if args.intra_alpha_us is None else args.intra_alpha_us
+    algorithm = args.algorithm or "ring"
+    intra = AlphaBeta(alpha=alpha_us * 1e-6, beta=8.0 / (gbps * 1e9), algorithm=algorithm)
+    return Hosts(hosts=args.hosts, intra=intra, allreduce=args.allreduce)
+
+
+def layers_from_args(args: argparse.Namespace) -> list[float] | None:
+    """``--layers``: the model's layer sizes, for streaming DiLoCo's fragments."""
+    return None if args.layers is None else parse_floats(args.layers, "--layers")
 
 
 def overlap_from_args(args: argparse.Namespace) -> Overlap:

@@ -13,12 +13,20 @@ steps) does, as a run of fixed duration would.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from gradsync.errors import UsageError
-from gradsync.sim.config import CommModel, Strategy, parse_strategy
+from gradsync.sim.config import (
+    HIERARCHICAL,
+    CommModel,
+    Strategy,
+    parse_strategy,
+    takes_hierarchy,
+)
+from gradsync.sim.streaming import Plan, fragment_shares, timeline
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,22 +126,38 @@ def simulate(
     *,
     overlap: Overlap | None = None,
     comm_steps: np.ndarray | None = None,
+    layers: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate ``strategy`` on a ``(steps, workers)`` compute matrix.
 
     ``comm_steps`` (``(steps,)``, ms), when given, replaces ``comm``'s constant exchange with
-    one exchange time per step, e.g. resampled from a real run's telemetry.
+    one exchange time per step, e.g. resampled from a real run's telemetry. ``layers``: the
+    sizes of the model's layers in module order (``streaming.layer_bytes``), from which
+    streaming DiLoCo's fragments take their shares of the bytes; without them each carries 1/F.
     """
     strat = parse_strategy(strategy) if isinstance(strategy, str) else strategy
     c = np.asarray(compute_ms, dtype=float)
     if c.ndim != 2 or c.size == 0:
         raise UsageError("compute matrix must be (steps, workers) with at least one of each")
+    _check_hosts(strat, comm)
+    if strat.streaming:
+        if comm_steps is not None:
+            raise UsageError(
+                f"per-step comm times are not modelled for {strat.spec}: a step's measured "
+                "exchange is a whole model's, not a fragment's; price it with a comm model"
+            )
+        return _streaming(c, comm, strat, layers)
     if overlap is not None and strat.spec not in OVERLAPPED:
         raise UsageError(
             f"--overlap applies to {' and '.join(OVERLAPPED)} only, not {strat.spec}"
             + (" (its reduce-scatter runs after the backward pass)" if strat.kind == "zero" else "")
         )
     if strat.kind == "zero":
+        if comm.ratio != 1:
+            raise UsageError(
+                f"a compression ratio prices compressed exchanges of bsp, ssp:S, async, local:H "
+                f"and diloco:H[:F[:TAU[:ALPHA]]]; {strat.spec}'s collectives are not compressed"
+            )
         if comm_steps is not None:
             raise UsageError(
                 f"per-step comm times are not modelled for {strat.spec}: its gradient exchange "
@@ -163,6 +187,57 @@ def simulate(
 
 #: Strategies whose gradient exchange overlaps the backward pass under ``--overlap``.
 OVERLAPPED = ("bsp", "zero:1")
+
+
+def _check_hosts(strat: Strategy, comm: CommModel) -> None:
+    """Refuse what ``gradsync run`` refuses on hosts: the hierarchical all-reduce for a strategy
+    that does not exchange through it, and hogwild (one shared copy: one host) on several."""
+    if comm.hosts is None:
+        return
+    if comm.hosts.allreduce == "hierarchical" and not takes_hierarchy(strat):
+        raise UsageError(
+            f"--allreduce hierarchical carries the exchanges of {', '.join(HIERARCHICAL)}; "
+            f"{strat.spec} does not exchange through it. Use --allreduce ring with {strat.spec}"
+        )
+    if strat.kind == "hogwild" and comm.hosts.hosts > 1:
+        raise UsageError(
+            f"hogwild shares one copy of the parameters within one host, not across "
+            f"--hosts {comm.hosts.hosts}; simulate it with --hosts 1 or without --hosts"
+        )
+
+
+def _streaming(
+    c: np.ndarray, comm: CommModel, strat: Strategy, layers: Sequence[float] | None
+) -> SimResult:
+    # Fragment by fragment (gradsync.sim.streaming): an exchange hides behind the TAU steps
+    # after it, and a worker waits at the merge only for what has not finished. The unhidden
+    # comm of a step is what even its slowest worker waited; the rest of a wait is idle.
+    shares = fragment_shares(layers, strat.fragments)
+    plan = Plan(
+        period=int(strat.param),
+        delay=strat.delay,
+        costs=tuple(comm.exchange_ms(c.shape[1], s) for s in shares),
+        merge_replaces=strat.fragments == 1 and strat.alpha == 0,
+    )
+    tl = timeline(c, plan)
+    slowest = tl.end.max(axis=1)
+    unhidden = np.maximum(tl.release - slowest, 0.0)
+    idle = tl.resume - tl.end - unhidden[:, None]
+    wall = float(tl.resume[-1].max())
+    idle[-1] += wall - tl.resume[-1]  # the fast workers' wait for the last one to finish
+    # Staleness: local steps since the last merge of any fragment (t % H for plain DiLoCo).
+    last = np.maximum.accumulate(np.where(tl.merged, np.arange(c.shape[0]), -1))
+    since = np.arange(c.shape[0]) - np.concatenate(([-1], last[:-1])) - 1
+    return SimResult(
+        strategy=strat.spec,
+        compute_ms=c,
+        idle_ms=idle,
+        comm_ms=unhidden,
+        wall_ms=wall,
+        staleness=np.broadcast_to(since[:, None], c.shape).astype(np.int64),
+        done_ms=np.maximum.accumulate(tl.resume.max(axis=1)),
+        period=plan.period,
+    )
 
 
 def zero_comm_ms(stage: int, comm: CommModel, workers: int) -> tuple[str, float, float]:
