@@ -667,7 +667,7 @@ class Synchronizer:
             writer.close(self.timeout_s)
         if self._writer is None:
             self._writer = CheckpointWriter(
-                CheckpointStore(store_dir, keep=keep),
+                CheckpointStore(store_dir, keep=keep, recycle=True),
                 rank=self.rank,
                 world_size=self.world_size,
                 save_id=self._save_id,

@@ -35,15 +35,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
+from gradsync.fault.checkpoint import CheckpointError, CheckpointStore, FileEntry
 from gradsync.fault.packing import BufferPool, Packed
 
 __all__ = ["CheckpointWriter"]
 
-#: how often rank 0's thread looks for its peers' files of a step it has written itself
+#: how often rank 0's thread first looks for its peers' files of a step it has written itself,
+#: doubling up to ``_POLL_MAX_S`` while they are missing: each look reads files, and with a
+#: checkpoint every step a fixed 2 ms poll took more CPU than the writing on a busy machine
 _POLL_S = 0.002
+_POLL_MAX_S = 0.016
 #: at most this long between durable checkpoints (fsynced) among those written in the
 #: background; the kernel writes dirty pages back after about as long (30 s on Linux) anyway
 DURABLE_EVERY_S = 30.0
@@ -54,6 +57,9 @@ class _Commit:
     step: int
     deadline: float
     durable: bool
+    #: the ranks' files found by earlier looks, not read again
+    found: dict[int, FileEntry] = field(default_factory=dict)
+    poll_s: float = _POLL_S
 
 
 class CheckpointWriter:
@@ -189,7 +195,7 @@ class CheckpointWriter:
             with self._cond:
                 while not self._jobs and not self._closing:
                     if self._commits:
-                        self._cond.wait(_POLL_S)
+                        self._cond.wait(self._commits[0].poll_s)
                         break
                     self._cond.wait()
                 if self._closing and not self._jobs:
@@ -239,7 +245,7 @@ class CheckpointWriter:
             now = time.monotonic()
             durable = head.durable or now - self._last_durable >= self.durable_every_s
             done = self.store.try_commit(
-                head.step, self.world_size, save_id=self.save_id, durable=durable
+                head.step, self.world_size, save_id=self.save_id, durable=durable, known=head.found
             )
             if not isinstance(done, list):
                 if durable:
@@ -253,4 +259,5 @@ class CheckpointWriter:
                 with self._cond:
                     self._commits.popleft()
                 raise CheckpointError(self._late(head.step, self.timeout_s))
+            head.poll_s = min(2 * head.poll_s, _POLL_MAX_S)
             return

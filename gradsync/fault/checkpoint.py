@@ -3,7 +3,7 @@
 ::
 
     DIR/step-000120/rank-0.pt        torch.save of rank 0's state
-    DIR/step-000120/rank-0.pt.sum    size and sha256 of rank-0.pt, written by rank 0's save
+    DIR/step-000120/rank-0.pt.sum    size and crc32 of rank-0.pt, written by rank 0's save
     DIR/step-000120/MANIFEST.json    written last, by rank 0's commit: marks the step complete
 
 Protocol (the store does no collectives; the caller decides when every rank has written)::
@@ -40,7 +40,16 @@ from typing import IO, Any
 
 import torch
 
-from gradsync.fault.packing import BufferPool, Packed, is_packed_file, pack, read_packed, unpack
+from gradsync.fault.packing import (
+    BufferPool,
+    Crc32,
+    Packed,
+    is_packed_file,
+    pack,
+    read_packed,
+    unpack,
+)
+from gradsync.fault.recycle import SpareFiles
 
 __all__ = [
     "FORMAT_VERSION",
@@ -76,9 +85,18 @@ class _Invalid(Exception):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FileEntry:
+    """One rank's file as the manifest records it: its checksum is ``crc32`` (files written
+    since gradsync switched to it, see ``packing.Crc32``) or ``sha256`` (files before)."""
+
     name: str
     size: int
-    sha256: str
+    sha256: str = ""
+    crc32: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"name": self.name, "size": self.size}
+        entry.update({k: v for k, v in (("crc32", self.crc32), ("sha256", self.sha256)) if v})
+        return entry
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,9 +132,14 @@ class CheckpointStore:
     most recent call of each (``None`` before the first), for reliability reports.
     """
 
-    def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
+    def __init__(self, directory: str | Path, *, keep: int = 2, recycle: bool = False) -> None:
         self.directory = Path(directory)
         self.keep = _check_int("keep", keep, 1)
+        #: with ``recycle``, pruned checkpoints' files are overwritten by later saves instead
+        #: of deleted and created anew (``fault.recycle``: what a checkpoint every step costs)
+        self.spares = SpareFiles(self.directory) if recycle else None
+        #: whether each step this store committed is durable (``prune`` reads no manifest)
+        self._durable: dict[int, bool] = {}
         self.last_save_seconds: float | None = None
         self.last_save_bytes: int | None = None
         self.last_commit_seconds: float | None = None
@@ -146,7 +169,7 @@ class CheckpointStore:
         durable: bool = True,
     ) -> Path:
         """Write a ``snapshot()`` of this rank's state for ``step``, atomically, with its size
-        and sha256 beside it; ``save_id`` names the save every rank's file belongs to, so a
+        and crc32 beside it; ``save_id`` names the save every rank's file belongs to, so a
         commit never pairs this file with another run's (see ``missing``). ``durable=False``
         skips the fsyncs: the file is as atomic, but may not survive a crash of the machine
         until a durable ``commit`` of its step fsyncs it."""
@@ -156,20 +179,27 @@ class CheckpointStore:
         if _check_int("rank", rank, 0) >= world_size:
             raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
         step_dir = self.step_dir(step)
-        step_dir.mkdir(parents=True, exist_ok=True)
+        spares = self.spares
+        if spares is None or step_dir.exists() or not spares.claim_dir(step_dir):
+            step_dir.mkdir(parents=True, exist_ok=True)
         # A manifest left by an earlier save of this step (the run resumed from an older
         # checkpoint and came back here) would vouch for files that are about to be replaced.
         (step_dir / MANIFEST).unlink(missing_ok=True)
         target = step_dir / _rank_file(rank)
         written: list[tuple[int, str]] = []
-        _atomic_write(target, lambda f: written.append(packed.write_to(f)), sync=durable)
+        _atomic_write(
+            target, lambda f: written.append(packed.write_to(f)), sync=durable, spares=spares
+        )
         size, digest = written[0]
-        meta = {"size": size, "sha256": digest, "save_id": save_id}
+        meta = {"size": size, "crc32": digest, "save_id": save_id, "step": step}
         summary = json.dumps(meta).encode()
         # No fsync of its own: commit copies it into the manifest, which is fsynced; the rank
         # file's rename is made durable by the directory's fsync.
         _atomic_write(
-            target.with_name(target.name + ".sum"), lambda f: f.write(summary), sync=False
+            target.with_name(target.name + ".sum"),
+            lambda f: f.write(summary),
+            sync=False,
+            spares=spares,
         )
         if durable:
             _fsync_dir(step_dir)
@@ -189,7 +219,7 @@ class CheckpointStore:
             except (OSError, ValueError):
                 absent.append(rank)
                 continue
-            if meta.get("save_id", "") != save_id:
+            if meta.get("save_id", "") != save_id or meta.get("step", step) != step:
                 absent.append(rank)
         return absent
 
@@ -236,14 +266,17 @@ class CheckpointStore:
         prune: bool = True,
         save_id: str = "",
         durable: bool = True,
+        known: dict[int, FileEntry] | None = None,
     ) -> CheckpointInfo | list[int]:
         """``commit``, or the ranks whose file of ``save_id`` is missing (nothing written):
-        what a committer polling for its peers' files calls, reading each ``.sum`` once."""
+        what a committer polling for its peers' files calls, reading each ``.sum`` once.
+        ``known`` carries the files found by earlier calls for the same step, which are not
+        read again (and gains those found now)."""
         start = time.perf_counter()
         _check_int("step", step, 0)
         _check_int("world_size", world_size, 1)
         step_dir = self.step_dir(step)
-        files = self._written_files(step_dir, world_size, save_id)
+        files = self._written_files(step_dir, step, world_size, save_id, known)
         if isinstance(files, list):
             return files
         # Leftovers from an earlier, larger world or a crashed write would sit next to the
@@ -264,13 +297,12 @@ class CheckpointStore:
             "created": created,
             "save_id": save_id,
             "durable": durable,
-            "files": {
-                str(r): {"name": e.name, "size": e.size, "sha256": e.sha256}
-                for r, e in files.items()
-            },
+            "files": {str(r): e.as_json() for r, e in files.items()},
         }
-        data = (json.dumps(manifest, indent=2) + "\n").encode()
+        # Compact: the pretty-printing encoder is pure Python, written once per step.
+        data = (json.dumps(manifest, separators=(",", ":")) + "\n").encode()
         _atomic_write(step_dir / MANIFEST, lambda f: f.write(data), sync=durable)
+        self._durable[step] = durable
         if durable:
             _fsync_dir(step_dir)
             _fsync_dir(self.directory)
@@ -287,12 +319,20 @@ class CheckpointStore:
         )
 
     def _written_files(
-        self, step_dir: Path, world_size: int, save_id: str
+        self,
+        step_dir: Path,
+        step: int,
+        world_size: int,
+        save_id: str,
+        known: dict[int, FileEntry] | None = None,
     ) -> dict[int, FileEntry] | list[int]:
-        """Each rank's file of ``save_id`` as its ``.sum`` describes it, or the ranks missing."""
-        files: dict[int, FileEntry] = {}
+        """Each rank's file of ``save_id`` as its ``.sum`` describes it, or the ranks missing;
+        the ranks in ``known`` are taken from it, and those found are added to it."""
+        files: dict[int, FileEntry] = known if known is not None else {}
         missing = []
         for rank in range(world_size):
+            if rank in files:
+                continue
             path = step_dir / _rank_file(rank)
             try:
                 meta = json.loads((step_dir / (path.name + ".sum")).read_bytes())
@@ -300,7 +340,11 @@ class CheckpointStore:
             except (OSError, ValueError):
                 missing.append(rank)
                 continue
-            if not isinstance(meta, dict) or meta.get("save_id", "") != save_id:
+            if (
+                not isinstance(meta, dict)
+                or meta.get("save_id", "") != save_id
+                or meta.get("step", step) != step  # a recycled or stray file of another step
+            ):
                 missing.append(rank)
                 continue
             if actual != meta["size"]:
@@ -308,7 +352,12 @@ class CheckpointStore:
                     f"cannot commit step {step_dir.name}: {path} is {actual} bytes but its save "
                     f"wrote {meta['size']}"
                 )
-            files[rank] = FileEntry(name=path.name, size=actual, sha256=meta["sha256"])
+            files[rank] = FileEntry(
+                name=path.name,
+                size=actual,
+                crc32=str(meta.get("crc32", "")),
+                sha256=str(meta.get("sha256", "")),
+            )
         return missing if missing else files
 
     def prune(self, *, newest: int | None = None) -> list[Path]:
@@ -328,14 +377,19 @@ class CheckpointStore:
         kept = set(complete[: self.keep])
         by_step = dict(dirs)
         for step in complete:  # newest first: the newest durable one stays too
-            if _is_durable(by_step[step]):
+            durable = self._durable.get(step)
+            if durable if durable is not None else _is_durable(by_step[step]):
                 kept.add(step)
                 break
         oldest_kept = min(kept)
         removed = []
         for step, path in dirs:
             if step < oldest_kept or (step in complete and step not in kept):
-                shutil.rmtree(path, ignore_errors=True)
+                self._durable.pop(step, None)
+                if self.spares is not None:
+                    self.spares.keep(path, MANIFEST)
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
         return removed
 
@@ -511,9 +565,16 @@ def _read_manifest(path: Path, step: int) -> CheckpointInfo:
             raise _Invalid(f"{MANIFEST} says step {data['step']} but the directory is {path.name}")
         world_size = int(data["world_size"])
         files = {
-            int(r): FileEntry(name=str(e["name"]), size=int(e["size"]), sha256=str(e["sha256"]))
+            int(r): FileEntry(
+                name=str(e["name"]),
+                size=int(e["size"]),
+                crc32=str(e.get("crc32", "")),
+                sha256=str(e.get("sha256", "")),
+            )
             for r, e in data["files"].items()
         }
+        if any(not (e.crc32 or e.sha256) for e in files.values()):
+            raise _Invalid(f"{MANIFEST} gives a file no checksum (crc32 or sha256)")
         created = float(data.get("created", 0.0))
         durable = bool(data.get("durable", True))  # manifests before the flag were all fsynced
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -545,12 +606,13 @@ def _check_entry(path: Path, entry: FileEntry, *, checksums: bool) -> None:
         raise _Invalid(
             f"{entry.name} is truncated or damaged: {size} bytes, the manifest says {entry.size}"
         )
-    if checksums and _hash_file(path)[1] != entry.sha256:
-        raise _Invalid(f"{entry.name} is corrupted: its sha256 does not match the manifest")
+    algorithm, expected = ("crc32", entry.crc32) if entry.crc32 else ("sha256", entry.sha256)
+    if checksums and _hash_file(path, algorithm)[1] != expected:
+        raise _Invalid(f"{entry.name} is corrupted: its {algorithm} does not match the manifest")
 
 
-def _hash_file(path: Path) -> tuple[int, str]:
-    h = hashlib.sha256()
+def _hash_file(path: Path, algorithm: str = "crc32") -> tuple[int, str]:
+    h: Crc32 | Any = Crc32() if algorithm == "crc32" else hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -559,13 +621,24 @@ def _hash_file(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, sync: bool = True) -> None:
+def _atomic_write(
+    path: Path,
+    write: Callable[[IO[bytes]], object],
+    *,
+    sync: bool = True,
+    spares: SpareFiles | None = None,
+) -> None:
     """Write through a temporary name in the same directory, fsync (unless ``sync=False``), then
-    rename over ``path``: a reader sees the old file or the whole new one, never a part."""
+    rename over ``path``: a reader sees the old file or the whole new one, never a part. With
+    ``spares``, the temporary file is the file at ``path`` when there is one (a recycled
+    directory's), overwritten in place and cut to what was written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}")
+    reused = spares is not None and spares.claim(path, tmp)
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "r+b" if reused else "wb") as f:
             write(f)
+            if reused:
+                f.truncate()  # at the position written to: the old file's tail goes
             f.flush()
             if sync:
                 os.fsync(f.fileno())

@@ -60,7 +60,7 @@ def join(shares: Sequence[Any], owner: Sequence[int]) -> Any:
     is taken from its owner's share, the containers and other values from rank 0's."""
     if not shares:
         raise ValueError("no shares to join")
-    by_rank = [list(_tensors(s)) for s in shares]
+    by_rank = [_tensors(s) for s in shares]
     for r, tensors in enumerate(by_rank):
         if len(tensors) != len(owner):
             raise ValueError(
@@ -71,18 +71,26 @@ def join(shares: Sequence[Any], owner: Sequence[int]) -> Any:
     return _map_tensors(shares[0], lambda i, _: by_rank[owner[i]][i], len(owner))
 
 
-def _tensors(tree: Any) -> Any:
+def _tensors(tree: Any) -> list[torch.Tensor]:
     """Every tensor of ``tree`` in a fixed order (dicts in insertion order, then sequences)."""
+    found: list[torch.Tensor] = []
+    _collect(tree, found)
+    return found
+
+
+def _collect(node: Any, found: list[torch.Tensor]) -> None:
+    # Appending to one list, not chained generators: ``owners`` walks the model and optimizer
+    # state at every checkpoint, which may be every step.
     # The container types ``_map_tensors`` rebuilds, exactly (``pack`` refuses subclasses).
-    kind = type(tree)
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif kind is dict or kind is OrderedDict:
-        for value in tree.values():
-            yield from _tensors(value)
+    kind = type(node)
+    if kind is dict or kind is OrderedDict:
+        for value in node.values():
+            _collect(value, found)
     elif kind is list or kind is tuple:
-        for value in tree:
-            yield from _tensors(value)
+        for value in node:
+            _collect(value, found)
+    elif isinstance(node, torch.Tensor):
+        found.append(node)
 
 
 def _map_tensors(tree: Any, fn: Callable[[int, torch.Tensor], Any], expected: int) -> Any:
