@@ -1,0 +1,398 @@
+"""Issue 16, "the low-bandwidth frontier", measured on the emulated cluster: how much sooner
+than torch DDP the periodic strategies with sparse or low-bit exchanges reach DDP's final loss,
+their loss at equal steps, the bytes they send, and streaming DiLoCo's peak bytes per sync.
+
+Needs root and iproute2 (exit 2 without, as the other cluster benchmarks). Built on
+``benchmarks/cluster.py`` (its part 1: hosts, launches, targets, compute-only limit): each
+setting (workload, hosts, link) is one emulated cluster; each repeat is one launch running DDP,
+compute-only and every candidate in turn (order rotated by repeat), so every ratio is taken
+within a launch and then the median over repeats is shown. The workers are
+``benchmarks.cluster_worker``'s, run through this module (``--worker``) only to add each gradsync
+run's bytes per step from its report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster import (
+    FINAL_SLACK,
+    MA,
+    Config,
+    ma_at,
+    samples_per_s,
+    say,
+    time_to_target,
+    worker_env,
+    worker_output_to,
+)
+from benchmarks.harness import ROTATE, Harness, machine, median, order, table
+from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing
+
+PREFIX = "gsf-"
+APPROX_FACTOR = 2  # candidates run this many times DDP's steps (a multiple of every period)
+
+DDP = Config("ddp", "torch DDP (baseline)", "ddp")
+ONLY = Config("compute-only", "compute-only (limit, no communication)", "compute-only")
+LOCAL4 = Config("local4", "`local:4` (previous best)", "gradsync", "strategy=local:4", False)
+
+
+def _c(key: str, strategy: str, compress: str = "") -> Config:
+    label = f"`{strategy}`" + (f" + {compress}" if compress else "")
+    fields = f"strategy={strategy}" + (f",compress={compress}" if compress else "")
+    return Config(key, label, "gradsync", fields, False)
+
+
+L8S = _c("local8-sl", "local:8", "sparseloco")
+# Plain and streaming DiLoCo with the same compression: the peak-bytes pair.
+MLP_PLAIN = _c("diloco8-sl", "diloco:8", "sparseloco")
+MLP_STREAM = _c("sdiloco8-3-sl", "diloco:8:3:1", "sparseloco")
+LM_PLAIN = _c("diloco8-int4", "diloco:8", "int4")
+LM_STREAM = _c("sdiloco8-4-int4", "diloco:8:4:1", "int4")
+# (plain, streaming, F) per workload
+PAIRS = {"mlp": (MLP_PLAIN, MLP_STREAM, 3), "charlm": (LM_PLAIN, LM_STREAM, 4)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    workload: str
+    hosts: int
+    link: str
+    configs: tuple[Config, ...]
+    params: int = 3_000_000  # mlp only
+    batch: int = 64
+    steps: int = 64
+    goal: float | None = None  # x sooner to DDP's final loss; None: report only
+    goal_of_limit: float | None = None  # or: this fraction of the compute-only limit
+
+    def args(self) -> list[str]:
+        wl = ["--workload", self.workload, "--global-batch", str(self.batch)]
+        return wl + (["--params", str(self.params)] if self.workload == "mlp" else [])
+
+    def what(self) -> str:
+        wl = (
+            f"mlp, {self.params / 1e6:g}M parameters"
+            if self.workload == "mlp"
+            else "charlm (default size)"
+        )
+        return f"{wl}, global batch {self.batch}, {self.hosts} hosts, {self.link} links"
+
+
+# Picked by a 1-repeat probe of a wider set, whose dropped members never reached DDP's final
+# loss in 2N steps: local:16 + sparseloco (mlp 2 and 4 hosts, 100 Mbit/s: +48% to +113% loss at
+# step N; charlm +13%) and diloco:8:4:1 + sparseloco on charlm (+13%).
+MLP = (DDP, LOCAL4, L8S, MLP_PLAIN, MLP_STREAM, ONLY)
+MLP_SHORT = (DDP, LOCAL4, L8S, MLP_STREAM, ONLY)
+SETTINGS = (
+    Setting("mlp2", "mlp", 2, "1gbit", MLP, goal=5.0),
+    Setting("mlp4", "mlp", 4, "1gbit", MLP_SHORT, goal=4.0),
+    Setting(
+        "charlm2",
+        "charlm",
+        2,
+        "1gbit",
+        (DDP, LOCAL4, L8S, LM_PLAIN, LM_STREAM, ONLY),
+        batch=32,
+        steps=128,
+        goal_of_limit=0.9,
+    ),
+    # 1M parameters: at a tenth of the bandwidth, DDP's 64 steps of the 3M model alone take a
+    # minute; 4 MB per exchange at 100 Mbit/s is like 40 MB at 1 Gbit/s.
+    Setting("mlp2-100m", "mlp", 2, "100mbit", MLP_SHORT, params=1_000_000),
+)
+QUICK = {"mlp2": {"params": 1_000_000, "steps": 16}, "charlm2": {"steps": 32}}
+
+
+# Worker side: cluster_worker, plus each gradsync run's bytes per step -------------------------
+
+
+def worker(argv: Sequence[str]) -> int:
+    """``benchmarks.cluster_worker``'s main, with each gradsync run's per-step bytes (this
+    rank's, from its report's records) added to the run's result."""
+    from benchmarks import cluster_worker as cw
+
+    got: dict[str, list[int]] = {}
+    make, train = cw.make_trainer, cw.train_one
+
+    def make_trainer(args: Any, spec: Any) -> Any:
+        trainer = make(args, spec)
+        if trainer.sync is not None:
+            report = trainer.sync.report
+
+            def counted() -> Any:
+                rep = report()
+                rank = min(r.rank for r in rep.records) if rep.records else 0
+                mine = sorted((r.step, r.bytes) for r in rep.records if r.rank == rank)
+                got[spec.name] = [b for _, b in mine]
+                return rep
+
+            trainer.sync.report = counted
+        return trainer
+
+    def train_one(args: Any, spec: Any, seen: dict[str, Any]) -> dict[str, Any]:
+        res = train(args, spec, seen)
+        res["step_bytes"] = got.pop(spec.name, None)
+        return res
+
+    cw.make_trainer, cw.train_one = make_trainer, train_one
+    return cw.main(list(argv))
+
+
+# Driver ------------------------------------------------------------------------------------------
+
+
+def launch(cluster: Cluster, args: list[str], out: Path, what: str) -> dict[str, Any]:
+    """One launch of ``worker`` on every host (cluster.py's ``launch``, this module's worker)."""
+    for stale in out.parent.glob(out.name + "*"):
+        stale.unlink()
+    t0 = time.monotonic()
+    cmd = ["benchmarks.frontier", "--worker", *args, "--out", str(out)]
+    rc = launch_on_cluster(cluster, cmd, env=worker_env(), timeout_s=900)
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"launch failed (rc {rc}) after {time.monotonic() - t0:.0f}s: {args}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    say(f"  {what}: {time.monotonic() - t0:.0f}s")
+    return result
+
+
+def measure(s: Setting, repeats: int, workdir: Path) -> list[dict[str, Any]]:
+    """Per repeat, the runs by key."""
+    reps = []
+    with Cluster(hosts=s.hosts, link=s.link, prefix=PREFIX) as cluster:
+        for rep in range(repeats):
+            runs = [
+                "--config=" + c.run_arg(s.steps if c.exact else APPROX_FACTOR * s.steps)
+                for c in order(s.configs, rep, ROTATE)
+            ]
+            out = workdir / f"{s.key}-{rep}.json"
+            res = launch(cluster, [*s.args(), *runs], out, f"{s.key}, repeat {rep + 1}/{repeats}")
+            reps.append({r["name"]: r for r in res["runs"]})
+    return reps
+
+
+def one_repeat(s: Setting, runs: dict[str, Any]) -> dict[str, Any]:
+    """Every figure of one repeat, by configuration key; ratios against this launch's DDP."""
+    ddp, n = runs["ddp"], s.steps
+    target = ma_at(ddp["loss"], n - 1) * (1 + FINAL_SLACK)
+    hit = time_to_target(ddp, target)
+    assert hit is not None  # DDP's own final MA is below the target
+    ddp_sps = samples_per_s(ddp, s.batch)
+    out: dict[str, Any] = {}
+    for c in s.configs:
+        r = runs[c.key]
+        sps = samples_per_s(r, s.batch)
+        row: dict[str, Any] = {"vs_ddp_sps": sps / ddp_sps}
+        if c.mode == "compute-only":
+            out[c.key] = row
+            continue
+        mine = time_to_target(r, target)
+        row["sooner"] = hit[0] / mine[0] if mine else None
+        row["step"] = mine[1] if mine else None
+        row["loss_gap"] = ma_at(r["loss"], n - 1) / ma_at(ddp["loss"], n - 1) - 1
+        per_step = r.get("step_bytes") or [r["grad_bytes"]] * len(r["loss"])  # DDP: gradient
+        row["mb_n"] = sum(per_step[:n]) / 1e6
+        row["mb_hit"] = sum(per_step[: mine[1] + 1]) / 1e6 if mine else None
+        row["peak_mb"] = max(per_step) / 1e6
+        row["measured_bytes"] = r.get("step_bytes") is not None
+        out[c.key] = row
+    out["target"] = target
+    return out
+
+
+def summarize(s: Setting, reps: list[dict[str, Any]]) -> dict[str, Any]:
+    per = [one_repeat(s, runs) for runs in reps]
+    rows: dict[str, Any] = {}
+    for c in s.configs:
+        got = [p[c.key] for p in per]
+        row = {k: median(g.get(k) for g in got) for k in got[0] if k != "measured_bytes"}
+        row["reached"] = sum(g.get("sooner") is not None for g in got)
+        row["per_repeat"] = [g.get("sooner") for g in got]
+        row["measured_bytes"] = got[0].get("measured_bytes", False)
+        rows[c.key] = row
+    return {"rows": rows, "repeats": len(per), "target": median(p["target"] for p in per)}
+
+
+def _f(x: float | None, spec: str, unit: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{unit}"
+
+
+def render_setting(s: Setting, summ: dict[str, Any]) -> str:
+    rows, n = summ["rows"], s.steps
+    limit = rows["compute-only"]["vs_ddp_sps"]
+    out = []
+    for c in s.configs:
+        r = rows[c.key]
+        if c.mode == "compute-only":
+            cells = [f"{limit:.2f}x (limit)", "-", "-", "-", "-"]
+        else:
+            k = summ["repeats"]
+            note = "" if r["reached"] in (0, k) else f" ({r['reached']}/{k} repeats)"
+            sooner = (
+                f"not reached in {APPROX_FACTOR * n} steps"
+                if r["sooner"] is None
+                else f"{r['sooner']:.2f}x (step {r['step']:.0f}){note}"
+            )
+            mb = _f(r["mb_n"], ".3f") + ("" if r["measured_bytes"] else " (gradient x steps)")
+            cells = [
+                sooner,
+                _f(r["loss_gap"], "+.1%"),
+                mb,
+                _f(r["mb_hit"], ".3f"),
+                _f(r["peak_mb"], ".3f"),
+            ]
+        steps = n if c.exact else APPROX_FACTOR * n
+        out.append([c.label, str(steps), f"{r['vs_ddp_sps']:.2f}x", *cells])
+    head = (
+        "configuration | steps run | samples/s vs DDP | x sooner to DDP's final loss | "
+        f"loss at step {n} vs DDP | MB per rank in {n} steps | MB per rank to DDP's loss | "
+        "peak MB per sync"
+    )
+    text = f"**{s.what()}** (target {summ['target']:.4f})\n\n{table(head, out)}\n"
+    pair = PAIRS.get(s.workload)
+    if pair and pair[0].key in rows and pair[1].key in rows:
+        plain, stream = rows[pair[0].key]["peak_mb"], rows[pair[1].key]["peak_mb"]
+        text += (
+            f"\nPeak bytes per sync: {pair[1].label} {stream:.3f} MB, {stream / plain:.2f} of "
+            f"{pair[0].label}'s {plain:.3f} MB (1/F = {1 / pair[2]:.2f}).\n"
+        )
+    return text
+
+
+def goals(done: dict[str, tuple[Setting, dict[str, Any]]]) -> list[str]:
+    lines = []
+    for s, summ in done.values():
+        rows = summ["rows"]
+        limit = rows["compute-only"]["vs_ddp_sps"]
+        cands = [c for c in s.configs if c.mode == "gradsync" and rows[c.key]["sooner"]]
+        best = max(cands, key=lambda c: rows[c.key]["sooner"], default=None)
+        if best is None:
+            lines.append(f"- {s.what()}: no gradsync configuration reached DDP's final loss")
+            continue
+        x = rows[best.key]["sooner"]
+        found = f"best {best.label}, {x:.2f}x sooner (compute-only limit {limit:.2f}x)"
+        if s.goal is not None:
+            verdict = "met" if x >= s.goal else "not met"
+            lines.append(f"- {s.what()}: goal >= {s.goal:g}x: {found}: **{verdict}**")
+        elif s.goal_of_limit is not None:
+            frac = x / limit
+            verdict = "met" if frac >= s.goal_of_limit else "not met"
+            lines.append(
+                f"- {s.what()}: goal within {1 - s.goal_of_limit:.0%} of the compute-only limit:"
+                f" {found}, {frac:.0%} of it: **{verdict}**"
+            )
+        else:
+            lines.append(f"- {s.what()} (report only): {found}")
+        pair = PAIRS.get(s.workload)
+        for c in s.configs:
+            if c.mode != "gradsync" or "diloco:" not in c.fields or c.fields.count(":") < 3:
+                continue  # not streaming: diloco:H:F...
+            gap = rows[c.key]["loss_gap"]
+            line = (
+                f"  - streaming {c.label}: loss at step {s.steps} {gap:+.1%} vs DDP (goal within "
+                f"2%: **{'met' if abs(gap) <= 0.02 else 'not met'}**)"
+            )
+            if pair and c.key == pair[1].key and pair[0].key in rows:
+                ratio = rows[c.key]["peak_mb"] / rows[pair[0].key]["peak_mb"]
+                met = "met" if ratio <= 1.05 / pair[2] else "not met"
+                line += (
+                    f"; peak bytes per sync {ratio:.2f} of {pair[0].label}'s "
+                    f"(goal 1/F = {1 / pair[2]:.2f}: **{met}**)"
+                )
+            lines.append(line)
+    return lines
+
+
+def render(
+    settings: list[Setting], done: dict[str, Any], failed: dict[str, str], repeats: int,
+    minutes: float, command: str, quick: bool,
+) -> str:  # fmt: skip
+    parts = [render_setting(*done[s.key]) for s in settings if s.key in done]
+    parts += [f"**{s.what()}**: failed: {failed[s.key]}\n" for s in settings if s.key in failed]
+    smoke = " (a smoke run: small sizes, not a measurement)" if quick else ""
+    return "\n".join(
+        [
+            "## The low-bandwidth frontier on the emulated cluster (issue 16)",
+            "",
+            f"Command (as root): `{command}`{smoke}. Machine: {machine()}. Whole run: "
+            f"{minutes:.1f} min. {repeats} repeat(s), medians of per-repeat ratios.",
+            "",
+            "Emulated hosts as in the cluster section (network namespaces, veth links limited by "
+            "tc tbf, 1 rank per host, gloo, 1 thread per rank; the workload's own optimizer). "
+            "Each repeat of a setting is one launch that runs DDP, compute-only and every "
+            "candidate in turn, order rotated by repeat; every ratio is against that launch's "
+            f"DDP. DDP and compute-only run N steps, the candidates {APPROX_FACTOR} N. "
+            f"**x sooner**: DDP's seconds to its own final loss (its {MA}-step moving average at "
+            f"step N, +{FINAL_SLACK:.0%}) over the candidate's seconds to the same loss, from "
+            "the start of step 0; the step it got there. **Limit**: compute-only's samples/s "
+            "over DDP's (after 5 warm-up steps), the most any scheme that needs DDP's number of "
+            "steps can gain. **Loss at step N**: the candidate's moving average at step N "
+            "over DDP's, minus 1. **MB per rank**: bytes each rank handed to exchanges, from "
+            "the run's own records (for DDP: the gradient's size per step); peak: the most in "
+            "one step's exchange (for streaming DiLoCo: one fragment's).",
+            "",
+            *parts,
+            "Goals of issue 16:",
+            "",
+            *goals(done),
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    h = Harness("benchmarks.frontier", __doc__, repeats=1, python=".venv/bin/python")
+    keys = ",".join(s.key for s in SETTINGS)
+    h.parser.add_argument("--settings", default=keys, help="which settings (default %(default)s)")
+    h.parser.add_argument("--workdir", default=None, help="keep worker JSON and logs here")
+    args = h.parse(argv)
+    missing = requirements_missing()
+    if missing:
+        print(f"benchmarks.frontier: {missing}", file=sys.stderr)
+        return 2
+    by_key = {s.key: s for s in SETTINGS}
+    wanted = [k.strip() for k in args.settings.split(",") if k.strip()]
+    if not wanted or set(wanted) - set(by_key):
+        h.error(f"--settings takes a comma-separated subset of {keys}")
+    settings = [by_key[k] for k in wanted]
+    if args.quick:
+        from dataclasses import replace
+
+        settings = [replace(by_key[k], **QUICK[k]) for k in QUICK if k in wanted]
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gradsync-frontier-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "workers.log"
+    say(f"benchmarks.frontier: worker output in {log}")
+    started = time.monotonic()
+    done: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    raw: dict[str, Any] = {}
+    with worker_output_to(log):
+        for s in settings:
+            try:
+                reps = measure(s, args.repeats, workdir)
+                summ = summarize(s, reps)
+                done[s.key] = (s, summ)
+                raw[s.key] = summ
+            except Exception as exc:  # noqa: BLE001 - report it, measure the other settings
+                say(f"  {s.key} failed: {exc}")
+                failed[s.key] = f"{type(exc).__name__}: {exc} (workers' output: {log})"
+    minutes = (time.monotonic() - started) / 60
+    (workdir / "summary.json").write_text(json.dumps(raw, indent=1, default=str))
+    text = render(settings, done, failed, args.repeats, minutes, h.command(), args.quick)
+    skip = "a setting failed" if failed else ("a smoke run (--quick)" if args.quick else None)
+    h.finish(text, skip)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
