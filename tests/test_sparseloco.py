@@ -20,9 +20,12 @@ from gradsync.compression import FlatBucket, error_feedback, parse_compression
 from gradsync.compression._wire import pack, unpack
 from gradsync.compression.sparseloco import (
     SparseLoCoCodec,
+    _select,
+    _torch_select,
     chunk_top_k,
     index_bits,
     kept,
+    levels,
     pack_uint,
     sparseloco,
     unpack_uint,
@@ -81,6 +84,14 @@ def test_round_trip_keeps_exactly_the_top_k_of_every_chunk(
         assert sent.numel() == k  # exactly k per chunk (no exact zeros in this input)
         assert torch.equal(sent, xs.abs().topk(k).indices.sort().values)
         assert torch.equal(got[sent].sign(), xs[sent].sign())
+    # On the wire a chunk's records come in ascending position order.
+    records = unpack_uint(pieces[1], index_bits(chunk) + 2, encoder.total)
+    columns = records & (2 ** index_bits(chunk) - 1)
+    first = 0
+    for part in chunks(n, chunk):
+        k = kept(density, part.stop - part.start)
+        assert bool((columns[first : first + k].diff() > 0).all())
+        first += k
 
 
 @pytest.mark.unit
@@ -128,34 +139,124 @@ def test_bytes_are_the_levels_and_the_packed_records() -> None:
     )
 
 
+def packed_bit_by_bit(values: list[int], width: int) -> bytes:
+    """The wire format spelled out: each value's bits, lowest first, back to back, bit i of
+    the stream in byte i // 8 at bit i % 8."""
+    stream = [(v >> b) & 1 for v in values for b in range(width)]
+    stream += [0] * (-len(stream) % 8)
+    return bytes(
+        sum(bit << i for i, bit in enumerate(stream[j : j + 8])) for j in range(0, len(stream), 8)
+    )
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("width", [1, 2, 7, 12, 14, 18, 25])
-def test_records_pack_back_to_back_and_unpack(width: int) -> None:
+@pytest.mark.parametrize("width", [1, 2, 7, 12, 13, 14, 18, 25])
+@pytest.mark.parametrize("count", [1001, 1000, 5])
+def test_records_pack_back_to_back_and_unpack(width: int, count: int) -> None:
     gen = torch.Generator().manual_seed(width)
-    values = torch.randint(0, 2**width, (1001,), generator=gen)
+    values = torch.randint(0, 2**width, (count,), generator=gen)
     values[:2] = torch.tensor([0, 2**width - 1])
     packed = pack_uint(values, width)
-    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(1001 * width / 8)
-    assert torch.equal(unpack_uint(packed, width, 1001), values)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(count * width / 8)
+    assert bytes(packed.tolist()) == packed_bit_by_bit(values.tolist(), width)
+    assert torch.equal(unpack_uint(packed, width, count), values)
+
+
+@pytest.mark.unit
+def test_levels_mask_bits_as_torch_where_would_bit_for_bit() -> None:
+    magnitudes = gradient(40 * 82, seed=4).abs().view(40, 82)
+    magnitudes[3] = 0  # every magnitude at the mean: all high, low level 0
+    magnitudes[5, :40] = 0
+    lv, high = levels(magnitudes)
+    expected_high = magnitudes >= magnitudes.mean(dim=1, keepdim=True)
+    s_high = torch.where(expected_high, magnitudes, 0.0).sum(dim=1)
+    s_low = torch.where(expected_high, 0.0, magnitudes).sum(dim=1)
+    n_high = expected_high.sum(dim=1)
+    assert torch.equal(high, expected_high)
+    assert torch.equal(lv[:, 1], s_high / n_high.clamp(min=1))
+    assert torch.equal(lv[:, 0], s_low / (82 - n_high).clamp(min=1))
+
+
+@pytest.mark.unit
+def test_consecutive_encodes_and_decodes_are_independent() -> None:
+    # The encode reads its input through numpy views and hands back tensors made from numpy
+    # arrays: a second encode, or a change to the input, must not reach the first's pieces.
+    n, density, chunk = 50_000, 0.02, 4096
+    codec = SparseLoCoCodec(n, density, chunk, torch.float32)
+    first, second = gradient(n, seed=21), gradient(n, seed=22)
+    fresh = SparseLoCoCodec(n, density, chunk, torch.float32)
+    expected_first = [p.clone() for p in fresh.encode(first.clone(), 0)]
+    expected_second = [p.clone() for p in fresh.encode(second.clone(), 0)]
+    pieces_first = codec.encode(first, 0)
+    pieces_second = codec.encode(second, 0)
+    first.mul_(-3)  # as the hook takes what was sent out of its accumulator
+    got = pieces_first + pieces_second
+    expected = expected_first + expected_second
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert not torch.equal(pieces_first[1], pieces_second[1])
+    out_first = codec.decode(pieces_first, 0)
+    out_second = codec.decode(pieces_second, 0)
+    assert torch.equal(out_first, fresh.decode(expected_first, 0))
+    out_first.zero_()
+    assert torch.equal(out_second, fresh.decode(expected_second, 0))
+
+
+def stable_top_k(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The CPU selection's rule, spelled out: the k largest magnitudes of each row, ties at the
+    k-th to the lowest columns, columns ascending."""
+    order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices
+    return order[:, :k].sort(dim=1).values
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("width", [4096, 3000, 1024])
 def test_chunk_selection_handles_zeros_ties_and_structure(width: int) -> None:
-    # Rows the sample misjudges go through torch.topk: all zeros (every position a candidate),
-    # many ties, a row of tiny values, one strided column of large ones.
+    # Rows that stress the selection: all zeros (every position a candidate: partitioned
+    # whole), half tied at 0.5, tiny values, one strided column of large ones, a strided run
+    # of equal values that the k-th magnitude cuts through (ties to the lowest columns).
     x = torch.randn(40, width, generator=torch.Generator().manual_seed(0))
     x[3] = 0
     x[7, : width // 2] = 0.5
     x[9] *= 1e-30
     x[11, ::7] = 1e3
+    x[13] = 0
+    x[13, 5::9] = -2.0
+    x[13, 100] = 3.0
     for k in (1, 20, 82, 120):
         cols = chunk_top_k(x, k)
         assert cols.shape == (40, k)
-        for r in range(40):
-            assert cols[r].unique().numel() == k
-            kth = x[r].abs().topk(k).values[-1]
-            assert bool((x[r].abs()[cols[r]] >= kth).all()), (width, k, r)
+        assert torch.equal(cols, stable_top_k(x, k)), (width, k)
+        assert torch.equal(cols[3], torch.arange(k))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("width", "k"), [(4096, 82), (1024, 31), (3000, 30), (64, 7), (195, 4), (12, 5)]
+)
+def test_the_cpu_selection_is_torch_topks_set_with_ties_to_the_lowest_columns(
+    dtype: torch.dtype, width: int, k: int
+) -> None:
+    # _torch_select runs off the CPU; on the CPU numpy selects, on the floats' bits (groups of
+    # 16, 8 or 4 elements give the threshold, or at width 12 the k-th magnitude itself).
+    rows = gradient(9 * width, seed=width, dtype=torch.float64).view(9, width).to(dtype)
+    rows[4] = rows[4].abs()  # one row of one sign: magnitudes compare as bits
+    rows[5, ::3] = 0  # many zeros below the top k
+    rows[6] = -0.25  # all tied: the first k columns
+    cols, values = _select(rows, k)
+    assert cols.dtype == torch.int64 and values.dtype == dtype
+    assert torch.equal(cols, stable_top_k(rows, k))
+    assert torch.equal(values, rows.gather(1, cols))
+    torch_cols, torch_values = _torch_select(rows, k)
+    assert torch.equal(torch_values, rows.gather(1, torch_cols))
+    assert torch.equal(torch_cols.diff(dim=1) > 0, torch.ones(9, k - 1, dtype=torch.bool))
+    kth = rows.abs().topk(k, dim=1).values[:, -1:]
+    # the same set up to ties: both above the k-th magnitude, or at it
+    assert bool((rows.abs().gather(1, torch_cols) >= kth).all())
+    assert torch.equal(cols[6], torch.arange(k))
+    if dtype in (torch.float64, torch.float32):  # no ties at the k-th but in row 6
+        untied = [r for r in range(9) if r != 6]
+        assert torch.equal(cols[untied], torch_cols[untied])
 
 
 # -- the accumulator, on one rank --------------------------------------------------------------
