@@ -107,3 +107,101 @@ def test_shares_of_another_model_are_refused() -> None:
         pack(replicas.share(other, 0, [0, 1, 0]))
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         replicas.owners(state, 0)
+
+
+def _file_bytes(packed: object) -> bytes:
+    import io
+
+    f = io.BytesIO()
+    packed.write_to(f)  # type: ignore[attr-defined]
+    return f.getvalue()
+
+
+def _read(data: bytes) -> object:
+    from gradsync.fault.packing import read_packed
+
+    return unpack(read_packed(data))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_share_encoded_once_is_reused_and_writes_the_same_file(world: int) -> None:
+    # A checkpoint every step reuses the share's encoding (and its JSON text) while the model
+    # and optimizer keep their layout: the file must be byte for byte the one a fresh walk
+    # writes, with the values of the moment it was taken.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    pool = BufferPool()
+    for step in range(3):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        whole = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        for rank in range(world):
+            shared = replicas.share_of(whole, rank, world)
+            assert list(shared.owner) == replicas.owners(whole, world)
+            cached = pack({"replicated": shared, "step": step}, pool)
+            plain = pack({"replicated": replicas.share(whole, rank, shared.owner), "step": step})
+            assert _file_bytes(cached) == _file_bytes(plain)
+            assert cached.release is not None
+            cached.release()
+        reused = pool.shares and next(iter(pool.shares.values()))
+        assert reused and reused.json is not None  # kept, its text made once
+    shares = [
+        _read(_file_bytes(pack({"r": replicas.share_of(whole, r, world)}, pool)))
+        for r in range(world)
+    ]
+    joined = replicas.join([s["r"] for s in shares], replicas.owners(whole, world))  # type: ignore[index]
+    assert _equal(joined, whole)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "lr",  # a scheduler's new learning rate
+        "lr_int",  # 1.0 becomes 1: equal values, another JSON
+        "negative_zero",  # 0.0 becomes -0.0: == cannot tell them apart
+        "bool",  # 1 becomes True
+        "new_tensor_shape",  # a parameter replaced by one of another shape
+        "new_key",
+    ],
+)
+def test_a_share_that_changed_is_encoded_again(change: str) -> None:
+    def state(lr: object = 1.0, wd: object = 0.0, flag: object = 1, extra: bool = False) -> dict:
+        tree: dict[str, object] = {
+            "w": torch.ones(3),
+            "groups": [{"lr": lr, "weight_decay": wd, "flag": flag, "params": [0, 1]}],
+        }
+        if extra:
+            tree["m"] = torch.zeros(2)
+        return tree
+
+    pool = BufferPool()
+    before = state()
+    pack({"r": replicas.share_of(before, 0, 1)}, pool)
+    after = {
+        "lr": state(lr=0.5),
+        "lr_int": state(lr=1),
+        "negative_zero": state(wd=-0.0),
+        "bool": state(flag=True),
+        "new_tensor_shape": {**state(), "w": torch.ones(4)},
+        "new_key": state(extra=True),
+    }[change]
+    got = _read(_file_bytes(pack({"r": replicas.share_of(after, 0, 1)}, pool)))["r"]  # type: ignore[index]
+    want = _read(_file_bytes(pack({"r": replicas.share(after, 0, replicas.owners(after, 1))})))
+    assert _equal(got, want["r"])  # type: ignore[index]
+    for key, value in after["groups"][0].items():  # type: ignore[index]
+        assert type(got["groups"][0][key]) is type(value)  # type: ignore[index]
+        assert str(got["groups"][0][key]) == str(value)  # type: ignore[index]
+
+
+def test_a_share_after_other_tensors_of_its_dtype_is_not_reused_at_other_offsets() -> None:
+    # The kept encoding holds offsets into the dtype's buffer: it is reused only from where it
+    # was made (here, once before a tensor of the same dtype, once after one).
+    pool = BufferPool()
+    tree = {"w": torch.arange(4.0)}
+    first = pack({"r": replicas.share_of(tree, 0, 1), "x": torch.ones(2)}, pool)
+    second = pack({"x": torch.full((2,), 7.0), "r": replicas.share_of(tree, 0, 1)}, pool)
+    for packed in (first, second):
+        data = _read(_file_bytes(packed))
+        assert torch.equal(data["r"]["w"], torch.arange(4.0))  # type: ignore[index]
+    assert torch.equal(_read(_file_bytes(second))["x"], torch.full((2,), 7.0))  # type: ignore[index]

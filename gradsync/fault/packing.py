@@ -42,6 +42,7 @@ __all__ = [
     "is_packed_file",
     "pack",
     "read_packed",
+    "skeleton",
     "unpack",
 ]
 
@@ -58,6 +59,8 @@ class Packed:
     buffers: list[torch.Tensor]
     #: hands the buffers back to the ``BufferPool`` they came from: call once they are written
     release: Callable[[], None] | None = field(default=None, compare=False)
+    #: encodings of ``Share`` subtrees kept by the pool, whose JSON text is reused
+    shares: tuple[_EncodedShare, ...] = field(default=(), compare=False)
 
     def write_to(self, f: IO[bytes]) -> tuple[int, str]:
         """Write the header and the buffers' bytes to ``f``; returns (size, crc32 hex)."""
@@ -66,14 +69,9 @@ class Packed:
             offset = -(-offset // _ALIGN) * _ALIGN
             entries.append({"numel": buf.numel(), "offset": offset})
             offset += buf.numel() * buf.element_size()
-        header = json.dumps(
-            {
-                "version": PACKED_VERSION,
-                "byteorder": sys.byteorder,
-                "tree": self.tree,
-                "buffers": entries,
-            },
-            separators=(",", ":"),
+        header = (
+            f'{{"version":{PACKED_VERSION},"byteorder":{_json(sys.byteorder)},'
+            f'"tree":{self._tree_json()},"buffers":{_json(entries)}}}'
         ).encode()
         start = MAGIC + len(header).to_bytes(8, "little") + header
         digest = Crc32()
@@ -87,6 +85,28 @@ class Packed:
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def _tree_json(self) -> str:
+        """``self.tree`` as JSON. A top-level entry that is a kept ``Share`` encoding (the
+        model and optimizer state, most of the header) takes that encoding's text, made once,
+        rather than being encoded again at every snapshot."""
+        root = self.tree["root"] if type(self.tree) is dict else None
+        if not self.shares or type(root) is not dict or len(root) != 1:
+            return _json(self.tree)
+        ((tag, pairs),) = root.items()
+        if tag not in ("d", "o") or type(pairs) is not list:
+            return _json(self.tree)
+        items = []
+        for pair in pairs:
+            kept = next((s for s in self.shares if pair[1] is s.encoded), None)
+            if kept is None:
+                items.append(_json(pair))
+                continue
+            if kept.json is None:
+                kept.json = _json(kept.encoded)
+            items.append(f"[{_json(pair[0])},{kept.json}]")
+        index = _json({k: v for k, v in self.tree.items() if k != "root"})
+        return f'{index[:-1]},"root":{{"{tag}":[{",".join(items)}]}}}}'
 
 
 class Crc32:
@@ -114,11 +134,82 @@ class Crc32:
 @dataclass(frozen=True, slots=True)
 class Share:
     """A subtree of which this rank packs only the tensors ``owner`` gives to ``rank`` (in
-    ``fault.replicas`` order); each other tensor is packed as an empty tensor of its dtype."""
+    ``fault.replicas`` order); each other tensor is packed as an empty tensor of its dtype.
+
+    With ``skeleton`` (from ``skeleton()`` of ``tree``, and ``tensors``, its tensors in the same
+    order), ``pack`` given a ``BufferPool`` reuses the encoding of an earlier snapshot whose
+    share had the same skeleton, owners and rank instead of walking the tree again: the model
+    and optimizer state every step, alike but for the tensors' values."""
 
     tree: Any
     owner: Sequence[int]
     rank: int
+    skeleton: tuple[Any, ...] | None = None
+    tensors: Sequence[torch.Tensor] = ()
+
+
+def skeleton(tree: Any) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
+    """What ``pack`` encodes of ``tree`` but the tensors' values, flattened (two trees with
+    equal skeletons encode alike, types included: ``1``, ``1.0`` and ``True`` differ, and so
+    do ``0.0`` and ``-0.0``), and the tensors in ``pack``'s order; None when ``tree`` holds
+    something else than tensors, numbers, strings, None, dicts, lists and tuples (or a key
+    other than a number, string or None). A lighter walk than the encoding it lets ``pack``
+    skip."""
+    parts: list[Any] = []
+    tensors: list[torch.Tensor] = []
+    try:
+        _skeleton(tree, parts, tensors)
+    except _Unlike:
+        return None
+    return tuple(parts), tensors
+
+
+class _Unlike(Exception):
+    """A node ``skeleton`` does not describe (``pack`` then walks that share every time)."""
+
+
+def _skeleton(node: Any, parts: list[Any], tensors: list[torch.Tensor]) -> None:
+    # Mirrors ``_encode``'s order (a dict's keys and values in turn). A float is told apart by
+    # its ``repr``, which keeps -0.0 and nan apart where == does not. Tensors and plain values
+    # inside containers are taken in the container's loop: a call per node was most of the
+    # time of this walk, which runs at every snapshot.
+    kind = type(node)
+    if kind is dict or kind is OrderedDict:
+        parts.append((kind, len(node)))
+        for key, value in node.items():
+            key_kind = type(key)
+            if key_kind is str or key_kind is int:
+                parts.append((key_kind, key))
+            elif key_kind in _SCALAR_SET:
+                _skeleton(key, parts, tensors)
+            else:
+                raise _Unlike
+            _skeleton_child(value, parts, tensors)
+    elif kind is list or kind is tuple:
+        kinds = set(map(type, node))
+        if len(kinds) == 1 and (int in kinds or str in kinds):  # alike in type: == is exact
+            parts.append((kind, kinds.pop(), tuple(node)))
+            return
+        parts.append((kind, len(node)))
+        for value in node:
+            _skeleton_child(value, parts, tensors)
+    else:
+        _skeleton_child(node, parts, tensors)
+
+
+def _skeleton_child(node: Any, parts: list[Any], tensors: list[torch.Tensor]) -> None:
+    kind = type(node)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        tensors.append(node)
+        parts.append((kind, node.dtype, node.shape, node.layout))
+    elif kind is str or kind is int or kind is bool or node is None:
+        parts.append((kind, node))
+    elif kind is float:
+        parts.append((kind, repr(node)))
+    elif kind is dict or kind is OrderedDict or kind is list or kind is tuple:
+        _skeleton(node, parts, tensors)
+    else:
+        raise _Unlike
 
 
 class BufferPool:
@@ -130,6 +221,8 @@ class BufferPool:
         self.size = size
         self._free: dict[Any, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
         self._lock = threading.Lock()
+        #: the newest ``Share`` encoding by its key (skeleton, owners, rank, where it began)
+        self.shares: dict[Any, _EncodedShare] = {}
 
     def take(self, key: Any) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         with self._lock:
@@ -146,11 +239,18 @@ class BufferPool:
 class _Leaves:
     """Tensors met while walking the tree, grouped by dtype (one buffer each)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memo: dict[Any, _EncodedShare] | None = None) -> None:
         self.by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         self.sizes: dict[torch.dtype, int] = {}
         self.share: tuple[Sequence[int], int] | None = None  # inside a ``Share``: owner, rank
         self.shared = 0  # tensors of the ``Share`` met so far
+        self.memo = memo  # a ``BufferPool``'s ``shares``: encodings to reuse and to keep
+        self.reused: list[_EncodedShare] = []  # the encodings this walk reused or made
+        self.copied: dict[torch.dtype, list[int]] = {}  # inside a ``Share``: see ``add``
+
+    def state(self) -> tuple[Any, ...]:
+        """Where the walk stands: a reused encoding's offsets hold only from the same state."""
+        return tuple((d, len(g), self.sizes.get(d, 0)) for d, g in self.by_dtype.items())
 
     def add(self, t: torch.Tensor) -> list[Any]:
         if self.share is not None:
@@ -158,9 +258,12 @@ class _Leaves:
             i, self.shared = self.shared, self.shared + 1
             if i >= len(owner):
                 raise ValueError(f"the shared tree holds more than the {len(owner)} tensors owned")
+            # Per dtype, in the order met, the tensors this rank copies: what a reuse replays.
+            copied = self.copied.setdefault(t.dtype, [])
             if owner[i] != rank:  # another rank writes it: an empty tensor of its dtype
                 self.by_dtype.setdefault(t.dtype, [])
                 return [_dtype_name(t.dtype), 0, [0]]
+            copied.append(i)
         group = self.by_dtype.setdefault(t.dtype, [])
         offset = self.sizes.get(t.dtype, 0)
         group.append(t)
@@ -176,7 +279,7 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
     ``_check_weights_only_safe`` first, which names the offending entry). With ``pool``, the
     buffers come from (and, through ``Packed.release``, go back to) it.
     """
-    leaves = _Leaves()
+    leaves = _Leaves(pool.shares if pool is not None else None)
     tree = _encode(state, leaves)
     order = list(leaves.by_dtype)
     groups = [leaves.by_dtype[dtype] for dtype in order]
@@ -213,7 +316,12 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
         for key, entry in zip(keys, entries, strict=True):
             pool.give(key, entry)
 
-    return Packed(tree=tree, buffers=[e[0] for e in entries], release=release)
+    return Packed(
+        tree=tree,
+        buffers=[e[0] for e in entries],
+        release=release,
+        shares=tuple(leaves.reused),
+    )
 
 
 def _offsets(group: list[torch.Tensor]) -> list[int]:
@@ -235,6 +343,10 @@ def _chunks(start: bytes, buffers: list[torch.Tensor], entries: list[dict[str, i
         raw = memoryview(buf.view(torch.uint8).numpy().data) if buf.numel() else memoryview(b"")
         yield raw
         at = entry["offset"] + len(raw)
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def is_packed_file(path: Any) -> bool:
@@ -313,16 +425,7 @@ def _encode(obj: Any, leaves: _Leaves) -> Any:
     if kind is Share:
         if leaves.share is not None:
             raise TypeError("a Share inside a Share")
-        leaves.share, leaves.shared = (obj.owner, obj.rank), 0
-        try:
-            encoded = _encode(obj.tree, leaves)
-        finally:
-            leaves.share = None
-        if leaves.shared != len(obj.owner):
-            raise ValueError(
-                f"the shared tree holds {leaves.shared} tensors, {len(obj.owner)} owned"
-            )
-        return encoded
+        return _encode_share(obj, leaves)
     # Exact types, as torch.load(weights_only=True) knows them: a subclass (a defaultdict, a
     # namedtuple, a tensor subclass) would come back as its base class, silently.
     if kind is torch.Tensor or kind is torch.nn.Parameter:
@@ -352,6 +455,50 @@ def _encode(obj: Any, leaves: _Leaves) -> Any:
     if kind is complex:
         return {"c": [obj.real, obj.imag]}
     raise TypeError(f"cannot pack a {kind.__module__}.{kind.__qualname__}")
+
+
+@dataclass(slots=True)
+class _EncodedShare:
+    """A ``Share``'s encoding, kept to be reused by the next snapshot of a like share."""
+
+    encoded: Any
+    #: per dtype, in the order first met: the indices (in ``Share.tensors``) of the tensors
+    #: this rank copies, and their elements in all
+    copied: list[tuple[torch.dtype, list[int], int]]
+    #: its JSON text, made by the first ``write_to`` that needs it (then reused)
+    json: str | None = None
+
+
+def _encode_share(share: Share, leaves: _Leaves) -> Any:
+    key = None
+    if share.skeleton is not None and leaves.memo is not None:
+        key = (share.skeleton, tuple(share.owner), share.rank, leaves.state())
+        hit = leaves.memo.get(key)
+        if hit is not None:
+            for dtype, indices, numel in hit.copied:
+                tensors = share.tensors
+                leaves.by_dtype.setdefault(dtype, []).extend([tensors[i] for i in indices])
+                leaves.sizes[dtype] = leaves.sizes.get(dtype, 0) + numel
+            leaves.reused.append(hit)
+            return hit.encoded
+    sizes_before = dict(leaves.sizes)
+    leaves.share, leaves.shared, leaves.copied = (share.owner, share.rank), 0, {}
+    try:
+        encoded = _encode(share.tree, leaves)
+    finally:
+        leaves.share = None
+    if leaves.shared != len(share.owner):
+        raise ValueError(f"the shared tree holds {leaves.shared} tensors, {len(share.owner)} owned")
+    if key is not None and leaves.memo is not None and len(share.tensors) == leaves.shared:
+        copied = [
+            (d, indices, leaves.sizes.get(d, 0) - sizes_before.get(d, 0))
+            for d, indices in leaves.copied.items()
+        ]
+        made = _EncodedShare(encoded, copied)
+        leaves.memo.clear()  # one layout at a time: the newest
+        leaves.memo[key] = made
+        leaves.reused.append(made)
+    return encoded
 
 
 def _decode(node: Any, buffers: dict[str, torch.Tensor]) -> Any:

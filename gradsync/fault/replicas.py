@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from gradsync.fault.packing import Share
+from gradsync.fault.packing import Share, skeleton
 
-__all__ = ["join", "owners", "share"]
+__all__ = ["join", "owners", "share", "share_of"]
 
 
 def owners(tree: Any, world_size: int) -> list[int]:
@@ -53,6 +53,20 @@ def share(tree: Any, rank: int, owner: Sequence[int]) -> Share:
     """``tree`` as ``rank`` writes it: ``pack`` copies the tensors ``rank`` owns and packs
     every other one as an empty tensor of its dtype (``unpack`` gives that tree back)."""
     return Share(tree, owner, rank)
+
+
+def share_of(tree: Any, rank: int, world_size: int) -> Share:
+    """``share(tree, rank, owners(tree, world_size))`` from one walk of ``tree``, which also
+    takes its skeleton: ``pack`` reuses an earlier snapshot's encoding of a share with the
+    same skeleton (a checkpoint every step of the same model and optimizer)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    described = skeleton(tree)
+    if described is None:
+        return share(tree, rank, owners(tree, world_size))
+    parts, tensors = described
+    sizes = tuple(t.numel() * t.element_size() for t in tensors)
+    return Share(tree, _balanced(sizes, world_size), rank, parts, tensors)
 
 
 def join(shares: Sequence[Any], owner: Sequence[int]) -> Any:

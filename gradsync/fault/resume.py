@@ -97,7 +97,22 @@ def save(
     # Parameter servers snapshot once every worker's request (sent behind its step-th push)
     # has arrived; the request goes out after the directory is published.
     sync.strategy.prepare_checkpoint(step)
-    state: dict[str, Any] = {
+    replicated = {
+        "model": sync.strategy.model_state_dict(sync.model),
+        "optimizer": sync.optimizer.state_dict(),
+    }
+    state: dict[str, Any] = {}
+    if sync.strategy.resizable:
+        # Every replica holds the same model and optimizer state (what makes the strategy
+        # resizable): each rank writes a share of it, so the bytes written do not grow with
+        # the ranks and no rank's step pays for all of them (``replicas``). First in the
+        # state, so that its encoding, alike from one step to the next, is reused.
+        shared = replicas.share_of(replicated, sync.rank, sync.world_size)
+        state["replicated"] = shared
+        state["replicated_owners"] = list(shared.owner)
+    else:
+        state.update(replicated)
+    state |= {
         "sync": sync.state_dict(),
         "rng": rng_state(),
         "strategy": sync.strategy.name,
@@ -106,19 +121,6 @@ def save(
         "telemetry": sync._pending_telemetry(),
         "extra": extra or {},
     }
-    replicated = {
-        "model": sync.strategy.model_state_dict(sync.model),
-        "optimizer": sync.optimizer.state_dict(),
-    }
-    if sync.strategy.resizable:
-        # Every replica holds the same model and optimizer state (what makes the strategy
-        # resizable): each rank writes a share of it, so the bytes written do not grow with
-        # the ranks and no rank's step pays for all of them (``replicas``).
-        owner = replicas.owners(replicated, sync.world_size)
-        state["replicated"] = replicas.share(replicated, sync.rank, owner)
-        state["replicated_owners"] = owner
-    else:
-        state.update(replicated)
     writer = sync._checkpoint_writer(directory, keep)
     writer.submit(step, snapshot(state, pool=writer.pool), durable=wait)
     if wait:
