@@ -20,7 +20,7 @@ import torch.distributed as dist
 import gradsync as gs
 from benchmarks.codec_speed import load_note
 from benchmarks.harness import REVERSE, Harness, machine, table, time_interleaved
-from benchmarks.steps import POWERSGD_START, Trainer
+from benchmarks.steps import POWERSGD_START, Trainer, bytes_per_step_and_close
 from gradsync.launch import launch
 from gradsync.workloads import make_workload
 
@@ -70,10 +70,7 @@ def _measure(workload: Any, per_rank: int, repeats: int, steps: int) -> dict[str
         dist.all_reduce(last)
         row = {"step_s": statistics.median(times[n]), "loss": float(last) / dist.get_world_size()}
         if sync is not None:
-            report = sync.report()  # collective: every rank calls it, in the same order
-            timed = [r.bytes for r in report.records if r.rank == 0 and r.step >= WARMUP]
-            row["bytes_per_step"] = statistics.fmean(timed)
-            sync.close()
+            row["bytes_per_step"] = bytes_per_step_and_close(sync, WARMUP)
         out[n] = row
     return out
 

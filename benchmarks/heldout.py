@@ -33,7 +33,7 @@ from benchmarks.harness import (
     table,
     time_interleaved,
 )
-from benchmarks.steps import Trainer
+from benchmarks.steps import Trainer, bytes_per_step_and_close
 from benchmarks.zero import children_cpu_s, cpu_busy_s
 from gradsync.launch import launch
 from gradsync.workloads.charlm import CharLM
@@ -143,10 +143,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
         row: dict[str, Any] = {"first_loss": float(pair[0]) / world, "loss": float(pair[1]) / world}
         sync = trainers[name].sync
         if sync is not None:
-            report = sync.report()  # collective: every rank calls it, in the same order
-            sent = [r.bytes for r in report.records if r.rank == 0 and r.step >= WARMUP]
-            row["bytes_per_step"] = statistics.fmean(sent)
-            sync.close()
+            row["bytes_per_step"] = bytes_per_step_and_close(sync, WARMUP)
         res[name] = row
     return res if dist.get_rank() == 0 else None
 

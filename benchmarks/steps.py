@@ -4,6 +4,7 @@ exchange in every benchmark."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -108,3 +109,12 @@ class Trainer:
         self.fwd_s.append(t1 - t0)
         self.bwd_s.append(t2 - t1)
         return loss
+
+
+def bytes_per_step_and_close(sync: gs.Synchronizer, first_step: int) -> float:
+    """Collective (every rank calls it, in the same order): the mean bytes rank 0 sent per step
+    from ``first_step`` on, by ``sync``'s report; then ``sync`` is closed."""
+    report = sync.report()
+    sent = [r.bytes for r in report.records if r.rank == 0 and r.step >= first_step]
+    sync.close()
+    return statistics.fmean(sent)

@@ -475,8 +475,8 @@ def _encode_share(share: Share, leaves: _Leaves) -> Any:
         key = (share.skeleton, tuple(share.owner), share.rank, leaves.state())
         hit = leaves.memo.get(key)
         if hit is not None:
+            tensors = share.tensors
             for dtype, indices, numel in hit.copied:
-                tensors = share.tensors
                 leaves.by_dtype.setdefault(dtype, []).extend([tensors[i] for i in indices])
                 leaves.sizes[dtype] = leaves.sizes.get(dtype, 0) + numel
             leaves.reused.append(hit)
