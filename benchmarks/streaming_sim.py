@@ -3,12 +3,14 @@
 
 Needs root and iproute2 (exit 2 without, as the other cluster benchmarks).
 Each configuration is one ``gradsync run --hosts 2 --link 1gbit --nproc 2 --workload mlp``
-(3M parameters, 12 MB of pseudo-gradient in three layers: the middle one is 95% of it, so the
-fragments are far from 1/F each); step times and bytes come from the run's metrics.jsonl. The
-simulator (``gradsync.sim.simulate``) is given what a user would know before running: the
-link as built (1 Gbit/s, no latency), the model's layer sizes, int4's ratio from its format, and
-each run's own inner step (compute and optimizer, median per rank over the steps that neither
-start nor merge an exchange), so that what it predicts is the exchanges and their overlap.
+(3M parameters, 12 MB of pseudo-gradient in three layers: the middle one is 95% of it, so
+fragments of whole layers, the ``layers`` split, are far from 1/F each, while the default
+``rows`` split cuts every tensor's rows F ways); step times and bytes come from the run's
+metrics.jsonl. The simulator (``gradsync.sim.simulate``) is given what a user would know before
+running: the link as built (1 Gbit/s, no latency), the model's tensor shapes, int4's ratio from
+its format, and each run's own inner step (compute and optimizer, median per rank over the
+steps that neither start nor merge an exchange), so that what it predicts is the exchanges and
+their overlap.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from benchmarks.harness import Harness, interleave, machine, median, table
 from benchmarks.topology import cpu_seconds
 from gradsync.cluster import requirements_missing
 from gradsync.sim import AlphaBeta, CommModel, parse_strategy, simulate
-from gradsync.sim.streaming import fragment_shares, layer_bytes
+from gradsync.sim.streaming import fragment_shares, layer_bytes, layer_tensors
 
 PERIOD = 8
-# mlp has 3 layers, so F <= 3. TAU 2: by the link alone, each fragment's exchange (at most
-# 92 ms) fits behind two inner steps; --specs adds diloco:8:3 (TAU 1) to see one step's worth.
-SPECS = "diloco:8,diloco:8:3:2"
+# F = 3 under both splits (mlp has 3 layers, the bound of the layers split). TAU 2: by the link
+# alone, each fragment's exchange (at most 92 ms, the layers split's largest) fits behind two
+# inner steps; --specs adds diloco:8:3 (TAU 1) to see one step's worth. The layers split is
+# there for its peak: one layer per fragment, the middle one 0.95 of the model.
+SPECS = "diloco:8,diloco:8:3:2,diloco:8:3:2:layers"
 COMPRESS = ("none", "int4")
 PARAMS, BATCH = 3_000_000, 32
 LINK, LINK_GBPS = "1gbit", 1.0
@@ -96,15 +100,20 @@ def simulated(spec: str, compress: str, inner_ms: list[float], steps: int) -> di
     """The simulator's step (same statistic, same periods) and peak bytes for one run."""
     from gradsync.workloads import make_workload
 
-    layers = layer_bytes(make_workload("mlp", params=PARAMS).build_model())
-    nbytes = float(sum(layers))
+    model = make_workload("mlp", params=PARAMS).build_model()
+    # Each layer's tensors (rows, bytes): the rows split cuts them as the runtime does.
+    layers = layer_tensors(model)
+    nbytes = float(sum(layer_bytes(model)))
     link = AlphaBeta(alpha=0.0, beta=8.0 / (LINK_GBPS * 1e9))
     comm = CommModel(link=link, nbytes=nbytes, ratio=RATIO[compress])
     strategy = parse_strategy(spec)
     compute = np.tile(np.asarray(inner_ms, dtype=float), (steps, 1))
     res = simulate(strategy, compute, comm, layers=layers)
     per_step = res.period_step_ms()[1:-1]
-    peak = max(fragment_shares(layers if strategy.streaming else None, strategy.fragments))
+    shares = fragment_shares(
+        layers if strategy.streaming else None, strategy.fragments, strategy.split
+    )
+    peak = max(shares)
     return {
         "spec": strategy.spec,
         "step_ms": float(np.median(per_step)),
@@ -200,13 +209,16 @@ def render(args: Any, names: list[tuple[str, str]], runs: list[Any], minutes: fl
         f"{args.others:.2f} of the 2 cores on average meanwhile.",
         "",
         "mlp's three layers hold 0.44 MB, 11.46 MB and 0.11 MB (65h, h^2 + h and 16h + 16 "
-        "parameters, h = 1692); F = 3 puts one layer in each fragment, so the peak is the "
-        "middle layer's: 0.95 of plain DiLoCo's, not 1/3. **ms/step**: per 8-step period, the "
+        "parameters, h = 1692). The default split (rows) cuts every tensor into F blocks of "
+        "rows, so each of the F = 3 fragments holds a third of every layer and the peak is 1/3 "
+        "of plain DiLoCo's, to within a row; the layers split (`:layers`) puts one layer in "
+        "each fragment, so its peak is the middle layer's: 0.95 of plain DiLoCo's, not 1/3. "
+        "**ms/step**: per 8-step period, the "
         "time from both ranks having finished the previous period to both finishing this one, "
         "over 8; the median over the periods, less the first (warm-up) and the last (the end of "
         "training); the median over repeats. **Simulated**: `gradsync.sim.simulate` with the "
-        f"link as built ({LINK_GBPS:g} Gbit/s, alpha 0), the model's layer sizes "
-        "(`gradsync.sim.streaming.layer_bytes`), int4's ratio from its format (128/17 = 7.53) "
+        f"link as built ({LINK_GBPS:g} Gbit/s, alpha 0), the model's tensor shapes by layer "
+        "(`gradsync.sim.streaming.layer_tensors`), int4's ratio from its format (128/17 = 7.53) "
         "and each run's own inner step (median compute + sync per rank over the steps that "
         "neither start nor merge an exchange: the input, in the table, the slower rank's). "
         "**Start step's extra ms**: what a step that starts an exchange costs over an inner "
@@ -232,8 +244,9 @@ def findings(names: list[tuple[str, str]], runs: list[Any]) -> list[str]:
     errs = [x["sim"]["step_ms"] / x["step_ms"] - 1 for _, x in ok]
     return [
         f"- Peak bytes per sync: the simulator's figure is within {peak:.2%} of every run's "
-        "(fragment sizes from the layers, int4's from its format): streaming's peak is the "
-        "largest fragment's, the middle layer here.",
+        "(fragment sizes from the tensor shapes under each split, int4's from its format): "
+        "streaming's peak is the largest fragment's, a third of the model by rows, the middle "
+        "layer by layers.",
         f"- Step time: the simulator's error runs from {min(errs):+.0%} to {max(errs):+.0%}. "
         "It prices an exchange as link time only. Not in it: the pseudo-gradient, the outer "
         "optimizer step and the copy back at each start and merge (once per period for plain "

@@ -94,8 +94,8 @@ class RunConfig:
     strategy: str = flag(
         "bsp",
         metavar="SPEC",
-        help="bsp | zero:N (N 1-3) | local:H | diloco:H[:F[:TAU[:ALPHA]]] | ssp:S | async | "
-        "hogwild (default: %(default)s)",
+        help="bsp | zero:N (N 1-3) | local:H | diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | ssp:S | "
+        "async | hogwild (default: %(default)s)",
         group=SYNC,
     )
     servers: int = flag(

@@ -28,6 +28,7 @@ from gradsync.errors import UsageError
 __all__ = [
     "COMPRESSION_FORMS",
     "COMPRESSION_TABLE",
+    "SPLITS",
     "STRATEGY_FORMS",
     "STRATEGY_TABLE",
     "CompressionForm",
@@ -60,6 +61,10 @@ class StrategySpec:
     fragments: int | None = None
     delay: int | None = None
     alpha: float | None = None
+    #: how streaming DiLoCo cuts the model into its F fragments (``diloco:H:F:TAU:ALPHA:SPLIT``,
+    #: one of ``SPLITS``): "layers" when asked for with F > 1, else None, which stands for the
+    #: default, "rows" (with one fragment the split changes nothing, so it is not kept)
+    split: str | None = None
 
     def __str__(self) -> str:
         form = STRATEGY_TABLE.get(self.kind)
@@ -132,12 +137,39 @@ def default_delay(period: int, fragments: int) -> int:
     return 1 if 1 < fragments < period else 0
 
 
+#: Streaming DiLoCo's ways to cut the model into fragments (``gradsync.strategies.streaming``),
+#: the default first: "rows" cuts every tensor into F blocks of rows, so each fragment holds
+#: about 1/F of the bytes; "layers" strides whole layers over the fragments (the paper's form).
+SPLITS = ("rows", "layers")
+
+
+def _split_field(parts: list[str]) -> str | None:
+    """Take SPLIT off the end of ``parts`` (H, F, ...): the last field after F when it is not a
+    number (so ``diloco:8:3:layers`` needs no TAU or ALPHA before it), and the fifth field
+    whatever it is; None if there is none."""
+    if len(parts) < 3:
+        return None
+    if len(parts) <= 4:
+        try:
+            float(parts[-1])
+            return None
+        except ValueError:
+            if not parts[-1]:
+                return None  # an empty TAU or ALPHA, which their own checks name
+    split = parts.pop()
+    if split not in SPLITS:
+        raise _Refused(f"SPLIT={split} must be {' or '.join(SPLITS)}")
+    return split
+
+
 def _diloco(text: str) -> dict[str, Any]:
-    """``H``, or ``H:F[:TAU[:ALPHA]]`` for streaming DiLoCo; one fragment with no delay and
-    ALPHA 0 is plain ``diloco:H``, and parses as it."""
+    """``H``, or ``H:F[:TAU[:ALPHA]][:SPLIT]`` for streaming DiLoCo; one fragment with no delay
+    and ALPHA 0 is plain ``diloco:H``, and parses as it (whatever the split: one fragment is
+    the whole model)."""
     parts = [part.strip() for part in text.split(":")]
+    split = _split_field(parts)
     if len(parts) > 4:
-        raise _Refused(f"diloco takes at most H:F:TAU:ALPHA, got {len(parts)} values")
+        raise _Refused(f"diloco takes at most H:F:TAU:ALPHA:SPLIT, got {len(parts) + 1} values")
     fields = _period(parts[0])
     if len(parts) == 1:
         return fields
@@ -168,14 +200,20 @@ def _diloco(text: str) -> dict[str, Any]:
             raise _Refused(f"ALPHA={parts[3]} must be a number from 0 to 1")
     if fragments == 1 and delay == 0 and alpha == 0:
         return fields
-    return {**fields, "fragments": fragments, "delay": delay, "alpha": alpha}
+    streaming = {**fields, "fragments": fragments, "delay": delay, "alpha": alpha}
+    # Only the non-default split is kept, and only where it changes something (F > 1), so
+    # every way of writing one run parses to one spec.
+    if split is not None and split != SPLITS[0] and fragments > 1:
+        streaming["split"] = split
+    return streaming
 
 
 def _show_diloco(spec: StrategySpec) -> str:
     if spec.fragments is None:
         return str(spec.period)
     alpha = f":{spec.alpha!r}" if spec.alpha else ""
-    return f"{spec.period}:{spec.fragments}:{spec.delay or 0}{alpha}"
+    split = f":{spec.split}" if spec.split is not None else ""
+    return f"{spec.period}:{spec.fragments}:{spec.delay or 0}{alpha}{split}"
 
 
 def _show_stage(spec: StrategySpec) -> str:
@@ -207,8 +245,9 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
             "an integer >= 1",
             _diloco,
             _show_diloco,
-            options="[:F[:TAU[:ALPHA]]]",
-            option_rules="F an integer from 1 to H, TAU an integer >= 0 below H/F, ALPHA in [0, 1]",
+            options="[:F[:TAU[:ALPHA]][:SPLIT]]",
+            option_rules="F an integer from 1 to H, TAU an integer >= 0 below H/F, "
+            f"ALPHA in [0, 1], SPLIT {' or '.join(SPLITS)}",
         ),
         StrategyForm(
             "ssp", "S", "an integer >= 0 or inf", _staleness, _show_staleness, servers=True

@@ -14,9 +14,26 @@ from gradsync.workloads import make_workload
 from tests.ranks import flat_params
 
 PER_RANK = 4
-PARAMS = 3000  # the mlp: three Linear layers, so two fragments hold layers {0, 2} and {1}
-#: the model's tensors (w0, b0, w1, b1, w2, b2) of each fragment for F=2, strided by layer
+PARAMS = 3000  # the mlp: Linear 64 -> 27, 27 -> 27, 27 -> 16
+#: the model's tensors (w0, b0, w1, b1, w2, b2) of each fragment for F=2 under the layers
+#: split: two fragments hold layers {0, 2} and {1}
 FRAGMENTS_OF_TWO = ([0, 1, 4, 5], [2, 3])
+#: each fragment's (tensor, first row, end row) for F=2 under the rows split, worked out by
+#: hand from the rule: every tensor (27 or 16 rows) is cut in two; of 27 rows the fragment with
+#: fewer elements so far takes 14 (ties to fragment 0): w0 14 to fragment 0 (896 to 832
+#: elements), then b0, w1 and b1 14 to fragment 1 (909 to 846, 1260 to 1224, 1273 to 1238);
+#: w2 and b2 split 8 and 8 (1497 to 1462, of 2959)
+ROWS_OF_TWO = (
+    [(0, 0, 14), (1, 0, 13), (2, 0, 13), (3, 0, 13), (4, 0, 8), (5, 0, 8)],
+    [(0, 14, 27), (1, 13, 27), (2, 13, 27), (3, 13, 27), (4, 8, 16), (5, 8, 16)],
+)
+#: the tensors' rows (first dimensions), for whole tensors as blocks
+ROWS = (27, 27, 27, 27, 16, 16)
+
+
+def whole(fragments: tuple[list[int], ...]) -> list[list[tuple[int, int, int]]]:
+    """Fragments of whole tensors (the layers split) as blocks of all their rows."""
+    return [[(i, 0, ROWS[i]) for i in tensors] for tensors in fragments]
 
 
 def _workload(dtype: str = "float64") -> Any:
@@ -72,7 +89,11 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
         "reference": train(rank, world, "diloco:4:2:1:0.25", 12),
         "alpha 0": train(rank, world, "diloco:4:2:1", 12),
         "no delay": train(rank, world, DiLoCo(4, fragments=2, delay=0), 12),
+        "layers": train(rank, world, "diloco:4:2:1:0.25:layers", 12),
+        "layers alpha 0": train(rank, world, DiLoCo(4, fragments=2, split="layers"), 12),
         "learns": train(rank, world, "diloco:8:3", 48, dtype="float32"),
+        # PowerSGD reads each tensor's shape: under the rows split, the shapes of row blocks
+        "powersgd": train(rank, world, "diloco:4:2", 48, compression="powersgd:2", dtype="float32"),
         "int8": train(rank, world, "diloco:4:2", 48, compression="int8", dtype="float32"),
         "topk": train(rank, world, "diloco:4:2", 48, compression="topk:0.3", dtype="float32"),
         "int4": train(rank, world, "diloco:4:2", 48, compression="int4", dtype="float32"),
@@ -126,7 +147,12 @@ def _resumed(rank: int, world: int, directory: str, strategy: str, compression: 
 
 
 def reference(
-    world: int, period: int, fragments: list[list[int]], delay: int, alpha: float, steps: int
+    world: int,
+    period: int,
+    fragments: list[list[tuple[int, int, int]]],
+    delay: int,
+    alpha: float,
+    steps: int,
 ) -> list[torch.Tensor]:
     """``world`` workers simulated in one process, written from the algorithm's description,
     not from the strategy's code: each worker takes its SGD steps on its own shard; fragment p
@@ -135,6 +161,7 @@ def reference(
     later the mean pseudo-gradient goes through Nesterov SGD (lr 0.7, momentum 0.9) and each
     worker's fragment becomes ``alpha * local + (1 - alpha) * global``. At the end, pending
     exchanges are applied, then every fragment once more, replaced by its global copy.
+    ``fragments``: each fragment's blocks of rows, ``(tensor, first row, end row)``.
     Returns each worker's final parameters, flat."""
     w = _workload()
     models = [w.build_model() for _ in range(world)]
@@ -143,13 +170,13 @@ def reference(
     count = len(fragments)
 
     def frag(r: int, p: int) -> torch.Tensor:
-        return torch.cat([tensors[r][i].detach().reshape(-1) for i in fragments[p]])
+        return torch.cat([tensors[r][i].detach()[a:b].reshape(-1) for i, a, b in fragments[p]])
 
     def put(r: int, p: int, flat: torch.Tensor) -> None:
         offset = 0
         with torch.no_grad():
-            for i in fragments[p]:
-                t = tensors[r][i]
+            for i, a, b in fragments[p]:
+                t = tensors[r][i][a:b]
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 

@@ -13,13 +13,22 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 from gradsync.errors import UsageError
 from gradsync.sim import CommModel, ComputeModel, Hosts, Strategy, WhatIf, parse_strategy, simulate
 from gradsync.sim.cli import add_parsers
 from gradsync.sim.model import AlphaBeta, collective_time
-from gradsync.sim.streaming import Plan, fragment_shares, layer_bytes, offsets, timeline
+from gradsync.sim.streaming import (
+    Plan,
+    fragment_shares,
+    layer_bytes,
+    layer_tensors,
+    offsets,
+    row_loads,
+    timeline,
+)
 from gradsync.strategies import streaming as runtime
 
 pytestmark = pytest.mark.unit
@@ -69,14 +78,30 @@ class _Shared(nn.Module):
         self.frozen.requires_grad_(False)
 
 
+class _Odd(nn.Module):
+    """Tensors the rows split takes whole: a scalar, a one-row matrix, a non-contiguous one
+    (a transposed tensor kept as the parameter), and one of 3 rows (fewer than most F)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(40, 301)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.row = nn.Parameter(torch.zeros(1, 50))
+        self.strided = nn.Parameter(torch.zeros(30, 20).t())
+        self.few = nn.Parameter(torch.zeros(3, 7, dtype=torch.float64))
+
+
 def _models() -> list[nn.Module]:
     from gradsync.workloads.charlm import TinyGPT
 
     mlp = nn.Sequential(nn.Linear(64, 300), nn.Tanh(), nn.Linear(300, 300), nn.Linear(300, 16))
-    return [mlp, TinyGPT(vocab=50, context=16, dim=32, layers=2, heads=4), _Shared()]
+    return [mlp, TinyGPT(vocab=50, context=16, dim=32, layers=2, heads=4), _Shared(), _Odd()]
 
 
-@pytest.mark.parametrize("model", _models(), ids=["mlp", "charlm", "shared"])
+IDS = ["mlp", "charlm", "shared", "odd"]
+
+
+@pytest.mark.parametrize("model", _models(), ids=IDS)
 def test_fragment_bytes_are_the_runtimes_strided_fragments(model: nn.Module) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     sizes = layer_bytes(model)
@@ -85,17 +110,96 @@ def test_fragment_bytes_are_the_runtimes_strided_fragments(model: nn.Module) -> 
     for f in range(1, len(sizes) + 1):
         groups = runtime.strided_fragments(model, params, f, f"diloco:64:{f}")
         want = [sum(params[i].numel() * params[i].element_size() for i in g) for g in groups]
-        np.testing.assert_allclose(np.multiply(fragment_shares(sizes, f), total), want)
+        got = fragment_shares(sizes, f, "layers")
+        np.testing.assert_allclose(np.multiply(got, total), want)
+        # the layers' tensors give the same shares as their bytes under the layers split
+        assert fragment_shares(layer_tensors(model), f, "layers") == pytest.approx(got)
+
+
+def _runtime_bytes(fragments: list[list[torch.Tensor]]) -> list[int]:
+    return [sum(t.numel() * t.element_size() for t in f) for f in fragments]
+
+
+@pytest.mark.parametrize("model", _models(), ids=IDS)
+def test_row_shares_are_the_runtimes_row_fragments(model: nn.Module) -> None:
+    """The simulator's rows split gives each fragment the bytes the runtime's holds, to the
+    byte, for every F the model can fill (as the streaming_sim benchmark compares them)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    tensors = layer_tensors(model)
+    total = sum(p.numel() * p.element_size() for p in params)
+    assert [sum(b for _, b in layer) for layer in tensors] == layer_bytes(model)
+    for f in range(1, 17):
+        want = _runtime_bytes(runtime.row_fragments(params, f, f"diloco:64:{f}"))
+        assert row_loads(tensors, f) == want, f
+        np.testing.assert_allclose(np.multiply(fragment_shares(tensors, f), total), want)
+
+
+def test_the_mlp_workloads_peak_is_a_third_by_rows_and_its_big_layer_by_layers() -> None:
+    """The streaming_sim benchmark's model and specs, through ``streaming_rows`` (the side by
+    side table): the rows split's peak is the runtime's largest fragment, about 1/3."""
+    from gradsync.sim.beside import streaming_rows
+    from gradsync.workloads import make_workload
+
+    model = make_workload("mlp", params=3_000_000).build_model()
+    params = list(model.parameters())
+    total = sum(p.numel() * p.element_size() for p in params)
+    comm = CommModel(link=AlphaBeta(alpha=0.0, beta=8e-9), nbytes=float(total))
+    peaks = {}
+    for spec in ("diloco:8:3:2", "diloco:8:3:2:layers"):
+        _, row = streaming_rows(parse_strategy(spec), flat(70.0, 2, 32), comm, layer_tensors(model))
+        peaks[spec] = row["peak_share"]
+    by_rows = runtime.row_fragments(params, 3, "diloco:8:3:2")
+    assert peaks["diloco:8:3:2"] == max(_runtime_bytes(by_rows)) / total
+    assert peaks["diloco:8:3:2"] == pytest.approx(1 / 3, abs=1692 * 4 / total)  # one row
+    assert peaks["diloco:8:3:2:layers"] == pytest.approx(0.954, abs=0.001)
+
+
+def test_row_loads_are_the_runtimes_row_blocks_on_any_shapes() -> None:
+    """The greedy rule written twice (runtime and simulator), on random tensor lists: rows 0 to
+    40 (below F a tensor taken whole; 0 rows, 0 bytes), F from 1 to 9, over two layers."""
+    rng = np.random.default_rng(16)
+    for _ in range(300):
+        count, f = int(rng.integers(2, 12)), int(rng.integers(1, 10))
+        rows = [int(x) for x in rng.integers(0, 40, count)]
+        rows[0] = max(rows[0], 1)  # no layer of nothing
+        sizes = [(r, r * int(rng.integers(1, 50)) * 4) for r in rows]
+        blocks = runtime.row_blocks(sizes, f)
+        want = [
+            sum((b - a) * sizes[i][1] // sizes[i][0] if b > a else 0 for i, a, b in held)
+            for held in blocks
+        ]
+        layers = [sizes[:1], sizes[1:]] if sum(n for _, n in sizes[1:]) else [sizes]
+        if all(blocks):
+            assert row_loads(layers, f) == want, (sizes, f)
+        else:
+            with pytest.raises(UsageError, match=f"F={f} fragments, but the model's trainable"):
+                row_loads(layers, f)
+
+
+def test_row_shares_from_bytes_or_tensors_and_refusals() -> None:
+    assert fragment_shares(None, 4, "rows") == [0.25] * 4
+    # Under rows, a layer given by its bytes alone is cut evenly: 1/F each, whatever the sizes.
+    assert fragment_shares([1, 2, 3, 4, 5], 2) == pytest.approx([0.5, 0.5])
+    assert fragment_shares([1, 98, 1], 3) == pytest.approx([1 / 3] * 3)
+    # A layer's tensors as (rows, bytes): 10 rows of 8 bytes cut 4, 3, 3 (the extra row to
+    # fragment 0, all empty), then a 2-row tensor (24 bytes) whole to the lightest, 1.
+    assert row_loads([[(10, 80)], [(2, 24)]], 3) == [32, 48, 24]
+    with pytest.raises(UsageError, match=r"F=3 fragments, but the model's trainable tensors fill"):
+        fragment_shares([[(2, 8), (1, 4)]], 3)
+    with pytest.raises(UsageError, match="split must be one of rows, layers, got 'strided'"):
+        fragment_shares([1, 2], 2, "strided")
 
 
 def test_fragment_shares_without_layers_and_refusals() -> None:
     assert fragment_shares(None, 4) == [0.25] * 4
+    assert fragment_shares(None, 4, "layers") == [0.25] * 4
     # Layer i to fragment i % F: [1, 2, 3, 4, 5] over 2 -> (1 + 3 + 5, 2 + 4) of 15.
-    assert fragment_shares([1, 2, 3, 4, 5], 2) == pytest.approx([9 / 15, 6 / 15])
+    assert fragment_shares([1, 2, 3, 4, 5], 2, "layers") == pytest.approx([9 / 15, 6 / 15])
     with pytest.raises(UsageError, match=r"F=4 fragments, but --layers lists only 3 layers"):
-        fragment_shares([1, 2, 3], 4)
-    with pytest.raises(UsageError, match="sizes > 0"):
-        fragment_shares([1, 0, 3], 2)
+        fragment_shares([1, 2, 3], 4, "layers")
+    for split in ("rows", "layers"):
+        with pytest.raises(UsageError, match="sizes > 0"):
+            fragment_shares([1, 0, 3], 2, split)
 
 
 def test_streaming_specs_parse_to_the_canonical_form() -> None:
@@ -104,6 +208,18 @@ def test_streaming_specs_parse_to_the_canonical_form() -> None:
     assert parse_strategy("diloco:8:4:1:0.5").spec == "diloco:8:4:1:0.5"
     plain = parse_strategy("diloco:8:1:0:0")
     assert plain.spec == "diloco:8" and not plain.streaming
+    assert parse_strategy("diloco:8:2").split == "rows"
+    layered = parse_strategy("diloco:8:2:layers")
+    assert (layered.split, layered.spec) == ("layers", "diloco:8:2:1:layers")
+    assert parse_strategy(layered.spec) == layered
+    assert Strategy(kind="diloco", param=8, fragments=2, delay=1, split="layers") == layered
+    # one fragment: the split changes nothing, and is not kept
+    assert parse_strategy("diloco:8:1:0:0:layers") == plain
+    assert Strategy(kind="diloco", param=8, split="layers") == plain
+    with pytest.raises(UsageError, match="SPLIT=strided must be rows or layers"):
+        Strategy(kind="diloco", param=8, fragments=2, delay=1, split="strided")
+    with pytest.raises(UsageError, match="streaming DiLoCo's"):
+        Strategy(kind="local", param=8, split="layers")
     with pytest.raises(UsageError, match="streaming DiLoCo's"):
         Strategy(kind="local", param=8, fragments=2)
     with pytest.raises(UsageError, match="TAU=4 must be"):
@@ -245,10 +361,17 @@ def test_cli_shows_streaming_beside_plain(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_cli_layers_and_compression_set_the_peak(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--strategy", "diloco:8:3:2", "--workers", "2", "--compute", "30", "--steps", "16"]
+    argv = ["--workers", "2", "--compute", "30", "--steps", "16"]
     argv += ["--message-mb", "11.45", "--layers", MLP_LAYERS, "--compression-ratio", "7.5"]
-    doc = run_json(argv, capsys)
+    # The rows split cuts every layer in three: 1/3 of the bytes each, whatever the layers.
+    _, rows = run_json(["--strategy", "diloco:8:3:2", *argv], capsys)["beside_plain"]
+    assert rows["strategy"] == "diloco:8:3:2"
+    assert rows["fragment_shares"] == pytest.approx([1 / 3] * 3)
+    assert rows["peak_mb"] == pytest.approx(11.45 / 3 / 7.5)
+    # The layers split: one layer per fragment, the peak the middle layer's.
+    doc = run_json(["--strategy", "diloco:8:3:2:layers", *argv], capsys)
     plain, streaming = doc["beside_plain"]
+    assert streaming["strategy"] == "diloco:8:3:2:layers"
     share = 2864556 / (109980 + 2864556 + 27088)
     assert streaming["peak_share"] == pytest.approx(share)
     assert streaming["peak_mb"] == pytest.approx(11.45 * share / 7.5)
@@ -261,10 +384,13 @@ def test_cli_layers_set_each_fragments_exchange(capsys: pytest.CaptureFixture[st
     # Layers 1, 6, 1 over 2 fragments: 2/8 and 6/8 of a 40 ms exchange, 10 and 30 ms, each
     # behind one 15 ms step: 0 and 15 ms left per period of 4 x 15, so (60 + 15) / 4 a step.
     # Without --layers both are 20 ms, 5 ms left each: (60 + 10) / 4.
-    argv = ["--strategy", "diloco:4:2:1", "--workers", "2", "--compute", "15", "--steps", "16"]
-    argv += ["--comm-ms", "40"]
+    argv = ["--strategy", "diloco:4:2:1:layers", "--workers", "2", "--compute", "15"]
+    argv += ["--steps", "16", "--comm-ms", "40"]
     _, by_layers = run_json([*argv, "--layers", "1,6,1"], capsys)["beside_plain"]
     _, even = run_json(argv, capsys)["beside_plain"]
+    argv[1] = "diloco:4:2:1"  # the rows split: even with --layers too
+    _, by_rows = run_json([*argv, "--layers", "1,6,1"], capsys)["beside_plain"]
+    assert by_rows["median_step_ms"] == pytest.approx(70 / 4)
     assert by_layers["median_step_ms"] == pytest.approx(75 / 4)
     assert even["median_step_ms"] == pytest.approx(70 / 4)
     assert (by_layers["peak_exchange_ms"], even["peak_exchange_ms"]) == pytest.approx((30, 20))
@@ -275,7 +401,9 @@ def test_cli_refusals_for_streaming(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(UsageError, match="--layers sizes the fragments.*bsp has none"):
         run_json(["--layers", "1,2"], capsys)
     with pytest.raises(UsageError, match="lists only 3 layers; use F <= 3"):
-        run_json(["--strategy", "diloco:8:4", "--layers", MLP_LAYERS], capsys)
+        run_json(["--strategy", "diloco:8:4:layers", "--layers", MLP_LAYERS], capsys)
+    # the rows split cuts the layers: no such bound
+    run_json(["--strategy", "diloco:8:4", "--layers", MLP_LAYERS], capsys)
     with pytest.raises(UsageError, match="--from's prediction"):
         run_json(["--from", "nowhere", "--layers", "1,2"], capsys)
 

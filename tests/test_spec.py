@@ -32,9 +32,9 @@ pytestmark = pytest.mark.unit
 
 # The texts the messages end with, as the API has always printed them.
 STRATEGY_TEXT = (
-    "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]]], ssp:S, async, hogwild "
+    "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]][:SPLIT]], ssp:S, async, hogwild "
     "(N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 below H/F, "
-    "ALPHA in [0, 1], S an integer >= 0 or inf)"
+    "ALPHA in [0, 1], SPLIT rows or layers, S an integer >= 0 or inf)"
 )
 COMPRESSION_TEXT = (
     "none, fp16, bf16, int8, int4, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
@@ -50,7 +50,7 @@ def test_the_forms_are_written_from_the_tables_as_before() -> None:
         "bsp",
         "zero:N",
         "local:H",
-        "diloco:H[:F[:TAU[:ALPHA]]]",
+        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]]",
         "ssp:S",
         "async",
         "hogwild",
@@ -172,9 +172,9 @@ def test_a_new_strategy_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> N
     }
     monkeypatch.setattr(spec_module, "STRATEGY_TABLE", table)
     assert spec_module._strategy_forms(table) == (
-        "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]]], ssp:S, async, hogwild, stage:N "
-        "(N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 below "
-        "H/F, ALPHA in [0, 1], S an integer >= 0 or inf)"
+        "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]][:SPLIT]], ssp:S, async, hogwild, "
+        "stage:N (N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 "
+        "below H/F, ALPHA in [0, 1], SPLIT rows or layers, S an integer >= 0 or inf)"
     )
     hogwild = parse_strategy_spec("Hogwild")
     assert (hogwild, str(hogwild), hogwild.uses_servers) == (

@@ -16,7 +16,7 @@ import numpy as np
 from gradsync.sim.config import CommModel, Strategy
 from gradsync.sim.report import format_rows
 from gradsync.sim.simulate import Overlap, SimResult, simulate, zero_comm_ms
-from gradsync.sim.streaming import fragment_shares
+from gradsync.sim.streaming import Layer, fragment_shares
 
 
 def _steps(res: SimResult) -> dict[str, float]:
@@ -29,7 +29,7 @@ def _steps(res: SimResult) -> dict[str, float]:
 
 
 def streaming_rows(
-    strategy: Strategy, compute: np.ndarray, comm: CommModel, layers: Sequence[float] | None
+    strategy: Strategy, compute: np.ndarray, comm: CommModel, layers: Sequence[Layer] | None
 ) -> list[dict[str, Any]]:
     """Plain ``diloco:H`` and ``strategy`` (streaming) on the same compute and link.
 
@@ -41,7 +41,7 @@ def streaming_rows(
     workers = compute.shape[1]
     rows: list[dict[str, Any]] = []
     for s in (plain, strategy):
-        shares = fragment_shares(layers if s.streaming else None, s.fragments)
+        shares = fragment_shares(layers if s.streaming else None, s.fragments, s.split)
         res = simulate(s, compute, comm, layers=layers)
         periods = res.steps / s.param
         peak = max(shares)
@@ -97,7 +97,7 @@ def allreduce_rows(
     compute: np.ndarray,
     comm: CommModel,
     *,
-    layers: Sequence[float] | None = None,
+    layers: Sequence[Layer] | None = None,
     overlap: Overlap | None = None,
 ) -> list[dict[str, Any]]:
     """``strategy`` with the flat ring and with the hierarchical all-reduce (``comm.hosts``)."""

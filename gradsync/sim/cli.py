@@ -75,14 +75,16 @@ def _add_communication_and_strategy(sim: argparse.ArgumentParser) -> None:
         "--strategy",
         default="bsp",
         help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | "
-        "diloco:H[:F[:TAU[:ALPHA]]] | hogwild",
+        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | hogwild",
     )
     s.add_argument(
         "--layers",
         default=None,
         metavar="LIST",
         help="sizes of the model's layers in module order (any unit), for streaming DiLoCo's "
-        "fragments (layer i in fragment i %% F); default: each fragment 1/F of the bytes",
+        "fragments under the layers split (diloco:H:F:TAU:ALPHA:layers; layer i in fragment "
+        "i %% F); the default rows split cuts every layer F ways, and without --layers too "
+        "each fragment carries 1/F of the bytes",
     )
     s.add_argument("--overlap", action="store_true", help="BSP (or zero:1) with bucketed overlap")
     s.add_argument(

@@ -73,7 +73,7 @@ def single(args: argparse.Namespace) -> int:
     layers = layers_from_args(args)
     if layers is not None and not strategy.streaming:
         raise UsageError(
-            f"--layers sizes the fragments of streaming DiLoCo (diloco:H:F[:TAU[:ALPHA]]); "
+            f"--layers sizes the fragments of streaming DiLoCo (diloco:H:F[:TAU[:ALPHA]][:SPLIT]); "
             f"{strategy.spec} has none"
         )
     compute = model.draw()
@@ -237,7 +237,7 @@ def _workers_sweep(
     strategies = [parse_strategy(s) for s in args.strategies.split(",") if s.strip()]
     if layers is not None and not any(s.streaming for s in strategies):
         raise UsageError(
-            "--layers sizes the fragments of streaming DiLoCo (diloco:H:F[:TAU[:ALPHA]]); "
+            "--layers sizes the fragments of streaming DiLoCo (diloco:H:F[:TAU[:ALPHA]][:SPLIT]); "
             f"none of --strategies {args.strategies} has any"
         )
     eff: dict[str, list[float]] = {s.spec: [] for s in strategies}

@@ -19,7 +19,7 @@ from gradsync.sim.model import (
     flat_collective_time,
     hierarchical_allreduce_time,
 )
-from gradsync.spec import STRATEGY_TABLE, StrategySpec, parse_strategy_spec
+from gradsync.spec import SPLITS, STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
 SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco", "hogwild")
@@ -48,8 +48,9 @@ def _check_spec(text: str) -> StrategySpec:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Strategy:
     """A strategy as the simulator reads it: ``param`` is S for ssp (``math.inf`` allowed), H
-    for local/diloco, 0 for the others. Streaming DiLoCo (``diloco:H:F:TAU:ALPHA``) also sets
-    ``fragments``, ``delay`` and ``alpha``; plain ``diloco:H`` is F=1, TAU=0, ALPHA=0.
+    for local/diloco, 0 for the others. Streaming DiLoCo (``diloco:H:F:TAU:ALPHA[:SPLIT]``)
+    also sets ``fragments``, ``delay``, ``alpha`` and ``split`` (how the fragments are cut,
+    ``gradsync.spec.SPLITS``: "rows" by default); plain ``diloco:H`` is F=1, TAU=0, ALPHA=0.
 
     Checked by ``gradsync.spec``, the parser of every spec string, so a Strategy built directly
     is refused with the same message as the spec string it stands for.
@@ -60,16 +61,23 @@ class Strategy:
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
+    split: str = SPLITS[0]
 
     def __post_init__(self) -> None:
         _check_spec(self.spec)
         if self.kind not in SIMULATED:
             raise UsageError(f"the simulator does not model {self.spec!r}; it models {modelled()}")
-        if self.kind != "diloco" and (self.fragments, self.delay, self.alpha) != (1, 0, 0.0):
+        if self.kind != "diloco" and (
+            (self.fragments, self.delay, self.alpha, self.split) != (1, 0, 0.0, SPLITS[0])
+        ):
             raise UsageError(
-                f"fragments, delay and alpha are streaming DiLoCo's (diloco:H:F:TAU:ALPHA), "
-                f"not {self.spec}'s"
+                f"fragments, delay, alpha and split are streaming DiLoCo's "
+                f"(diloco:H:F:TAU:ALPHA:SPLIT), not {self.spec}'s"
             )
+        if self.fragments == 1 and self.split != SPLITS[0]:
+            # One fragment is the whole model whatever the split (the parser drops it too), so
+            # that a Strategy equals the one its spec string parses to.
+            object.__setattr__(self, "split", SPLITS[0])
 
     @property
     def streaming(self) -> bool:
@@ -88,6 +96,7 @@ class Strategy:
                 fragments=spec.fragments,
                 delay=spec.delay or 0,
                 alpha=spec.alpha or 0.0,
+                split=spec.split or SPLITS[0],
             )
         if spec.period is not None:
             return cls(kind=spec.kind, param=spec.period)
@@ -106,14 +115,18 @@ class Strategy:
             return self.kind
         text = f"{self.kind}:{int(p) if p.is_integer() else p!r}"
         if self.streaming:
-            # The parser's canonical form (gradsync.spec._show_diloco): TAU always, ALPHA if set.
+            # The parser's canonical form (gradsync.spec._show_diloco): TAU always, ALPHA if set,
+            # SPLIT if not the default.
             text += f":{self.fragments}:{self.delay}" + (f":{self.alpha!r}" if self.alpha else "")
+        if self.kind == "diloco" and self.split != SPLITS[0]:
+            # After F (the parser reads SPLIT only there); with one fragment it parses away.
+            text += ("" if self.streaming else ":1:0") + f":{self.split}"
         return text
 
 
 def parse_strategy(text: str) -> Strategy:
     """Parse ``bsp``, ``zero:1``, ``zero:2``, ``zero:3``, ``ssp:S``, ``async``, ``local:H``,
-    ``diloco:H`` or ``diloco:H:F[:TAU[:ALPHA]]`` (``gradsync.spec``)."""
+    ``diloco:H`` or ``diloco:H:F[:TAU[:ALPHA]][:SPLIT]`` (``gradsync.spec``)."""
     return Strategy.from_spec(_check_spec(text))
 
 

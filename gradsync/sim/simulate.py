@@ -26,7 +26,7 @@ from gradsync.sim.config import (
     parse_strategy,
     takes_hierarchy,
 )
-from gradsync.sim.streaming import Plan, fragment_shares, timeline
+from gradsync.sim.streaming import Layer, Plan, fragment_shares, timeline
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,14 +126,17 @@ def simulate(
     *,
     overlap: Overlap | None = None,
     comm_steps: np.ndarray | None = None,
-    layers: Sequence[float] | None = None,
+    layers: Sequence[Layer] | None = None,
 ) -> SimResult:
     """Simulate ``strategy`` on a ``(steps, workers)`` compute matrix.
 
     ``comm_steps`` (``(steps,)``, ms), when given, replaces ``comm``'s constant exchange with
     one exchange time per step, e.g. resampled from a real run's telemetry. ``layers``: the
-    sizes of the model's layers in module order (``streaming.layer_bytes``), from which
-    streaming DiLoCo's fragments take their shares of the bytes; without them each carries 1/F.
+    sizes of the model's layers in module order, from which streaming DiLoCo's fragments take
+    their shares of the bytes under the spec's split (``streaming.fragment_shares``): each
+    layer's bytes (``streaming.layer_bytes``), or its tensors' rows and bytes
+    (``streaming.layer_tensors``), which the rows split needs to match the runtime exactly;
+    without them each fragment carries 1/F.
     """
     strat = parse_strategy(strategy) if isinstance(strategy, str) else strategy
     c = np.asarray(compute_ms, dtype=float)
@@ -156,7 +159,8 @@ def simulate(
         if comm.ratio != 1:
             raise UsageError(
                 f"a compression ratio prices compressed exchanges of bsp, ssp:S, async, local:H "
-                f"and diloco:H[:F[:TAU[:ALPHA]]]; {strat.spec}'s collectives are not compressed"
+                f"and diloco:H[:F[:TAU[:ALPHA]][:SPLIT]]; {strat.spec}'s collectives are not "
+                "compressed"
             )
         if comm_steps is not None:
             raise UsageError(
@@ -207,12 +211,12 @@ def _check_hosts(strat: Strategy, comm: CommModel) -> None:
 
 
 def _streaming(
-    c: np.ndarray, comm: CommModel, strat: Strategy, layers: Sequence[float] | None
+    c: np.ndarray, comm: CommModel, strat: Strategy, layers: Sequence[Layer] | None
 ) -> SimResult:
     # Fragment by fragment (gradsync.sim.streaming): an exchange hides behind the TAU steps
     # after it, and a worker waits at the merge only for what has not finished. The unhidden
     # comm of a step is what even its slowest worker waited; the rest of a wait is idle.
-    shares = fragment_shares(layers, strat.fragments)
+    shares = fragment_shares(layers, strat.fragments, strat.split)
     plan = Plan(
         period=int(strat.param),
         delay=strat.delay,

@@ -1,11 +1,19 @@
-"""Streaming DiLoCo (``diloco:H:F:TAU:ALPHA``) priced: fragment sizes, the schedule, and the
-step-by-step timeline of exchanges that overlap the next TAU inner steps.
+"""Streaming DiLoCo (``diloco:H:F:TAU:ALPHA[:SPLIT]``) priced: fragment sizes, the schedule,
+and the step-by-step timeline of exchanges that overlap the next TAU inner steps.
 
 The runtime (``gradsync.strategies.streaming``, docs/streaming.md) needs torch; the simulator
-must not, so the two rules it shares with it are written again here and tested against it
+must not, so the rules it shares with it are written again here and tested against it
 (tests/test_sim_streaming.py): fragment p starts its exchange after every step t with
-``(t + 1) % H == ((p + 1) * H // F) % H``, and layer i (a module holding trainable parameters
-directly, in module order) belongs to fragment ``i % F``.
+``(t + 1) % H == ((p + 1) * H // F) % H``; under the ``layers`` split layer i (a module holding
+trainable parameters directly, in module order) belongs to fragment ``i % F``; under the
+default ``rows`` split every tensor with at least F rows is cut into F blocks of rows and the
+smaller ones go whole to the lightest fragment (``row_loads``).
+
+A model's sizes come as one entry per layer (``layers``): the layer's bytes, which is all the
+``layers`` split needs (``layer_bytes``, or ``--layers``), or its tensors' ``(rows, bytes)``
+(``layer_tensors``), which the ``rows`` split needs to cut them as the runtime does. Given a
+layer's bytes alone, the ``rows`` split cuts it evenly F ways (a layer of many rows, as most
+are).
 
 The timeline: the exchange of a fragment is one collective, so it starts once the slowest
 worker has finished the step it is launched after (and the previous exchange has left the
@@ -19,11 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from gradsync.errors import UsageError
+from gradsync.spec import SPLITS
+
+#: One layer's size: its bytes, or its tensors' ``(rows, bytes)`` in parameter order.
+Layer: TypeAlias = float | Sequence[tuple[int, float]]
 
 
 def offsets(period: int, fragments: int) -> list[int]:
@@ -50,24 +62,87 @@ def layer_bytes(model: Any) -> list[int]:
     return out
 
 
-def fragment_shares(layers: Sequence[float] | None, fragments: int) -> list[float]:
-    """Share of the model's bytes each fragment carries: layers strided over the fragments
-    (layer i to fragment i % F) when their sizes are known, else 1/F each."""
+def layer_tensors(model: Any) -> list[list[tuple[int, int]]]:
+    """Each layer's tensors (as ``layer_bytes`` groups them) as ``(rows, bytes)``: rows the
+    first dimension, 1 for a scalar or a non-contiguous tensor, which the runtime's rows split
+    takes whole (``gradsync.strategies.streaming._rows``). Duck-typed, as ``layer_bytes``."""
+    seen: set[int] = set()
+    out: list[list[tuple[int, int]]] = []
+    for module in model.modules():
+        layer = []
+        for p in module.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                rows = p.shape[0] if p.dim() >= 1 and p.is_contiguous() else 1
+                layer.append((int(rows), p.numel() * p.element_size()))
+        if sum(nbytes for _, nbytes in layer):
+            out.append(layer)
+    return out
+
+
+def fragment_shares(
+    layers: Sequence[Layer] | None, fragments: int, split: str = SPLITS[0]
+) -> list[float]:
+    """Share of the model's bytes each fragment carries under ``split``: ``layers`` strided
+    over the fragments (layer i to fragment i % F), or the rows split (``row_loads``), when
+    the sizes are known, else 1/F each."""
     if fragments < 1:
         raise UsageError(f"fragments must be at least 1, got {fragments}")
+    if split not in SPLITS:
+        raise UsageError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if layers is None or fragments == 1:
         return [1.0 / fragments] * fragments
-    sizes = [float(x) for x in layers]
+    sizes = [_layer_total(x) for x in layers]
     if not sizes or any(not (x > 0 and np.isfinite(x)) for x in sizes):
         raise UsageError(f"--layers needs sizes > 0, one per layer, got {list(layers)}")
+    total = sum(sizes)
+    if split == "rows":
+        return [load / total for load in row_loads(layers, fragments)]
     if fragments > len(sizes):
         # The runtime refuses the same (gradsync.strategies.streaming.strided_fragments).
         raise UsageError(
             f"F={fragments} fragments, but --layers lists only {len(sizes)} layers; "
             f"use F <= {len(sizes)}"
         )
-    total = sum(sizes)
     return [sum(sizes[p::fragments]) / total for p in range(fragments)]
+
+
+def _layer_total(layer: Layer) -> float:
+    if isinstance(layer, Sequence):
+        return float(sum(nbytes for _, nbytes in layer))
+    return float(layer)
+
+
+def row_loads(layers: Sequence[Layer], fragments: int) -> list[float]:
+    """Bytes of each fragment under the rows split (``gradsync.strategies.streaming.row_blocks``,
+    the same greedy rule on the same numbers): a tensor of at least F rows is cut into F
+    blocks, the longer ones (one extra row) to the lightest fragments so far; a smaller one
+    goes whole to the lightest; ties to the lowest index. A layer given by its bytes alone is
+    cut into F equal parts."""
+    loads = [0.0] * fragments
+    filled = [False] * fragments
+    for layer in layers:
+        tensors = layer if isinstance(layer, Sequence) else [(fragments, float(layer))]
+        for rows, nbytes in tensors:
+            if rows < fragments:
+                p = min(range(fragments), key=lambda q: (loads[q], q))
+                loads[p] += nbytes
+                filled[p] = True
+                continue
+            base, extra = divmod(rows, fragments)
+            row = nbytes / rows
+            longer = set(sorted(range(fragments), key=lambda q: (loads[q], q))[:extra])
+            for p in range(fragments):
+                loads[p] += (base + (p in longer)) * row
+            filled = [True] * fragments
+    if not all(filled):
+        # The runtime refuses the same (gradsync.strategies.streaming.row_fragments).
+        raise UsageError(
+            f"F={fragments} fragments, but the model's trainable tensors fill only "
+            f"{sum(filled)} (a tensor with fewer than F rows is not cut); use F <= "
+            f"{max(1, sum(filled))}"
+        )
+    return loads
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,4 +225,14 @@ def _finish(
     return [*waited, max([ready, *waited]) + sum(plan.costs)]
 
 
-__all__ = ["Plan", "Timeline", "fragment_shares", "layer_bytes", "offsets", "timeline"]
+__all__ = [
+    "Layer",
+    "Plan",
+    "Timeline",
+    "fragment_shares",
+    "layer_bytes",
+    "layer_tensors",
+    "offsets",
+    "row_loads",
+    "timeline",
+]

@@ -10,7 +10,7 @@ import math
 
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
-from gradsync.spec import parse_strategy_spec
+from gradsync.spec import SPLITS, parse_strategy_spec
 from gradsync.strategies.base import Strategy
 from gradsync.strategies.bsp import BSP
 from gradsync.strategies.hogwild import Hogwild, refusal_of_compression
@@ -51,6 +51,7 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
             fragments=parsed.fragments or 1,
             delay=parsed.delay or 0,
             alpha=parsed.alpha or 0.0,
+            split=parsed.split or SPLITS[0],
         )
     bound = math.inf if parsed.kind == "async" else float(parsed.staleness or 0.0)
     return ParameterServer(bound, servers=servers, timeout_s=timeout_s)

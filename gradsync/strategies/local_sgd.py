@@ -1,5 +1,5 @@
 """Periodic averaging: local SGD (``local:H``) and DiLoCo (``diloco:H``, and streaming DiLoCo,
-``diloco:H:F:TAU:ALPHA``, whose schedule and fragments ``streaming`` holds).
+``diloco:H:F:TAU:ALPHA[:SPLIT]``, whose schedule and fragments ``streaming`` holds).
 
 Every worker steps the user's optimizer on its own gradient for H steps with no communication.
 Then local SGD averages the parameters; DiLoCo averages the pseudo-gradient (global parameters
@@ -21,7 +21,7 @@ from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.fault.diagnose import END
 from gradsync.flat import copy_into, flatten
-from gradsync.spec import StrategySpec, parse_strategy_spec
+from gradsync.spec import SPLITS, StrategySpec, parse_strategy_spec
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,
@@ -32,7 +32,7 @@ from gradsync.strategies.base import (
     local_gradient,
     optimizer_step,
 )
-from gradsync.strategies.streaming import Exchange, offsets, strided_fragments
+from gradsync.strategies.streaming import Exchange, fragment_tensors, offsets
 
 
 class _Periodic(Strategy):
@@ -237,11 +237,15 @@ class DiLoCo(_Periodic):
     without momentum, whatever ``outer_momentum`` says: the compressor's decaying error-feedback
     accumulator is the momentum (SparseLoCo), and the outer step is plain SGD at ``outer_lr``.
 
-    Streaming DiLoCo (``diloco:H:F:TAU:ALPHA``, or ``fragments``, ``delay`` and ``alpha``
-    here): F fragments, each synchronized every H steps at its own offset, its exchange applied
-    TAU steps after it started and mixed into the local fragment with weight ALPHA; see
-    ``gradsync.strategies.streaming``. Plain DiLoCo is its one-fragment, undelayed case, and
-    runs through the same code. ``delay=None`` picks ``gradsync.spec.default_delay``.
+    Streaming DiLoCo (``diloco:H:F:TAU:ALPHA[:SPLIT]``, or ``fragments``, ``delay``,
+    ``alpha`` and ``split`` here): F fragments, each synchronized every H steps at its own
+    offset, its exchange applied TAU steps after it started and mixed into the local fragment
+    with weight ALPHA; see ``gradsync.strategies.streaming``. ``split`` is how the model is cut
+    into fragments: "rows" (the default: every tensor cut into F blocks of rows, so each
+    exchange carries 1/F of the bytes) or "layers" (whole layers strided over the fragments, the
+    paper's form). Plain DiLoCo is its one-fragment, undelayed case, and runs through the same
+    code (with one fragment the split changes nothing). ``delay=None`` picks
+    ``gradsync.spec.default_delay``.
     """
 
     name = "diloco"
@@ -256,18 +260,21 @@ class DiLoCo(_Periodic):
         fragments: int = 1,
         delay: int | None = None,
         alpha: float = 0.0,
+        split: str = "rows",
     ) -> None:
         super().__init__(period)
         self.outer = OuterConfig(
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov
         )
-        spec = _streaming_spec(period, fragments, delay, alpha)
+        spec = _streaming_spec(period, fragments, delay, alpha, split)
         #: the canonical spec (``diloco:8:2:1``), for messages
         self.spec = str(spec)
         self.streaming = spec.fragments is not None
         self.fragments = spec.fragments or 1
         self.delay = spec.delay or 0
         self.alpha = spec.alpha or 0.0
+        #: how the model is cut into fragments (one of ``gradsync.spec.SPLITS``)
+        self.split = spec.split or SPLITS[0]
         self._offsets = offsets(period, self.fragments)
         self._fragment_params: list[list[torch.Tensor]] = []
         self._globals: list[torch.Tensor] = []
@@ -276,8 +283,11 @@ class DiLoCo(_Periodic):
 
     def setup(self, ctx: SyncContext) -> None:
         super().setup(ctx)
-        groups = strided_fragments(ctx.model, self._params, self.fragments, self.spec)
-        self._fragment_params = [[self._params[i] for i in group] for group in groups]
+        # Under the rows split a fragment holds views of row blocks (sharing the parameters'
+        # storage): flatten reads them and copy_into writes through them like whole tensors.
+        self._fragment_params = fragment_tensors(
+            ctx.model, self._params, self.fragments, self.split, self.spec
+        )
         # The global copies are taken after the Synchronizer's broadcast, so they are the same
         # on every rank; each fragment's lives as one flat tensor that the outer optimizer owns
         # (it steps only the fragment whose gradient is set).
@@ -407,7 +417,11 @@ class DiLoCo(_Periodic):
         state["global"] = torch.cat([g.detach() for g in self._globals]).clone()
         state["outer_optimizer"] = self._outer_opt.state_dict()
         if self.streaming:
-            state["streaming"] = {"fragments": self.fragments, "pending": pending}
+            state["streaming"] = {
+                "fragments": self.fragments,
+                "split": self.split,
+                "pending": pending,
+            }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -419,6 +433,7 @@ class DiLoCo(_Periodic):
                 f"fragment(s); this run is {self.spec} with {self.fragments}: resume with the "
                 "same number of fragments"
             )
+        _check_split(saved, self.fragments, self.split, self.spec)
         for ex in self._pending:  # whatever is in flight completes before it is replaced
             self._resolve(ex)
         super().load_state_dict(state)
@@ -433,10 +448,37 @@ class DiLoCo(_Periodic):
         ]
 
 
-def _streaming_spec(period: int, fragments: int, delay: int | None, alpha: float) -> StrategySpec:
+def _check_split(saved: dict[str, Any], fragments: int, split: str, spec: str) -> None:
+    """Refuse a checkpoint written under another split: ``global`` is the fragments' flat
+    global copies end to end, which another split would read back into the wrong elements.
+    A checkpoint that records none was written before the rows split existed: by "layers".
+    With one fragment every split is the same flat layout."""
+    if fragments == 1:
+        return
+    was = str(saved.get("split", "layers"))
+    if was != split:
+        raise UsageError(
+            f"the checkpoint was saved by diloco with its fragments split by {was}; this run is "
+            f"{spec}, split by {split}: resume with the same split (diloco:H:F:TAU:ALPHA:{was})"
+        )
+
+
+def _streaming_spec(
+    period: int, fragments: int, delay: int | None, alpha: float, split: str
+) -> StrategySpec:
     """The spec a DiLoCo built by hand stands for, checked by the one spec parser, so a bad
     argument gets the message of the spec string that would carry it."""
     text = f"diloco:{period}:{fragments}"
     if delay is None:
         delay = parse_strategy_spec(text).delay or 0
-    return parse_strategy_spec(f"{text}:{delay}:{alpha}")
+    # A word is the parser's to judge (its message names the spec); what it would read as
+    # another number, or as no field at all, is refused here.
+    if not isinstance(split, str) or split.strip().lower() not in SPLITS:
+        try:
+            float(split)
+            word = False
+        except (TypeError, ValueError):
+            word = isinstance(split, str) and bool(split.strip())
+        if not word:
+            raise UsageError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return parse_strategy_spec(f"{text}:{delay}:{alpha}:{split}")

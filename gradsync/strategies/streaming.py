@@ -1,24 +1,38 @@
 """Streaming DiLoCo's bookkeeping: which tensors form each fragment, when each fragment
 synchronizes, and an outer exchange in flight.
 
-``diloco:H:F:TAU:ALPHA`` (``DiLoCo(H, fragments=F, delay=TAU, alpha=ALPHA)``) splits the model
-into F fragments, strided across its layers (fragment p holds layers p, p + F, p + 2F, ...: each
-fragment spans the whole depth). Each fragment synchronizes every H steps, at its own offset,
-the offsets spread H/F apart, so one exchange carries about 1/F of the model and the peak bytes
-on the wire drop F-fold. A fragment's outer exchange starts after its step and is applied TAU
-inner steps later, overlapped with them; the worker's fragment then becomes
-``ALPHA * local + (1 - ALPHA) * global`` (ALPHA 0: the new global parameters, as in DiLoCo).
-The strategy itself is ``gradsync.strategies.local_sgd.DiLoCo``; docs/streaming.md has the
-schedule and what each knob trades.
+``diloco:H:F:TAU:ALPHA[:SPLIT]`` (``DiLoCo(H, fragments=F, delay=TAU, alpha=ALPHA,
+split=SPLIT)``) splits the model into F fragments. Each fragment synchronizes every H steps, at
+its own offset, the offsets spread H/F apart, so one exchange carries one fragment, and the
+peak bytes on the wire are the largest fragment's. A fragment's outer exchange starts after its
+step and is applied TAU inner steps later, overlapped with them; the worker's fragment then
+becomes ``ALPHA * local + (1 - ALPHA) * global`` (ALPHA 0: the new global parameters, as in
+DiLoCo).
+
+Two splits (``SPLITS``):
+
+- ``rows`` (the default, ``row_fragments``): every tensor with at least F rows is cut into F
+  blocks of contiguous rows, block p to fragment p; smaller tensors go whole to the fragment
+  with the fewest bytes so far. Each fragment holds 1/F of the bytes to within about one row,
+  however uneven the layers, so the peak bytes per exchange are 1/F of plain DiLoCo's.
+- ``layers`` (``strided_fragments``, the Streaming DiLoCo paper's form): whole layers, strided
+  (fragment p holds layers p, p + F, p + 2F, ...: each fragment spans the whole depth). The
+  peak is the largest fragment's, far above 1/F when one layer dominates.
+
+With one fragment both are the model's tensors in order: plain DiLoCo's flat layout. The
+strategy itself is ``gradsync.strategies.local_sgd.DiLoCo``; docs/streaming.md has the schedule
+and what each knob trades.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gradsync.errors import UsageError
+from gradsync.spec import SPLITS
 
 
 def layers(model: torch.nn.Module, params: list[torch.Tensor]) -> list[list[int]]:
@@ -57,6 +71,86 @@ def strided_fragments(
     return [sorted(i for layer in found[p::fragments] for i in layer) for p in range(fragments)]
 
 
+def row_blocks(
+    sizes: Sequence[tuple[int, int]], fragments: int
+) -> list[list[tuple[int, int, int]]]:
+    """The rows split on ``sizes``, each tensor's (rows, bytes) in parameter order: for each
+    fragment, the ``(tensor, first row, end row)`` blocks it holds, in parameter order.
+
+    A tensor with at least ``fragments`` rows is cut into one block per fragment, block p to
+    fragment p, their sizes differing by one row at most: the blocks with an extra row go to
+    the fragments with the fewest bytes so far. A smaller tensor goes whole, ``(i, 0, rows)``,
+    to the fragment with the fewest bytes so far. Ties go to the lowest index. Both greedy
+    choices keep the largest fragment within one increment (a row, or a small tensor) of the
+    smallest, so none strays more than that from 1/F of the bytes. Pure arithmetic, which
+    ``gradsync.sim.streaming`` writes again without torch (tests/test_sim_streaming.py)."""
+    loads = [0] * fragments
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(fragments)]
+    for i, (rows, nbytes) in enumerate(sizes):
+        if rows < fragments:
+            p = min(range(fragments), key=lambda q: (loads[q], q))
+            out[p].append((i, 0, rows))
+            loads[p] += nbytes
+            continue
+        base, extra = divmod(rows, fragments)
+        row = nbytes // rows
+        longer = set(sorted(range(fragments), key=lambda q: (loads[q], q))[:extra])
+        start = 0
+        for p in range(fragments):
+            count = base + (p in longer)
+            out[p].append((i, start, start + count))
+            loads[p] += count * row
+            start += count
+    return out
+
+
+def _rows(p: torch.Tensor) -> int:
+    """The rows the rows split may cut ``p`` along: its first dimension. A scalar has none to
+    cut, and a non-contiguous tensor (a transposed weight, say) is taken whole too, as one
+    row: a block of its rows would be scattered through its memory rather than one stretch of
+    it, so every block the split makes stays a plain slice of its parameter's storage."""
+    return p.shape[0] if p.dim() >= 1 and p.is_contiguous() else 1
+
+
+def row_fragments(
+    params: list[torch.Tensor], fragments: int, spec: str
+) -> list[list[torch.Tensor]]:
+    """The tensors of each fragment under the rows split (``row_blocks``): a whole parameter,
+    or a block of its rows as a view sharing its storage (``p.detach().narrow``), so that
+    flattening a fragment reads the model and ``copy_into`` writes into it. One fragment: the
+    parameters themselves."""
+    if fragments == 1:
+        return [list(params)]
+    sizes = [(_rows(p), p.numel() * p.element_size()) for p in params]
+    blocks = row_blocks(sizes, fragments)
+    filled = sum(1 for held in blocks if held)
+    if filled < fragments:
+        raise UsageError(
+            f"strategy {spec!r}: F={fragments} fragments, but the model's trainable tensors "
+            f"fill only {filled} (a tensor with fewer than F rows is not cut); use F <= "
+            f"{max(1, filled)}"
+        )
+    return [
+        [
+            params[i] if (a, b) == (0, sizes[i][0]) else params[i].detach().narrow(0, a, b - a)
+            for i, a, b in held
+        ]
+        for held in blocks
+    ]
+
+
+def fragment_tensors(
+    model: torch.nn.Module, params: list[torch.Tensor], fragments: int, split: str, spec: str
+) -> list[list[torch.Tensor]]:
+    """The tensors of each fragment under ``split`` (one of ``SPLITS``)."""
+    if split not in SPLITS:
+        raise UsageError(f"strategy {spec!r}: split {split!r} is not one of {', '.join(SPLITS)}")
+    if split == "layers":
+        groups = strided_fragments(model, params, fragments, spec)
+        return [[params[i] for i in group] for group in groups]
+    return row_fragments(params, fragments, spec)
+
+
 def offsets(period: int, fragments: int) -> list[int]:
     """Fragment p synchronizes after the steps where ``(step + 1) % period`` equals
     ``offsets[p]``: spread ``period / fragments`` apart, the last fragment on plain DiLoCo's
@@ -77,4 +171,12 @@ class Exchange:
     result: torch.futures.Future[torch.Tensor] | torch.Tensor
 
 
-__all__ = ["Exchange", "layers", "offsets", "strided_fragments"]
+__all__ = [
+    "Exchange",
+    "fragment_tensors",
+    "layers",
+    "offsets",
+    "row_blocks",
+    "row_fragments",
+    "strided_fragments",
+]
