@@ -51,7 +51,7 @@ def _check_resume(cfg: Any, run_dir: Path) -> None:
     from gradsync.fault.resume import check_resumable
     from gradsync.worker import CHECKPOINT_DIR
 
-    check_resumable(run_dir / CHECKPOINT_DIR, parse_compression(cfg.compression).spec)
+    check_resumable(run_dir / CHECKPOINT_DIR, parse_compression(cfg.compression).spec, cfg.strategy)
 
 
 def _run(cfg: Any, run_dir: Path) -> int:

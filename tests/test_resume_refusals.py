@@ -1,6 +1,7 @@
 """--resume that cannot continue the run is refused before any worker starts: checkpoints that
-are all unusable (not a silent start at step 0), or another compressor than the checkpoint's
-(not ``KeyError: 'inner'``); and ``sync.load`` refuses the latter too, naming both."""
+are all unusable (not a silent start at step 0), another compressor than the checkpoint's
+(not ``KeyError: 'inner'``), or streaming DiLoCo fragments cut otherwise (not a worker
+failure); and ``sync.load`` refuses another compressor too, naming both."""
 
 from __future__ import annotations
 
@@ -97,6 +98,66 @@ def test_cli_refuses_before_launching_or_rewriting_config(
     assert code == 2 and not launched
     assert len(err) == 1 and err[0].startswith("gradsync: error: --resume: checkpoint at step 10")
     assert json.loads((run / "config.json").read_text()) == {"compression": None}
+
+
+def _diloco_checkpoint(directory: Path, streaming: dict[str, Any] | None) -> None:
+    """A checkpoint as streaming DiLoCo writes it (``streaming``: its strategy state's record,
+    None for plain DiLoCo, which writes none)."""
+    strategy: dict[str, Any] = {} if streaming is None else {"streaming": streaming}
+    _checkpoint(directory, 10, strategy="diloco", compression="none", sync={"strategy": strategy})
+
+
+@pytest.mark.parametrize(
+    ("streaming", "now", "refusal"),
+    [
+        ({"fragments": 4, "split": "layers"}, "diloco:8:4:1", "split by layers; this run is"),
+        ({"fragments": 4, "split": "rows"}, "diloco:8:4:1:layers", "split by rows; this run is"),
+        ({"fragments": 4}, "diloco:8:4", "split by layers"),  # saved before splits were recorded
+        ({"fragments": 4, "split": "rows"}, "diloco:8:2", "with 4 fragment(s)"),
+        (None, "diloco:8:4", "with 1 fragment(s)"),
+    ],
+)
+def test_streaming_fragments_another_run_would_misread_are_refused(
+    tmp_path: Path, streaming: dict[str, Any] | None, now: str, refusal: str
+) -> None:
+    _diloco_checkpoint(tmp_path, streaming)
+    with pytest.raises(UsageError) as refused:
+        check_resumable(tmp_path, "none", now)
+    message = str(refused.value)
+    assert message.startswith("--resume: the checkpoint was saved by diloco") and refusal in message
+
+
+@pytest.mark.parametrize(
+    ("streaming", "now"),
+    [
+        ({"fragments": 4, "split": "layers"}, "diloco:8:4:1:layers"),
+        ({"fragments": 4, "split": "rows"}, "diloco:8:4:1:0.5"),
+        ({"fragments": 4}, "diloco:16:4:2:layers"),
+        (None, "diloco:8"),
+        (None, "diloco:16:1:0:0:layers"),  # one fragment: every split is the same layout
+        ({"fragments": 4, "split": "rows"}, "local:8"),  # another strategy: the workers judge it
+    ],
+)
+def test_streaming_fragments_the_run_reads_alike_pass(
+    tmp_path: Path, streaming: dict[str, Any] | None, now: str
+) -> None:
+    _diloco_checkpoint(tmp_path, streaming)
+    check_resumable(tmp_path, "none", now)
+
+
+def test_cli_refuses_another_split_before_launching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launched: list[object] = []
+    monkeypatch.setattr(gradsync.launch, "launch", lambda *a, **k: launched.append(a))
+    run = tmp_path / "run"
+    _diloco_checkpoint(run / "checkpoints", {"fragments": 4, "split": "layers"})
+    (run / "config.json").write_text(json.dumps({"strategy": "diloco:8:4:1:layers"}))
+    code = main(["run", "--workload=mlp", "--resume", "--strategy=diloco:8:4", f"--out={run}"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and not launched
+    assert len(err) == 1 and "split by layers; this run is diloco:8:4:1, split by rows" in err[0]
+    assert err[0].endswith("(diloco:H:F:TAU:ALPHA:layers)")
 
 
 def _sync(compression: str | None) -> Synchronizer:

@@ -278,10 +278,11 @@ def _join_replicated(
         state.update(model=shared["model"], optimizer=shared["optimizer"])
 
 
-def check_resumable(directory: str | Path, compression: str) -> None:
+def check_resumable(directory: str | Path, compression: str, strategy: str | None = None) -> None:
     """Before ``gradsync run --resume`` starts a worker: ``UsageError`` when ``directory``
     holds checkpoints but none is usable (each one's reason named), or when the one the run
-    would resume from was written with another compression than ``compression`` (a spec).
+    would resume from was written with another compression than ``compression`` (a spec), or
+    (given this run's ``strategy`` spec) by streaming DiLoCo with other fragments.
     A directory without checkpoints passes: the run starts at step 0, as ``load`` does."""
     store = CheckpointStore(directory)
     with warnings.catch_warnings(record=True) as caught:
@@ -300,10 +301,27 @@ def check_resumable(directory: str | Path, compression: str) -> None:
             )
         return
     try:
-        saved = store.load(info, 0).get("compression")
-        _check_compression(info.step, saved, compression)
-    except CheckpointError as exc:
+        state = store.load(info, 0)
+        _check_compression(info.step, state.get("compression"), compression)
+        if strategy is not None:
+            _check_fragments(state, strategy)
+    except (CheckpointError, UsageError) as exc:
         raise UsageError(f"--resume: {exc}") from None
+
+
+def _check_fragments(state: dict[str, Any], strategy: str) -> None:
+    """Streaming DiLoCo's fragments as the workers' ``DiLoCo.load_state_dict`` would judge
+    them, so a mismatch stops the run before it starts rather than as a worker failure. Other
+    strategies, and a checkpoint of another strategy (which the workers refuse, naming it),
+    are not judged here."""
+    from gradsync.spec import SPLITS, parse_strategy_spec
+    from gradsync.strategies.streaming import check_saved_fragments
+
+    spec = parse_strategy_spec(strategy)
+    if spec.kind != "diloco" or state.get("strategy") != "diloco":
+        return
+    saved = state.get("sync", {}).get("strategy", {}).get("streaming", {})
+    check_saved_fragments(saved, spec.fragments or 1, spec.split or SPLITS[0], str(spec))
 
 
 def _skip_reason(message: Warning | str, directory: Path) -> str:

@@ -32,7 +32,12 @@ from gradsync.strategies.base import (
     local_gradient,
     optimizer_step,
 )
-from gradsync.strategies.streaming import Exchange, fragment_tensors, offsets
+from gradsync.strategies.streaming import (
+    Exchange,
+    check_saved_fragments,
+    fragment_tensors,
+    offsets,
+)
 
 
 class _Periodic(Strategy):
@@ -427,13 +432,7 @@ class DiLoCo(_Periodic):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self._outer_opt is not None
         saved = state.get("streaming", {})
-        if int(saved.get("fragments", 1)) != self.fragments:
-            raise UsageError(
-                f"the checkpoint was saved by diloco with {saved.get('fragments', 1)} "
-                f"fragment(s); this run is {self.spec} with {self.fragments}: resume with the "
-                "same number of fragments"
-            )
-        _check_split(saved, self.fragments, self.split, self.spec)
+        check_saved_fragments(saved, self.fragments, self.split, self.spec)
         for ex in self._pending:  # whatever is in flight completes before it is replaced
             self._resolve(ex)
         super().load_state_dict(state)
@@ -446,21 +445,6 @@ class DiLoCo(_Periodic):
             Exchange(int(ex["fragment"]), int(ex["due"]), ex["mean"].clone())
             for ex in saved.get("pending", [])
         ]
-
-
-def _check_split(saved: dict[str, Any], fragments: int, split: str, spec: str) -> None:
-    """Refuse a checkpoint written under another split: ``global`` is the fragments' flat
-    global copies end to end, which another split would read back into the wrong elements.
-    A checkpoint that records none was written before the rows split existed: by "layers".
-    With one fragment every split is the same flat layout."""
-    if fragments == 1:
-        return
-    was = str(saved.get("split", "layers"))
-    if was != split:
-        raise UsageError(
-            f"the checkpoint was saved by diloco with its fragments split by {was}; this run is "
-            f"{spec}, split by {split}: resume with the same split (diloco:H:F:TAU:ALPHA:{was})"
-        )
 
 
 def _streaming_spec(

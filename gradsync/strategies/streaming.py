@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -151,6 +152,30 @@ def fragment_tensors(
     return row_fragments(params, fragments, spec)
 
 
+def check_saved_fragments(saved: dict[str, Any], fragments: int, split: str, spec: str) -> None:
+    """Refuse a checkpoint's streaming state (``saved``: DiLoCo's ``state_dict()["streaming"]``,
+    empty for plain DiLoCo) that this run, ``spec`` with ``fragments`` cut by ``split``, would
+    read back wrongly: ``global`` is the fragments' flat global copies end to end, which
+    another number of fragments or another split would put into the wrong elements. A
+    checkpoint that records no split was written before the rows split existed: by "layers".
+    With one fragment every split is the same flat layout. Used by ``DiLoCo.load_state_dict``
+    and, before any worker starts, by ``gradsync run --resume``."""
+    if int(saved.get("fragments", 1)) != fragments:
+        raise UsageError(
+            f"the checkpoint was saved by diloco with {saved.get('fragments', 1)} "
+            f"fragment(s); this run is {spec} with {fragments}: resume with the "
+            "same number of fragments"
+        )
+    if fragments == 1:
+        return
+    was = str(saved.get("split", "layers"))
+    if was != split:
+        raise UsageError(
+            f"the checkpoint was saved by diloco with its fragments split by {was}; this run is "
+            f"{spec}, split by {split}: resume with the same split (diloco:H:F:TAU:ALPHA:{was})"
+        )
+
+
 def offsets(period: int, fragments: int) -> list[int]:
     """Fragment p synchronizes after the steps where ``(step + 1) % period`` equals
     ``offsets[p]``: spread ``period / fragments`` apart, the last fragment on plain DiLoCo's
@@ -173,6 +198,7 @@ class Exchange:
 
 __all__ = [
     "Exchange",
+    "check_saved_fragments",
     "fragment_tensors",
     "layers",
     "offsets",
