@@ -85,21 +85,6 @@ def test_a_checkpoint_from_before_compressors_were_recorded_is_not_judged(tmp_pa
     check_resumable(tmp_path, "topk:0.1")
 
 
-def test_cli_refuses_before_launching_or_rewriting_config(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    launched: list[object] = []
-    monkeypatch.setattr(gradsync.launch, "launch", lambda *a, **k: launched.append(a))
-    run = tmp_path / "run"
-    _checkpoint(run / "checkpoints", 10, compression="none")
-    (run / "config.json").write_text(json.dumps({"compression": None}))
-    code = main(["run", "--workload=mlp", "--resume", "--compress=sign", f"--out={run}"])
-    err = capsys.readouterr().err.splitlines()
-    assert code == 2 and not launched
-    assert len(err) == 1 and err[0].startswith("gradsync: error: --resume: checkpoint at step 10")
-    assert json.loads((run / "config.json").read_text()) == {"compression": None}
-
-
 def _diloco_checkpoint(directory: Path, streaming: dict[str, Any] | None) -> None:
     """A checkpoint as streaming DiLoCo writes it (``streaming``: its strategy state's record,
     None for plain DiLoCo, which writes none)."""
@@ -145,19 +130,44 @@ def test_streaming_fragments_the_run_reads_alike_pass(
     check_resumable(tmp_path, "none", now)
 
 
-def test_cli_refuses_another_split_before_launching(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("saved", "flag", "refusal"),
+    [
+        (
+            "compressor",
+            "--compress=sign",
+            "checkpoint at step 10 was written with compression none",
+        ),
+        (
+            "layers",
+            "--strategy=diloco:8:4",
+            "the checkpoint was saved by diloco with its fragments split by layers; this run is "
+            "diloco:8:4:1, split by rows: resume with the same split (diloco:H:F:TAU:ALPHA:layers)",
+        ),
+    ],
+)
+def test_cli_refuses_before_launching_or_rewriting_config(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    saved: str,
+    flag: str,
+    refusal: str,
 ) -> None:
     launched: list[object] = []
     monkeypatch.setattr(gradsync.launch, "launch", lambda *a, **k: launched.append(a))
     run = tmp_path / "run"
-    _diloco_checkpoint(run / "checkpoints", {"fragments": 4, "split": "layers"})
-    (run / "config.json").write_text(json.dumps({"strategy": "diloco:8:4:1:layers"}))
-    code = main(["run", "--workload=mlp", "--resume", "--strategy=diloco:8:4", f"--out={run}"])
+    if saved == "compressor":
+        _checkpoint(run / "checkpoints", 10, compression="none")
+    else:
+        _diloco_checkpoint(run / "checkpoints", {"fragments": 4, "split": saved})
+    config = {"saved": saved}
+    (run / "config.json").write_text(json.dumps(config))
+    code = main(["run", "--workload=mlp", "--resume", flag, f"--out={run}"])
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and not launched
-    assert len(err) == 1 and "split by layers; this run is diloco:8:4:1, split by rows" in err[0]
-    assert err[0].endswith("(diloco:H:F:TAU:ALPHA:layers)")
+    assert len(err) == 1 and err[0].startswith(f"gradsync: error: --resume: {refusal}"), err
+    assert json.loads((run / "config.json").read_text()) == config
 
 
 def _sync(compression: str | None) -> Synchronizer:
