@@ -49,17 +49,7 @@ def layer_bytes(model: Any) -> list[int]:
     holds trainable parameters directly, in module order; a tensor shared by two modules
     counts in the first. Read by duck typing (``modules()``, ``parameters(recurse=False)``), so
     the simulator stays importable without torch."""
-    seen: set[int] = set()
-    out: list[int] = []
-    for module in model.modules():
-        size = 0
-        for p in module.parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                size += p.numel() * p.element_size()
-        if size:
-            out.append(size)
-    return out
+    return [sum(nbytes for _, nbytes in layer) for layer in layer_tensors(model)]
 
 
 def layer_tensors(model: Any) -> list[list[tuple[int, int]]]:
