@@ -1,8 +1,10 @@
 """Streaming DiLoCo priced by the simulator, and the two-level all-reduce through ``simulate``.
 
 Expected figures are worked out by hand here (the timelines step by step in the comments), not
-taken from ``gradsync.sim``, so a wrong schedule or formula there is caught. The fragment rules
-the simulator writes again without torch are checked against the runtime's own.
+taken from ``gradsync.sim``, so a wrong schedule or formula there is caught. The simulator
+prices the fragments the runtime's own rules cut (``gradsync.fragments``, no torch): checked
+against the tensors the runtime's fragments hold; its schedule, written again, against the
+runtime's.
 """
 
 from __future__ import annotations
@@ -154,26 +156,47 @@ def test_the_mlp_workloads_peak_is_a_third_by_rows_and_its_big_layer_by_layers()
     assert peaks["diloco:8:3:2:layers"] == pytest.approx(0.954, abs=0.001)
 
 
-def test_row_loads_are_the_runtimes_row_blocks_on_any_shapes() -> None:
-    """The greedy rule written twice (runtime and simulator), on random tensor lists: rows 0 to
-    40 (below F a tensor taken whole; 0 rows, 0 bytes), F from 1 to 9, over two layers."""
+def test_row_loads_are_the_runtimes_row_fragments_on_any_shapes() -> None:
+    """On random tensor lists (rows 0 to 40: below F a tensor is taken whole; 0 rows, 0 bytes;
+    some transposed, taken whole as one row), F from 1 to 9, over two layers: the simulator's
+    bytes per fragment are those of the tensors and row views the runtime's fragments hold, it
+    refuses where the runtime does, and the split keeps its promise: every element in one
+    fragment once, and the fragments within one increment (a row, or a whole tensor) apart."""
     rng = np.random.default_rng(16)
+    refused = 0
     for _ in range(300):
         count, f = int(rng.integers(2, 12)), int(rng.integers(1, 10))
         rows = [int(x) for x in rng.integers(0, 40, count)]
         rows[0] = max(rows[0], 1)  # no layer of nothing
-        sizes = [(r, r * int(rng.integers(1, 50)) * 4) for r in rows]
-        blocks = runtime.row_blocks(sizes, f)
-        want = [
-            sum((b - a) * sizes[i][1] // sizes[i][0] if b > a else 0 for i, a, b in held)
-            for held in blocks
+        cols = [int(x) for x in rng.integers(1, 50, count)]
+        params = [
+            torch.zeros(c, r).t() if rng.random() < 0.2 else torch.zeros(r, c)
+            for r, c in zip(rows, cols, strict=True)
+        ]
+        sizes = [
+            (p.shape[0] if p.is_contiguous() else 1, p.numel() * p.element_size()) for p in params
         ]
         layers = [sizes[:1], sizes[1:]] if sum(n for _, n in sizes[1:]) else [sizes]
-        if all(blocks):
-            assert row_loads(layers, f) == want, (sizes, f)
-        else:
+        try:
+            held = runtime.row_fragments(params, f, f"diloco:64:{f}")
+        except UsageError:
+            refused += 1
             with pytest.raises(UsageError, match=f"F={f} fragments, but the model's trainable"):
                 row_loads(layers, f)
+            continue
+        want = _runtime_bytes(held)
+        assert row_loads(layers, f) == want, (sizes, f)
+        pieces = [
+            (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()) for h in held for t in h
+        ]
+        whole = [(p.untyped_storage().data_ptr(), p.numel()) for p in params if p.numel()]
+        for ptr, n in whole:  # the pieces of each parameter tile it exactly
+            spans = sorted((o, k) for q, o, k in pieces if q == ptr)
+            assert spans[0][0] == 0 and sum(k for _, k in spans) == n
+            assert all(a + k == b for (a, k), (b, _) in zip(spans, spans[1:], strict=False))
+        step = max(n if r < f else n // r for r, n in sizes)
+        assert max(want) - min(want) <= step, (sizes, f, want)
+    assert 0 < refused < 300
 
 
 def test_row_shares_from_bytes_or_tensors_and_refusals() -> None:

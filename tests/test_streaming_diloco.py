@@ -169,6 +169,23 @@ def test_a_model_with_fewer_layers_than_fragments_is_refused_at_setup(one_rank: 
 
 
 @pytest.mark.unit
+def test_row_blocks_on_plain_sizes_worked_out_by_hand() -> None:
+    """The rule on (rows, bytes) alone, F 3. 10 rows of 8 bytes: 4, 3, 3 (all empty, the extra
+    row to fragment 0): 32, 24, 24 bytes. 2 rows (24 bytes), fewer than F: whole to the
+    lightest, 1 before 2 (a tie): 32, 48, 24. 4 rows of 4 bytes: 1, 1, 2 (the extra row to the
+    lightest, 2): 36, 52, 32. 0 rows: whole to the lightest, 2. The same rule, torch-free, is
+    the simulator's (``gradsync.fragments``), under the runtime's public names."""
+    from gradsync import fragments
+
+    assert row_blocks([(10, 80), (2, 24), (4, 16), (0, 0)], 3) == [
+        [(0, 0, 4), (2, 0, 1)],
+        [(0, 4, 7), (1, 0, 2), (2, 1, 2)],
+        [(0, 7, 10), (2, 2, 4), (3, 0, 0)],
+    ]
+    assert row_blocks is fragments.row_blocks and layers is fragments.layers
+
+
+@pytest.mark.unit
 def test_the_rows_split_of_the_mlp_is_the_blocks_worked_out_by_hand() -> None:
     model = streaming_ranks._workload().build_model()
     params = list(model.parameters())

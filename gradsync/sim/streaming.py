@@ -2,12 +2,13 @@
 and the step-by-step timeline of exchanges that overlap the next TAU inner steps.
 
 The runtime (``gradsync.strategies.streaming``, docs/streaming.md) needs torch; the simulator
-must not, so the rules it shares with it are written again here and tested against it
-(tests/test_sim_streaming.py): fragment p starts its exchange after every step t with
-``(t + 1) % H == ((p + 1) * H // F) % H``; under the ``layers`` split layer i (a module holding
-trainable parameters directly, in module order) belongs to fragment ``i % F``; under the
-default ``rows`` split every tensor with at least F rows is cut into F blocks of rows and the
-smaller ones go whole to the lightest fragment (``row_loads``).
+must not. The fragment rules both use are ``gradsync.fragments`` (no torch): under the
+``layers`` split layer i (a module holding trainable parameters directly, in module order)
+belongs to fragment ``i % F`` (``strided``); under the default ``rows`` split every tensor with
+at least F rows is cut into F blocks of rows and the smaller ones go whole to the lightest
+fragment (``row_blocks``, priced by ``row_loads``). The schedule is written again here and
+tested against the runtime's (tests/test_sim_streaming.py): fragment p starts its exchange
+after every step t with ``(t + 1) % H == ((p + 1) * H // F) % H``.
 
 A model's sizes come as one entry per layer (``layers``): the layer's bytes, which is all the
 ``layers`` split needs (``layer_bytes``, or ``--layers``), or its tensors' ``(rows, bytes)``
@@ -32,6 +33,8 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from gradsync.errors import UsageError
+from gradsync.fragments import layers as module_layers
+from gradsync.fragments import row_blocks, strided, tensor_rows
 from gradsync.spec import SPLITS
 
 #: One layer's size: its bytes, or its tensors' ``(rows, bytes)`` in parameter order.
@@ -47,24 +50,23 @@ def offsets(period: int, fragments: int) -> list[int]:
 def layer_bytes(model: Any) -> list[int]:
     """Bytes of each layer of a torch module, as streaming DiLoCo groups them: a module that
     holds trainable parameters directly, in module order; a tensor shared by two modules
-    counts in the first. Read by duck typing (``modules()``, ``parameters(recurse=False)``), so
-    the simulator stays importable without torch."""
+    counts in the first. Read by duck typing (``parameters()``, ``modules()``,
+    ``parameters(recurse=False)``), so the simulator stays importable without torch."""
     return [sum(nbytes for _, nbytes in layer) for layer in layer_tensors(model)]
 
 
 def layer_tensors(model: Any) -> list[list[tuple[int, int]]]:
-    """Each layer's tensors (as ``layer_bytes`` groups them) as ``(rows, bytes)``: rows the
-    first dimension, 1 for a scalar or a non-contiguous tensor, which the runtime's rows split
-    takes whole (``gradsync.strategies.streaming._rows``). Duck-typed, as ``layer_bytes``."""
-    seen: set[int] = set()
+    """Each layer's tensors (as ``layer_bytes`` groups them, ``gradsync.fragments.layers`` on
+    the trainable parameters, as the runtime's) as ``(rows, bytes)``: rows as the rows split
+    counts them (``gradsync.fragments.tensor_rows``: the first dimension, 1 for a scalar or a
+    non-contiguous tensor, which it takes whole). A layer of no bytes is left out. Duck-typed,
+    as ``layer_bytes``."""
+    params = [p for p in model.parameters() if p.requires_grad]
     out: list[list[tuple[int, int]]] = []
-    for module in model.modules():
-        layer = []
-        for p in module.parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                rows = p.shape[0] if p.dim() >= 1 and p.is_contiguous() else 1
-                layer.append((int(rows), p.numel() * p.element_size()))
+    for group in module_layers(model, params):
+        layer = [
+            (tensor_rows(params[i]), params[i].numel() * params[i].element_size()) for i in group
+        ]
         if sum(nbytes for _, nbytes in layer):
             out.append(layer)
     return out
@@ -94,7 +96,7 @@ def fragment_shares(
             f"F={fragments} fragments, but --layers lists only {len(sizes)} layers; "
             f"use F <= {len(sizes)}"
         )
-    return [sum(sizes[p::fragments]) / total for p in range(fragments)]
+    return [sum(group) / total for group in strided(sizes, fragments)]
 
 
 def _layer_total(layer: Layer) -> float:
@@ -104,34 +106,31 @@ def _layer_total(layer: Layer) -> float:
 
 
 def row_loads(layers: Sequence[Layer], fragments: int) -> list[float]:
-    """Bytes of each fragment under the rows split (``gradsync.strategies.streaming.row_blocks``,
-    the same greedy rule on the same numbers): a tensor of at least F rows is cut into F
-    blocks, the longer ones (one extra row) to the lightest fragments so far; a smaller one
-    goes whole to the lightest; ties to the lowest index. A layer given by its bytes alone is
-    cut into F equal parts."""
-    loads = [0.0] * fragments
-    filled = [False] * fragments
-    for layer in layers:
-        tensors = layer if isinstance(layer, Sequence) else [(fragments, float(layer))]
-        for rows, nbytes in tensors:
-            if rows < fragments:
-                p = min(range(fragments), key=lambda q: (loads[q], q))
-                loads[p] += nbytes
-                filled[p] = True
-                continue
-            base, extra = divmod(rows, fragments)
-            row = nbytes / rows
-            longer = set(sorted(range(fragments), key=lambda q: (loads[q], q))[:extra])
-            for p in range(fragments):
-                loads[p] += (base + (p in longer)) * row
-            filled = [True] * fragments
-    if not all(filled):
+    """Bytes of each fragment under the rows split: the blocks the runtime cuts
+    (``gradsync.fragments.row_blocks`` on the same ``(rows, bytes)``), a whole tensor its
+    bytes, a block of rows its share of them. A layer given by its bytes alone is cut into F
+    equal parts (as a tensor of F rows)."""
+    sizes = [
+        size
+        for layer in layers
+        for size in (layer if isinstance(layer, Sequence) else [(fragments, float(layer))])
+    ]
+    blocks = row_blocks(sizes, fragments)
+    filled = sum(1 for held in blocks if held)
+    if filled < fragments:
         # The runtime refuses the same (gradsync.strategies.streaming.row_fragments).
         raise UsageError(
             f"F={fragments} fragments, but the model's trainable tensors fill only "
-            f"{sum(filled)} (a tensor with fewer than F rows is not cut); use F <= "
-            f"{max(1, sum(filled))}"
+            f"{filled} (a tensor with fewer than F rows is not cut); use F <= "
+            f"{max(1, filled)}"
         )
+    loads = []
+    for held in blocks:
+        load = 0.0
+        for i, a, b in held:
+            rows, nbytes = sizes[i]
+            load += nbytes if (a, b) == (0, rows) else (b - a) * (nbytes / rows)
+        loads.append(load)
     return loads
 
 

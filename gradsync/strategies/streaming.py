@@ -20,38 +20,22 @@ Two splits (``SPLITS``):
   peak is the largest fragment's, far above 1/F when one layer dominates.
 
 With one fragment both are the model's tensors in order: plain DiLoCo's flat layout. The
-strategy itself is ``gradsync.strategies.local_sgd.DiLoCo``; docs/streaming.md has the schedule
-and what each knob trades.
+rules themselves, on plain sizes and without torch (``layers``, ``row_blocks``), are
+``gradsync.fragments``, which the simulator prices the fragments with too. The strategy itself
+is ``gradsync.strategies.local_sgd.DiLoCo``; docs/streaming.md has the schedule and what each
+knob trades.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gradsync.errors import UsageError
+from gradsync.fragments import layers, row_blocks, strided, tensor_rows
 from gradsync.spec import SPLITS
-
-
-def layers(model: torch.nn.Module, params: list[torch.Tensor]) -> list[list[int]]:
-    """Indices into ``params``, grouped by the module that holds them directly (a "layer":
-    ``nn.Linear``'s weight and bias together), in module order; a tensor shared by two
-    modules belongs to the first."""
-    index = {id(p): i for i, p in enumerate(params)}
-    seen: set[int] = set()
-    out: list[list[int]] = []
-    for module in model.modules():
-        layer = []
-        for p in module.parameters(recurse=False):
-            if id(p) in index and id(p) not in seen:
-                seen.add(id(p))
-                layer.append(index[id(p)])
-        if layer:
-            out.append(layer)
-    return out
 
 
 def strided_fragments(
@@ -69,48 +53,7 @@ def strided_fragments(
             "layers (modules holding trainable parameters); use F <= "
             f"{max(1, len(found))}"
         )
-    return [sorted(i for layer in found[p::fragments] for i in layer) for p in range(fragments)]
-
-
-def row_blocks(
-    sizes: Sequence[tuple[int, int]], fragments: int
-) -> list[list[tuple[int, int, int]]]:
-    """The rows split on ``sizes``, each tensor's (rows, bytes) in parameter order: for each
-    fragment, the ``(tensor, first row, end row)`` blocks it holds, in parameter order.
-
-    A tensor with at least ``fragments`` rows is cut into one block per fragment, block p to
-    fragment p, their sizes differing by one row at most: the blocks with an extra row go to
-    the fragments with the fewest bytes so far. A smaller tensor goes whole, ``(i, 0, rows)``,
-    to the fragment with the fewest bytes so far. Ties go to the lowest index. Both greedy
-    choices keep the largest fragment within one increment (a row, or a small tensor) of the
-    smallest, so none strays more than that from 1/F of the bytes. Pure arithmetic, which
-    ``gradsync.sim.streaming`` writes again without torch (tests/test_sim_streaming.py)."""
-    loads = [0] * fragments
-    out: list[list[tuple[int, int, int]]] = [[] for _ in range(fragments)]
-    for i, (rows, nbytes) in enumerate(sizes):
-        if rows < fragments:
-            p = min(range(fragments), key=lambda q: (loads[q], q))
-            out[p].append((i, 0, rows))
-            loads[p] += nbytes
-            continue
-        base, extra = divmod(rows, fragments)
-        row = nbytes // rows
-        longer = set(sorted(range(fragments), key=lambda q: (loads[q], q))[:extra])
-        start = 0
-        for p in range(fragments):
-            count = base + (p in longer)
-            out[p].append((i, start, start + count))
-            loads[p] += count * row
-            start += count
-    return out
-
-
-def _rows(p: torch.Tensor) -> int:
-    """The rows the rows split may cut ``p`` along: its first dimension. A scalar has none to
-    cut, and a non-contiguous tensor (a transposed weight, say) is taken whole too, as one
-    row: a block of its rows would be scattered through its memory rather than one stretch of
-    it, so every block the split makes stays a plain slice of its parameter's storage."""
-    return p.shape[0] if p.dim() >= 1 and p.is_contiguous() else 1
+    return [sorted(i for layer in group for i in layer) for group in strided(found, fragments)]
 
 
 def row_fragments(
@@ -122,7 +65,7 @@ def row_fragments(
     parameters themselves."""
     if fragments == 1:
         return [list(params)]
-    sizes = [(_rows(p), p.numel() * p.element_size()) for p in params]
+    sizes = [(tensor_rows(p), p.numel() * p.element_size()) for p in params]
     blocks = row_blocks(sizes, fragments)
     filled = sum(1 for held in blocks if held)
     if filled < fragments:
