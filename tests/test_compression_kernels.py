@@ -1,11 +1,12 @@
 """The compressors' fast kernels (issue 16): each one against a plain reference of the same math.
 
 sign packs its bits eight to a byte through 64-bit words; topk finds the k largest magnitudes
-through a sampled threshold instead of a selection over all n; int8 draws 16 bits of rounding
-noise per element; randomk samples its k-subset with rejection instead of a permutation; PowerSGD
-builds its rank-R products as R multiply-adds. The other compression tests run them at small sizes
-(most under topk's threshold size); these cover the large, ragged and odd-dtype inputs the fast
-paths were written for, and the edge cases (ties, NaN, signed zeros) where they could differ.
+through a sampled threshold instead of a selection over all n; int8 rounds with 16-bit noise
+(from a table per encode: tests/test_int8_noise.py); randomk samples its k-subset with rejection
+instead of a permutation; PowerSGD builds its rank-R products as R multiply-adds. The other
+compression tests run them at small sizes (most under topk's threshold size); these cover the
+large, ragged and odd-dtype inputs the fast paths were written for, and the edge cases (ties,
+NaN, signed zeros) where they could differ.
 """
 
 from __future__ import annotations
