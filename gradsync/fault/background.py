@@ -1,5 +1,8 @@
 """Checkpoints written off the training thread: snapshot at the step boundary, write behind.
 
+This is the writer as a thread; ``gradsync.fault.writer_process`` runs the same work in a child
+process with the same contract, and ``make_writer`` there picks one (the process on Linux).
+
 ``sync.save(directory, wait=False)`` copies the state (``checkpoint.snapshot``) and hands it to
 this rank's ``CheckpointWriter``, whose thread serializes, checksums and writes the file while
 training goes on. Rank 0's writer also commits: once every rank's file of a step is on disk
@@ -35,35 +38,23 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from gradsync.fault.checkpoint import CheckpointError, CheckpointStore, FileEntry
+from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
+from gradsync.fault.commits import POLL_S, Commits, late_message
 from gradsync.fault.packing import BufferPool, Packed
 
 __all__ = ["CheckpointWriter"]
 
-#: how often rank 0's thread first looks for its peers' files of a step it has written itself,
-#: doubling up to ``_POLL_MAX_S`` while they are missing: each look reads files, and with a
-#: checkpoint every step a fixed 2 ms poll took more CPU than the writing on a busy machine
-_POLL_S = 0.002
-_POLL_MAX_S = 0.016
 #: at most this long between durable checkpoints (fsynced) among those written in the
 #: background; the kernel writes dirty pages back after about as long (30 s on Linux) anyway
 DURABLE_EVERY_S = 30.0
 
 
-@dataclass(slots=True)
-class _Commit:
-    step: int
-    deadline: float
-    durable: bool
-    #: the ranks' files found by earlier looks, not read again
-    found: dict[int, FileEntry] = field(default_factory=dict)
-    poll_s: float = _POLL_S
-
-
-class CheckpointWriter:
-    """One rank's background writer for one checkpoint directory (see the module docstring).
+class WriterBase:
+    """What both background writers share (this module's thread, ``writer_process``'s child
+    process): the arguments, the waiting for a step or for everything handed over, and the
+    errors of the writer raised on the training thread. A subclass sets ``_written`` and
+    ``_committed`` under ``_cond`` and says when nothing is left in flight (``_settled``).
 
     ``save_id`` must be the same string on every rank of this run (and differ from any earlier
     run's or attempt's): it keeps rank 0 from committing a step with a peer's file left by an
@@ -90,25 +81,112 @@ class CheckpointWriter:
         self.rank, self.world_size, self.save_id = rank, world_size, save_id
         self.timeout_s, self.depth = timeout_s, depth
         self.durable_every_s = durable_every_s
-        #: buffers for this rank's snapshots: one per queued job, one being written, one spare
-        self.pool = BufferPool(depth + 2)
-        self._last_durable = -float("inf")  # rank 0: when it last committed a durable step
-        self._jobs: deque[tuple[int, Packed, bool]] = deque()
-        self._commits: deque[_Commit] = deque()
         self._cond = threading.Condition()
         self._written = -1  # newest step this rank's file is on disk for
         self._committed = -1  # rank 0: newest step whose manifest it wrote
-        self._busy = False
         self._error: BaseException | None = None
         self._closing = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"gradsync-checkpoint-writer-{rank}", daemon=True
-        )
-        self._thread.start()
 
     @property
     def commits(self) -> bool:
         return self.rank == 0
+
+    def _settled(self) -> bool:
+        """Whether every snapshot handed over is written and (rank 0) committed or given up
+        (called under ``_cond``)."""
+        raise NotImplementedError
+
+    def wait(self, step: int, timeout_s: float | None = None) -> None:
+        """Until ``step``'s checkpoint is complete: committed (rank 0) or its manifest seen
+        (other ranks, once their own file is written). ``CheckpointError`` after the timeout."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while not self._done(step):
+                self._raise_error()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckpointError(self._late(step, limit))
+                self._cond.wait(min(left, POLL_S) if self._written >= step else left)
+            self._raise_error()
+
+    def _done(self, step: int) -> bool:
+        if self.commits:
+            return self._committed >= step
+        return self._written >= step and self.store.committed(step, self.save_id)
+
+    def _late(self, step: int, limit: float) -> str:
+        return late_message(
+            self.store,
+            self.rank,
+            step,
+            limit,
+            written=self._written >= step,
+            world_size=self.world_size,
+            save_id=self.save_id,
+        )
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Until every snapshot handed over is written and (rank 0) committed or given up."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while not self._settled():
+                self._raise_error()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckpointError(
+                        f"rank {self.rank}: checkpoints still being written to "
+                        f"{self.store.directory} after {limit:g} s"
+                    )
+                self._cond.wait(min(left, 0.05))
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class CheckpointWriter(WriterBase):
+    """One rank's background writer for one checkpoint directory, a thread (see the module
+    docstring and ``WriterBase`` for the arguments)."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        rank: int,
+        world_size: int,
+        save_id: str,
+        timeout_s: float,
+        depth: int = 2,
+        durable_every_s: float = DURABLE_EVERY_S,
+    ) -> None:
+        super().__init__(
+            store,
+            rank=rank,
+            world_size=world_size,
+            save_id=save_id,
+            timeout_s=timeout_s,
+            depth=depth,
+            durable_every_s=durable_every_s,
+        )
+        #: buffers for this rank's snapshots: one per queued job, one being written, one spare
+        self.pool = BufferPool(depth + 2)
+        self._jobs: deque[tuple[int, Packed, bool]] = deque()
+        self._commits = Commits(
+            store,
+            world_size=world_size,
+            save_id=save_id,
+            timeout_s=timeout_s,
+            durable_every_s=durable_every_s,
+        )
+        self._busy = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"gradsync-checkpoint-writer-{rank}", daemon=True
+        )
+        self._thread.start()
 
     def submit(self, step: int, packed: Packed, *, durable: bool = False) -> None:
         """Queue ``packed`` as this rank's file of ``step``; blocks while ``depth`` wait.
@@ -126,53 +204,8 @@ class CheckpointWriter:
             self._jobs.append((step, packed, durable))
             self._cond.notify_all()
 
-    def wait(self, step: int, timeout_s: float | None = None) -> None:
-        """Until ``step``'s checkpoint is complete: committed (rank 0) or its manifest seen
-        (other ranks, once their own file is written). ``CheckpointError`` after the timeout."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        with self._cond:
-            while not self._done(step):
-                self._raise_error()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CheckpointError(self._late(step, limit))
-                self._cond.wait(min(left, _POLL_S) if self._written >= step else left)
-            self._raise_error()
-
-    def _done(self, step: int) -> bool:
-        if self.commits:
-            return self._committed >= step
-        return self._written >= step and self.store.committed(step, self.save_id)
-
-    def _late(self, step: int, limit: float) -> str:
-        if self._written < step:
-            return (
-                f"rank {self.rank}: its file of checkpoint step {step} was not written in "
-                f"{limit:g} s"
-            )
-        missing = self.store.missing(step, self.world_size, self.save_id)
-        who = f"no file from rank(s) {', '.join(map(str, missing))}" if missing else "not committed"
-        return (
-            f"checkpoint of step {step} in {self.store.directory} is incomplete after {limit:g} s: "
-            f"{who}; sync.save() must be called on every rank after the same step"
-        )
-
-    def flush(self, timeout_s: float | None = None) -> None:
-        """Until every queued snapshot is written and (rank 0) committed or given up."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        with self._cond:
-            while self._jobs or self._busy or self._commits:
-                self._raise_error()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CheckpointError(
-                        f"rank {self.rank}: checkpoints still being written to "
-                        f"{self.store.directory} after {limit:g} s"
-                    )
-                self._cond.wait(min(left, 0.05))
-            self._raise_error()
+    def _settled(self) -> bool:
+        return not (self._jobs or self._busy or self._commits)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Write what is queued, then stop the thread; raises what went wrong in it."""
@@ -184,18 +217,13 @@ class CheckpointWriter:
                 self._cond.notify_all()
             self._thread.join(timeout=5.0)
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
     # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._jobs and not self._closing:
                     if self._commits:
-                        self._cond.wait(self._commits[0].poll_s)
+                        self._cond.wait(self._commits.poll_s)
                         break
                     self._cond.wait()
                 if self._closing and not self._jobs:
@@ -233,31 +261,16 @@ class CheckpointWriter:
         with self._cond:
             self._written = step
             if self.commits:
-                deadline = time.monotonic() + self.timeout_s
-                self._commits.append(_Commit(step, deadline, durable))
+                self._commits.add(step, durable)
             self._cond.notify_all()
 
     def _try_commits(self) -> None:
-        """Commit, oldest first, each step whose files are all written; give up on one whose
-        files are still missing at its deadline (raised on the training thread)."""
-        while self._commits:
-            head = self._commits[0]
-            now = time.monotonic()
-            durable = head.durable or now - self._last_durable >= self.durable_every_s
-            done = self.store.try_commit(
-                head.step, self.world_size, save_id=self.save_id, durable=durable, known=head.found
-            )
-            if not isinstance(done, list):
-                if durable:
-                    self._last_durable = now
-                with self._cond:
-                    self._commits.popleft()
-                    self._committed = head.step
-                    self._cond.notify_all()
-                continue
-            if time.monotonic() > head.deadline:
-                with self._cond:
-                    self._commits.popleft()
-                raise CheckpointError(self._late(head.step, self.timeout_s))
-            head.poll_s = min(2 * head.poll_s, _POLL_MAX_S)
-            return
+        """Commit each step whose files are all written (``Commits``); an error (a step whose
+        files are still missing at its deadline) is raised on the training thread."""
+        done, error = self._commits.commit_ready()
+        if done:
+            with self._cond:
+                self._committed = done[-1]
+                self._cond.notify_all()
+        if error is not None:
+            raise error

@@ -23,7 +23,6 @@ import base64
 import json
 import sys
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import IO, Any
 import torch
 
 from gradsync import compat
+from gradsync.fault.files import Crc32, write_chunks
 
 __all__ = [
     "MAGIC",
@@ -64,6 +64,12 @@ class Packed:
 
     def write_to(self, f: IO[bytes]) -> tuple[int, str]:
         """Write the header and the buffers' bytes to ``f``; returns (size, crc32 hex)."""
+        start, offsets = self.header()
+        return write_chunks(f, start, [raw_bytes(b) for b in self.buffers], offsets)
+
+    def header(self) -> tuple[bytes, list[int]]:
+        """The file's first bytes (magic, header length, header: the tree and each buffer's
+        dtype, length and offset), and each buffer's offset after them."""
         entries, offset = [], 0
         for buf in self.buffers:
             offset = -(-offset // _ALIGN) * _ALIGN
@@ -74,13 +80,7 @@ class Packed:
             f'"tree":{self._tree_json()},"buffers":{_json(entries)}}}'
         ).encode()
         start = MAGIC + len(header).to_bytes(8, "little") + header
-        digest = Crc32()
-        size = 0
-        for chunk in _chunks(start, self.buffers, entries):
-            f.write(chunk)
-            digest.update(chunk)
-            size += len(chunk)
-        return size, digest.hexdigest()
+        return start, [e["offset"] for e in entries]
 
     @property
     def nbytes(self) -> int:
@@ -107,28 +107,6 @@ class Packed:
             items.append(f"[{_json(pair[0])},{kept.json}]")
         index = _json({k: v for k, v in self.tree.items() if k != "root"})
         return f'{index[:-1]},"root":{{"{tag}":[{",".join(items)}]}}}}'
-
-
-class Crc32:
-    """CRC-32 with ``hashlib``'s ``update`` / ``hexdigest``: the checksum of checkpoint files.
-
-    Why not sha256 (what the files carried before): the checksum guards against torn and
-    corrupted files, not against an attacker (a crafted file cannot run code: see the module
-    docstring), and with a checkpoint every step its cost is step time on a busy machine:
-    zlib's CRC-32 hashed 2.5x faster than sha256 here (and, like hashlib, lets other threads
-    run while it works on a large buffer). It detects every burst error up to 32 bits and
-    any other corruption but one in 2**32."""
-
-    name = "crc32"
-
-    def __init__(self) -> None:
-        self._value = 0
-
-    def update(self, data: Any) -> None:
-        self._value = zlib.crc32(data, self._value)
-
-    def hexdigest(self) -> str:
-        return f"{self._value:08x}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,12 +195,22 @@ class BufferPool:
     otherwise allocate, and fault in, a fresh copy of the state each time), with their views
     per tensor so that one fused copy fills them. Thread-safe: a writer thread releases."""
 
-    def __init__(self, size: int = 4) -> None:
+    def __init__(
+        self, size: int = 4, allocate: Callable[[torch.dtype, int], torch.Tensor] | None = None
+    ) -> None:
         self.size = size
+        #: makes a new buffer (dtype, elements): the background writer process's are shared
+        #: memory, which that process reads (``gradsync.fault.writer_process``)
+        self.allocate = allocate
         self._free: dict[Any, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
         self._lock = threading.Lock()
         #: the newest ``Share`` encoding by its key (skeleton, owners, rank, where it began)
         self.shares: dict[Any, _EncodedShare] = {}
+
+    def new_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        if self.allocate is None:
+            return torch.empty(numel, dtype=dtype)
+        return self.allocate(dtype, numel)
 
     def take(self, key: Any) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         with self._lock:
@@ -300,7 +288,7 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
     for key, group in zip(keys, groups, strict=True):
         entry = pool.take(key)
         if entry is None:
-            buf = torch.empty(leaves.sizes.get(key[0], 0), dtype=key[0])
+            buf = pool.new_buffer(key[0], leaves.sizes.get(key[0], 0))
             views = [
                 buf[at : at + t.numel()].view(t.shape)
                 for at, t in zip(_offsets(group), group, strict=True)
@@ -332,17 +320,9 @@ def _offsets(group: list[torch.Tensor]) -> list[int]:
     return offsets
 
 
-def _chunks(start: bytes, buffers: list[torch.Tensor], entries: list[dict[str, int]]) -> Any:
-    """The file's bytes in order: header, then each buffer's memory at its aligned offset."""
-    yield start
-    at = 0
-    for buf, entry in zip(buffers, entries, strict=True):
-        if entry["offset"] > at:
-            yield bytes(entry["offset"] - at)
-        # Raw bytes whatever the dtype (numpy has no bfloat16): a byte view of the buffer.
-        raw = memoryview(buf.view(torch.uint8).numpy().data) if buf.numel() else memoryview(b"")
-        yield raw
-        at = entry["offset"] + len(raw)
+def raw_bytes(buf: torch.Tensor) -> memoryview:
+    """A buffer's memory as bytes, whatever its dtype (numpy has no bfloat16: a byte view)."""
+    return memoryview(buf.view(torch.uint8).numpy().data) if buf.numel() else memoryview(b"")
 
 
 def _json(obj: Any) -> str:
