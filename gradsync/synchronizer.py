@@ -27,6 +27,7 @@ from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.fault.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.fault.guards import check_replicas
+from gradsync.fault.writer_process import ProcessCheckpointWriter, make_writer
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
 from gradsync.strategies.base import (
@@ -221,7 +222,7 @@ class Synchronizer:
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
         self._final_checked = False
-        self._writer: CheckpointWriter | None = None
+        self._writer: CheckpointWriter | ProcessCheckpointWriter | None = None
         self._published: str | None = None  # the checkpoint directory servers were told
         # Names this run's checkpoint files, the same on every rank (rank 0's, broadcast with
         # the initial state): a commit never pairs them with files of a rolled-back attempt.
@@ -659,19 +660,22 @@ class Synchronizer:
         if self._writer is not None:
             self._writer.flush(self.timeout_s if timeout_s is None else timeout_s)
 
-    def _checkpoint_writer(self, directory: str | Path, keep: int) -> CheckpointWriter:
+    def _checkpoint_writer(
+        self, directory: str | Path, keep: int
+    ) -> CheckpointWriter | ProcessCheckpointWriter:
         """This rank's background writer for ``directory`` (one directory at a time)."""
         store_dir = Path(directory)
         if self._writer is not None and self._writer.store.directory != store_dir:
             writer, self._writer = self._writer, None
             writer.close(self.timeout_s)
         if self._writer is None:
-            self._writer = CheckpointWriter(
+            self._writer = make_writer(
                 CheckpointStore(store_dir, keep=keep, recycle=True),
                 rank=self.rank,
                 world_size=self.world_size,
                 save_id=self._save_id,
                 timeout_s=self.timeout_s,
+                on_cpu=all(p.device.type == "cpu" for p in self.model.parameters()),
             )
         self._writer.store.keep = keep
         return self._writer

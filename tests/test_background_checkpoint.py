@@ -21,6 +21,7 @@ from gradsync.fault import CheckpointError, CheckpointStore, CheckpointWarning, 
 from gradsync.fault.background import CheckpointWriter
 from gradsync.fault.checkpoint import MANIFEST, snapshot
 from gradsync.fault.packing import pack, read_packed, unpack
+from gradsync.fault.writer_process import ProcessCheckpointWriter
 
 pytestmark = pytest.mark.unit
 
@@ -114,9 +115,18 @@ def test_a_crafted_packed_file_naming_another_torch_attribute_is_refused(tmp_pat
         store.load(store.at(1), 0)
 
 
-def _writers(tmp_path: Path, save_id: str = "run-a", **kw: Any) -> list[CheckpointWriter]:
+WRITERS = {"thread": CheckpointWriter, "process": ProcessCheckpointWriter}
+
+
+@pytest.fixture(params=list(WRITERS))
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each background writer: the thread and the child process (``writer_process``)."""
+    return str(request.param)
+
+
+def _writers(tmp_path: Path, save_id: str = "run-a", kind: str = "thread", **kw: Any) -> list[Any]:
     return [
-        CheckpointWriter(
+        WRITERS[kind](
             CheckpointStore(tmp_path, keep=2),
             rank=r,
             world_size=2,
@@ -128,8 +138,10 @@ def _writers(tmp_path: Path, save_id: str = "run-a", **kw: Any) -> list[Checkpoi
     ]
 
 
-def test_two_ranks_write_in_the_background_and_rank_0_commits_keeping_two(tmp_path: Path) -> None:
-    writers = _writers(tmp_path)
+def test_two_ranks_write_in_the_background_and_rank_0_commits_keeping_two(
+    tmp_path: Path, kind: str
+) -> None:
+    writers = _writers(tmp_path, kind=kind)
     try:
         for step in range(1, 6):
             for rank, w in enumerate(writers):
@@ -150,9 +162,9 @@ def test_two_ranks_write_in_the_background_and_rank_0_commits_keeping_two(tmp_pa
 
 
 def test_between_durable_commits_the_newest_durable_checkpoint_is_kept_for_a_machine_crash(
-    tmp_path: Path,
+    tmp_path: Path, kind: str
 ) -> None:
-    writers = _writers(tmp_path, durable_every_s=3600.0)
+    writers = _writers(tmp_path, kind=kind, durable_every_s=3600.0)
     try:
         for step in range(1, 6):
             for w in writers:
@@ -190,14 +202,16 @@ def test_prune_keeps_the_newest_durable_checkpoint_besides_the_newest_keep(tmp_p
     assert [store.at(s).durable for s in (2, 4, 5)] == [True, False, False]
 
 
-def test_a_peer_file_left_by_a_rolled_back_attempt_is_never_committed(tmp_path: Path) -> None:
+def test_a_peer_file_left_by_a_rolled_back_attempt_is_never_committed(
+    tmp_path: Path, kind: str
+) -> None:
     # Attempt A wrote rank 1's file of step 3, then the run was rolled back to an older step.
-    old = _writers(tmp_path, "attempt-a")
+    old = _writers(tmp_path, "attempt-a", kind)
     old[1].submit(3, snapshot({"w": torch.zeros(1)}))
     old[1].close()
     old[0].close()
     # Attempt B: rank 0 writes step 3; rank 1's file there is attempt A's.
-    new = _writers(tmp_path, "attempt-b", timeout_s=0.5)
+    new = _writers(tmp_path, "attempt-b", kind, timeout_s=0.5)
     new[0].submit(3, snapshot({"w": torch.ones(1)}))
     with pytest.raises(CheckpointError, match=r"step 3 .* no file from rank\(s\) 1"):
         new[0].wait(3)
@@ -213,8 +227,10 @@ def test_a_peer_file_left_by_a_rolled_back_attempt_is_never_committed(tmp_path: 
     assert CheckpointStore(tmp_path).latest(2).step == 4  # type: ignore[union-attr]
 
 
-def test_a_rank_whose_peer_never_writes_fails_on_the_training_thread(tmp_path: Path) -> None:
-    rank0, rank1 = _writers(tmp_path, timeout_s=0.3)
+def test_a_rank_whose_peer_never_writes_fails_on_the_training_thread(
+    tmp_path: Path, kind: str
+) -> None:
+    rank0, rank1 = _writers(tmp_path, kind=kind, timeout_s=0.3)
     rank1.close()
     rank0.submit(1, snapshot({"w": torch.ones(1)}))
     time.sleep(0.6)  # past the deadline: the thread gave up on step 1
@@ -223,9 +239,9 @@ def test_a_rank_whose_peer_never_writes_fails_on_the_training_thread(tmp_path: P
     rank0.close(timeout_s=0.1)
 
 
-def test_a_failed_write_is_raised_by_the_next_call(tmp_path: Path) -> None:
+def test_a_failed_write_is_raised_by_the_next_call(tmp_path: Path, kind: str) -> None:
     (tmp_path / "blocked").write_text("a file where the directory should be")
-    writer = CheckpointWriter(
+    writer = WRITERS[kind](
         CheckpointStore(tmp_path / "blocked"), rank=1, world_size=2, save_id="x", timeout_s=5
     )
     writer.submit(1, snapshot({"w": torch.ones(1)}))

@@ -1,0 +1,306 @@
+"""One rank's background checkpoint writer as a process (``gradsync.fault.writer_child``).
+
+The same contract as ``CheckpointWriter`` (``gradsync.fault.background``: ``submit``, ``wait``,
+``flush``, ``close``, errors raised on the training thread), with the writing and, on rank 0,
+the committing done by a child process instead of a thread: see ``writer_child``'s docstring
+for why. The snapshot buffers come from this writer's ``pool`` and live in shared memory
+(``memfd``, Linux), so handing a snapshot over costs a message, not a copy; a buffer goes back
+to the pool once the child says its file is written. Small buffers (the step records) travel
+in the message itself.
+
+``make_writer`` picks this writer where it works (Linux, buffers on the CPU) unless
+``GRADSYNC_CHECKPOINT_WRITER=thread`` asks for the thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+
+from gradsync.fault.background import DURABLE_EVERY_S, CheckpointWriter, WriterBase
+from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
+from gradsync.fault.packing import BufferPool, Packed, raw_bytes
+from gradsync.fault.writer_child import recv_message, send_message
+
+__all__ = ["WRITER_ENV", "ProcessCheckpointWriter", "make_writer", "process_writer_available"]
+
+#: ``thread`` or ``process``: which background writer ``make_writer`` builds
+WRITER_ENV = "GRADSYNC_CHECKPOINT_WRITER"
+WRITERS = ("process", "thread")
+#: buffers smaller than this are sent in the message rather than shared
+_SHARED_MIN_BYTES = 64 * 1024
+#: the child's niceness: it writes in the moments the ranks leave a core idle
+NICE = 10
+_START_TIMEOUT_S = 30.0
+
+
+def process_writer_available() -> bool:
+    return (
+        sys.platform.startswith("linux")
+        and hasattr(os, "memfd_create")
+        and hasattr(socket, "send_fds")
+        and hasattr(socket, "SOCK_SEQPACKET")
+    )
+
+
+def make_writer(
+    store: CheckpointStore,
+    *,
+    rank: int,
+    world_size: int,
+    save_id: str,
+    timeout_s: float,
+    on_cpu: bool = True,
+) -> CheckpointWriter | ProcessCheckpointWriter:
+    """This rank's background writer: a process where it works, else a thread."""
+    choice = os.environ.get(WRITER_ENV, "").strip().lower() or "process"
+    if choice not in WRITERS:
+        raise CheckpointError(
+            f"{WRITER_ENV}={choice!r} is not a checkpoint writer; "
+            f"choose one of {', '.join(WRITERS)}"
+        )
+    kwargs: dict[str, Any] = dict(
+        rank=rank, world_size=world_size, save_id=save_id, timeout_s=timeout_s
+    )
+    if choice == "process" and on_cpu and process_writer_available():
+        return ProcessCheckpointWriter(store, **kwargs)
+    return CheckpointWriter(store, **kwargs)
+
+
+class _SharedBuffers:
+    """Shared-memory tensors for the pool, each announced to the child once."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        #: data pointer -> (id, bytes); the maps stay alive as long as the writer
+        self.by_address: dict[int, tuple[int, int]] = {}
+        self._maps: list[mmap.mmap] = []
+
+    def allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if nbytes < _SHARED_MIN_BYTES:
+            return torch.empty(numel, dtype=dtype)
+        fd = os.memfd_create("gradsync-checkpoint", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            area = mmap.mmap(fd, nbytes)
+            ident = len(self._maps)
+            self._send(("buffer", ident, nbytes), [fd])
+        finally:
+            os.close(fd)
+        self._maps.append(area)
+        tensor = torch.frombuffer(area, dtype=dtype, count=numel)
+        self.by_address[tensor.data_ptr()] = (ident, nbytes)
+        return tensor
+
+    def part(self, buf: torch.Tensor) -> Any:
+        """How the child finds ``buf``'s bytes: a shared buffer's id, or the bytes."""
+        nbytes = buf.numel() * buf.element_size()
+        shared = self.by_address.get(buf.data_ptr())
+        if shared is not None and shared[1] == nbytes:
+            return shared
+        return bytes(raw_bytes(buf))
+
+
+def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    """Close the socket (the child then exits) and reap it, killing it if it lingers."""
+    try:
+        sock.close()
+    finally:
+        try:
+            child.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+class ProcessCheckpointWriter(WriterBase):
+    """One rank's background writer for one checkpoint directory, in a child process (see
+    the module docstring; the arguments are ``WriterBase``'s, and the child's niceness)."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        rank: int,
+        world_size: int,
+        save_id: str,
+        timeout_s: float,
+        depth: int = 2,
+        durable_every_s: float = DURABLE_EVERY_S,
+        nice: int = NICE,
+    ) -> None:
+        super().__init__(
+            store,
+            rank=rank,
+            world_size=world_size,
+            save_id=save_id,
+            timeout_s=timeout_s,
+            depth=depth,
+            durable_every_s=durable_every_s,
+        )
+        self._send_lock = threading.Lock()
+        self._in_flight: deque[tuple[int, Packed]] = deque()  # submitted, not written yet
+        self._last = -1  # newest step submitted
+        self._abandoned = -1  # newest step given up after an error (rank 0 commits no more)
+        self._exited = False
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        main = threading.current_thread() is threading.main_thread()
+        try:
+            self._child = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gradsync.fault.writer_child",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                    "1" if main else "0",
+                ],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        finally:
+            theirs.close()
+        self._finalizer = weakref.finalize(self, _stop_child, self._child, self._sock)
+        init = {
+            "directory": str(store.directory),
+            "keep": store.keep,
+            "recycle": store.spares is not None,
+            "rank": rank,
+            "world_size": world_size,
+            "save_id": save_id,
+            "timeout_s": timeout_s,
+            "durable_every_s": durable_every_s,
+            "nice": nice,
+        }
+        self._send(("init", init))
+        self._await_ready()
+        self._shared = _SharedBuffers(self._send)
+        #: buffers for this rank's snapshots: one per job in flight, one being filled, spare
+        self.pool = BufferPool(depth + 2, allocate=self._shared.allocate)
+        self._receiver = threading.Thread(
+            target=self._receive, name=f"gradsync-checkpoint-writer-{rank}", daemon=True
+        )
+        self._receiver.start()
+
+    def _await_ready(self) -> None:
+        """Until the child has started: a save is written as soon as it is taken, from the
+        first one on (a rank killed a few steps after its first checkpoint still resumes from
+        it). Once per writer, tens of milliseconds."""
+        self._sock.settimeout(_START_TIMEOUT_S)
+        try:
+            got = recv_message(self._sock)
+        except OSError:
+            got = None
+        finally:
+            self._sock.settimeout(None)
+        if got is None or got[0] != ("ready",):
+            self._finalizer()
+            raise CheckpointError(
+                f"rank {self.rank}: the checkpoint writer process did not start in "
+                f"{_START_TIMEOUT_S:g} s; {self._exit_note()}"
+            )
+
+    def _send(self, message: Any, fds: list[int] | None = None) -> None:
+        try:
+            with self._send_lock:
+                send_message(self._sock, message, fds or ())
+        except OSError as e:
+            raise CheckpointError(
+                f"rank {self.rank}: the checkpoint writer process is gone ({e}); "
+                f"{self._exit_note()}"
+            ) from None
+
+    def _exit_note(self) -> str:
+        # the socket breaks as the child dies: its exit status follows at once
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._child.wait(timeout=2.0)
+        code = self._child.poll()
+        return "it is still running" if code is None else f"it exited with code {code}"
+
+    # -- the training thread ------------------------------------------------------------------
+    def submit(self, step: int, packed: Packed, *, durable: bool = False) -> None:
+        """Hand ``packed`` to the child as this rank's file of ``step``; blocks while
+        ``depth`` are in flight (see ``CheckpointWriter.submit``)."""
+        with self._cond:
+            self._raise_error()
+            while len(self._in_flight) >= self.depth and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            if self._closing:
+                raise CheckpointError("the checkpoint writer is closed")
+            self._in_flight.append((step, packed))
+            self._last = max(self._last, step)
+        start, offsets = packed.header()
+        parts = [
+            (offset, self._shared.part(buf))
+            for offset, buf in zip(offsets, packed.buffers, strict=True)
+        ]
+        self._send(("write", step, durable, self.store.keep, start, parts))
+
+    def _settled(self) -> bool:
+        done = max(self._committed, self._abandoned)
+        return not self._in_flight and (not self.commits or done >= self._last)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Write what is in flight, then stop the child; raises what went wrong in it."""
+        try:
+            self.flush(timeout_s)
+        finally:
+            with self._cond:
+                self._closing = True
+            with contextlib.suppress(CheckpointError):
+                self._send(("close",))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._child.wait(timeout=5.0)  # it exits once its commits are done
+            self._finalizer()  # closes the socket, reaps (or kills) the child
+            self._receiver.join(timeout=5.0)
+
+    # -- the receiver thread ------------------------------------------------------------------
+    def _receive(self) -> None:
+        while True:
+            try:
+                got = recv_message(self._sock)
+            except OSError:
+                got = None
+            note = self._exit_note() if got is None and not self._closing else ""
+            with self._cond:
+                if got is None:
+                    self._exited = True
+                    self._in_flight.clear()  # never written now: nothing left to wait for
+                    self._abandoned = self._last
+                    if not self._closing and self._error is None:
+                        self._error = CheckpointError(
+                            f"rank {self.rank}: the checkpoint writer process stopped before "
+                            f"its work was done; {note}"
+                        )
+                    self._cond.notify_all()
+                    return
+                (kind, *rest), _fds = got
+                if kind == "written":
+                    self._on_written(rest[0])
+                elif kind == "committed":
+                    self._committed = max(self._committed, rest[0])
+                elif kind == "error":
+                    self._error = CheckpointError(rest[0])
+                    self._in_flight.clear()
+                    self._abandoned = self._last
+                self._cond.notify_all()
+
+    def _on_written(self, step: int) -> None:
+        self._written = max(self._written, step)
+        while self._in_flight and self._in_flight[0][0] <= step:
+            _, packed = self._in_flight.popleft()
+            if packed.release is not None:  # written: its buffers may take the next snapshot
+                packed.release()

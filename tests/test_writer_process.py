@@ -1,0 +1,170 @@
+"""The background checkpoint writer as a child process (``gradsync.fault.writer_process`` and
+``writer_child``): shared snapshot buffers, the depth bound, a child or a parent that dies,
+and nothing left running. The contract it shares with the thread is tested for both in
+test_background_checkpoint.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.fault import CheckpointError, CheckpointStore
+from gradsync.fault.background import CheckpointWriter
+from gradsync.fault.checkpoint import snapshot
+from gradsync.fault.writer_process import (
+    WRITER_ENV,
+    ProcessCheckpointWriter,
+    make_writer,
+    process_writer_available,
+)
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not process_writer_available(), reason="needs Linux memfd"),
+]
+
+
+def _writer(tmp_path: Path, rank: int = 0, world: int = 1, **kw: object) -> ProcessCheckpointWriter:
+    return ProcessCheckpointWriter(
+        CheckpointStore(tmp_path, keep=2, recycle=True),
+        rank=rank,
+        world_size=world,
+        save_id="run",
+        timeout_s=10.0,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_pooled_snapshots_in_shared_memory_are_written_as_taken(tmp_path: Path) -> None:
+    writer = _writer(tmp_path)
+    weights = torch.zeros(50_000)  # 200 KB: a shared buffer, not bytes in the message
+    try:
+        for step in range(1, 9):
+            weights.fill_(float(step))
+            writer.submit(step, snapshot({"w": weights, "step": step}, pool=writer.pool))
+            weights.fill_(-1.0)  # training goes on: the snapshot was taken before this
+            writer.wait(step)
+            state = CheckpointStore(tmp_path).load(CheckpointStore(tmp_path).at(step), 0)
+            assert torch.equal(state["w"], torch.full((50_000,), float(step)))
+        # written buffers go back to the pool: a handful of shared buffers for 8 snapshots
+        assert 1 <= len(writer._shared.by_address) <= writer.depth + 2
+    finally:
+        writer.close()
+    assert writer._child.poll() is not None  # reaped: nothing left running
+
+
+def test_the_child_process_never_loads_torch(tmp_path: Path) -> None:
+    writer = _writer(tmp_path)
+    try:
+        writer.submit(1, snapshot({"w": torch.ones(3)}, pool=writer.pool))
+        writer.wait(1)
+        maps = Path(f"/proc/{writer._child.pid}/maps").read_text()
+    finally:
+        writer.close()
+    assert "libtorch" not in maps and "libc10" not in maps
+
+
+def test_submit_blocks_while_depth_snapshots_are_in_flight(tmp_path: Path) -> None:
+    writer = _writer(tmp_path, rank=1, world=2, depth=2)
+    os.kill(writer._child.pid, signal.SIGSTOP)  # a writer that cannot keep up
+    try:
+        for step in (1, 2):
+            writer.submit(step, snapshot({"w": torch.ones(1)}, pool=writer.pool))
+        third = threading.Thread(
+            target=writer.submit, args=(3, snapshot({"w": torch.ones(1)}, pool=writer.pool))
+        )
+        third.start()
+        third.join(0.3)
+        assert third.is_alive()  # waits for room: step time, not dropped checkpoints
+        os.kill(writer._child.pid, signal.SIGCONT)
+        third.join(10)
+        assert not third.is_alive()
+        writer.flush()
+    finally:
+        os.kill(writer._child.pid, signal.SIGCONT)
+        writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-00000{s}" for s in (1, 2, 3)]
+
+
+def test_a_child_that_dies_is_reported_on_the_training_thread(tmp_path: Path) -> None:
+    writer = _writer(tmp_path)
+    writer.submit(1, snapshot({"w": torch.ones(1)}, pool=writer.pool))
+    writer.wait(1)
+    os.kill(writer._child.pid, signal.SIGKILL)
+    with pytest.raises(CheckpointError, match="writer process .*exited with code -9"):
+        for step in range(2, 50):  # the next call that sees it raises
+            writer.submit(step, snapshot({"w": torch.ones(1)}, pool=writer.pool))
+            time.sleep(0.05)
+    writer.close(timeout_s=1)
+
+
+def test_the_child_dies_with_the_training_process(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        from gradsync.fault import CheckpointStore
+        from gradsync.fault.checkpoint import snapshot
+        from gradsync.fault.writer_process import ProcessCheckpointWriter
+        w = ProcessCheckpointWriter(CheckpointStore({str(tmp_path)!r}), rank=0, world_size=1,
+                                    save_id="x", timeout_s=10)
+        w.submit(1, snapshot({{"w": torch.ones(1)}}, pool=w.pool))
+        w.wait(1)
+        print(w._child.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        parent.kill()  # SIGKILL: no close(), no finalizer
+        parent.wait(10)
+        assert _gone(child), f"writer process {child} outlived the training process"
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_make_writer_takes_the_process_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def make(**kw: object) -> object:
+        return make_writer(
+            CheckpointStore(tmp_path), rank=1, world_size=2, save_id="x", timeout_s=1, **kw
+        )
+
+    monkeypatch.delenv(WRITER_ENV, raising=False)
+    for expected, kw in ((ProcessCheckpointWriter, {}), (CheckpointWriter, {"on_cpu": False})):
+        writer = make(**kw)
+        try:
+            assert type(writer) is expected
+        finally:
+            writer.close()  # type: ignore[attr-defined]
+    monkeypatch.setenv(WRITER_ENV, "thread")
+    writer = make()
+    assert type(writer) is CheckpointWriter
+    writer.close()  # type: ignore[attr-defined]
+    monkeypatch.setenv(WRITER_ENV, "fork")
+    with pytest.raises(CheckpointError, match="'fork' is not a checkpoint writer; choose one of"):
+        make()
