@@ -360,6 +360,22 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     assert np.array_equal(got[3], expected[3])
 
 
+def test_rng_state_taken_every_step_follows_generators_that_move_or_stay() -> None:
+    # rng_state() reuses its conversions while a state is unchanged: a state taken after the
+    # generators moved (numpy past its 624-word block too) must still be the new one.
+    random.seed(7)
+    np.random.seed(8)
+    for step in range(4):
+        state = rng_state()
+        if step % 2:  # some steps draw nothing: the same state, reused
+            again = rng_state()
+            assert torch.equal(again["python"]["state"], state["python"]["state"])
+        expected = (random.random(), np.random.standard_normal(700))
+        set_rng_state(state)
+        got = (random.random(), np.random.standard_normal(700))
+        assert got[0] == expected[0] and np.array_equal(got[1], expected[1]), step
+
+
 def test_python_rng_state_of_older_checkpoints_as_a_list_still_restores() -> None:
     random.seed(5)
     state = rng_state()
