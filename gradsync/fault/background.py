@@ -38,6 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import Any
 
 from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
 from gradsync.fault.commits import POLL_S, Commits, late_message
@@ -152,39 +153,21 @@ class CheckpointWriter(WriterBase):
     """One rank's background writer for one checkpoint directory, a thread (see the module
     docstring and ``WriterBase`` for the arguments)."""
 
-    def __init__(
-        self,
-        store: CheckpointStore,
-        *,
-        rank: int,
-        world_size: int,
-        save_id: str,
-        timeout_s: float,
-        depth: int = 2,
-        durable_every_s: float = DURABLE_EVERY_S,
-    ) -> None:
-        super().__init__(
-            store,
-            rank=rank,
-            world_size=world_size,
-            save_id=save_id,
-            timeout_s=timeout_s,
-            depth=depth,
-            durable_every_s=durable_every_s,
-        )
+    def __init__(self, store: CheckpointStore, **kwargs: Any) -> None:
+        super().__init__(store, **kwargs)
         #: buffers for this rank's snapshots: one per queued job, one being written, one spare
-        self.pool = BufferPool(depth + 2)
+        self.pool = BufferPool(self.depth + 2)
         self._jobs: deque[tuple[int, Packed, bool]] = deque()
         self._commits = Commits(
             store,
-            world_size=world_size,
-            save_id=save_id,
-            timeout_s=timeout_s,
-            durable_every_s=durable_every_s,
+            world_size=self.world_size,
+            save_id=self.save_id,
+            timeout_s=self.timeout_s,
+            durable_every_s=self.durable_every_s,
         )
         self._busy = False
         self._thread = threading.Thread(
-            target=self._run, name=f"gradsync-checkpoint-writer-{rank}", daemon=True
+            target=self._run, name=f"gradsync-checkpoint-writer-{self.rank}", daemon=True
         )
         self._thread.start()
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gradsync.fault.background import DURABLE_EVERY_S, CheckpointWriter, WriterBase
+from gradsync.fault.background import CheckpointWriter, WriterBase
 from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
 from gradsync.fault.packing import BufferPool, Packed, raw_bytes
 from gradsync.fault.writer_child import recv_message, send_message
@@ -128,27 +128,8 @@ class ProcessCheckpointWriter(WriterBase):
     """One rank's background writer for one checkpoint directory, in a child process (see
     the module docstring; the arguments are ``WriterBase``'s, and the child's niceness)."""
 
-    def __init__(
-        self,
-        store: CheckpointStore,
-        *,
-        rank: int,
-        world_size: int,
-        save_id: str,
-        timeout_s: float,
-        depth: int = 2,
-        durable_every_s: float = DURABLE_EVERY_S,
-        nice: int = NICE,
-    ) -> None:
-        super().__init__(
-            store,
-            rank=rank,
-            world_size=world_size,
-            save_id=save_id,
-            timeout_s=timeout_s,
-            depth=depth,
-            durable_every_s=durable_every_s,
-        )
+    def __init__(self, store: CheckpointStore, *, nice: int = NICE, **kwargs: Any) -> None:
+        super().__init__(store, **kwargs)
         self._send_lock = threading.Lock()
         self._in_flight: deque[tuple[int, Packed]] = deque()  # submitted, not written yet
         self._last = -1  # newest step submitted
@@ -177,20 +158,20 @@ class ProcessCheckpointWriter(WriterBase):
             "directory": str(store.directory),
             "keep": store.keep,
             "recycle": store.spares is not None,
-            "rank": rank,
-            "world_size": world_size,
-            "save_id": save_id,
-            "timeout_s": timeout_s,
-            "durable_every_s": durable_every_s,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "save_id": self.save_id,
+            "timeout_s": self.timeout_s,
+            "durable_every_s": self.durable_every_s,
             "nice": nice,
         }
         self._send(("init", init))
         self._await_ready()
         self._shared = _SharedBuffers(self._send)
         #: buffers for this rank's snapshots: one per job in flight, one being filled, spare
-        self.pool = BufferPool(depth + 2, allocate=self._shared.allocate)
+        self.pool = BufferPool(self.depth + 2, allocate=self._shared.allocate)
         self._receiver = threading.Thread(
-            target=self._receive, name=f"gradsync-checkpoint-writer-{rank}", daemon=True
+            target=self._receive, name=f"gradsync-checkpoint-writer-{self.rank}", daemon=True
         )
         self._receiver.start()
 
