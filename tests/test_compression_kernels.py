@@ -88,6 +88,31 @@ def test_sign_accumulate_adds_exactly_the_decode() -> None:
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("n", [1000, 600_001])
+def test_sign_accumulate_all_equals_one_accumulate_per_rank(n: int) -> None:
+    # The all-gather decodes every rank's payload a block at a time: same adds, same order.
+    codec = SignCodec(n, 64, torch.float32)
+    payloads = [codec.encode(rand(n, 10 + r), 0) for r in range(3)]
+    start = rand(n, 5)
+    expected = start.clone()
+    for parts in payloads:
+        codec.accumulate(parts, expected, 0)
+    out = start.clone()
+    codec.accumulate_all(payloads, out, 0)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("n", [1000, 600_001])
+def test_sign_contribution_subtracts_exactly_the_decode(n: int) -> None:
+    codec = SignCodec(n, 64, torch.float32)
+    x = rand(n, 4)
+    x[::9] = -0.0
+    parts = codec.encode(x, 0)
+    expected = x - codec.decode(parts, 0)
+    got = codec.contribution(parts, 0).subtract_from(x.clone())
+    assert torch.equal(got, expected)
+
+
 # topk ---------------------------------------------------------------------------------------
 
 
@@ -170,6 +195,11 @@ def test_topk_codec_round_trips_large_ragged_inputs(dtype: torch.dtype) -> None:
     assert_top(x, index.long(), values, k)
     out = codec.decode([index, values], 0)
     assert int((out != 0).sum()) == k and torch.equal(out[index.long()], values.to(out.dtype))
+    # Error feedback's residual: the same as subtracting the dense decode, without building it.
+    acc = x.to(out.dtype)
+    got = codec.contribution([index, values], 0).subtract_from(acc.clone())
+    assert torch.equal(got, acc - out)
+    assert int((got != 0).sum()) == int((acc != 0).sum()) - k
 
 
 # int8 ---------------------------------------------------------------------------------------

@@ -182,6 +182,38 @@ def test_error_feedback_conserves_mass(name: str) -> None:
     torch.testing.assert_close(sent + residual.double(), inputs, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("spec", ["topk:0.1", "sign", "int8"])
+def test_all_gather_mean_lands_in_the_bucket_buffer(spec: str) -> None:
+    # The mean is written into an fp32 bucket's own buffer (no new tensor, no copy back);
+    # error feedback's residual keeps its memory from one exchange to the next.
+    c = parse_compression(spec)
+    state = c.make_state(None)
+    residual = None
+    for t in range(3):
+        buf = rand(5000, t)
+        out = c.hook(state, FlatBucket(buf)).wait()
+        assert out.data_ptr() == buf.data_ptr()
+        if c.feedback:
+            now = state.residuals[0]
+            assert residual is None or now.data_ptr() == residual.data_ptr()
+            residual = now
+    half = rand(5000, 7).half()  # not the accumulator dtype: a new tensor, in the buffer's dtype
+    out = c.hook(state, FlatBucket(half.clone())).wait()
+    assert out.dtype == torch.float16
+
+
+def test_error_feedback_state_load_copies_the_residuals() -> None:
+    c = parse_compression("sign")
+    a = c.make_state(None)
+    exchange(c, a, rand(300, 0))
+    saved = a.state_dict()
+    kept = saved["residuals"][0].clone()
+    b = c.make_state(None)
+    b.load_state_dict(saved)
+    exchange(c, b, rand(300, 1))
+    assert torch.equal(saved["residuals"][0], kept)  # b reused its own copy, not the caller's
+
+
 @pytest.mark.parametrize(
     "spec", ["fp16", "bf16", "int8", "topk:0.1", "randomk:0.1", "sign", "powersgd:2", "none"]
 )

@@ -117,9 +117,10 @@ def scale_chunks_(values: torch.Tensor, scale: torch.Tensor, chunk: int) -> torc
 
 
 def add_scaled_chunks_(
-    out: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, chunk: int
+    out: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, chunk: int, sign: float = 1.0
 ) -> None:
-    """``out[i] += values[i] * scale[i // chunk]``, in one pass and without a temporary.
+    """``out[i] += sign * values[i] * scale[i // chunk]``, in one pass and without a temporary
+    (``sign`` is 1 or -1, so it adds no rounding of its own).
 
     ``addcmul`` fuses the multiply and the add where the CPU can (one rounding instead of two),
     so the sum may differ from ``out.add_(values * scale)`` in its last bit; every rank decodes
@@ -128,9 +129,9 @@ def add_scaled_chunks_(
     out_rows, out_tail = split_chunks(out, chunk)
     rows, tail = split_chunks(values, chunk)
     scale = scale.to(out.dtype)
-    out_rows.addcmul_(rows, scale[: rows.shape[0], None])
+    out_rows.addcmul_(rows, scale[: rows.shape[0], None], value=sign)
     if tail.numel():
-        out_tail.addcmul_(tail, scale[-1:])
+        out_tail.addcmul_(tail, scale[-1:], value=sign)
 
 
 def record_sent(state: Any, index: int, contribution: Sent) -> None:
@@ -150,7 +151,16 @@ def all_gather_mean(
     """Encode the bucket with ``codec``, all-gather the packed payload (async), decode every
     rank's in rank order, return the mean.
 
-    One collective; the decode runs in the future's callback, so buckets still overlap.
+    One collective; the decode runs in the future's callback, so buckets still overlap. The
+    mean is written into the bucket's buffer when that is a contiguous tensor of the
+    accumulator dtype (the contract allows it, and it spares a bucket-sized allocation and the
+    caller's copy back), else into a new tensor.
+
+    Optional codec methods, used when present: ``contribution(parts, step)`` gives this rank's
+    decoded contribution for error feedback in a cheaper form than a dense tensor (a
+    ``base.Contribution``), and ``accumulate_all(parts_by_rank, out, step)`` adds every rank's
+    payload in rank order, as ``accumulate`` per rank would, bit for bit (e.g. a block of
+    ``out`` at a time for all ranks, while it is in cache).
     """
     buf = bucket.buffer()
     world, _ = world_and_rank(state.group)
@@ -158,22 +168,33 @@ def all_gather_mean(
     payload = pack(codec.encode(buf.reshape(-1), step))
     state.bytes_sent += payload.numel() * payload.element_size()
 
-    def decode(part: torch.Tensor, out: torch.Tensor) -> None:
-        codec.accumulate(unpack(part, codec.layout), out, step)
-
     if getattr(state, "sent", None) is not None:
-        mine = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
-        decode(payload, mine)
-        record_sent(state, bucket.index(), mine)
+        contribution = getattr(codec, "contribution", None)
+        if contribution is not None:
+            record_sent(state, bucket.index(), contribution(unpack(payload, codec.layout), step))
+        else:
+            mine = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
+            codec.accumulate(unpack(payload, codec.layout), mine, step)
+            record_sent(state, bucket.index(), mine)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     work = dist.all_gather(gathered, payload, group=state.group, async_op=True)
     assert work is not None
+    in_place = buf.dtype == acc and buf.is_contiguous()
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.wait()
-        total = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
-        for part in gathered:
-            decode(part, total)
-        return total.div_(world).to(buf.dtype).view_as(buf)
+        if in_place:
+            total = buf.view(-1).zero_()
+        else:
+            total = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
+        parts = [unpack(part, codec.layout) for part in gathered]
+        accumulate_all = getattr(codec, "accumulate_all", None)
+        if accumulate_all is not None:
+            accumulate_all(parts, total, step)
+        else:
+            for one in parts:
+                codec.accumulate(one, total, step)
+        total.div_(world)
+        return buf if in_place else total.to(buf.dtype).view_as(buf)
 
     return work.get_future().then(finish)

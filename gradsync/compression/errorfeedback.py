@@ -17,7 +17,10 @@ that subtracts itself from the corrected gradient in place. Every lossy gradsync
 does; the plain all-reduce has no error to feed back. Residuals live in
 ``state_dict()["residuals"]`` keyed by bucket index (tensors only), so a resumed run continues
 exactly. If a bucket index's size changes (DDP's bucket rebuild after its first step), that
-index's residual is dropped rather than misapplied.
+index's residual is dropped rather than misapplied. The hook reuses a residual's memory for the
+next corrected gradient of its bucket (no bucket-sized allocation per step), so a tensor from
+``state_dict()`` is live, as an optimizer's state is: copy it to keep it past the next exchange
+(checkpoint snapshots do); ``load_state_dict`` copies the tensors it is given.
 
 The wrapped compressor keeps the inner codec and sets ``Compressor.feedback``: a
 parameter-server push (``gradsync.compression.push.PushCodec``) then keeps the same kind of
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.compression._wire import accumulator_dtype
+from gradsync.compression._wire import accumulator_dtype, blocks
 from gradsync.compression.base import BucketLike, Compressor, Hook
 
 
@@ -73,7 +76,9 @@ class ErrorFeedbackState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
-        self.residuals = {int(k): v for k, v in state["residuals"].items()}
+        # Copies: the hook reuses a residual's memory for the next corrected gradient, which
+        # must not write into the caller's tensors.
+        self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
 
 
 def error_feedback_hook(
@@ -82,10 +87,15 @@ def error_feedback_hook(
     """Bind ``inner_hook`` with ``functools.partial`` to get a ``hook(state, bucket)``."""
     buf, index = bucket.buffer(), bucket.index()
     residual = state.residuals.pop(index, None)
-    if residual is not None and residual.numel() == buf.numel():
-        buf.add_(residual.to(device=buf.device, dtype=buf.dtype).view_as(buf))
+    if residual is not None and residual.numel() != buf.numel():
+        residual = None
     # The inner hook may overwrite the buffer with the mean; keep the corrected input.
-    corrected = buf.to(accumulator_dtype(buf.dtype), copy=True)
+    if residual is not None and _reusable(residual, buf):
+        corrected = _add_and_keep(buf.view(-1), residual.view(-1)).view_as(buf)
+    else:
+        if residual is not None:
+            buf.add_(residual.to(device=buf.device, dtype=buf.dtype).view_as(buf))
+        corrected = buf.to(accumulator_dtype(buf.dtype), copy=True)
     fut = inner_hook(state.inner, bucket)
 
     def keep_residual(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
@@ -99,6 +109,28 @@ def error_feedback_hook(
         return value
 
     return fut.then(keep_residual)
+
+
+def _reusable(residual: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``residual`` can hold the corrected gradient in place: the same device and
+    dtype as the buffer (the accumulator dtype already, so no cast is lost), both contiguous."""
+    return (
+        residual.dtype == buf.dtype == accumulator_dtype(buf.dtype)
+        and residual.device == buf.device
+        and residual.is_contiguous()
+        and buf.is_contiguous()
+    )
+
+
+def _add_and_keep(buf: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``buf += residual``, then ``residual[:] = buf``, a block at a time so the copy reads the
+    sum while it is still in cache; returns ``residual``, now the corrected gradient. The last
+    residual's memory is reused: no bucket-sized allocation, whose page faults cost more than
+    the copy on a CPU (same values as adding and then copying into a new tensor)."""
+    for start, stop in blocks(buf.numel()):
+        part = buf[start:stop].add_(residual[start:stop])
+        residual[start:stop].copy_(part)
+    return residual
 
 
 def _make_state(make_inner: Any, group: dist.ProcessGroup | None) -> ErrorFeedbackState:

@@ -79,19 +79,26 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def chunk_mean_abs(flat: torch.Tensor, chunk: int) -> torch.Tensor:
     """``mean |x|`` per chunk of flat ``x``, dividing the short last chunk by its own length."""
-    n = flat.numel()
-    out = torch.empty(-(-n // chunk), device=flat.device)
-    for start, stop in blocks(n, chunk):
-        # |x| a block at a time: a bucket-sized temporary costs more than the sum itself.
-        rows, tail = split_chunks(flat[start:stop], chunk)
-        first = start // chunk
-        torch.sum(rows.abs(), dim=1, out=out[first : first + rows.shape[0]])
-        if tail.numel():
-            out[-1] = tail.abs().sum()
-    out[: n // chunk].div_(chunk)
+    out = torch.empty(-(-flat.numel() // chunk), device=flat.device)
+    for start, stop in blocks(flat.numel(), chunk):
+        _chunk_abs_sums(flat[start:stop], chunk, out[start // chunk :])
+    return _divide_sums(out, flat.numel(), chunk)
+
+
+def _chunk_abs_sums(part: torch.Tensor, chunk: int, out: torch.Tensor) -> None:
+    """``sum |x|`` per chunk of ``part`` (a block starting on a chunk boundary) into ``out``'s
+    first entries; |x| a block at a time: a bucket-sized temporary costs more than the sum."""
+    rows, tail = split_chunks(part, chunk)
+    torch.sum(rows.abs(), dim=1, out=out[: rows.shape[0]])
+    if tail.numel():
+        out[rows.shape[0]] = tail.abs().sum()
+
+
+def _divide_sums(sums: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    sums[: n // chunk].div_(chunk)
     if n % chunk:
-        out[-1] /= n % chunk
-    return out
+        sums[-1] /= n % chunk
+    return sums
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -114,10 +121,15 @@ def pack_signs(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]
     """
     flat = x.reshape(-1).float()
     n = flat.numel()
+    scale = torch.empty(-(-n // chunk), device=flat.device)
     bits = torch.empty(-(-n // 8) * 8, dtype=torch.bool, device=flat.device)
     bits[n:] = True
-    torch.ge(flat, 0, out=bits[:n])
-    return chunk_mean_abs(flat, chunk), pack_bits(bits)
+    # Both passes over one block while it is in cache, not two passes over the bucket.
+    for start, stop in blocks(n, chunk):
+        part = flat[start:stop]
+        _chunk_abs_sums(part, chunk, scale[start // chunk :])
+        torch.ge(part, 0, out=bits[start:stop])
+    return _divide_sums(scale, n, chunk), pack_bits(bits)
 
 
 def signs_of(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -153,13 +165,44 @@ class SignCodec(Stateless):
         return unpack_signs(parts[0], parts[1], self.numel, self.chunk, self.acc)
 
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
-        # +-1 times the scale is exact, so this equals out.add_(decode(...)) bit for bit. A block
-        # at a time (chunks are a multiple of 8: blocks start on a byte), no bucket-sized signs.
-        scale, packed = parts
-        for start, stop in blocks(self.numel, self.chunk):
-            signs = signs_of(packed[start // 8 : -(-stop // 8)], stop - start, out.dtype)
-            first, last = start // self.chunk, -(-stop // self.chunk)
-            add_scaled_chunks_(out[start:stop], signs, scale[first:last], self.chunk)
+        # +-1 times the scale is exact, so this equals out.add_(decode(...)) bit for bit.
+        self.accumulate_all([parts], out, step)
+
+    def accumulate_all(
+        self,
+        parts_by_rank: list[list[torch.Tensor]],
+        out: torch.Tensor,
+        step: int,
+        sign: float = 1.0,
+    ) -> None:
+        """Every rank's payload added into ``out`` in rank order (``sign`` -1: subtracted), a
+        block of ``out`` at a time for all ranks while it is in cache (chunks are a multiple of
+        8: blocks start on a byte), with no bucket-sized signs. Each element sees the same adds
+        in the same order as one ``accumulate`` per rank, so the sum is the same bit for bit."""
+        chunk = self.chunk
+        for start, stop in blocks(self.numel, chunk):
+            first, last = start // chunk, -(-stop // chunk)
+            for scale, packed in parts_by_rank:
+                signs = signs_of(packed[start // 8 : -(-stop // 8)], stop - start, out.dtype)
+                add_scaled_chunks_(out[start:stop], signs, scale[first:last], chunk, sign)
+
+    def contribution(self, parts: list[torch.Tensor], step: int) -> SignSent:
+        return SignSent(self, parts)
+
+
+class SignSent:
+    """This rank's decoded signs, for error feedback: subtracted from the corrected gradient a
+    block at a time, never built as a dense tensor. ``x - s * scale`` rounds once, as
+    ``x - decode(...)`` does, since ``s * scale`` (``s`` = +-1) is exact."""
+
+    __slots__ = ("codec", "parts")
+
+    def __init__(self, codec: SignCodec, parts: list[torch.Tensor]) -> None:
+        self.codec, self.parts = codec, parts
+
+    def subtract_from(self, corrected: torch.Tensor) -> torch.Tensor:
+        self.codec.accumulate_all([self.parts], corrected.view(-1), 0, sign=-1.0)
+        return corrected
 
 
 def sign_hook(state: SignState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:

@@ -90,6 +90,25 @@ class TopKCodec(Stateless):
         # One encode's indices are distinct, so index_add_ has no colliding (racy) adds on GPU.
         out.index_add_(0, parts[0].long(), parts[1].to(out.dtype))
 
+    def contribution(self, parts: list[torch.Tensor], step: int) -> TopKSent:
+        return TopKSent(parts)
+
+
+class TopKSent:
+    """This rank's k values, for error feedback: subtracted from the corrected gradient at
+    their k positions (``x - v`` there, ``x`` elsewhere, as ``x - decode(...)`` gives), with
+    no dense n-element tensor."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+
+    def subtract_from(self, corrected: torch.Tensor) -> torch.Tensor:
+        flat = corrected.view(-1)
+        flat.index_add_(0, self.parts[0].long(), self.parts[1].to(flat.dtype), alpha=-1)
+        return corrected
+
 
 def topk_hook(state: TopKState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
     """Mean over ranks of each rank's top-k, via one async all-gather of indices plus values."""
