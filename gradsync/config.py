@@ -94,7 +94,8 @@ class RunConfig:
     strategy: str = flag(
         "bsp",
         metavar="SPEC",
-        help="bsp | zero:N (N 1-3) | local:H | diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | ssp:S | "
+        help="bsp | zero:N (N 1-3) | local:H | "
+        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M] | ssp:S | "
         "async | hogwild (default: %(default)s)",
         group=SYNC,
     )

@@ -65,6 +65,10 @@ class StrategySpec:
     #: one of ``SPLITS``): "layers" when asked for with F > 1, else None, which stands for the
     #: default, "rows" (with one fragment the split changes nothing, so it is not kept)
     split: str | None = None
+    #: DiLoCo's outer SGD (``diloco:...:outer_lr=X:outer_momentum=M``), None for the default
+    #: (``OUTER_DEFAULTS``): only a value that differs from it is kept
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __str__(self) -> str:
         form = STRATEGY_TABLE.get(self.kind)
@@ -162,15 +166,49 @@ def _split_field(parts: list[str]) -> str | None:
     return split
 
 
+#: DiLoCo's outer optimizer settings a spec may name (``outer_lr=X``, ``outer_momentum=M``,
+#: as fields after the others), with their defaults: Nesterov SGD at lr 0.7, momentum 0.9, the
+#: DiLoCo paper's. ``outer_lr=1:outer_momentum=0`` makes the outer step land on the average of
+#: the ranks' parameters (local SGD's averaging, each fragment in turn when streaming).
+OUTER_DEFAULTS: Mapping[str, float] = MappingProxyType({"outer_lr": 0.7, "outer_momentum": 0.9})
+
+
+def _outer_fields(parts: list[str]) -> dict[str, float]:
+    """Take the ``name=value`` fields off the end of ``parts``: the outer optimizer's settings
+    that differ from ``OUTER_DEFAULTS``."""
+    found: dict[str, float] = {}
+    while len(parts) > 1 and "=" in parts[-1]:
+        name, _, raw = parts.pop().partition("=")
+        name = name.strip()
+        if name not in OUTER_DEFAULTS:
+            raise _Refused(f"{name}= is not a diloco option; it takes {_OUTER_FORMS}")
+        if name in found:
+            raise _Refused(f"{name}= is given twice")
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        ok = 0 < value < math.inf if name == "outer_lr" else 0 <= value < 1
+        if not ok:
+            rule = "a number > 0" if name == "outer_lr" else "a number from 0 to below 1"
+            raise _Refused(f"{name}={raw.strip()} must be {rule}")
+        found[name] = value
+    return {k: v for k, v in found.items() if v != OUTER_DEFAULTS[k]}
+
+
+_OUTER_FORMS = "outer_lr=X (a number > 0) and outer_momentum=M (from 0 to below 1)"
+
+
 def _diloco(text: str) -> dict[str, Any]:
     """``H``, or ``H:F[:TAU[:ALPHA]][:SPLIT]`` for streaming DiLoCo; one fragment with no delay
     and ALPHA 0 is plain ``diloco:H``, and parses as it (whatever the split: one fragment is
     the whole model)."""
     parts = [part.strip() for part in text.split(":")]
+    outer = _outer_fields(parts)
     split = _split_field(parts)
     if len(parts) > 4:
         raise _Refused(f"diloco takes at most H:F:TAU:ALPHA:SPLIT, got {len(parts) + 1} values")
-    fields = _period(parts[0])
+    fields = {**_period(parts[0]), **outer}
     if len(parts) == 1:
         return fields
     period = fields["period"]
@@ -209,11 +247,16 @@ def _diloco(text: str) -> dict[str, Any]:
 
 
 def _show_diloco(spec: StrategySpec) -> str:
+    outer = "".join(
+        f":{name}={value!r}"
+        for name in OUTER_DEFAULTS
+        if (value := getattr(spec, name)) is not None
+    )
     if spec.fragments is None:
-        return str(spec.period)
+        return f"{spec.period}{outer}"
     alpha = f":{spec.alpha!r}" if spec.alpha else ""
     split = f":{spec.split}" if spec.split is not None else ""
-    return f"{spec.period}:{spec.fragments}:{spec.delay or 0}{alpha}{split}"
+    return f"{spec.period}:{spec.fragments}:{spec.delay or 0}{alpha}{split}{outer}"
 
 
 def _show_stage(spec: StrategySpec) -> str:
@@ -245,9 +288,10 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
             "an integer >= 1",
             _diloco,
             _show_diloco,
-            options="[:F[:TAU[:ALPHA]][:SPLIT]]",
+            options="[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M]",
             option_rules="F an integer from 1 to H, TAU an integer >= 0 below H/F, "
-            f"ALPHA in [0, 1], SPLIT {' or '.join(SPLITS)}",
+            f"ALPHA in [0, 1], SPLIT {' or '.join(SPLITS)}, X > 0 (default 0.7), "
+            "M in [0, 1) (default 0.9)",
         ),
         StrategyForm(
             "ssp", "S", "an integer >= 0 or inf", _staleness, _show_staleness, servers=True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,9 +33,11 @@ pytestmark = pytest.mark.unit
 
 # The texts the messages end with, as the API has always printed them.
 STRATEGY_TEXT = (
-    "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]][:SPLIT]], ssp:S, async, hogwild "
+    "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M], "
+    "ssp:S, async, hogwild "
     "(N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 below H/F, "
-    "ALPHA in [0, 1], SPLIT rows or layers, S an integer >= 0 or inf)"
+    "ALPHA in [0, 1], SPLIT rows or layers, X > 0 (default 0.7), M in [0, 1) (default 0.9), "
+    "S an integer >= 0 or inf)"
 )
 COMPRESSION_TEXT = (
     "none, fp16, bf16, int8, int4, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
@@ -50,7 +53,7 @@ def test_the_forms_are_written_from_the_tables_as_before() -> None:
         "bsp",
         "zero:N",
         "local:H",
-        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]]",
+        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M]",
         "ssp:S",
         "async",
         "hogwild",
@@ -172,9 +175,11 @@ def test_a_new_strategy_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> N
     }
     monkeypatch.setattr(spec_module, "STRATEGY_TABLE", table)
     assert spec_module._strategy_forms(table) == (
-        "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]][:SPLIT]], ssp:S, async, hogwild, "
+        "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M], "
+        "ssp:S, async, hogwild, "
         "stage:N (N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 "
-        "below H/F, ALPHA in [0, 1], SPLIT rows or layers, S an integer >= 0 or inf)"
+        "below H/F, ALPHA in [0, 1], SPLIT rows or layers, X > 0 (default 0.7), M in [0, 1) "
+        "(default 0.9), S an integer >= 0 or inf)"
     )
     hogwild = parse_strategy_spec("Hogwild")
     assert (hogwild, str(hogwild), hogwild.uses_servers) == (
@@ -408,3 +413,56 @@ def test_the_simulator_modules_import_no_cycle() -> None:
     cycles = sorted(name for name in graph if name in reachable(name))
     assert not cycles, {name: sorted(graph[name]) for name in cycles}
     assert "gradsync.sim.options" in graph["gradsync.sim.commands"]
+
+
+@pytest.mark.parametrize(
+    ("text", "canonical"),
+    [
+        ("diloco:16:outer_lr=1:outer_momentum=0", "diloco:16:outer_lr=1.0:outer_momentum=0.0"),
+        ("diloco:16:outer_momentum=0.5", "diloco:16:outer_momentum=0.5"),
+        (
+            "diloco:4:2:1:outer_lr=1.0:outer_momentum=0",
+            "diloco:4:2:1:outer_lr=1.0:outer_momentum=0.0",
+        ),
+        ("diloco:8:3:layers:outer_lr=0.5", "diloco:8:3:1:layers:outer_lr=0.5"),
+        ("diloco:16:outer_lr=0.7:outer_momentum=0.9", "diloco:16"),  # the defaults are not kept
+        ("diloco:4:1:0:0: outer_lr = 1 ", "diloco:4:outer_lr=1.0"),
+    ],
+)
+def test_diloco_outer_optimizer_options_parse_to_one_canonical_spec(
+    text: str, canonical: str
+) -> None:
+    spec = parse_strategy_spec(text)
+    assert str(spec) == canonical
+    assert parse_strategy_spec(str(spec)) == spec
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("diloco:16:lr=1", "lr= is not a diloco option; it takes outer_lr=X"),
+        ("diloco:16:outer_lr=0", "outer_lr=0 must be a number > 0"),
+        ("diloco:16:outer_lr=inf", "outer_lr=inf must be a number > 0"),
+        ("diloco:16:outer_lr=x", "outer_lr=x must be a number > 0"),
+        ("diloco:16:outer_momentum=1", "outer_momentum=1 must be a number from 0 to below 1"),
+        ("diloco:16:outer_lr=1:outer_lr=2", "outer_lr= is given twice"),
+        ("local:4:outer_lr=1", "local"),
+    ],
+)
+def test_bad_diloco_outer_optimizer_options_are_refused_naming_the_rule(
+    text: str, why: str
+) -> None:
+    with pytest.raises(UsageError, match=re.escape(why)):
+        parse_strategy_spec(text)
+
+
+def test_the_outer_options_reach_the_strategy_built_from_a_spec() -> None:
+    from gradsync.strategies import DiLoCo, parse_strategy
+
+    built = parse_strategy("diloco:4:2:1:outer_lr=1:outer_momentum=0")
+    assert isinstance(built, DiLoCo)
+    assert (built.outer.outer_lr, built.outer.outer_momentum) == (1.0, 0.0)
+    assert built.spec == "diloco:4:2:1:outer_lr=1.0:outer_momentum=0.0"
+    by_hand = DiLoCo(4, outer_lr=1.0, outer_momentum=0.0, fragments=2)
+    assert by_hand.spec == built.spec
+    assert parse_strategy("diloco:16").outer == DiLoCo(16).outer  # type: ignore[attr-defined]

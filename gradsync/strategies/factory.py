@@ -10,7 +10,7 @@ import math
 
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
-from gradsync.spec import SPLITS, parse_strategy_spec
+from gradsync.spec import OUTER_DEFAULTS, SPLITS, parse_strategy_spec
 from gradsync.strategies.base import Strategy
 from gradsync.strategies.bsp import BSP
 from gradsync.strategies.hogwild import Hogwild, refusal_of_compression
@@ -46,8 +46,10 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
         assert parsed.period is not None
         if parsed.kind == "local":
             return LocalSGD(parsed.period)
+        outer = {k: v for k in OUTER_DEFAULTS if (v := getattr(parsed, k)) is not None}
         return DiLoCo(
             parsed.period,
+            **outer,
             fragments=parsed.fragments or 1,
             delay=parsed.delay or 0,
             alpha=parsed.alpha or 0.0,

@@ -21,7 +21,7 @@ from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.fault.diagnose import END
 from gradsync.flat import copy_into, flatten
-from gradsync.spec import SPLITS, StrategySpec, parse_strategy_spec
+from gradsync.spec import OUTER_DEFAULTS, SPLITS, StrategySpec, parse_strategy_spec
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,
@@ -219,8 +219,8 @@ class LocalSGD(_Periodic):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OuterConfig:
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = OUTER_DEFAULTS["outer_lr"]
+    outer_momentum: float = OUTER_DEFAULTS["outer_momentum"]
     nesterov: bool = True
 
     def __post_init__(self) -> None:
@@ -258,8 +258,8 @@ class DiLoCo(_Periodic):
     def __init__(
         self,
         period: int,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float = OUTER_DEFAULTS["outer_lr"],
+        outer_momentum: float = OUTER_DEFAULTS["outer_momentum"],
         nesterov: bool = True,
         *,
         fragments: int = 1,
@@ -271,7 +271,7 @@ class DiLoCo(_Periodic):
         self.outer = OuterConfig(
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov
         )
-        spec = _streaming_spec(period, fragments, delay, alpha, split)
+        spec = _streaming_spec(period, fragments, delay, alpha, split, self.outer)
         #: the canonical spec (``diloco:8:2:1``), for messages
         self.spec = str(spec)
         self.streaming = spec.fragments is not None
@@ -448,7 +448,7 @@ class DiLoCo(_Periodic):
 
 
 def _streaming_spec(
-    period: int, fragments: int, delay: int | None, alpha: float, split: str
+    period: int, fragments: int, delay: int | None, alpha: float, split: str, outer: OuterConfig
 ) -> StrategySpec:
     """The spec a DiLoCo built by hand stands for, checked by the one spec parser, so a bad
     argument gets the message of the spec string that would carry it."""
@@ -465,4 +465,9 @@ def _streaming_spec(
             word = isinstance(split, str) and bool(split.strip())
         if not word:
             raise UsageError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    return parse_strategy_spec(f"{text}:{delay}:{alpha}:{split}")
+    options = "".join(
+        f":{name}={value!r}"
+        for name, value in (("outer_lr", outer.outer_lr), ("outer_momentum", outer.outer_momentum))
+        if value != OUTER_DEFAULTS[name]
+    )
+    return parse_strategy_spec(f"{text}:{delay}:{alpha}:{split}{options}")
