@@ -49,7 +49,8 @@ def test_cli_usage_errors(args: list[str], expected: str, tmp_path) -> None:
 def test_strategy_spec_error_names_valid_forms() -> None:
     with pytest.raises(
         ValueError,
-        match=r"valid: bsp, zero:N, local:H, diloco:H\[:F\[:TAU\[:ALPHA\]\]\[:SPLIT\]\], ssp:S, "
+        match=r"valid: bsp, zero:N, local:H, diloco:H\[:F\[:TAU\[:ALPHA\]\]\[:SPLIT\]\]"
+        r"\[:outer_lr=X\]\[:outer_momentum=M\], ssp:S, "
         "async",
     ):
         gs.parse_strategy("bps")
