@@ -55,8 +55,10 @@ def _streaming(c: Config) -> bool:
     """Whether ``c`` runs streaming DiLoCo (F > 1 fragments, or a delay or ALPHA)."""
     if c.mode != "gradsync":
         return False
-    fields = dict(pair.partition("=")[::2] for pair in c.fields.split(","))
-    return parse_strategy_spec(fields.get("strategy", "bsp")).fragments is not None
+    from benchmarks.cluster_worker import RunSpec, parse_run  # the worker's own --config reader
+
+    run = parse_run(f"{c.key}={c.mode},{c.fields}", RunSpec(name=c.key, mode=c.mode))
+    return parse_strategy_spec(run.strategy).fragments is not None
 
 
 L8S = _c("local8-sl", "local:8", "sparseloco")

@@ -28,6 +28,7 @@ from gradsync.errors import UsageError
 __all__ = [
     "COMPRESSION_FORMS",
     "COMPRESSION_TABLE",
+    "OUTER_DEFAULTS",
     "SPLITS",
     "STRATEGY_FORMS",
     "STRATEGY_TABLE",
@@ -35,6 +36,7 @@ __all__ = [
     "CompressionSpec",
     "StrategyForm",
     "StrategySpec",
+    "outer_options",
     "parse_compression_spec",
     "parse_strategy_spec",
 ]
@@ -246,12 +248,18 @@ def _diloco(text: str) -> dict[str, Any]:
     return streaming
 
 
-def _show_diloco(spec: StrategySpec) -> str:
-    outer = "".join(
+def outer_options(values: Mapping[str, float | None]) -> str:
+    """The spec fields (``:outer_lr=1.0:outer_momentum=0.0``) of the outer optimizer settings
+    in ``values`` that differ from ``OUTER_DEFAULTS`` (None: the default)."""
+    return "".join(
         f":{name}={value!r}"
         for name in OUTER_DEFAULTS
-        if (value := getattr(spec, name)) is not None
+        if (value := values.get(name)) is not None and value != OUTER_DEFAULTS[name]
     )
+
+
+def _show_diloco(spec: StrategySpec) -> str:
+    outer = outer_options({name: getattr(spec, name) for name in OUTER_DEFAULTS})
     if spec.fragments is None:
         return f"{spec.period}{outer}"
     alpha = f":{spec.alpha!r}" if spec.alpha else ""

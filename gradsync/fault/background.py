@@ -42,6 +42,7 @@ from typing import Any
 
 from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
 from gradsync.fault.commits import POLL_S, Commits, late_message
+from gradsync.fault.files import write_failure
 from gradsync.fault.packing import BufferPool, Packed
 
 __all__ = ["CheckpointWriter"]
@@ -220,15 +221,8 @@ class CheckpointWriter(WriterBase):
                 if self.commits:
                     self._try_commits()
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-                error = exc
-                if not isinstance(exc, CheckpointError):
-                    error = CheckpointError(
-                        f"rank {self.rank}: writing a checkpoint to {self.store.directory} "
-                        f"failed: {type(exc).__name__}: {exc}"
-                    )
-                    error.__cause__ = exc
                 with self._cond:
-                    self._error = error
+                    self._error = write_failure(self.rank, self.store.directory, exc)
                     self._commits.clear()
             finally:
                 with self._cond:

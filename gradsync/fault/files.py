@@ -40,6 +40,7 @@ __all__ = [
     "Crc32",
     "FileEntry",
     "write_chunks",
+    "write_failure",
 ]
 
 FORMAT = "gradsync-checkpoint"
@@ -467,3 +468,15 @@ def write_chunks(
         size += len(raw)
         at = offset + len(raw)
     return size, digest.hexdigest()
+
+
+def write_failure(rank: int, directory: Path, exc: BaseException) -> CheckpointError:
+    """What a background writer (thread or process) reports for ``exc``: itself when it is a
+    ``CheckpointError`` already, else one naming the rank, the directory and the cause."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    error = CheckpointError(
+        f"rank {rank}: writing a checkpoint to {directory} failed: {type(exc).__name__}: {exc}"
+    )
+    error.__cause__ = exc
+    return error

@@ -7,7 +7,9 @@ training thread at every release; on a 2-core machine training 2 ranks, a checkp
 step cost 14-21% of step time that way, of which about 1 ms per step was the snapshot and the
 rest the writer (measured with the writer discarding its snapshots). A process takes no GIL
 from training, and runs at a lower priority (``nice``), in the moments a rank waits for its
-peers.
+peers. Measured, that helped only where a core was spare: with as many ranks as cores the
+writer's CPU comes out of the steps in a process as in a thread (docs/checkpoints.md, "The
+writer process").
 
 The process never imports torch (``gradsync.fault.files`` and ``gradsync.fault.commits`` are
 torch-free): it starts in tens of milliseconds and holds about 12 MB instead of 280. It reads
@@ -18,8 +20,8 @@ says the file holding it is written.
 Messages (pickled tuples, one per ``SOCK_SEQPACKET`` packet; larger ones travel in a memfd):
 the training process sends ``("buffer", id, nbytes)`` with a descriptor, ``("write", step,
 durable, keep, start, parts)``, ``("close",)``; this process answers ``("ready",)`` once it has
-started, ``("written", step)``,
-``("committed", step)``, ``("error", message)``, ``("closed",)``. When the training process dies
+started, ``("written", step)``, ``("committed", step)`` and ``("error", message)``, and exits
+after ``close`` once its commits are done. When the training process dies
 its socket closes: this process then writes nothing more and exits (and, started from the main
 thread, is killed with it by ``PR_SET_PDEATHSIG``), so a restarted run never races a writer of
 the attempt before it.
@@ -39,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gradsync.fault.commits import Commits
-from gradsync.fault.files import CheckpointError, CheckpointFiles, write_chunks
+from gradsync.fault.files import CheckpointFiles, write_chunks, write_failure
 
 __all__ = ["recv_message", "send_message"]
 
@@ -127,7 +129,6 @@ class _Child:
             if self.commits is not None and len(self.commits):
                 self._commit()
             if closing and (self.commits is None or not len(self.commits)):
-                send_message(self.sock, ("closed",))
                 return
 
     def _handle(self, message: tuple[Any, ...], fds: list[int]) -> bool:
@@ -186,13 +187,7 @@ class _Child:
     def _error(self, exc: BaseException) -> None:
         if self.commits is not None:
             self.commits.clear()
-        message = str(exc)
-        if not isinstance(exc, CheckpointError):
-            message = (
-                f"rank {self.rank}: writing a checkpoint to {self.files.directory} failed: "
-                f"{type(exc).__name__}: {exc}"
-            )
-        send_message(self.sock, ("error", message))
+        send_message(self.sock, ("error", str(write_failure(self.rank, self.files.directory, exc))))
 
 
 def main(argv: list[str]) -> int:

@@ -82,8 +82,11 @@ class _SharedBuffers:
 
     def __init__(self, send: Any) -> None:
         self._send = send
-        #: data pointer -> (id, bytes); the maps stay alive as long as the writer
+        #: data pointer -> (id, bytes)
         self.by_address: dict[int, tuple[int, int]] = {}
+        #: every map, kept alive as long as the writer even when the pool drops its tensor: an
+        #: address in ``by_address`` is then never reused by a later, unshared buffer, which
+        #: ``part`` would take for the shared one
         self._maps: list[mmap.mmap] = []
 
     def allocate(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -134,7 +137,6 @@ class ProcessCheckpointWriter(WriterBase):
         self._in_flight: deque[tuple[int, Packed]] = deque()  # submitted, not written yet
         self._last = -1  # newest step submitted
         self._abandoned = -1  # newest step given up after an error (rank 0 commits no more)
-        self._exited = False
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         main = threading.current_thread() is threading.main_thread()
         try:
@@ -258,7 +260,6 @@ class ProcessCheckpointWriter(WriterBase):
             note = self._exit_note() if got is None and not self._closing else ""
             with self._cond:
                 if got is None:
-                    self._exited = True
                     self._in_flight.clear()  # never written now: nothing left to wait for
                     self._abandoned = self._last
                     if not self._closing and self._error is None:

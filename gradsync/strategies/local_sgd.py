@@ -21,7 +21,13 @@ from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.fault.diagnose import END
 from gradsync.flat import copy_into, flatten
-from gradsync.spec import OUTER_DEFAULTS, SPLITS, StrategySpec, parse_strategy_spec
+from gradsync.spec import (
+    OUTER_DEFAULTS,
+    SPLITS,
+    StrategySpec,
+    outer_options,
+    parse_strategy_spec,
+)
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,
@@ -465,9 +471,5 @@ def _streaming_spec(
             word = isinstance(split, str) and bool(split.strip())
         if not word:
             raise UsageError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    options = "".join(
-        f":{name}={value!r}"
-        for name, value in (("outer_lr", outer.outer_lr), ("outer_momentum", outer.outer_momentum))
-        if value != OUTER_DEFAULTS[name]
-    )
+    options = outer_options({"outer_lr": outer.outer_lr, "outer_momentum": outer.outer_momentum})
     return parse_strategy_spec(f"{text}:{delay}:{alpha}:{split}{options}")
