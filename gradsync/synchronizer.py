@@ -570,7 +570,7 @@ class Synchronizer:
         )
         if self._collector.due() and not self.strategy.barrier_free:
             with record_function("gradsync.telemetry_gather"):
-                self._collector.flush(h.step)
+                self._collector.flush_behind(h.step)
 
     def _add_spans(self, spans: list[Span], wall0: float, compute: float, sync: float) -> None:
         step = self._step
@@ -709,6 +709,7 @@ class Synchronizer:
             self._close()
 
     def _close(self) -> None:
+        self._collector.hold_in_flight()
         self._step_hook.remove()
         self.strategy.close()
         if self._hierarchy is not None:

@@ -1,10 +1,18 @@
 """Collecting step records from every rank without a collective on every step.
 
-Each rank times its own steps locally. Every ``flush_every`` steps (and when the report is
-asked for) the pending records are all-gathered in one small float64 tensor; ``idle`` and
-``comm`` are then derived for each step from every rank's compute. One tiny collective every
-few steps stays off the critical path of the others; strategies that must never make ranks wait
-for each other gather only at the end.
+Each rank times its own steps locally. Every ``flush_every`` steps the pending records are
+all-gathered in one small float64 tensor, behind the steps: the gather is posted
+(``async_op``) and its result taken at the next one, so no rank waits for another because of
+telemetry. ``idle`` and ``comm`` are then derived for each step from every rank's compute.
+When the report is asked for (``flush``), the gather in flight and everything pending are
+gathered at once. Strategies that must never make ranks wait for each other gather only at
+the end.
+
+Why behind: a blocking gather is a barrier. Under local SGD or DiLoCo, whose ranks meet only
+every H steps, a gather every 10 steps made the faster rank wait for the slower one's drift
+each time; on the emulated cluster (two hosts, charlm) that cost about 0.7 ms a step, more
+than the rest of gradsync's per-step work. The price: records reach ``records`` and the sink
+(the balancer, ``on_records``) one gather later, at the same step on every rank.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import compat, runtime
 from gradsync.telemetry.records import StepRecord, fill_idle
 
 # Columns of the gathered tensor, in order.
@@ -65,6 +73,8 @@ class TelemetryCollector:
         self.records: list[StepRecord] = []
         self._pending: list[_Pending] = []
         self._since_barrier: dict[int, float] = {}
+        #: the gather posted by ``flush_behind`` and not taken yet
+        self._in_flight: _InFlight | None = None
 
     def add(
         self,
@@ -91,7 +101,14 @@ class TelemetryCollector:
 
     def pending_rows(self) -> torch.Tensor:
         """The records not gathered yet, one float64 row each (a checkpoint carries them, so
-        the steps before it keep their records when a restart rolls back to it)."""
+        the steps before it keep their records when a restart rolls back to it); those of a
+        gather still in flight come first."""
+        local = self._local_rows()
+        if self._in_flight is None:
+            return local
+        return torch.cat([self._in_flight.local, local])
+
+    def _local_rows(self) -> torch.Tensor:
         rows = [
             [
                 float(p.step),
@@ -121,15 +138,60 @@ class TelemetryCollector:
         self._pending[:0] = restored
 
     def flush(self, step: int | None = None) -> list[StepRecord]:
-        """Collective: every rank of the group must call it. Returns the new complete records.
-        ``step`` places the gather for the timeout diagnosis (None: at the latest wait's)."""
-        local = self.pending_rows()
+        """Collective: every rank of the group must call it. Returns the new complete records
+        (those of a gather in flight included). ``step`` places the gather for the timeout
+        diagnosis (None: at the latest wait's)."""
+        new = self._take_in_flight(step)
+        local = self._local_rows()
         self._pending = []
-        if self.watch is not None:
-            what = f"telemetry gather ({local.shape[0]} pending step record(s) on this rank)"
-            gathered = self.watch.run(step, what, lambda: self._gather(local))
-        else:
-            gathered = self._gather(local)
+        what = f"telemetry gather ({local.shape[0]} pending step record(s) on this rank)"
+        return new + self._add(self._watched(step, what, lambda: self._gather(local)))
+
+    def flush_behind(self, step: int) -> list[StepRecord]:
+        """Collective, the periodic gather (every rank calls it after the same step): take the
+        result of the gather posted last time, and post one of the records pending now without
+        waiting for it. Returns the records taken. Falls back to ``flush`` where the pending
+        rows may differ in number between ranks (more than ``flush_every``: restored from a
+        checkpoint) or there is no peer."""
+        if runtime.world_size(self.group) == 1 or len(self._pending) > self.flush_every:
+            return self.flush(step)
+        new = self._take_in_flight(step)
+        local = self._local_rows()
+        self._pending = []
+        dev = runtime.device()
+        # A fixed shape on every rank (one collective, no count to agree on first): the rows,
+        # then padding whose step is -1.
+        padded = torch.full((self.flush_every, len(_COLUMNS)), -1.0, dtype=torch.float64)
+        padded[: local.shape[0]] = local
+        padded = padded.to(dev)
+        blocks = [torch.empty_like(padded) for _ in range(runtime.world_size(self.group))]
+        work = dist.all_gather(blocks, padded, group=self.group, async_op=True)
+        self._in_flight = _InFlight(step, local, padded, blocks, work)
+        return new
+
+    def _take_in_flight(self, step: int | None) -> list[StepRecord]:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        what = f"telemetry gather posted after step {flight.step}"
+        blocks = self._watched(step, what, lambda: _wait(flight))
+        return self._add([b[b[:, 0] >= 0] for b in blocks])
+
+    def hold_in_flight(self) -> None:
+        """Closing without a final ``flush``: keep a gather still in flight (its tensors, its
+        Work) referenced until the process exits, so that no backend thread frees them while
+        the interpreter shuts down (see ``compat.hold_until_exit``)."""
+        if self._in_flight is not None:
+            compat.hold_until_exit("telemetry gather in flight", self._in_flight)
+            self._in_flight = None
+
+    def _watched(self, step: int | None, what: str, fn: Callable[[], Any]) -> Any:
+        if self.watch is None:
+            return fn()
+        return self.watch.run(step, what, fn)
+
+    def _add(self, gathered: list[torch.Tensor]) -> list[StepRecord]:
+        """Records from each rank's gathered rows (in rank order), appended and passed on."""
         new = [
             StepRecord(
                 rank=rank,
@@ -170,3 +232,20 @@ class TelemetryCollector:
         blocks = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(blocks, padded, group=self.group)
         return [b[: int(c.item())].cpu() for b, c in zip(blocks, counts, strict=True)]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A gather posted by ``flush_behind``: what it sends (kept alive until it is taken) and
+    where it receives."""
+
+    step: int
+    local: torch.Tensor
+    padded: torch.Tensor
+    blocks: list[torch.Tensor]
+    work: Any
+
+
+def _wait(flight: _InFlight) -> list[torch.Tensor]:
+    flight.work.wait()
+    return [b.cpu() for b in flight.blocks]
