@@ -693,7 +693,14 @@ class Synchronizer:
         from gradsync.fault import resume
 
         with self._gradsync_call(self._step, "sync.load()"):
-            return resume.load(self, directory)
+            extra = resume.load(self, directory)
+            if self.telemetry_enabled:
+                # The records restored from the checkpoint are gathered now, while every rank
+                # is here: their number differs between ranks after a resume on more ranks
+                # (a new rank has none), and the periodic gathers, which come after a fixed
+                # number of pending records, must come after the same steps on every rank.
+                self._collector.flush(self._step)
+            return extra
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._step = int(state["step"])
