@@ -271,7 +271,8 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     ``_foreach_copy_`` (a checkpoint snapshot copies a hundred-odd tensors every step)."""
     fused = getattr(torch, "_foreach_copy_", None)
     if fused is not None:
-        fused(dst, src)
+        if dst or src:  # the fused call refuses empty lists (a state without tensors)
+            fused(dst, src)
         return
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)

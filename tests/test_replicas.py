@@ -162,6 +162,8 @@ def test_a_share_encoded_once_is_reused_and_writes_the_same_file(world: int) -> 
         "negative_zero",  # 0.0 becomes -0.0: == cannot tell them apart
         "bool",  # 1 becomes True
         "new_tensor_shape",  # a parameter replaced by one of another shape
+        "new_tensor_dtype",  # or of another dtype
+        "tensor_to_number",  # an entry that held a tensor now holds a number
         "new_key",
     ],
 )
@@ -184,6 +186,8 @@ def test_a_share_that_changed_is_encoded_again(change: str) -> None:
         "negative_zero": state(wd=-0.0),
         "bool": state(flag=True),
         "new_tensor_shape": {**state(), "w": torch.ones(4)},
+        "new_tensor_dtype": {**state(), "w": torch.ones(3, dtype=torch.float64)},
+        "tensor_to_number": {**state(), "w": 1.0},
         "new_key": state(extra=True),
     }[change]
     got = _read(_file_bytes(pack({"r": replicas.share_of(after, 0, 1)}, pool)))["r"]  # type: ignore[index]
