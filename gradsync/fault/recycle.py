@@ -45,7 +45,7 @@ class SpareFiles:
         self.root = directory / SPARE_DIR
 
     @staticmethod
-    def claim(path: Path, tmp: Path) -> bool:
+    def claim(path: str | Path, tmp: str | Path) -> bool:
         """Rename ``path`` (a file a recycled directory brought along) to ``tmp`` to be
         overwritten there; False when there is none."""
         try:
