@@ -183,7 +183,6 @@ __all__ = [
     "default_group",
     "default_store",
     "foreach_copy",
-    "foreach_norm",
     "fsdp2",
     "fsdp_comms",
     "hold_until_exit",
@@ -255,15 +254,6 @@ def fsdp_comms(module: Any) -> list[tuple[Any, Any]] | None:
         return [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
     except (AttributeError, TypeError):
         return None
-
-
-def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
-    """Each tensor's ``ord`` norm, in one call where torch has the fused ``_foreach_norm``
-    (the non-finite check of every gradient at every step)."""
-    fused = getattr(torch, "_foreach_norm", None)
-    if fused is not None:
-        return list(fused(tensors, ord))
-    return [torch.linalg.vector_norm(t, ord) for t in tensors]
 
 
 def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

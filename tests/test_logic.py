@@ -141,7 +141,7 @@ def test_finiteness_check_is_exact_and_does_not_overflow_half_precision() -> Non
     assert is_finite(torch.full((100_000,), 60000.0, dtype=torch.float16))
 
 
-def test_the_fused_check_of_many_tensors_is_as_exact_as_one_by_one() -> None:
+def test_the_check_of_many_tensors_at_once_is_as_exact_as_one_by_one() -> None:
     from gradsync.fault.guards import all_finite
 
     grads = [torch.randn(50), torch.randn(3, 4), torch.randn(7)]
@@ -151,13 +151,15 @@ def test_the_fused_check_of_many_tensors_is_as_exact_as_one_by_one() -> None:
             poisoned = [g.clone() for g in grads]
             poisoned[i].view(-1)[1] = bad
             assert not all_finite(poisoned), (bad, i)
-    # finite values whose norms overflow float32: confirmed finite one by one
+    # finite values whose sums overflow float32: confirmed finite one by one
     assert all_finite([torch.full((1000,), 3e38), torch.ones(3)])
-    # what the fused call does not take (several dtypes) is checked one by one
-    half = torch.ones(4, dtype=torch.float16)
-    assert all_finite([torch.ones(3), half])
+    # several dtypes; half precision summed in float32 (100k x 0.7 overflows an fp16 sum)
+    half = torch.full((100_000,), 0.7, dtype=torch.float16)
+    assert all_finite([torch.ones(3, dtype=torch.float64), half])
     half[2] = float("nan")
-    assert not all_finite([torch.ones(3), half])
+    assert not all_finite([torch.ones(3, dtype=torch.float64), half])
+    # a NaN in an imaginary part (a sum into a real dtype would drop it)
+    assert not all_finite([torch.ones(3), torch.tensor([1 + 1j, complex(0, float("nan"))])])
 
 
 def test_hang_diagnosis_counts_a_rank_one_step_ahead_as_arrived() -> None:

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync import compat
 from gradsync.errors import DivergenceError
 
 
@@ -31,35 +30,36 @@ def is_finite(t: torch.Tensor) -> bool:
     ``torch.isfinite(t).all()`` materialises a boolean tensor as large as ``t`` and costs tens
     of times more on a large gradient, so it runs only to confirm a sum that is not finite:
     finite values whose sum overflows (a loss scaled by a GradScaler can make them large) are
-    not mistaken for a non-finite gradient.
+    not mistaken for a non-finite gradient. A complex tensor is summed as its real and
+    imaginary parts (a sum into a real dtype would drop the imaginary part, and its NaN).
     """
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    return bool(torch.isfinite(t.sum(dtype=acc))) or bool(torch.isfinite(t).all())
+    return bool(torch.isfinite(_sum(t))) or bool(torch.isfinite(t).all())
+
+
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of every tensor is finite.
 
-    One fused reduction over all of them first (``compat.foreach_norm``: each tensor's L1
-    norm, then their sum; NaN and Inf survive both), where a loop of ``is_finite`` costs three
-    calls per tensor, and on a GPU a synchronization per tensor: under local SGD or DiLoCo
-    this check runs on every parameter's gradient at every step (on charlm's 30 gradients,
-    one core: 151 us a step one by one, 104 us fused). A sum that is not finite is confirmed
-    tensor by tensor, as ``is_finite`` confirms its own, so finite values whose norms overflow
-    are not mistaken for a non-finite gradient; so are lists the fused call does not take
-    (sparse tensors, several dtypes or devices)."""
+    Every tensor's sum, then one check of their sum, where ``is_finite`` one by one checks and
+    converts each sum to a bool (on a GPU, a synchronization per tensor): under local SGD or
+    DiLoCo this runs on every parameter's gradient at every step (charlm's 30 gradients, one
+    core: 151 us one by one, 46 us so). A total that is not finite is confirmed tensor by
+    tensor, as ``is_finite`` confirms its own sum, so finite values whose sums overflow are not
+    mistaken for a non-finite gradient; so are sums that cannot be stacked (several devices).
+    (A fused ``torch._foreach_norm`` was tried first: on the CPU its L1 norm is a loop several
+    times slower per element than a sum, 1.4 ms against 0.3 ms for 30 tensors of 100k.)"""
     if not tensors:
         return True
-    first = tensors[0]
-    if len(tensors) > 1 and all(
-        t.layout == torch.strided and t.dtype == first.dtype and t.device == first.device
-        for t in tensors
-    ):
-        acc = torch.float64 if first.dtype == torch.float64 else torch.float32
-        total = torch.stack(compat.foreach_norm(tensors, 1.0)).sum(dtype=acc)
-        if bool(torch.isfinite(total)):
-            return True
-    return all(is_finite(t) for t in tensors)
+    try:
+        total = torch.stack([_sum(t) for t in tensors]).sum()
+    except RuntimeError:  # sums on several devices
+        return all(is_finite(t) for t in tensors)
+    return bool(torch.isfinite(total)) or all(is_finite(t) for t in tensors)
 
 
 def scrub_nonfinite_state(state: Any, _depth: int = 0) -> int:

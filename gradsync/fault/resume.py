@@ -214,13 +214,14 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     if changed and not sync.strategy.resizable:  # reshardable (``_check_compatible``)
         every = [state if r == 0 else store.load(info, r) for r in range(saved_world)]
         state.update(sync.strategy.reshard(every))
+    # The records of the steps before the checkpoint, not gathered: put back last, once
+    # nothing else can fail, so that a load that raised leaves none on any rank.
     rows = _own_telemetry(store, info, state, sync.rank, changed)
-    if rows is not None:  # the records of the steps before the checkpoint, not gathered
-        sync._restore_telemetry(rows)
     role = sync.strategy.server_role()
     if role is not None:
         role.restore(state["server"])
         sync.load_state_dict(state["sync"])
+        _restore_rows(sync, rows)
         return {**(state.get("extra") or {}), "step": sync.step_count}
     sync.strategy.load_model_state_dict(sync.model, state["model"])
     sync.optimizer.load_state_dict(state["optimizer"])
@@ -242,9 +243,15 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     else:
         sync.load_state_dict(state["sync"])
         set_rng_state(state["rng"])
+    _restore_rows(sync, rows)
     extra: dict[str, Any] = dict(state.get("extra") or {})
     extra["step"] = sync.step_count
     return extra
+
+
+def _restore_rows(sync: Synchronizer, rows: Any) -> None:
+    if rows is not None:
+        sync._restore_telemetry(rows)
 
 
 def _own_telemetry(

@@ -2,17 +2,20 @@
 
 Each rank times its own steps locally. Every ``flush_every`` steps the pending records are
 all-gathered in one small float64 tensor, behind the steps: the gather is posted
-(``async_op``) and its result taken at the next one, so no rank waits for another because of
-telemetry. ``idle`` and ``comm`` are then derived for each step from every rank's compute.
+(``async_op``) and its result taken at the next one, so a rank waits for telemetry only when
+it is more than ``flush_every`` steps ahead of another (the gather after step t needs every
+rank's gather after step t - ``flush_every``). ``idle`` and ``comm`` are then derived for
+each step from every rank's compute.
 When the report is asked for (``flush``), the gather in flight and everything pending are
 gathered at once. Strategies that must never make ranks wait for each other gather only at
 the end.
 
 Why behind: a blocking gather is a barrier. Under local SGD or DiLoCo, whose ranks meet only
 every H steps, a gather every 10 steps made the faster rank wait for the slower one's drift
-each time; on the emulated cluster (two hosts, charlm) that cost about 0.7 ms a step, more
-than the rest of gradsync's per-step work. The price: records reach ``records`` and the sink
-(the balancer, ``on_records``) one gather later, at the same step on every rank.
+each time; on the emulated cluster (two hosts, charlm, no synchronization at all) a step
+took 13.81 ms with it against 13.12 ms with telemetry off (medians of 3 rounds). The price:
+records reach ``records`` and the sink (the balancer, ``on_records``) one gather later, at
+the same step on every rank.
 """
 
 from __future__ import annotations
