@@ -30,8 +30,9 @@ def test_parameter_server_example_exits_cleanly_under_torchrun(tmp_path: Path) -
     path = [str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     env["OMP_NUM_THREADS"] = "1"
-    # 2 workers + 1 server (rank 2); both barrier-free strategies, repeated.
-    for strategy in ("async", "ssp:1", "async"):
+    # 2 workers + 1 server (rank 2); both barrier-free strategies (two runs: with the old code
+    # 5 of 6 aborted, so both passing by chance had a probability of about 3%).
+    for strategy in ("async", "ssp:1"):
         args = ["--standalone", "--nproc_per_node=3", "examples/train_ps.py"]
         args += ["--strategy", strategy, "--steps", "5", "--params", "2000"]
         out = torchrun(args, env, RUN_TIMEOUT_S)  # fails the test on a non-zero exit
