@@ -105,7 +105,6 @@ class CheckpointFiles:
 
     def __init__(self, directory: str | Path, *, keep: int = 2, recycle: bool = False) -> None:
         self.directory = Path(directory)
-        self._root_cache: tuple[Path, str] | None = None
         self.keep = _check_int("keep", keep, 1)
         #: with ``recycle``, pruned checkpoints' files are overwritten by later saves instead
         #: of deleted and created anew (``fault.recycle``: what a checkpoint every step costs)
@@ -121,15 +120,7 @@ class CheckpointFiles:
         return self.directory / f"step-{step:06d}"
 
     def _step_dir_str(self, step: int) -> str:
-        return f"{self._root}/step-{step:06d}"
-
-    @property
-    def _root(self) -> str:
-        # ``directory`` may be reassigned; its string form is cached with the object it is of
-        root = self._root_cache
-        if root is None or root[0] is not self.directory:
-            root = self._root_cache = (self.directory, os.fspath(self.directory))
-        return root[1]
+        return f"{os.fspath(self.directory)}/step-{step:06d}"
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -376,7 +367,7 @@ class CheckpointFiles:
         found = []
         try:
             # scandir: whether an entry is a directory comes with the listing (no stat each)
-            with os.scandir(self._root) as entries:
+            with os.scandir(self.directory) as entries:
                 for entry in entries:
                     m = _STEP_DIR.match(entry.name)
                     if m and entry.is_dir():
