@@ -39,6 +39,7 @@ from gradsync.strategies.base import (
     clip_grad_norm,
 )
 from gradsync.strategies.factory import check_compressor, parse_strategy
+from gradsync.telemetry.device_clock import DeviceClock, StepMarks, cuda_device_of
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.timing import TelemetryCollector
@@ -254,6 +255,10 @@ class Synchronizer:
             self._release_timeout()
             raise
         self._trainable = self.strategy.trainable() or self._trainable
+        cuda = cuda_device_of(self._trainable)
+        # On CUDA a host clock times kernel launches: steps are timed by device events there.
+        self._clock = DeviceClock(cuda) if cuda is not None and telemetry else None
+        self._marks: StepMarks | None = None
         self._back_to_user()
         # Counts every optimizer.step(); gradsync's own are expected, any other is the
         # double-step trap of a ported script (optimizer.step() or scaler.step() kept).
@@ -370,6 +375,7 @@ class Synchronizer:
                 self._pass_gate(self._step, "the step")
             self._enter_gradsync()
             wall0, t0 = time.time(), time.perf_counter()
+            self._mark_start()
             slept = self._begin(micro_batches, weight)
             in_block = (
                 self._watch.in_block(self._step, "the step's forward and backward collectives")
@@ -383,6 +389,7 @@ class Synchronizer:
                 self._abandon(handle, ready, exc, wall0, t0)
                 raise
             t1 = time.perf_counter()
+            self._mark_block_end()
             outcome = ready.outcome()
             with record_function("gradsync.update"):
                 outcome = self.strategy.update(self._step, outcome)
@@ -440,11 +447,14 @@ class Synchronizer:
         t2 = time.perf_counter()
         sync_in_block += outcome.comm_in_block
         compute, sync = t1 - t0 - sync_in_block, t2 - t1 + sync_in_block
+        marks, self._marks = self._marks, None
+        if marks is not None and self._clock is not None:
+            marks.step_end, marks.in_block_sync = self._clock.mark(), sync_in_block
         handle.skipped = outcome.skipped
         if outcome.skipped and self.world_size > 1:
             handle.skip_reason = self._skip_reason(handle.step)
         if self.telemetry_enabled:
-            self._record(handle, wall0, compute, sync, outcome)
+            self._record(handle, wall0, compute, sync, outcome, marks)
             if self.record_spans:
                 self._add_spans(outcome.spans, wall0, compute, sync)
         self._step += 1
@@ -462,6 +472,7 @@ class Synchronizer:
         text = f"{type(exc).__name__}: {exc}".strip()
         self._watch.note_failure(step, text[:500])
         t1 = time.perf_counter()
+        self._mark_block_end()
         try:
             outcome = ready.abandoned()
             outcome = self.strategy.update(step, outcome)
@@ -553,8 +564,22 @@ class Synchronizer:
             list(self.model.named_parameters()), self.group, step, workers, run=run, final=final
         )
 
+    def _mark_start(self) -> None:
+        if self._clock is not None:
+            self._marks = StepMarks(self._clock.mark())
+
+    def _mark_block_end(self) -> None:
+        if self._marks is not None and self._clock is not None:
+            self._marks.block_end = self._clock.mark()
+
     def _record(
-        self, h: StepHandle, wall0: float, compute: float, sync: float, out: StepOutcome
+        self,
+        h: StepHandle,
+        wall0: float,
+        compute: float,
+        sync: float,
+        out: StepOutcome,
+        marks: StepMarks | None = None,
     ) -> None:
         self._collector.add(
             h.step,
@@ -567,6 +592,7 @@ class Synchronizer:
             out.skipped,
             out.barrier,
             out.idle,
+            marks,
         )
         if self._collector.due() and not self.strategy.barrier_free:
             with record_function("gradsync.telemetry_gather"):

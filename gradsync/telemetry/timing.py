@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import compat, runtime
+from gradsync.telemetry.device_clock import StepMarks
 from gradsync.telemetry.records import StepRecord, fill_idle
 
 # Columns of the gathered tensor, in order.
@@ -58,6 +59,8 @@ class _Pending:
     skipped: bool
     barrier: bool
     idle: float
+    #: device events to read ``compute`` and ``sync`` from (CUDA), or None (host-timed)
+    marks: StepMarks | None = None
 
 
 class TelemetryCollector:
@@ -91,12 +94,17 @@ class TelemetryCollector:
         skipped: bool = False,
         barrier: bool = True,
         idle: float = 0.0,
+        marks: StepMarks | None = None,
     ) -> None:
-        """``idle`` is used only for steps without a barrier (the strategy measured it)."""
+        """``idle`` is used only for steps without a barrier (the strategy measured it).
+        ``marks``: the step's device events, which replace ``compute`` and ``sync`` once read
+        (gradsync.telemetry.device_clock)."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()  # converted at flush, so a GPU loss costs no sync per step
         self._pending.append(
-            _Pending(step, time, compute, sync, samples, nbytes, loss, skipped, barrier, idle)
+            _Pending(
+                step, time, compute, sync, samples, nbytes, loss, skipped, barrier, idle, marks
+            )
         )
 
     def due(self) -> bool:
@@ -112,6 +120,9 @@ class TelemetryCollector:
         return torch.cat([self._in_flight.local, local])
 
     def _local_rows(self) -> torch.Tensor:
+        for p in self._pending:
+            if p.marks is not None:
+                (p.compute, p.sync), p.marks = p.marks.times(), None
         rows = [
             [
                 float(p.step),
