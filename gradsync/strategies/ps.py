@@ -161,7 +161,7 @@ class ParameterServer(Strategy):
         for s in range(self.servers):
             flat = torch.cat(
                 [
-                    torch.zeros(p.numel(), dtype=p.dtype)
+                    torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                     if p.grad is None
                     else p.grad.detach().reshape(-1)
                     for p in plan.shard_params(s)

@@ -276,8 +276,10 @@ class _Server:
             self.stats.refused_pushes += 1
             self.on_skipped(w)
             return
+        # Messages travel in host memory (gloo's send and receive take no device memory); a
+        # shard held on a GPU takes its gradient there.
         for p, g in zip(self.params, views(grad, self.params), strict=True):
-            p.grad = g / self.workers
+            p.grad = g.to(p.device) / self.workers
         if self.optimizer is not None:
             self._set_lrs(self.plan.read_lrs(message))
             self.optimizer.step()
@@ -328,7 +330,8 @@ class _Server:
             self.reply(v, held, flat)
 
     def snapshot(self) -> torch.Tensor:
-        return flatten(self.params)
+        """The shard's parameters as one host tensor: what every reply carries."""
+        return flatten(self.params).cpu()
 
     def reply(self, w: int, held: float, flat: torch.Tensor) -> None:
         msg = torch.cat([flat.new_tensor([held]), flat])

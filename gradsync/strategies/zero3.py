@@ -117,6 +117,23 @@ def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
+def refuse_gloo_off_host(backend: str, device_type: str) -> None:
+    """FSDP2 exchanges through the flat all-gather and reduce-scatter, which gloo carries for
+    host tensors only: refuse a model on a GPU over gloo (``backend`` as ``dist.get_backend``
+    names it, ``"cpu:gloo,cuda:nccl"`` included) before FSDP2 fails inside a step."""
+    if device_type == "cpu":
+        return
+    if ":" in backend:
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device_type, "")
+    if backend.strip().lower() == "gloo":
+        raise UsageError(
+            f"zero:3 shards the model with FSDP2, whose collectives gloo does not carry for "
+            f"{device_type} tensors, and this model is on {device_type} with a gloo group: use "
+            "NCCL (gs.init() picks it where a GPU is visible), or zero:1 / zero:2, which run "
+            "over gloo with the model on the GPU"
+        )
+
+
 def shard_model(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None
 ) -> list[tuple[torch.nn.Parameter, Any]]:
@@ -133,7 +150,9 @@ def shard_model(
             "already (it stepped, or a state dict was loaded into it): build the Synchronizer "
             "before the first optimizer step, and restore checkpoints through sync.load()"
         )
-    mesh = mesh_cls.from_group(group or dist.group.WORLD, runtime.device().type)
+    device_type = next((p.device.type for p in model.parameters()), runtime.device().type)
+    refuse_gloo_off_host(str(dist.get_backend(group)), device_type)
+    mesh = mesh_cls.from_group(group or dist.group.WORLD, device_type)
     before = dict(model.named_parameters())
     for unit in _units(model):
         fully_shard(unit, mesh=mesh)

@@ -106,6 +106,14 @@ def ring_reduce_scatter(
     if world == 1:
         received.copy_(part(0))
         return
+    if send.device.type != "cpu":
+        # gloo's send and receive read and write host memory only (given a CUDA tensor they
+        # fail with "Bad address"), while its broadcasts and all-reduces copy device tensors
+        # through the host themselves: do the same here.
+        on_host = torch.empty(received.shape, dtype=received.dtype)
+        ring_reduce_scatter(on_host, send.cpu(), rank, world, group)
+        received.copy_(on_host)
+        return
     right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
     for s in range(world - 1):
         # round s passes on chunk rank-s-1 (summed over s+1 ranks so far) and receives chunk
