@@ -36,7 +36,8 @@ BENCHMARKS = (
 # about 6 minutes at its smallest) would take the whole run past its 40-minute budget; run it
 # on its own (as root): `.venv/bin/python -m benchmarks.frontier --write`. Nor is
 # benchmarks/heldout.py (issue 16's held-out transformer check, about 1.5 minutes), for the same
-# reason: `.venv/bin/python -m benchmarks.heldout --write`.
+# reason: `.venv/bin/python -m benchmarks.heldout --write`. Nor is benchmarks/gpu.py, which needs
+# a CUDA device (issue 18): `python -m benchmarks.gpu --write` on a machine with one.
 CLUSTER = "cluster"
 #: these exit 2 where they cannot build an emulated cluster (no root, no iproute2): skipped
 NEEDS_ROOT = (CLUSTER, "topology", "zero_cluster", "streaming_sim")

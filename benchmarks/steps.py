@@ -29,7 +29,8 @@ class Trainer:
     batch ``i`` and returns the loss. ``sync_options`` go to the Synchronizer in gradsync mode
     (other modes ignore them, so one call can describe every mode); ``report_loss`` hands the
     loss to its telemetry; ``time_phases`` times a compute-only step's forward and backward
-    apart (the backward share is what overlap can hide behind).
+    apart (the backward share is what overlap can hide behind); ``device`` holds the model and
+    the batches (a CUDA device under NCCL, or under gloo, which reduces CUDA tensors too).
     """
 
     def __init__(
@@ -42,6 +43,7 @@ class Trainer:
         bucket_mb: float = 25.0,
         report_loss: bool = True,
         time_phases: bool = False,
+        device: str | torch.device = "cpu",
         **sync_options: Any,
     ) -> None:
         if mode not in MODES:
@@ -50,7 +52,8 @@ class Trainer:
         self.workload, self.global_batch, self.report_loss = workload, global_batch, report_loss
         self.per_rank = global_batch // world
         self.lo, self.hi = rank * self.per_rank, (rank + 1) * self.per_rank
-        self.model = workload.build_model()
+        self.device = torch.device(device)
+        self.model = workload.build_model().to(self.device)
         if optimizer is None:
             self.opt = workload.make_optimizer(self.model, workload.default_lr)
         else:
@@ -76,7 +79,10 @@ class Trainer:
             self.step = self._timed_step
 
     def _batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.workload.batch(i, self.global_batch, self.lo, self.hi)
+        x, y = self.workload.batch(i, self.global_batch, self.lo, self.hi)
+        if self.device.type == "cpu":
+            return x, y
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _gradsync_step(self, i: int) -> torch.Tensor:
         assert self.sync is not None
