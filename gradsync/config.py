@@ -18,6 +18,7 @@ from gradsync.errors import UsageError
 from gradsync.flags import flag
 from gradsync.inject import parse_kill, parse_slow
 from gradsync.rundir import OVERWRITE_AND_RESUME
+from gradsync.runtime import BACKENDS, check_nccl
 from gradsync.spec import parse_strategy_spec
 from gradsync.strategies.factory import (
     check_compression,
@@ -81,6 +82,13 @@ class RunConfig:
     )
     threads: int = flag(
         1, metavar="T", help="intra-op threads per rank (default: %(default)s)", group=TRAINING
+    )
+    backend: str = flag(
+        "auto",
+        metavar="NAME",
+        help="auto (NCCL with the model on the GPU where each process gets a GPU of its own, "
+        "else gloo on the CPU) | gloo | nccl (default: %(default)s)",
+        group=TRAINING,
     )
     data: str | None = flag(
         None,
@@ -245,6 +253,12 @@ class RunConfig:
     def _check_job(self) -> None:
         if self.nproc < 1:
             raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.backend not in ("auto", *BACKENDS):
+            raise UsageError(
+                f"--backend must be auto, {' or '.join(BACKENDS)}; got {self.backend!r}"
+            )
+        if self.backend == "nccl":  # refused here, not by every worker after its start
+            check_nccl(local_rank=self.nproc - 1, local_processes=self.nproc)
         if self.workload not in WORKLOADS:
             raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
         strategy = parse_strategy(self.strategy)  # raises with the valid forms

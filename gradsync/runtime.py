@@ -19,9 +19,42 @@ DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+BACKENDS = ("gloo", "nccl")
+
+
 def default_backend() -> str:
     """NCCL when this process can see a CUDA device, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def choose_backend(requested: str, local_processes: int) -> str:
+    """The backend ``gradsync run --backend`` means: ``auto`` takes NCCL where every process
+    on this machine gets a GPU of its own (NCCL cannot share one between ranks), else gloo
+    (the model then trains on the CPU); ``gloo`` and ``nccl`` are taken as they are."""
+    if requested != "auto":
+        return requested
+    if default_backend() == "nccl" and torch.cuda.device_count() >= local_processes:
+        return "nccl"
+    return "gloo"
+
+
+def check_nccl(local_rank: int, local_processes: int) -> None:
+    """Refuse NCCL, before any process group is made, where a rank would have no GPU of its
+    own: torch's own errors come later and do not say what to change."""
+    if not dist.is_nccl_available():
+        raise UsageError("backend 'nccl' is not available in this torch build; use 'gloo'")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UsageError(
+            "backend 'nccl' needs a CUDA device and this process sees none; use 'gloo' "
+            "(gs.init(backend='gloo'), gradsync run --backend gloo)"
+        )
+    if local_rank >= count:
+        raise UsageError(
+            f"backend 'nccl' needs one GPU per process: this machine runs {local_processes} "
+            f"process(es) and this process sees {count} GPU(s) (local rank {local_rank}); "
+            f"launch at most {count} per machine, or use 'gloo' (gradsync run --backend gloo)"
+        )
 
 
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -46,10 +79,12 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
             "or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT to run as one process"
         )
     chosen = backend or default_backend()
-    if chosen not in ("gloo", "nccl"):
+    if chosen not in BACKENDS:
         raise UsageError(f"backend {chosen!r} is not supported; valid: 'gloo', 'nccl'")
     if chosen == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        check_nccl(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
+        torch.cuda.set_device(local_rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     if missing:  # none of it: a world of one
         dist.init_process_group(

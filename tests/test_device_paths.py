@@ -1,12 +1,15 @@
 """The device-specific pieces that can be checked without a GPU: reading step times from
-device events, and zero:3's refusal of a model on a GPU over gloo."""
+device events, zero:3's refusal of a model on a GPU over gloo, and the choice of backend."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from gradsync import runtime
 from gradsync.errors import UsageError
 from gradsync.strategies.zero3 import refuse_gloo_off_host
 from gradsync.telemetry.device_clock import StepMarks
@@ -73,3 +76,49 @@ def test_zero3_refuses_a_model_on_the_gpu_over_gloo(backend: str) -> None:
 )
 def test_zero3_takes_what_its_collectives_can_carry(backend: str, device_type: str) -> None:
     refuse_gloo_off_host(backend, device_type)
+
+
+class _Cuda:
+    """What torch reports about CUDA and NCCL on a machine with ``gpus`` GPUs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "processes", "expected"),
+    [(0, 1, "gloo"), (1, 1, "nccl"), (1, 2, "gloo"), (4, 4, "nccl"), (2, 4, "gloo")],
+)
+def test_auto_takes_nccl_only_where_every_process_gets_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, processes: int, expected: str
+) -> None:
+    _Cuda(monkeypatch, gpus)
+    assert runtime.choose_backend("auto", processes) == expected
+    assert runtime.choose_backend("gloo", processes) == "gloo"
+    assert runtime.choose_backend("nccl", processes) == "nccl"  # refused later if it cannot
+
+
+def test_nccl_is_refused_by_name_where_a_process_would_have_no_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _Cuda(monkeypatch, 1)
+    runtime.check_nccl(local_rank=0, local_processes=1)
+    with pytest.raises(UsageError, match=r"runs 2 process\(es\) and this process sees 1 GPU"):
+        runtime.check_nccl(local_rank=1, local_processes=2)
+    _Cuda(monkeypatch, 0)
+    with pytest.raises(UsageError, match="needs a CUDA device and this process sees none"):
+        runtime.check_nccl(local_rank=0, local_processes=1)
+
+
+def test_init_refuses_nccl_before_making_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    _Cuda(monkeypatch, 1)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not dist.is_initialized()
+    with pytest.raises(UsageError, match="one GPU per process"):
+        runtime.init(backend="nccl")
+    assert not dist.is_initialized()

@@ -101,6 +101,8 @@ INVALID: list[dict[str, Any]] = [
     {"micro_batches": 0},
     {"micro_batches": 3},  # does not divide the default batch of 16
     {"threads": 0},
+    {"backend": "mpi"},
+    {"backend": "nccl", "nproc": 256},  # no machine has a GPU for each of 256 processes
     {"bucket_mb": 0.0},
     {"allreduce": "tree"},
     {"lr": -1.0},
