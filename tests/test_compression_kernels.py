@@ -141,6 +141,25 @@ def test_topk_threshold_search_selects_what_torch_topk_selects(
     assert torch.all(index[1:] > index[:-1])  # ascending: the scatter walks memory in order
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("n", [70_001, 600_003])
+def test_the_threshold_pass_marks_exactly_the_magnitudes_reaching_it(
+    n: int, dtype: torch.dtype
+) -> None:
+    # Without the fallback behind it: a threshold equal to an element must count that element
+    # (and its negative), NaN counts, zeros (either sign) never do.
+    x = rand(n, 10, dtype)
+    x[::97] = 0.0
+    x[1::89] = -0.0
+    x[[5, 600, n - 1]] = float("nan")
+    x[[7, n - 2]] = float("inf")
+    x[[8, 9]] = -float("inf")
+    t = float(x[3_000].abs())
+    x[[11, 12]] = torch.tensor([t, -t], dtype=dtype)
+    expected = (~(x.abs() < t)).nonzero().squeeze(1)
+    assert torch.equal(_select._reaching(x, t), expected)
+
+
 def test_topk_finds_a_large_column_a_strided_sample_would_alias() -> None:
     x = torch.randn(20_000, 64, generator=torch.Generator().manual_seed(7))
     x[:, 5] *= 100.0  # one column: every 64th element

@@ -46,18 +46,34 @@ def _threshold(x: torch.Tensor, k: int) -> float | None:
     return float(sample.kthvalue(SAMPLE - rank + 1).values)
 
 
+def _just_below(t: float, dtype: torch.dtype) -> float | None:
+    """The largest value of ``dtype`` below ``t`` (> 0), or None where that cannot be had."""
+    if dtype not in (torch.float32, torch.float64) or not 0 < t < math.inf:
+        return None
+    here = torch.tensor(t, dtype=dtype)
+    return float(torch.nextafter(here, torch.zeros((), dtype=dtype)))
+
+
 def _reaching(x: torch.Tensor, t: float) -> torch.Tensor:
     """Ascending positions where ``|x| >= t``, or is NaN (as torch.topk ranks NaN largest)."""
     n = x.numel()
     hit = torch.empty(-(-n // 8) * 8, dtype=torch.bool, device=x.device)
     hit[n:] = False
-    mag = torch.empty(min(n, BLOCK), dtype=x.dtype, device=x.device)
+    scratch = torch.empty(min(n, BLOCK), dtype=x.dtype, device=x.device)
+    below = _just_below(t, x.dtype)
     for start, stop in blocks(n):
-        # |x| a block at a time into one reused buffer: no bucket-sized temporary.
-        part = torch.abs(x[start:stop], out=mag[: stop - start])
-        torch.lt(part, t, out=hit[start:stop])
-    hit.logical_not_()
-    hit[n:] = False
+        # A block at a time into one reused buffer: no bucket-sized temporary.
+        part = scratch[: stop - start]
+        if below is not None:
+            # hardshrink keeps x where |x| > below, i.e. |x| >= t, NaN included, and writes 0
+            # elsewhere: nonzero exactly at the hits, which the copy to bool marks. Two passes
+            # at memory speed, against abs and a comparison into bools, which torch does not
+            # vectorize (3x the time on one core).
+            torch.ops.aten.hardshrink.out(x[start:stop], below, out=part)
+            hit[start:stop].copy_(part)
+        else:
+            torch.lt(torch.abs(x[start:stop], out=part), t, out=hit[start:stop])
+            hit[start:stop].logical_not_()
     # nonzero over n bools costs as much as the rest of the encode: find the 8-byte words
     # with a hit first (n/8 of them), then the hits inside those words only.
     words = hit.view(torch.uint8).view(torch.int64)
