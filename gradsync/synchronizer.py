@@ -364,7 +364,7 @@ class Synchronizer:
         weight, samples = self._sample_weight(samples)
         self._check_no_outside_update()
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
-        ready = _GradientReady(self.strategy, self._step)
+        ready = _GradientReady(self.strategy, self._step, self._clock)
         handle._ready = ready
         handle._params = self._trainable
         handle._strategy = self.strategy
@@ -449,7 +449,13 @@ class Synchronizer:
         compute, sync = t1 - t0 - sync_in_block, t2 - t1 + sync_in_block
         marks, self._marks = self._marks, None
         if marks is not None and self._clock is not None:
-            marks.step_end, marks.in_block_sync = self._clock.mark(), sync_in_block
+            marks.step_end = self._clock.mark()
+            # The exchange's share of the block, as device time where synchronize() ran in it
+            # (its host wait also covers the backward still queued); a strategy's collectives
+            # in the block (zero:3) stay host-timed.
+            ready = handle._ready
+            marks.in_block_wait = ready.device_wait if isinstance(ready, _GradientReady) else None
+            marks.in_block_sync = outcome.comm_in_block if marks.in_block_wait else sync_in_block
         handle.skipped = outcome.skipped
         if outcome.skipped and self.world_size > 1:
             handle.skip_reason = self._skip_reason(handle.step)
@@ -858,16 +864,21 @@ class _GradientReady:
     """The gradient-ready phase of one step: run once, from ``StepHandle.synchronize()``
     inside the block or at the block's exit, whichever comes first."""
 
-    def __init__(self, strategy: Strategy, step: int) -> None:
-        self._strategy, self._step = strategy, step
+    def __init__(self, strategy: Strategy, step: int, clock: DeviceClock | None = None) -> None:
+        self._strategy, self._step, self._clock = strategy, step, clock
         self._outcome: StepOutcome | None = None
         self.seconds_in_block = 0.0
+        #: device events around synchronize() in the block (CUDA): the wait as device time
+        self.device_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def __call__(self) -> bool:
         if self._outcome is not None:
             raise UsageError(f"synchronize() was already called in step {self._step}")
         t0 = time.perf_counter()
+        start = self._clock.mark() if self._clock is not None else None
         self._outcome = self._run()
+        if start is not None and self._clock is not None:
+            self.device_wait = (start, self._clock.mark())
         self.seconds_in_block = time.perf_counter() - t0
         return not self._outcome.skipped
 

@@ -6,7 +6,9 @@ Phases (each writes ``DIR/PHASE.json`` for the test to read):
   compressor, local SGD, DiLoCo (plain and streaming) and the ZeRO stages train on the device.
 - ``timing`` (under torchrun): a model large enough that the device, not the host, sets the
   pace; the telemetry's compute and sync against a host clock around the same block with the
-  device synchronized, against the bare launch time, and against torch.profiler's kernel time.
+  device synchronized, against the bare launch time, and against torch.profiler's kernel time;
+  then steps that call ``synchronize()`` in the block, whose compute must not lose the
+  backward to the host's wait.
 - ``save`` (under torchrun): DiLoCo with Adam on the device, checkpointed after 6 steps.
 - ``cpu`` (plain python, gloo, model on the CPU): loads that checkpoint, checks it bitwise,
   trains 2 steps and checkpoints again.
@@ -119,13 +121,19 @@ def timing(device: str) -> dict[str, Any]:
             block()
             _sync_device(device)
             synced.append(time.perf_counter() - t0)
-    kernels = _profiled_kernel_seconds(sync, block, 4, device)
+    kernels = _profiled_kernel_seconds(sync, block, 4, device)  # steps 16-19
+    for _ in range(8):  # steps 20-27: synchronize() in the block, where users clip
+        with sync.step(samples=batch) as s:
+            block()
+            s.synchronize()
     report = sync.report()
     sync.close()
-    mine = [r for r in report.records if r.step >= 4]
+    mine = [r for r in report.records if 4 <= r.step < 16]
+    waited = [r for r in report.records if r.step >= 22]
     return {
         "compute": statistics.median(r.compute for r in mine),
         "sync": statistics.median(r.sync for r in mine),
+        "compute_with_synchronize": statistics.median(r.compute for r in waited),
         "launch": statistics.median(launch[4:]),
         "synced": statistics.median(synced),
         "profiler_kernels": kernels,

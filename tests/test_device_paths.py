@@ -21,11 +21,14 @@ pytestmark = pytest.mark.unit
 class _Event:
     """A completed device event at ``ms`` milliseconds."""
 
-    def __init__(self, ms: float) -> None:
-        self.ms, self.waited = ms, False
+    def __init__(self, ms: float, done: bool = True) -> None:
+        self.ms, self.waited, self.done = ms, False, done
 
     def synchronize(self) -> None:
         self.waited = True
+
+    def query(self) -> bool:
+        return self.done
 
     def elapsed_time(self, later: _Event) -> float:
         return later.ms - self.ms
@@ -48,6 +51,31 @@ def test_synchronization_inside_the_block_counts_as_sync_as_on_the_host_clock() 
     # Never more than the block itself: compute stays >= 0.
     compute, sync = _marks(0.0, 5.0, 6.0, in_block=0.5).times()
     assert compute == 0.0 and sync == pytest.approx(0.006)
+
+
+def test_a_synchronize_in_the_block_counts_its_device_time_as_sync() -> None:
+    # On the host, synchronize() also waits for the backward still queued: its host seconds
+    # would take the backward out of compute. The events around it give the wait alone.
+    marks = _marks(0.0, 30.0, 40.0, in_block=0.001)
+    marks.in_block_wait = (_Event(20.0), _Event(26.0))
+    compute, sync = marks.times()
+    assert compute == pytest.approx(0.023) and sync == pytest.approx(0.017)
+
+
+def test_completed_device_events_are_read_as_steps_are_added_without_waiting() -> None:
+    collector = TelemetryCollector(None, flush_every=1000)  # gathers only at the end
+    first, second = _marks(0.0, 10.0, 12.0), _marks(12.0, 20.0, 23.0)
+    second.step_end.done = False  # still running on the device
+    collector.add(0, 0.0, 0.0, 0.0, 8, 0, None, marks=first)
+    collector.add(1, 0.0, 0.0, 0.0, 8, 0, None, marks=second)
+    collector.add(2, 0.0, 0.0, 0.0, 8, 0, None)
+    assert collector._pending[0].marks is None  # read: its events hold nothing any more
+    assert collector._pending[0].compute == pytest.approx(0.010)
+    assert collector._pending[1].marks is second and not second.step_end.waited
+    second.step_end.done = True
+    collector.add(3, 0.0, 0.0, 0.0, 8, 0, None)
+    assert collector._pending[1].marks is None
+    assert collector._pending[1].sync == pytest.approx(0.003)
 
 
 def test_pending_records_take_their_times_from_the_device_events_when_turned_into_rows() -> None:

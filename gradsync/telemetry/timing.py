@@ -81,6 +81,8 @@ class TelemetryCollector:
         self._since_barrier: dict[int, float] = {}
         #: the gather posted by ``flush_behind`` and not taken yet
         self._in_flight: _InFlight | None = None
+        #: pending records before this one have no device events left to read
+        self._unread = 0
 
     def add(
         self,
@@ -101,11 +103,24 @@ class TelemetryCollector:
         (gradsync.telemetry.device_clock)."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()  # converted at flush, so a GPU loss costs no sync per step
+        self._read_completed_marks()
         self._pending.append(
             _Pending(
                 step, time, compute, sync, samples, nbytes, loss, skipped, barrier, idle, marks
             )
         )
+
+    def _read_completed_marks(self) -> None:
+        """Turn the device events of earlier records into times once they have completed,
+        oldest first, without waiting: strategies that gather only at the end would otherwise
+        hold three events for every step of the run."""
+        while self._unread < len(self._pending):
+            p = self._pending[self._unread]
+            if p.marks is not None:
+                if not p.marks.done():
+                    return
+                (p.compute, p.sync), p.marks = p.marks.times(), None
+            self._unread += 1
 
     def due(self) -> bool:
         return len(self._pending) >= self.flush_every
@@ -150,6 +165,7 @@ class TelemetryCollector:
             for r in rows.reshape(-1, len(_COLUMNS)).tolist()
         ]  # fmt: skip
         self._pending[:0] = restored
+        self._unread = 0
 
     def flush(self, step: int | None = None) -> list[StepRecord]:
         """Collective: every rank of the group must call it. Returns the new complete records
@@ -157,7 +173,7 @@ class TelemetryCollector:
         diagnosis (None: at the latest wait's)."""
         new = self._take_in_flight(step)
         local = self._local_rows()
-        self._pending = []
+        self._pending, self._unread = [], 0
         what = f"telemetry gather ({local.shape[0]} pending step record(s) on this rank)"
         return new + self._add(self._watched(step, what, lambda: self._gather(local)))
 
@@ -171,7 +187,7 @@ class TelemetryCollector:
             return self.flush(step)
         new = self._take_in_flight(step)
         local = self._local_rows()
-        self._pending = []
+        self._pending, self._unread = [], 0
         dev = runtime.device()
         # A fixed shape on every rank (one collective, no count to agree on first): the rows,
         # then padding whose step is -1.
