@@ -18,7 +18,7 @@ from gradsync.errors import UsageError
 from gradsync.flags import flag
 from gradsync.inject import parse_kill, parse_slow
 from gradsync.rundir import OVERWRITE_AND_RESUME
-from gradsync.runtime import BACKENDS, check_nccl
+from gradsync.runtime import BACKENDS, check_nccl, choose_backend
 from gradsync.spec import parse_strategy_spec
 from gradsync.strategies.factory import (
     check_compression,
@@ -253,12 +253,6 @@ class RunConfig:
     def _check_job(self) -> None:
         if self.nproc < 1:
             raise UsageError(f"--nproc must be at least 1, got {self.nproc}")
-        if self.backend not in ("auto", *BACKENDS):
-            raise UsageError(
-                f"--backend must be auto, {' or '.join(BACKENDS)}; got {self.backend!r}"
-            )
-        if self.backend == "nccl":  # refused here, not by every worker after its start
-            check_nccl(local_rank=self.nproc - 1, local_processes=self.nproc)
         if self.workload not in WORKLOADS:
             raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
         strategy = parse_strategy(self.strategy)  # raises with the valid forms
@@ -266,6 +260,41 @@ class RunConfig:
         check_hierarchical(self.allreduce, strategy, parse_compression(self.compression).spec)
         check_compression(self.strategy, parse_compression(self.compression).spec)
         check_compressor(strategy, parse_compression(self.compression))
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        if self.backend not in ("auto", *BACKENDS):
+            raise UsageError(
+                f"--backend must be auto, {' or '.join(BACKENDS)}; got {self.backend!r}"
+            )
+        if self.backend == "nccl":  # refused here, not by every worker after its start
+            why = self._host_memory_only()
+            if why:
+                raise UsageError(
+                    f"--backend nccl cannot carry this run: {why}; use --backend gloo (or "
+                    "auto, which takes gloo here)"
+                )
+            check_nccl(local_rank=self.processes - 1, local_processes=self.processes)
+
+    def _host_memory_only(self) -> str | None:
+        """Why this run's exchange needs gloo whatever the machine has, or None."""
+        if self.hosts:
+            return (
+                "the emulated cluster's hosts share this machine's GPUs, and NCCL would "
+                "bypass its links"
+            )
+        if self.uses_servers:
+            return "parameter servers exchange host memory, which NCCL does not send"
+        if parse_strategy_spec(self.strategy).kind == "hogwild":
+            return "hogwild shares parameters in host memory"
+        return None
+
+    def process_backend(self, local_processes: int) -> str:
+        """The backend each process joins with: ``--backend``, where ``auto`` takes NCCL only
+        where every local process gets a GPU and the run's exchange can go over NCCL."""
+        if self.backend == "auto" and self._host_memory_only():
+            return "gloo"
+        return choose_backend(self.backend, local_processes)
 
     def _check_sizes(self) -> None:
         for name in ("steps", "batch_size", "micro_batches", "threads", "telemetry_every"):

@@ -154,7 +154,7 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     cfg = RunConfig.from_dict(config_dict)
     torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    runtime.init(backend=runtime.choose_backend(cfg.backend, local), timeout_s=cfg.timeout)
+    runtime.init(backend=cfg.process_backend(local), timeout_s=cfg.timeout)
     rank, world = runtime.rank(), runtime.world_size()
     run_dir = Path(cfg.out)
     workload = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)

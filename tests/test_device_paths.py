@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import runtime
+from gradsync.config import RunConfig
 from gradsync.errors import UsageError
 from gradsync.strategies.zero3 import refuse_gloo_off_host
 from gradsync.telemetry.device_clock import StepMarks
@@ -150,3 +151,38 @@ def test_init_refuses_nccl_before_making_a_group(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(UsageError, match="one GPU per process"):
         runtime.init(backend="nccl")
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"strategy": "bsp", "nproc": 2}, "nccl"),
+        ({"strategy": "bsp", "nproc": 4}, "gloo"),  # more processes than GPUs
+        ({"strategy": "async", "nproc": 1}, "gloo"),  # host-memory messages
+        ({"strategy": "hogwild", "nproc": 2}, "gloo"),
+        ({"strategy": "bsp", "nproc": 2, "hosts": 2}, "gloo"),  # the emulated cluster
+    ],
+)
+def test_gradsync_run_auto_takes_nccl_only_where_the_run_can_use_it(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], expected: str
+) -> None:
+    _Cuda(monkeypatch, 2)
+    config = RunConfig(backend="auto", **options)
+    assert config.process_backend(config.nproc) == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"strategy": "async", "nproc": 1}, "parameter servers exchange host memory"),
+        ({"strategy": "hogwild", "nproc": 2}, "hogwild shares parameters"),
+        ({"strategy": "bsp", "nproc": 2, "hosts": 2}, "emulated cluster"),
+        ({"strategy": "bsp", "nproc": 3}, "needs one GPU per process"),
+    ],
+)
+def test_gradsync_run_refuses_nccl_where_it_cannot_carry_the_run(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], message: str
+) -> None:
+    _Cuda(monkeypatch, 2)
+    with pytest.raises(UsageError, match=message):
+        RunConfig(backend="nccl", **options)

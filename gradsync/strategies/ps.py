@@ -23,9 +23,11 @@ AdamW, 4x one BSP step). That is asynchronous SGD's usual semantics (each push i
 as in Downpour SGD); it is kept because the design has the server apply the user's optimizer
 with the user's hyper-parameters, and the user knows whether to divide an adaptive lr by W.
 
-Transport: point-to-point ``isend``/``irecv`` of torch.distributed on the job's gloo (or NCCL)
-group; a server waits for each worker in its own thread, so one slow worker never delays
-another's reply. ``benchmarks/ps_transport.py`` times a push/pull round trip of S bytes against
+Transport: point-to-point ``isend``/``irecv`` of torch.distributed on the job's gloo group
+(messages are host tensors on both ends, also when the model is on a GPU, so NCCL, which sends
+device memory only, cannot carry them; ``gradsync run --backend auto`` takes gloo here); a
+server waits for each worker in its own thread, so one slow worker never delays another's
+reply. ``benchmarks/ps_transport.py`` times a push/pull round trip of S bytes against
 an all-reduce of the same S bytes, and ``torch.distributed.rpc`` (TensorPipe) sending the same
 tensor, 4 KiB to 16 MiB (BENCHMARKS.md, section "Parameter-server transport"). What it showed
 on 2-core loopback (the figures in BENCHMARKS.md are from ``make bench``): with one worker,
@@ -38,8 +40,8 @@ is latency-bound and the ranking varied between runs. From 1 MiB up rpc was with
 1.5x of point-to-point either way (faster at some sizes, slower at others, and the ranking
 changed between runs); below that it was slower (3.7x at 4 KiB with one worker). rpc would
 also need a second rendezvous, its own agent threads and timeouts, and it serialises each call.
-Point-to-point reuses the process group (and its timeouts) the job already has, moves tensors
-as they are, and works on NCCL too: hence the choice.
+Point-to-point reuses the process group (and its timeouts) the job already has and moves
+tensors as they are: hence the choice.
 
 Roles: this module is the worker role, and the strategy object: on a server rank
 ``server_role()`` hands the ``Synchronizer`` a ``ps_server.ServerRole`` to run instead of

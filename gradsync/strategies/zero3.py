@@ -150,7 +150,11 @@ def shard_model(
             "already (it stepped, or a state dict was loaded into it): build the Synchronizer "
             "before the first optimizer step, and restore checkpoints through sync.load()"
         )
-    device_type = next((p.device.type for p in model.parameters()), runtime.device().type)
+    # The mesh is where the parameters are; a model on the CPU (or meta) goes where the
+    # backend works, as FSDP2 moves it there (under NCCL, to this rank's GPU).
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if device_type in ("cpu", "meta"):
+        device_type = runtime.device().type
     refuse_gloo_off_host(str(dist.get_backend(group)), device_type)
     mesh = mesh_cls.from_group(group or dist.group.WORLD, device_type)
     before = dict(model.named_parameters())

@@ -86,6 +86,12 @@ def choose_exchange(backend: str, device_type: str) -> str:
     return POINT_TO_POINT if backend.strip().lower() == "gloo" else COLLECTIVE
 
 
+def _carried_by_gloo(group: dist.ProcessGroup | None, device_type: str) -> bool:
+    """Whether gloo carries ``device_type`` tensors over ``group`` (not NCCL, which sends
+    device memory itself)."""
+    return choose_exchange(str(dist.get_backend(group)), device_type) == POINT_TO_POINT
+
+
 def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
     """``rank`` of ``group`` as the point-to-point calls name it (the default group's rank)."""
     return rank if group is None else dist.get_global_rank(group, rank)
@@ -106,7 +112,7 @@ def ring_reduce_scatter(
     if world == 1:
         received.copy_(part(0))
         return
-    if send.device.type != "cpu":
+    if send.device.type != "cpu" and _carried_by_gloo(group, send.device.type):
         # gloo's send and receive read and write host memory only (given a CUDA tensor they
         # fail with "Bad address"), while its broadcasts and all-reduces copy device tensors
         # through the host themselves: do the same here.
