@@ -68,6 +68,7 @@ def _train(
     w = make_workload("mlp", seed=3, params=4000)
     torch.manual_seed(0)
     model = w.build_model().to(device)
+    init = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     sync = gs.Synchronizer(
         model, opt, strategy=strategy, compression=compression, timeout_s=60, telemetry_every=4
@@ -91,6 +92,7 @@ def _train(
     assert params.device.type == torch.device(device).type, params.device
     return {
         "params": params.cpu(),
+        "init": init,
         "losses": losses,
         "compute": [r.compute for r in report.records if r.rank == rank],
     }

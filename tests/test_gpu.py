@@ -84,13 +84,17 @@ def test_two_gloo_ranks_on_one_device_train_like_the_cpu(
         torch.testing.assert_close(params, on_device[0], rtol=0, atol=1e-6)
     losses = workers[0][DEVICE]["losses"]
     assert losses[-1] < losses[0], losses
+    # Telemetry timed every step on the device.
+    assert all(c > 0 for c in workers[0][DEVICE]["compute"]), workers[0][DEVICE]["compute"]
     if compression in DRAWN_ON_DEVICE:
         return
-    cpu = workers[0]["cpu"]["params"]
-    gap = float((on_device[0] - cpu).norm() / cpu.norm())
-    # The same arithmetic in another order: close where nothing is rounded to few bits or
-    # selected by rank (a near tie can pick another element, a quantization step another bin).
-    assert gap < (1e-4 if (compression or "none") in EXACT else 5e-2), gap
+    cpu, init = workers[0]["cpu"]["params"], workers[0]["cpu"]["init"]
+    # Against how far training moved the parameters (8 steps moved them about 6% of their
+    # norm): the same arithmetic in another order stays close where nothing is rounded to few
+    # bits or selected by rank (a near tie can pick another element, a quantization step
+    # another bin, a device's generator other rounding noise); a wrong decode is off by ~1.
+    gap = float((on_device[0] - cpu).norm() / (cpu - init).norm())
+    assert gap < (1e-2 if (compression or "none") in EXACT else 0.5), gap
 
 
 @pytest.mark.ranks
