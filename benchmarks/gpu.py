@@ -38,6 +38,7 @@ from gradsync.launch import launch
 from gradsync.workloads import make_workload
 
 SPECS = ("fp16", "bf16", "int8", "int4", "topk:0.01", "randomk:0.01", "sign", "powersgd:4")
+SPECS += ("sparseloco",)
 SIZES = (6_000_835, 64_000_000)
 COPY = "memory copy"
 KINDS = ("gradsync bsp", "gradsync bare", "ddp", "compute-only")
@@ -131,7 +132,7 @@ def _codec_rows(numel: int, res: dict[str, Any], bandwidth: float) -> list[list[
                 f"{enc:.3f}",
                 f"{dec:.3f}" if name != COPY else "",
                 f"{gbs:.0f}",
-                f"{gbs / bandwidth:.3f}",
+                f"{gbs / (bandwidth / 2):.3f}",
                 f"{copy_ms / (enc + dec):.3f}",
             ]
         )
@@ -237,10 +238,12 @@ def render(args: Any, bandwidth: float, codecs: list[list[str]], steps: list[lis
             f"**{bandwidth:.0f} GB/s**.\n",
             "Compressors, encode + decode of one fp32 gradient on the device (CUDA events, "
             f"median of {args.calls} calls each). GB/s counts the fp32 input bytes, as the CPU "
-            "table does; 'of bandwidth' divides it by the copy's read + write rate above; the "
-            "last column is a copy of the same bytes over encode + decode.\n",
+            "table does; 'of a copy' divides it by the rate at which the 1 GiB copy above "
+            "reads its input (half its read + write rate): 1.0 is as fast as copying the "
+            "gradient once at the device's bandwidth. The last column is a copy of the same "
+            "bytes over encode + decode.\n",
             table(
-                "codec (gradient) | encode ms | decode ms | GB/s | of bandwidth "
+                "codec (gradient) | encode ms | decode ms | GB/s | of a copy "
                 "| copy time / (encode + decode)",
                 codecs,
             ),
