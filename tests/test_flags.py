@@ -102,7 +102,7 @@ INVALID: list[dict[str, Any]] = [
     {"micro_batches": 3},  # does not divide the default batch of 16
     {"threads": 0},
     {"backend": "mpi"},
-    {"backend": "nccl", "nproc": 256},  # no machine has a GPU for each of 256 processes
+    {"backend": "nccl", "nproc": 256},  # refused everywhere: no NCCL here, no 256 GPUs anywhere
     {"bucket_mb": 0.0},
     {"allreduce": "tree"},
     {"lr": -1.0},
