@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from gradsync.compression._wire import BLOCK, blocks
+from gradsync.compression._wire import block_elements, blocks
 
 #: Below this many elements, or when k is more than 1/SPARSE_BELOW of them, ``torch.topk``
 #: is as quick as the threshold search and is used directly.
@@ -59,9 +59,9 @@ def _reaching(x: torch.Tensor, t: float) -> torch.Tensor:
     n = x.numel()
     hit = torch.empty(-(-n // 8) * 8, dtype=torch.bool, device=x.device)
     hit[n:] = False
-    scratch = torch.empty(min(n, BLOCK), dtype=x.dtype, device=x.device)
+    scratch = torch.empty(min(n, block_elements(x.device)), dtype=x.dtype, device=x.device)
     below = _just_below(t, x.dtype)
-    for start, stop in blocks(n):
+    for start, stop in blocks(n, device=x.device):
         # A block at a time into one reused buffer: no bucket-sized temporary.
         part = scratch[: stop - start]
         if below is not None:

@@ -86,12 +86,29 @@ def unpack(payload: torch.Tensor, layout: Sequence[tuple[torch.dtype, int]]) -> 
 #: bucket. A fresh 24 MB temporary costs 6,000 page faults each time: on a busy machine they
 #: made int8's encode 1.5-2x slower than the same passes on reused memory.
 BLOCK = 1 << 18
+#: Device types whose codecs work a cache-sized block at a time. Elsewhere (a GPU) a bucket is
+#: one block: there is no per-core cache to stay in, and every block costs kernel launches (on
+#: an H200, int8's encode of 64M elements in 245 blocks took 26 ms, a copy of them 0.13 ms).
+_CACHE_BLOCKED = {"cpu"}
+_WHOLE = 1 << 62
 
 
-def blocks(numel: int, chunk: int = 1) -> Iterator[tuple[int, int]]:
-    """``[start, stop)`` ranges covering ``numel`` elements, about ``BLOCK`` long and starting on
-    chunk boundaries (so only the last may end in a short chunk)."""
-    step = max(chunk, BLOCK // chunk * chunk)
+def cache_blocked(device: torch.device | None) -> bool:
+    """Whether codecs on ``device`` work a block at a time (None: the CPU)."""
+    return device is None or device.type in _CACHE_BLOCKED
+
+
+def block_elements(device: torch.device | None) -> int:
+    """Elements per block on ``device``: ``BLOCK`` where cache-blocked, else all of them."""
+    return BLOCK if cache_blocked(device) else _WHOLE
+
+
+def blocks(
+    numel: int, chunk: int = 1, device: torch.device | None = None
+) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` ranges covering ``numel`` elements, about ``block_elements(device)``
+    long and starting on chunk boundaries (so only the last may end in a short chunk)."""
+    step = max(chunk, block_elements(device) // chunk * chunk)
     for start in range(0, numel, step):
         yield start, min(numel, start + step)
 

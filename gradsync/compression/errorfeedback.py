@@ -127,7 +127,7 @@ def _add_and_keep(buf: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     sum while it is still in cache; returns ``residual``, now the corrected gradient. The last
     residual's memory is reused: no bucket-sized allocation, whose page faults cost more than
     the copy on a CPU (same values as adding and then copying into a new tensor)."""
-    for start, stop in blocks(buf.numel()):
+    for start, stop in blocks(buf.numel(), device=buf.device):
         part = buf[start:stop].add_(residual[start:stop])
         residual[start:stop].copy_(part)
     return residual

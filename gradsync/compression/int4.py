@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from gradsync.compression._wire import (
-    BLOCK,
     accumulator_dtype,
     add_scaled_chunks_,
     all_gather_mean,
+    block_elements,
     blocks,
     split_chunks,
 )
@@ -69,8 +69,8 @@ def quantize(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     # One byte per code first (padded to an even count with the code of 0), packed at the end.
     codes = torch.full((n + n % 2,), LEVELS + 1, dtype=torch.uint8, device=flat.device)
-    v_block = torch.empty(min(n, BLOCK + chunk), device=flat.device)
-    for start, stop in blocks(n, chunk):
+    v_block = torch.empty(min(n, block_elements(flat.device) + chunk), device=flat.device)
+    for start, stop in blocks(n, chunk, flat.device):
         v = v_block[: stop - start]
         rows, tail = split_chunks(flat[start:stop], chunk)
         v_rows, v_tail = split_chunks(v, chunk)
@@ -113,7 +113,7 @@ class Int4Codec(Stateless):
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
         del step
         scale, packed = parts
-        for start, stop in blocks(self.numel, self.chunk):
+        for start, stop in blocks(self.numel, self.chunk, out.device):
             # Widened a block at a time: no temporary as large as the bucket.
             first, last = start // self.chunk, -(-stop // self.chunk)
             values = unpack_codes(packed, start, stop, out.dtype)

@@ -60,11 +60,12 @@ import torch
 import torch.distributed as dist
 
 from gradsync.compression._wire import (
-    BLOCK,
     accumulator_dtype,
     add_scaled_chunks_,
     all_gather_mean,
+    block_elements,
     blocks,
+    cache_blocked,
     derive_seed,
     generator,
     scale_chunks_,
@@ -143,10 +144,14 @@ class RoundingNoise:
     __slots__ = ("draws", "size", "table")
 
     def __init__(self, numel: int, chunk: int, gen: torch.Generator, device: torch.device) -> None:
-        self.size = min(numel, NOISE_TABLE)
+        # On a device without cache blocking, one fresh value per element: the generator is
+        # cheap there, and per-piece adds are launches.
+        self.size = min(numel, NOISE_TABLE) if cache_blocked(device) else numel
         table = rounding_noise(self.size, gen, device).mul_(2.0**-NOISE_BITS)
-        self.table = torch.cat([table, table])
-        pieces = sum(-(-(stop - start) // self.size) for start, stop in blocks(numel, chunk))
+        self.table = torch.cat([table, table]) if numel > self.size else table
+        pieces = sum(
+            -(-(stop - start) // self.size) for start, stop in blocks(numel, chunk, device)
+        )
         if numel > self.size:
             # One draw per piece: offset = d % size, negated where d >= size.
             drawn = torch.randint(0, 2 * self.size, (pieces,), generator=gen, device=device)
@@ -197,8 +202,10 @@ def quantize(
     codes = torch.empty(flat.numel(), dtype=torch.int8, device=flat.device)
     noise = RoundingNoise(flat.numel(), chunk, gen, flat.device)
     # Block by block, on one reused block-sized buffer: four passes over data in cache.
-    v_block = torch.empty(min(flat.numel(), BLOCK + chunk), device=flat.device)
-    for start, stop in blocks(flat.numel(), chunk):
+    v_block = torch.empty(
+        min(flat.numel(), block_elements(flat.device) + chunk), device=flat.device
+    )
+    for start, stop in blocks(flat.numel(), chunk, flat.device):
         v = v_block[: stop - start]
         rows, tail = split_chunks(flat[start:stop], chunk)
         v_rows, v_tail = split_chunks(v, chunk)
@@ -243,7 +250,7 @@ class Int8Codec(Stateless):
 
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
         scale, codes = parts
-        for start, stop in blocks(self.numel, self.chunk):
+        for start, stop in blocks(self.numel, self.chunk, out.device):
             # Widened a block at a time: no temporary as large as the bucket.
             first, last = start // self.chunk, -(-stop // self.chunk)
             values = codes[start:stop].to(out.dtype)

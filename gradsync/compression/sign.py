@@ -80,7 +80,7 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def chunk_mean_abs(flat: torch.Tensor, chunk: int) -> torch.Tensor:
     """``mean |x|`` per chunk of flat ``x``, dividing the short last chunk by its own length."""
     out = torch.empty(-(-flat.numel() // chunk), device=flat.device)
-    for start, stop in blocks(flat.numel(), chunk):
+    for start, stop in blocks(flat.numel(), chunk, flat.device):
         _chunk_abs_sums(flat[start:stop], chunk, out[start // chunk :])
     return _divide_sums(out, flat.numel(), chunk)
 
@@ -125,7 +125,7 @@ def pack_signs(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]
     bits = torch.empty(-(-n // 8) * 8, dtype=torch.bool, device=flat.device)
     bits[n:] = True
     # Both passes over one block while it is in cache, not two passes over the bucket.
-    for start, stop in blocks(n, chunk):
+    for start, stop in blocks(n, chunk, flat.device):
         part = flat[start:stop]
         _chunk_abs_sums(part, chunk, scale[start // chunk :])
         torch.ge(part, 0, out=bits[start:stop])
@@ -180,7 +180,7 @@ class SignCodec(Stateless):
         8: blocks start on a byte), with no bucket-sized signs. Each element sees the same adds
         in the same order as one ``accumulate`` per rank, so the sum is the same bit for bit."""
         chunk = self.chunk
-        for start, stop in blocks(self.numel, chunk):
+        for start, stop in blocks(self.numel, chunk, out.device):
             first, last = start // chunk, -(-stop // chunk)
             for scale, packed in parts_by_rank:
                 signs = signs_of(packed[start // 8 : -(-stop // 8)], stop - start, out.dtype)
