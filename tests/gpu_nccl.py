@@ -13,7 +13,7 @@ Phases (each writes ``DIR/PHASE.json`` for the test to read):
 - ``cpu`` (plain python, gloo, model on the CPU): loads that checkpoint, checks it bitwise,
   trains 2 steps and checkpoints again.
 - ``back`` (under torchrun): loads the CPU's checkpoint onto the device, checks it bitwise and
-  trains on.
+  trains 4 steps, through an outer step that uses the restored outer state.
 
 ``GRADSYNC_GPU_TEST_DEVICE=cpu`` runs every phase on the CPU with gloo (a dry run).
 """
@@ -217,7 +217,8 @@ def _train(w: Any, model: Any, sync: Any, steps: range, device: str) -> float:
 
 def checkpoint(phase: str, device: str, directory: Path) -> dict[str, Any]:
     """``save``: 6 steps, then a checkpoint; ``cpu`` / ``back``: load the previous phase's
-    checkpoint, compare it with what that phase had, train 2 steps and checkpoint again."""
+    checkpoint, compare it with what that phase had, train (2 steps on the CPU, 4 back on the
+    device) and checkpoint again."""
     w, model, opt, sync = _adam_diloco(device)
     out: dict[str, Any] = {"device": str(next(model.parameters()).device)}
     start = 0
@@ -234,7 +235,9 @@ def checkpoint(phase: str, device: str, directory: Path) -> dict[str, Any]:
             {p.device.type for p in model.parameters()}
             | {v.device.type for v in state if torch.is_tensor(v)}
         )
-    end = start + (6 if phase == "save" else 2)
+    # 6 steps, then 2 on the CPU and 4 back on the device: each part after a load reaches an
+    # outer step of diloco:4 (after steps 7 and 11), which uses the restored outer state.
+    end = start + {"save": 6, "cpu": 2, "back": 4}[phase]
     out["loss"] = _train(w, model, sync, range(start, end), device)
     sync.save(directory / f"ckpt-{phase}")
     torch.save(_state(model, opt, sync), directory / f"state-{phase}.pt")
