@@ -119,15 +119,22 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
 
 
 def _drop_records_from(path: Path, step: int) -> None:
-    """Steps at or after the resume point will run again: forget their old records."""
+    """Steps at or after the resume point will run again: forget their old records. And each
+    earlier (rank, step) once, its last line: a resume from a checkpoint older than the last
+    gather before the failure writes again, in ``load()``, the records it restored, which that
+    gather had written already (the same measurements)."""
     if not path.exists():
         return
-    kept = [
-        line
-        for line in path.read_text(encoding="utf-8").splitlines()
-        if line.strip() and json.loads(line)["step"] < step
-    ]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    latest: dict[tuple[int, int], str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record["step"] < step:
+            key = (record["rank"], record["step"])
+            latest.pop(key, None)  # a repeat takes its own, later, place
+            latest[key] = line
+    path.write_text("".join(line + "\n" for line in latest.values()), encoding="utf-8")
 
 
 def _log_recovery(directory: Path, resumed_at: int) -> None:

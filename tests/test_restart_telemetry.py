@@ -16,7 +16,7 @@ from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.telemetry.records import METRICS_FILE, read_records, write_records
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import synthetic_records
-from gradsync.worker import _write_report
+from gradsync.worker import _drop_records_from, _write_report
 
 STEPS, RANKS, BYTES = 40, 2, 1000
 
@@ -135,3 +135,16 @@ def test_a_resume_on_more_ranks_restores_each_ranks_own_records(tmp_path: Path) 
     resumed = run_ranks(_resized, 3, str(tmp_path), True, timeout_s=90)
     expected = [(rank, step, 10 + rank) for rank in range(2) for step in range(3)]
     assert resumed[0] == expected
+
+
+@pytest.mark.unit
+def test_a_resume_leaves_each_earlier_step_once_in_the_raw_file(tmp_path: Path) -> None:
+    # Steps 0-9 gathered before the failure; the checkpoint resumed from (step 8) held the
+    # records of steps 6 and 7 not gathered when it was taken, which load() writes again.
+    path = tmp_path / METRICS_FILE
+    records = synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3)
+    write_records(path, records + [r for r in records if r.step in (6, 7)])
+    _drop_records_from(path, 8)
+    keys = [(d["rank"], d["step"]) for d in map(json.loads, path.read_text().splitlines())]
+    assert sorted(keys) == [(rank, step) for rank in range(2) for step in range(8)]
+    assert len(keys) == len(set(keys))
