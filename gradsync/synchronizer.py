@@ -739,7 +739,9 @@ class Synchronizer:
         self.strategy.load_state_dict(state["strategy"])
 
     def close(self) -> None:
-        """Wait for the checkpoints still being written, then release what this holds."""
+        """Wait for the checkpoints still being written, then release what this holds. Posts
+        no collective (it may follow an exception on one rank): step records not gathered yet,
+        up to twice ``telemetry_every`` steps, are gathered by ``report()`` only."""
         writer, self._writer = self._writer, None
         try:
             if writer is not None:
