@@ -80,7 +80,7 @@ from gradsync.strategies.base import (
     SyncContext,
     optimizer_step,
 )
-from gradsync.strategies.zero_shards import unscale_agreed
+from gradsync.strategies.zero_shards import gloo_carries, unscale_agreed
 from gradsync.telemetry.records import Span
 
 __all__ = ["ZeroStage3", "shard_model"]
@@ -121,11 +121,7 @@ def refuse_gloo_off_host(backend: str, device_type: str) -> None:
     """FSDP2 exchanges through the flat all-gather and reduce-scatter, which gloo carries for
     host tensors only: refuse a model on a GPU over gloo (``backend`` as ``dist.get_backend``
     names it, ``"cpu:gloo,cuda:nccl"`` included) before FSDP2 fails inside a step."""
-    if device_type == "cpu":
-        return
-    if ":" in backend:
-        backend = dict(part.split(":", 1) for part in backend.split(",")).get(device_type, "")
-    if backend.strip().lower() == "gloo":
+    if device_type != "cpu" and gloo_carries(backend, device_type):
         raise UsageError(
             f"zero:3 shards the model with FSDP2, whose collectives gloo does not carry for "
             f"{device_type} tensors, and this model is on {device_type} with a gloo group: use "

@@ -76,20 +76,20 @@ def check_exchange(exchange: str) -> str:
     return exchange
 
 
-def choose_exchange(backend: str, device_type: str) -> str:
-    """How to carry tensors of ``device_type`` over a group whose backend is ``backend`` (as
-    ``dist.get_backend`` names it: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``): point to
-    point where gloo carries them, the flat collectives everywhere else."""
+def gloo_carries(backend: str, device_type: str) -> bool:
+    """Whether gloo carries tensors of ``device_type`` over a group whose backend is
+    ``backend`` (as ``dist.get_backend`` names it: ``"gloo"``, ``"nccl"``,
+    ``"cpu:gloo,cuda:nccl"``)."""
     if ":" in backend:
         per_device = dict(part.split(":", 1) for part in backend.split(","))
         backend = per_device.get(device_type, "")
-    return POINT_TO_POINT if backend.strip().lower() == "gloo" else COLLECTIVE
+    return backend.strip().lower() == "gloo"
 
 
-def _carried_by_gloo(group: dist.ProcessGroup | None, device_type: str) -> bool:
-    """Whether gloo carries ``device_type`` tensors over ``group`` (not NCCL, which sends
-    device memory itself)."""
-    return choose_exchange(str(dist.get_backend(group)), device_type) == POINT_TO_POINT
+def choose_exchange(backend: str, device_type: str) -> str:
+    """How to carry tensors of ``device_type`` over a group whose backend is ``backend``: point
+    to point where gloo carries them, the flat collectives everywhere else."""
+    return POINT_TO_POINT if gloo_carries(backend, device_type) else COLLECTIVE
 
 
 def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -112,7 +112,7 @@ def ring_reduce_scatter(
     if world == 1:
         received.copy_(part(0))
         return
-    if send.device.type != "cpu" and _carried_by_gloo(group, send.device.type):
+    if send.device.type != "cpu" and gloo_carries(str(dist.get_backend(group)), send.device.type):
         # gloo's send and receive read and write host memory only (given a CUDA tensor they
         # fail with "Bad address"), while its broadcasts and all-reduces copy device tensors
         # through the host themselves: do the same here.

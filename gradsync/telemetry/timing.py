@@ -62,6 +62,11 @@ class _Pending:
     #: device events to read ``compute`` and ``sync`` from (CUDA), or None (host-timed)
     marks: StepMarks | None = None
 
+    def read_marks(self) -> None:
+        """``compute`` and ``sync`` from the device events, which are then let go."""
+        if self.marks is not None:
+            (self.compute, self.sync), self.marks = self.marks.times(), None
+
 
 class TelemetryCollector:
     def __init__(
@@ -116,10 +121,9 @@ class TelemetryCollector:
         hold three events for every step of the run."""
         while self._unread < len(self._pending):
             p = self._pending[self._unread]
-            if p.marks is not None:
-                if not p.marks.done():
-                    return
-                (p.compute, p.sync), p.marks = p.marks.times(), None
+            if p.marks is not None and not p.marks.done():
+                return
+            p.read_marks()
             self._unread += 1
 
     def due(self) -> bool:
@@ -136,8 +140,7 @@ class TelemetryCollector:
 
     def _local_rows(self) -> torch.Tensor:
         for p in self._pending:
-            if p.marks is not None:
-                (p.compute, p.sync), p.marks = p.marks.times(), None
+            p.read_marks()
         rows = [
             [
                 float(p.step),
