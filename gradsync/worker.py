@@ -161,8 +161,18 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     cfg = RunConfig.from_dict(config_dict)
     torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    runtime.init(backend=cfg.process_backend(local), timeout_s=cfg.timeout)
+    backend = cfg.process_backend(local)
+    runtime.init(backend=backend, timeout_s=cfg.timeout)
     rank, world = runtime.rank(), runtime.world_size()
+    if rank == 0 and backend == "gloo" and cfg.backend == "auto" and torch.cuda.is_available():
+        # Not silently on the CPU where a GPU is visible: say why, and what would use it.
+        print(
+            f"gradsync: --backend auto: training on the CPU over gloo ({local} process(es) on "
+            f"this machine, {torch.cuda.device_count()} GPU(s) visible, strategy "
+            f"{cfg.strategy}); --backend nccl with at most one process per GPU trains on them",
+            file=sys.stderr,
+            flush=True,
+        )
     run_dir = Path(cfg.out)
     workload = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)
     model = workload.build_model().to(runtime.device())
