@@ -85,6 +85,20 @@ def test_the_child_process_never_loads_torch(tmp_path: Path) -> None:
     assert "libtorch" not in maps and "libc10" not in maps
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux SCHED_IDLE")
+def test_the_child_runs_only_on_a_core_nothing_else_wants(tmp_path: Path) -> None:
+    writer = _writer(tmp_path)
+    plain = _writer(tmp_path / "plain", idle=False)
+    try:
+        assert os.sched_getscheduler(writer._child.pid) == os.SCHED_IDLE
+        # without SCHED_IDLE it keeps the lower nice value alone
+        assert os.sched_getscheduler(plain._child.pid) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, plain._child.pid) >= 10
+    finally:
+        writer.close()
+        plain.close()
+
+
 def test_submit_blocks_while_depth_snapshots_are_in_flight(tmp_path: Path) -> None:
     writer = _writer(tmp_path, rank=1, world=2, depth=2)
     os.kill(writer._child.pid, signal.SIGSTOP)  # a writer that cannot keep up

@@ -129,9 +129,12 @@ def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket) -> None:
 
 class ProcessCheckpointWriter(WriterBase):
     """One rank's background writer for one checkpoint directory, in a child process (see
-    the module docstring; the arguments are ``WriterBase``'s, and the child's niceness)."""
+    the module docstring; the arguments are ``WriterBase``'s, the child's niceness, and
+    whether it runs under ``SCHED_IDLE``: only on a core that nothing else wants)."""
 
-    def __init__(self, store: CheckpointStore, *, nice: int = NICE, **kwargs: Any) -> None:
+    def __init__(
+        self, store: CheckpointStore, *, nice: int = NICE, idle: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(store, **kwargs)
         self._send_lock = threading.Lock()
         self._in_flight: deque[tuple[int, Packed]] = deque()  # submitted, not written yet
@@ -166,6 +169,7 @@ class ProcessCheckpointWriter(WriterBase):
             "timeout_s": self.timeout_s,
             "durable_every_s": self.durable_every_s,
             "nice": nice,
+            "idle": idle,
         }
         self._send(("init", init))
         self._await_ready()
