@@ -91,3 +91,19 @@ def test_a_spare_directory_is_claimed_once_and_never_complete(tmp_path: Path) ->
     assert SpareFiles.claim(tmp_path / "step-000002" / "rank-0.pt", tmp_path / "a.tmp")
     assert not SpareFiles.claim(tmp_path / "step-000002" / "rank-0.pt", tmp_path / "b.tmp")
     assert (tmp_path / "a.tmp").read_bytes() == b"old"
+
+
+def test_a_summary_being_written_is_never_seen_through_an_old_one(tmp_path: Path) -> None:
+    # Rank 0's commit opens a rank's .sum, then reads it. If that rank rewrites a recycled
+    # .sum in place in between, the open file shows the new step's summary while it still has
+    # a temporary name, and the commit deletes that "leftover": the rank's rename then fails
+    # (seen once in a 2-rank run with a checkpoint every step).
+    store = CheckpointStore(tmp_path, keep=1, recycle=True)
+    _save(store, 1, world=1, numel=100)
+    _save(store, 2, world=1, numel=100)  # step 1 pruned: its directory is a spare
+    spare = tmp_path / SPARE_DIR / os.listdir(tmp_path / SPARE_DIR)[0]
+    with open(spare / "rank-0.pt.sum", "rb") as old:  # a commit that opened it, then waited
+        store.save(3, 0, 1, _state(0, 3, 100))  # claims the spare directory for step 3
+        assert not spare.exists()
+        assert json.loads(old.read())["step"] == 1
+    assert json.loads((store.step_dir(3) / "rank-0.pt.sum").read_bytes())["step"] == 3

@@ -161,8 +161,13 @@ class CheckpointFiles:
         meta = {"size": size, "crc32": digest, "save_id": save_id, "step": step}
         summary = json.dumps(meta).encode()
         # No fsync of its own: commit copies it into the manifest, which is fsynced; the rank
-        # file's rename is made durable by the directory's fsync.
-        _atomic_write(target + ".sum", lambda f: f.write(summary), sync=False, spares=spares)
+        # file's rename is made durable by the directory's fsync. Always a new file, never a
+        # recycled one overwritten in place: rank 0's commit may have opened the old .sum
+        # (another step's) just before, and reading it after an overwrite in place would find
+        # this step's summary while the file still has its temporary name, which that commit
+        # then deletes as a leftover (seen once, a rank failing with FileNotFoundError at the
+        # rename). A new file is 80 bytes; recycling it saved nothing worth that.
+        _atomic_write(target + ".sum", lambda f: f.write(summary), sync=False)
         if durable:
             _fsync_dir(step_dir)
         self.last_save_bytes = size
