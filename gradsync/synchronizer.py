@@ -708,6 +708,7 @@ class Synchronizer:
                 save_id=self._save_id,
                 timeout_s=self.timeout_s,
                 on_cpu=all(p.device.type == "cpu" for p in self.model.parameters()),
+                hold=self.strategy.lockstep,
             )
         self._writer.store.keep = keep
         return self._writer

@@ -26,6 +26,11 @@ from gradsync.fault.writer_process import ProcessCheckpointWriter
 pytestmark = pytest.mark.unit
 
 
+def _step_dirs(directory: Path) -> list[Path]:
+    """The checkpoint's step directories (not the process writers' ``.writers`` locks)."""
+    return [p for p in directory.iterdir() if p.name.startswith("step-")]
+
+
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
@@ -156,7 +161,7 @@ def test_two_ranks_write_in_the_background_and_rank_0_commits_keeping_two(
     store = CheckpointStore(tmp_path)
     info = store.latest(2)
     assert info is not None and info.step == 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000005"]
+    assert sorted(p.name for p in _step_dirs(tmp_path)) == ["step-000004", "step-000005"]
     assert torch.equal(store.load(info, 1)["w"], torch.full((3,), 6.0))
     assert json.loads((info.path / MANIFEST).read_text())["save_id"] == "run-a"
 
@@ -176,7 +181,7 @@ def test_between_durable_commits_the_newest_durable_checkpoint_is_kept_for_a_mac
         for w in writers:
             w.close(timeout_s=5)
     manifests = {
-        p.name: json.loads((p / MANIFEST).read_text())["durable"] for p in tmp_path.iterdir()
+        p.name: json.loads((p / MANIFEST).read_text())["durable"] for p in _step_dirs(tmp_path)
     }
     # the first commit is durable, then only step 4's until an hour has passed
     assert manifests == {"step-000004": True, "step-000005": False}
@@ -194,7 +199,7 @@ def test_prune_keeps_the_newest_durable_checkpoint_besides_the_newest_keep(tmp_p
     for step in range(1, 6):
         store.save(step, 0, 1, {"s": step})
         store.commit(step, 1, durable=step == 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in _step_dirs(tmp_path)) == [
         "step-000002",
         "step-000004",
         "step-000005",
@@ -271,7 +276,7 @@ def test_submit_waits_while_depth_snapshots_are_queued(tmp_path: Path) -> None:
     blocked.join(10)
     assert not blocked.is_alive()
     writer.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-00000{s}" for s in (1, 2, 3, 4)]
+    assert sorted(p.name for p in _step_dirs(tmp_path)) == [f"step-00000{s}" for s in (1, 2, 3, 4)]
 
 
 def test_only_durable_writes_and_commits_fsync(

@@ -52,6 +52,7 @@ from gradsync.fault.checkpoint import (
     snapshot,
 )
 from gradsync.fault.rng import rng_state, set_rng_state
+from gradsync.fault.writer_locks import wait_for_writers
 
 if TYPE_CHECKING:
     from gradsync.synchronizer import Synchronizer
@@ -182,6 +183,7 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     choice: list[Any] = [None]
     mine: dict[str, Any] | None = None
     if sync.rank == 0 and Path(directory).exists():
+        _wait_for_writers(directory, sync._save_id, sync.timeout_s)
         info = store.latest(allow_world_change=True)
         if info is not None:
             # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
@@ -285,6 +287,20 @@ def _join_replicated(
         state.update(model=shared["model"], optimizer=shared["optimizer"])
 
 
+def _wait_for_writers(directory: str | Path, own: str | None, timeout_s: float) -> None:
+    """Until the writer processes of earlier attempts have written what their ranks left
+    and committed it (``writer_locks``), so the newest checkpoint is read, not one before."""
+    held = wait_for_writers(directory, except_save_id=own, timeout_s=timeout_s)
+    if held:
+        warnings.warn(
+            f"checkpoint writers of an earlier attempt still hold {', '.join(held)} in "
+            f"{directory} after {timeout_s:g} s; resuming from the newest checkpoint committed "
+            "so far",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+
+
 def check_resumable(directory: str | Path, compression: str, strategy: str | None = None) -> None:
     """Before ``gradsync run --resume`` starts a worker: ``UsageError`` when ``directory``
     holds checkpoints but none is usable (each one's reason named), or when the one the run
@@ -292,6 +308,7 @@ def check_resumable(directory: str | Path, compression: str, strategy: str | Non
     (given this run's ``strategy`` spec) by streaming DiLoCo with other fragments.
     A directory without checkpoints passes: the run starts at step 0, as ``load`` does."""
     store = CheckpointStore(directory)
+    _wait_for_writers(directory, None, 60.0)
     with warnings.catch_warnings(record=True) as caught:
         # The workers warn about each skipped checkpoint again when they load: not twice here.
         warnings.simplefilter("always", CheckpointWarning)

@@ -17,13 +17,16 @@ descriptors come over the socket; the training process reuses a buffer only afte
 says the file holding it is written.
 
 Messages (pickled tuples, one per ``SOCK_SEQPACKET`` packet; larger ones travel in a memfd):
-the training process sends ``("buffer", id, nbytes)`` with a descriptor, ``("write", step,
-durable, keep, start, parts)``, ``("close",)``; this process answers ``("ready",)`` once it has
-started, ``("written", step)``, ``("committed", step)`` and ``("error", message)``, and exits
-after ``close`` once its commits are done. When the training process dies
-its socket closes: this process then writes nothing more and exits (and, started from the main
-thread, is killed with it by ``PR_SET_PDEATHSIG``), so a restarted run never races a writer of
-the attempt before it.
+the training process sends ``("buffer", id, nbytes)`` and ``("mailbox", slot_bytes)`` with a
+descriptor, ``("write", step, durable, keep, start, parts)``, ``("flush", step)`` (write the
+held snapshot of ``step``, see ``gradsync.fault.mailbox``), ``("close",)``; this process
+answers ``("ready",)`` once it has started, ``("written", step)``, ``("committed", step)`` and
+``("error", message)``, and exits after ``close`` once its commits are done.
+
+When the training process dies, its socket closes: this process writes what it was handed and
+the snapshots held in the mailbox, rank 0's commits the newest step every rank wrote once the
+peers' writers have ended, and it exits. It holds a lock for its life
+(``gradsync.fault.writer_locks``) so that a restarted attempt reads the directory only after.
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ import select
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from gradsync.fault.commits import Commits
 from gradsync.fault.files import CheckpointFiles, write_chunks, write_failure
+from gradsync.fault.mailbox import Mailbox
+from gradsync.fault.writer_locks import hold, released
 
 __all__ = ["recv_message", "send_message"]
 
@@ -80,25 +86,13 @@ def recv_message(sock: socket.socket) -> tuple[Any, list[int]] | None:
     return pickle.loads(data[1:]), fds
 
 
-def _die_with_parent(parent: int) -> None:
-    """Be killed when the training process dies (Linux), even in the middle of a write."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it died before the prctl took effect
-        os._exit(0)
-
-
 class _Child:
     def __init__(self, sock: socket.socket, init: dict[str, Any]) -> None:
         self.sock = sock
         self.rank: int = init["rank"]
         self.files = CheckpointFiles(init["directory"], keep=init["keep"], recycle=init["recycle"])
         self.world_size, self.save_id = init["world_size"], init["save_id"]
+        self.timeout_s: float = init["timeout_s"]
         self.commits = (
             Commits(
                 self.files,
@@ -111,16 +105,39 @@ class _Child:
             else None
         )
         self.buffers: dict[int, mmap.mmap] = {}
+        self.mailbox: Mailbox | None = None
+        self.last_written = -1
+        self.orphaned = False  # the training process is gone: no more reports
 
     def run(self) -> None:
+        try:
+            self._serve()
+        except (BrokenPipeError, ConnectionResetError):  # the training process is gone
+            self._flush_on_exit()
+
+    def _reply(self, message: tuple[Any, ...]) -> None:
+        """Report to the training process; once it is gone, say nothing more but go on with
+        the snapshots it handed over before it died (they are still in the socket)."""
+        if self.orphaned:
+            return
+        try:
+            send_message(self.sock, message)
+        except (BrokenPipeError, ConnectionResetError):
+            self.orphaned = True
+
+    def _serve(self) -> None:
         closing = False
         while True:
             wait = self.commits.poll_s if self.commits is not None else None
             if not closing or wait is None:
                 ready, _, _ = select.select([self.sock], [], [], wait)
                 if ready:
-                    got = recv_message(self.sock)
-                    if got is None:  # the training process is gone: write nothing more
+                    try:
+                        got = recv_message(self.sock)
+                    except ConnectionResetError:  # how a killed peer's end often closes
+                        got = None
+                    if got is None:  # the training process is gone: write what it left
+                        self._flush_on_exit()
                         return
                     closing = self._handle(*got) or closing
             else:
@@ -138,13 +155,76 @@ class _Child:
                 self.buffers[ident] = mmap.mmap(fds[0], nbytes)
             finally:
                 os.close(fds[0])
+        elif kind == "mailbox":
+            try:
+                self.mailbox = Mailbox(mmap.mmap(fds[0], 2 * message[1]), message[1])
+            finally:
+                os.close(fds[0])
         elif kind == "write":
             self._write(*message[1:])
+        elif kind == "flush":
+            self._flush(message[1])
         elif kind == "close":
             return True
         return False
 
-    def _write(self, step: int, durable: bool, keep: int, start: bytes, parts: list[Any]) -> None:
+    def _held(self) -> list[tuple[Any, ...]]:
+        """The ``write`` messages waiting in the mailbox, oldest first."""
+        if self.mailbox is None:
+            return []
+        return [pickle.loads(raw) for _seq, raw in self.mailbox.entries()]
+
+    def _flush(self, step: int) -> None:
+        """Write the held snapshot of ``step`` (the training process flushes)."""
+        for message in self._held():
+            if message[1] == step:
+                if step > self.last_written:
+                    self._write(*message[1:])
+                else:
+                    self._reply(("written", step))
+                return
+        self._error(RuntimeError(f"no snapshot of step {step} in the mailbox to flush"))
+
+    def _flush_on_exit(self) -> None:
+        """The training process died: write the snapshots it left in the mailbox (both: its
+        peers may have left the one before as their newest), then, on rank 0, commit the
+        newest step whose every file is there once the peers' writers are done."""
+        written = []
+        for message in self._held():
+            step = message[1]
+            if step <= self.last_written:
+                continue
+            try:
+                self._write_file(*message[1:])
+            except Exception:  # noqa: BLE001 - nobody to report to: the older one stands
+                break
+            written.append(step)
+        if self.commits is not None:
+            self._last_commit(sorted(set(written) | set(self.commits.steps()), reverse=True))
+
+    def _last_commit(self, steps: list[int]) -> None:
+        """Commit the newest of ``steps`` (newest first) whose files are all there, once the
+        peers' writers have ended (their locks), or at ``timeout_s``: a peer may still be
+        writing a newer step's file than it has written so far."""
+        deadline = time.monotonic() + self.timeout_s
+        peers = range(1, self.world_size)
+        while time.monotonic() < deadline and not all(
+            released(self.files.directory, self.save_id, r) for r in peers
+        ):
+            time.sleep(0.005)
+        for step in steps:
+            try:
+                info = self.files.try_commit(
+                    step, self.world_size, save_id=self.save_id, durable=False
+                )
+            except Exception:  # noqa: BLE001 - nobody to report to: try an older step
+                continue
+            if not isinstance(info, list):
+                return
+
+    def _write_file(
+        self, step: int, durable: bool, keep: int, start: bytes, parts: list[Any]
+    ) -> None:
         self.files.keep = keep
         offsets = [offset for offset, _ in parts]
         raws = [
@@ -160,14 +240,19 @@ class _Child:
                 save_id=self.save_id,
                 durable=durable,
             )
-        except Exception as exc:  # noqa: BLE001 - reported to the training process
-            self._error(exc)
-            return
         finally:
             for raw in raws:
                 if isinstance(raw, memoryview):
                     raw.release()
-        send_message(self.sock, ("written", step))
+        self.last_written = max(self.last_written, step)
+
+    def _write(self, step: int, durable: bool, keep: int, start: bytes, parts: list[Any]) -> None:
+        try:
+            self._write_file(step, durable, keep, start, parts)
+        except Exception as exc:  # noqa: BLE001 - reported to the training process
+            self._error(exc)
+            return
+        self._reply(("written", step))
         if self.commits is not None:
             self.commits.add(step, durable)
 
@@ -179,14 +264,14 @@ class _Child:
         except Exception as exc:  # noqa: BLE001 - reported to the training process
             done, error = [], exc
         if done:
-            send_message(self.sock, ("committed", done[-1]))
+            self._reply(("committed", done[-1]))
         if error is not None:
             self._error(error)
 
     def _error(self, exc: BaseException) -> None:
         if self.commits is not None:
             self.commits.clear()
-        send_message(self.sock, ("error", str(write_failure(self.rank, self.files.directory, exc))))
+        self._reply(("error", str(write_failure(self.rank, self.files.directory, exc))))
 
 
 def _lower_priority(nice: int, *, idle: bool) -> None:
@@ -208,16 +293,26 @@ def _lower_priority(nice: int, *, idle: bool) -> None:
 
 
 def main(argv: list[str]) -> int:
-    fd, parent, die_with_parent = int(argv[0]), int(argv[1]), argv[2] == "1"
-    if die_with_parent:
-        _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+    fd = int(argv[0])
+    # Ctrl-C is the training process's to handle, and the SIGTERM torchrun's agent sends to
+    # the rank's process group when another rank fails: this process then writes what its
+    # rank left (``_flush_on_exit``) and ends by itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     got = recv_message(sock)
     if got is None:
         return 0
     (_, init), _fds = got
     _lower_priority(init["nice"], idle=init.get("idle", False))
+    try:
+        # held until this process ends: a restarted attempt reads the directory after that
+        hold(init["directory"], init["save_id"], init["rank"], init["timeout_s"])
+    except TimeoutError as exc:
+        send_message(sock, ("error", f"the checkpoint writer could not take its lock: {exc}"))
+        return 1
+    except OSError:
+        pass  # no directory to write in: the first write reports why
     send_message(sock, ("ready",))
     # A broken pipe: the training process is gone, there is nothing to report to.
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import torch
 
 from gradsync.fault.background import CheckpointWriter, WriterBase
 from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
+from gradsync.fault.mailbox import SLOT_BYTES, Mailbox
 from gradsync.fault.packing import BufferPool, Packed, raw_bytes
 from gradsync.fault.writer_child import recv_message, send_message
 
@@ -41,6 +43,9 @@ WRITERS = ("process", "thread")
 _SHARED_MIN_BYTES = 64 * 1024
 #: the child's niceness: it writes in the moments the ranks leave a core idle
 NICE = 10
+#: with a checkpoint every step, one snapshot in this many is written as a file; the others
+#: wait in the mailbox, and the newest is written when the rank dies or flushes
+FILES_EVERY = 16
 _START_TIMEOUT_S = 30.0
 
 
@@ -61,8 +66,12 @@ def make_writer(
     save_id: str,
     timeout_s: float,
     on_cpu: bool = True,
+    hold: bool = False,
 ) -> CheckpointWriter | ProcessCheckpointWriter:
-    """This rank's background writer: a process where it works, else a thread."""
+    """This rank's background writer: a process where it works, else a thread. ``hold``
+    (for lockstep strategies only, see ``Strategy.lockstep``): the process writes every
+    ``FILES_EVERY``-th snapshot and holds the others, writing the newest when its rank dies
+    or flushes."""
     choice = os.environ.get(WRITER_ENV, "").strip().lower() or "process"
     if choice not in WRITERS:
         raise CheckpointError(
@@ -73,7 +82,7 @@ def make_writer(
         rank=rank, world_size=world_size, save_id=save_id, timeout_s=timeout_s
     )
     if choice == "process" and on_cpu and process_writer_available():
-        return ProcessCheckpointWriter(store, **kwargs)
+        return ProcessCheckpointWriter(store, files_every=FILES_EVERY if hold else 1, **kwargs)
     return CheckpointWriter(store, **kwargs)
 
 
@@ -133,25 +142,31 @@ class ProcessCheckpointWriter(WriterBase):
     whether it runs under ``SCHED_IDLE``: only on a core that nothing else wants)."""
 
     def __init__(
-        self, store: CheckpointStore, *, nice: int = NICE, idle: bool = True, **kwargs: Any
+        self,
+        store: CheckpointStore,
+        *,
+        nice: int = NICE,
+        idle: bool = True,
+        files_every: int = 1,
+        **kwargs: Any,
     ) -> None:
         super().__init__(store, **kwargs)
+        if files_every < 1:
+            raise ValueError(f"files_every must be >= 1, got {files_every}")
+        self.files_every = files_every
         self._send_lock = threading.Lock()
-        self._in_flight: deque[tuple[int, Packed]] = deque()  # submitted, not written yet
+        #: submitted, not written yet (``None``: a held snapshot the child was told to write)
+        self._in_flight: deque[tuple[int, Packed | None]] = deque()
+        #: the newest snapshots left in the mailbox, not written: their buffers stay taken
+        self._held: deque[tuple[int, Packed]] = deque()
+        self._held_seq = 0
+        self._last_file: int | None = None  # newest step sent to be written as a file
         self._last = -1  # newest step submitted
         self._abandoned = -1  # newest step given up after an error (rank 0 commits no more)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        main = threading.current_thread() is threading.main_thread()
         try:
             self._child = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "gradsync.fault.writer_child",
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                    "1" if main else "0",
-                ],
+                [sys.executable, "-m", "gradsync.fault.writer_child", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
@@ -174,8 +189,10 @@ class ProcessCheckpointWriter(WriterBase):
         self._send(("init", init))
         self._await_ready()
         self._shared = _SharedBuffers(self._send)
-        #: buffers for this rank's snapshots: one per job in flight, one being filled, spare
-        self.pool = BufferPool(self.depth + 2, allocate=self._shared.allocate)
+        self._mailbox = self._share_mailbox()
+        #: buffers for this rank's snapshots: one per job in flight, two held, one being
+        #: filled, one spare
+        self.pool = BufferPool(self.depth + 4, allocate=self._shared.allocate)
         self._receiver = threading.Thread(
             target=self._receive, name=f"gradsync-checkpoint-writer-{self.rank}", daemon=True
         )
@@ -192,12 +209,25 @@ class ProcessCheckpointWriter(WriterBase):
             got = None
         finally:
             self._sock.settimeout(None)
+        if got is not None and got[0][0] == "error":
+            self._finalizer()
+            raise CheckpointError(f"rank {self.rank}: {got[0][1]}")
         if got is None or got[0] != ("ready",):
             self._finalizer()
             raise CheckpointError(
                 f"rank {self.rank}: the checkpoint writer process did not start in "
                 f"{_START_TIMEOUT_S:g} s; {self._exit_note()}"
             )
+
+    def _share_mailbox(self) -> Mailbox:
+        fd = os.memfd_create("gradsync-checkpoint-mailbox", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, 2 * SLOT_BYTES)
+            area = mmap.mmap(fd, 2 * SLOT_BYTES)
+            self._send(("mailbox", SLOT_BYTES), [fd])
+        finally:
+            os.close(fd)
+        return Mailbox(area)
 
     def _send(self, message: Any, fds: list[int] | None = None) -> None:
         try:
@@ -227,14 +257,63 @@ class ProcessCheckpointWriter(WriterBase):
             self._raise_error()
             if self._closing:
                 raise CheckpointError("the checkpoint writer is closed")
-            self._in_flight.append((step, packed))
             self._last = max(self._last, step)
         start, offsets = packed.header()
         parts = [
             (offset, self._shared.part(buf))
             for offset, buf in zip(offsets, packed.buffers, strict=True)
         ]
-        self._send(("write", step, durable, self.store.keep, start, parts))
+        message = ("write", step, durable, self.store.keep, start, parts)
+        if not self._to_file(step, durable) and self._hold(step, packed, message):
+            return
+        with self._cond:
+            self._in_flight.append((step, packed))
+            self._last_file = step
+        self._send(message)
+
+    def _to_file(self, step: int, durable: bool) -> bool:
+        """Whether ``step``'s snapshot is written now rather than held: decided from the steps
+        alone, so that every rank (saving after the same steps) writes the same ones."""
+        last = self._last_file
+        return durable or last is None or step - last >= self.files_every or step < last
+
+    def _hold(self, step: int, packed: Packed, message: tuple[Any, ...]) -> bool:
+        """Leave the snapshot in the mailbox, unwritten (False: too large for it). The one
+        before it stays held too: a rank killed while leaving this one leaves that one whole."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._held_seq += 1
+        if not self._mailbox.put(self._held_seq, data):
+            return False
+        with self._cond:
+            self._held.append((step, packed))
+            while len(self._held) > 2:
+                _, old = self._held.popleft()
+                if old.release is not None:
+                    old.release()
+        return True
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Write the newest held snapshot (the child reads it from the mailbox), then wait as
+        ``WriterBase.flush`` does."""
+        if self._held:
+            self._write_held(self._held[-1][0])
+        super().flush(timeout_s)
+
+    def wait(self, step: int, timeout_s: float | None = None) -> None:
+        """``WriterBase.wait``, writing ``step``'s snapshot first if it is held."""
+        self._write_held(step)
+        super().wait(step, timeout_s)
+
+    def _write_held(self, step: int) -> None:
+        """Tell the child to write the held snapshot of ``step`` (if held and not yet sent)."""
+        with self._cond:
+            held = any(s == step for s, _ in self._held)
+            sent = any(s == step for s, _ in self._in_flight) or step <= self._written
+            if not held or sent or self._closing:
+                return
+            self._in_flight.append((step, None))
+            self._last_file = max(step, self._last_file or -1)
+        self._send(("flush", step))
 
     def _settled(self) -> bool:
         done = max(self._committed, self._abandoned)
@@ -286,7 +365,11 @@ class ProcessCheckpointWriter(WriterBase):
 
     def _on_written(self, step: int) -> None:
         self._written = max(self._written, step)
-        while self._in_flight and self._in_flight[0][0] <= step:
-            _, packed = self._in_flight.popleft()
-            if packed.release is not None:  # written: its buffers may take the next snapshot
+        waiting: deque[tuple[int, Packed | None]] = deque()
+        for entry in self._in_flight:  # in step order but for a held one written out of turn
+            done, packed = entry[0] <= step, entry[1]
+            if not done:
+                waiting.append(entry)
+            elif packed is not None and packed.release is not None:  # written: reusable
                 packed.release()
+        self._in_flight = waiting

@@ -237,6 +237,11 @@ class Strategy(Protocol):
     #: whether ``reshard`` can split every rank's saved state anew for another world size
     #: (a strategy that is not ``resizable`` resumes on the saved world size otherwise)
     reshardable: bool = False
+    #: whether no rank can finish a step before every rank has finished the one before (a
+    #: collective every step): ranks' newest checkpoints then differ by at most one step, so
+    #: the background writer may hold most snapshots in memory and write every 16th, and a
+    #: dying rank's writer writes the newest two (``writer_process.FILES_EVERY``)
+    lockstep: bool = False
 
     def setup(self, ctx: SyncContext) -> None: ...
 

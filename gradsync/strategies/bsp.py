@@ -36,6 +36,7 @@ class BSP(Strategy):
     weights_samples = True
     #: every replica holds the same model and optimizer state, so rank 0's seeds any world size
     resizable = True
+    lockstep = True
     replicates_every_step = True
     takes_hierarchy = True
 

@@ -120,6 +120,7 @@ class ZeroStage1(BSP):
     name = "zero:1"
     #: each rank's file holds its own shard of the optimizer state (``reshard`` re-deals it)
     resizable = False
+    lockstep = True
     reshardable = True
 
     def __init__(self, exchange: str = "auto") -> None:
@@ -211,6 +212,7 @@ class ZeroStage2(Strategy):
     weights_samples = True
     #: each rank's file holds its own shard of the optimizer state (``reshard`` re-deals it)
     resizable = False
+    lockstep = True
     reshardable = True
     replicates_every_step = True
 

@@ -326,6 +326,7 @@ class ZeroStage3(Strategy):
     name = "zero:3"
     #: each rank's file holds its own shards, which ``reshard`` splits anew for another size
     resizable = False
+    lockstep = True
     reshardable = True
     takes_sharded_models = True
     #: every step ends with the ranks in step (FSDP2's collectives): gated at the block's entry,

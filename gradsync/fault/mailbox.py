@@ -1,0 +1,63 @@
+"""Where a rank leaves its newest snapshots for its writer process without waking it.
+
+The background writer process (``gradsync.fault.writer_child``) writes only every
+``files_every``-th snapshot of a checkpoint every step to a file. The others wait here: two
+slots of shared memory (a ``memfd``), each holding the message the writer would have been sent
+(step, header, where the buffers are), stamped with a sequence number once complete. The writer
+reads them when told to (``flush``) or when its rank dies, and writes the newest then. Why: a
+message per snapshot woke the writer and, with a checkpoint every step, each wake-up and write
+cost the ranks a core's time (docs/checkpoints.md, "A checkpoint every step").
+
+Torn entries: a slot's stamp is cleared before its contents change and set after, so a rank
+killed in the middle of ``put`` leaves that slot unstamped and the other slot (the snapshot
+before) intact. Torch-free, like the writer process.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+__all__ = ["SLOT_BYTES", "Mailbox"]
+
+#: the largest message one slot holds (a larger one is written to a file instead)
+SLOT_BYTES = 1 << 20
+_HEAD = 16  # the stamp and the length, 8 bytes each
+
+
+class Mailbox:
+    """Two slots over ``area`` (a shared map of ``2 * slot_bytes``)."""
+
+    def __init__(self, area: mmap.mmap, slot_bytes: int = SLOT_BYTES) -> None:
+        if len(area) < 2 * slot_bytes or slot_bytes <= _HEAD:
+            raise ValueError(f"a mailbox of {len(area)} bytes cannot hold 2 slots of {slot_bytes}")
+        self.area, self.slot_bytes = area, slot_bytes
+
+    @property
+    def capacity(self) -> int:
+        """The largest message a slot takes."""
+        return self.slot_bytes - _HEAD
+
+    def put(self, seq: int, message: bytes) -> bool:
+        """Leave ``message`` in slot ``seq % 2`` stamped ``seq`` (>= 1); False if too large."""
+        if seq < 1:
+            raise ValueError(f"seq must be >= 1, got {seq}")
+        if len(message) > self.capacity:
+            return False
+        at = (seq % 2) * self.slot_bytes
+        area = self.area
+        area[at : at + 8] = b"\0" * 8  # unstamped while it changes
+        area[at + _HEAD : at + _HEAD + len(message)] = message
+        area[at + 8 : at + 16] = len(message).to_bytes(8, "little")
+        area[at : at + 8] = seq.to_bytes(8, "little")
+        return True
+
+    def entries(self) -> list[tuple[int, bytes]]:
+        """The stamped messages, oldest first, as ``(seq, message)``."""
+        found = []
+        for slot in (0, 1):
+            at = slot * self.slot_bytes
+            seq = int.from_bytes(self.area[at : at + 8], "little")
+            length = int.from_bytes(self.area[at + 8 : at + 16], "little")
+            if seq and length <= self.capacity:
+                found.append((seq, bytes(self.area[at + _HEAD : at + _HEAD + length])))
+        return sorted(found)

@@ -1,0 +1,94 @@
+"""Which writer processes may still be writing into a checkpoint directory.
+
+A rank's writer process outlives its rank long enough to write the newest snapshot it holds
+(``gradsync.fault.mailbox``) when the rank dies. A restarted attempt must not read the
+directory before that write and its commit are done, so each writer process holds an exclusive
+``flock`` on ``DIR/.writers/<save_id>.rank-<R>.lock`` for its whole life (the kernel releases
+it when the process ends, however it ends). Rank 0's writer waits for its peers' locks of the
+same attempt before its last commit; a loading rank 0 waits for every lock of other attempts
+(its own attempt's writers are alive and hold theirs), then removes them. Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from pathlib import Path
+
+__all__ = ["LOCK_DIR", "hold", "released", "wait_for_writers"]
+
+LOCK_DIR = ".writers"
+_POLL_S = 0.005
+
+
+def _path(directory: str | Path, save_id: str, rank: int) -> Path:
+    return Path(directory) / LOCK_DIR / f"{save_id}.rank-{rank}.lock"
+
+
+def hold(directory: str | Path, save_id: str, rank: int, timeout_s: float) -> int:
+    """Take this writer's lock (waiting up to ``timeout_s`` if a process still holds it);
+    returns the descriptor, which must stay open while the process may write."""
+    path = _path(directory, save_id, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise TimeoutError(f"{path} is still held after {timeout_s:g} s") from None
+            time.sleep(_POLL_S)
+
+
+def _free(path: Path) -> bool:
+    """Whether no process holds ``path``'s lock (a missing file holds none)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # releases the lock if this took it
+
+
+def released(directory: str | Path, save_id: str, rank: int) -> bool:
+    """Whether rank ``rank``'s writer of attempt ``save_id`` has ended (or never started)."""
+    return _free(_path(directory, save_id, rank))
+
+
+def wait_for_writers(
+    directory: str | Path, *, except_save_id: str | None = None, timeout_s: float = 60.0
+) -> list[str]:
+    """Until every writer process of ``directory`` has ended but those of ``except_save_id``
+    (this attempt's own), then remove their lock files. Returns the locks still held at the
+    timeout (their writers may still write: the caller warns)."""
+    root = Path(directory) / LOCK_DIR
+    try:
+        names = sorted(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    deadline = time.monotonic() + timeout_s
+    held = []
+    for name in names:
+        if not name.endswith(".lock"):
+            continue
+        if except_save_id is not None and name.startswith(f"{except_save_id}.rank-"):
+            continue
+        path = root / name
+        while not _free(path) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if _free(path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        else:
+            held.append(name)
+    return held
