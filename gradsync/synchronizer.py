@@ -688,7 +688,12 @@ class Synchronizer:
             return resume.save(self, directory, keep=keep, extra=extra)
 
     def wait_for_checkpoints(self, timeout_s: float | None = None) -> None:
-        """Until every checkpoint this rank saved is written (and, on rank 0, committed)."""
+        """Until every checkpoint this rank saved is written (and, on rank 0, committed).
+
+        With a checkpoint every step under ``bsp`` or ``zero:N``, the newest snapshots are
+        held in memory rather than written (docs/checkpoints.md, "Held snapshots"): call it on
+        every rank then, as ``load`` and ``close`` are; rank 0 alone would wait for its peers'
+        files of the newest step and fail after ``timeout_s`` naming the ranks missing."""
         if self._writer is not None:
             self._writer.flush(self.timeout_s if timeout_s is None else timeout_s)
 

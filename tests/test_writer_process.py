@@ -227,3 +227,45 @@ def test_make_writer_takes_the_process_unless_told_otherwise(
     monkeypatch.setenv(WRITER_ENV, "fork")
     with pytest.raises(CheckpointError, match="'fork' is not a checkpoint writer; choose one of"):
         make()
+
+
+def _files(directory: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in directory.iterdir() if p.name.startswith("step-"))
+
+
+def test_which_steps_become_files_depends_on_the_steps_alone(tmp_path: Path) -> None:
+    # A flush (on this rank alone, say) writes a held snapshot but must not move the cadence:
+    # the peers, which did not flush, write steps 5 and 9 as files, and so must this rank.
+    writer = _writer(tmp_path, files_every=4)
+    try:
+        for step in range(1, 10):
+            writer.submit(step, snapshot({"w": torch.full((3,), float(step))}, pool=writer.pool))
+            if step == 3:
+                writer.flush()
+        writer.flush()
+    finally:
+        writer.close()
+    # 3 was written too, and pruned (keep=2, and 1 stays as the newest durable one)
+    assert _files(tmp_path) == [1, 5, 9]
+
+
+def test_a_held_snapshot_larger_than_the_mailbox_is_held_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gradsync.fault import writer_process
+
+    monkeypatch.setattr(writer_process, "SLOT_BYTES", 4096)
+    writer = _writer(tmp_path, files_every=16)
+    many = {f"layer{i}.weight": torch.full((2,), float(i)) for i in range(300)}  # a long header
+    try:
+        writer.submit(1, snapshot({"w": torch.ones(2)}, pool=writer.pool))
+        writer.submit(2, snapshot({"w": torch.ones(2) * 2}, pool=writer.pool))
+        writer.submit(3, snapshot(many, pool=writer.pool))  # grows the mailbox
+        assert writer._mailbox.capacity > 4096
+        assert _files(tmp_path) in ([], [1])  # only step 1 is a file (written by now or soon)
+        writer.flush()
+    finally:
+        writer.close()
+    assert _files(tmp_path) == [1, 3]
+    store = CheckpointStore(tmp_path)
+    assert torch.equal(store.load(store.at(3), 0)["layer299.weight"], torch.full((2,), 299.0))

@@ -179,11 +179,17 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     """Collective (parameter servers included): restore the newest valid checkpoint; return
     its extras plus ``step`` (None if there is none). A server keeps its state for ``serve()``."""
     sync.wait_for_checkpoints()  # a save still being written would be missed or half-seen
+    if sync._writer is not None:
+        # A new writer after a load: the old one's counts of steps written would take the
+        # steps saved again after a rollback for ones already written.
+        writer, sync._writer = sync._writer, None
+        writer.close(sync.timeout_s)
     store = CheckpointStore(directory)
     choice: list[Any] = [None]
     mine: dict[str, Any] | None = None
     if sync.rank == 0 and Path(directory).exists():
-        _wait_for_writers(directory, sync._save_id, sync.timeout_s)
+        # At most half the group's timeout: the other ranks wait in the broadcast below.
+        _wait_for_writers(directory, sync._save_id, min(sync.timeout_s / 2, 60.0))
         info = store.latest(allow_world_change=True)
         if info is not None:
             # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and

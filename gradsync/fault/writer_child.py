@@ -46,7 +46,7 @@ from typing import Any
 from gradsync.fault.commits import Commits
 from gradsync.fault.files import CheckpointFiles, write_chunks, write_failure
 from gradsync.fault.mailbox import Mailbox
-from gradsync.fault.writer_locks import hold, released
+from gradsync.fault.writer_locks import hold, release, released
 
 __all__ = ["recv_message", "send_message"]
 
@@ -108,6 +108,7 @@ class _Child:
         self.mailbox: Mailbox | None = None
         self.last_written = -1
         self.orphaned = False  # the training process is gone: no more reports
+        self.parent = os.getppid()
 
     def run(self) -> None:
         try:
@@ -130,16 +131,25 @@ class _Child:
         while True:
             wait = self.commits.poll_s if self.commits is not None else None
             if not closing or wait is None:
-                ready, _, _ = select.select([self.sock], [], [], wait)
+                # At most a second between looks at the parent: a process forked from it
+                # (a data loader's workers) may hold its end of the socket open after it died.
+                ready, _, _ = select.select([self.sock], [], [], min(wait or 1.0, 1.0))
                 if ready:
                     try:
                         got = recv_message(self.sock)
-                    except ConnectionResetError:  # how a killed peer's end often closes
-                        got = None
+                    except ConnectionResetError:
+                        # The parent died with replies unread; what it sent before is still
+                        # queued behind this error: read on until the end of the stream.
+                        self.orphaned = True
+                        continue
                     if got is None:  # the training process is gone: write what it left
                         self._flush_on_exit()
                         return
                     closing = self._handle(*got) or closing
+                elif os.getppid() != self.parent:
+                    self.orphaned = True
+                    self._flush_on_exit()
+                    return
             else:
                 select.select([], [], [], wait)
             if self.commits is not None and len(self.commits):
@@ -196,8 +206,8 @@ class _Child:
                 continue
             try:
                 self._write_file(*message[1:])
-            except Exception:  # noqa: BLE001 - nobody to report to: the older one stands
-                break
+            except Exception:  # noqa: BLE001 - nobody to report to: try the other one
+                continue
             written.append(step)
         if self.commits is not None:
             self._last_commit(sorted(set(written) | set(self.commits.steps()), reverse=True))
@@ -305,18 +315,22 @@ def main(argv: list[str]) -> int:
         return 0
     (_, init), _fds = got
     _lower_priority(init["nice"], idle=init.get("idle", False))
+    lock = None
     try:
-        # held until this process ends: a restarted attempt reads the directory after that
-        hold(init["directory"], init["save_id"], init["rank"], init["timeout_s"])
+        # Held until this process ends: a restarted attempt reads the directory after that.
+        # Less long than the training process waits for this one to start.
+        lock = hold(init["directory"], init["save_id"], init["rank"], min(init["timeout_s"], 20))
     except TimeoutError as exc:
         send_message(sock, ("error", f"the checkpoint writer could not take its lock: {exc}"))
         return 1
     except OSError:
-        pass  # no directory to write in: the first write reports why
+        pass  # no directory to write in (the first write reports why), or no flock there
     send_message(sock, ("ready",))
     # A broken pipe: the training process is gone, there is nothing to report to.
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         _Child(sock, init).run()
+    if lock is not None:  # done: nothing for a later attempt to wait for
+        release(init["directory"], init["save_id"], init["rank"], lock)
     return 0
 
 

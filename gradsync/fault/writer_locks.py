@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["LOCK_DIR", "hold", "released", "wait_for_writers"]
+__all__ = ["LOCK_DIR", "hold", "release", "released", "wait_for_writers"]
 
 LOCK_DIR = ".writers"
 _POLL_S = 0.005
@@ -45,6 +45,13 @@ def hold(directory: str | Path, save_id: str, rank: int, timeout_s: float) -> in
             time.sleep(_POLL_S)
 
 
+def release(directory: str | Path, save_id: str, rank: int, fd: int) -> None:
+    """A writer that ended normally removes its lock file, then lets the lock go."""
+    with contextlib.suppress(OSError):
+        _path(directory, save_id, rank).unlink()
+    os.close(fd)
+
+
 def _free(path: Path) -> bool:
     """Whether no process holds ``path``'s lock (a missing file holds none)."""
     try:
@@ -56,6 +63,8 @@ def _free(path: Path) -> bool:
         return True
     except BlockingIOError:
         return False
+    except OSError:  # a filesystem without flock: nothing to wait for (none was taken)
+        return True
     finally:
         os.close(fd)  # releases the lock if this took it
 

@@ -125,15 +125,14 @@ class _SharedBuffers:
 
 
 def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket) -> None:
-    """Close the socket (the child then exits) and reap it, killing it if it lingers."""
+    """Close the socket: the child then writes the snapshots it holds and ends by itself (it
+    is not killed: a rank leaving by an exception, or without ``close``, still gets them
+    written; a restarted attempt waits for it through its lock). Reaped if already done."""
     try:
         sock.close()
     finally:
-        try:
-            child.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=0.05)
 
 
 class ProcessCheckpointWriter(WriterBase):
@@ -160,6 +159,7 @@ class ProcessCheckpointWriter(WriterBase):
         #: the newest snapshots left in the mailbox, not written: their buffers stay taken
         self._held: deque[tuple[int, Packed]] = deque()
         self._held_seq = 0
+        self._last_held: bytes | None = None  # the newest held message, for a larger mailbox
         self._last_file: int | None = None  # newest step sent to be written as a file
         self._last = -1  # newest step submitted
         self._abandoned = -1  # newest step given up after an error (rank 0 commits no more)
@@ -219,15 +219,16 @@ class ProcessCheckpointWriter(WriterBase):
                 f"{_START_TIMEOUT_S:g} s; {self._exit_note()}"
             )
 
-    def _share_mailbox(self) -> Mailbox:
+    def _share_mailbox(self, slot_bytes: int | None = None) -> Mailbox:
+        slot_bytes = slot_bytes or SLOT_BYTES
         fd = os.memfd_create("gradsync-checkpoint-mailbox", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, 2 * SLOT_BYTES)
-            area = mmap.mmap(fd, 2 * SLOT_BYTES)
-            self._send(("mailbox", SLOT_BYTES), [fd])
+            os.ftruncate(fd, 2 * slot_bytes)
+            area = mmap.mmap(fd, 2 * slot_bytes)
+            self._send(("mailbox", slot_bytes), [fd])
         finally:
             os.close(fd)
-        return Mailbox(area)
+        return Mailbox(area, slot_bytes)
 
     def _send(self, message: Any, fds: list[int] | None = None) -> None:
         try:
@@ -264,7 +265,8 @@ class ProcessCheckpointWriter(WriterBase):
             for offset, buf in zip(offsets, packed.buffers, strict=True)
         ]
         message = ("write", step, durable, self.store.keep, start, parts)
-        if not self._to_file(step, durable) and self._hold(step, packed, message):
+        if not self._to_file(step, durable):
+            self._hold(step, packed, message)
             return
         with self._cond:
             self._in_flight.append((step, packed))
@@ -277,20 +279,32 @@ class ProcessCheckpointWriter(WriterBase):
         last = self._last_file
         return durable or last is None or step - last >= self.files_every or step < last
 
-    def _hold(self, step: int, packed: Packed, message: tuple[Any, ...]) -> bool:
-        """Leave the snapshot in the mailbox, unwritten (False: too large for it). The one
-        before it stays held too: a rank killed while leaving this one leaves that one whole."""
+    def _hold(self, step: int, packed: Packed, message: tuple[Any, ...]) -> None:
+        """Leave the snapshot in the mailbox, unwritten. The one before it stays held too: a
+        rank killed while leaving this one leaves that one whole."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > self._mailbox.capacity:
+            self._grow_mailbox(len(data))
         self._held_seq += 1
-        if not self._mailbox.put(self._held_seq, data):
-            return False
+        self._mailbox.put(self._held_seq, data)
+        self._last_held = data
         with self._cond:
             self._held.append((step, packed))
             while len(self._held) > 2:
                 _, old = self._held.popleft()
                 if old.release is not None:
                     old.release()
-        return True
+
+    def _grow_mailbox(self, needed: int) -> None:
+        """A mailbox whose slots take ``needed`` bytes, holding the newest held message too
+        (a message too large to hold must not become a file on this rank alone: every rank
+        writes the same steps). The child takes it before any later message."""
+        slot = self._mailbox.slot_bytes
+        while slot - 64 < needed:
+            slot *= 2
+        self._mailbox = self._share_mailbox(slot)
+        if self._last_held is not None:
+            self._mailbox.put(self._held_seq, self._last_held)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Write the newest held snapshot (the child reads it from the mailbox), then wait as
@@ -311,8 +325,9 @@ class ProcessCheckpointWriter(WriterBase):
             sent = any(s == step for s, _ in self._in_flight) or step <= self._written
             if not held or sent or self._closing:
                 return
+            # ``_last_file`` stays: which steps become files depends on the steps alone, the
+            # same on every rank, whoever flushes
             self._in_flight.append((step, None))
-            self._last_file = max(step, self._last_file or -1)
         self._send(("flush", step))
 
     def _settled(self) -> bool:
@@ -328,9 +343,12 @@ class ProcessCheckpointWriter(WriterBase):
                 self._closing = True
             with contextlib.suppress(CheckpointError):
                 self._send(("close",))
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 self._child.wait(timeout=5.0)  # it exits once its commits are done
-            self._finalizer()  # closes the socket, reaps (or kills) the child
+            except subprocess.TimeoutExpired:  # everything was flushed: nothing to lose
+                self._child.kill()
+                self._child.wait()
+            self._finalizer()  # closes the socket
             self._receiver.join(timeout=5.0)
 
     # -- the receiver thread ------------------------------------------------------------------
