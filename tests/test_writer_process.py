@@ -5,6 +5,7 @@ test_background_checkpoint.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -269,3 +270,26 @@ def test_a_held_snapshot_larger_than_the_mailbox_is_held_all_the_same(
     assert _files(tmp_path) == [1, 3]
     store = CheckpointStore(tmp_path)
     assert torch.equal(store.load(store.at(3), 0)["layer299.weight"], torch.full((2,), 299.0))
+
+
+def test_after_a_failed_flush_held_buffers_are_never_reused(tmp_path: Path) -> None:
+    # The child may still be reading a held snapshot it was told to write: reusing its
+    # buffers for a later snapshot could make a file of two steps' bytes with a valid sum.
+    writer = _writer(tmp_path, files_every=16)
+    weights = torch.zeros(50_000)  # shared buffers, not bytes in the message
+    try:
+        writer.submit(1, snapshot({"w": weights}, pool=writer.pool))
+        writer.wait(1)
+        os.kill(writer._child.pid, signal.SIGSTOP)  # a writer that cannot answer
+        for step in (2, 3):
+            writer.submit(step, snapshot({"w": weights}, pool=writer.pool))
+        with pytest.raises(CheckpointError, match="still being written"):
+            writer.flush(timeout_s=0.3)
+        free_before = sum(len(v) for v in writer.pool._free.values())
+        for step in (4, 5):  # would give 2 and 3 back to the pool
+            writer.submit(step, snapshot({"w": weights}, pool=writer.pool))
+        assert sum(len(v) for v in writer.pool._free.values()) <= free_before
+    finally:
+        os.kill(writer._child.pid, signal.SIGCONT)
+        with contextlib.suppress(CheckpointError):
+            writer.close(timeout_s=5)

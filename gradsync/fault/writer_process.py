@@ -160,6 +160,7 @@ class ProcessCheckpointWriter(WriterBase):
         self._held: deque[tuple[int, Packed]] = deque()
         self._held_seq = 0
         self._last_held: bytes | None = None  # the newest held message, for a larger mailbox
+        self._pinned = False  # a flush failed: held buffers stay taken (``_pin_on_error``)
         self._last_file: int | None = None  # newest step sent to be written as a file
         self._last = -1  # newest step submitted
         self._abandoned = -1  # newest step given up after an error (rank 0 commits no more)
@@ -292,7 +293,7 @@ class ProcessCheckpointWriter(WriterBase):
             self._held.append((step, packed))
             while len(self._held) > 2:
                 _, old = self._held.popleft()
-                if old.release is not None:
+                if old.release is not None and not self._pinned:
                     old.release()
 
     def _grow_mailbox(self, needed: int) -> None:
@@ -311,12 +312,22 @@ class ProcessCheckpointWriter(WriterBase):
         ``WriterBase.flush`` does."""
         if self._held:
             self._write_held(self._held[-1][0])
-        super().flush(timeout_s)
+        self._pin_on_error(super().flush, timeout_s)
 
     def wait(self, step: int, timeout_s: float | None = None) -> None:
         """``WriterBase.wait``, writing ``step``'s snapshot first if it is held."""
         self._write_held(step)
-        super().wait(step, timeout_s)
+        self._pin_on_error(super().wait, step, timeout_s)
+
+    def _pin_on_error(self, call: Any, *args: Any) -> None:
+        """``call``; if it fails (a timeout), the child may still be reading a held snapshot:
+        held buffers are never given back to the pool from then on (a leak, not a file that
+        mixes two steps' bytes)."""
+        try:
+            call(*args)
+        except CheckpointError:
+            self._pinned = True
+            raise
 
     def _write_held(self, step: int) -> None:
         """Tell the child to write the held snapshot of ``step`` (if held and not yet sent)."""
