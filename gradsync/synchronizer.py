@@ -703,8 +703,7 @@ class Synchronizer:
         """This rank's background writer for ``directory`` (one directory at a time)."""
         store_dir = Path(directory)
         if self._writer is not None and self._writer.store.directory != store_dir:
-            writer, self._writer = self._writer, None
-            writer.close(self.timeout_s)
+            self._close_writer()
         if self._writer is None:
             self._writer = make_writer(
                 CheckpointStore(store_dir, keep=keep, recycle=True),
@@ -748,12 +747,17 @@ class Synchronizer:
         """Wait for the checkpoints still being written, then release what this holds. Posts
         no collective (it may follow an exception on one rank): step records not gathered yet,
         up to twice ``telemetry_every`` steps, are gathered by ``report()`` only."""
-        writer, self._writer = self._writer, None
         try:
-            if writer is not None:
-                writer.close(self.timeout_s)
+            self._close_writer()
         finally:
             self._close()
+
+    def _close_writer(self) -> None:
+        """Write what this rank's checkpoint writer holds and stop it; the next save starts
+        a new one."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close(self.timeout_s)
 
     def _close(self) -> None:
         self._collector.hold_in_flight()

@@ -19,7 +19,7 @@ import mmap
 
 __all__ = ["SLOT_BYTES", "Mailbox"]
 
-#: the largest message one slot holds (a larger one is written to a file instead)
+#: a slot's size to begin with (the process writer shares a larger mailbox for a larger message)
 SLOT_BYTES = 1 << 20
 _HEAD = 16  # the stamp and the length, 8 bytes each
 

@@ -178,12 +178,10 @@ def _published_directory(sync: Synchronizer) -> tuple[str, int]:
 def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     """Collective (parameter servers included): restore the newest valid checkpoint; return
     its extras plus ``step`` (None if there is none). A server keeps its state for ``serve()``."""
-    sync.wait_for_checkpoints()  # a save still being written would be missed or half-seen
-    if sync._writer is not None:
-        # A new writer after a load: the old one's counts of steps written would take the
-        # steps saved again after a rollback for ones already written.
-        writer, sync._writer = sync._writer, None
-        writer.close(sync.timeout_s)
+    # A save still being written would be missed or half-seen: written first. And a new
+    # writer after a load: the old one's counts of steps written would take the steps saved
+    # again after a rollback for ones already written.
+    sync._close_writer()
     store = CheckpointStore(directory)
     choice: list[Any] = [None]
     mine: dict[str, Any] | None = None

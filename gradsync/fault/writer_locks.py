@@ -93,11 +93,12 @@ def wait_for_writers(
         if except_save_id is not None and name.startswith(f"{except_save_id}.rank-"):
             continue
         path = root / name
-        while not _free(path) and time.monotonic() < deadline:
+        while not _free(path):
+            if time.monotonic() >= deadline:
+                held.append(name)
+                break
             time.sleep(_POLL_S)
-        if _free(path):
+        else:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        else:
-            held.append(name)
     return held

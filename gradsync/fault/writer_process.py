@@ -159,7 +159,6 @@ class ProcessCheckpointWriter(WriterBase):
         #: the newest snapshots left in the mailbox, not written: their buffers stay taken
         self._held: deque[tuple[int, Packed]] = deque()
         self._held_seq = 0
-        self._last_held: bytes | None = None  # the newest held message, for a larger mailbox
         self._pinned = False  # a flush failed: held buffers stay taken (``_pin_on_error``)
         self._last_file: int | None = None  # newest step sent to be written as a file
         self._last = -1  # newest step submitted
@@ -288,7 +287,6 @@ class ProcessCheckpointWriter(WriterBase):
             self._grow_mailbox(len(data))
         self._held_seq += 1
         self._mailbox.put(self._held_seq, data)
-        self._last_held = data
         with self._cond:
             self._held.append((step, packed))
             while len(self._held) > 2:
@@ -297,15 +295,16 @@ class ProcessCheckpointWriter(WriterBase):
                     old.release()
 
     def _grow_mailbox(self, needed: int) -> None:
-        """A mailbox whose slots take ``needed`` bytes, holding the newest held message too
+        """A mailbox whose slots take ``needed`` bytes, holding the messages of the old one
         (a message too large to hold must not become a file on this rank alone: every rank
         writes the same steps). The child takes it before any later message."""
-        slot = self._mailbox.slot_bytes
+        old = self._mailbox
+        slot = old.slot_bytes
         while slot - 64 < needed:
             slot *= 2
         self._mailbox = self._share_mailbox(slot)
-        if self._last_held is not None:
-            self._mailbox.put(self._held_seq, self._last_held)
+        for seq, data in old.entries():
+            self._mailbox.put(seq, data)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Write the newest held snapshot (the child reads it from the mailbox), then wait as
