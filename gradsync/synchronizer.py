@@ -27,6 +27,7 @@ from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.fault.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.fault.guards import check_replicas
+from gradsync.fault.row_log import RowLog
 from gradsync.fault.writer_process import ProcessCheckpointWriter, make_writer
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
@@ -224,6 +225,8 @@ class Synchronizer:
         self._natural = 0.0  # last step's compute without injected slowdown
         self._final_checked = False
         self._writer: CheckpointWriter | ProcessCheckpointWriter | None = None
+        #: this rank's telemetry row log beside the checkpoints (barrier-free strategies)
+        self._row_log: RowLog | None = None
         self._published: str | None = None  # the checkpoint directory servers were told
         # Names this run's checkpoint files, the same on every rank (rank 0's, broadcast with
         # the initial state): a commit never pairs them with files of a rolled-back attempt.
@@ -720,8 +723,8 @@ class Synchronizer:
     def _pending_telemetry(self) -> torch.Tensor:
         return self._collector.pending_rows()
 
-    def _restore_telemetry(self, rows: torch.Tensor) -> None:
-        self._collector.restore_pending(rows)
+    def _restore_telemetry(self, rows: torch.Tensor, first: int | None = None) -> None:
+        self._collector.restore_pending(rows, first)
 
     def load(self, directory: str | Path) -> dict[str, Any] | None:
         """Collective: resume from the newest intact checkpoint in ``directory``; returns its
@@ -756,6 +759,9 @@ class Synchronizer:
         """Write what this rank's checkpoint writer holds and stop it; the next save starts
         a new one."""
         writer, self._writer = self._writer, None
+        log, self._row_log = self._row_log, None
+        if log is not None:
+            log.close()
         if writer is not None:
             writer.close(self.timeout_s)
 

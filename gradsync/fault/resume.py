@@ -37,9 +37,11 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from gradsync.errors import UsageError
@@ -52,7 +54,9 @@ from gradsync.fault.checkpoint import (
     snapshot,
 )
 from gradsync.fault.rng import rng_state, set_rng_state
+from gradsync.fault.row_log import RowLog, RowLogError, read_rows
 from gradsync.fault.writer_locks import wait_for_writers
+from gradsync.telemetry.timing import ROW_COLUMNS
 
 if TYPE_CHECKING:
     from gradsync.synchronizer import Synchronizer
@@ -122,14 +126,37 @@ def save(
         "strategy": sync.strategy.name,
         "compression": sync.compressor.spec,  # load() refuses another compressor's state
         "layout": _layout(sync),
-        "telemetry": sync._pending_telemetry(),
         "extra": extra or {},
     }
     writer = sync._checkpoint_writer(directory, keep)
+    if sync.strategy.barrier_free:
+        # Nothing is gathered before the end: the rows go to the log, the range here.
+        state[TELEMETRY_LOG] = _log_telemetry(sync, writer.store.directory)
+    else:
+        state["telemetry"] = sync._pending_telemetry()
     writer.submit(step, snapshot(state, pool=writer.pool), durable=wait)
     if wait:
         writer.wait(step)
     return time.perf_counter() - started
+
+
+#: Where a barrier-free strategy's checkpoint names its rank's step records: ``[first, end)``
+#: of the rank's row log (``row_log``), in place of the rows themselves.
+TELEMETRY_LOG = "telemetry_log"
+
+
+def _log_telemetry(sync: Synchronizer, directory: Path) -> list[int]:
+    """Append the step records new since the last save to this rank's row log in
+    ``directory``; the range of row numbers a checkpoint taken now needs."""
+    collector = sync._collector
+    first, end = collector.pending_range()
+    log = sync._row_log
+    if log is None or log.directory != directory:
+        if log is not None:
+            log.close()
+        log = sync._row_log = RowLog(directory, sync.rank, ROW_COLUMNS, start=first)
+    log.cover(first, end, collector.rows_from)
+    return [first, end]
 
 
 #: Where a resizable strategy's checkpoint keeps the optimizer's ``param_groups``: beside the
@@ -249,7 +276,7 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     if role is not None:
         role.restore(state["server"])
         sync.load_state_dict(state["sync"])
-        _restore_rows(sync, rows)
+        _restore_rows(sync, rows, store.directory)
         return {**(state.get("extra") or {}), "step": sync.step_count}
     sync.strategy.load_model_state_dict(sync.model, state["model"])
     sync.optimizer.load_state_dict(state["optimizer"])
@@ -271,28 +298,61 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     else:
         sync.load_state_dict(state["sync"])
         set_rng_state(state["rng"])
-    _restore_rows(sync, rows)
+    _restore_rows(sync, rows, store.directory)
     extra: dict[str, Any] = dict(state.get("extra") or {})
     extra["step"] = sync.step_count
     return extra
 
 
-def _restore_rows(sync: Synchronizer, rows: Any) -> None:
-    if rows is not None:
-        sync._restore_telemetry(rows)
+@dataclass(frozen=True, slots=True)
+class _OwnRows:
+    """This rank's step records not gathered before the checkpoint: the rows (None: none),
+    and, where they came from its row log, the range of row numbers the checkpoint named."""
+
+    rows: torch.Tensor | None
+    span: tuple[int, int] | None = None
+
+
+def _restore_rows(sync: Synchronizer, own: _OwnRows, directory: Path) -> None:
+    if own.span is None:
+        if own.rows is not None:
+            sync._restore_telemetry(own.rows)
+        return
+    first, end = own.span
+    # The log cut at ``end``: the rows of the steps rolled back go, this run appends after.
+    sync._row_log = RowLog(directory, sync.rank, ROW_COLUMNS, start=end, keep_to=end)
+    rows = own.rows if own.rows is not None else torch.zeros(0, ROW_COLUMNS)
+    sync._restore_telemetry(rows, first=first if own.rows is not None else end)
 
 
 def _own_telemetry(
     store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any], rank: int, changed: bool
-) -> Any:
-    """This rank's step records not gathered before the checkpoint: from its own file, also
-    when the world size changed (``state`` is then rank 0's); none for a rank the saved run
-    did not have, whose steps were never run."""
+) -> _OwnRows:
+    """This rank's step records not gathered before the checkpoint: from its own file (or its
+    row log), also when the world size changed (``state`` is then rank 0's); none for a rank
+    the saved run did not have, whose steps were never run."""
     if not changed or rank == 0:
-        return state.get("telemetry")
-    if rank >= info.world_size:
-        return None
-    return store.load(info, rank).get("telemetry")
+        own = state
+    elif rank >= info.world_size:
+        return _OwnRows(None)
+    else:
+        own = store.load(info, rank)
+    span = own.get(TELEMETRY_LOG)
+    if span is None:
+        return _OwnRows(own.get("telemetry"))
+    first, end = int(span[0]), int(span[1])
+    try:
+        rows = read_rows(store.directory, rank, first, end, ROW_COLUMNS)
+    except RowLogError as exc:
+        warnings.warn(
+            f"the checkpoint of step {info.step} names rank {rank}'s step records {first} to "
+            f"{end} in its row log, which does not hold them ({exc}); training resumes "
+            "whole, but the report will miss those steps",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+        return _OwnRows(None, (first, end))
+    return _OwnRows(rows, (first, end))
 
 
 def _join_replicated(

@@ -45,6 +45,8 @@ _COLUMNS = (
     "idle",
 )
 _NO_LOSS = float("nan")
+#: float64 values per pending record row (``pending_rows``, ``rows_from``)
+ROW_COLUMNS = len(_COLUMNS)
 
 
 @dataclass(slots=True)
@@ -88,6 +90,9 @@ class TelemetryCollector:
         self._in_flight: _InFlight | None = None
         #: pending records before this one have no device events left to read
         self._unread = 0
+        #: the number of the first pending record among this rank's records (counted from
+        #: the start, or from the checkpoint restored): a checkpoint's row log names rows by it
+        self._first = 0
 
     def add(
         self,
@@ -138,28 +143,28 @@ class TelemetryCollector:
             return local
         return torch.cat([self._in_flight.local, local])
 
-    def _local_rows(self) -> torch.Tensor:
-        for p in self._pending:
-            p.read_marks()
-        rows = [
-            [
-                float(p.step),
-                p.time,
-                p.compute,
-                p.sync,
-                float(p.samples),
-                float(p.bytes),
-                _NO_LOSS if p.loss is None else float(p.loss),
-                float(p.skipped),
-                float(p.barrier),
-                p.idle,
-            ]
-            for p in self._pending
-        ]
-        return torch.tensor(rows, dtype=torch.float64).reshape(-1, len(_COLUMNS))
+    def pending_range(self) -> tuple[int, int]:
+        """The numbers of the first pending record and of the one after the last (records
+        counted on this rank from the start, or from the checkpoint restored)."""
+        return self._first, self._first + len(self._pending)
 
-    def restore_pending(self, rows: torch.Tensor) -> None:
-        """Put back the rows ``pending_rows`` returned, ahead of anything recorded since."""
+    def rows_from(self, number: int) -> torch.Tensor:
+        """The rows of the pending records numbered ``number`` on (``pending_range``)."""
+        if not self._first <= number <= self._first + len(self._pending):
+            raise ValueError(f"record {number} is not pending (pending: {self.pending_range()})")
+        return _rows(self._pending[number - self._first :])
+
+    def _local_rows(self) -> torch.Tensor:
+        return _rows(self._pending)
+
+    def _taken(self) -> None:
+        """Every pending record was taken by a gather."""
+        self._first += len(self._pending)
+        self._pending, self._unread = [], 0
+
+    def restore_pending(self, rows: torch.Tensor, first: int | None = None) -> None:
+        """Put back the rows ``pending_rows`` returned, ahead of anything recorded since;
+        ``first``: the number of the first of them (``pending_range``), where it is known."""
         restored = [
             _Pending(
                 int(r[0]), r[1], r[2], r[3], int(r[4]), int(r[5]),
@@ -169,6 +174,8 @@ class TelemetryCollector:
         ]  # fmt: skip
         self._pending[:0] = restored
         self._unread = 0
+        if first is not None:
+            self._first = first
 
     def flush(self, step: int | None = None) -> list[StepRecord]:
         """Collective: every rank of the group must call it. Returns the new complete records
@@ -176,7 +183,7 @@ class TelemetryCollector:
         diagnosis (None: at the latest wait's)."""
         new = self._take_in_flight(step)
         local = self._local_rows()
-        self._pending, self._unread = [], 0
+        self._taken()
         what = f"telemetry gather ({local.shape[0]} pending step record(s) on this rank)"
         return new + self._add(self._watched(step, what, lambda: self._gather(local)))
 
@@ -190,7 +197,7 @@ class TelemetryCollector:
             return self.flush(step)
         new = self._take_in_flight(step)
         local = self._local_rows()
-        self._pending, self._unread = [], 0
+        self._taken()
         dev = runtime.device()
         # A fixed shape on every rank (one collective, no count to agree on first): the rows,
         # then padding whose step is -1.
@@ -282,3 +289,25 @@ class _InFlight:
 def _wait(flight: _InFlight) -> list[torch.Tensor]:
     flight.work.wait()
     return [b.cpu() for b in flight.blocks]
+
+
+def _rows(pending: list[_Pending]) -> torch.Tensor:
+    """One float64 row per record (``_COLUMNS``), its device events read first."""
+    for p in pending:
+        p.read_marks()
+    rows = [
+        [
+            float(p.step),
+            p.time,
+            p.compute,
+            p.sync,
+            float(p.samples),
+            float(p.bytes),
+            _NO_LOSS if p.loss is None else float(p.loss),
+            float(p.skipped),
+            float(p.barrier),
+            p.idle,
+        ]
+        for p in pending
+    ]
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, len(_COLUMNS))
