@@ -23,11 +23,11 @@ from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.fault.background import CheckpointWriter
-from gradsync.fault.checkpoint import CheckpointStore
+from gradsync.fault.checkpoint import CheckpointStore, CheckpointWarning
 from gradsync.fault.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.fault.guards import check_replicas
-from gradsync.fault.row_log import RowLog
+from gradsync.fault.row_log import RowLogError, RowLogs
 from gradsync.fault.writer_process import ProcessCheckpointWriter, make_writer
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
@@ -43,7 +43,7 @@ from gradsync.strategies.factory import check_compressor, parse_strategy
 from gradsync.telemetry.device_clock import DeviceClock, StepMarks, cuda_device_of
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
-from gradsync.telemetry.timing import TelemetryCollector
+from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
 from gradsync.topology import Hierarchy, check_allreduce, check_hierarchical
 
 #: the accumulation conventions of ``Synchronizer(accumulation=...)``
@@ -227,8 +227,10 @@ class Synchronizer:
         self._writer: CheckpointWriter | ProcessCheckpointWriter | None = None
         #: the ``directory`` argument of the save that last used ``_writer``
         self._writer_for: str | Path | None = None
-        #: this rank's telemetry row log beside the checkpoints (barrier-free strategies)
-        self._row_log: RowLog | None = None
+        #: this rank's step-record logs beside its checkpoints (barrier-free strategies only)
+        self._row_logs = RowLogs(self.rank, ROW_COLUMNS)
+        if self.strategy.barrier_free:
+            self._collector.before_gather = self._log_before_gather
         self._published: str | None = None  # the checkpoint directory servers were told
         # Names this run's checkpoint files, the same on every rank (rank 0's, broadcast with
         # the initial state): a commit never pairs them with files of a rolled-back attempt.
@@ -761,17 +763,31 @@ class Synchronizer:
         try:
             self._close_writer()
         finally:
+            self._row_logs.close()
             self._close()
 
     def _close_writer(self) -> None:
         """Write what this rank's checkpoint writer holds and stop it; the next save starts
         a new one."""
         writer, self._writer, self._writer_for = self._writer, None, None
-        log, self._row_log = self._row_log, None
-        if log is not None:
-            log.close()
         if writer is not None:
             writer.close(self.timeout_s)
+
+    def _log_before_gather(
+        self, first: int, end: int, rows_from: Callable[[int], torch.Tensor]
+    ) -> None:
+        # A gather is collective: a log that cannot be written must not fail this rank's part
+        # of it (the others would wait for it); a later resume then warns of the rows missing.
+        try:
+            self._row_logs.before_gather(first, end, rows_from)
+        except (OSError, RowLogError) as exc:
+            warnings.warn(
+                f"rank {self.rank}: could not log step records {first} to {end} beside the "
+                f"checkpoints before a telemetry gather ({exc}); a resume from an earlier "
+                "checkpoint will miss them",
+                CheckpointWarning,
+                stacklevel=2,
+            )
 
     def _close(self) -> None:
         self._collector.hold_in_flight()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gradsync as gs
+from gradsync.fault import CheckpointStore
 from gradsync.fault.resume import PARAM_GROUPS
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
@@ -57,4 +58,10 @@ def test_a_new_learning_rate_reuses_the_shares_encoding_and_resumes_with_its_val
     assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
     for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert PARAM_GROUPS not in loaded
+    # In the file: the groups beside the share, none inside it.
+    store = CheckpointStore(tmp_path)
+    info = store.latest()
+    assert info is not None
+    raw = store.load(info, 0)
+    assert raw[PARAM_GROUPS][0]["lr"] == 0.1 / 5
+    assert "param_groups" not in raw["replicated"]["optimizer"]

@@ -54,7 +54,7 @@ from gradsync.fault.checkpoint import (
     snapshot,
 )
 from gradsync.fault.rng import rng_state, set_rng_state
-from gradsync.fault.row_log import RowLog, RowLogError, read_rows
+from gradsync.fault.row_log import RowLogError, read_rows
 from gradsync.fault.writer_locks import wait_for_writers
 from gradsync.telemetry.timing import ROW_COLUMNS
 
@@ -150,12 +150,7 @@ def _log_telemetry(sync: Synchronizer, directory: Path) -> list[int]:
     ``directory``; the range of row numbers a checkpoint taken now needs."""
     collector = sync._collector
     first, end = collector.pending_range()
-    log = sync._row_log
-    if log is None or log.directory != directory:
-        if log is not None:
-            log.close()
-        log = sync._row_log = RowLog(directory, sync.rank, ROW_COLUMNS, start=first)
-    log.cover(first, end, collector.rows_from)
+    sync._row_logs.cover(directory, first, end, collector.rows_from)
     return [first, end]
 
 
@@ -231,6 +226,8 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     # writer after a load: the old one's counts of steps written would take the steps saved
     # again after a rollback for ones already written.
     sync._close_writer()
+    # Step-record logs too: rows past the checkpoint may be in them (the load reopens its own).
+    sync._row_logs.close()
     store = CheckpointStore(directory)
     choice: list[Any] = [None]
     mine: dict[str, Any] | None = None
@@ -320,7 +317,7 @@ def _restore_rows(sync: Synchronizer, own: _OwnRows, directory: Path) -> None:
         return
     first, end = own.span
     # The log cut at ``end``: the rows of the steps rolled back go, this run appends after.
-    sync._row_log = RowLog(directory, sync.rank, ROW_COLUMNS, start=end, keep_to=end)
+    sync._row_logs.adopt(directory, end)
     rows = own.rows if own.rows is not None else torch.zeros(0, ROW_COLUMNS)
     sync._restore_telemetry(rows, first=first if own.rows is not None else end)
 

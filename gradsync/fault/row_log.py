@@ -12,10 +12,19 @@ server, a small model): 1.5 ms a save at step 500, 9.7 ms at step 3000, and the 
 
 Here each save appends to the log only the rows new since the last one (80 bytes a step), and
 the checkpoint names the range of row numbers it needs, ``[first, end)``. Row numbers count
-this rank's records from the start of the run (or from the checkpoint it resumed from), so a
-gather in between (``sync.flush_telemetry()``) only moves ``first``. ``load()`` reads the range
-back and cuts the log at ``end``: the rows of the steps it rolls back are dropped, and the
-resumed run appends after it.
+this rank's records from the start of the run (or from the checkpoint it resumed from). A log
+is only ever appended to while the run goes on, so every checkpoint in the directory keeps
+the rows it names:
+- a gather (``sync.flush_telemetry()``, ``report()``) first has every open log take the rows it
+  is about to take from the pending ones (``RowLogs.before_gather``), so a gather only moves
+  ``first``;
+- saves into several directories keep one log open in each, known by the directory's resolved
+  path (however it is spelled);
+- ``load()`` cuts the loaded directory's log at the checkpoint's ``end``: the rows of the steps
+  it rolls back go, and the resumed run appends after it. A log is started anew only where this
+  run has not loaded from or saved into the directory before (its rows are another run's), and
+  where a ``load()`` in the same process rolled back past rows a log of another directory holds.
+The log is never pruned: it grows by 80 bytes a step for the life of the directory.
 
 The log is written with ``pwrite`` into the page cache, not synced: it survives the rank's
 process, not the machine. After a machine crash a checkpoint may name rows the log lost; the
@@ -29,13 +38,14 @@ columns per row; little-endian) and the rows as little-endian float64.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["RowLog", "RowLogError", "log_path", "read_rows"]
+__all__ = ["RowLog", "RowLogError", "RowLogs", "log_path", "read_rows"]
 
 MAGIC = b"gsrows1\n"
 _HEADER = len(MAGIC) + 16
@@ -66,12 +76,14 @@ class RowLog:
         self.path = log_path(directory, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # Closed with the object too: a Synchronizer dropped without close() leaks no descriptor.
+        self._close = weakref.finalize(self, os.close, self._fd)
         try:
             if keep_to is not None and self._kept(keep_to):
                 return
             self.restart(start)
         except BaseException:
-            os.close(self._fd)
+            self._close()
             raise
 
     def _kept(self, keep_to: int) -> bool:
@@ -120,9 +132,54 @@ class RowLog:
         return _HEADER + (row - self.start) * self.columns * _ITEM
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._close()
+
+
+class RowLogs:
+    """A rank's open row logs, one per checkpoint directory (by its resolved path), all holding
+    the same collector's rows; closed together."""
+
+    def __init__(self, rank: int, columns: int) -> None:
+        self.rank, self.columns = rank, columns
+        self._logs: dict[str, RowLog] = {}
+        self._resolved: dict[Path, str] = {}  # the paths as given, resolved once each
+
+    def _key(self, directory: Path) -> str:
+        key = self._resolved.get(directory)
+        if key is None:
+            key = self._resolved[directory] = os.path.realpath(directory)
+        return key
+
+    def cover(
+        self, directory: Path, first: int, end: int, rows_from: Callable[[int], torch.Tensor]
+    ) -> None:
+        """``directory``'s log holds rows ``[first, end)`` (``RowLog.cover``); a directory this
+        run has no log in yet gets a new one, starting at ``first``."""
+        key = self._key(directory)
+        log = self._logs.get(key)
+        if log is None:
+            log = self._logs[key] = RowLog(directory, self.rank, self.columns, start=first)
+        log.cover(first, end, rows_from)
+
+    def before_gather(self, first: int, end: int, rows_from: Callable[[int], torch.Tensor]) -> None:
+        """Every open log takes the pending rows ``[first, end)`` before a gather takes them
+        from the pending ones: no later save finds a gap, which would start its log anew and
+        drop rows older checkpoints name."""
+        for log in self._logs.values():
+            log.cover(first, end, rows_from)
+
+    def adopt(self, directory: Path, end: int) -> None:
+        """After ``load()`` from ``directory``'s checkpoint, which named rows up to ``end``: its
+        log cut there and kept open. The other logs close (a rollback may have left rows of
+        the abandoned steps in them; a later save there starts that log anew)."""
+        self.close()
+        key = self._key(directory)
+        self._logs[key] = RowLog(directory, self.rank, self.columns, start=end, keep_to=end)
+
+    def close(self) -> None:
+        logs, self._logs = list(self._logs.values()), {}
+        for log in logs:
+            log.close()
 
 
 def read_rows(directory: str | Path, rank: int, first: int, end: int, columns: int) -> torch.Tensor:

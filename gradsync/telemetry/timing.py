@@ -93,6 +93,9 @@ class TelemetryCollector:
         #: the number of the first pending record among this rank's records (counted from
         #: the start, or from the checkpoint restored): a checkpoint's row log names rows by it
         self._first = 0
+        #: called with ``(first, end, rows_from)`` before a gather takes the pending records
+        #: ``[first, end)`` (a row log keeps them: ``gradsync.fault.row_log``)
+        self.before_gather: Callable[[int, int, Callable[[int], torch.Tensor]], None] | None = None
 
     def add(
         self,
@@ -158,7 +161,9 @@ class TelemetryCollector:
         return _rows(self._pending)
 
     def _taken(self) -> None:
-        """Every pending record was taken by a gather."""
+        """Every pending record was taken by a gather (``before_gather`` saw them first)."""
+        if self.before_gather is not None and self._pending:
+            self.before_gather(*self.pending_range(), self.rows_from)
         self._first += len(self._pending)
         self._pending, self._unread = [], 0
 
