@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.testing import run_ranks
 from tests import ps_compression_ranks as ranks
 from tests.test_cli_run import gradsync
@@ -90,3 +92,14 @@ def test_cli_async_with_topk_survives_a_killed_worker(tmp_path: Path) -> None:
     ).numel()
     assert all(r["bytes"] < 0.25 * 4 * numel for r in workers)  # top 10%: values + indices
     assert all(math.isfinite(r["loss"]) for r in workers)
+    # The records of steps 0..4, never gathered under async, came back through the row log
+    # the checkpoint names (docs/checkpoints.md), not in the file, which would otherwise carry
+    # every record of the run.
+    found = re.search(r"restart: resuming at step (\d+)\b", proc.stderr)
+    assert found, proc.stderr[-3000:]
+    store = CheckpointStore(out / "checkpoints")
+    newest = store.latest()
+    assert newest is not None
+    saved = store.load(newest, 0)
+    assert "telemetry" not in saved
+    assert saved["telemetry_log"] == [int(found.group(1)), newest.step]

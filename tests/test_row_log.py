@@ -81,7 +81,8 @@ def test_rows_gathered_before_they_were_logged_start_the_log_at_the_first_pendin
 ) -> None:
     log = RowLog(tmp_path, 0, COLUMNS, start=0)
     log.cover(0, 4, _Source(4))
-    # A gather (sync.flush_telemetry) took rows 0..9; pending now starts at 10.
+    # Rows 0..9 were taken by a gather that the log did not see (the Synchronizer has its
+    # logs take the rows before a gather; this is the fallback): pending now starts at 10.
     log.cover(10, 13, _Source(13))
     log.close()
     assert torch.equal(read_rows(tmp_path, 0, 10, 13, COLUMNS), _rows(10, 13))
