@@ -750,6 +750,8 @@ class Synchronizer:
                 # (a new rank has none), and the periodic gathers, which come after a fixed
                 # number of pending records, must come after the same steps on every rank.
                 self._collector.flush(self._step)
+                if extra is not None:
+                    self._collector.rolled_back_to(int(extra["step"]))
             return extra
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -148,3 +148,41 @@ def test_a_resume_leaves_each_earlier_step_once_in_the_raw_file(tmp_path: Path) 
     keys = [(d["rank"], d["step"]) for d in map(json.loads, path.read_text().splitlines())]
     assert sorted(keys) == [(rank, step) for rank in range(2) for step in range(8)]
     assert len(keys) == len(set(keys))
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("strategy", ["bsp", "hogwild"])
+def test_loads_in_the_same_process_leave_each_step_once_in_the_report(
+    tmp_path: Path, strategy: str
+) -> None:
+    """A rollback in the same process (steps 5..9 run twice) and a second load in a row: the
+    report holds every step once, the latest run of it."""
+    import gradsync as gs
+    from gradsync.workloads import make_workload
+
+    w = make_workload("mlp", seed=1, params=2000)
+    model = w.build_model()
+    sync = gs.Synchronizer(
+        model, w.make_optimizer(model, w.default_lr), strategy=strategy, telemetry_every=4
+    )
+
+    def run_to(stop: int) -> None:
+        while sync.step_count < stop:
+            s = sync.step_count
+            with sync.step():
+                w.loss(model, *w.batch(s, 8, 0, 8)).backward()
+
+    try:
+        run_to(5)
+        sync.save(tmp_path)
+        run_to(10)
+        for _ in range(2):
+            loaded = sync.load(tmp_path)
+            assert loaded is not None and loaded["step"] == 5
+        run_to(10)
+        records = sync.report().records
+    finally:
+        sync.close()
+    assert sorted(r.step for r in records) == list(range(10))

@@ -160,6 +160,21 @@ class TelemetryCollector:
     def _local_rows(self) -> torch.Tensor:
         return _rows(self._pending)
 
+    def rolled_back_to(self, step: int) -> None:
+        """After a ``load()`` that resumes at ``step`` (its restored records gathered): the
+        records of ``step`` and later go, as those steps run again, and of a step recorded
+        twice the newest stays (a load in the same process restores records an earlier gather
+        took, or a second load those of the first)."""
+        seen: set[tuple[int, int]] = set()
+        kept = []
+        for r in reversed(self.records):
+            key = (r.rank, r.step)
+            if r.step < step and key not in seen:
+                seen.add(key)
+                kept.append(r)
+        kept.reverse()
+        self.records = kept
+
     def _taken(self) -> None:
         """Every pending record was taken by a gather (``before_gather`` saw them first)."""
         if self.before_gather is not None and self._pending:
