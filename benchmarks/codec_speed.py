@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +35,7 @@ from benchmarks.harness import (
     machine,
     median_of_ratios,
     table,
+    time_calls,
     time_interleaved,
 )
 from benchmarks.steps import POWERSGD_START, Trainer
@@ -63,15 +63,6 @@ def _gradient(numel: int) -> torch.Tensor:
     return r * torch.rand(numel, generator=gen).mul_(-6).exp_()
 
 
-def _timed(fn: Callable[[], Any], calls: int) -> list[float]:
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _codec_rounds(params: int, rounds: int, calls: int) -> tuple[int, dict[str, list[Any]]]:
     """Per configuration, per round: (encode times, decode times) of every call, in seconds;
     the copy's times are its encode's."""
@@ -91,7 +82,7 @@ def _codec_rounds(params: int, rounds: int, calls: int) -> tuple[int, dict[str, 
 
     def run(name: str, _: int) -> tuple[list[float], list[float]]:
         if name == COPY:
-            return _timed(lambda: dst.copy_(x), calls), [0.0]
+            return time_calls(lambda: dst.copy_(x), calls), [0.0]
         codec = codecs[name]
         parts: list[torch.Tensor] = []
 
@@ -99,8 +90,8 @@ def _codec_rounds(params: int, rounds: int, calls: int) -> tuple[int, dict[str, 
             step[0] += 1
             parts[:] = codec.encode(x, step[0])
 
-        t_enc = _timed(encode, calls)
-        t_dec = _timed(lambda: codec.decode(parts, step[0]), calls)
+        t_enc = time_calls(encode, calls)
+        t_dec = time_calls(lambda: codec.decode(parts, step[0]), calls)
         return t_enc, t_dec
 
     # One untimed call of each: first-touch page faults, cached sample positions and tables.

@@ -197,6 +197,16 @@ def time_block(step: Callable[[int], Any], steps: int, first: int = 0) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def time_calls(fn: Callable[[], Any], calls: int) -> list[float]:
+    """Seconds of each of ``calls`` calls of ``fn``, on this thread alone (no barrier)."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def time_interleaved(
     steps: dict[K, Callable[[int], Any]],
     repeats: int,

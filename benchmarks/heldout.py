@@ -38,6 +38,7 @@ from benchmarks.harness import (
     machine,
     median_iqr,
     table,
+    time_calls,
     time_interleaved,
 )
 from benchmarks.steps import Trainer, bytes_per_step_and_close
@@ -152,12 +153,7 @@ def _sqrt_ms(numel: int, calls: int = 20) -> dict[str, float]:
     out = {}
     for name, x in (("zeros", torch.zeros(numel)), ("positive", torch.rand(numel) + 0.5)):
         x.sqrt()  # first call: allocation
-        took = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            x.sqrt()
-            took.append(time.perf_counter() - t0)
-        out[name] = statistics.median(took) * 1e3
+        out[name] = statistics.median(time_calls(x.sqrt, calls)) * 1e3
     return out
 
 
