@@ -133,6 +133,9 @@ def _resumed(rank: int, world: int, directory: str, strategy: str, compression: 
                 saved = sync.state_dict()["strategy"]
                 sync.save(directory)
         sync.report()
+        # Closed, as a script would: the writer process of "continued" otherwise lives on, and
+        # the load of "resumed" waits for it (up to half the timeout, 15 s) before it reads.
+        sync.close()
         runs[name] = flat_params(model)
     return {
         "straight": straight,

@@ -454,6 +454,9 @@ def _train(
             saved = sync.state_dict()["strategy"]["compressor"]
             sync.save(str(directory))
     report = sync.report()
+    # Closed, as a script would: a run that saved otherwise keeps its writer process, and the
+    # next run's load waits for it (up to half the timeout) before it reads the directory.
+    sync.close()
     return {
         "after": after,
         "params": flat_params(model),
