@@ -294,3 +294,41 @@ def test_after_a_failed_flush_held_buffers_are_never_reused(tmp_path: Path) -> N
         os.kill(writer._child.pid, signal.SIGCONT)
         with contextlib.suppress(CheckpointError):
             writer.close(timeout_s=5)
+
+
+def test_the_child_writes_the_header_the_training_process_would_have_made(
+    tmp_path: Path,
+) -> None:
+    # The child makes each file's header from the pickled tree and the share texts it was
+    # sent once per layout: byte for byte the header ``Packed.header`` makes in-process, for
+    # a snapshot written at once, a held one flushed, and one of a new layout.
+    from gradsync.fault import replicas
+
+    def state(step: int, width: int) -> dict[str, object]:
+        model = {"a": torch.full((width,), float(step)), "b": torch.ones(2, dtype=torch.int64)}
+        return {
+            "replicated": replicas.share_of({"model": model}, 0, 1),
+            "step": step,
+            "lr": 0.5 / step,
+        }
+
+    writer = _writer(tmp_path, files_every=2)
+    expected = {}
+    try:
+        for step, width in [(1, 3), (2, 3), (3, 3), (4, 5)]:
+            packed = snapshot(state(step, width), pool=writer.pool)
+            expected[step] = packed.header()[0]
+            writer.submit(step, packed)  # 1 and 3 written at once, 2 held, 4 held
+            if step == 2:
+                writer.flush()
+        writer.flush()
+        assert sorted(writer._shares) == [0, 1]  # two layouts, each text sent once
+    finally:
+        writer.close()
+    for step in (3, 4):  # the newest kept (keep=2)
+        raw = (tmp_path / f"step-{step:06d}" / "rank-0.pt").read_bytes()
+        assert raw[: len(expected[step])] == expected[step]
+    store = CheckpointStore(tmp_path)
+    loaded = store.load(store.at(4), 0)
+    assert torch.equal(loaded["replicated"]["model"]["a"], torch.full((5,), 4.0))
+    assert loaded["lr"] == 0.5 / 4

@@ -31,6 +31,7 @@ from typing import IO, Any
 import torch
 
 from gradsync import compat
+from gradsync.fault import packed_header
 from gradsync.fault.files import Crc32, write_chunks
 
 __all__ = [
@@ -46,9 +47,7 @@ __all__ = [
     "unpack",
 ]
 
-MAGIC = b"gradsync-packed-state\n"
-PACKED_VERSION = 1
-_ALIGN = 64  # each buffer starts at a multiple of this in the file
+MAGIC = packed_header.MAGIC
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,43 +69,39 @@ class Packed:
     def header(self) -> tuple[bytes, list[int]]:
         """The file's first bytes (magic, header length, header: the tree and each buffer's
         dtype, length and offset), and each buffer's offset after them."""
-        entries, offset = [], 0
-        for buf in self.buffers:
-            offset = -(-offset // _ALIGN) * _ALIGN
-            entries.append({"numel": buf.numel(), "offset": offset})
-            offset += buf.numel() * buf.element_size()
-        header = (
-            f'{{"version":{PACKED_VERSION},"byteorder":{_json(sys.byteorder)},'
-            f'"tree":{self._tree_json()},"buffers":{_json(entries)}}}'
-        ).encode()
-        start = MAGIC + len(header).to_bytes(8, "little") + header
-        return start, [e["offset"] for e in entries]
+        tree, kept, sizes = self.header_parts()
+        texts = {}
+        for i, share in kept:
+            if share.json is None:
+                share.json = _json(share.encoded)
+            texts[i] = share.json
+        return packed_header.header(packed_header.tree_json(tree, texts), sizes)
+
+    def header_parts(self) -> tuple[Any, list[tuple[int, _EncodedShare]], list[tuple[int, int]]]:
+        """What the header is made of (``packed_header.header``): the tree, with each
+        top-level value that is a kept ``Share`` encoding (the model and optimizer state,
+        most of the header) replaced by None and listed apart with its index, so that its
+        text is made once and reused; and each buffer's elements and bytes per element."""
+        sizes = [(b.numel(), b.element_size()) for b in self.buffers]
+        root = self.tree["root"] if type(self.tree) is dict else None
+        if not self.shares or type(root) is not dict or len(root) != 1:
+            return self.tree, [], sizes
+        ((tag, pairs),) = root.items()
+        if tag not in ("d", "o") or type(pairs) is not list:
+            return self.tree, [], sizes
+        kept, plain = [], []
+        for i, pair in enumerate(pairs):
+            share = next((s for s in self.shares if pair[1] is s.encoded), None)
+            if share is None:
+                plain.append(pair)
+            else:
+                kept.append((i, share))
+                plain.append([pair[0], None])
+        return {**self.tree, "root": {tag: plain}}, kept, sizes
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    def _tree_json(self) -> str:
-        """``self.tree`` as JSON. A top-level entry that is a kept ``Share`` encoding (the
-        model and optimizer state, most of the header) takes that encoding's text, made once,
-        rather than being encoded again at every snapshot."""
-        root = self.tree["root"] if type(self.tree) is dict else None
-        if not self.shares or type(root) is not dict or len(root) != 1:
-            return _json(self.tree)
-        ((tag, pairs),) = root.items()
-        if tag not in ("d", "o") or type(pairs) is not list:
-            return _json(self.tree)
-        items = []
-        for pair in pairs:
-            kept = next((s for s in self.shares if pair[1] is s.encoded), None)
-            if kept is None:
-                items.append(_json(pair))
-                continue
-            if kept.json is None:
-                kept.json = _json(kept.encoded)
-            items.append(f"[{_json(pair[0])},{kept.json}]")
-        index = _json({k: v for k, v in self.tree.items() if k != "root"})
-        return f'{index[:-1]},"root":{{"{tag}":[{",".join(items)}]}}}}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,13 +112,18 @@ class Share:
     With ``skeleton`` (from ``skeleton()`` of ``tree``, and ``tensors``, its tensors in the same
     order), ``pack`` given a ``BufferPool`` reuses the encoding of an earlier snapshot whose
     share had the same skeleton, owners and rank instead of walking the tree again: the model
-    and optimizer state every step, alike but for the tensors' values."""
+    and optimizer state every step, alike but for the tensors' values.
+
+    With ``encoded`` (``Packed.shares`` of an earlier snapshot), the caller has proved the
+    tree laid out as that encoding's (``state_plan``): ``tree`` is not walked and may be None,
+    and ``tensors`` are the ones to copy, in the encoding's order."""
 
     tree: Any
     owner: Sequence[int]
     rank: int
     skeleton: tuple[Any, ...] | None = None
     tensors: Sequence[torch.Tensor] = ()
+    encoded: _EncodedShare | None = None
 
 
 def skeleton(tree: Any) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
@@ -333,8 +333,7 @@ def raw_bytes(buf: torch.Tensor) -> memoryview:
     return memoryview(buf.view(torch.uint8).numpy().data) if buf.numel() else memoryview(b"")
 
 
-def _json(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+_json = packed_header.dumps
 
 
 def is_packed_file(path: Any) -> bool:
@@ -350,7 +349,7 @@ def read_packed(data: bytes | bytearray) -> Packed:
     n = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
     body = len(MAGIC) + 8
     header = json.loads(bytes(data[body : body + n]))
-    if not isinstance(header, dict) or header.get("version") != PACKED_VERSION:
+    if not isinstance(header, dict) or header.get("version") != packed_header.PACKED_VERSION:
         raise ValueError(f"packed state version {header.get('version')!r}; this gradsync reads 1")
     if header.get("byteorder") != sys.byteorder:
         raise ValueError(f"written on a {header.get('byteorder')}-endian machine")
@@ -453,22 +452,25 @@ class _EncodedShare:
     #: per dtype, in the order first met: the indices (in ``Share.tensors``) of the tensors
     #: this rank copies, and their elements in all
     copied: list[tuple[torch.dtype, list[int], int]]
+    #: where the walk stood when the share began (``_Leaves.state``): the offsets in
+    #: ``encoded`` hold only from there
+    at: tuple[Any, ...] = ()
     #: its JSON text, made by the first ``write_to`` that needs it (then reused)
     json: str | None = None
 
 
 def _encode_share(share: Share, leaves: _Leaves) -> Any:
+    if share.encoded is not None:
+        if share.encoded.at != leaves.state():
+            raise ValueError("a Share's kept encoding was made at another place in the state")
+        return _reuse(share.encoded, share.tensors, leaves)
     key = None
     if share.skeleton is not None and leaves.memo is not None:
         key = (share.skeleton, tuple(share.owner), share.rank, leaves.state())
         hit = leaves.memo.get(key)
         if hit is not None:
-            tensors = share.tensors
-            for dtype, indices, numel in hit.copied:
-                leaves.by_dtype.setdefault(dtype, []).extend([tensors[i] for i in indices])
-                leaves.sizes[dtype] = leaves.sizes.get(dtype, 0) + numel
-            leaves.reused.append(hit)
-            return hit.encoded
+            return _reuse(hit, share.tensors, leaves)
+    at = leaves.state()
     sizes_before = dict(leaves.sizes)
     leaves.share, leaves.shared, leaves.copied = (share.owner, share.rank), 0, {}
     try:
@@ -482,11 +484,20 @@ def _encode_share(share: Share, leaves: _Leaves) -> Any:
             (d, indices, leaves.sizes.get(d, 0) - sizes_before.get(d, 0))
             for d, indices in leaves.copied.items()
         ]
-        made = _EncodedShare(encoded, copied)
+        made = _EncodedShare(encoded, copied, at)
         leaves.memo.clear()  # one layout at a time: the newest
         leaves.memo[key] = made
         leaves.reused.append(made)
     return encoded
+
+
+def _reuse(kept: _EncodedShare, tensors: Sequence[torch.Tensor], leaves: _Leaves) -> Any:
+    """``kept``'s encoding again, with ``tensors`` (its share's, in its order) copied."""
+    for dtype, indices, numel in kept.copied:
+        leaves.by_dtype.setdefault(dtype, []).extend([tensors[i] for i in indices])
+        leaves.sizes[dtype] = leaves.sizes.get(dtype, 0) + numel
+    leaves.reused.append(kept)
+    return kept.encoded
 
 
 def _decode(node: Any, buffers: dict[str, torch.Tensor]) -> Any:

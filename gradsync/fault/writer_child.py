@@ -18,8 +18,11 @@ says the file holding it is written.
 
 Messages (pickled tuples, one per ``SOCK_SEQPACKET`` packet; larger ones travel in a memfd):
 the training process sends ``("buffer", id, nbytes)`` and ``("mailbox", slot_bytes)`` with a
-descriptor, ``("write", step, durable, keep, start, parts)``, ``("flush", step)`` (write the
-held snapshot of ``step``, see ``gradsync.fault.mailbox``), ``("close",)``; this process
+descriptor, ``("share", id, text)`` (the JSON text of the model's and optimizer's part of the
+tree, sent once per layout), ``("write", step, durable, keep, (tree, refs, sizes), parts)``
+(this process makes the file's header from the tree, the texts ``refs`` name and the buffers'
+sizes: ``gradsync.fault.packed_header``), ``("flush", step)`` (write the held snapshot of
+``step``, see ``gradsync.fault.mailbox``), ``("close",)``; this process
 answers ``("ready",)`` once it has started, ``("written", step)``, ``("committed", step)`` and
 ``("error", message)``, and exits after ``close`` once its commits are done.
 
@@ -43,12 +46,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gradsync.fault import packed_header
 from gradsync.fault.commits import Commits
 from gradsync.fault.files import CheckpointFiles, write_chunks, write_failure
 from gradsync.fault.mailbox import Mailbox
 from gradsync.fault.writer_locks import hold, release, released
 
-__all__ = ["recv_message", "send_message"]
+__all__ = ["SHARES_KEPT", "recv_message", "send_message"]
+
+#: the training process refers to at most this many share texts (the newest); this process
+#: keeps twice as many, so a held snapshot never names one it dropped
+SHARES_KEPT = 8
 
 #: messages above this travel in a memfd: a packet may not exceed the socket's buffer
 _INLINE_MAX = 64 * 1024
@@ -105,6 +113,7 @@ class _Child:
             else None
         )
         self.buffers: dict[int, mmap.mmap] = {}
+        self.shares: dict[int, str] = {}  # JSON texts by number (``("share", ...)``)
         self.mailbox: Mailbox | None = None
         self.last_written = -1
         self.orphaned = False  # the training process is gone: no more reports
@@ -170,6 +179,11 @@ class _Child:
                 self.mailbox = Mailbox(mmap.mmap(fds[0], 2 * message[1]), message[1])
             finally:
                 os.close(fds[0])
+        elif kind == "share":
+            _, ident, text = message
+            self.shares[ident] = text
+            while len(self.shares) > 2 * SHARES_KEPT:
+                del self.shares[min(self.shares)]
         elif kind == "write":
             self._write(*message[1:])
         elif kind == "flush":
@@ -233,9 +247,12 @@ class _Child:
                 return
 
     def _write_file(
-        self, step: int, durable: bool, keep: int, start: bytes, parts: list[Any]
+        self, step: int, durable: bool, keep: int, made: tuple[Any, ...], parts: list[Any]
     ) -> None:
         self.files.keep = keep
+        tree, refs, sizes = made
+        texts = {index: self.shares[ident] for index, ident in refs}
+        start, _ = packed_header.header(packed_header.tree_json(tree, texts), sizes)
         offsets = [offset for offset, _ in parts]
         raws = [
             memoryview(self.buffers[ref[0]])[: ref[1]] if isinstance(ref, tuple) else ref
@@ -256,9 +273,11 @@ class _Child:
                     raw.release()
         self.last_written = max(self.last_written, step)
 
-    def _write(self, step: int, durable: bool, keep: int, start: bytes, parts: list[Any]) -> None:
+    def _write(
+        self, step: int, durable: bool, keep: int, made: tuple[Any, ...], parts: list[Any]
+    ) -> None:
         try:
-            self._write_file(step, durable, keep, start, parts)
+            self._write_file(step, durable, keep, made, parts)
         except Exception as exc:  # noqa: BLE001 - reported to the training process
             self._error(exc)
             return

@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
+from gradsync.fault import packed_header
 from gradsync.fault.background import CheckpointWriter, WriterBase
 from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
 from gradsync.fault.mailbox import SLOT_BYTES, Mailbox
 from gradsync.fault.packing import BufferPool, Packed, raw_bytes
-from gradsync.fault.writer_child import recv_message, send_message
+from gradsync.fault.writer_child import SHARES_KEPT, recv_message, send_message
 
 __all__ = ["WRITER_ENV", "ProcessCheckpointWriter", "make_writer", "process_writer_available"]
 
@@ -159,6 +160,8 @@ class ProcessCheckpointWriter(WriterBase):
         #: the newest snapshots left in the mailbox, not written: their buffers stay taken
         self._held: deque[tuple[int, Packed]] = deque()
         self._held_seq = 0
+        #: encodings of the replicated share whose text the child has, by its number for them
+        self._shares: dict[int, Any] = {}
         self._pinned = False  # a flush failed: held buffers stay taken (``_pin_on_error``)
         self._last_file: int | None = None  # newest step sent to be written as a file
         self._last = -1  # newest step submitted
@@ -259,12 +262,17 @@ class ProcessCheckpointWriter(WriterBase):
             if self._closing:
                 raise CheckpointError("the checkpoint writer is closed")
             self._last = max(self._last, step)
-        start, offsets = packed.header()
+        # The header is made by the child, and only for a snapshot it writes: most are held
+        # and never written (``packed_header``). The tree travels pickled, the model's and
+        # optimizer's part of it once per layout (``_share_ident``).
+        tree, kept, sizes = packed.header_parts()
+        offsets = packed_header.offsets(sizes)
         parts = [
             (offset, self._shared.part(buf))
             for offset, buf in zip(offsets, packed.buffers, strict=True)
         ]
-        message = ("write", step, durable, self.store.keep, start, parts)
+        refs = [(index, self._share_ident(share)) for index, share in kept]
+        message = ("write", step, durable, self.store.keep, (tree, refs, sizes), parts)
         if not self._to_file(step, durable):
             self._hold(step, packed, message)
             return
@@ -272,6 +280,21 @@ class ProcessCheckpointWriter(WriterBase):
             self._in_flight.append((step, packed))
             self._last_file = step
         self._send(message)
+
+    def _share_ident(self, share: Any) -> int:
+        """The child's number for a kept encoding of the replicated share (``Packed.shares``),
+        its JSON text sent first if the child has not had it."""
+        for ident, known in self._shares.items():
+            if known is share:
+                return ident
+        if share.json is None:
+            share.json = packed_header.dumps(share.encoded)
+        ident = max(self._shares, default=-1) + 1
+        self._send(("share", ident, share.json))
+        self._shares[ident] = share
+        while len(self._shares) > SHARES_KEPT:  # the child keeps more (``writer_child``)
+            del self._shares[min(self._shares)]
+        return ident
 
     def _to_file(self, step: int, durable: bool) -> bool:
         """Whether ``step``'s snapshot is written now rather than held: decided from the steps
