@@ -36,6 +36,12 @@ is tested in ``tests/test_compat.py``.
   collectives that wrap whatever the module had, a user's own custom collectives included.
   None where torch lacks those setters or hides the groups: ``zero:3`` then leaves FSDP2's
   collectives alone, and their time counts as compute.
+- ``module_state_containers`` / ``optimizer_state_dict_hooks``: the dicts and sets behind
+  ``Module.state_dict()`` (``_parameters``, ``_buffers``, ``_modules``,
+  ``_non_persistent_buffers_set``, ``_state_dict_hooks``, ``_state_dict_pre_hooks``) and the
+  optimizer's state-dict hooks (``_optimizer_state_dict_pre_hooks`` / ``_post_hooks``), so
+  that a checkpoint every step can prove the state dicts laid out as before without building
+  them (``fault.state_plan``). None where torch hides one: every snapshot builds them then.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from __future__ import annotations
 import ctypes
 import datetime
 import functools
+import operator
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -266,3 +274,41 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         return
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)
+
+
+#: a module's containers behind ``state_dict()``, in one call: its parameters, buffers and
+#: submodules (dicts), non-persistent buffer names (a set), state-dict post and pre hooks
+#: (dicts). ``module_state_containers`` checks that a module has them as such.
+MODULE_STATE_CONTAINERS = operator.attrgetter(
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+)
+
+
+def module_state_containers(module: torch.nn.Module) -> tuple[Any, ...] | None:
+    """``MODULE_STATE_CONTAINERS(module)`` (the module's own dicts and set, not copies); None
+    where any is missing or not of the type torch makes."""
+    try:
+        found = MODULE_STATE_CONTAINERS(module)
+    except AttributeError:
+        return None
+    if not all(type(d) in (dict, OrderedDict) for d in (*found[:3], *found[4:])):
+        return None
+    if type(found[3]) is not set:
+        return None
+    return found  # type: ignore[no-any-return]
+
+
+def optimizer_state_dict_hooks(optimizer: torch.optim.Optimizer) -> list[dict[Any, Any]] | None:
+    """The optimizer's state-dict pre and post hook dicts; None where either is missing."""
+    hooks = [
+        getattr(optimizer, "_optimizer_state_dict_pre_hooks", None),
+        getattr(optimizer, "_optimizer_state_dict_post_hooks", None),
+    ]
+    if not all(type(d) in (dict, OrderedDict) for d in hooks):
+        return None
+    return hooks  # type: ignore[return-value]

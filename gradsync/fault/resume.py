@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.errors import UsageError
-from gradsync.fault import replicas
+from gradsync.fault import replicas, state_plan
 from gradsync.fault.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -53,9 +53,11 @@ from gradsync.fault.checkpoint import (
     CheckpointWarning,
     snapshot,
 )
+from gradsync.fault.packing import Share
 from gradsync.fault.rng import rng_state, set_rng_state
 from gradsync.fault.row_log import RowLogError, read_rows
 from gradsync.fault.writer_locks import wait_for_writers
+from gradsync.strategies.base import Strategy
 from gradsync.telemetry.timing import ROW_COLUMNS
 
 if TYPE_CHECKING:
@@ -102,24 +104,26 @@ def save(
     # Parameter servers snapshot once every worker's request (sent behind its step-th push)
     # has arrived; the request goes out after the directory is published.
     sync.strategy.prepare_checkpoint(step)
-    replicated = {
-        "model": sync.strategy.model_state_dict(sync.model),
-        "optimizer": sync.optimizer.state_dict(),
-    }
     state: dict[str, Any] = {}
+    planned: Share | None = None
     if sync.strategy.resizable:
         # Every replica holds the same model and optimizer state (what makes the strategy
         # resizable): each rank writes a share of it, so the bytes written do not grow with
         # the ranks and no rank's step pays for all of them (``replicas``). First in the
         # state, so that its encoding, alike from one step to the next, is reused.
-        replicated["optimizer"], groups = _without_param_groups(replicated["optimizer"])
-        shared = replicas.share_of(replicated, sync.rank, sync.world_size)
+        planned = sync._snapshot_plans.share() if _plannable(sync) else None
+        groups: list[Any] | None
+        if planned is not None:
+            shared, groups = planned, state_plan.param_groups(sync.optimizer)
+        else:
+            shared, groups = _replicated_share(sync)
         state["replicated"] = shared
         state["replicated_owners"] = list(shared.owner)
         if groups is not None:
             state[PARAM_GROUPS] = groups
     else:
-        state.update(replicated)
+        state["model"] = sync.strategy.model_state_dict(sync.model)
+        state["optimizer"] = sync.optimizer.state_dict()
     state |= {
         "sync": sync.state_dict(),
         "rng": rng_state(),
@@ -134,10 +138,34 @@ def save(
         state[TELEMETRY_LOG] = _log_telemetry(sync, writer.store.directory)
     else:
         state["telemetry"] = sync._pending_telemetry()
-    writer.submit(step, snapshot(state, pool=writer.pool), durable=wait)
+    packed = snapshot(state, pool=writer.pool)
+    if sync.strategy.resizable and planned is None and _plannable(sync):
+        sync._snapshot_plans.rebuilt(
+            lambda: state_plan.build(
+                sync.model, sync.optimizer, state["replicated"], packed, state.get(PARAM_GROUPS)
+            )
+        )
+    writer.submit(step, packed, durable=wait)
     if wait:
         writer.wait(step)
     return time.perf_counter() - started
+
+
+def _replicated_share(sync: Synchronizer) -> tuple[Share, list[Any] | None]:
+    """The model and optimizer state as this rank writes its share of it (built in full),
+    and the optimizer's ``param_groups``, kept beside the share."""
+    replicated = {
+        "model": sync.strategy.model_state_dict(sync.model),
+        "optimizer": sync.optimizer.state_dict(),
+    }
+    replicated["optimizer"], groups = _without_param_groups(replicated["optimizer"])
+    return replicas.share_of(replicated, sync.rank, sync.world_size), groups
+
+
+def _plannable(sync: Synchronizer) -> bool:
+    """Whether a snapshot plan may stand in for the state dicts (``state_plan``): the strategy
+    saves ``model.state_dict()`` as it is (not ``zero:3``'s shards), tensors on the CPU."""
+    return type(sync.strategy).model_state_dict is Strategy.model_state_dict
 
 
 #: Where a barrier-free strategy's checkpoint names its rank's step records: ``[first, end)``
@@ -226,6 +254,8 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     # writer after a load: the old one's counts of steps written would take the steps saved
     # again after a rollback for ones already written.
     sync._close_writer()
+    # The state is replaced: the next snapshot builds the state dicts and a new plan.
+    sync._snapshot_plans.drop()
     # Step-record logs too: rows past the checkpoint may be in them (the load reopens its own).
     sync._row_logs.close()
     store = CheckpointStore(directory)

@@ -1,0 +1,346 @@
+"""A checkpoint every step under ``bsp`` copies the live model and optimizer tensors through a
+snapshot plan instead of building both state dicts (``gradsync.fault.state_plan``). Whatever a
+script changes between two saves, the snapshot must hold what the state dicts hold at that
+save: each change below is made after a plan is in use, and the packed snapshot is compared
+with ``model.state_dict()`` and ``optimizer.state_dict()`` taken then."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync as gs
+from gradsync.fault import packing, resume, state_plan
+from gradsync.fault.resume import PARAM_GROUPS
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
+
+Change = Callable[[nn.Sequential, torch.optim.Optimizer], None]
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+    model.register_buffer("scale", torch.ones(3))
+    return model
+
+
+def _step(model: nn.Module, sync: gs.Synchronizer) -> None:
+    with sync.step():
+        model(torch.randn(4, 6)).float().sum().backward()
+
+
+class _Snapshots:
+    """What each ``sync.save`` packed, and whether the state dicts were built for it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.packed: list[packing.Packed] = []
+        self.built: list[bool] = []
+        full, snap = resume._replicated_share, resume.snapshot
+
+        def counted_full(sync: Any) -> Any:
+            self.built[-1] = True
+            return full(sync)
+
+        def kept_snapshot(state: Any, **kwargs: Any) -> packing.Packed:
+            packed = snap(state, **kwargs)
+            self.packed.append(packed)
+            return packed
+
+        monkeypatch.setattr(resume, "_replicated_share", counted_full)
+        monkeypatch.setattr(resume, "snapshot", kept_snapshot)
+
+    def save(self, sync: gs.Synchronizer, directory: Path) -> dict[str, Any]:
+        self.built.append(False)
+        sync.save(directory, wait=False)
+        return packing.unpack(self.packed[-1])
+
+
+def _assert_same(got: Any, want: Any, where: str = "state") -> None:
+    """Equal as a checkpoint must be: the same containers, keys, plain values and tensors
+    (dtype, shape and values)."""
+    assert type(got) is type(want) or {type(got), type(want)} <= {dict, OrderedDict}, where
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert torch.equal(got, want.detach().cpu()), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), where
+        for k in want:
+            _assert_same(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert type(got) is type(want) and got == want, where
+
+
+def _assert_as_state_dicts(saved: dict[str, Any], model: nn.Module, opt: Any) -> None:
+    want_opt = opt.state_dict()
+    _assert_same(saved["replicated"]["model"], model.state_dict(), "model")
+    _assert_same(saved["replicated"]["optimizer"]["state"], want_opt["state"], "optimizer")
+    _assert_same(saved[PARAM_GROUPS], want_opt["param_groups"], "param_groups")
+
+
+def _replace_weight(model: nn.Sequential, opt: Any) -> None:
+    model[0].weight = nn.Parameter(torch.randn(5, 6))
+
+
+def _reshape_data(model: nn.Sequential, opt: Any) -> None:
+    model[2].bias.data = torch.arange(6.0).reshape(2, 3)
+
+
+def _data_as_double(model: nn.Sequential, opt: Any) -> None:
+    model[0].weight.data = model[0].weight.data.double()
+
+
+def _renamed_parameter(model: nn.Sequential, opt: Any) -> None:
+    model[2]._parameters["shift"] = model[2]._parameters.pop("bias")
+
+
+def _to_double(model: nn.Sequential, opt: Any) -> None:
+    model.to(torch.float64)
+
+
+def _new_buffer(model: nn.Sequential, opt: Any) -> None:
+    model[1].register_buffer("seen", torch.full((2,), 7.0))
+
+
+def _buffer_not_persistent(model: nn.Sequential, opt: Any) -> None:
+    model.register_buffer("scale", model.scale, persistent=False)
+
+
+def _bypassed_registration(model: nn.Sequential, opt: Any) -> None:
+    model[0]._parameters["late"] = nn.Parameter(torch.ones(2))
+
+
+def _replaced_container(model: nn.Sequential, opt: Any) -> None:
+    # A module may swap a container for a new one (``Sequential`` does, on a deletion): what
+    # goes into the new one must be seen.
+    model[0]._parameters = OrderedDict(model[0]._parameters)
+    model[0]._parameters["late"] = nn.Parameter(torch.ones(2))
+
+
+def _new_module(model: nn.Sequential, opt: Any) -> None:
+    model.add_module("head", nn.Linear(3, 2))
+
+
+def _deleted_module(model: nn.Sequential, opt: Any) -> None:
+    del model[1]
+
+
+def _bias_none(model: nn.Sequential, opt: Any) -> None:
+    model[2].bias = None
+
+
+def _state_dict_hook(model: nn.Sequential, opt: Any) -> None:
+    def hook(module: nn.Module, sd: Any, prefix: str, meta: Any) -> None:
+        sd[prefix + "hooked"] = torch.zeros(1)
+
+    model._register_state_dict_hook(hook)
+
+
+def _optimizer_loaded(model: nn.Sequential, opt: Any) -> None:
+    other = {"state": {k: dict(v) for k, v in opt.state_dict()["state"].items()}}
+    for entry in other["state"].values():
+        entry["exp_avg"] = torch.full_like(entry["exp_avg"], 3.0)
+    other["param_groups"] = opt.state_dict()["param_groups"]
+    opt.load_state_dict(other)
+
+
+def _moment_reset(model: nn.Sequential, opt: Any) -> None:
+    state = opt.state[model[0].weight]
+    state["exp_avg"] = torch.zeros_like(state["exp_avg"])
+
+
+def _state_entry_replaced(model: nn.Sequential, opt: Any) -> None:
+    p = model[0].weight
+    opt.state[p] = {k: v.clone() for k, v in opt.state[p].items()}
+    opt.state[p]["exp_avg"].fill_(5.0)
+
+
+def _reordered_parameters(model: nn.Sequential, opt: Any) -> None:
+    opt.param_groups[0]["params"].reverse()
+
+
+def _state_reset(model: nn.Sequential, opt: Any) -> None:
+    opt.state = defaultdict(dict)
+
+
+def _new_group(model: nn.Sequential, opt: Any) -> None:
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(4))], "lr": 0.5})
+
+
+def _new_learning_rate(model: nn.Sequential, opt: Any) -> None:
+    opt.param_groups[0]["lr"] = 0.0125
+
+
+def _values_only(model: nn.Sequential, opt: Any) -> None:
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        opt.state[model[0].weight]["exp_avg"].mul_(2.0)
+
+
+CHANGES: list[tuple[Change, bool]] = [
+    # (the change, whether the state dicts must be built again for the save after it)
+    (_values_only, False),
+    (_new_learning_rate, False),
+    (_replace_weight, True),
+    (_reshape_data, True),
+    (_data_as_double, True),
+    (_renamed_parameter, True),
+    (_to_double, True),
+    (_new_buffer, True),
+    (_buffer_not_persistent, True),
+    (_bypassed_registration, True),
+    (_replaced_container, True),
+    (_new_module, True),
+    (_deleted_module, True),
+    (_bias_none, True),
+    (_state_dict_hook, True),
+    (_optimizer_loaded, True),
+    (_moment_reset, True),
+    (_state_entry_replaced, True),
+    (_reordered_parameters, True),
+    (_state_reset, True),
+    (_new_group, True),
+]
+
+
+@pytest.mark.parametrize("change, rebuilt", CHANGES, ids=[c.__name__[1:] for c, _ in CHANGES])
+def test_a_snapshot_after_any_change_holds_the_state_dicts_of_that_moment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Change, rebuilt: bool
+) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
+    snaps = _Snapshots(monkeypatch)
+    try:
+        for _ in range(3):
+            _step(model, sync)
+            _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        # The first save builds the state dicts (and a plan), the next ones go by the plan.
+        assert snaps.built == [True, False, False]
+        change(model, opt)
+        _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        assert snaps.built[-1] is rebuilt
+        # and the save after it goes by the plan again (or a new one)
+        _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        if change not in (_state_dict_hook,):
+            assert snaps.built[-1] is False
+        sync.wait_for_checkpoints()
+    finally:
+        sync.close()
+
+
+def test_the_optimizers_first_step_makes_a_new_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
+    snaps = _Snapshots(monkeypatch)
+    try:
+        _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)  # no state yet
+        for _ in range(2):
+            _step(model, sync)  # the first makes AdamW's state
+            _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        assert snaps.built == [True, True, False]
+        sync.wait_for_checkpoints()
+    finally:
+        sync.close()
+
+
+class _CountsCalls(nn.Linear):
+    """Extra state: a tensor that is a new object after every forward."""
+
+    def __init__(self) -> None:
+        super().__init__(6, 3)
+        self.calls = torch.zeros(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return super().forward(x)
+
+    def get_extra_state(self) -> Any:
+        return self.calls
+
+    def set_extra_state(self, state: Any) -> None:
+        self.calls = state
+
+
+def test_no_plan_where_a_module_makes_its_own_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = nn.Sequential(_CountsCalls())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
+    snaps = _Snapshots(monkeypatch)
+    try:
+        for calls in range(1, 4):
+            _step(model, sync)
+            saved = snaps.save(sync, tmp_path)
+            assert saved["replicated"]["model"]["0._extra_state"].item() == calls
+        assert snaps.built == [True, True, True]
+        assert sync._snapshot_plans.plan is None
+        sync.wait_for_checkpoints()
+    finally:
+        sync.close()
+
+
+def test_a_change_the_checks_miss_is_warned_of_at_the_next_full_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(state_plan, "FULL_EVERY", 6)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
+    snaps = _Snapshots(monkeypatch)
+    try:
+        for _ in range(3):
+            _step(model, sync)
+            snaps.save(sync, tmp_path)
+        # An instance's own state_dict, set after the plan was made: not among the checks.
+        own = model.state_dict
+        monkeypatch.setattr(model, "state_dict", lambda *a, **k: own(*a, **k))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            snaps.save(sync, tmp_path)
+            snaps.save(sync, tmp_path)
+        assert snaps.built[-2:] == [False, False]
+        with pytest.warns(state_plan.SnapshotPlanWarning, match="missed a change"):
+            snaps.save(sync, tmp_path)  # the 6th: built in full, and checked
+        assert snaps.built[-1] is True
+        sync.wait_for_checkpoints()
+    finally:
+        sync.close()
+
+
+def test_a_load_drops_the_plan_and_the_resumed_snapshots_hold_the_loaded_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
+    snaps = _Snapshots(monkeypatch)
+    try:
+        for _ in range(3):
+            _step(model, sync)
+            snaps.save(sync, tmp_path)
+        sync.wait_for_checkpoints()
+        assert sync.load(tmp_path) is not None
+        _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        assert snaps.built[-1] is True
+        _step(model, sync)
+        _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        assert snaps.built[-1] is False
+        sync.wait_for_checkpoints()
+    finally:
+        sync.close()
