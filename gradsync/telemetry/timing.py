@@ -63,6 +63,9 @@ class _Pending:
     idle: float
     #: device events to read ``compute`` and ``sync`` from (CUDA), or None (host-timed)
     marks: StepMarks | None = None
+    #: its row (``_rows``), made once: a checkpoint every step takes every pending record's
+    #: row at each save, and converting the loss (a tensor) was most of that
+    row: list[float] | None = None
 
     def read_marks(self) -> None:
         """``compute`` and ``sync`` from the device events, which are then let go."""
@@ -313,21 +316,22 @@ def _wait(flight: _InFlight) -> list[torch.Tensor]:
 
 def _rows(pending: list[_Pending]) -> torch.Tensor:
     """One float64 row per record (``_COLUMNS``), its device events read first."""
-    for p in pending:
-        p.read_marks()
-    rows = [
-        [
-            float(p.step),
-            p.time,
-            p.compute,
-            p.sync,
-            float(p.samples),
-            float(p.bytes),
-            _NO_LOSS if p.loss is None else float(p.loss),
-            float(p.skipped),
-            float(p.barrier),
-            p.idle,
-        ]
-        for p in pending
-    ]
+    rows = [p.row if p.row is not None else _row(p) for p in pending]
     return torch.tensor(rows, dtype=torch.float64).reshape(-1, len(_COLUMNS))
+
+
+def _row(p: _Pending) -> list[float]:
+    p.read_marks()
+    p.row = [
+        float(p.step),
+        p.time,
+        p.compute,
+        p.sync,
+        float(p.samples),
+        float(p.bytes),
+        _NO_LOSS if p.loss is None else float(p.loss),
+        float(p.skipped),
+        float(p.barrier),
+        p.idle,
+    ]
+    return p.row
