@@ -733,10 +733,12 @@ class Synchronizer:
         self._writer_for = directory
         return self._writer
 
-    def _pending_telemetry(self) -> torch.Tensor:
-        return self._collector.pending_rows()
+    def _pending_telemetry(self) -> list[float]:
+        return self._collector.pending_flat_rows()
 
-    def _restore_telemetry(self, rows: torch.Tensor, first: int | None = None) -> None:
+    def _restore_telemetry(
+        self, rows: torch.Tensor | list[float], first: int | None = None
+    ) -> None:
         self._collector.restore_pending(rows, first)
 
     def load(self, directory: str | Path) -> dict[str, Any] | None:

@@ -336,7 +336,7 @@ class _OwnRows:
     """This rank's step records not gathered before the checkpoint: the rows (None: none),
     and, where they came from its row log, the range of row numbers the checkpoint named."""
 
-    rows: torch.Tensor | None
+    rows: torch.Tensor | list[float] | None
     span: tuple[int, int] | None = None
 
 
