@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import base64
 import json
+import operator
 import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import IO, Any
 
 import torch
@@ -281,7 +283,8 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
     groups = [leaves.by_dtype[dtype] for dtype in order]
     names = {_dtype_name(d): i for i, d in enumerate(order)}
     tree = {"index": names, "root": tree}
-    if pool is None or any(not t.is_cpu for g in groups for t in g):
+    # ``map`` over attribute getters: these loops run over every tensor at every snapshot.
+    if pool is None or not all(map(_IS_CPU, chain.from_iterable(groups))):
         buffers = [
             torch.cat([t.detach().reshape(-1).cpu() for t in g]) if g else torch.empty(0, dtype=d)
             for d, g in zip(order, groups, strict=True)
@@ -289,7 +292,7 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
         return Packed(tree=tree, buffers=buffers)
     # Pooled per dtype: a group whose shapes change every step (the step records not gathered
     # yet) takes a fresh buffer without keeping the model's from being reused.
-    keys = [(d, tuple(t.shape for t in g)) for d, g in zip(order, groups, strict=True)]
+    keys = [(d, tuple(map(_SHAPE, g))) for d, g in zip(order, groups, strict=True)]
     entries = []
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
@@ -334,6 +337,8 @@ def raw_bytes(buf: torch.Tensor) -> memoryview:
 
 
 _json = packed_header.dumps
+_IS_CPU = operator.attrgetter("is_cpu")
+_SHAPE = operator.attrgetter("shape")
 
 
 def is_packed_file(path: Any) -> bool:

@@ -239,7 +239,7 @@ class Strategy(Protocol):
     reshardable: bool = False
     #: whether no rank can finish a step before every rank has finished the one before (a
     #: collective every step): ranks' newest checkpoints then differ by at most one step, so
-    #: the background writer may hold most snapshots in memory and write every 16th, and a
+    #: the background writer may hold most snapshots in memory and write every 64th, and a
     #: dying rank's writer writes the newest two (``writer_process.FILES_EVERY``)
     lockstep: bool = False
 
