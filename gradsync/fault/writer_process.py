@@ -40,8 +40,11 @@ __all__ = ["WRITER_ENV", "ProcessCheckpointWriter", "make_writer", "process_writ
 #: ``thread`` or ``process``: which background writer ``make_writer`` builds
 WRITER_ENV = "GRADSYNC_CHECKPOINT_WRITER"
 WRITERS = ("process", "thread")
-#: buffers smaller than this are sent in the message rather than shared
-_SHARED_MIN_BYTES = 64 * 1024
+#: buffers smaller than this are sent in the message rather than shared: a tiny tensor whose
+#: shape changes from save to save would otherwise take a new shared buffer each time. The RNG
+#: states (5 and 10 KB, the same shapes every save) are above it: pooled shared buffers cost
+#: no copy into the message
+_SHARED_MIN_BYTES = 4 * 1024
 #: the child's niceness: it writes in the moments the ranks leave a core idle
 NICE = 10
 #: with a checkpoint every step, one snapshot in this many is written as a file; the others
