@@ -211,9 +211,12 @@ class _Server:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values only, so ``torch.load(weights_only=True)`` reads it."""
+        """Tensors and plain values only, so ``torch.load(weights_only=True)`` reads it. The
+        tensors are the server's own, not copies: read them before serving goes on (the
+        checkpoint callback's snapshot copies them; a clone here was a second copy of the
+        shard at every checkpoint, inside ``serve()`` while the workers wait)."""
         return {
-            "params": [p.detach().clone() for p in self.params],
+            "params": [p.detach() for p in self.params],
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
             "pushed": list(self.pushed),
             "fresh_through": list(self.fresh_through),
@@ -383,7 +386,8 @@ class PSServer:
     def serve(self, checkpoint: CheckpointSink | None = None) -> ServerStats:
         """Serve until every worker is done. ``checkpoint(state)`` is called with this server's
         state when the workers ask for a checkpoint; it writes it and joins their collectives
-        (``Synchronizer.serve`` passes ``gradsync.fault.resume.save_server``)."""
+        (``Synchronizer.serve`` passes ``gradsync.fault.resume.save_server``). The state's
+        tensors are the server's own: copy them within the call to keep them."""
         restored, self._restored = self._restored, None
         server = _Server(self._plan, self._ctx, self._staleness, self.rank, checkpoint, restored)
         return _serve(server)
