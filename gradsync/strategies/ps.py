@@ -189,7 +189,7 @@ class ParameterServer(Strategy):
     def _control(self, kind: float) -> list[torch.Tensor]:
         """A payload-less message of ``kind`` for every server."""
         lrs = self._current_lrs()
-        return [self.plan.message(s, kind, lrs) for s in range(self.servers)]
+        return [self.plan.control(s, kind, lrs) for s in range(self.servers)]
 
     def _exchange(self, pushes: list[torch.Tensor], step: int | str, sent: str = "push") -> float:
         """Send one message to every server and install the parameters they send back."""

@@ -14,7 +14,8 @@ whatever the message's dtype); the payload is the shard's gradient in the parame
 or with compression the push codec's bytes (the message is then uint8, and the header keeps
 the payload 8-byte aligned for the codec's views). Kinds: ``GRADIENT`` (the payload is the
 gradient; the server replies with parameters), ``CHECKPOINT`` (no payload, no reply: this
-worker is inside ``sync.save()`` after its N-th push), ``SKIPPED`` (no payload: this step's
+worker is inside ``sync.save()`` after its N-th push; the header alone is sent, see
+``ShardPlan.control``), ``SKIPPED`` (no payload: this step's
 gradient was not finite, so the worker pushes nothing; the server counts the push, applies
 nothing and replies with parameters) or ``DONE`` (the worker finished; the
 server replies with the final parameters once every worker is done). A reply is one tensor in
@@ -143,6 +144,19 @@ class ShardPlan:
         msg[:header].view(torch.uint8)[_KIND_BYTES:] = lrs.view(torch.uint8)
         if payload is not None:
             msg[header:] = payload
+        return msg
+
+    def control(self, s: int, kind: float, lrs: torch.Tensor) -> torch.Tensor:
+        """A payload-less message of ``kind`` to server ``s``: the header alone. The server
+        receives every message into a buffer of a push's size (it cannot know what comes);
+        gloo delivers a shorter message into a longer receive and leaves the rest of the
+        buffer alone, which the server never reads for these kinds. A whole push's size of
+        zeros was sent before: 483 KB on charlm, about 0.3 ms of the worker's step for a
+        checkpoint request every step (``test_ps_wire.py`` checks that gloo still does so)."""
+        dtype, header, _ = self.wire(s)
+        msg = torch.zeros(header, dtype=dtype)
+        msg[0] = kind
+        msg.view(torch.uint8)[_KIND_BYTES:] = lrs.view(torch.uint8)
         return msg
 
     def read_lrs(self, message: torch.Tensor) -> list[float]:
