@@ -209,3 +209,29 @@ def test_a_share_after_other_tensors_of_its_dtype_is_not_reused_at_other_offsets
         data = _read(_file_bytes(packed))
         assert torch.equal(data["r"]["w"], torch.arange(4.0))  # type: ignore[index]
     assert torch.equal(_read(_file_bytes(second))["x"], torch.full((2,), 7.0))  # type: ignore[index]
+
+
+def test_a_whole_share_writes_the_file_its_plain_tree_writes_and_keeps_its_encoding() -> None:
+    # A state only this rank holds (a parameter-server worker's model, a server's shard),
+    # saved every step: packed through ``whole`` it must be byte for byte the plain tree's
+    # file, its encoding made once and reused beside another share in the same state.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    pool = BufferPool()
+    kept = []
+    for step in range(3):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        sd, osd = model.state_dict(), opt.state_dict()
+        plain = pack({"model": sd, "optimizer": {**osd}, "step": step})
+        shared = {"model": replicas.whole(sd, 1), "optimizer": {**osd}, "step": step}
+        shared["optimizer"]["state"] = replicas.whole(osd["state"], 1)
+        cached = pack(shared, pool)
+        assert _file_bytes(cached) == _file_bytes(plain)
+        assert len(cached.shares) == 2
+        kept.append(cached.shares)
+        assert cached.release is not None
+        cached.release()
+    assert all(a is b for a, b in zip(kept[1], kept[2], strict=True))  # reused, both
+    assert _equal(_read(_file_bytes(cached))["model"], model.state_dict())  # type: ignore[index]

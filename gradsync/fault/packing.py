@@ -50,6 +50,9 @@ __all__ = [
 ]
 
 MAGIC = packed_header.MAGIC
+#: ``Share`` encodings a ``BufferPool`` keeps: a state may hold a few shares (a model's and an
+#: optimizer's), each alike from one snapshot to the next
+SHARES_KEPT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +217,8 @@ class BufferPool:
         self.allocate = allocate
         self._free: dict[Any, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
         self._lock = threading.Lock()
-        #: the newest ``Share`` encoding by its key (skeleton, owners, rank, where it began)
+        #: the newest ``Share`` encodings (``SHARES_KEPT``) by key (skeleton, owners, rank,
+        #: where it began)
         self.shares: dict[Any, _EncodedShare] = {}
 
     def new_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -490,8 +494,9 @@ def _encode_share(share: Share, leaves: _Leaves) -> Any:
             for d, indices in leaves.copied.items()
         ]
         made = _EncodedShare(encoded, copied, at)
-        leaves.memo.clear()  # one layout at a time: the newest
         leaves.memo[key] = made
+        while len(leaves.memo) > SHARES_KEPT:  # the newest layouts (a state may hold several)
+            del leaves.memo[next(iter(leaves.memo))]
         leaves.reused.append(made)
     return encoded
 

@@ -25,7 +25,7 @@ import torch
 
 from gradsync.fault.packing import Share, skeleton
 
-__all__ = ["join", "owners", "share", "share_of"]
+__all__ = ["join", "owners", "share", "share_of", "whole"]
 
 
 def owners(tree: Any, world_size: int) -> list[int]:
@@ -66,6 +66,17 @@ def share_of(tree: Any, rank: int, world_size: int) -> Share:
         return share(tree, rank, owners(tree, world_size))
     parts, tensors = described
     return Share(tree, _owners_of(parts, tensors, world_size), rank, parts, tensors)
+
+
+def whole(tree: Any, rank: int) -> Share:
+    """``tree`` as a ``Share`` that ``rank`` writes whole: packed exactly as ``tree`` itself
+    would be, but its encoding is kept and reused while its skeleton stays the same (a
+    state that only this rank holds, saved every step: a parameter-server worker's model)."""
+    described = skeleton(tree)
+    if described is None:
+        return Share(tree, [rank] * len(_tensors(tree)), rank)
+    parts, tensors = described
+    return Share(tree, [rank] * len(tensors), rank, parts, tensors)
 
 
 #: the last (skeleton, world size) and its owners: the same every step of a run

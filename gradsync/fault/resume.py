@@ -122,7 +122,11 @@ def save(
         if groups is not None:
             state[PARAM_GROUPS] = groups
     else:
-        state["model"] = sync.strategy.model_state_dict(sync.model)
+        # The model as a share this rank writes whole: packed as it is, but its encoding,
+        # alike from one step to the next, is reused (``replicas.whole``). Not the optimizer's
+        # state dict: a learning-rate schedule changes it at every step.
+        model_state = sync.strategy.model_state_dict(sync.model)
+        state["model"] = replicas.whole(model_state, sync.rank)
         state["optimizer"] = sync.optimizer.state_dict()
     state |= {
         "sync": sync.state_dict(),
@@ -215,7 +219,7 @@ def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
     directory, keep = _published_directory(sync)
     sync.load_state_dict({"step": step, "strategy": {}})
     state = {
-        "server": server_state,
+        "server": _server_shares(server_state, sync.rank),
         "sync": sync.state_dict(),
         "strategy": sync.strategy.name,
         "compression": sync.compressor.spec,  # load() refuses another compressor's state
@@ -225,6 +229,19 @@ def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
     }
     writer = sync._checkpoint_writer(directory, keep)
     writer.submit(step, snapshot(state, pool=writer.pool))
+
+
+def _server_shares(server_state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The server's state with its shard of the parameters and its optimizer's per-parameter
+    state as shares it writes whole (``replicas.whole``): packed as they are, their encoding
+    reused from one checkpoint to the next. The rest (clocks, the optimizer's groups) changes
+    at every checkpoint."""
+    shared = dict(server_state)
+    shared["params"] = replicas.whole(server_state["params"], rank)
+    optimizer = server_state.get("optimizer")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        shared["optimizer"] = {**optimizer, "state": replicas.whole(optimizer["state"], rank)}
+    return shared
 
 
 def _directory_key(sync: Synchronizer) -> str:
