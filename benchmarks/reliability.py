@@ -2,7 +2,10 @@
 
 Per strategy: (1) what a checkpoint every step costs, as the step period (start to start, rank
 0) of the same job with ``--checkpoint-every 1`` against the same job without checkpoints, the
-two run alternately, ``--repeats`` pairs, median of the per-pair ratios; (2) the same job
+two run alternately, ``--repeats`` pairs, median of the per-pair ratios; and measured again in
+one run, ``--block-repeats`` pairs of ``--block``-step blocks with and without a checkpoint
+every step, alternating in the same processes (``benchmarks.reliability_worker``, which says
+why); (2) the same job
 twice, uninterrupted and with SIGKILLs of random worker ranks at random steps, recovered by the
 elastic agent from the newest complete checkpoint: the outcome against the clean run (bitwise
 for BSP), steps and time lost per kill.
@@ -22,7 +25,17 @@ from tempfile import TemporaryDirectory
 
 import torch
 
-from benchmarks.harness import ROOT, Harness, interleave, machine, median_of_ratios, table
+from benchmarks import reliability_worker
+from benchmarks.harness import (
+    ROOT,
+    Harness,
+    interleave,
+    machine,
+    median_iqr,
+    median_of_ratios,
+    table,
+)
+from gradsync.launch import launch
 
 RELIABILITY_MD = ROOT / "RELIABILITY.md"
 
@@ -103,6 +116,37 @@ def cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
     ]
 
 
+def in_run_cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
+    """The same cost measured in one run: blocks of steps with and without a checkpoint every
+    step, alternating in the same processes (``benchmarks.reliability_worker``)."""
+    with TemporaryDirectory(prefix="gradsync-ckpt-blocks-") as tmp:
+        job = {
+            "workload": args.workload,
+            "seed": args.seed,
+            "strategy": strategy,
+            "directory": tmp,
+            "repeats": args.block_repeats,
+            "block": args.block,
+        }
+        nproc = 3 if strategy == "async" else 2  # async: 2 workers and a server
+        times = launch(reliability_worker.worker, (job,), nproc=nproc)[0]
+    ratios = [e / n for e, n in zip(times["every"], times["none"], strict=True)]
+    med, q1, q3 = median_iqr(ratios)
+    without, with_ = (statistics.median(times[k]) * 1e3 for k in ("none", "every"))
+    return [
+        [
+            f"cost of a checkpoint every step, in one run: {args.block_repeats} pairs of "
+            f"{args.block}-step blocks with and without, alternating; median (IQR) of the "
+            "per-pair ratios",
+            f"{med - 1:+.1%} ({q1 - 1:+.1%} to {q3 - 1:+.1%}) of step time",
+        ],
+        [
+            "mean step time of those blocks without / with: median",
+            f"{without:.2f} ms / {with_:.2f} ms",
+        ],
+    ]
+
+
 def faults(strategy: str, args: argparse.Namespace) -> tuple[str, list[list[str]]]:
     """One clean and one faulty run of ``strategy``; returns the kill spec and the table rows."""
     rng = random.Random(args.seed)
@@ -176,19 +220,28 @@ def main() -> None:
     p.add_argument("--every", type=int, default=1, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--strategies", default="bsp,async", help="comma-separated: bsp, async")
-    args = h.parse(steps=60, kills=2, cost_steps=40, repeats=1)
+    p.add_argument(
+        "--block",
+        type=int,
+        default=64,
+        help="steps per block of the in-run cost (64: one file written per block under bsp, "
+        "as in a run)",
+    )
+    p.add_argument("--block-repeats", type=int, default=12, help="pairs of blocks, in-run cost")
+    args = h.parse(steps=60, kills=2, cost_steps=40, repeats=1, block=8, block_repeats=2)
     strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]
     if not strategies or not set(strategies) <= set(TITLES):
         h.error(f"--strategies takes {', '.join(TITLES)}; got {args.strategies!r}")
     sections, spec = [], ""
     for strategy in strategies:
-        rows = cost(strategy, args)
+        rows = cost(strategy, args) + (in_run_cost(strategy, args) if args.every == 1 else [])
         spec, kill_rows = faults(strategy, args)
         sections.append(f"### {TITLES[strategy]}\n\n" + table("measure | value", rows + kill_rows))
     # Every setting spelled out, so the command reproduces the file whatever the defaults are.
     cmd = h.command(
         f"--workload {args.workload} --steps {args.steps} --cost-steps {args.cost_steps} "
         f"--repeats {args.repeats} --kills {args.kills} --every {args.every} --seed {args.seed} "
+        f"--block {args.block} --block-repeats {args.block_repeats} "
         f"--strategies {','.join(strategies)} --write".split()
     )
     text = (
