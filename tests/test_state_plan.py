@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ def _model() -> nn.Sequential:
     model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
     model.register_buffer("scale", torch.ones(3))
     return model
+
+
+def _model_and_adamw() -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    model = _model()
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
 def _step(model: nn.Module, sync: gs.Synchronizer) -> None:
@@ -61,6 +67,20 @@ class _Snapshots:
         self.built.append(False)
         sync.save(directory, wait=False)
         return packing.unpack(self.packed[-1])
+
+
+@contextmanager
+def _saving(
+    model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[gs.Synchronizer, _Snapshots]]:
+    """A bsp Synchronizer whose saves are kept (``_Snapshots``): its checkpoints are waited
+    for at the end, and it is closed whatever happens."""
+    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
+    try:
+        yield sync, _Snapshots(monkeypatch)
+        sync.wait_for_checkpoints()
+    finally:
+        sync.close()
 
 
 def _assert_same(got: Any, want: Any, where: str = "state") -> None:
@@ -218,11 +238,8 @@ CHANGES: list[tuple[Change, bool]] = [
 def test_a_snapshot_after_any_change_holds_the_state_dicts_of_that_moment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Change, rebuilt: bool
 ) -> None:
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
-    snaps = _Snapshots(monkeypatch)
-    try:
+    model, opt = _model_and_adamw()
+    with _saving(model, opt, monkeypatch) as (sync, snaps):
         for _ in range(3):
             _step(model, sync)
             _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
@@ -235,27 +252,18 @@ def test_a_snapshot_after_any_change_holds_the_state_dicts_of_that_moment(
         _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
         if change not in (_state_dict_hook,):
             assert snaps.built[-1] is False
-        sync.wait_for_checkpoints()
-    finally:
-        sync.close()
 
 
 def test_the_optimizers_first_step_makes_a_new_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
-    snaps = _Snapshots(monkeypatch)
-    try:
+    model, opt = _model_and_adamw()
+    with _saving(model, opt, monkeypatch) as (sync, snaps):
         _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)  # no state yet
         for _ in range(2):
             _step(model, sync)  # the first makes AdamW's state
             _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
         assert snaps.built == [True, True, False]
-        sync.wait_for_checkpoints()
-    finally:
-        sync.close()
 
 
 class _CountsCalls(nn.Linear):
@@ -281,29 +289,21 @@ def test_no_plan_where_a_module_makes_its_own_state(
 ) -> None:
     model = nn.Sequential(_CountsCalls())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
-    snaps = _Snapshots(monkeypatch)
-    try:
+    with _saving(model, opt, monkeypatch) as (sync, snaps):
         for calls in range(1, 4):
             _step(model, sync)
             saved = snaps.save(sync, tmp_path)
             assert saved["replicated"]["model"]["0._extra_state"].item() == calls
         assert snaps.built == [True, True, True]
         assert sync._snapshot_plans.plan is None
-        sync.wait_for_checkpoints()
-    finally:
-        sync.close()
 
 
 def test_a_change_the_checks_miss_is_warned_of_at_the_next_full_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(state_plan, "FULL_EVERY", 6)
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
-    snaps = _Snapshots(monkeypatch)
-    try:
+    model, opt = _model_and_adamw()
+    with _saving(model, opt, monkeypatch) as (sync, snaps):
         for _ in range(3):
             _step(model, sync)
             snaps.save(sync, tmp_path)
@@ -318,19 +318,13 @@ def test_a_change_the_checks_miss_is_warned_of_at_the_next_full_build(
         with pytest.warns(state_plan.SnapshotPlanWarning, match="missed a change"):
             snaps.save(sync, tmp_path)  # the 6th: built in full, and checked
         assert snaps.built[-1] is True
-        sync.wait_for_checkpoints()
-    finally:
-        sync.close()
 
 
 def test_a_load_drops_the_plan_and_the_resumed_snapshots_hold_the_loaded_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
-    snaps = _Snapshots(monkeypatch)
-    try:
+    model, opt = _model_and_adamw()
+    with _saving(model, opt, monkeypatch) as (sync, snaps):
         for _ in range(3):
             _step(model, sync)
             snaps.save(sync, tmp_path)
@@ -341,6 +335,3 @@ def test_a_load_drops_the_plan_and_the_resumed_snapshots_hold_the_loaded_state(
         _step(model, sync)
         _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
         assert snaps.built[-1] is False
-        sync.wait_for_checkpoints()
-    finally:
-        sync.close()
