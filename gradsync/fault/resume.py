@@ -106,12 +106,14 @@ def save(
     sync.strategy.prepare_checkpoint(step)
     state: dict[str, Any] = {}
     planned: Share | None = None
+    plannable = False
     if sync.strategy.resizable:
         # Every replica holds the same model and optimizer state (what makes the strategy
         # resizable): each rank writes a share of it, so the bytes written do not grow with
         # the ranks and no rank's step pays for all of them (``replicas``). First in the
         # state, so that its encoding, alike from one step to the next, is reused.
-        planned = sync._snapshot_plans.share() if _plannable(sync) else None
+        plannable = _plannable(sync)
+        planned = sync._snapshot_plans.next_share() if plannable else None
         groups: list[Any] | None
         if planned is not None:
             shared, groups = planned, state_plan.param_groups(sync.optimizer)
@@ -143,7 +145,7 @@ def save(
     else:
         state["telemetry"] = sync._pending_telemetry()
     packed = snapshot(state, pool=writer.pool)
-    if sync.strategy.resizable and planned is None and _plannable(sync):
+    if sync.strategy.resizable and planned is None and plannable:
         sync._snapshot_plans.rebuilt(
             lambda: state_plan.build(
                 sync.model, sync.optimizer, state["replicated"], packed, state.get(PARAM_GROUPS)
@@ -168,7 +170,8 @@ def _replicated_share(sync: Synchronizer) -> tuple[Share, list[Any] | None]:
 
 def _plannable(sync: Synchronizer) -> bool:
     """Whether a snapshot plan may stand in for the state dicts (``state_plan``): the strategy
-    saves ``model.state_dict()`` as it is (not ``zero:3``'s shards), tensors on the CPU."""
+    saves ``model.state_dict()`` as it is (not ``zero:3``'s shards). A model off the CPU
+    never gets a plan all the same: its snapshots are not pooled, so no encoding is kept."""
     return type(sync.strategy).model_state_dict is Strategy.model_state_dict
 
 

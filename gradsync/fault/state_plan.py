@@ -9,15 +9,17 @@ every container that decides what the two state dicts hold. At a later snapshot,
 containers proves that both state dicts would come out alike but for the tensors' values; the
 snapshot then copies the live tensors through the kept encoding.
 
-What ``SnapshotPlan.sources`` checks, each time, at C speed (``map`` over the kept containers):
-- every module's parameters, buffers and submodules: the same names, each the same object (a
-  parameter or module replaced, added, deleted or set to None fails this), the same
-  non-persistent buffer names, and no state-dict hook registered since;
-- every model tensor's shape, dtype and device (``param.data = ...`` and ``model.to()`` keep
-  the object but change these);
-- the optimizer's ``state`` is the same object (``load_state_dict`` replaces it), for the same
-  parameters in the same order, each the same dict with the same keys and tensor objects; its
-  ``param_groups`` hold the same parameters; no state-dict hook registered since.
+What ``SnapshotPlan.share_now`` checks, each time, at C speed (``map`` over the kept
+containers):
+- every module: the same class; its parameter, buffer and submodule dicts the same objects,
+  of the same lengths, with the same names, each value the same object (a parameter or module
+  replaced, added, deleted, renamed, moved or set to None fails this); the same
+  non-persistent buffer names; no state-dict hook registered since;
+- the optimizer: the same class; its ``state`` the same object (``load_state_dict`` replaces
+  it), for the same parameters in the same order, each the same dict with the same keys and
+  tensor objects; its ``param_groups`` holding the same parameters; no state-dict hook;
+- every tensor's shape, dtype and device, the model's and the optimizer's (``.data = ...``,
+  ``model.to()`` and ``resize_`` keep the object but change these).
 
 No plan is made where these checks could not prove it, and those snapshots build the state
 dicts every time, as before: a module class or instance with its own ``state_dict``,
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 
 from gradsync import compat
-from gradsync.fault.packing import Packed, Share
+from gradsync.fault.packing import Packed, Share, skeleton
 
 __all__ = [
     "FULL_EVERY",
@@ -86,31 +88,35 @@ class _ModuleLayout:
     """What decides ``model.state_dict()``'s keys and tensors, from one build."""
 
     modules: list[torch.nn.Module]  # in ``state_dict``'s order
-    found: list[Any]  # each module's ``compat.MODULE_STATE_CONTAINERS``, flattened
+    types: list[type]  # their classes (a class swapped in may make its own state dict)
+    own: list[Any]  # every module's ``compat.MODULE_STATE_CONTAINERS``, one list
     containers: list[dict[str, Any]]  # each module's parameters, buffers, submodules
-    keys: list[str]
-    values: list[Any]
+    sizes: list[int]  # their lengths
+    keys: list[str]  # their keys, one list
+    values: list[Any]  # their values, one list
     non_persistent: list[set[str]]
     non_persistent_then: list[set[str]]
     hooks: list[dict[Any, Any]]
     tensors: list[torch.Tensor]  # the state dict's, live (parameters and buffers themselves)
-    described: list[tuple[Any, ...]]  # their shape, dtype, device
 
     def unchanged(self) -> bool:
         # The containers themselves first: a module may replace one (``Sequential`` does, on
         # a deletion), and the kept one then no longer tells.
-        found = list(chain.from_iterable(map(compat.MODULE_STATE_CONTAINERS, self.modules)))
-        if len(found) != len(self.found) or not all(map(_is, found, self.found)):
+        own = list(chain.from_iterable(map(compat.MODULE_STATE_CONTAINERS, self.modules)))
+        if len(own) != len(self.own) or not all(map(_is, own, self.own)):
             return False
         containers = self.containers
         values = list(chain.from_iterable(map(dict.values, containers)))
         return (
-            len(values) == len(self.values)
+            list(map(type, self.modules)) == self.types
+            # Lengths too: the keys and values are compared as one list each, where an entry
+            # moved from the end of one container to the start of the next would not show.
+            and list(map(len, containers)) == self.sizes
+            and len(values) == len(self.values)
             and all(map(_is, values, self.values))
             and list(chain.from_iterable(containers)) == self.keys
             and all(map(operator.eq, self.non_persistent, self.non_persistent_then))
             and not any(map(len, self.hooks))
-            and list(map(_SHAPE_DTYPE_DEVICE, self.tensors)) == self.described
         )
 
 
@@ -119,16 +125,20 @@ class _OptimizerLayout:
     """What decides ``optimizer.state_dict()["state"]``, from one build."""
 
     optimizer: torch.optim.Optimizer
+    cls: type  # its class (a class swapped in may make its own state dict)
     state: Any  # ``optimizer.state`` itself
     params: list[torch.Tensor]  # every group's, in order
     keys: list[Any]  # ``state``'s keys (parameters), in order
     dicts: list[dict[str, Any]]  # ``state``'s values
-    inner_keys: list[str]
-    tensors: list[torch.Tensor]
+    sizes: list[int]  # their lengths
+    inner_keys: list[str]  # their keys, one list
+    tensors: list[torch.Tensor]  # their values, one list
     hooks: list[dict[Any, Any]]
 
     def unchanged(self) -> bool:
         optimizer, state, dicts = self.optimizer, self.state, self.dicts
+        if type(optimizer) is not self.cls:
+            return False
         if optimizer.state is not state or len(state) != len(self.keys):
             return False
         params = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
@@ -140,6 +150,7 @@ class _OptimizerLayout:
             and all(map(_is, state.values(), dicts))
             and len(tensors) == len(self.tensors)
             and all(map(_is, tensors, self.tensors))
+            and list(map(len, dicts)) == self.sizes
             and list(chain.from_iterable(dicts)) == self.inner_keys
             and not any(map(len, self.hooks))
         )
@@ -155,11 +166,18 @@ class SnapshotPlan:
     share: Share  # the full build's: owners, rank, skeleton
     encoded: Any  # its encoding (``packing._EncodedShare``)
     sources: list[torch.Tensor]  # live tensors in the share's order
+    #: their shape, dtype and device: ``.data = ...``, ``model.to()`` or ``resize_`` keep a
+    #: tensor object but change these, and the kept encoding holds the old ones
+    described: list[tuple[Any, ...]]
 
     def share_now(self) -> Share | None:
         """The share to pack now, its tree left out; None when the layout may have changed
         (build the state dicts then)."""
-        if not (self.model.unchanged() and self.optimizer.unchanged()):
+        if not (
+            self.model.unchanged()
+            and self.optimizer.unchanged()
+            and list(map(_SHAPE_DTYPE_DEVICE, self.sources)) == self.described
+        ):
             return None
         share = self.share
         return Share(None, share.owner, share.rank, share.skeleton, self.sources, self.encoded)
@@ -184,9 +202,9 @@ class PlanKeeper:
         self._want = True  # build a plan from the next full build
         self._vouched: SnapshotPlan | None = None  # a plan a due rebuild checks
 
-    def share(self) -> Share | None:
-        """The replicated share to pack now from the plan; None: build the state dicts (then
-        call ``rebuilt``)."""
+    def next_share(self) -> Share | None:
+        """Counts a snapshot; the replicated share to pack for it from the plan, or None:
+        build the state dicts (then call ``rebuilt``)."""
         self._count += 1
         if self._count % FULL_EVERY == 0:
             self._want = True
@@ -244,14 +262,13 @@ def build(
     sources = [*model_layout.tensors, *optimizer_layout.tensors]
     if not _alike(share.tensors, sources, len(model_layout.tensors)):
         return None
-    return SnapshotPlan(model_layout, optimizer_layout, share, encoded, sources)
+    described = list(map(_SHAPE_DTYPE_DEVICE, sources))
+    return SnapshotPlan(model_layout, optimizer_layout, share, encoded, sources, described)
 
 
 def _same(a: Any, b: Any) -> bool:
     # Equal as ``pack`` encodes them (types count) with the same tensor objects: ``==`` on a
     # group holding a tensor (a tensor learning rate) compares elements.
-    from gradsync.fault.packing import skeleton
-
     sa, sb = skeleton(a), skeleton(b)
     return (
         sa is not None
@@ -285,8 +302,8 @@ _OWN_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
 
 def _module_layout(model: torch.nn.Module) -> _ModuleLayout | None:
     modules: list[torch.nn.Module] = []
-    found: list[Any] = []
-    if not _walk(model, modules, found):
+    own: list[tuple[Any, ...]] = []
+    if not _walk(model, modules, own):
         return None
     base = torch.nn.Module
     for m in modules:
@@ -298,7 +315,7 @@ def _module_layout(model: torch.nn.Module) -> _ModuleLayout | None:
     containers: list[dict[str, Any]] = []
     non_persistent: list[set[str]] = []
     hooks: list[dict[Any, Any]] = []
-    for params, buffers, children, np_set, *hook_dicts in found:
+    for params, buffers, children, np_set, *hook_dicts in own:
         containers += [params, buffers, children]
         non_persistent.append(np_set)
         hooks += hook_dicts
@@ -310,27 +327,32 @@ def _module_layout(model: torch.nn.Module) -> _ModuleLayout | None:
         return None
     return _ModuleLayout(
         modules=modules,
-        found=list(chain.from_iterable(found)),
+        types=list(map(type, modules)),
+        own=list(chain.from_iterable(own)),
         containers=containers,
+        sizes=list(map(len, containers)),
         keys=list(chain.from_iterable(containers)),
         values=list(chain.from_iterable(map(dict.values, containers))),
         non_persistent=non_persistent,
         non_persistent_then=[set(s) for s in non_persistent],
         hooks=hooks,
         tensors=tensors,
-        described=list(map(_SHAPE_DTYPE_DEVICE, tensors)),
     )
 
 
-def _walk(module: torch.nn.Module, modules: list[torch.nn.Module], found: list[Any]) -> bool:
+def _walk(
+    module: torch.nn.Module, modules: list[torch.nn.Module], own: list[tuple[Any, ...]]
+) -> bool:
     """Every module in ``state_dict``'s order (a module held in two places, twice) into
-    ``modules``, its containers into ``found``; False where torch hides them."""
+    ``modules``, its containers (``compat.MODULE_STATE_CONTAINERS``) into ``own``; False where
+    torch hides them."""
     containers = compat.module_state_containers(module)
     if containers is None:
         return False
     modules.append(module)
-    found.append(containers)
-    return all(_walk(c, modules, found) for c in containers[2].values() if c is not None)
+    own.append(containers)
+    children = containers[2]
+    return all(_walk(c, modules, own) for c in children.values() if c is not None)
 
 
 def _optimizer_layout(optimizer: torch.optim.Optimizer) -> _OptimizerLayout | None:
@@ -353,10 +375,12 @@ def _optimizer_layout(optimizer: torch.optim.Optimizer) -> _OptimizerLayout | No
         return None
     return _OptimizerLayout(
         optimizer=optimizer,
+        cls=type(optimizer),
         state=state,
         params=params,
         keys=keys,
         dicts=dicts,
+        sizes=list(map(len, dicts)),
         inner_keys=list(chain.from_iterable(dicts)),
         tensors=tensors,
         hooks=hooks,
