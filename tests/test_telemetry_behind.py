@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
+from gradsync.telemetry.timing import ROW_COLUMNS
 from gradsync.testing import run_ranks
 
 STEPS, EVERY, AHEAD = 23, 5, 8  # rank 0 must get past step AHEAD before rank 1 goes on
@@ -45,7 +46,7 @@ def _behind(rank: int, world_size: int, store_path: str) -> dict[str, Any]:
         gathered_after.append(len(sync._collector.records))
         if step == EVERY - 1:
             # The first gather is in flight: a checkpoint taken now still carries its rows.
-            pending_after_first = int(sync._pending_telemetry().shape[0])
+            pending_after_first = len(sync._pending_telemetry()) // ROW_COLUMNS
         if rank == 0 and step == AHEAD:
             store.set("rank0-ahead", "1")
     report = sync.report()
