@@ -1,5 +1,5 @@
-"""Parameter-server pieces that need no process group: sharding, the servers' optimizer, and
-the validation of ``--servers``."""
+"""Parameter-server pieces that need no process group: sharding, the servers' optimizer, the
+validation of ``--servers``, and what a server's checkpoint keeps."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import gradsync as gs
 from gradsync.config import RunConfig
 from gradsync.errors import UsageError
 from gradsync.strategies.ps import shard_by_size
-from gradsync.strategies.ps_server import _server_optimizer
+from gradsync.strategies.ps_server import (
+    CHECKPOINTS_SAVED,
+    ServerStats,
+    _Server,
+    _server_optimizer,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -102,3 +107,17 @@ def test_more_servers_than_parameter_tensors_is_refused_naming_the_count() -> No
     with pytest.raises(UsageError, match="--servers 7 is more than the 6 trainable parameter"):
         RunConfig(strategy="async", workload="mlp", servers=7, nproc=1, out="unused")
     RunConfig(strategy="async", workload="mlp", servers=6, nproc=1, out="unused")
+
+
+def test_a_server_checkpoint_keeps_only_the_newest_checkpoint_steps() -> None:
+    # With a checkpoint every step, keeping every earlier checkpoint's step made each one of a
+    # long run larger than the one before. A server without a process group: only the fields
+    # state_dict reads.
+    server = object.__new__(_Server)
+    server.params, server.optimizer = [torch.ones(3)], None
+    server.pushed, server.fresh_through = [5000, 5000], [4999, 4999]
+    server.stats = ServerStats(server_rank=2, checkpoints=list(range(1, 5001)))
+    state = server.state_dict()
+    assert state["checkpoints"] == list(range(5001 - CHECKPOINTS_SAVED, 5001))
+    assert len(server.stats.checkpoints) == 5000  # this process's own record stays whole
+    assert state["params"][0] is not None and state["pushed"] == [5000, 5000]

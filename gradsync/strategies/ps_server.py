@@ -59,10 +59,15 @@ class AppliedUpdate:
         return self.clock - 1 - self.fresh_through
 
 
+#: how many of its earlier checkpoints' steps a server's checkpoint keeps (``ServerStats``)
+CHECKPOINTS_SAVED = 100
+
+
 @dataclass(slots=True)
 class ServerStats:
     """What one server did. ``updates`` and ``held_seconds`` cover this process only;
-    ``clocks`` (pushes applied per worker) and ``checkpoints`` continue across a resume, and
+    ``clocks`` (pushes applied per worker) and ``checkpoints`` continue across a resume (of
+    the run before it, the newest ``CHECKPOINTS_SAVED`` checkpoints' steps), and
     ``resumed_at`` is the step of the checkpoint this server started from (0: none)."""
 
     server_rank: int
@@ -220,7 +225,9 @@ class _Server:
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
             "pushed": list(self.pushed),
             "fresh_through": list(self.fresh_through),
-            "checkpoints": list(self.stats.checkpoints),
+            # The newest only: with a checkpoint every step, the whole list made every
+            # checkpoint of a long run larger than the one before.
+            "checkpoints": self.stats.checkpoints[-CHECKPOINTS_SAVED:],
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
