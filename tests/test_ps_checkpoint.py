@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,11 +21,26 @@ from tests.test_cli_run import gradsync
 SERVER = 2  # 2 workers + 1 server: the server is the last rank
 
 
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Path]:
+    """The uninterrupted run that saves at ``SAVE_AT``, once for this file: each test resumes
+    (or is refused) from its own copy of the checkpoints (``_copy``)."""
+    root = tmp_path_factory.mktemp("ps-first-run")
+    return run_ranks(ranks.first_run, 3, str(root), timeout_s=120), root
+
+
+def _copy(first: tuple[list[Any], Path], to: Path) -> Path:
+    shutil.copytree(first[1], to / "run")
+    return to / "run"
+
+
 @pytest.mark.ranks
 @pytest.mark.timeout(150)
-def test_resumed_servers_continue_from_the_checkpoint(tmp_path: Path) -> None:
-    first = run_ranks(ranks.first_run, 3, str(tmp_path), timeout_s=120)
-    second = run_ranks(ranks.second_run, 3, str(tmp_path), timeout_s=120)
+def test_resumed_servers_continue_from_the_checkpoint(
+    first_run: tuple[list[Any], Path], tmp_path: Path
+) -> None:
+    first = first_run[0]
+    second = run_ranks(ranks.second_run, 3, str(_copy(first_run, tmp_path)), timeout_s=120)
     for spec in ranks.SPECS:
         # the uninterrupted run: the checkpoint's collectives did not disturb it
         before = first[SERVER][spec]["server"]
@@ -59,9 +76,11 @@ def test_resumed_servers_continue_from_the_checkpoint(tmp_path: Path) -> None:
 
 @pytest.mark.ranks
 @pytest.mark.timeout(150)
-def test_resuming_servers_on_more_ranks_is_refused(tmp_path: Path) -> None:
-    run_ranks(ranks.first_run, 3, str(tmp_path), timeout_s=120)
-    got = run_ranks(ranks.more_ranks, 4, str(tmp_path), timeout_s=120, allow_failures=True)
+def test_resuming_servers_on_more_ranks_is_refused(
+    first_run: tuple[list[Any], Path], tmp_path: Path
+) -> None:
+    root = str(_copy(first_run, tmp_path))
+    got = run_ranks(ranks.more_ranks, 4, root, timeout_s=120, allow_failures=True)
     assert not any(isinstance(g, RankFailure) for g in got), got
     for message in got:
         assert "written by 3 ranks (2 workers + 1 server)" in message, message
