@@ -20,7 +20,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ALIGN", "MAGIC", "PACKED_VERSION", "dumps", "header", "offsets", "tree_json"]
+__all__ = [
+    "ALIGN",
+    "MAGIC",
+    "PACKED_VERSION",
+    "dumps",
+    "file_start",
+    "header",
+    "offsets",
+    "tree_json",
+]
 
 MAGIC = b"gradsync-packed-state\n"
 PACKED_VERSION = 1
@@ -51,6 +60,14 @@ def header(tree_text: str, buffers: Sequence[tuple[int, int]]) -> tuple[bytes, l
         f'"tree":{tree_text},"buffers":{dumps(entries)}}}'
     ).encode()
     return MAGIC + len(text).to_bytes(8, "little") + text, at
+
+
+def file_start(
+    tree: Any, kept: Mapping[int, str], buffers: Sequence[tuple[int, int]]
+) -> tuple[bytes, list[int]]:
+    """``header`` of ``tree`` with the kept texts (``tree_json``): what both the training
+    process (``Packed.header``) and the writer's process make."""
+    return header(tree_json(tree, kept), buffers)
 
 
 def tree_json(tree: Any, kept: Mapping[int, str]) -> str:

@@ -80,7 +80,7 @@ class Packed:
             if share.json is None:
                 share.json = _json(share.encoded)
             texts[i] = share.json
-        return packed_header.header(packed_header.tree_json(tree, texts), sizes)
+        return packed_header.file_start(tree, texts, sizes)
 
     def header_parts(self) -> tuple[Any, list[tuple[int, _EncodedShare]], list[tuple[int, int]]]:
         """What the header is made of (``packed_header.header``): the tree, with each

@@ -252,7 +252,7 @@ class _Child:
         self.files.keep = keep
         tree, refs, sizes = made
         texts = {index: self.shares[ident] for index, ident in refs}
-        start, _ = packed_header.header(packed_header.tree_json(tree, texts), sizes)
+        start, _ = packed_header.file_start(tree, texts, sizes)
         offsets = [offset for offset, _ in parts]
         raws = [
             memoryview(self.buffers[ref[0]])[: ref[1]] if isinstance(ref, tuple) else ref
