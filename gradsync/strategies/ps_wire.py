@@ -46,6 +46,12 @@ _KIND_BYTES = 8  # the header's first part: the kind, then padding to 8 bytes
 _LR_BYTES = 8  # then one float64 per param group: the worker's current lr
 
 
+def _write_header(header: torch.Tensor, kind: float, lrs: torch.Tensor) -> None:
+    """Fill a message's header: the kind, then the worker's lr per param group (float64)."""
+    header[0] = kind
+    header.view(torch.uint8)[_KIND_BYTES:] = lrs.view(torch.uint8)
+
+
 def shard_by_size(sizes: list[int], servers: int) -> list[list[int]]:
     """Parameter indices per server, balancing numel (largest first to the least loaded)."""
     load = [0] * servers
@@ -140,8 +146,7 @@ class ShardPlan:
         for a push's size before the server knows what comes)."""
         dtype, header, size = self.wire(s)
         msg = torch.zeros(header + size, dtype=dtype)
-        msg[0] = kind
-        msg[:header].view(torch.uint8)[_KIND_BYTES:] = lrs.view(torch.uint8)
+        _write_header(msg[:header], kind, lrs)
         if payload is not None:
             msg[header:] = payload
         return msg
@@ -155,8 +160,7 @@ class ShardPlan:
         checkpoint request every step (``test_ps_wire.py`` checks that gloo still does so)."""
         dtype, header, _ = self.wire(s)
         msg = torch.zeros(header, dtype=dtype)
-        msg[0] = kind
-        msg.view(torch.uint8)[_KIND_BYTES:] = lrs.view(torch.uint8)
+        _write_header(msg, kind, lrs)
         return msg
 
     def read_lrs(self, message: torch.Tensor) -> list[float]:
