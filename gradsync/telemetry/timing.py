@@ -143,9 +143,9 @@ class TelemetryCollector:
         return len(self._pending) >= self.flush_every
 
     def pending_rows(self) -> torch.Tensor:
-        """The records not gathered yet, one float64 row each (a checkpoint carries them, so
-        the steps before it keep their records when a restart rolls back to it); those of a
-        gather still in flight come first."""
+        """The records not gathered yet, one float64 row each; those of a gather still in
+        flight come first. A checkpoint carries the same numbers as ``pending_flat_rows``
+        (and carried this tensor before: ``restore_pending`` takes either)."""
         local = self._local_rows()
         if self._in_flight is None:
             return local
@@ -155,7 +155,7 @@ class TelemetryCollector:
         """``pending_rows`` as one flat list of floats, row after row: what a checkpoint
         carries. Plain numbers go into its header as they are; a tensor of a new shape at
         every save cost the snapshot a fresh buffer, its views and a copy."""
-        rows = chain.from_iterable(p.row if p.row is not None else _row(p) for p in self._pending)
+        rows = chain.from_iterable(map(_row, self._pending))
         flight = self._in_flight
         if flight is None:
             return list(rows)
@@ -334,12 +334,15 @@ def _wait(flight: _InFlight) -> list[torch.Tensor]:
 
 def _rows(pending: list[_Pending]) -> torch.Tensor:
     """One float64 row per record (``_COLUMNS``), its device events read first."""
-    rows = [p.row if p.row is not None else _row(p) for p in pending]
+    rows = list(map(_row, pending))
     # through numpy: torch.tensor of a list of lists took about twice as long
     return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(-1, len(_COLUMNS)))
 
 
 def _row(p: _Pending) -> list[float]:
+    """``p``'s row, made once (``_Pending.row``)."""
+    if p.row is not None:
+        return p.row
     p.read_marks()
     p.row = [
         float(p.step),
