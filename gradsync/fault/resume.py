@@ -145,7 +145,7 @@ def save(
     else:
         state["telemetry"] = sync._pending_telemetry()
     packed = snapshot(state, pool=writer.pool)
-    if sync.strategy.resizable and planned is None and plannable:
+    if plannable and planned is None:
         sync._snapshot_plans.rebuilt(
             lambda: state_plan.build(
                 sync.model, sync.optimizer, state["replicated"], packed, state.get(PARAM_GROUPS)
