@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import secrets
 import time
 import warnings
@@ -234,7 +235,10 @@ class Synchronizer:
         self._snapshot_plans = PlanKeeper()
         if self.strategy.barrier_free:
             self._collector.before_gather = self._log_before_gather
-        self._published: str | None = None  # the checkpoint directory servers were told
+        #: rank 0: the checkpoint directory servers were told (the object, keep, the value
+        #: published, its number); a server: the number and value it read last
+        self._published: tuple[Any, int, str, int] | None = None
+        self._published_seen: tuple[int, tuple[str, int]] | None = None
         # Names this run's checkpoint files, the same on every rank (rank 0's, broadcast with
         # the initial state): a commit never pairs them with files of a rolled-back attempt.
         self._save_id = secrets.token_hex(8)
@@ -348,7 +352,17 @@ class Synchronizer:
         from gradsync.fault import resume
 
         self._enter_gradsync()  # a server runs gradsync's waits only, until the end
-        stats = role.serve(lambda state: resume.save_server(self, state))
+
+        def checkpoint(state: dict[str, Any], durable: bool = False, where: int = 0) -> None:
+            resume.save_server(self, state, durable, where)
+
+        if "flush" in inspect.signature(role.serve).parameters:
+            serve: Any = role.serve  # ``ServerRole.serve`` may take ``flush`` (its docstring)
+            stats = serve(checkpoint, flush=lambda: resume.flush_server(self))
+        else:
+            stats = role.serve(checkpoint)
+        if self._writer is not None:  # the workers' last checkpoint, held: written now
+            self._writer.write_newest()
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(-1, final=True)
@@ -705,6 +719,8 @@ class Synchronizer:
         every rank then, as ``load`` and ``close`` are; rank 0 alone would wait for its peers'
         files of the newest step and fail after ``timeout_s`` naming the ranks missing."""
         if self._writer is not None:
+            # Parameter servers write theirs when told to (they never call this).
+            self.strategy.flush_checkpoints()
             self._writer.flush(self.timeout_s if timeout_s is None else timeout_s)
 
     def _checkpoint_writer(
@@ -718,6 +734,9 @@ class Synchronizer:
             return self._writer
         store_dir = Path(directory)
         if self._writer is not None and self._writer.store.directory != store_dir:
+            # Closing waits for the old directory's newest checkpoint, which parameter
+            # servers write only when told to (they never see this call).
+            self.strategy.flush_checkpoints()
             self._close_writer()
         if self._writer is None:
             self._writer = make_writer(
@@ -727,7 +746,7 @@ class Synchronizer:
                 save_id=self._save_id,
                 timeout_s=self.timeout_s,
                 on_cpu=all(p.device.type == "cpu" for p in self.model.parameters()),
-                hold=self.strategy.lockstep,
+                hold=self.strategy.lockstep or self.strategy.holds_snapshots,
             )
         self._writer.store.keep = keep
         self._writer_for = directory

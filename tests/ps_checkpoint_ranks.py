@@ -85,3 +85,50 @@ def second_run(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def more_ranks(rank: int, world: int, root: str) -> str:
     return _refusal("ssp:1", Path(root) / "ssp:1", servers=1)
+
+
+def _files(directory: Path) -> dict[int, list[str]]:
+    """The rank files of every step in ``directory``, by step."""
+    return {
+        int(d.name.split("-")[1]): sorted(f.name for f in d.glob("rank-*.pt"))
+        for d in sorted(directory.glob("step-*"))
+    }
+
+
+def held_and_flushed(rank: int, world: int, root: str) -> dict[str, Any] | None:
+    """``async``, 2 workers and a server saving after every step: the writers hold the
+    snapshots (the server's too), a worker's ``wait_for_checkpoints`` makes the server write
+    its newest, a save that waits makes it write that one, and a save into another
+    directory first has the old one's newest written (rank 0 waits for it there)."""
+    w, model, sync = _sync("async")
+    a, b = Path(root) / "a", Path(root) / "b"
+    if sync.is_server:
+        sync.serve()
+        sync.close()
+        return None
+    from gradsync.fault.checkpoint import CheckpointStore
+
+    def train(step: int) -> None:
+        with sync.step(samples=PER_RANK):
+            x, y = w.batch(step, PER_RANK * 2, rank * PER_RANK, (rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+
+    latest: dict[str, Any] = {}
+    for step in range(4):
+        train(step)
+        sync.save(a, keep=10, wait=False)
+    sync.wait_for_checkpoints(timeout_s=15)
+    latest["a after flush"] = CheckpointStore(a).latest().step if rank == 0 else None
+    latest["a files"] = _files(a)
+    for step in (4, 5):  # b's first snapshot is a file, its second held
+        train(step)
+        sync.save(b, keep=10, wait=False)
+    train(6)
+    sync.save(a, keep=10, wait=False)  # back to a: b's newest is written first
+    latest["b after switch"] = CheckpointStore(b).latest().step if rank == 0 else None
+    train(7)
+    sync.save(a, keep=10, wait=True)  # held otherwise: the writer's second snapshot
+    latest["a after durable save"] = CheckpointStore(a).latest().step if rank == 0 else None
+    sync.report()
+    sync.close()
+    return latest

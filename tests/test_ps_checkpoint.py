@@ -155,3 +155,18 @@ def test_parameter_server_kill_of_a_server_rank_is_refused(tmp_path: Path) -> No
     )  # fmt: skip
     assert proc.returncode != 0
     assert "--kill names rank 2, a parameter server" in proc.stderr
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(120)
+def test_servers_hold_snapshots_and_write_them_when_a_worker_waits(tmp_path: Path) -> None:
+    """Saving every step, the server's writer holds its snapshots as the workers' do (only the
+    first is a file before the flush); ``wait_for_checkpoints``, a save that waits, and a save
+    into another directory each make the server write the snapshot rank 0 commits (each
+    would time out otherwise)."""
+    got = run_ranks(ranks.held_and_flushed, 3, str(tmp_path), timeout_s=100)[0]
+    assert got["a after flush"] == 4, got
+    every_rank = ["rank-0.pt", "rank-1.pt", "rank-2.pt"]
+    assert got["a files"] == {1: every_rank, 4: every_rank}, got
+    assert got["b after switch"] == 6, got
+    assert got["a after durable save"] == 8, got

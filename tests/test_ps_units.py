@@ -3,6 +3,8 @@ validation of ``--servers``, and what a server's checkpoint keeps."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,6 +20,7 @@ from gradsync.strategies.ps_server import (
     _Server,
     _server_optimizer,
 )
+from gradsync.strategies.ps_wire import CHECKPOINT, ShardPlan
 
 pytestmark = pytest.mark.unit
 
@@ -121,3 +124,31 @@ def test_a_server_checkpoint_keeps_only_the_newest_checkpoint_steps() -> None:
     assert state["checkpoints"] == list(range(5001 - CHECKPOINTS_SAVED, 5001))
     assert len(server.stats.checkpoints) == 5000  # this process's own record stays whole
     assert state["params"][0] is not None and state["pushed"] == [5000, 5000]
+
+
+# -- control messages -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_control_words_come_back_and_fit_a_tiny_models_receive(dtype: torch.dtype) -> None:
+    # A model of two scalars: its push (2 elements) is shorter than a checkpoint request's
+    # two words, so the server's receive must be sized for the longer of the two.
+    model = torch.nn.Linear(1, 1).to(dtype)
+    ctx = SimpleNamespace(
+        group=None,
+        compressor=SimpleNamespace(spec="none"),
+        layout=SimpleNamespace(workers=2),
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    plan = ShardPlan(ctx, 1, timeout_s=5)  # type: ignore[arg-type]
+    lrs = torch.tensor([0.1], dtype=torch.float64)
+    msg = plan.control(0, CHECKPOINT, lrs, (1, -(2**62)))
+    assert msg.dtype == dtype and msg.numel() <= plan.receive_numel(0)
+    received = torch.full((plan.receive_numel(0),), 7, dtype=dtype)
+    received[: msg.numel()] = msg
+    assert float(received[0]) == CHECKPOINT
+    assert plan.read_lrs(received) == [0.1]
+    assert plan.read_words(0, received, 2) == [1, -(2**62)]
+    with pytest.raises(ValueError, match="at most 2 words"):
+        plan.control(0, CHECKPOINT, lrs, (1, 2, 3))

@@ -128,6 +128,11 @@ class WriterBase:
             save_id=self.save_id,
         )
 
+    def write_newest(self) -> None:
+        """Start writing the newest snapshot if it is held in memory, without waiting (a
+        writer that holds none has nothing to do)."""
+        return None
+
     def flush(self, timeout_s: float | None = None) -> None:
         """Until every snapshot handed over is written and (rank 0) committed or given up."""
         limit = self.timeout_s if timeout_s is None else timeout_s

@@ -34,6 +34,7 @@ so they refuse.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import warnings
@@ -99,8 +100,9 @@ def save(
         )
     started = time.perf_counter()
     step = sync.step_count
+    where = 0
     if _has_servers(sync) and sync.rank == 0:
-        _publish_directory(sync, directory, keep)
+        where = _publish_directory(sync, directory, keep)
     # Parameter servers snapshot once every worker's request (sent behind its step-th push)
     # has arrived; the request goes out after the directory is published.
     sync.strategy.prepare_checkpoint(step)
@@ -152,6 +154,9 @@ def save(
             )
         )
     writer.submit(step, packed, durable=wait)
+    # After the submit: a rank that dies from here on leaves this snapshot to its writer
+    # (parameter servers are asked to snapshot here: ``Strategy.checkpoint_held``).
+    sync.strategy.checkpoint_held(step, wait, where)
     if wait:
         writer.wait(step)
     return time.perf_counter() - started
@@ -208,9 +213,13 @@ def _without_param_groups(
     return rest, optimizer_state["param_groups"]
 
 
-def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
+def save_server(
+    sync: Synchronizer, server_state: dict[str, Any], durable: bool = False, where: int = 0
+) -> None:
     """A parameter server's part of a checkpoint, called from ``serve()`` once every worker's
-    request has arrived: its own file, written in the background like the workers'."""
+    request has arrived: its own file, written in the background like the workers' (held in
+    memory as theirs are, unless ``durable``: a worker's save waits for the files). ``where``:
+    rank 0's number for the directory (``_publish_directory``; 0: unknown)."""
     pushed = server_state["pushed"]
     step = min(pushed)
     if any(c != step for c in pushed):
@@ -219,7 +228,7 @@ def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
             f"{pushed} pushes applied of workers 0..{len(pushed) - 1}: every worker must save "
             "after the same step"
         )
-    directory, keep = _published_directory(sync)
+    directory, keep = _published_directory(sync, where)
     sync.load_state_dict({"step": step, "strategy": {}})
     state = {
         "server": _server_shares(server_state, sync.rank),
@@ -231,7 +240,14 @@ def save_server(sync: Synchronizer, server_state: dict[str, Any]) -> None:
         "extra": {},
     }
     writer = sync._checkpoint_writer(directory, keep)
-    writer.submit(step, snapshot(state, pool=writer.pool))
+    writer.submit(step, snapshot(state, pool=writer.pool), durable=durable)
+
+
+def flush_server(sync: Synchronizer) -> None:
+    """A worker waits for its checkpoints: a parameter server writes the newest snapshot it
+    holds, without waiting for the file (rank 0's commit waits for it)."""
+    if sync._writer is not None:
+        sync._writer.write_newest()
 
 
 def _server_shares(server_state: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -251,20 +267,36 @@ def _directory_key(sync: Synchronizer) -> str:
     return f"{sync.watch.prefix}/checkpoint-directory"
 
 
-def _publish_directory(sync: Synchronizer, directory: str | Path, keep: int) -> None:
+def _publish_directory(sync: Synchronizer, directory: str | Path, keep: int) -> int:
     """Rank 0 tells the servers where this save goes (they never see the call), through the
-    store, before its request: a server reads it once every request has arrived."""
+    store, before its request: a server reads it once every request has arrived. Returns a
+    number for it (never 0), which rank 0's request carries: a server reads the store again
+    only when the number changes (a read took 0.2 ms median, 0.5 mean, of the server's
+    snapshot with a checkpoint every step, while the workers may wait for it)."""
+    last = sync._published
+    if last is not None and last[0] is directory and last[1] == keep:
+        return last[3]  # the same object as the last save's: no JSON to build
     value = json.dumps({"directory": str(directory), "keep": keep})
-    if sync.watch.store is not None and value != sync._published:
+    if (last is None or value != last[2]) and sync.watch.store is not None:
         sync.watch.store.set(_directory_key(sync), value)
-        sync._published = value
+    digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
+    where = int.from_bytes(digest, "little", signed=True) or 1
+    sync._published = (directory, keep, value, where)
+    return where
 
 
-def _published_directory(sync: Synchronizer) -> tuple[str, int]:
+def _published_directory(sync: Synchronizer, where: int) -> tuple[str, int]:
+    """The directory and ``keep`` rank 0 published: read from the store unless ``where`` names
+    the ones read last."""
+    seen = sync._published_seen
+    if where and seen is not None and seen[0] == where:
+        return seen[1]
     if sync.watch.store is None:
         raise CheckpointError("parameter-server checkpoints need the process group's store")
     data = json.loads(sync.watch.store.get(_directory_key(sync)))
-    return str(data["directory"]), int(data["keep"])
+    found = str(data["directory"]), int(data["keep"])
+    sync._published_seen = (where, found)
+    return found
 
 
 def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:

@@ -345,6 +345,11 @@ class ProcessCheckpointWriter(WriterBase):
             self._write_held(self._held[-1][0])
         self._pin_on_error(super().flush, timeout_s)
 
+    def write_newest(self) -> None:
+        """Tell the child to write the newest held snapshot, without waiting."""
+        if self._held:
+            self._write_held(self._held[-1][0])
+
     def wait(self, step: int, timeout_s: float | None = None) -> None:
         """``WriterBase.wait``, writing ``step``'s snapshot first if it is held."""
         self._write_held(step)

@@ -191,8 +191,10 @@ def optimizer_step(ctx: SyncContext) -> bool:
     return bool(ctx.scaler.get_scale() >= before)
 
 
-#: what a server role hands its state to when the workers ask for a checkpoint
-CheckpointSink = Callable[[dict[str, Any]], None]
+#: what a server role hands its state to when the workers ask for a checkpoint:
+#: ``sink(state)``; ``durable=True`` when a worker's save waits for its files, ``where=``
+#: rank 0's number for the save's directory (``Strategy.checkpoint_held``) where known
+CheckpointSink = Callable[..., None]
 
 
 class ServerRole(Protocol):
@@ -205,7 +207,9 @@ class ServerRole(Protocol):
 
     def serve(self, checkpoint: CheckpointSink) -> Any:
         """Serve until every worker is done; hand ``checkpoint`` this server's state whenever
-        the workers save. Returns the server's statistics."""
+        the workers save. Returns the server's statistics. A role whose ``serve`` also takes
+        ``flush`` (a callable) is given one: call it when a worker waits for its checkpoints
+        (``Strategy.flush_checkpoints``), to write the newest state handed over."""
         ...
 
 
@@ -242,6 +246,12 @@ class Strategy(Protocol):
     #: the background writer may hold most snapshots in memory and write every 64th, and a
     #: dying rank's writer writes the newest two (``writer_process.FILES_EVERY``)
     lockstep: bool = False
+    #: whether, though not ``lockstep``, ranks' newest checkpoints still differ by at most
+    #: one step when every step saves, and a rank waiting for its checkpoints makes every
+    #: rank write its newest (``flush_checkpoints``): the writers hold snapshots as under a
+    #: ``lockstep`` strategy (parameter servers: a checkpoint pauses the workers that are a
+    #: step ahead)
+    holds_snapshots: bool = False
 
     def setup(self, ctx: SyncContext) -> None: ...
 
@@ -287,7 +297,22 @@ class Strategy(Protocol):
 
     def prepare_checkpoint(self, step: int) -> None:
         """Called on every worker at the start of ``sync.save()``, after ``step`` steps, before
-        any of the save's collectives (parameter servers are asked to snapshot here)."""
+        any of the save's collectives."""
+        return None
+
+    def checkpoint_held(self, step: int, durable: bool, where: int = 0) -> None:
+        """Called on every worker in ``sync.save()`` once this rank's snapshot after ``step``
+        steps is with its writer, before waiting for it (``durable``: the save waits for the
+        files; ``where``: on rank 0 with servers, a number for the save's directory and keep
+        that changes when they do, else 0). Parameter servers are asked to snapshot here: a
+        rank that dies from then on leaves this step's snapshot to its writer, so every rank
+        holds a step in common."""
+        return None
+
+    def flush_checkpoints(self) -> None:
+        """Called on every worker before it waits for its checkpoints to be written
+        (``wait_for_checkpoints``, ``close``, ``load``): ranks that never save themselves
+        (parameter servers) are told to write the newest snapshot they hold."""
         return None
 
     def trainable(self) -> list[torch.Tensor] | None:

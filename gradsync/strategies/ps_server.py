@@ -13,8 +13,12 @@ receive until the checkpoint is over, so no point-to-point receive is pending wh
 server takes part in the save's collectives, and a slow save does not count against the
 receive timeout). Once every unfinished worker has asked, no reply is pending either (each
 worker waited for its last reply before asking), and the server hands its state (its
-parameters, its optimizer's state and the clocks) to the ``checkpoint`` callback, then lets
-the receivers go on.
+parameters, its optimizer's state and the clocks) to the ``checkpoint`` callback (with
+``durable=True`` when a worker's save waits for its files), then lets the receivers go on. A
+worker's ``FLUSH`` (it waits for its checkpoints to be written) calls the ``flush`` callback:
+the newest snapshot handed over is written at once (the writer holds most of them in memory,
+``gradsync.fault.mailbox``). It always follows that worker's newest request, whose snapshot
+is therefore taken.
 
 Shutdown, in order: a receiver thread returns right after delivering its worker's ``DONE``,
 so once every worker is done no receive is posted; the server then sends every worker the
@@ -32,6 +36,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +47,7 @@ from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.fault.guards import is_finite
 from gradsync.flat import flatten, views
 from gradsync.strategies.base import CheckpointSink, SyncContext
-from gradsync.strategies.ps_wire import CHECKPOINT, DONE, SKIPPED, ShardPlan
+from gradsync.strategies.ps_wire import CHECKPOINT, DONE, FLUSH, SKIPPED, ShardPlan
 
 
 @dataclass(slots=True)
@@ -187,9 +192,11 @@ class _Server:
         rank: int,
         checkpoint: CheckpointSink | None,
         restored: dict[str, Any] | None,
+        flush: Callable[[], None] | None = None,
     ) -> None:
         self.plan, self.staleness, self.rank, self.checkpoint = plan, staleness, rank, checkpoint
-        s = rank - plan.workers
+        self.flush = flush
+        s = self.shard = rank - plan.workers
         # The server owns its own copies: the model object on this rank is only a shape template.
         self.params = [p.detach().clone().requires_grad_(True) for p in plan.shard_params(s)]
         self.optimizer, self.group_source = _server_optimizer(
@@ -200,8 +207,8 @@ class _Server:
         self.workers = plan.workers
         # What a message to this server looks like; compressed pushes are decoded with the
         # codec of the worker that sent them (the same seed it encoded with).
-        self.wire_dtype, self.header, payload = plan.wire(s)
-        self.message_numel = self.header + payload
+        self.wire_dtype, self.header, _payload = plan.wire(s)
+        self.message_numel = plan.receive_numel(s)
         self.codecs = [plan.codec(s, w) for w in range(self.workers)] if plan.compressed else []
         self.stats = ServerStats(server_rank=rank)
         self.pushed = [0] * self.workers
@@ -209,6 +216,8 @@ class _Server:
         self.pending: dict[int, _Pull] = {}
         self.fresh_through = [-1] * self.workers  # k of the parameters last sent to each worker
         self.requested = [False] * self.workers  # sent CHECKPOINT, not yet served
+        self.durable = False  # a request of the checkpoint not yet served waits for its files
+        self.where = 0  # rank 0's number for that checkpoint's directory
         self.sends: list[Any] = []
         if restored is not None:
             self._restore(restored)
@@ -252,9 +261,19 @@ class _Server:
         self.stats.checkpoints = [int(c) for c in state.get("checkpoints", [])]
         self.stats.resumed_at = min(self.pushed)
 
-    def on_checkpoint(self, w: int, receivers: _Receivers) -> None:
+    def on_checkpoint(self, w: int, message: torch.Tensor, receivers: _Receivers) -> None:
         self.requested[w] = True
+        durable, where = self.plan.read_words(self.shard, message, 2)
+        self.durable |= bool(durable)
+        if w == 0:  # rank 0 published the directory (``Strategy.checkpoint_held``)
+            self.where = where
         self.maybe_checkpoint(receivers)
+
+    def on_flush(self) -> None:
+        """A worker waits for its checkpoints: write the newest snapshot now (module
+        docstring). Without a callback there is nothing held to write."""
+        if self.flush is not None:
+            self.flush()
 
     def maybe_checkpoint(self, receivers: _Receivers) -> None:
         """Snapshot once every unfinished worker has asked; then let their receivers go on."""
@@ -270,7 +289,8 @@ class _Server:
         # Each worker waited for its last reply before asking, so nothing is held back here.
         assert not self.pending, self.pending
         self.stats.checkpoints.append(min(self.pushed))
-        self.checkpoint(self.state_dict())
+        self.checkpoint(self.state_dict(), durable=self.durable, where=self.where)
+        self.durable, self.where = False, 0
         for v in range(self.workers):
             if self.requested[v]:
                 self.requested[v] = False
@@ -390,13 +410,22 @@ class PSServer:
         next ``serve()``, which starts from it."""
         self._restored = state
 
-    def serve(self, checkpoint: CheckpointSink | None = None) -> ServerStats:
-        """Serve until every worker is done. ``checkpoint(state)`` is called with this server's
-        state when the workers ask for a checkpoint; it writes it and joins their collectives
+    def serve(
+        self,
+        checkpoint: CheckpointSink | None = None,
+        flush: Callable[[], None] | None = None,
+    ) -> ServerStats:
+        """Serve until every worker is done. ``checkpoint(state, durable=..., where=...)`` is
+        called with this server's state when the workers ask for a checkpoint (``durable``: a
+        worker's save waits for the files; ``where``: rank 0's number for the directory, see
+        ``Strategy.checkpoint_held``); it hands the state to this rank's writer
         (``Synchronizer.serve`` passes ``gradsync.fault.resume.save_server``). The state's
-        tensors are the server's own: copy them within the call to keep them."""
+        tensors are the server's own: copy them within the call to keep them. ``flush()`` is
+        called when a worker waits for its checkpoints: write the newest state handed over."""
         restored, self._restored = self._restored, None
-        server = _Server(self._plan, self._ctx, self._staleness, self.rank, checkpoint, restored)
+        server = _Server(
+            self._plan, self._ctx, self._staleness, self.rank, checkpoint, restored, flush
+        )
         return _serve(server)
 
 
@@ -423,7 +452,9 @@ def _serve(server: _Server) -> ServerStats:
             server.done[w] = True
             server.maybe_checkpoint(receivers)
         elif kind == CHECKPOINT:
-            server.on_checkpoint(w, receivers)
+            server.on_checkpoint(w, item, receivers)
+        elif kind == FLUSH:
+            server.on_flush()
         elif kind == SKIPPED:
             server.on_skipped(w)
         else:

@@ -15,7 +15,11 @@ or with compression the push codec's bytes (the message is then uint8, and the h
 the payload 8-byte aligned for the codec's views). Kinds: ``GRADIENT`` (the payload is the
 gradient; the server replies with parameters), ``CHECKPOINT`` (no payload, no reply: this
 worker is inside ``sync.save()`` after its N-th push; the header alone is sent, see
-``ShardPlan.control``), ``SKIPPED`` (no payload: this step's
+``ShardPlan.control``; after the header, two int64: 1 when the worker's save waits for the
+files, so the server writes its part at once, and rank 0's number for the directory,
+``Strategy.checkpoint_held``), ``FLUSH`` (no reply: the worker waits for its
+checkpoints to be written, so the server writes the newest snapshot it holds, see
+``gradsync.fault.mailbox``), ``SKIPPED`` (no payload: this step's
 gradient was not finite, so the worker pushes nothing; the server counts the push, applies
 nothing and replies with parameters) or ``DONE`` (the worker finished; the
 server replies with the final parameters once every worker is done). A reply is one tensor in
@@ -41,9 +45,11 @@ from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.strategies.base import SyncContext
 
 # Message kinds (element 0 of every worker -> server message).
-GRADIENT, DONE, CHECKPOINT, SKIPPED = 0.0, 1.0, 2.0, 3.0
+GRADIENT, DONE, CHECKPOINT, SKIPPED, FLUSH = 0.0, 1.0, 2.0, 3.0, 4.0
 _KIND_BYTES = 8  # the header's first part: the kind, then padding to 8 bytes
 _LR_BYTES = 8  # then one float64 per param group: the worker's current lr
+#: a control message's int64 words after the header, at most (``ShardPlan.control``)
+CONTROL_WORDS = 2
 
 
 def _write_header(header: torch.Tensor, kind: float, lrs: torch.Tensor) -> None:
@@ -138,6 +144,13 @@ class ShardPlan:
         assert header_bytes % itemsize == 0, dtype
         return dtype, header_bytes // itemsize, payload
 
+    def receive_numel(self, s: int) -> int:
+        """The elements a server receives every message into: a push, or a control message
+        where that is longer (a model of a few parameters)."""
+        dtype, header, payload = self.wire(s)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return header + max(payload, CONTROL_WORDS * 8 // itemsize)
+
     def message(
         self, s: int, kind: float, lrs: torch.Tensor, payload: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -151,17 +164,32 @@ class ShardPlan:
             msg[header:] = payload
         return msg
 
-    def control(self, s: int, kind: float, lrs: torch.Tensor) -> torch.Tensor:
-        """A payload-less message of ``kind`` to server ``s``: the header alone. The server
-        receives every message into a buffer of a push's size (it cannot know what comes);
-        gloo delivers a shorter message into a longer receive and leaves the rest of the
-        buffer alone, which the server never reads for these kinds. A whole push's size of
-        zeros was sent before: 483 KB on charlm, about 0.3 ms of the worker's step for a
-        checkpoint request every step (``test_ps_wire.py`` checks that gloo still does so)."""
+    def control(
+        self, s: int, kind: float, lrs: torch.Tensor, words: tuple[int, ...] = ()
+    ) -> torch.Tensor:
+        """A payload-less message of ``kind`` to server ``s``: the header, then ``words`` as
+        int64 (at most ``CONTROL_WORDS``). The server receives every message into a buffer of
+        a push's size (it cannot know what comes; ``receive_numel``); gloo delivers a shorter
+        message into a longer receive and leaves the rest of the buffer alone, which the
+        server never reads for these kinds. A whole push's size of zeros was sent before:
+        483 KB on charlm, about 0.3 ms of the worker's step for a checkpoint request every
+        step (``test_ps_wire.py`` checks that gloo still does so)."""
+        if len(words) > CONTROL_WORDS:
+            raise ValueError(f"a control message carries at most {CONTROL_WORDS} words")
         dtype, header, _ = self.wire(s)
-        msg = torch.zeros(header, dtype=dtype)
-        _write_header(msg, kind, lrs)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        msg = torch.zeros(header + len(words) * 8 // itemsize, dtype=dtype)
+        _write_header(msg[:header], kind, lrs)
+        if words:
+            msg[header:].view(torch.int64)[:] = torch.tensor(words, dtype=torch.int64)
         return msg
+
+    def read_words(self, s: int, message: torch.Tensor, count: int) -> list[int]:
+        """The first ``count`` int64 words after the header of a control message to server
+        ``s`` (``control``)."""
+        _, header, _ = self.wire(s)
+        itemsize = message.element_size()
+        return message[header : header + count * 8 // itemsize].view(torch.int64).tolist()
 
     def read_lrs(self, message: torch.Tensor) -> list[float]:
         """The sending worker's lr per param group, from a message's header."""
@@ -209,4 +237,14 @@ def current_lrs(optimizer: torch.optim.Optimizer, groups: int) -> torch.Tensor:
     return torch.tensor([float(g.get("lr", math.nan)) for g in found], dtype=torch.float64)
 
 
-__all__ = ["CHECKPOINT", "DONE", "GRADIENT", "SKIPPED", "ShardPlan", "current_lrs", "shard_by_size"]
+__all__ = [
+    "CHECKPOINT",
+    "CONTROL_WORDS",
+    "DONE",
+    "FLUSH",
+    "GRADIENT",
+    "SKIPPED",
+    "ShardPlan",
+    "current_lrs",
+    "shard_by_size",
+]
