@@ -120,6 +120,13 @@ def held_and_flushed(rank: int, world: int, root: str) -> dict[str, Any] | None:
     sync.wait_for_checkpoints(timeout_s=15)
     latest["a after flush"] = CheckpointStore(a).latest().step if rank == 0 else None
     latest["a files"] = _files(a)
+    # The server's snapshot of each step came before it applied any later push (a request
+    # rides on the next push, or on a message of its own when a flush comes first).
+    pushes: dict[int, Any] = {}
+    latest["a server pushes"] = pushes
+    if rank == 0:  # the one that waited for the commits
+        store = CheckpointStore(a)
+        pushes |= {step: store.load(store.at(step), 2)["server"]["pushed"] for step in (1, 4)}
     for step in (4, 5):  # b's first snapshot is a file, its second held
         train(step)
         sync.save(b, keep=10, wait=False)
@@ -129,6 +136,14 @@ def held_and_flushed(rank: int, world: int, root: str) -> dict[str, Any] | None:
     train(7)
     sync.save(a, keep=10, wait=True)  # held otherwise: the writer's second snapshot
     latest["a after durable save"] = CheckpointStore(a).latest().step if rank == 0 else None
+    for step in (8, 9):  # saves 9 and 10, each request riding on the next push
+        train(step)
+        sync.save(a, keep=10, wait=False)
+    train(10)
+    sync.wait_for_checkpoints(timeout_s=15)
+    if rank == 0:
+        store = CheckpointStore(a)
+        pushes[10] = store.load(store.at(10), 2)["server"]["pushed"]
     sync.report()
     sync.close()
     return latest

@@ -170,3 +170,4 @@ def test_servers_hold_snapshots_and_write_them_when_a_worker_waits(tmp_path: Pat
     assert got["a files"] == {1: every_rank, 4: every_rank}, got
     assert got["b after switch"] == 6, got
     assert got["a after durable save"] == 8, got
+    assert got["a server pushes"] == {1: [1, 1], 4: [4, 4], 10: [10, 10]}, got

@@ -77,6 +77,7 @@ from gradsync.strategies.ps_wire import (
     DONE,
     FLUSH,
     GRADIENT,
+    SAVED,
     SKIPPED,
     ShardPlan,
     current_lrs,
@@ -112,6 +113,9 @@ class ParameterServer(Strategy):
         self._codecs: list[PushCodec] = []
         #: control messages posted and not yet waited for: (what, work, the message)
         self._unsettled: list[tuple[str, Any, torch.Tensor]] = []
+        #: a checkpoint request that goes with the next message (``checkpoint_held``)
+        self._request_pending = False
+        self._where_sent = 0  # the directory number of the last request sent with one
 
     def setup(self, ctx: SyncContext) -> None:
         if ctx.scaling:
@@ -167,6 +171,7 @@ class ParameterServer(Strategy):
             outcome.idle = self._exchange(self._control(SKIPPED), step, "skipped push")
             return outcome
         lrs = self._current_lrs()
+        kind = GRADIENT + self._take_request()
         pushes = []
         for s in range(self.servers):
             flat = torch.cat(
@@ -180,7 +185,7 @@ class ParameterServer(Strategy):
             # The server decodes with its count of this worker's pushes, which equals this
             # step: one push per step, and both sides resume from the same checkpoint.
             payload = self._codecs[s].encode(flat, step) if plan.compressed else flat
-            pushes.append(plan.message(s, GRADIENT, lrs, payload))
+            pushes.append(plan.message(s, kind, lrs, payload))
         held = self._exchange(pushes, step)
         # The optimizer steps on the servers. Record that it ran, as torch's wrapper of
         # optimizer.step() does, so an LR scheduler stepped here does not warn that it never did.
@@ -195,9 +200,18 @@ class ParameterServer(Strategy):
         return current_lrs(self._ctx.optimizer, self.plan.groups)
 
     def _control(self, kind: float) -> list[torch.Tensor]:
-        """A payload-less message of ``kind`` for every server."""
+        """A payload-less message of ``kind`` for every server (with a checkpoint request
+        pending, ``SKIPPED`` and ``DONE`` carry it)."""
         lrs = self._current_lrs()
+        if kind in (SKIPPED, DONE):
+            kind += self._take_request()
         return [self.plan.control(s, kind, lrs) for s in range(self.servers)]
+
+    def _take_request(self) -> float:
+        """``SAVED`` if a checkpoint request goes with the next message (then no longer
+        pending), else 0."""
+        pending, self._request_pending = self._request_pending, False
+        return SAVED if pending else 0.0
 
     def _exchange(self, pushes: list[torch.Tensor], step: int | str, sent: str = "push") -> float:
         """Send one message to every server and install the parameters they send back."""
@@ -257,24 +271,41 @@ class ParameterServer(Strategy):
             raise UsageError("training already finished (report() ended it): nothing to save")
 
     def checkpoint_held(self, step: int, durable: bool, where: int = 0) -> None:
-        """Ask every server to snapshot its state now, after this worker's ``step``-th push
-        (to write it at once when ``durable``; ``where``: rank 0's number for the directory,
-        so that a server reads it from the store only when it changes). No reply. The sends
-        are waited for before this worker's next message (``_settle``), not here: about
-        0.2 ms a save, more when the server is busy."""
+        """Ask every server to snapshot its state after this worker's ``step``-th push: with
+        this worker's next message (``SAVED``), or at once in a ``CHECKPOINT`` of its own
+        when the save waits for its files (``durable``) or, on rank 0, names another
+        directory than the last request did (``where``: a server reads it from the store
+        only when it changes). A message of its own per save cost about 0.2 ms median and
+        0.5 ms mean of the worker's save (a send posted right after a step; charlm, 2 workers
+        and a server), as much as the model's copy. Each save asks once."""
+        if self._request_pending:  # a second save since the last message: its own request
+            self._request(0, step)
+        if durable or (where and where != self._where_sent):
+            self._request(where, step, durable)
+        else:
+            self._request_pending = True
+
+    def _request(self, where: int, step: int | str, durable: bool = False) -> None:
+        """A ``CHECKPOINT`` message to every server; waited for only with ``durable``."""
+        self._request_pending = False
+        lrs = self._current_lrs()
         msgs = [
-            self.plan.control(s, CHECKPOINT, self._current_lrs(), (int(durable), where))
+            self.plan.control(s, CHECKPOINT, lrs, (int(durable), where))
             for s in range(self.servers)
         ]
         self._send_control(msgs, step, "checkpoint request")
+        self._where_sent = where or self._where_sent
         if durable:
             self._settle()
 
     def flush_checkpoints(self) -> None:
-        """Tell every server to write the newest snapshot it holds (none once training has
-        finished: a server writes its newest when it stops serving)."""
+        """Tell every server to write the newest snapshot it holds, after asking for the one
+        pending (none once training has finished: a server writes its newest when it stops
+        serving)."""
         if self._server is not None or self._finished or self._plan is None:
             return
+        if self._request_pending:
+            self._request(0, "flush")
         self._send_control(self._control(FLUSH), "flush", "checkpoint flush")
         self._settle()
 

@@ -8,11 +8,12 @@ updates and answers in arrival order, so the parameters a reply carries are a co
 snapshot. A worker that disappears, or stays silent past the timeout, ends the server with an
 error naming it.
 
-Checkpoints: a worker's ``CHECKPOINT`` message pauses its receiver thread (it posts no
-receive until the checkpoint is over, so no point-to-point receive is pending while the
-server takes part in the save's collectives, and a slow save does not count against the
-receive timeout). Once every unfinished worker has asked, no reply is pending either (each
-worker waited for its last reply before asking), and the server hands its state (its
+Checkpoints: a worker asks with a ``CHECKPOINT`` message, or with its next message (its kind
+plus ``SAVED``: the server keeps that message aside, to apply once the checkpoint is taken).
+Either pauses its receiver thread (it posts no receive until the checkpoint is over, so a
+slow save does not count against the receive timeout). Once every unfinished worker has
+asked, no reply is pending either (each worker waited for its last reply before asking), and
+the server hands its state (its
 parameters, its optimizer's state and the clocks) to the ``checkpoint`` callback (with
 ``durable=True`` when a worker's save waits for its files), then lets the receivers go on. A
 worker's ``FLUSH`` (it waits for its checkpoints to be written) calls the ``flush`` callback:
@@ -47,7 +48,7 @@ from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.fault.guards import is_finite
 from gradsync.flat import flatten, views
 from gradsync.strategies.base import CheckpointSink, SyncContext
-from gradsync.strategies.ps_wire import CHECKPOINT, DONE, FLUSH, SKIPPED, ShardPlan
+from gradsync.strategies.ps_wire import CHECKPOINT, DONE, FLUSH, SAVED, SKIPPED, ShardPlan
 
 
 @dataclass(slots=True)
@@ -162,9 +163,9 @@ class _Receivers:
                 return
             self.inbox.put((w, buf))
             kind = float(buf[0])
-            if kind == DONE:
+            if kind in (DONE, DONE + SAVED):
                 return
-            if kind == CHECKPOINT:
+            if kind == CHECKPOINT or kind >= SAVED:
                 # The main thread owns the timeout meanwhile (it is in the save's collectives,
                 # or waiting for the other workers' requests); it ends the process on failure.
                 self._go[w].get()
@@ -217,7 +218,10 @@ class _Server:
         self.fresh_through = [-1] * self.workers  # k of the parameters last sent to each worker
         self.requested = [False] * self.workers  # sent CHECKPOINT, not yet served
         self.durable = False  # a request of the checkpoint not yet served waits for its files
-        self.where = 0  # rank 0's number for that checkpoint's directory
+        self.where = 0  # rank 0's number for the directory of its last request that had one
+        #: messages that asked for the checkpoint not yet taken (``SAVED``), in arrival order,
+        #: to apply after it: (worker, kind less ``SAVED``, message)
+        self.deferred: list[tuple[int, float, torch.Tensor]] = []
         self.sends: list[Any] = []
         if restored is not None:
             self._restore(restored)
@@ -261,11 +265,30 @@ class _Server:
         self.stats.checkpoints = [int(c) for c in state.get("checkpoints", [])]
         self.stats.resumed_at = min(self.pushed)
 
+    def on_message(self, w: int, item: torch.Tensor, receivers: _Receivers) -> None:
+        """Apply one message of worker ``w`` (module docstring)."""
+        kind = float(item[0])
+        if kind >= SAVED:  # a checkpoint request first, then the message once it is taken
+            self.requested[w] = True
+            self.deferred.append((w, kind - SAVED, item))
+            self.maybe_checkpoint(receivers)
+        elif kind == DONE:
+            self.done[w] = True
+            self.maybe_checkpoint(receivers)
+        elif kind == CHECKPOINT:
+            self.on_checkpoint(w, item, receivers)
+        elif kind == FLUSH:
+            self.on_flush()
+        elif kind == SKIPPED:
+            self.on_skipped(w)
+        else:
+            self.on_gradient(w, item)
+
     def on_checkpoint(self, w: int, message: torch.Tensor, receivers: _Receivers) -> None:
         self.requested[w] = True
         durable, where = self.plan.read_words(self.shard, message, 2)
         self.durable |= bool(durable)
-        if w == 0:  # rank 0 published the directory (``Strategy.checkpoint_held``)
+        if w == 0 and where:  # rank 0 published the directory (``Strategy.checkpoint_held``)
             self.where = where
         self.maybe_checkpoint(receivers)
 
@@ -290,11 +313,15 @@ class _Server:
         assert not self.pending, self.pending
         self.stats.checkpoints.append(min(self.pushed))
         self.checkpoint(self.state_dict(), durable=self.durable, where=self.where)
-        self.durable, self.where = False, 0
-        for v in range(self.workers):
-            if self.requested[v]:
-                self.requested[v] = False
-                receivers.resume(v)
+        self.durable = False
+        asked = [v for v in range(self.workers) if self.requested[v]]
+        self.requested = [False] * self.workers
+        deferred, self.deferred = self.deferred, []
+        for v, kind, message in deferred:  # after the snapshot, as if they came only now
+            message[0] = kind
+            self.on_message(v, message, receivers)
+        for v in asked:
+            receivers.resume(v)
 
     # -- gradients and replies ------------------------------------------------------------------
     def on_gradient(self, w: int, message: torch.Tensor) -> None:
@@ -447,18 +474,7 @@ def _serve(server: _Server) -> ServerStats:
                 f"parameter server rank {rank}: lost worker rank {w}: "
                 f"{str(item).splitlines()[0] if str(item) else type(item).__name__}"
             ) from item
-        kind = float(item[0])
-        if kind == DONE:
-            server.done[w] = True
-            server.maybe_checkpoint(receivers)
-        elif kind == CHECKPOINT:
-            server.on_checkpoint(w, item, receivers)
-        elif kind == FLUSH:
-            server.on_flush()
-        elif kind == SKIPPED:
-            server.on_skipped(w)
-        else:
-            server.on_gradient(w, item)
+        server.on_message(w, item, receivers)
         server.answer_ready()
     server.finish()
     receivers.join()

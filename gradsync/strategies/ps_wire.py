@@ -22,8 +22,10 @@ checkpoints to be written, so the server writes the newest snapshot it holds, se
 ``gradsync.fault.mailbox``), ``SKIPPED`` (no payload: this step's
 gradient was not finite, so the worker pushes nothing; the server counts the push, applies
 nothing and replies with parameters) or ``DONE`` (the worker finished; the
-server replies with the final parameters once every worker is done). A reply is one tensor in
-the parameters' dtype: the seconds the server held it, then the shard's parameters.
+server replies with the final parameters once every worker is done). ``SAVED`` added to the
+kind of a push, a skipped push or ``DONE`` is a checkpoint request as well, made after the
+worker's previous push: the server snapshots before it applies the message. A reply is one
+tensor in the parameters' dtype: the seconds the server held it, then the shard's parameters.
 
 Posting and waiting: ``post`` and ``wait`` turn a failed or late point-to-point operation into
 a ``SyncTimeoutError`` naming the peer (gloo raises at posting time, not only at wait, when
@@ -46,6 +48,9 @@ from gradsync.strategies.base import SyncContext
 
 # Message kinds (element 0 of every worker -> server message).
 GRADIENT, DONE, CHECKPOINT, SKIPPED, FLUSH = 0.0, 1.0, 2.0, 3.0, 4.0
+#: added to the kind of a push, a skipped push or ``DONE``: the worker saved after its previous
+#: push, and asks for a checkpoint with this message instead of a ``CHECKPOINT`` of its own
+SAVED = 8.0
 _KIND_BYTES = 8  # the header's first part: the kind, then padding to 8 bytes
 _LR_BYTES = 8  # then one float64 per param group: the worker's current lr
 #: a control message's int64 words after the header, at most (``ShardPlan.control``)
@@ -243,6 +248,7 @@ __all__ = [
     "DONE",
     "FLUSH",
     "GRADIENT",
+    "SAVED",
     "SKIPPED",
     "ShardPlan",
     "current_lrs",
