@@ -4,6 +4,7 @@ validation of ``--servers``, and what a server's checkpoint keeps."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -152,3 +153,37 @@ def test_control_words_come_back_and_fit_a_tiny_models_receive(dtype: torch.dtyp
     assert plan.read_words(0, received, 2) == [1, -(2**62)]
     with pytest.raises(ValueError, match="at most 2 words"):
         plan.control(0, CHECKPOINT, lrs, (1, 2, 3))
+
+
+def _waiting_server(pushed: list[int], requested: list[bool]) -> tuple[_Server, list[Any]]:
+    """A server without a process group, its workers' clocks and requests as given; the
+    states its checkpoint callback was handed."""
+    server = object.__new__(_Server)
+    server.params, server.optimizer = [torch.ones(3)], None
+    server.workers = len(pushed)
+    server.pushed, server.fresh_through = list(pushed), [c - 1 for c in pushed]
+    server.requested, server.done = list(requested), [False] * len(pushed)
+    server.stats = ServerStats(server_rank=len(pushed))
+    server.where = 5
+    taken: list[Any] = []
+    server.checkpoint = lambda state, **request: taken.append((state["pushed"], request))
+    return server, taken
+
+
+def test_a_worker_lost_while_the_others_wait_for_a_checkpoint_still_gets_it_taken() -> None:
+    # Worker 1 saved after its 7th push, then died before the message that would have asked:
+    # the server's state holds 7 pushes of each, which is the checkpoint of step 7.
+    server, taken = _waiting_server([7, 7, 7], [True, False, True])
+    server.checkpoint_on_loss(1)
+    assert taken == [([7, 7, 7], {"durable": False, "where": 5})]
+    # Not when the lost worker is behind (it never got to save that step)...
+    server, taken = _waiting_server([7, 6, 7], [True, False, True])
+    server.checkpoint_on_loss(1)
+    assert taken == []
+    # ...nor when another live worker has not asked yet, nor when nobody has.
+    server, taken = _waiting_server([7, 7, 7], [True, False, False])
+    server.checkpoint_on_loss(1)
+    assert taken == []
+    server, taken = _waiting_server([7, 7, 7], [False, False, False])
+    server.checkpoint_on_loss(1)
+    assert taken == []

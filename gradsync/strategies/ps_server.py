@@ -32,6 +32,7 @@ talks to it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import queue
@@ -292,6 +293,21 @@ class _Server:
             self.where = where
         self.maybe_checkpoint(receivers)
 
+    def checkpoint_on_loss(self, lost: int) -> None:
+        """Worker ``lost`` is gone while the others wait for a checkpoint: take it if ``lost``
+        had pushed as often as they had (it saved after that push, then died before its next
+        message, which would have asked). The writer, holding it, writes it as this process
+        ends; if ``lost`` never saved that step, its file is missing and the resume takes the
+        step before, as it would have without this snapshot. A failure here is not raised:
+        the loss is the error to report."""
+        asked = [v for v in range(self.workers) if self.requested[v]]
+        if not asked or self.checkpoint is None or len(set(self.pushed)) != 1:
+            return
+        if not all(self.done[v] or self.requested[v] or v == lost for v in range(self.workers)):
+            return
+        with contextlib.suppress(Exception):
+            self.checkpoint(self.state_dict(), durable=False, where=self.where)
+
     def on_flush(self) -> None:
         """A worker waits for its checkpoints: write the newest snapshot now (module
         docstring). Without a callback there is nothing held to write."""
@@ -470,6 +486,7 @@ def _serve(server: _Server) -> ServerStats:
                 f"parameter server rank {rank}: workers {silent} sent nothing for {timeout:.0f}s"
             ) from None
         if isinstance(item, BaseException):
+            server.checkpoint_on_loss(w)
             raise SyncTimeoutError(
                 f"parameter server rank {rank}: lost worker rank {w}: "
                 f"{str(item).splitlines()[0] if str(item) else type(item).__name__}"
