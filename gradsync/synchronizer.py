@@ -787,6 +787,11 @@ class Synchronizer:
         no collective (it may follow an exception on one rank): step records not gathered yet,
         up to twice ``telemetry_every`` steps, are gathered by ``report()`` only."""
         try:
+            if self._writer is not None:
+                # Parameter servers write their newest snapshot when told to; after an
+                # exception they may be gone, which the writer's own wait then reports.
+                with contextlib.suppress(Exception):
+                    self.strategy.flush_checkpoints()
             self._close_writer()
         finally:
             self._row_logs.close()

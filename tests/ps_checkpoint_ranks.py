@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +146,62 @@ def held_and_flushed(rank: int, world: int, root: str) -> dict[str, Any] | None:
     if rank == 0:
         store = CheckpointStore(a)
         pushes[10] = store.load(store.at(10), 2)["server"]["pushed"]
+    # Two saves at each step into two directories: a request still in flight for one must
+    # not be written into the other, which rank 0 has named meanwhile.
+    c, d = Path(root) / "c", Path(root) / "d"
+    for step in (11, 12):
+        train(step)
+        sync.save(c, keep=10, wait=False)
+        sync.save(d, keep=10, wait=False)
+    sync.wait_for_checkpoints(timeout_s=15)
+    if rank == 0:
+        latest["c and d"] = [CheckpointStore(x).latest().step for x in (c, d)]
     sync.report()
     sync.close()
     return latest
+
+
+def _save_every_step(steps: int, root: str, *, lost: int | None = None) -> gs.Synchronizer:
+    """``async`` with 2 workers and a server, each worker saving after each of ``steps``
+    steps without waiting (worker ``lost`` dies right after its last save; the others then
+    take one step more); the server serves (and raises when a worker is lost)."""
+    w, model, sync = _sync("async")
+    if sync.is_server:
+        sync.serve()
+        sync.close()
+        return sync
+    for step in range(steps + (lost is not None)):
+        with sync.step(samples=PER_RANK):
+            x, y = w.batch(step, PER_RANK * 2, sync.rank * PER_RANK, (sync.rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+        sync.save(Path(root) / "ckpt", wait=False)
+        if step + 1 == steps and sync.rank == lost:
+            os._exit(3)  # as a kill would: no clean-up, no result
+    return sync
+
+
+def closed_without_report(rank: int, world: int, root: str) -> int | None:
+    """The workers close after 3 saves, as after an exception, without ``report()``: the
+    newest step is committed all the same (the close tells the servers to write theirs)."""
+    sync = _save_every_step(3, root)
+    closed = Path(root) / "rank-0-closed"
+    if rank == 0:
+        sync.close()
+        from gradsync.fault.checkpoint import CheckpointStore
+
+        closed.touch()
+        info = CheckpointStore(Path(root) / "ckpt").latest()
+        return info.step if info is not None else None
+    sync.close()
+    # Stay until rank 0 has closed: a worker that leaves ends the server, which then takes
+    # the newest checkpoint itself (``checkpoint_on_loss``) and would hide a missing flush.
+    deadline = time.monotonic() + 40
+    while not closed.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return None
+
+
+def lost_after_a_save(rank: int, world: int, root: str) -> None:
+    """Worker 1 dies right after its save of step 3, before the push that would have asked
+    for it; worker 0 pushes step 4 (asking for 3) and then fails with the server."""
+    _save_every_step(3, root, lost=1)

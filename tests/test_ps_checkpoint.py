@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from gradsync.fault.checkpoint import CheckpointStore
+from gradsync.fault.writer_locks import wait_for_writers
 from gradsync.testing import RankFailure, run_ranks
 from gradsync.workloads import make_workload
 from tests import ps_checkpoint_ranks as ranks
@@ -171,3 +173,28 @@ def test_servers_hold_snapshots_and_write_them_when_a_worker_waits(tmp_path: Pat
     assert got["b after switch"] == 6, got
     assert got["a after durable save"] == 8, got
     assert got["a server pushes"] == {1: [1, 1], 4: [4, 4], 10: [10, 10]}, got
+    assert got["c and d"] == [13, 13], got
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(60)
+def test_a_close_without_report_commits_the_newest_checkpoint(tmp_path: Path) -> None:
+    """After an exception, close() without report(): the servers are told to write theirs,
+    so rank 0's close commits the newest step rather than failing after the timeout."""
+    got = run_ranks(
+        ranks.closed_without_report, 3, str(tmp_path), timeout_s=50, allow_failures=True
+    )
+    assert got[0] == 3, got  # the server fails as the workers leave: it is not asked here
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(60)
+def test_a_worker_lost_right_after_its_save_loses_no_step(tmp_path: Path) -> None:
+    """Saving every step, worker 1 dies after its save of step 3, before the push that would
+    have asked the server for it: the server takes that checkpoint as it learns of the loss,
+    and once every writer has ended, step 3 is committed."""
+    run_ranks(ranks.lost_after_a_save, 3, str(tmp_path), timeout_s=50, allow_failures=True)
+    directory = tmp_path / "ckpt"
+    assert not wait_for_writers(directory, timeout_s=30)
+    info = CheckpointStore(directory).latest()
+    assert info is not None and info.step == 3, info

@@ -3,6 +3,7 @@ validation of ``--servers``, and what a server's checkpoint keeps."""
 
 from __future__ import annotations
 
+import queue
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +22,7 @@ from gradsync.strategies.ps_server import (
     _Server,
     _server_optimizer,
 )
-from gradsync.strategies.ps_wire import CHECKPOINT, ShardPlan
+from gradsync.strategies.ps_wire import CHECKPOINT, GRADIENT, SAVED, ShardPlan
 
 pytestmark = pytest.mark.unit
 
@@ -132,9 +133,9 @@ def test_a_server_checkpoint_keeps_only_the_newest_checkpoint_steps() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_control_words_come_back_and_fit_a_tiny_models_receive(dtype: torch.dtype) -> None:
-    # A model of two scalars: its push (2 elements) is shorter than a checkpoint request's
+    # A model of one scalar: its push (1 element) is shorter than a checkpoint request's
     # two words, so the server's receive must be sized for the longer of the two.
-    model = torch.nn.Linear(1, 1).to(dtype)
+    model = torch.nn.Linear(1, 1, bias=False).to(dtype)
     ctx = SimpleNamespace(
         group=None,
         compressor=SimpleNamespace(spec="none"),
@@ -155,35 +156,84 @@ def test_control_words_come_back_and_fit_a_tiny_models_receive(dtype: torch.dtyp
         plan.control(0, CHECKPOINT, lrs, (1, 2, 3))
 
 
-def _waiting_server(pushed: list[int], requested: list[bool]) -> tuple[_Server, list[Any]]:
-    """A server without a process group, its workers' clocks and requests as given; the
-    states its checkpoint callback was handed."""
+def _waiting_server(
+    pushed: list[int], requested: list[bool], checkpoints: list[int]
+) -> tuple[_Server, list[Any]]:
+    """A server without a process group: its workers' clocks and requests, the steps of its
+    checkpoints so far; and the states its checkpoint callback was handed."""
     server = object.__new__(_Server)
     server.params, server.optimizer = [torch.ones(3)], None
     server.workers = len(pushed)
     server.pushed, server.fresh_through = list(pushed), [c - 1 for c in pushed]
     server.requested, server.done = list(requested), [False] * len(pushed)
-    server.stats = ServerStats(server_rank=len(pushed))
+    server.stats = ServerStats(server_rank=len(pushed), checkpoints=list(checkpoints))
     server.where = 5
     taken: list[Any] = []
     server.checkpoint = lambda state, **request: taken.append((state["pushed"], request))
     return server, taken
 
 
-def test_a_worker_lost_while_the_others_wait_for_a_checkpoint_still_gets_it_taken() -> None:
-    # Worker 1 saved after its 7th push, then died before the message that would have asked:
-    # the server's state holds 7 pushes of each, which is the checkpoint of step 7.
-    server, taken = _waiting_server([7, 7, 7], [True, False, True])
+def test_a_worker_lost_after_its_save_still_gets_that_step_checkpointed() -> None:
+    # Worker 1 saved after its 7th push, then died before the message that would have asked
+    # (with a checkpoint every step a request rides on the next message): the server's state
+    # holds 7 pushes of each, the checkpoint of step 7.
+    server, taken = _waiting_server([7, 7, 7], [True, False, False], [6])
     server.checkpoint_on_loss(1)
     assert taken == [([7, 7, 7], {"durable": False, "where": 5})]
+    assert server.stats.checkpoints == [6, 7]
+    # Nobody has asked yet, but the last checkpoint was of the step before: saving every step.
+    server, taken = _waiting_server([7, 7, 7], [False, False, False], [6])
+    server.checkpoint_on_loss(1)
+    assert len(taken) == 1
     # Not when the lost worker is behind (it never got to save that step)...
-    server, taken = _waiting_server([7, 6, 7], [True, False, True])
+    server, taken = _waiting_server([7, 6, 7], [True, False, True], [6])
     server.checkpoint_on_loss(1)
     assert taken == []
-    # ...nor when another live worker has not asked yet, nor when nobody has.
-    server, taken = _waiting_server([7, 7, 7], [True, False, False])
+    # ...nor when saves are steps apart and nobody asked, nor when the step is already taken.
+    server, taken = _waiting_server([7, 7, 7], [False, False, False], [5])
     server.checkpoint_on_loss(1)
     assert taken == []
-    server, taken = _waiting_server([7, 7, 7], [False, False, False])
+    server, taken = _waiting_server([7, 7, 7], [True, False, True], [6, 7])
     server.checkpoint_on_loss(1)
     assert taken == []
+
+
+def test_a_request_queued_behind_the_loss_counts() -> None:
+    server, taken = _waiting_server([7, 7, 7], [False, False, False], [5])
+    receivers = SimpleNamespace(inbox=queue.Queue())
+    receivers.inbox.put((1, RuntimeError("connection closed")))
+    receivers.inbox.put((2, torch.tensor([GRADIENT + SAVED, 0.0])))  # asked with its push
+    server.checkpoint_on_loss(1, receivers)  # type: ignore[arg-type]
+    assert server.requested == [False, False, True] and len(taken) == 1
+
+
+def _worker_posting() -> tuple[Any, list[tuple[float, tuple[int, ...]]]]:
+    """A worker's strategy whose sends are recorded, not made: (kind, words) of each."""
+    strategy = gs.strategies.ps.ParameterServer(float("inf"))
+    sent: list[tuple[float, tuple[int, ...]]] = []
+    strategy._plan = SimpleNamespace(
+        groups=1,
+        control=lambda s, kind, lrs, words=(): (kind, tuple(words)),
+        post=lambda op, msg, peer, what: sent.append(msg),
+        server_rank=lambda s: 1,
+        wait=lambda work, what: None,
+    )
+    model = torch.nn.Linear(1, 1)
+    strategy._ctx = SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    return strategy, sent
+
+
+def test_a_request_rides_on_the_next_message_only_when_saving_every_step() -> None:
+    strategy, sent = _worker_posting()
+    strategy.checkpoint_held(3, False, 0)  # the first save: a message of its own
+    assert sent == [(CHECKPOINT, (0, 0))]
+    strategy.checkpoint_held(4, False, 0)  # the step after: with the next message
+    assert len(sent) == 1 and strategy._take_request() == SAVED
+    strategy.checkpoint_held(5, False, 0)
+    strategy.checkpoint_held(7, False, 0)  # 5's request goes first; 7 is two steps on
+    assert sent[1:] == [(CHECKPOINT, (0, 0)), (CHECKPOINT, (0, 0))]
+    strategy.checkpoint_held(8, True, 0)  # a save that waits: at once, marked
+    assert sent[3:] == [(CHECKPOINT, (1, 0))]
+    strategy.checkpoint_held(9, False, 11)  # rank 0 naming a new directory: at once
+    strategy.checkpoint_held(10, False, 11)  # the same one: rides
+    assert sent[4:] == [(CHECKPOINT, (0, 11))] and strategy._request_pending

@@ -263,37 +263,45 @@ def _server_shares(server_state: dict[str, Any], rank: int) -> dict[str, Any]:
     return shared
 
 
-def _directory_key(sync: Synchronizer) -> str:
-    return f"{sync.watch.prefix}/checkpoint-directory"
+def _directory_key(sync: Synchronizer, where: int) -> str:
+    # One key per directory: a request still in flight for one directory must not read the
+    # next one's (two saves at one step, into two directories).
+    return f"{sync.watch.prefix}/checkpoint-directory/{where}"
 
 
 def _publish_directory(sync: Synchronizer, directory: str | Path, keep: int) -> int:
     """Rank 0 tells the servers where this save goes (they never see the call), through the
     store, before its request: a server reads it once every request has arrived. Returns a
-    number for it (never 0), which rank 0's request carries: a server reads the store again
-    only when the number changes (a read took 0.2 ms median, 0.5 mean, of the server's
-    snapshot with a checkpoint every step, while the workers may wait for it)."""
+    number for it (never 0), under which it is stored and which rank 0's request carries: a
+    server reads the store only for a number it has not read (a read took 0.2 ms median, 0.5
+    mean, of the server's snapshot with a checkpoint every step, while the workers may wait
+    for it)."""
     last = sync._published
     if last is not None and last[0] is directory and last[1] == keep:
         return last[3]  # the same object as the last save's: no JSON to build
     value = json.dumps({"directory": str(directory), "keep": keep})
-    if (last is None or value != last[2]) and sync.watch.store is not None:
-        sync.watch.store.set(_directory_key(sync), value)
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
     where = int.from_bytes(digest, "little", signed=True) or 1
+    if (last is None or value != last[2]) and sync.watch.store is not None:
+        sync.watch.store.set(_directory_key(sync, where), value)
     sync._published = (directory, keep, value, where)
     return where
 
 
 def _published_directory(sync: Synchronizer, where: int) -> tuple[str, int]:
-    """The directory and ``keep`` rank 0 published: read from the store unless ``where`` names
-    the ones read last."""
+    """The directory and ``keep`` rank 0 published under ``where``: read from the store unless
+    read last."""
     seen = sync._published_seen
-    if where and seen is not None and seen[0] == where:
+    if seen is not None and seen[0] == where:
         return seen[1]
     if sync.watch.store is None:
         raise CheckpointError("parameter-server checkpoints need the process group's store")
-    data = json.loads(sync.watch.store.get(_directory_key(sync)))
+    if not where:
+        raise CheckpointError(
+            f"parameter server rank {sync.rank}: the workers asked for a checkpoint, but rank 0 "
+            "named no directory for it"
+        )
+    data = json.loads(sync.watch.store.get(_directory_key(sync, where)))
     found = str(data["directory"]), int(data["keep"])
     sync._published_seen = (where, found)
     return found

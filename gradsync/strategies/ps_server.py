@@ -162,8 +162,9 @@ class _Receivers:
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 self.inbox.put((w, exc))
                 return
-            self.inbox.put((w, buf))
+            # Read before handing it over: the main thread may answer it at once.
             kind = float(buf[0])
+            self.inbox.put((w, buf))
             if kind in (DONE, DONE + SAVED):
                 return
             if kind == CHECKPOINT or kind >= SAVED:
@@ -266,9 +267,11 @@ class _Server:
         self.stats.checkpoints = [int(c) for c in state.get("checkpoints", [])]
         self.stats.resumed_at = min(self.pushed)
 
-    def on_message(self, w: int, item: torch.Tensor, receivers: _Receivers) -> None:
-        """Apply one message of worker ``w`` (module docstring)."""
-        kind = float(item[0])
+    def on_message(
+        self, w: int, item: torch.Tensor, receivers: _Receivers, kind: float | None = None
+    ) -> None:
+        """Apply one message of worker ``w`` (module docstring), as of ``kind`` if given."""
+        kind = float(item[0]) if kind is None else kind
         if kind >= SAVED:  # a checkpoint request first, then the message once it is taken
             self.requested[w] = True
             self.deferred.append((w, kind - SAVED, item))
@@ -293,20 +296,44 @@ class _Server:
             self.where = where
         self.maybe_checkpoint(receivers)
 
-    def checkpoint_on_loss(self, lost: int) -> None:
-        """Worker ``lost`` is gone while the others wait for a checkpoint: take it if ``lost``
-        had pushed as often as they had (it saved after that push, then died before its next
-        message, which would have asked). The writer, holding it, writes it as this process
-        ends; if ``lost`` never saved that step, its file is missing and the resume takes the
-        step before, as it would have without this snapshot. A failure here is not raised:
-        the loss is the error to report."""
-        asked = [v for v in range(self.workers) if self.requested[v]]
-        if not asked or self.checkpoint is None or len(set(self.pushed)) != 1:
+    def checkpoint_on_loss(self, lost: int, receivers: _Receivers | None = None) -> None:
+        """Worker ``lost`` is gone: take the checkpoint of the step every worker has pushed,
+        if the workers save every step (the last checkpoint was of the step before) or some
+        have asked for it. A worker saving every step asks with its next message, which
+        ``lost`` may have saved and died before sending. The writer, holding the snapshot,
+        writes it as this process ends; where some rank never saved that step, its file is
+        missing and the resume takes the step before, as it would have without this one.
+        Requests still queued (``receivers``) count. A failure here is not raised: the loss
+        is the error to report."""
+        if receivers is not None:
+            self._note_queued_requests(receivers)
+        if self.checkpoint is None or len(set(self.pushed)) != 1:
             return
-        if not all(self.done[v] or self.requested[v] or v == lost for v in range(self.workers)):
+        step = self.pushed[0]
+        taken = self.stats.checkpoints[-1] if self.stats.checkpoints else None
+        if taken == step or not (any(self.requested) or taken == step - 1):
             return
+        self.stats.checkpoints.append(step)
         with contextlib.suppress(Exception):
             self.checkpoint(self.state_dict(), durable=False, where=self.where)
+
+    def _note_queued_requests(self, receivers: _Receivers) -> None:
+        """Mark the checkpoint requests among the messages not applied yet (nothing else of
+        them is applied: the server is ending)."""
+        while True:
+            try:
+                w, item = receivers.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, BaseException):
+                continue
+            kind = float(item[0])
+            if kind == CHECKPOINT:
+                where = self.plan.read_words(self.shard, item, 2)[1]
+                if w == 0 and where:
+                    self.where = where
+            if kind == CHECKPOINT or kind >= SAVED:
+                self.requested[w] = True
 
     def on_flush(self) -> None:
         """A worker waits for its checkpoints: write the newest snapshot now (module
@@ -334,8 +361,7 @@ class _Server:
         self.requested = [False] * self.workers
         deferred, self.deferred = self.deferred, []
         for v, kind, message in deferred:  # after the snapshot, as if they came only now
-            message[0] = kind
-            self.on_message(v, message, receivers)
+            self.on_message(v, message, receivers, kind)
         for v in asked:
             receivers.resume(v)
 
@@ -486,7 +512,7 @@ def _serve(server: _Server) -> ServerStats:
                 f"parameter server rank {rank}: workers {silent} sent nothing for {timeout:.0f}s"
             ) from None
         if isinstance(item, BaseException):
-            server.checkpoint_on_loss(w)
+            server.checkpoint_on_loss(w, receivers)
             raise SyncTimeoutError(
                 f"parameter server rank {rank}: lost worker rank {w}: "
                 f"{str(item).splitlines()[0] if str(item) else type(item).__name__}"
