@@ -311,8 +311,9 @@ class Strategy(Protocol):
 
     def flush_checkpoints(self) -> None:
         """Called on every worker before it waits for its checkpoints to be written
-        (``wait_for_checkpoints``, ``close``, ``load``): ranks that never save themselves
-        (parameter servers) are told to write the newest snapshot they hold."""
+        (``wait_for_checkpoints``, ``close``, a save into another directory): ranks that
+        never save themselves (parameter servers) are told to write the newest snapshot they
+        hold."""
         return None
 
     def trainable(self) -> list[torch.Tensor] | None:
