@@ -289,12 +289,16 @@ class _Server:
             self.on_gradient(w, item)
 
     def on_checkpoint(self, w: int, message: torch.Tensor, receivers: _Receivers) -> None:
+        self._note_request(w, message)
+        self.maybe_checkpoint(receivers)
+
+    def _note_request(self, w: int, message: torch.Tensor) -> None:
+        """Worker ``w`` asked for a checkpoint in a ``CHECKPOINT`` message of its own."""
         self.requested[w] = True
         durable, where = self.plan.read_words(self.shard, message, 2)
         self.durable |= bool(durable)
         if w == 0 and where:  # rank 0 published the directory (``Strategy.checkpoint_held``)
             self.where = where
-        self.maybe_checkpoint(receivers)
 
     def checkpoint_on_loss(self, lost: int, receivers: _Receivers | None = None) -> None:
         """Worker ``lost`` is gone: take the checkpoint of the step every worker has pushed,
@@ -329,10 +333,8 @@ class _Server:
                 continue
             kind = float(item[0])
             if kind == CHECKPOINT:
-                where = self.plan.read_words(self.shard, item, 2)[1]
-                if w == 0 and where:
-                    self.where = where
-            if kind == CHECKPOINT or kind >= SAVED:
+                self._note_request(w, item)
+            elif kind >= SAVED:
                 self.requested[w] = True
 
     def on_flush(self) -> None:
