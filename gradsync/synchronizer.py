@@ -361,8 +361,7 @@ class Synchronizer:
             stats = serve(checkpoint, flush=lambda: resume.flush_server(self))
         else:
             stats = role.serve(checkpoint)
-        if self._writer is not None:  # the workers' last checkpoint, held: written now
-            self._writer.write_newest()
+        resume.flush_server(self)  # the workers' last checkpoint, held: written now
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(-1, final=True)
