@@ -52,16 +52,27 @@ def _hogwild(sync: gs.Synchronizer) -> Hogwild:
     return sync.strategy
 
 
+def _held_out_loss(w: Any, model: torch.nn.Module) -> float:
+    """The loss on one fixed batch of 256 samples no step trains on: unlike a step's loss on
+    its 8 samples, it does not swing with which samples a step drew."""
+    with torch.no_grad():
+        x, y = w.batch(1_000_000, 256, 0, 256)
+        return float(w.loss(model, x, y))
+
+
 def converge(rank: int, world: int, workload: str, steps: int) -> dict[str, Any]:
     """Train ``steps`` steps on every rank; the losses, counters and what report() says."""
     w, model, sync = _setup(workload)
+    before = _held_out_loss(w, model)
     losses = [_step(w, model, sync, step, rank) for step in range(steps)]
-    report = sync.report()
+    report = sync.report()  # every rank's updates are in the shared parameters after it
+    after = _held_out_loss(w, model)
     mapped = leftovers()  # still mapped, long unlinked (rank 0 did at setup)
     stats = _hogwild(sync).stats()
     sync.close()
     return {
         "losses": losses,
+        "held_out": (before, after),
         "params": flat_params(model),
         "stats": stats,
         "records": [(r.rank, r.step, r.idle, r.barrier, r.bytes) for r in report.records],
