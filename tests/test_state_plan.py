@@ -293,6 +293,62 @@ def test_a_snapshot_after_any_change_holds_the_state_dicts_of_that_moment(
             assert snaps.built[-1] is False
 
 
+#: changes to the optimizer alone: a plan of the model alone holds through them
+OPTIMIZER_ONLY = (
+    _new_learning_rate,
+    _optimizer_loaded,
+    _moment_reset,
+    _state_entry_replaced,
+    _reordered_parameters,
+    _moment_as_bfloat16,
+    _moment_resized,
+    _optimizer_class_swapped,
+    _state_reset,
+    _new_group,
+)
+
+
+@pytest.mark.parametrize("change, rebuilt", CHANGES, ids=[c.__name__[1:] for c, _ in CHANGES])
+def test_a_plan_of_the_model_alone_holds_its_state_dict_after_any_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Change, rebuilt: bool
+) -> None:
+    """Where each rank writes its own model (not a replicated share: local SGD here, a
+    parameter-server worker alike), the plan covers the model alone; the optimizer's state
+    dict is built at every save."""
+    model, opt = _model_and_adamw()
+    sync = gs.Synchronizer(model, opt, strategy="local:2", timeout_s=30)
+    snaps = _Snapshots(monkeypatch)
+    built: list[bool] = []
+    full = sync.strategy.model_state_dict
+
+    def counted(m: nn.Module) -> dict[str, Any]:
+        built[-1] = True
+        return full(m)
+
+    monkeypatch.setattr(sync.strategy, "model_state_dict", counted)
+
+    def save() -> None:
+        built.append(False)
+        saved = snaps.save(sync, tmp_path)
+        _assert_same(saved["model"], model.state_dict(), "model")
+        _assert_same(saved["optimizer"], opt.state_dict(), "optimizer")
+
+    try:
+        for _ in range(3):
+            _step(model, sync)
+            save()
+        assert built == [True, False, False]
+        change(model, opt)
+        save()
+        assert built[-1] is (rebuilt and change not in OPTIMIZER_ONLY)
+        save()
+        if change is not _state_dict_hook and change is not _module_class_swapped:
+            assert built[-1] is False
+        sync.wait_for_checkpoints()
+    finally:
+        sync.close()
+
+
 def test_the_optimizers_first_step_makes_a_new_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

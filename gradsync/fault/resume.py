@@ -127,10 +127,16 @@ def save(
             state[PARAM_GROUPS] = groups
     else:
         # The model as a share this rank writes whole: packed as it is, but its encoding,
-        # alike from one step to the next, is reused (``replicas.whole``). Not the optimizer's
-        # state dict: a learning-rate schedule changes it at every step.
-        model_state = sync.strategy.model_state_dict(sync.model)
-        state["model"] = replicas.whole(model_state, sync.rank)
+        # alike from one step to the next, is reused (``replicas.whole``), and a plan spares
+        # building the state dict (``state_plan``, the model alone). Not the optimizer's state
+        # dict: a learning-rate schedule changes it at every step.
+        plannable = _plannable(sync)
+        planned = sync._snapshot_plans.next_share() if plannable else None
+        if planned is not None:
+            state["model"] = planned
+        else:
+            model_state = sync.strategy.model_state_dict(sync.model)
+            state["model"] = replicas.whole(model_state, sync.rank)
         state["optimizer"] = sync.optimizer.state_dict()
     state |= {
         "sync": sync.state_dict(),
@@ -148,11 +154,7 @@ def save(
         state["telemetry"] = sync._pending_telemetry()
     packed = snapshot(state, pool=writer.pool)
     if plannable and planned is None:
-        sync._snapshot_plans.rebuilt(
-            lambda: state_plan.build(
-                sync.model, sync.optimizer, state["replicated"], packed, state.get(PARAM_GROUPS)
-            )
-        )
+        sync._snapshot_plans.rebuilt(lambda: _plan(sync, state, packed))
     writer.submit(step, packed, durable=wait)
     # After the submit: a rank that dies from here on leaves this snapshot to its writer
     # (parameter servers are asked to snapshot here: ``Strategy.checkpoint_held``).
@@ -171,6 +173,16 @@ def _replicated_share(sync: Synchronizer) -> tuple[Share, list[Any] | None]:
     }
     replicated["optimizer"], groups = _without_param_groups(replicated["optimizer"])
     return replicas.share_of(replicated, sync.rank, sync.world_size), groups
+
+
+def _plan(sync: Synchronizer, state: dict[str, Any], packed: Any) -> state_plan.SnapshotPlan | None:
+    """A plan from this full build: of the replicated share (model and optimizer), or of the
+    model alone where each rank writes its own."""
+    if "replicated" in state:
+        return state_plan.build(
+            sync.model, sync.optimizer, state["replicated"], packed, state.get(PARAM_GROUPS)
+        )
+    return state_plan.build(sync.model, None, state["model"], packed, None)
 
 
 def _plannable(sync: Synchronizer) -> bool:

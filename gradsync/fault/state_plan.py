@@ -162,7 +162,9 @@ class SnapshotPlan:
     without its state dicts: see the module docstring."""
 
     model: _ModuleLayout
-    optimizer: _OptimizerLayout
+    #: None for a share of the model alone (a strategy whose ranks each hold their own
+    #: optimizer state, saved beside the share: a parameter-server worker, local SGD)
+    optimizer: _OptimizerLayout | None
     share: Share  # the full build's: owners, rank, skeleton
     encoded: Any  # its encoding (``packing._EncodedShare``)
     sources: list[torch.Tensor]  # live tensors in the share's order
@@ -175,7 +177,7 @@ class SnapshotPlan:
         (build the state dicts then)."""
         if not (
             self.model.unchanged()
-            and self.optimizer.unchanged()
+            and (self.optimizer is None or self.optimizer.unchanged())
             and list(map(_SHAPE_DTYPE_DEVICE, self.sources)) == self.described
         ):
             return None
@@ -242,24 +244,29 @@ class PlanKeeper:
 
 def build(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     share: Share,
     packed: Packed,
     groups: list[Any] | None,
 ) -> SnapshotPlan | None:
     """A plan from a full build: ``share`` of ``{"model": model.state_dict(), "optimizer":
     state dict less its groups}``, packed first in ``packed``, and the groups taken out of
-    it. None where a plan could not prove the layout unchanged (module docstring)."""
+    it; with ``optimizer`` None, ``share`` of ``model.state_dict()`` alone (``groups`` not
+    used). None where a plan could not prove the layout unchanged (module docstring)."""
     encoded = next((e for e in packed.shares if e.at == ()), None)
     if share.skeleton is None or encoded is None or len(share.tensors) != len(share.owner):
         return None
-    if groups is None or not _same(groups, param_groups(optimizer)):
-        return None
     model_layout = _module_layout(model)
-    optimizer_layout = _optimizer_layout(optimizer)
-    if model_layout is None or optimizer_layout is None:
+    if model_layout is None:
         return None
-    sources = [*model_layout.tensors, *optimizer_layout.tensors]
+    optimizer_layout = None
+    if optimizer is not None:
+        if groups is None or not _same(groups, param_groups(optimizer)):
+            return None
+        optimizer_layout = _optimizer_layout(optimizer)
+        if optimizer_layout is None:
+            return None
+    sources = [*model_layout.tensors, *(optimizer_layout.tensors if optimizer_layout else ())]
     if not _alike(share.tensors, sources, len(model_layout.tensors)):
         return None
     described = list(map(_SHAPE_DTYPE_DEVICE, sources))
