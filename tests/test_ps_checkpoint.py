@@ -15,6 +15,7 @@ import torch
 
 from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.fault.writer_locks import wait_for_writers
+from gradsync.fault.writer_process import WRITER_ENV
 from gradsync.testing import RankFailure, run_ranks
 from gradsync.workloads import make_workload
 from tests import ps_checkpoint_ranks as ranks
@@ -161,11 +162,16 @@ def test_parameter_server_kill_of_a_server_rank_is_refused(tmp_path: Path) -> No
 
 @pytest.mark.ranks
 @pytest.mark.timeout(120)
-def test_servers_hold_snapshots_and_write_them_when_a_worker_waits(tmp_path: Path) -> None:
+def test_servers_hold_snapshots_and_write_them_when_a_worker_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Saving every step, the server's writer holds its snapshots as the workers' do (only the
     first is a file before the flush); ``wait_for_checkpoints``, a save that waits, and a save
     into another directory each make the server write the snapshot rank 0 commits (each
     would time out otherwise)."""
+    # Holding is the writer process's (the default on Linux); the thread writer, which a
+    # user may ask for, writes every snapshot.
+    monkeypatch.delenv(WRITER_ENV, raising=False)
     got = run_ranks(ranks.held_and_flushed, 3, str(tmp_path), timeout_s=100)[0]
     assert got["a after flush"] == 4, got
     every_rank = ["rank-0.pt", "rank-1.pt", "rank-2.pt"]
