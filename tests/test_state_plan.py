@@ -463,3 +463,144 @@ def test_a_load_drops_the_plan_and_the_resumed_snapshots_hold_the_loaded_state(
         _step(model, sync)
         _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
         assert snaps.built[-1] is False
+
+
+# -- a parameter server's plan (``state_plan.ServerPlan``, ``resume.server_part``) -------------
+
+ServerChange = Callable[[list[torch.Tensor], torch.optim.Optimizer], None]
+
+
+def _server() -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """A server's shard (its own tensors, as ``_Server`` holds them) and optimizer."""
+    torch.manual_seed(0)
+    params = [torch.randn(4, 3, requires_grad=True), torch.randn(5, requires_grad=True)]
+    return params, torch.optim.AdamW(params, lr=0.1)
+
+
+def _server_update(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> None:
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+
+def _s_values_only(params: list[torch.Tensor], opt: Any) -> None:
+    with torch.no_grad():
+        params[0].add_(1.0)
+        opt.state[params[1]]["exp_avg"].mul_(2.0)
+
+
+def _s_new_learning_rate(params: list[torch.Tensor], opt: Any) -> None:
+    opt.param_groups[0]["lr"] = 0.0125
+
+
+def _s_moment_reset(params: list[torch.Tensor], opt: Any) -> None:
+    state = opt.state[params[0]]
+    state["exp_avg"] = torch.zeros_like(state["exp_avg"])
+
+
+def _s_state_entry_replaced(params: list[torch.Tensor], opt: Any) -> None:
+    p = params[1]
+    opt.state[p] = {k: v.clone() for k, v in opt.state[p].items()}
+    opt.state[p]["exp_avg"].fill_(5.0)
+
+
+def _s_optimizer_loaded(params: list[torch.Tensor], opt: Any) -> None:
+    other = opt.state_dict()
+    other["state"] = {k: dict(v) for k, v in other["state"].items()}
+    for entry in other["state"].values():
+        entry["exp_avg"] = torch.full_like(entry["exp_avg"], 3.0)
+    opt.load_state_dict(other)
+
+
+def _s_moment_as_bfloat16(params: list[torch.Tensor], opt: Any) -> None:
+    moment = opt.state[params[0]]["exp_avg"]
+    moment.data = moment.data.to(torch.bfloat16)
+
+
+def _s_shard_reshaped(params: list[torch.Tensor], opt: Any) -> None:
+    params[1].data = torch.arange(6.0).reshape(2, 3)
+
+
+def _s_shard_tensor_replaced(params: list[torch.Tensor], opt: Any) -> None:
+    params[0] = torch.full((4, 3), 9.0, requires_grad=True)
+
+
+def _s_state_reset(params: list[torch.Tensor], opt: Any) -> None:
+    opt.state = defaultdict(dict)
+
+
+SERVER_CHANGES: list[tuple[ServerChange, bool]] = [
+    # (the change, whether the optimizer's state dict must be built again for the save after)
+    (_s_values_only, False),
+    (_s_new_learning_rate, False),
+    (_s_moment_reset, True),
+    (_s_state_entry_replaced, True),
+    (_s_optimizer_loaded, True),
+    (_s_moment_as_bfloat16, True),
+    (_s_shard_reshaped, True),
+    (_s_shard_tensor_replaced, True),
+    (_s_state_reset, True),
+]
+
+
+@pytest.mark.parametrize(
+    "change, rebuilt", SERVER_CHANGES, ids=[c.__name__[3:] for c, _ in SERVER_CHANGES]
+)
+def test_a_servers_snapshot_holds_its_shard_and_optimizer_state_dict_after_any_change(
+    monkeypatch: pytest.MonkeyPatch, change: ServerChange, rebuilt: bool
+) -> None:
+    params, opt = _server()
+    keeper, pool = state_plan.PlanKeeper(), packing.BufferPool()
+    built: list[bool] = []
+    full = resume._server_shares
+
+    def counted(*args: Any) -> Any:
+        built[-1] = True
+        return full(*args)
+
+    monkeypatch.setattr(resume, "_server_shares", counted)
+
+    def save() -> None:
+        built.append(False)
+        # as ``_Server.checkpoint_state`` hands it: the shard and the optimizer themselves
+        state = {"params": params, "optimizer": opt, "pushed": [3, 3], "checkpoints": [2, 3]}
+        tree, packed_as = resume.server_part(keeper, state, 2)
+        packed = packing.pack({"server": tree}, pool)
+        packed_as(packed)
+        got = packing.unpack(packed)["server"]
+        _assert_same(got["params"], [p.detach() for p in params], "params")
+        _assert_same(got["optimizer"], opt.state_dict(), "optimizer")
+        assert got["pushed"] == [3, 3] and got["checkpoints"] == [2, 3]
+
+    for _ in range(3):
+        _server_update(params, opt)
+        save()
+    assert built == [True, False, False]  # the plan stands in from the second save
+    change(params, opt)
+    save()
+    assert built[-1] is rebuilt
+    save()
+    assert built[-1] is False  # a new plan, or the old one still
+
+
+def test_a_server_without_an_optimizer_packs_its_shard_through_the_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No parameter of the shard in any group: the server has no optimizer (its entry an
+    empty dict, as ``_Server.state_dict`` gives it); the plan covers the shard alone."""
+    params, _ = _server()
+    keeper, pool = state_plan.PlanKeeper(), packing.BufferPool()
+    calls = []
+    full = resume._server_shares
+    monkeypatch.setattr(resume, "_server_shares", lambda *a: calls.append(1) or full(*a))
+    for step in range(3):
+        with torch.no_grad():
+            params[0].add_(1.0)
+        state = {"params": params, "optimizer": None, "pushed": [step]}
+        tree, packed_as = resume.server_part(keeper, state, 1)
+        packed = packing.pack({"server": tree}, pool)
+        packed_as(packed)
+        got = packing.unpack(packed)["server"]
+        _assert_same(got["params"], [p.detach() for p in params], "params")
+        assert got["optimizer"] == {} and got["pushed"] == [step]
+    assert len(calls) == 1

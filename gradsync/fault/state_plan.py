@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -51,9 +51,11 @@ from gradsync.fault.packing import Packed, Share, skeleton
 __all__ = [
     "FULL_EVERY",
     "PlanKeeper",
+    "ServerPlan",
     "SnapshotPlan",
     "SnapshotPlanWarning",
     "build",
+    "build_server",
     "param_groups",
 ]
 
@@ -195,17 +197,107 @@ class SnapshotPlan:
         )
 
 
+@dataclass(eq=False, slots=True)
+class ServerPlan:
+    """A parameter server's shard and its optimizer's per-parameter state without the
+    optimizer's state dict (``_Server.checkpoint_state``, ``resume.save_server``): the same
+    checks as ``SnapshotPlan``'s for the optimizer; the shard is the server's own list of
+    tensors, checked to hold the same objects."""
+
+    params: list[torch.Tensor]  # the server's list itself
+    tensors: list[torch.Tensor]  # what it held at the build, in order
+    optimizer: _OptimizerLayout | None  # None: the server has no optimizer
+    #: the full build's shares (owners, rank, skeleton): the shard's, the optimizer state's
+    shares: tuple[Share, Share | None]
+    encoded: tuple[Any, Any]  # their encodings (``packing._EncodedShare``)
+    sources: list[torch.Tensor]  # every live tensor, the shard's then the optimizer's
+    described: list[tuple[Any, ...]]  # their shape, dtype and device then
+
+    def share_now(self) -> tuple[Share, Share | None] | None:
+        """The two shares to pack now, their trees left out; None when the layout may have
+        changed (build the optimizer's state dict then)."""
+        optimizer, params = self.optimizer, self.params
+        if not (
+            len(params) == len(self.tensors)
+            and all(map(_is, params, self.tensors))
+            and (optimizer is None or optimizer.unchanged())
+            and list(map(_SHAPE_DTYPE_DEVICE, self.sources)) == self.described
+        ):
+            return None
+        shard, state = self.shares
+        made = Share(None, shard.owner, shard.rank, shard.skeleton, self.tensors, self.encoded[0])
+        if state is None or optimizer is None:
+            return made, None
+        kept = self.encoded[1]
+        return made, Share(None, state.owner, state.rank, state.skeleton, optimizer.tensors, kept)
+
+    def same_layout(self, other: Any) -> bool:
+        """Whether ``other`` (a later build) describes the same shares and live tensors."""
+        return (
+            type(other) is ServerPlan
+            and [s.skeleton if s else None for s in self.shares]
+            == [s.skeleton if s else None for s in other.shares]
+            and len(self.sources) == len(other.sources)
+            and all(map(_is, self.sources, other.sources))
+        )
+
+
+def build_server(
+    params: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    shares: tuple[Share, Share | None],
+    groups: list[Any] | None,
+    packed: Packed,
+) -> ServerPlan | None:
+    """A plan from a server's full build: ``shares`` of its shard (``params`` detached) and of
+    its optimizer state dict's ``state``, packed in that order in ``packed``, that state
+    dict's ``groups`` beside them. None where the checks could not prove the layout."""
+    shard, state = shares
+    encodings = list(packed.shares)
+    if len(encodings) != (1 if state is None else 2) or shard.skeleton is None:
+        return None
+    tensors = list(params)
+    if not _alike(shard.tensors, tensors, len(tensors)):
+        return None
+    layout = None
+    if optimizer is not None:
+        if state is None or state.skeleton is None or groups is None:
+            return None
+        if not _same(groups, param_groups(optimizer)):
+            return None
+        layout = _optimizer_layout(optimizer)
+        if layout is None or not _alike(state.tensors, layout.tensors, 0):
+            return None
+    sources = [*tensors, *(layout.tensors if layout is not None else ())]
+    return ServerPlan(
+        params=params,
+        tensors=tensors,
+        optimizer=layout,
+        shares=shares,
+        encoded=(encodings[0], encodings[1] if len(encodings) > 1 else None),
+        sources=sources,
+        described=list(map(_SHAPE_DTYPE_DEVICE, sources)),
+    )
+
+
+class _Plan(Protocol):
+    def share_now(self) -> Any: ...
+
+    def same_layout(self, other: Any) -> bool: ...
+
+
 class PlanKeeper:
-    """A Synchronizer's plan: when to use it, when to build one (module docstring)."""
+    """A Synchronizer's plan (a ``SnapshotPlan``, or a parameter server's ``ServerPlan``):
+    when to use it, when to build one (module docstring)."""
 
     def __init__(self) -> None:
-        self.plan: SnapshotPlan | None = None
+        self.plan: _Plan | None = None
         self._count = 0
         self._want = True  # build a plan from the next full build
-        self._vouched: SnapshotPlan | None = None  # a plan a due rebuild checks
+        self._vouched: _Plan | None = None  # a plan a due rebuild checks
 
-    def next_share(self) -> Share | None:
-        """Counts a snapshot; the replicated share to pack for it from the plan, or None:
+    def next_share(self) -> Any:
+        """Counts a snapshot; what the plan gives to pack for it (``share_now``), or None:
         build the state dicts (then call ``rebuilt``)."""
         self._count += 1
         if self._count % FULL_EVERY == 0:
@@ -221,7 +313,7 @@ class PlanKeeper:
             self.plan, self._want = None, True
         return share
 
-    def rebuilt(self, make: Callable[[], SnapshotPlan | None]) -> None:
+    def rebuilt(self, make: Callable[[], _Plan | None]) -> None:
         """After a full build: a new plan from it (``make``), when one is wanted."""
         if not self._want:
             return
