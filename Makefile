@@ -33,8 +33,8 @@ test: check
 
 # Regenerates BENCHMARKS.md and RELIABILITY.md, one benchmark after another (they measure
 # time, so they must not share the cores), and records how long each took in BENCHMARKS.md.
-# About 39 minutes on 2 cores (estimated; see BENCHMARKS.md, bench_run); the cluster part needs root and is skipped with a message
-# otherwise.
+# 33.4 minutes on 2 cores, timed (BENCHMARKS.md, bench_run); the cluster parts need root and
+# are skipped with a message otherwise.
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.all --write
 

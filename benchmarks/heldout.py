@@ -254,8 +254,7 @@ def render(res: dict[str, Any], args: argparse.Namespace, command: str) -> str:
     head = (
         f"## Held-out model sanity: compressors against DDP on a transformer (issue 16)\n\n"
         f"Command: `{command}` ({args.repeats} rounds of {args.steps} steps per configuration "
-        f"after {WARMUP} warm-up steps, seed {SEED}). Not part of `make bench`: its whole run "
-        "is estimated at about 39 of its 40 minutes without this one (BENCHMARKS.md, bench_run). "
+        f"after {WARMUP} warm-up steps, seed {SEED}); part of `make bench`. "
         f"Machine: {machine()}. "
         f"Whole run: {args.wall_s / 60:.1f} min. {load}\n\n"
         f"Model (held out: not one of gradsync's workloads, which the compressors were tuned "
