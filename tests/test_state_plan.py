@@ -529,6 +529,14 @@ def _s_state_reset(params: list[torch.Tensor], opt: Any) -> None:
     opt.state = defaultdict(dict)
 
 
+def _s_reordered_parameters(params: list[torch.Tensor], opt: Any) -> None:
+    opt.param_groups[0]["params"].reverse()
+
+
+def _s_new_group(params: list[torch.Tensor], opt: Any) -> None:
+    opt.add_param_group({"params": [torch.ones(4, requires_grad=True)], "lr": 0.5})
+
+
 SERVER_CHANGES: list[tuple[ServerChange, bool]] = [
     # (the change, whether the optimizer's state dict must be built again for the save after)
     (_s_values_only, False),
@@ -540,6 +548,8 @@ SERVER_CHANGES: list[tuple[ServerChange, bool]] = [
     (_s_shard_reshaped, True),
     (_s_shard_tensor_replaced, True),
     (_s_state_reset, True),
+    (_s_reordered_parameters, True),
+    (_s_new_group, True),
 ]
 
 
@@ -590,9 +600,14 @@ def test_a_server_without_an_optimizer_packs_its_shard_through_the_plan(
     empty dict, as ``_Server.state_dict`` gives it); the plan covers the shard alone."""
     params, _ = _server()
     keeper, pool = state_plan.PlanKeeper(), packing.BufferPool()
-    calls = []
+    calls: list[int] = []
     full = resume._server_shares
-    monkeypatch.setattr(resume, "_server_shares", lambda *a: calls.append(1) or full(*a))
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return full(*args)
+
+    monkeypatch.setattr(resume, "_server_shares", counted)
     for step in range(3):
         with torch.no_grad():
             params[0].add_(1.0)
@@ -604,3 +619,42 @@ def test_a_server_without_an_optimizer_packs_its_shard_through_the_plan(
         _assert_same(got["params"], [p.detach() for p in params], "params")
         assert got["optimizer"] == {} and got["pushed"] == [step]
     assert len(calls) == 1
+
+
+def _server_snapshot(keeper: state_plan.PlanKeeper, state: dict[str, Any]) -> dict[str, Any]:
+    tree, packed_as = resume.server_part(keeper, state, 2)
+    packed = packing.pack({"server": tree}, packing.BufferPool())
+    packed_as(packed)
+    return dict(packing.unpack(packed)["server"])
+
+
+def test_another_servers_state_is_not_packed_through_the_first_ones_plan() -> None:
+    """A second ``serve()`` builds a new server, with tensors of the same shapes: the plan
+    made for the first must not stand in for it."""
+    keeper = state_plan.PlanKeeper()
+    first_params, first_opt = _server()
+    _server_update(first_params, first_opt)
+    for _ in range(2):
+        _server_snapshot(keeper, {"params": first_params, "optimizer": first_opt})
+    params, opt = _server()
+    with torch.no_grad():
+        params[0].fill_(4.0)
+    _server_update(params, opt)
+    got = _server_snapshot(keeper, {"params": params, "optimizer": opt})
+    _assert_same(got["params"], [p.detach() for p in params], "params")
+    _assert_same(got["optimizer"], opt.state_dict(), "optimizer")
+
+
+class _OwnOptimizer:
+    """Not a ``torch.optim.Optimizer``, but with a state dict of its own."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": 3, "state": {0: {"m": torch.full((2,), 0.5)}}, "param_groups": []}
+
+
+def test_a_server_optimizer_of_another_kind_keeps_its_state_dict() -> None:
+    params, _ = _server()
+    got = _server_snapshot(
+        state_plan.PlanKeeper(), {"params": params, "optimizer": _OwnOptimizer()}
+    )
+    _assert_same(got["optimizer"], _OwnOptimizer().state_dict(), "optimizer")

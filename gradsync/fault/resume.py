@@ -273,6 +273,9 @@ def server_part(
     is, without a plan."""
     params, optimizer = server_state["params"], server_state["optimizer"]
     plannable = optimizer is None or isinstance(optimizer, torch.optim.Optimizer)
+    plan = plans.plan
+    if isinstance(plan, state_plan.ServerPlan) and not plan.of(params, optimizer):
+        plans.drop()  # another server's state (a second ``serve()``): its plan says nothing
     planned = plans.next_share() if plannable else None
     optimizer_state: dict[str, Any] = {}
     if planned is not None:
@@ -309,11 +312,11 @@ def _server_shares(
     state holds the optimizer itself (``_Server.checkpoint_state``)."""
     shard = replicas.whole([p.detach() for p in server_state["params"]], rank)
     optimizer = server_state.get("optimizer")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.state_dict()
-    if not isinstance(optimizer, dict):
-        optimizer = {}  # a server without an optimizer
-    if "state" not in optimizer:
+    if optimizer is None:
+        optimizer = {}  # a server without an optimizer, as ``_Server.state_dict`` says it
+    elif not isinstance(optimizer, dict):
+        optimizer = optimizer.state_dict()  # the optimizer itself, whatever its class
+    if not isinstance(optimizer, dict) or "state" not in optimizer:
         return (shard, None), optimizer
     return (shard, replicas.whole(optimizer["state"], rank)), optimizer
 

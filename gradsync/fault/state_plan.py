@@ -213,6 +213,11 @@ class ServerPlan:
     sources: list[torch.Tensor]  # every live tensor, the shard's then the optimizer's
     described: list[tuple[Any, ...]]  # their shape, dtype and device then
 
+    def of(self, params: list[torch.Tensor], optimizer: Any) -> bool:
+        """Whether this plan was made for this shard list and this optimizer (objects)."""
+        mine = self.optimizer.optimizer if self.optimizer is not None else None
+        return params is self.params and optimizer is mine
+
     def share_now(self) -> tuple[Share, Share | None] | None:
         """The two shares to pack now, their trees left out; None when the layout may have
         changed (build the optimizer's state dict then)."""

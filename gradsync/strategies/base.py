@@ -193,7 +193,9 @@ def optimizer_step(ctx: SyncContext) -> bool:
 
 #: what a server role hands its state to when the workers ask for a checkpoint:
 #: ``sink(state)``; ``durable=True`` when a worker's save waits for its files, ``where=``
-#: rank 0's number for the save's directory (``Strategy.checkpoint_held``) where known
+#: rank 0's number for the save's directory (``Strategy.checkpoint_held``) where known. The
+#: state is live (the role's own tensors, and its optimizer object where it has one, whose
+#: ``state_dict()`` the sink takes): snapshot it within the call.
 CheckpointSink = Callable[..., None]
 
 
@@ -201,8 +203,9 @@ class ServerRole(Protocol):
     """What a rank that serves instead of training runs (``Synchronizer.serve()``)."""
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Start the next ``serve()`` from a checkpointed state (``state`` as handed to the
-        checkpoint sink)."""
+        """Start the next ``serve()`` from a checkpointed state: as handed to the checkpoint
+        sink, with its tensors copied and its optimizer given as its ``state_dict()`` (what
+        ``gradsync.fault.resume.save_server`` writes)."""
         ...
 
     def serve(self, checkpoint: CheckpointSink) -> Any:

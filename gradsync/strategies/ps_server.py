@@ -504,8 +504,11 @@ class PSServer:
         called with this server's state when the workers ask for a checkpoint (``durable``: a
         worker's save waits for the files; ``where``: rank 0's number for the directory, see
         ``Strategy.checkpoint_held``); it hands the state to this rank's writer
-        (``Synchronizer.serve`` passes ``gradsync.fault.resume.save_server``). The state's
-        tensors are the server's own: copy them within the call to keep them. ``flush()`` is
+        (``Synchronizer.serve`` passes ``gradsync.fault.resume.save_server``). The state
+        (``_Server.checkpoint_state``) is live: the server's own tensors and its optimizer
+        object (None without one), whose ``state_dict()`` the callback takes; copy what it
+        keeps within the call. ``restore`` takes it as written: tensors copied, the optimizer
+        as its state dict. ``flush()`` is
         called when a worker waits for its checkpoints: write the newest state handed over."""
         restored, self._restored = self._restored, None
         server = _Server(
