@@ -108,15 +108,15 @@ def save(
     # has arrived; the request goes out after the directory is published.
     sync.strategy.prepare_checkpoint(step)
     state: dict[str, Any] = {}
-    planned: Share | None = None
-    plannable = False
+    # A plan stands in for the state dicts while their layout holds (``state_plan``): the
+    # replicated share's, or the model's alone.
+    plannable = _plannable(sync)
+    planned: Share | None = sync._snapshot_plans.next_share() if plannable else None
     if sync.strategy.resizable:
         # Every replica holds the same model and optimizer state (what makes the strategy
         # resizable): each rank writes a share of it, so the bytes written do not grow with
         # the ranks and no rank's step pays for all of them (``replicas``). First in the
         # state, so that its encoding, alike from one step to the next, is reused.
-        plannable = _plannable(sync)
-        planned = sync._snapshot_plans.next_share() if plannable else None
         groups: list[Any] | None
         if planned is not None:
             shared, groups = planned, state_plan.param_groups(sync.optimizer)
@@ -131,8 +131,6 @@ def save(
         # alike from one step to the next, is reused (``replicas.whole``), and a plan spares
         # building the state dict (``state_plan``, the model alone). Not the optimizer's state
         # dict: a learning-rate schedule changes it at every step.
-        plannable = _plannable(sync)
-        planned = sync._snapshot_plans.next_share() if plannable else None
         if planned is not None:
             state["model"] = planned
         else:
@@ -176,7 +174,9 @@ def _replicated_share(sync: Synchronizer) -> tuple[Share, list[Any] | None]:
     return replicas.share_of(replicated, sync.rank, sync.world_size), groups
 
 
-def _plan(sync: Synchronizer, state: dict[str, Any], packed: Any) -> state_plan.SnapshotPlan | None:
+def _plan(
+    sync: Synchronizer, state: dict[str, Any], packed: Packed
+) -> state_plan.SnapshotPlan | None:
     """A plan from this full build: of the replicated share (model and optimizer), or of the
     model alone where each rank writes its own."""
     if "replicated" in state:

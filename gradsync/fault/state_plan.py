@@ -183,8 +183,7 @@ class SnapshotPlan:
             and list(map(_SHAPE_DTYPE_DEVICE, self.sources)) == self.described
         ):
             return None
-        share = self.share
-        return Share(None, share.owner, share.rank, share.skeleton, self.sources, self.encoded)
+        return _through(self.share, self.sources, self.encoded)
 
     def same_layout(self, other: SnapshotPlan) -> bool:
         """Whether ``other`` (a later build) describes the same share: skeleton, owners and
@@ -230,11 +229,10 @@ class ServerPlan:
         ):
             return None
         shard, state = self.shares
-        made = Share(None, shard.owner, shard.rank, shard.skeleton, self.tensors, self.encoded[0])
+        made = _through(shard, self.tensors, self.encoded[0])
         if state is None or optimizer is None:
             return made, None
-        kept = self.encoded[1]
-        return made, Share(None, state.owner, state.rank, state.skeleton, optimizer.tensors, kept)
+        return made, _through(state, optimizer.tensors, self.encoded[1])
 
     def same_layout(self, other: Any) -> bool:
         """Whether ``other`` (a later build) describes the same shares and live tensors."""
@@ -289,6 +287,12 @@ class _Plan(Protocol):
     def share_now(self) -> Any: ...
 
     def same_layout(self, other: Any) -> bool: ...
+
+
+def _through(built: Share, tensors: Sequence[torch.Tensor], encoded: Any) -> Share:
+    """``built`` (a full build's share) to pack again through its kept encoding: the live
+    ``tensors`` copied, its tree not walked (``packing.Share``)."""
+    return Share(None, built.owner, built.rank, built.skeleton, tensors, encoded)
 
 
 class PlanKeeper:

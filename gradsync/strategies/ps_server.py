@@ -235,15 +235,10 @@ class _Server:
         tensors are the server's own, not copies: read them before serving goes on (the
         checkpoint callback's snapshot copies them; a clone here was a second copy of the
         shard at every checkpoint, inside ``serve()`` while the workers wait)."""
-        return {
-            "params": [p.detach() for p in self.params],
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
-            "pushed": list(self.pushed),
-            "fresh_through": list(self.fresh_through),
-            # The newest only: with a checkpoint every step, the whole list made every
-            # checkpoint of a long run larger than the one before.
-            "checkpoints": self.stats.checkpoints[-CHECKPOINTS_SAVED:],
-        }
+        state = self.checkpoint_state()
+        state["params"] = [p.detach() for p in self.params]
+        state["optimizer"] = self.optimizer.state_dict() if self.optimizer is not None else {}
+        return state
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What the checkpoint callback is handed: ``state_dict()``'s entries, but the shard
@@ -256,6 +251,8 @@ class _Server:
             "optimizer": self.optimizer,
             "pushed": list(self.pushed),
             "fresh_through": list(self.fresh_through),
+            # The newest only: with a checkpoint every step, the whole list made every
+            # checkpoint of a long run larger than the one before.
             "checkpoints": self.stats.checkpoints[-CHECKPOINTS_SAVED:],
         }
 
