@@ -42,6 +42,10 @@ is tested in ``tests/test_compat.py``.
   optimizer's state-dict hooks (``_optimizer_state_dict_pre_hooks`` / ``_post_hooks``), so
   that a checkpoint every step can prove the state dicts laid out as before without building
   them (``fault.state_plan``). None where torch hides one: every snapshot builds them then.
+- ``forkserver_started``: not torch's but Python's: whether multiprocessing's forkserver of this
+  process runs already (``multiprocessing.forkserver._forkserver._forkserver_pid``), so that
+  ``gradsync.forkserver`` forks workers only from a server whose environment it knows. True
+  where Python hides it: workers are spawned then.
 """
 
 from __future__ import annotations
@@ -173,6 +177,15 @@ def hold_until_exit(slot: str, obj: Any) -> None:
         _HELD = []
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HELD))
     _HELD[:] = [(s, o) for s, o in _HELD if s != slot] + [(slot, obj)]
+
+
+def forkserver_started() -> bool:
+    """Whether multiprocessing's forkserver of this process is already running (True where
+    this Python does not say: then the caller cannot know its environment either)."""
+    import multiprocessing.forkserver
+
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    return getattr(server, "_forkserver_pid", True) is not None
 
 
 def override_shared_store_server(handler: Any, make: Callable[[str, int], Any]) -> bool:

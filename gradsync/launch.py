@@ -22,7 +22,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from gradsync import stores
+from gradsync import forkserver, stores
 from gradsync.errors import UsageError
 from gradsync.reaper import StoppedWorkerReaper
 
@@ -76,7 +76,7 @@ def launch(
         rdzv_configs={"timeout": 120, "is_host": True},
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=forkserver.start_method(),
         local_addr=host,
     )
     if log_dir is not None:

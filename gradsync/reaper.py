@@ -8,8 +8,9 @@ agent's ``_stop_workers`` calls ``_shutdown()`` with its default, not the config
 until someone continues it, so the whole run waited those 30 seconds, after the survivors had
 already failed and named it, before it exited.
 
-:class:`StoppedWorkerReaper` watches the children of the agent's process from a thread and
-SIGKILLs any that is stopped while a termination signal is pending: the agent has already asked
+:class:`StoppedWorkerReaper` watches the workers of the agent's process (its children, or
+those of its forkserver: ``gradsync.forkserver``) from a thread and SIGKILLs any that is
+stopped while a termination signal is pending: the agent has already asked
 it to go, it cannot, and SIGKILL is what it would get at the end of the wait. A worker that is
 running, or stopped with no such request (a user pausing the job), is left alone; so is one
 stopped by a debugger (``t``). Linux only (it reads /proc); elsewhere it does nothing.
@@ -44,6 +45,26 @@ def children(pid: int) -> list[int]:
     return [child for child, parent in _parents() if parent == pid]
 
 
+def workers(pid: int) -> list[tuple[int, int]]:
+    """``(worker, its parent)`` for the processes ``pid`` may have started as workers: its
+    children, and the children of its child that is multiprocessing's forkserver (workers
+    forked from it, ``gradsync.forkserver``)."""
+    found = []
+    for child in children(pid):
+        found.append((child, pid))
+        if _is_forkserver(child):
+            found.extend((worker, child) for worker in children(child))
+    return found
+
+
+def _is_forkserver(pid: int) -> bool:
+    try:
+        command = (_PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"from multiprocessing.forkserver import main" in command
+
+
 def _parents() -> list[tuple[int, int]]:
     """(pid, parent pid) of every process."""
     pairs = []
@@ -73,8 +94,8 @@ def stopped_with_exit_pending(pid: int, parent: int) -> bool:
 
 
 class StoppedWorkerReaper:
-    """A context manager: while open, a daemon thread SIGKILLs every child of this process that
-    is stopped with an exit signal pending (see the module's docstring)."""
+    """A context manager: while open, a daemon thread SIGKILLs every worker of this process
+    (``workers``) that is stopped with an exit signal pending (see the module's docstring)."""
 
     def __init__(self, interval_s: float = 0.2, rescan_s: float = 2.0) -> None:
         self.interval_s = interval_s
@@ -101,16 +122,16 @@ class StoppedWorkerReaper:
 
     def _watch(self) -> None:
         me = os.getpid()
-        known: list[int] = []
+        known: list[tuple[int, int]] = []
         since_scan = float("inf")
         while not self._done.wait(self.interval_s):
             # Finding the children may mean reading every process's stat: do it every few
             # seconds (workers start rarely), and look at the known ones at every tick.
             since_scan += self.interval_s
             if since_scan >= self.rescan_s:
-                known, since_scan = children(me), 0.0
-            for child in known:
-                if stopped_with_exit_pending(child, me):
+                known, since_scan = workers(me), 0.0
+            for child, parent in known:
+                if stopped_with_exit_pending(child, parent):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(child, signal.SIGKILL)
                         self.killed.append(child)

@@ -5,13 +5,13 @@ Each rank is a process joined through a TCPStore that the caller's process serve
 caller gets every rank's return value, or an error naming the rank that failed; a hard
 deadline kills every child, so a deadlocked collective fails the test instead of hanging it.
 
-The ranks are forked from multiprocessing's forkserver, which imports torch once (``PRELOAD``)
-and lives as long as the caller's process, where it can (Linux, macOS); elsewhere they are
-spawned. Why: a spawned rank imported torch and, at its first optimizer, torch._dynamo, about
-1.7 s of a core each here, before it did anything; the test suite took 704 s with spawned
-ranks and 429 s with forked ones. Each rank takes the caller's environment and working
-directory as they are at the call (a forked rank would otherwise have the forkserver's, from
-when it started).
+The ranks are forked from multiprocessing's forkserver, which imports torch once
+(``gradsync.forkserver``) and lives as long as the caller's process, where it can (Linux,
+macOS); elsewhere they are spawned. Why: a spawned rank imported torch and, at its first
+optimizer, torch._dynamo, about 1.7 s of a core each here, before it did anything; the test
+suite took 704 s with spawned ranks and 429 s with forked ones. Each rank takes the caller's
+environment and working directory as they are at the call (a forked rank would otherwise have
+the forkserver's, from when it started).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gradsync import forkserver
 from gradsync.stores import server_store
 
 
@@ -93,17 +94,13 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-#: What the forkserver imports once, so that each rank starts without importing it again:
-#: torch, and torch._dynamo, which the first optimizer built in a process imports (about 0.8 s
-#: each here).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]
-
-
 def _context() -> Any:
-    if "forkserver" not in mp.get_all_start_methods():
+    if not forkserver.available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # only the first call, before the server starts, counts
+    # Only the first call, before the server starts, counts. Unlike a launch, the ranks here
+    # take the caller's environment themselves (``_child``), so any server will do.
+    ctx.set_forkserver_preload(forkserver.PRELOAD)
     return ctx
 
 

@@ -97,3 +97,19 @@ def test_a_held_object_lives_until_its_slot_is_reused() -> None:
     compat.hold_until_exit("test slot", Work())
     gc.collect()
     assert first_ref() is None
+
+
+def test_whether_the_forkserver_runs_is_read_and_unknown_means_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import multiprocessing.forkserver
+
+    class Server:
+        _forkserver_pid: int | None = None
+
+    monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", Server())
+    assert compat.forkserver_started() is False
+    monkeypatch.setattr(Server, "_forkserver_pid", 4321)
+    assert compat.forkserver_started() is True
+    monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", object())  # a Python hiding it
+    assert compat.forkserver_started() is True

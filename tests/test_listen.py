@@ -57,7 +57,12 @@ def test_a_restarting_run_listens_on_loopback_only_in_every_round(tmp_path: Path
     )
     assert "restart: resuming at step 10" in stderr, stderr[-3000:]
     # Workers serve the store here (the agent shares none): the check must have seen theirs.
-    in_workers = {entry for entry in watched.listeners if "spawn" in entry[2]}
+    # Spawned, or forked from the forkserver (which listens on no TCP socket of its own).
+    in_workers = {
+        entry
+        for entry in watched.listeners
+        if "spawn_main" in entry[2] or "multiprocessing.forkserver" in entry[2]
+    }
     assert in_workers, "no worker's listener seen:\n  " + _describe(watched.listeners)
     outside = {entry for entry in watched.listeners if not is_loopback(entry[0])}
     assert not outside, "listening beyond loopback:\n  " + _describe(outside)

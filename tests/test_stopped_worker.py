@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gradsync.reaper import workers
 from tests.proctree import PROC, Watched, start_run, watch_until_exit
 
 pytestmark = pytest.mark.e2e
@@ -20,14 +21,15 @@ TIMEOUT_S = 6  # short: what is tested is the bound beyond it, not its length
 GRACE_S = 5  # what the run may take beyond its --timeout to fail, report and exit
 
 
-def _workers(watched: Watched, root: int) -> list[int]:
+def _workers(root: int) -> list[int]:
+    """The run's worker processes: forked from its forkserver, or spawned by it."""
     found = []
-    for pid in watched.survivors():
+    for pid, parent in workers(root):
         try:
             cmd = (PROC / str(pid) / "cmdline").read_bytes()
         except OSError:
             continue
-        if pid != root and b"spawn_main" in cmd:
+        if parent != root or b"spawn_main" in cmd:
             found.append(pid)
     return found
 
@@ -57,9 +59,9 @@ def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
     watched = Watched()
     try:
         _wait_for_training(proc, watched, out / "metrics.jsonl")
-        workers = _workers(watched, proc.pid)
-        assert len(workers) == 2, workers
-        os.kill(workers[-1], signal.SIGSTOP)
+        ranks = _workers(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGSTOP)
         stopped_at = time.monotonic()
         rc = watch_until_exit(proc, watched, timeout_s=TIMEOUT_S + 60)
         took = time.monotonic() - stopped_at

@@ -5,6 +5,7 @@ and the reaper's rule (kill a stopped child only once it has been asked to exit)
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from gradsync import compat, stores
 from gradsync.errors import UsageError
-from gradsync.reaper import StoppedWorkerReaper, children, stopped_with_exit_pending
+from gradsync.reaper import StoppedWorkerReaper, children, stopped_with_exit_pending, workers
 from tests.proctree import Watched
 
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -198,3 +199,30 @@ def test_the_reaper_kills_a_stopped_child_only_once_asked_to_exit() -> None:
 
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _pause() -> None:
+    signal.signal(signal.SIGTERM, lambda *a: None)  # as torch's workers: SIGTERM stays pending
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(60)
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(60)
+def test_the_reaper_kills_a_stopped_worker_forked_from_the_forkserver() -> None:
+    """Workers of a launch are the forkserver's children, not the agent's (gradsync.forkserver)."""
+    ctx = multiprocessing.get_context("forkserver")
+    worker = ctx.Process(target=_pause, daemon=True)
+    worker.start()
+    try:
+        _wait_until(lambda: _state(worker.pid) == "T")
+        server = next(parent for pid, parent in workers(os.getpid()) if pid == worker.pid)
+        assert server != os.getpid()  # a grandchild: children() alone would miss it
+        os.kill(worker.pid, signal.SIGTERM)  # stays pending: the process is stopped
+        with StoppedWorkerReaper(interval_s=0.05, rescan_s=0.05) as reaper:
+            worker.join(timeout=10)
+        assert worker.exitcode == -signal.SIGKILL
+        assert reaper.killed == [worker.pid]
+    finally:
+        worker.kill()
+        worker.join(timeout=10)

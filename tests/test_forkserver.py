@@ -1,0 +1,73 @@
+"""Workers are forked from a forkserver only while they would see the launching process's
+environment as it is now (``gradsync.forkserver``); otherwise they are spawned, as before."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.forkserver
+import subprocess
+import sys
+
+import pytest
+
+from gradsync import compat, forkserver
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """A process whose forkserver has not started; returns the preloads it was started with."""
+    started: list[list[str]] = []
+    preload: list[list[str]] = []
+    monkeypatch.setattr(forkserver, "_started_with", None)
+    monkeypatch.setattr(compat, "forkserver_started", lambda: bool(started))
+    monkeypatch.setattr(multiprocessing, "set_forkserver_preload", preload.append)
+    monkeypatch.setattr(
+        multiprocessing.forkserver, "ensure_running", lambda: started.append(preload[-1])
+    )
+    return started
+
+
+@pytest.mark.unit
+def test_the_server_is_used_while_the_environment_is_the_one_it_started_with(
+    fresh: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GRADSYNC_TEST_MARK", raising=False)
+    assert forkserver.start_method() == "forkserver"
+    assert fresh == [forkserver.PRELOAD]
+    assert forkserver.start_method() == "forkserver"
+    monkeypatch.setenv("GRADSYNC_TEST_MARK", "changed")
+    assert forkserver.start_method() == "spawn"
+    monkeypatch.delenv("GRADSYNC_TEST_MARK")
+    assert forkserver.start_method() == "forkserver"
+    assert len(fresh) == 1  # started once
+
+
+@pytest.mark.unit
+def test_a_server_started_by_other_code_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forkserver, "_started_with", None)
+    monkeypatch.setattr(compat, "forkserver_started", lambda: True)
+    assert forkserver.start_method() == "spawn"
+
+
+@pytest.mark.unit
+def test_without_a_forkserver_workers_are_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    assert forkserver.start_method() == "spawn"
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(180)
+def test_each_launch_gives_its_workers_the_environment_of_that_moment() -> None:
+    """Four launches from one process, the second with another thread count, the fourth with
+    another variable: forked but for the second and fourth, each seeing its own settings."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.forkserver_ranks"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rounds = json.loads(proc.stdout)
+    expected = [("1", "a", True), ("2", "a", False), ("1", "a", True), ("1", "b", False)]
+    for workers, want in zip(rounds, expected, strict=True):
+        assert [(w["threads"], w["mark"], w["forked"]) for w in workers] == [want, want]
