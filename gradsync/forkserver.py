@@ -11,7 +11,8 @@ The catch: a forked worker has the environment the forkserver started with, not 
 process's environment now. So the server is used only while the environment is the one it
 started with, and only if gradsync started it (a server some other code started has an
 environment this process cannot see); otherwise workers are spawned, as before. Workers get
-the elastic agent's per-rank variables (``RANK``, ...) either way.
+the elastic agent's per-rank variables (``RANK``, ...) either way. Where a CUDA device is
+visible, workers are always spawned (``available``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+
+import torch
 
 from gradsync import compat
 
@@ -40,8 +43,13 @@ def _environ() -> dict[str, str]:
 
 
 def available() -> bool:
-    """Whether this platform has a forkserver (Linux and macOS; not Windows)."""
-    return "forkserver" in multiprocessing.get_all_start_methods()
+    """Whether workers may be forked: this platform has a forkserver (Linux and macOS, not
+    Windows) and this machine has no CUDA device. A process forked after the CUDA driver was
+    initialized cannot use CUDA, and whether importing ``PRELOAD`` initializes it has not been
+    checked on a GPU here: where a GPU is visible, workers are spawned, as before."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    return not torch.cuda.is_available()
 
 
 def start_method() -> str:

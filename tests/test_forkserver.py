@@ -71,3 +71,10 @@ def test_each_launch_gives_its_workers_the_environment_of_that_moment() -> None:
     expected = [("1", "a", True), ("2", "a", False), ("1", "a", True), ("1", "b", False)]
     for workers, want in zip(rounds, expected, strict=True):
         assert [(w["threads"], w["mark"], w["forked"]) for w in workers] == [want, want]
+
+
+@pytest.mark.unit
+def test_where_a_gpu_is_visible_workers_are_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forkserver.torch.cuda, "is_available", lambda: True)
+    assert forkserver.available() is False
+    assert forkserver.start_method() == "spawn"
