@@ -28,7 +28,7 @@ from gradsync import compat
 __all__ = ["PRELOAD", "available", "start_method"]
 
 #: What the forkserver imports before it forks anything.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "gradsync.forkserver_freeze"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "gradsync.forkserver_ready"]
 
 # The environment gradsync started this process's forkserver with; None before it did.
 _started_with: dict[str, str] | None = None

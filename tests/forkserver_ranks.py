@@ -7,15 +7,23 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
-def seen() -> dict[str, str | bool]:
-    """This worker's thread setting and mark, and whether its parent is a forkserver."""
+def seen() -> dict[str, Any]:
+    """This worker's thread setting and mark, whether its parent is a forkserver, and the first
+    draws of its unseeded global generators."""
+    import random
+
+    import numpy as np
+    import torch
+
     parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
     return {
         "threads": os.environ["OMP_NUM_THREADS"],
         "mark": os.environ.get("GRADSYNC_TEST_MARK", ""),
         "forked": b"multiprocessing.forkserver" in parent,
+        "draws": [torch.rand(1).item(), float(np.random.rand()), random.random()],
     }
 
 
