@@ -13,6 +13,14 @@ started with, and only if gradsync started it (a server some other code started 
 environment this process cannot see); otherwise workers are spawned, as before. Workers get
 the elastic agent's per-rank variables (``RANK``, ...) either way. Where a CUDA device is
 visible, workers are always spawned (``available``).
+
+Two more differences from a spawned worker, both handled or harmless here: a forked worker
+inherits the server's random generators (``gradsync.forkserver_ready`` reseeds torch's and
+numpy's in each, as a spawned process starts), and it ends with ``os._exit`` once its function
+returns, as multiprocessing's forked children do, so handlers it registered with ``atexit``
+(``weakref.finalize`` included) do not run: gradsync's worker closes what it opened itself
+(``worker.run_worker``), and a checkpoint writer left open by a failing worker writes its
+newest snapshot, as after a kill.
 """
 
 from __future__ import annotations
