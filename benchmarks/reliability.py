@@ -35,6 +35,7 @@ from benchmarks.harness import (
     median_of_ratios,
     table,
 )
+from gradsync import forkserver
 from gradsync.launch import launch
 
 RELIABILITY_MD = ROOT / "RELIABILITY.md"
@@ -147,6 +148,23 @@ def in_run_cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
     ]
 
 
+def restart_note() -> str:
+    """How the restarted workers of these runs started, which the time to recover depends on."""
+    how = (
+        "were forked from the launcher's forkserver, which imported torch once"
+        if forkserver.available()
+        else "were spawned (no forkserver here: not Linux, or a GPU is visible), each "
+        "importing torch again"
+    )
+    return (
+        f"The time from a kill to the next completed step: the restarted workers {how} "
+        "(`gradsync.forkserver`). Spawned, this time was 2.5 s (BSP) and 3.7 s (async) on this "
+        "machine with the same command (RELIABILITY.md at f386f17). What is left with forked "
+        "workers was not taken apart: the agent noticing the death (it polls every 0.1 s), a "
+        "new rendezvous, gloo's connections, loading the checkpoint.\n"
+    )
+
+
 def faults(strategy: str, args: argparse.Namespace) -> tuple[str, list[list[str]]]:
     """One clean and one faulty run of ``strategy``; returns the kill spec and the table rows."""
     rng = random.Random(args.seed)
@@ -257,12 +275,8 @@ def main() -> None:
         "are written in the background (`sync.save(wait=False)`): a step pays for a copy of its "
         "state, and a kill loses the steps whose checkpoint was not committed yet.\n\n"
         + "\n\n".join(sections)
-        + "\n\nThe time from a kill to the next completed step: the restarted workers are forked "
-        "from the launcher's forkserver, which imported torch once (`gradsync.forkserver`). While "
-        "they were spawned, each imported torch again, and this time was 2.5 s (BSP) and 3.7 s "
-        "(async) with the same command (RELIABILITY.md at f386f17). What is left was not taken "
-        "apart: the agent noticing the death (it polls every 0.1 s), a new rendezvous, gloo's "
-        "connections, loading the checkpoint.\n"
+        + "\n\n"
+        + restart_note()
     )  # fmt: skip
     h.finish(text)
 

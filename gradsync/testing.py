@@ -10,8 +10,11 @@ The ranks are forked from multiprocessing's forkserver, which imports torch once
 macOS); elsewhere they are spawned. Why: a spawned rank imported torch and, at its first
 optimizer, torch._dynamo, about 1.7 s of a core each here, before it did anything; the test
 suite took 704 s with spawned ranks and 429 s with forked ones. Each rank takes the caller's
-environment and working directory as they are at the call (a forked rank would otherwise have
-the forkserver's, from when it started).
+environment as it is at the call (a forked rank would otherwise have the forkserver's, from when
+it started), but what torch read from the environment while the server imported it stays as it
+read it then (``TORCH_DISTRIBUTED_DEBUG``, OpenMP's ``OMP_NUM_THREADS``): a test that needs
+those changed cannot have them here. The ranks share one string hash seed, which spawned ranks
+would each draw (``gradsync.forkserver``).
 """
 
 from __future__ import annotations
@@ -45,13 +48,12 @@ def _child(
     results: Any,
     collective_timeout_s: float,
     environ: dict[str, str],
-    cwd: str,
 ) -> None:
-    # A forkserver's child starts with the server's environment and directory, from when the
-    # server started, not the caller's now: take the caller's, as a spawned child would have.
+    # A forkserver's child starts with the server's environment, from when the server started,
+    # not the caller's now: take the caller's, as a spawned child would have. (multiprocessing
+    # sets its working directory and sys.path to the caller's itself.)
     os.environ.clear()
     os.environ.update(environ)
-    os.chdir(cwd)
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
@@ -133,7 +135,6 @@ def run_ranks(
                     results,
                     collective_timeout_s,
                     dict(os.environ),
-                    os.getcwd(),
                 ),
                 daemon=True,
             )

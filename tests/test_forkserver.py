@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing.forkserver
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +45,35 @@ def test_the_server_is_used_while_the_environment_is_the_one_it_started_with(
 
 
 @pytest.mark.unit
+def test_another_output_umask_or_affinity_means_spawn(
+    fresh: list[list[str]], tmp_path: Path
+) -> None:
+    assert forkserver.start_method() == "forkserver"
+    saved = os.dup(1)
+    try:
+        with open(tmp_path / "out", "w") as redirected:
+            os.dup2(redirected.fileno(), 1)  # `launch ... > file` from here on
+            assert forkserver.start_method() == "spawn"
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    assert forkserver.start_method() == "forkserver"
+    umask = os.umask(0o077)
+    try:
+        assert forkserver.start_method() == "spawn"
+    finally:
+        os.umask(umask)
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) > 1:
+        os.sched_setaffinity(0, {min(cpus)})
+        try:
+            assert forkserver.start_method() == "spawn"
+        finally:
+            os.sched_setaffinity(0, cpus)
+    assert forkserver.start_method() == "forkserver"
+
+
+@pytest.mark.unit
 def test_a_server_started_by_other_code_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(forkserver, "_started_with", None)
     monkeypatch.setattr(compat, "forkserver_started", lambda: True)
@@ -50,8 +81,14 @@ def test_a_server_started_by_other_code_is_not_used(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.unit
-def test_without_a_forkserver_workers_are_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+def test_without_a_forkserver_or_off_linux_workers_are_spawned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with monkeypatch.context() as patched:
+        patched.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+        assert forkserver.start_method() == "spawn"
+    monkeypatch.setattr(forkserver.sys, "platform", "darwin")
+    assert forkserver.available() is False
     assert forkserver.start_method() == "spawn"
 
 
