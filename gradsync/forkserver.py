@@ -43,6 +43,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,10 +63,23 @@ _started_with: dict[str, Any] | None = None
 _LAUNCHER_OWN = frozenset({"TORCHELASTIC_SIGNALS_TO_HANDLE"})
 
 
-def _settings() -> dict[str, Any]:
-    """What a forked worker inherits from the server and a spawned one from this process now."""
+def _umask() -> int:
+    """This process's umask, read from /proc where it can be: ``os.umask`` reads it only by
+    setting it, which for a moment would give another thread's new files the wrong mode."""
+    try:
+        status = Path("/proc/self/status").read_text(encoding="ascii")
+    except OSError:
+        status = ""
+    for line in status.splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
     umask = os.umask(0o022)
     os.umask(umask)
+    return umask
+
+
+def _settings() -> dict[str, Any]:
+    """What a forked worker inherits from the server and a spawned one from this process now."""
     outputs: list[tuple[int, int] | None] = []
     for fd in (1, 2):
         try:
@@ -76,7 +90,7 @@ def _settings() -> dict[str, Any]:
     return {
         "environ": {k: v for k, v in os.environ.items() if k not in _LAUNCHER_OWN},
         "outputs": outputs,
-        "umask": umask,
+        "umask": _umask(),
         "affinity": sorted(os.sched_getaffinity(0)),
         "nice": os.nice(0),
     }

@@ -2,13 +2,12 @@
 workers that start as a spawned worker would.
 
 1. Every object imported so far leaves the garbage collector's reach (``gc.freeze``) before
-   anything is forked. A forked worker shares the server's memory page by page until it writes
-   to a page, and the collector writes to every object it examines: without the freeze each
-   worker's collections copied the pages of torch's objects one by one and scanned them again
-   and again. On ``charlm`` under ``async`` (2 workers and a server on 2 cores), forked workers
-   computed 1.5-2.5 ms slower a step than spawned ones without it, and alike with it (3 and 7
-   alternating pairs of runs). Python's documentation of ``gc.freeze`` recommends it before a
-   fork.
+   anything is forked, as Python's documentation of ``gc.freeze`` recommends before a fork (a
+   forked worker shares the server's memory page by page until it writes to a page). Measured:
+   on ``charlm`` under ``async`` (2 workers and a server on 2 cores), forked workers computed
+   1.5-2.5 ms slower a step than spawned ones without it, and alike with it (3 and 7
+   alternating pairs of runs). Why was not established: the collector's own passes are rare
+   in a training run (no full collection in 280 BSP steps, RELIABILITY.md).
 2. Each forked worker reseeds torch's and numpy's global generators from the system's entropy,
    as a spawned process starts (Python's ``random`` reseeds itself after a fork). Without it
    every worker forked from the server drew the same "random" numbers: the same dropout masks

@@ -6,15 +6,15 @@ caller gets every rank's return value, or an error naming the rank that failed; 
 deadline kills every child, so a deadlocked collective fails the test instead of hanging it.
 
 The ranks are forked from multiprocessing's forkserver, which imports torch once
-(``gradsync.forkserver``) and lives as long as the caller's process, where it can (Linux,
-macOS); elsewhere they are spawned. Why: a spawned rank imported torch and, at its first
-optimizer, torch._dynamo, about 1.7 s of a core each here, before it did anything; the test
-suite took 704 s with spawned ranks and 429 s with forked ones. Each rank takes the caller's
-environment as it is at the call (a forked rank would otherwise have the forkserver's, from when
-it started), but what torch read from the environment while the server imported it stays as it
-read it then (``TORCH_DISTRIBUTED_DEBUG``, OpenMP's ``OMP_NUM_THREADS``): a test that needs
-those changed cannot have them here. The ranks share one string hash seed, which spawned ranks
-would each draw (``gradsync.forkserver``).
+(``gradsync.forkserver``) and lives as long as the caller's process, where workers may be forked
+(``forkserver.available``: Linux without a visible GPU); elsewhere they are spawned. Why: a spawned
+rank imported torch and, at its first optimizer, torch._dynamo, about 1.7 s of a core each here,
+before it did anything; the test suite took 704 s with spawned ranks and 429 s with forked ones.
+Each rank takes the caller's environment as it is at the call (a forked rank would otherwise have
+the forkserver's, from when it started), but what torch read from the environment while the server
+imported it stays as it read it then (``TORCH_DISTRIBUTED_DEBUG``, OpenMP's ``OMP_NUM_THREADS``): a
+test that needs those changed cannot have them here. The ranks share one string hash seed, which
+spawned ranks would each draw (``gradsync.forkserver``).
 """
 
 from __future__ import annotations
