@@ -36,7 +36,8 @@ BENCHMARKS = (
 # Not run by `make bench`: benchmarks/frontier.py (issue 16's goals on the emulated cluster,
 # about 6 minutes at its smallest) would take the whole run past its 40-minute budget (33.4
 # minutes timed without it and without heldout, which was added then); run it on its own (as
-# root): `.venv/bin/python -m benchmarks.frontier --write`. Nor is benchmarks/gpu.py, which needs
+# root): `.venv/bin/python -m benchmarks.frontier --write`. Nor is benchmarks/start_method.py
+# (about 5 minutes; RELIABILITY.md, start_method). Nor is benchmarks/gpu.py, which needs
 # a CUDA device (issue 18): `python -m benchmarks.gpu --write` on a machine with one.
 CLUSTER = "cluster"
 #: these exit 2 where they cannot build an emulated cluster (no root, no iproute2): skipped

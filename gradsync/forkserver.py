@@ -49,8 +49,13 @@ from typing import Any
 import torch
 
 from gradsync import compat
+from gradsync.errors import UsageError
 
-__all__ = ["PRELOAD", "available", "start_method"]
+__all__ = ["PRELOAD", "START_METHOD_ENV", "available", "start_method"]
+
+#: ``spawn`` here spawns every worker, as before forkserver use (``auto``, the default: fork
+#: where ``start_method`` says it is safe).
+START_METHOD_ENV = "GRADSYNC_START_METHOD"
 
 #: What the forkserver imports before it forks anything.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "gradsync.forkserver_ready"]
@@ -107,9 +112,13 @@ def available() -> bool:
 
 def start_method() -> str:
     """``"forkserver"`` where its workers would start with this process's settings as they are
-    now (starting the server, importing ``PRELOAD``, on the first call); ``"spawn"`` otherwise."""
+    now (starting the server, importing ``PRELOAD``, on the first call); ``"spawn"`` otherwise,
+    and always where ``GRADSYNC_START_METHOD=spawn`` asks for it."""
     global _started_with
-    if not available():
+    asked = os.environ.get(START_METHOD_ENV, "auto")
+    if asked not in ("auto", "spawn"):
+        raise UsageError(f"{START_METHOD_ENV}={asked!r}: valid values are 'auto' and 'spawn'")
+    if asked == "spawn" or not available():
         return "spawn"
     settings = _settings()
     if _started_with is None:

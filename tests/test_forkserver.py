@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gradsync import compat, forkserver
+from gradsync.errors import UsageError
 
 
 @pytest.fixture
@@ -70,6 +71,20 @@ def test_another_output_umask_or_affinity_means_spawn(
             assert forkserver.start_method() == "spawn"
         finally:
             os.sched_setaffinity(0, cpus)
+    assert forkserver.start_method() == "forkserver"
+
+
+@pytest.mark.unit
+def test_the_environment_can_ask_for_spawn_and_names_the_valid_values(
+    fresh: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, "spawn")
+    assert forkserver.start_method() == "spawn"
+    assert fresh == []  # no server started for it
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, "fork")
+    with pytest.raises(UsageError, match="'fork': valid values are 'auto' and 'spawn'"):
+        forkserver.start_method()
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, "auto")
     assert forkserver.start_method() == "forkserver"
 
 
