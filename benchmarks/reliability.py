@@ -5,7 +5,7 @@ Per strategy: (1) what a checkpoint every step costs, as the step period (start 
 two run alternately, ``--repeats`` pairs, median of the per-pair ratios; and measured again in
 one run, ``--block-repeats`` pairs of ``--block``-step blocks with and without a checkpoint
 every step, alternating in the same processes (``benchmarks.reliability_worker``, which says
-why); (2) the same job
+why), in ``--block-runs`` runs; (2) the same job
 twice, uninterrupted and with SIGKILLs of random worker ranks at random steps, recovered by the
 elastic agent from the newest complete checkpoint: the outcome against the clean run (bitwise
 for BSP), steps and time lost per kill.
@@ -31,7 +31,6 @@ from benchmarks.harness import (
     Harness,
     interleave,
     machine,
-    median_iqr,
     median_of_ratios,
     table,
 )
@@ -118,8 +117,36 @@ def cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
 
 
 def in_run_cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
-    """The same cost measured in one run: blocks of steps with and without a checkpoint every
-    step, alternating in the same processes (``benchmarks.reliability_worker``)."""
+    """The same cost measured in runs of its own: blocks of steps with and without a checkpoint
+    every step, alternating in the same processes (``benchmarks.reliability_worker``),
+    ``--block-runs`` such runs. One run's median moved from run to run by more than its own
+    pairs spread (+3.2% to +5.8% for five runs of the same code here), so the figure is the
+    median of the runs' medians, each run's beside it."""
+    per_run, without, with_ = [], [], []
+    for _ in range(args.block_runs):
+        times = _block_run(strategy, args)
+        per_run.append(statistics.median(
+            e / n for e, n in zip(times["every"], times["none"], strict=True)
+        ))  # fmt: skip
+        without.append(statistics.median(times["none"]) * 1e3)
+        with_.append(statistics.median(times["every"]) * 1e3)
+    return [
+        [
+            f"cost of a checkpoint every step, in {args.block_runs} runs of "
+            f"{args.block_repeats} pairs of {args.block}-step blocks with and without, "
+            "alternating: median of the runs' medians of the per-pair ratios (each run's)",
+            f"{statistics.median(per_run) - 1:+.1%} of step time "
+            f"({', '.join(f'{r - 1:+.1%}' for r in per_run)})",
+        ],
+        [
+            "mean step time of those blocks without / with: median",
+            f"{statistics.median(without):.2f} ms / {statistics.median(with_):.2f} ms",
+        ],
+    ]
+
+
+def _block_run(strategy: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """One run of alternating blocks: mean seconds per step of each block, by kind."""
     with TemporaryDirectory(prefix="gradsync-ckpt-blocks-") as tmp:
         job = {
             "workload": args.workload,
@@ -130,22 +157,8 @@ def in_run_cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
             "block": args.block,
         }
         nproc = 3 if strategy == "async" else 2  # async: 2 workers and a server
-        times = launch(reliability_worker.worker, (job,), nproc=nproc)[0]
-    ratios = [e / n for e, n in zip(times["every"], times["none"], strict=True)]
-    med, q1, q3 = median_iqr(ratios)
-    without, with_ = (statistics.median(times[k]) * 1e3 for k in ("none", "every"))
-    return [
-        [
-            f"cost of a checkpoint every step, in one run: {args.block_repeats} pairs of "
-            f"{args.block}-step blocks with and without, alternating; median (IQR) of the "
-            "per-pair ratios",
-            f"{med - 1:+.1%} ({q1 - 1:+.1%} to {q3 - 1:+.1%}) of step time",
-        ],
-        [
-            "mean step time of those blocks without / with: median",
-            f"{without:.2f} ms / {with_:.2f} ms",
-        ],
-    ]
+        times: dict[str, list[float]] = launch(reliability_worker.worker, (job,), nproc=nproc)[0]
+    return times
 
 
 def restart_note() -> str:
@@ -245,8 +258,16 @@ def main() -> None:
         help="steps per block of the in-run cost (64: one file written per block under bsp, "
         "as in a run)",
     )
-    p.add_argument("--block-repeats", type=int, default=12, help="pairs of blocks, in-run cost")
-    args = h.parse(steps=60, kills=2, cost_steps=40, repeats=1, block=8, block_repeats=2)
+    p.add_argument("--block-repeats", type=int, default=16, help="pairs of blocks, in-run cost")
+    p.add_argument("--block-runs", type=int, default=3, help="runs of block pairs, in-run cost")
+    args = h.parse(
+        steps=60, kills=2, cost_steps=40, repeats=1, block=8, block_repeats=2, block_runs=1
+    )
+    if args.block_runs < 1 or args.block_repeats < 1:
+        h.error(
+            f"--block-runs and --block-repeats take 1 or more; got {args.block_runs} and "
+            f"{args.block_repeats}"
+        )
     strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]
     if not strategies or not set(strategies) <= set(TITLES):
         h.error(f"--strategies takes {', '.join(TITLES)}; got {args.strategies!r}")
@@ -259,7 +280,7 @@ def main() -> None:
     cmd = h.command(
         f"--workload {args.workload} --steps {args.steps} --cost-steps {args.cost_steps} "
         f"--repeats {args.repeats} --kills {args.kills} --every {args.every} --seed {args.seed} "
-        f"--block {args.block} --block-repeats {args.block_repeats} "
+        f"--block {args.block} --block-repeats {args.block_repeats} --block-runs {args.block_runs} "
         f"--strategies {','.join(strategies)} --write".split()
     )
     text = (
