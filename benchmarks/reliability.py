@@ -265,7 +265,7 @@ def main() -> None:
         help="steps per block of the in-run cost (64: one file written per block under bsp, "
         "as in a run)",
     )
-    p.add_argument("--block-repeats", type=int, default=16, help="pairs of blocks, in-run cost")
+    p.add_argument("--block-repeats", type=int, default=12, help="pairs of blocks, in-run cost")
     p.add_argument("--block-runs", type=int, default=3, help="runs of block pairs, in-run cost")
     args = h.parse(
         steps=60, kills=2, cost_steps=40, repeats=1, block=8, block_repeats=2, block_runs=1
