@@ -195,9 +195,16 @@ def _add_optional_parsers(module: str, sub: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # The elastic agent logs every worker failure with a full traceback; the CLI says which
     # rank failed and why in one line instead (set GRADSYNC_DEBUG=1 to see the agent's logs).
+    # A worker's death the agent recovers from gets one line too (``worker_deaths``). And
+    # c10d's own warnings are left out of the workers' output: a rank whose peer died prints
+    # the store's failure with a C++ backtrace, which gradsync names in its own words.
     if not os.environ.get("GRADSYNC_DEBUG"):
         for name in ("torch.distributed.elastic", "torch.multiprocessing"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+        from gradsync.worker_deaths import report_worker_deaths
+
+        report_worker_deaths()
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

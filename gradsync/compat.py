@@ -46,6 +46,11 @@ is tested in ``tests/test_compat.py``.
   process runs already (``multiprocessing.forkserver._forkserver._forkserver_pid``), so that
   ``gradsync.forkserver`` forks workers only from a server whose environment it knows. True
   where Python hides it: workers are spawned then.
+- ``elastic_worker_failure``: not an API but the wording of the record torch's elastic agent
+  logs when a worker process fails (``failed (exitcode: %s) local_rank: %s (pid: %s) ...``), so
+  that ``gradsync run`` can say which worker died before the agent restarts the group. None
+  for a record worded otherwise: the death then goes unreported, as before (tested in
+  ``tests/test_worker_deaths.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import functools
+import logging
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
@@ -325,3 +331,25 @@ def optimizer_state_dict_hooks(optimizer: torch.optim.Optimizer) -> list[dict[An
     if not all(type(d) in (dict, OrderedDict) for d in hooks):
         return None
     return hooks  # type: ignore[return-value]
+
+
+#: the logger through which torch's elastic agent reports a failed worker process
+ELASTIC_WORKER_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_ELASTIC_FAILED_PREFIX = "failed (exitcode: %s) local_rank: %s (pid: %s)"
+
+
+def elastic_worker_failure(record: logging.LogRecord) -> tuple[int, int, int] | None:
+    """(exit code, local rank, pid) from the record torch's elastic agent logs when one of its
+    worker processes fails (a negative exit code: killed by that signal); None for any other
+    record, or where torch words it otherwise."""
+    if not isinstance(record.msg, str) or not record.msg.startswith(_ELASTIC_FAILED_PREFIX):
+        return None
+    args = record.args
+    if not isinstance(args, tuple) or len(args) < 3:
+        return None
+    values: list[Any] = list(args[:3])
+    try:
+        exitcode, local_rank, pid = (int(v) for v in values)
+    except (TypeError, ValueError):
+        return None
+    return exitcode, local_rank, pid

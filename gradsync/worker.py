@@ -114,8 +114,16 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
             how = "starting over (no checkpoint was complete yet)"
         else:
             how = "starting over (no --checkpoint-every)"
-        print(f"gradsync: {why}: {how} at step {start}", file=sys.stderr, flush=True)
+        count = f" (restart {_restart_count()})" if restarted else ""
+        print(f"gradsync: {why}: {how} at step {start}{count}", file=sys.stderr, flush=True)
     return start
+
+
+def _restart_count() -> str:
+    """``N of M``: this round's restart and the most the agent allows (set by torch's agent)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
+    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    return f"{count} of {most}" if most else count
 
 
 def _drop_records_from(path: Path, step: int) -> None:

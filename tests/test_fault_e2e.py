@@ -50,8 +50,11 @@ def test_killed_rank_resumes_bitwise_equal(
         faulty, *strategy, "--checkpoint-every", str(every), "--max-restarts", "1",
         "--kill", "1:17",
     )  # fmt: skip
-    found = re.findall(r"restart: resuming at step (\d+)", err)
+    found = re.findall(r"restart: resuming at step (\d+) \(restart 1 of 1\)", err)
     assert len(found) == 1 and int(found[0]) in resumed, err[-3000:]
+    # the death the agent recovered from is named, once
+    deaths = re.findall(r"gradsync: worker process (\d) of this machine \(pid \d+\) (.*)", err)
+    assert deaths == [("1", "was killed by SIGKILL")], err[-3000:]
     assert (faulty / "faults" / "kill-rank1-step17.json").exists()
     a, b = _final(clean), _final(faulty)
     assert a.keys() == b.keys()
@@ -62,6 +65,20 @@ def test_killed_rank_resumes_bitwise_equal(
         json.loads(line)["step"] for line in (faulty / "metrics.jsonl").read_text().splitlines()
     ]
     assert sorted(steps) == sorted(list(range(30)) * 2)
+
+
+@pytest.mark.timeout(240)
+def test_rank_0s_death_is_named_without_the_survivors_backtrace(tmp_path: Path) -> None:
+    # Rank 0 serves the round's store (--max-restarts): its peer's wait on it fails, and c10d
+    # would print that failure with a C++ backtrace.
+    err = _run(
+        tmp_path / "run", "--strategy", "bsp", "--checkpoint-every", "5", "--max-restarts", "1",
+        "--kill", "0:12",
+    )  # fmt: skip
+    assert "restart: resuming at step 10 (restart 1 of 1)" in err, err[-3000:]
+    deaths = re.findall(r"gradsync: worker process (\d) of this machine \(pid \d+\) (.*)", err)
+    assert deaths == [("0", "was killed by SIGKILL")], err[-3000:]
+    assert "Exception raised from" not in err and "frame #" not in err, err[-3000:]
 
 
 @pytest.mark.timeout(300)
