@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import gradsync.launch
 from gradsync.cli import main
 from gradsync.config import RunConfig
 from gradsync.errors import UsageError
+from gradsync.workloads import data
 
 pytestmark = pytest.mark.unit
 
@@ -57,3 +59,15 @@ def test_cli_refuses_it_in_one_line_without_launching(
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and not launched
     assert len(err) == 1 and err[0].startswith(f"gradsync: error: --data file '{path}'")
+
+
+def test_the_stdlib_sample_lists_what_a_full_walk_would() -> None:
+    # The walk prunes the skipped directories instead of listing everything and filtering:
+    # the same files, in the same order, so charlm trains on the same text.
+    root = Path(sysconfig.get_paths()["stdlib"])
+    listed = [
+        p
+        for p in sorted(root.rglob("*.py"))
+        if not data._SKIP_DIRS.intersection(p.relative_to(root).parts)
+    ]
+    assert data.stdlib_sources() == listed
