@@ -3,12 +3,16 @@
 Per strategy: (1) what a checkpoint every step costs, as the step period (start to start, rank
 0) of the same job with ``--checkpoint-every 1`` against the same job without checkpoints, the
 two run alternately, ``--repeats`` pairs, median of the per-pair ratios; and measured again in
-one run, ``--block-repeats`` pairs of ``--block``-step blocks with and without a checkpoint
-every step, alternating in the same processes (``benchmarks.reliability_worker``, which says
-why), in ``--block-runs`` runs; (2) the same job
+``--block-runs`` runs of their own, each of ``--block-repeats`` pairs of ``--block``-step blocks
+with and without a checkpoint every step, alternating in the same processes
+(``benchmarks.reliability_worker``, which says why); (2) the same job
 twice, uninterrupted and with SIGKILLs of random worker ranks at random steps, recovered by the
 elastic agent from the newest complete checkpoint: the outcome against the clean run (bitwise
 for BSP), steps and time lost per kill.
+
+``--strategies`` also takes ``local:H`` and ``diloco:H``, printed only: the file's section holds
+``bsp`` and ``async``. With ``--every N`` the step period is read over spans of N steps
+(``step_period``), and the in-run blocks, made for a checkpoint every step, are left out.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -219,7 +224,7 @@ def faults(strategy: str, args: argparse.Namespace) -> tuple[str, list[list[str]
                 outage.append(after["first_step_done"] - k["time"])
     lost_cell = f"{statistics.median(lost):.0f} ({max(lost)})" if lost else "n/a"
     outage_cell = f"{statistics.median(outage):.1f} s ({max(outage):.1f} s)" if outage else "n/a"
-    if strategy == "bsp":
+    if strategy != "async":  # the others replay a rolled-back step exactly
         same = ["final parameters bitwise equal to the uninterrupted run", "yes" if equal else "no"]
     else:
         same = [
@@ -242,6 +247,12 @@ TITLES = {
     "async": "async parameter server, 2 workers + 1 server (the server's shard, optimizer "
     "state and clocks are checkpointed with the workers)",
 }
+#: strategies measured too, but never written to the file (its section holds ``TITLES``)
+PRINTED_ONLY = re.compile(r"(local|diloco):[1-9][0-9]*")
+
+
+def _title(strategy: str) -> str:
+    return TITLES.get(strategy) or f"`{strategy}`, 2 ranks"
 
 
 def main() -> None:
@@ -257,7 +268,11 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--every", type=int, default=1, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--strategies", default="bsp,async", help="comma-separated: bsp, async")
+    p.add_argument(
+        "--strategies",
+        default="bsp,async",
+        help="comma-separated: bsp, async, and (printed only) local:H, diloco:H",
+    )
     p.add_argument(
         "--block",
         type=int,
@@ -276,22 +291,30 @@ def main() -> None:
             f"{args.block_repeats}"
         )
     strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]
-    if not strategies or not set(strategies) <= set(TITLES):
-        h.error(f"--strategies takes {', '.join(TITLES)}; got {args.strategies!r}")
+    unknown = [x for x in strategies if x not in TITLES and not PRINTED_ONLY.fullmatch(x)]
+    if not strategies or unknown:
+        h.error(
+            f"--strategies takes {', '.join(TITLES)}, local:H and diloco:H; got {args.strategies!r}"
+        )
+    if args.write and not set(strategies) <= set(TITLES):
+        h.error(f"--write takes --strategies among {', '.join(TITLES)}; the others are printed")
     sections, spec = [], ""
     for strategy in strategies:
         rows = cost(strategy, args) + (in_run_cost(strategy, args) if args.every == 1 else [])
         spec, kill_rows = faults(strategy, args)
-        sections.append(f"### {TITLES[strategy]}\n\n" + table("measure | value", rows + kill_rows))
+        sections.append(f"### {_title(strategy)}\n\n" + table("measure | value", rows + kill_rows))
     # Every setting spelled out, so the command reproduces the file whatever the defaults are.
     cmd = h.command(
         f"--workload {args.workload} --steps {args.steps} --cost-steps {args.cost_steps} "
         f"--repeats {args.repeats} --kills {args.kills} --every {args.every} --seed {args.seed} "
         f"--block {args.block} --block-repeats {args.block_repeats} --block-runs {args.block_runs} "
-        f"--strategies {','.join(strategies)} --write".split()
+        f"--strategies {','.join(strategies)}".split()
+        + (["--write"] if args.write else [])
     )
     text = (
-        "## Repeated worker loss, a checkpoint every step\n\n"
+        "## Repeated worker loss, a checkpoint every "
+        + ("step" if args.every == 1 else f"{args.every} steps")
+        + "\n\n"
         f"Command: `{cmd}`. Machine: {machine()}.\n\n"
         f"`{args.workload}`, 2 worker ranks. Cost: {args.repeats} pairs of {args.cost_steps}-step "
         f"runs, with a checkpoint every {args.every} step(s) and without, run alternately. "

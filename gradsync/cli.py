@@ -225,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _describe_child_failure(exc: Any) -> str:
+    from gradsync.worker_deaths import describe_exit
+
     lines = []
     for rank, failure in sorted(exc.failures.items()):
         message = failure.message
@@ -234,7 +236,8 @@ def _describe_child_failure(exc: Any) -> str:
         if text and "To enable traceback" not in text[-1] and "Signal" not in text[-1]:
             why = text[-1]  # the exception @record saved, even if teardown then aborted
         elif failure.exitcode < 0:
-            why = f"killed by signal {-failure.exitcode}"
+            # as the line ``worker_deaths`` printed for the same death just before
+            why = describe_exit(failure.exitcode).removeprefix("was ")
         else:
             why = "no error message (see the worker output above)"
         lines.append(f"rank {rank} failed (exit code {failure.exitcode}): {why}")

@@ -121,7 +121,7 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
 
 def _restart_count() -> str:
     """``N of M``: this round's restart and the most the agent allows (set by torch's agent)."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
+    count = os.environ["TORCHELASTIC_RESTART_COUNT"]  # set: this is a restart
     most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
     return f"{count} of {most}" if most else count
 

@@ -5,7 +5,12 @@ making, and restarts the group without a word; ``gradsync run`` silences those l
 final failure gets one line of its own, ``cli._describe_child_failure``). A death the agent
 recovers from would then go unreported but for the resumed step. Here the one record that
 names the failed process (``compat.elastic_worker_failure``) becomes a line saying which
-worker died and how; the logger's other records stay silenced.
+worker died and how; the logger's other records stay silenced. A failure that ends the run gets
+this line too, before the CLI's own, in the same words.
+
+torch reports one failed process per round: the first its poll finds, in rank order. Two
+workers dying within one poll (0.1 s) make one line, and a survivor that exits within that
+poll may be the one named.
 """
 
 from __future__ import annotations

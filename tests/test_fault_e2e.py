@@ -75,7 +75,8 @@ def test_rank_0s_death_is_named_without_the_survivors_backtrace(tmp_path: Path) 
         tmp_path / "run", "--strategy", "bsp", "--checkpoint-every", "5", "--max-restarts", "1",
         "--kill", "0:12",
     )  # fmt: skip
-    assert "restart: resuming at step 10 (restart 1 of 1)" in err, err[-3000:]
+    # step 10's checkpoint, or step 5's if step 10's was still being written at the kill
+    assert re.search(r"restart: resuming at step (5|10) \(restart 1 of 1\)", err), err[-3000:]
     deaths = re.findall(r"gradsync: worker process (\d) of this machine \(pid \d+\) (.*)", err)
     assert deaths == [("0", "was killed by SIGKILL")], err[-3000:]
     assert "Exception raised from" not in err and "frame #" not in err, err[-3000:]

@@ -3,6 +3,8 @@ one line on stderr; every other record of that logger stays silent."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import io
 import logging
 
@@ -81,3 +83,18 @@ def test_installed_once_on_the_agents_logger_alone() -> None:
         logger.handlers[:] = saved[0]
         logger.setLevel(saved[1])
         logger.propagate = saved[2]
+
+
+def test_the_installed_torch_logs_the_record_that_is_read() -> None:
+    # The wording is torch's, not an API: if a torch rewords it, this fails before any run
+    # goes quiet about its deaths. The AST joins the string's implicitly concatenated parts.
+    from torch.distributed.elastic.multiprocessing import api
+
+    assert api.logger.name == compat.ELASTIC_WORKER_LOGGER
+    strings = [
+        node.value
+        for node in ast.walk(ast.parse(inspect.getsource(api)))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]
+    worded = [s for s in strings if s.startswith("failed (exitcode: %s)")]
+    assert worded and all(compat.elastic_worker_failure(_record(s, (1, 2, 3))) for s in worded)
