@@ -51,6 +51,9 @@ is tested in ``tests/test_compat.py``.
   that ``gradsync run`` can say which worker died before the agent restarts the group. None
   for a record worded otherwise: the death then goes unreported, as before (tested in
   ``tests/test_worker_deaths.py``).
+- ``elastic_signal``: the signal behind torch's elastic agent's ``SignalException`` (its
+  ``sigval``), which it raises in the launcher for a Ctrl-C instead of ``KeyboardInterrupt``, so
+  that ``gradsync run`` ends with one line and 128 + the signal; None where torch lacks it.
 """
 
 from __future__ import annotations
@@ -353,3 +356,19 @@ def elastic_worker_failure(record: logging.LogRecord) -> tuple[int, int, int] | 
     except (TypeError, ValueError):
         return None
     return exitcode, local_rank, pid
+
+
+def elastic_signal(exc: BaseException) -> int | None:
+    """The signal number when ``exc`` is the ``SignalException`` torch's elastic agent raises in
+    the launching process on SIGINT, SIGTERM, SIGHUP or SIGQUIT (once it has stopped the
+    workers); None for any other exception, or where torch has no such class."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+    except ImportError:
+        return None
+    if not isinstance(exc, SignalException):
+        return None
+    try:
+        return int(exc.sigval)
+    except (AttributeError, TypeError, ValueError):
+        return None

@@ -1,6 +1,7 @@
 """A stopped worker (SIGSTOP: a hang from outside the process) ends `gradsync run` within its
 --timeout plus a few seconds, with the stopped rank named and no process of the run left, where
-torch's elastic agent alone waits 30 more seconds for the stopped worker to act on SIGTERM."""
+torch's elastic agent alone waits 30 more seconds for the stopped worker to act on SIGTERM. And
+a Ctrl-C ends it in one line, leaving nothing either."""
 
 from __future__ import annotations
 
@@ -86,3 +87,31 @@ def _command(pid: int) -> str:
         return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
     except OSError:
         return "?"
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    # A terminal's Ctrl-C: SIGINT to the run's whole process group. torch's agent turns it
+    # into an exception of its own, which used to end the run with a traceback and exit 1.
+    out = tmp_path / "run"
+    proc = start_run(
+        *("--nproc", "2", "--workload", "mlp", "--steps", "100000", "--no-plots", "--no-progress"),
+        *("--out", str(out)),
+    )
+    watched = Watched()
+    try:
+        _wait_for_training(proc, watched, out / "metrics.jsonl")
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        rc = watch_until_exit(proc, watched, timeout_s=60)
+        while watched.survivors() and time.monotonic() - sent < GRACE_S + 10:
+            time.sleep(0.05)
+        left = [(pid, _command(pid)) for pid in watched.survivors()]
+    finally:
+        watched.kill_all()
+        proc.kill()
+        _, stderr = proc.communicate(timeout=30)
+    assert rc == 130, f"exit code {rc}: {stderr[-3000:]}"
+    assert "gradsync: interrupted by SIGINT: the workers were stopped" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert left == [], f"processes of the run still alive after it exited: {left}"

@@ -7,6 +7,7 @@ import ast
 import inspect
 import io
 import logging
+import signal
 
 import pytest
 
@@ -98,3 +99,12 @@ def test_the_installed_torch_logs_the_record_that_is_read() -> None:
     ]
     worded = [s for s in strings if s.startswith("failed (exitcode: %s)")]
     assert worded and all(compat.elastic_worker_failure(_record(s, (1, 2, 3))) for s in worded)
+
+
+def test_the_agents_signal_exception_gives_its_signal() -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    assert compat.elastic_signal(SignalException("got 2", sigval=signal.SIGINT)) == 2
+    assert compat.elastic_signal(SignalException("got 15", sigval=signal.SIGTERM)) == 15
+    assert compat.elastic_signal(RuntimeError("got 2")) is None
+    assert compat.elastic_signal(KeyboardInterrupt()) is None
