@@ -184,9 +184,12 @@ def restart_note() -> str:
     return (
         f"The time from a kill to the next completed step: the restarted workers {how} "
         "(`gradsync.forkserver`). Spawned, this time was 2.5 s (BSP) and 3.7 s (async) on this "
-        "machine with the same command (RELIABILITY.md at f386f17). What is left with forked "
-        "workers was not taken apart: the agent noticing the death (it polls every 0.1 s), a "
-        "new rendezvous, gloo's connections, loading the checkpoint.\n"
+        "machine with the same command (RELIABILITY.md at f386f17). Forked, one BSP kill taken "
+        "apart (one-off timestamps, two runs): 0.2-0.3 s from the kill to the new workers' start "
+        "(the agent noticing the death, it polls every 0.1 s; stopping the survivor; a new "
+        "rendezvous), then about 0.1 s to the first step (the process group, the model, the "
+        "checkpoint's load). Until 0baa4a0 each start also listed the whole standard library for "
+        "charlm's text (0.36 s): 0.6 s (BSP) and 1.2 s (async) at the median then.\n"
     )
 
 
