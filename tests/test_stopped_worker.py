@@ -66,20 +66,31 @@ def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
         stopped_at = time.monotonic()
         rc = watch_until_exit(proc, watched, timeout_s=TIMEOUT_S + 60)
         took = time.monotonic() - stopped_at
-        # A process of the run may still be on its way out as the run's own process exits
-        # (a helper such as multiprocessing's resource tracker ends when its pipe closes):
-        # what matters is that nothing is left within the same bound.
-        while watched.survivors() and time.monotonic() - stopped_at < TIMEOUT_S + GRACE_S:
-            time.sleep(0.05)
-        left = [(pid, _command(pid)) for pid in watched.survivors()]
+        left = _left_after(watched, stopped_at, TIMEOUT_S + GRACE_S)
     finally:
-        watched.kill_all()
-        proc.kill()
-        _, stderr = proc.communicate(timeout=30)
+        stderr = _end(proc, watched)
     assert rc == 1, f"exit code {rc}: {stderr[-3000:]}"
     assert "never arrived: ranks [" in stderr, stderr[-3000:]
     assert took <= TIMEOUT_S + GRACE_S, f"exited {took:.1f}s after the stop: {stderr[-3000:]}"
     assert left == [], f"processes of the run still alive after it exited: {left}"
+
+
+def _left_after(watched: Watched, since: float, bound_s: float) -> list[tuple[int, str]]:
+    """The run's processes still alive ``bound_s`` after ``since``, or none sooner. One may
+    still be on its way out as the run's own process exits (a helper such as
+    multiprocessing's resource tracker ends when its pipe closes): what matters is that
+    nothing is left within the bound."""
+    while watched.survivors() and time.monotonic() - since < bound_s:
+        time.sleep(0.05)
+    return [(pid, _command(pid)) for pid in watched.survivors()]
+
+
+def _end(proc: subprocess.Popen[str], watched: Watched) -> str:
+    """Kill whatever of the run is left (a failed test leaves nothing); the run's stderr."""
+    watched.kill_all()
+    proc.kill()
+    _, stderr = proc.communicate(timeout=30)
+    return stderr
 
 
 def _command(pid: int) -> str:
@@ -104,13 +115,9 @@ def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(tmp_path: Path) -> N
         os.killpg(proc.pid, signal.SIGINT)
         sent = time.monotonic()
         rc = watch_until_exit(proc, watched, timeout_s=60)
-        while watched.survivors() and time.monotonic() - sent < GRACE_S + 10:
-            time.sleep(0.05)
-        left = [(pid, _command(pid)) for pid in watched.survivors()]
+        left = _left_after(watched, sent, GRACE_S + 10)
     finally:
-        watched.kill_all()
-        proc.kill()
-        _, stderr = proc.communicate(timeout=30)
+        stderr = _end(proc, watched)
     assert rc == 130, f"exit code {rc}: {stderr[-3000:]}"
     assert "gradsync: interrupted by SIGINT: the workers were stopped" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
