@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -220,14 +219,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
         from gradsync import compat
+        from gradsync.worker_deaths import signal_name
 
         # torch's agent turns a Ctrl-C (or a SIGTERM) into an exception of its own, once it
         # has stopped the workers: an interruption, not a failure with a traceback
         signum = compat.elastic_signal(exc)
         if signum is not None:
-            known = signum in signal.valid_signals()
-            signame = signal.Signals(signum).name if known else f"signal {signum}"
-            print(f"gradsync: interrupted by {signame}: the workers were stopped", file=sys.stderr)
+            print(
+                f"gradsync: interrupted by {signal_name(signum)}: the workers were stopped",
+                file=sys.stderr,
+            )
             return 128 + signum
         if isinstance(exc, ChildFailedError):
             print(f"gradsync: error: {_describe_child_failure(exc)}", file=sys.stderr)

@@ -22,16 +22,21 @@ from typing import TextIO
 
 from gradsync import compat
 
-__all__ = ["describe_exit", "report_worker_deaths"]
+__all__ = ["describe_exit", "report_worker_deaths", "signal_name"]
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; ``signal N`` for a number this platform does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def describe_exit(exitcode: int) -> str:
     """How a process ended, from its multiprocessing exit code (negative: a signal)."""
     if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
+        return f"was killed by {signal_name(-exitcode)}"
     return f"exited with code {exitcode}"
 
 

@@ -15,6 +15,8 @@ from tests.test_cli_run import gradsync
 
 pytestmark = pytest.mark.e2e
 
+# the line gradsync run prints for a worker's death: (local rank, how it ended)
+DEATH = re.compile(r"gradsync: worker process (\d) of this machine \(pid \d+\) (.*)")
 COMMON = ["--workload", "mlp", "--params", "20000", "--steps", "30", "--no-plots", "--no-progress"]
 
 
@@ -53,7 +55,7 @@ def test_killed_rank_resumes_bitwise_equal(
     found = re.findall(r"restart: resuming at step (\d+) \(restart 1 of 1\)", err)
     assert len(found) == 1 and int(found[0]) in resumed, err[-3000:]
     # the death the agent recovered from is named, once
-    deaths = re.findall(r"gradsync: worker process (\d) of this machine \(pid \d+\) (.*)", err)
+    deaths = DEATH.findall(err)
     assert deaths == [("1", "was killed by SIGKILL")], err[-3000:]
     assert (faulty / "faults" / "kill-rank1-step17.json").exists()
     a, b = _final(clean), _final(faulty)
@@ -77,7 +79,7 @@ def test_rank_0s_death_is_named_without_the_survivors_backtrace(tmp_path: Path) 
     )  # fmt: skip
     # step 10's checkpoint, or step 5's if step 10's was still being written at the kill
     assert re.search(r"restart: resuming at step (5|10) \(restart 1 of 1\)", err), err[-3000:]
-    deaths = re.findall(r"gradsync: worker process (\d) of this machine \(pid \d+\) (.*)", err)
+    deaths = DEATH.findall(err)
     assert deaths == [("0", "was killed by SIGKILL")], err[-3000:]
     assert "Exception raised from" not in err and "frame #" not in err, err[-3000:]
 
