@@ -54,15 +54,23 @@ def _check_resume(cfg: Any, run_dir: Path) -> None:
     check_resumable(run_dir / CHECKPOINT_DIR, parse_compression(cfg.compression).spec, cfg.strategy)
 
 
+def _placement(backend: str) -> str:
+    """``on the GPU (nccl)`` or ``on the CPU (gloo)``: where each worker's model lives."""
+    return f"on the {'GPU' if backend == 'nccl' else 'CPU'} ({backend})"
+
+
 def _run(cfg: Any, run_dir: Path) -> int:
     from gradsync.launch import launch
     from gradsync.worker import run_worker
 
     cfg.save(run_dir, fp32_bytes_per_step=4 * _trainable_params(cfg))
     servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
+    # Where the model trains is decided per machine (--backend auto): said up front, so a
+    # run meant for the GPU that fell back to the CPU is seen before its first step.
+    where = "" if cfg.hosts else f", {_placement(cfg.process_backend(cfg.processes))}"
     print(
         f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {cfg.nproc} workers{servers}, "
-        f"{cfg.steps} steps, batch {cfg.batch_size}/worker -> {run_dir}",
+        f"{cfg.steps} steps, batch {cfg.batch_size}/worker{where} -> {run_dir}",
         file=sys.stderr,
     )
     if cfg.hosts:

@@ -6,8 +6,9 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -46,25 +47,27 @@ class _Rank0Sink:
             ),
             world_size=world,
         )
-        self.samples = 0
         self.idle = 0.0
         self.wall = 0.0
-        self.first: float | None = None
+        #: False while a restart loads its checkpoint: the records it restores are written,
+        #: but the progress line waits for the resume line that says where the run went back.
+        self.showing = True
 
     def __call__(self, new: list[StepRecord]) -> None:
         write_records(self.path, new)
-        self.samples += sum(r.samples for r in new)
         self.idle += sum(r.idle for r in new)
         self.wall += sum(r.compute + r.sync for r in new)
-        start = min(r.time for r in new)
-        self.first = start if self.first is None else min(self.first, start)
+        if not self.showing:
+            return
         last = max(r.step for r in new)
         losses = [r.loss for r in new if r.step == last and r.loss is not None]
-        elapsed = max(r.time + r.compute + r.sync for r in new) - self.first
+        # The newest records' own rate: a rate since the first record would take in the
+        # time a restart spent between two attempts, and the steps it ran twice.
+        elapsed = max(r.time + r.compute + r.sync for r in new) - min(r.time for r in new)
         self.progress.update(
             last + 1,
             sum(losses) / len(losses) if losses else None,
-            self.samples / elapsed if elapsed > 0 else 0.0,
+            sum(r.samples for r in new) / elapsed if elapsed > 0 else 0.0,
             self.idle / self.wall if self.wall > 0 else 0.0,
         )
         for finding in self.detector.update(new):
@@ -180,10 +183,33 @@ class _CheckpointLog:
             self._fh = None
 
 
+def _one_line_warnings() -> None:
+    """Show gradsync's own warnings in this worker as one ``gradsync: ...`` line each, like the
+    command's other messages. Python's format adds the file, line and source text of the
+    ``warnings.warn`` call, which tell a user of the command nothing; other warnings keep it."""
+    shown = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if category.__module__.split(".")[0] == "gradsync":
+            print(f"gradsync: {message}", file=file or sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     """Train ``config.steps`` steps; rank 0 writes metrics.jsonl and report.json and returns the
     report as a dict (other ranks return None). Parameter-server ranks serve instead."""
     cfg = RunConfig.from_dict(config_dict)
+    _one_line_warnings()
     torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = cfg.process_backend(local)
@@ -218,7 +244,11 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         sync.close()
         return None
     barrier_free = sync.strategy.barrier_free
+    if sink is not None:
+        sink.showing = False
     start = _resume(sync, cfg, run_dir, rank)
+    if sink is not None:
+        sink.showing = True
     recovering = start > 0 and rank == 0
     kills = parse_kill(cfg.kill)
     checkpoints = run_dir / CHECKPOINT_DIR

@@ -141,3 +141,27 @@ def test_other_strategies_refuse_a_different_number_of_ranks(tmp_path: Path) -> 
     assert again.returncode == 1, again.stderr[-2000:]
     assert "written by 2 ranks; resuming local with 3 is not supported" in again.stderr
     assert "Traceback" not in again.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_resume_past_an_unfinished_checkpoint_says_so_in_one_line(tmp_path: Path) -> None:
+    # What a kill during a save leaves: the newest checkpoint without its manifest.
+    out = tmp_path / "run"
+    flags = ["--nproc", "1", "--out", str(out), *COMMON[:4], "--no-plots"]
+    first = gradsync("run", *flags, "--steps", "10", "--checkpoint-every", "5", timeout=180)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert ", on the CPU (gloo) -> " in first.stderr.splitlines()[0], first.stderr[:500]
+    (out / "checkpoints" / "step-000010" / "MANIFEST.json").unlink()
+    more = gradsync("run", *flags, "--steps", "14", "--resume", timeout=180)
+    assert more.returncode == 0, more.stderr[-2000:]
+    lines = more.stderr.splitlines()
+    skipped = [n for n, line in enumerate(lines) if "skipping checkpoint" in line]
+    assert len(skipped) == 1, more.stderr[-3000:]
+    assert lines[skipped[0]].startswith("gradsync: skipping checkpoint "), lines[skipped[0]]
+    assert "incomplete: no MANIFEST.json" in lines[skipped[0]]
+    # Python's own format would follow it with the source line of the warnings.warn call.
+    assert "store.latest(" not in more.stderr and "Warning:" not in more.stderr, more.stderr
+    # The progress line starts after the line that says where the run went back to.
+    resumed = [n for n, line in enumerate(lines) if "--resume: resuming at step 5" in line]
+    shown = [n for n, line in enumerate(lines) if re.search(r"step \d+/14", line)]
+    assert resumed and shown and min(shown) > resumed[0], more.stderr[-3000:]

@@ -1,0 +1,62 @@
+"""The progress line that rank 0 of ``gradsync run`` keeps: its rate, and its silence while a
+restart loads the records a checkpoint brought back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradsync.config import RunConfig
+from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records
+from gradsync.worker import _Rank0Sink
+
+pytestmark = pytest.mark.unit
+
+
+class _Lines:
+    """Stands in for ``Progress``: keeps what each update would show."""
+
+    def __init__(self) -> None:
+        self.updates: list[tuple[int, float | None, float, float]] = []
+
+    def update(self, step: int, loss: float | None, samples_per_s: float, tax: float) -> None:
+        self.updates.append((step, loss, samples_per_s, tax))
+
+    def interrupt(self, line: str) -> None:
+        pass
+
+
+def _records(first: int, count: int, start: float, seconds: float) -> list[StepRecord]:
+    """``count`` steps of one rank of 16 samples each, ``seconds`` apart from ``start``."""
+    return [
+        StepRecord(0, first + i, start + i * seconds, seconds, 0.0, 0.0, 0.0, 16, 0, loss=1.0)
+        for i in range(count)
+    ]
+
+
+def _sink(tmp_path: Path) -> tuple[_Rank0Sink, _Lines]:
+    lines = _Lines()
+    progress: Any = lines
+    return _Rank0Sink(RunConfig(out=str(tmp_path)), progress, 1), lines
+
+
+def test_the_rate_is_the_newest_steps_not_one_since_the_first_record(tmp_path: Path) -> None:
+    sink, lines = _sink(tmp_path)
+    sink(_records(0, 10, start=100.0, seconds=0.01))
+    # A restart: the next steps come 30 s later, as fast as before.
+    sink(_records(10, 10, start=130.0, seconds=0.01))
+    rates = [rate for _, _, rate, _ in lines.updates]
+    assert rates == pytest.approx([1600.0, 1600.0]), rates  # 16 samples per 10 ms
+
+
+def test_records_restored_while_loading_are_written_but_not_shown(tmp_path: Path) -> None:
+    sink, lines = _sink(tmp_path)
+    sink.showing = False
+    sink(_records(0, 5, start=100.0, seconds=0.01))
+    assert lines.updates == []
+    assert [r.step for r in read_records(tmp_path / METRICS_FILE)] == [0, 1, 2, 3, 4]
+    sink.showing = True
+    sink(_records(5, 5, start=130.0, seconds=0.01))
+    assert [step for step, *_ in lines.updates] == [10]
