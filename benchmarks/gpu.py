@@ -212,6 +212,76 @@ def step_worker(args: dict[str, Any]) -> dict[str, Any] | None:
     return out if dist.get_rank() == 0 else None
 
 
+#: ``--apart``: BARE's three switches, each turned off alone, on the mlp's one NCCL rank
+APART = {
+    "gradsync bsp": {},
+    "no telemetry": {"telemetry": False},
+    "no guard": {"skip_nonfinite": False},
+    "no check": {"check_every": 0},
+    "gradsync bare": BARE,
+    "ddp": None,
+}
+
+
+def _top_kernels(step: Callable[[int], Any], steps: int, count: int = 8) -> list[list[str]]:
+    """The device kernels of ``steps`` steps by torch.profiler: the ``count`` largest, each
+    its calls and device microseconds per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) / steps
+    rows = [["all kernels", "", f"{total:.1f}"]]
+    for e in events[:count]:
+        rows.append([e.key[:70], f"{e.count / steps:g}", f"{e.device_time_total / steps:.1f}"])
+    return rows
+
+
+def apart_worker(args: dict[str, Any]) -> dict[str, Any] | None:
+    """``--apart``: the mlp on one NCCL rank with each of BARE's switches off alone, in
+    interleaved blocks, then torch.profiler's kernels of gradsync bare and DDP."""
+    gs.init(backend="nccl")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    batches = _DeviceBatches(make_workload("mlp", params=args["params"]), device)
+    steps = {}
+    for kind, options in APART.items():
+        torch.manual_seed(0)
+        mode = "ddp" if options is None else "gradsync"
+        steps[kind] = Trainer(
+            mode, batches, 256, device=device, report_loss=False, **(options or {})
+        ).step
+        for i in range(3):
+            steps[kind](i)
+    runs = interleave(
+        list(APART),
+        args["repeats"],
+        lambda n, r: _time_block(steps[n], args["steps"], r * args["steps"]),
+    )
+    times = {k: [run[k] for run in runs] for k in APART}
+    kernels = {k: _top_kernels(steps[k], args["steps"]) for k in ("gradsync bare", "ddp")}
+    return {"times": times, "kernels": kernels}
+
+
+def _apart(args: Any) -> None:
+    work = {"params": args.params, "repeats": args.repeats, "steps": args.steps}
+    res = launch(apart_worker, (work,), nproc=1)[0]
+    ddp = res["times"]["ddp"]
+    rows = [
+        [kind, f"{statistics.median(t) * 1e3:.3f}", f"{median_of_ratios(t, ddp) or math.nan:.3f}"]
+        for kind, t in res["times"].items()
+    ]
+    print(table("mlp, 1 rank nccl | ms | / DDP", rows))
+    for kind, kernels in res["kernels"].items():
+        print(f"\n{kind}: device kernels per step (torch.profiler)")
+        print(table("kernel | calls | us", kernels))
+
+
 def _step_rows(res: dict[str, Any]) -> list[list[str]]:
     rows = []
     where = f"{res['world']} rank(s), {res['backend']}"
@@ -265,9 +335,20 @@ def main() -> None:
     h.parser.add_argument("--calls", type=int, default=20, help="calls per codec (%(default)s)")
     h.parser.add_argument("--steps", type=int, default=20, help="steps per block (%(default)s)")
     h.parser.add_argument("--params", type=int, default=25_000_000, help="mlp size (%(default)s)")
+    h.parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="only time the 'bare' switches apart on one NCCL rank, with the kernels of "
+        "gradsync bare and DDP (printed, never written)",
+    )
     args = h.parse(calls=3, steps=3, repeats=2, params=1_000_000)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.gpu needs a CUDA device; none is visible (torch.cuda.is_available())")
+    if args.apart:
+        if args.write:
+            h.parser.error("--apart prints its table only; drop --write")
+        _apart(args)
+        return
     args.command = h.command()
     bandwidth = memory_bandwidth()
     print(f"memory bandwidth {bandwidth:.0f} GB/s", flush=True)
