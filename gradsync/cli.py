@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -207,11 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # c10d's own warnings are left out of the workers' output: a rank whose peer died prints
     # the store's failure with a C++ backtrace, which gradsync names in its own words.
     if not os.environ.get("GRADSYNC_DEBUG"):
-        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-        from gradsync.worker_deaths import report_worker_deaths
+        from gradsync.worker_deaths import quiet_elastic_logs
 
-        report_worker_deaths()
+        quiet_elastic_logs()
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ from typing import TextIO
 
 from gradsync import compat
 
-__all__ = ["describe_exit", "report_worker_deaths", "signal_name"]
+__all__ = ["describe_exit", "quiet_elastic_logs", "report_worker_deaths", "signal_name"]
 
 
 def signal_name(signum: int) -> str:
@@ -68,3 +68,32 @@ def report_worker_deaths(stream: TextIO | None = None) -> None:
     logger.addHandler(_DeathLine(stream))
     logger.setLevel(logging.ERROR)
     logger.propagate = False  # the rest of the elastic loggers stay silenced
+
+
+#: the loggers of torch's launcher and elastic agent that ``quiet_elastic_logs`` silences
+ELASTIC_LOGGERS = (
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.multiprocessing",
+)
+
+
+def quiet_elastic_logs() -> None:
+    """Silence what torch's launcher and elastic agent log, but for the one line per death
+    (``report_worker_deaths``). Setting the parents' level is not enough: several of torch's
+    modules give their logger a level of its own when imported (the agent's says "Received 2
+    death signal, shutting down workers" on a Ctrl-C, before gradsync's own line). So the
+    launcher is imported here, which imports them, and each such level is set too."""
+    import torch.distributed.launcher.api  # noqa: F401 - imported for its loggers' levels
+
+    for name in ELASTIC_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if (
+            isinstance(logger, logging.Logger)
+            and name.startswith(ELASTIC_LOGGERS)
+            and name != compat.ELASTIC_WORKER_LOGGER
+            and logger.level != logging.NOTSET
+        ):
+            logger.setLevel(logging.CRITICAL)
+    report_worker_deaths()

@@ -121,4 +121,5 @@ def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(tmp_path: Path) -> N
     assert rc == 130, f"exit code {rc}: {stderr[-3000:]}"
     assert "gradsync: interrupted by SIGINT: the workers were stopped" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
+    assert "death signal" not in stderr, stderr[-3000:]  # the agent's own line, said again
     assert left == [], f"processes of the run still alive after it exited: {left}"
