@@ -209,7 +209,9 @@ def step_worker(args: dict[str, Any]) -> dict[str, Any] | None:
             lambda n, r, steps=steps: _time_block(steps[n], args["steps"], r * args["steps"]),
         )
         out[name] = {k: [run[k] for run in runs] for k in KINDS}
-    return out if dist.get_rank() == 0 else None
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return out if rank == 0 else None
 
 
 #: ``--apart``: BARE's three switches, each turned off alone, on the mlp's one NCCL rank
@@ -265,6 +267,7 @@ def apart_worker(args: dict[str, Any]) -> dict[str, Any] | None:
     )
     times = {k: [run[k] for run in runs] for k in APART}
     kernels = {k: _top_kernels(steps[k], args["steps"]) for k in ("gradsync bare", "ddp")}
+    dist.destroy_process_group()
     return {"times": times, "kernels": kernels}
 
 

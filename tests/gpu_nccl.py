@@ -263,6 +263,8 @@ def main() -> None:
         result = checkpoint(phase, device, directory)
     (directory / f"{phase}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result)[:4000], flush=True)
+    # as a DDP script ends: NCCL warns at exit about a group left undestroyed
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
