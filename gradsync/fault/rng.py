@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradsync.fault.rng_raw import NumpyRaw, PythonRaw
+
 __all__ = ["rng_state", "set_rng_state"]
 
 
@@ -46,29 +48,71 @@ class _Words:
 _PYTHON_WORDS, _NUMPY_WORDS = _Words(), _Words()
 
 
+class _Unmoved:
+    """A generator's last full read, and the bytes of its state read in place just before
+    (``rng_raw``): while they read the same, so is the state, and the full read is skipped."""
+
+    def __init__(self, raw: PythonRaw | NumpyRaw) -> None:
+        self.raw = raw
+        self.bytes: bytes | None = None
+        self.values: tuple[Any, ...] = ()
+
+    def kept(self) -> tuple[bytes | None, tuple[Any, ...] | None]:
+        """The bytes read now, and the last full read's values if they are unchanged."""
+        now = self.raw.read()
+        if now is not None and now == self.bytes:
+            return now, self.values
+        return now, None
+
+    def keep(self, now: bytes | None, agrees: bool, values: tuple[Any, ...]) -> None:
+        """After a full read: its values, and the bytes read before it if they hold them."""
+        if now is not None and not agrees:
+            self.raw.disagree()  # the bytes are not what they were taken for: full reads only
+        self.bytes = now if agrees else None
+        self.values = values
+
+
+_PYTHON, _NUMPY = _Unmoved(PythonRaw()), _Unmoved(NumpyRaw())
+
+
+def _python_state() -> dict[str, Any]:
+    now, values = _PYTHON.kept()
+    if values is None:
+        version, internal, gauss_next = random.getstate()
+        agrees = now is not None and PythonRaw.agrees(now, internal)
+        # A tensor, not a list of 625 ints: a checkpoint every step walks and encodes this
+        # state each time, and a list costs a Python object per word there.
+        values = (int(version), _PYTHON_WORDS.python(internal))
+        _PYTHON.keep(now, agrees, values)
+    else:
+        # An attribute of the generator object, not among the bytes: read every time (the
+        # bytes were read, so ``random.getstate`` is that object's method).
+        gauss_next = random.getstate.__self__.gauss_next  # type: ignore[attr-defined]
+    return {"version": values[0], "state": values[1], "gauss_next": gauss_next}
+
+
+def _numpy_state() -> dict[str, Any]:
+    now, values = _NUMPY.kept()
+    if values is None:
+        full: Any = np.random.get_state(legacy=True)
+        kind, words, pos, has_gauss, cached = full
+        agrees = now is not None and NumpyRaw.agrees(now, words, pos, has_gauss, cached)
+        keys = _NUMPY_WORDS.numpy(np.asarray(words))
+        values = (str(kind), keys, int(pos), int(has_gauss), float(cached))
+        _NUMPY.keep(now, agrees, values)
+    names = ("kind", "keys", "pos", "has_gauss", "cached_gaussian")
+    return dict(zip(names, values, strict=True))
+
+
 def rng_state() -> dict[str, Any]:
     """The torch CPU, CUDA (when initialized), Python ``random`` and numpy global RNG states.
 
     The Python and numpy state tensors are shared between calls while those states do not
     change: treat them as read-only (a checkpoint copies them)."""
-    version, internal, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        # A tensor, not a list of 625 ints: a checkpoint every step walks and encodes this
-        # state each time, and a list costs a Python object per word there.
-        "python": {
-            "version": int(version),
-            "state": _PYTHON_WORDS.python(internal),
-            "gauss_next": gauss_next,
-        },
-        "numpy": {
-            "kind": str(kind),
-            "keys": _NUMPY_WORDS.numpy(np.asarray(keys)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
+        "python": _python_state(),
+        "numpy": _numpy_state(),
     }
     # Asking for CUDA state initializes CUDA; a CPU-only (gloo) worker must not pay for that.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
