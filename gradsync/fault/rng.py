@@ -8,7 +8,7 @@ lists and scalars and rebuilt into the library's own shapes on restore.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -87,7 +87,7 @@ def _python_state() -> dict[str, Any]:
     else:
         # An attribute of the generator object, not among the bytes: read every time (the
         # bytes were read, so ``random.getstate`` is that object's method).
-        gauss_next = random.getstate.__self__.gauss_next  # type: ignore[attr-defined]
+        gauss_next = cast(Any, random.getstate).__self__.gauss_next
     return {"version": values[0], "state": values[1], "gauss_next": gauss_next}
 
 
