@@ -26,8 +26,11 @@ def _fresh_readers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rng, "_PYTHON", rng._Unmoved(rng_raw.PythonRaw()))
     monkeypatch.setattr(rng, "_NUMPY", rng._Unmoved(rng_raw.NumpyRaw()))
     python, numpy = random.getstate(), np.random.get_state()
+    bitgen = np.random.get_state.__self__._bit_generator  # type: ignore[attr-defined]
     yield
     random.setstate(python)
+    if hasattr(np.random, "set_bit_generator"):
+        np.random.set_bit_generator(bitgen)  # type: ignore[attr-defined]
     np.random.set_state(numpy)
 
 
@@ -133,4 +136,30 @@ def test_a_new_global_bit_generator_is_followed() -> None:
     np.random.set_bit_generator(np.random.MT19937(11))  # type: ignore[attr-defined]
     assert _taken() == _full()
     np.random.rand()
+    assert _taken() == _full()
+
+
+def test_the_probes_read_inside_the_objects() -> None:
+    # the offsets found, plus what is read there, end within each object's own bytes
+    python, numpy = rng_raw._probe_python(), rng_raw._probe_numpy()
+    assert python is not None and python + 4 + 4 * 624 <= random.Random.__basicsize__
+    assert numpy is not None and numpy + 16 <= np.random.RandomState.__basicsize__
+
+
+def test_a_replaced_numpy_generator_is_followed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _taken() == _full()  # the in-place read now stands for the global generator
+    other = np.random.RandomState(5)
+    monkeypatch.setattr(np.random, "get_state", other.get_state)
+    assert _taken() == _full()
+    other.rand()
+    assert _taken() == _full()
+    # and the module's own object, replaced by name, is not what get_state reads
+    monkeypatch.setattr(np.random.mtrand, "_rand", np.random.RandomState(9))
+    other.rand()
+    assert _taken() == _full()
+
+
+def test_the_python_generators_version_is_read_each_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _taken() == _full()
+    monkeypatch.setattr(random.getstate.__self__, "VERSION", 2)  # type: ignore[attr-defined]
     assert _taken() == _full()

@@ -54,22 +54,22 @@ class _Unmoved:
 
     def __init__(self, raw: PythonRaw | NumpyRaw) -> None:
         self.raw = raw
-        self.bytes: bytes | None = None
-        self.values: tuple[Any, ...] = ()
+        # one tuple, replaced whole: bytes never paired with another read's values
+        self.last: tuple[bytes | None, tuple[Any, ...]] = (None, ())
 
     def kept(self) -> tuple[bytes | None, tuple[Any, ...] | None]:
         """The bytes read now, and the last full read's values if they are unchanged."""
         now = self.raw.read()
-        if now is not None and now == self.bytes:
-            return now, self.values
+        seen, values = self.last
+        if now is not None and now == seen:
+            return now, values
         return now, None
 
     def keep(self, now: bytes | None, agrees: bool, values: tuple[Any, ...]) -> None:
         """After a full read: its values, and the bytes read before it if they hold them."""
         if now is not None and not agrees:
             self.raw.disagree()  # the bytes are not what they were taken for: full reads only
-        self.bytes = now if agrees else None
-        self.values = values
+        self.last = (now if agrees else None, values)
 
 
 _PYTHON, _NUMPY = _Unmoved(PythonRaw()), _Unmoved(NumpyRaw())
@@ -82,13 +82,14 @@ def _python_state() -> dict[str, Any]:
         agrees = now is not None and PythonRaw.agrees(now, internal)
         # A tensor, not a list of 625 ints: a checkpoint every step walks and encodes this
         # state each time, and a list costs a Python object per word there.
-        values = (int(version), _PYTHON_WORDS.python(internal))
+        values = (_PYTHON_WORDS.python(internal),)
         _PYTHON.keep(now, agrees, values)
     else:
-        # An attribute of the generator object, not among the bytes: read every time (the
+        # Attributes of the generator object, not among the bytes: read every time (the
         # bytes were read, so ``random.getstate`` is that object's method).
-        gauss_next = cast(Any, random.getstate).__self__.gauss_next
-    return {"version": values[0], "state": values[1], "gauss_next": gauss_next}
+        generator = cast(Any, random.getstate).__self__
+        version, gauss_next = generator.VERSION, generator.gauss_next
+    return {"version": int(version), "state": values[0], "gauss_next": gauss_next}
 
 
 def _numpy_state() -> dict[str, Any]:

@@ -52,7 +52,8 @@ def _probe_python() -> int | None:
     probe.seed(20261126)
     _, internal, _ = probe.getstate()
     words = struct.pack(f"{_WORDS}I", *internal[:_WORDS])
-    size = sys.getsizeof(probe)
+    # the object's own bytes: sys.getsizeof would count the collector's header before it too
+    size = type(probe).__basicsize__
     at = _find(ctypes.string_at(id(probe), size), words)
     if at is None or at < 4:
         return None
@@ -69,7 +70,7 @@ def _probe_numpy() -> int | None:
     found = []
     for has_gauss, gauss in ((1, 1.2345678901234567e-300), (0, -9.876543210987654e-299)):
         probe.set_state((name, key, pos, has_gauss, gauss))
-        size = sys.getsizeof(probe)
+        size = type(probe).__basicsize__
         at = _find(ctypes.string_at(id(probe), size), struct.pack("d", gauss))
         if at is None or at < 8:
             return None
@@ -126,7 +127,7 @@ class PythonRaw(_Raw):
 
 
 class NumpyRaw(_Raw):
-    """numpy's global legacy ``RandomState`` (``np.random.mtrand._rand``)."""
+    """numpy's global legacy ``RandomState`` (the object behind ``np.random.get_state``)."""
 
     def _probe(self) -> int | None:
         return _probe_numpy()
@@ -135,7 +136,9 @@ class NumpyRaw(_Raw):
         if self.off:
             return None
         offset = self._offset()
-        state = getattr(np.random.mtrand, "_rand", None)
+        # The object ``np.random.get_state`` reads (the full read's), not ``mtrand._rand``
+        # by name: either may be replaced.
+        state = getattr(np.random.get_state, "__self__", None)
         bitgen = getattr(state, "_bit_generator", None)
         if offset is None or type(state) is not np.random.RandomState:
             return None
