@@ -92,14 +92,38 @@ def launch(
 def _recorded(entrypoint: Callable[..., Any], *args: Any) -> Any:
     """Runs in each worker: ``@record`` writes an uncaught exception to torch's error file, so
     the launcher can say which rank failed and why instead of pointing at a URL."""
-    signal.signal(signal.SIGINT, _leave_on_interrupt)
-    return entrypoint(*args)
+    _leave_quietly_on_interrupt()
+    _RUNNING.add(os.getpid())
+    try:
+        return entrypoint(*args)
+    except KeyboardInterrupt:
+        raise SystemExit(128 + signal.SIGINT) from None
+    finally:
+        _RUNNING.discard(os.getpid())
 
 
-def _leave_on_interrupt(signum: int, frame: Any) -> None:
+#: the worker processes inside their entrypoint (by pid: a process forked there is not)
+_RUNNING: set[int] = set()
+_INSTALLED_BY: list[int] = []
+
+
+def _leave_quietly_on_interrupt() -> None:
     """A Ctrl-C in a terminal reaches every process of the run, and the launcher's agent stops
     the workers and says so. A worker that left by ``KeyboardInterrupt`` would also print
-    multiprocessing's ``Process ForkServerProcess-1:`` and a traceback, whenever the signal
-    found it in Python code (about one run in four here). ``SystemExit`` unwinds through the
-    same ``finally`` blocks and leaves without a word."""
+    multiprocessing's ``Process ForkServerProcess-1:`` and a traceback (about one run in seven
+    here). Inside the entrypoint the interrupt stays a ``KeyboardInterrupt``, for the user's
+    code to catch, and one that escapes it becomes ``SystemExit(130)``, which unwinds through
+    the same ``finally`` blocks without a word; outside it (the launcher's own code around it)
+    the signal leaves that way at once. A handler the user's module set at import is kept,
+    and processes forked from a worker (a DataLoader's) get the interrupt as before."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    _INSTALLED_BY[:] = [os.getpid()]
+    signal.signal(signal.SIGINT, _on_interrupt)
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    pid = os.getpid()
+    if pid not in _INSTALLED_BY or pid in _RUNNING:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
