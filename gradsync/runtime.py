@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,25 +81,24 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     chosen = backend or default_backend()
     if chosen not in BACKENDS:
         raise UsageError(f"backend {chosen!r} is not supported; valid: 'gloo', 'nccl'")
-    options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if chosen == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         check_nccl(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
         torch.cuda.set_device(local_rank)
-        # The group's device, as torch asks: without it each dist.barrier() in the user's
-        # script warns "barrier(): using the device under current context" (seen on an H200).
-        options["device_id"] = torch.device("cuda", local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if missing:  # none of it: a world of one
-        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **options)
+        dist.init_process_group(
+            chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
         return
     # Where rank 0 serves the store itself, torch's env:// would have it listen on every
     # interface: make it here, on MASTER_ADDR only (None: env:// does no such thing).
-    store = process_group_store(options["timeout"])
+    store = process_group_store(timeout)
     if store is None:
-        dist.init_process_group(chosen, **options)
+        dist.init_process_group(chosen, timeout=timeout)
         return
     rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(chosen, store=store, rank=rank_, world_size=world, **options)
+    dist.init_process_group(chosen, store=store, rank=rank_, world_size=world, timeout=timeout)
 
 
 def is_initialized() -> bool:

@@ -153,28 +153,6 @@ def test_init_refuses_nccl_before_making_a_group(monkeypatch: pytest.MonkeyPatch
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("torchrun", [True, False], ids=["torchrun", "one-process"])
-def test_init_gives_nccl_its_device(monkeypatch: pytest.MonkeyPatch, torchrun: bool) -> None:
-    # torch asks for the group's device (device_id): without it, each dist.barrier() in a
-    # user's script warns that it guesses the device.
-    _Cuda(monkeypatch, 2)
-    made: list[dict[str, Any]] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.append(kw))
-    monkeypatch.setattr(runtime, "process_group_store", lambda timeout: None)
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        if torchrun:
-            monkeypatch.setenv(name, {"RANK": "1", "WORLD_SIZE": "2"}.get(name, "1"))
-        else:
-            monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LOCAL_RANK", "1" if torchrun else "0")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2" if torchrun else "1")
-    runtime.init(backend="nccl")
-    runtime.init(backend="gloo")
-    assert made[0]["device_id"] == torch.device("cuda", 1 if torchrun else 0), made
-    assert "device_id" not in made[1], made  # gloo takes no device
-
-
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
