@@ -50,8 +50,10 @@ class _Rank0Sink:
         self.idle = 0.0
         self.wall = 0.0
         #: False while a restart loads its checkpoint: the records it restores are written,
-        #: but the progress line waits for the resume line that says where the run went back.
+        #: but neither shown (the progress line waits for the resume line that says where the
+        #: run went back) nor given to the straggler detector (they were, before the restart).
         self.showing = True
+        self.shown_until: float | None = None  # the end of the newest step shown
 
     def __call__(self, new: list[StepRecord]) -> None:
         write_records(self.path, new)
@@ -61,9 +63,12 @@ class _Rank0Sink:
             return
         last = max(r.step for r in new)
         losses = [r.loss for r in new if r.step == last and r.loss is not None]
-        # The newest records' own rate: a rate since the first record would take in the
-        # time a restart spent between two attempts, and the steps it ran twice.
-        elapsed = max(r.time + r.compute + r.sync for r in new) - min(r.time for r in new)
+        # The rate since the last update: a rate since the first record would take in the
+        # time a restart spent between two attempts (this process starts after it) and the
+        # steps it ran twice; the time between updates (a gather, a save) counts.
+        end = max(r.time + r.compute + r.sync for r in new)
+        start = min(r.time for r in new) if self.shown_until is None else self.shown_until
+        elapsed, self.shown_until = end - start, end
         self.progress.update(
             last + 1,
             sum(losses) / len(losses) if losses else None,
@@ -165,7 +170,8 @@ class _CheckpointLog:
     second and at the end rather than per line: with a checkpoint every step, making the
     directory and opening the file at each save cost about a tenth of a millisecond of the
     step, and a write to the file at each save one more system call on the rank every other
-    waits for. A rank killed loses the last second's lines (the times, not the checkpoints)."""
+    waits for. Rank 0 killed, or stopped by a restart of the group, loses up to the last
+    second's lines (the times, not the checkpoints)."""
 
     FLUSH_EVERY_S = 1.0
 
@@ -190,10 +196,14 @@ class _CheckpointLog:
             self._fh = None
 
 
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+
+
 def _one_line_warnings() -> None:
-    """Show gradsync's own warnings in this worker as one ``gradsync: ...`` line each, like the
-    command's other messages. Python's format adds the file, line and source text of the
-    ``warnings.warn`` call, which tell a user of the command nothing; other warnings keep it."""
+    """Show gradsync's own warnings in this worker (of its categories, or raised from its
+    files) as one ``gradsync: ...`` line each, like the command's other messages. Python's
+    format adds the file, line and source text of the ``warnings.warn`` call, which tell a user
+    of the command nothing; other warnings keep it."""
     shown = warnings.showwarning
 
     def show(
@@ -204,8 +214,9 @@ def _one_line_warnings() -> None:
         file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
-        if category.__module__.split(".")[0] == "gradsync":
-            print(f"gradsync: {message}", file=file or sys.stderr, flush=True)
+        if category.__module__.split(".")[0] == "gradsync" or filename.startswith(_PACKAGE):
+            text = str(message).removeprefix("gradsync: ")
+            print(f"gradsync: {text}", file=file or sys.stderr, flush=True)
         else:
             shown(message, category, filename, lineno, file, line)
 

@@ -42,13 +42,24 @@ def _sink(tmp_path: Path) -> tuple[_Rank0Sink, _Lines]:
     return _Rank0Sink(RunConfig(out=str(tmp_path)), progress, 1), lines
 
 
-def test_the_rate_is_the_newest_steps_not_one_since_the_first_record(tmp_path: Path) -> None:
+def test_the_rate_counts_the_time_between_updates(tmp_path: Path) -> None:
     sink, lines = _sink(tmp_path)
     sink(_records(0, 10, start=100.0, seconds=0.01))
-    # A restart: the next steps come 30 s later, as fast as before.
-    sink(_records(10, 10, start=130.0, seconds=0.01))
+    # 50 ms between the two batches (a gather, a save): part of the run's time
+    sink(_records(10, 10, start=100.15, seconds=0.01))
     rates = [rate for _, _, rate, _ in lines.updates]
-    assert rates == pytest.approx([1600.0, 1600.0]), rates  # 16 samples per 10 ms
+    assert rates == pytest.approx([1600.0, 160 / 0.15]), rates  # 16 samples per 10 ms, then the gap
+
+
+def test_a_restarted_process_rates_its_own_steps_not_the_downtime(tmp_path: Path) -> None:
+    # The restarted attempt's sink is a new one: the steps it restored from the checkpoint
+    # (written before the kill, 30 s earlier) do not start its rate.
+    sink, lines = _sink(tmp_path)
+    sink.showing = False
+    sink(_records(0, 5, start=100.0, seconds=0.01))
+    sink.showing = True
+    sink(_records(5, 10, start=130.0, seconds=0.01))
+    assert [rate for _, _, rate, _ in lines.updates] == pytest.approx([1600.0])
 
 
 def test_records_restored_while_loading_are_written_but_not_shown(tmp_path: Path) -> None:
