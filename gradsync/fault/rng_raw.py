@@ -101,6 +101,14 @@ class _Raw:
     def _probe(self) -> int | None:
         raise NotImplementedError
 
+    def _read_at(self, offset: int) -> bytes | None:
+        raise NotImplementedError
+
+    def read(self) -> bytes | None:
+        """The state's bytes now; None where they cannot be read (read in full then)."""
+        offset = None if self.off else self._offset()
+        return None if offset is None else self._read_at(offset)
+
     def disagree(self) -> None:
         self.off = True
 
@@ -111,12 +119,9 @@ class PythonRaw(_Raw):
     def _probe(self) -> int | None:
         return _probe_python()
 
-    def read(self) -> bytes | None:
-        if self.off:
-            return None
-        offset = self._offset()
+    def _read_at(self, offset: int) -> bytes | None:
         inst = getattr(random.getstate, "__self__", None)
-        if offset is None or type(inst) is not random.Random:
+        if type(inst) is not random.Random:
             return None
         return ctypes.string_at(id(inst) + offset, 4 + 4 * _WORDS)
 
@@ -132,15 +137,12 @@ class NumpyRaw(_Raw):
     def _probe(self) -> int | None:
         return _probe_numpy()
 
-    def read(self) -> bytes | None:
-        if self.off:
-            return None
-        offset = self._offset()
+    def _read_at(self, offset: int) -> bytes | None:
         # The object ``np.random.get_state`` reads (the full read's), not ``mtrand._rand``
         # by name: either may be replaced.
         state = getattr(np.random.get_state, "__self__", None)
         bitgen = getattr(state, "_bit_generator", None)
-        if offset is None or type(state) is not np.random.RandomState:
+        if type(state) is not np.random.RandomState:
             return None
         if type(bitgen) is not np.random.MT19937:
             return None
