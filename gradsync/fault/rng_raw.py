@@ -161,15 +161,12 @@ class NumpyRaw(_Raw):
         )
 
 
-_ADDRESSES: dict[int, tuple[Any, int]] = {}
+_ADDRESS: list[tuple[Any, int]] = []  # the newest bit generator read, and its state's address
 
 
 def _state_address(bitgen: Any) -> int:
-    """``bitgen.ctypes.state_address``, kept per bit generator: building ``ctypes`` costs more
-    than the read it is for."""
-    kept = _ADDRESSES.get(id(bitgen))
-    if kept is None or kept[0] is not bitgen:
-        kept = (bitgen, int(bitgen.ctypes.state_address))
-        _ADDRESSES.clear()  # one global generator at a time
-        _ADDRESSES[id(bitgen)] = kept
-    return kept[1]
+    """``bitgen.ctypes.state_address``, kept for the newest bit generator (one global generator
+    at a time): building ``ctypes`` costs more than the read it is for."""
+    if not _ADDRESS or _ADDRESS[0][0] is not bitgen:
+        _ADDRESS[:] = [(bitgen, int(bitgen.ctypes.state_address))]
+    return _ADDRESS[0][1]
