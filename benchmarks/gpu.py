@@ -41,10 +41,16 @@ SPECS = ("fp16", "bf16", "int8", "int4", "topk:0.01", "randomk:0.01", "sign", "p
 SPECS += ("sparseloco",)
 SIZES = (6_000_835, 64_000_000)
 COPY = "memory copy"
-KINDS = ("gradsync bsp", "gradsync bare", "ddp", "compute-only")
 #: 'bare': no telemetry, no non-finite guard (whose verdict the host reads every step, so the
 #: host cannot run ahead of the device), no divergence check: what the exchange alone costs
 BARE = {"telemetry": False, "skip_nonfinite": False, "check_every": 0}
+#: each kind's ``Trainer`` mode and Synchronizer options
+STEP_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gradsync bsp": ("gradsync", {}),
+    "gradsync bare": ("gradsync", BARE),
+    "ddp": ("ddp", {}),
+    "compute-only": ("compute-only", {}),
+}
 
 
 def _cuda_ms(fn: Callable[[], Any], calls: int, warmup: int = 3) -> list[float]:
@@ -187,41 +193,55 @@ def step_worker(args: dict[str, Any]) -> dict[str, Any] | None:
         ("charlm", make_workload("charlm"), 16),
     ):
         batches = _DeviceBatches(wl, device)
-        steps = {}
-        for kind in KINDS:
-            mode = "gradsync" if kind.startswith("gradsync") else kind
-            torch.manual_seed(0)
-            options = BARE if kind.endswith("bare") else {}
-            steps[kind] = Trainer(
-                mode,
-                batches,
-                per_rank * dist.get_world_size(),
-                device=device,
-                report_loss=False,
-                **options,
-            ).step
-        for step in steps.values():
-            for i in range(3):
-                step(i)
-        runs = interleave(
-            list(KINDS),
-            args["repeats"],
-            lambda n, r, steps=steps: _time_block(steps[n], args["steps"], r * args["steps"]),
-        )
-        out[name] = {k: [run[k] for run in runs] for k in KINDS}
+        steps = _warmed(STEP_KINDS, batches, per_rank * dist.get_world_size(), device)
+        out[name] = _timed(steps, args)
     rank = dist.get_rank()
-    dist.destroy_process_group()
+    if args["backend"] == "nccl":
+        # NCCL warns at exit about a group left; gloo's launch aborted once at its exit after
+        # a destroy here (terminate called without an active exception), so it is left as before
+        dist.destroy_process_group()
     return out if rank == 0 else None
 
 
+def _warmed(
+    kinds: dict[str, tuple[str, dict[str, Any]]],
+    batches: _DeviceBatches,
+    global_batch: int,
+    device: torch.device,
+) -> dict[str, Callable[[int], Any]]:
+    """Each kind's step (a ``Trainer`` mode and its Synchronizer options) on ``batches``, after
+    three warm-up steps."""
+    steps = {}
+    for kind, (mode, options) in kinds.items():
+        torch.manual_seed(0)
+        steps[kind] = Trainer(
+            mode, batches, global_batch, device=device, report_loss=False, **options
+        ).step
+    for step in steps.values():
+        for i in range(3):
+            step(i)
+    return steps
+
+
+def _timed(steps: dict[str, Callable[[int], Any]], args: dict[str, Any]) -> dict[str, list[float]]:
+    """Seconds per step of each of ``args["repeats"]`` interleaved blocks of ``args["steps"]``
+    steps, by kind."""
+    runs = interleave(
+        list(steps),
+        args["repeats"],
+        lambda n, r: _time_block(steps[n], args["steps"], r * args["steps"]),
+    )
+    return {k: [run[k] for run in runs] for k in steps}
+
+
 #: ``--apart``: BARE's three switches, each turned off alone, on the mlp's one NCCL rank
-APART = {
-    "gradsync bsp": {},
-    "no telemetry": {"telemetry": False},
-    "no guard": {"skip_nonfinite": False},
-    "no check": {"check_every": 0},
-    "gradsync bare": BARE,
-    "ddp": None,
+APART: dict[str, tuple[str, dict[str, Any]]] = {
+    "gradsync bsp": ("gradsync", {}),
+    "no telemetry": ("gradsync", {"telemetry": False}),
+    "no guard": ("gradsync", {"skip_nonfinite": False}),
+    "no check": ("gradsync", {"check_every": 0}),
+    "gradsync bare": ("gradsync", BARE),
+    "ddp": ("ddp", {}),
 }
 
 
@@ -251,21 +271,8 @@ def apart_worker(args: dict[str, Any]) -> dict[str, Any] | None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     batches = _DeviceBatches(make_workload("mlp", params=args["params"]), device)
-    steps = {}
-    for kind, options in APART.items():
-        torch.manual_seed(0)
-        mode = "ddp" if options is None else "gradsync"
-        steps[kind] = Trainer(
-            mode, batches, 256, device=device, report_loss=False, **(options or {})
-        ).step
-        for i in range(3):
-            steps[kind](i)
-    runs = interleave(
-        list(APART),
-        args["repeats"],
-        lambda n, r: _time_block(steps[n], args["steps"], r * args["steps"]),
-    )
-    times = {k: [run[k] for run in runs] for k in APART}
+    steps = _warmed(APART, batches, 256, device)
+    times = _timed(steps, args)
     kernels = {k: _top_kernels(steps[k], args["steps"]) for k in ("gradsync bare", "ddp")}
     dist.destroy_process_group()
     return {"times": times, "kernels": kernels}
@@ -291,7 +298,7 @@ def _step_rows(res: dict[str, Any]) -> list[list[str]]:
     for name, times in res.items():
         if not isinstance(times, dict):
             continue
-        g, b, d, c = (times[k] for k in KINDS)
+        g, b, d, c = (times[k] for k in STEP_KINDS)
         ms = [f"{statistics.median(t) * 1e3:.2f}" for t in (g, b, d, c)]
         ratios = [f"{median_of_ratios(t, d) or math.nan:.3f}" for t in (g, b)]
         rows.append([name, where, *ms, *ratios])
