@@ -116,7 +116,8 @@ def rng_state() -> dict[str, Any]:
         "numpy": _numpy_state(),
     }
     # Asking for CUDA state initializes CUDA; a CPU-only (gloo) worker must not pay for that.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # Initialized implies available; ``is_available`` alone took 9 us a save right after a step.
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -28,6 +28,7 @@ import ctypes
 import random
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,11 +120,15 @@ class PythonRaw(_Raw):
     def _probe(self) -> int | None:
         return _probe_python()
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._words = _View()
+
     def _read_at(self, offset: int) -> bytes | None:
         inst = getattr(random.getstate, "__self__", None)
         if type(inst) is not random.Random:
             return None
-        return ctypes.string_at(id(inst) + offset, 4 + 4 * _WORDS)
+        return self._words.read(inst, lambda: id(inst) + offset, 4 + 4 * _WORDS)
 
     @staticmethod
     def agrees(raw: bytes, internal: tuple[int, ...]) -> bool:
@@ -137,6 +142,10 @@ class NumpyRaw(_Raw):
     def _probe(self) -> int | None:
         return _probe_numpy()
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._words, self._gauss = _View(), _View()
+
     def _read_at(self, offset: int) -> bytes | None:
         # The object ``np.random.get_state`` reads (the full read's), not ``mtrand._rand``
         # by name: either may be replaced.
@@ -146,8 +155,10 @@ class NumpyRaw(_Raw):
             return None
         if type(bitgen) is not np.random.MT19937:
             return None
-        words = ctypes.string_at(_state_address(bitgen), 4 * _WORDS + 4)
-        return words + ctypes.string_at(id(state) + offset, 16)
+        # ``ctypes.state_address`` is public; building ``bitgen.ctypes`` costs more than the
+        # read it is for, so it is asked once per bit generator.
+        words = self._words.read(bitgen, lambda: int(bitgen.ctypes.state_address), 4 * _WORDS + 4)
+        return words + self._gauss.read(state, lambda: id(state) + offset, 16)
 
     @staticmethod
     def agrees(raw: bytes, keys: Any, pos: int, has_gauss: int, gauss: float) -> bool:
@@ -161,12 +172,18 @@ class NumpyRaw(_Raw):
         )
 
 
-_ADDRESS: list[tuple[Any, int]] = []  # the newest bit generator read, and its state's address
+class _View:
+    """Bytes at a fixed place of one object, read through a ctypes array made once for that
+    object (a one-slot cache: one global generator at a time). ``ctypes.string_at``, a
+    foreign-function call, took about 19 us a read right after a training step (its code out
+    of the caches), the array's ``raw`` a fraction of that."""
 
+    def __init__(self) -> None:
+        self._owner: Any = None  # held: another object made at its address would read
+        self._array: Any = None
 
-def _state_address(bitgen: Any) -> int:
-    """``bitgen.ctypes.state_address``, kept for the newest bit generator (one global generator
-    at a time): building ``ctypes`` costs more than the read it is for."""
-    if not _ADDRESS or _ADDRESS[0][0] is not bitgen:
-        _ADDRESS[:] = [(bitgen, int(bitgen.ctypes.state_address))]
-    return _ADDRESS[0][1]
+    def read(self, owner: Any, address: Callable[[], int], size: int) -> bytes:
+        """``size`` bytes at ``address()`` (asked only when ``owner`` is not the last one's)."""
+        if self._owner is not owner:
+            self._owner, self._array = owner, (ctypes.c_char * size).from_address(address())
+        return self._array.raw  # type: ignore[no-any-return]
