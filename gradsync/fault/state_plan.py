@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from gradsync import compat
+from gradsync.fault import dict_versions
 from gradsync.fault.packing import Packed, Share, skeleton
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
 FULL_EVERY = 64
 
 _is = operator.is_
+_DICT_OF = operator.attrgetter("__dict__")
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
 
@@ -85,8 +87,46 @@ def param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return packed
 
 
+class _Watched:
+    """A layout whose full comparison (``compare``) is skipped while the version tags of the
+    dicts it compares read as at its last success (``dict_versions``) and the rest of what
+    ``quick`` checks holds."""
+
+    versions: dict_versions.Watch | None
+    misses: int
+
+    def compare(self) -> bool:
+        raise NotImplementedError
+
+    def quick(self) -> bool:
+        raise NotImplementedError
+
+    def unchanged(self) -> bool:
+        versions = self.versions
+        if versions is None:
+            return self.compare()
+        if versions.unchanged() and self.quick():
+            return True
+        # The tags are read before the comparison: a change made while it runs shows at the
+        # next snapshot instead of being taken into the mark.
+        tags = versions.read()
+        if not self.compare():
+            return False
+        versions.mark(tags)
+        # A dict that changes at every step to the same layout (a module setting an attribute
+        # in its forward) would make each snapshot pay for both checks: compare only.
+        self.misses += 1
+        if self.misses >= _MISSES_TOLERATED:
+            self.versions = None
+        return True
+
+
+#: tags changed with the layout the same this many times: a layout stops reading them
+_MISSES_TOLERATED = 3
+
+
 @dataclass(eq=False, slots=True)
-class _ModuleLayout:
+class _ModuleLayout(_Watched):
     """What decides ``model.state_dict()``'s keys and tensors, from one build."""
 
     modules: list[torch.nn.Module]  # in ``state_dict``'s order
@@ -100,8 +140,21 @@ class _ModuleLayout:
     non_persistent_then: list[set[str]]
     hooks: list[dict[Any, Any]]
     tensors: list[torch.Tensor]  # the state dict's, live (parameters and buffers themselves)
+    #: every module's ``__dict__``: a container replaced changes its tag
+    dicts: list[dict[str, Any]]
+    #: of ``dicts``, the containers and the hook dicts; None: compare every time
+    versions: dict_versions.Watch | None
+    misses: int = 0
 
-    def unchanged(self) -> bool:
+    def quick(self) -> bool:
+        # What the tags cannot tell: a class swapped, a ``__dict__`` replaced, a set changed.
+        return (
+            list(map(type, self.modules)) == self.types
+            and all(map(_is, map(_DICT_OF, self.modules), self.dicts))
+            and all(map(operator.eq, self.non_persistent, self.non_persistent_then))
+        )
+
+    def compare(self) -> bool:
         # The containers themselves first: a module may replace one (``Sequential`` does, on
         # a deletion), and the kept one then no longer tells.
         own = list(chain.from_iterable(map(compat.MODULE_STATE_CONTAINERS, self.modules)))
@@ -123,7 +176,7 @@ class _ModuleLayout:
 
 
 @dataclass(eq=False, slots=True)
-class _OptimizerLayout:
+class _OptimizerLayout(_Watched):
     """What decides ``optimizer.state_dict()["state"]``, from one build."""
 
     optimizer: torch.optim.Optimizer
@@ -136,18 +189,34 @@ class _OptimizerLayout:
     inner_keys: list[str]  # their keys, one list
     tensors: list[torch.Tensor]  # their values, one list
     hooks: list[dict[Any, Any]]
+    own: dict[str, Any]  # the optimizer's ``__dict__``: ``state`` replaced changes its tag
+    #: of ``own``, ``state``, ``dicts`` and the hook dicts; None: compare every time
+    versions: dict_versions.Watch | None
+    misses: int = 0
 
-    def unchanged(self) -> bool:
+    def quick(self) -> bool:
+        # What the tags cannot tell: a class swapped, a ``__dict__`` replaced, the groups'
+        # parameter lists changed (lists carry no tag).
+        optimizer = self.optimizer
+        return (
+            type(optimizer) is self.cls
+            and _DICT_OF(optimizer) is self.own
+            and self._same_params(optimizer)
+        )
+
+    def _same_params(self, optimizer: torch.optim.Optimizer) -> bool:
+        params = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
+        return len(params) == len(self.params) and all(map(_is, params, self.params))
+
+    def compare(self) -> bool:
         optimizer, state, dicts = self.optimizer, self.state, self.dicts
         if type(optimizer) is not self.cls:
             return False
         if optimizer.state is not state or len(state) != len(self.keys):
             return False
-        params = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
         tensors = list(chain.from_iterable(map(dict.values, dicts)))
         return (
-            len(params) == len(self.params)
-            and all(map(_is, params, self.params))
+            self._same_params(optimizer)
             and all(map(_is, state, self.keys))
             and all(map(_is, state.values(), dicts))
             and len(tensors) == len(self.tensors)
@@ -433,6 +502,9 @@ def _module_layout(model: torch.nn.Module) -> _ModuleLayout | None:
     tensors = list(live.values())
     if any(type(t) not in _TENSOR_TYPES for t in tensors):
         return None
+    dicts = list(map(_DICT_OF, modules))
+    # An ``OrderedDict`` container can be reordered in place, which its tag does not show.
+    plain = all(type(c) is dict for c in containers)
     return _ModuleLayout(
         modules=modules,
         types=list(map(type, modules)),
@@ -445,6 +517,8 @@ def _module_layout(model: torch.nn.Module) -> _ModuleLayout | None:
         non_persistent_then=[set(s) for s in non_persistent],
         hooks=hooks,
         tensors=tensors,
+        dicts=dicts,
+        versions=dict_versions.watch([*dicts, *containers, *hooks]) if plain else None,
     )
 
 
@@ -492,4 +566,6 @@ def _optimizer_layout(optimizer: torch.optim.Optimizer) -> _OptimizerLayout | No
         inner_keys=list(chain.from_iterable(dicts)),
         tensors=tensors,
         hooks=hooks,
+        own=_DICT_OF(optimizer),
+        versions=dict_versions.watch([_DICT_OF(optimizer), state, *dicts, *hooks]),
     )
