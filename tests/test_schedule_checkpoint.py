@@ -6,6 +6,7 @@ the saved step's learning rate back."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,7 +42,8 @@ def test_a_new_learning_rate_reuses_the_shares_encoding_and_resumes_with_its_val
             sync.save(tmp_path, wait=False)
             writer = sync._writer
             assert writer is not None
-            kept.extend(writer.pool.shares.values())
+            # the replicated share's encoding (the one at the start of the state)
+            kept.extend(e for e in writer.pool.shares.values() if e.at == ())
         sync.wait_for_checkpoints()
     finally:
         sync.close()
@@ -65,3 +67,40 @@ def test_a_new_learning_rate_reuses_the_shares_encoding_and_resumes_with_its_val
     raw = store.load(info, 0)
     assert raw[PARAM_GROUPS][0]["lr"] == 0.1 / 5
     assert "param_groups" not in raw["replicated"]["optimizer"]
+
+
+def test_the_owners_encoding_is_kept_and_not_sent_with_every_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``replicated_owners`` (one number per tensor) travels as a kept encoding, like the
+    share's: its text goes to the writer once per layout, not in every held snapshot."""
+    model, opt, sync = _trained(0.1)
+    kept_parts: list[dict[str, object]] = []
+    try:
+        for _ in range(3):
+            _step(model, sync)
+            writer = sync._writer
+            if writer is not None and not kept_parts and "submit" not in vars(writer):
+                submit = writer.submit
+
+                def seen(step: int, packed: Any, submit: Any = submit, **kw: Any) -> None:
+                    tree, kept, _ = packed.header_parts()
+                    names = [tree["root"]["d"][i][0] for i, _ in kept]
+                    kept_parts.append(dict(zip(names, (e for _, e in kept), strict=True)))
+                    submit(step, packed, **kw)
+
+                monkeypatch.setattr(writer, "submit", seen)
+            sync.save(tmp_path, wait=False)
+        sync.wait_for_checkpoints()
+    finally:
+        sync.close()
+    assert len(kept_parts) == 2  # the saves after the writer was made
+    for parts in kept_parts:
+        assert set(parts) == {"replicated", "replicated_owners"}
+    assert kept_parts[0]["replicated_owners"] is kept_parts[1]["replicated_owners"]
+    store = CheckpointStore(tmp_path)
+    info = store.latest()
+    assert info is not None
+    owners = store.load(info, 0)["replicated_owners"]
+    # a world of one: rank 0 owns every tensor, 4 parameters and 3 AdamW tensors for each
+    assert owners == [0] * (4 + 3 * 4)
