@@ -20,7 +20,7 @@ import torch
 from gradsync.fault import CheckpointError, CheckpointStore, CheckpointWarning, rng_state
 from gradsync.fault.background import CheckpointWriter
 from gradsync.fault.checkpoint import MANIFEST, snapshot
-from gradsync.fault.packing import pack, read_packed, unpack
+from gradsync.fault.packing import BufferPool, constant, pack, read_packed, unpack
 from gradsync.fault.writer_process import ProcessCheckpointWriter
 
 pytestmark = pytest.mark.unit
@@ -91,6 +91,23 @@ def test_a_snapshot_is_a_copy_taken_when_it_is_made() -> None:
     back = unpack(packed)
     assert not torch.equal(back["model"]["0.weight"], model[0].weight)
     assert back["extra"] == {"position": [1, 2]}
+
+
+def test_a_constant_packs_as_the_tree_it_was_made_of_and_its_text_is_kept() -> None:
+    tree = [{"lr": 0.5, "betas": (0.9, 0.99), "params": [0, 1]}, None, 3]
+    kept = constant(tree)
+    state = {"t": torch.ones(2), "groups": kept, "again": kept}
+    packed = pack(state, BufferPool())
+    back = unpack(packed)
+    _same({"t": torch.ones(2), "groups": tree, "again": tree}, back)
+    # listed among the kept encodings, whose text a writer makes (or sends) once
+    _, listed, _ = packed.header_parts()
+    assert [i for i, e in listed if e is kept] == [1, 2]
+    buffer = io.BytesIO()
+    packed.write_to(buffer)
+    _same(unpack(read_packed(buffer.getvalue())), back)
+    with pytest.raises(TypeError, match="no tensors"):
+        constant({"t": torch.zeros(1)})
 
 
 def test_subclasses_that_would_come_back_as_their_base_class_are_refused() -> None:

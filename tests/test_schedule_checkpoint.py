@@ -5,6 +5,7 @@ the saved step's learning rate back."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +70,23 @@ def test_a_new_learning_rate_reuses_the_shares_encoding_and_resumes_with_its_val
     assert "param_groups" not in raw["replicated"]["optimizer"]
 
 
-def test_the_owners_encoding_is_kept_and_not_sent_with_every_snapshot(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``replicated_owners`` (one number per tensor) travels as a kept encoding, like the
-    share's: its text goes to the writer once per layout, not in every held snapshot."""
-    model, opt, sync = _trained(0.1)
-    kept_parts: list[dict[str, object]] = []
+def _kept_per_save(
+    sync: gs.Synchronizer,
+    model: torch.nn.Module,
+    directory: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    between: Callable[[int], None] = lambda step: None,
+    saves: int = 4,
+) -> list[dict[str, Any]]:
+    """Each save's kept encodings by the state's key (``Packed.header_parts``), from the
+    second save on (the first makes the writer)."""
+    kept_parts: list[dict[str, Any]] = []
     try:
-        for _ in range(3):
+        for step in range(saves):
             _step(model, sync)
+            between(step)
             writer = sync._writer
-            if writer is not None and not kept_parts and "submit" not in vars(writer):
+            if writer is not None and "submit" not in vars(writer):
                 submit = writer.submit
 
                 def seen(step: int, packed: Any, submit: Any = submit, **kw: Any) -> None:
@@ -90,17 +96,90 @@ def test_the_owners_encoding_is_kept_and_not_sent_with_every_snapshot(
                     submit(step, packed, **kw)
 
                 monkeypatch.setattr(writer, "submit", seen)
-            sync.save(tmp_path, wait=False)
+            sync.save(directory, wait=False)
         sync.wait_for_checkpoints()
     finally:
         sync.close()
-    assert len(kept_parts) == 2  # the saves after the writer was made
-    for parts in kept_parts:
-        assert set(parts) == {"replicated", "replicated_owners"}
-    assert kept_parts[0]["replicated_owners"] is kept_parts[1]["replicated_owners"]
+    assert len(kept_parts) == saves - 1
+    return kept_parts
+
+
+def test_the_owners_and_unchanged_groups_are_kept_encodings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``replicated_owners`` (one number per tensor) and groups unchanged since the last
+    snapshot travel as kept encodings, like the share's: their text goes to the writer once,
+    not in every held snapshot."""
+    model, opt, sync = _trained(0.1)
+    kept = _kept_per_save(sync, model, tmp_path, monkeypatch)
+    # the second save's groups were new to the groups keeper (made fresh), later ones not
+    assert set(kept[0]) == {"replicated", "replicated_owners"}
+    for parts in kept[1:]:
+        assert set(parts) == {"replicated", "replicated_owners", PARAM_GROUPS}
+    assert kept[0]["replicated_owners"] is kept[-1]["replicated_owners"]
+    assert kept[1][PARAM_GROUPS] is kept[2][PARAM_GROUPS]
     store = CheckpointStore(tmp_path)
     info = store.latest()
     assert info is not None
-    owners = store.load(info, 0)["replicated_owners"]
+    raw = store.load(info, 0)
     # a world of one: rank 0 owns every tensor, 4 parameters and 3 AdamW tensors for each
-    assert owners == [0] * (4 + 3 * 4)
+    assert raw["replicated_owners"] == [0] * (4 + 3 * 4)
+    assert raw[PARAM_GROUPS] == opt.state_dict()["param_groups"]
+
+
+def test_groups_changed_at_every_step_are_never_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt, sync = _trained(0.1)
+
+    def schedule(step: int) -> None:
+        opt.param_groups[0]["lr"] = 0.1 / (step + 2)
+
+    kept = _kept_per_save(sync, model, tmp_path, monkeypatch, schedule)
+    assert all(PARAM_GROUPS not in parts for parts in kept)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["lr", "new key", "group added", "params appended", "tensor lr", "tensor lr in place"],
+)
+def test_a_changed_group_is_saved_as_it_is_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """Groups kept since an earlier snapshot are made again after any change: the file holds
+    the groups of the step it was saved at."""
+    model, opt, sync = _trained(0.1)
+    extra = torch.nn.Parameter(torch.ones(2))
+
+    def at_step(step: int) -> None:
+        group = opt.param_groups[0]
+        if change == "tensor lr in place" and step == 0:
+            group["lr"] = torch.tensor(0.1, dtype=torch.float64)
+        if step != 3:
+            return
+        if change == "lr":
+            group["lr"] = 0.025
+        elif change == "new key":
+            group["note"] = "x"
+        elif change == "group added":
+            opt.add_param_group({"params": [extra], "lr": 0.5})
+        elif change == "params appended":
+            group["params"].append(extra)
+        elif change == "tensor lr":
+            group["lr"] = torch.tensor(0.025, dtype=torch.float64)
+        elif change == "tensor lr in place":  # no tag changes: such groups are never kept
+            group["lr"].fill_(0.025)
+
+    kept = _kept_per_save(sync, model, tmp_path, monkeypatch, at_step, saves=5)
+    # kept[i] is save i + 2 (of steps 1..5); the change comes before the fourth save
+    assert (PARAM_GROUPS in kept[1]) is (change != "tensor lr in place")  # kept before
+    assert PARAM_GROUPS not in kept[2]  # made again at the save after it
+    store = CheckpointStore(tmp_path)
+    info = store.latest()
+    assert info is not None and info.step == 5
+    saved = store.load(info, 0)[PARAM_GROUPS]
+    expected = opt.state_dict()["param_groups"]
+    if change.startswith("tensor lr"):
+        assert float(saved[0]["lr"]) == 0.025
+        saved[0]["lr"] = expected[0]["lr"] = 0.025
+    assert saved == expected

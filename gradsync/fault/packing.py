@@ -422,6 +422,9 @@ def _encode(obj: Any, leaves: _Leaves) -> Any:
         if leaves.share is not None:
             raise TypeError("a Share inside a Share")
         return _encode_share(obj, leaves)
+    if kind is _EncodedShare and obj.at == CONSTANT:  # ``constant``: encoded once
+        leaves.reused.append(obj)
+        return obj.encoded
     # Exact types, as torch.load(weights_only=True) knows them: a subclass (a defaultdict, a
     # namedtuple, a tensor subclass) would come back as its base class, silently.
     if kind is torch.Tensor or kind is torch.nn.Parameter:
@@ -466,6 +469,22 @@ class _EncodedShare:
     at: tuple[Any, ...] = ()
     #: its JSON text, made by the first ``write_to`` that needs it (then reused)
     json: str | None = None
+
+
+#: where a ``constant`` was encoded: anywhere (it holds no tensor, so no offset)
+CONSTANT = ("constant",)
+
+
+def constant(tree: Any) -> _EncodedShare:
+    """``tree`` (no tensors in it) encoded once, to be put in later states in its place:
+    packed as that encoding and kept like a ``Share``'s (``Packed.shares``), so that a writer
+    sends its text once rather than with every snapshot. The caller must not change ``tree``'s
+    values afterwards, and gives a new ``constant`` for new values."""
+    leaves = _Leaves()
+    encoded = _encode(tree, leaves)
+    if leaves.by_dtype or leaves.reused:
+        raise TypeError("a constant holds no tensors and no shares")
+    return _EncodedShare(encoded, [], CONSTANT)
 
 
 def _encode_share(share: Share, leaves: _Leaves) -> Any:

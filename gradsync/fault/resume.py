@@ -55,7 +55,7 @@ from gradsync.fault.checkpoint import (
     CheckpointWarning,
     snapshot,
 )
-from gradsync.fault.packing import Packed, Share, skeleton
+from gradsync.fault.packing import Packed, Share, constant
 from gradsync.fault.rng import rng_state, set_rng_state
 from gradsync.fault.row_log import RowLogError, read_rows
 from gradsync.fault.writer_locks import wait_for_writers
@@ -117,13 +117,14 @@ def save(
         # resizable): each rank writes a share of it, so the bytes written do not grow with
         # the ranks and no rank's step pays for all of them (``replicas``). First in the
         # state, so that its encoding, alike from one step to the next, is reused.
-        groups: list[Any] | None
+        groups: Any
         if planned is not None:
-            shared, groups = planned, state_plan.param_groups(sync.optimizer)
+            # unchanged groups encoded once, like the owners (``kept_groups``)
+            shared, groups = planned, sync._snapshot_plans.groups.now(sync.optimizer)
         else:
             shared, groups = _replicated_share(sync)
         state["replicated"] = shared
-        state["replicated_owners"] = _owners_share(shared.owner, sync.rank)
+        state["replicated_owners"] = _owners_encoded(shared.owner)
         if groups is not None:
             state[PARAM_GROUPS] = groups
     else:
@@ -163,20 +164,16 @@ def save(
     return time.perf_counter() - started
 
 
-_OWNERS_KEPT: list[tuple[tuple[int, ...], Share]] = []  # the newest owners, as a share
+_OWNERS_KEPT: list[tuple[tuple[int, ...], Any]] = []  # the newest owners, encoded
 
 
-def _owners_share(owner: Sequence[int], rank: int) -> Share:
-    """``replicated_owners`` (a list of ints in the file) as a share of no tensors: its
-    encoding is then kept and reused like the replicated share's, and its text sent to the
-    writer process once per layout instead of pickled at every snapshot (120 numbers on
-    charlm: about 15 us of encoding and pickling a save, in place)."""
+def _owners_encoded(owner: Sequence[int]) -> Any:
+    """``replicated_owners`` (a list of ints in the file) encoded once per layout
+    (``packing.constant``): the writer process gets its text once instead of a pickled copy
+    with every snapshot (120 numbers on charlm)."""
     owners = tuple(owner)
-    if not _OWNERS_KEPT or _OWNERS_KEPT[0][0] != owners or _OWNERS_KEPT[0][1].rank != rank:
-        tree = list(owners)
-        found = skeleton(tree)
-        share = Share(tree, (), rank, found[0] if found is not None else None)
-        _OWNERS_KEPT[:] = [(owners, share)]
+    if not _OWNERS_KEPT or _OWNERS_KEPT[0][0] != owners:
+        _OWNERS_KEPT[:] = [(owners, constant(list(owners)))]
     return _OWNERS_KEPT[0][1]
 
 

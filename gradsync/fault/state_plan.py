@@ -47,6 +47,7 @@ import torch
 
 from gradsync import compat
 from gradsync.fault import dict_versions
+from gradsync.fault.kept_groups import KeptGroups, param_groups
 from gradsync.fault.packing import Packed, Share, skeleton
 
 __all__ = [
@@ -71,20 +72,6 @@ _SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
 
 class SnapshotPlanWarning(RuntimeWarning):
     """A snapshot plan vouched for a layout that a full build found changed (a defect)."""
-
-
-def param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """``optimizer.state_dict()["param_groups"]`` without building the rest: each group's
-    values but ``params``, then ``params`` as indices in the order of every group's
-    parameters (``build`` checks that torch's state dict gives the same)."""
-    packed, start = [], 0
-    for group in optimizer.param_groups:
-        entry = {k: v for k, v in group.items() if k != "params"}
-        count = len(group["params"])
-        entry["params"] = list(range(start, start + count))
-        start += count
-        packed.append(entry)
-    return packed
 
 
 class _Watched:
@@ -373,6 +360,8 @@ class PlanKeeper:
         self._count = 0
         self._want = True  # build a plan from the next full build
         self._vouched: _Plan | None = None  # a plan a due rebuild checks
+        #: the optimizer's groups as the planned snapshots save them (``kept_groups``)
+        self.groups = KeptGroups()
 
     def next_share(self) -> Any:
         """Counts a snapshot; what the plan gives to pack for it (``share_now``), or None:
@@ -410,6 +399,7 @@ class PlanKeeper:
     def drop(self) -> None:
         """Forget the plan (the state was loaded): the next snapshot builds a new one."""
         self.plan, self._vouched, self._want = None, None, True
+        self.groups.forget()
 
 
 def build(
