@@ -60,6 +60,24 @@ def test_each_rank_writes_only_its_share_and_the_shares_are_balanced() -> None:
     assert replicas.owners(_trained_state(), 3) == owner  # every replica computes the same
 
 
+def test_small_tensors_are_spread_by_their_count_too() -> None:
+    # Two large tensors of unequal size, then many small ones (AdamW's steps, biases). By bytes
+    # alone the rank with the smaller large tensor took every small one (1 tensor against 41),
+    # though each tensor costs a copy of its own.
+    state = {
+        "big": torch.zeros(16384),
+        "less": torch.zeros(12288),
+        "steps": [torch.tensor(1.0) for _ in range(30)],
+        "biases": [torch.zeros(64) for _ in range(10)],
+    }
+    owner = replicas.owners(state, 2)
+    counts = [owner.count(r) for r in range(2)]
+    assert abs(counts[0] - counts[1]) <= 6, counts
+    costs = replicas._costs(replicas._tensors(state))
+    loads = [sum(c for c, o in zip(costs, owner, strict=True) if o == r) for r in range(2)]
+    assert abs(loads[0] - loads[1]) <= max(costs)
+
+
 def test_containers_keep_their_types() -> None:
     state = {"m": OrderedDict(w=torch.ones(2)), "t": (torch.zeros(3), 5), "l": [torch.ones(1)]}
     owner = replicas.owners(state, 2)
