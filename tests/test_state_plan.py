@@ -658,3 +658,22 @@ def test_a_server_optimizer_of_another_kind_keeps_its_state_dict() -> None:
         state_plan.PlanKeeper(), {"params": params, "optimizer": _OwnOptimizer()}
     )
     _assert_same(got["optimizer"], _OwnOptimizer().state_dict(), "optimizer")
+
+
+def test_planned_and_full_snapshots_take_the_same_pooled_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A planned snapshot keys its buffers in the pool as a full build does (the shapes of a
+    planned share are taken from its encoding, not asked of each tensor): across the full
+    rebuild every ``FULL_EVERY`` snapshots, one pool entry per dtype."""
+    monkeypatch.setattr(state_plan, "FULL_EVERY", 4)
+    model, opt = _model_and_adamw()
+    with _saving(model, opt, monkeypatch) as (sync, snaps):
+        for _ in range(10):
+            _step(model, sync)
+            _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        assert snaps.built.count(True) >= 3  # full rebuilds among the planned ones
+        sync.wait_for_checkpoints()
+        pool = sync._writer.pool  # type: ignore[union-attr]
+        dtypes = [key[0] for key in pool._free]
+    assert sorted(map(str, dtypes)) == ["torch.float32", "torch.int64", "torch.uint8"]

@@ -27,7 +27,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import IO, Any
 
 import torch
@@ -120,8 +119,9 @@ class Share:
     and optimizer state every step, alike but for the tensors' values.
 
     With ``encoded`` (``Packed.shares`` of an earlier snapshot), the caller has proved the
-    tree laid out as that encoding's (``state_plan``): ``tree`` is not walked and may be None,
-    and ``tensors`` are the ones to copy, in the encoding's order."""
+    tree laid out as that encoding's (``state_plan``), its tensors of the encoding's shapes and
+    on the CPU: ``tree`` is not walked and may be None, and ``tensors`` are the ones to copy,
+    in the encoding's order."""
 
     tree: Any
     owner: Sequence[int]
@@ -249,6 +249,10 @@ class _Leaves:
         self.memo = memo  # a ``BufferPool``'s ``shares``: encodings to reuse and to keep
         self.reused: list[_EncodedShare] = []  # the encodings this walk reused or made
         self.copied: dict[torch.dtype, list[int]] = {}  # inside a ``Share``: see ``add``
+        #: per dtype, the shapes of ``by_dtype``'s tensors (the pool's key, ``pack``)
+        self.shapes: dict[torch.dtype, list[torch.Size]] = {}
+        #: the tensors not proven on the CPU (all but a planned share's: ``Share.encoded``)
+        self.unproven: list[torch.Tensor] = []
 
     def state(self) -> tuple[Any, ...]:
         """Where the walk stands: a reused encoding's offsets hold only from the same state."""
@@ -269,8 +273,11 @@ class _Leaves:
         group = self.by_dtype.setdefault(t.dtype, [])
         offset = self.sizes.get(t.dtype, 0)
         group.append(t)
+        shape = t.shape
+        self.shapes.setdefault(t.dtype, []).append(shape)
+        self.unproven.append(t)
         self.sizes[t.dtype] = offset + t.numel()
-        return [_dtype_name(t.dtype), offset, list(t.shape)]
+        return [_dtype_name(t.dtype), offset, list(shape)]
 
 
 def pack(state: Any, pool: BufferPool | None = None) -> Packed:
@@ -288,7 +295,7 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
     names = {_dtype_name(d): i for i, d in enumerate(order)}
     tree = {"index": names, "root": tree}
     # ``map`` over attribute getters: these loops run over every tensor at every snapshot.
-    if pool is None or not all(map(_IS_CPU, chain.from_iterable(groups))):
+    if pool is None or not all(map(_IS_CPU, leaves.unproven)):
         buffers = [
             torch.cat([t.detach().reshape(-1).cpu() for t in g]) if g else torch.empty(0, dtype=d)
             for d, g in zip(order, groups, strict=True)
@@ -296,7 +303,7 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
         return Packed(tree=tree, buffers=buffers)
     # Pooled per dtype: a group whose shapes change every step (the step records not gathered
     # yet) takes a fresh buffer without keeping the model's from being reused.
-    keys = [(d, tuple(map(_SHAPE, g))) for d, g in zip(order, groups, strict=True)]
+    keys = [(d, tuple(leaves.shapes.get(d, ()))) for d in order]
     entries = []
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
@@ -462,8 +469,8 @@ class _EncodedShare:
 
     encoded: Any
     #: per dtype, in the order first met: the indices (in ``Share.tensors``) of the tensors
-    #: this rank copies, and their elements in all
-    copied: list[tuple[torch.dtype, list[int], int]]
+    #: this rank copies, their elements in all, and their shapes
+    copied: list[tuple[torch.dtype, list[int], int, tuple[torch.Size, ...]]]
     #: where the walk stood when the share began (``_Leaves.state``): the offsets in
     #: ``encoded`` hold only from there
     at: tuple[Any, ...] = ()
@@ -491,13 +498,13 @@ def _encode_share(share: Share, leaves: _Leaves) -> Any:
     if share.encoded is not None:
         if share.encoded.at != leaves.state():
             raise ValueError("a Share's kept encoding was made at another place in the state")
-        return _reuse(share.encoded, share.tensors, leaves)
+        return _reuse(share.encoded, share.tensors, leaves, proven=True)
     key = None
     if share.skeleton is not None and leaves.memo is not None:
         key = (share.skeleton, tuple(share.owner), share.rank, leaves.state())
         hit = leaves.memo.get(key)
         if hit is not None:
-            return _reuse(hit, share.tensors, leaves)
+            return _reuse(hit, share.tensors, leaves, proven=False)
     at = leaves.state()
     sizes_before = dict(leaves.sizes)
     leaves.share, leaves.shared, leaves.copied = (share.owner, share.rank), 0, {}
@@ -509,7 +516,12 @@ def _encode_share(share: Share, leaves: _Leaves) -> Any:
         raise ValueError(f"the shared tree holds {leaves.shared} tensors, {len(share.owner)} owned")
     if key is not None and leaves.memo is not None and len(share.tensors) == leaves.shared:
         copied = [
-            (d, indices, leaves.sizes.get(d, 0) - sizes_before.get(d, 0))
+            (
+                d,
+                indices,
+                leaves.sizes.get(d, 0) - sizes_before.get(d, 0),
+                tuple(share.tensors[i].shape for i in indices),
+            )
             for d, indices in leaves.copied.items()
         ]
         made = _EncodedShare(encoded, copied, at)
@@ -520,11 +532,21 @@ def _encode_share(share: Share, leaves: _Leaves) -> Any:
     return encoded
 
 
-def _reuse(kept: _EncodedShare, tensors: Sequence[torch.Tensor], leaves: _Leaves) -> Any:
-    """``kept``'s encoding again, with ``tensors`` (its share's, in its order) copied."""
-    for dtype, indices, numel in kept.copied:
-        leaves.by_dtype.setdefault(dtype, []).extend([tensors[i] for i in indices])
+def _reuse(
+    kept: _EncodedShare, tensors: Sequence[torch.Tensor], leaves: _Leaves, proven: bool
+) -> Any:
+    """``kept``'s encoding again, with ``tensors`` (its share's, in its order) copied.
+    ``proven``: the caller proved them of the encoding's shapes and on the CPU
+    (``Share.encoded``), so their shapes are not asked again (a getter call per tensor)."""
+    for dtype, indices, numel, shapes in kept.copied:
+        copied = [tensors[i] for i in indices]
+        leaves.by_dtype.setdefault(dtype, []).extend(copied)
         leaves.sizes[dtype] = leaves.sizes.get(dtype, 0) + numel
+        if proven:
+            leaves.shapes.setdefault(dtype, []).extend(shapes)
+        else:
+            leaves.shapes.setdefault(dtype, []).extend(map(_SHAPE, copied))
+            leaves.unproven.extend(copied)
     leaves.reused.append(kept)
     return kept.encoded
 
