@@ -675,5 +675,5 @@ def test_planned_and_full_snapshots_take_the_same_pooled_buffers(
         assert snaps.built.count(True) >= 3  # full rebuilds among the planned ones
         sync.wait_for_checkpoints()
         pool = sync._writer.pool  # type: ignore[union-attr]
-        dtypes = [key[0] for key in pool._free]
+        dtypes = [key.dtype for key in pool._free]
     assert sorted(map(str, dtypes)) == ["torch.float32", "torch.int64", "torch.uint8"]

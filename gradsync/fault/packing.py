@@ -203,6 +203,26 @@ def _skeleton_child(node: Any, parts: list[Any], tensors: list[torch.Tensor]) ->
         raise _Unlike
 
 
+class _PoolKey:
+    """A group's key in a ``BufferPool`` (its dtype and every tensor's shape), its hash made
+    once: the pool asks for it twice a snapshot (take, give), and hashing the shapes of a
+    hundred-odd tensors each time cost more than the lookups."""
+
+    __slots__ = ("_hash", "dtype", "shapes")
+
+    def __init__(self, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> None:
+        self.dtype, self.shapes = dtype, shapes
+        self._hash = hash((dtype, shapes))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is _PoolKey and self.dtype == other.dtype and self.shapes == other.shapes
+        )
+
+
 class BufferPool:
     """Buffers of earlier snapshots of the same layout, reused (a snapshot every step would
     otherwise allocate, and fault in, a fresh copy of the state each time), with their views
@@ -215,8 +235,9 @@ class BufferPool:
         #: makes a new buffer (dtype, elements): the background writer process's are shared
         #: memory, which that process reads (``gradsync.fault.writer_process``)
         self.allocate = allocate
-        self._free: dict[Any, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+        self._free: dict[_PoolKey, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
         self._lock = threading.Lock()
+        self._keys: dict[torch.dtype, _PoolKey] = {}  # the newest key per dtype (``key``)
         #: the newest ``Share`` encodings (``SHARES_KEPT``) by key (skeleton, owners, rank,
         #: where it began)
         self.shares: dict[Any, _EncodedShare] = {}
@@ -226,12 +247,22 @@ class BufferPool:
             return torch.empty(numel, dtype=dtype)
         return self.allocate(dtype, numel)
 
-    def take(self, key: Any) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    def key(self, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> _PoolKey:
+        """The key of a group of ``dtype`` tensors of ``shapes``: the last one made for that
+        dtype while the shapes are equal (compared object by object first: a planned share's
+        are the same objects every time), so its hash is not made again."""
+        last = self._keys.get(dtype)
+        if last is not None and last.shapes == shapes:
+            return last
+        made = self._keys[dtype] = _PoolKey(dtype, shapes)
+        return made
+
+    def take(self, key: _PoolKey) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         with self._lock:
             free = self._free.get(key)
             return free.pop() if free else None
 
-    def give(self, key: Any, entry: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    def give(self, key: _PoolKey, entry: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
         with self._lock:
             free = self._free.setdefault(key, [])
             if len(free) < self.size:
@@ -303,14 +334,14 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
         return Packed(tree=tree, buffers=buffers)
     # Pooled per dtype: a group whose shapes change every step (the step records not gathered
     # yet) takes a fresh buffer without keeping the model's from being reused.
-    keys = [(d, tuple(leaves.shapes.get(d, ()))) for d in order]
+    keys = [pool.key(d, tuple(leaves.shapes.get(d, ()))) for d in order]
     entries = []
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     for key, group in zip(keys, groups, strict=True):
         entry = pool.take(key)
         if entry is None:
-            buf = pool.new_buffer(key[0], leaves.sizes.get(key[0], 0))
+            buf = pool.new_buffer(key.dtype, leaves.sizes.get(key.dtype, 0))
             views = [
                 buf[at : at + t.numel()].view(t.shape)
                 for at, t in zip(_offsets(group), group, strict=True)
