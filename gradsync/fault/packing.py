@@ -94,8 +94,10 @@ class Packed:
         if tag not in ("d", "o") or type(pairs) is not list:
             return self.tree, [], sizes
         kept, plain = [], []
+        # by the encoding's id: each is alive (held by ``shares``), so the same id is it
+        by_id = {id(s.encoded): s for s in self.shares}
         for i, pair in enumerate(pairs):
-            share = next((s for s in self.shares if pair[1] is s.encoded), None)
+            share = by_id.get(id(pair[1]))
             if share is None:
                 plain.append(pair)
             else:
@@ -218,9 +220,7 @@ class _PoolKey:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return (
-            type(other) is _PoolKey and self.dtype == other.dtype and self.shapes == other.shapes
-        )
+        return type(other) is _PoolKey and self.dtype == other.dtype and self.shapes == other.shapes
 
 
 class BufferPool:
