@@ -146,6 +146,28 @@ def test_the_probes_read_inside_the_objects() -> None:
     assert numpy is not None and numpy + 16 <= np.random.RandomState.__basicsize__
 
 
+@pytest.mark.parametrize(
+    "probe, kind",
+    [(rng_raw._probe_python, random.Random), (rng_raw._probe_numpy, np.random.RandomState)],
+    ids=["python", "numpy"],
+)
+def test_the_probes_own_reads_stay_inside_the_object(
+    monkeypatch: pytest.MonkeyPatch, probe: Any, kind: type
+) -> None:
+    # The probe reads the fresh object whole to search it: its own bytes only
+    # (``sys.getsizeof`` would add the collector's header, which lies before the object).
+    sizes: list[int] = []
+    read = rng_raw.ctypes.string_at
+
+    def recorded(address: int, size: int = -1) -> bytes:
+        sizes.append(size)
+        return read(address, size)
+
+    monkeypatch.setattr(rng_raw.ctypes, "string_at", recorded)
+    assert probe() is not None
+    assert sizes and max(sizes) == kind.__basicsize__
+
+
 def test_a_replaced_numpy_generator_is_followed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _taken() == _full()  # the in-place read now stands for the global generator
     other = np.random.RandomState(5)
