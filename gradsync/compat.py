@@ -42,6 +42,12 @@ is tested in ``tests/test_compat.py``.
   optimizer's state-dict hooks (``_optimizer_state_dict_pre_hooks`` / ``_post_hooks``), so
   that a checkpoint every step can prove the state dicts laid out as before without building
   them (``fault.state_plan``). None where torch hides one: every snapshot builds them then.
+- ``tensor_metadata_guard``: TorchDynamo's C++ check of tensors' metadata
+  (``torch._C._dynamo.guards.TensorGuards``: dtype, device, sizes, strides, ``requires_grad``,
+  dispatch keys) in one call, so that a checkpoint every step can prove a hundred-odd tensors'
+  shapes, dtypes and devices unchanged in a few microseconds instead of a getter call each
+  (``fault.state_plan``). Its behaviour is probed once (a changed dtype or shape must fail
+  it); None where torch lacks it or it behaves otherwise: the getters are called then.
 - ``forkserver_started``: not torch's but Python's: whether multiprocessing's forkserver of this
   process runs already (``multiprocessing.forkserver._forkserver._forkserver_pid``), so that
   ``gradsync.forkserver`` forks workers only from a server whose environment it knows. True
@@ -64,7 +70,7 @@ import functools
 import logging
 import operator
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -309,6 +315,53 @@ MODULE_STATE_CONTAINERS = operator.attrgetter(
     "_state_dict_hooks",
     "_state_dict_pre_hooks",
 )
+
+
+def _dynamo_tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    from torch._C._dynamo import guards
+
+    # Any: the stub says one size per tensor; the C++ takes a list of sizes per tensor (a
+    # static size for each dimension), as TorchDynamo itself passed them
+    tensor_guards: Any = guards.TensorGuards
+    return tensor_guards(
+        *tensors,
+        dynamic_dims_sizes=[list(t.shape) for t in tensors],
+        dynamic_dims_strides=[list(t.stride()) for t in tensors],
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _tensor_guard_works() -> bool:
+    """Whether ``TensorGuards`` builds here and fails on a changed dtype, shape or stride."""
+    try:
+        t = torch.zeros(2, 3)
+        guard = _dynamo_tensor_guard([t])
+        if not guard.check(t):
+            return False
+        original = t.data
+        for changed in (original.double(), original.reshape(3, 2), original.t().contiguous().t()):
+            t.data = changed
+            if guard.check(t):
+                return False
+        t.data = original
+        return bool(guard.check(t))
+    except Exception:  # noqa: BLE001 - any surprise: no guard, the getters instead
+        return False
+
+
+def tensor_metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
+    """A check, ``guard(*tensors)``, that is True only while ``tensors`` keep the dtype,
+    device, sizes and strides they have now (and ``requires_grad`` and dispatch keys: it may
+    be False with those unchanged, never True with them changed). None where unavailable."""
+    if not tensors or not _tensor_guard_works():
+        return None
+    try:
+        guard = _dynamo_tensor_guard(tensors)
+        if not guard.check(*tensors):
+            return None
+    except Exception:  # noqa: BLE001 - as in the probe
+        return None
+    return guard.check  # type: ignore[no-any-return]
 
 
 def module_state_containers(module: torch.nn.Module) -> tuple[Any, ...] | None:

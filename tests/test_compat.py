@@ -113,3 +113,55 @@ def test_whether_the_forkserver_runs_is_read_and_unknown_means_running(
     assert compat.forkserver_started() is True
     monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", object())  # a Python hiding it
     assert compat.forkserver_started() is True
+
+
+def test_the_tensor_guard_fails_on_each_metadata_change() -> None:
+    assert compat._tensor_guard_works()  # this torch has TorchDynamo's TensorGuards
+    weight, bias = torch.zeros(4, 3, requires_grad=True), torch.zeros(4)
+    guard = compat.tensor_metadata_guard([weight, bias])
+    assert guard is not None and guard(weight, bias)
+    original = bias.data
+    changes = {
+        "dtype": original.double(),
+        "shape": original.reshape(2, 2),
+        "stride": torch.zeros(4, 2)[:, 0],
+        "bigger": torch.zeros(5),
+    }
+    for name, changed in changes.items():
+        bias.data = changed
+        assert not guard(weight, bias), name
+        bias.data = original
+        assert guard(weight, bias), name
+    bias.data = original.clone()  # other memory, the same metadata: still passes
+    assert guard(weight, bias)
+    with torch.no_grad():
+        bias.resize_(2)
+    assert not guard(weight, bias)
+
+
+def test_without_a_working_tensor_guard_there_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert compat.tensor_metadata_guard([]) is None
+
+    def missing(tensors: object) -> object:
+        raise ImportError("no torch._C._dynamo here")
+
+    monkeypatch.setattr(compat, "_dynamo_tensor_guard", missing)
+    compat._tensor_guard_works.cache_clear()
+    try:
+        assert compat.tensor_metadata_guard([torch.zeros(1)]) is None
+    finally:
+        compat._tensor_guard_works.cache_clear()
+
+    class Lenient:  # a guard that would pass a changed dtype: not used
+        def __init__(self, *tensors: object, **kwargs: object) -> None:
+            pass
+
+        def check(self, *tensors: object) -> bool:
+            return True
+
+    monkeypatch.setattr(compat, "_dynamo_tensor_guard", lambda tensors: Lenient())
+    compat._tensor_guard_works.cache_clear()
+    try:
+        assert compat.tensor_metadata_guard([torch.zeros(1)]) is None
+    finally:
+        compat._tensor_guard_works.cache_clear()

@@ -677,3 +677,39 @@ def test_planned_and_full_snapshots_take_the_same_pooled_buffers(
         pool = sync._writer.pool  # type: ignore[union-attr]
         dtypes = [key.dtype for key in pool._free]
     assert sorted(map(str, dtypes)) == ["torch.float32", "torch.int64", "torch.uint8"]
+
+
+def test_a_plan_asks_one_guard_for_its_tensors_metadata_while_it_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_Described``: the getters of every tensor are asked only when the C++ guard fails;
+    a guard that fails with the metadata the same (``requires_grad`` toggled at every save,
+    which the plan does not care about) is made again, then given up."""
+    calls = [0]
+    getters = state_plan._SHAPE_DTYPE_DEVICE
+
+    def counted(t: torch.Tensor) -> Any:
+        calls[0] += 1
+        return getters(t)
+
+    model, opt = _model_and_adamw()
+    with _saving(model, opt, monkeypatch) as (sync, snaps):
+        for _ in range(2):
+            _step(model, sync)
+            snaps.save(sync, tmp_path)
+        plan = sync._snapshot_plans.plan
+        assert isinstance(plan, state_plan.SnapshotPlan)
+        assert plan.described._guard is not None
+        monkeypatch.setattr(state_plan, "_SHAPE_DTYPE_DEVICE", counted)
+        for _ in range(3):
+            _step(model, sync)
+            _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        assert calls == [0] and snaps.built[-3:] == [False] * 3
+        weight = model[0].weight
+        for i in range(state_plan._MISSES_TOLERATED + 1):
+            _step(model, sync)
+            weight.requires_grad_(i % 2 == 1)
+            _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+            assert snaps.built[-1] is False
+        assert calls[0] > 0 and plan.described._guard is None
+        weight.requires_grad_(True)
