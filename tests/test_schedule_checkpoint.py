@@ -5,6 +5,7 @@ the saved step's learning rate back."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.fault import CheckpointStore
+from gradsync.fault import CheckpointStore, kept_groups
 from gradsync.fault.resume import PARAM_GROUPS
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
@@ -183,3 +184,52 @@ def test_a_changed_group_is_saved_as_it_is_now(
         assert float(saved[0]["lr"]) == 0.025
         saved[0]["lr"] = expected[0]["lr"] = 0.025
     assert saved == expected
+
+
+def test_an_ordered_group_reordered_in_place_is_saved_in_its_new_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``move_to_end`` changes no dict version tag: only groups that are exactly dicts are kept
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    group = OrderedDict(params=list(model.parameters()), lr=0.1)
+    opt = torch.optim.AdamW([group], weight_decay=0.01)  # type: ignore[list-item]
+    sync = gs.Synchronizer(model, opt, strategy="bsp", timeout_s=30)
+
+    def reorder(step: int) -> None:
+        if step == 3:
+            opt.param_groups[0].move_to_end("lr")
+
+    _kept_per_save(sync, model, tmp_path, monkeypatch, reorder, saves=5)
+    store = CheckpointStore(tmp_path)
+    info = store.latest()
+    assert info is not None
+    saved = store.load(info, 0)[PARAM_GROUPS]
+    assert list(saved[0]) == list(opt.state_dict()["param_groups"][0])
+
+
+def test_groups_changed_at_every_step_are_not_watched_at_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # watching them (tags read, kept values checked) costs more than making them: a schedule
+    # stops it but for a look now and then
+    model, opt, sync = _trained(0.1)
+    watched = [0]
+    make = kept_groups.KeptGroups._make
+
+    def counted(self: Any, optimizer: Any) -> Any:
+        watched[0] += 1
+        return make(self, optimizer)
+
+    monkeypatch.setattr(kept_groups.KeptGroups, "_make", counted)
+
+    def schedule(step: int) -> None:
+        opt.param_groups[0]["lr"] = 0.1 / (step + 2)
+
+    kept = _kept_per_save(sync, model, tmp_path, monkeypatch, schedule, saves=40)
+    assert all(PARAM_GROUPS not in parts for parts in kept)
+    assert watched[0] <= 1 + kept_groups._CHANGED_TOLERATED + 40 // kept_groups._RETRY_EVERY
+    store = CheckpointStore(tmp_path)
+    info = store.latest()
+    assert info is not None
+    assert store.load(info, 0)[PARAM_GROUPS][0]["lr"] == 0.1 / 41

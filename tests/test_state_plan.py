@@ -713,3 +713,21 @@ def test_a_plan_asks_one_guard_for_its_tensors_metadata_while_it_passes(
             assert snaps.built[-1] is False
         assert calls[0] > 0 and plan.described._guard is None
         weight.requires_grad_(True)
+
+
+def test_an_ordered_optimizer_state_reordered_in_place_is_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``move_to_end`` changes the state dict's order and no dict version tag: such a state is
+    # compared in full at every snapshot.
+    model, opt = _model_and_adamw()
+    with _saving(model, opt, monkeypatch) as (sync, snaps):
+        _step(model, sync)
+        opt.state = OrderedDict(opt.state)
+        for _ in range(3):
+            _step(model, sync)
+            _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        assert snaps.built[-1] is False
+        opt.state.move_to_end(model[0].weight)
+        _assert_as_state_dicts(snaps.save(sync, tmp_path), model, opt)
+        assert snaps.built[-1] is True

@@ -123,6 +123,11 @@ class Watch:
         self._index = (addresses - low) // _WORD
         self._then: bytes | None = None  # no mark yet: not unchanged
 
+    @property
+    def marked(self) -> bool:
+        """Whether a mark was taken (``unchanged`` is False before)."""
+        return self._then is not None
+
     def read(self) -> bytes:
         """The tags as they read now."""
         return self._memory[self._index].tobytes()

@@ -15,7 +15,8 @@ place (a tensor learning rate, a list) would change nothing a tag shows.
 
 A schedule that changes the groups at every step gets fresh groups at every step, as before:
 they are encoded to be kept only when unchanged since the snapshot before, so a new text is
-not sent to the writer each step.
+not sent to the writer each step; and after a few changes in a row they are not watched
+either (making a watch costs more than the groups), but for a look every 16th call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from gradsync.fault import dict_versions, packing
 __all__ = ["KeptGroups", "param_groups"]
 
 _PLAIN = (int, float, bool, str, type(None), complex)
+#: calls in a row finding the groups changed before ``now`` stops watching them (a schedule
+#: that changes them at every step), and how often it looks again then
+_CHANGED_TOLERATED = 3
+_RETRY_EVERY = 16
 _is = operator.is_
 
 
@@ -64,18 +69,26 @@ class KeptGroups:
         self._watch: dict_versions.Watch | None = None
         self._made: list[dict[str, Any]] | None = None  # ``param_groups`` then
         self._encoded: Any = None  # ``_made`` encoded once (``packing.constant``)
+        self._changed = 0  # calls in a row that found the groups changed
 
     def now(self, optimizer: torch.optim.Optimizer) -> Any:
         """The groups to save now: encoded once while unchanged, else fresh groups."""
         if self._made is not None and self._unchanged(optimizer):
+            self._changed = 0
             if self._encoded is None:
                 self._encoded = packing.constant(self._made)
             return self._encoded
+        self._changed += 1
+        if self._changed > _CHANGED_TOLERATED and self._changed % _RETRY_EVERY:
+            # A schedule changing them at every step: made fresh, as before this module, and
+            # looked at again now and then. What ``_made`` holds stays behind its mark: the
+            # tags have changed since, so it is never given for these groups.
+            return param_groups(optimizer)
         return self._make(optimizer)
 
     def forget(self) -> None:
         """Make the groups again at the next call (the optimizer's state was loaded)."""
-        self._made, self._encoded, self._watch = None, None, None
+        self._made, self._encoded, self._watch, self._changed = None, None, None, 0
 
     def _unchanged(self, optimizer: torch.optim.Optimizer) -> bool:
         groups = optimizer.param_groups
@@ -92,13 +105,26 @@ class KeptGroups:
 
     def _make(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
         groups = optimizer.param_groups
-        watch = dict_versions.watch(groups)
+        # The same dicts as the last call's: their watch serves again (making one takes
+        # longer than making the groups).
+        same = (
+            self._watch is not None
+            and optimizer is self._optimizer
+            and groups is self._groups
+            and len(groups) == len(self._dicts)
+            and all(map(_is, groups, self._dicts))
+        )
+        watch = self._watch if same else dict_versions.watch(groups)
         # The tags are read before the groups are: a change while they are made shows at the
         # next call instead of being taken into the mark.
         tags = watch.read() if watch is not None else b""
         made = param_groups(optimizer)
-        self.forget()
-        keepable = all(_plain(v) for g in groups for k, v in g.items() if k != "params")
+        self._made, self._encoded, self._watch = None, None, None
+        # Exactly dicts: an ``OrderedDict`` group can be reordered (``move_to_end``), which
+        # changes the saved order and no tag.
+        keepable = all(type(g) is dict for g in groups) and all(
+            _plain(v) for g in groups for k, v in g.items() if k != "params"
+        )
         if watch is not None and keepable:
             watch.mark(tags)
             self._optimizer, self._groups, self._dicts = optimizer, groups, list(groups)

@@ -172,9 +172,12 @@ def _owners_encoded(owner: Sequence[int]) -> Any:
     (``packing.constant``): the writer process gets its text once instead of a pickled copy
     with every snapshot (120 numbers on charlm)."""
     owners = tuple(owner)
-    if not _OWNERS_KEPT or _OWNERS_KEPT[0][0] != owners:
-        _OWNERS_KEPT[:] = [(owners, constant(list(owners)))]
-    return _OWNERS_KEPT[0][1]
+    kept = _OWNERS_KEPT[0] if _OWNERS_KEPT else None  # one read: another thread may replace it
+    if kept is not None and kept[0] == owners:
+        return kept[1]
+    made = constant(list(owners))
+    _OWNERS_KEPT[:] = [(owners, made)]
+    return made
 
 
 def _replicated_share(sync: Synchronizer) -> tuple[Share, list[Any] | None]:

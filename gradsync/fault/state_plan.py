@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -102,12 +103,13 @@ class _Watched:
         # The tags are read before the comparison: a change made while it runs shows at the
         # next snapshot instead of being taken into the mark.
         tags = versions.read()
+        first = not versions.marked  # the first call after a build: no mark to miss yet
         if not self.compare():
             return False
         versions.mark(tags)
         # A dict that changes at every step to the same layout (a module setting an attribute
         # in its forward) would make each snapshot pay for both checks: compare only.
-        self.misses += 1
+        self.misses += 0 if first else 1
         if self.misses >= _MISSES_TOLERATED:
             self.versions = None
         return True
@@ -592,5 +594,11 @@ def _optimizer_layout(optimizer: torch.optim.Optimizer) -> _OptimizerLayout | No
         tensors=tensors,
         hooks=hooks,
         own=_DICT_OF(optimizer),
-        versions=dict_versions.watch([_DICT_OF(optimizer), state, *dicts, *hooks]),
+        # An ``OrderedDict`` state can be reordered in place (``move_to_end``), which changes
+        # the state dict's order and no tag: compared in full every time then.
+        versions=(
+            dict_versions.watch([_DICT_OF(optimizer), state, *dicts, *hooks])
+            if type(state) in (dict, defaultdict)
+            else None
+        ),
     )
