@@ -117,6 +117,17 @@ def test_dicts_far_apart_in_memory_are_watched() -> None:
     assert not watch.unchanged()
 
 
+@needs_tags
+def test_no_watch_where_the_view_over_the_addresses_cannot_be_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refused(*args: object) -> object:
+        raise ValueError("no such view here")
+
+    monkeypatch.setattr(dict_versions.np.ctypeslib, "as_array", refused)
+    assert dict_versions.watch([{}, {}]) is None
+
+
 def test_no_watch_without_tags_or_dicts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dict_versions.watch([]) is None
     monkeypatch.setattr(dict_versions, "_OFFSET", None)

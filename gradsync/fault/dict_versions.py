@@ -148,4 +148,9 @@ def watch(dicts: Sequence[dict[Any, Any]]) -> Watch | None:
     the dict itself); None where tags cannot be read here, or ``dicts`` is empty."""
     if _OFFSET is None or not dicts or not all(isinstance(d, dict) for d in dicts):
         return None
-    return Watch(dicts, _OFFSET)
+    try:
+        return Watch(dicts, _OFFSET)
+    except (OverflowError, MemoryError, ValueError, TypeError):
+        # a view over the span its addresses cover could not be made here: a snapshot then
+        # compares in full rather than fail
+        return None
