@@ -90,16 +90,23 @@ class KeptGroups:
         """Make the groups again at the next call (the optimizer's state was loaded)."""
         self._made, self._encoded, self._watch, self._changed = None, None, None, 0
 
-    def _unchanged(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _same_dicts(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s groups are the watched list of the watched dicts."""
         groups = optimizer.param_groups
-        watch = self._watch
         return (
-            watch is not None
+            self._watch is not None
             and optimizer is self._optimizer
             and groups is self._groups
             and len(groups) == len(self._dicts)
             and all(map(_is, groups, self._dicts))
-            and [len(g["params"]) for g in groups] == self._counts
+        )
+
+    def _unchanged(self, optimizer: torch.optim.Optimizer) -> bool:
+        watch = self._watch
+        return (
+            watch is not None
+            and self._same_dicts(optimizer)
+            and [len(g["params"]) for g in optimizer.param_groups] == self._counts
             and watch.unchanged()
         )
 
@@ -107,14 +114,7 @@ class KeptGroups:
         groups = optimizer.param_groups
         # The same dicts as the last call's: their watch serves again (making one takes
         # longer than making the groups).
-        same = (
-            self._watch is not None
-            and optimizer is self._optimizer
-            and groups is self._groups
-            and len(groups) == len(self._dicts)
-            and all(map(_is, groups, self._dicts))
-        )
-        watch = self._watch if same else dict_versions.watch(groups)
+        watch = self._watch if self._same_dicts(optimizer) else dict_versions.watch(groups)
         # The tags are read before the groups are: a change while they are made shows at the
         # next call instead of being taken into the mark.
         tags = watch.read() if watch is not None else b""
