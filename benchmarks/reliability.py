@@ -39,6 +39,7 @@ from benchmarks.harness import (
     median_of_ratios,
     table,
 )
+from benchmarks.intervals import median_interval, median_of_medians_interval
 from gradsync import forkserver
 from gradsync.launch import launch
 
@@ -103,6 +104,7 @@ def cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
     with_ckpt = [r["every"] for r in runs]
     without = [r["none"] for r in runs]
     ratio = median_of_ratios(with_ckpt, without)
+    ratios = [a / b for a, b in zip(with_ckpt, without, strict=True) if a is not None and b]
     ms = [
         f"{statistics.median(known) * 1e3:.2f} ms" if known else "n/a"
         for known in (
@@ -118,8 +120,10 @@ def cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
         ],
         [
             f"cost of a checkpoint every {args.every} step(s): median of {args.repeats} "
-            "per-pair ratios",
-            f"{ratio - 1:+.1%} of step time" if ratio is not None else "n/a",
+            "per-pair ratios (90% bootstrap interval over the pairs)",
+            f"{ratio - 1:+.1%} of step time ({_interval(median_interval(ratios))})"
+            if ratio is not None
+            else "n/a",
         ],
         [
             "time on the training thread per checkpoint (the snapshot): median",
@@ -134,27 +138,33 @@ def in_run_cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
     ``--block-runs`` such runs. One run's median moved from run to run by more than its own
     pairs spread (+3.2% to +5.8% for five runs of the same code here), so the figure is the
     median of the runs' medians, each run's beside it."""
-    per_run, without, with_ = [], [], []
+    per_run, pairs, without, with_ = [], [], [], []
     for _ in range(args.block_runs):
         times = _block_run(strategy, args)
-        per_run.append(statistics.median(
-            e / n for e, n in zip(times["every"], times["none"], strict=True)
-        ))  # fmt: skip
+        pairs.append([e / n for e, n in zip(times["every"], times["none"], strict=True)])
+        per_run.append(statistics.median(pairs[-1]))
         without.append(statistics.median(times["none"]) * 1e3)
         with_.append(statistics.median(times["every"]) * 1e3)
     return [
         [
             f"cost of a checkpoint every step, in {args.block_runs} runs of "
             f"{args.block_repeats} pairs of {args.block}-step blocks with and without, "
-            "alternating: median of the runs' medians of the per-pair ratios (each run's)",
+            "alternating: median of the runs' medians of the per-pair ratios (90% bootstrap "
+            "interval over the runs and their pairs; each run's median)",
             f"{statistics.median(per_run) - 1:+.1%} of step time "
-            f"({', '.join(f'{r - 1:+.1%}' for r in per_run)})",
+            f"({_interval(median_of_medians_interval(pairs))}; "
+            f"{', '.join(f'{r - 1:+.1%}' for r in per_run)})",
         ],
         [
             "mean step time of those blocks without / with: median",
             f"{statistics.median(without):.2f} ms / {statistics.median(with_):.2f} ms",
         ],
     ]
+
+
+def _interval(ends: tuple[float, float]) -> str:
+    """A bootstrap interval of a ratio, as a cost: ``+2.6% to +5.2%``."""
+    return f"{ends[0] - 1:+.1%} to {ends[1] - 1:+.1%}"
 
 
 def _block_run(strategy: str, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -267,7 +277,13 @@ def main() -> None:
     p = h.parser
     p.add_argument("--workload", default="charlm")
     p.add_argument("--steps", type=int, default=500, help="steps of the runs with kills")
-    p.add_argument("--cost-steps", type=int, default=150, help="steps of the cost runs")
+    p.add_argument(
+        "--cost-steps",
+        type=int,
+        default=300,
+        help="steps of the cost runs (300: the per-pair ratios spread about half as much as "
+        "with 150, 16 pairs of each here)",
+    )
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--every", type=int, default=1, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=7)
