@@ -105,6 +105,8 @@ def cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
     without = [r["none"] for r in runs]
     ratio = median_of_ratios(with_ckpt, without)
     ratios = [a / b for a, b in zip(with_ckpt, without, strict=True) if a is not None and b]
+    # Each pair's ratio on stderr: runs of the same code can then be pooled.
+    print(f"{strategy} cost: per-pair ratios {[round(r, 4) for r in ratios]}", file=sys.stderr)
     ms = [
         f"{statistics.median(known) * 1e3:.2f} ms" if known else "n/a"
         for known in (
