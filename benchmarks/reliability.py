@@ -2,7 +2,9 @@
 
 Per strategy: (1) what a checkpoint every step costs, as the step period (start to start, rank
 0) of the same job with ``--checkpoint-every 1`` against the same job without checkpoints, the
-two run alternately, ``--repeats`` pairs, median of the per-pair ratios; and measured again in
+two run alternately, ``--repeats`` pairs, median of the per-pair ratios with a 90% bootstrap
+interval (``benchmarks.intervals``: the cost is about the size of the noise here, and the
+interval says whether a run can tell it from a bound); and measured again in
 ``--block-runs`` runs of their own, each of ``--block-repeats`` pairs of ``--block``-step blocks
 with and without a checkpoint every step, alternating in the same processes
 (``benchmarks.reliability_worker``, which says why); (2) the same job
