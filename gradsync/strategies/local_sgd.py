@@ -447,8 +447,14 @@ class DiLoCo(_Periodic):
             for target, part in zip(self._globals, state["global"].split(sizes), strict=True):
                 target.copy_(part)
         self._outer_opt.load_state_dict(state["outer_optimizer"])
+        # A checkpoint is loaded onto the CPU; an exchange's mean becomes its fragment's
+        # gradient at its due step, so it goes where that fragment's global copy lives.
         self._pending = [
-            Exchange(int(ex["fragment"]), int(ex["due"]), ex["mean"].clone())
+            Exchange(
+                int(ex["fragment"]),
+                int(ex["due"]),
+                ex["mean"].to(self._globals[int(ex["fragment"])].device, copy=True),
+            )
             for ex in saved.get("pending", [])
         ]
 
