@@ -744,7 +744,6 @@ class Synchronizer:
                 world_size=self.world_size,
                 save_id=self._save_id,
                 timeout_s=self.timeout_s,
-                on_cpu=all(p.device.type == "cpu" for p in self.model.parameters()),
                 hold=self.strategy.lockstep or self.strategy.holds_snapshots,
             )
         self._writer.store.keep = keep

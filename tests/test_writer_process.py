@@ -216,12 +216,9 @@ def test_make_writer_takes_the_process_unless_told_otherwise(
         )
 
     monkeypatch.delenv(WRITER_ENV, raising=False)
-    for expected, kw in ((ProcessCheckpointWriter, {}), (CheckpointWriter, {"on_cpu": False})):
-        writer = make(**kw)
-        try:
-            assert type(writer) is expected
-        finally:
-            writer.close()  # type: ignore[attr-defined]
+    writer = make()
+    assert type(writer) is ProcessCheckpointWriter
+    writer.close()  # type: ignore[attr-defined]
     monkeypatch.setenv(WRITER_ENV, "thread")
     writer = make()
     assert type(writer) is CheckpointWriter

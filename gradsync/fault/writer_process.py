@@ -8,8 +8,11 @@ for why. The snapshot buffers come from this writer's ``pool`` and live in share
 to the pool once the child says its file is written. Small buffers (the step records) travel
 in the message itself.
 
-``make_writer`` picks this writer where it works (Linux, buffers on the CPU) unless
-``GRADSYNC_CHECKPOINT_WRITER=thread`` asks for the thread.
+``make_writer`` picks this writer where it works (Linux) unless
+``GRADSYNC_CHECKPOINT_WRITER=thread`` asks for the thread. A model on a GPU gets it too: its
+snapshot is copied to host buffers of its own (``pack`` pools only CPU sources) and those
+travel in the message, so a rank killed right after a save still has that save written, as on
+the CPU (the thread dies with its rank).
 """
 
 from __future__ import annotations
@@ -75,7 +78,6 @@ def make_writer(
     world_size: int,
     save_id: str,
     timeout_s: float,
-    on_cpu: bool = True,
     hold: bool = False,
 ) -> CheckpointWriter | ProcessCheckpointWriter:
     """This rank's background writer: a process where it works, else a thread. ``hold``
@@ -91,7 +93,7 @@ def make_writer(
     kwargs: dict[str, Any] = dict(
         rank=rank, world_size=world_size, save_id=save_id, timeout_s=timeout_s
     )
-    if choice == "process" and on_cpu and process_writer_available():
+    if choice == "process" and process_writer_available():
         return ProcessCheckpointWriter(store, files_every=FILES_EVERY if hold else 1, **kwargs)
     return CheckpointWriter(store, **kwargs)
 
