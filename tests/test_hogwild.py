@@ -19,6 +19,11 @@ from gradsync.strategies.hogwild import HogwildStats
 from gradsync.testing import RankFailure, run_ranks
 from gradsync.workloads import make_workload
 from tests import hogwild_ranks as ranks
+from tests import rank_device
+
+#: hogwild shares host memory between the processes: it refuses a GPU model
+#: (tests/test_gpu.py checks the refusal)
+ON_CPU = rank_device.not_on_device("hogwild refuses a GPU model")
 
 
 @pytest.mark.unit
@@ -60,6 +65,7 @@ def test_the_api_refuses_compression_too(one_rank: None) -> None:
 
 
 @pytest.mark.ranks
+@ON_CPU
 @pytest.mark.timeout(60)
 def test_ranks_on_several_hosts_are_refused_on_every_rank() -> None:
     for message in run_ranks(ranks.on_two_hosts, 2, timeout_s=50):
@@ -102,6 +108,7 @@ def test_one_rank_trains_through_the_mapping_and_leaves_nothing(one_rank: None) 
 
 
 @pytest.mark.ranks
+@ON_CPU
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workload", ["mlp", "charlm"])
 def test_training_converges_on_shared_parameters(workload: str) -> None:
@@ -123,6 +130,7 @@ def test_training_converges_on_shared_parameters(workload: str) -> None:
 
 
 @pytest.mark.ranks
+@ON_CPU
 @pytest.mark.timeout(60)
 def test_a_worker_slowed_3x_does_not_slow_the_others() -> None:
     steps = 40
@@ -139,6 +147,7 @@ def test_a_worker_slowed_3x_does_not_slow_the_others() -> None:
 
 
 @pytest.mark.ranks
+@ON_CPU
 @pytest.mark.timeout(90)
 def test_killed_mid_update_leaves_finite_parameters_and_a_resumable_run(tmp_path: Path) -> None:
     save_at, after, total = 5, 8, 20

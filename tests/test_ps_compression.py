@@ -15,11 +15,18 @@ import torch
 from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.testing import run_ranks
 from tests import ps_compression_ranks as ranks
+from tests import rank_device
 from tests.test_cli_run import gradsync
 
 # float64 parameters: the updates are applied in a different order and grouping than in the
 # reference (w0's half, then w1's half, instead of their mean), which costs a few ulps.
 TOL = {"rtol": 1e-9, "atol": 1e-12}
+#: codecs whose output jumps where an input crosses a bin edge (int8's scale steps, sign's
+#: zero): on a GPU (GRADSYNC_RANK_DEVICE) the gradient's last bits differ from the CPU
+#: reference's, a few elements change bins, and TOL no longer holds. tests/test_gpu.py compares
+#: them with the CPU relative to the update instead.
+ON_BIN_EDGES = ("int8", "sign")
+ON_CPU = rank_device.not_on_device("int8 and sign flip bins on the device's rounding")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +36,9 @@ def every_spec() -> list[dict[str, object]]:
 
 @pytest.mark.ranks
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("spec", ranks.SPECS)
+@pytest.mark.parametrize(
+    "spec", [pytest.param(s, marks=ON_CPU) if s in ON_BIN_EDGES else s for s in ranks.SPECS]
+)
 def test_compressed_pushes_follow_the_reference_trajectory(
     every_spec: list[dict[str, dict[str, object]]], spec: str
 ) -> None:
@@ -64,6 +73,8 @@ def test_compressed_pushes_put_the_codec_bytes_on_the_wire(
 def test_worker_residuals_resume_from_a_checkpoint(tmp_path: Path) -> None:
     results = run_ranks(ranks.save_then_resume, ranks.WORKERS + 1, str(tmp_path), timeout_s=200)
     for spec in ranks.EF_SPECS:
+        if spec in ON_BIN_EDGES and rank_device.requested():
+            continue  # see ON_BIN_EDGES; the other codecs still check the resume
         # the resumed run lands where the uninterrupted reference does only if every worker's
         # error-feedback residual (and PowerSGD's warm-start Q) came back with the checkpoint
         assert torch.allclose(results[0][spec]["params"], ranks.reference(spec), **TOL), spec

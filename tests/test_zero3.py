@@ -24,10 +24,17 @@ from gradsync.strategies import parse_strategy
 from gradsync.strategies.zero3 import ZeroStage3, _units
 from gradsync.testing import run_ranks
 from gradsync.workloads import make_workload
+from tests import rank_device
 from tests import zero3_ranks as z3
 from tests import zero_ranks as zr
 
-pytestmark = pytest.mark.skipif(compat.fsdp2() is None, reason="this torch has no FSDP2")
+pytestmark = [
+    pytest.mark.skipif(compat.fsdp2() is None, reason="this torch has no FSDP2"),
+    rank_device.not_on_device(
+        "zero:3 refuses a GPU model over gloo, whose collectives FSDP2 needs for CUDA tensors "
+        "(tests/test_gpu.py checks the refusal)"
+    ),
+]
 
 
 @functools.cache
