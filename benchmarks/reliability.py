@@ -149,6 +149,10 @@ def in_run_cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
         per_run.append(statistics.median(pairs[-1]))
         without.append(statistics.median(times["none"]) * 1e3)
         with_.append(statistics.median(times["every"]) * 1e3)
+        # Each run's pairs on stderr, as the separate runs' (``cost``): runs of the same code
+        # can then be pooled into one median of run medians.
+        rounded = [round(r, 4) for r in pairs[-1]]
+        print(f"{strategy} blocks: per-pair ratios of run {len(pairs)} {rounded}", file=sys.stderr)
     return [
         [
             f"cost of a checkpoint every step, in {args.block_runs} runs of "
