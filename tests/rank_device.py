@@ -7,7 +7,7 @@ taking a device argument. Everything outside a multi-rank group is left alone: t
 process builds its references on the CPU as before, and what the ranks return is loaded onto
 the CPU, so the tests compare host tensors as they do on a machine without a GPU.
 
-Unset, or ``cpu``, nothing is patched. Rank functions that build their own ``nn.Module``
+Unset, or ``cpu``, everything does what it did. Rank functions that build their own ``nn.Module``
 instead of a workload stay on the CPU; ``tests/test_gpu.py`` covers the device-specific paths.
 """
 
@@ -32,35 +32,40 @@ def _in_multi_rank_group() -> bool:
 
 
 def install() -> None:
-    """Patch the workloads and the result loading when ``GRADSYNC_RANK_DEVICE`` names a device."""
-    device = requested()
-    if device is None:
-        return
+    """Wrap the workloads' ``build_model`` and ``batch``, and the loading of what ranks return,
+    so that each follows ``GRADSYNC_RANK_DEVICE`` as it is when called, not when imported: a
+    rank forked from the forkserver imports the tests with the server's environment, and takes
+    its caller's only afterwards (``gradsync.testing``). Unset, each does what it did."""
     import torch
 
     import gradsync.testing
     from gradsync.workloads import charlm, mlp
 
+    def target() -> str | None:
+        return requested() if _in_multi_rank_group() else None
+
     for cls in (mlp.TeacherStudentMLP, charlm.CharLM):
-        if getattr(cls, "_rank_device_patched", False):
+        if getattr(cls, "_rank_device_wrapped", False):
             continue
         build, batch = cls.build_model, cls.batch
 
         def build_on_device(self: Any, _build: Any = build) -> torch.nn.Module:
-            model = _build(self)
-            return model.to(device) if _in_multi_rank_group() else model
+            model, device = _build(self), target()
+            return model if device is None else model.to(device)
 
         def batch_on_device(self: Any, *args: Any, _batch: Any = batch) -> Any:
-            x, y = _batch(self, *args)
-            if _in_multi_rank_group():
-                return x.to(device), y.to(device)
-            return x, y
+            (x, y), device = _batch(self, *args), target()
+            return (x, y) if device is None else (x.to(device), y.to(device))
 
         cls.build_model = build_on_device  # type: ignore[method-assign]
         cls.batch = batch_on_device  # type: ignore[method-assign]
-        cls._rank_device_patched = True  # type: ignore[attr-defined]
+        cls._rank_device_wrapped = True  # type: ignore[attr-defined]
+
+    load = gradsync.testing._from_bytes
 
     def load_on_cpu(data: bytes) -> Any:
+        if requested() is None:
+            return load(data)
         return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
 
     gradsync.testing._from_bytes = load_on_cpu  # type: ignore[attr-defined]
