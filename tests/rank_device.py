@@ -53,8 +53,8 @@ def install() -> None:
             model, device = _build(self), target()
             return model if device is None else model.to(device)
 
-        def batch_on_device(self: Any, *args: Any, _batch: Any = batch) -> Any:
-            (x, y), device = _batch(self, *args), target()
+        def batch_on_device(self: Any, *args: Any, _batch: Any = batch, **kwargs: Any) -> Any:
+            (x, y), device = _batch(self, *args, **kwargs), target()
             return (x, y) if device is None else (x.to(device), y.to(device))
 
         cls.build_model = build_on_device  # type: ignore[method-assign]

@@ -25,18 +25,24 @@ RUNS = {
 
 
 #: plain DDP under torchrun sometimes aborts at interpreter exit, after its work is done (1 run
-#: in 10 here): a gloo thread frees a collective's tensors while the interpreter shuts down (see
-#: Synchronizer._final_handshake, which gradsync's port goes through and DDP does not)
+#: in 10 here, run alone): a gloo thread frees a collective's tensors while the interpreter
+#: shuts down (see Synchronizer._final_handshake, which gradsync's port goes through and DDP
+#: does not)
 EXIT_ABORT = "terminate called without an active exception"
 
 
+#: runs of the DDP baseline at most: under the full suite's load the abort hit three runs in a
+#: row once (2026-11-27, a fresh-clone CI run), so one in ten is not the rate to plan for
+DDP_ATTEMPTS = 6
+
+
 def run_ddp_original(launch: list[str], env: dict[str, str]) -> str:
-    """The DDP baseline, run again (at most twice more) only when it hit that exit abort."""
-    for attempt in range(3):
+    """The DDP baseline, run again only when it hit that exit abort."""
+    for attempt in range(DDP_ATTEMPTS):
         try:
             return torchrun(launch, env, timeout_s=110)
         except pytest.fail.Exception as exc:
-            if EXIT_ABORT not in str(exc) or attempt == 2:
+            if EXIT_ABORT not in str(exc) or attempt == DDP_ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
 
