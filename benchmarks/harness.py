@@ -236,10 +236,15 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
+def pair_ratios(num: Iterable[float | None], den: Iterable[float | None]) -> list[float]:
+    """The per-repeat ratios; a repeat where either figure is missing (or the denominator is
+    0) is left out."""
+    return [a / b for a, b in zip(num, den, strict=True) if a is not None and b]
+
+
 def median_of_ratios(num: Iterable[float | None], den: Iterable[float | None]) -> float | None:
-    """Median over repeats of the per-repeat ratio; a repeat where either figure is missing
-    (or the denominator is 0) is left out, and None if none is left."""
-    return median(None if a is None or not b else a / b for a, b in zip(num, den, strict=True))
+    """Median of ``pair_ratios``; None if none is left."""
+    return median(pair_ratios(num, den))
 
 
 def median_iqr(values: Sequence[float]) -> tuple[float, float, float]:

@@ -38,6 +38,8 @@ from benchmarks.harness import (
     Harness,
     interleave,
     machine,
+    median,
+    pair_ratios,
     table,
 )
 from benchmarks.intervals import median_interval, median_of_medians_interval
@@ -104,9 +106,8 @@ def cost(strategy: str, args: argparse.Namespace) -> list[list[str]]:
     runs = interleave(list(configs), args.repeats, one, progress=f"{strategy} cost: ")
     with_ckpt = [r["every"] for r in runs]
     without = [r["none"] for r in runs]
-    # a pair where either run failed (or read 0) is left out
-    ratios = [a / b for a, b in zip(with_ckpt, without, strict=True) if a is not None and b]
-    ratio = statistics.median(ratios) if ratios else None
+    ratios = pair_ratios(with_ckpt, without)
+    ratio = median(ratios)
     # Each pair's ratio on stderr: runs of the same code can then be pooled.
     print(f"{strategy} cost: per-pair ratios {[round(r, 4) for r in ratios]}", file=sys.stderr)
     ms = [
