@@ -36,18 +36,11 @@ is tested in ``tests/test_compat.py``.
   collectives that wrap whatever the module had, a user's own custom collectives included.
   None where torch lacks those setters or hides the groups: ``zero:3`` then leaves FSDP2's
   collectives alone, and their time counts as compute.
-- ``module_state_containers`` / ``optimizer_state_dict_hooks``: the dicts and sets behind
-  ``Module.state_dict()`` (``_parameters``, ``_buffers``, ``_modules``,
-  ``_non_persistent_buffers_set``, ``_state_dict_hooks``, ``_state_dict_pre_hooks``) and the
-  optimizer's state-dict hooks (``_optimizer_state_dict_pre_hooks`` / ``_post_hooks``), so
-  that a checkpoint every step can prove the state dicts laid out as before without building
-  them (``fault.state_plan``). None where torch hides one: every snapshot builds them then.
-- ``tensor_metadata_guard``: TorchDynamo's C++ check of tensors' metadata
-  (``torch._C._dynamo.guards.TensorGuards``: dtype, device, sizes, strides, ``requires_grad``,
-  dispatch keys) in one call, so that a checkpoint every step can prove a hundred-odd tensors'
-  shapes, dtypes and devices unchanged in a few microseconds instead of a getter call each
-  (``fault.state_plan``). Its behaviour is probed once (a changed dtype or shape must fail
-  it); None where torch lacks it or it behaves otherwise: the getters are called then.
+- ``foreach_copy`` / ``foreach_div``: torch's fused list operations (``_foreach_copy_``,
+  ``_foreach_div_``), one call for a whole list of tensors instead of one per tensor (a
+  checkpoint snapshot copies a hundred-odd tensors every step, ``zero:3`` averages each of
+  its gradient shards). A loop of the public ``copy_`` / ``div_`` where torch lacks them, and
+  nothing to do for an empty list, which the fused calls refuse.
 - ``forkserver_started``: not torch's but Python's: whether multiprocessing's forkserver of this
   process runs already (``multiprocessing.forkserver._forkserver._forkserver_pid``), so that
   ``gradsync.forkserver`` forks workers only from a server whose environment it knows. True
@@ -68,9 +61,7 @@ import ctypes
 import datetime
 import functools
 import logging
-import operator
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -219,6 +210,7 @@ __all__ = [
     "default_group",
     "default_store",
     "foreach_copy",
+    "foreach_div",
     "fsdp2",
     "fsdp_comms",
     "hold_until_exit",
@@ -304,89 +296,16 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         d.copy_(s)
 
 
-#: a module's containers behind ``state_dict()``, in one call: its parameters, buffers and
-#: submodules (dicts), non-persistent buffer names (a set), state-dict post and pre hooks
-#: (dicts). ``module_state_containers`` checks that a module has them as such.
-MODULE_STATE_CONTAINERS = operator.attrgetter(
-    "_parameters",
-    "_buffers",
-    "_modules",
-    "_non_persistent_buffers_set",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-)
-
-
-def _dynamo_tensor_guard(tensors: Sequence[torch.Tensor]) -> Any:
-    from torch._C._dynamo import guards
-
-    # Any: the stub says one size per tensor; the C++ takes a list of sizes per tensor (a
-    # static size for each dimension), as TorchDynamo itself passed them
-    tensor_guards: Any = guards.TensorGuards
-    return tensor_guards(
-        *tensors,
-        dynamic_dims_sizes=[list(t.shape) for t in tensors],
-        dynamic_dims_strides=[list(t.stride()) for t in tensors],
-    )
-
-
-@functools.lru_cache(maxsize=1)
-def _tensor_guard_works() -> bool:
-    """Whether ``TensorGuards`` builds here and fails on a changed dtype, shape or stride."""
-    try:
-        t = torch.zeros(2, 3)
-        guard = _dynamo_tensor_guard([t])
-        if not guard.check(t):
-            return False
-        original = t.data
-        for changed in (original.double(), original.reshape(3, 2), original.t().contiguous().t()):
-            t.data = changed
-            if guard.check(t):
-                return False
-        t.data = original
-        return bool(guard.check(t))
-    except Exception:  # noqa: BLE001 - any surprise: no guard, the getters instead
-        return False
-
-
-def tensor_metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
-    """A check, ``guard(*tensors)``, that is True only while ``tensors`` keep the dtype,
-    device, sizes and strides they have now (and ``requires_grad`` and dispatch keys: it may
-    be False with those unchanged, never True with them changed). None where unavailable."""
-    if not tensors or not _tensor_guard_works():
-        return None
-    try:
-        guard = _dynamo_tensor_guard(tensors)
-        if not guard.check(*tensors):
-            return None
-    except Exception:  # noqa: BLE001 - as in the probe
-        return None
-    return guard.check  # type: ignore[no-any-return]
-
-
-def module_state_containers(module: torch.nn.Module) -> tuple[Any, ...] | None:
-    """``MODULE_STATE_CONTAINERS(module)`` (the module's own dicts and set, not copies); None
-    where any is missing or not of the type torch makes."""
-    try:
-        found = MODULE_STATE_CONTAINERS(module)
-    except AttributeError:
-        return None
-    if not all(type(d) in (dict, OrderedDict) for d in (*found[:3], *found[4:])):
-        return None
-    if type(found[3]) is not set:
-        return None
-    return found  # type: ignore[no-any-return]
-
-
-def optimizer_state_dict_hooks(optimizer: torch.optim.Optimizer) -> list[dict[Any, Any]] | None:
-    """The optimizer's state-dict pre and post hook dicts; None where either is missing."""
-    hooks = [
-        getattr(optimizer, "_optimizer_state_dict_pre_hooks", None),
-        getattr(optimizer, "_optimizer_state_dict_post_hooks", None),
-    ]
-    if not all(type(d) in (dict, OrderedDict) for d in hooks):
-        return None
-    return hooks  # type: ignore[return-value]
+def foreach_div(tensors: list[torch.Tensor], divisor: float) -> None:
+    """``t.div_(divisor)`` for every tensor ``t`` of ``tensors``, in one call where torch has
+    the fused ``_foreach_div_`` (``zero:3`` averages all of a rank's gradient shards)."""
+    fused = getattr(torch, "_foreach_div_", None)
+    if fused is not None:
+        if tensors:  # the fused call refuses an empty list (a rank without gradients)
+            fused(tensors, divisor)
+        return
+    for t in tensors:
+        t.div_(divisor)
 
 
 #: the logger through which torch's elastic agent reports a failed worker process

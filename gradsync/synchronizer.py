@@ -29,7 +29,6 @@ from gradsync.fault.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, Gr
 from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.fault.guards import check_replicas
 from gradsync.fault.row_log import RowLogError, RowLogs
-from gradsync.fault.state_plan import PlanKeeper
 from gradsync.fault.writer_process import ProcessCheckpointWriter, make_writer
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
@@ -231,8 +230,6 @@ class Synchronizer:
         self._writer_for: str | Path | None = None
         #: this rank's step-record logs beside its checkpoints (barrier-free strategies only)
         self._row_logs = RowLogs(self.rank, ROW_COLUMNS)
-        #: when a checkpoint may skip building the state dicts (``fault.state_plan``)
-        self._snapshot_plans = PlanKeeper()
         if self.strategy.barrier_free:
             self._collector.before_gather = self._log_before_gather
         #: rank 0: the checkpoint directory servers were told (the object, keep, the value

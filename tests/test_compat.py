@@ -115,53 +115,19 @@ def test_whether_the_forkserver_runs_is_read_and_unknown_means_running(
     assert compat.forkserver_started() is True
 
 
-def test_the_tensor_guard_fails_on_each_metadata_change() -> None:
-    assert compat._tensor_guard_works()  # this torch has TorchDynamo's TensorGuards
-    weight, bias = torch.zeros(4, 3, requires_grad=True), torch.zeros(4)
-    guard = compat.tensor_metadata_guard([weight, bias])
-    assert guard is not None and guard(weight, bias)
-    original = bias.data
-    changes = {
-        "dtype": original.double(),
-        "shape": original.reshape(2, 2),
-        "stride": torch.zeros(4, 2)[:, 0],
-        "bigger": torch.zeros(5),
-    }
-    for name, changed in changes.items():
-        bias.data = changed
-        assert not guard(weight, bias), name
-        bias.data = original
-        assert guard(weight, bias), name
-    bias.data = original.clone()  # other memory, the same metadata: still passes
-    assert guard(weight, bias)
-    with torch.no_grad():
-        bias.resize_(2)
-    assert not guard(weight, bias)
-
-
-def test_without_a_working_tensor_guard_there_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert compat.tensor_metadata_guard([]) is None
-
-    def missing(tensors: object) -> object:
-        raise ImportError("no torch._C._dynamo here")
-
-    monkeypatch.setattr(compat, "_dynamo_tensor_guard", missing)
-    compat._tensor_guard_works.cache_clear()
-    try:
-        assert compat.tensor_metadata_guard([torch.zeros(1)]) is None
-    finally:
-        compat._tensor_guard_works.cache_clear()
-
-    class Lenient:  # a guard that would pass a changed dtype: not used
-        def __init__(self, *tensors: object, **kwargs: object) -> None:
-            pass
-
-        def check(self, *tensors: object) -> bool:
-            return True
-
-    monkeypatch.setattr(compat, "_dynamo_tensor_guard", lambda tensors: Lenient())
-    compat._tensor_guard_works.cache_clear()
-    try:
-        assert compat.tensor_metadata_guard([torch.zeros(1)]) is None
-    finally:
-        compat._tensor_guard_works.cache_clear()
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "without the fused call"])
+def test_the_foreach_operations_act_on_every_tensor_and_on_none(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not fused:  # a torch without them: the loop of public calls
+        monkeypatch.delattr(torch, "_foreach_copy_")
+        monkeypatch.delattr(torch, "_foreach_div_")
+    grads = [torch.full((3,), 6.0), torch.full((2, 2), 3.0, dtype=torch.float64)]
+    compat.foreach_div(grads, 3.0)
+    assert grads[0].tolist() == [2.0] * 3 and grads[1].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert grads[1].dtype == torch.float64
+    copies = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.float64)]
+    compat.foreach_copy(copies, grads)
+    assert all(torch.equal(c, g) for c, g in zip(copies, grads, strict=True))
+    compat.foreach_div([], 3.0)  # an empty list (no gradients here) is nothing to do
+    compat.foreach_copy([], [])

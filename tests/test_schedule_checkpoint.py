@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.fault import CheckpointStore, kept_groups
+from gradsync.fault import CheckpointStore
 from gradsync.fault.resume import PARAM_GROUPS
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
@@ -105,20 +105,17 @@ def _kept_per_save(
     return kept_parts
 
 
-def test_the_owners_and_unchanged_groups_are_kept_encodings(
+def test_the_owners_are_a_kept_encoding_and_the_groups_are_made_at_each_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``replicated_owners`` (one number per tensor) and groups unchanged since the last
-    snapshot travel as kept encodings, like the share's: their text goes to the writer once,
-    not in every held snapshot."""
+    """``replicated_owners`` (one number per tensor) travels as a kept encoding, like the
+    share's: its text goes to the writer once, not in every held snapshot. The groups are a
+    few numbers, encoded at each save."""
     model, opt, sync = _trained(0.1)
     kept = _kept_per_save(sync, model, tmp_path, monkeypatch)
-    # the second save's groups were new to the groups keeper (made fresh), later ones not
-    assert set(kept[0]) == {"replicated", "replicated_owners"}
-    for parts in kept[1:]:
-        assert set(parts) == {"replicated", "replicated_owners", PARAM_GROUPS}
+    for parts in kept:
+        assert set(parts) == {"replicated", "replicated_owners"}
     assert kept[0]["replicated_owners"] is kept[-1]["replicated_owners"]
-    assert kept[1][PARAM_GROUPS] is kept[2][PARAM_GROUPS]
     store = CheckpointStore(tmp_path)
     info = store.latest()
     assert info is not None
@@ -147,8 +144,7 @@ def test_groups_changed_at_every_step_are_never_kept(
 def test_a_changed_group_is_saved_as_it_is_now(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
 ) -> None:
-    """Groups kept since an earlier snapshot are made again after any change: the file holds
-    the groups of the step it was saved at."""
+    """The file holds the groups of the step it was saved at, whatever changed in them."""
     model, opt, sync = _trained(0.1)
     extra = torch.nn.Parameter(torch.ones(2))
 
@@ -171,10 +167,7 @@ def test_a_changed_group_is_saved_as_it_is_now(
         elif change == "tensor lr in place":  # no tag changes: such groups are never kept
             group["lr"].fill_(0.025)
 
-    kept = _kept_per_save(sync, model, tmp_path, monkeypatch, at_step, saves=5)
-    # kept[i] is save i + 2 (of steps 1..5); the change comes before the fourth save
-    assert (PARAM_GROUPS in kept[1]) is (change != "tensor lr in place")  # kept before
-    assert PARAM_GROUPS not in kept[2]  # made again at the save after it
+    _kept_per_save(sync, model, tmp_path, monkeypatch, at_step, saves=5)
     store = CheckpointStore(tmp_path)
     info = store.latest()
     assert info is not None and info.step == 5
@@ -189,7 +182,7 @@ def test_a_changed_group_is_saved_as_it_is_now(
 def test_an_ordered_group_reordered_in_place_is_saved_in_its_new_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # ``move_to_end`` changes no dict version tag: only groups that are exactly dicts are kept
+    # ``move_to_end`` changes the order alone: the file keeps the groups in their new order
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     group = OrderedDict(params=list(model.parameters()), lr=0.1)
@@ -206,30 +199,3 @@ def test_an_ordered_group_reordered_in_place_is_saved_in_its_new_order(
     assert info is not None
     saved = store.load(info, 0)[PARAM_GROUPS]
     assert list(saved[0]) == list(opt.state_dict()["param_groups"][0])
-
-
-def test_groups_changed_at_every_step_are_not_watched_at_every_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # watching them (tags read, kept values checked) costs more than making them: a schedule
-    # stops it but for a look now and then
-    model, opt, sync = _trained(0.1)
-    watched = [0]
-    make = kept_groups.KeptGroups._make
-
-    def counted(self: Any, optimizer: Any) -> Any:
-        watched[0] += 1
-        return make(self, optimizer)
-
-    monkeypatch.setattr(kept_groups.KeptGroups, "_make", counted)
-
-    def schedule(step: int) -> None:
-        opt.param_groups[0]["lr"] = 0.1 / (step + 2)
-
-    kept = _kept_per_save(sync, model, tmp_path, monkeypatch, schedule, saves=40)
-    assert all(PARAM_GROUPS not in parts for parts in kept)
-    assert watched[0] <= 1 + kept_groups._CHANGED_TOLERATED + 40 // kept_groups._RETRY_EVERY
-    store = CheckpointStore(tmp_path)
-    info = store.latest()
-    assert info is not None
-    assert store.load(info, 0)[PARAM_GROUPS][0]["lr"] == 0.1 / 41

@@ -118,19 +118,13 @@ class Share:
     With ``skeleton`` (from ``skeleton()`` of ``tree``, and ``tensors``, its tensors in the same
     order), ``pack`` given a ``BufferPool`` reuses the encoding of an earlier snapshot whose
     share had the same skeleton, owners and rank instead of walking the tree again: the model
-    and optimizer state every step, alike but for the tensors' values.
-
-    With ``encoded`` (``Packed.shares`` of an earlier snapshot), the caller has proved the
-    tree laid out as that encoding's (``state_plan``), its tensors of the encoding's shapes and
-    on the CPU: ``tree`` is not walked and may be None, and ``tensors`` are the ones to copy,
-    in the encoding's order."""
+    and optimizer state every step, alike but for the tensors' values."""
 
     tree: Any
     owner: Sequence[int]
     rank: int
     skeleton: tuple[Any, ...] | None = None
     tensors: Sequence[torch.Tensor] = ()
-    encoded: _EncodedShare | None = None
 
 
 def skeleton(tree: Any) -> tuple[tuple[Any, ...], list[torch.Tensor]] | None:
@@ -282,7 +276,7 @@ class _Leaves:
         self.copied: dict[torch.dtype, list[int]] = {}  # inside a ``Share``: see ``add``
         #: per dtype, the shapes of ``by_dtype``'s tensors (the pool's key, ``pack``)
         self.shapes: dict[torch.dtype, list[torch.Size]] = {}
-        #: the tensors not proven on the CPU (all but a planned share's: ``Share.encoded``)
+        #: every tensor packed, to check they are all on the CPU (a pool is for those only)
         self.unproven: list[torch.Tensor] = []
 
     def state(self) -> tuple[Any, ...]:
@@ -500,8 +494,8 @@ class _EncodedShare:
 
     encoded: Any
     #: per dtype, in the order first met: the indices (in ``Share.tensors``) of the tensors
-    #: this rank copies, their elements in all, and their shapes
-    copied: list[tuple[torch.dtype, list[int], int, tuple[torch.Size, ...]]]
+    #: this rank copies, and their elements in all
+    copied: list[tuple[torch.dtype, list[int], int]]
     #: where the walk stood when the share began (``_Leaves.state``): the offsets in
     #: ``encoded`` hold only from there
     at: tuple[Any, ...] = ()
@@ -526,16 +520,12 @@ def constant(tree: Any) -> _EncodedShare:
 
 
 def _encode_share(share: Share, leaves: _Leaves) -> Any:
-    if share.encoded is not None:
-        if share.encoded.at != leaves.state():
-            raise ValueError("a Share's kept encoding was made at another place in the state")
-        return _reuse(share.encoded, share.tensors, leaves, proven=True)
     key = None
     if share.skeleton is not None and leaves.memo is not None:
         key = (share.skeleton, tuple(share.owner), share.rank, leaves.state())
         hit = leaves.memo.get(key)
         if hit is not None:
-            return _reuse(hit, share.tensors, leaves, proven=False)
+            return _reuse(hit, share.tensors, leaves)
     at = leaves.state()
     sizes_before = dict(leaves.sizes)
     leaves.share, leaves.shared, leaves.copied = (share.owner, share.rank), 0, {}
@@ -547,12 +537,7 @@ def _encode_share(share: Share, leaves: _Leaves) -> Any:
         raise ValueError(f"the shared tree holds {leaves.shared} tensors, {len(share.owner)} owned")
     if key is not None and leaves.memo is not None and len(share.tensors) == leaves.shared:
         copied = [
-            (
-                d,
-                indices,
-                leaves.sizes.get(d, 0) - sizes_before.get(d, 0),
-                tuple(share.tensors[i].shape for i in indices),
-            )
+            (d, indices, leaves.sizes.get(d, 0) - sizes_before.get(d, 0))
             for d, indices in leaves.copied.items()
         ]
         made = _EncodedShare(encoded, copied, at)
@@ -563,21 +548,14 @@ def _encode_share(share: Share, leaves: _Leaves) -> Any:
     return encoded
 
 
-def _reuse(
-    kept: _EncodedShare, tensors: Sequence[torch.Tensor], leaves: _Leaves, proven: bool
-) -> Any:
-    """``kept``'s encoding again, with ``tensors`` (its share's, in its order) copied.
-    ``proven``: the caller proved them of the encoding's shapes and on the CPU
-    (``Share.encoded``), so their shapes are not asked again (a getter call per tensor)."""
-    for dtype, indices, numel, shapes in kept.copied:
+def _reuse(kept: _EncodedShare, tensors: Sequence[torch.Tensor], leaves: _Leaves) -> Any:
+    """``kept``'s encoding again, with ``tensors`` (its share's, in its order) copied."""
+    for dtype, indices, numel in kept.copied:
         copied = [tensors[i] for i in indices]
         leaves.by_dtype.setdefault(dtype, []).extend(copied)
         leaves.sizes[dtype] = leaves.sizes.get(dtype, 0) + numel
-        if proven:
-            leaves.shapes.setdefault(dtype, []).extend(shapes)
-        else:
-            leaves.shapes.setdefault(dtype, []).extend(map(_SHAPE, copied))
-            leaves.unproven.extend(copied)
+        leaves.shapes.setdefault(dtype, []).extend(map(_SHAPE, copied))
+        leaves.unproven.extend(copied)
     leaves.reused.append(kept)
     return kept.encoded
 

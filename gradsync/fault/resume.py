@@ -38,7 +38,7 @@ import hashlib
 import json
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.errors import UsageError
-from gradsync.fault import replicas, state_plan
+from gradsync.fault import replicas
 from gradsync.fault.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -55,11 +55,10 @@ from gradsync.fault.checkpoint import (
     CheckpointWarning,
     snapshot,
 )
-from gradsync.fault.packing import Packed, Share, constant
+from gradsync.fault.packing import Share, constant
 from gradsync.fault.rng import rng_state, set_rng_state
 from gradsync.fault.row_log import RowLogError, read_rows
 from gradsync.fault.writer_locks import wait_for_writers
-from gradsync.strategies.base import Strategy
 from gradsync.telemetry.timing import ROW_COLUMNS
 
 if TYPE_CHECKING:
@@ -108,35 +107,22 @@ def save(
     # has arrived; the request goes out after the directory is published.
     sync.strategy.prepare_checkpoint(step)
     state: dict[str, Any] = {}
-    # A plan stands in for the state dicts while their layout holds (``state_plan``): the
-    # replicated share's, or the model's alone.
-    plannable = _plannable(sync)
-    planned: Share | None = sync._snapshot_plans.next_share() if plannable else None
     if sync.strategy.resizable:
         # Every replica holds the same model and optimizer state (what makes the strategy
         # resizable): each rank writes a share of it, so the bytes written do not grow with
         # the ranks and no rank's step pays for all of them (``replicas``). First in the
         # state, so that its encoding, alike from one step to the next, is reused.
-        groups: Any
-        if planned is not None:
-            # unchanged groups encoded once, like the owners (``kept_groups``)
-            shared, groups = planned, sync._snapshot_plans.groups.now(sync.optimizer)
-        else:
-            shared, groups = _replicated_share(sync)
+        shared, groups = _replicated_share(sync)
         state["replicated"] = shared
         state["replicated_owners"] = _owners_encoded(shared.owner)
         if groups is not None:
             state[PARAM_GROUPS] = groups
     else:
-        # The model as a share this rank writes whole: packed as it is, but its encoding,
-        # alike from one step to the next, is reused (``replicas.whole``), and a plan spares
-        # building the state dict (``state_plan``, the model alone). Not the optimizer's state
+        # The model as a share this rank writes whole: packed as it is, its encoding, alike
+        # from one step to the next, reused (``replicas.whole``). Not the optimizer's state
         # dict: a learning-rate schedule changes it at every step.
-        if planned is not None:
-            state["model"] = planned
-        else:
-            model_state = sync.strategy.model_state_dict(sync.model)
-            state["model"] = replicas.whole(model_state, sync.rank)
+        model_state = sync.strategy.model_state_dict(sync.model)
+        state["model"] = replicas.whole(model_state, sync.rank)
         state["optimizer"] = sync.optimizer.state_dict()
     state |= {
         "sync": sync.state_dict(),
@@ -153,8 +139,6 @@ def save(
     else:
         state["telemetry"] = sync._pending_telemetry()
     packed = snapshot(state, pool=writer.pool)
-    if plannable and planned is None:
-        sync._snapshot_plans.rebuilt(lambda: _plan(sync, state, packed))
     writer.submit(step, packed, durable=wait)
     # After the submit: a rank that dies from here on leaves this snapshot to its writer
     # (parameter servers are asked to snapshot here: ``Strategy.checkpoint_held``).
@@ -189,25 +173,6 @@ def _replicated_share(sync: Synchronizer) -> tuple[Share, list[Any] | None]:
     }
     replicated["optimizer"], groups = _without_param_groups(replicated["optimizer"])
     return replicas.share_of(replicated, sync.rank, sync.world_size), groups
-
-
-def _plan(
-    sync: Synchronizer, state: dict[str, Any], packed: Packed
-) -> state_plan.SnapshotPlan | None:
-    """A plan from this full build: of the replicated share (model and optimizer), or of the
-    model alone where each rank writes its own."""
-    if "replicated" in state:
-        return state_plan.build(
-            sync.model, sync.optimizer, state["replicated"], packed, state.get(PARAM_GROUPS)
-        )
-    return state_plan.build(sync.model, None, state["model"], packed, None)
-
-
-def _plannable(sync: Synchronizer) -> bool:
-    """Whether a snapshot plan may stand in for the state dicts (``state_plan``): the strategy
-    saves ``model.state_dict()`` as it is (not ``zero:3``'s shards). A model off the CPU
-    never gets a plan all the same: its snapshots are not pooled, so no encoding is kept."""
-    return type(sync.strategy).model_state_dict is Strategy.model_state_dict
 
 
 #: Where a barrier-free strategy's checkpoint names its rank's step records: ``[first, end)``
@@ -260,7 +225,8 @@ def save_server(
         )
     directory, keep = _published_directory(sync, where)
     sync.load_state_dict({"step": step, "strategy": {}})
-    server, packed_as = server_part(sync._snapshot_plans, server_state, sync.rank)
+    shares, optimizer_state = _server_shares(server_state, sync.rank)
+    server = _server_tree(server_state, shares, optimizer_state)
     state = {
         "server": server,
         "sync": sync.state_dict(),
@@ -272,44 +238,7 @@ def save_server(
     }
     writer = sync._checkpoint_writer(directory, keep)
     packed = snapshot(state, pool=writer.pool)
-    packed_as(packed)
     writer.submit(step, packed, durable=durable)
-
-
-def server_part(
-    plans: state_plan.PlanKeeper, server_state: dict[str, Any], rank: int
-) -> tuple[dict[str, Any], Callable[[Packed], None]]:
-    """A server's part of its snapshot, laid out as ``_Server.state_dict()``, with its shard
-    and its optimizer's per-parameter state as shares (``_server_shares``); and what to call
-    with the packed snapshot (first in it), which makes a plan from a full build.
-
-    ``server_state`` is ``_Server.checkpoint_state()``: the shard and the optimizer
-    themselves. While the plan (``state_plan.ServerPlan``) holds, neither the optimizer's
-    state dict nor the walks of the shares are made (0.12 ms each of a 0.64 ms snapshot on
-    ``charlm``, timed in place); a state dict given in the optimizer's place is packed as it
-    is, without a plan."""
-    params, optimizer = server_state["params"], server_state["optimizer"]
-    plannable = optimizer is None or isinstance(optimizer, torch.optim.Optimizer)
-    plan = plans.plan
-    if isinstance(plan, state_plan.ServerPlan) and not plan.of(params, optimizer):
-        plans.drop()  # another server's state (a second ``serve()``): its plan says nothing
-    planned = plans.next_share() if plannable else None
-    optimizer_state: dict[str, Any] = {}
-    if planned is not None:
-        shares = planned
-        if optimizer is not None:  # the plan's checks hold: torch's own state_dict
-            optimizer_state = {"state": None, "param_groups": state_plan.param_groups(optimizer)}
-    else:
-        shares, optimizer_state = _server_shares(server_state, rank)
-
-    def packed_as(packed: Packed) -> None:
-        if plannable and planned is None:
-            groups = optimizer_state.get("param_groups")
-            plans.rebuilt(
-                lambda: state_plan.build_server(params, optimizer, shares, groups, packed)
-            )
-
-    return _server_tree(server_state, shares, optimizer_state), packed_as
 
 
 def flush_server(sync: Synchronizer) -> None:
@@ -403,8 +332,6 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     # writer after a load: the old one's counts of steps written would take the steps saved
     # again after a rollback for ones already written.
     sync._close_writer()
-    # The state is replaced: the next snapshot builds the state dicts and a new plan.
-    sync._snapshot_plans.drop()
     # Step-record logs too: rows past the checkpoint may be in them (the load reopens its own).
     sync._row_logs.close()
     store = CheckpointStore(directory)

@@ -8,12 +8,10 @@ lists and scalars and rebuilt into the library's own shapes on restore.
 from __future__ import annotations
 
 import random
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
-
-from gradsync.fault.rng_raw import NumpyRaw, PythonRaw
 
 __all__ = ["rng_state", "set_rng_state"]
 
@@ -48,61 +46,24 @@ class _Words:
 _PYTHON_WORDS, _NUMPY_WORDS = _Words(), _Words()
 
 
-class _Unmoved:
-    """A generator's last full read, and the bytes of its state read in place just before
-    (``rng_raw``): while they read the same, so is the state, and the full read is skipped."""
-
-    def __init__(self, raw: PythonRaw | NumpyRaw) -> None:
-        self.raw = raw
-        # one tuple, replaced whole: bytes never paired with another read's values
-        self.last: tuple[bytes | None, tuple[Any, ...]] = (None, ())
-
-    def kept(self) -> tuple[bytes | None, tuple[Any, ...] | None]:
-        """The bytes read now, and the last full read's values if they are unchanged."""
-        now = self.raw.read()
-        seen, values = self.last
-        if now is not None and now == seen:
-            return now, values
-        return now, None
-
-    def keep(self, now: bytes | None, agrees: bool, values: tuple[Any, ...]) -> None:
-        """After a full read: its values, and the bytes read before it if they hold them."""
-        if now is not None and not agrees:
-            self.raw.disagree()  # the bytes are not what they were taken for: full reads only
-        self.last = (now if agrees else None, values)
-
-
-_PYTHON, _NUMPY = _Unmoved(PythonRaw()), _Unmoved(NumpyRaw())
-
-
 def _python_state() -> dict[str, Any]:
-    now, values = _PYTHON.kept()
-    if values is None:
-        version, internal, gauss_next = random.getstate()
-        agrees = now is not None and PythonRaw.agrees(now, internal)
-        # A tensor, not a list of 625 ints: a checkpoint every step walks and encodes this
-        # state each time, and a list costs a Python object per word there.
-        values = (_PYTHON_WORDS.python(internal),)
-        _PYTHON.keep(now, agrees, values)
-    else:
-        # Attributes of the generator object, not among the bytes: read every time (the
-        # bytes were read, so ``random.getstate`` is that object's method).
-        generator = cast(Any, random.getstate).__self__
-        version, gauss_next = generator.VERSION, generator.gauss_next
-    return {"version": int(version), "state": values[0], "gauss_next": gauss_next}
+    version, internal, gauss_next = random.getstate()
+    # A tensor, not a list of 625 ints: a checkpoint every step walks and encodes this state
+    # each time, and a list costs a Python object per word there.
+    words = _PYTHON_WORDS.python(internal)
+    return {"version": int(version), "state": words, "gauss_next": gauss_next}
 
 
 def _numpy_state() -> dict[str, Any]:
-    now, values = _NUMPY.kept()
-    if values is None:
-        full: Any = np.random.get_state(legacy=True)
-        kind, words, pos, has_gauss, cached = full
-        agrees = now is not None and NumpyRaw.agrees(now, words, pos, has_gauss, cached)
-        keys = _NUMPY_WORDS.numpy(np.asarray(words))
-        values = (str(kind), keys, int(pos), int(has_gauss), float(cached))
-        _NUMPY.keep(now, agrees, values)
-    names = ("kind", "keys", "pos", "has_gauss", "cached_gaussian")
-    return dict(zip(names, values, strict=True))
+    full: Any = np.random.get_state(legacy=True)
+    kind, words, pos, has_gauss, cached = full
+    return {
+        "kind": str(kind),
+        "keys": _NUMPY_WORDS.numpy(np.asarray(words)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
 
 
 def rng_state() -> dict[str, Any]:
