@@ -125,22 +125,136 @@ def test_nothing_reaches_around_the_strategy_protocol() -> None:
     assert hits == []
 
 
-# Private torch names gradsync uses; only gradsync/compat.py may spell them.
-PRIVATE_TORCH = re.compile(
-    r"_get_default_group|_get_default_store|_set_default_timeout|options\._timeout|"
-    r"_opt_called|Py_IncRef|_get_backend|_device_types|_per_optimizer_states"
-)
+_ATTRIBUTE_CALLS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _private(name: str) -> bool:
+    """``_x`` and ``__x`` are private; a dunder (``__version__``) is not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _is_torch(module: str) -> bool:
+    return module == "torch" or module.startswith("torch.")
+
+
+def private_torch_uses(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` for each private torch name ``source`` spells:
+
+    - an import of one: ``import torch._C``, ``from torch._C import x``, ``from torch.x import _y``;
+    - an attribute chain from ``torch``, or from a name an import bound to a torch module or
+      object (``import torch as t``, ``import torch.distributed as dist``, ``from torch import
+      nn``), with a private segment: ``torch._foreach_div_``, ``dist.distributed_c10d._x``;
+    - ``getattr(<such a chain or name>, "_name")`` (and has-, set-, delattr) with a literal name.
+
+    Each name is given as torch spells it, an alias resolved (``dist._x`` is
+    ``torch.distributed._x``), and a chain once, whole. Flow-insensitive: a name bound to torch
+    anywhere in the module counts everywhere in it. Not counted: attributes of what a call returns
+    (``torch.zeros(1)._x``) or of any other object (``tensor._x``: another rule), and torch names
+    in other strings (``"torch._dynamo"`` as a module to import)."""
+    tree = ast.parse(source)
+    found: set[tuple[int, str]] = set()
+    bound: dict[str, str] = {}  # a name in the module -> the torch path it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if not _is_torch(alias.name):
+                    continue
+                if any(_private(s) for s in alias.name.split(".")):
+                    found.add((node.lineno, alias.name))
+                # ``import torch.x`` binds ``torch``; ``import torch.x as y`` binds y to torch.x
+                bound[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and not node.level and _is_torch(node.module or ""):
+            module = node.module or ""
+            private_module = any(_private(s) for s in module.split("."))
+            for alias in node.names:
+                if alias.name == "*":
+                    found.update([(node.lineno, module)] if private_module else [])
+                    continue
+                path = f"{module}.{alias.name}"
+                if private_module or _private(alias.name):
+                    found.add((node.lineno, path))
+                bound[alias.asname or alias.name] = path
+
+    def torch_chain(node: ast.expr) -> list[str] | None:
+        """``[the torch path the chain's root is bound to, the attributes after it...]``."""
+        attributes: list[str] = []
+        while isinstance(node, ast.Attribute):
+            attributes.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in bound:
+            return [bound[node.id], *reversed(attributes)]
+        return None
+
+    # a chain is reported at its outermost attribute only
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain = torch_chain(node)
+            if chain is not None and any(_private(a) for a in chain[1:]):
+                found.add((node.lineno, ".".join(chain)))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _ATTRIBUTE_CALLS
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
+            chain = torch_chain(node.args[0])
+            if chain is not None:
+                found.add((node.lineno, ".".join([*chain, node.args[1].value])))
+    return sorted(found)
 
 
 def test_private_torch_apis_are_used_only_in_the_compat_module() -> None:
     hits = [
-        f"{path.relative_to(PACKAGE.parent)}:{n}"
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name != "compat.py"
-        for n, line in enumerate(path.read_text().splitlines(), 1)
-        if PRIVATE_TORCH.search(line)
+        if path != PACKAGE / "compat.py"
+        for line, name in private_torch_uses(path.read_text())
     ]
-    assert hits == []
+    assert hits == [], "private torch names outside gradsync/compat.py:\n" + "\n".join(hits)
+
+
+def test_the_private_torch_finder_sees_every_spelling() -> None:
+    source = (
+        "import torch\n"
+        "import torch as t\n"
+        "import torch.distributed as dist\n"
+        "import torch._dynamo\n"  # 4
+        "from torch import nn, _C as C\n"  # 5
+        "from torch._utils import _flatten_dense_tensors\n"  # 6
+        "from torch.nn import functional as F\n"
+        "from torch.distributed import distributed_c10d\n"
+        "import tensorly as tl\n"
+        "def f(tensor, grads, optimizer, _private):\n"
+        "    torch._foreach_div_(grads, 2.0)\n"  # 11
+        "    t._C._dynamo.guards\n"  # 12
+        "    dist.distributed_c10d._get_default_group()\n"  # 13
+        "    distributed_c10d._get_default_store()\n"  # 14
+        "    nn.Module._parameters\n"  # 15
+        "    F._canonical_mask\n"  # 16
+        "    getattr(torch, '_foreach_copy_', None)\n"  # 17
+        "    hasattr(dist, '_functional_collectives')\n"  # 18
+        "    torch.__version__, torch.nn.Module.__init__, torch.nn.functional.relu\n"
+        "    tensor._version, optimizer._opt_called, _private.x, tl._x\n"
+        "    torch.zeros(1)._version, getattr(tensor, '_foo'), getattr(torch, name)\n"
+        "    getattr(torch.nn.utils, 'get_total_norm', None), 'torch._C'\n"
+    )
+    assert private_torch_uses(source) == [
+        (4, "torch._dynamo"),
+        (5, "torch._C"),
+        (6, "torch._utils._flatten_dense_tensors"),
+        (11, "torch._foreach_div_"),
+        (12, "torch._C._dynamo.guards"),
+        (13, "torch.distributed.distributed_c10d._get_default_group"),
+        (14, "torch.distributed.distributed_c10d._get_default_store"),
+        (15, "torch.nn.Module._parameters"),
+        (16, "torch.nn.functional._canonical_mask"),
+        (17, "torch._foreach_copy_"),
+        (18, "torch.distributed._functional_collectives"),
+    ]
 
 
 def test_importing_the_synchronizer_takes_no_exit_hold() -> None:

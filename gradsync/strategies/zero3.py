@@ -387,7 +387,7 @@ class ZeroStage3(Strategy):
             outcome.skipped = True
             return outcome
         if self._average_over > 1:
-            torch._foreach_div_(grads, float(self._average_over))
+            compat.foreach_div(grads, float(self._average_over))
         return outcome
 
     def _bytes_per_pass(self) -> int:
