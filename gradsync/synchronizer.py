@@ -736,7 +736,7 @@ class Synchronizer:
             self._close_writer()
         if self._writer is None:
             self._writer = make_writer(
-                CheckpointStore(store_dir, keep=keep, recycle=True),
+                CheckpointStore(store_dir, keep=keep),
                 rank=self.rank,
                 world_size=self.world_size,
                 save_id=self._save_id,

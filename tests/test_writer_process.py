@@ -36,7 +36,7 @@ pytestmark = [
 
 def _writer(tmp_path: Path, rank: int = 0, world: int = 1, **kw: object) -> ProcessCheckpointWriter:
     return ProcessCheckpointWriter(
-        CheckpointStore(tmp_path, keep=2, recycle=True),
+        CheckpointStore(tmp_path, keep=2),
         rank=rank,
         world_size=world,
         save_id="run",

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from gradsync.fault.recycle import SpareFiles
-
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
@@ -103,12 +101,9 @@ class CheckpointFiles:
     """The files of checkpoints under ``directory``, keeping the newest ``keep`` complete
     ones: what writing needs (``CheckpointStore`` adds finding and loading checkpoints)."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 2, recycle: bool = False) -> None:
+    def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
         self.directory = Path(directory)
         self.keep = _check_int("keep", keep, 1)
-        #: with ``recycle``, pruned checkpoints' files are overwritten by later saves instead
-        #: of deleted and created anew (``fault.recycle``: what a checkpoint every step costs)
-        self.spares = SpareFiles(self.directory) if recycle else None
         #: whether each step this store committed is durable (``prune`` reads no manifest)
         self._durable: dict[int, bool] = {}
         self.last_save_seconds: float | None = None
@@ -148,25 +143,20 @@ class CheckpointFiles:
         # Paths as strings here and in the commit: with a checkpoint every step, pathlib's
         # joins and conversions were about a third of the writer's CPU time.
         step_dir = self._step_dir_str(step)
-        spares = self.spares
-        if spares is None or os.path.exists(step_dir) or not spares.claim_dir(Path(step_dir)):
-            os.makedirs(step_dir, exist_ok=True)
+        os.makedirs(step_dir, exist_ok=True)
         # A manifest left by an earlier save of this step (the run resumed from an older
         # checkpoint and came back here) would vouch for files that are about to be replaced.
         _unlink(f"{step_dir}/{MANIFEST}")
         target = f"{step_dir}/{_rank_file(rank)}"
         written: list[tuple[int, str]] = []
-        _atomic_write(target, lambda f: written.append(write(f)), sync=durable, spares=spares)
+        # Always a new file renamed into place, never one written in place: a hard link a user
+        # kept of an older checkpoint's file must go on holding that checkpoint.
+        _atomic_write(target, lambda f: written.append(write(f)), sync=durable)
         size, digest = written[0]
         meta = {"size": size, "crc32": digest, "save_id": save_id, "step": step}
         summary = json.dumps(meta).encode()
         # No fsync of its own: commit copies it into the manifest, which is fsynced; the rank
-        # file's rename is made durable by the directory's fsync. Always a new file, never a
-        # recycled one overwritten in place: rank 0's commit may have opened the old .sum
-        # (another step's) just before, and reading it after an overwrite in place would find
-        # this step's summary while the file still has its temporary name, which that commit
-        # then deletes as a leftover (seen once, a rank failing with FileNotFoundError at the
-        # rename). A new file is 80 bytes; recycling it saved nothing worth that.
+        # file's rename is made durable by the directory's fsync.
         _atomic_write(target + ".sum", lambda f: f.write(summary), sync=False)
         if durable:
             _fsync_dir(step_dir)
@@ -313,7 +303,7 @@ class CheckpointFiles:
             if (
                 not isinstance(meta, dict)
                 or meta.get("save_id", "") != save_id
-                or meta.get("step", step) != step  # a recycled or stray file of another step
+                or meta.get("step", step) != step  # a stray file of another step
             ):
                 missing.append(rank)
                 continue
@@ -358,10 +348,7 @@ class CheckpointFiles:
         for step, path in dirs:
             if step < oldest_kept or (step in complete and step not in kept):
                 self._durable.pop(step, None)
-                if self.spares is not None:
-                    self.spares.keep(path, MANIFEST)
-                else:
-                    shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
         return removed
 
@@ -387,22 +374,16 @@ def _atomic_write(
     write: Callable[[IO[bytes]], object],
     *,
     sync: bool = True,
-    spares: SpareFiles | None = None,
 ) -> None:
     """Write through a temporary name in the same directory, fsync (unless ``sync=False``), then
-    rename over ``path``: a reader sees the old file or the whole new one, never a part. With
-    ``spares``, the temporary file is the file at ``path`` when there is one (a recycled
-    directory's), overwritten in place and cut to what was written."""
+    rename over ``path``: a reader sees the old file or the whole new one, never a part."""
     path = os.fspath(path)
     head, name = os.path.split(path)
     # Unique among live writers (the process id) and within this one (the counter).
     tmp = os.path.join(head, f".{name}.{os.getpid()}.{next(_TMP_NUMBERS)}{_TMP_SUFFIX}")
-    reused = spares is not None and spares.claim(path, tmp)
     try:
-        with open(tmp, "r+b" if reused else "wb") as f:
+        with open(tmp, "wb") as f:
             write(f)
-            if reused:
-                f.truncate()  # at the position written to: the old file's tail goes
             f.flush()
             if sync:
                 os.fsync(f.fileno())

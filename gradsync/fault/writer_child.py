@@ -98,7 +98,7 @@ class _Child:
     def __init__(self, sock: socket.socket, init: dict[str, Any]) -> None:
         self.sock = sock
         self.rank: int = init["rank"]
-        self.files = CheckpointFiles(init["directory"], keep=init["keep"], recycle=init["recycle"])
+        self.files = CheckpointFiles(init["directory"], keep=init["keep"])
         self.world_size, self.save_id = init["world_size"], init["save_id"]
         self.timeout_s: float = init["timeout_s"]
         self.commits = (

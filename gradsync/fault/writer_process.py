@@ -191,7 +191,6 @@ class ProcessCheckpointWriter(WriterBase):
         init = {
             "directory": str(store.directory),
             "keep": store.keep,
-            "recycle": store.spares is not None,
             "rank": self.rank,
             "world_size": self.world_size,
             "save_id": self.save_id,
