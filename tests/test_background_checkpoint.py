@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import threading
 import time
 import zlib
@@ -135,6 +136,67 @@ def test_a_crafted_packed_file_naming_another_torch_attribute_is_refused(tmp_pat
     (path.parent / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="not a torch dtype"):
         store.load(store.at(1), 0)
+
+
+def _crafted(tmp_path: Path, pattern: str, replacement: str) -> CheckpointStore:
+    """A committed checkpoint whose packed file's JSON header had ``pattern`` replaced (once),
+    its ``.sum`` recomputed before the commit copied it into the manifest: the checksums vouch
+    for the file, so only the header's validation can refuse it."""
+    store = CheckpointStore(tmp_path)
+    store.save(1, 0, 1, {"x": torch.ones(2), "best": float("inf"), "y": torch.zeros(3, 2)})
+    path = tmp_path / "step-000001" / "rank-0.pt"
+    raw = path.read_bytes()
+    start = raw.index(b"{")
+    end = start + int.from_bytes(raw[start - 8 : start], "little")
+    text, count = re.subn(pattern, replacement, raw[start:end].decode(), count=1)
+    assert count == 1, raw[start:end]
+    head = text.encode()
+    path.write_bytes(raw[: start - 8] + len(head).to_bytes(8, "little") + head + raw[end:])
+    raw = path.read_bytes()
+    summary = path.with_name(path.name + ".sum")
+    meta = json.loads(summary.read_text())
+    meta.update(size=len(raw), crc32=f"{zlib.crc32(raw):08x}")
+    summary.write_text(json.dumps(meta))
+    store.commit(1, 1)
+    return store
+
+
+@pytest.mark.parametrize(
+    ("pattern", "replacement", "field"),
+    [
+        (r'"numel":8\b', '"numel":Infinity', "numel"),  # the tester's file
+        (r'"numel":8\b', '"numel":NaN', "numel"),
+        (r'"numel":8\b', '"numel":-1', "numel"),
+        (r'"numel":8\b', '"numel":1e300', "numel"),
+        (r'"numel":8\b', '"numel":2.0', "numel"),
+        (r'"numel":8\b', '"numel":true', "numel"),
+        (r'"numel":8\b', '"numel":99999999999999999999', "numel"),  # past the file's end
+        (r'"offset":0\b', '"offset":-Infinity', "offset"),
+        (r'"offset":0\b', '"offset":-1', "offset"),
+        (r'"float32":0\}', '"float32":Infinity}', "index"),
+        (r'"float32",0,\[2\]', '"float32",0,[Infinity]', "shape"),
+        (r'"float32",0,\[2\]', '"float32",0,[-1]', "shape"),
+        (r'"float32",2,\[3,2\]', '"float32",2,[3,2e300]', "shape"),
+        (r'"float32",2,\[3,2\]', '"float32",2,[3,3]', "shape"),  # past its buffer's end
+        (r'"float32",2,\[3,2\]', '"float32",NaN,[3,2]', "offset"),
+        (r'\["best",Infinity\]', "[" * 100_000 + "]" * 100_000, "RecursionError"),
+    ],
+)
+def test_a_crafted_packed_header_number_is_refused_naming_the_field(
+    tmp_path: Path, pattern: str, replacement: str, field: str
+) -> None:
+    store = _crafted(tmp_path, pattern, replacement)
+    info = store.latest(1)
+    assert info is not None  # the checksums match: the refusal is the header's validation
+    with pytest.raises(CheckpointError, match=rf"rank-0\.pt: .*\b{field}\b"):
+        store.load(info, 0)
+
+
+def test_a_state_holding_infinity_still_loads(tmp_path: Path) -> None:
+    # Why the header's parser cannot refuse Infinity: the state's own floats are in it.
+    store = _crafted(tmp_path, r'"numel":8\b', '"numel":8')
+    info = store.latest(1)
+    assert info is not None and store.load(info, 0)["best"] == float("inf")
 
 
 WRITERS = {"thread": CheckpointWriter, "process": ProcessCheckpointWriter}

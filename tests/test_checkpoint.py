@@ -7,6 +7,7 @@ import hashlib
 import json
 import pickle
 import random
+import re
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +203,30 @@ def test_damaged_manifest_falls_back(tmp_path: Path) -> None:
     _save_all(store, 20, world=1)
     (tmp_path / "step-000020" / MANIFEST).write_text('{"format": "gradsync-chec')
     with pytest.warns(CheckpointWarning, match=r"step-000020: MANIFEST\.json is unreadable"):
+        info = store.latest()
+    assert info is not None and info.step == 10
+
+
+@pytest.mark.parametrize(
+    ("pattern", "replacement", "why"),
+    [
+        (r'"size": ?\d+', '"size": Infinity', "malformed"),  # json takes it; int() overflowed
+        (r'"created": ?[\d.]+', '"created": 1' + "0" * 400, "malformed"),  # so did float()
+        (r'"world_size": ?\d+', '"world_size": -Infinity', "malformed"),
+        (r'"created": ?[\d.]+', '"created": ' + "[" * 100_000 + "]" * 100_000, "unreadable"),
+    ],
+)
+def test_a_crafted_manifest_number_falls_back(
+    tmp_path: Path, pattern: str, replacement: str, why: str
+) -> None:
+    store = CheckpointStore(tmp_path)
+    _save_all(store, 10, world=1)
+    _save_all(store, 20, world=1)
+    m = tmp_path / "step-000020" / MANIFEST
+    text, count = re.subn(pattern, replacement, m.read_text(), count=1)
+    assert count == 1
+    m.write_text(text)
+    with pytest.warns(CheckpointWarning, match=rf"step-000020: MANIFEST\.json is {why}"):
         info = store.latest()
     assert info is not None and info.step == 10
 

@@ -258,7 +258,8 @@ def _read_manifest(path: Path, step: int) -> CheckpointInfo:
         raise _Invalid(f"incomplete: no {MANIFEST} (the save did not finish)")
     try:
         data = json.loads(manifest.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    # RecursionError: json's parser, of a crafted nesting too deep
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise _Invalid(f"{MANIFEST} is unreadable ({e})") from None
     try:
         if data["format"] != FORMAT or data["version"] != FORMAT_VERSION:
@@ -282,7 +283,8 @@ def _read_manifest(path: Path, step: int) -> CheckpointInfo:
             raise _Invalid(f"{MANIFEST} gives a file no checksum (crc32 or sha256)")
         created = float(data.get("created", 0.0))
         durable = bool(data.get("durable", True))  # manifests before the flag were all fsynced
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    # OverflowError: int() of a size of Infinity (json's parser takes it), float() of a huge int
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise _Invalid(f"{MANIFEST} is malformed ({type(e).__name__}: {e})") from None
     if sorted(files) != list(range(world_size)):
         raise _Invalid(f"{MANIFEST} lists ranks {sorted(files)} for a world of {world_size}")

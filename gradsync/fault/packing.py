@@ -390,25 +390,54 @@ def read_packed(data: bytes | bytearray) -> Packed:
     n = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
     body = len(MAGIC) + 8
     header = json.loads(bytes(data[body : body + n]))
-    if not isinstance(header, dict) or header.get("version") != packed_header.PACKED_VERSION:
-        raise ValueError(f"packed state version {header.get('version')!r}; this gradsync reads 1")
+    version = header.get("version") if isinstance(header, dict) else None
+    if version != packed_header.PACKED_VERSION:
+        raise ValueError(f"packed state version {version!r}; this gradsync reads 1")
     if header.get("byteorder") != sys.byteorder:
         raise ValueError(f"written on a {header.get('byteorder')}-endian machine")
     tree = header["tree"]
-    names = sorted(tree["index"], key=lambda name: int(tree["index"][name]))
+    entries = header["buffers"]
     payload = memoryview(data)[body + n :]
-    buffers = []
-    for name, entry in zip(names, header["buffers"], strict=True):
-        dtype = _dtype(name)
-        nbytes = int(entry["numel"]) * torch.empty(0, dtype=dtype).element_size()
-        lo = int(entry["offset"])
-        if lo < 0 or lo + nbytes > len(payload):
-            raise ValueError(f"buffer {name} lies outside the file")
-        raw = bytearray(payload[lo : lo + nbytes])
-        buffers.append(
-            torch.frombuffer(raw, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
-        )
+    names = _buffer_names(tree["index"], len(entries))
+    buffers = [
+        _read_buffer(name, entry, payload) for name, entry in zip(names, entries, strict=True)
+    ]
     return Packed(tree=tree, buffers=buffers)
+
+
+def _whole(value: Any, field: str, most: int) -> int:
+    """A count or an offset from a file's header, checked: a crafted file can put any JSON
+    value there (``Infinity``, ``NaN``, -1, 2.5, 1e300, ``true``), which ``int()`` or a slice
+    would turn into an ``OverflowError`` or a silently wrong read rather than a refusal. (The
+    header cannot refuse ``Infinity`` and ``NaN`` as it is parsed: the tree holds the state's
+    floats, a best loss of ``inf`` among them.)"""
+    if type(value) is not int or not 0 <= value <= most:
+        raise ValueError(f"{field} is {_json(value)}, not a whole number from 0 to {most}")
+    return value
+
+
+def _buffer_names(index: dict[str, Any], count: int) -> list[str]:
+    """The dtype names of the file's ``count`` buffers, in their order (the index gives each
+    name its buffer's place)."""
+    if type(index) is not dict:
+        raise ValueError(f"the index of the buffers is {_json(index)}, not an object")
+    places = {
+        name: _whole(i, f"the index of buffer {name}", count - 1) for name, i in index.items()
+    }
+    if sorted(places.values()) != list(range(count)):
+        raise ValueError(f"the index {_json(index)} does not name each of {count} buffers once")
+    return sorted(places, key=places.__getitem__)
+
+
+def _read_buffer(name: str, entry: dict[str, Any], payload: memoryview) -> torch.Tensor:
+    """Buffer ``name``'s copy, from its ``numel`` and ``offset`` in the header."""
+    dtype = _dtype(name)
+    size = torch.empty(0, dtype=dtype).element_size()
+    numel = _whole(entry["numel"], f"the numel of buffer {name}", len(payload) // size)
+    lo = _whole(entry["offset"], f"the offset of buffer {name}", len(payload) - numel * size)
+    if not numel:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(payload[lo : lo + numel * size]), dtype=dtype)
 
 
 def unpack(packed: Packed, device: str | torch.device | None = None) -> Any:
@@ -565,11 +594,7 @@ def _decode(node: Any, buffers: dict[str, torch.Tensor]) -> Any:
         return node
     ((tag, value), *rest) = node.items()
     if tag == "x":
-        dtype, offset, shape = value
-        n = 1
-        for s in shape:
-            n *= int(s)
-        return buffers[dtype][offset : offset + n].view(shape).clone()
+        return _tensor(value, buffers)
     if tag in ("d", "o"):
         items = ((_decode(k, buffers), _decode(v, buffers)) for k, v in value)
         return OrderedDict(items) if tag == "o" else dict(items)
@@ -591,3 +616,23 @@ def _decode(node: Any, buffers: dict[str, torch.Tensor]) -> Any:
     if tag == "c":
         return complex(value[0], value[1])
     raise ValueError(f"unknown node {tag!r} in a packed state")
+
+
+def _tensor(node: Any, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A tensor's node, ``[dtype, offset, shape]``: its elements in its dtype's buffer, checked
+    as ``read_packed`` checks the buffers (the numbers come from the file)."""
+    dtype, offset, shape = node
+    buffer = buffers[dtype]
+    where = f"a {dtype} tensor's"
+    offset = _whole(offset, f"{where} offset", len(buffer))
+    if type(shape) is not list:
+        raise ValueError(f"{where} shape is {_json(shape)}, not a list")
+    n = 1
+    for dim in shape:  # a dimension may exceed the buffer where another is 0
+        n *= _whole(dim, f"a dimension of {where} shape {_json(shape)}", sys.maxsize)
+    if offset + n > len(buffer):
+        raise ValueError(
+            f"{where} shape {_json(shape)} at offset {offset} runs past the end of its buffer "
+            f"({len(buffer)} elements)"
+        )
+    return buffer[offset : offset + n].view(shape).clone()
