@@ -45,6 +45,7 @@ from benchmarks.harness import (
 from benchmarks.intervals import median_interval, median_of_medians_interval
 from gradsync import forkserver
 from gradsync.launch import launch
+from gradsync.telemetry.records import read_jsonl
 
 RELIABILITY_MD = ROOT / "RELIABILITY.md"
 
@@ -65,9 +66,8 @@ def run(
 
 
 def jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    """A run's jsonl file, as gradsync reads it: a kill can tear its last line."""
+    return read_jsonl(path) if path.exists() else []
 
 
 def final_loss(run_dir: Path) -> float:

@@ -24,6 +24,7 @@ from gradsync.telemetry.records import (
     METRICS_FILE,
     SPANS_FILE,
     StepRecord,
+    read_jsonl,
     read_records,
     write_records,
 )
@@ -141,16 +142,15 @@ def _drop_records_from(path: Path, step: int) -> None:
     gather had written already (the same measurements)."""
     if not path.exists():
         return
-    latest: dict[tuple[int, int], str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    latest: dict[tuple[int, int], dict[str, Any]] = {}
+    for record in read_jsonl(path):  # a torn last line (a crash, a full disk) is dropped
         if record["step"] < step:
             key = (record["rank"], record["step"])
             latest.pop(key, None)  # a repeat takes its own, later, place
-            latest[key] = line
-    path.write_text("".join(line + "\n" for line in latest.values()), encoding="utf-8")
+            latest[key] = record
+    # Written back as ``StepRecord.to_json`` wrote them: the same text for the same record.
+    lines = (json.dumps(record, separators=(",", ":")) + "\n" for record in latest.values())
+    path.write_text("".join(lines), encoding="utf-8")
 
 
 def _log_recovery(directory: Path, resumed_at: int) -> None:

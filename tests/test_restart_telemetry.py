@@ -186,3 +186,66 @@ def test_loads_in_the_same_process_leave_each_step_once_in_the_report(
     finally:
         sync.close()
     assert sorted(r.step for r in records) == list(range(10))
+
+
+def _torn(path: Path) -> str:
+    """Cut ``path``'s last line in the middle, as a full disk or a crash mid-write leaves it;
+    the line as it was."""
+    text = path.read_text()
+    last = text.splitlines()[-1]
+    path.write_text(text[: len(text) - len(last) // 2 - 1])  # no newline after it
+    return last
+
+
+@pytest.mark.unit
+def test_a_torn_last_line_is_dropped_with_a_warning_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / METRICS_FILE
+    write_records(path, synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3))
+    torn = json.loads(_torn(path))
+    for read in (lambda: read_records(tmp_path), lambda: _drop_records_from(path, 10)):
+        with pytest.warns(RuntimeWarning, match=rf"{re.escape(str(path))}: .*\(line 20\)"):
+            read()
+    # the resume's rewrite of the file leaves every whole line, and none torn
+    keys = [(d["rank"], d["step"]) for d in map(json.loads, path.read_text().splitlines())]
+    assert len(keys) == 2 * 10 - 1 and (torn["rank"], torn["step"]) not in keys
+
+
+@pytest.mark.unit
+def test_a_damaged_line_before_the_last_is_an_error_naming_the_file_and_line(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / METRICS_FILE
+    write_records(path, synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3))
+    lines = path.read_text().splitlines(keepends=True)
+    lines[6] = lines[6][:40] + "\n"  # a crash cannot leave this: a line after it was written
+    path.write_text("".join(lines))
+    where = rf"{re.escape(str(path))}: line 7 is not JSON"
+    with pytest.raises(ValueError, match=where):
+        read_records(tmp_path)
+    with pytest.raises(ValueError, match=where):
+        _drop_records_from(path, 10)
+    assert path.read_text() == "".join(lines)  # left for the user to look at
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_resume_after_a_torn_metrics_line_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    flags = ["--workload", "mlp", "--params", "20000", "--nproc", "1", "--out", str(out)]
+    flags += ["--checkpoint-every", "5", "--no-plots", "--no-progress"]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "gradsync.cli", "run", *flags, *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+    first = run("--steps", "10")
+    assert first.returncode == 0, first.stderr[-3000:]
+    torn = json.loads(_torn(out / METRICS_FILE))
+    more = run("--steps", "14", "--resume")
+    assert more.returncode == 0, more.stderr[-3000:]
+    notice = [line for line in more.stderr.splitlines() if "dropped its last line" in line]
+    assert len(notice) == 1 and str(out / METRICS_FILE) in notice[0], more.stderr[-3000:]
+    assert notice[0].startswith("gradsync: "), notice[0]
+    steps = [d["step"] for d in map(json.loads, (out / METRICS_FILE).read_text().splitlines())]
+    assert sorted(steps) == [s for s in range(14) if s != torn["step"]]
+    assert json.loads((out / "report.json").read_text())["steps"] == 13

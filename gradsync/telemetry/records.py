@@ -20,7 +20,8 @@ barrier; their ``idle`` is the wait the server imposed (SSP's staleness bound), 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ def read_records(run_dir: str | Path) -> list[StepRecord]:
     """Read ``metrics.jsonl`` from a run directory (or the file itself): one record per rank
     per step, the latest attempt's where a restart ran a step again (see ``latest_attempts``)."""
     return latest_attempts(
-        StepRecord.from_dict(d) for d in _read_jsonl(_resolve(run_dir, METRICS_FILE))
+        StepRecord.from_dict(d) for d in read_jsonl(_resolve(run_dir, METRICS_FILE))
     )
 
 
@@ -138,7 +139,7 @@ def read_spans(run_dir: str | Path) -> list[Span]:
     path = _resolve(run_dir, SPANS_FILE)
     if not path.exists():
         return []
-    return [Span.from_dict(d) for d in _read_jsonl(path)]
+    return [Span.from_dict(d) for d in read_jsonl(path)]
 
 
 def _resolve(run_dir: str | Path, name: str) -> Path:
@@ -146,13 +147,32 @@ def _resolve(run_dir: str | Path, name: str) -> Path:
     return p / name if p.is_dir() else p
 
 
-def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every line of a run directory's jsonl file (metrics, spans, recoveries), parsed.
+
+    These files grow by appends, so a full disk or a crash mid-write can leave the last line
+    cut short: no newline after it, not JSON. That line is dropped with a warning naming the
+    file, and the rest is read, so that a resume goes on (losing one record) instead of
+    failing on it. A line that does not parse anywhere else is damage no interrupted append
+    makes: a ``ValueError`` naming the file and the line, for the user to look at."""
     if not path.exists():
         raise FileNotFoundError(
             f"no {path.name} in {path.parent}: is this a gradsync run directory?"
         )
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if line:
-                yield json.loads(line)
+    lines = path.read_bytes().split(b"\n")  # bytes: a cut can split a character, too
+    found = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            found.append(json.loads(line))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            if number < len(lines):  # a newline follows it: the line was written whole
+                raise ValueError(f"{path}: line {number} is not JSON ({exc})") from None
+            warnings.warn(
+                f"{path}: dropped its last line (line {number}), torn by an interrupted "
+                f"write: {len(line)} bytes without a newline that are not JSON",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return found
