@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import secrets
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,13 +22,10 @@ from gradsync.balance import ShardBalancer
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
-from gradsync.fault.background import CheckpointWriter
-from gradsync.fault.checkpoint import CheckpointStore, CheckpointWarning
 from gradsync.fault.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.fault.guards import check_replicas
-from gradsync.fault.row_log import RowLogError, RowLogs
-from gradsync.fault.writer_process import ProcessCheckpointWriter, make_writer
+from gradsync.fault.resume import Checkpointer
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
 from gradsync.strategies.base import (
@@ -44,7 +40,7 @@ from gradsync.strategies.factory import check_compressor, parse_strategy
 from gradsync.telemetry.device_clock import DeviceClock, StepMarks, cuda_device_of
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
-from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
+from gradsync.telemetry.timing import TelemetryCollector
 from gradsync.topology import Hierarchy, check_allreduce, check_hierarchical
 
 #: the accumulation conventions of ``Synchronizer(accumulation=...)``
@@ -225,20 +221,24 @@ class Synchronizer:
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
         self._final_checked = False
-        self._writer: CheckpointWriter | ProcessCheckpointWriter | None = None
-        #: the ``directory`` argument of the save that last used ``_writer``
-        self._writer_for: str | Path | None = None
-        #: this rank's step-record logs beside its checkpoints (barrier-free strategies only)
-        self._row_logs = RowLogs(self.rank, ROW_COLUMNS)
+        self._checkpoints = Checkpointer(
+            rank=self.rank,
+            world_size=self.world_size,
+            layout=self.layout,
+            group=group,
+            strategy=self.strategy,
+            model=model,
+            optimizer=optimizer,
+            compression=self.compressor.spec,
+            timeout_s=self.timeout_s,
+            watch=self._watch,
+            collector=self._collector,
+            step=lambda: self._step,
+            sync_state=self.state_dict,
+            load_sync_state=self.load_state_dict,
+        )
         if self.strategy.barrier_free:
-            self._collector.before_gather = self._log_before_gather
-        #: rank 0: the checkpoint directory servers were told (the object, keep, the value
-        #: published, its number); a server: the number and value it read last
-        self._published: tuple[Any, int, str, int] | None = None
-        self._published_seen: tuple[int, tuple[str, int]] | None = None
-        # Names this run's checkpoint files, the same on every rank (rank 0's, broadcast with
-        # the initial state): a commit never pairs them with files of a rolled-back attempt.
-        self._save_id = secrets.token_hex(8)
+            self._collector.before_gather = self._checkpoints.before_gather
         try:
             self._pass_gate(START, "construction of the Synchronizer")
             self._check_same_model()
@@ -346,19 +346,14 @@ class Synchronizer:
         role = self.strategy.server_role()
         if role is None or not self.is_server:
             raise UsageError("serve() is for parameter-server ranks (ssp:S or async strategies)")
-        from gradsync.fault import resume
-
         self._enter_gradsync()  # a server runs gradsync's waits only, until the end
-
-        def checkpoint(state: dict[str, Any], durable: bool = False, where: int = 0) -> None:
-            resume.save_server(self, state, durable, where)
-
+        checkpoints = self._checkpoints
         if "flush" in inspect.signature(role.serve).parameters:
             serve: Any = role.serve  # ``ServerRole.serve`` may take ``flush`` (its docstring)
-            stats = serve(checkpoint, flush=lambda: resume.flush_server(self))
+            stats = serve(checkpoints.save_server, flush=checkpoints.flush_server)
         else:
-            stats = role.serve(checkpoint)
-        resume.flush_server(self)  # the workers' last checkpoint, held: written now
+            stats = role.serve(checkpoints.save_server)
+        checkpoints.flush_server()  # the workers' last checkpoint, held: written now
         if self.check_every and not self._final_checked:
             self._final_checked = True
             self._check_replicas(-1, final=True)
@@ -666,6 +661,24 @@ class Synchronizer:
         self._watch.run(END, "final handshake (barrier)", work.wait)
         compat.hold_until_exit("final handshake", work)
 
+    def gather_spans(self) -> list[Span] | None:
+        """Collective, after ``report()``: every rank's timeline spans (``record_spans=True``),
+        on rank 0; None on the other ranks. It ends on a final handshake of its own, as
+        ``report()`` does, so exiting right after it stays safe."""
+        gathered: list[list[Span] | None] = [None] * self.world_size
+        if self.world_size == 1:
+            gathered[0] = list(self.spans)
+        else:
+            self._watch.run(
+                END,
+                "gather of timeline spans to rank 0",
+                lambda: dist.all_gather_object(gathered, self.spans, group=self.group),
+            )
+            self._final_handshake()
+        if self.rank != 0:
+            return None
+        return [span for part in gathered for span in part or []]
+
     def report(self) -> RunReport:
         """Collective (every rank calls it): per-rank, per-step timings and totals so far.
 
@@ -700,12 +713,10 @@ class Synchronizer:
         earlier one. ``close()`` (and ``wait_for_checkpoints()``) wait for the writes; errors
         of the background thread are raised by the next ``save``, ``wait_for_checkpoints`` or
         ``close``. With ``wait=True`` the checkpoint is complete when this returns."""
-        from gradsync.fault import resume
-
         if not wait:  # posts no collective, so no gate either: a copy and a hand-over
-            return resume.save(self, directory, keep=keep, extra=extra, wait=False)
+            return self._checkpoints.save(directory, keep=keep, extra=extra, wait=False)
         with self._gradsync_call(self._step, "sync.save()"):
-            return resume.save(self, directory, keep=keep, extra=extra)
+            return self._checkpoints.save(directory, keep=keep, extra=extra, wait=True)
 
     def wait_for_checkpoints(self, timeout_s: float | None = None) -> None:
         """Until every checkpoint this rank saved is written (and, on rank 0, committed).
@@ -714,55 +725,14 @@ class Synchronizer:
         held in memory rather than written (docs/checkpoints.md, "Held snapshots"): call it on
         every rank then, as ``load`` and ``close`` are; rank 0 alone would wait for its peers'
         files of the newest step and fail after ``timeout_s`` naming the ranks missing."""
-        if self._writer is not None:
-            # Parameter servers write theirs when told to (they never call this).
-            self.strategy.flush_checkpoints()
-            self._writer.flush(self.timeout_s if timeout_s is None else timeout_s)
-
-    def _checkpoint_writer(
-        self, directory: str | Path, keep: int
-    ) -> CheckpointWriter | ProcessCheckpointWriter:
-        """This rank's background writer for ``directory`` (one directory at a time)."""
-        if self._writer is not None and directory is self._writer_for:
-            # The same object as the last save's (every step, in most loops): no path to build
-            # and compare, which took 35 us a save right after a step.
-            self._writer.store.keep = keep
-            return self._writer
-        store_dir = Path(directory)
-        if self._writer is not None and self._writer.store.directory != store_dir:
-            # Closing waits for the old directory's newest checkpoint, which parameter
-            # servers write only when told to (they never see this call).
-            self.strategy.flush_checkpoints()
-            self._close_writer()
-        if self._writer is None:
-            self._writer = make_writer(
-                CheckpointStore(store_dir, keep=keep),
-                rank=self.rank,
-                world_size=self.world_size,
-                save_id=self._save_id,
-                timeout_s=self.timeout_s,
-                hold=self.strategy.lockstep or self.strategy.holds_snapshots,
-            )
-        self._writer.store.keep = keep
-        self._writer_for = directory
-        return self._writer
-
-    def _pending_telemetry(self) -> list[float]:
-        return self._collector.pending_flat_rows()
-
-    def _restore_telemetry(
-        self, rows: torch.Tensor | list[float], first: int | None = None
-    ) -> None:
-        self._collector.restore_pending(rows, first)
+        self._checkpoints.wait(timeout_s)
 
     def load(self, directory: str | Path) -> dict[str, Any] | None:
         """Collective: resume from the newest intact checkpoint in ``directory``; returns its
         extras plus ``step`` (the next step to run), or None when there is no checkpoint.
         With parameter servers every rank calls it, servers before ``serve()``."""
-        from gradsync.fault import resume
-
         with self._gradsync_call(self._step, "sync.load()"):
-            extra = resume.load(self, directory)
+            extra = self._checkpoints.load(directory)
             if self.telemetry_enabled:
                 # The records restored from the checkpoint are gathered now, while every rank
                 # is here: their number differs between ranks after a resume on more ranks
@@ -782,38 +752,9 @@ class Synchronizer:
         no collective (it may follow an exception on one rank): step records not gathered yet,
         up to twice ``telemetry_every`` steps, are gathered by ``report()`` only."""
         try:
-            if self._writer is not None:
-                # Parameter servers write their newest snapshot when told to; after an
-                # exception they may be gone, which the writer's own wait then reports.
-                with contextlib.suppress(Exception):
-                    self.strategy.flush_checkpoints()
-            self._close_writer()
+            self._checkpoints.close()
         finally:
-            self._row_logs.close()
             self._close()
-
-    def _close_writer(self) -> None:
-        """Write what this rank's checkpoint writer holds and stop it; the next save starts
-        a new one."""
-        writer, self._writer, self._writer_for = self._writer, None, None
-        if writer is not None:
-            writer.close(self.timeout_s)
-
-    def _log_before_gather(
-        self, first: int, end: int, rows_from: Callable[[int], torch.Tensor]
-    ) -> None:
-        # A gather is collective: a log that cannot be written must not fail this rank's part
-        # of it (the others would wait for it); a later resume then warns of the rows missing.
-        try:
-            self._row_logs.before_gather(first, end, rows_from)
-        except (OSError, RowLogError) as exc:
-            warnings.warn(
-                f"rank {self.rank}: could not log step records {first} to {end} beside the "
-                f"checkpoints before a telemetry gather ({exc}); a resume from an earlier "
-                "checkpoint will miss them",
-                CheckpointWarning,
-                stacklevel=2,
-            )
 
     def _close(self) -> None:
         self._collector.hold_in_flight()
@@ -856,14 +797,16 @@ class Synchronizer:
     def _broadcast_initial_state(self) -> None:
         if self.world_size == 1:
             return
-        token = torch.tensor([int(self._save_id, 16) - (1 << 63)], dtype=torch.int64)
+        save_id = self._checkpoints.save_id
+        token = torch.tensor([int(save_id, 16) - (1 << 63)], dtype=torch.int64)
         token = token.to(runtime.device())
         # A model sharded with FSDP2 already holds one shard per rank, not a replica.
         tensors = [
             t for t in [*self.model.parameters(), *self.model.buffers()] if not compat.is_dtensor(t)
         ]
         self._broadcast([*tensors, token], START, "initial broadcast", "parameter/buffer")
-        self._save_id = f"{int(token.item()) + (1 << 63):016x}"
+        # the same on every rank: rank 0's (``Checkpointer.save_id``)
+        self._checkpoints.save_id = f"{int(token.item()) + (1 << 63):016x}"
 
     def _broadcast(
         self, tensors: list[torch.Tensor], step: int, name: str, kind: str = "buffer"

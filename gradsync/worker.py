@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 
 from gradsync import compat, runtime
 from gradsync.config import RunConfig
-from gradsync.fault.diagnose import END
 from gradsync.inject import maybe_kill, parse_kill
 from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.synchronizer import Synchronizer
@@ -82,21 +80,11 @@ class _Rank0Sink:
 
 def _write_spans(sync: Synchronizer, run_dir: Path) -> None:
     """Collective: gather every rank's spans (bucket communication, optimizer) to rank 0."""
-    spans = [s.to_json() for s in sync.spans]
-    gathered: list[list[str] | None] = [None] * sync.world_size
-    sync.watch.run(
-        END,
-        "gather of timeline spans to rank 0",
-        lambda: dist.all_gather_object(gathered, spans, group=sync.group),
-    )
-    # This gather comes after report()'s final handshake: end on another one, so that exiting
-    # stays safe under torchrun (see Synchronizer._final_handshake).
-    sync._final_handshake()
-    if sync.rank == 0:
+    spans = sync.gather_spans()
+    if spans is not None:
         with open(run_dir / SPANS_FILE, "w", encoding="utf-8") as fh:
-            for part in gathered:
-                for line in part or []:
-                    fh.write(line + "\n")
+            for span in spans:
+                fh.write(span.to_json() + "\n")
 
 
 CHECKPOINT_DIR = "checkpoints"

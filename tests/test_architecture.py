@@ -21,23 +21,24 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is a module or package of gradsync (a file or folder under it)."""
+    parts = name.split(".")
+    if parts[0] != "gradsync":
+        return False
+    path = PACKAGE.parent.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _imported(path: Path, module: str) -> set[str]:
-    """Every gradsync module ``path`` imports, lazily (inside functions) or not, except under
-    ``if TYPE_CHECKING:``; ``from a import b`` counts as ``a.b`` when that is a module."""
+    """Every gradsync module ``path`` imports: lazily (inside functions), under ``if
+    TYPE_CHECKING:`` or at the top, all alike (an arrow is an arrow in the house's plan).
+    ``from a import b`` counts as ``a.b`` where that is a module, else as ``a``: the package
+    ``a`` is run too, but it loads its names lazily (PEP 562) and would otherwise make every
+    ``from gradsync import compat`` an arrow into the package's own facade."""
     found: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -45,12 +46,9 @@ def _imported(path: Path, module: str) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if _is_module(sub) else base)
     return {name for name in found if name == "gradsync" or name.startswith("gradsync.")}
 
 
@@ -98,7 +96,7 @@ def test_the_package_has_no_import_cycle() -> None:
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
-def test_the_cycle_finder_finds_lazy_cycles_but_not_type_checking_ones(tmp_path: Path) -> None:
+def test_the_cycle_finder_finds_lazy_and_type_checking_imports(tmp_path: Path) -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     lazy = tmp_path / "m.py"
@@ -106,8 +104,26 @@ def test_the_cycle_finder_finds_lazy_cycles_but_not_type_checking_ones(tmp_path:
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from gradsync.synchronizer import Synchronizer\n"
         "def f():\n    from gradsync.strategies import bsp\n"
+        "from gradsync import compat\n"
+        "from gradsync.strategies import Strategy\n"
     )
-    assert _imported(lazy, "gradsync.m") == {"gradsync.strategies", "gradsync.strategies.bsp"}
+    assert _imported(lazy, "gradsync.m") == {
+        "gradsync.synchronizer",
+        "gradsync.strategies.bsp",
+        "gradsync.compat",
+        "gradsync.strategies",
+    }
+
+
+#: checkpointing never imports the training loop: it is handed its parts (``Checkpointer``)
+CHECKPOINT_MODULES = ("gradsync.fault.resume", "gradsync.fault.checkpoint")
+
+
+def test_checkpointing_never_imports_the_synchronizer() -> None:
+    graph = import_graph()
+    for module in CHECKPOINT_MODULES:
+        assert module in graph
+        assert "gradsync.synchronizer" not in graph[module], module
 
 
 SIDE_DOOR = re.compile(
@@ -263,3 +279,62 @@ def test_importing_the_synchronizer_takes_no_exit_hold() -> None:
         "assert c._HELD is None, 'hold taken at import'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def foreign_private_uses(source: str) -> list[tuple[int, str]]:
+    """``obj._name`` where the module does not define ``_name`` itself (as a function, class,
+    attribute it assigns, variable or argument): another module's private attribute reached
+    from outside. ``self._x`` and ``cls._x`` are the object's own; private names of imported
+    outside modules (``argparse._SubParsersAction``) are their business, torch's excepted,
+    which the compat rule above covers."""
+    tree = ast.parse(source)
+    defined: set[str] = set()
+    outside: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            base = node.module if isinstance(node, ast.ImportFrom) else None
+            for alias in node.names:
+                origin = base or alias.name
+                if not origin.startswith(("gradsync", "torch")):
+                    outside.add(alias.asname or alias.name.partition(".")[0])
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not _private(node.attr):
+            continue
+        root = node.value
+        if isinstance(root, ast.Name) and root.id in ("self", "cls", *outside):
+            continue
+        if node.attr not in defined:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_attributes() -> None:
+    hits = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "compat.py"  # private torch attributes are its purpose
+        for line, name in foreign_private_uses(path.read_text())
+    ]
+    assert hits == [], "private attributes reached from another module:\n" + "\n".join(hits)
+
+
+def test_the_foreign_private_finder_sees_a_reach_but_not_own_names() -> None:
+    source = (
+        "import argparse\n"
+        "class A:\n    def __init__(self):\n        self._mine = 1\n"
+        "def f(sync, other):\n"
+        "    sync._final_handshake()\n"  # another module's
+        "    other._mine\n"  # assigned in this module: its own
+        "    argparse._SubParsersAction\n"  # an outside module's business
+        "    self_like = other.__class__\n"  # dunder
+    )
+    assert foreign_private_uses(source) == [(6, "sync._final_handshake")]

@@ -145,7 +145,7 @@ def test_a_synchronizer_dropped_without_close_leaves_no_log_open(tmp_path: Path)
     _steps(w, model, sync, 1)
     sync.save(tmp_path)
     assert _open_logs() == [str(log_path(tmp_path, 0))]
-    sync._close_writer()  # the writer process is not what this is about
+    sync._checkpoints.close_writer()  # the writer process is not what this is about
     sync._close()  # everything close() releases but the logs
     del sync, model
     gc.collect()

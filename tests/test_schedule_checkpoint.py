@@ -42,7 +42,7 @@ def test_a_new_learning_rate_reuses_the_shares_encoding_and_resumes_with_its_val
             _step(model, sync)
             opt.param_groups[0]["lr"] = 0.1 / (step + 2)  # what a scheduler does every step
             sync.save(tmp_path, wait=False)
-            writer = sync._writer
+            writer = sync._checkpoints.writer
             assert writer is not None
             # the replicated share's encoding (the one at the start of the state)
             kept.extend(e for e in writer.pool.shares.values() if e.at == ())
@@ -86,7 +86,7 @@ def _kept_per_save(
         for step in range(saves):
             _step(model, sync)
             between(step)
-            writer = sync._writer
+            writer = sync._checkpoints.writer
             if writer is not None and "submit" not in vars(writer):
                 submit = writer.submit
 

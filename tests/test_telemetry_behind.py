@@ -46,7 +46,7 @@ def _behind(rank: int, world_size: int, store_path: str) -> dict[str, Any]:
         gathered_after.append(len(sync._collector.records))
         if step == EVERY - 1:
             # The first gather is in flight: a checkpoint taken now still carries its rows.
-            pending_after_first = len(sync._pending_telemetry()) // ROW_COLUMNS
+            pending_after_first = len(sync._collector.pending_flat_rows()) // ROW_COLUMNS
         if rank == 0 and step == AHEAD:
             store.set("rank0-ahead", "1")
     report = sync.report()

@@ -34,20 +34,23 @@ so they refuse.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import secrets
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync.errors import UsageError
 from gradsync.fault import replicas
+from gradsync.fault.background import CheckpointWriter
 from gradsync.fault.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -55,23 +58,157 @@ from gradsync.fault.checkpoint import (
     CheckpointWarning,
     snapshot,
 )
+from gradsync.fault.diagnose import ArrivalWatch
 from gradsync.fault.packing import Share, constant
 from gradsync.fault.rng import rng_state, set_rng_state
-from gradsync.fault.row_log import RowLogError, read_rows
+from gradsync.fault.row_log import RowLogError, RowLogs, read_rows
 from gradsync.fault.writer_locks import wait_for_writers
-from gradsync.telemetry.timing import ROW_COLUMNS
+from gradsync.fault.writer_process import ProcessCheckpointWriter, make_writer
+from gradsync.strategies.base import Layout, Strategy
+from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
 
-if TYPE_CHECKING:
-    from gradsync.synchronizer import Synchronizer
+Writer = CheckpointWriter | ProcessCheckpointWriter
 
 
-def _layout(sync: Synchronizer) -> dict[str, int]:
+class Checkpointer:
+    """One rank's checkpoints: what its saves and loads need of the training loop, given at
+    construction, and what they keep between calls (the background writer, the row logs, the
+    directory published to parameter servers, the run's save id).
+
+    The training loop hands over its parts rather than itself, so nothing here reaches into
+    the Synchronizer: ``step`` gives the step to save, ``sync_state`` / ``load_sync_state``
+    the loop's own state (the step and the strategy's state), and ``collector`` the step
+    records not gathered yet."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        layout: Layout,
+        group: dist.ProcessGroup | None,
+        strategy: Strategy,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        compression: str,
+        timeout_s: float,
+        watch: ArrivalWatch,
+        collector: TelemetryCollector,
+        step: Callable[[], int],
+        sync_state: Callable[[], dict[str, Any]],
+        load_sync_state: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.rank, self.world_size, self.layout, self.group = rank, world_size, layout, group
+        self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.compression, self.timeout_s = compression, timeout_s
+        self.watch, self.collector = watch, collector
+        self.step, self.sync_state, self.load_sync_state = step, sync_state, load_sync_state
+        self.writer: Writer | None = None
+        #: the ``directory`` argument of the save that last used ``writer``
+        self._directory: str | Path | None = None
+        #: this rank's step-record logs beside its checkpoints (barrier-free strategies only)
+        self.row_logs = RowLogs(rank, ROW_COLUMNS)
+        #: rank 0: the checkpoint directory servers were told (the object, keep, the value
+        #: published, its number); a server: the number and value it read last
+        self.published: tuple[Any, int, str, int] | None = None
+        self.published_seen: tuple[int, tuple[str, int]] | None = None
+        #: names this run's checkpoint files, the same on every rank (the Synchronizer sets
+        #: rank 0's, broadcast with the initial state): a commit never pairs them with files of
+        #: a rolled-back attempt
+        self.save_id = secrets.token_hex(8)
+
+    @property
+    def is_server(self) -> bool:
+        return self.layout.role(self.rank) == "server"
+
+    def save(self, directory: str | Path, *, keep: int, extra: dict[str, Any], wait: bool) -> float:
+        return save(self, directory, keep=keep, extra=extra, wait=wait)
+
+    def save_server(self, state: dict[str, Any], durable: bool = False, where: int = 0) -> None:
+        save_server(self, state, durable, where)
+
+    def flush_server(self) -> None:
+        flush_server(self)
+
+    def load(self, directory: str | Path) -> dict[str, Any] | None:
+        return load(self, directory)
+
+    def writer_for(self, directory: str | Path, keep: int) -> Writer:
+        """This rank's background writer for ``directory`` (one directory at a time)."""
+        if self.writer is not None and directory is self._directory:
+            # The same object as the last save's (every step, in most loops): no path to build
+            # and compare, which took 35 us a save right after a step.
+            self.writer.store.keep = keep
+            return self.writer
+        store_dir = Path(directory)
+        if self.writer is not None and self.writer.store.directory != store_dir:
+            # Closing waits for the old directory's newest checkpoint, which parameter
+            # servers write only when told to (they never see this call).
+            self.strategy.flush_checkpoints()
+            self.close_writer()
+        if self.writer is None:
+            self.writer = make_writer(
+                CheckpointStore(store_dir, keep=keep),
+                rank=self.rank,
+                world_size=self.world_size,
+                save_id=self.save_id,
+                timeout_s=self.timeout_s,
+                hold=self.strategy.lockstep or self.strategy.holds_snapshots,
+            )
+        self.writer.store.keep = keep
+        self._directory = directory
+        return self.writer
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until every checkpoint this rank saved is written (and, on rank 0, committed)."""
+        if self.writer is not None:
+            # Parameter servers write theirs when told to (they never call this).
+            self.strategy.flush_checkpoints()
+            self.writer.flush(self.timeout_s if timeout_s is None else timeout_s)
+
+    def close_writer(self) -> None:
+        """Write what this rank's checkpoint writer holds and stop it; the next save starts
+        a new one."""
+        writer, self.writer, self._directory = self.writer, None, None
+        if writer is not None:
+            writer.close(self.timeout_s)
+
+    def close(self) -> None:
+        """Write what is held and stop; posts no collective (it may follow an exception)."""
+        try:
+            if self.writer is not None:
+                # Parameter servers write their newest snapshot when told to; after an
+                # exception they may be gone, which the writer's own wait then reports.
+                with contextlib.suppress(Exception):
+                    self.strategy.flush_checkpoints()
+            self.close_writer()
+        finally:
+            self.row_logs.close()
+
+    def before_gather(self, first: int, end: int, rows_from: Callable[[int], torch.Tensor]) -> None:
+        """Log the step records ``[first, end)`` beside the checkpoints before a telemetry
+        gather takes them (barrier-free strategies: a checkpoint names them in the log)."""
+        # A gather is collective: a log that cannot be written must not fail this rank's part
+        # of it (the others would wait for it); a later resume then warns of the rows missing.
+        try:
+            self.row_logs.before_gather(first, end, rows_from)
+        except (OSError, RowLogError) as exc:
+            warnings.warn(
+                f"rank {self.rank}: could not log step records {first} to {end} beside the "
+                f"checkpoints before a telemetry gather ({exc}); a resume from an earlier "
+                "checkpoint will miss them",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+
+
+def _layout(cp: Checkpointer) -> dict[str, int]:
     """The layout as a checkpoint records it (plain values, for ``weights_only`` loading)."""
-    return {"workers": sync.layout.workers, "servers": sync.layout.servers}
+    return {"workers": cp.layout.workers, "servers": cp.layout.servers}
 
 
-def _has_servers(sync: Synchronizer) -> bool:
-    return sync.layout.servers > 0
+def _has_servers(cp: Checkpointer) -> bool:
+    return cp.layout.servers > 0
 
 
 def _describe(world: int, layout: dict[str, int] | None) -> str:
@@ -82,7 +219,7 @@ def _describe(world: int, layout: dict[str, int] | None) -> str:
 
 
 def save(
-    sync: Synchronizer,
+    cp: Checkpointer,
     directory: str | Path,
     *,
     keep: int = 2,
@@ -93,26 +230,26 @@ def save(
     commits the manifest once every rank's file is written. With ``wait`` this returns once
     the checkpoint is complete; without, right after the snapshot. Returns the seconds this
     rank spent here."""
-    if sync.is_server:
+    if cp.is_server:
         raise UsageError(
             "this rank is a parameter server: it checkpoints inside sync.serve() when the "
             "workers call sync.save(); call save() on worker ranks only"
         )
     started = time.perf_counter()
-    step = sync.step_count
+    step = cp.step()
     where = 0
-    if _has_servers(sync) and sync.rank == 0:
-        where = _publish_directory(sync, directory, keep)
+    if _has_servers(cp) and cp.rank == 0:
+        where = _publish_directory(cp, directory, keep)
     # Parameter servers snapshot once every worker's request (sent behind its step-th push)
     # has arrived; the request goes out after the directory is published.
-    sync.strategy.prepare_checkpoint(step)
+    cp.strategy.prepare_checkpoint(step)
     state: dict[str, Any] = {}
-    if sync.strategy.resizable:
+    if cp.strategy.resizable:
         # Every replica holds the same model and optimizer state (what makes the strategy
         # resizable): each rank writes a share of it, so the bytes written do not grow with
         # the ranks and no rank's step pays for all of them (``replicas``). First in the
         # state, so that its encoding, alike from one step to the next, is reused.
-        shared, groups = _replicated_share(sync)
+        shared, groups = _replicated_share(cp)
         state["replicated"] = shared
         state["replicated_owners"] = _owners_encoded(shared.owner)
         if groups is not None:
@@ -121,28 +258,28 @@ def save(
         # The model as a share this rank writes whole: packed as it is, its encoding, alike
         # from one step to the next, reused (``replicas.whole``). Not the optimizer's state
         # dict: a learning-rate schedule changes it at every step.
-        model_state = sync.strategy.model_state_dict(sync.model)
-        state["model"] = replicas.whole(model_state, sync.rank)
-        state["optimizer"] = sync.optimizer.state_dict()
+        model_state = cp.strategy.model_state_dict(cp.model)
+        state["model"] = replicas.whole(model_state, cp.rank)
+        state["optimizer"] = cp.optimizer.state_dict()
     state |= {
-        "sync": sync.state_dict(),
+        "sync": cp.sync_state(),
         "rng": rng_state(),
-        "strategy": sync.strategy.name,
-        "compression": sync.compressor.spec,  # load() refuses another compressor's state
-        "layout": _layout(sync),
+        "strategy": cp.strategy.name,
+        "compression": cp.compression,  # load() refuses another compressor's state
+        "layout": _layout(cp),
         "extra": extra or {},
     }
-    writer = sync._checkpoint_writer(directory, keep)
-    if sync.strategy.barrier_free:
+    writer = cp.writer_for(directory, keep)
+    if cp.strategy.barrier_free:
         # Nothing is gathered before the end: the rows go to the log, the range here.
-        state[TELEMETRY_LOG] = _log_telemetry(sync, writer.store.directory)
+        state[TELEMETRY_LOG] = _log_telemetry(cp, writer.store.directory)
     else:
-        state["telemetry"] = sync._pending_telemetry()
+        state["telemetry"] = cp.collector.pending_flat_rows()
     packed = snapshot(state, pool=writer.pool)
     writer.submit(step, packed, durable=wait)
     # After the submit: a rank that dies from here on leaves this snapshot to its writer
     # (parameter servers are asked to snapshot here: ``Strategy.checkpoint_held``).
-    sync.strategy.checkpoint_held(step, wait, where)
+    cp.strategy.checkpoint_held(step, wait, where)
     if wait:
         writer.wait(step)
     return time.perf_counter() - started
@@ -164,15 +301,15 @@ def _owners_encoded(owner: Sequence[int]) -> Any:
     return made
 
 
-def _replicated_share(sync: Synchronizer) -> tuple[Share, list[Any] | None]:
+def _replicated_share(cp: Checkpointer) -> tuple[Share, list[Any] | None]:
     """The model and optimizer state as this rank writes its share of it (built in full),
     and the optimizer's ``param_groups``, kept beside the share."""
     replicated = {
-        "model": sync.strategy.model_state_dict(sync.model),
-        "optimizer": sync.optimizer.state_dict(),
+        "model": cp.strategy.model_state_dict(cp.model),
+        "optimizer": cp.optimizer.state_dict(),
     }
     replicated["optimizer"], groups = _without_param_groups(replicated["optimizer"])
-    return replicas.share_of(replicated, sync.rank, sync.world_size), groups
+    return replicas.share_of(replicated, cp.rank, cp.world_size), groups
 
 
 #: Where a barrier-free strategy's checkpoint names its rank's step records: ``[first, end)``
@@ -180,12 +317,12 @@ def _replicated_share(sync: Synchronizer) -> tuple[Share, list[Any] | None]:
 TELEMETRY_LOG = "telemetry_log"
 
 
-def _log_telemetry(sync: Synchronizer, directory: Path) -> list[int]:
+def _log_telemetry(cp: Checkpointer, directory: Path) -> list[int]:
     """Append the step records new since the last save to this rank's row log in
     ``directory``; the range of row numbers a checkpoint taken now needs."""
-    collector = sync._collector
+    collector = cp.collector
     first, end = collector.pending_range()
-    sync._row_logs.cover(directory, first, end, collector.rows_from)
+    cp.row_logs.cover(directory, first, end, collector.rows_from)
     return [first, end]
 
 
@@ -209,7 +346,7 @@ def _without_param_groups(
 
 
 def save_server(
-    sync: Synchronizer, server_state: dict[str, Any], durable: bool = False, where: int = 0
+    cp: Checkpointer, server_state: dict[str, Any], durable: bool = False, where: int = 0
 ) -> None:
     """A parameter server's part of a checkpoint, called from ``serve()`` once every worker's
     request has arrived: its own file, written in the background like the workers' (held in
@@ -219,33 +356,33 @@ def save_server(
     step = min(pushed)
     if any(c != step for c in pushed):
         raise CheckpointError(
-            f"parameter server rank {sync.rank}: the workers asked for a checkpoint with "
+            f"parameter server rank {cp.rank}: the workers asked for a checkpoint with "
             f"{pushed} pushes applied of workers 0..{len(pushed) - 1}: every worker must save "
             "after the same step"
         )
-    directory, keep = _published_directory(sync, where)
-    sync.load_state_dict({"step": step, "strategy": {}})
-    shares, optimizer_state = _server_shares(server_state, sync.rank)
+    directory, keep = _published_directory(cp, where)
+    cp.load_sync_state({"step": step, "strategy": {}})
+    shares, optimizer_state = _server_shares(server_state, cp.rank)
     server = _server_tree(server_state, shares, optimizer_state)
     state = {
         "server": server,
-        "sync": sync.state_dict(),
-        "strategy": sync.strategy.name,
-        "compression": sync.compressor.spec,  # load() refuses another compressor's state
-        "layout": _layout(sync),
-        "telemetry": sync._pending_telemetry(),
+        "sync": cp.sync_state(),
+        "strategy": cp.strategy.name,
+        "compression": cp.compression,  # load() refuses another compressor's state
+        "layout": _layout(cp),
+        "telemetry": cp.collector.pending_flat_rows(),
         "extra": {},
     }
-    writer = sync._checkpoint_writer(directory, keep)
+    writer = cp.writer_for(directory, keep)
     packed = snapshot(state, pool=writer.pool)
     writer.submit(step, packed, durable=durable)
 
 
-def flush_server(sync: Synchronizer) -> None:
+def flush_server(cp: Checkpointer) -> None:
     """A worker waits for its checkpoints: a parameter server writes the newest snapshot it
     holds, without waiting for the file (rank 0's commit waits for it)."""
-    if sync._writer is not None:
-        sync._writer.write_newest()
+    if cp.writer is not None:
+        cp.writer.write_newest()
 
 
 def _server_shares(
@@ -281,65 +418,65 @@ def _server_tree(
     return tree
 
 
-def _directory_key(sync: Synchronizer, where: int) -> str:
+def _directory_key(cp: Checkpointer, where: int) -> str:
     # One key per directory: a request still in flight for one directory must not read the
     # next one's (two saves at one step, into two directories).
-    return f"{sync.watch.prefix}/checkpoint-directory/{where}"
+    return f"{cp.watch.prefix}/checkpoint-directory/{where}"
 
 
-def _publish_directory(sync: Synchronizer, directory: str | Path, keep: int) -> int:
+def _publish_directory(cp: Checkpointer, directory: str | Path, keep: int) -> int:
     """Rank 0 tells the servers where this save goes (they never see the call), through the
     store, before its request: a server reads it once every request has arrived. Returns a
     number for it (never 0), under which it is stored and which rank 0's request carries: a
     server reads the store only for a number it has not read (a read took 0.2 ms median, 0.5
     mean, of the server's snapshot with a checkpoint every step, while the workers may wait
     for it)."""
-    last = sync._published
+    last = cp.published
     if last is not None and last[0] is directory and last[1] == keep:
         return last[3]  # the same object as the last save's: no JSON to build
     value = json.dumps({"directory": str(directory), "keep": keep})
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
     where = int.from_bytes(digest, "little", signed=True) or 1
-    if (last is None or value != last[2]) and sync.watch.store is not None:
-        sync.watch.store.set(_directory_key(sync, where), value)
-    sync._published = (directory, keep, value, where)
+    if (last is None or value != last[2]) and cp.watch.store is not None:
+        cp.watch.store.set(_directory_key(cp, where), value)
+    cp.published = (directory, keep, value, where)
     return where
 
 
-def _published_directory(sync: Synchronizer, where: int) -> tuple[str, int]:
+def _published_directory(cp: Checkpointer, where: int) -> tuple[str, int]:
     """The directory and ``keep`` rank 0 published under ``where``: read from the store unless
     read last."""
-    seen = sync._published_seen
+    seen = cp.published_seen
     if seen is not None and seen[0] == where:
         return seen[1]
-    if sync.watch.store is None:
+    if cp.watch.store is None:
         raise CheckpointError("parameter-server checkpoints need the process group's store")
     if not where:
         raise CheckpointError(
-            f"parameter server rank {sync.rank}: the workers asked for a checkpoint, but rank 0 "
+            f"parameter server rank {cp.rank}: the workers asked for a checkpoint, but rank 0 "
             "named no directory for it"
         )
-    data = json.loads(sync.watch.store.get(_directory_key(sync, where)))
+    data = json.loads(cp.watch.store.get(_directory_key(cp, where)))
     found = str(data["directory"]), int(data["keep"])
-    sync._published_seen = (where, found)
+    cp.published_seen = (where, found)
     return found
 
 
-def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
+def load(cp: Checkpointer, directory: str | Path) -> dict[str, Any] | None:
     """Collective (parameter servers included): restore the newest valid checkpoint; return
     its extras plus ``step`` (None if there is none). A server keeps its state for ``serve()``."""
     # A save still being written would be missed or half-seen: written first. And a new
     # writer after a load: the old one's counts of steps written would take the steps saved
     # again after a rollback for ones already written.
-    sync._close_writer()
+    cp.close_writer()
     # Step-record logs too: rows past the checkpoint may be in them (the load reopens its own).
-    sync._row_logs.close()
+    cp.row_logs.close()
     store = CheckpointStore(directory)
     choice: list[Any] = [None]
     mine: dict[str, Any] | None = None
-    if sync.rank == 0 and Path(directory).exists():
+    if cp.rank == 0 and Path(directory).exists():
         # At most half the group's timeout: the other ranks wait in the broadcast below.
-        _wait_for_writers(directory, sync._save_id, min(sync.timeout_s / 2, 60.0))
+        _wait_for_writers(directory, cp.save_id, min(cp.timeout_s / 2, 60.0))
         info = store.latest(allow_world_change=True)
         if info is not None:
             # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
@@ -353,40 +490,40 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
             choice = [(info.step, info.world_size, *saved)]
     # Rank 0 decides, so every rank resumes from the same step even if a file is being judged
     # differently elsewhere (a warning it already printed says why it skipped a newer one).
-    dist.broadcast_object_list(choice, src=_global_zero(sync), group=sync.group)
+    dist.broadcast_object_list(choice, src=_global_zero(cp), group=cp.group)
     if choice[0] is None:
         return None
     step, saved_world, saved_strategy, saved_layout, saved_compression, error = choice[0]
     if error is not None:
         raise CheckpointError(error)
-    _check_compatible(sync, step, saved_world, saved_strategy, saved_layout)
-    _check_compression(step, saved_compression, sync.compressor.spec)
-    changed = saved_world != sync.world_size
+    _check_compatible(cp, step, saved_world, saved_strategy, saved_layout)
+    _check_compression(step, saved_compression, cp.compression)
+    changed = saved_world != cp.world_size
     if mine is None:
         info = store.at(step)
-        state = store.load(info, sync.rank, source_rank=0 if changed else None)
+        state = store.load(info, cp.rank, source_rank=0 if changed else None)
     else:
         assert info is not None  # rank 0 read ``mine`` from it
         state = mine
-    _join_replicated(store, info, state, 0 if changed or mine is not None else sync.rank)
-    if changed and not sync.strategy.resizable:  # reshardable (``_check_compatible``)
+    _join_replicated(store, info, state, 0 if changed or mine is not None else cp.rank)
+    if changed and not cp.strategy.resizable:  # reshardable (``_check_compatible``)
         every = [state if r == 0 else store.load(info, r) for r in range(saved_world)]
-        state.update(sync.strategy.reshard(every))
+        state.update(cp.strategy.reshard(every))
     # The records of the steps before the checkpoint, not gathered: put back last, once
     # nothing else can fail, so that a load that raised leaves none on any rank.
-    rows = _own_telemetry(store, info, state, sync.rank, changed)
-    role = sync.strategy.server_role()
+    rows = _own_telemetry(store, info, state, cp.rank, changed)
+    role = cp.strategy.server_role()
     if role is not None:
         role.restore(state["server"])
-        sync.load_state_dict(state["sync"])
-        _restore_rows(sync, rows, store.directory)
-        return {**(state.get("extra") or {}), "step": sync.step_count}
-    sync.strategy.load_model_state_dict(sync.model, state["model"])
-    sync.optimizer.load_state_dict(state["optimizer"])
+        cp.load_sync_state(state["sync"])
+        _restore_rows(cp, rows, store.directory)
+        return {**(state.get("extra") or {}), "step": cp.step()}
+    cp.strategy.load_model_state_dict(cp.model, state["model"])
+    cp.optimizer.load_state_dict(state["optimizer"])
     lost = bool(state["sync"].get("strategy", {}).get("compressor"))
-    if changed and lost and sync.rank == 0:
+    if changed and lost and cp.rank == 0:
         warnings.warn(
-            f"resuming BSP from {saved_world} ranks on {sync.world_size}: the model and "
+            f"resuming BSP from {saved_world} ranks on {cp.world_size}: the model and "
             "optimizer state come from the checkpoint; per-rank compressor state (error "
             "feedback) restarts from zero",
             CheckpointWarning,
@@ -395,15 +532,13 @@ def load(sync: Synchronizer, directory: str | Path) -> dict[str, Any] | None:
     if changed:
         # The strategy keeps the state it was built with (fresh compressor state): an empty
         # dict instead would make error feedback look for saved residuals (KeyError 'inner').
-        sync.load_state_dict(
-            {"step": state["sync"]["step"], "strategy": sync.strategy.state_dict()}
-        )
+        cp.load_sync_state({"step": state["sync"]["step"], "strategy": cp.strategy.state_dict()})
     else:
-        sync.load_state_dict(state["sync"])
+        cp.load_sync_state(state["sync"])
         set_rng_state(state["rng"])
-    _restore_rows(sync, rows, store.directory)
+    _restore_rows(cp, rows, store.directory)
     extra: dict[str, Any] = dict(state.get("extra") or {})
-    extra["step"] = sync.step_count
+    extra["step"] = cp.step()
     return extra
 
 
@@ -416,16 +551,16 @@ class _OwnRows:
     span: tuple[int, int] | None = None
 
 
-def _restore_rows(sync: Synchronizer, own: _OwnRows, directory: Path) -> None:
+def _restore_rows(cp: Checkpointer, own: _OwnRows, directory: Path) -> None:
     if own.span is None:
         if own.rows is not None:
-            sync._restore_telemetry(own.rows)
+            cp.collector.restore_pending(own.rows)
         return
     first, end = own.span
     # The log cut at ``end``: the rows of the steps rolled back go, this run appends after.
-    sync._row_logs.adopt(directory, end)
+    cp.row_logs.adopt(directory, end)
     rows = own.rows if own.rows is not None else torch.zeros(0, ROW_COLUMNS)
-    sync._restore_telemetry(rows, first=first if own.rows is not None else end)
+    cp.collector.restore_pending(rows, first=first if own.rows is not None else end)
 
 
 def _own_telemetry(
@@ -547,33 +682,31 @@ def _skip_reason(message: Warning | str, directory: Path) -> str:
 
 
 def _check_compatible(
-    sync: Synchronizer,
+    cp: Checkpointer,
     step: int,
     saved_world: int,
     saved_strategy: str | None,
     saved_layout: dict[str, int] | None,
 ) -> None:
     """Refuse, on every rank alike, a checkpoint this run cannot continue."""
-    name = sync.strategy.name
+    name = cp.strategy.name
     if saved_strategy != name:
         raise CheckpointError(
             f"checkpoint at step {step} was written by strategy {saved_strategy!r}, "
             f"this run uses {name!r}"
         )
-    layout = _layout(sync)
-    if _has_servers(sync) and (saved_world, saved_layout) != (sync.world_size, layout):
+    layout = _layout(cp)
+    if _has_servers(cp) and (saved_world, saved_layout) != (cp.world_size, layout):
         raise CheckpointError(
             f"checkpoint at step {step} was written by {_describe(saved_world, saved_layout)}; "
-            f"this run has {_describe(sync.world_size, layout)}: resuming {name} needs the same "
+            f"this run has {_describe(cp.world_size, layout)}: resuming {name} needs the same "
             "numbers of workers and servers (each server's shard of the parameters and its "
             "per-worker clocks are saved). Resume with the saved numbers (--nproc, --servers)."
         )
-    if saved_world != sync.world_size and not (
-        sync.strategy.resizable or sync.strategy.reshardable
-    ):
+    if saved_world != cp.world_size and not (cp.strategy.resizable or cp.strategy.reshardable):
         raise CheckpointError(
             f"checkpoint at step {step} was written by {saved_world} ranks; resuming "
-            f"{name} with {sync.world_size} is not supported (its per-rank state "
+            f"{name} with {cp.world_size} is not supported (its per-rank state "
             "has no meaning at another size). Resume with the same number of ranks, or use bsp."
         )
 
@@ -598,5 +731,5 @@ def compression_flag(spec: str) -> str:
     return "no --compress" if spec == "none" else f"--compress {spec}"
 
 
-def _global_zero(sync: Synchronizer) -> int:
-    return 0 if sync.group is None else dist.get_global_rank(sync.group, 0)
+def _global_zero(cp: Checkpointer) -> int:
+    return 0 if cp.group is None else dist.get_global_rank(cp.group, 0)

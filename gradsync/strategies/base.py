@@ -205,7 +205,7 @@ class ServerRole(Protocol):
     def restore(self, state: dict[str, Any]) -> None:
         """Start the next ``serve()`` from a checkpointed state: as handed to the checkpoint
         sink, with its tensors copied and its optimizer given as its ``state_dict()`` (what
-        ``gradsync.fault.resume.save_server`` writes)."""
+        ``Checkpointer.save_server`` writes)."""
         ...
 
     def serve(self, checkpoint: CheckpointSink) -> Any:

@@ -242,7 +242,7 @@ class _Server:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What the checkpoint callback is handed: ``state_dict()``'s entries, but the shard
-        and the optimizer themselves (``resume.save_server`` builds the optimizer's state
+        and the optimizer themselves (``Checkpointer.save_server`` builds the optimizer's state
         dict only where its snapshot plan cannot vouch for the layout: 0.12 ms of the
         server's snapshot, inside ``serve()`` while the workers wait for it). Read before
         serving goes on."""
@@ -501,7 +501,7 @@ class PSServer:
         called with this server's state when the workers ask for a checkpoint (``durable``: a
         worker's save waits for the files; ``where``: rank 0's number for the directory, see
         ``Strategy.checkpoint_held``); it hands the state to this rank's writer
-        (``Synchronizer.serve`` passes ``gradsync.fault.resume.save_server``). The state
+        (``Synchronizer.serve`` passes ``Checkpointer.save_server``). The state
         (``_Server.checkpoint_state``) is live: the server's own tensors and its optimizer
         object (None without one), whose ``state_dict()`` the callback takes; copy what it
         keeps within the call. ``restore`` takes it as written: tensors copied, the optimizer
