@@ -1,14 +1,19 @@
 """Command-line flags declared once, on a config dataclass's fields.
 
 A field made with :func:`flag` carries what only the command line needs: its help text,
-metavar, the help group it is shown in and, where it is not ``--field-name``, its option
-string. The rest comes from the field itself: the name (``batch_size`` -> ``--batch-size``),
-the default, and the argparse type or action from the annotation (``int``, ``float``, ``str``,
-optional ones, and ``bool``: ``--name`` turns on a field that defaults to off, ``--no-name``
-turns off one that defaults to on). :func:`add_flags` builds the options of a parser from
-``dataclasses.fields`` and :func:`from_namespace` builds the config back from the parsed values,
-so validation stays the config's own (its ``__post_init__``). A field without a flag is set by
-code only. Torch-free: nothing here imports more than the standard library.
+metavar, the help group it is shown in (none: the parser's own options), the values it may
+take (``choices``) and, where it is not ``--field-name``, its option string. The rest comes
+from the field itself: the name (``batch_size`` -> ``--batch-size``), the default, and the
+argparse type or action from the annotation (``int``, ``float``, ``str``, optional ones,
+``list[X]``: a repeatable option whose values are appended, and ``bool``: ``--name`` turns on a
+field that defaults to off, ``--no-name`` turns off one that defaults to on). :func:`add_flags`
+builds the options of a parser from ``dataclasses.fields`` and :func:`from_namespace` builds the
+config back from the parsed values, so validation stays the config's own (its
+``__post_init__``). A field without a flag is set by code only.
+
+Every command's flags are declared this way: ``run`` and ``compare`` (``gradsync.config``),
+``simulate`` and ``bench allreduce`` (``gradsync.sim.options``), ``cluster``
+(``gradsync.cluster.cli``). Torch-free: nothing here imports more than the standard library.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 FLAG_KEY = "gradsync.flag"  # the key of a field's metadata that holds its Flag
@@ -30,9 +35,10 @@ class Flag:
     """What the command line shows for one config field (everything else is the field's)."""
 
     help: str
-    group: str
+    group: str | None = None  # None: the parser's own "options" group
     metavar: str | None = None
     option: str | None = None  # the option string, where it is not --field-name
+    choices: Sequence[str] | None = None  # argparse refuses any other value, naming these
 
     def option_for(self, f: dataclasses.Field[Any]) -> str:
         if self.option is not None:
@@ -47,17 +53,20 @@ def flag(
     default: Any = dataclasses.MISSING,
     *,
     help: str,
-    group: str,
+    group: str | None = None,
     metavar: str | None = None,
     option: str | None = None,
+    choices: Sequence[str] | None = None,
     factory: Callable[[], Any] | None = None,
 ) -> Any:
     """A dataclass field with its command-line flag: ``nproc: int = flag(4, help=...)``.
 
     ``factory`` instead of ``default`` makes the default computed per config (``--out``); the
-    flag then defaults to None, which :func:`from_namespace` reads as "not given".
+    flag then defaults to None, which :func:`from_namespace` reads as "not given". A
+    ``list[X]`` field takes ``factory=list``: its repeatable flag starts from an empty list.
     """
-    meta = {FLAG_KEY: Flag(help=help, group=group, metavar=metavar, option=option)}
+    spec = Flag(help=help, group=group, metavar=metavar, option=option, choices=choices)
+    meta = {FLAG_KEY: spec}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -69,17 +78,32 @@ def flag_of(f: dataclasses.Field[Any]) -> Flag | None:
     return spec if isinstance(spec, Flag) else None
 
 
+def flag_fields(cls: type) -> list[tuple[dataclasses.Field[Any], Flag]]:
+    """The fields of dataclass ``cls`` that have a flag, in field order, with their flags."""
+    return [(f, spec) for f in dataclasses.fields(cls) if (spec := flag_of(f)) is not None]
+
+
+def option_of(cls: type, name: str) -> str:
+    """The option string of field ``name`` of ``cls``: what users type, for error messages."""
+    for f, spec in flag_fields(cls):
+        if f.name == name:
+            return spec.option_for(f)
+    raise KeyError(f"{cls.__name__} has no flag field {name!r}")
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add an option for every flag field of dataclass ``cls``, in field order, by group."""
+    """Add an option for every flag field of dataclass ``cls``, in field order, by group.
+
+    A field without a group goes among the parser's own options (after ``-h``)."""
     hints = typing.get_type_hints(cls)
     groups: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        spec = flag_of(f)
-        if spec is None:
-            continue
-        if spec.group not in groups:
-            groups[spec.group] = parser.add_argument_group(spec.group)
-        groups[spec.group].add_argument(
+    for f, spec in flag_fields(cls):
+        where: Any = parser
+        if spec.group is not None:
+            if spec.group not in groups:
+                groups[spec.group] = parser.add_argument_group(spec.group)
+            where = groups[spec.group]
+        where.add_argument(
             spec.option_for(f), dest=f.name, help=spec.help, **_how(f, hints[f.name], spec)
         )
 
@@ -88,15 +112,25 @@ def _how(f: dataclasses.Field[Any], hint: Any, spec: Flag) -> dict[str, Any]:
     """The argparse keywords that parse field ``f``'s values: action, or type and default."""
     kind = _scalar(hint)
     if kind is bool:
-        if f.default not in (True, False) or spec.metavar is not None:
-            raise TypeError(f"bool field {f.name} needs a default of True or False, no metavar")
+        if f.default not in (True, False) or spec.metavar is not None or spec.choices:
+            raise TypeError(
+                f"bool field {f.name} needs a default of True or False, no metavar or choices"
+            )
         return {"action": "store_false" if f.default else "store_true"}
+    how: dict[str, Any] = {"metavar": spec.metavar}
+    if typing.get_origin(kind) is list:  # repeatable: each use appends one value
+        (kind,) = typing.get_args(kind)
+        if f.default_factory is not list:
+            raise TypeError(f"list field {f.name} needs factory=list")
+        how.update(action="append", default=[])
+    else:
+        how["default"] = None if f.default is dataclasses.MISSING else f.default
     if kind not in (int, float, str):
         raise TypeError(f"field {f.name}: no command-line type for {hint!r}")
-    default = None if f.default is dataclasses.MISSING else f.default
-    how: dict[str, Any] = {"default": default, "metavar": spec.metavar}
     if kind is not str:
         how["type"] = kind
+    if spec.choices is not None:
+        how["choices"] = spec.choices
     return how
 
 

@@ -88,6 +88,32 @@ def test_requirements_message_names_root(monkeypatch: pytest.MonkeyPatch) -> Non
         requirements_missing.cache_clear()
 
 
+@pytest.mark.unit
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["probe", "--size-mb", "0"], "need --size-mb > 0, --iters >= 1 and --warmup >= 0"),
+        (["probe", "--iters", "0"], "need --size-mb > 0"),
+        (["probe", "--hosts", "1"], "an all-reduce needs 2 ranks"),
+        (["up", "--link", "fast"], "bad link rate 'fast'"),
+        (["up", "--name", "ABCD"], "bad cluster name 'ABCD'"),
+        (["up", "--hosts", "0"], "--hosts must be 1 to 250, got 0"),
+        (["probe", "--prefix", "eth0", "--hosts", "2"], "bad prefix 'eth0'"),
+    ],
+)
+def test_cli_refuses_bad_flags_before_touching_the_system(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The flags (ProbeOptions, UpOptions...) reach Cluster's checks: exit 2, one line."""
+    from gradsync.cli import main
+
+    assert main(["cluster", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradsync: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+
+
 # -- real namespaces -----------------------------------------------------------------------
 
 

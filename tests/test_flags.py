@@ -3,11 +3,17 @@
 Every field with a flag has exactly one option in both parsers, with the field's default and a
 type that parses it back; every option is a field; and a value RunConfig refuses is refused by
 the command line with exit code 2 and RunConfig's own message, naming the option users typed.
+
+The flags of `simulate`, `bench allreduce` and `cluster ...` are declared the same way (on
+SimulateOptions, BenchOptions and the cluster actions' dataclasses): their parsers hold exactly
+the declared options, with the public defaults and choices pinned below, and no module of theirs
+writes an add_argument by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -19,9 +25,12 @@ import pytest
 import gradsync.launch
 import gradsync.telemetry.cli
 from gradsync.cli import _config_from_args, build_parser, main
+from gradsync.cluster import cli as cluster_cli
 from gradsync.config import RunConfig
 from gradsync.errors import UsageError
-from gradsync.flags import add_flags, flag, flag_of, from_namespace
+from gradsync.flags import add_flags, flag, flag_fields, flag_of, from_namespace, option_of
+from gradsync.sim import cli as sim_cli
+from gradsync.sim import options as sim_options
 
 pytestmark = pytest.mark.unit
 
@@ -225,3 +234,214 @@ def test_add_flags_derives_options_types_and_groups() -> None:
         parser.parse_args(["--count=x"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--hidden=1"])
+
+
+@dataclasses.dataclass(kw_only=True)
+class Toy2:
+    kind: str = flag("a", choices=("a", "b"), help="a | b")
+    seen: list[str] = flag(factory=list, metavar="X", help="repeatable", group="toy")
+    sizes: list[int] = flag(factory=list, help="repeatable ints")
+
+
+def test_add_flags_choices_lists_and_the_parsers_own_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Toy2)
+    groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    assert groups["options"] == ["help", "kind", "sizes"]  # no group: beside -h
+    assert groups["toy"] == ["seen"]
+    assert from_namespace(Toy2, parser.parse_args([])) == Toy2()
+    args = parser.parse_args(["--kind=b", "--seen=x", "--seen=y", "--sizes=3"])
+    assert from_namespace(Toy2, args) == Toy2(kind="b", seen=["x", "y"], sizes=[3])
+    assert parser.parse_args([]).seen == []  # the default list is not shared across parses
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kind=c"])
+    assert "invalid choice: 'c'" in capsys.readouterr().err
+
+
+def test_a_field_argparse_cannot_parse_is_refused() -> None:
+    @dataclasses.dataclass
+    class NoFactory:
+        seen: list[str] = flag(None, help="x")
+
+    @dataclasses.dataclass
+    class BoolChoices:
+        on: bool = flag(False, choices=("a",), help="x")
+
+    @dataclasses.dataclass
+    class Dict:
+        d: dict[str, int] = flag(factory=dict, help="x")
+
+    for cls in (NoFactory, BoolChoices, Dict):
+        with pytest.raises(TypeError):
+            add_flags(argparse.ArgumentParser(), cls)
+
+
+# -- simulate, bench allreduce and cluster: declared once too ---------------------------------
+
+# Each command's options and the dataclass that declares them.
+DECLARED: dict[str, type] = {
+    "simulate": sim_options.SimulateOptions,
+    "bench allreduce": sim_options.BenchOptions,
+    "cluster up": cluster_cli.UpOptions,
+    "cluster down": cluster_cli.DownOptions,
+    "cluster status": cluster_cli.ClusterOptions,
+    "cluster probe": cluster_cli.ProbeOptions,
+}
+
+# The public command line, pinned: option -> default, as before the flags were declarations
+# (scripts depend on these). Choices are pinned in CHOICES.
+PUBLIC: dict[str, dict[str, Any]] = {
+    "simulate": {
+        "--workers": None,
+        "--steps": 100,
+        "--compute": "20",
+        "--jitter": 0.0,
+        "--straggler": [],
+        "--transient": None,
+        "--seed": 0,
+        "--comm-ms": None,
+        "--message-mb": None,
+        "--alpha-us": None,
+        "--link-gbps": None,
+        "--algorithm": None,
+        "--calibration": None,
+        "--compression-ratio": 1.0,
+        "--hosts": None,
+        "--allreduce": "ring",
+        "--intra-gbps": None,
+        "--intra-alpha-us": None,
+        "--strategy": "bsp",
+        "--layers": None,
+        "--overlap": False,
+        "--backward-frac": 2 / 3,
+        "--buckets": 4,
+        "--sweep-staleness": None,
+        "--sweep-workers": None,
+        "--strategies": "bsp,zero:1,zero:2,ssp:4,async,local:8",
+        "--plot-dir": ".",
+        "--table-steps": 20,
+        "--json": False,
+        "--from": None,
+        "--remove-straggler": False,
+        "--warmup": 2,
+        "--resample": "steps",
+    },
+    "bench allreduce": {
+        "--nproc": 2,
+        "--sizes": None,
+        "--repeats": 20,
+        "--out": "allreduce_calibration.json",
+        "--json": False,
+    },
+    "cluster up": {
+        "--prefix": "gs-",
+        "--hosts": 2,
+        "--link": "1gbit",
+        "--burst": None,
+        "--name": None,
+    },
+    "cluster down": {"--prefix": "gs-", "--name": None},
+    "cluster status": {"--prefix": "gs-"},
+    "cluster probe": {
+        "--prefix": "gs-",
+        "--hosts": 2,
+        "--link": "1gbit",
+        "--burst": None,
+        "--size-mb": 8.0,
+        "--iters": 3,
+        "--warmup": 1,
+        "--nproc-per-host": 1,
+        "--timeout": 300.0,
+        "--json": None,
+    },
+}
+CHOICES = {
+    ("simulate", "--algorithm"): ("ring", "tree", "binary_tree", "rhd"),
+    ("simulate", "--allreduce"): ("ring", "hierarchical"),
+    ("simulate", "--resample"): ("steps", "ranks"),
+}
+
+
+def _command(path: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = build_parser()
+    for name in path.split():
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+def _all_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+@pytest.mark.parametrize("path", sorted(DECLARED))
+def test_every_option_is_a_declared_field_and_no_other(path: str) -> None:
+    """A flag added with a hand-written add_argument (or a parent parser) fails here: the
+    parser's options are exactly the declaration's fields, in order, with their defaults."""
+    cls = DECLARED[path]
+    declared = [(spec.option_for(f), f.name) for f, spec in flag_fields(cls)]
+    actions = _all_options(_command(path))
+    assert [(a.option_strings[0], a.dest) for a in actions] == declared
+    assert all(len(a.option_strings) == 1 for a in actions)
+    for (f, spec), action in zip(flag_fields(cls), actions, strict=True):
+        default = [] if f.default_factory is list else f.default
+        assert action.default == default and type(action.default) is type(default), f.name
+        assert action.choices == spec.choices and action.help == spec.help, f.name
+    # not given: the declaration's defaults (its __post_init__'s checks pass on them)
+    assert from_namespace(cls, _command(path).parse_args([])) == cls()
+
+
+@pytest.mark.parametrize("path", sorted(PUBLIC))
+def test_the_public_flags_keep_their_names_defaults_and_choices(path: str) -> None:
+    actions = {a.option_strings[0]: a for a in _all_options(_command(path))}
+    assert {o: a.default for o, a in actions.items()} == PUBLIC[path]
+    choices = {o: tuple(a.choices) for o, a in actions.items() if a.choices is not None}
+    assert choices == {o: c for (p, o), c in CHOICES.items() if p == path}
+
+
+@pytest.mark.parametrize("module", [sim_cli, sim_options, cluster_cli])
+def test_no_hand_written_options_in_the_command_modules(module: Any) -> None:
+    """Their flags are dataclass fields; gradsync.flags alone calls add_argument."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    calls = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("add_argument", "add_argument_group", "add_mutually_exclusive_group")
+    ]
+    assert calls == [], f"{module.__name__}: add_argument at lines {calls}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["simulate", "--algorithm", "nope"], ["'nope'", "'ring'", "'rhd'"]),
+        (["simulate", "--allreduce", "flat"], ["'flat'", "'ring'", "'hierarchical'"]),
+        (["simulate", "--resample", "rows"], ["'rows'", "'steps'", "'ranks'"]),
+        (["simulate", "--workers", "two"], ["--workers", "'two'"]),
+        (["bench", "allreduce", "--repeats", "x"], ["--repeats", "'x'"]),
+        (["cluster", "probe", "--size-mb", "big"], ["--size-mb", "'big'"]),
+        (["cluster", "up", "--hosts", "1.5"], ["--hosts", "'1.5'"]),
+    ],
+)
+def test_a_bad_value_is_named_with_what_is_valid(
+    argv: list[str], named: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"gradsync {' '.join(argv[:-2])}: error: argument {argv[-2]}")
+    for text in named:
+        assert text in err, (text, err)
+
+
+def test_option_of_names_what_users_type() -> None:
+    assert option_of(sim_options.SimulateOptions, "from_run") == "--from"
+    assert option_of(cluster_cli.ProbeOptions, "json_out") == "--json"
+    assert option_of(RunConfig, "plots") == "--no-plots"
+    with pytest.raises(KeyError):
+        option_of(RunConfig, "telemetry_every")

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gradsync.errors import UsageError
+from gradsync.flags import option_of
 from gradsync.sim.cli import add_parsers
+from gradsync.sim.options import SimulateOptions
 from gradsync.telemetry.records import StepRecord, fill_idle, write_records
 
 
@@ -134,6 +137,12 @@ def test_sweeps_write_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFix
         (["--straggler", "nan:2"], "integer rank"),
         (["--transient", "0.1:inf"], "transient factor must be a finite number"),
         (["--from", "runs/x", "--warmup", "-1"], "--warmup must be >= 0"),
+        (["--table-steps", "-1"], "--table-steps must be >= 0, got -1"),
+        (["--from", "runs/x", "--hosts", "2"], "^--hosts apply to a simulation"),
+        (
+            ["--from", "runs/x", "--layers", "1,2", "--allreduce", "hierarchical"],
+            "^--layers, --allreduce hierarchical apply to a simulation",
+        ),
     ],
 )
 def test_bad_input_is_a_usage_error(
@@ -141,6 +150,33 @@ def test_bad_input_is_a_usage_error(
 ) -> None:
     with pytest.raises(UsageError, match=match):
         run_cli(["simulate", *argv], capsys)
+
+
+FLOAT_FIELDS = [
+    name
+    for name, hint in typing.get_type_hints(SimulateOptions).items()
+    if hint in (float, float | None)
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_every_float_flag_refuses_nan_and_inf(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse's type=float takes them; SimulateOptions refuses them, naming the option."""
+    option = option_of(SimulateOptions, name)
+    for value in ("nan", "inf", "-inf"):
+        with pytest.raises(UsageError, match=f"^{option} must be a finite number, got"):
+            run_cli(["simulate", f"{option}={value}"], capsys)
+
+
+@pytest.mark.unit
+def test_the_float_flags_are_the_nine_that_were_checked_by_hand() -> None:
+    assert sorted(FLOAT_FIELDS) == sorted(
+        ["jitter", "comm_ms", "message_mb", "alpha_us", "link_gbps", "backward_frac"]
+        + ["compression_ratio", "intra_gbps", "intra_alpha_us"]
+    )
 
 
 def _fake_run(path: Path, slow_rank: int | None, steps: int = 40) -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from gradsync.sim.config import (
     takes_hierarchy,
 )
 from gradsync.sim.options import (
+    SimulateOptions,
     comm_model,
     compute_model,
     emit,
@@ -67,7 +67,7 @@ def beside_bsp(compute: np.ndarray, comm: CommModel) -> list[dict[str, Any]]:
     return rows
 
 
-def single(args: argparse.Namespace) -> int:
+def single(args: SimulateOptions) -> int:
     model, comm = compute_model(args), comm_model(args)
     strategy = parse_strategy(args.strategy)
     layers = layers_from_args(args)
@@ -91,7 +91,7 @@ def single(args: argparse.Namespace) -> int:
 
 
 def _overlapped(
-    args: argparse.Namespace,
+    args: SimulateOptions,
     strategy: Strategy,
     model: ComputeModel,
     compute: np.ndarray,
@@ -128,7 +128,7 @@ def _overlapped(
 
 
 def _one(
-    args: argparse.Namespace,
+    args: SimulateOptions,
     strategy: Strategy,
     model: ComputeModel,
     compute: np.ndarray,
@@ -173,7 +173,7 @@ def _parse_staleness(text: str) -> list[float]:
     return out
 
 
-def sweeps(args: argparse.Namespace) -> int:
+def sweeps(args: SimulateOptions) -> int:
     doc: dict[str, Any] = {}
     texts: list[str] = []
     plot_dir = Path(args.plot_dir)
@@ -218,7 +218,7 @@ def sweeps(args: argparse.Namespace) -> int:
 
 
 def _workers_sweep(
-    args: argparse.Namespace,
+    args: SimulateOptions,
     base: ComputeModel,
     comm: CommModel,
     layers: list[float] | None,
@@ -228,6 +228,7 @@ def _workers_sweep(
     from gradsync.sim.plots import plot_scaling
 
     plot_dir = Path(args.plot_dir)
+    assert args.sweep_workers is not None  # called only with --sweep-workers
     try:
         counts = [int(x) for x in args.sweep_workers.split(",") if x.strip()]
     except ValueError:
@@ -277,9 +278,10 @@ STEP_STATISTIC = (
 )
 
 
-def from_run(args: argparse.Namespace) -> int:
+def from_run(args: SimulateOptions) -> int:
     from gradsync.sim.calibrate import WhatIf, load_calibration_table, load_profile, predict
 
+    assert args.from_run is not None  # called only with --from
     profile = load_profile(args.from_run, warmup=args.warmup)
     link = link_from_args(args)
     table = load_calibration_table(args.calibration) if args.calibration else None

@@ -1,20 +1,185 @@
-"""Turning ``gradsync simulate``'s parsed flags into the simulator's inputs, and printing results.
+"""The flags of ``gradsync simulate`` and ``gradsync bench allreduce``, declared once; turning
+them into the simulator's inputs; printing results.
 
-Shared by the argument parsing in ``gradsync.sim.cli`` and the modes in ``gradsync.sim.commands``.
+The flags are the fields of :class:`SimulateOptions` and :class:`BenchOptions` (gradsync.flags
+builds the parsers from them, as ``run``'s from RunConfig): a new field with :func:`flag` is a
+new flag. Shared by the argument parsing in ``gradsync.sim.cli`` and the modes in
+``gradsync.sim.commands``.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 from gradsync.errors import UsageError
-from gradsync.sim.config import CommModel, ComputeModel, Hosts
-from gradsync.sim.model import AlphaBeta
+from gradsync.flags import flag, option_of
+from gradsync.sim.config import ALLREDUCE_CHOICES, CommModel, ComputeModel, Hosts
+from gradsync.sim.model import ALGORITHMS, AlphaBeta
 from gradsync.sim.simulate import Overlap
+
+DEFAULT_SWEEP_STRATEGIES = "bsp,zero:1,zero:2,ssp:4,async,local:8"
+
+# The help groups of `gradsync simulate --help`, in the order the fields below first name them.
+WORKERS = "workers and compute"
+COMM = "communication (fixed, or alpha-beta for a message)"
+HOSTS = "hosts (as gradsync run --hosts H --allreduce KIND; alpha-beta model only)"
+STRATEGY = "strategy and output"
+PREDICTION = "calibrated prediction from a real run"
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class SimulateOptions:
+    """The flags of ``gradsync simulate``; the checks that need no simulation are made here."""
+
+    workers: int | None = flag(
+        None,
+        help="workers (default: one per --compute value, 4 for a single value)",
+        group=WORKERS,
+    )
+    steps: int = flag(100, help="steps per worker (default 100)", group=WORKERS)
+    compute: str = flag("20", help="base ms per step: one value or one per worker", group=WORKERS)
+    jitter: float = flag(0.0, help="uniform jitter in [-J, J] ms", group=WORKERS)
+    straggler: list[str] = flag(
+        factory=list,
+        metavar="RANK:FACTOR",
+        help="persistent straggler: multiply RANK's base compute (repeatable)",
+        group=WORKERS,
+    )
+    transient: str | None = flag(
+        None,
+        metavar="P:FACTOR",
+        help="each worker-step slows by FACTOR with probability P",
+        group=WORKERS,
+    )
+    seed: int = flag(0, help="seed of random.Random for the jitter", group=WORKERS)
+    comm_ms: float | None = flag(None, help="fixed ms per exchange", group=COMM)
+    message_mb: float | None = flag(None, help="gradient size in MiB", group=COMM)
+    alpha_us: float | None = flag(None, help="latency per message, us (20)", group=COMM)
+    link_gbps: float | None = flag(None, help="link bandwidth, Gbit/s (10)", group=COMM)
+    algorithm: str | None = flag(None, choices=ALGORITHMS, help="all-reduce algorithm", group=COMM)
+    calibration: str | None = flag(None, help="alpha/beta JSON from bench allreduce", group=COMM)
+    compression_ratio: float = flag(
+        1.0,
+        help="a compressor's: each exchange carries bytes / R (int4 about 7.5, int8 about 4; "
+        "not zero:N's collectives); with --from, the what-if",
+        group=COMM,
+    )
+    hosts: int | None = flag(
+        None,
+        metavar="H",
+        help="spread the workers evenly over H hosts; --link-gbps and --alpha-us are then the "
+        "link between hosts (default: one link, no hosts)",
+        group=HOSTS,
+    )
+    allreduce: str = flag(
+        "ring",
+        choices=ALLREDUCE_CHOICES,
+        help="ring: one flat ring over every rank, paced by the slower link; hierarchical: "
+        "reduce in each host, all-reduce among one leader per host, broadcast back (bsp, "
+        "zero:1, local:H, diloco:H), shown beside ring (default ring)",
+        group=HOSTS,
+    )
+    intra_gbps: float | None = flag(None, help="bandwidth inside a host, Gbit/s (100)", group=HOSTS)
+    intra_alpha_us: float | None = flag(None, help="latency inside a host, us (5)", group=HOSTS)
+    strategy: str = flag(
+        "bsp",
+        help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | "
+        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | hogwild",
+        group=STRATEGY,
+    )
+    layers: str | None = flag(
+        None,
+        metavar="LIST",
+        help="sizes of the model's layers in module order (any unit), for streaming DiLoCo's "
+        "fragments under the layers split (diloco:H:F:TAU:ALPHA:layers; layer i in fragment "
+        "i %% F); the default rows split cuts every layer F ways, and without --layers too "
+        "each fragment carries 1/F of the bytes",
+        group=STRATEGY,
+    )
+    overlap: bool = flag(False, help="BSP (or zero:1) with bucketed overlap", group=STRATEGY)
+    backward_frac: float = flag(
+        2 / 3,
+        help="share of compute that is the backward pass (default 0.667)",
+        group=STRATEGY,
+    )
+    buckets: int = flag(4, help="gradient buckets for --overlap", group=STRATEGY)
+    sweep_staleness: str | None = flag(
+        None, metavar="LIST", help="e.g. 0,1,2,4,8,inf", group=STRATEGY
+    )
+    sweep_workers: str | None = flag(None, metavar="LIST", help="e.g. 8,16,64,1024", group=STRATEGY)
+    strategies: str = flag(
+        DEFAULT_SWEEP_STRATEGIES,
+        help=f"strategies for --sweep-workers (default {DEFAULT_SWEEP_STRATEGIES})",
+        group=STRATEGY,
+    )
+    plot_dir: str = flag(".", help="where sweep PNGs go (default .)", group=STRATEGY)
+    table_steps: int = flag(20, help="rows of the BSP step table", group=STRATEGY)
+    json: bool = flag(False, help="machine-readable output", group=STRATEGY)
+    from_run: str | None = flag(
+        None,
+        option="--from",
+        metavar="RUN_DIR",
+        help="predict this run from its telemetry",
+        group=PREDICTION,
+    )
+    remove_straggler: bool = flag(False, help="what-if: slowest rank fixed", group=PREDICTION)
+    warmup: int = flag(2, help="steps of the run to skip (default 2)", group=PREDICTION)
+    resample: str = flag(
+        "steps",
+        choices=("steps", "ranks"),
+        help="draw whole measured steps (keeps cross-rank correlation; default) or each "
+        "rank's compute independently",
+        group=PREDICTION,
+    )
+
+    def __post_init__(self) -> None:
+        if self.table_steps < 0:
+            raise UsageError(f"--table-steps must be >= 0, got {self.table_steps}")
+        if self.warmup < 0:
+            raise UsageError(f"--warmup must be >= 0 steps, got {self.warmup}")
+        # argparse's type=float takes 'nan' and 'inf'; no flag here means anything by them.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                flag_name = option_of(SimulateOptions, f.name)
+                raise UsageError(f"{flag_name} must be a finite number, got {value}")
+        if self.from_run:
+            extra = [
+                name
+                for name, given in (
+                    ("--hosts", self.hosts is not None),
+                    ("--layers", self.layers is not None),
+                    ("--allreduce hierarchical", self.allreduce != "ring"),
+                )
+                if given
+            ]
+            if extra:
+                # --from prices the run's own measured exchanges, not a link model.
+                raise UsageError(
+                    f"{', '.join(extra)} apply to a simulation, not to --from's prediction of a "
+                    "run; drop them, or simulate without --from"
+                )
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class BenchOptions:
+    """The flags of ``gradsync bench allreduce``."""
+
+    nproc: int = flag(2, help="ranks (default 2)")
+    sizes: str | None = flag(
+        None, help="bytes, comma-separated; K/M suffixes ok (default 4K..64M in x4 steps)"
+    )
+    repeats: int = flag(20, help="timed repeats per size (default 20)")
+    out: str = flag("allreduce_calibration.json", help="where the fit goes")
+    json: bool = flag(False, help="machine-readable output")
+
+
+class _Output(Protocol):
+    json: bool
 
 
 def parse_floats(text: str, flag: str) -> list[float]:
@@ -50,7 +215,7 @@ def parse_straggler(text: str) -> tuple[int, float]:
     return rank, parse_pair(text, "--straggler")[1]
 
 
-def compute_model(args: argparse.Namespace) -> ComputeModel:
+def compute_model(args: SimulateOptions) -> ComputeModel:
     base = parse_floats(args.compute, "--compute")
     if args.workers is not None and args.workers < 1:
         # Checked here, not left to "or": 0 would otherwise fall back to the default silently.
@@ -75,7 +240,7 @@ def compute_model(args: argparse.Namespace) -> ComputeModel:
     )
 
 
-def link_from_args(args: argparse.Namespace) -> AlphaBeta | None:
+def link_from_args(args: SimulateOptions) -> AlphaBeta | None:
     given = [args.alpha_us, args.link_gbps, args.algorithm]
     if args.calibration:
         from gradsync.sim.calibrate import load_calibration
@@ -95,7 +260,7 @@ def link_from_args(args: argparse.Namespace) -> AlphaBeta | None:
     )
 
 
-def comm_model(args: argparse.Namespace) -> CommModel:
+def comm_model(args: SimulateOptions) -> CommModel:
     link = link_from_args(args)
     ratio = args.compression_ratio
     hosts = hosts_from_args(args)
@@ -118,7 +283,7 @@ def comm_model(args: argparse.Namespace) -> CommModel:
 INTRA_GBPS, INTRA_ALPHA_US = 100.0, 5.0
 
 
-def hosts_from_args(args: argparse.Namespace) -> Hosts | None:
+def hosts_from_args(args: SimulateOptions) -> Hosts | None:
     """``--hosts H`` with ``--allreduce`` and the intra-host link; None without ``--hosts``,
     where the flags that only mean something on hosts are refused rather than ignored."""
     if args.hosts is None:
@@ -147,16 +312,16 @@ def hosts_from_args(args: argparse.Namespace) -> Hosts | None:
     return Hosts(hosts=args.hosts, intra=intra, allreduce=args.allreduce)
 
 
-def layers_from_args(args: argparse.Namespace) -> list[float] | None:
+def layers_from_args(args: SimulateOptions) -> list[float] | None:
     """``--layers``: the model's layer sizes, for streaming DiLoCo's fragments."""
     return None if args.layers is None else parse_floats(args.layers, "--layers")
 
 
-def overlap_from_args(args: argparse.Namespace) -> Overlap:
+def overlap_from_args(args: SimulateOptions) -> Overlap:
     return Overlap(backward_frac=args.backward_frac, buckets=args.buckets)
 
 
-def emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
+def emit(args: _Output, doc: dict[str, Any], text: str) -> None:
     if args.json:
         json.dump(_jsonable(doc), sys.stdout, indent=2)
         sys.stdout.write("\n")
