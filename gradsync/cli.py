@@ -1,4 +1,4 @@
-"""The ``gradsync`` command: run | simulate | bench | report."""
+"""The ``gradsync`` command: run | compare | checkpoint export | simulate | bench | report."""
 
 from __future__ import annotations
 
@@ -149,6 +149,93 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint_export(args: argparse.Namespace) -> int:
+    """``gradsync checkpoint export``: a run's (or a checkpoint directory's) checkpoint as a
+    file torch opens alone (``gradsync.fault.export``)."""
+    from gradsync.fault.checkpoint import CheckpointError
+    from gradsync.fault.export import export_checkpoint
+
+    directory = _checkpoint_dir(Path(args.directory))
+    try:
+        done = export_checkpoint(directory, args.out, to=args.to, step=args.step)
+    except CheckpointError as exc:
+        raise UsageError(f"checkpoint export: {exc}") from None
+    how = (
+        "torch.load(path, weights_only=True)"
+        if done.to == "torch"
+        else "torch.distributed.checkpoint.load(state, checkpoint_id=path)"
+    )
+    print(
+        f"gradsync: exported the checkpoint of step {done.step} ({done.strategy}, "
+        f"{done.world_size} ranks, {done.checkpoint}) to {done.path}; open it with {how}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _checkpoint_dir(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: a run directory's ``checkpoints/``, or
+    ``path`` itself."""
+    from gradsync.worker import CHECKPOINT_DIR
+
+    if not path.exists():
+        raise UsageError(
+            f"checkpoint export: {path} does not exist: pass a run directory (gradsync run "
+            "--out) or the checkpoint directory itself"
+        )
+    if not path.is_dir():
+        raise UsageError(f"checkpoint export: {path} is not a directory")
+    if (path / CHECKPOINT_DIR).is_dir():
+        return path / CHECKPOINT_DIR
+    if (path / "config.json").is_file() and not any(path.glob("step-*")):
+        raise UsageError(
+            f"checkpoint export: run directory {path} has no {CHECKPOINT_DIR}/: the run took "
+            "none (gradsync run --checkpoint-every N writes them)"
+        )
+    return path
+
+
+#: ``gradsync.fault.export.TARGETS``, spelled here: importing that module (torch's distributed
+#: checkpointing, the writers) would add a second to every command's start
+EXPORT_TARGETS = ("torch", "dcp")
+
+
+def _add_checkpoint_parsers(sub: Any) -> None:
+    checkpoint = sub.add_parser("checkpoint", help="work with a run's checkpoints")
+    actions = checkpoint.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    export = actions.add_parser(
+        "export",
+        help="write a checkpoint as a file torch opens alone (torch.save or DCP)",
+        description="Put the newest complete checkpoint (or --step's) back together as a "
+        "single-process script holds it, {model, optimizer, step, extra}: the model's and "
+        "the optimizer's state dicts, and write it with torch.save (open with "
+        "torch.load(OUT, weights_only=True)) or torch.distributed.checkpoint (DCP, a "
+        "directory). Exports bsp, zero:1, zero:2, local:H, diloco:H and hogwild checkpoints; "
+        "see docs/checkpoints.md.",
+    )
+    export.add_argument(
+        "directory",
+        metavar="RUN_OR_CHECKPOINT_DIR",
+        help="a run directory (its checkpoints/) or a checkpoint directory",
+    )
+    export.add_argument("out", metavar="OUT", help="the file (torch) or directory (dcp) to write")
+    export.add_argument(
+        "--to",
+        choices=EXPORT_TARGETS,
+        default=EXPORT_TARGETS[0],
+        help="torch: one torch.save file; dcp: a torch.distributed.checkpoint directory "
+        "(default %(default)s)",
+    )
+    export.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the checkpoint of this step (default: the newest complete one)",
+    )
+    export.set_defaults(func=cmd_checkpoint_export)
+
+
 def _trainable_params(cfg: Any) -> int:
     """Parameter count of the run's model, for the compression ratio against fp32 gradients."""
     from gradsync.workloads import make_workload
@@ -184,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(compare)
     # None tells cmd_compare that --strategy was not given (it refuses it: use --strategies).
     compare.set_defaults(func=cmd_compare, strategy=None)
+    _add_checkpoint_parsers(sub)
     for module in ("gradsync.sim.cli", "gradsync.telemetry.cli", "gradsync.cluster.cli"):
         _add_optional_parsers(module, sub)
     return parser

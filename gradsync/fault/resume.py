@@ -593,6 +593,13 @@ def _own_telemetry(
     return _OwnRows(rows, (first, end))
 
 
+def join_replicated(store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any]) -> None:
+    """Put rank 0's file of a resizable strategy's checkpoint (``state``, as ``store.load(info,
+    0)`` read it) back together with the model and optimizer state of every rank's share, as
+    ``load`` does: for readers of a checkpoint outside a job (``fault.export``)."""
+    _join_replicated(store, info, state, 0)
+
+
 def _join_replicated(
     store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any], source: int
 ) -> None:
