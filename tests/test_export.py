@@ -436,16 +436,12 @@ def test_bsp_with_batch_norm_exports_the_parameters_and_each_buffer_from_one_ran
 
 @pytest.mark.ranks
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="bsp's checkpoint shares take each buffer from the rank that owns its share, and "
-    "BatchNorm's running statistics differ between ranks after a step: the checkpoint (and so "
-    "the export, and sync.load) holds rank 1's running_var, not rank 0's, which the run goes on "
-    "with. A fix belongs in the save (buffers written from rank 0), not in the export",
-)
 def test_bsp_with_batch_norm_exports_rank_0s_buffers(
     two_ranks: tuple[Path, list[dict[str, Any]]],
 ) -> None:
+    # BatchNorm's running statistics differ between ranks after a step (rank 0's are
+    # broadcast at the next step's start): the checkpoint holds rank 0's, which the run goes on
+    # with, so the export and ``sync.load`` do too.
     root, ranks = two_ranks
     exported = single_process_state(root / er.BATCH_NORM)
     _assert_same(exported["model"], ranks[0][er.BATCH_NORM]["model"], "rank 0's model")

@@ -26,16 +26,16 @@ import torch
 
 from gradsync.fault.packing import Share, skeleton
 
-__all__ = ["join", "owners", "share", "share_of", "whole"]
+__all__ = ["join", "owners", "share", "share_of", "tensor_count", "whole"]
 
 
-def owners(tree: Any, world_size: int) -> list[int]:
+def owners(tree: Any, world_size: int, to_rank_0: frozenset[int] = frozenset()) -> list[int]:
     """The rank that writes each tensor of ``tree`` (in ``_tensors`` order), balanced by bytes
-    and count (``_PER_TENSOR_BYTES``).
+    and count (``_PER_TENSOR_BYTES``); the tensors at the indices ``to_rank_0`` go to rank 0.
     Deterministic for a given tree's shapes and dtypes, so every replica computes the same."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return list(_balanced(_costs(_tensors(tree)), world_size))
+    return list(_balanced(_costs(_tensors(tree)), world_size, to_rank_0))
 
 
 #: what copying a tensor costs beyond its bytes, in bytes: each is a copy of its own (about
@@ -49,11 +49,17 @@ def _costs(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=8)
-def _balanced(sizes: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+def _balanced(
+    sizes: tuple[int, ...], world_size: int, to_rank_0: frozenset[int] = frozenset()
+) -> tuple[int, ...]:
     # The same model every step: computed once per layout (a checkpoint every step).
     load = [0] * world_size
     owner = [0] * len(sizes)
+    for i in to_rank_0:
+        load[0] += sizes[i]
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        if i in to_rank_0:
+            continue
         r = min(range(world_size), key=lambda r: (load[r], r))
         owner[i] = r
         load[r] += sizes[i]
@@ -66,17 +72,19 @@ def share(tree: Any, rank: int, owner: Sequence[int]) -> Share:
     return Share(tree, owner, rank)
 
 
-def share_of(tree: Any, rank: int, world_size: int) -> Share:
-    """``share(tree, rank, owners(tree, world_size))`` from one walk of ``tree``, which also
-    takes its skeleton: ``pack`` reuses an earlier snapshot's encoding of a share with the
-    same skeleton (a checkpoint every step of the same model and optimizer)."""
+def share_of(
+    tree: Any, rank: int, world_size: int, to_rank_0: frozenset[int] = frozenset()
+) -> Share:
+    """``share(tree, rank, owners(tree, world_size, to_rank_0))`` from one walk of ``tree``,
+    which also takes its skeleton: ``pack`` reuses an earlier snapshot's encoding of a share
+    with the same skeleton (a checkpoint every step of the same model and optimizer)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     described = skeleton(tree)
     if described is None:
-        return share(tree, rank, owners(tree, world_size))
+        return share(tree, rank, owners(tree, world_size, to_rank_0))
     parts, tensors = described
-    return Share(tree, _owners_of(parts, tensors, world_size), rank, parts, tensors)
+    return Share(tree, _owners_of(parts, tensors, world_size, to_rank_0), rank, parts, tensors)
 
 
 def whole(tree: Any, rank: int) -> Share:
@@ -90,20 +98,31 @@ def whole(tree: Any, rank: int) -> Share:
     return Share(tree, [rank] * len(tensors), rank, parts, tensors)
 
 
-#: the last (skeleton, world size) and its owners: the same every step of a run
-_last_owners: list[tuple[tuple[Any, ...], int, tuple[int, ...]]] = []
+#: the last (skeleton, world size, tensors pinned to rank 0) and its owners: the same every
+#: step of a run
+_last_owners: list[tuple[tuple[Any, ...], int, frozenset[int], tuple[int, ...]]] = []
 
 
 def _owners_of(
-    parts: tuple[Any, ...], tensors: Sequence[torch.Tensor], world_size: int
+    parts: tuple[Any, ...],
+    tensors: Sequence[torch.Tensor],
+    world_size: int,
+    to_rank_0: frozenset[int],
 ) -> tuple[int, ...]:
     # A skeleton fixes every tensor's dtype and shape, hence its bytes and owner: comparing it
     # with the last one (at C speed) spares two method calls per tensor at every snapshot.
-    if _last_owners and _last_owners[0][1] == world_size and _last_owners[0][0] == parts:
-        return _last_owners[0][2]
-    owner = _balanced(_costs(tensors), world_size)
-    _last_owners[:] = [(parts, world_size, owner)]
+    if _last_owners:
+        last_parts, last_world, last_pinned, last_owner = _last_owners[0]
+        if last_world == world_size and last_pinned == to_rank_0 and last_parts == parts:
+            return last_owner
+    owner = _balanced(_costs(tensors), world_size, to_rank_0)
+    _last_owners[:] = [(parts, world_size, to_rank_0, owner)]
     return owner
+
+
+def tensor_count(tree: Any) -> int:
+    """How many tensors ``tree`` holds (in the walk ``owners`` and ``join`` number them by)."""
+    return len(_tensors(tree))
 
 
 def join(shares: Sequence[Any], owner: Sequence[int]) -> Any:

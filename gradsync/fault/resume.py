@@ -304,12 +304,30 @@ def _owners_encoded(owner: Sequence[int]) -> Any:
 def _replicated_share(cp: Checkpointer) -> tuple[Share, list[Any] | None]:
     """The model and optimizer state as this rank writes its share of it (built in full),
     and the optimizer's ``param_groups``, kept beside the share."""
-    replicated = {
-        "model": cp.strategy.model_state_dict(cp.model),
-        "optimizer": cp.optimizer.state_dict(),
-    }
+    model_state = cp.strategy.model_state_dict(cp.model)
+    replicated = {"model": model_state, "optimizer": cp.optimizer.state_dict()}
     replicated["optimizer"], groups = _without_param_groups(replicated["optimizer"])
-    return replicas.share_of(replicated, cp.rank, cp.world_size), groups
+    buffers = _buffer_indices(cp.model, model_state)
+    return replicas.share_of(replicated, cp.rank, cp.world_size, buffers), groups
+
+
+def _buffer_indices(model: torch.nn.Module, model_state: dict[str, Any]) -> frozenset[int]:
+    """Where the model's buffers are among the replicated state's tensors (the model's come
+    first). Rank 0 writes them all: under ``bsp`` buffers such as BatchNorm's running
+    statistics are rank 0's only at the start of a step (they are broadcast from it there),
+    and each rank has updated its own by the save after it; rank 0's are the ones an
+    uninterrupted run would go on with."""
+    names = {name for name, _ in model.named_buffers()}
+    if not names:
+        return frozenset()
+    found: list[int] = []
+    index = 0
+    for key, value in model_state.items():
+        count = replicas.tensor_count(value)
+        if key in names:
+            found.extend(range(index, index + count))
+        index += count
+    return frozenset(found)
 
 
 #: Where a barrier-free strategy's checkpoint names its rank's step records: ``[first, end)``
