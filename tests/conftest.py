@@ -7,7 +7,7 @@ import torch.distributed as dist
 # Every rank and the test process itself use one intra-op thread: the machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-#: The three tiers of DESIGN.md, registered in pyproject.toml; each test carries exactly one.
+#: The three test tiers, registered in pyproject.toml; each test carries exactly one.
 TIERS = ("unit", "ranks", "e2e")
 
 

@@ -1,6 +1,6 @@
 """The telemetry record: one per rank per step, the unit every report, plot and trace is built from.
 
-Vocabulary (DESIGN.md), all durations in seconds:
+Vocabulary (docs/observability.md), all durations in seconds:
 
 - ``compute``: time inside the ``with sync.step():`` block.
 - ``sync``: time from block exit until the update has been applied (``optimizer.step()`` done).

@@ -34,7 +34,7 @@ class RankTotals:
 
 @dataclass(slots=True)
 class RunReport:
-    """What a run cost, per rank, in the DESIGN.md vocabulary.
+    """What a run cost, per rank, in the telemetry vocabulary (docs/observability.md).
 
     ``barrier_tax`` = sum of idle / sum of wall (wall = compute + sync) over all ranks and steps.
     ``pace_setter_counts[r]`` = steps at which rank r had the largest compute (set the barrier).
