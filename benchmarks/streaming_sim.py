@@ -29,7 +29,7 @@ import numpy as np
 from benchmarks.harness import Harness, interleave, machine, median, table
 from benchmarks.topology import cpu_seconds
 from gradsync.cluster import requirements_missing
-from gradsync.sim import AlphaBeta, CommModel, parse_strategy, simulate
+from gradsync.sim import AlphaBeta, CommModel, parse_sim_strategy, simulate
 from gradsync.sim.streaming import fragment_shares, layer_bytes, layer_tensors
 
 PERIOD = 8
@@ -106,7 +106,7 @@ def simulated(spec: str, compress: str, inner_ms: list[float], steps: int) -> di
     nbytes = float(sum(layer_bytes(model)))
     link = AlphaBeta(alpha=0.0, beta=8.0 / (LINK_GBPS * 1e9))
     comm = CommModel(link=link, nbytes=nbytes, ratio=RATIO[compress])
-    strategy = parse_strategy(spec)
+    strategy = parse_sim_strategy(spec)
     compute = np.tile(np.asarray(inner_ms, dtype=float), (steps, 1))
     res = simulate(strategy, compute, comm, layers=layers)
     per_step = res.period_step_ms()[1:-1]
@@ -169,7 +169,7 @@ def rows(names: list[tuple[str, str]], runs: list[dict[Any, dict[str, Any]]]) ->
             for r in runs
         )  # fmt: skip
         err = None if step is None or sim is None else sim / step - 1
-        spec = parse_strategy(name[0]).spec
+        spec = parse_sim_strategy(name[0]).spec
         out.append(
             [
                 f"`{spec}`" + ("" if name[1] == "none" else f" + {name[1]}"),
@@ -275,7 +275,7 @@ def main() -> int:
     if not specs or specs[0] != "diloco:8":
         h.error("--specs must start with diloco:8, the plain DiLoCo the others are set beside")
     for spec in specs:
-        parse_strategy(spec)
+        parse_sim_strategy(spec)
     names = [(spec, c) for c in COMPRESS for spec in specs]
     if args.quick:
         names = [(spec, "none") for spec in specs]

@@ -26,7 +26,7 @@ from gradsync.compression import (
     parse_compression,
     topk,
 )
-from gradsync.compression._wire import pack, unpack
+from gradsync.compression._wire import from_payload, to_payload
 from gradsync.compression.push import make_push_codec
 from gradsync.errors import UsageError
 
@@ -88,7 +88,7 @@ def round_trip(c: Compressor, x: torch.Tensor) -> torch.Tensor:
     pieces = encoder.encode(x.clone(), STEP)
     assert [(p.dtype, p.numel()) for p in pieces] == list(encoder.layout)
     assert list(decoder.layout) == list(encoder.layout)
-    out = decoder.decode(unpack(pack(pieces), decoder.layout), STEP)
+    out = decoder.decode(from_payload(to_payload(pieces), decoder.layout), STEP)
     assert out.shape == (N,) and out.dtype == torch.float32
     return out
 
@@ -197,7 +197,7 @@ def test_every_valid_form_has_a_hook_and_a_codec_that_round_trips_within_its_bou
     # The push path frames the same codec: same bytes as the codec's pieces, packed.
     push = make_push_codec(c, N, torch.float32, shapes=SHAPES, seed=STREAM)
     pieces = c.codec(N, torch.float32, SHAPES, STREAM).encode(x.clone(), STEP)
-    assert torch.equal(push.encode(x, STEP), pack(pieces))
+    assert torch.equal(push.encode(x, STEP), to_payload(pieces))
 
 
 def test_powersgd_codec_never_grows_a_full_rank_matrix() -> None:

@@ -17,7 +17,7 @@ from gradsync.sim import (
     ComputeModel,
     Overlap,
     overlap_summary,
-    parse_strategy,
+    parse_sim_strategy,
     simulate,
 )
 from gradsync.sim.report import bsp_summary
@@ -215,12 +215,12 @@ def test_alpha_beta_comm_grows_with_workers_and_shrinks_per_bucket() -> None:
 
 
 def test_specs_parse_and_reject() -> None:
-    assert parse_strategy("ssp:inf").param == math.inf
-    assert parse_strategy("local:8").spec == "local:8"
-    assert parse_strategy(" BSP ").spec == "bsp"
+    assert parse_sim_strategy("ssp:inf").param == math.inf
+    assert parse_sim_strategy("local:8").spec == "local:8"
+    assert parse_sim_strategy(" BSP ").spec == "bsp"
     for bad in ("ssp", "ssp:-1", "local:0", "diloco:x", "async:2", "gossip"):
         with pytest.raises(UsageError, match="valid"):
-            parse_strategy(bad)
+            parse_sim_strategy(bad)
     with pytest.raises(UsageError, match="bsp and zero:1 only"):
         simulate("async", np.ones((2, 2)), FIXED, overlap=Overlap())
 

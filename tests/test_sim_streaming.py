@@ -19,7 +19,15 @@ import torch
 from torch import nn
 
 from gradsync.errors import UsageError
-from gradsync.sim import CommModel, ComputeModel, Hosts, Strategy, WhatIf, parse_strategy, simulate
+from gradsync.sim import (
+    CommModel,
+    ComputeModel,
+    Hosts,
+    SimStrategy,
+    WhatIf,
+    parse_sim_strategy,
+    simulate,
+)
 from gradsync.sim.cli import add_parsers
 from gradsync.sim.model import AlphaBeta, collective_time
 from gradsync.sim.streaming import (
@@ -148,7 +156,9 @@ def test_the_mlp_workloads_peak_is_a_third_by_rows_and_its_big_layer_by_layers()
     comm = CommModel(link=AlphaBeta(alpha=0.0, beta=8e-9), nbytes=float(total))
     peaks = {}
     for spec in ("diloco:8:3:2", "diloco:8:3:2:layers"):
-        _, row = streaming_rows(parse_strategy(spec), flat(70.0, 2, 32), comm, layer_tensors(model))
+        _, row = streaming_rows(
+            parse_sim_strategy(spec), flat(70.0, 2, 32), comm, layer_tensors(model)
+        )
         peaks[spec] = row["peak_share"]
     by_rows = runtime.row_fragments(params, 3, "diloco:8:3:2")
     assert peaks["diloco:8:3:2"] == max(_runtime_bytes(by_rows)) / total
@@ -226,27 +236,27 @@ def test_fragment_shares_without_layers_and_refusals() -> None:
 
 
 def test_streaming_specs_parse_to_the_canonical_form() -> None:
-    s = parse_strategy("diloco:8:2")  # TAU defaults to 1 where 1 < F < H
+    s = parse_sim_strategy("diloco:8:2")  # TAU defaults to 1 where 1 < F < H
     assert (s.fragments, s.delay, s.alpha, s.streaming, s.spec) == (2, 1, 0.0, True, "diloco:8:2:1")
-    assert parse_strategy("diloco:8:4:1:0.5").spec == "diloco:8:4:1:0.5"
-    plain = parse_strategy("diloco:8:1:0:0")
+    assert parse_sim_strategy("diloco:8:4:1:0.5").spec == "diloco:8:4:1:0.5"
+    plain = parse_sim_strategy("diloco:8:1:0:0")
     assert plain.spec == "diloco:8" and not plain.streaming
-    assert parse_strategy("diloco:8:2").split == "rows"
-    layered = parse_strategy("diloco:8:2:layers")
+    assert parse_sim_strategy("diloco:8:2").split == "rows"
+    layered = parse_sim_strategy("diloco:8:2:layers")
     assert (layered.split, layered.spec) == ("layers", "diloco:8:2:1:layers")
-    assert parse_strategy(layered.spec) == layered
-    assert Strategy(kind="diloco", param=8, fragments=2, delay=1, split="layers") == layered
+    assert parse_sim_strategy(layered.spec) == layered
+    assert SimStrategy(kind="diloco", param=8, fragments=2, delay=1, split="layers") == layered
     # one fragment: the split changes nothing, and is not kept
-    assert parse_strategy("diloco:8:1:0:0:layers") == plain
-    assert Strategy(kind="diloco", param=8, split="layers") == plain
+    assert parse_sim_strategy("diloco:8:1:0:0:layers") == plain
+    assert SimStrategy(kind="diloco", param=8, split="layers") == plain
     with pytest.raises(UsageError, match="SPLIT=strided must be rows or layers"):
-        Strategy(kind="diloco", param=8, fragments=2, delay=1, split="strided")
+        SimStrategy(kind="diloco", param=8, fragments=2, delay=1, split="strided")
     with pytest.raises(UsageError, match="streaming DiLoCo's"):
-        Strategy(kind="local", param=8, split="layers")
+        SimStrategy(kind="local", param=8, split="layers")
     with pytest.raises(UsageError, match="streaming DiLoCo's"):
-        Strategy(kind="local", param=8, fragments=2)
+        SimStrategy(kind="local", param=8, fragments=2)
     with pytest.raises(UsageError, match="TAU=4 must be"):
-        Strategy(kind="diloco", param=8, fragments=2, delay=4)
+        SimStrategy(kind="diloco", param=8, fragments=2, delay=4)
 
 
 # -- the timeline, by hand -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gradsync.errors import UsageError
-from gradsync.sim import CommModel, ComputeModel, Strategy, WhatIf, parse_strategy, simulate
+from gradsync.sim import CommModel, ComputeModel, SimStrategy, WhatIf, parse_sim_strategy, simulate
 from gradsync.sim.cli import add_parsers
 from gradsync.sim.model import AlphaBeta, collective_time
 from gradsync.sim.simulate import Overlap
@@ -152,7 +152,7 @@ def test_zero3_comm_is_a_reduce_scatter_and_two_all_gathers(n: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "make", [lambda: parse_strategy("zero:4"), lambda: Strategy(kind="zero", param=4)]
+    "make", [lambda: parse_sim_strategy("zero:4"), lambda: SimStrategy(kind="zero", param=4)]
 )
 def test_a_stage_beyond_3_is_refused_naming_what_is_modelled(make: Any) -> None:
     with pytest.raises(
@@ -175,5 +175,5 @@ def test_zero_specs_parse_through_the_shared_parser() -> None:
 
     for text in ("zero:1", " ZERO:2 "):
         spec = parse_strategy_spec(text)
-        strategy = parse_strategy(text)
+        strategy = parse_sim_strategy(text)
         assert strategy.spec == str(spec) and strategy.param == spec.stage

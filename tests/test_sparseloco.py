@@ -17,7 +17,7 @@ import torch
 
 import gradsync as gs
 from gradsync.compression import FlatBucket, error_feedback, parse_compression
-from gradsync.compression._wire import pack, unpack
+from gradsync.compression._wire import from_payload, to_payload
 from gradsync.compression.sparseloco import (
     SparseLoCoCodec,
     _select,
@@ -75,7 +75,7 @@ def test_round_trip_keeps_exactly_the_top_k_of_every_chunk(
     assert [(p.dtype, p.numel()) for p in pieces] == list(encoder.layout)
     # Decoded from the bytes by a codec built separately, as the other ranks do.
     decoder = SparseLoCoCodec(n, density, chunk, torch.float32)
-    out = decoder.decode(unpack(pack(pieces), decoder.layout), 0)
+    out = decoder.decode(from_payload(to_payload(pieces), decoder.layout), 0)
     assert out.shape == (n,) and out.dtype == torch.float32
     for part in chunks(n, chunk):
         xs, got = x[part], out[part]
@@ -131,7 +131,7 @@ def test_bytes_are_the_levels_and_the_packed_records() -> None:
     bits = index_bits(chunk) + 2  # 12 bits of position, 2 of code
     assert bits == 14
     expected = 8 * math.ceil(n / chunk) + math.ceil(records * bits / 8)
-    assert pack(codec.encode(gradient(n, 1), 0)).numel() == expected
+    assert to_payload(codec.encode(gradient(n, 1), 0)).numel() == expected
     # about DENSITY * (index + value bits) of fp32's: 0.02 * 14 / 32 = 0.875%, plus levels
     assert expected / (4 * n) == pytest.approx(density * bits / 32, rel=0.1)
     assert parse_compression("sparseloco").nominal_ratio == pytest.approx(
@@ -294,7 +294,7 @@ def test_what_was_sent_plus_the_accumulator_is_the_decayed_accumulator_plus_delt
     )
     assert (
         state.bytes_sent
-        == 4 * pack(SparseLoCoCodec(n, 0.05, 1024, dtype).encode(gradient(n, 0), 0)).numel()
+        == 4 * to_payload(SparseLoCoCodec(n, 0.05, 1024, dtype).encode(gradient(n, 0), 0)).numel()
     )
 
 

@@ -307,12 +307,12 @@ def test_the_compressor_built_from_a_spec_reports_the_spec(text: str) -> None:
 
 @pytest.mark.parametrize("text", ["gossip", "ssp", "local:0", "ssp:-1", "async:2", "diloco:x"])
 def test_the_simulator_refuses_a_spec_with_the_same_message(text: str) -> None:
-    from gradsync.sim.config import parse_strategy
+    from gradsync.sim.config import parse_sim_strategy
 
     with pytest.raises(UsageError) as shared:
         parse_strategy_spec(text)
     with pytest.raises(UsageError) as sim:
-        parse_strategy(text)
+        parse_sim_strategy(text)
     assert str(sim.value) == str(shared.value)
 
 
@@ -328,21 +328,21 @@ def test_the_simulator_refuses_a_spec_with_the_same_message(text: str) -> None:
 def test_a_simulated_strategy_built_by_hand_gets_the_message_of_its_spec(
     kind: str, param: float, typed: str
 ) -> None:
-    from gradsync.sim.config import Strategy
+    from gradsync.sim.config import SimStrategy
 
     with pytest.raises(UsageError) as shared:
         parse_strategy_spec(typed)
     with pytest.raises(UsageError) as sim:
-        Strategy(kind=kind, param=param)
+        SimStrategy(kind=kind, param=param)
     assert str(sim.value) == str(shared.value)
 
 
 def test_the_simulator_reads_every_simulated_spec_like_the_parser() -> None:
-    from gradsync.sim.config import parse_strategy
+    from gradsync.sim.config import parse_sim_strategy
 
     for text in ("bsp", "async", "ssp:0", "ssp:inf", "local:8", "diloco:2"):
-        assert parse_strategy(text).spec == str(parse_strategy_spec(text))
-    assert parse_strategy("ssp:inf").param == math.inf
+        assert parse_sim_strategy(text).spec == str(parse_strategy_spec(text))
+    assert parse_sim_strategy("ssp:inf").param == math.inf
 
 
 NO_TORCH = textwrap.dedent(

@@ -62,12 +62,14 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def pack(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def to_payload(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate tensors as raw bytes into one uint8 tensor: one collective, not several."""
     return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
 
 
-def unpack(payload: torch.Tensor, layout: Sequence[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+def from_payload(
+    payload: torch.Tensor, layout: Sequence[tuple[torch.dtype, int]]
+) -> list[torch.Tensor]:
     """Split a uint8 payload back into ``(dtype, numel)`` pieces, in the order they were packed."""
     out, offset = [], 0
     for dtype, numel in layout:
@@ -182,16 +184,18 @@ def all_gather_mean(
     buf = bucket.buffer()
     world, _ = world_and_rank(state.group)
     acc = accumulator_dtype(buf.dtype)
-    payload = pack(codec.encode(buf.reshape(-1), step))
+    payload = to_payload(codec.encode(buf.reshape(-1), step))
     state.bytes_sent += payload.numel() * payload.element_size()
 
     if getattr(state, "sent", None) is not None:
         contribution = getattr(codec, "contribution", None)
         if contribution is not None:
-            record_sent(state, bucket.index(), contribution(unpack(payload, codec.layout), step))
+            record_sent(
+                state, bucket.index(), contribution(from_payload(payload, codec.layout), step)
+            )
         else:
             mine = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
-            codec.accumulate(unpack(payload, codec.layout), mine, step)
+            codec.accumulate(from_payload(payload, codec.layout), mine, step)
             record_sent(state, bucket.index(), mine)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     work = dist.all_gather(gathered, payload, group=state.group, async_op=True)
@@ -204,7 +208,7 @@ def all_gather_mean(
             total = buf.view(-1).zero_()
         else:
             total = torch.zeros(buf.numel(), dtype=acc, device=buf.device)
-        parts = [unpack(part, codec.layout) for part in gathered]
+        parts = [from_payload(part, codec.layout) for part in gathered]
         accumulate_all = getattr(codec, "accumulate_all", None)
         if accumulate_all is not None:
             accumulate_all(parts, total, step)

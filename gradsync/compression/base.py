@@ -39,8 +39,8 @@ class BucketLike(Protocol):
     def gradients(self) -> list[torch.Tensor]: ...
 
 
-#: ``(dtype, numel)`` of each payload piece, in order: what ``_wire.pack`` concatenates and
-#: ``_wire.unpack`` splits again. It depends only on the codec's arguments, never on the data.
+#: ``(dtype, numel)`` of each payload piece, in order: what ``_wire.to_payload`` concatenates and
+#: ``_wire.from_payload`` splits again. It depends only on the codec's arguments, never on the data.
 Layout = tuple[tuple[torch.dtype, int], ...]
 
 

@@ -26,7 +26,7 @@ so over T steps ``sum(decode(payload_t)) + residual == sum(gradients)``. Decodin
 from previous steps: the server keeps one codec per worker only because randomk's indices come
 from the worker's seed.
 
-Wire format (``_wire.pack`` of the pieces, in this order; ``n`` = numel, ``d`` = the gradient
+Wire format (``_wire.to_payload`` of the pieces, in this order; ``n`` = numel, ``d`` = the gradient
 dtype, ``c`` = int8's chunk, 1024 by default, ``s`` = sign's chunk, 64 by default; 4-byte pieces
 first so they stay aligned):
 
@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from gradsync.compression._wire import accumulator_dtype, pack, unpack
+from gradsync.compression._wire import accumulator_dtype, from_payload, to_payload
 from gradsync.compression.base import Codec, Compressor
 from gradsync.compression.spec import VALID_FORMS, parse_compression
 from gradsync.errors import UsageError
@@ -119,7 +119,9 @@ class PushCodec:
         if self.error_feedback and self.residual is not None:
             x.add_(self.residual.to(x.device))
         payload = (
-            pack(self._codec.encode(x, step)) if self.numel else x.new_empty(0, dtype=torch.uint8)
+            to_payload(self._codec.encode(x, step))
+            if self.numel
+            else x.new_empty(0, dtype=torch.uint8)
         )
         self.bytes_sent += payload.numel()
         if self.error_feedback:
@@ -139,7 +141,7 @@ class PushCodec:
     def _decode(self, payload: torch.Tensor, step: int) -> torch.Tensor:
         if not self.numel:
             return torch.zeros(0, dtype=accumulator_dtype(self.dtype), device=payload.device)
-        return self._codec.decode(unpack(payload, self._codec.layout), step)
+        return self._codec.decode(from_payload(payload, self._codec.layout), step)
 
     def state_dict(self) -> dict[str, Any]:
         """The residual, plus whatever the codec carries between encodes (PowerSGD: ``q``)."""

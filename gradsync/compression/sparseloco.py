@@ -64,9 +64,9 @@ import torch.distributed as dist
 from gradsync.compression._wire import (
     BLOCK,
     accumulator_dtype,
-    pack,
+    from_payload,
     split_chunks,
-    unpack,
+    to_payload,
     world_and_rank,
 )
 from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
@@ -452,11 +452,11 @@ def sparseloco_hook(
     flat = buf.reshape(-1)
     acc = _fold(state, bucket.index(), flat)
     codec = SparseLoCoCodec(flat.numel(), state.density, state.chunk, acc.dtype)
-    payload = pack(codec.encode(acc, 0))
+    payload = to_payload(codec.encode(acc, 0))
     state.bytes_sent += payload.numel()
     # Decoded from the bytes themselves, as every rank decodes them: what leaves e is exactly
     # what the others add, so nothing is lost or counted twice (beyond the decay).
-    pos, sent = codec.entries(unpack(payload, codec.layout))
+    pos, sent = codec.entries(from_payload(payload, codec.layout))
     acc.index_add_(0, pos, sent, alpha=-1)
     world, _ = world_and_rank(state.group)
     gathered = [torch.empty_like(payload) for _ in range(world)]
@@ -467,7 +467,7 @@ def sparseloco_hook(
         fut.wait()
         total = torch.zeros(flat.numel(), dtype=acc.dtype, device=flat.device)
         for part in gathered:  # rank order on every rank: the same sum everywhere
-            codec.accumulate(unpack(part, codec.layout), total, 0)
+            codec.accumulate(from_payload(part, codec.layout), total, 0)
         return total.div_(world).to(buf.dtype).view_as(buf)
 
     return work.get_future().then(finish)

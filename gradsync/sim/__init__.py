@@ -17,7 +17,7 @@ from gradsync.sim.calibrate import (
     predict,
     save_calibration,
 )
-from gradsync.sim.config import CommModel, ComputeModel, Hosts, Strategy, parse_strategy
+from gradsync.sim.config import CommModel, ComputeModel, Hosts, SimStrategy, parse_sim_strategy
 from gradsync.sim.model import (
     ALGORITHMS,
     OPS,
@@ -43,6 +43,7 @@ __all__ = [
     "Prediction",
     "RunProfile",
     "SimResult",
+    "SimStrategy",
     "Strategy",
     "WhatIf",
     "algbw",
@@ -53,8 +54,15 @@ __all__ = [
     "load_calibration",
     "load_profile",
     "overlap_summary",
+    "parse_sim_strategy",
     "parse_strategy",
     "predict",
     "save_calibration",
     "simulate",
 ]
+
+#: The names these had before ``SimStrategy`` / ``parse_sim_strategy`` (they collided with
+#: ``gradsync.Strategy`` / ``gradsync.parse_strategy``, the live strategies): kept so that
+#: scripts written against them go on working.
+Strategy = SimStrategy
+parse_strategy = parse_sim_strategy

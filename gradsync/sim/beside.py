@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from gradsync.sim.config import CommModel, Strategy
+from gradsync.sim.config import CommModel, SimStrategy
 from gradsync.sim.report import format_rows
 from gradsync.sim.simulate import Overlap, SimResult, simulate, zero_comm_ms
 from gradsync.sim.streaming import Layer, fragment_shares
@@ -29,7 +29,7 @@ def _steps(res: SimResult) -> dict[str, float]:
 
 
 def streaming_rows(
-    strategy: Strategy, compute: np.ndarray, comm: CommModel, layers: Sequence[Layer] | None
+    strategy: SimStrategy, compute: np.ndarray, comm: CommModel, layers: Sequence[Layer] | None
 ) -> list[dict[str, Any]]:
     """Plain ``diloco:H`` and ``strategy`` (streaming) on the same compute and link.
 
@@ -37,7 +37,7 @@ def streaming_rows(
     compressor's ratio (plain: the whole model's). ``peak_mb`` only where the comm model
     knows the message's bytes (alpha-beta); ``peak_share`` always.
     """
-    plain = Strategy(kind="diloco", param=strategy.param)
+    plain = SimStrategy(kind="diloco", param=strategy.param)
     workers = compute.shape[1]
     rows: list[dict[str, Any]] = []
     for s in (plain, strategy):
@@ -93,7 +93,7 @@ def format_streaming(rows: list[dict[str, Any]]) -> str:
 
 
 def allreduce_rows(
-    strategy: Strategy,
+    strategy: SimStrategy,
     compute: np.ndarray,
     comm: CommModel,
     *,

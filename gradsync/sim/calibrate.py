@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from gradsync.errors import UsageError
-from gradsync.sim.config import CommModel, Strategy, parse_strategy
+from gradsync.sim.config import CommModel, SimStrategy, parse_sim_strategy
 from gradsync.sim.model import AlphaBeta, Fit
 from gradsync.sim.simulate import SimResult, simulate
 from gradsync.sim.table import CollectiveTable
@@ -217,7 +217,7 @@ class WhatIf:
         if self.workers is not None and self.workers < 1:
             raise UsageError(f"--workers must be at least 1, got {self.workers}")
         if self.strategy is not None:
-            _calibrated(parse_strategy(self.strategy))
+            _calibrated(parse_sim_strategy(self.strategy))
         if not (self.compression_ratio >= 1 and math.isfinite(self.compression_ratio)):
             raise UsageError(f"--compression-ratio must be >= 1, got {self.compression_ratio}")
 
@@ -237,7 +237,7 @@ class WhatIf:
 RESAMPLE_MODES = ("steps", "ranks")
 
 
-def _calibrated(strategy: Strategy) -> Strategy:
+def _calibrated(strategy: SimStrategy) -> SimStrategy:
     """``strategy``, or a UsageError when the calibrated prediction does not model it.
 
     ``zero:N`` is left out: its measured comm holds an all-gather that neither the run's
@@ -359,7 +359,7 @@ def predict(
     if profile.collective_steps is not None and host_overhead:
         source += " + run overhead"
     comm_steps = collective + overhead if workers > 1 else np.zeros(steps)
-    strategy: Strategy = _calibrated(parse_strategy(wi.strategy or profile.strategy))
+    strategy: SimStrategy = _calibrated(parse_sim_strategy(wi.strategy or profile.strategy))
     res = simulate(strategy, compute, CommModel(comm_ms=0.0), comm_steps=comm_steps)
     spread = np.zeros(steps)
     if profile.comm_spread_steps is not None and host_overhead and workers > 1:

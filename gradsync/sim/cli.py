@@ -9,7 +9,7 @@ from pathlib import Path
 from gradsync.errors import UsageError
 from gradsync.flags import add_flags, from_namespace
 from gradsync.sim import commands
-from gradsync.sim.config import parse_strategy
+from gradsync.sim.config import parse_sim_strategy
 from gradsync.sim.options import BenchOptions, SimulateOptions, emit
 
 
@@ -50,7 +50,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return commands.from_run(opts)
     if opts.sweep_staleness or opts.sweep_workers:
         return commands.sweeps(opts)
-    parse_strategy(opts.strategy)
+    parse_sim_strategy(opts.strategy)
     return commands.single(opts)
 
 

@@ -19,8 +19,8 @@ from gradsync.sim.beside import (
 from gradsync.sim.config import (
     CommModel,
     ComputeModel,
-    Strategy,
-    parse_strategy,
+    SimStrategy,
+    parse_sim_strategy,
     takes_hierarchy,
 )
 from gradsync.sim.options import (
@@ -45,7 +45,7 @@ def beside_bsp(compute: np.ndarray, comm: CommModel) -> list[dict[str, Any]]:
     rows = []
     hierarchical = comm.hosts is not None and comm.hosts.allreduce == "hierarchical"
     for spec in BESIDE_BSP:
-        strategy = parse_strategy(spec)
+        strategy = parse_sim_strategy(spec)
         if hierarchical and not takes_hierarchy(strategy):
             continue
         if strategy.kind == "zero":
@@ -69,7 +69,7 @@ def beside_bsp(compute: np.ndarray, comm: CommModel) -> list[dict[str, Any]]:
 
 def single(args: SimulateOptions) -> int:
     model, comm = compute_model(args), comm_model(args)
-    strategy = parse_strategy(args.strategy)
+    strategy = parse_sim_strategy(args.strategy)
     layers = layers_from_args(args)
     if layers is not None and not strategy.streaming:
         raise UsageError(
@@ -92,7 +92,7 @@ def single(args: SimulateOptions) -> int:
 
 def _overlapped(
     args: SimulateOptions,
-    strategy: Strategy,
+    strategy: SimStrategy,
     model: ComputeModel,
     compute: np.ndarray,
     comm: CommModel,
@@ -129,7 +129,7 @@ def _overlapped(
 
 def _one(
     args: SimulateOptions,
-    strategy: Strategy,
+    strategy: SimStrategy,
     model: ComputeModel,
     compute: np.ndarray,
     comm: CommModel,
@@ -190,7 +190,7 @@ def sweeps(args: SimulateOptions) -> int:
         compute = base.draw()
         rows: list[list[Any]] = []
         for bound in _parse_staleness(args.sweep_staleness):
-            res = simulate(Strategy(kind="ssp", param=bound), compute, comm)
+            res = simulate(SimStrategy(kind="ssp", param=bound), compute, comm)
             label = "inf" if math.isinf(bound) else str(int(bound))
             rows.append(
                 [
@@ -235,7 +235,7 @@ def _workers_sweep(
         raise UsageError(f"--sweep-workers takes integers, got {args.sweep_workers!r}") from None
     if not counts or min(counts) < 1:
         raise UsageError(f"--sweep-workers needs counts >= 1, got {args.sweep_workers!r}")
-    strategies = [parse_strategy(s) for s in args.strategies.split(",") if s.strip()]
+    strategies = [parse_sim_strategy(s) for s in args.strategies.split(",") if s.strip()]
     if layers is not None and not any(s.streaming for s in strategies):
         raise UsageError(
             "--layers sizes the fragments of streaming DiLoCo (diloco:H:F[:TAU[:ALPHA]][:SPLIT]); "

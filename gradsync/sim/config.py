@@ -46,13 +46,13 @@ def _check_spec(text: str) -> StrategySpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Strategy:
+class SimStrategy:
     """A strategy as the simulator reads it: ``param`` is S for ssp (``math.inf`` allowed), H
     for local/diloco, 0 for the others. Streaming DiLoCo (``diloco:H:F:TAU:ALPHA[:SPLIT]``)
     also sets ``fragments``, ``delay``, ``alpha`` and ``split`` (how the fragments are cut,
     ``gradsync.spec.SPLITS``: "rows" by default); plain ``diloco:H`` is F=1, TAU=0, ALPHA=0.
 
-    Checked by ``gradsync.spec``, the parser of every spec string, so a Strategy built directly
+    Checked by ``gradsync.spec``, the parser of every spec string, so a SimStrategy built directly
     is refused with the same message as the spec string it stands for.
     """
 
@@ -76,7 +76,7 @@ class Strategy:
             )
         if self.fragments == 1 and self.split != SPLITS[0]:
             # One fragment is the whole model whatever the split (the parser drops it too), so
-            # that a Strategy equals the one its spec string parses to.
+            # that a SimStrategy equals the one its spec string parses to.
             object.__setattr__(self, "split", SPLITS[0])
 
     @property
@@ -86,7 +86,7 @@ class Strategy:
         return self.kind == "diloco" and (self.fragments, self.delay, self.alpha) != (1, 0, 0.0)
 
     @classmethod
-    def from_spec(cls, spec: StrategySpec) -> Strategy:
+    def from_spec(cls, spec: StrategySpec) -> SimStrategy:
         """The simulator's view of a parsed spec string."""
         if spec.fragments is not None:
             assert spec.period is not None
@@ -124,10 +124,10 @@ class Strategy:
         return text
 
 
-def parse_strategy(text: str) -> Strategy:
+def parse_sim_strategy(text: str) -> SimStrategy:
     """Parse ``bsp``, ``zero:1``, ``zero:2``, ``zero:3``, ``ssp:S``, ``async``, ``local:H``,
     ``diloco:H`` or ``diloco:H:F[:TAU[:ALPHA]][:SPLIT]`` (``gradsync.spec``)."""
-    return Strategy.from_spec(_check_spec(text))
+    return SimStrategy.from_spec(_check_spec(text))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,11 +204,11 @@ class ComputeModel:
 #: torch, has the same tuple).
 ALLREDUCE_CHOICES = ("ring", "hierarchical")
 #: The strategies whose exchange goes through the hierarchical all-reduce (the runtime's
-#: ``Strategy.takes_hierarchy``): bsp's and zero:1's gradient, local SGD's and DiLoCo's averages.
+#: ``SimStrategy.takes_hierarchy``): bsp's and zero:1's gradient, local SGD's and DiLoCo's averages.
 HIERARCHICAL = ("bsp", "zero:1", "local:H", "diloco:H")
 
 
-def takes_hierarchy(strategy: Strategy) -> bool:
+def takes_hierarchy(strategy: SimStrategy) -> bool:
     """Whether ``strategy`` exchanges through the hierarchical all-reduce at run time."""
     return strategy.kind in ("bsp", "local", "diloco") or strategy.spec == "zero:1"
 

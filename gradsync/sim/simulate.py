@@ -22,8 +22,8 @@ from gradsync.errors import UsageError
 from gradsync.sim.config import (
     HIERARCHICAL,
     CommModel,
-    Strategy,
-    parse_strategy,
+    SimStrategy,
+    parse_sim_strategy,
     takes_hierarchy,
 )
 from gradsync.sim.streaming import Layer, Plan, fragment_shares, timeline
@@ -120,7 +120,7 @@ class SimResult:
 
 
 def simulate(
-    strategy: Strategy | str,
+    strategy: SimStrategy | str,
     compute_ms: np.ndarray,
     comm: CommModel,
     *,
@@ -138,7 +138,7 @@ def simulate(
     (``streaming.layer_tensors``), which the rows split needs to match the runtime exactly;
     without them each fragment carries 1/F.
     """
-    strat = parse_strategy(strategy) if isinstance(strategy, str) else strategy
+    strat = parse_sim_strategy(strategy) if isinstance(strategy, str) else strategy
     c = np.asarray(compute_ms, dtype=float)
     if c.ndim != 2 or c.size == 0:
         raise UsageError("compute matrix must be (steps, workers) with at least one of each")
@@ -193,7 +193,7 @@ def simulate(
 OVERLAPPED = ("bsp", "zero:1")
 
 
-def _check_hosts(strat: Strategy, comm: CommModel) -> None:
+def _check_hosts(strat: SimStrategy, comm: CommModel) -> None:
     """Refuse what ``gradsync run`` refuses on hosts: the hierarchical all-reduce for a strategy
     that does not exchange through it, and hogwild (one shared copy: one host) on several."""
     if comm.hosts is None:
@@ -211,7 +211,7 @@ def _check_hosts(strat: Strategy, comm: CommModel) -> None:
 
 
 def _streaming(
-    c: np.ndarray, comm: CommModel, strat: Strategy, layers: Sequence[Layer] | None
+    c: np.ndarray, comm: CommModel, strat: SimStrategy, layers: Sequence[Layer] | None
 ) -> SimResult:
     # Fragment by fragment (gradsync.sim.streaming): an exchange hides behind the TAU steps
     # after it, and a worker waits at the merge only for what has not finished. The unhidden
