@@ -86,7 +86,9 @@ def test_snapshots_packed_off_the_pool_travel_in_shared_memory_too(
     sent: list[object] = []
     send = writer_process.send_message
     monkeypatch.setattr(
-        writer_process, "send_message", lambda sock, m, fds=(): (sent.append(m), send(sock, m, fds))
+        writer_process,
+        "send_message",
+        lambda sock, m, fds=(), **kw: (sent.append(m), send(sock, m, fds, **kw)),
     )
     writer = _writer(tmp_path, files_every=files_every)
     hold = writer._hold  # a held snapshot's message goes to the mailbox, not the socket

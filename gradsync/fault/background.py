@@ -23,8 +23,10 @@ checkpoint besides the newest ``keep``. ``save(wait=True)`` is always durable.
 
 At most ``depth`` snapshots wait for the thread; a further ``submit`` blocks until one is
 written (the memory bound, and a disk slower than the steps shows up as step time rather than
-as checkpoints silently dropped). Errors of the thread (a full disk, a rank whose file never
-came) are raised by the next ``submit``, ``wait`` or ``close`` on the training thread.
+as checkpoints silently dropped), for ``timeout_s`` at most: a stalled disk, or a stopped
+writer process, then fails the rank naming the writer, rather than hanging it. Errors of the
+thread (a full disk, a rank whose file never came) are raised by the next ``submit``, ``wait``
+or ``close`` on the training thread.
 
 Why not ``torch.distributed.checkpoint.async_save``: it plans every save with collectives over
 the group (its cost per call was not measured here), writes DCP's own layout without our
@@ -38,6 +40,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
@@ -98,6 +101,39 @@ class WriterBase:
         (called under ``_cond``)."""
         raise NotImplementedError
 
+    def _writer_name(self) -> str:
+        """Who writes, for an error (a subclass names its process)."""
+        return "the checkpoint writer thread"
+
+    def _writer_state(self) -> str:
+        """What the writer is doing, for an error saying it did not answer in time."""
+        return "it is still busy (a stalled disk?)"
+
+    def _pending_steps(self) -> list[int]:
+        """The steps handed to the writer and not written yet (under ``_cond``)."""
+        raise NotImplementedError
+
+    def _room(self, pending: Callable[[], list[int]]) -> bool:
+        """Under ``_cond``: until fewer than ``depth`` snapshots are ``pending``, for
+        ``timeout_s`` at most (False then): a stopped writer or a stalled disk must fail the
+        rank, not hang it."""
+        deadline = time.monotonic() + self.timeout_s
+        while len(pending()) >= self.depth:
+            self._raise_error()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
+
+    def _no_room(self, step: int) -> str:
+        return (
+            f"rank {self.rank}: no room for the checkpoint snapshot of step {step}: "
+            f"{self._writer_name()} wrote none of the {self.depth} before it (steps "
+            f"{', '.join(map(str, self._pending_steps()))}) in {self.timeout_s:g} s; "
+            f"{self._writer_state()}"
+        )
+
     def wait(self, step: int, timeout_s: float | None = None) -> None:
         """Until ``step``'s checkpoint is complete: committed (rank 0) or its manifest seen
         (other ranks, once their own file is written). ``CheckpointError`` after the timeout."""
@@ -108,7 +144,10 @@ class WriterBase:
                 self._raise_error()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CheckpointError(self._late(step, limit))
+                    late = self._late(step, limit)
+                    if self._written < step and self._pending_steps():  # did not answer
+                        late += f" by {self._writer_name()}; {self._writer_state()}"
+                    raise CheckpointError(late)
                 self._cond.wait(min(left, POLL_S) if self._written >= step else left)
             self._raise_error()
 
@@ -142,12 +181,19 @@ class WriterBase:
                 self._raise_error()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CheckpointError(
-                        f"rank {self.rank}: checkpoints still being written to "
-                        f"{self.store.directory} after {limit:g} s"
-                    )
+                    raise CheckpointError(self._flush_late(limit))
                 self._cond.wait(min(left, 0.05))
             self._raise_error()
+
+    def _flush_late(self, limit: float) -> str:
+        pending = self._pending_steps()
+        late = f"rank {self.rank}: checkpoints still being written to {self.store.directory} "
+        if not pending:  # rank 0 waits for its peers' files, or a write is under way
+            return late + f"after {limit:g} s"
+        return (
+            late + f"after {limit:g} s: steps {', '.join(map(str, pending))} not written by "
+            f"{self._writer_name()}; {self._writer_state()}"
+        )
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -185,8 +231,8 @@ class CheckpointWriter(WriterBase):
         docstring)."""
         with self._cond:
             self._raise_error()
-            while len(self._jobs) >= self.depth and self._error is None:
-                self._cond.wait()
+            if len(self._jobs) >= self.depth and not self._room(self._pending_steps):
+                raise CheckpointError(self._no_room(step))
             self._raise_error()
             if self._closing:
                 raise CheckpointError("the checkpoint writer is closed")
@@ -195,6 +241,9 @@ class CheckpointWriter(WriterBase):
 
     def _settled(self) -> bool:
         return not (self._jobs or self._busy or self._commits)
+
+    def _pending_steps(self) -> list[int]:
+        return [job[0] for job in self._jobs]
 
     def close(self, timeout_s: float | None = None) -> None:
         """Write what is queued, then stop the thread; raises what went wrong in it."""

@@ -22,7 +22,8 @@ descriptor, ``("share", id, text)`` (the JSON text of the model's and optimizer'
 tree, sent once per layout), ``("write", step, durable, keep, (tree, refs, sizes), parts)``
 (this process makes the file's header from the tree, the texts ``refs`` name and the buffers'
 sizes: ``gradsync.fault.packed_header``), ``("flush", step)`` (write the held snapshot of
-``step``, see ``gradsync.fault.mailbox``), ``("close",)``; this process
+``step``, see ``gradsync.fault.mailbox``), ``("commit", step)`` (rank 0: commit ``step``,
+whose file is written, once every rank's is), ``("close",)``; this process
 answers ``("ready",)`` once it has started, ``("written", step)``, ``("committed", step)`` and
 ``("error", message)``, and exits after ``close`` once its commits are done.
 
@@ -30,10 +31,16 @@ When the training process dies, its socket closes: this process writes what it w
 the snapshots held in the mailbox, rank 0's commits the newest step every rank wrote once the
 peers' writers have ended, and it exits. It holds a lock for its life
 (``gradsync.fault.writer_locks``) so that a restarted attempt reads the directory only after.
+
+When such a process dies, its rank's writer starts another one (``writer_process``,
+``_take_over``) and sends it the snapshots the dead one had not written, as ``write`` messages
+carrying their bytes, and on rank 0 a ``commit`` of the step it wrote last, then closes the
+socket: the new process writes them and ends as when a rank dies, committing on rank 0.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import mmap
 import os
@@ -64,18 +71,44 @@ _BLOB = b"B"
 _PICKLE = b"P"
 
 
-def send_message(sock: socket.socket, message: Any, fds: Sequence[int] = ()) -> None:
-    """One message (and file descriptors) as one packet."""
+def send_message(
+    sock: socket.socket, message: Any, fds: Sequence[int] = (), timeout_s: float | None = None
+) -> None:
+    """One message (and file descriptors) as one packet. ``timeout_s``: how long to wait for
+    room in the socket at most (``TimeoutError``); ``None``: as long as it takes."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) <= _INLINE_MAX:
-        socket.send_fds(sock, [_PICKLE + data], list(fds))
+        _send_packet(sock, _PICKLE + data, list(fds), timeout_s)
         return
     blob = os.memfd_create("gradsync-message", os.MFD_CLOEXEC)
     try:
         os.write(blob, data)
-        socket.send_fds(sock, [_BLOB + len(data).to_bytes(8, "little")], [blob, *fds])
+        _send_packet(sock, _BLOB + len(data).to_bytes(8, "little"), [blob, *fds], timeout_s)
     finally:
         os.close(blob)
+
+
+def _send_packet(
+    sock: socket.socket, packet: bytes, fds: list[int], timeout_s: float | None
+) -> None:
+    """Why a deadline: a peer that reads nothing (a stopped process) fills the socket, and a
+    plain send then waits for ever. A packet is sent whole or not at all. (``socket.send_fds``
+    is not used: before Python 3.12 it drops its ``flags``, so it blocks whatever they say.)"""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    if timeout_s is None:
+        sock.sendmsg([packet], ancillary)
+        return
+    deadline = None
+    while True:
+        try:
+            sock.sendmsg([packet], ancillary, socket.MSG_DONTWAIT)
+            return
+        except BlockingIOError:
+            if deadline is None:
+                deadline = time.monotonic() + timeout_s
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [sock], [], left)[1]:
+                raise TimeoutError(f"no room to send in {timeout_s:g} s") from None
 
 
 def recv_message(sock: socket.socket) -> tuple[Any, list[int]] | None:
@@ -188,6 +221,10 @@ class _Child:
             self._write(*message[1:])
         elif kind == "flush":
             self._flush(message[1])
+        elif kind == "commit" and self.commits is not None:
+            # from a writer taking over from a dead one: this rank's file of the step is
+            # written, its commit not done
+            self.commits.add(message[1], False)
         elif kind == "close":
             return True
         return False

@@ -13,20 +13,29 @@ in the message itself.
 rank killed right after a save still has that save written, as on the CPU (the thread dies
 with its rank): its snapshot, copied to host buffers of its own (``pack`` pools only CPU
 sources), is copied once more into the pool's shared buffers (``_into_shared``).
+
+A child that dies is noticed at once (its socket closes) and is an error of the rank's next
+call, naming its pid and how it ended; before raising, the writer starts another child that
+writes the snapshots the dead one had not written (``_take_over``): the held ones live only in
+this process's memory, and without it a restart lost up to ``FILES_EVERY`` steps. Every wait
+on the child is bounded by ``timeout_s`` and names it, and a stopped child is continued as the
+writer lets it go (``_stop_child``), so that it writes what it holds and ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import multiprocessing.util
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
 import threading
-import weakref
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,16 +144,103 @@ class _SharedBuffers:
             return shared
         return bytes(raw_bytes(buf))
 
+    def copied(self, part: Any) -> Any:
+        """``part`` (see ``part``) as bytes: for a child that has not got the shared buffers."""
+        if isinstance(part, tuple):
+            ident, nbytes = part
+            return self._maps[ident][:nbytes]
+        return part
 
-def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket) -> None:
+
+def _spawn(init: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """A writer child process given ``init``, and this end of its socket, once it has started:
+    a save is written as soon as it is taken, from the first one on (a rank killed a few steps
+    after its first checkpoint still resumes from it). Tens of milliseconds."""
+    sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "gradsync.fault.writer_child", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        theirs.close()
+    got = None
+    try:
+        send_message(sock, ("init", init), timeout_s=timeout_s)
+        sock.settimeout(timeout_s)
+        got = recv_message(sock)
+        sock.settimeout(None)
+    except OSError:  # a timeout, or the child gone
+        pass
+    if got is not None and got[0] == ("ready",):
+        return child, sock
+    _stop_child(child, sock, os.getpid())
+    rank = init["rank"]
+    if got is not None and got[0][0] == "error":
+        raise CheckpointError(f"rank {rank}: {got[0][1]}")
+    raise CheckpointError(
+        f"rank {rank}: the checkpoint writer process (pid {child.pid}) did not start in "
+        f"{timeout_s:g} s; {_exit_note(child)}"
+    )
+
+
+def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket, owner: int) -> None:
     """Close the socket: the child then writes the snapshots it holds and ends by itself (it
     is not killed: a rank leaving by an exception, or without ``close``, still gets them
-    written; a restarted attempt waits for it through its lock). Reaped if already done."""
+    written; a restarted attempt waits for it through its lock). A stopped child (SIGSTOP) is
+    continued first: it would otherwise never end, holding its lock and what it holds. Reaped
+    if already done. Only by ``owner``, the process that started it: in a process forked from
+    that one, the socket is the owner's too."""
+    if os.getpid() != owner:
+        return
     try:
+        child.send_signal(signal.SIGCONT)  # nothing if it is done: ``send_signal`` polls first
+        # Shut down, not only closed: the child sees the end at once even while the receiver
+        # thread is still blocked reading it, or a process forked from this one holds it.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
         sock.close()
     finally:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=0.05)
+
+
+def _exit_note(child: subprocess.Popen[bytes]) -> str:
+    """How ``child`` ended, as its socket broke: its exit status follows at once."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=2.0)
+    code = child.poll()
+    if code is None:
+        return "it is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"it exited with code {code} (killed by {name})"
+    return f"it exited with code {code}"
+
+
+#: what a process's state letter in /proc/PID/stat says of a writer that does not answer
+_STATES = {
+    "T": "it is stopped (SIGSTOP or SIGTSTP)",
+    "t": "it is stopped by a debugger",
+    "D": "it is waiting in the kernel, on a disk most likely",
+    "Z": "it has exited",
+}
+
+
+def _state_note(pid: int) -> str:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return "it has exited"
+    return _STATES.get(state, f"it is running (state {state})")
 
 
 class ProcessCheckpointWriter(WriterBase):
@@ -166,8 +262,9 @@ class ProcessCheckpointWriter(WriterBase):
             raise ValueError(f"files_every must be >= 1, got {files_every}")
         self.files_every = files_every
         self._send_lock = threading.Lock()
-        #: submitted, not written yet (``None``: a held snapshot the child was told to write)
-        self._in_flight: deque[tuple[int, Packed | None]] = deque()
+        #: submitted, not written yet: the step, its snapshot and the message sent (``None``,
+        #: ``None``: a held snapshot the child was told to write)
+        self._in_flight: deque[tuple[int, Packed | None, tuple[Any, ...] | None]] = deque()
         #: the newest snapshots left in the mailbox, not written: their buffers stay taken
         self._held: deque[tuple[int, Packed]] = deque()
         self._held_seq = 0
@@ -177,18 +274,11 @@ class ProcessCheckpointWriter(WriterBase):
         self._last_file: int | None = None  # newest step sent to be written as a file
         self._last = -1  # newest step submitted
         self._abandoned = -1  # newest step given up after an error (rank 0 commits no more)
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._child = subprocess.Popen(
-                [sys.executable, "-m", "gradsync.fault.writer_child", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                close_fds=True,
-            )
-        finally:
-            theirs.close()
-        self._finalizer = weakref.finalize(self, _stop_child, self._child, self._sock)
-        init = {
+        self._gone = False  # the child's socket closed (``_receive``)
+        self._started = False  # until the child has its mailbox and the receiver runs
+        #: why this writer failed for good (its child died): every later call raises it
+        self._failure: CheckpointError | None = None
+        self._init = {
             "directory": str(store.directory),
             "keep": store.keep,
             "rank": self.rank,
@@ -199,8 +289,13 @@ class ProcessCheckpointWriter(WriterBase):
             "nice": nice,
             "idle": idle,
         }
-        self._send(("init", init))
-        self._await_ready()
+        self._child, self._sock = _spawn(self._init, _START_TIMEOUT_S)
+        # Run when this writer is collected, or as the process exits: at the interpreter's
+        # exit, or at a multiprocessing child's (a rank under ``gradsync run``), which skips
+        # the interpreter's exit handlers (``weakref.finalize`` was not run there).
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _stop_child, args=(self._child, self._sock, os.getpid()), exitpriority=0
+        )
         self._shared = _SharedBuffers(self._send)
         self._mailbox = self._share_mailbox()
         #: buffers for this rank's snapshots: one per job in flight, two held, one being
@@ -210,27 +305,7 @@ class ProcessCheckpointWriter(WriterBase):
             target=self._receive, name=f"gradsync-checkpoint-writer-{self.rank}", daemon=True
         )
         self._receiver.start()
-
-    def _await_ready(self) -> None:
-        """Until the child has started: a save is written as soon as it is taken, from the
-        first one on (a rank killed a few steps after its first checkpoint still resumes from
-        it). Once per writer, tens of milliseconds."""
-        self._sock.settimeout(_START_TIMEOUT_S)
-        try:
-            got = recv_message(self._sock)
-        except OSError:
-            got = None
-        finally:
-            self._sock.settimeout(None)
-        if got is not None and got[0][0] == "error":
-            self._finalizer()
-            raise CheckpointError(f"rank {self.rank}: {got[0][1]}")
-        if got is None or got[0] != ("ready",):
-            self._finalizer()
-            raise CheckpointError(
-                f"rank {self.rank}: the checkpoint writer process did not start in "
-                f"{_START_TIMEOUT_S:g} s; {self._exit_note()}"
-            )
+        self._started = True
 
     def _share_mailbox(self, slot_bytes: int | None = None) -> Mailbox:
         slot_bytes = slot_bytes or SLOT_BYTES
@@ -244,30 +319,43 @@ class ProcessCheckpointWriter(WriterBase):
         return Mailbox(area, slot_bytes)
 
     def _send(self, message: Any, fds: list[int] | None = None) -> None:
+        """Send the child ``message``; waits ``timeout_s`` at most for room (a child that
+        reads nothing, stopped, fills its socket), and a dead child fails the writer."""
         try:
             with self._send_lock:
-                send_message(self._sock, message, fds or ())
-        except OSError as e:
+                send_message(self._sock, message, fds or (), timeout_s=self.timeout_s)
+            return
+        except TimeoutError:
             raise CheckpointError(
-                f"rank {self.rank}: the checkpoint writer process is gone ({e}); "
-                f"{self._exit_note()}"
+                f"rank {self.rank}: {self._writer_name()} read no message in "
+                f"{self.timeout_s:g} s; {self._writer_state()}"
             ) from None
+        except OSError:  # its socket is closed: the child is gone
+            self._gone = True
+        if self._started and not self._closing:
+            with self._cond:
+                self._raise_error()  # hands over what it left, and raises why
+        raise CheckpointError(
+            f"rank {self.rank}: {self._writer_name()} is gone; {_exit_note(self._child)}"
+        )
 
-    def _exit_note(self) -> str:
-        # the socket breaks as the child dies: its exit status follows at once
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._child.wait(timeout=2.0)
-        code = self._child.poll()
-        return "it is still running" if code is None else f"it exited with code {code}"
+    def _writer_name(self) -> str:
+        return f"the checkpoint writer process (pid {self._child.pid})"
+
+    def _writer_state(self) -> str:
+        return _state_note(self._child.pid)
+
+    def _pending_steps(self) -> list[int]:
+        return sorted(entry[0] for entry in self._in_flight)
 
     # -- the training thread ------------------------------------------------------------------
     def submit(self, step: int, packed: Packed, *, durable: bool = False) -> None:
         """Hand ``packed`` to the child as this rank's file of ``step``; blocks while
-        ``depth`` are in flight (see ``CheckpointWriter.submit``)."""
+        ``depth`` are in flight, ``timeout_s`` at most (see ``CheckpointWriter.submit``)."""
         with self._cond:
             self._raise_error()
-            while len(self._in_flight) >= self.depth and self._error is None:
-                self._cond.wait()
+            if len(self._in_flight) >= self.depth and not self._room(self._pending_steps):
+                raise CheckpointError(self._no_room(step))
             self._raise_error()
             if self._closing:
                 raise CheckpointError("the checkpoint writer is closed")
@@ -288,9 +376,78 @@ class ProcessCheckpointWriter(WriterBase):
             self._hold(step, packed, message)
             return
         with self._cond:
-            self._in_flight.append((step, packed))
+            # the message kept too: should the child die, another one is sent it
+            self._in_flight.append((step, packed, message))
             self._last_file = step
         self._send(message)
+
+    def _raise_error(self) -> None:
+        """``WriterBase._raise_error``, and the child's death (under ``_cond``): noticed at
+        the first call after its socket closed, and raised by every call from then on."""
+        if self._failure is None and self._gone and self._started and not self._closing:
+            self._fail()
+        if self._failure is not None:
+            raise CheckpointError(str(self._failure))
+        super()._raise_error()
+
+    def _fail(self) -> None:
+        """The child died: have another write what it had not (``_take_over``), and fail."""
+        unwritten = self._unwritten()
+        self._in_flight.clear()
+        self._abandoned = self._last
+        why = f"rank {self.rank}: {self._writer_name()} died: {_exit_note(self._child)}"
+        self._failure = CheckpointError(f"{why}; {self._take_over(unwritten)}")
+
+    def _unwritten(self) -> list[tuple[Any, ...]]:
+        """The ``write`` messages of the snapshots handed over and not written, oldest
+        first: those sent to the child and those held in the mailbox, with the bytes of
+        their shared buffers in them (a new child has not got those buffers)."""
+        messages = {}
+        for _seq, raw in self._mailbox.entries():
+            message = pickle.loads(raw)
+            messages[message[1]] = message
+        for step, _packed, message in self._in_flight:
+            if message is not None:
+                messages[step] = message
+        return [
+            (*m[:5], [(offset, self._shared.copied(part)) for offset, part in m[5]])
+            for step, m in sorted(messages.items())
+            if step > self._written
+        ]
+
+    def _take_over(self, unwritten: list[tuple[Any, ...]]) -> str:
+        """Start a child that writes ``unwritten`` and, on rank 0, commits the newest step
+        every rank wrote once the peers' writers have ended: what the dead child would have
+        done as its rank died. Why: the held snapshots live only in this process, so with its
+        writer dead a rank that failed left nothing newer than its last file, up to
+        ``FILES_EVERY`` steps back (rank 0's, nothing committed after it). Its socket is
+        closed once it has been sent them: it writes them and ends, as when a rank dies.
+        Returns what became of them, for the error."""
+        steps = [m[1] for m in unwritten]
+        commit = self.commits and self._written > self._committed
+        if not steps and not commit:
+            return "it had written every snapshot handed to it"
+        try:
+            child, sock = _spawn(self._init, min(self.timeout_s, _START_TIMEOUT_S))
+        except CheckpointError as exc:
+            return f"the snapshots of steps {steps} it had not written are lost ({exc})"
+        try:
+            for ident, share in self._shares.items():
+                send_message(sock, ("share", ident, share.json), timeout_s=self.timeout_s)
+            for message in unwritten:
+                send_message(sock, message, timeout_s=self.timeout_s)
+            if commit:
+                send_message(sock, ("commit", self._written), timeout_s=self.timeout_s)
+        except OSError as exc:
+            return f"another writer process (pid {child.pid}) could not be sent them ({exc})"
+        finally:
+            sock.close()
+            # reaped when it ends, whenever that is: it outlives this rank if need be
+            threading.Thread(target=child.wait, daemon=True).start()
+        what = f"writes the snapshots of steps {steps} it had not written" if steps else ""
+        if commit:
+            what += f"{' and ' if what else ''}commits this run's newest complete step"
+        return f"another writer process (pid {child.pid}) {what}"
 
     def _into_shared(self, packed: Packed) -> Packed:
         """``packed`` with each buffer that is not from this writer's pool copied into one
@@ -402,12 +559,12 @@ class ProcessCheckpointWriter(WriterBase):
         """Tell the child to write the held snapshot of ``step`` (if held and not yet sent)."""
         with self._cond:
             held = any(s == step for s, _ in self._held)
-            sent = any(s == step for s, _ in self._in_flight) or step <= self._written
+            sent = any(e[0] == step for e in self._in_flight) or step <= self._written
             if not held or sent or self._closing:
                 return
             # ``_last_file`` stays: which steps become files depends on the steps alone, the
             # same on every rank, whoever flushes
-            self._in_flight.append((step, None))
+            self._in_flight.append((step, None, None))
         self._send(("flush", step))
 
     def _settled(self) -> bool:
@@ -415,12 +572,16 @@ class ProcessCheckpointWriter(WriterBase):
         return not self._in_flight and (not self.commits or done >= self._last)
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Write what is in flight, then stop the child; raises what went wrong in it."""
+        """Write what is in flight, then stop the child; raises what went wrong in it (once:
+        a dead child's snapshots went to another, ``_take_over``)."""
         try:
-            self.flush(timeout_s)
+            if self._failure is None:
+                self.flush(timeout_s)
         finally:
             with self._cond:
                 self._closing = True
+            # continued if stopped: it then writes what it holds and ends (``_stop_child``)
+            self._child.send_signal(signal.SIGCONT)
             with contextlib.suppress(CheckpointError):
                 self._send(("close",))
             try:
@@ -438,16 +599,11 @@ class ProcessCheckpointWriter(WriterBase):
                 got = recv_message(self._sock)
             except OSError:
                 got = None
-            note = self._exit_note() if got is None and not self._closing else ""
             with self._cond:
                 if got is None:
-                    self._in_flight.clear()  # never written now: nothing left to wait for
-                    self._abandoned = self._last
-                    if not self._closing and self._error is None:
-                        self._error = CheckpointError(
-                            f"rank {self.rank}: the checkpoint writer process stopped before "
-                            f"its work was done; {note}"
-                        )
+                    # The child is gone (or closing): the training thread's next call finds
+                    # out how, and has another child write what it left (``_raise_error``).
+                    self._gone = True
                     self._cond.notify_all()
                     return
                 (kind, *rest), _fds = got
@@ -463,7 +619,7 @@ class ProcessCheckpointWriter(WriterBase):
 
     def _on_written(self, step: int) -> None:
         self._written = max(self._written, step)
-        waiting: deque[tuple[int, Packed | None]] = deque()
+        waiting: deque[tuple[int, Packed | None, tuple[Any, ...] | None]] = deque()
         for entry in self._in_flight:  # in step order but for a held one written out of turn
             done, packed = entry[0] <= step, entry[1]
             if not done:
