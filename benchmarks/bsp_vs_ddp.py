@@ -18,7 +18,7 @@ import torch.distributed as dist
 import gradsync as gs
 from benchmarks.harness import Harness, fmt_iqr, machine, median_iqr, table, time_interleaved
 from benchmarks.steps import Trainer
-from gradsync.fault.guards import all_finite, check_replicas
+from gradsync.checks.guards import all_finite, check_replicas
 from gradsync.launch import launch
 from gradsync.workloads import make_workload
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmarks import checkpoint_vs_dcp_worker as w
 from benchmarks.harness import Harness, machine, median_iqr, pair_ratios, table
-from gradsync.fault.writer_process import FILES_EVERY
+from gradsync.checkpoint.writer_process import FILES_EVERY
 from gradsync.launch import launch
 
 HEADING = "Checkpoint cost against torch's DCP"

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from gradsync.checks.guards import is_finite
 from gradsync.compression.base import FlatBucket
-from gradsync.fault.guards import is_finite
 from gradsync.telemetry.records import Span
 
 MB = 1024 * 1024
@@ -158,7 +158,7 @@ class BucketReducer:
         #: multiplies each rank's gradient as it is copied into its bucket, before the exchange
         #: (load balancing's sample weight; for a plain sum, also the mean's 1/world and 1/k)
         self.scale = 1.0
-        #: replace a non-finite local bucket by NaN before a lossy exchange (see fault.guards)
+        #: replace a non-finite local bucket by NaN before a lossy exchange (see checks.guards)
         self.poison_nonfinite = False
         self.local_nonfinite = False
         self._poison_rest = False

@@ -46,8 +46,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _check_resume(cfg: Any, run_dir: Path) -> None:
     """Refuse a --resume the workers would fail (or worse, quietly start over) before any
     starts, and before config.json is rewritten with this run's flags."""
+    from gradsync.checkpoint.checkpointer import check_resumable
     from gradsync.compression import parse_compression
-    from gradsync.fault.resume import check_resumable
     from gradsync.worker import CHECKPOINT_DIR
 
     check_resumable(run_dir / CHECKPOINT_DIR, parse_compression(cfg.compression).spec, cfg.strategy)
@@ -151,9 +151,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_checkpoint_export(args: argparse.Namespace) -> int:
     """``gradsync checkpoint export``: a run's (or a checkpoint directory's) checkpoint as a
-    file torch opens alone (``gradsync.fault.export``)."""
-    from gradsync.fault.checkpoint import CheckpointError
-    from gradsync.fault.export import export_checkpoint
+    file torch opens alone (``gradsync.checkpoint.export``)."""
+    from gradsync.checkpoint.export import export_checkpoint
+    from gradsync.checkpoint.store import CheckpointError
 
     directory = _checkpoint_dir(Path(args.directory))
     try:
@@ -195,7 +195,7 @@ def _checkpoint_dir(path: Path) -> Path:
     return path
 
 
-#: ``gradsync.fault.export.TARGETS``, spelled here: importing that module (torch's distributed
+#: ``gradsync.checkpoint.export.TARGETS``, spelled here: importing that module (torch's distributed
 #: checkpointing, the writers) would add a second to every command's start
 EXPORT_TARGETS = ("torch", "dcp")
 

@@ -17,3 +17,7 @@ class SyncTimeoutError(RuntimeError):
 
 class DivergenceError(RuntimeError):
     """Replicas that must be identical are not."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, found or loaded; the message says which and why."""

@@ -14,7 +14,7 @@ from gradsync.stores import process_group_store
 
 #: the process group's collective timeout when gs.init() is not given one: torch's default,
 #: as for a DDP script. It bounds the user's own collectives; gradsync's are bounded by the
-#: Synchronizer's ``timeout_s`` while it runs (see gradsync.fault.diagnose).
+#: Synchronizer's ``timeout_s`` while it runs (see gradsync.checks.diagnose).
 DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

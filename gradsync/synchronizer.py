@@ -19,13 +19,13 @@ from torch.profiler import record_function
 
 from gradsync import compat, runtime
 from gradsync.balance import ShardBalancer
+from gradsync.checkpoint.checkpointer import Checkpointer
+from gradsync.checks.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
+from gradsync.checks.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
+from gradsync.checks.guards import check_replicas
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
-from gradsync.fault.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
-from gradsync.fault.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
-from gradsync.fault.guards import check_replicas
-from gradsync.fault.resume import Checkpointer
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
 from gradsync.strategies.base import (
@@ -113,9 +113,9 @@ class Synchronizer:
 
     ``timeout_s`` bounds gradsync's own waits: it is the group's collective timeout while
     gradsync runs (a step block, ``save``, ``report``), and the user's timeout comes back
-    between steps (see ``gradsync.fault.diagnose``). A rank still in its own code between
+    between steps (see ``gradsync.checks.diagnose``). A rank still in its own code between
     steps (an evaluation on rank 0) is waited for up to ``between_steps_timeout_s`` before
-    the next collective is posted (``gradsync.fault.gate``); None turns that gate off, and then
+    the next collective is posted (``gradsync.checks.gate``); None turns that gate off, and then
     ``timeout_s`` bounds those waits too.
 
     If a rank's block raises, its peers skip that step with it (under ``bsp`` its unsent
@@ -197,7 +197,7 @@ class Synchronizer:
             raise UsageError("balance=True needs telemetry (it balances on measured compute)")
         self._sizes: list[int] | None = None
         # timeout_s becomes the group's collective timeout while this Synchronizer is open,
-        # so the backend itself ends any wait that outlasts it (see gradsync.fault.diagnose).
+        # so the backend itself ends any wait that outlasts it (see gradsync.checks.diagnose).
         self._group_timeout = GroupTimeout(group, timeout_s) if self.world_size > 1 else None
         self._watch = ArrivalWatch(
             self.rank,
@@ -522,7 +522,7 @@ class Synchronizer:
         return None
 
     def _pass_gate(self, step: int, what: str) -> None:
-        """Wait (in the store) until every rank is back from its own code; see fault.gate."""
+        """Wait (in the store) until every rank is back from its own code; see checks.gate."""
         if self._gate is not None:
             self._gate.ensure(step, what)
 
@@ -635,7 +635,7 @@ class Synchronizer:
             return self._collector.flush()
 
     def _final_flush(self) -> None:
-        # Positioned after every step, like the final check: see gradsync.fault.diagnose.
+        # Positioned after every step, like the final check: see gradsync.checks.diagnose.
         if self.telemetry_enabled:
             self._collector.flush(END)
 

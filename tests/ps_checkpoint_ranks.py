@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import gradsync as gs
-from gradsync.fault.checkpoint import CheckpointError
+from gradsync.checkpoint.store import CheckpointError
 from gradsync.workloads import make_workload
 from tests.ranks import flat_params
 
@@ -108,7 +108,7 @@ def held_and_flushed(rank: int, world: int, root: str) -> dict[str, Any] | None:
         sync.serve()
         sync.close()
         return None
-    from gradsync.fault.checkpoint import CheckpointStore
+    from gradsync.checkpoint.store import CheckpointStore
 
     def train(step: int) -> None:
         with sync.step(samples=PER_RANK):
@@ -187,7 +187,7 @@ def closed_without_report(rank: int, world: int, root: str) -> int | None:
     closed = Path(root) / "rank-0-closed"
     if rank == 0:
         sync.close()
-        from gradsync.fault.checkpoint import CheckpointStore
+        from gradsync.checkpoint.store import CheckpointStore
 
         closed.touch()
         info = CheckpointStore(Path(root) / "ckpt").latest()

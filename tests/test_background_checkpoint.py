@@ -1,6 +1,6 @@
-"""Checkpoints every step: the packed snapshot (``gradsync.fault.packing``) and the background
-writer that writes and commits it (``gradsync.fault.background``), two ranks' writers sharing
-one directory in this process."""
+"""Checkpoints every step: the packed snapshot (``gradsync.checkpoint.packing``) and the background
+writer that writes and commits it (``gradsync.checkpoint.writer_thread``), two ranks'
+writers sharing one directory in this process."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from gradsync.fault import CheckpointError, CheckpointStore, CheckpointWarning, rng_state
-from gradsync.fault.background import CheckpointWriter
-from gradsync.fault.checkpoint import MANIFEST, snapshot
-from gradsync.fault.packing import BufferPool, constant, pack, read_packed, unpack
-from gradsync.fault.writer_process import ProcessCheckpointWriter
+from gradsync.checkpoint import CheckpointError, CheckpointStore, CheckpointWarning, rng_state
+from gradsync.checkpoint.packing import BufferPool, constant, pack, read_packed, unpack
+from gradsync.checkpoint.store import MANIFEST, snapshot
+from gradsync.checkpoint.writer_process import ProcessCheckpointWriter
+from gradsync.checkpoint.writer_thread import CheckpointWriter
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradsync.fault import (
+from gradsync.checkpoint import (
     FORMAT_VERSION,
     MANIFEST,
     CheckpointError,
@@ -28,7 +28,7 @@ from gradsync.fault import (
     safe_load,
     set_rng_state,
 )
-from gradsync.fault.packing import Packed
+from gradsync.checkpoint.packing import Packed
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from gradsync.fault.diagnose import ArrivalWatch
+from gradsync.checks.diagnose import ArrivalWatch
 from gradsync.testing import run_ranks
 from tests import gradient_ready_ranks as gr
 

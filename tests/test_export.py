@@ -1,4 +1,4 @@
-"""Exporting a checkpoint to files torch opens alone (``gradsync.fault.export``, ``gradsync
+"""Exporting a checkpoint to files torch opens alone (``gradsync.checkpoint.export``, ``gradsync
 checkpoint export``): a ``torch.save`` state dict and DCP, both loading into a fresh model (with
 ``strict=True``) and a fresh optimizer built as the training script built them, bitwise equal to
 what the ranks held; strategies that cannot export are refused, nothing written."""
@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import gradsync as gs
 from gradsync import cli
+from gradsync.checkpoint import CheckpointError, CheckpointStore, CheckpointWarning
+from gradsync.checkpoint.export import EXPORTABLE, TARGETS, export_checkpoint, single_process_state
 from gradsync.errors import UsageError
-from gradsync.fault import CheckpointError, CheckpointStore, CheckpointWarning
-from gradsync.fault.export import EXPORTABLE, TARGETS, export_checkpoint, single_process_state
 from gradsync.testing import run_ranks
 from tests import export_ranks as er
 from tests.test_cli_run import gradsync

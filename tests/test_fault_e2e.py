@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradsync.fault import CheckpointStore
+from gradsync.checkpoint import CheckpointStore
 from tests.test_cli_run import gradsync
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""Timeouts that bound only gradsync's own waits (the step gate, gradsync.fault.gate), and a
+"""Timeouts that bound only gradsync's own waits (the step gate, gradsync.checks.gate), and a
 block that raises on one rank: every rank skips that step together and stays in step."""
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import gradsync as gs
+from gradsync.checkpoint.store import CheckpointStore
 from gradsync.config import RunConfig
 from gradsync.errors import UsageError
-from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.spec import STRATEGY_FORMS, parse_strategy_spec
 from gradsync.strategies import Hogwild, parse_strategy
 from gradsync.strategies.factory import check_compression

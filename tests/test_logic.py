@@ -126,7 +126,7 @@ def test_charlm_learns_from_stdlib_text() -> None:
 
 
 def test_finiteness_check_is_exact_and_does_not_overflow_half_precision() -> None:
-    from gradsync.fault.guards import is_finite
+    from gradsync.checks.guards import is_finite
 
     x = torch.randn(1000)
     assert is_finite(x)
@@ -142,7 +142,7 @@ def test_finiteness_check_is_exact_and_does_not_overflow_half_precision() -> Non
 
 
 def test_the_check_of_many_tensors_at_once_is_as_exact_as_one_by_one() -> None:
-    from gradsync.fault.guards import all_finite
+    from gradsync.checks.guards import all_finite
 
     grads = [torch.randn(50), torch.randn(3, 4), torch.randn(7)]
     assert all_finite(grads) and all_finite([]) and all_finite(grads[:1])
@@ -165,7 +165,7 @@ def test_the_check_of_many_tensors_at_once_is_as_exact_as_one_by_one() -> None:
 def test_hang_diagnosis_counts_a_rank_one_step_ahead_as_arrived() -> None:
     import torch.distributed as dist
 
-    from gradsync.fault.diagnose import ArrivalWatch
+    from gradsync.checks.diagnose import ArrivalWatch
 
     store = dist.HashStore()
     watch = ArrivalWatch(0, 4, 20.0, store=store, arrive_after_s=0.1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradsync.checks.guards import check_replicas
 from gradsync.errors import DivergenceError
-from gradsync.fault.guards import check_replicas
 
 pytestmark = pytest.mark.unit
 

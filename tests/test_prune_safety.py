@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.fault.packing import read_packed, unpack
+from gradsync.checkpoint.packing import read_packed, unpack
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
 

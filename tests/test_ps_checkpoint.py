@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from gradsync.fault.checkpoint import CheckpointStore
-from gradsync.fault.writer_locks import wait_for_writers
-from gradsync.fault.writer_process import WRITER_ENV
+from gradsync.checkpoint.store import CheckpointStore
+from gradsync.checkpoint.writer_locks import wait_for_writers
+from gradsync.checkpoint.writer_process import WRITER_ENV
 from gradsync.testing import RankFailure, run_ranks
 from gradsync.workloads import make_workload
 from tests import ps_checkpoint_ranks as ranks

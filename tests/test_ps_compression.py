@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradsync.fault.checkpoint import CheckpointStore
+from gradsync.checkpoint.store import CheckpointStore
 from gradsync.testing import run_ranks
 from tests import ps_compression_ranks as ranks
 from tests import rank_device

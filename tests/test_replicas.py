@@ -7,8 +7,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from gradsync.fault import replicas
-from gradsync.fault.packing import BufferPool, pack, unpack
+from gradsync.checkpoint import replicas
+from gradsync.checkpoint.packing import BufferPool, pack, unpack
 
 pytestmark = pytest.mark.unit
 
@@ -136,7 +136,7 @@ def _file_bytes(packed: object) -> bytes:
 
 
 def _read(data: bytes) -> object:
-    from gradsync.fault.packing import read_packed
+    from gradsync.checkpoint.packing import read_packed
 
     return unpack(read_packed(data))
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gradsync.checkpoint.store import CheckpointStore
 from gradsync.config import RunConfig
-from gradsync.fault.checkpoint import CheckpointStore
 from gradsync.telemetry.records import METRICS_FILE, read_records, write_records
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import synthetic_records

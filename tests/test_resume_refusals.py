@@ -14,11 +14,11 @@ import torch
 
 import gradsync.launch
 from gradsync import Synchronizer
+from gradsync.checkpoint import CheckpointError, CheckpointStore
+from gradsync.checkpoint.checkpointer import check_resumable
+from gradsync.checkpoint.rng import rng_state
 from gradsync.cli import main
 from gradsync.errors import UsageError
-from gradsync.fault import CheckpointError, CheckpointStore
-from gradsync.fault.resume import check_resumable
-from gradsync.fault.rng import rng_state
 
 pytestmark = pytest.mark.unit
 

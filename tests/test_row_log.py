@@ -1,4 +1,4 @@
-"""The row log of barrier-free strategies' step records (``gradsync.fault.row_log``): a save
+"""The row log of barrier-free strategies' step records (``gradsync.checkpoint.row_log``): a save
 appends only the new rows, a load reads a range back and cuts the log there, and a log that
 lacks rows says which."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradsync.fault.row_log import RowLog, RowLogError, log_path, read_rows
+from gradsync.checkpoint.row_log import RowLog, RowLogError, log_path, read_rows
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import gradsync as gs
-from gradsync.fault.row_log import log_path, read_rows
+from gradsync.checkpoint.row_log import log_path, read_rows
 from gradsync.telemetry.timing import ROW_COLUMNS
 from gradsync.workloads import make_workload
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import gradsync as gs
+from gradsync.checks.guards import is_finite
 from gradsync.errors import UsageError
-from gradsync.fault.guards import is_finite
 from gradsync.testing import run_ranks
 from gradsync.workloads import make_workload
 from tests import scaler_ranks

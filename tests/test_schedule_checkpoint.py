@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.fault import CheckpointStore
-from gradsync.fault.resume import PARAM_GROUPS
+from gradsync.checkpoint import CheckpointStore
+from gradsync.checkpoint.checkpointer import PARAM_GROUPS
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
 

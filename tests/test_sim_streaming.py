@@ -147,7 +147,7 @@ def test_row_shares_are_the_runtimes_row_fragments(model: nn.Module) -> None:
 def test_the_mlp_workloads_peak_is_a_third_by_rows_and_its_big_layer_by_layers() -> None:
     """The streaming_sim benchmark's model and specs, through ``streaming_rows`` (the side by
     side table): the rows split's peak is the runtime's largest fragment, about 1/3."""
-    from gradsync.sim.beside import streaming_rows
+    from gradsync.sim.side_by_side import streaming_rows
     from gradsync.workloads import make_workload
 
     model = make_workload("mlp", params=3_000_000).build_model()

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import gradsync as gs
-from gradsync.fault import packing, resume
-from gradsync.fault.resume import PARAM_GROUPS
+from gradsync.checkpoint import checkpointer, packing
+from gradsync.checkpoint.checkpointer import PARAM_GROUPS
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
 
@@ -47,14 +47,14 @@ class _Snapshots:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.packed: list[packing.Packed] = []
-        snap = resume.snapshot
+        snap = checkpointer.snapshot
 
         def kept_snapshot(state: Any, **kwargs: Any) -> packing.Packed:
             packed = snap(state, **kwargs)
             self.packed.append(packed)
             return packed
 
-        monkeypatch.setattr(resume, "snapshot", kept_snapshot)
+        monkeypatch.setattr(checkpointer, "snapshot", kept_snapshot)
 
     def save(self, sync: gs.Synchronizer, directory: Path) -> dict[str, Any]:
         sync.save(directory, wait=False)

@@ -18,7 +18,7 @@ package = Path(worker.__file__).parent
 here = str(package / "synchronizer.py")
 warnings.warn_explicit("gradsync: step 3 skipped", RuntimeWarning, here, 1)
 warnings.warn_explicit("sparse payload", UserWarning, str(package / "compression" / "sparse.py"), 2)
-from gradsync.fault.checkpoint import CheckpointWarning
+from gradsync.checkpoint.store import CheckpointWarning
 warnings.warn_explicit("skipping checkpoint x", CheckpointWarning, "/elsewhere/user.py", 3)
 warnings.warn_explicit("a user's own", UserWarning, "/elsewhere/user.py", 4)
 """

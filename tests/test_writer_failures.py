@@ -1,4 +1,4 @@
-"""A background checkpoint writer that dies or stops (``gradsync.fault.writer_process``).
+"""A background checkpoint writer that dies or stops (``gradsync.checkpoint.writer_process``).
 
 A writer process killed (SIGKILL) fails its rank at its next call, naming the process and the
 signal, and what it had not written, the snapshots held in memory above all, is written by
@@ -25,16 +25,16 @@ from typing import Any
 import pytest
 import torch
 
-from gradsync.fault import CheckpointError, CheckpointStore
-from gradsync.fault.background import CheckpointWriter
-from gradsync.fault.checkpoint import snapshot
-from gradsync.fault.writer_child import send_message
-from gradsync.fault.writer_locks import wait_for_writers
-from gradsync.fault.writer_process import (
+from gradsync.checkpoint import CheckpointError, CheckpointStore
+from gradsync.checkpoint.store import snapshot
+from gradsync.checkpoint.writer_child import send_message
+from gradsync.checkpoint.writer_locks import wait_for_writers
+from gradsync.checkpoint.writer_process import (
     FILES_EVERY,
     ProcessCheckpointWriter,
     process_writer_available,
 )
+from gradsync.checkpoint.writer_thread import CheckpointWriter
 from gradsync.progress import read_heartbeat
 from tests.proctree import PROC, Watched, descendants, start_run, watch_until_exit
 
@@ -256,7 +256,10 @@ def _writer_processes(root: int) -> dict[int, int]:
     found = {}
     for pid in descendants(root):
         with contextlib.suppress(OSError):
-            if b"gradsync.fault.writer_child" not in (PROC / str(pid) / "cmdline").read_bytes():
+            if (
+                b"gradsync.checkpoint.writer_child"
+                not in (PROC / str(pid) / "cmdline").read_bytes()
+            ):
                 continue
             for fd in os.listdir(PROC / str(pid) / "fd"):
                 with contextlib.suppress(OSError):

@@ -1,4 +1,4 @@
-"""The background checkpoint writer as a child process (``gradsync.fault.writer_process`` and
+"""The background checkpoint writer as a child process (``gradsync.checkpoint.writer_process`` and
 ``writer_child``): shared snapshot buffers, the depth bound, a child or a parent that dies,
 and nothing left running. The contract it shares with the thread is tested for both in
 test_background_checkpoint.py."""
@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradsync.fault import CheckpointError, CheckpointStore
-from gradsync.fault.background import CheckpointWriter
-from gradsync.fault.checkpoint import CheckpointWarning, snapshot
-from gradsync.fault.writer_process import (
+from gradsync.checkpoint import CheckpointError, CheckpointStore
+from gradsync.checkpoint.store import CheckpointWarning, snapshot
+from gradsync.checkpoint.writer_process import (
     WRITER_ENV,
     ProcessCheckpointWriter,
     make_writer,
     process_writer_available,
 )
+from gradsync.checkpoint.writer_thread import CheckpointWriter
 
 pytestmark = [
     pytest.mark.unit,
@@ -81,7 +81,7 @@ def test_snapshots_packed_off_the_pool_travel_in_shared_memory_too(
     """A GPU model's snapshot is packed into host buffers of its own (``pack`` pools only CPU
     sources): the writer copies them into its pool's shared buffers rather than sending their
     bytes in the message, written or held alike, and takes the buffers back once done."""
-    from gradsync.fault import writer_process
+    from gradsync.checkpoint import writer_process
 
     sent: list[object] = []
     send = writer_process.send_message
@@ -178,9 +178,9 @@ def test_a_child_that_dies_is_reported_on_the_training_thread(tmp_path: Path) ->
 
 _TRAINING = """
 import sys, time, torch
-from gradsync.fault import CheckpointStore
-from gradsync.fault.checkpoint import snapshot
-from gradsync.fault.writer_process import ProcessCheckpointWriter
+from gradsync.checkpoint import CheckpointStore
+from gradsync.checkpoint.store import snapshot
+from gradsync.checkpoint.writer_process import ProcessCheckpointWriter
 rank, last = int(sys.argv[2]), int(sys.argv[3])
 w = ProcessCheckpointWriter(CheckpointStore(sys.argv[1]), rank=rank, world_size=2,
                             save_id="attempt-1", timeout_s=10, files_every=16)
@@ -230,7 +230,7 @@ def test_a_killed_rank_s_writer_writes_what_it_held_and_ends(tmp_path: Path) -> 
 
 
 def test_a_load_waits_for_the_writers_of_an_earlier_attempt(tmp_path: Path) -> None:
-    from gradsync.fault.writer_locks import hold, wait_for_writers
+    from gradsync.checkpoint.writer_locks import hold, wait_for_writers
 
     pid = os.fork()
     if pid == 0:  # an earlier attempt's writer, still writing for 0.5 s
@@ -293,7 +293,7 @@ def test_which_steps_become_files_depends_on_the_steps_alone(tmp_path: Path) -> 
 def test_a_held_snapshot_larger_than_the_mailbox_is_held_all_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gradsync.fault import writer_process
+    from gradsync.checkpoint import writer_process
 
     monkeypatch.setattr(writer_process, "SLOT_BYTES", 4096)
     writer = _writer(tmp_path, files_every=16)
@@ -341,7 +341,7 @@ def test_the_child_writes_the_header_the_training_process_would_have_made(
     # The child makes each file's header from the pickled tree and the share texts it was
     # sent once per layout: byte for byte the header ``Packed.header`` makes in-process, for
     # a snapshot written at once, a held one flushed, and one of a new layout.
-    from gradsync.fault import replicas
+    from gradsync.checkpoint import replicas
 
     def state(step: int, width: int) -> dict[str, object]:
         model = {"a": torch.full((width,), float(step)), "b": torch.ones(2, dtype=torch.int64)}

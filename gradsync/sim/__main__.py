@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from gradsync.entry import run_commands
+from gradsync.module_cli import run_commands
 from gradsync.sim.cli import add_parsers
 
 

@@ -10,12 +10,6 @@ import numpy as np
 
 from gradsync.errors import UsageError
 from gradsync.sim import report
-from gradsync.sim.beside import (
-    allreduce_rows,
-    format_allreduce,
-    format_streaming,
-    streaming_rows,
-)
 from gradsync.sim.config import (
     CommModel,
     ComputeModel,
@@ -31,6 +25,12 @@ from gradsync.sim.options import (
     layers_from_args,
     link_from_args,
     overlap_from_args,
+)
+from gradsync.sim.side_by_side import (
+    allreduce_rows,
+    format_allreduce,
+    format_streaming,
+    streaming_rows,
 )
 from gradsync.sim.simulate import overlap_summary, simulate, zero_comm_ms
 

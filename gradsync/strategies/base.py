@@ -32,9 +32,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from gradsync.checks.guards import all_finite
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
-from gradsync.fault.guards import all_finite
 from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 from gradsync.telemetry.records import Span
 

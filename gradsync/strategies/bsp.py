@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from gradsync import runtime
 from gradsync.buckets import BucketReducer, GradBucket
+from gradsync.checks.guards import all_finite, scrub_nonfinite_state
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
-from gradsync.fault.guards import all_finite, scrub_nonfinite_state
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.checks.diagnose import END, START
 from gradsync.errors import UsageError
-from gradsync.fault.diagnose import END, START
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,

@@ -16,10 +16,10 @@ from typing import Any, cast
 
 import torch
 
+from gradsync.checks.diagnose import END
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
-from gradsync.fault.diagnose import END
 from gradsync.flat import copy_into, flatten
 from gradsync.spec import (
     OUTER_DEFAULTS,

@@ -50,7 +50,7 @@ share nothing else. Checkpoints: workers ask every server to snapshot after thei
 (``checkpoint_held``, once the worker's own snapshot is with its writer); each request follows
 that worker's N-th push on the same ordered channel, so the server has then applied exactly N
 pushes of each. A worker that waits for its checkpoints tells the servers to write theirs
-(``flush_checkpoints``). See ``gradsync.fault.resume`` for the rest of the protocol.
+(``flush_checkpoints``). See ``gradsync.checkpoint.checkpointer`` for the rest of the protocol.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ parameters, its optimizer's state and the clocks) to the ``checkpoint`` callback
 ``durable=True`` when a worker's save waits for its files), then lets the receivers go on. A
 worker's ``FLUSH`` (it waits for its checkpoints to be written) calls the ``flush`` callback:
 the newest snapshot handed over is written at once (the writer holds most of them in memory,
-``gradsync.fault.mailbox``). It always follows that worker's newest request, whose snapshot
+``gradsync.checkpoint.held_slots``). It always follows that worker's newest request, whose snapshot
 is therefore taken.
 
 Shutdown, in order: a receiver thread returns right after delivering its worker's ``DONE``,
@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.errors import SyncTimeoutError, UsageError
-from gradsync.fault.guards import is_finite
+from gradsync.checks.guards import is_finite
+from gradsync.errors import CheckpointError, SyncTimeoutError, UsageError
 from gradsync.flat import flatten, views
 from gradsync.strategies.base import CheckpointSink, SyncContext
 from gradsync.strategies.ps_wire import CHECKPOINT, DONE, FLUSH, SAVED, SKIPPED, ShardPlan
@@ -260,8 +260,6 @@ class _Server:
         saved = state["params"]
         shapes = [tuple(p.shape) for p in self.params]
         if [tuple(t.shape) for t in saved] != shapes or len(state["pushed"]) != self.workers:
-            from gradsync.fault.checkpoint import CheckpointError
-
             raise CheckpointError(
                 f"parameter server rank {self.rank}: the checkpoint holds a shard of shapes "
                 f"{[tuple(t.shape) for t in saved]} for {len(state['pushed'])} workers; this "

@@ -19,7 +19,7 @@ worker is inside ``sync.save()`` after its N-th push; the header alone is sent, 
 files, so the server writes its part at once, and rank 0's number for the directory,
 ``Strategy.checkpoint_held``), ``FLUSH`` (no reply: the worker waits for its
 checkpoints to be written, so the server writes the newest snapshot it holds, see
-``gradsync.fault.mailbox``), ``SKIPPED`` (no payload: this step's
+``gradsync.checkpoint.held_slots``), ``SKIPPED`` (no payload: this step's
 gradient was not finite, so the worker pushes nothing; the server counts the push, applies
 nothing and replies with parameters) or ``DONE`` (the worker finished; the
 server replies with the final parameters once every worker is done). ``SAVED`` added to the

@@ -68,9 +68,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync import compat, runtime
+from gradsync.checks.guards import all_finite
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
-from gradsync.fault.guards import all_finite
 from gradsync.spec import COMPRESSION_FORMS
 from gradsync.strategies.base import StepOutcome, StepPlan, Strategy, SyncContext, total_norm
 from gradsync.strategies.bsp import BSP, late_gradient, wrong_passes

@@ -52,7 +52,7 @@ is ``balance`` (FSDP2 divides every gradient by the world size).
 
 Checkpoints: each rank writes its shards of the parameters and of the optimizer state, as
 plain tensors, in gradsync's own files (atomic, checksummed, written in the background, see
-``gradsync.fault``). Resuming on another number of ranks (``reshard``) reads every saved rank's
+``gradsync.checkpoint``). Resuming on another number of ranks (``reshard``) reads every saved rank's
 file and takes this rank's rows of each tensor put back together. Why not DCP: its save plans
 every checkpoint with collectives, where gradsync's are written without any (a checkpoint
 every step costs the training thread a copy), and FSDP2's row shards are put back together by
@@ -71,8 +71,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync import compat, runtime
+from gradsync.checks.guards import all_finite
 from gradsync.errors import UsageError
-from gradsync.fault.guards import all_finite
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync.entry import run_commands
 from gradsync.errors import UsageError
+from gradsync.module_cli import run_commands
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records, read_spans
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import (

@@ -99,7 +99,7 @@ class TelemetryCollector:
         #: the start, or from the checkpoint restored): a checkpoint's row log names rows by it
         self._first = 0
         #: called with ``(first, end, rows_from)`` before a gather takes the pending records
-        #: ``[first, end)`` (a row log keeps them: ``gradsync.fault.row_log``)
+        #: ``[first, end)`` (a row log keeps them: ``gradsync.checkpoint.row_log``)
         self.before_gather: Callable[[int, int, Callable[[int], torch.Tensor]], None] | None = None
 
     def add(

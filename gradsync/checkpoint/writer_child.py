@@ -10,7 +10,7 @@ from training, and runs at the lowest priority (``SCHED_IDLE`` where Linux allow
 ``nice``), in the moments a rank waits for its peers (docs/checkpoints.md, "The writer
 process").
 
-The process never imports torch (``gradsync.fault.files`` and ``gradsync.fault.commits`` are
+The process never imports torch (``checkpoint.files`` and ``checkpoint.commits`` are
 torch-free): it starts in tens of milliseconds and holds about 12 MB instead of 280. It reads
 the snapshot's bytes from the training process's buffers, shared memory (``memfd``) whose file
 descriptors come over the socket; the training process reuses a buffer only after this process
@@ -21,8 +21,8 @@ the training process sends ``("buffer", id, nbytes)`` and ``("mailbox", slot_byt
 descriptor, ``("share", id, text)`` (the JSON text of the model's and optimizer's part of the
 tree, sent once per layout), ``("write", step, durable, keep, (tree, refs, sizes), parts)``
 (this process makes the file's header from the tree, the texts ``refs`` name and the buffers'
-sizes: ``gradsync.fault.packed_header``), ``("flush", step)`` (write the held snapshot of
-``step``, see ``gradsync.fault.mailbox``), ``("commit", step)`` (rank 0: commit ``step``,
+sizes: ``gradsync.checkpoint.packed_header``), ``("flush", step)`` (write the held snapshot of
+``step``, see ``gradsync.checkpoint.held_slots``), ``("commit", step)`` (rank 0: commit ``step``,
 whose file is written, once every rank's is), ``("close",)``; this process
 answers ``("ready",)`` once it has started, ``("written", step)``, ``("committed", step)`` and
 ``("error", message)``, and exits after ``close`` once its commits are done.
@@ -30,7 +30,7 @@ answers ``("ready",)`` once it has started, ``("written", step)``, ``("committed
 When the training process dies, its socket closes: this process writes what it was handed and
 the snapshots held in the mailbox, rank 0's commits the newest step every rank wrote once the
 peers' writers have ended, and it exits. It holds a lock for its life
-(``gradsync.fault.writer_locks``) so that a restarted attempt reads the directory only after.
+(``gradsync.checkpoint.writer_locks``) so that a restarted attempt reads the directory only after.
 
 When such a process dies, its rank's writer starts another one (``writer_process``,
 ``_take_over``) and sends it the snapshots the dead one had not written, as ``write`` messages
@@ -53,11 +53,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gradsync.fault import packed_header
-from gradsync.fault.commits import Commits
-from gradsync.fault.files import CheckpointFiles, write_chunks, write_failure
-from gradsync.fault.mailbox import Mailbox
-from gradsync.fault.writer_locks import hold, release, released
+from gradsync.checkpoint import packed_header
+from gradsync.checkpoint.commits import Commits
+from gradsync.checkpoint.files import CheckpointFiles, write_chunks, write_failure
+from gradsync.checkpoint.held_slots import HeldSlots
+from gradsync.checkpoint.writer_locks import hold, release, released
 
 __all__ = ["SHARES_KEPT", "recv_message", "send_message"]
 
@@ -147,7 +147,7 @@ class _Child:
         )
         self.buffers: dict[int, mmap.mmap] = {}
         self.shares: dict[int, str] = {}  # JSON texts by number (``("share", ...)``)
-        self.mailbox: Mailbox | None = None
+        self.mailbox: HeldSlots | None = None
         self.last_written = -1
         self.orphaned = False  # the training process is gone: no more reports
         self.parent = os.getppid()
@@ -209,7 +209,7 @@ class _Child:
                 os.close(fds[0])
         elif kind == "mailbox":
             try:
-                self.mailbox = Mailbox(mmap.mmap(fds[0], 2 * message[1]), message[1])
+                self.mailbox = HeldSlots(mmap.mmap(fds[0], 2 * message[1]), message[1])
             finally:
                 os.close(fds[0])
         elif kind == "share":

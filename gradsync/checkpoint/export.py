@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
-from gradsync.errors import UsageError
-from gradsync.fault.checkpoint import (
+from gradsync.checkpoint.checkpointer import join_replicated
+from gradsync.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
     CheckpointWarning,
 )
-from gradsync.fault.resume import join_replicated
+from gradsync.errors import UsageError
 
 __all__ = ["EXPORTABLE", "TARGETS", "Exported", "export_checkpoint", "single_process_state"]
 

@@ -6,7 +6,7 @@ the step), RNG states, and the caller's extras (the data position). Both calls a
 Every strategy resumes exactly where its checkpoint left it: bsp, local:H and diloco:H, and the
 parameter-server strategies ssp:S and async.
 
-Every rank hands a snapshot of its state to its background writer (``fault.background``);
+Every rank hands a snapshot of its state to its background writer (``checkpoint.writer_thread``);
 rank 0's commits the checkpoint once every rank's file is written. No collective is posted,
 so ``save(wait=False)`` costs the step a copy; ``save()`` waits for the commit. The step
 records not gathered yet go into each rank's file and ``load`` puts them back.
@@ -48,22 +48,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.errors import UsageError
-from gradsync.fault import replicas
-from gradsync.fault.background import CheckpointWriter
-from gradsync.fault.checkpoint import (
+from gradsync.checkpoint import replicas
+from gradsync.checkpoint.packing import Share, constant
+from gradsync.checkpoint.rng import rng_state, set_rng_state
+from gradsync.checkpoint.row_log import RowLogError, RowLogs, read_rows
+from gradsync.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
     CheckpointWarning,
     snapshot,
 )
-from gradsync.fault.diagnose import ArrivalWatch
-from gradsync.fault.packing import Share, constant
-from gradsync.fault.rng import rng_state, set_rng_state
-from gradsync.fault.row_log import RowLogError, RowLogs, read_rows
-from gradsync.fault.writer_locks import wait_for_writers
-from gradsync.fault.writer_process import ProcessCheckpointWriter, make_writer
+from gradsync.checkpoint.writer_locks import wait_for_writers
+from gradsync.checkpoint.writer_process import ProcessCheckpointWriter, make_writer
+from gradsync.checkpoint.writer_thread import CheckpointWriter
+from gradsync.checks.diagnose import ArrivalWatch
+from gradsync.errors import UsageError
 from gradsync.strategies.base import Layout, Strategy
 from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
 
@@ -614,7 +614,7 @@ def _own_telemetry(
 def join_replicated(store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any]) -> None:
     """Put rank 0's file of a resizable strategy's checkpoint (``state``, as ``store.load(info,
     0)`` read it) back together with the model and optimizer state of every rank's share, as
-    ``load`` does: for readers of a checkpoint outside a job (``fault.export``)."""
+    ``load`` does: for readers of a checkpoint outside a job (``checkpoint.export``)."""
     _join_replicated(store, info, state, 0)
 
 

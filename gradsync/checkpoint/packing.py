@@ -32,8 +32,8 @@ from typing import IO, Any
 import torch
 
 from gradsync import compat
-from gradsync.fault import packed_header
-from gradsync.fault.files import Crc32, write_chunks
+from gradsync.checkpoint import packed_header
+from gradsync.checkpoint.files import Crc32, write_chunks
 
 __all__ = [
     "MAGIC",
@@ -113,7 +113,7 @@ class Packed:
 @dataclass(frozen=True, slots=True)
 class Share:
     """A subtree of which this rank packs only the tensors ``owner`` gives to ``rank`` (in
-    ``fault.replicas`` order); each other tensor is packed as an empty tensor of its dtype.
+    ``checkpoint.replicas`` order); each other tensor is packed as an empty tensor of its dtype.
 
     With ``skeleton`` (from ``skeleton()`` of ``tree``, and ``tensors``, its tensors in the same
     order), ``pack`` given a ``BufferPool`` reuses the encoding of an earlier snapshot whose
@@ -227,7 +227,7 @@ class BufferPool:
     ) -> None:
         self.size = size
         #: makes a new buffer (dtype, elements): the background writer process's are shared
-        #: memory, which that process reads (``gradsync.fault.writer_process``)
+        #: memory, which that process reads (``gradsync.checkpoint.writer_process``)
         self.allocate = allocate
         self._free: dict[_PoolKey, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
         self._lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""The header of a packed checkpoint file (``gradsync.fault.packing``), made without torch.
+"""The header of a packed checkpoint file (``gradsync.checkpoint.packing``), made without torch.
 
 Both the training process (``Packed.header``) and the checkpoint writer's process
 (``writer_child``, which never imports torch) make it. Why the writer's process too: a header

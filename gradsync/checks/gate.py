@@ -31,8 +31,8 @@ import datetime
 import time
 from dataclasses import dataclass, field
 
+from gradsync.checks.diagnose import BETWEEN, GATE, ArrivalWatch, Beat, where
 from gradsync.errors import SyncTimeoutError
-from gradsync.fault.diagnose import BETWEEN, GATE, ArrivalWatch, Beat, where
 
 #: the default bound on waiting for a peer in the user's code: torch's default collective
 #: timeout for gloo, which is what DDP would wait

@@ -1,7 +1,7 @@
 """Which writer processes may still be writing into a checkpoint directory.
 
 A rank's writer process outlives its rank long enough to write the newest snapshot it holds
-(``gradsync.fault.mailbox``) when the rank dies. A restarted attempt must not read the
+(``gradsync.checkpoint.held_slots``) when the rank dies. A restarted attempt must not read the
 directory before that write and its commit are done, so each writer process holds an exclusive
 ``flock`` on ``DIR/.writers/<save_id>.rank-<R>.lock`` for its whole life (the kernel releases
 it when the process ends, however it ends). Rank 0's writer waits for its peers' locks of the

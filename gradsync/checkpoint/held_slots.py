@@ -1,6 +1,6 @@
 """Where a rank leaves its newest snapshots for its writer process without waking it.
 
-The background writer process (``gradsync.fault.writer_child``) writes only every
+The background writer process (``gradsync.checkpoint.writer_child``) writes only every
 ``files_every``-th snapshot of a checkpoint every step to a file. The others wait here: two
 slots of shared memory (a ``memfd``), each holding the message the writer would have been sent
 (step, header, where the buffers are), stamped with a sequence number once complete. The writer
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import mmap
 
-__all__ = ["SLOT_BYTES", "Mailbox"]
+__all__ = ["SLOT_BYTES", "HeldSlots"]
 
 #: a slot's size to begin with (the process writer shares a larger mailbox for a larger message)
 SLOT_BYTES = 1 << 20
 _HEAD = 16  # the stamp and the length, 8 bytes each
 
 
-class Mailbox:
+class HeldSlots:
     """Two slots over ``area`` (a shared map of ``2 * slot_bytes``)."""
 
     def __init__(self, area: mmap.mmap, slot_bytes: int = SLOT_BYTES) -> None:

@@ -2,14 +2,14 @@
 
 ::
 
-    DIR/step-000120/rank-0.pt        rank 0's packed state (``gradsync.fault.packing``)
+    DIR/step-000120/rank-0.pt        rank 0's packed state (``gradsync.checkpoint.packing``)
     DIR/step-000120/rank-0.pt.sum    size and crc32 of rank-0.pt, written by rank 0's save
     DIR/step-000120/MANIFEST.json    written last, by rank 0's commit: marks the step complete
 
-``CheckpointFiles`` is the part of ``CheckpointStore`` (``gradsync.fault.checkpoint``) that
+``CheckpointFiles`` is the part of ``CheckpointStore`` (``gradsync.checkpoint.store``) that
 writes: a rank's file (atomic, checksummed, its ``.sum`` beside it), the commit that writes
 the manifest once every rank's file is there, and pruning to ``keep``. Why a module of its
-own: the background writer process (``gradsync.fault.writer_child``) runs this code in a
+own: the background writer process (``gradsync.checkpoint.writer_child``) runs this code in a
 process that never imports torch (about 1 s of CPU and 280 MB per process here), and the
 store that reads and loads checkpoints builds on the same code, so both write the same files.
 """
@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from gradsync.errors import CheckpointError
 
 __all__ = [
     "FORMAT",
@@ -49,10 +51,6 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_SUFFIX = ".tmp"
 _RANK_FILE = re.compile(r"^rank-(\d+)\.pt(\.sum)?$")
 _TMP_NUMBERS = itertools.count()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, found or loaded; the message says which and why."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -436,7 +434,7 @@ class Crc32:
 
     Why not sha256 (what the files carried before): the checksum guards against torn and
     corrupted files, not against an attacker (a crafted file cannot run code: see
-    ``gradsync.fault.packing``), and with a checkpoint every step its cost is step time on a
+    ``gradsync.checkpoint.packing``), and with a checkpoint every step its cost is step time on a
     busy machine: zlib's CRC-32 hashed 2.5x faster than sha256 here (and, like hashlib, lets
     other threads run while it works on a large buffer). It detects every burst error up to
     32 bits and any other corruption but one in 2**32."""

@@ -1,12 +1,12 @@
-"""One rank's background checkpoint writer as a process (``gradsync.fault.writer_child``).
+"""One rank's background checkpoint writer as a process (``gradsync.checkpoint.writer_child``).
 
-The same contract as ``CheckpointWriter`` (``gradsync.fault.background``: ``submit``, ``wait``,
-``flush``, ``close``, errors raised on the training thread), with the writing and, on rank 0,
-the committing done by a child process instead of a thread: see ``writer_child``'s docstring
-for why. The snapshot buffers come from this writer's ``pool`` and live in shared memory
-(``memfd``, Linux), so handing a snapshot over costs a message, not a copy; a buffer goes back
-to the pool once the child says its file is written. Small buffers (the step records) travel
-in the message itself.
+The same contract as ``CheckpointWriter`` (``checkpoint.writer_thread``: ``submit``,
+``wait``, ``flush``, ``close``, errors raised on the training thread), with the writing and,
+on rank 0, the committing done by a child process instead of a thread: see
+``writer_child``'s docstring for why. The snapshot buffers come from this writer's ``pool``
+and live in shared memory (``memfd``, Linux), so handing a snapshot over costs a message, not
+a copy; a buffer goes back to the pool once the child says its file is written. Small buffers
+(the step records) travel in the message itself.
 
 ``make_writer`` picks this writer where it works (Linux) unless
 ``GRADSYNC_CHECKPOINT_WRITER=thread`` asks for the thread. A model on a GPU gets it too, so a
@@ -40,12 +40,12 @@ from typing import Any
 
 import torch
 
-from gradsync.fault import packed_header
-from gradsync.fault.background import CheckpointWriter, WriterBase
-from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
-from gradsync.fault.mailbox import SLOT_BYTES, Mailbox
-from gradsync.fault.packing import BufferPool, Packed, raw_bytes
-from gradsync.fault.writer_child import SHARES_KEPT, recv_message, send_message
+from gradsync.checkpoint import packed_header
+from gradsync.checkpoint.held_slots import SLOT_BYTES, HeldSlots
+from gradsync.checkpoint.packing import BufferPool, Packed, raw_bytes
+from gradsync.checkpoint.store import CheckpointError, CheckpointStore
+from gradsync.checkpoint.writer_child import SHARES_KEPT, recv_message, send_message
+from gradsync.checkpoint.writer_thread import CheckpointWriter, WriterBase
 
 __all__ = ["WRITER_ENV", "ProcessCheckpointWriter", "make_writer", "process_writer_available"]
 
@@ -159,7 +159,7 @@ def _spawn(init: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen[byt
     sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         child = subprocess.Popen(
-            [sys.executable, "-m", "gradsync.fault.writer_child", str(theirs.fileno())],
+            [sys.executable, "-m", "gradsync.checkpoint.writer_child", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             close_fds=True,
@@ -307,7 +307,7 @@ class ProcessCheckpointWriter(WriterBase):
         self._receiver.start()
         self._started = True
 
-    def _share_mailbox(self, slot_bytes: int | None = None) -> Mailbox:
+    def _share_mailbox(self, slot_bytes: int | None = None) -> HeldSlots:
         slot_bytes = slot_bytes or SLOT_BYTES
         fd = os.memfd_create("gradsync-checkpoint-mailbox", os.MFD_CLOEXEC)
         try:
@@ -316,7 +316,7 @@ class ProcessCheckpointWriter(WriterBase):
             self._send(("mailbox", slot_bytes), [fd])
         finally:
             os.close(fd)
-        return Mailbox(area, slot_bytes)
+        return HeldSlots(area, slot_bytes)
 
     def _send(self, message: Any, fds: list[int] | None = None) -> None:
         """Send the child ``message``; waits ``timeout_s`` at most for room (a child that

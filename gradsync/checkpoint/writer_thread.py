@@ -1,6 +1,6 @@
 """Checkpoints written off the training thread: snapshot at the step boundary, write behind.
 
-This is the writer as a thread; ``gradsync.fault.writer_process`` runs the same work in a child
+This is the writer as a thread; ``gradsync.checkpoint.writer_process`` runs the same work in a child
 process with the same contract, and ``make_writer`` there picks one (the process on Linux).
 
 ``sync.save(directory, wait=False)`` copies the state (``checkpoint.snapshot``) and hands it to
@@ -43,10 +43,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from gradsync.fault.checkpoint import CheckpointError, CheckpointStore
-from gradsync.fault.commits import POLL_S, Commits, late_message
-from gradsync.fault.files import write_failure
-from gradsync.fault.packing import BufferPool, Packed
+from gradsync.checkpoint.commits import POLL_S, Commits, late_message
+from gradsync.checkpoint.files import write_failure
+from gradsync.checkpoint.packing import BufferPool, Packed
+from gradsync.checkpoint.store import CheckpointError, CheckpointStore
 
 __all__ = ["CheckpointWriter"]
 

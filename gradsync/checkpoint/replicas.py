@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradsync.fault.packing import Share, skeleton
+from gradsync.checkpoint.packing import Share, skeleton
 
 __all__ = ["join", "owners", "share", "share_of", "tensor_count", "whole"]
 

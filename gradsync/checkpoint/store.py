@@ -12,11 +12,11 @@ Protocol (the store does no collectives; the caller decides when every rank has 
     barrier()                                      # or: poll until not store.missing(...)
     if rank == 0: store.commit(step, world_size)   # writes the manifest, prunes to ``keep``
 
-Each file holds the state packed (``gradsync.fault.packing``): a snapshot is one copy of the
-tensors, and ``CheckpointWriter`` (``gradsync.fault.background``) writes and commits it off the
-training thread, so a checkpoint can be taken every step. Writing, committing and pruning are
-``CheckpointFiles`` (``gradsync.fault.files``, torch-free); this module adds finding, verifying
-and loading checkpoints.
+Each file holds the state packed (``gradsync.checkpoint.packing``): a snapshot is one copy of the
+tensors, and a background writer (``gradsync.checkpoint.writer_process``) writes and commits
+it off the training thread, so a checkpoint can be taken every step. Writing, committing and
+pruning are ``CheckpointFiles`` (``gradsync.checkpoint.files``, torch-free); this module adds
+finding, verifying and loading checkpoints.
 
 On resume every rank calls ``latest(world_size)`` (same answer on a shared filesystem: it only
 reads) and ``load(info, rank)``, which reads with ``torch.load(weights_only=True)``.
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from gradsync.fault.files import (
+from gradsync.checkpoint.files import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -46,7 +46,7 @@ from gradsync.fault.files import (
     Crc32,
     FileEntry,
 )
-from gradsync.fault.packing import (
+from gradsync.checkpoint.packing import (
     BufferPool,
     Packed,
     is_packed_file,
@@ -352,5 +352,5 @@ def _check_weights_only_safe(obj: object, where: str) -> None:
     raise CheckpointError(
         f"cannot checkpoint {where}: a {kind.__module__}.{kind.__qualname__} would be refused by "
         "torch.load(weights_only=True); store tensors, numbers, strings and dicts/lists/tuples "
-        "of them (see gradsync.fault.rng_state for RNG states)"
+        "of them (see gradsync.checkpoint.rng_state for RNG states)"
     )

@@ -25,7 +25,7 @@ before the first step use ``START``; those after the last (the final check and g
 
 The same thread also publishes a heartbeat every ``beat_s``: where this rank is (between steps
 in the user's code, inside its step block, at a step gate, in a wait) and a counter that
-advances as long as the process runs. ``gradsync.fault.gate`` reads it to tell a peer busy in
+advances as long as the process runs. ``gradsync.checks.gate`` reads it to tell a peer busy in
 the user's code (an evaluation on rank 0) from one that hangs or is gone.
 """
 

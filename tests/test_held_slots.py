@@ -1,4 +1,5 @@
-"""The mailbox where a rank leaves held snapshots for its writer (``gradsync.fault.mailbox``)."""
+"""The two slots where a rank leaves held snapshots for its writer
+(``gradsync.checkpoint.held_slots``)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import mmap
 
 import pytest
 
-from gradsync.fault.mailbox import Mailbox
+from gradsync.checkpoint.held_slots import HeldSlots
 
 pytestmark = pytest.mark.unit
 
 
-def _box(slot: int = 64) -> Mailbox:
-    return Mailbox(mmap.mmap(-1, 2 * slot), slot)
+def _box(slot: int = 64) -> HeldSlots:
+    return HeldSlots(mmap.mmap(-1, 2 * slot), slot)
 
 
 def test_the_two_newest_messages_are_kept_oldest_first() -> None:
@@ -37,7 +38,7 @@ class _KilledAfter(bytearray):
 
 def test_a_put_cut_short_leaves_the_message_before_it_whole() -> None:
     area = _KilledAfter(2 * 64)
-    box = Mailbox(area, 64)  # type: ignore[arg-type]
+    box = HeldSlots(area, 64)  # type: ignore[arg-type]
     area.writes = 100
     box.put(1, b"one")
     box.put(2, b"two")
