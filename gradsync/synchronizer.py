@@ -255,6 +255,7 @@ class Synchronizer:
                     record_spans=record_spans,
                     skip_nonfinite=skip_nonfinite,
                     watch=self._watch,
+                    register_checkpoint_hooks=self._checkpoints.register_hooks,
                     layout=self.layout,
                     rank=self.rank,
                     scaler=scaler,

@@ -65,7 +65,7 @@ from gradsync.checkpoint.writer_process import ProcessCheckpointWriter, make_wri
 from gradsync.checkpoint.writer_thread import CheckpointWriter
 from gradsync.checks.diagnose import ArrivalWatch
 from gradsync.errors import UsageError
-from gradsync.strategies.base import Layout, Strategy
+from gradsync.strategies.base import CheckpointHooks, Layout, Strategy
 from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
 
 Writer = CheckpointWriter | ProcessCheckpointWriter
@@ -113,6 +113,8 @@ class Checkpointer:
         #: published, its number); a server: the number and value it read last
         self.published: tuple[Any, int, str, int] | None = None
         self.published_seen: tuple[int, tuple[str, int]] | None = None
+        #: what the strategy asked of the checkpoints in its ``setup`` (parameter servers)
+        self.hooks = CheckpointHooks()
         #: names this run's checkpoint files, the same on every rank (the Synchronizer sets
         #: rank 0's, broadcast with the initial state): a commit never pairs them with files of
         #: a rolled-back attempt
@@ -121,6 +123,14 @@ class Checkpointer:
     @property
     def is_server(self) -> bool:
         return self.layout.role(self.rank) == "server"
+
+    def register_hooks(self, hooks: CheckpointHooks) -> None:
+        """The strategy's ``CheckpointHooks`` (``SyncContext.register_checkpoint_hooks``)."""
+        self.hooks = hooks
+
+    def _flush_strategy(self) -> None:
+        if self.hooks.flush is not None:
+            self.hooks.flush()
 
     def save(self, directory: str | Path, *, keep: int, extra: dict[str, Any], wait: bool) -> float:
         return save(self, directory, keep=keep, extra=extra, wait=wait)
@@ -145,7 +155,7 @@ class Checkpointer:
         if self.writer is not None and self.writer.store.directory != store_dir:
             # Closing waits for the old directory's newest checkpoint, which parameter
             # servers write only when told to (they never see this call).
-            self.strategy.flush_checkpoints()
+            self._flush_strategy()
             self.close_writer()
         if self.writer is None:
             self.writer = make_writer(
@@ -154,7 +164,7 @@ class Checkpointer:
                 world_size=self.world_size,
                 save_id=self.save_id,
                 timeout_s=self.timeout_s,
-                hold=self.strategy.lockstep or self.strategy.holds_snapshots,
+                hold=self.strategy.lockstep or self.hooks.holds_snapshots,
             )
         self.writer.store.keep = keep
         self._directory = directory
@@ -164,7 +174,7 @@ class Checkpointer:
         """Until every checkpoint this rank saved is written (and, on rank 0, committed)."""
         if self.writer is not None:
             # Parameter servers write theirs when told to (they never call this).
-            self.strategy.flush_checkpoints()
+            self._flush_strategy()
             self.writer.flush(self.timeout_s if timeout_s is None else timeout_s)
 
     def close_writer(self) -> None:
@@ -181,7 +191,7 @@ class Checkpointer:
                 # Parameter servers write their newest snapshot when told to; after an
                 # exception they may be gone, which the writer's own wait then reports.
                 with contextlib.suppress(Exception):
-                    self.strategy.flush_checkpoints()
+                    self._flush_strategy()
             self.close_writer()
         finally:
             self.row_logs.close()
@@ -243,7 +253,8 @@ def save(
         where = _publish_directory(cp, directory, keep)
     # Parameter servers snapshot once every worker's request (sent behind its step-th push)
     # has arrived; the request goes out after the directory is published.
-    cp.strategy.prepare_checkpoint(step)
+    if cp.hooks.before_save is not None:
+        cp.hooks.before_save(step)
     state: dict[str, Any] = {}
     if cp.strategy.resizable:
         # Every replica holds the same model and optimizer state (what makes the strategy
@@ -279,8 +290,9 @@ def save(
     packed = snapshot(state, pool=writer.pool)
     writer.submit(step, packed, durable=wait)
     # After the submit: a rank that dies from here on leaves this snapshot to its writer
-    # (parameter servers are asked to snapshot here: ``Strategy.checkpoint_held``).
-    cp.strategy.checkpoint_held(step, wait, where)
+    # (parameter servers are asked to snapshot here: ``CheckpointHooks.handed_over``).
+    if cp.hooks.handed_over is not None:
+        cp.hooks.handed_over(step, wait, where)
     if wait:
         writer.wait(step)
     return time.perf_counter() - started

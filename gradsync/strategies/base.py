@@ -15,7 +15,8 @@ A step, phase by phase (docs/architecture.md has the picture):
 
 Around the steps: ``setup(ctx)`` once, ``finalize()`` when training ends (a final average, the
 last pull from the servers), ``replicas_identical`` for the divergence check,
-``prepare_checkpoint`` / ``state_dict`` / ``load_state_dict`` for checkpoints, ``close()``.
+``state_dict`` / ``load_state_dict`` for checkpoints (and ``CheckpointHooks``, registered in
+``setup``, where a save needs more of the strategy, as parameter servers do), ``close()``.
 Ranks that do not train (parameter servers) are declared by ``servers`` and run the
 ``ServerRole`` that ``server_role()`` gives them, through ``Synchronizer.serve()``.
 
@@ -99,6 +100,34 @@ class Layout:
         return "server" if rank >= self.workers else "worker"
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointHooks:
+    """What a strategy asks of each worker's checkpoints, registered in ``setup`` through
+    ``SyncContext.register_checkpoint_hooks`` (parameter servers do: their servers snapshot
+    when the workers ask). A strategy that registers none is saved as its ``state_dict``."""
+
+    #: at the start of ``sync.save()`` on every worker, after ``step`` steps, before the
+    #: snapshot; may refuse the save (``UsageError``)
+    before_save: Callable[[int], None] | None = None
+    #: once this rank's snapshot after ``step`` steps is with its writer, before waiting for it:
+    #: ``(step, durable, directory_key)``. ``durable``: the save waits for the files;
+    #: ``directory_key``: on rank 0 with servers, a number for the save's directory and keep
+    #: that changes when they do, else 0. A rank that dies from then on leaves this step's
+    #: snapshot to its writer, so every rank holds a step in common.
+    handed_over: Callable[[int, bool, int], None] | None = None
+    #: before a worker waits for its checkpoints (``wait_for_checkpoints``, ``close``, a save
+    #: into another directory): ranks that never save themselves (servers) write their newest
+    flush: Callable[[], None] | None = None
+    #: though not ``Strategy.lockstep``, ranks' newest checkpoints still differ by at most one
+    #: step when every step saves, and ``flush`` makes every rank write its newest: the
+    #: writers may hold snapshots as under a lockstep strategy
+    holds_snapshots: bool = False
+
+
+def _no_hooks(hooks: CheckpointHooks) -> None:
+    return None
+
+
 @dataclass(slots=True, kw_only=True)
 class SyncContext:
     """The runtime objects a strategy works on (config lives in the strategy itself)."""
@@ -124,6 +153,8 @@ class SyncContext:
     #: ``allreduce="hierarchical"``: the ``gradsync.topology.Hierarchy`` that sums across
     #: hosts through one leader each (None: a flat all-reduce over ``group``)
     hierarchy: Any = None
+    #: give the checkpoints ``CheckpointHooks`` (once, in ``setup``)
+    register_checkpoint_hooks: Callable[[CheckpointHooks], None] = _no_hooks
 
     @property
     def scaling(self) -> bool:
@@ -193,7 +224,7 @@ def optimizer_step(ctx: SyncContext) -> bool:
 
 #: what a server role hands its state to when the workers ask for a checkpoint:
 #: ``sink(state)``; ``durable=True`` when a worker's save waits for its files, ``where=``
-#: rank 0's number for the save's directory (``Strategy.checkpoint_held``) where known. The
+#: rank 0's number for the save's directory (``CheckpointHooks.handed_over``) where known. The
 #: state is live (the role's own tensors, and its optimizer object where it has one, whose
 #: ``state_dict()`` the sink takes): snapshot it within the call.
 CheckpointSink = Callable[..., None]
@@ -212,7 +243,7 @@ class ServerRole(Protocol):
         """Serve until every worker is done; hand ``checkpoint`` this server's state whenever
         the workers save. Returns the server's statistics. A role whose ``serve`` also takes
         ``flush`` (a callable) is given one: call it when a worker waits for its checkpoints
-        (``Strategy.flush_checkpoints``), to write the newest state handed over."""
+        (``CheckpointHooks.flush``), to write the newest state handed over."""
         ...
 
 
@@ -249,12 +280,6 @@ class Strategy(Protocol):
     #: the background writer may hold most snapshots in memory and write every 64th, and a
     #: dying rank's writer writes the newest two (``writer_process.FILES_EVERY``)
     lockstep: bool = False
-    #: whether, though not ``lockstep``, ranks' newest checkpoints still differ by at most
-    #: one step when every step saves, and a rank waiting for its checkpoints makes every
-    #: rank write its newest (``flush_checkpoints``): the writers hold snapshots as under a
-    #: ``lockstep`` strategy (parameter servers: a checkpoint pauses the workers that are a
-    #: step ahead)
-    holds_snapshots: bool = False
 
     def setup(self, ctx: SyncContext) -> None: ...
 
@@ -296,27 +321,6 @@ class Strategy(Protocol):
 
     def server_role(self) -> ServerRole | None:
         """The role of this rank if it is a server (after ``setup``); None on workers."""
-        return None
-
-    def prepare_checkpoint(self, step: int) -> None:
-        """Called on every worker at the start of ``sync.save()``, after ``step`` steps, before
-        any of the save's collectives."""
-        return None
-
-    def checkpoint_held(self, step: int, durable: bool, where: int = 0) -> None:
-        """Called on every worker in ``sync.save()`` once this rank's snapshot after ``step``
-        steps is with its writer, before waiting for it (``durable``: the save waits for the
-        files; ``where``: on rank 0 with servers, a number for the save's directory and keep
-        that changes when they do, else 0). Parameter servers are asked to snapshot here: a
-        rank that dies from then on leaves this step's snapshot to its writer, so every rank
-        holds a step in common."""
-        return None
-
-    def flush_checkpoints(self) -> None:
-        """Called on every worker before it waits for its checkpoints to be written
-        (``wait_for_checkpoints``, ``close``, a save into another directory): ranks that
-        never save themselves (parameter servers) are told to write the newest snapshot they
-        hold."""
         return None
 
     def trainable(self) -> list[torch.Tensor] | None:
@@ -364,6 +368,7 @@ def load_compressor_state(state: Any, saved: dict[str, Any]) -> None:
 
 
 __all__ = [
+    "CheckpointHooks",
     "STRATEGY_FORMS",
     "CheckpointSink",
     "Layout",

@@ -65,6 +65,7 @@ from gradsync.compression.push import PushCodec
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into
 from gradsync.strategies.base import (
+    CheckpointHooks,
     StepOutcome,
     StepPlan,
     Strategy,
@@ -91,10 +92,6 @@ class ParameterServer(Strategy):
     ``servers`` ranks (the last ones) serve; the others train."""
 
     barrier_free = True
-    # A server snapshots once every worker has asked, and answers a worker's next push only
-    # after: a worker is at most one checkpoint ahead of the others. Each worker asks once its
-    # own snapshot is held, so a rank that dies leaves a step every rank holds.
-    holds_snapshots = True
 
     def __init__(self, staleness: float, servers: int = 1, timeout_s: float = 300.0) -> None:
         if not (staleness >= 0):
@@ -127,6 +124,18 @@ class ParameterServer(Strategy):
                 "local:H or diloco:H with scaler="
             )
         self._ctx = ctx
+        # A server snapshots once every worker has asked, and answers a worker's next push only
+        # after: a worker is at most one checkpoint ahead of the others (``holds_snapshots``).
+        # Each worker asks once its own snapshot is held, so a rank that dies leaves a step
+        # every rank holds.
+        ctx.register_checkpoint_hooks(
+            CheckpointHooks(
+                before_save=self.prepare_checkpoint,
+                handed_over=self.checkpoint_held,
+                flush=self.flush_checkpoints,
+                holds_snapshots=True,
+            )
+        )
         plan = self._plan = ShardPlan(ctx, self.servers, self.timeout_s)
         if ctx.layout.role(ctx.rank) == "server":
             self._server = PSServer(plan, ctx, self.staleness, ctx.rank)

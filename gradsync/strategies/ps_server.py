@@ -306,7 +306,7 @@ class _Server:
         self.requested[w] = True
         durable, where = self.plan.read_words(self.shard, message, 2)
         self.durable |= bool(durable)
-        if w == 0 and where:  # rank 0 published the directory (``Strategy.checkpoint_held``)
+        if w == 0 and where:  # rank 0 published the directory (``CheckpointHooks.handed_over``)
             self.where = where
 
     def checkpoint_on_loss(self, lost: int, receivers: _Receivers | None = None) -> None:
@@ -498,7 +498,7 @@ class PSServer:
         """Serve until every worker is done. ``checkpoint(state, durable=..., where=...)`` is
         called with this server's state when the workers ask for a checkpoint (``durable``: a
         worker's save waits for the files; ``where``: rank 0's number for the directory, see
-        ``Strategy.checkpoint_held``); it hands the state to this rank's writer
+        ``CheckpointHooks.handed_over``); it hands the state to this rank's writer
         (``Synchronizer.serve`` passes ``Checkpointer.save_server``). The state
         (``_Server.checkpoint_state``) is live: the server's own tensors and its optimizer
         object (None without one), whose ``state_dict()`` the callback takes; copy what it

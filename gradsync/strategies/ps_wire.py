@@ -17,7 +17,7 @@ gradient; the server replies with parameters), ``CHECKPOINT`` (no payload, no re
 worker is inside ``sync.save()`` after its N-th push; the header alone is sent, see
 ``ShardPlan.control``; after the header, two int64: 1 when the worker's save waits for the
 files, so the server writes its part at once, and rank 0's number for the directory,
-``Strategy.checkpoint_held``), ``FLUSH`` (no reply: the worker waits for its
+``CheckpointHooks.handed_over``), ``FLUSH`` (no reply: the worker waits for its
 checkpoints to be written, so the server writes the newest snapshot it holds, see
 ``gradsync.checkpoint.held_slots``), ``SKIPPED`` (no payload: this step's
 gradient was not finite, so the worker pushes nothing; the server counts the push, applies
