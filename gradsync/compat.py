@@ -3,7 +3,7 @@
 torch offers no public way to do these things, and each has changed name or shape across
 releases. Callers get a plain answer (None, False, an empty list) when the private API is
 missing, so a torch that drops one degrades a feature instead of breaking a run; each fallback
-is tested in ``tests/test_compat.py``.
+is tested in ``tests/unit/test_compat.py``.
 
 - ``default_group`` / ``default_store``: the process group and store ``init_process_group``
   made (``distributed_c10d._get_default_group`` / ``_get_default_store``).
@@ -23,7 +23,7 @@ is tested in ``tests/test_compat.py``.
 - ``override_shared_store_server``: have torch's rendezvous handler make the TCPStore it shares
   with its workers through our function (its ``_create_tcp_store_server``), so that the store
   listens on the run's address instead of every interface (see ``gradsync.stores``; this one
-  and its fallback are tested in ``tests/test_stores.py``).
+  and its fallback are tested in ``tests/unit/test_stores.py``).
 - ``fsdp2``: FSDP2's ``fully_shard``, ``DTensor`` and ``DeviceMesh``, public from torch 2.6
   (``torch.distributed.fsdp``, ``torch.distributed.tensor``) and private before
   (``torch.distributed._composable.fsdp``, ``torch.distributed._tensor``); None where this
@@ -49,7 +49,7 @@ is tested in ``tests/test_compat.py``.
   logs when a worker process fails (``failed (exitcode: %s) local_rank: %s (pid: %s) ...``), so
   that ``gradsync run`` can say which worker died before the agent restarts the group. None
   for a record worded otherwise: the death then goes unreported, as before (tested in
-  ``tests/test_worker_deaths.py``).
+  ``tests/unit/test_worker_deaths.py``).
 - ``elastic_signal``: the signal behind torch's elastic agent's ``SignalException`` (its
   ``sigval``), which it raises in the launcher for a Ctrl-C instead of ``KeyboardInterrupt``, so
   that ``gradsync run`` ends with one line and 128 + the signal; None where torch lacks it.

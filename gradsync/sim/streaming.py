@@ -7,7 +7,7 @@ must not. The fragment rules both use are ``gradsync.fragments`` (no torch): und
 belongs to fragment ``i % F`` (``strided``); under the default ``rows`` split every tensor with
 at least F rows is cut into F blocks of rows and the smaller ones go whole to the lightest
 fragment (``row_blocks``, priced by ``row_loads``). The schedule is written again here and
-tested against the runtime's (tests/test_sim_streaming.py): fragment p starts its exchange
+tested against the runtime's (tests/unit/test_sim_streaming.py): fragment p starts its exchange
 after every step t with ``(t + 1) % H == ((p + 1) * H // F) % H``.
 
 A model's sizes come as one entry per layer (``layers``): the layer's bytes, which is all the

@@ -1,0 +1,74 @@
+"""Telemetry of a run restarted by the elastic agent, through ``gradsync run``: every step once
+in the report, and a resume after a torn metrics line goes on."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradsync.checkpoint.store import CheckpointStore
+from gradsync.telemetry.records import METRICS_FILE
+from tests.support.restart_telemetry import tear_last_line
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(180)
+def test_restarted_run_reports_every_step_once(tmp_path: Path) -> None:
+    # Checkpoints every 3 steps, telemetry gathered every 10: at the kill (step 17) the restart
+    # resumes from step 15 (or 12, if the background write of 15 was not complete yet); steps
+    # 10..14 (10..11) come before it, were never gathered and never run again: their records
+    # can only come back with the checkpoint.
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync.cli", "run", "--workload", "mlp", "--nproc", "2"]
+        + ["--steps", "30", "--checkpoint-every", "3", "--kill", "1:17", "--max-restarts", "1"]
+        + ["--no-plots", "--no-progress", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"restart: resuming at step (15|12)\b", proc.stderr), proc.stderr[-3000:]
+    lines = (out / METRICS_FILE).read_text().splitlines()
+    keys = [(d["rank"], d["step"]) for d in map(json.loads, lines)]
+    assert sorted(keys) == [(rank, step) for rank in range(2) for step in range(30)]
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 30 and [r["steps"] for r in report["ranks"]] == [30, 30]
+    per_step = {d["bytes"] for d in map(json.loads, lines)}
+    assert len(per_step) == 1 and [r["bytes"] for r in report["ranks"]] == [30 * per_step.pop()] * 2
+    # Present; not asserted empty: on a loaded machine the restart's catch-up can make one
+    # rank genuinely slower for a window, which the detector rightly reports.
+    assert isinstance(report["stragglers"], list)
+    # The checkpoint records its compressor, which a --resume with another one is refused by.
+    store = CheckpointStore(out / "checkpoints")
+    newest = store.latest()
+    assert newest is not None and store.load(newest, 0)["compression"] == "none"
+
+
+@pytest.mark.timeout(240)
+def test_a_resume_after_a_torn_metrics_line_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    flags = ["--workload", "mlp", "--params", "20000", "--nproc", "1", "--out", str(out)]
+    flags += ["--checkpoint-every", "5", "--no-plots", "--no-progress"]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "gradsync.cli", "run", *flags, *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+    first = run("--steps", "10")
+    assert first.returncode == 0, first.stderr[-3000:]
+    torn = json.loads(tear_last_line(out / METRICS_FILE))
+    more = run("--steps", "14", "--resume")
+    assert more.returncode == 0, more.stderr[-3000:]
+    notice = [line for line in more.stderr.splitlines() if "dropped its last line" in line]
+    assert len(notice) == 1 and str(out / METRICS_FILE) in notice[0], more.stderr[-3000:]
+    assert notice[0].startswith("gradsync: "), notice[0]
+    steps = [d["step"] for d in map(json.loads, (out / METRICS_FILE).read_text().splitlines())]
+    assert sorted(steps) == [s for s in range(14) if s != torn["step"]]
+    assert json.loads((out / "report.json").read_text())["steps"] == 13

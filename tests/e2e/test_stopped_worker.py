@@ -1,0 +1,125 @@
+"""A stopped worker (SIGSTOP: a hang from outside the process) ends `gradsync run` within its
+--timeout plus a few seconds, with the stopped rank named and no process of the run left, where
+torch's elastic agent alone waits 30 more seconds for the stopped worker to act on SIGTERM. And
+a Ctrl-C ends it in one line, leaving nothing either."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gradsync.reaper import workers
+from tests.support.proctree import PROC, Watched, start_run, watch_until_exit
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_S = 6  # short: what is tested is the bound beyond it, not its length
+GRACE_S = 5  # what the run may take beyond its --timeout to fail, report and exit
+
+
+def _workers(root: int) -> list[int]:
+    """The run's worker processes: forked from its forkserver, or spawned by it."""
+    found = []
+    for pid, parent in workers(root):
+        try:
+            cmd = (PROC / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if parent != root or b"spawn_main" in cmd:
+            found.append(pid)
+    return found
+
+
+def _wait_for_training(proc: subprocess.Popen[str], watched: Watched, metrics: Path) -> None:
+    """Until steps are being recorded (every rank is past its start-up)."""
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.stat().st_size > 0):
+        assert proc.poll() is None, "the run ended before training started"
+        assert time.monotonic() < deadline, "no step recorded in 120 s"
+        watched.sample(proc.pid)
+        time.sleep(0.1)
+    watched.sample(proc.pid)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["bsp", "zero:3"])
+def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
+    tmp_path: Path, strategy: str
+) -> None:
+    """zero:3 too: there the survivor waits inside FSDP2's gathers, in the user's forward."""
+    out = tmp_path / "run"
+    proc = start_run(
+        *("--nproc", "2", "--workload", "mlp", "--steps", "100000", "--strategy", strategy),
+        *("--timeout", str(TIMEOUT_S), "--no-plots", "--no-progress", "--out", str(out)),
+    )
+    watched = Watched()
+    try:
+        _wait_for_training(proc, watched, out / "metrics.jsonl")
+        ranks = _workers(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        rc = watch_until_exit(proc, watched, timeout_s=TIMEOUT_S + 60)
+        took = time.monotonic() - stopped_at
+        left = _left_after(watched, stopped_at, TIMEOUT_S + GRACE_S)
+    finally:
+        stderr = _end(proc, watched)
+    assert rc == 1, f"exit code {rc}: {stderr[-3000:]}"
+    assert "never arrived: ranks [" in stderr, stderr[-3000:]
+    assert took <= TIMEOUT_S + GRACE_S, f"exited {took:.1f}s after the stop: {stderr[-3000:]}"
+    assert left == [], f"processes of the run still alive after it exited: {left}"
+
+
+def _left_after(watched: Watched, since: float, bound_s: float) -> list[tuple[int, str]]:
+    """The run's processes still alive ``bound_s`` after ``since``, or none sooner. One may
+    still be on its way out as the run's own process exits (a helper such as
+    multiprocessing's resource tracker ends when its pipe closes): what matters is that
+    nothing is left within the bound."""
+    while watched.survivors() and time.monotonic() - since < bound_s:
+        time.sleep(0.05)
+    return [(pid, _command(pid)) for pid in watched.survivors()]
+
+
+def _end(proc: subprocess.Popen[str], watched: Watched) -> str:
+    """Kill whatever of the run is left (a failed test leaves nothing); the run's stderr."""
+    watched.kill_all()
+    proc.kill()
+    _, stderr = proc.communicate(timeout=30)
+    return stderr
+
+
+def _command(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    # A terminal's Ctrl-C: SIGINT to the run's whole process group. torch's agent turns it
+    # into an exception of its own, which used to end the run with a traceback and exit 1.
+    out = tmp_path / "run"
+    proc = start_run(
+        *("--nproc", "2", "--workload", "mlp", "--steps", "100000", "--no-plots", "--no-progress"),
+        *("--out", str(out)),
+    )
+    watched = Watched()
+    try:
+        _wait_for_training(proc, watched, out / "metrics.jsonl")
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        rc = watch_until_exit(proc, watched, timeout_s=60)
+        left = _left_after(watched, sent, GRACE_S + 10)
+    finally:
+        stderr = _end(proc, watched)
+    assert rc == 130, f"exit code {rc}: {stderr[-3000:]}"
+    assert "gradsync: interrupted by SIGINT: the workers were stopped" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "death signal" not in stderr, stderr[-3000:]  # the agent's own line, said again
+    assert left == [], f"processes of the run still alive after it exited: {left}"

@@ -1,0 +1,88 @@
+"""Timeouts that bound only gradsync's own waits (the step gate, gradsync.checks.gate), and a
+block that raises on one rank: every rank skips that step together and stays in step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsync.testing import RankFailure, run_ranks
+from tests.support import gate_ranks
+
+pytestmark = pytest.mark.ranks
+
+GROUP_TIMEOUT_S = 30  # the process group's own, which the user's collectives keep
+
+
+@pytest.mark.timeout(150)
+def test_a_long_evaluation_on_rank_0_is_not_cut_short() -> None:
+    by_rank = run_ranks(
+        gate_ranks.long_evaluation_each,
+        2,
+        ["bsp", "local:2"],
+        collective_timeout_s=GROUP_TIMEOUT_S,
+        timeout_s=140,
+    )
+    for strategy in ("bsp", "local:2"):
+        r0, r1 = (out[strategy] for out in by_rank)
+        assert r0["steps"] == r1["steps"] == 6
+        assert torch.equal(r0["params"], r1["params"]), strategy
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_stops_responding_between_steps_is_named_within_the_timeout() -> None:
+    r0, r1, r2 = run_ranks(
+        gate_ranks.frozen_between_steps, 3, collective_timeout_s=GROUP_TIMEOUT_S, timeout_s=90
+    )
+    assert r2 == {"stayed_away": True}
+    for r in (r0, r1):
+        assert r["error"] is not None
+        assert r["error"].startswith("step 3: the step (waiting"), r["error"]
+        assert "never arrived: ranks [2]" in r["error"], r["error"]
+        assert "Rank 2 stopped responding" in r["error"], r["error"]
+        assert "between steps 2 and 3" in r["error"], r["error"]
+        # its second in its own code, the heartbeat's silence, then the timeout: not 1800 s
+        assert r["waited"] < gate_ranks.TIMEOUT_S + 8, r
+
+
+@pytest.mark.timeout(150)
+def test_a_block_that_raises_on_one_rank_is_skipped_by_every_rank() -> None:
+    by_rank = run_ranks(gate_ranks.raises_in_block_each_way, 2, timeout_s=140)
+    for strategy, where in gate_ranks.RAISES:
+        r0, r1 = (out[(strategy, where)] for out in by_rank)
+        assert r1["caught"] == [3]
+        assert r0["steps"] == r1["steps"] == 6  # in step: the abandoned step counts everywhere
+        assert torch.equal(r0["params"], r1["params"]), (strategy, where)
+        if strategy == "bsp" and where == "before backward":
+            # Its buckets went out as NaN: rank 0 skipped the same step and was told why.
+            assert r0["skipped"] == [3]
+            assert r0["reasons"] == ["rank 1's step 3 block raised Boom: bad batch"]
+        if strategy == "bsp" and where == "after backward":
+            # Every bucket had gone out: the step completed on every rank, rank 1 included.
+            assert r0["skipped"] == []
+
+
+@pytest.mark.timeout(120)
+def test_an_uncaught_exception_in_a_block_fails_the_peers_within_seconds() -> None:
+    r0, r1 = run_ranks(gate_ranks.raises_uncaught, 2, timeout_s=90, allow_failures=True)
+    assert isinstance(r1, RankFailure) and "Boom: bad batch" in str(r1)
+    assert r0["error"] is not None
+    assert r0["error"].startswith("step 4: the step (waiting"), r0["error"]
+    assert "Rank 1's step 3 block raised Boom: bad batch" in r0["error"], r0["error"]
+    assert r0["waited"] < 15, r0  # the heartbeat's silence, not the 60 s timeout
+
+
+@pytest.mark.timeout(120)
+def test_ranks_in_different_collectives_say_where_each_one_is(tmp_path) -> None:
+    r0, r1 = run_ranks(
+        gate_ranks.save_on_rank_0_only,
+        2,
+        str(tmp_path),
+        collective_timeout_s=GROUP_TIMEOUT_S,
+        timeout_s=90,
+    )
+    assert r0["error"] is not None and r1["error"] is not None
+    assert r0["error"].startswith("step 2: sync.save() (waiting"), r0["error"]
+    assert "Rank 1 is waiting to begin the step (step 2)" in r0["error"], r0["error"]
+    assert r1["error"].startswith("step 2: the step (waiting"), r1["error"]
+    assert "Rank 0 is waiting to begin sync.save() (step 2)" in r1["error"], r1["error"]

@@ -1,0 +1,171 @@
+"""A background checkpoint writer that dies or stops (``gradsync.checkpoint.writer_process``).
+
+A writer process killed (SIGKILL) fails its rank at its next call, naming the process and the
+signal, and what it had not written, the snapshots held in memory above all, is written by
+another writer process: the restart resumes from about the step of the kill, not from the last
+of the files written every ``FILES_EVERY`` steps (up to 64 steps back, or from the start when
+it was rank 0's writer). A stopped writer (SIGSTOP), or a stalled disk, fails the rank within
+``timeout_s`` naming it, rather than hanging it, and is continued as the rank lets it go, so
+that nothing is left running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.checkpoint import CheckpointError, CheckpointStore
+from gradsync.checkpoint.store import snapshot
+from gradsync.checkpoint.writer_locks import wait_for_writers
+from gradsync.checkpoint.writer_process import (
+    FILES_EVERY,
+    ProcessCheckpointWriter,
+)
+from tests.support.writer_failures import BOUND_S, TIMEOUT_S, in_thread, needs_linux
+
+pytestmark = pytest.mark.ranks
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _writers(tmp_path: Path, world: int, files_every: int) -> list[ProcessCheckpointWriter]:
+    return [
+        ProcessCheckpointWriter(
+            CheckpointStore(tmp_path, keep=2),
+            rank=r,
+            world_size=world,
+            save_id="run",
+            timeout_s=TIMEOUT_S,
+            files_every=files_every,
+        )
+        for r in range(world)
+    ]
+
+
+def _save(writer: ProcessCheckpointWriter, step: int) -> None:
+    weights = torch.full((20_000,), float(step))  # 80 KB: a shared buffer, not message bytes
+    writer.submit(step, snapshot({"w": weights, "rank": writer.rank}, pool=writer.pool))
+
+
+def _latest(directory: Path, world: int) -> int | None:
+    with warnings.catch_warnings():  # newer steps some rank did not write are skipped
+        warnings.simplefilter("ignore")
+        info = CheckpointStore(directory).latest(world)
+    return None if info is None else info.step
+
+
+@needs_linux
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dead", [0, 1], ids=["rank-0-s-writer", "rank-1-s-writer"])
+def test_a_killed_writer_fails_its_rank_at_once_and_loses_no_held_step(
+    tmp_path: Path, dead: int
+) -> None:
+    """Two ranks' writers saving every step, holding all but every ``FILES_EVERY``-th: rank
+    ``dead``'s writer is killed at step 40, its rank fails at a next save, and both ranks then
+    die (their sockets close, as when the processes exit). The newest committed checkpoint is
+    then within a step or two of the failure: today's code left only step 1's."""
+    assert FILES_EVERY > 40  # steps 2..40 are held in memory, not files
+    writers = _writers(tmp_path, 2, FILES_EVERY)
+    children = [w._child.pid for w in writers]
+    failed_at, message = None, ""
+    try:
+        for step in range(1, 41):
+            for w in writers:
+                _save(w, step)
+        os.kill(children[dead], signal.SIGKILL)
+        killed = time.monotonic()
+        for step in range(41, 80):
+            try:
+                _save(writers[dead], step)
+            except CheckpointError as exc:
+                failed_at, message = step, str(exc)
+                break
+            _save(writers[1 - dead], step)
+            time.sleep(0.02)  # a step's time: the death is seen by the next save
+        took = time.monotonic() - killed
+    finally:
+        for w in writers:  # the ranks die, no close: their writers write what they hold
+            with contextlib.suppress(OSError):  # their sockets end, as when a process exits
+                w._sock.shutdown(socket.SHUT_RDWR)
+            w._finalizer()
+    assert failed_at is not None, "the dead writer was never reported"
+    assert failed_at <= 45 and took < BOUND_S, (failed_at, took, message)
+    assert wait_for_writers(tmp_path, timeout_s=BOUND_S) == []  # every writer has ended
+    for w in writers:
+        w._child.wait(timeout=BOUND_S)
+    latest = _latest(tmp_path, 2)
+    assert latest is not None and latest >= failed_at - 2, (latest, failed_at, message)
+    state = CheckpointStore(tmp_path).load(CheckpointStore(tmp_path).at(latest), dead)
+    assert torch.equal(state["w"], torch.full((20_000,), float(latest)))
+    assert re.search(
+        rf"rank {dead}: the checkpoint writer process \(pid {children[dead]}\) died: "
+        r"it exited with code -9 \(killed by SIGKILL\)",
+        message,
+    ), message
+    heir = re.search(r"another writer process \(pid (\d+)\) writes the snapshots of steps", message)
+    assert heir is not None, message
+    assert _gone(int(heir.group(1))), "the writer that took over is still running"
+
+
+@needs_linux
+@pytest.mark.timeout(120)
+def test_a_stopped_writer_fails_its_rank_within_the_timeout_and_is_continued_on_exit(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP a rank's writer: its saves go on (held in memory) until ``depth`` files wait for
+    it, then the next one fails after ``timeout_s`` naming the process and its state, as does a
+    flush; as the rank exits the writer is continued, writes what it was handed and ends."""
+    (writer,) = _writers(tmp_path, 1, files_every=4)
+    pid = writer._child.pid
+    _save(writer, 1)
+    writer.wait(1)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+
+        def save_until_it_fails() -> None:
+            # 5 and 9 are files (every 4th), the others held: then 10 finds no room
+            for step in range(2, 40):
+                _save(writer, step)
+
+        thread, raised = in_thread(save_until_it_fails)
+        thread.join(BOUND_S)
+        took = time.monotonic() - stopped
+        assert not thread.is_alive(), f"a save still waits for the stopped writer after {took}"
+        assert len(raised) == 1 and isinstance(raised[0], CheckpointError), raised
+        assert TIMEOUT_S <= took < BOUND_S
+        assert str(raised[0]) == (
+            f"rank 0: no room for the checkpoint snapshot of step 10: the checkpoint writer "
+            f"process (pid {pid}) wrote none of the 2 before it (steps 5, 9) in 3 s; it is "
+            "stopped (SIGSTOP or SIGTSTP)"
+        )
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as flushed:
+            writer.flush()
+        assert time.monotonic() - started < BOUND_S
+        assert f"steps 5, 8, 9 not written by the checkpoint writer process (pid {pid}); it " in (
+            str(flushed.value)
+        )
+    finally:
+        writer._finalizer()  # the rank exits: its stopped writer is continued, not left
+    assert _gone(pid), "the stopped writer was left behind"
+    # 5 and 9 written once it went on (8 was older than 9: not written, as at a rank's death),
+    # and 1 kept as the newest durable checkpoint
+    assert [int(p.name[5:]) for p in sorted(tmp_path.glob("step-*"))] == [1, 5, 9]

@@ -1,0 +1,215 @@
+"""Rank functions for the streaming DiLoCo tests (module level, so spawned ranks import them),
+and the single-process float64 reference they are checked against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gradsync as gs
+from gradsync.strategies import DiLoCo
+from gradsync.workloads import make_workload
+from tests.support.ranks import flat_params
+
+PER_RANK = 4
+PARAMS = 3000  # the mlp: Linear 64 -> 27, 27 -> 27, 27 -> 16
+#: the model's tensors (w0, b0, w1, b1, w2, b2) of each fragment for F=2 under the layers
+#: split: two fragments hold layers {0, 2} and {1}
+FRAGMENTS_OF_TWO = ([0, 1, 4, 5], [2, 3])
+#: each fragment's (tensor, first row, end row) for F=2 under the rows split, worked out by
+#: hand from the rule: every tensor (27 or 16 rows) is cut in two; of 27 rows the fragment with
+#: fewer elements so far takes 14 (ties to fragment 0): w0 14 to fragment 0 (896 to 832
+#: elements), then b0, w1 and b1 14 to fragment 1 (909 to 846, 1260 to 1224, 1273 to 1238);
+#: w2 and b2 split 8 and 8 (1497 to 1462, of 2959)
+ROWS_OF_TWO = (
+    [(0, 0, 14), (1, 0, 13), (2, 0, 13), (3, 0, 13), (4, 0, 8), (5, 0, 8)],
+    [(0, 14, 27), (1, 13, 27), (2, 13, 27), (3, 13, 27), (4, 8, 16), (5, 8, 16)],
+)
+#: the tensors' rows (first dimensions), for whole tensors as blocks
+ROWS = (27, 27, 27, 27, 16, 16)
+
+
+def whole(fragments: tuple[list[int], ...]) -> list[list[tuple[int, int, int]]]:
+    """Fragments of whole tensors (the layers split) as blocks of all their rows."""
+    return [[(i, 0, ROWS[i]) for i in tensors] for tensors in fragments]
+
+
+def _workload(dtype: str = "float64") -> Any:
+    return make_workload("mlp", seed=5, params=PARAMS, dtype=dtype)
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # momentum: the inner optimizer's own state keeps running through the exchanges
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def train(
+    rank: int,
+    world: int,
+    strategy: Any,
+    steps: int,
+    *,
+    compression: str | None = None,
+    dtype: str = "float64",
+) -> dict[str, Any]:
+    """Train the mlp; return the parameters after every step, the final (post-``report()``)
+    ones, the losses and each step's bytes and barrier flag."""
+    w = _workload(dtype)
+    model = w.build_model()
+    sync = gs.Synchronizer(
+        model, _optimizer(model), strategy=strategy, compression=compression, timeout_s=30
+    )
+    after, losses = [], []
+    for step in range(steps):
+        with sync.step(samples=PER_RANK):
+            lo = rank * PER_RANK
+            x, y = w.batch(step, PER_RANK * world, lo, lo + PER_RANK)
+            loss = w.loss(model, x, y)
+            loss.backward()
+        losses.append(float(loss.detach()))
+        after.append(flat_params(model))
+    report = sync.report()
+    mine = [r for r in report.records if r.rank == rank]
+    return {
+        "after": after,
+        "params": flat_params(model),
+        "losses": losses,
+        "bytes": [r.bytes for r in mine],
+        "barrier": [r.barrier for r in mine],
+    }
+
+
+def scenarios(rank: int, world: int) -> dict[str, Any]:
+    """Every multi-rank scenario of test_streaming_diloco, in one launch of the ranks."""
+    return {
+        "plain": train(rank, world, "diloco:4", 12),
+        "one fragment": train(rank, world, DiLoCo(4, fragments=1, delay=0, alpha=0.0), 12),
+        "reference": train(rank, world, "diloco:4:2:1:0.25", 12),
+        "alpha 0": train(rank, world, "diloco:4:2:1", 12),
+        "no delay": train(rank, world, DiLoCo(4, fragments=2, delay=0), 12),
+        "layers": train(rank, world, "diloco:4:2:1:0.25:layers", 12),
+        "layers alpha 0": train(rank, world, DiLoCo(4, fragments=2, split="layers"), 12),
+        "learns": train(rank, world, "diloco:8:3", 48, dtype="float32"),
+        # PowerSGD reads each tensor's shape: under the rows split, the shapes of row blocks
+        "powersgd": train(rank, world, "diloco:4:2", 48, compression="powersgd:2", dtype="float32"),
+        "int8": train(rank, world, "diloco:4:2", 48, compression="int8", dtype="float32"),
+        "topk": train(rank, world, "diloco:4:2", 48, compression="topk:0.3", dtype="float32"),
+        "int4": train(rank, world, "diloco:4:2", 48, compression="int4", dtype="float32"),
+    }
+
+
+def resumed(rank: int, world: int, directory: str, strategy: str) -> dict[str, Any]:
+    """Under ``strategy`` with int8 and with topk (error feedback): train 12 steps straight;
+    train 6, save (an exchange in flight) and continue to step 12; and resume a fresh run from
+    that checkpoint to step 12."""
+    return {
+        spec: _resumed(rank, world, str(Path(directory) / spec), strategy, spec)
+        for spec in ("int8", "topk:0.3")
+    }
+
+
+def _resumed(rank: int, world: int, directory: str, strategy: str, compression: str) -> Any:
+    straight = train(rank, world, strategy, 12, compression=compression)["params"]
+    runs = {}
+    for name in ("continued", "resumed"):
+        w = _workload()
+        model = w.build_model()
+        sync = gs.Synchronizer(
+            model, _optimizer(model), strategy=strategy, compression=compression, timeout_s=30
+        )
+        start = 0
+        if name == "resumed":
+            loaded = sync.load(directory)
+            assert loaded is not None
+            start = loaded["step"]
+        for step in range(start, 12):
+            with sync.step(samples=PER_RANK):
+                lo = rank * PER_RANK
+                x, y = w.batch(step, PER_RANK * world, lo, lo + PER_RANK)
+                w.loss(model, x, y).backward()
+            if name == "continued" and step == 5:
+                saved = sync.state_dict()["strategy"]
+                sync.save(directory)
+        sync.report()
+        # Closed, as a script would: the writer process of "continued" otherwise lives on, and
+        # the load of "resumed" waits for it (up to half the timeout, 15 s) before it reads.
+        sync.close()
+        runs[name] = flat_params(model)
+    return {
+        "straight": straight,
+        **runs,
+        "pending": saved["streaming"]["pending"],
+        # error feedback keeps one residual per fragment (the bucket index of its exchange)
+        "residuals": sorted(saved["compressor"].get("residuals", {})),
+    }
+
+
+# -- the float64 reference ---------------------------------------------------------------------
+
+
+def reference(
+    world: int,
+    period: int,
+    fragments: list[list[tuple[int, int, int]]],
+    delay: int,
+    alpha: float,
+    steps: int,
+) -> list[torch.Tensor]:
+    """``world`` workers simulated in one process, written from the algorithm's description,
+    not from the strategy's code: each worker takes its SGD steps on its own shard; fragment p
+    starts its exchange after the steps where ``(step + 1) % period == (p + 1) * period //
+    F % period``, with the pseudo-gradient (global minus local) of that moment; TAU steps
+    later the mean pseudo-gradient goes through Nesterov SGD (lr 0.7, momentum 0.9) and each
+    worker's fragment becomes ``alpha * local + (1 - alpha) * global``. At the end, pending
+    exchanges are applied, then every fragment once more, replaced by its global copy.
+    ``fragments``: each fragment's blocks of rows, ``(tensor, first row, end row)``.
+    Returns each worker's final parameters, flat."""
+    w = _workload()
+    models = [w.build_model() for _ in range(world)]
+    opts = [_optimizer(m) for m in models]
+    tensors = [list(m.parameters()) for m in models]
+    count = len(fragments)
+
+    def frag(r: int, p: int) -> torch.Tensor:
+        return torch.cat([tensors[r][i].detach()[a:b].reshape(-1) for i, a, b in fragments[p]])
+
+    def put(r: int, p: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for i, a, b in fragments[p]:
+                t = tensors[r][i][a:b]
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    global_ = [frag(0, p).clone() for p in range(count)]
+    momentum: list[torch.Tensor | None] = [None] * count
+    pending: list[tuple[int, int, torch.Tensor]] = []  # (fragment, due step, mean)
+
+    def outer(p: int, mean: torch.Tensor, mix: float) -> None:
+        buf = momentum[p]
+        buf = mean.clone() if buf is None else buf.mul(0.9).add(mean)
+        momentum[p] = buf
+        global_[p] = global_[p] - 0.7 * (mean + 0.9 * buf)
+        for r in range(world):
+            put(r, p, mix * frag(r, p) + (1 - mix) * global_[p])
+
+    for step in range(steps):
+        for r in range(world):
+            opts[r].zero_grad()
+            x, y = w.batch(step, PER_RANK * world, r * PER_RANK, (r + 1) * PER_RANK)
+            w.loss(models[r], x, y).backward()
+            opts[r].step()
+        for p in range(count):
+            if (step + 1) % period == (p + 1) * period // count % period:
+                mean = sum(global_[p] - frag(r, p) for r in range(world)) / world
+                pending.append((p, step + delay, mean))
+        for p, _, mean in [e for e in pending if e[1] == step]:
+            outer(p, mean, alpha)
+        pending = [e for e in pending if e[1] != step]
+    for p, _, mean in pending:
+        outer(p, mean, alpha)
+    for p in range(count):
+        outer(p, sum(global_[p] - frag(r, p) for r in range(world)) / world, 0.0)
+    return [torch.cat([t.detach().reshape(-1) for t in ts]) for ts in tensors]

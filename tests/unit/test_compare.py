@@ -1,0 +1,103 @@
+"""`gradsync compare`'s curve arithmetic, heartbeat watching and refusals, in this process. The
+command end to end: tests/e2e/test_compare_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradsync.cli import main as cli_main
+from gradsync.compare import _watch, curve_from_records, parse_strategies, summarize
+from gradsync.progress import HEARTBEAT_FILE, Progress, read_heartbeat
+from gradsync.telemetry.records import StepRecord
+
+pytestmark = pytest.mark.unit
+
+
+def _records(losses: list[float], step_s: float, nbytes: int) -> list[StepRecord]:
+    return [
+        StepRecord(r, s, 100.0 + s * step_s, step_s / 2, step_s / 2, 0.0, 0.0, 4, nbytes, loss=v)
+        for s, v in enumerate(losses)
+        for r in (0, 1)
+    ]
+
+
+def test_target_is_reached_on_the_smoothed_curve(tmp_path: Path) -> None:
+    fast = curve_from_records("fast", _records([1.0] * 5 + [0.1] * 25, 0.1, 10))
+    slow = curve_from_records("slow", _records([1.0] * 20 + [0.5] * 10, 0.1, 1))
+    assert fast.bytes[-1] == 2 * 30 * 10  # cumulative over both ranks
+    assert np.isclose(fast.seconds[-1], 3.0)
+    # the 10-step moving average crosses 0.55 only once enough low values are in the window
+    assert fast.first_below(0.55) == 9
+    result = summarize([fast, slow], None, tmp_path)
+    assert result["target_loss"] == pytest.approx(0.5)  # default: the worst final loss
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert rows["fast"]["steps_to_target"] < rows["slow"]["steps_to_target"]
+    assert rows["slow"]["steps_to_target"] == 30
+    assert json.loads((tmp_path / "compare.json").read_text())["rows"][0]["strategy"] == "fast"
+    assert (tmp_path / "loss_vs_time.png").stat().st_size > 0
+
+
+def test_curve_counts_pulls_and_keeps_the_raw_loss() -> None:
+    c = curve_from_records("ps", _records([1.0] * 29 + [0.0], 0.1, 10), pull_bytes=100)
+    # every worker step: its own 10 bytes pushed plus the 100 the servers sent back
+    assert c.bytes[-1] == 2 * 30 * (10 + 100)
+    assert c.raw[-1] == 0.0  # the last step's mean loss, as the runs' progress lines show it
+    assert c.loss[-1] == pytest.approx(0.9)  # the moving average the target is judged on
+
+
+def test_heartbeat_is_written_without_a_progress_line(tmp_path: Path) -> None:
+    assert read_heartbeat(tmp_path) is None
+    shown = Progress(10, enabled=False, heartbeat=tmp_path / HEARTBEAT_FILE)
+    shown.update(7, 1.25, 0.0, 0.0)
+    assert read_heartbeat(tmp_path) == {"step": 7, "total": 10, "loss": 1.25}
+    (tmp_path / HEARTBEAT_FILE).write_text("{half")  # never raises on a bad file
+    assert read_heartbeat(tmp_path) is None
+
+
+class _Recorder(Progress):
+    def __init__(self) -> None:
+        super().__init__(100, enabled=False)
+        self.seen: list[tuple[int, float | None]] = []
+
+    def update(self, step: int, loss: float | None, samples_per_s: float, tax: float) -> None:
+        self.seen.append((step, loss))
+
+
+def test_watch_advances_the_comparison_from_the_heartbeat(tmp_path: Path) -> None:
+    recorder, stop = _Recorder(), threading.Event()
+    watcher = threading.Thread(target=_watch, args=(tmp_path, 40, recorder, stop, 0.01))
+    watcher.start()
+    try:
+        for step in (10, 20):
+            Progress(50, enabled=False, heartbeat=tmp_path / HEARTBEAT_FILE).update(
+                step, 2.0 - step / 100, 0.0, 0.0
+            )
+            for _ in range(500):  # up to 5 s for the watcher to poll
+                if recorder.seen and recorder.seen[-1][0] == 40 + step:
+                    break
+                stop.wait(0.01)
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert recorder.seen == [(50, 1.9), (60, 1.8)]  # offset + step, each heartbeat once
+
+
+def test_compare_refuses_the_run_strategy_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["compare", "--strategy", "ssp:2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--strategies" in err and "'ssp:2'" in err
+
+
+def test_strategy_list_errors() -> None:
+    with pytest.raises(ValueError, match="valid: bsp"):
+        parse_strategies("bsp,gossip")
+    with pytest.raises(ValueError, match="twice"):
+        parse_strategies("bsp,bsp")
+    with pytest.raises(ValueError, match="at least one"):
+        parse_strategies(" , ")

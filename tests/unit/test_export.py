@@ -1,0 +1,243 @@
+"""Exporting a checkpoint to files torch opens alone (``gradsync.checkpoint.export``, ``gradsync
+checkpoint export``): a ``torch.save`` state dict and DCP, both loading into a fresh model (with
+``strict=True``) and a fresh optimizer built as the training script built them, bitwise equal to
+what the ranks held; strategies that cannot export are refused, nothing written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradsync import cli
+from gradsync.checkpoint import CheckpointError, CheckpointStore, CheckpointWarning
+from gradsync.checkpoint.export import EXPORTABLE, TARGETS, export_checkpoint, single_process_state
+from gradsync.errors import UsageError
+from tests.support import export_ranks as er
+from tests.support.export import (
+    assert_same,
+    check_dcp,
+    check_export,
+)
+
+pytestmark = pytest.mark.unit
+
+ONE_RANK_STRATEGIES = (*er.STRATEGIES, "hogwild")
+
+
+# -- in one process (a world of one rank) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(
+    tmp_path_factory: pytest.TempPathFactory, one_rank: None
+) -> Iterator[dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]]:
+    """Every exportable strategy trained on one rank in this process: its checkpoint
+    directory, and the model's and the optimizer's state dicts after the last checkpoint."""
+    root = tmp_path_factory.mktemp("one-rank")
+    runs = {}
+    for spec in ONE_RANK_STRATEGIES:
+        directory = root / spec.replace(":", "-")
+        model, optimizer = er.train(spec, directory, rank=0)
+        runs[spec] = (directory, model.state_dict(), optimizer.state_dict())
+    yield runs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("spec", ONE_RANK_STRATEGIES)
+def test_an_export_loads_into_a_fresh_model_and_optimizer_bitwise(
+    spec: str, one_rank_runs: dict[str, Any], tmp_path: Path
+) -> None:
+    directory, model, optimizer = one_rank_runs[spec]
+    done = export_checkpoint(directory, tmp_path / "model.pt")
+    assert (done.step, done.to, done.world_size) == (er.STEPS, "torch", 1)
+    # as checkpoints record it: local:2 as "local", diloco:2 as "diloco"
+    assert done.strategy == (spec.partition(":")[0] if spec[0] in "ld" else spec)
+    exported = torch.load(done.path, weights_only=True)
+    assert set(exported) == {"model", "optimizer", "step", "extra"}
+    check_export(exported, model, optimizer, er.STEPS)
+    assert_same(single_process_state(directory), exported, "single_process_state")
+
+    dcp_done = export_checkpoint(directory, tmp_path / "model.dcp", to="dcp")
+    assert dcp_done.path.is_dir() and (dcp_done.path / ".metadata").is_file()
+    check_dcp(dcp_done.path, exported, tmp_path)
+    # nothing left beside the outputs (the staging copies are renamed into place)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["from-dcp.pt", "model.dcp", "model.pt"]
+
+
+@pytest.mark.timeout(60)
+def test_step_picks_an_older_checkpoint_and_a_missing_one_is_named(
+    one_rank_runs: dict[str, Any], tmp_path: Path
+) -> None:
+    directory, _, _ = one_rank_runs["bsp"]
+    older = torch.load(
+        export_checkpoint(directory, tmp_path / "2.pt", step=2).path, weights_only=True
+    )
+    newest = torch.load(export_checkpoint(directory, tmp_path / "4.pt").path, weights_only=True)
+    assert older["step"] == 2 and older["extra"] == {"data_position": 2}
+    assert not torch.equal(older["model"]["0.weight"], newest["model"]["0.weight"])
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint of step 3 .*step-000002, step-000004"
+    ):
+        export_checkpoint(directory, tmp_path / "3.pt", step=3)
+    assert not (tmp_path / "3.pt").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
+    one_rank_runs: dict[str, Any], tmp_path: Path
+) -> None:
+    import shutil
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(one_rank_runs["bsp"][0], directory)
+    rank_file = directory / "step-000004" / "rank-0.pt"
+    data = bytearray(rank_file.read_bytes())
+    data[-5] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    with pytest.warns(CheckpointWarning, match="step-000004.*corrupted"):
+        done = export_checkpoint(directory, tmp_path / "out.pt")
+    assert done.step == 2
+    # every checkpoint damaged: refused, each one's reason named
+    rank_file = directory / "step-000002" / "rank-0.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:-3])
+    with (
+        pytest.warns(CheckpointWarning),
+        pytest.raises(CheckpointError, match=r"none of the 2 .*step-000004.*step-000002.*trunc"),
+    ):
+        export_checkpoint(directory, tmp_path / "never.pt")
+    assert not (tmp_path / "never.pt").exists()
+
+
+def _crafted(directory: Path, strategy: str, layout: dict[str, int] | None = None) -> Path:
+    """A committed checkpoint of ``strategy`` with a model and optimizer part, written through
+    the store: what the export sees of a strategy it must refuse."""
+    store = CheckpointStore(directory)
+    state = {
+        "model": {"w": torch.ones(2)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "strategy": strategy,
+        "layout": layout or {"workers": 1, "servers": 0},
+        "extra": {},
+    }
+    store.save(3, 0, 1, state)
+    store.commit(3, 1)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("strategy", "why"),
+    [
+        ("zero:3", "shards of the parameters"),
+        ("async", "server ranks"),
+        ("ssp:2", "server ranks"),
+        ("mine", "does not know"),
+    ],
+)
+@pytest.mark.parametrize("to", TARGETS)
+def test_a_strategy_that_cannot_export_is_refused_and_nothing_written(
+    strategy: str, why: str, to: str, tmp_path: Path
+) -> None:
+    directory = _crafted(tmp_path / "checkpoints", strategy)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError) as refused:
+        export_checkpoint(directory, out, to=to)
+    message = str(refused.value)
+    assert f"strategy {strategy}," in message and why in message
+    assert "bsp, zero:1, zero:2, local:H, diloco:H, hogwild export" in message
+    assert "nothing was written" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+
+
+def test_zero_ranks_that_disagree_about_a_parameters_optimizer_state_are_refused(
+    tmp_path: Path,
+) -> None:
+    """zero:N: each parameter's optimizer state is on the one rank that owns it; two ranks
+    holding different state for one parameter cannot both be the run's."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for rank, value in enumerate((1.0, 2.0)):
+        optimizer = {
+            "state": {0: {"momentum_buffer": torch.full((2,), value)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        }
+        state = {"model": {"w": torch.ones(2)}, "optimizer": optimizer, "strategy": "zero:1"}
+        store.save(3, rank, 2, state)
+    store.commit(3, 2)
+    with pytest.raises(CheckpointError, match="ranks 0 and 1 .* both hold optimizer state of"):
+        export_checkpoint(store.directory, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_bad_arguments_are_refused_naming_what_is_valid(tmp_path: Path) -> None:
+    directory = _crafted(tmp_path / "checkpoints", "bsp")
+    with pytest.raises(UsageError, match="cannot export to 'onnx': choose one of torch, dcp"):
+        export_checkpoint(directory, tmp_path / "x", to="onnx")
+    with pytest.raises(UsageError, match="does not exist"):
+        export_checkpoint(tmp_path / "nowhere", tmp_path / "x")
+    existing = tmp_path / "kept.pt"
+    existing.write_bytes(b"mine")
+    with pytest.raises(UsageError, match="already exists.*nothing was overwritten"):
+        export_checkpoint(directory, existing)
+    assert existing.read_bytes() == b"mine"
+    with pytest.raises(UsageError, match="step must be an integer >= 0.*got -1"):
+        export_checkpoint(directory, tmp_path / "x", step=-1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoint in .*empty: nothing to export"):
+        export_checkpoint(tmp_path / "empty", tmp_path / "x")
+    assert set(EXPORTABLE) == {"bsp", "zero:1", "zero:2", "local", "diloco", "hogwild"}
+
+
+# -- the command line, in this process -------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_the_command_takes_a_run_directory_or_its_checkpoints(
+    one_rank_runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    shutil.copytree(one_rank_runs["bsp"][0], run / "checkpoints")
+    assert cli.main(["checkpoint", "export", str(run), str(tmp_path / "a.pt")]) == 0
+    err = capsys.readouterr().err
+    assert "exported the checkpoint of step 4 (bsp, 1 ranks" in err
+    assert "torch.load(path, weights_only=True)" in err
+    argv = ["checkpoint", "export", str(run / "checkpoints"), str(tmp_path / "b"), "--to", "dcp"]
+    assert cli.main([*argv, "--step", "2"]) == 0
+    assert (tmp_path / "b" / ".metadata").is_file()
+    a = torch.load(tmp_path / "a.pt", weights_only=True)
+    check_export(a, one_rank_runs["bsp"][1], one_rank_runs["bsp"][2], er.STEPS)
+
+
+def test_the_command_refuses_with_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.EXPORT_TARGETS == TARGETS
+    out = str(tmp_path / "out.pt")
+    assert cli.main(["checkpoint", "export", str(tmp_path / "nowhere"), out]) == 2
+    assert "nowhere does not exist: pass a run directory" in capsys.readouterr().err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert cli.main(["checkpoint", "export", str(run), out]) == 2
+    assert "has no checkpoints/: the run took none" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["checkpoint", "export", str(tmp_path / "empty"), out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradsync: error: checkpoint export: no checkpoint in ")
+    assert "Traceback" not in err
+    _crafted(tmp_path / "ps", "async", {"workers": 1, "servers": 1})
+    assert cli.main(["checkpoint", "export", str(tmp_path / "ps"), out]) == 2
+    assert "written by strategy async" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        cli.main(["checkpoint", "export", str(tmp_path / "ps"), out, "--to", "onnx"])
+    assert bad.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --to: invalid choice: 'onnx' (choose from" in err
+    assert "torch" in err.rpartition("choose from")[2] and "dcp" in err.rpartition("choose from")[2]
+    assert not (tmp_path / "out.pt").exists()

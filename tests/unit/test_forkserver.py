@@ -1,0 +1,144 @@
+"""Workers are forked from a forkserver only while they would see the launching process's
+environment as it is now (``gradsync.forkserver``); otherwise they are spawned, as before."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradsync import compat, forkserver
+from gradsync.errors import UsageError
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """A process whose forkserver has not started; returns the preloads it was started with."""
+    started: list[list[str]] = []
+    preload: list[list[str]] = []
+    monkeypatch.setattr(forkserver, "_started_with", None)
+    monkeypatch.setattr(compat, "forkserver_started", lambda: bool(started))
+    monkeypatch.setattr(multiprocessing, "set_forkserver_preload", preload.append)
+    monkeypatch.setattr(
+        multiprocessing.forkserver, "ensure_running", lambda: started.append(preload[-1])
+    )
+    return started
+
+
+def test_the_server_is_used_while_the_environment_is_the_one_it_started_with(
+    fresh: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GRADSYNC_TEST_MARK", raising=False)
+    assert forkserver.start_method() == "forkserver"
+    assert fresh == [forkserver.PRELOAD]
+    assert forkserver.start_method() == "forkserver"
+    monkeypatch.setenv("GRADSYNC_TEST_MARK", "changed")
+    assert forkserver.start_method() == "spawn"
+    monkeypatch.delenv("GRADSYNC_TEST_MARK")
+    assert forkserver.start_method() == "forkserver"
+    assert len(fresh) == 1  # started once
+
+
+def test_another_output_umask_or_affinity_means_spawn(
+    fresh: list[list[str]], tmp_path: Path
+) -> None:
+    assert forkserver.start_method() == "forkserver"
+    saved = os.dup(1)
+    try:
+        with open(tmp_path / "out", "w") as redirected:
+            os.dup2(redirected.fileno(), 1)  # `launch ... > file` from here on
+            assert forkserver.start_method() == "spawn"
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    assert forkserver.start_method() == "forkserver"
+    umask = os.umask(0o077)
+    try:
+        assert forkserver.start_method() == "spawn"
+    finally:
+        os.umask(umask)
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) > 1:
+        os.sched_setaffinity(0, {min(cpus)})
+        try:
+            assert forkserver.start_method() == "spawn"
+        finally:
+            os.sched_setaffinity(0, cpus)
+    assert forkserver.start_method() == "forkserver"
+
+
+def test_the_environment_can_ask_for_spawn_and_names_the_valid_values(
+    fresh: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, "spawn")
+    assert forkserver.start_method() == "spawn"
+    assert fresh == []  # no server started for it
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, "fork")
+    with pytest.raises(UsageError, match="'fork': valid values are 'auto' and 'spawn'"):
+        forkserver.start_method()
+    monkeypatch.setenv(forkserver.START_METHOD_ENV, "auto")
+    assert forkserver.start_method() == "forkserver"
+
+
+def test_a_server_started_by_other_code_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forkserver, "_started_with", None)
+    monkeypatch.setattr(compat, "forkserver_started", lambda: True)
+    assert forkserver.start_method() == "spawn"
+
+
+def test_without_a_forkserver_or_off_linux_workers_are_spawned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with monkeypatch.context() as patched:
+        patched.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+        assert forkserver.start_method() == "spawn"
+    monkeypatch.setattr(forkserver.sys, "platform", "darwin")
+    assert forkserver.available() is False
+    assert forkserver.start_method() == "spawn"
+
+
+def test_where_a_gpu_is_visible_workers_are_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forkserver.torch.cuda, "is_available", lambda: True)
+    assert forkserver.available() is False
+    assert forkserver.start_method() == "spawn"
+
+
+# Run as the forkserver would: import the module, then fork a worker, which forks a child of
+# its own. Each prints its first draw after seeding torch with 0 before the fork.
+_FORKS = """
+import os, sys, torch
+import gradsync.forkserver_ready
+
+def draw_after_fork():
+    torch.manual_seed(0)
+    pid = os.fork()
+    if pid == 0:
+        print(torch.rand(1).item(), flush=True)
+        return True
+    os.waitpid(pid, 0)
+    return False
+
+if draw_after_fork():  # in the worker: reseeded, its draw is not the seed-0 draw
+    if draw_after_fork():  # in the worker's child: inherits the worker's state
+        os._exit(0)
+    os._exit(0)
+torch.manual_seed(0)
+print(torch.rand(1).item(), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_only_the_servers_own_children_are_reseeded() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKS], capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    worker, workers_child, seeded = (float(x) for x in proc.stdout.split())
+    assert worker != seeded  # the server's child drew from a fresh seed
+    assert workers_child == seeded  # a worker's own child kept the state it was forked with

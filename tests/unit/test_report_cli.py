@@ -1,0 +1,120 @@
+"""`gradsync report RUN_DIR` on run directories written the way the runtime writes them, through
+its handler in this process (the module run as a command: tests/e2e/test_report_cli_e2e.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from gradsync.errors import UsageError
+from gradsync.telemetry.cli import add_parsers, handler, main, summarize_run
+from gradsync.telemetry.plots import PLOT_FILES
+from gradsync.telemetry.records import METRICS_FILE, write_records
+from gradsync.telemetry.stragglers import synthetic_records
+
+pytestmark = pytest.mark.unit
+
+
+def make_run(
+    path: Path, slow: list[tuple[int | None, int, int, float]], fp32: int | None = None
+) -> Path:
+    path.mkdir()
+    recs = synthetic_records(120, 4, slow=slow, bytes_per_step=250_000, seed=11)
+    write_records(path / METRICS_FILE, recs)
+    config = {"strategy": "bsp"} | ({"fp32_bytes_per_step": fp32} if fp32 else {})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_report_names_the_straggler_and_writes_outputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = make_run(tmp_path / "run", slow=[(2, 40, 90, 1.8)], fp32=1_000_000)
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "compute s" in out and "barrier tax:" in out  # RunReport's table
+    assert "rank 2: 1.8x slower than the fastest rank over steps 40-90" in out
+    assert "0.250 MB per rank per step" in out
+    assert "4.0x fewer than fp32" in out
+    for name in ["trace.json", *PLOT_FILES]:
+        assert (run / name).stat().st_size > 0, name
+        assert str(run / name) in out
+
+
+def test_report_json_and_no_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = make_run(tmp_path / "run", slow=[(1, 50, 119, 2.0)])
+    assert main(["report", str(run), "--json", "--no-plots", "--window", "10"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["window"] == 10 and data["threshold"] == 0.75
+    assert [(f["rank"], f["first_step"], f["last_step"]) for f in data["stragglers"]] == [
+        (1, 50, 119)
+    ]
+    assert data["report"]["steps"] == 120
+    assert "compression_ratio" not in data["bytes"]  # no fp32 size in config.json
+    assert (run / "trace.json").exists()
+    assert not any((run / name).exists() for name in PLOT_FILES)
+
+
+def test_report_warmup_leaves_early_steps_unscored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # rank 3 is slow over steps 0-40 only: a start-up effect if the warm-up covers it
+    run = make_run(tmp_path / "run", slow=[(3, 0, 40, 2.0)])
+    found = []
+    for warmup in ("0", "60"):
+        assert main(["report", str(run), "--json", "--no-plots", "--warmup", warmup]) == 0
+        found.append([f["rank"] for f in json.loads(capsys.readouterr().out)["stragglers"]])
+    assert found == [[3], []]
+    assert main(["report", str(run), "--warmup", "-2"]) == 2
+    assert "warmup must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_summarize_run_on_a_clean_run(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", slow=[])
+    text = summarize_run(run, plots=False)
+    assert "stragglers (window 20 steps, threshold 0.75):\n  none:" in text
+    assert "rank 0:" not in text
+
+
+def test_add_parsers_registers_report_on_a_host_parser(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser(prog="gradsync")
+    add_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["report", "somewhere", "--threshold", "0.6", "--no-plots"])
+    assert args.func is handler
+    assert (args.run_dir, args.window, args.threshold, args.no_plots) == (
+        "somewhere",
+        20,
+        0.6,
+        True,
+    )
+    with pytest.raises(UsageError, match="somewhere"):
+        handler(args)
+
+
+@pytest.mark.parametrize(
+    ("setup", "argv", "message"),
+    [
+        ("none", [], "no run directory at"),
+        ("empty-dir", [], "has no metrics.jsonl"),
+        ("empty-file", [], "holds no step records"),
+        ("run", ["--threshold", "1.5"], "threshold must be between 0 and 1"),
+        ("run", ["--window", "1"], "window must be an integer >= 2"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], setup: str, argv: list[str], message: str
+) -> None:
+    run = tmp_path / "run"
+    if setup == "run":
+        make_run(run, slow=[])
+    elif setup != "none":
+        run.mkdir()
+        if setup == "empty-file":
+            (run / METRICS_FILE).write_text("")
+    assert main(["report", str(run), "--no-plots", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradsync report: error: ") and message in err
+    assert "Traceback" not in err

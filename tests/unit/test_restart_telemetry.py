@@ -1,0 +1,138 @@
+"""Telemetry of a run restarted by the elastic agent: every completed step once, the latest
+attempt's record where a step ran twice, and report.json with the straggler findings."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gradsync.config import RunConfig
+from gradsync.telemetry.records import METRICS_FILE, read_records, write_records
+from gradsync.telemetry.report import RunReport
+from gradsync.telemetry.stragglers import synthetic_records
+from gradsync.worker import _drop_records_from, _write_report
+from tests.support.restart_telemetry import tear_last_line
+
+pytestmark = pytest.mark.unit
+
+STEPS, RANKS, BYTES = 40, 2, 1000
+
+
+def _attempts(tmp: Path, killed_at: int, resumed_at: int) -> Path:
+    """metrics.jsonl as two attempts append it: the first ran steps 0..killed_at-1, the second
+    (bytes doubled, to tell them apart) steps resumed_at..STEPS-1."""
+    first = synthetic_records(STEPS, RANKS, bytes_per_step=BYTES, seed=1)
+    second = synthetic_records(STEPS, RANKS, bytes_per_step=2 * BYTES, seed=2)
+    write_records(tmp / METRICS_FILE, [r for r in first if r.step < killed_at])
+    write_records(tmp / METRICS_FILE, [r for r in second if r.step >= resumed_at])
+    return tmp
+
+
+@pytest.mark.parametrize("resumed_at", [0, 15], ids=["no-checkpoint", "checkpoint"])
+def test_each_step_counts_once_with_its_latest_attempt(tmp_path: Path, resumed_at: int) -> None:
+    records = read_records(_attempts(tmp_path, killed_at=20, resumed_at=resumed_at))
+    assert sorted((r.rank, r.step) for r in records) == [
+        (rank, step) for rank in range(RANKS) for step in range(STEPS)
+    ]
+    rerun = {r.step for r in records if r.bytes == 2 * BYTES}
+    assert rerun == set(range(resumed_at, STEPS))  # the rerun steps: the second attempt's
+    report = RunReport.from_records(records)
+    assert report.steps == STEPS
+    # Without the merge: 60 steps' bytes per rank without a checkpoint (rolled back twice).
+    expected = resumed_at * BYTES + (STEPS - resumed_at) * 2 * BYTES
+    assert [t.bytes for t in report.ranks] == [expected] * RANKS
+
+
+def test_report_json_covers_every_attempt_and_names_the_stragglers(tmp_path: Path) -> None:
+    recs = synthetic_records(120, 4, slow=[(2, 40, 119, 2.0)], bytes_per_step=BYTES, seed=3)
+    write_records(tmp_path / METRICS_FILE, recs)
+    write_records(tmp_path / METRICS_FILE, [r for r in recs if r.step >= 100])  # a rerun
+    cfg = RunConfig(workload="mlp", nproc=4, out=str(tmp_path))
+    # This attempt's own report holds only its steps since the resume point.
+    own = RunReport.from_records([r for r in recs if r.step >= 100])
+    result = _write_report(tmp_path, cfg, own)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert result["steps"] == data["steps"] == 120
+    assert [r["steps"] for r in data["ranks"]] == [120] * 4
+    assert [(f["rank"], f["first_step"]) for f in data["stragglers"]] == [(2, 40)]
+    assert data["straggler_window"] == cfg.straggler_window and len(data["scores"]) == 4
+
+
+def test_a_resume_leaves_each_earlier_step_once_in_the_raw_file(tmp_path: Path) -> None:
+    # Steps 0-9 gathered before the failure; the checkpoint resumed from (step 8) held the
+    # records of steps 6 and 7 not gathered when it was taken, which load() writes again.
+    path = tmp_path / METRICS_FILE
+    records = synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3)
+    write_records(path, records + [r for r in records if r.step in (6, 7)])
+    _drop_records_from(path, 8)
+    keys = [(d["rank"], d["step"]) for d in map(json.loads, path.read_text().splitlines())]
+    assert sorted(keys) == [(rank, step) for rank in range(2) for step in range(8)]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("strategy", ["bsp", "hogwild"])
+def test_loads_in_the_same_process_leave_each_step_once_in_the_report(
+    tmp_path: Path, strategy: str
+) -> None:
+    """A rollback in the same process (steps 5..9 run twice) and a second load in a row: the
+    report holds every step once, the latest run of it."""
+    import gradsync as gs
+    from gradsync.workloads import make_workload
+
+    w = make_workload("mlp", seed=1, params=2000)
+    model = w.build_model()
+    sync = gs.Synchronizer(
+        model, w.make_optimizer(model, w.default_lr), strategy=strategy, telemetry_every=4
+    )
+
+    def run_to(stop: int) -> None:
+        while sync.step_count < stop:
+            s = sync.step_count
+            with sync.step():
+                w.loss(model, *w.batch(s, 8, 0, 8)).backward()
+
+    try:
+        run_to(5)
+        sync.save(tmp_path)
+        run_to(10)
+        for _ in range(2):
+            loaded = sync.load(tmp_path)
+            assert loaded is not None and loaded["step"] == 5
+        run_to(10)
+        records = sync.report().records
+    finally:
+        sync.close()
+    assert sorted(r.step for r in records) == list(range(10))
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / METRICS_FILE
+    write_records(path, synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3))
+    torn = json.loads(tear_last_line(path))
+    for read in (lambda: read_records(tmp_path), lambda: _drop_records_from(path, 10)):
+        with pytest.warns(RuntimeWarning, match=rf"{re.escape(str(path))}: .*\(line 20\)"):
+            read()
+    # the resume's rewrite of the file leaves every whole line, and none torn
+    keys = [(d["rank"], d["step"]) for d in map(json.loads, path.read_text().splitlines())]
+    assert len(keys) == 2 * 10 - 1 and (torn["rank"], torn["step"]) not in keys
+
+
+def test_a_damaged_line_before_the_last_is_an_error_naming_the_file_and_line(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / METRICS_FILE
+    write_records(path, synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3))
+    lines = path.read_text().splitlines(keepends=True)
+    lines[6] = lines[6][:40] + "\n"  # a crash cannot leave this: a line after it was written
+    path.write_text("".join(lines))
+    where = rf"{re.escape(str(path))}: line 7 is not JSON"
+    with pytest.raises(ValueError, match=where):
+        read_records(tmp_path)
+    with pytest.raises(ValueError, match=where):
+        _drop_records_from(path, 10)
+    assert path.read_text() == "".join(lines)  # left for the user to look at

@@ -1,0 +1,138 @@
+"""ZeRO stages 1 and 2 (``zero:1``, ``zero:2``) in one process: the specs, the CLI's refusals, the
+layout of the shards, the exchange per backend, the scaler helpers, the bytes line, and one
+rank. On ranks: tests/ranks/test_zero.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradsync as gs
+from gradsync import compat
+from gradsync.config import RunConfig
+from gradsync.errors import UsageError
+from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
+from gradsync.strategies import ZeroStage1, ZeroStage2, parse_strategy
+from gradsync.strategies.zero_shards import (
+    COLLECTIVE,
+    POINT_TO_POINT,
+    OwnerLayout,
+    choose_exchange,
+)
+from gradsync.telemetry.cli import _format_bytes
+from gradsync.workloads import make_workload
+from tests.support import zero_ranks as zr
+
+pytestmark = pytest.mark.unit
+
+STAGES = ("zero:1", "zero:2")
+
+
+# -- specs, the factory, the CLI's checks, the layout (no processes) ---------------------------
+
+
+def test_the_stage_specs_parse_and_a_stage_beyond_3_is_refused() -> None:
+    assert parse_strategy_spec("zero:1") == StrategySpec(kind="zero", stage=1)
+    assert str(parse_strategy_spec(" ZERO: 2 ")) == "zero:2"
+    assert str(parse_strategy_spec("zero:3")) == "zero:3"
+    assert "zero:N" in STRATEGY_FORMS and "N 1, 2 or 3" in STRATEGY_FORMS
+    with pytest.raises(UsageError, match="strategy 'zero:4': N must be 1, 2 or 3; valid: bsp"):
+        parse_strategy_spec("zero:4")
+    assert isinstance(parse_strategy("zero:1"), ZeroStage1)
+    assert isinstance(parse_strategy("zero:2"), ZeroStage2)
+    assert parse_strategy("zero:2").weights_samples and not parse_strategy("zero:2").resizable
+    with pytest.raises(UsageError, match="servers=2 is for the parameter-server strategies"):
+        parse_strategy("zero:2", servers=2)
+
+
+def test_the_cli_refuses_what_a_stage_cannot_run_before_starting_ranks() -> None:
+    with pytest.raises(UsageError, match=r"zero:2 cannot compress .* \(compression fp16\)"):
+        RunConfig(strategy="zero:2", compression="fp16", out="unused")
+    RunConfig(strategy="zero:1", compression="fp16", out="unused")  # BSP's exchange: accepted
+    RunConfig(strategy="zero:2", balance=True, out="unused")
+    with pytest.raises(UsageError, match="--servers 2 is for the parameter-server strategies"):
+        RunConfig(strategy="zero:2", servers=2, out="unused")
+    # The mlp has 6 tensors: an 8-rank zero:2 leaves ranks with nothing to step.
+    with pytest.raises(UsageError, match=r"run zero:2 on at most 6 rank\(s\), or use bsp"):
+        RunConfig(strategy="zero:2", workload="mlp", nproc=8, out="unused")
+
+
+def test_the_layout_gives_whole_tensors_by_size_in_equal_padded_chunks() -> None:
+    params = [torch.zeros(10), torch.zeros(7), torch.zeros(3, dtype=torch.float64), torch.zeros(4)]
+    layout = OwnerLayout(params, world=2, rank=1)
+    # Largest first to the least loaded: 10 | 7, then 4 to rank 1 (7 < 10), 3 to rank 0.
+    assert layout.owners == [0, 1, 0, 1]
+    assert layout.numel(0) == 13 and layout.numel(1) == 11
+    f32, f64 = layout.groups
+    assert f32.chunk == 11 and f32.offsets == (0, 11, 18) and f32.loads == (10, 11)
+    assert f64.chunk == 3 and f64.loads == (3, 0)  # rank 1's float64 chunk is all padding
+    buf = torch.full((22,), 5.0)
+    f32.zero_padding(buf, [0, 1])
+    assert buf[10].item() == 0.0 and int((buf == 0).sum()) == 1
+    assert layout.mine == [params[1], params[3]] and layout.others == [params[0], params[2]]
+
+
+def test_the_exchange_is_chosen_by_the_backend_that_carries_the_tensors() -> None:
+    assert choose_exchange("gloo", "cpu") == POINT_TO_POINT
+    assert choose_exchange("nccl", "cuda") == COLLECTIVE
+    assert choose_exchange("cpu:gloo,cuda:nccl", "cpu") == POINT_TO_POINT
+    assert choose_exchange("cpu:gloo,cuda:nccl", "cuda") == COLLECTIVE
+    assert choose_exchange("mpi", "cpu") == COLLECTIVE
+    with pytest.raises(ValueError, match="exchange must be one of auto, point-to-point"):
+        ZeroStage2(exchange="ring")
+    assert ZeroStage1().exchange == "auto"
+
+
+def test_the_scaler_helpers_read_torchs_state_and_fall_back_when_it_is_hidden() -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    assert compat.scaler_unscaled(scaler, opt) is False
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)
+    assert compat.scaler_unscaled(scaler, opt) is True
+    assert [float(t) for t in compat.scaler_found_inf(scaler, opt)] == [0.0]
+    assert compat.scaler_unscaled(object(), opt) is None
+    assert compat.scaler_found_inf(object(), opt) == []
+
+
+def test_the_bytes_line_says_more_when_a_run_sends_more_than_fp32_gradients() -> None:
+    line = _format_bytes(
+        {"per_rank_step": 2e6, "total": 4e6, "compression_ratio": 0.5, "fp32_per_rank_step": 1e6},
+        2,
+    )
+    assert "2.0x more than fp32 gradients" in line
+
+
+# -- a world of one (the test process) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_on_one_rank_a_stage_is_plain_training_and_refuses_a_late_backward(
+    one_rank: None, stage: str
+) -> None:
+    w = make_workload("mlp", seed=0, params=2000, dtype="float64")
+    model, plain = w.build_model(), w.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    sync = gs.Synchronizer(model, opt, strategy=stage)
+    for step in range(3):
+        x, y = w.batch(step, 8, 0, 8)
+        with sync.step():
+            w.loss(model, x, y).backward()
+        ref.zero_grad()
+        w.loss(plain, x, y).backward()
+        ref.step()
+    assert torch.equal(zr.flat(model), zr.flat(plain))
+    wrong = pytest.raises(UsageError, match=r"micro_batches=2\) but the block ran 1")
+    with wrong, sync.step(micro_batches=2):
+        w.loss(model, *w.batch(3, 8, 0, 8)).backward()
+    late = pytest.raises(UsageError, match="a backward pass ran after s.synchronize()")
+    with late, sync.step() as s:
+        w.loss(model, *w.batch(4, 8, 0, 8)).backward()
+        s.synchronize()
+        w.loss(model, *w.batch(4, 8, 0, 8)).backward()
+    sync.close()
+    assert not math.isnan(float(zr.flat(model).sum()))
