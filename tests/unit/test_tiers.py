@@ -1,4 +1,5 @@
-"""Every test chooses a tier: the markers are registered and the collection check holds."""
+"""Every test chooses a tier: the markers are registered, the collection check holds, and a
+test lives in its tier's folder."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TIERS, tier_errors
+from tests.conftest import TIERS, folder_errors, tier_errors
 
 pytestmark = pytest.mark.unit
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.unit
 class FakeItem:
     nodeid: str
     marks: list[str] = field(default_factory=list)
+    path: Path = Path("/nowhere/t.py")
 
     def iter_markers(self) -> Any:
         return iter(getattr(pytest.mark, name).mark for name in self.marks)
@@ -30,6 +32,26 @@ def test_a_test_without_exactly_one_tier_is_named() -> None:
         FakeItem("t.py::two", ["ranks", "e2e"]),
     ]
     assert tier_errors(items) == ["t.py::none: none", "t.py::two: e2e, ranks"]  # type: ignore[arg-type]
+
+
+def test_a_test_outside_its_tier_s_folder_is_named(tmp_path: Path) -> None:
+    root = tmp_path / "tests"
+    items = [
+        FakeItem("unit/t.py::fine", ["unit", "timeout"], root / "unit" / "t.py"),
+        FakeItem("e2e/sub/t.py::fine", ["e2e"], root / "e2e" / "sub" / "t.py"),
+        FakeItem("unit/t.py::ranks", ["ranks"], root / "unit" / "t.py"),
+        FakeItem("ranks/t.py::e2e", ["timeout", "e2e"], root / "ranks" / "t.py"),
+        FakeItem("t.py::top", ["unit"], root / "t.py"),
+        FakeItem("support/t.py::helper", ["unit"], root / "support" / "t.py"),
+        FakeItem("unit/t.py::none", [], root / "unit" / "t.py"),  # tier_errors names it
+        FakeItem("elsewhere.py::x", ["e2e"], tmp_path / "elsewhere.py"),  # not the suite's
+    ]
+    assert folder_errors(items, root) == [  # type: ignore[arg-type]
+        "unit/t.py::ranks: marked ranks, in tests/unit",
+        "ranks/t.py::e2e: marked e2e, in tests/ranks",
+        "t.py::top: in tests/, not in a tier's folder",
+        "support/t.py::helper: in tests/support, not in a tier's folder",
+    ]
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python 3.11+")
