@@ -1,9 +1,18 @@
+import contextlib
+import functools
+import multiprocessing.process
+import multiprocessing.util
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
+
+from gradsync.checkpoint.writer_process import WRITER_ENV
 
 # Every rank and the test process itself use one intra-op thread: the machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -59,6 +68,107 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             f"{len(errors)} test(s) are not in their tier's folder: a test marked unit lives "
             "in tests/unit, ranks in tests/ranks, e2e in tests/e2e:\n  " + "\n  ".join(errors)
         )
+
+
+# -- a unit test starts no process ------------------------------------------------------------
+
+#: What starts a process, as (owner, attribute, what a message calls it): every subprocess (run,
+#: Popen, check_output), every multiprocessing process (spawn, fork and forkserver contexts,
+#: torch.multiprocessing and run_ranks among them), the forkserver and resource tracker that
+#: multiprocessing starts for itself, and a bare fork, spawn or shell.
+PROCESS_STARTS: tuple[tuple[Any, str, str], ...] = (
+    (subprocess.Popen, "_execute_child", "subprocess.Popen"),
+    (multiprocessing.process.BaseProcess, "start", "multiprocessing's Process.start"),
+    (multiprocessing.util, "spawnv_passfds", "multiprocessing.util.spawnv_passfds"),
+    *((os, name, f"os.{name}") for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp")),
+    (os, "system", "os.system"),
+)
+#: what the running phase of a unit test tried to start
+STARTED = pytest.StashKey[list[str]]()
+
+
+def refusing_start(nodeid: str, what: str, started: list[str]) -> Callable[..., Any]:
+    """A stand-in for ``what`` that starts nothing: it records the attempt in ``started`` and
+    fails the test, naming it (``pytest.fail``'s exception is no ``Exception``: an
+    ``except Exception`` in the code under test does not hide it, and a caught one is still
+    reported, from ``started``)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        started.append(what)
+        pytest.fail(
+            f"{nodeid} is a unit test, and a unit test starts no process; it called {what}. "
+            "Mark it ranks (gloo ranks) or e2e (a command) and move it to tests/ranks or "
+            "tests/e2e, or avoid the process (checkpoints that are not about the writer "
+            "process: the thread_writer fixture)"
+        )
+
+    return refuse
+
+
+@contextlib.contextmanager
+def _no_process_if_unit(item: pytest.Item) -> Iterator[None]:
+    """Around each phase of a unit test (the setup and teardown of its fixtures, of any scope,
+    included): everything in ``PROCESS_STARTS`` refuses to start a process."""
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
+    started = item.stash[STARTED] = []
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, what in PROCESS_STARTS:
+            original = getattr(owner, name, None)
+            if original is None:  # not on this platform
+                continue
+            refuse = functools.wraps(original)(refusing_start(item.nodeid, what, started))
+            patch.setattr(owner, name, refuse)
+            # os.system is posix.system: pickle finds a function by its module and name (a
+            # crafted checkpoint pickles a reference to it), so that module gets it too
+            home = sys.modules.get(getattr(original, "__module__", None) or "")
+            if home is not None and home is not owner and getattr(home, name, None) is original:
+                patch.setattr(home, name, refuse)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _no_process_if_unit(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_process_if_unit(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    with _no_process_if_unit(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A phase that passed though it tried to start a process (the code under test caught the
+    refusal) fails all the same."""
+    outcome = yield
+    report = outcome.get_result()
+    started = item.stash.get(STARTED, [])
+    if started and report.passed:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} is a unit test, and a unit test starts no process; it called "
+            f"{', '.join(sorted(set(started)))} (and the code under test caught the refusal)"
+        )
+
+
+@pytest.fixture(scope="module")
+def thread_writer() -> Iterator[None]:
+    """A module whose checkpoints the writer thread writes (``GRADSYNC_CHECKPOINT_WRITER=thread``)
+    instead of a writer process, so that its saves start no process: for unit tests whose
+    checkpoints are not about the writer process (tests/ranks/test_writer_process.py is)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(WRITER_ENV, "thread")
+        yield
 
 
 @pytest.fixture(scope="module")

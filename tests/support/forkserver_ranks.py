@@ -1,5 +1,5 @@
 """What a launched worker reports about how it was started (importable by the workers), and a
-script that launches it several times from one process (``test_forkserver``)."""
+script that launches it several times from one process (tests/ranks/test_forkserver_ranks.py)."""
 
 from __future__ import annotations
 

@@ -33,10 +33,11 @@ ONE_RANK_STRATEGIES = (*er.STRATEGIES, "hogwild")
 
 @pytest.fixture(scope="module")
 def one_rank_runs(
-    tmp_path_factory: pytest.TempPathFactory, one_rank: None
+    tmp_path_factory: pytest.TempPathFactory, one_rank: None, thread_writer: None
 ) -> Iterator[dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]]:
     """Every exportable strategy trained on one rank in this process: its checkpoint
-    directory, and the model's and the optimizer's state dicts after the last checkpoint."""
+    directory, and the model's and the optimizer's state dicts after the last checkpoint
+    (written by the writer thread: the export does not care which writer wrote them)."""
     root = tmp_path_factory.mktemp("one-rank")
     runs = {}
     for spec in ONE_RANK_STRATEGIES:

@@ -14,7 +14,11 @@ from torch import nn
 import gradsync as gs
 from gradsync.checkpoint.packing import read_packed, unpack
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.timeout(60),
+    pytest.mark.usefixtures("one_rank", "thread_writer"),
+]
 
 
 def _train_and_save(sync: gs.Synchronizer, model: nn.Module, directory: Path, steps: int) -> None:

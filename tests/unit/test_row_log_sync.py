@@ -16,7 +16,11 @@ from gradsync.checkpoint.row_log import log_path, read_rows
 from gradsync.telemetry.timing import ROW_COLUMNS
 from gradsync.workloads import make_workload
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.timeout(60),
+    pytest.mark.usefixtures("one_rank", "thread_writer"),
+]
 
 
 def _sync() -> tuple[object, object, gs.Synchronizer]:

@@ -17,7 +17,11 @@ import gradsync as gs
 from gradsync.checkpoint import CheckpointStore
 from gradsync.checkpoint.checkpointer import PARAM_GROUPS
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.timeout(60),
+    pytest.mark.usefixtures("one_rank", "thread_writer"),
+]
 
 
 def _trained(lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, gs.Synchronizer]:

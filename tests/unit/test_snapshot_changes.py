@@ -20,7 +20,11 @@ import gradsync as gs
 from gradsync.checkpoint import checkpointer, packing
 from gradsync.checkpoint.checkpointer import PARAM_GROUPS
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.usefixtures("one_rank")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.timeout(60),
+    pytest.mark.usefixtures("one_rank", "thread_writer"),
+]
 
 Change = Callable[[nn.Sequential, torch.optim.Optimizer], None]
 

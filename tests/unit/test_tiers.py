@@ -1,8 +1,12 @@
-"""Every test chooses a tier: the markers are registered, the collection check holds, and a
-test lives in its tier's folder."""
+"""Every test chooses a tier: the markers are registered, the collection check holds, a test
+lives in its tier's folder, and a unit test cannot start a process."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import pickle
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import TIERS, folder_errors, tier_errors
+from tests.conftest import STARTED, TIERS, folder_errors, refusing_start, tier_errors
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +66,30 @@ def test_the_tiers_are_registered_and_markers_are_strict() -> None:
     options = tomllib.loads(pyproject.read_text())["tool"]["pytest"]["ini_options"]
     assert "--strict-markers" in options["addopts"].split()
     assert [m.split(":")[0] for m in options["markers"]] == list(TIERS)
+
+
+def test_a_refused_start_names_the_test_and_what_it_called() -> None:
+    started: list[str] = []
+    refuse = refusing_start("tests/unit/t.py::x", "subprocess.Popen", started)
+    with pytest.raises(pytest.fail.Exception, match=r"t\.py::x is a unit test.*subprocess\.Popen"):
+        refuse("self", ["true"])
+    assert started == ["subprocess.Popen"]
+    # what pytest.fail raises is no Exception: an `except Exception` does not hide it
+    assert not issubclass(pytest.fail.Exception, Exception)
+
+
+def test_a_unit_test_cannot_start_a_process(request: pytest.FixtureRequest) -> None:
+    with pytest.raises(pytest.fail.Exception, match="subprocess.Popen"):
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+    with pytest.raises(pytest.fail.Exception, match="Process.start"):
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    with pytest.raises(pytest.fail.Exception, match="os.fork"):
+        os.fork()
+    assert request.node.stash[STARTED] == [
+        "subprocess.Popen",
+        "multiprocessing's Process.start",
+        "os.fork",
+    ]
+    request.node.stash[STARTED].clear()  # else the report fails this test, as it should
+    # A reference to os.system still pickles by its name (a crafted checkpoint's test does).
+    assert pickle.loads(pickle.dumps(os.system)) is os.system

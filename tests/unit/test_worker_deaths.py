@@ -8,18 +8,14 @@ import inspect
 import io
 import logging
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from gradsync import compat
 from gradsync.worker_deaths import _DeathLine, describe_exit, report_worker_deaths
+from tests.support.worker_deaths import TORCH_FORMAT
 
 pytestmark = pytest.mark.unit
-
-# torch's wording (MultiprocessContext._poll), as the agent logs it
-TORCH_FORMAT = "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)"
 
 
 def _record(msg: str, args: tuple[object, ...]) -> logging.LogRecord:
@@ -110,25 +106,3 @@ def test_the_agents_signal_exception_gives_its_signal() -> None:
     assert compat.elastic_signal(SignalException("got 15", sigval=signal.SIGTERM)) == 15
     assert compat.elastic_signal(RuntimeError("got 2")) is None
     assert compat.elastic_signal(KeyboardInterrupt()) is None
-
-
-def test_the_agents_own_warnings_are_silenced_but_deaths_are_not() -> None:
-    # In a fresh interpreter: torch's agent modules give their loggers a level at import.
-    code = (
-        "import logging\n"
-        "from gradsync import compat\n"
-        "from gradsync.worker_deaths import quiet_elastic_logs\n"
-        "quiet_elastic_logs()\n"
-        "import torch.distributed.elastic.agent.server.api as agent\n"
-        "agent.logger.warning('Received %s death signal, shutting down workers', 2)\n"
-        "logging.getLogger('torch.distributed.launcher.api').warning('launcher says')\n"
-        f"logging.getLogger(compat.ELASTIC_WORKER_LOGGER).error({TORCH_FORMAT!r}, -9, 1, 7, "
-        "'_recorded', 'spawn')\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stderr == (
-        "gradsync: worker process 1 of this machine (pid 7) was killed by SIGKILL\n"
-    ), done.stderr

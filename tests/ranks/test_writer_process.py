@@ -1,7 +1,7 @@
 """The background checkpoint writer as a child process (``gradsync.checkpoint.writer_process`` and
 ``writer_child``): shared snapshot buffers, the depth bound, a child or a parent that dies,
-and nothing left running. The contract it shares with the thread is tested for both in
-test_background_checkpoint.py."""
+and nothing left running. The contract it shares with the thread is
+tests/support/background_writers.py's (tests/ranks/test_background_checkpoint_process.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from gradsync.checkpoint.writer_process import (
 from gradsync.checkpoint.writer_thread import CheckpointWriter
 
 pytestmark = [
-    pytest.mark.unit,
+    pytest.mark.ranks,
     pytest.mark.timeout(60),
     pytest.mark.skipif(not process_writer_available(), reason="needs Linux memfd"),
 ]
