@@ -106,7 +106,10 @@ def test_a_killed_writer_fails_its_rank_at_once_and_loses_no_held_step(
                 w._sock.shutdown(socket.SHUT_RDWR)
             w._finalizer()
     assert failed_at is not None, "the dead writer was never reported"
-    assert failed_at <= 45 and took < BOUND_S, (failed_at, took, message)
+    # Seen at a save soon after the kill: how many 20 ms steps that is depends on the load
+    # (up to 47 seen under a second test run on the 2 cores), so the bound in steps only
+    # keeps it short of the next file (step 65); what no step may lose is checked below.
+    assert failed_at <= 60 and took < BOUND_S, (failed_at, took, message)
     assert wait_for_writers(tmp_path, timeout_s=BOUND_S) == []  # every writer has ended
     for w in writers:
         w._child.wait(timeout=BOUND_S)
