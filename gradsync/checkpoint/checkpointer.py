@@ -691,7 +691,7 @@ def check_resumable(directory: str | Path, compression: str, strategy: str | Non
     skipped = [w for w in caught if issubclass(w.category, CheckpointWarning)]
     if info is None:
         if skipped:
-            reasons = "; ".join(_skip_reason(w.message, Path(directory)) for w in skipped)
+            reasons = "; ".join(skip_reason(w.message, Path(directory)) for w in skipped)
             raise UsageError(
                 f"--resume: none of the {len(skipped)} checkpoint(s) in {directory} is usable "
                 f"({reasons}); resuming would silently start over at step 0. Restore a good "
@@ -723,7 +723,7 @@ def _check_fragments(state: dict[str, Any], strategy: str) -> None:
     check_saved_fragments(saved, spec.fragments or 1, spec.split or SPLITS[0], str(spec))
 
 
-def _skip_reason(message: Warning | str, directory: Path) -> str:
+def skip_reason(message: Warning | str, directory: Path) -> str:
     """``step-000020: rank-0.pt is corrupted: ...`` from a CheckpointWarning of ``latest``."""
     text = str(message).removeprefix("skipping checkpoint ")
     text = text.removesuffix("; falling back to an earlier checkpoint")

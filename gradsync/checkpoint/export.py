@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from gradsync.checkpoint.checkpointer import join_replicated
+from gradsync.checkpoint.checkpointer import join_replicated, skip_reason
 from gradsync.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
@@ -159,7 +159,7 @@ def _find(store: CheckpointStore, step: int | None) -> CheckpointInfo:
     if info is not None:
         return info
     if skipped:
-        reasons = "; ".join(str(w.message).removeprefix("skipping checkpoint ") for w in skipped)
+        reasons = "; ".join(skip_reason(w.message, store.directory) for w in skipped)
         raise CheckpointError(
             f"none of the {len(skipped)} checkpoint(s) in {store.directory} is complete and "
             f"intact, nothing to export: {reasons}"
