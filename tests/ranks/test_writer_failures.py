@@ -29,20 +29,10 @@ from gradsync.checkpoint.writer_process import (
     FILES_EVERY,
     ProcessCheckpointWriter,
 )
+from tests.support.proctree import reaped_within
 from tests.support.writer_failures import BOUND_S, TIMEOUT_S, in_thread, needs_linux
 
 pytestmark = pytest.mark.ranks
-
-
-def _gone(pid: int, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _writers(tmp_path: Path, world: int, files_every: int) -> list[ProcessCheckpointWriter]:
@@ -124,7 +114,7 @@ def test_a_killed_writer_fails_its_rank_at_once_and_loses_no_held_step(
     ), message
     heir = re.search(r"another writer process \(pid (\d+)\) writes the snapshots of steps", message)
     assert heir is not None, message
-    assert _gone(int(heir.group(1))), "the writer that took over is still running"
+    assert reaped_within(int(heir.group(1))), "the writer that took over is still running"
 
 
 @needs_linux
@@ -168,7 +158,7 @@ def test_a_stopped_writer_fails_its_rank_within_the_timeout_and_is_continued_on_
         )
     finally:
         writer._finalizer()  # the rank exits: its stopped writer is continued, not left
-    assert _gone(pid), "the stopped writer was left behind"
+    assert reaped_within(pid), "the stopped writer was left behind"
     # 5 and 9 written once it went on (8 was older than 9: not written, as at a rank's death),
     # and 1 kept as the newest durable checkpoint
     assert [int(p.name[5:]) for p in sorted(tmp_path.glob("step-*"))] == [1, 5, 9]

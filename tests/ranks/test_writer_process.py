@@ -26,6 +26,7 @@ from gradsync.checkpoint.writer_process import (
     process_writer_available,
 )
 from gradsync.checkpoint.writer_thread import CheckpointWriter
+from tests.support.proctree import reaped_within
 
 pytestmark = [
     pytest.mark.ranks,
@@ -43,17 +44,6 @@ def _writer(tmp_path: Path, rank: int = 0, world: int = 1, **kw: object) -> Proc
         timeout_s=10.0,
         **kw,  # type: ignore[arg-type]
     )
-
-
-def _gone(pid: int, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_pooled_snapshots_in_shared_memory_are_written_as_taken(tmp_path: Path) -> None:
@@ -213,7 +203,7 @@ def test_a_killed_rank_s_writer_writes_what_it_held_and_ends(tmp_path: Path) -> 
             proc.kill()
             proc.wait(10)
         for _proc, child in ranks:
-            assert _gone(child, within_s=10), f"writer process {child} did not end"
+            assert reaped_within(child, within_s=10), f"writer process {child} did not end"
     finally:
         for proc, _child in ranks:
             proc.kill()

@@ -69,6 +69,19 @@ def alive(pid: int, start: int | None = None) -> bool:
     return start is None or int(fields[19]) == start
 
 
+def reaped_within(pid: int, within_s: float = 10.0) -> bool:
+    """Whether ``pid`` is gone, reaped too (``os.kill`` still finds a zombie), within
+    ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def _socket_inodes(pid: int) -> set[int]:
     inodes = set()
     with contextlib.suppress(OSError):
