@@ -263,6 +263,7 @@ class Synchronizer:
                     hierarchy=self._hierarchy,
                 )
             )
+            self._checkpoints.check_strategy()
         except BaseException:
             self._release_timeout()
             raise

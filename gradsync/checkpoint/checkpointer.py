@@ -70,6 +70,9 @@ from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
 
 Writer = CheckpointWriter | ProcessCheckpointWriter
 
+#: the Strategy protocol's checkpoint members before ``CheckpointHooks`` replaced them
+RETIRED_MEMBERS = ("prepare_checkpoint", "checkpoint_held", "flush_checkpoints", "holds_snapshots")
+
 
 class Checkpointer:
     """One rank's checkpoints: what its saves and loads need of the training loop, given at
@@ -127,6 +130,25 @@ class Checkpointer:
     def register_hooks(self, hooks: CheckpointHooks) -> None:
         """The strategy's ``CheckpointHooks`` (``SyncContext.register_checkpoint_hooks``)."""
         self.hooks = hooks
+
+    def check_strategy(self) -> None:
+        """After the strategy's ``setup``: refuse one that still defines the protocol members
+        ``CheckpointHooks`` replaced and registered no hooks, whose methods would otherwise
+        silently never be called."""
+        if self.hooks != CheckpointHooks():
+            return
+        defined = [
+            name
+            for name in RETIRED_MEMBERS
+            if any(name in vars(klass) for klass in type(self.strategy).__mro__)
+        ]
+        if defined:
+            raise UsageError(
+                f"strategy {self.strategy.name!r} defines {', '.join(defined)}, which the "
+                "Strategy protocol no longer calls: register them in setup() with "
+                "ctx.register_checkpoint_hooks(CheckpointHooks(before_save=..., "
+                "handed_over=..., flush=..., holds_snapshots=...)) (docs/architecture.md)"
+            )
 
     def _flush_strategy(self) -> None:
         if self.hooks.flush is not None:
