@@ -277,7 +277,7 @@ class _Leaves:
         #: per dtype, the shapes of ``by_dtype``'s tensors (the pool's key, ``pack``)
         self.shapes: dict[torch.dtype, list[torch.Size]] = {}
         #: every tensor packed, to check they are all on the CPU (a pool is for those only)
-        self.unproven: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
 
     def state(self) -> tuple[Any, ...]:
         """Where the walk stands: a reused encoding's offsets hold only from the same state."""
@@ -300,7 +300,7 @@ class _Leaves:
         group.append(t)
         shape = t.shape
         self.shapes.setdefault(t.dtype, []).append(shape)
-        self.unproven.append(t)
+        self.sources.append(t)
         self.sizes[t.dtype] = offset + t.numel()
         return [_dtype_name(t.dtype), offset, list(shape)]
 
@@ -320,7 +320,7 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
     names = {_dtype_name(d): i for i, d in enumerate(order)}
     tree = {"index": names, "root": tree}
     # ``map`` over attribute getters: these loops run over every tensor at every snapshot.
-    if pool is None or not all(map(_IS_CPU, leaves.unproven)):
+    if pool is None or not all(map(_IS_CPU, leaves.sources)):
         buffers = [
             torch.cat([t.detach().reshape(-1).cpu() for t in g]) if g else torch.empty(0, dtype=d)
             for d, g in zip(order, groups, strict=True)
@@ -584,7 +584,7 @@ def _reuse(kept: _EncodedShare, tensors: Sequence[torch.Tensor], leaves: _Leaves
         leaves.by_dtype.setdefault(dtype, []).extend(copied)
         leaves.sizes[dtype] = leaves.sizes.get(dtype, 0) + numel
         leaves.shapes.setdefault(dtype, []).extend(map(_SHAPE, copied))
-        leaves.unproven.extend(copied)
+        leaves.sources.extend(copied)
     leaves.reused.append(kept)
     return kept.encoded
 
