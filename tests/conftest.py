@@ -99,7 +99,7 @@ def refusing_start(nodeid: str, what: str, started: list[str]) -> Callable[..., 
             f"{nodeid} is a unit test, and a unit test starts no process; it called {what}. "
             "Mark it ranks (gloo ranks) or e2e (a command) and move it to tests/ranks or "
             "tests/e2e, or avoid the process (checkpoints that are not about the writer "
-            "process: the thread_writer fixture)"
+            "process: the inline_writer fixture)"
         )
 
     return refuse
@@ -162,12 +162,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.fixture(scope="module")
-def thread_writer() -> Iterator[None]:
-    """A module whose checkpoints the writer thread writes (``GRADSYNC_CHECKPOINT_WRITER=thread``)
-    instead of a writer process, so that its saves start no process: for unit tests whose
-    checkpoints are not about the writer process (tests/ranks/test_writer_process.py is)."""
+def inline_writer() -> Iterator[None]:
+    """A module whose checkpoints are written on the training thread
+    (``GRADSYNC_CHECKPOINT_WRITER=inline``) instead of by a writer process, so that its saves
+    start no process: for unit tests whose checkpoints are not about the writer process
+    (tests/ranks/test_writer_process.py is)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(WRITER_ENV, "thread")
+        patch.setenv(WRITER_ENV, "inline")
         yield
 
 

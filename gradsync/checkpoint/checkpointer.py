@@ -6,7 +6,7 @@ the step), RNG states, and the caller's extras (the data position). Both calls a
 Every strategy resumes exactly where its checkpoint left it: bsp, local:H and diloco:H, and the
 parameter-server strategies ssp:S and async.
 
-Every rank hands a snapshot of its state to its background writer (``checkpoint.writer_thread``);
+Every rank hands a snapshot of its state to its background writer (``checkpoint.writer_process``);
 rank 0's commits the checkpoint once every rank's file is written. No collective is posted,
 so ``save(wait=False)`` costs the step a copy; ``save()`` waits for the commit. The step
 records not gathered yet go into each rank's file and ``load`` puts them back.
@@ -60,15 +60,15 @@ from gradsync.checkpoint.store import (
     CheckpointWarning,
     snapshot,
 )
+from gradsync.checkpoint.writer_inline import InlineCheckpointWriter
 from gradsync.checkpoint.writer_locks import wait_for_writers
 from gradsync.checkpoint.writer_process import ProcessCheckpointWriter, make_writer
-from gradsync.checkpoint.writer_thread import CheckpointWriter
 from gradsync.checks.diagnose import ArrivalWatch
 from gradsync.errors import UsageError
 from gradsync.strategies.base import CheckpointHooks, Layout, Strategy
 from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
 
-Writer = CheckpointWriter | ProcessCheckpointWriter
+Writer = InlineCheckpointWriter | ProcessCheckpointWriter
 
 #: the Strategy protocol's checkpoint members before ``CheckpointHooks`` replaced them
 RETIRED_MEMBERS = ("prepare_checkpoint", "checkpoint_held", "flush_checkpoints", "holds_snapshots")

@@ -1,13 +1,13 @@
 """Rank 0's commits of checkpoints written in the background: each step's manifest, once every
 rank's file of it is on disk, oldest first.
 
-Shared by the two background writers (``gradsync.checkpoint.writer_thread``'s thread and
+Shared by the two writers (``gradsync.checkpoint.writer_inline``'s, on the caller's thread, and
 ``gradsync.checkpoint.writer_child``'s process), so both commit alike; torch-free, like
 ``gradsync.checkpoint.files``, for the process. No collective is involved: rank 0 looks for its
 peers' files (each rank's ``.sum`` names the same ``save_id``) at doubling intervals, and gives
 a step up, as a ``CheckpointError``, when its files are still missing at its deadline.
 
-Durability (see ``gradsync.checkpoint.writer_thread``): a step is committed durable (fsyncing every
+Durability (see ``gradsync.checkpoint.writer_inline``): a step is committed durable (fsyncing every
 rank's file, the manifest and the directories) when its save asked for it, or when the last
 durable commit is ``durable_every_s`` old.
 """

@@ -1,17 +1,17 @@
 """One rank's background checkpoint writer as a process (``gradsync.checkpoint.writer_child``).
 
-The same contract as ``CheckpointWriter`` (``checkpoint.writer_thread``: ``submit``,
+The same contract as ``InlineCheckpointWriter`` (``checkpoint.writer_inline``: ``submit``,
 ``wait``, ``flush``, ``close``, errors raised on the training thread), with the writing and,
-on rank 0, the committing done by a child process instead of a thread: see
-``writer_child``'s docstring for why. The snapshot buffers come from this writer's ``pool``
-and live in shared memory (``memfd``, Linux), so handing a snapshot over costs a message, not
-a copy; a buffer goes back to the pool once the child says its file is written. Small buffers
-(the step records) travel in the message itself.
+on rank 0, the committing done by a child process while training goes on: see
+``writer_child``'s docstring for why a process. The snapshot buffers come from this writer's
+``pool`` and live in shared memory (``memfd``, Linux), so handing a snapshot over costs a
+message, not a copy; a buffer goes back to the pool once the child says its file is written.
+Small buffers (the step records) travel in the message itself.
 
 ``make_writer`` picks this writer where it works (Linux) unless
-``GRADSYNC_CHECKPOINT_WRITER=thread`` asks for the thread. A model on a GPU gets it too, so a
-rank killed right after a save still has that save written, as on the CPU (the thread dies
-with its rank): its snapshot, copied to host buffers of its own (``pack`` pools only CPU
+``GRADSYNC_CHECKPOINT_WRITER=inline`` asks for writing on the training thread. A model on a
+GPU gets it too, so a rank killed right after a save still has that save written, as on the
+CPU: its snapshot, copied to host buffers of its own (``pack`` pools only CPU
 sources), is copied once more into the pool's shared buffers (``_into_shared``).
 
 A child that dies is noticed at once (its socket closes) and is an error of the rank's next
@@ -45,13 +45,14 @@ from gradsync.checkpoint.held_slots import SLOT_BYTES, HeldSlots
 from gradsync.checkpoint.packing import BufferPool, Packed, raw_bytes
 from gradsync.checkpoint.store import CheckpointError, CheckpointStore
 from gradsync.checkpoint.writer_child import SHARES_KEPT, recv_message, send_message
-from gradsync.checkpoint.writer_thread import CheckpointWriter, WriterBase
+from gradsync.checkpoint.writer_inline import InlineCheckpointWriter, WriterBase
 
 __all__ = ["WRITER_ENV", "ProcessCheckpointWriter", "make_writer", "process_writer_available"]
 
-#: ``thread`` or ``process``: which background writer ``make_writer`` builds
+#: ``process`` or ``inline``: which writer ``make_writer`` builds (``thread``, the writer
+#: before ``inline``, is taken as ``inline``)
 WRITER_ENV = "GRADSYNC_CHECKPOINT_WRITER"
-WRITERS = ("process", "thread")
+WRITERS = ("process", "inline")
 #: buffers smaller than this are sent in the message rather than shared: a tiny tensor whose
 #: shape changes from save to save would otherwise take a new shared buffer each time. The RNG
 #: states (5 and 10 KB, the same shapes every save) are above it: pooled shared buffers cost
@@ -88,12 +89,13 @@ def make_writer(
     save_id: str,
     timeout_s: float,
     hold: bool = False,
-) -> CheckpointWriter | ProcessCheckpointWriter:
-    """This rank's background writer: a process where it works, else a thread. ``hold``
+) -> InlineCheckpointWriter | ProcessCheckpointWriter:
+    """This rank's writer: a background process where it works, else inline. ``hold``
     (for lockstep strategies only, see ``Strategy.lockstep``): the process writes every
     ``FILES_EVERY``-th snapshot and holds the others, writing the newest when its rank dies
     or flushes."""
     choice = os.environ.get(WRITER_ENV, "").strip().lower() or "process"
+    choice = "inline" if choice == "thread" else choice
     if choice not in WRITERS:
         raise CheckpointError(
             f"{WRITER_ENV}={choice!r} is not a checkpoint writer; "
@@ -104,7 +106,7 @@ def make_writer(
     )
     if choice == "process" and process_writer_available():
         return ProcessCheckpointWriter(store, files_every=FILES_EVERY if hold else 1, **kwargs)
-    return CheckpointWriter(store, **kwargs)
+    return InlineCheckpointWriter(store, **kwargs)
 
 
 class _SharedBuffers:
@@ -351,7 +353,7 @@ class ProcessCheckpointWriter(WriterBase):
     # -- the training thread ------------------------------------------------------------------
     def submit(self, step: int, packed: Packed, *, durable: bool = False) -> None:
         """Hand ``packed`` to the child as this rank's file of ``step``; blocks while
-        ``depth`` are in flight, ``timeout_s`` at most (see ``CheckpointWriter.submit``)."""
+        ``depth`` are in flight, ``timeout_s`` at most (see ``InlineCheckpointWriter.submit``)."""
         with self._cond:
             self._raise_error()
             if len(self._in_flight) >= self.depth and not self._room(self._pending_steps):

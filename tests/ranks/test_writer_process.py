@@ -19,13 +19,13 @@ import torch
 
 from gradsync.checkpoint import CheckpointError, CheckpointStore
 from gradsync.checkpoint.store import CheckpointWarning, snapshot
+from gradsync.checkpoint.writer_inline import InlineCheckpointWriter
 from gradsync.checkpoint.writer_process import (
     WRITER_ENV,
     ProcessCheckpointWriter,
     make_writer,
     process_writer_available,
 )
-from gradsync.checkpoint.writer_thread import CheckpointWriter
 from tests.support.proctree import reaped_within
 
 pytestmark = [
@@ -251,10 +251,11 @@ def test_make_writer_takes_the_process_unless_told_otherwise(
     writer = make()
     assert type(writer) is ProcessCheckpointWriter
     writer.close()  # type: ignore[attr-defined]
-    monkeypatch.setenv(WRITER_ENV, "thread")
-    writer = make()
-    assert type(writer) is CheckpointWriter
-    writer.close()  # type: ignore[attr-defined]
+    for name in ("inline", "thread"):  # ``thread``: the name of the writer before ``inline``
+        monkeypatch.setenv(WRITER_ENV, name)
+        writer = make()
+        assert type(writer) is InlineCheckpointWriter
+        writer.close()  # type: ignore[attr-defined]
     monkeypatch.setenv(WRITER_ENV, "fork")
     with pytest.raises(CheckpointError, match="'fork' is not a checkpoint writer; choose one of"):
         make()

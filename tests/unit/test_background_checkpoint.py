@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -22,7 +21,6 @@ import torch
 from gradsync.checkpoint import CheckpointError, CheckpointStore, rng_state
 from gradsync.checkpoint.packing import BufferPool, constant, pack, read_packed, unpack
 from gradsync.checkpoint.store import MANIFEST, snapshot
-from gradsync.checkpoint.writer_thread import CheckpointWriter
 from tests.support.background_writers import WriterContract, step_dirs
 
 pytestmark = pytest.mark.unit
@@ -208,30 +206,6 @@ def test_prune_keeps_the_newest_durable_checkpoint_besides_the_newest_keep(tmp_p
     assert [store.at(s).durable for s in (2, 4, 5)] == [True, False, False]
 
 
-def test_submit_waits_while_depth_snapshots_are_queued(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path)
-    gate = threading.Event()
-    real_write = store.write
-
-    def slow_write(*args: Any, **kwargs: Any) -> Path:
-        gate.wait(10)
-        return real_write(*args, **kwargs)
-
-    store.write = slow_write  # type: ignore[method-assign]
-    writer = CheckpointWriter(store, rank=1, world_size=2, save_id="x", timeout_s=10, depth=2)
-    for step in (1, 2, 3):  # one being written, two queued
-        writer.submit(step, snapshot({"w": torch.ones(1)}))
-    blocked = threading.Thread(target=writer.submit, args=(4, snapshot({"w": torch.ones(1)})))
-    blocked.start()
-    blocked.join(0.3)
-    assert blocked.is_alive()  # a fourth waits for room
-    gate.set()
-    blocked.join(10)
-    assert not blocked.is_alive()
-    writer.close()
-    assert sorted(p.name for p in step_dirs(tmp_path)) == [f"step-00000{s}" for s in (1, 2, 3, 4)]
-
-
 def test_only_durable_writes_and_commits_fsync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -256,7 +230,8 @@ def test_only_durable_writes_and_commits_fsync(
     assert any(MANIFEST in name for name in synced)  # under its temporary name, then renamed
 
 
-class TestTheThreadWriter(WriterContract):
-    """The contract of tests/support/background_writers.py, kept by the writer thread."""
+class TestTheInlineWriter(WriterContract):
+    """The contract of tests/support/background_writers.py, kept by the inline writer."""
 
-    kind = "thread"
+    kind = "inline"
+    gives_up_apart = False

@@ -14,7 +14,7 @@ import gradsync as gs
 from gradsync.strategies import BSP
 from gradsync.strategies.base import CheckpointHooks, SyncContext
 
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_rank", "thread_writer")]
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_rank", "inline_writer")]
 
 
 class OldStyle(BSP):

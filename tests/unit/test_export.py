@@ -33,7 +33,7 @@ ONE_RANK_STRATEGIES = (*er.STRATEGIES, "hogwild")
 
 @pytest.fixture(scope="module")
 def one_rank_runs(
-    tmp_path_factory: pytest.TempPathFactory, one_rank: None, thread_writer: None
+    tmp_path_factory: pytest.TempPathFactory, one_rank: None, inline_writer: None
 ) -> Iterator[dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]]:
     """Every exportable strategy trained on one rank in this process: its checkpoint
     directory, and the model's and the optimizer's state dicts after the last checkpoint

@@ -17,7 +17,7 @@ from gradsync.checkpoint.packing import read_packed, unpack
 pytestmark = [
     pytest.mark.unit,
     pytest.mark.timeout(60),
-    pytest.mark.usefixtures("one_rank", "thread_writer"),
+    pytest.mark.usefixtures("one_rank", "inline_writer"),
 ]
 
 

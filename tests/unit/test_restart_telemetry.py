@@ -74,7 +74,7 @@ def test_a_resume_leaves_each_earlier_step_once_in_the_raw_file(tmp_path: Path) 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.usefixtures("one_rank", "thread_writer")
+@pytest.mark.usefixtures("one_rank", "inline_writer")
 @pytest.mark.parametrize("strategy", ["bsp", "hogwild"])
 def test_loads_in_the_same_process_leave_each_step_once_in_the_report(
     tmp_path: Path, strategy: str

@@ -19,7 +19,7 @@ from gradsync.workloads import make_workload
 pytestmark = [
     pytest.mark.unit,
     pytest.mark.timeout(60),
-    pytest.mark.usefixtures("one_rank", "thread_writer"),
+    pytest.mark.usefixtures("one_rank", "inline_writer"),
 ]
 
 

@@ -20,7 +20,7 @@ from gradsync.checkpoint.checkpointer import PARAM_GROUPS
 pytestmark = [
     pytest.mark.unit,
     pytest.mark.timeout(60),
-    pytest.mark.usefixtures("one_rank", "thread_writer"),
+    pytest.mark.usefixtures("one_rank", "inline_writer"),
 ]
 
 

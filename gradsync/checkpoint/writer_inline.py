@@ -1,15 +1,21 @@
-"""Checkpoints written off the training thread: snapshot at the step boundary, write behind.
-
-This is the writer as a thread; ``gradsync.checkpoint.writer_process`` runs the same work in a child
-process with the same contract, and ``make_writer`` there picks one (the process on Linux).
+"""What every checkpoint writer shares (``WriterBase``), and the simplest one: writing on the
+caller's thread (``InlineCheckpointWriter``).
 
 ``sync.save(directory, wait=False)`` copies the state (``checkpoint.snapshot``) and hands it to
-this rank's ``CheckpointWriter``, whose thread serializes, checksums and writes the file while
-training goes on. Rank 0's writer also commits: once every rank's file of a step is on disk
+this rank's writer. On Linux that is ``gradsync.checkpoint.writer_process``'s child process,
+which writes while training goes on; ``make_writer`` there picks it. The inline writer is what
+runs where a child cannot (no ``memfd``: macOS, Windows) and what unit tests use, which start
+no process: it writes the file in ``submit`` itself, so a save costs the step the write as
+well as the copy. Why no thread any more: a writer thread took the GIL from training for its
+Python work (14-21% of step time with a checkpoint every step on 2 cores, RELIABILITY.md), so
+the process replaced it wherever it runs, and a thread kept only as a fallback was a second
+concurrent writer to keep correct for a case where writing inline is as good.
+
+Rank 0's writer also commits: once every rank's file of a step is on disk
 (``CheckpointStore.missing`` is empty: each rank's ``.sum`` names the same ``save_id``), it
-writes the manifest and prunes to ``keep``, exactly as a blocking save's commit does. No
-collective is involved, so a checkpoint costs the training thread only the copy; the files are
-atomic and checksummed as before, and a step is restorable only once its manifest exists.
+writes the manifest and prunes to ``keep`` (``commits``). No collective is involved; the files
+are atomic and checksummed, and a step is restorable only once its manifest exists. The inline
+writer looks for its peers' files at each ``submit``, ``wait`` and ``flush``.
 
 Durability: a file written in the background is not fsynced, and neither is the manifest of
 its step, except every ``durable_every_s`` (30 s) on rank 0, whose commit then fsyncs every
@@ -21,25 +27,15 @@ crash of the machine may tear the checkpoints written since the newest durable o
 checksums then fail, and ``latest`` falls back to it: ``prune`` keeps the newest durable
 checkpoint besides the newest ``keep``. ``save(wait=True)`` is always durable.
 
-At most ``depth`` snapshots wait for the thread; a further ``submit`` blocks until one is
-written (the memory bound, and a disk slower than the steps shows up as step time rather than
-as checkpoints silently dropped), for ``timeout_s`` at most: a stalled disk, or a stopped
-writer process, then fails the rank naming the writer, rather than hanging it. Errors of the
-thread (a full disk, a rank whose file never came) are raised by the next ``submit``, ``wait``
-or ``close`` on the training thread.
-
 Why not ``torch.distributed.checkpoint.async_save``: it plans every save with collectives over
-the group (its cost per call was not measured here), writes DCP's own layout without our
-manifest and checksums, and is meant for checkpoints minutes apart. DCP remains the candidate
-for sharded strategies whose state must be re-sharded on load (not used yet: ``zero:N``
-checkpoints are per-rank files and refuse another world size).
+the group, writes DCP's own layout without our manifest and checksums, and is meant for
+checkpoints minutes apart (BENCHMARKS.md compares the two side by side).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +44,7 @@ from gradsync.checkpoint.files import write_failure
 from gradsync.checkpoint.packing import BufferPool, Packed
 from gradsync.checkpoint.store import CheckpointError, CheckpointStore
 
-__all__ = ["CheckpointWriter"]
+__all__ = ["InlineCheckpointWriter", "WriterBase"]
 
 #: at most this long between durable checkpoints (fsynced) among those written in the
 #: background; the kernel writes dirty pages back after about as long (30 s on Linux) anyway
@@ -201,15 +197,16 @@ class WriterBase:
             raise error
 
 
-class CheckpointWriter(WriterBase):
-    """One rank's background writer for one checkpoint directory, a thread (see the module
-    docstring and ``WriterBase`` for the arguments)."""
+class InlineCheckpointWriter(WriterBase):
+    """One rank's writer for one checkpoint directory that writes on the caller's thread (see
+    the module docstring and ``WriterBase`` for the arguments). Nothing is ever in flight: a
+    ``submit`` returns once the file is written; rank 0 then commits each step whose peers'
+    files are there, now or at a later call."""
 
     def __init__(self, store: CheckpointStore, **kwargs: Any) -> None:
         super().__init__(store, **kwargs)
-        #: buffers for this rank's snapshots: one per queued job, one being written, one spare
-        self.pool = BufferPool(self.depth + 2)
-        self._jobs: deque[tuple[int, Packed, bool]] = deque()
+        #: one buffer being filled and written, one spare
+        self.pool = BufferPool(2)
         self._commits = Commits(
             store,
             world_size=self.world_size,
@@ -217,91 +214,72 @@ class CheckpointWriter(WriterBase):
             timeout_s=self.timeout_s,
             durable_every_s=self.durable_every_s,
         )
-        self._busy = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"gradsync-checkpoint-writer-{self.rank}", daemon=True
-        )
-        self._thread.start()
 
     def submit(self, step: int, packed: Packed, *, durable: bool = False) -> None:
-        """Queue ``packed`` as this rank's file of ``step``; blocks while ``depth`` wait.
+        """Write ``packed`` as this rank's file of ``step`` (fsynced, and rank 0's commit of
+        the step durable, with ``durable``)."""
+        if self._closing:
+            raise CheckpointError("the checkpoint writer is closed")
+        try:
+            self.store.write(
+                step, self.rank, self.world_size, packed, save_id=self.save_id, durable=durable
+            )
+        except BaseException as exc:
+            self._commits.clear()
+            raise write_failure(self.rank, self.store.directory, exc) from exc
+        finally:
+            if packed.release is not None:  # written or failed: its buffers are free again
+                packed.release()
+        self._written = max(self._written, step)
+        if self.commits:
+            self._commits.add(step, durable)
+            self._commit_ready()
 
-        ``durable`` fsyncs the file (and makes rank 0's commit of the step durable); without
-        it, rank 0 makes a commit durable only every ``durable_every_s`` (see the module
-        docstring)."""
-        with self._cond:
-            self._raise_error()
-            if len(self._jobs) >= self.depth and not self._room(self._pending_steps):
-                raise CheckpointError(self._no_room(step))
-            self._raise_error()
-            if self._closing:
-                raise CheckpointError("the checkpoint writer is closed")
-            self._jobs.append((step, packed, durable))
-            self._cond.notify_all()
+    def _commit_ready(self) -> None:
+        done, error = self._commits.commit_ready()
+        if done:
+            self._committed = done[-1]
+        if error is not None:
+            # The steps after the one given up are given up too, as a background writer's
+            # error does: a later save starts the commits afresh.
+            self._commits.clear()
+            raise error
 
     def _settled(self) -> bool:
-        return not (self._jobs or self._busy or self._commits)
+        return not self._commits
 
     def _pending_steps(self) -> list[int]:
-        return [job[0] for job in self._jobs]
+        return []  # written in ``submit``: none waits
+
+    def _writer_name(self) -> str:
+        return "the checkpoint writer"
+
+    def wait(self, step: int, timeout_s: float | None = None) -> None:
+        """Until ``step``'s checkpoint is complete: committed (rank 0, once its peers' files
+        are there) or its manifest seen (other ranks). ``CheckpointError`` after the timeout."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        self._poll_until(lambda: self._done(step), limit, lambda: self._late(step, limit))
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Until rank 0 has committed (or given up) every step it wrote."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        self._poll_until(self._settled, limit, lambda: self._flush_late(limit))
+
+    def _poll_until(self, done: Callable[[], bool], limit: float, late: Callable[[], str]) -> None:
+        deadline = time.monotonic() + limit
+        while True:
+            if self.commits and self._commits:
+                self._commit_ready()
+            if done():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CheckpointError(late())
+            time.sleep(min(left, self._commits.poll_s or POLL_S))
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Write what is queued, then stop the thread; raises what went wrong in it."""
+        """Commit what is written (rank 0), then refuse further snapshots."""
         try:
             self.flush(timeout_s)
         finally:
-            with self._cond:
-                self._closing = True
-                self._cond.notify_all()
-            self._thread.join(timeout=5.0)
-
-    # -- the thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._closing:
-                    if self._commits:
-                        self._cond.wait(self._commits.poll_s)
-                        break
-                    self._cond.wait()
-                if self._closing and not self._jobs:
-                    return
-                job = self._jobs.popleft() if self._jobs else None
-                self._busy = job is not None
-                self._cond.notify_all()
-            try:
-                if job is not None:
-                    self._write(*job)
-                if self.commits:
-                    self._try_commits()
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-                with self._cond:
-                    self._error = write_failure(self.rank, self.store.directory, exc)
-                    self._commits.clear()
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def _write(self, step: int, packed: Packed, durable: bool) -> None:
-        self.store.write(
-            step, self.rank, self.world_size, packed, save_id=self.save_id, durable=durable
-        )
-        if packed.release is not None:  # written: its buffers may take the next snapshot
-            packed.release()
-        with self._cond:
-            self._written = step
-            if self.commits:
-                self._commits.add(step, durable)
-            self._cond.notify_all()
-
-    def _try_commits(self) -> None:
-        """Commit each step whose files are all written (``Commits``); an error (a step whose
-        files are still missing at its deadline) is raised on the training thread."""
-        done, error = self._commits.commit_ready()
-        if done:
-            with self._cond:
-                self._committed = done[-1]
-                self._cond.notify_all()
-        if error is not None:
-            raise error
+            self._closing = True
