@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +201,7 @@ EXPORT_TARGETS = ("torch", "dcp")
 
 
 def _add_checkpoint_parsers(sub: Any) -> None:
-    checkpoint = sub.add_parser("checkpoint", help="work with a run's checkpoints")
+    checkpoint = sub.add_parser("checkpoint", help=COMMANDS["checkpoint"][0])
     actions = checkpoint.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
     export = actions.add_parser(
@@ -247,16 +247,14 @@ def _trainable_params(cfg: Any) -> int:
     return sum(p.numel() for p in model.build_model().parameters() if p.requires_grad)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gradsync", description="Synchronization for data-parallel PyTorch training."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    run = sub.add_parser("run", help="train a built-in workload on local worker processes")
+def _add_run_parser(sub: Any) -> None:
+    run = sub.add_parser("run", help=COMMANDS["run"][0])
     _add_run_flags(run)
     run.set_defaults(func=cmd_run)
-    compare = sub.add_parser("compare", help="run several strategies on the same workload")
+
+
+def _add_compare_parser(sub: Any) -> None:
+    compare = sub.add_parser("compare", help=COMMANDS["compare"][0])
     compare.add_argument(
         "--strategies",
         default="bsp,ssp:2,async,local:8,diloco:32",
@@ -269,64 +267,193 @@ def build_parser() -> argparse.ArgumentParser:
         help="loss to time each strategy to (default: the worst final loss of the set)",
     )
     _add_run_flags(compare)
-    # None tells cmd_compare that --strategy was not given (it refuses it: use --strategies).
+    # --strategy is run's: compare refuses it (cmd_compare says to use --strategies), so its
+    # help does not offer it. None tells cmd_compare that it was not given.
+    for action in compare._actions:
+        if action.dest == "strategy":
+            action.help = argparse.SUPPRESS
     compare.set_defaults(func=cmd_compare, strategy=None)
-    _add_checkpoint_parsers(sub)
-    for module in ("gradsync.sim.cli", "gradsync.telemetry.cli", "gradsync.cluster.cli"):
-        _add_optional_parsers(module, sub)
+
+
+#: Every command: its line in ``gradsync --help`` and the function ("module:name") that adds
+#: its parser. Listed here so that ``gradsync --help`` (and a command's own) imports only the
+#: module of the command named: run's flags and the cluster's module import torch, seconds
+#: before any output. test_cli_startup checks that each module's own help line is the same.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("train a built-in workload on local worker processes", "gradsync.cli:_add_run_parser"),
+    "compare": (
+        "run several strategies on the same workload",
+        "gradsync.cli:_add_compare_parser",
+    ),
+    "checkpoint": ("work with a run's checkpoints", "gradsync.cli:_add_checkpoint_parsers"),
+    "simulate": (
+        "predict step time, idle and staleness of a strategy at any scale",
+        "gradsync.sim.cli:add_parsers",
+    ),
+    "bench": ("measure collectives on the live backend", "gradsync.sim.cli:add_parsers"),
+    "report": (
+        "summarize a finished run: per-rank table, stragglers, trace.json, plots",
+        "gradsync.telemetry.cli:add_parsers",
+    ),
+    "cluster": (
+        "emulated multi-host cluster: network namespaces + rate-limited links",
+        "gradsync.cluster.cli:add_parsers",
+    ),
+}
+
+#: Commands that never start torch's launcher: main() neither imports torch nor quiets its logs
+#: for them (the simulator and the report are pure Python and numpy).
+TORCH_FREE = frozenset({"simulate", "report"})
+
+
+def version() -> str:
+    """The installed distribution's version; gradsync.__version__ where gradsync runs from a
+    source tree that was never installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("gradsync")
+    except PackageNotFoundError:
+        import gradsync
+
+        return str(getattr(gradsync, "__version__", "unknown"))
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, whose version is looked up only when asked for (importlib.metadata
+    reads the installed distributions: not worth doing on every start)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print gradsync's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"gradsync {version()}")
+        parser.exit()
+
+
+class _OneCommand:
+    """The subparsers action as a module's ``add_parsers`` sees it when only one of the
+    commands it adds is wanted: that one is added; the others (already listed as stubs) get a
+    parser that is thrown away."""
+
+    def __init__(self, sub: Any, name: str) -> None:
+        self._sub, self._name = sub, name
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if name == self._name:
+            return self._sub.add_parser(name, **kwargs)
+        return argparse.ArgumentParser(prog=name)
+
+
+def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``gradsync`` parser. ``full``: the commands whose parsers are built in full (their
+    modules imported); the others are stubs with their help line, enough for ``gradsync
+    --help`` and for argparse to name the valid commands. None: every command in full."""
+    parser = argparse.ArgumentParser(
+        prog="gradsync", description="Synchronization for data-parallel PyTorch training."
+    )
+    parser.add_argument("--version", action=_VersionAction)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    built: set[str] = set()
+    for name, (help_line, where) in COMMANDS.items():
+        if full is not None and name not in full:
+            sub.add_parser(name, help=help_line)
+            continue
+        if where in built and full is None:
+            continue  # its module added this command with the one before it
+        try:
+            add = _load(where)
+        except ImportError as exc:
+            if full is None:
+                continue  # a part this installation lacks (torch for the cluster): left out
+            raise UsageError(f"gradsync {name} cannot start here: {exc}") from None
+        add(sub if full is None else _OneCommand(sub, name))
+        built.add(where)
     return parser
 
 
-def _add_optional_parsers(module: str, sub: Any) -> None:
+def _load(where: str) -> Any:
     import importlib
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return
-    mod.add_parsers(sub)
+    module, _, attr = where.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names: its first word that is not an option (gradsync's own options,
+    --help and --version, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_of(argv)
+    try:
+        parser = build_parser(full={command} if command in COMMANDS else set())
+    except UsageError as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     # The elastic agent logs every worker failure with a full traceback; the CLI says which
     # rank failed and why in one line instead (set GRADSYNC_DEBUG=1 to see the agent's logs).
     # A worker's death the agent recovers from gets one line too (``worker_deaths``). And
     # c10d's own warnings are left out of the workers' output: a rank whose peer died prints
     # the store's failure with a C++ backtrace, which gradsync names in its own words.
-    if not os.environ.get("GRADSYNC_DEBUG"):
+    # After parsing: this imports torch, which --help and the torch-free commands never need.
+    if not os.environ.get("GRADSYNC_DEBUG") and args.command not in TORCH_FREE:
         from gradsync.worker_deaths import quiet_elastic_logs
 
         quiet_elastic_logs()
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, where a reader gone away is caught, not at exit
+        return status
     except UsageError as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gradsync: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
     except Exception as exc:  # noqa: BLE001 - workers' failures are reported, not re-raised
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        if "torch" not in sys.modules:
+            raise  # neither a worker's failure nor the agent's signal: torch never ran
+        return _worker_failure(exc)
 
-        from gradsync import compat
-        from gradsync.worker_deaths import signal_name
 
-        # torch's agent turns a Ctrl-C (or a SIGTERM) into an exception of its own, once it
-        # has stopped the workers: an interruption, not a failure with a traceback
-        signum = compat.elastic_signal(exc)
-        if signum is not None:
-            print(
-                f"gradsync: interrupted by {signal_name(signum)}: the workers were stopped",
-                file=sys.stderr,
-            )
-            return 128 + signum
-        if isinstance(exc, ChildFailedError):
-            print(f"gradsync: error: {_describe_child_failure(exc)}", file=sys.stderr)
-            return 1
-        raise
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``gradsync report --json | head``): as for any Unix
+    filter, not an error worth a traceback. stdout is pointed at /dev/null so that Python's
+    flush at exit does not raise the same error again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141  # 128 + SIGPIPE, what a shell reports for a filter killed by it
+
+
+def _worker_failure(exc: Exception) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from gradsync import compat
+    from gradsync.worker_deaths import signal_name
+
+    # torch's agent turns a Ctrl-C (or a SIGTERM) into an exception of its own, once it
+    # has stopped the workers: an interruption, not a failure with a traceback
+    signum = compat.elastic_signal(exc)
+    if signum is not None:
+        print(
+            f"gradsync: interrupted by {signal_name(signum)}: the workers were stopped",
+            file=sys.stderr,
+        )
+        return 128 + signum
+    if isinstance(exc, ChildFailedError):
+        print(f"gradsync: error: {_describe_child_failure(exc)}", file=sys.stderr)
+        return 1
+    raise exc
 
 
 def _describe_child_failure(exc: Any) -> str:
