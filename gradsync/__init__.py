@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the static view of the lazy names below, for mypy and edito
     from gradsync.synchronizer import StepHandle, Synchronizer
     from gradsync.telemetry.records import StepRecord
     from gradsync.telemetry.report import RankTotals, RunReport
+    from gradsync.telemetry.trackers import make_tracker
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ _LAZY = {
     "Strategy": "gradsync.strategies",
     "Synchronizer": "gradsync.synchronizer",
     "init": "gradsync.runtime",
+    "make_tracker": "gradsync.telemetry.trackers",
     "parse_compression": "gradsync.compression",
     "parse_strategy": "gradsync.strategies",
     "scaled_lr": "gradsync.lr",
@@ -79,6 +81,7 @@ __all__ = [
     "Synchronizer",
     "UsageError",
     "init",
+    "make_tracker",
     "parse_compression",
     "parse_strategy",
     "scaled_lr",

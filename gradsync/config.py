@@ -229,6 +229,14 @@ class RunConfig:
     )
     progress: bool = flag(True, help="no live progress line (default: shown)", group=OUTPUT)
     plots: bool = flag(True, help="skip PNG plots (default: drawn)", group=OUTPUT)
+    tracker: str | None = flag(
+        None,
+        metavar="NAMES",
+        help="also log the step scalars to tensorboard, wandb (offline) or mlflow (a file "
+        "store), comma-separated, under the run directory; rank 0 writes them (jsonl: "
+        "metrics.jsonl, always written; docs/trackers.md) (default: none)",
+        group=OUTPUT,
+    )
     telemetry_every: int = 10  # no flag: rank 0's telemetry gather period, for library callers
 
     def __post_init__(self) -> None:
@@ -249,6 +257,7 @@ class RunConfig:
         self._check_servers()
         self._check_shards()
         self._check_slow()
+        self._check_tracker()
 
     def _check_job(self) -> None:
         if self.nproc < 1:
@@ -477,6 +486,24 @@ class RunConfig:
             )
         if self.max_restarts:
             raise UsageError("--max-restarts is not supported with --hosts yet")
+
+    def _check_tracker(self) -> None:
+        # Before any process starts: a misspelt name or a missing extra would otherwise fail
+        # rank 0 after the workers have started.
+        if self.tracker is None:
+            return
+        from gradsync.telemetry.trackers import missing_extras, parse_trackers
+
+        try:
+            names = parse_trackers(self.tracker)
+        except UsageError as exc:
+            raise UsageError(f"--tracker: {exc}") from None
+        missing = missing_extras(names)
+        if missing:
+            raise UsageError(
+                f"--tracker {missing[0]} needs the {missing[0]} package, which is not "
+                f"installed: pip install 'gradsync[{missing[0]}]'"
+            )
 
     @property
     def uses_servers(self) -> bool:

@@ -24,19 +24,25 @@ from gradsync.telemetry.records import (
     StepRecord,
     read_jsonl,
     read_records,
-    write_records,
 )
 from gradsync.telemetry.report import RunReport
-from gradsync.telemetry.stragglers import StragglerConfig, StragglerDetector
+from gradsync.telemetry.stragglers import Finding, StragglerConfig, StragglerDetector
+from gradsync.telemetry.trackers import JsonlTracker, Tracker, logger, make_tracker, parse_trackers
 from gradsync.workloads import make_workload
 
 
 class _Rank0Sink:
-    """Receives every gathered batch of records on rank 0: writes metrics.jsonl, updates the
-    progress line and warns once per straggler episode."""
+    """Receives every gathered batch of records on rank 0: writes metrics.jsonl, hands them to
+    the --tracker sinks, updates the progress line and warns once per straggler episode.
+
+    Only rank 0 has one: every rank receives the same gathered records, so rank 0's trackers
+    hold every rank's scalars, and one writer per run keeps one run per dashboard."""
 
     def __init__(self, cfg: RunConfig, progress: Progress, world: int) -> None:
-        self.path = Path(cfg.out) / METRICS_FILE
+        # metrics.jsonl is the JSONL tracker's file, always written: --tracker jsonl adds none
+        self.metrics = JsonlTracker(cfg.out)
+        self.path = self.metrics.path
+        self.trackers = _trackers(cfg)
         self.progress = progress
         self.detector = StragglerDetector(
             StragglerConfig(
@@ -55,7 +61,10 @@ class _Rank0Sink:
         self.shown_until: float | None = None  # the end of the newest step shown
 
     def __call__(self, new: list[StepRecord]) -> None:
-        write_records(self.path, new)
+        self.metrics.log(new)
+        if self.trackers is not None:
+            # restored records too, like metrics.jsonl; a failing tracker turns itself off
+            self.trackers(new)
         self.idle += sum(r.idle for r in new)
         self.wall += sum(r.compute + r.sync for r in new)
         if not self.showing:
@@ -76,6 +85,31 @@ class _Rank0Sink:
         )
         for finding in self.detector.update(new):
             self.progress.interrupt(f"gradsync: straggler: {finding.describe()}")
+
+    def close_trackers(
+        self, report: RunReport | None = None, findings: list[Finding] | None = None
+    ) -> None:
+        """Give the trackers the run's report (when there is one) and close them. Failures are
+        logged, not raised: report.json is written by then, and the run succeeded."""
+        if self.trackers is None:
+            return
+        trackers, self.trackers = self.trackers, None
+        try:
+            if report is not None:
+                trackers.finish(report, findings)
+        except Exception:
+            logger.exception("the --tracker sinks failed to record the run's report")
+        try:
+            trackers.close()
+        except Exception:
+            logger.exception("the --tracker sinks failed to close")
+
+
+def _trackers(cfg: RunConfig) -> Tracker | None:
+    """The --tracker sinks, writing under the run directory, or None."""
+    names = [n for n in parse_trackers(cfg.tracker or "jsonl") if n != "jsonl"]
+    # all_ranks: this is rank 0's sink already
+    return make_tracker(",".join(names), cfg.out, all_ranks=True) if names else None
 
 
 def _write_spans(sync: Synchronizer, run_dir: Path) -> None:
@@ -248,6 +282,8 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         sync.serve()
         _write_spans(sync, run_dir)
         sync.close()
+        if sink is not None:
+            sink.close_trackers()
         return None
     barrier_free = sync.strategy.barrier_free
     if sink is not None:
@@ -293,13 +329,17 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     sync.close()
     if rank != 0:
         return None
-    result = _write_report(run_dir, cfg, report, measured)
+    result = _write_report(run_dir, cfg, report, measured, sink)
     result["world_size"] = world
     return result
 
 
 def _write_report(
-    run_dir: Path, cfg: RunConfig, report: RunReport, measured: dict[str, Any] | None = None
+    run_dir: Path,
+    cfg: RunConfig,
+    report: RunReport,
+    measured: dict[str, Any] | None = None,
+    sink: _Rank0Sink | None = None,
 ) -> dict[str, Any]:
     """Write report.json: the report of every step of the run and the straggler findings
     ``gradsync report`` gives, plus what the strategy measured itself (``measured``, under
@@ -317,6 +357,8 @@ def _write_report(
     if measured:
         written["strategy_summary"] = measured
     (run_dir / REPORT_FILE).write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
+    if sink is not None:  # the trackers end with the same report and findings
+        sink.close_trackers(analysis.report, analysis.findings)
     return analysis.report.to_dict()
 
 
