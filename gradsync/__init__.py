@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the static view of the lazy names below, for mypy and edito
     from gradsync.compression import Compressor, parse_compression
     from gradsync.inject import Slowdown
     from gradsync.lr import scaled_lr, warmup
-    from gradsync.runtime import init
+    from gradsync.runtime import init, is_main, rank, world_size
     from gradsync.strategies import (
         BSP,
         DiLoCo,
@@ -56,11 +56,14 @@ _LAZY = {
     "Strategy": "gradsync.strategies",
     "Synchronizer": "gradsync.synchronizer",
     "init": "gradsync.runtime",
+    "is_main": "gradsync.runtime",
     "make_tracker": "gradsync.telemetry.trackers",
     "parse_compression": "gradsync.compression",
     "parse_strategy": "gradsync.strategies",
+    "rank": "gradsync.runtime",
     "scaled_lr": "gradsync.lr",
     "warmup": "gradsync.lr",
+    "world_size": "gradsync.runtime",
 }
 
 __all__ = [
@@ -81,11 +84,14 @@ __all__ = [
     "Synchronizer",
     "UsageError",
     "init",
+    "is_main",
     "make_tracker",
     "parse_compression",
     "parse_strategy",
+    "rank",
     "scaled_lr",
     "warmup",
+    "world_size",
 ]
 
 

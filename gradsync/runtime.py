@@ -1,9 +1,13 @@
-"""Process-group set-up: ``gs.init()`` from torchrun's environment, backend choice, world info."""
+"""Process-group set-up: ``gs.init()`` from torchrun's (or SLURM's) environment, backend choice,
+world info."""
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
+import re
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -17,6 +21,12 @@ from gradsync.stores import process_group_store
 #: Synchronizer's ``timeout_s`` while it runs (see gradsync.checks.diagnose).
 DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: Under SLURM without a MASTER_PORT, rank 0's store listens on this base plus the job id modulo
+#: SLURM_PORT_SPAN: the same on every task of the job with nothing exchanged, below Linux's
+#: ephemeral ports (32768 and up), and different for jobs whose ids differ by less than the span.
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
+#: Where rank 0's host is found under SLURM: the first host of the first of these that is set.
+NODELIST_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 
 
 BACKENDS = ("gloo", "nccl")
@@ -58,10 +68,12 @@ def check_nccl(local_rank: int, local_processes: int) -> None:
 
 
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the process group described by torchrun's environment variables, or, when none of
-    them is set (``python train.py``), make a world of one: a single-process group whose store
-    lives in this process, so nothing listens on a port and every strategy that needs no
-    second rank runs unchanged.
+    """Join the process group described by torchrun's environment variables, or by SLURM's
+    under ``srun`` when torchrun's are absent (:func:`slurm_environment`: they are exported as
+    torchrun's, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, for
+    the script's own use too), or, when neither is set (``python train.py``), make a world of
+    one: a single-process group whose store lives in this process, so nothing listens on a port
+    and every strategy that needs no second rank runs unchanged.
 
     ``timeout_s`` is the group's collective timeout (torch's default, 30 minutes, unless
     given); gradsync's own waits have the Synchronizer's ``timeout_s`` instead.
@@ -71,12 +83,17 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     """
     if dist.is_initialized():
         return
+    slurm = slurm_environment(os.environ)
+    if slurm is not None:
+        for name, value in slurm.items():
+            os.environ.setdefault(name, value)  # a MASTER_ADDR or MASTER_PORT set stays
     missing = [k for k in _REQUIRED_ENV if k not in os.environ]
     if missing and len(missing) < len(_REQUIRED_ENV):
         raise UsageError(
             f"gs.init() found part of the torchrun environment, but {', '.join(missing)} "
-            "is not set: launch with `torchrun --nproc_per_node=N script.py` or `gradsync run`, "
-            "or unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT to run as one process"
+            "is not set: launch with `torchrun --nproc_per_node=N script.py`, `gradsync run` "
+            "or `srun` (docs/launching.md), or unset RANK, WORLD_SIZE, MASTER_ADDR and "
+            "MASTER_PORT to run as one process"
         )
     chosen = backend or default_backend()
     if chosen not in BACKENDS:
@@ -101,16 +118,174 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     dist.init_process_group(chosen, store=store, rank=rank_, world_size=world, timeout=timeout)
 
 
+def slurm_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """torchrun's variables for a task that ``srun`` started, made from SLURM's: ``RANK`` from
+    ``SLURM_PROCID``, ``WORLD_SIZE`` from ``SLURM_NTASKS``, ``LOCAL_RANK`` from
+    ``SLURM_LOCALID``, ``MASTER_ADDR`` the first host of the step's node list
+    (:data:`NODELIST_VARIABLES`), ``MASTER_PORT`` the environment's, else ``SLURM_PORT_BASE`` plus
+    ``SLURM_JOB_ID`` modulo ``SLURM_PORT_SPAN``; ``LOCAL_WORLD_SIZE`` from
+    ``SLURM_NTASKS_PER_NODE`` where that is one number.
+
+    None where SLURM does not describe the world: no ``SLURM_PROCID`` (not a task of ``srun``),
+    or torchrun's ``RANK`` or ``WORLD_SIZE`` is set (torchrun under ``srun``: its are the
+    workers'). A variable that is there but malformed is refused, named, with its value."""
+    if "SLURM_PROCID" not in environ or "RANK" in environ or "WORLD_SIZE" in environ:
+        return None
+    world = _slurm_int(environ, "SLURM_NTASKS", minimum=1)
+    rank_ = _slurm_int(environ, "SLURM_PROCID", minimum=0)
+    if rank_ >= world:
+        raise UsageError(f"SLURM_PROCID={rank_} is not below SLURM_NTASKS={world}")
+    out = {
+        "RANK": str(rank_),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(_slurm_int(environ, "SLURM_LOCALID", minimum=0)),
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or _slurm_master(environ),
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(slurm_default_port(environ)),
+    }
+    per_node = environ.get("SLURM_NTASKS_PER_NODE", "")
+    if per_node.isdigit():  # else a list such as "2(x3),1": no one number for every node
+        out["LOCAL_WORLD_SIZE"] = per_node
+    return out
+
+
+def _slurm_int(environ: Mapping[str, str], name: str, minimum: int) -> int:
+    text = environ.get(name)
+    if text is None:
+        raise UsageError(
+            f"gs.init() under SLURM (SLURM_PROCID is set) needs {name}, which is not set: "
+            "launch the script with srun (docs/launching.md)"
+        )
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise UsageError(f"{name}={text!r} is not an integer >= {minimum}")
+    return value
+
+
+def _slurm_master(environ: Mapping[str, str]) -> str:
+    # The step's hosts first: srun places task 0 on the first host of its step, which may be
+    # fewer hosts than the job's.
+    for name in NODELIST_VARIABLES:
+        if environ.get(name):
+            return next(expand_nodelist(environ[name], name))
+    raise UsageError(
+        "gs.init() under SLURM needs the hosts for rank 0's address: none of "
+        f"{', '.join(NODELIST_VARIABLES)} is set; set MASTER_ADDR"
+    )
+
+
+def slurm_default_port(environ: Mapping[str, str]) -> int:
+    """Rank 0's port under SLURM when ``MASTER_PORT`` is not set: one every task of the job
+    computes alike from ``SLURM_JOB_ID``."""
+    text = environ.get("SLURM_JOB_ID", "")
+    if not text.isdigit():
+        raise UsageError(
+            f"SLURM_JOB_ID={text!r} is not a job number, and rank 0's port is derived from it "
+            "when MASTER_PORT is not set: set MASTER_PORT (the same on every task)"
+        )
+    return SLURM_PORT_BASE + int(text) % SLURM_PORT_SPAN
+
+
+# One host pattern of a node list: text, then optionally [ranges], repeated ("rack[1-2]-n[1-4]").
+_NODE_PART = re.compile(r"([^\[\],]*)(?:\[([^\[\]]*)\])?")
+
+
+def expand_nodelist(text: str, variable: str = "SLURM_JOB_NODELIST") -> Iterator[str]:
+    """The hosts of SLURM's compact node list, in order: ``node[01-03,07],gpu-a1`` gives node01,
+    node02, node03, node07, gpu-a1 (a range keeps its zero padding). The whole list is checked
+    first, and nothing is yielded from a malformed one: the error names ``variable``."""
+    patterns: list[list[tuple[str, list[str]]]] = []
+    for item in _split_top_level(text, variable):
+        parts: list[tuple[str, list[str]]] = []
+        pos = 0
+        while pos < len(item):
+            m = _NODE_PART.match(item, pos)
+            if m is None or m.end() == pos:  # a stray bracket
+                raise _bad_nodelist(text, variable, f"unbalanced brackets in {item!r}")
+            prefix, ranges = m.group(1), m.group(2)
+            parts.append((prefix, [""] if ranges is None else _ranges(ranges, text, variable)))
+            pos = m.end()
+        patterns.append(parts)
+    return (
+        "".join(prefix + suffix for (prefix, _), suffix in zip(parts, pick, strict=True))
+        for parts in patterns
+        for pick in itertools.product(*(values for _, values in parts))
+    )
+
+
+def _split_top_level(text: str, variable: str) -> list[str]:
+    """``text`` cut at its commas outside brackets; an empty host refused."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise _bad_nodelist(text, variable, "unbalanced brackets")
+        if char == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    if depth != 0:
+        raise _bad_nodelist(text, variable, "unbalanced brackets")
+    if not all(items):
+        raise _bad_nodelist(text, variable, "an empty host")
+    return items
+
+
+def _ranges(body: str, text: str, variable: str) -> list[str]:
+    out = []
+    for part in body.split(","):
+        low, sep, high = part.strip().partition("-")
+        if not low.isdigit() or (sep and not high.isdigit()):
+            raise _bad_nodelist(text, variable, f"[{body}] holds {part!r}, not N or N-M")
+        first, last = int(low), int(high) if sep else int(low)
+        if last < first:
+            raise _bad_nodelist(text, variable, f"the range {part!r} runs backwards")
+        out += [str(n).zfill(len(low)) for n in range(first, last + 1)]
+    return out
+
+
+def _bad_nodelist(text: str, variable: str, why: str) -> UsageError:
+    return UsageError(
+        f"{variable}={text!r} is not a SLURM host list ({why}); expected host names and "
+        "bracketed ranges, e.g. node[01-04,07],gpu-a1"
+    )
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_rank(group) if is_initialized() else 0
+    """This process's rank: torch.distributed's once a group exists, else the one its launcher
+    gave it (torchrun's ``RANK``, SLURM's ``SLURM_PROCID``), else 0: usable before
+    ``gs.init()``, to have rank 0 alone download a data set, say."""
+    if is_initialized():
+        return dist.get_rank(group)
+    return int(_launch_environment().get("RANK", "0"))
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
-    return dist.get_world_size(group) if is_initialized() else 1
+    """The number of ranks, as :func:`rank` finds them (1 without a launcher)."""
+    if is_initialized():
+        return dist.get_world_size(group)
+    return int(_launch_environment().get("WORLD_SIZE", "1"))
+
+
+def is_main(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether this is rank 0, the rank that logs, evaluates and saves."""
+    return rank(group) == 0
+
+
+def _launch_environment() -> Mapping[str, str]:
+    """torchrun's variables as ``gs.init()`` would take them: the environment's own, or made
+    from SLURM's; checked as :func:`init` checks them."""
+    slurm = slurm_environment(os.environ)
+    env = os.environ if slurm is None else slurm
+    for name in ("RANK", "WORLD_SIZE"):
+        if name in env and not env[name].isdigit():
+            raise UsageError(f"{name}={env[name]!r} is not an integer >= 0")
+    return env
 
 
 def device() -> torch.device:
