@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -173,10 +174,24 @@ def _parse_staleness(text: str) -> list[float]:
     return out
 
 
+def plot_dir(args: SimulateOptions) -> Path:
+    """Where the sweeps' PNGs go: ``--plot-dir`` (made if missing), else a new directory under
+    the system's temporary directory, never the current one unasked. Chosen once per command:
+    ``args.plot_dir`` is set to it. Called when the first PNG is written, so a usage error
+    found before leaves no empty directory behind."""
+    if args.plot_dir is None:
+        args.plot_dir = tempfile.mkdtemp(prefix="gradsync-simulate-")
+    path = Path(args.plot_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--plot-dir {args.plot_dir}: cannot make the directory: {exc}") from None
+    return path
+
+
 def sweeps(args: SimulateOptions) -> int:
     doc: dict[str, Any] = {}
     texts: list[str] = []
-    plot_dir = Path(args.plot_dir)
     base = compute_model(args)
     comm = comm_model(args)
     layers = layers_from_args(args)
@@ -205,7 +220,7 @@ def sweeps(args: SimulateOptions) -> int:
             [r[0] for r in rows],
             [r[1] for r in rows],
             [r[2] for r in rows],
-            plot_dir / "sim_staleness.png",
+            plot_dir(args) / "sim_staleness.png",
         )
         header = ["S", "wall_ms", "total_idle_ms", "mean_staleness", "max_staleness"]
         doc["staleness_sweep"] = [dict(zip(header, r, strict=True)) for r in rows]
@@ -227,7 +242,6 @@ def _workers_sweep(
     """``--sweep-workers``: every strategy at every world size; fills ``doc``, returns the text."""
     from gradsync.sim.plots import plot_scaling
 
-    plot_dir = Path(args.plot_dir)
     assert args.sweep_workers is not None  # called only with --sweep-workers
     try:
         counts = [int(x) for x in args.sweep_workers.split(",") if x.strip()]
@@ -251,7 +265,7 @@ def _workers_sweep(
             eff[s.spec].append(res.efficiency)
             wall[s.spec].append(res.wall_ms)
             busy[s.spec].append(res.throughput_while_all_train)
-    png = plot_scaling(counts, eff, plot_dir / "sim_scaling.png")
+    png = plot_scaling(counts, eff, plot_dir(args) / "sim_scaling.png")
     rows = [[n] + [eff[s][i] for s in eff] for i, n in enumerate(counts)]
     texts = [
         "scaling efficiency (share of worker-time spent computing)",

@@ -116,7 +116,13 @@ class SimulateOptions:
         help=f"strategies for --sweep-workers (default {DEFAULT_SWEEP_STRATEGIES})",
         group=STRATEGY,
     )
-    plot_dir: str = flag(".", help="where sweep PNGs go (default .)", group=STRATEGY)
+    plot_dir: str | None = flag(
+        None,
+        metavar="DIR",
+        help="where sweep PNGs go, made if missing (default: a new directory under the system's "
+        "temporary directory; the PNGs' paths are printed)",
+        group=STRATEGY,
+    )
     table_steps: int = flag(20, help="rows of the BSP step table", group=STRATEGY)
     json: bool = flag(False, help="machine-readable output", group=STRATEGY)
     from_run: str | None = flag(
