@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.errors import UsageError
+from gradsync.module_cli import closed_pipe
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -418,21 +419,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gradsync: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        return _closed_pipe()
+        return closed_pipe()
     except Exception as exc:  # noqa: BLE001 - workers' failures are reported, not re-raised
         if "torch" not in sys.modules:
             raise  # neither a worker's failure nor the agent's signal: torch never ran
         return _worker_failure(exc)
-
-
-def _closed_pipe() -> int:
-    """The reader of stdout went away (``gradsync report --json | head``): as for any Unix
-    filter, not an error worth a traceback. stdout is pointed at /dev/null so that Python's
-    flush at exit does not raise the same error again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-    return 141  # 128 + SIGPIPE, what a shell reports for a filter killed by it
 
 
 def _worker_failure(exc: Exception) -> int:

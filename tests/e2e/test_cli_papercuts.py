@@ -48,9 +48,11 @@ def test_help_and_version_import_no_torch(argv: list[str]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_report_json_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("entry", ["gradsync.cli", "gradsync.telemetry.cli"])
+def test_report_json_into_a_closed_pipe_exits_quietly(tmp_path: Path, entry: str) -> None:
     """As ``gradsync report --json RUN | head -c 10`` once head has exited: the read end of
-    stdout is closed before gradsync writes, so every write fails (EPIPE), deterministically."""
+    stdout is closed before gradsync writes, so every write fails (EPIPE), deterministically.
+    The same from the module's own entry point (``python -m gradsync.telemetry.cli``)."""
     run = tmp_path / "run"
     run.mkdir()
     write_records(run / METRICS_FILE, synthetic_records(30, 2, slow=[], seed=1))
@@ -59,7 +61,7 @@ def test_report_json_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
     os.close(read)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "gradsync.cli", "report", str(run), "--json", "--no-plots"],
+            [sys.executable, "-m", entry, "report", str(run), "--json", "--no-plots"],
             stdout=write,
             stderr=subprocess.PIPE,
             text=True,
