@@ -46,22 +46,22 @@ class Progress:
             self._beat(step, loss)
         if not self.enabled:
             return
-        width = 24
-        done = int(width * step / max(self.total, 1))
-        bar = "#" * done + "-" * (width - done)
         loss_text = "n/a" if loss is None else f"{loss:.4f}"
         prefix = f"{self.label} " if self.label else ""
-        line = (
-            f"{prefix}[{bar}] step {step}/{self.total}  loss {loss_text}  "
-            f"{samples_per_s:,.0f} samples/s  barrier tax {tax:.1%}"
-            if samples_per_s > 0
-            else f"{prefix}[{bar}] step {step}/{self.total}  loss {loss_text}"
-        )
+        if self.total > 0:
+            width = 24
+            done = min(width, int(width * step / self.total))
+            where = f"[{'#' * done}{'-' * (width - done)}] step {step}/{self.total}"
+        else:  # a script's own loop: its number of steps is not known here
+            where = f"step {step}"
+        line = f"{prefix}{where}  loss {loss_text}"
+        if samples_per_s > 0:
+            line += f"  {samples_per_s:,.0f} samples/s  barrier tax {tax:.1%}"
         now = time.perf_counter()
         if self.interactive:
             self.stream.write("\r" + line)
             self.stream.flush()
-        elif now - self._last_line_at >= 5.0 or step >= self.total:
+        elif now - self._last_line_at >= 5.0 or 0 < self.total <= step:
             # Logs and CI get a line every few seconds rather than a carriage-return storm.
             self.stream.write(line + "\n")
             self.stream.flush()

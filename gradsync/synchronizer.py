@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from gradsync import compat, runtime
+from gradsync.attached_run import AttachedRun
 from gradsync.balance import ShardBalancer
 from gradsync.checkpoint.checkpointer import Checkpointer
 from gradsync.checks.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
@@ -121,6 +122,11 @@ class Synchronizer:
     If a rank's block raises, its peers skip that step with it (under ``bsp`` its unsent
     buckets go out as NaN) and the exception propagates on that rank; caught there, training
     goes on in step on every rank.
+
+    ``run_dir`` (default: ``$GRADSYNC_RUN_DIR``, which ``gradsync run`` sets) attaches the
+    Synchronizer to a run directory: rank 0 writes ``metrics.jsonl`` as records are gathered,
+    and ``report()`` writes ``spans.jsonl`` and ``report.json``, the files ``gradsync report``
+    reads; ``gradsync run``'s ``--kill`` and ``--slow`` act on it (``gradsync.attached_run``).
     """
 
     #: Synchronizers created so far in this process, per process group: each one keeps its
@@ -151,6 +157,7 @@ class Synchronizer:
         broadcast_buffers: bool = True,
         between_steps_timeout_s: float | None = DEFAULT_BETWEEN_STEPS_S,
         allreduce: str = "ring",
+        run_dir: str | Path | None = None,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s, accumulation)
@@ -177,6 +184,12 @@ class Synchronizer:
         _check_sharded_model(model, self.strategy)
         self.allreduce = check_allreduce(allreduce)
         self.layout = Layout.of(self.world_size, self.strategy.servers)
+        # ``run_dir`` or GRADSYNC_RUN_DIR (set by ``gradsync run``): the run directory's files,
+        # faults and settings for whatever script trains (``gradsync.attached_run``)
+        self._run = AttachedRun.find(run_dir, self.rank, self.layout.workers)
+        if self._run is not None:
+            record_spans = True  # spans.jsonl, trace.json's per-rank tracks
+            slow = self._run.slow if slow is None else slow
         # DDP broadcasts buffers from rank 0 at the first forward after a gradient-syncing one:
         # once per step, at its first micro-batch. The start of the step block is the same point.
         self._sync_buffers = (
@@ -306,6 +319,8 @@ class Synchronizer:
         # Every rank sees the same gathered records, so balancers stay in agreement.
         if self.balancer is not None:
             self.balancer.observe(records)
+        if self._run is not None and self._run.sink is not None:
+            self._run.sink(records)
         if self._user_sink is not None:
             self._user_sink(records)
 
@@ -323,6 +338,11 @@ class Synchronizer:
             return [global_batch // workers] * workers
         self._sizes = self.balancer.sizes(global_batch)
         return list(self._sizes)
+
+    @property
+    def attached_run(self) -> AttachedRun | None:
+        """The run directory this Synchronizer writes (``run_dir``), or None."""
+        return self._run
 
     @property
     def watch(self) -> ArrivalWatch:
@@ -361,6 +381,10 @@ class Synchronizer:
             self._check_replicas(-1, final=True)
         self._final_flush()
         self._final_handshake()
+        if self._run is not None:  # the workers' report() gathers the spans: this server's too
+            self._run.finish(
+                RunReport.from_records(self._collector.records), self.gather_spans(), None
+            )
         return stats
 
     @property
@@ -380,6 +404,8 @@ class Synchronizer:
         runtime.require_initialized("sync.step()")
         weight, samples = self._sample_weight(samples)
         self._check_no_outside_update()
+        if self._run is not None:
+            self._run.before_step(self._step)  # a --kill due at this step
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
         ready = _GradientReady(self.strategy, self._step, self._clock)
         handle._ready = ready
@@ -694,7 +720,10 @@ class Synchronizer:
                 self._check_replicas(self._step - 1, final=True)
             self._final_flush()
             self._final_handshake()
-        return RunReport.from_records(self._collector.records)
+        report = RunReport.from_records(self._collector.records)
+        if self._run is not None:  # spans.jsonl and report.json (collective: the spans)
+            self._run.finish(report, self.gather_spans(), self.strategy.summary())
+        return report
 
     def state_dict(self) -> dict[str, Any]:
         """Strategy and compressor state (not the model or optimizer: save those as usual)."""
@@ -734,6 +763,8 @@ class Synchronizer:
         extras plus ``step`` (the next step to run), or None when there is no checkpoint.
         With parameter servers every rank calls it, servers before ``serve()``."""
         with self._gradsync_call(self._step, "sync.load()"):
+            if self._run is not None:
+                self._run.loading()
             extra = self._checkpoints.load(directory)
             if self.telemetry_enabled:
                 # The records restored from the checkpoint are gathered now, while every rank
@@ -743,6 +774,8 @@ class Synchronizer:
                 self._collector.flush(self._step)
                 if extra is not None:
                     self._collector.rolled_back_to(int(extra["step"]))
+            if self._run is not None:
+                self._run.loaded(self._step)
             return extra
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -756,6 +789,8 @@ class Synchronizer:
         try:
             self._checkpoints.close()
         finally:
+            if self._run is not None:
+                self._run.close()
             self._close()
 
     def _close(self) -> None:

@@ -13,166 +13,33 @@ from typing import Any, TextIO
 import torch
 
 from gradsync import compat, runtime
+from gradsync.attached_run import FAULTS_DIR, drop_records_from, say_resumed
 from gradsync.config import RunConfig
-from gradsync.inject import maybe_kill, parse_kill
-from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.synchronizer import Synchronizer
-from gradsync.telemetry.cli import REPORT_FILE, analyze_records
-from gradsync.telemetry.records import (
-    METRICS_FILE,
-    SPANS_FILE,
-    StepRecord,
-    read_jsonl,
-    read_records,
-)
-from gradsync.telemetry.report import RunReport
-from gradsync.telemetry.stragglers import Finding, StragglerConfig, StragglerDetector
-from gradsync.telemetry.trackers import JsonlTracker, Tracker, logger, make_tracker, parse_trackers
+from gradsync.telemetry.records import METRICS_FILE
 from gradsync.workloads import make_workload
 
-
-class _Rank0Sink:
-    """Receives every gathered batch of records on rank 0: writes metrics.jsonl, hands them to
-    the --tracker sinks, updates the progress line and warns once per straggler episode.
-
-    Only rank 0 has one: every rank receives the same gathered records, so rank 0's trackers
-    hold every rank's scalars, and one writer per run keeps one run per dashboard."""
-
-    def __init__(self, cfg: RunConfig, progress: Progress, world: int) -> None:
-        # metrics.jsonl is the JSONL tracker's file, always written: --tracker jsonl adds none
-        self.metrics = JsonlTracker(cfg.out)
-        self.path = self.metrics.path
-        self.trackers = _trackers(cfg)
-        self.progress = progress
-        self.detector = StragglerDetector(
-            StragglerConfig(
-                window=cfg.straggler_window,
-                threshold=cfg.straggler_threshold,
-                warmup=cfg.straggler_warmup,
-            ),
-            world_size=world,
-        )
-        self.idle = 0.0
-        self.wall = 0.0
-        #: False while a restart loads its checkpoint: the records it restores are written,
-        #: but neither shown (the progress line waits for the resume line that says where the
-        #: run went back) nor given to the straggler detector (they were, before the restart).
-        self.showing = True
-        self.shown_until: float | None = None  # the end of the newest step shown
-
-    def __call__(self, new: list[StepRecord]) -> None:
-        self.metrics.log(new)
-        if self.trackers is not None:
-            # restored records too, like metrics.jsonl; a failing tracker turns itself off
-            self.trackers(new)
-        self.idle += sum(r.idle for r in new)
-        self.wall += sum(r.compute + r.sync for r in new)
-        if not self.showing:
-            return
-        last = max(r.step for r in new)
-        losses = [r.loss for r in new if r.step == last and r.loss is not None]
-        # The rate since the last update: a rate since the first record would take in the
-        # time a restart spent between two attempts (this process starts after it) and the
-        # steps it ran twice; the time between updates (a gather, a save) counts.
-        end = max(r.time + r.compute + r.sync for r in new)
-        start = min(r.time for r in new) if self.shown_until is None else self.shown_until
-        elapsed, self.shown_until = end - start, end
-        self.progress.update(
-            last + 1,
-            sum(losses) / len(losses) if losses else None,
-            sum(r.samples for r in new) / elapsed if elapsed > 0 else 0.0,
-            self.idle / self.wall if self.wall > 0 else 0.0,
-        )
-        for finding in self.detector.update(new):
-            self.progress.interrupt(f"gradsync: straggler: {finding.describe()}")
-
-    def close_trackers(
-        self, report: RunReport | None = None, findings: list[Finding] | None = None
-    ) -> None:
-        """Give the trackers the run's report (when there is one) and close them. Failures are
-        logged, not raised: report.json is written by then, and the run succeeded."""
-        if self.trackers is None:
-            return
-        trackers, self.trackers = self.trackers, None
-        try:
-            if report is not None:
-                trackers.finish(report, findings)
-        except Exception:
-            logger.exception("the --tracker sinks failed to record the run's report")
-        try:
-            trackers.close()
-        except Exception:
-            logger.exception("the --tracker sinks failed to close")
-
-
-def _trackers(cfg: RunConfig) -> Tracker | None:
-    """The --tracker sinks, writing under the run directory, or None."""
-    names = [n for n in parse_trackers(cfg.tracker or "jsonl") if n != "jsonl"]
-    # all_ranks: this is rank 0's sink already
-    return make_tracker(",".join(names), cfg.out, all_ranks=True) if names else None
-
-
-def _write_spans(sync: Synchronizer, run_dir: Path) -> None:
-    """Collective: gather every rank's spans (bucket communication, optimizer) to rank 0."""
-    spans = sync.gather_spans()
-    if spans is not None:
-        with open(run_dir / SPANS_FILE, "w", encoding="utf-8") as fh:
-            for span in spans:
-                fh.write(span.to_json() + "\n")
-
-
 CHECKPOINT_DIR = "checkpoints"
-FAULTS_DIR = "faults"
 FINAL_MODEL = "final_model.pt"
 
 
 def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int:
     """The step to start at: 0, or the newest checkpoint's after --resume or a restart by
-    the elastic agent (it sets TORCHELASTIC_RESTART_COUNT)."""
+    the elastic agent (it sets TORCHELASTIC_RESTART_COUNT). The run directory's records of the
+    steps that run again are dropped, and rank 0 says where the run went back to: by
+    ``sync.load`` (``AttachedRun.loaded``), or here when there are no checkpoints to load."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not (cfg.resume or restarted):
         return 0
-    extra = sync.load(run_dir / CHECKPOINT_DIR) if cfg.resume or cfg.checkpoint_every else None
-    start = int(extra["step"]) if extra else 0
+    if cfg.resume or cfg.checkpoint_every:
+        extra = sync.load(run_dir / CHECKPOINT_DIR)
+        return int(extra["step"]) if extra else 0
     if rank == 0:
-        # Every step from here on runs again, a restart without checkpoints included: their
-        # earlier records would count the rolled-back work twice in the report.
-        _drop_records_from(run_dir / METRICS_FILE, start)
-        why = "restart" if restarted else "--resume"
-        if extra is not None:
-            how = "resuming"
-        elif cfg.checkpoint_every:
-            how = "starting over (no checkpoint was complete yet)"
-        else:
-            how = "starting over (no --checkpoint-every)"
-        count = f" (restart {_restart_count()})" if restarted else ""
-        print(f"gradsync: {why}: {how} at step {start}{count}", file=sys.stderr, flush=True)
-    return start
-
-
-def _restart_count() -> str:
-    """``N of M``: this round's restart and the most the agent allows (set by torch's agent)."""
-    count = os.environ["TORCHELASTIC_RESTART_COUNT"]  # set: this is a restart
-    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
-    return f"{count} of {most}" if most else count
-
-
-def _drop_records_from(path: Path, step: int) -> None:
-    """Steps at or after the resume point will run again: forget their old records. And each
-    earlier (rank, step) once, its last line: a resume from a checkpoint older than the last
-    gather before the failure writes again, in ``load()``, the records it restored, which that
-    gather had written already (the same measurements)."""
-    if not path.exists():
-        return
-    latest: dict[tuple[int, int], dict[str, Any]] = {}
-    for record in read_jsonl(path):  # a torn last line (a crash, a full disk) is dropped
-        if record["step"] < step:
-            key = (record["rank"], record["step"])
-            latest.pop(key, None)  # a repeat takes its own, later, place
-            latest[key] = record
-    # Written back as ``StepRecord.to_json`` wrote them: the same text for the same record.
-    lines = (json.dumps(record, separators=(",", ":")) + "\n" for record in latest.values())
-    path.write_text("".join(lines), encoding="utf-8")
+        # Every step runs again, a restart without checkpoints: their earlier records would
+        # count the rolled-back work twice in the report.
+        drop_records_from(run_dir / METRICS_FILE, 0)
+        say_resumed("starting over (no --checkpoint-every)", 0)
+    return 0
 
 
 def _log_recovery(directory: Path, resumed_at: int) -> None:
@@ -268,40 +135,27 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     workload = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)
     model = workload.build_model().to(runtime.device())
     optimizer = workload.make_optimizer(model, cfg.lr or workload.default_lr)
-    progress = Progress(
-        cfg.steps,
-        enabled=cfg.progress and rank == 0,
-        heartbeat=run_dir / HEARTBEAT_FILE if rank == 0 else None,  # followed by compare
-    )
-    workers = cfg.nproc
-    sink = _Rank0Sink(cfg, progress, workers) if rank == 0 else None
-    sync = _synchronizer(cfg, model, optimizer, sink)
+    # Attached to the run directory: metrics.jsonl, the trackers, the progress line, --kill,
+    # spans.jsonl and report.json, as for any script ``gradsync run`` starts
+    sync = _synchronizer(cfg, model, optimizer, run_dir)
+    run = sync.attached_run
+    assert run is not None
     if sync.is_server:
         # Servers resume too (their parameters, optimizer state and clocks): load is collective.
         _resume(sync, cfg, run_dir, rank)
         sync.serve()
-        _write_spans(sync, run_dir)
         sync.close()
-        if sink is not None:
-            sink.close_trackers()
         return None
     barrier_free = sync.strategy.barrier_free
-    if sink is not None:
-        sink.showing = False
     start = _resume(sync, cfg, run_dir, rank)
-    if sink is not None:
-        sink.showing = True
     recovering = start > 0 and rank == 0
-    kills = parse_kill(cfg.kill)
     checkpoints = run_dir / CHECKPOINT_DIR
     log = _CheckpointLog(checkpoints)
     for step in range(start, cfg.steps):
-        if kills:
-            maybe_kill(kills, rank, step, run_dir / FAULTS_DIR)
         loss = _train_step(sync, workload, cfg, step, rank)
-        if barrier_free and rank == 0 and (step + 1) % cfg.telemetry_every == 0:
+        if barrier_free and run.sink is not None and (step + 1) % cfg.telemetry_every == 0:
             # No gathering mid-run without a barrier: show rank 0's own view meanwhile.
-            progress.update(step + 1, loss, 0.0, 0.0)
+            run.sink.progress.update(step + 1, loss, 0.0, 0.0)
         if recovering:
             recovering = False
             _log_recovery(run_dir / FAULTS_DIR, start)
@@ -315,8 +169,7 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
             if rank == 0:
                 log.write(step + 1, seconds)
     log.close()
-    report = sync.report()
-    measured = sync.strategy.summary()
+    sync.report()  # rank 0 writes report.json (``AttachedRun.finish``)
     # The final parameters, so runs (interrupted or not) can be compared bit for bit: whole
     # tensors (gathering zero:3's shards is a collective, so every rank takes part).
     final = {
@@ -324,46 +177,14 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     }
     if rank == 0:
         torch.save(final, run_dir / FINAL_MODEL)
-    progress.close()
-    _write_spans(sync, run_dir)
     sync.close()
-    if rank != 0:
+    if rank != 0 or run.reported is None:
         return None
-    result = _write_report(run_dir, cfg, report, measured, sink)
-    result["world_size"] = world
-    return result
-
-
-def _write_report(
-    run_dir: Path,
-    cfg: RunConfig,
-    report: RunReport,
-    measured: dict[str, Any] | None = None,
-    sink: _Rank0Sink | None = None,
-) -> dict[str, Any]:
-    """Write report.json: the report of every step of the run and the straggler findings
-    ``gradsync report`` gives, plus what the strategy measured itself (``measured``, under
-    "strategy_summary", when it has anything). Built from metrics.jsonl, not this attempt's
-    ``report``, which after a restart holds only the steps since the resume point. Returns the
-    report's dict."""
-    records = read_records(run_dir) if (run_dir / METRICS_FILE).exists() else report.records
-    stragglers = StragglerConfig(
-        window=cfg.straggler_window,
-        threshold=cfg.straggler_threshold,
-        warmup=cfg.straggler_warmup,
-    )
-    analysis = analyze_records(run_dir, records, stragglers)
-    written = analysis.run_report()
-    if measured:
-        written["strategy_summary"] = measured
-    (run_dir / REPORT_FILE).write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
-    if sink is not None:  # the trackers end with the same report and findings
-        sink.close_trackers(analysis.report, analysis.findings)
-    return analysis.report.to_dict()
+    return {**run.reported, "world_size": world}
 
 
 def _synchronizer(
-    cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sink: Any
+    cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: Path
 ) -> Synchronizer:
     return Synchronizer(
         model,
@@ -374,12 +195,11 @@ def _synchronizer(
         allreduce=cfg.allreduce,
         telemetry_every=cfg.telemetry_every,
         slow=cfg.slow,
-        on_records=sink,
         servers=cfg.servers,
         timeout_s=cfg.timeout,
         balance=cfg.balance,
         check_every=cfg.check_every,
-        record_spans=True,
+        run_dir=run_dir,
     )
 
 

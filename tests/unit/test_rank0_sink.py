@@ -1,5 +1,5 @@
-"""The progress line that rank 0 of ``gradsync run`` keeps: its rate, and its silence while a
-restart loads the records a checkpoint brought back."""
+"""The progress line that rank 0 of a run directory keeps (``attached_run.RunSink``): its rate,
+and its silence while a restart loads the records a checkpoint brought back."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from gradsync.config import RunConfig
+from gradsync.attached_run import RunSink, run_settings
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records
-from gradsync.worker import _Rank0Sink
 
 pytestmark = pytest.mark.unit
 
@@ -36,10 +35,12 @@ def _records(first: int, count: int, start: float, seconds: float) -> list[StepR
     ]
 
 
-def _sink(tmp_path: Path) -> tuple[_Rank0Sink, _Lines]:
+def _sink(tmp_path: Path) -> tuple[RunSink, _Lines]:
     lines = _Lines()
+    sink = RunSink(tmp_path, run_settings(tmp_path), 1)
     progress: Any = lines
-    return _Rank0Sink(RunConfig(out=str(tmp_path)), progress, 1), lines
+    sink.progress = progress
+    return sink, lines
 
 
 def test_the_rate_counts_the_time_between_updates(tmp_path: Path) -> None:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.config import RunConfig
+from gradsync.attached_run import drop_records_from, write_report
 from gradsync.telemetry.records import METRICS_FILE, read_records, write_records
 from gradsync.telemetry.report import RunReport
-from gradsync.telemetry.stragglers import synthetic_records
-from gradsync.worker import _drop_records_from, _write_report
+from gradsync.telemetry.stragglers import StragglerConfig, synthetic_records
 from tests.support.restart_telemetry import tear_last_line
 
 pytestmark = pytest.mark.unit
@@ -50,15 +49,15 @@ def test_report_json_covers_every_attempt_and_names_the_stragglers(tmp_path: Pat
     recs = synthetic_records(120, 4, slow=[(2, 40, 119, 2.0)], bytes_per_step=BYTES, seed=3)
     write_records(tmp_path / METRICS_FILE, recs)
     write_records(tmp_path / METRICS_FILE, [r for r in recs if r.step >= 100])  # a rerun
-    cfg = RunConfig(workload="mlp", nproc=4, out=str(tmp_path))
     # This attempt's own report holds only its steps since the resume point.
     own = RunReport.from_records([r for r in recs if r.step >= 100])
-    result = _write_report(tmp_path, cfg, own)
+    cfg = StragglerConfig(window=20, threshold=0.75, warmup=10)
+    result = write_report(tmp_path, cfg, own)
     data = json.loads((tmp_path / "report.json").read_text())
     assert result["steps"] == data["steps"] == 120
     assert [r["steps"] for r in data["ranks"]] == [120] * 4
     assert [(f["rank"], f["first_step"]) for f in data["stragglers"]] == [(2, 40)]
-    assert data["straggler_window"] == cfg.straggler_window and len(data["scores"]) == 4
+    assert data["straggler_window"] == cfg.window and len(data["scores"]) == 4
 
 
 def test_a_resume_leaves_each_earlier_step_once_in_the_raw_file(tmp_path: Path) -> None:
@@ -67,7 +66,7 @@ def test_a_resume_leaves_each_earlier_step_once_in_the_raw_file(tmp_path: Path) 
     path = tmp_path / METRICS_FILE
     records = synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3)
     write_records(path, records + [r for r in records if r.step in (6, 7)])
-    _drop_records_from(path, 8)
+    drop_records_from(path, 8)
     keys = [(d["rank"], d["step"]) for d in map(json.loads, path.read_text().splitlines())]
     assert sorted(keys) == [(rank, step) for rank in range(2) for step in range(8)]
     assert len(keys) == len(set(keys))
@@ -114,7 +113,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning_naming_the_file(tmp_path: Pa
     path = tmp_path / METRICS_FILE
     write_records(path, synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3))
     torn = json.loads(tear_last_line(path))
-    for read in (lambda: read_records(tmp_path), lambda: _drop_records_from(path, 10)):
+    for read in (lambda: read_records(tmp_path), lambda: drop_records_from(path, 10)):
         with pytest.warns(RuntimeWarning, match=rf"{re.escape(str(path))}: .*\(line 20\)"):
             read()
     # the resume's rewrite of the file leaves every whole line, and none torn
@@ -134,5 +133,5 @@ def test_a_damaged_line_before_the_last_is_an_error_naming_the_file_and_line(
     with pytest.raises(ValueError, match=where):
         read_records(tmp_path)
     with pytest.raises(ValueError, match=where):
-        _drop_records_from(path, 10)
+        drop_records_from(path, 10)
     assert path.read_text() == "".join(lines)  # left for the user to look at

@@ -1,0 +1,300 @@
+"""A Synchronizer attached to a run directory: the files ``gradsync run`` makes, for any script.
+
+``gs.Synchronizer(..., run_dir=DIR)``, or ``GRADSYNC_RUN_DIR=DIR`` in the environment (which
+``gradsync run`` sets for the ranks it starts), attaches the Synchronizer to ``DIR``. Whatever
+trains, a built-in workload or the user's own script, the run directory then gets the same
+files, written by the same code:
+
+- ``metrics.jsonl``: every gathered step record, by rank 0, as they arrive (and the
+  ``--tracker`` sinks: TensorBoard, W&B, MLflow), with the live progress line and a notice per
+  straggler episode;
+- ``spans.jsonl`` and ``report.json``, at ``sync.report()`` (collective: every rank's timeline
+  spans are gathered to rank 0 there);
+- the faults the run was asked for (``--kill R:S`` fires at the start of step S on rank R,
+  once; ``--slow`` slows the ranks named), and after a restart the records of the steps that
+  run again dropped from ``metrics.jsonl`` at ``sync.load()``.
+
+``gradsync report DIR`` (the summary, ``trace.json``, the plots) and ``gradsync simulate
+--from DIR`` read them as they read a built-in run's. The settings come from ``DIR/config.json``
+when ``gradsync run`` wrote one (the straggler window and threshold, the trackers, the kills,
+the slowdowns); under plain ``torchrun`` or ``python`` they are the defaults.
+
+Why in the Synchronizer and not in a wrapper around the script: the step records, the spans
+and the step index live there, and a script under ``torchrun`` has no other place gradsync's
+code runs in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from gradsync.inject import maybe_kill, parse_kill
+from gradsync.progress import HEARTBEAT_FILE, Progress
+from gradsync.telemetry.cli import REPORT_FILE, analyze_records
+from gradsync.telemetry.records import (
+    METRICS_FILE,
+    SPANS_FILE,
+    Span,
+    StepRecord,
+    read_jsonl,
+    read_records,
+)
+from gradsync.telemetry.report import RunReport
+from gradsync.telemetry.stragglers import Finding, StragglerConfig, StragglerDetector
+from gradsync.telemetry.trackers import JsonlTracker, Tracker, make_tracker, parse_trackers
+
+__all__ = ["CONFIG_FILE", "FAULTS_DIR", "RUN_DIR_ENV", "AttachedRun", "RunSink"]
+
+#: the environment variable naming the run directory a Synchronizer attaches to
+RUN_DIR_ENV = "GRADSYNC_RUN_DIR"
+CONFIG_FILE = "config.json"
+FAULTS_DIR = "faults"
+
+logger = logging.getLogger("gradsync.run")
+
+#: what a run directory's settings are when no ``config.json`` names them (``gradsync run``'s
+#: own defaults, ``gradsync.config.RunConfig``)
+_DEFAULTS: dict[str, Any] = {
+    "straggler_window": 20,
+    "straggler_threshold": 0.75,
+    "straggler_warmup": 10,
+    "tracker": None,
+    "kill": None,
+    "slow": None,
+    "progress": False,  # a script under torchrun keeps its own output: no line unless asked
+    "steps": 0,
+    "resume": False,
+    "checkpoint_every": 0,
+}
+
+
+def run_settings(directory: Path) -> dict[str, Any]:
+    """The run's settings: ``config.json``'s where ``gradsync run`` wrote one, else defaults."""
+    settings = dict(_DEFAULTS)
+    path = directory / CONFIG_FILE
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the run's settings in {path}: {exc}") from exc
+        settings.update({k: v for k, v in saved.items() if k in _DEFAULTS})
+    return settings
+
+
+class RunSink:
+    """Receives every gathered batch of records on rank 0: writes metrics.jsonl, hands them to
+    the --tracker sinks, updates the progress line and warns once per straggler episode.
+
+    Only rank 0 has one: every rank receives the same gathered records, so rank 0's trackers
+    hold every rank's scalars, and one writer per run keeps one run per dashboard."""
+
+    def __init__(self, directory: Path, settings: dict[str, Any], world: int) -> None:
+        # metrics.jsonl is the JSONL tracker's file, always written: --tracker jsonl adds none
+        self.metrics = JsonlTracker(directory)
+        self.path = self.metrics.path
+        self.trackers = _trackers(settings.get("tracker"), directory)
+        total = int(settings.get("steps") or 0)
+        self.progress = Progress(
+            total, enabled=bool(settings.get("progress")), heartbeat=directory / HEARTBEAT_FILE
+        )
+        self.stragglers = StragglerConfig(
+            window=int(settings["straggler_window"]),
+            threshold=float(settings["straggler_threshold"]),
+            warmup=int(settings["straggler_warmup"]),
+        )
+        self.detector = StragglerDetector(self.stragglers, world_size=world)
+        self.idle = 0.0
+        self.wall = 0.0
+        #: False while a restart loads its checkpoint: the records it restores are written,
+        #: but neither shown (the progress line waits for the resume line that says where the
+        #: run went back) nor given to the straggler detector (they were, before the restart).
+        self.showing = True
+        self.shown_until: float | None = None  # the end of the newest step shown
+
+    def __call__(self, new: list[StepRecord]) -> None:
+        self.metrics.log(new)
+        if self.trackers is not None:
+            # restored records too, like metrics.jsonl; a failing tracker turns itself off
+            self.trackers(new)
+        self.idle += sum(r.idle for r in new)
+        self.wall += sum(r.compute + r.sync for r in new)
+        if not self.showing:
+            return
+        last = max(r.step for r in new)
+        losses = [r.loss for r in new if r.step == last and r.loss is not None]
+        # The rate since the last update: a rate since the first record would take in the
+        # time a restart spent between two attempts (this process starts after it) and the
+        # steps it ran twice; the time between updates (a gather, a save) counts.
+        end = max(r.time + r.compute + r.sync for r in new)
+        start = min(r.time for r in new) if self.shown_until is None else self.shown_until
+        elapsed, self.shown_until = end - start, end
+        self.progress.update(
+            last + 1,
+            sum(losses) / len(losses) if losses else None,
+            sum(r.samples for r in new) / elapsed if elapsed > 0 else 0.0,
+            self.idle / self.wall if self.wall > 0 else 0.0,
+        )
+        for finding in self.detector.update(new):
+            self.progress.interrupt(f"gradsync: straggler: {finding.describe()}")
+
+    def close_trackers(
+        self, report: RunReport | None = None, findings: list[Finding] | None = None
+    ) -> None:
+        """Give the trackers the run's report (when there is one) and close them. Failures are
+        logged, not raised: report.json is written by then, and the run succeeded."""
+        if self.trackers is None:
+            return
+        trackers, self.trackers = self.trackers, None
+        try:
+            if report is not None:
+                trackers.finish(report, findings)
+        except Exception:
+            logger.exception("the --tracker sinks failed to record the run's report")
+        try:
+            trackers.close()
+        except Exception:
+            logger.exception("the --tracker sinks failed to close")
+
+
+def _trackers(spec: str | None, directory: Path) -> Tracker | None:
+    """The --tracker sinks besides metrics.jsonl, writing under the run directory, or None."""
+    names = [n for n in parse_trackers(spec or "jsonl") if n != "jsonl"]
+    # all_ranks: this is rank 0's sink already
+    return make_tracker(",".join(names), directory, all_ranks=True) if names else None
+
+
+def write_report(
+    directory: Path,
+    stragglers: StragglerConfig,
+    report: RunReport,
+    measured: dict[str, Any] | None = None,
+    sink: RunSink | None = None,
+) -> dict[str, Any]:
+    """Write report.json: the report of every step of the run and the straggler findings
+    ``gradsync report`` gives, plus what the strategy measured itself (``measured``, under
+    "strategy_summary", when it has anything). Built from metrics.jsonl, not this attempt's
+    ``report``, which after a restart holds only the steps since the resume point. Returns the
+    report's dict."""
+    metrics = directory / METRICS_FILE
+    records = read_records(directory) if metrics.exists() else report.records
+    analysis = analyze_records(directory, records, stragglers)
+    written = analysis.run_report()
+    if measured:
+        written["strategy_summary"] = measured
+    (directory / REPORT_FILE).write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
+    if sink is not None:  # the trackers end with the same report and findings
+        sink.close_trackers(analysis.report, analysis.findings)
+    return analysis.report.to_dict()
+
+
+def drop_records_from(path: Path, step: int) -> None:
+    """Steps at or after the resume point will run again: forget their old records. And each
+    earlier (rank, step) once, its last line: a resume from a checkpoint older than the last
+    gather before the failure writes again, in ``load()``, the records it restored, which that
+    gather had written already (the same measurements)."""
+    if not path.exists():
+        return
+    latest: dict[tuple[int, int], dict[str, Any]] = {}
+    for record in read_jsonl(path):  # a torn last line (a crash, a full disk) is dropped
+        if record["step"] < step:
+            key = (record["rank"], record["step"])
+            latest.pop(key, None)  # a repeat takes its own, later, place
+            latest[key] = record
+    # Written back as ``StepRecord.to_json`` wrote them: the same text for the same record.
+    lines = (json.dumps(record, separators=(",", ":")) + "\n" for record in latest.values())
+    path.write_text("".join(lines), encoding="utf-8")
+
+
+def say_resumed(how: str, step: int, flag: bool = False) -> None:
+    """``gradsync: restart: resuming at step 12 (restart 1 of 1)``, on standard error (``flag``:
+    the run was started with ``--resume``)."""
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    why = "restart" if restarted else "--resume" if flag else "resume"
+    count = ""
+    if restarted:  # this round's restart and the most the agent allows (set by its agent)
+        most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+        count = os.environ["TORCHELASTIC_RESTART_COUNT"] + (f" of {most}" if most else "")
+        count = f" (restart {count})"
+    print(f"gradsync: {why}: {how} at step {step}{count}", file=sys.stderr, flush=True)
+
+
+class AttachedRun:
+    """What a Synchronizer does for the run directory it is attached to (module docstring).
+    ``rank`` and ``world`` are the Synchronizer's; rank 0 alone writes files."""
+
+    def __init__(self, directory: str | Path, rank: int, world: int) -> None:
+        self.directory = Path(directory)
+        self.rank = rank
+        if rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self.settings = run_settings(self.directory)
+        self.kills = parse_kill(self.settings.get("kill"))
+        self.sink = RunSink(self.directory, self.settings, world) if rank == 0 else None
+        self.reported: dict[str, Any] | None = None
+
+    @classmethod
+    def find(cls, run_dir: str | Path | None, rank: int, world: int) -> AttachedRun | None:
+        """The run ``run_dir`` names, else the one ``GRADSYNC_RUN_DIR`` names, else None."""
+        chosen = run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV) or None
+        return None if chosen is None else cls(chosen, rank, world)
+
+    @property
+    def slow(self) -> str | None:
+        """The run's ``--slow`` spec, for a Synchronizer not given slowdowns of its own."""
+        return self.settings.get("slow")
+
+    def before_step(self, step: int) -> None:
+        """At the start of ``step``: a ``--kill`` due here fires (once per run: a marker file
+        stops it firing again when a restart runs the step again)."""
+        if self.kills:
+            maybe_kill(self.kills, self.rank, step, self.directory / FAULTS_DIR)
+
+    def loading(self) -> None:
+        """Before ``sync.load()`` restores the records of the steps before its checkpoint."""
+        if self.sink is not None:
+            self.sink.showing = False
+
+    def loaded(self, step: int) -> None:
+        """After ``sync.load()`` resumed at ``step`` (0: no checkpoint): the records of the
+        steps that run again are dropped, and rank 0 says where a restart (or ``--resume``)
+        went back to."""
+        if self.sink is None:
+            return
+        self.sink.showing = True
+        drop_records_from(self.sink.path, step)
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+        if restarted or step or self.settings.get("resume"):
+            if step:
+                how = "resuming"
+            elif self.settings.get("checkpoint_every"):
+                how = "starting over (no checkpoint was complete yet)"
+            else:
+                how = "starting over (no checkpoint)"
+            say_resumed(how, step, bool(self.settings.get("resume")))
+
+    def finish(
+        self, report: RunReport, spans: list[Span] | None, measured: dict[str, Any] | None
+    ) -> None:
+        """At the end of ``sync.report()``, given every rank's ``spans`` (on rank 0) and what
+        the strategy ``measured`` itself: rank 0 writes spans.jsonl and report.json and ends
+        the progress line and the trackers."""
+        if self.sink is None:
+            return
+        if spans is not None:
+            with open(self.directory / SPANS_FILE, "w", encoding="utf-8") as fh:
+                for span in spans:
+                    fh.write(span.to_json() + "\n")
+        self.sink.progress.close()
+        self.reported = write_report(
+            self.directory, self.sink.stragglers, report, measured, self.sink
+        )
+
+    def close(self) -> None:
+        """When the Synchronizer closes: the trackers end even without a report."""
+        if self.sink is not None:
+            self.sink.close_trackers()
