@@ -14,12 +14,12 @@ from gradsync.errors import UsageError
 from gradsync.module_cli import closed_pipe
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
+def _add_run_flags(p: argparse.ArgumentParser, unlisted: frozenset[str] = frozenset()) -> None:
     """Flags of ``run`` and ``compare``: one per field of RunConfig, declared there."""
     from gradsync.config import RunConfig
     from gradsync.flags import add_flags
 
-    add_flags(p, RunConfig)
+    add_flags(p, RunConfig, unlisted=unlisted)
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
@@ -267,12 +267,9 @@ def _add_compare_parser(sub: Any) -> None:
         default=None,
         help="loss to time each strategy to (default: the worst final loss of the set)",
     )
-    _add_run_flags(compare)
     # --strategy is run's: compare refuses it (cmd_compare says to use --strategies), so its
     # help does not offer it. None tells cmd_compare that it was not given.
-    for action in compare._actions:
-        if action.dest == "strategy":
-            action.help = argparse.SUPPRESS
+    _add_run_flags(compare, unlisted=frozenset({"strategy"}))
     compare.set_defaults(func=cmd_compare, strategy=None)
 
 

@@ -91,10 +91,14 @@ def option_of(cls: type, name: str) -> str:
     raise KeyError(f"{cls.__name__} has no flag field {name!r}")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser, cls: type, *, unlisted: frozenset[str] = frozenset()
+) -> None:
     """Add an option for every flag field of dataclass ``cls``, in field order, by group.
 
-    A field without a group goes among the parser's own options (after ``-h``)."""
+    A field without a group goes among the parser's own options (after ``-h``). The fields
+    named in ``unlisted`` are parsed but left out of the help (a command that refuses them
+    says so when they are given)."""
     hints = typing.get_type_hints(cls)
     groups: dict[str, Any] = {}
     for f, spec in flag_fields(cls):
@@ -103,8 +107,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             if spec.group not in groups:
                 groups[spec.group] = parser.add_argument_group(spec.group)
             where = groups[spec.group]
+        shown = argparse.SUPPRESS if f.name in unlisted else spec.help
         where.add_argument(
-            spec.option_for(f), dest=f.name, help=spec.help, **_how(f, hints[f.name], spec)
+            spec.option_for(f), dest=f.name, help=shown, **_how(f, hints[f.name], spec)
         )
 
 

@@ -100,6 +100,7 @@ def test_each_flag_parses_its_default_back() -> None:
 
 # Each case: the fields set (one bad value, or a combination), for every check RunConfig makes.
 INVALID: list[dict[str, Any]] = [
+    {"tracker": "nope"},
     {"nproc": 0},
     {"nproc": 257},
     {"workload": "nope"},
@@ -320,7 +321,7 @@ PUBLIC: dict[str, dict[str, Any]] = {
         "--sweep-staleness": None,
         "--sweep-workers": None,
         "--strategies": "bsp,zero:1,zero:2,ssp:4,async,local:8",
-        "--plot-dir": ".",
+        "--plot-dir": None,
         "--table-steps": 20,
         "--json": False,
         "--from": None,
