@@ -6,7 +6,10 @@ One receiver thread per worker blocks on that worker's next message (threads wai
 torch.distributed release the GIL, so an idle server costs no CPU); the main thread applies
 updates and answers in arrival order, so the parameters a reply carries are a consistent
 snapshot. A worker that disappears, or stays silent past the timeout, ends the server with an
-error naming it.
+error naming it. A worker that waits for a reply the server holds (the staleness bound, or
+a checkpoint not yet taken) is not absent: when it gives up, the error names the workers
+the server was waiting for instead (``_Server.absence``), each with how long it has been
+silent and where its heartbeat last placed it (an evaluation between steps, say).
 
 Checkpoints: a worker asks with a ``CHECKPOINT`` message, or with its next message (its kind
 plus ``SAVED``: the server keeps that message aside, to apply once the checkpoint is taken).
@@ -199,6 +202,7 @@ class _Server:
     ) -> None:
         self.plan, self.staleness, self.rank, self.checkpoint = plan, staleness, rank, checkpoint
         self.flush = flush
+        self.watch = ctx.watch  # the workers' heartbeats, for naming an absent one
         s = self.shard = rank - plan.workers
         # The server owns its own copies: the model object on this rank is only a shape template.
         self.params = [p.detach().clone().requires_grad_(True) for p in plan.shard_params(s)]
@@ -225,6 +229,8 @@ class _Server:
         #: to apply after it: (worker, kind less ``SAVED``, message)
         self.deferred: list[tuple[int, float, torch.Tensor]] = []
         self.sends: list[Any] = []
+        #: when each worker's last message arrived (``time.monotonic()``)
+        self.heard = [time.monotonic()] * self.workers
         if restored is not None:
             self._restore(restored)
         self.stats.clocks = self.pushed
@@ -376,6 +382,52 @@ class _Server:
         for v in asked:
             receivers.resume(v)
 
+    # -- diagnosis ------------------------------------------------------------------------------
+    def absence(self, lost: int | None, cause: str) -> str:
+        """The error when the wait for the workers fails: worker ``lost``'s receive failed with
+        ``cause`` (None: no worker sent anything within the timeout). A worker whose reply is
+        held here waits on the server, and gives up when its own wait times out: blaming it
+        named the wrong rank (issue 42: rank 0 was evaluating, the server reported 'lost
+        worker rank 1'). The absent workers are the others not done."""
+        held = {v for v in self.pending} | {v for v, _kind, _msg in self.deferred}
+        absent = [v for v in range(self.workers) if not self.done[v] and v not in held]
+        head = f"parameter server rank {self.rank}: "
+        if lost is not None and lost not in held:
+            waiting = self._held_for(sorted(held), "it")
+            return f"{head}lost worker rank {lost} ({self._silence(lost)}): {cause}{waiting}"
+        if not absent:  # nothing else to blame (should not happen): report what failed
+            return f"{head}lost worker rank {lost}: {cause}"
+        silent = "; ".join(f"worker rank {v} {self._silence(v)}" for v in absent)
+        whom = "it" if len(absent) == 1 else "them"
+        if lost is None:
+            return f"{head}{silent} ({cause}){self._held_for(sorted(held), whom)}"
+        return (
+            f"{head}{silent}; worker rank {lost} waited for a reply held for {whom} "
+            f"({self._held_why()}) and gave up: {cause}"
+        )
+
+    def _silence(self, v: int) -> str:
+        """How long worker ``v`` has sent nothing, and where its last heartbeat placed it."""
+        quiet = f"sent nothing for {time.monotonic() - self.heard[v]:.1f}s"
+        beat = None
+        with contextlib.suppress(Exception):  # the store may be gone with the worker
+            beat = self.watch.beat_of(v) if self.watch is not None else None
+        return f"{quiet}, its last heartbeat: {beat.place()}" if beat is not None else quiet
+
+    def _held_for(self, held: list[int], whom: str) -> str:
+        if not held:
+            return ""
+        if len(held) == 1:
+            waits = f"worker rank {held[0]} waits for a reply"
+        else:
+            waits = f"worker ranks {', '.join(map(str, held))} wait for replies"
+        return f"; {waits} held for {whom} ({self._held_why()})"
+
+    def _held_why(self) -> str:
+        if any(self.requested) or math.isinf(self.staleness):  # async holds only for those
+            return "a checkpoint every worker must ask for first"
+        return f"the staleness bound of ssp:{int(self.staleness)}"
+
     # -- gradients and replies ------------------------------------------------------------------
     def on_gradient(self, w: int, message: torch.Tensor) -> None:
         payload = message[self.header :]
@@ -521,16 +573,12 @@ def _serve(server: _Server) -> ServerStats:
         try:
             w, item = receivers.inbox.get(timeout=timeout)
         except queue.Empty:
-            silent = [w for w in range(server.workers) if not server.done[w]]
-            raise SyncTimeoutError(
-                f"parameter server rank {rank}: workers {silent} sent nothing for {timeout:.0f}s"
-            ) from None
+            raise SyncTimeoutError(server.absence(None, f"timeout {timeout:g}s")) from None
         if isinstance(item, BaseException):
             server.checkpoint_on_loss(w, receivers)
-            raise SyncTimeoutError(
-                f"parameter server rank {rank}: lost worker rank {w}: "
-                f"{str(item).splitlines()[0] if str(item) else type(item).__name__}"
-            ) from item
+            cause = str(item).splitlines()[0] if str(item) else type(item).__name__
+            raise SyncTimeoutError(server.absence(w, cause)) from item
+        server.heard[w] = time.monotonic()
         server.on_message(w, item, receivers)
         server.answer_ready()
     server.finish()
