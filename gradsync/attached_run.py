@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gradsync.errors import UsageError
 from gradsync.inject import maybe_kill, parse_kill
 from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.telemetry.cli import REPORT_FILE, analyze_records
@@ -68,8 +69,24 @@ _DEFAULTS: dict[str, Any] = {
     "slow": None,
     "progress": False,  # a script under torchrun keeps its own output: no line unless asked
     "steps": 0,
+    "script": [],
     "resume": False,
     "checkpoint_every": 0,
+    # what the script's Synchronizer takes from the command line when it names none itself
+    "strategy": None,
+    "compression": None,
+    "servers": None,
+    "timeout": None,
+    #: the flags the command line gave (``gradsync run`` writes them into config.json)
+    "given": [],
+}
+
+#: Synchronizer argument -> the ``gradsync run`` flag (config.json key) it comes from
+_CHOSEN_BY_FLAG = {
+    "strategy": "strategy",
+    "compression": "compression",
+    "servers": "servers",
+    "timeout_s": "timeout",
 }
 
 
@@ -98,7 +115,8 @@ class RunSink:
         self.metrics = JsonlTracker(directory)
         self.path = self.metrics.path
         self.trackers = _trackers(settings.get("tracker"), directory)
-        total = int(settings.get("steps") or 0)
+        # a script's number of steps is its own: the line then shows the step alone
+        total = 0 if settings.get("script") else int(settings.get("steps") or 0)
         self.progress = Progress(
             total, enabled=bool(settings.get("progress")), heartbeat=directory / HEARTBEAT_FILE
         )
@@ -225,23 +243,48 @@ def say_resumed(how: str, step: int, flag: bool = False) -> None:
 
 class AttachedRun:
     """What a Synchronizer does for the run directory it is attached to (module docstring).
-    ``rank`` and ``world`` are the Synchronizer's; rank 0 alone writes files."""
+    Found from its settings first (``find``), then started with the Synchronizer's rank and
+    number of workers (``start``); rank 0 alone writes files."""
 
-    def __init__(self, directory: str | Path, rank: int, world: int) -> None:
+    def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self.rank = rank
-        if rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
         self.settings = run_settings(self.directory)
         self.kills = parse_kill(self.settings.get("kill"))
-        self.sink = RunSink(self.directory, self.settings, world) if rank == 0 else None
+        self.rank = 0
+        self.sink: RunSink | None = None
         self.reported: dict[str, Any] | None = None
 
     @classmethod
-    def find(cls, run_dir: str | Path | None, rank: int, world: int) -> AttachedRun | None:
+    def find(cls, run_dir: str | Path | None) -> AttachedRun | None:
         """The run ``run_dir`` names, else the one ``GRADSYNC_RUN_DIR`` names, else None."""
         chosen = run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV) or None
-        return None if chosen is None else cls(chosen, rank, world)
+        return None if chosen is None else cls(chosen)
+
+    def start(self, rank: int, workers: int) -> None:
+        """The Synchronizer's rank and its number of workers (the straggler detector's)."""
+        self.rank = rank
+        if rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.sink = RunSink(self.directory, self.settings, workers)
+
+    def choose(self, argument: str, script_value: Any, default: Any) -> Any:
+        """The Synchronizer's ``argument``: the script's value (None: it named none), else the
+        command line's (``gradsync run --strategy ...``), else ``default``. A script that names
+        one value while the command line asked for another is refused: the run would quietly
+        not be the one asked for."""
+        flag = _CHOSEN_BY_FLAG[argument]
+        from_flag = self.settings.get(flag)
+        if script_value is None:
+            return default if from_flag is None else from_flag
+        given = flag in (self.settings.get("given") or ())
+        if given and isinstance(script_value, str | int | float) and script_value != from_flag:
+            option = "--" + flag.replace("_", "-")
+            raise UsageError(
+                f"gradsync run {option} {from_flag}, but the script's gs.Synchronizer passes "
+                f"{argument}={script_value!r}: leave {argument} out of the script to let the "
+                f"command line choose, or drop {option}"
+            )
+        return script_value
 
     @property
     def slow(self) -> str | None:

@@ -26,7 +26,24 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     from gradsync.config import RunConfig
     from gradsync.flags import from_namespace
 
-    return from_namespace(RunConfig, args)
+    return from_namespace(RunConfig, args, script=list(getattr(args, "script", None) or []))
+
+
+def _given_flags(args: argparse.Namespace) -> list[str]:
+    """The run flags the command line gave a value other than its default (config.json keeps
+    them: a script's gs.Synchronizer that names another value than a given flag is refused)."""
+    import dataclasses
+
+    from gradsync.config import RunConfig
+    from gradsync.flags import flag_of
+
+    return sorted(
+        f.name
+        for f in dataclasses.fields(RunConfig)
+        if flag_of(f) is not None
+        and f.default is not dataclasses.MISSING
+        and getattr(args, f.name, f.default) != f.default
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -37,9 +54,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Held until this process ends: no second run in the same directory meanwhile.
     claimed = claim(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
-        if cfg.resume:
+        if cfg.resume and not cfg.script:  # a script resumes from its own checkpoints
             _check_resume(cfg, run_dir)
-        return _run(cfg, run_dir)
+        return _run(cfg, run_dir, _given_flags(args))
     finally:
         claimed.release()
 
@@ -59,25 +76,35 @@ def _placement(backend: str) -> str:
     return f"on the {'GPU' if backend == 'nccl' else 'CPU'} ({backend})"
 
 
-def _run(cfg: Any, run_dir: Path) -> int:
+def _run(cfg: Any, run_dir: Path, given: list[str] | None = None) -> int:
     from gradsync.launch import launch
-    from gradsync.worker import run_worker
+    from gradsync.worker import run_rank
 
-    cfg.save(run_dir, fp32_bytes_per_step=4 * _trainable_params(cfg))
+    given = given or []
     servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
     # Where the model trains is decided per machine (--backend auto): said up front, so a
     # run meant for the GPU that fell back to the CPU is seen before its first step.
     where = "" if cfg.hosts else f", {_placement(cfg.process_backend(cfg.processes))}"
-    print(
-        f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {cfg.nproc} workers{servers}, "
-        f"{cfg.steps} steps, batch {cfg.batch_size}/worker{where} -> {run_dir}",
-        file=sys.stderr,
-    )
+    if cfg.script:
+        cfg.save(run_dir, given=given)
+        strategy = f"strategy {cfg.strategy}" if "strategy" in given else "its own strategy"
+        print(
+            f"gradsync run: {' '.join(cfg.script)}, {strategy}, {cfg.nproc} workers{servers}"
+            f"{where} -> {run_dir}",
+            file=sys.stderr,
+        )
+    else:
+        cfg.save(run_dir, fp32_bytes_per_step=4 * _trainable_params(cfg), given=given)
+        print(
+            f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {cfg.nproc} workers"
+            f"{servers}, {cfg.steps} steps, batch {cfg.batch_size}/worker{where} -> {run_dir}",
+            file=sys.stderr,
+        )
     if cfg.hosts:
         _run_on_cluster(cfg, run_dir)
     else:
         results = launch(
-            run_worker,
+            run_rank,
             (cfg.to_dict(),),
             nproc=cfg.processes,
             threads=cfg.threads,
@@ -85,18 +112,28 @@ def _run(cfg: Any, run_dir: Path) -> int:
         )
         if results.get(0) is None:
             raise RuntimeError("rank 0 returned no report")
-    from gradsync.telemetry.cli import summarize_run
-
-    print(
-        summarize_run(
-            run_dir,
-            window=cfg.straggler_window,
-            threshold=cfg.straggler_threshold,
-            plots=cfg.plots,
-            warmup=cfg.straggler_warmup,
-        )
-    )
+    print(_summary(cfg, run_dir))
     return 0
+
+
+def _summary(cfg: Any, run_dir: Path) -> str:
+    """The final table, stragglers, trace.json and plots of the finished run."""
+    from gradsync.telemetry.cli import summarize_run
+    from gradsync.telemetry.records import METRICS_FILE
+
+    if cfg.script and not (run_dir / METRICS_FILE).exists():
+        raise UsageError(
+            f"{' '.join(cfg.script)} ran, but wrote no step records into {run_dir}: it made "
+            "no gs.Synchronizer, or its Synchronizer took no step (telemetry=False, or "
+            "run_dir= naming another directory)"
+        )
+    return summarize_run(
+        run_dir,
+        window=cfg.straggler_window,
+        threshold=cfg.straggler_threshold,
+        plots=cfg.plots,
+        warmup=cfg.straggler_warmup,
+    )
 
 
 def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
@@ -118,7 +155,8 @@ def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
             ["gradsync.worker", "--config", str(run_dir / "config.json")],
             nproc_per_host=per_host,
             env={"OMP_NUM_THREADS": str(cfg.threads), "GRADSYNC_THREADS": str(cfg.threads)},
-            timeout_s=cfg.timeout + 60.0 * cfg.steps,
+            # a script's steps are its own: its timeout is the run's, once per started hour
+            timeout_s=cfg.timeout + 60.0 * (cfg.steps if not cfg.script else 60),
         )
     if rc != 0:
         raise RuntimeError(f"workers on the emulated cluster failed (exit code {rc})")
@@ -249,7 +287,15 @@ def _trainable_params(cfg: Any) -> int:
 
 
 def _add_run_parser(sub: Any) -> None:
-    run = sub.add_parser("run", help=COMMANDS["run"][0])
+    run = sub.add_parser(
+        "run",
+        help=COMMANDS["run"][0],
+        usage="gradsync run [flags] [-- SCRIPT.py ARGS... | -- -m MODULE ARGS...]",
+        description="Train on local worker processes started by torch's elastic agent: your "
+        "own script after --, which gets the run directory, reports, faults and restarts "
+        "through its gs.Synchronizer (docs/your-script.md), or a built-in workload "
+        "(--workload).",
+    )
     _add_run_flags(run)
     run.set_defaults(func=cmd_run)
 
@@ -278,7 +324,10 @@ def _add_compare_parser(sub: Any) -> None:
 #: module of the command named: run's flags and the cluster's module import torch, seconds
 #: before any output. test_cli_startup checks that each module's own help line is the same.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("train a built-in workload on local worker processes", "gradsync.cli:_add_run_parser"),
+    "run": (
+        "train your script (run ... -- train.py) or a built-in workload on local processes",
+        "gradsync.cli:_add_run_parser",
+    ),
     "compare": (
         "run several strategies on the same workload",
         "gradsync.cli:_add_compare_parser",
@@ -298,6 +347,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gradsync.cluster.cli:add_parsers",
     ),
 }
+
+#: Commands that take a script after ``--``
+SCRIPT_COMMANDS = frozenset({"run"})
 
 #: Commands that never start torch's launcher: main() neither imports torch nor quiets its logs
 #: for them (the simulator and the report are pure Python and numpy).
@@ -388,12 +440,22 @@ def _command_of(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_of(argv)
+    # ``gradsync run [flags] -- SCRIPT ARGS``: what follows ``--`` is the user's command, not
+    # gradsync's flags (its own options may look like ours: --lr, --steps)
+    script: list[str] | None = None
+    if command in SCRIPT_COMMANDS and "--" in argv:
+        cut = argv.index("--")
+        argv, script = argv[:cut], argv[cut + 1 :]
+        if not script:
+            print(f"gradsync: error: gradsync {command} ... --: name a script", file=sys.stderr)
+            return 2
     try:
         parser = build_parser(full={command} if command in COMMANDS else set())
     except UsageError as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    args.script = script
     # The elastic agent logs every worker failure with a full traceback; the CLI says which
     # rank failed and why in one line instead (set GRADSYNC_DEBUG=1 to see the agent's logs).
     # A worker's death the agent recovers from gets one line too (``worker_deaths``). And

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,24 @@ MAX_PARAMS = 1_000_000_000
 #: above any learning rate that trains (SGD's and AdamW's sensible ones are below 10); far
 #: larger ones overflow float32 parameters in the first update instead (3.4e38 and up)
 MAX_LR = 1e6
+
+#: flags that set what the built-in workloads train, which a user's script sets itself
+WORKLOAD_ONLY = (
+    "workload",
+    "steps",
+    "batch_size",
+    "lr",
+    "micro_batches",
+    "seed",
+    "data",
+    "params",
+    "bucket_mb",
+    "allreduce",
+    "balance",
+    "check_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+)
 
 # The help groups of `gradsync run --help`, in the order the fields below first name them.
 TRAINING = "training"
@@ -238,6 +256,9 @@ class RunConfig:
         group=OUTPUT,
     )
     telemetry_every: int = 10  # no flag: rank 0's telemetry gather period, for library callers
+    #: the user's script and its arguments (``gradsync run [flags] -- SCRIPT ARGS``), or
+    #: ``["-m", MODULE, ARGS...]``; empty: the built-in ``workload`` trains
+    script: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # One concern each, in this order: with several bad values, the first one here is named.
@@ -258,6 +279,7 @@ class RunConfig:
         self._check_shards()
         self._check_slow()
         self._check_tracker()
+        self._check_script()
 
     def _check_job(self) -> None:
         if self.nproc < 1:
@@ -486,6 +508,31 @@ class RunConfig:
             )
         if self.max_restarts:
             raise UsageError("--max-restarts is not supported with --hosts yet")
+
+    def _check_script(self) -> None:
+        """A script to run exists, and no flag of the built-in workloads comes with it: the
+        script trains its own model on its own data, so such a flag would silently do
+        nothing. (--strategy, --compression, --servers and --timeout do apply: they are what
+        the script's gs.Synchronizer takes where it names none.)"""
+        if not self.script:
+            return
+        if self.script[0] == "-m":
+            if len(self.script) < 2 or self.script[1].startswith("-"):
+                raise UsageError("gradsync run -- -m MODULE: name the module to run after -m")
+        elif not Path(self.script[0]).is_file():
+            raise UsageError(
+                f"gradsync run -- {self.script[0]}: no such script (give a Python file, or "
+                "-m MODULE)"
+            )
+        defaults = {f.name: f.default for f in fields(RunConfig)}
+        given = [name for name in WORKLOAD_ONLY if getattr(self, name) != defaults[name]]
+        if given:
+            options = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise UsageError(
+                f"{options} set the built-in workloads, not a script's training: set them in "
+                f"the script (its model, data, optimizer and gs.Synchronizer call) and drop "
+                "them here"
+            )
 
     def _check_tracker(self) -> None:
         # Before any process starts: a misspelt name or a missing extra would otherwise fail

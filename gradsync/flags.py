@@ -148,9 +148,10 @@ def _scalar(hint: Any) -> Any:
     return hint
 
 
-def from_namespace(cls: Callable[..., T], args: argparse.Namespace) -> T:
-    """``cls`` from the parsed flags; a flag left at None takes a computed default's value."""
-    values: dict[str, Any] = {}
+def from_namespace(cls: Callable[..., T], args: argparse.Namespace, **extra: Any) -> T:
+    """``cls`` from the parsed flags (and ``extra``, fields without a flag); a flag left at
+    None takes a computed default's value."""
+    values: dict[str, Any] = dict(extra)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if flag_of(f) is None or not hasattr(args, f.name):
             continue

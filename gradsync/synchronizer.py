@@ -101,6 +101,10 @@ class StepHandle:
         return clip_grad_norm(self._strategy, self._params, max_norm, norm_type)
 
 
+#: ``timeout_s`` when neither the script nor ``gradsync run --timeout`` names one
+DEFAULT_TIMEOUT_S = 300.0
+
+
 class Synchronizer:
     """Wraps a model and the user's optimizer; each ``with sync.step():`` block is a superstep.
 
@@ -137,7 +141,7 @@ class Synchronizer:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        strategy: str | Strategy = "bsp",
+        strategy: str | Strategy | None = None,
         compression: str | Compressor | None = None,
         bucket_mb: float = 25.0,
         *,
@@ -147,8 +151,8 @@ class Synchronizer:
         slow: str | list[Slowdown] | None = None,
         on_records: Callable[[list[StepRecord]], None] | None = None,
         record_spans: bool = False,
-        servers: int = 1,
-        timeout_s: float = 300.0,
+        servers: int | None = None,
+        timeout_s: float | None = None,
         balance: bool | ShardBalancer = False,
         skip_nonfinite: bool = True,
         check_every: int = 100,
@@ -160,6 +164,21 @@ class Synchronizer:
         run_dir: str | Path | None = None,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
+        # ``run_dir`` or GRADSYNC_RUN_DIR (set by ``gradsync run``): the run directory's files,
+        # faults and settings for whatever script trains (``gradsync.attached_run``); the
+        # command line's --strategy, --compression, --servers and --timeout where the script
+        # names none
+        self._run = AttachedRun.find(run_dir)
+        if self._run is not None:
+            strategy = self._run.choose("strategy", strategy, "bsp")
+            compression = self._run.choose("compression", compression, None)
+            servers = self._run.choose("servers", servers, 1)
+            timeout_s = self._run.choose("timeout_s", timeout_s, DEFAULT_TIMEOUT_S)
+            record_spans = True  # spans.jsonl, trace.json's per-rank tracks
+            slow = self._run.slow if slow is None else slow
+        strategy = "bsp" if strategy is None else strategy
+        servers = 1 if servers is None else servers
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s, accumulation)
         if between_steps_timeout_s is not None and not between_steps_timeout_s > 0:
             raise UsageError(
@@ -184,12 +203,8 @@ class Synchronizer:
         _check_sharded_model(model, self.strategy)
         self.allreduce = check_allreduce(allreduce)
         self.layout = Layout.of(self.world_size, self.strategy.servers)
-        # ``run_dir`` or GRADSYNC_RUN_DIR (set by ``gradsync run``): the run directory's files,
-        # faults and settings for whatever script trains (``gradsync.attached_run``)
-        self._run = AttachedRun.find(run_dir, self.rank, self.layout.workers)
         if self._run is not None:
-            record_spans = True  # spans.jsonl, trace.json's per-rank tracks
-            slow = self._run.slow if slow is None else slow
+            self._run.start(self.rank, self.layout.workers)
         # DDP broadcasts buffers from rank 0 at the first forward after a gradient-syncing one:
         # once per step, at its first micro-batch. The start of the step block is the same point.
         self._sync_buffers = (

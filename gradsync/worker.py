@@ -1,4 +1,6 @@
-"""The worker that ``gradsync run`` starts on every rank (also runnable under torchrun)."""
+"""The worker that ``gradsync run`` starts on every rank (also runnable under torchrun): the
+user's script (``run_script``) or a built-in workload (``run_worker``), either attached to the
+run directory through its Synchronizer (``gradsync.attached_run``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, TextIO
 import torch
 
 from gradsync import compat, runtime
-from gradsync.attached_run import FAULTS_DIR, drop_records_from, say_resumed
+from gradsync.attached_run import FAULTS_DIR, RUN_DIR_ENV, drop_records_from, say_resumed
 from gradsync.config import RunConfig
 from gradsync.synchronizer import Synchronizer
 from gradsync.telemetry.records import METRICS_FILE
@@ -110,6 +112,48 @@ def _one_line_warnings() -> None:
             shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
+
+
+def run_rank(config_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank of ``gradsync run``: the user's script if the run names one, else the
+    built-in workload."""
+    if config_dict.get("script"):
+        return run_script(config_dict)
+    return run_worker(config_dict)
+
+
+def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """Run the user's script (or ``-m MODULE``) as ``__main__`` in this rank's process, as
+    ``python train.py ARGS`` under torchrun would, with ``GRADSYNC_RUN_DIR`` naming the run
+    directory its gs.Synchronizer attaches to. Why in-process rather than a new interpreter:
+    the elastic agent's worker is this process (its restarts, its error file naming the
+    failed rank and the exception), and a second interpreter would import torch again.
+    Returns, on rank 0, where the run directory is; a script's ``sys.exit(0)`` is a success,
+    any other exit status fails the rank."""
+    import runpy
+
+    cfg = RunConfig.from_dict(config_dict)
+    _one_line_warnings()
+    os.environ[RUN_DIR_ENV] = str(Path(cfg.out).resolve())
+    torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
+    command = list(cfg.script)
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    try:
+        if command[0] == "-m":
+            sys.argv = [command[1], *command[2:]]
+            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        else:
+            # As ``python train.py``: the script's own directory first on the import path
+            sys.argv = command
+            sys.path.insert(0, str(Path(command[0]).resolve().parent))
+            runpy.run_path(command[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+    return {"run_dir": cfg.out} if runtime.rank() == 0 else None
 
 
 def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
@@ -230,7 +274,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--config", required=True, help="a run's config.json")
     args = parser.parse_args()
-    run_worker(json.loads(Path(args.config).read_text(encoding="utf-8")))
+    run_rank(json.loads(Path(args.config).read_text(encoding="utf-8")))
 
 
 if __name__ == "__main__":

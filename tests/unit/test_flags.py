@@ -34,7 +34,8 @@ from gradsync.sim import options as sim_options
 
 pytestmark = pytest.mark.unit
 
-CONFIG_ONLY = {"telemetry_every"}  # set by code (library callers, benchmarks), no flag
+#: set by code (library callers, benchmarks) or, for script, by what follows `--`: no flag
+CONFIG_ONLY = {"telemetry_every", "script"}
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 FLAG_FIELDS = sorted(name for name, f in FIELDS.items() if flag_of(f) is not None)
 
