@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -30,6 +31,7 @@ NODELIST_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELI
 
 
 BACKENDS = ("gloo", "nccl")
+logger = logging.getLogger("gradsync.runtime")
 
 
 def default_backend() -> str:
@@ -79,7 +81,9 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     given); gradsync's own waits have the Synchronizer's ``timeout_s`` instead.
 
     Idempotent: a second call (or a call after the user initialised torch.distributed
-    themselves) does nothing. Picks NCCL on CUDA, gloo on CPU, unless ``backend`` is given.
+    themselves) does nothing. Picks NCCL on CUDA, gloo on CPU, unless ``backend`` is given;
+    ``backend="nccl"`` in a world of one on a machine without CUDA takes gloo, with a notice on
+    the ``gradsync.runtime`` logger.
     """
     if dist.is_initialized():
         return
@@ -98,6 +102,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     chosen = backend or default_backend()
     if chosen not in BACKENDS:
         raise UsageError(f"backend {chosen!r} is not supported; valid: 'gloo', 'nccl'")
+    if chosen == "nccl" and missing and not _sees_cuda():
+        chosen = _world_of_one_without_cuda()
     if chosen == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         check_nccl(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
@@ -116,6 +122,24 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
         return
     rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(chosen, store=store, rank=rank_, world_size=world, timeout=timeout)
+
+
+def _sees_cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def _world_of_one_without_cuda() -> str:
+    """The backend for ``gs.init(backend="nccl")`` run alone (``python train.py``) on a machine
+    without CUDA: gloo, with a notice. The DDP script being ported makes no process group
+    when run alone, so it runs there; refusing would make the port fail where the original
+    does not. Several ranks asking for NCCL without a GPU are still refused (``check_nccl``):
+    the backend must be the same on every rank, and only the user can pick it."""
+    logger.warning(
+        "gs.init(backend='nccl'): this process sees no CUDA device and runs alone (no "
+        "torchrun, gradsync run or srun environment), so it makes a world of one on 'gloo' "
+        "instead; pass backend='gloo', or no backend, to do so without this notice"
+    )
+    return "gloo"
 
 
 def slurm_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
@@ -298,6 +322,7 @@ def device() -> torch.device:
 def require_initialized(what: str) -> None:
     if not is_initialized():
         raise UsageError(
-            f"{what} needs torch.distributed: call gs.init() first "
-            "(under torchrun or gradsync run), or init_process_group yourself"
+            f"{what} needs torch.distributed: call gs.init() first (plain `python train.py` "
+            "works too: it makes a world of one; under torchrun, gradsync run or srun it joins "
+            "their world), or init_process_group yourself"
         )

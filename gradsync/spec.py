@@ -28,7 +28,9 @@ from gradsync.errors import UsageError
 __all__ = [
     "COMPRESSION_FORMS",
     "COMPRESSION_TABLE",
+    "GRADIENT_COMPRESSION_FORMS",
     "OUTER_DEFAULTS",
+    "PERIODIC_ONLY_COMPRESSION",
     "SPLITS",
     "STRATEGY_FORMS",
     "STRATEGY_TABLE",
@@ -398,6 +400,9 @@ class CompressionForm:
     parse: Callable[[str, str], float | int | tuple[float, int, float]] | None = None
     #: whether the argument may be left out (``sparseloco`` alone takes its defaults)
     optional: bool = False
+    #: whether it runs only under a periodic average (``local:H``, ``diloco:H``): its state
+    #: is the outer momentum (``sparseloco``), so bsp and zero:1 refuse it
+    periodic_only: bool = False
 
     @property
     def usage(self) -> str:
@@ -487,6 +492,7 @@ COMPRESSION_TABLE: Mapping[str, CompressionForm] = _table(
             f"{SPARSELOCO_CHUNKS[1]}, 0 <= BETA <= 1",
             _sparseloco,
             optional=True,
+            periodic_only=True,
         ),
     ]
 )
@@ -504,6 +510,16 @@ def _compression_forms(table: Mapping[str, CompressionForm]) -> str:
 
 
 COMPRESSION_FORMS = _compression_forms(COMPRESSION_TABLE)
+#: The forms that compress a gradient all-reduce (bsp and zero:1 take every one): every form
+#: but those that need a periodic average. A message suggesting such a strategy lists these,
+#: not ``COMPRESSION_FORMS``: zero:1 refuses sparseloco (``factory.check_compressor``).
+GRADIENT_COMPRESSION_FORMS = _compression_forms(
+    {kind: form for kind, form in COMPRESSION_TABLE.items() if not form.periodic_only}
+)
+#: The forms that run only under a periodic average (``sparseloco``), comma-separated.
+PERIODIC_ONLY_COMPRESSION = ", ".join(
+    form.kind for form in COMPRESSION_TABLE.values() if form.periodic_only
+)
 
 
 def _bad_compression(spec: str, reason: str) -> UsageError:

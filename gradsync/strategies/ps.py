@@ -118,8 +118,9 @@ class ParameterServer(Strategy):
     def setup(self, ctx: SyncContext) -> None:
         if ctx.scaling:
             raise UsageError(
-                f"a GradScaler cannot drive {self.name}: the parameter servers step the "
-                "optimizer, and a worker's push cannot be skipped. Unscale the gradient at "
+                f"a GradScaler cannot drive {self.name} while enabled: the parameter servers "
+                "step the optimizer, and a worker's push cannot be skipped. A disabled one "
+                "(GradScaler(enabled=False)) is accepted. Unscale the gradient at "
                 "s.synchronize() yourself (grad / scaler.get_scale()), or use bsp, zero:N, "
                 "local:H or diloco:H with scaler="
             )
