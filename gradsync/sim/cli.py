@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from gradsync.errors import UsageError
 from gradsync.flags import add_flags, from_namespace
 from gradsync.sim import commands
 from gradsync.sim.config import parse_sim_strategy
-from gradsync.sim.options import BenchOptions, SimulateOptions, emit
+from gradsync.sim.options import CALIBRATION_FILE, BenchOptions, SimulateOptions, emit
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -74,13 +75,12 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
         }
         for r in rows
     ]
-    save_calibration(opts.out, fit, {"backend": backend, "measurements": measurements})
+    out = calibration_path(opts.out)
+    save_calibration(out, fit, {"backend": backend, "measurements": measurements})
     fit_line, warnings = describe_fit(fit)
     for w in warnings:
         print(f"gradsync: warning: {w}", file=sys.stderr)
-    text = "\n".join(
-        [format_table(rows, cfg.nproc, backend), "", fit_line, f"saved to {Path(opts.out)}"]
-    )
+    text = "\n".join([format_table(rows, cfg.nproc, backend), "", fit_line, f"saved to {out}"])
     doc = {
         "backend": backend,
         "nproc": cfg.nproc,
@@ -89,7 +89,22 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
         "beta_s_per_byte": fit.beta,
         "max_rel_error": fit.max_rel_error,
         "warnings": warnings,
-        "saved": str(opts.out),
+        "saved": str(out),
     }
     emit(opts, doc, text)
     return 0
+
+
+def calibration_path(out: str | None) -> Path:
+    """Where ``bench allreduce`` writes its fit: ``--out`` (its directory made if missing), else
+    ``CALIBRATION_FILE`` in a new directory under the system's temporary directory, never the
+    current one unasked. Called once the measurement is done, so a failed bench leaves no
+    empty directory behind."""
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix="gradsync-bench-")) / CALIBRATION_FILE
+    path = Path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot make its directory: {exc}") from None
+    return path

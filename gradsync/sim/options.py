@@ -171,6 +171,10 @@ class SimulateOptions:
                 )
 
 
+#: the name of ``bench allreduce``'s calibration file when ``--out`` is not given
+CALIBRATION_FILE = "allreduce_calibration.json"
+
+
 @dataclasses.dataclass(slots=True, kw_only=True)
 class BenchOptions:
     """The flags of ``gradsync bench allreduce``."""
@@ -180,7 +184,13 @@ class BenchOptions:
         None, help="bytes, comma-separated; K/M suffixes ok (default 4K..64M in x4 steps)"
     )
     repeats: int = flag(20, help="timed repeats per size (default 20)")
-    out: str = flag("allreduce_calibration.json", help="where the fit goes")
+    out: str | None = flag(
+        None,
+        metavar="FILE",
+        help="where the fit goes, its directory made if missing (default: "
+        f"{CALIBRATION_FILE} in a new directory under the system's temporary directory; the "
+        "path is printed)",
+    )
     json: bool = flag(False, help="machine-readable output")
 
 

@@ -334,7 +334,7 @@ PUBLIC: dict[str, dict[str, Any]] = {
         "--nproc": 2,
         "--sizes": None,
         "--repeats": 20,
-        "--out": "allreduce_calibration.json",
+        "--out": None,
         "--json": False,
     },
     "cluster up": {
