@@ -73,3 +73,19 @@ def test_report_json_into_a_closed_pipe_exits_quietly(tmp_path: Path, entry: str
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
     assert proc.stderr == ""
     assert proc.returncode == 141  # 128 + SIGPIPE, as a filter killed by the signal
+
+
+@pytest.mark.timeout(60)
+def test_python_dash_m_gradsync_is_the_gradsync_command() -> None:
+    """``python -m gradsync`` (no script on PATH) answers as ``gradsync`` does, torch-free."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gradsync", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: gradsync "), proc.stdout[:200]
+    assert re.search(r"^\s+simulate\b", proc.stdout, re.MULTILINE), proc.stdout
+    assert not TORCH_IMPORT.search(proc.stderr), "python -m gradsync --help imported torch"
