@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 # Only the errors are imported eagerly. Every other public name is loaded on first use
 # (PEP 562), so that torch-free parts such as ``gradsync.sim`` (pure Python and numpy) can be
 # imported, and ``gradsync simulate`` run, on a machine without torch.
+from gradsync import logs as _logs  # noqa: F401 - the gradsync logger's handler and level
 from gradsync.errors import DivergenceError, SyncTimeoutError, UsageError
 
 if TYPE_CHECKING:  # the static view of the lazy names below, for mypy and editors

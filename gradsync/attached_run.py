@@ -27,14 +27,13 @@ code runs in.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from gradsync.errors import UsageError
 from gradsync.inject import maybe_kill, parse_kill
+from gradsync.logs import get_logger
 from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.telemetry.cli import REPORT_FILE, analyze_records
 from gradsync.telemetry.records import (
@@ -56,7 +55,7 @@ RUN_DIR_ENV = "GRADSYNC_RUN_DIR"
 CONFIG_FILE = "config.json"
 FAULTS_DIR = "faults"
 
-logger = logging.getLogger("gradsync.run")
+logger = get_logger("run")
 
 #: what a run directory's settings are when no ``config.json`` names them (``gradsync run``'s
 #: own defaults, ``gradsync.config.RunConfig``)
@@ -238,7 +237,7 @@ def say_resumed(how: str, step: int, flag: bool = False) -> None:
         most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
         count = os.environ["TORCHELASTIC_RESTART_COUNT"] + (f" of {most}" if most else "")
         count = f" (restart {count})"
-    print(f"gradsync: {why}: {how} at step {step}{count}", file=sys.stderr, flush=True)
+    logger.info("%s: %s at step %d%s", why, how, step, count)
 
 
 class AttachedRun:

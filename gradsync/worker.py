@@ -17,11 +17,13 @@ import torch
 from gradsync import compat, runtime
 from gradsync.attached_run import FAULTS_DIR, RUN_DIR_ENV, drop_records_from, say_resumed
 from gradsync.config import RunConfig
+from gradsync.logs import get_logger
 from gradsync.synchronizer import Synchronizer
 from gradsync.telemetry.records import METRICS_FILE
 from gradsync.workloads import make_workload
 
 CHECKPOINT_DIR = "checkpoints"
+logger = get_logger("run")
 FINAL_MODEL = "final_model.pt"
 
 
@@ -168,12 +170,13 @@ def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     rank, world = runtime.rank(), runtime.world_size()
     if rank == 0 and backend == "gloo" and cfg.backend == "auto" and torch.cuda.is_available():
         # Not silently on the CPU where a GPU is visible: say why, and what would use it.
-        print(
-            f"gradsync: --backend auto: training on the CPU over gloo ({local} process(es) on "
-            f"this machine, {torch.cuda.device_count()} GPU(s) visible, strategy "
-            f"{cfg.strategy}); --backend nccl with at most one process per GPU trains on them",
-            file=sys.stderr,
-            flush=True,
+        logger.info(
+            "--backend auto: training on the CPU over gloo (%d process(es) on this machine, "
+            "%d GPU(s) visible, strategy %s); --backend nccl with at most one process per GPU "
+            "trains on them",
+            local,
+            torch.cuda.device_count(),
+            cfg.strategy,
         )
     run_dir = Path(cfg.out)
     workload = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)

@@ -36,7 +36,6 @@ mapping and one barrier follows, so no rank trains before every rank has restore
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ import torch.distributed as dist
 
 from gradsync.checks.diagnose import END, START
 from gradsync.errors import UsageError
+from gradsync.logs import get_logger
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,
@@ -58,6 +58,8 @@ from gradsync.strategies.base import (
 )
 from gradsync.telemetry.records import Span
 from gradsync.topology import host_key
+
+logger = get_logger("strategies.hogwild")
 
 #: where the shared file is created: memory-backed on Linux
 SHM_DIR = Path("/dev/shm")
@@ -340,7 +342,7 @@ class Hogwild(Strategy):
         if ctx.layout.world_size > 1:
             self._wait(ctx, END, "end of hogwild training (barrier)", _barrier(ctx))
         if ctx.rank == 0:
-            print(f"gradsync: {self.stats().describe()}", file=sys.stderr, flush=True)
+            logger.info("%s", self.stats().describe())
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Mid-run the ranks read one memory at different moments; at the end, after the
