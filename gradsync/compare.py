@@ -102,6 +102,24 @@ def refuse_strategy_flag(strategy: str | None) -> None:
         )
 
 
+#: ``gradsync run``'s flags (RunConfig fields) that compare refuses, for its --help to leave out
+#: as it leaves out --strategy: compare runs every strategy on local processes.
+RUN_ONLY_FIELDS = frozenset({"strategy", "hosts", "link"})
+
+
+def refuse_run_only_flags(cfg: RunConfig) -> None:
+    """compare launches each strategy on this machine's processes: an emulated cluster
+    (``--hosts``, and ``--link``, which RunConfig accepts only with it) would be silently
+    ignored, and the comparison would time local runs while claiming cluster ones."""
+    if cfg.hosts:
+        raise UsageError(
+            f"gradsync compare runs each strategy on local processes: --hosts {cfg.hosts} and "
+            f"--link {cfg.link} (the emulated cluster) are gradsync run's; run each strategy "
+            f"there instead, e.g. gradsync run --hosts {cfg.hosts} --link {cfg.link} "
+            "--strategy bsp, or compare without --hosts and --link"
+        )
+
+
 def pull_bytes_per_step(cfg: RunConfig) -> int:
     """Bytes the parameter servers send one worker per step: every trainable parameter, plus
     a one-element header from each server (``ParameterServer``'s reply)."""
@@ -119,6 +137,7 @@ def run_comparison(
     from gradsync.launch import launch
     from gradsync.worker import run_worker
 
+    refuse_run_only_flags(base)
     out = Path(base.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress(base.steps * len(strategies), enabled=show_progress)
@@ -142,7 +161,14 @@ def run_comparison(
         )
         watcher.start()
         try:
-            launch(run_worker, (cfg.to_dict(),), nproc=cfg.processes, threads=cfg.threads)
+            # --max-restarts as under gradsync run: the workers resume from their checkpoints
+            launch(
+                run_worker,
+                (cfg.to_dict(),),
+                nproc=cfg.processes,
+                threads=cfg.threads,
+                max_restarts=cfg.max_restarts,
+            )
         finally:
             stop.set()
             watcher.join()
