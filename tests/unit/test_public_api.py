@@ -22,10 +22,14 @@ FROZEN_API = {
     "Synchronizer",
     "UsageError",
     "init",
+    "is_main",
+    "make_tracker",
     "parse_compression",
     "parse_strategy",
+    "rank",
     "scaled_lr",
     "warmup",
+    "world_size",
 }
 
 
