@@ -62,7 +62,7 @@ import torch
 
 from gradsync import compat
 from gradsync.compression.push import PushCodec
-from gradsync.errors import UsageError
+from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.flat import copy_into
 from gradsync.strategies.base import (
     CheckpointHooks,
@@ -232,7 +232,10 @@ class ParameterServer(Strategy):
             torch.empty(plan.reply_numel(s), dtype=plan.param_dtype(s)) for s in range(len(pushes))
         ]
         for what, work in self._post(pushes, replies, step, sent):
-            plan.wait(work, what)
+            try:
+                plan.wait(work, what)
+            except SyncTimeoutError as exc:
+                raise SyncTimeoutError(f"{exc}{self._peers()}") from exc
         held = 0.0
         for s, reply in enumerate(replies):
             held = max(held, float(reply[0]))
@@ -261,6 +264,32 @@ class ParameterServer(Strategy):
                 recv = plan.post("recv", replies[s], peer, f"sending to {server}")
                 works.append((f"the reply of {server}", recv))
         return works
+
+    def _peers(self) -> str:
+        """Where the other workers' heartbeats place them, for a wait that failed: a server
+        holds a reply for the slowest worker (the staleness bound, a checkpoint, the end of
+        training), so the one absent is likely among them, not the server (issue 42)."""
+        ctx = self._ctx
+        if ctx is None or ctx.watch is None:
+            return ""
+        places = []
+        for v in range(self.plan.workers):
+            if v == ctx.rank:
+                continue
+            try:
+                beat = ctx.watch.beat_of(v)
+            except Exception:  # noqa: BLE001 - diagnosis is best effort; the store may be gone
+                return ""
+            if beat is not None:
+                places.append(f"worker rank {v} is {beat.place()}")
+        if not places:
+            return ""
+        bound = "" if math.isinf(self.staleness) else f"the staleness bound of {self.name}, "
+        return (
+            f". A server holds a reply while it waits for other workers ({bound}a checkpoint, "
+            f"the end of training); their heartbeats: {'; '.join(places)} (the server's own "
+            "error names the worker it waited for)"
+        )
 
     # -- end of training and checkpoints --------------------------------------------------------
     def finalize(self) -> None:

@@ -29,3 +29,7 @@ def test_the_server_names_the_worker_that_is_evaluating() -> None:
     assert "worker rank 1 sent nothing" not in error, error
     assert "lost worker rank 1" not in error, error
     assert "worker rank 1 wait" in error and "ssp:0" in error, error
+    # Worker 1's own error, its reply not coming, says where the other worker is.
+    waited = out[1]["error"]
+    assert waited is not None and "the reply of parameter server rank 2" in waited, waited
+    assert "worker rank 0 is in its own code between steps 1 and 2" in waited, waited
