@@ -882,6 +882,46 @@ class Synchronizer:
         what = f"{name} of {len(tensors)} {kind} tensors from rank 0"
         self._watch.run(step, what, broadcast)
 
+    @contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Collective on entry (every rank enters it): every parameter whole on every rank
+        until exit, so that a forward on some ranks only needs no peer, as DDP's rank-0
+        evaluation expects::
+
+            with sync.unsharded():
+                if rank == 0:
+                    evaluate(model)
+
+        Under ``zero:3`` a forward of the sharded model is a collective (FSDP2 gathers the
+        parameters); here they are gathered once on entry and freed on exit (on each rank
+        alone), at the cost of the whole model's memory meanwhile. Under every other strategy
+        the parameters are whole already: nothing happens. No ``sync.step()`` inside it."""
+        with contextlib.ExitStack() as held:
+            with self._gradsync_call(self._step, "sync.unsharded()"):
+                held.enter_context(self.strategy.unsharded())
+            yield
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """Collective (every rank calls it): ``{"model": ..., "optimizer": ...}`` as one
+        process would hold them, on rank 0 (None on the others): what a DDP script's rank-0
+        checkpoint saves, loadable by a plain model's ``load_state_dict`` and its optimizer's,
+        or by ``load_full_state_dict``. Under ``zero:1``-``zero:3`` it gathers every rank's
+        shards (as CPU tensors: the whole optimizer state, and under ``zero:3`` the whole
+        model, on rank 0's host), where ``optimizer.state_dict()`` holds one rank's shard and
+        is refused; under ``bsp`` it is rank 0's own state, as ``model.state_dict()`` gives."""
+        with self._gradsync_call(self._step, "sync.full_state_dict()"):
+            state = self.strategy.full_state_dict(self.model, self.optimizer)
+        return state if self.rank == 0 else None
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Collective: resume from a whole state (``full_state_dict``'s, or a DDP script's
+        ``{"model": model.state_dict(), "optimizer": optimizer.state_dict()}``), given on every
+        rank (each one ``torch.load``s the same file): each rank takes what it holds of it,
+        its shards under ZeRO. gradsync's own state (the step count, compressors) is not part
+        of it: ``sync.save`` / ``sync.load`` keep that."""
+        with self._gradsync_call(self._step, "sync.load_full_state_dict()"):
+            self.strategy.load_full_state_dict(self.model, self.optimizer, state)
+
 
 def _check_sharded_model(model: torch.nn.Module, strategy: Strategy) -> None:
     if not strategy.takes_sharded_models and any(compat.is_dtensor(p) for p in model.parameters()):

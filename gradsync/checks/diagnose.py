@@ -53,8 +53,9 @@ END = 1 << 62
 
 Position = tuple[int, int]
 
-#: phases a heartbeat names (see ``ArrivalWatch.enter``)
-BETWEEN, BLOCK, GATE, WAIT = "between", "block", "gate", "wait"
+#: phases a heartbeat names (see ``ArrivalWatch.enter``); ``USER_GATE``: at a gate before a
+#: collective that the user's own code posts between steps (a forward of a ``zero:3`` model)
+BETWEEN, BLOCK, GATE, WAIT, USER_GATE = "between", "block", "gate", "wait", "user-gate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class Beat:
             if self.detail:
                 return f"in {self.detail} ({where(self.step)})"
             return f"inside its step {self.step} block"
-        if self.phase == GATE:
+        if self.phase in (GATE, USER_GATE):
             return f"waiting to begin {self.detail}"
         return f"at {where(self.step)} in {self.detail or 'a wait'}"
 
@@ -182,6 +183,11 @@ class ArrivalWatch:
     def enter(self, phase: str, step: int, detail: str = "") -> None:
         """Say where this rank is now (a plain assignment: the thread publishes it)."""
         self._phase = (phase, step, detail)
+
+    @property
+    def phase(self) -> tuple[str, int, str]:
+        """Where this rank is now, as ``enter`` last said: (phase, step, detail)."""
+        return self._phase
 
     def start(self) -> None:
         """Start the watchdog thread (arrival records and the heartbeat), once."""

@@ -23,6 +23,14 @@ that has not arrived:
 - inside its step block, at another gate or wait, or silent (stopped, frozen, gone): gradsync's
   own business; fail once that has lasted ``timeout_s``;
 - silent after leaving word that its block raised: fail at once, naming the exception.
+
+A gate may also come before a collective of the user's own code between steps (``zero:3``'s
+forward, where FSDP2 gathers the parameters: ``before_user_collective``). A rank there while a
+peer waits at another gate (the next step's) can never meet it: each waits for the other. Ranks
+at different gates are otherwise taken for a moment's lag and blamed after ``timeout_s``; with
+a user's collective on either side the mismatch is reported once it has lasted a few heartbeats
+(``mismatch_s``), so that an evaluation run on rank 0 alone fails in seconds, each rank saying
+where the other is, instead of leaving rank 0 in an all-gather for the group's timeout.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import datetime
 import time
 from dataclasses import dataclass, field
 
-from gradsync.checks.diagnose import BETWEEN, GATE, ArrivalWatch, Beat, where
+from gradsync.checks.diagnose import BETWEEN, GATE, USER_GATE, ArrivalWatch, Beat, where
 from gradsync.errors import SyncTimeoutError
 
 #: the default bound on waiting for a peer in the user's code: torch's default collective
@@ -48,6 +56,8 @@ class _Peer:
     alive_at: float = 0.0
     #: since when it has not been excused (not seen alive in the user's code)
     blamed_since: float = 0.0
+    #: since when it has been seen at another gate than this one (None: it is not)
+    elsewhere_since: float | None = None
 
 
 @dataclass
@@ -62,6 +72,8 @@ class StepGate:
     _history: list[str] = field(default_factory=list)
     #: False once the user's code may have run since the last gate
     _fresh: bool = False
+    #: whether the gate being waited at comes before a collective of the user's code
+    _user: bool = False
 
     def left(self) -> None:
         """Control went back to the user's code: the next collective needs a gate."""
@@ -72,9 +84,28 @@ class StepGate:
         if not self._fresh:
             self.wait(step, what)
 
-    def wait(self, step: int, what: str) -> None:
+    def before_user_collective(self, step: int, what: str) -> None:
+        """Pass a gate before a collective that the user's code posts between steps (``what``,
+        which should say how to do without it), then hand control back to the user's code.
+        ``SyncTimeoutError`` when a peer is at another gate (see the module's docstring)."""
+        before = self.watch.phase
+        try:
+            self.wait(step, what, user=True)
+        finally:
+            self.watch.enter(*before)
+            self.left()
+
+    @property
+    def mismatch_s(self) -> float:
+        """How long ranks at different gates, one of them before a user's collective, are
+        taken for a lag: several heartbeats, so that a peer's last beat from the gate it just
+        passed is never read as where it waits (and never more than the other bounds)."""
+        return min(self.timeout_s, self.between_steps_s, max(5.0, 3 * self.watch.stale_s))
+
+    def wait(self, step: int, what: str, *, user: bool = False) -> None:
         """Block until every rank is at this gate; ``SyncTimeoutError`` naming the ranks that
-        are not, and where they are, when the bounds above run out."""
+        are not, and where they are, when the bounds above run out. ``user``: the gate comes
+        before a collective of the user's own code (``before_user_collective``)."""
         watch = self.watch
         store = watch.store
         self._fresh = True
@@ -85,7 +116,8 @@ class StepGate:
         name = f"{watch.prefix}/gate/{self._count}/{step}/{what}"
         self._count += 1
         self._label = f"{what} ({where(step)})"
-        watch.enter(GATE, step, self._label)
+        self._user = user
+        watch.enter(USER_GATE if user else GATE, step, self._label)
         if int(store.add(name, 1)) == watch.world_size:
             store.set(name + "/go", "1")
         else:
@@ -150,10 +182,17 @@ class StepGate:
             if beat is not None and (peer.beat is None or beat.seq != peer.beat.seq):
                 peer.alive_at = now
             peer.beat = beat
-            if beat is not None and beat.phase == GATE and beat.detail == self._label:
+            gated = beat is not None and beat.phase in (GATE, USER_GATE)
+            if gated and beat is not None and beat.detail == self._label:
                 del peers[rank]  # here (or just passed): not one holding the gate
                 continue
             alive = beat is not None and now - peer.alive_at < watch.stale_s
+            if alive and gated and beat is not None and (self._user or beat.phase == USER_GATE):
+                reason = self._mismatch(rank, peer, beat, now)
+                if reason is not None:
+                    reasons.append(reason)
+                continue
+            peer.elsewhere_since = None
             if alive and beat is not None and beat.phase == BETWEEN:
                 peer.blamed_since = now
                 if now - started >= self.between_steps_s:
@@ -163,6 +202,18 @@ class StepGate:
             if reason is not None:
                 reasons.append(reason)
         return reasons
+
+    def _mismatch(self, rank: int, peer: _Peer, beat: Beat, now: float) -> str | None:
+        """``rank`` is alive at another gate, and this gate or that one comes before a
+        collective of the user's code: why the wait ends, once that has lasted ``mismatch_s``."""
+        if peer.elsewhere_since is None:
+            peer.elsewhere_since = now
+        if now - peer.elsewhere_since < self.mismatch_s:
+            return None
+        return (
+            f"Rank {rank} is {beat.place()}, and neither rank can go on until the other comes "
+            "to the same point: every rank must run the same collectives in the same order."
+        )
 
     def _blame(self, rank: int, peer: _Peer, alive: bool, now: float) -> str | None:
         """Why ``rank`` (not at the gate, not in the user's code) ends the wait, or None yet."""

@@ -26,7 +26,9 @@ inherits the no-op members and writes only what it does differently.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -336,6 +338,36 @@ class Strategy(Protocol):
     def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
         """Restore what ``model_state_dict`` saved."""
         model.load_state_dict(state)
+
+    def unsharded(self) -> AbstractContextManager[None]:
+        """``sync.unsharded()``: a context in which this rank holds every parameter whole, so
+        that a forward on some ranks only needs no peer (entered on every rank: collective on
+        entry where the parameters are sharded, ``zero:3``). Elsewhere every rank holds them
+        whole already: nothing to do."""
+        return contextlib.nullcontext()
+
+    def full_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any] | None:
+        """``sync.full_state_dict()``, collective: ``{"model": ..., "optimizer": ...}`` as one
+        process would hold them, on the group's first rank (None or anything elsewhere). The
+        default is this rank's own, whole where every replica holds the whole state
+        (``bsp``; rank 0's replica under ``local:H`` / ``diloco:H``)."""
+        if self.servers:
+            raise UsageError(
+                f"{self.name} keeps the parameters and the optimizer state on its server "
+                "ranks: there is no full state dict on a worker. Use sync.save(dir) and "
+                "gradsync export (docs/checkpoints.md) for a checkpoint"
+            )
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_full_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """``sync.load_full_state_dict(state)`` on every rank, with the same whole ``state``:
+        each rank takes what it holds of it."""
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
 
     def summary(self) -> dict[str, Any]:
         """After ``finalize``: what the strategy itself measured over the run, plain values for

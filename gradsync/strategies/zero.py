@@ -77,10 +77,16 @@ from gradsync.strategies.bsp import BSP, late_gradient, wrong_passes
 from gradsync.strategies.zero_shards import (
     POINT_TO_POINT,
     FlatGroup,
+    LocalClipGuard,
     OwnerLayout,
     ShardedUpdate,
     check_exchange,
+    gather_to_first,
+    join_owned,
+    load_owned,
+    on_cpu,
     reduce_scatter_flat,
+    refuse_partial_state,
     reshard_owned,
     ring_reduce_scatter,
     updated_by,
@@ -128,6 +134,7 @@ class ZeroStage1(BSP):
         #: how the update travels (``zero_shards.EXCHANGES``; "auto": by the group's backend)
         self.exchange = check_exchange(exchange)
         self._shards: ShardedUpdate | None = None
+        self._partial_state: Any = None
 
     def setup(self, ctx: SyncContext) -> None:
         _check_scaler(ctx, self.name)
@@ -136,11 +143,27 @@ class ZeroStage1(BSP):
         layout.check(updated_by(ctx.optimizer), self.name)
         super().setup(ctx)
         self._shards = ShardedUpdate(ctx, layout, self.name, self.exchange)
+        self._partial_state = refuse_partial_state(ctx.optimizer, self.name)
 
     @property
     def shards(self) -> ShardedUpdate:
         assert self._shards is not None, "setup() has not run"
         return self._shards
+
+    def full_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any] | None:
+        return owned_full_state(self.shards, model, optimizer)
+
+    def load_full_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        load_owned(optimizer, model, self.shards.layout.mine, state)
+
+    def close(self) -> None:
+        if self._partial_state is not None:
+            self._partial_state.remove()
+        super().close()
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         if self.reducer.late_gradient:
@@ -162,6 +185,22 @@ class ZeroStage1(BSP):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.shards.load_state_dict(state)
         super().load_state_dict(state)
+
+
+def owned_full_state(
+    shards: ShardedUpdate, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any] | None:
+    """``zero:1`` / ``zero:2``'s ``full_state_dict``: the model is whole on every rank (rank
+    0's is taken), the optimizer state of each tensor is on its owner's rank (gathered)."""
+    parts = gather_to_first(
+        shards.ctx,
+        on_cpu(optimizer.state_dict()),
+        lambda what, run: shards.collective(None, what, run),
+        shards.name,
+    )
+    if parts is None:
+        return None
+    return {"model": on_cpu(model.state_dict()), "optimizer": join_owned(parts)}
 
 
 class _BackwardPasses:
@@ -231,6 +270,9 @@ class ZeroStage2(Strategy):
         self._packed: set[int] = set()
         self._micro_batches = 1
         self._scale = 1.0
+        #: refuses torch's clip of this rank's part of the gradient (``LocalClipGuard``)
+        self._clip_guard = LocalClipGuard(self.name)
+        self._partial_state: Any = None
 
     def setup(self, ctx: SyncContext) -> None:
         if ctx.compressor is not ALLREDUCE:  # a Compressor object too, whatever its spec
@@ -246,6 +288,7 @@ class ZeroStage2(Strategy):
         self._slots = {
             id(p): (k, i) for k, g in enumerate(layout.groups) for i, p in enumerate(g.params)
         }
+        self._partial_state = refuse_partial_state(ctx.optimizer, self.name)
 
     @property
     def shards(self) -> ShardedUpdate:
@@ -326,6 +369,8 @@ class ZeroStage2(Strategy):
         if ctx.skip_nonfinite and not ctx.scaling and not self._all_ranks_finite(step):
             ctx.optimizer.zero_grad(set_to_none=True)
             return StepOutcome(bytes_sent=nbytes, skipped=True, spans=spans)
+        if not poison:  # the user's code may now read p.grad: this rank's part only
+            self._clip_guard.arm(p.grad for p in layout.mine if p.grad is not None)
         return StepOutcome(bytes_sent=nbytes, spans=spans)
 
     def _pack_one(self, param: torch.Tensor) -> None:
@@ -373,7 +418,8 @@ class ZeroStage2(Strategy):
         one all-reduce (of norm^p, or the max for the infinity norm). Collective."""
         ctx, layout, shards, _ = self._parts()
         norm_type = float(norm_type)
-        local = total_norm([p.grad for p in params if p.grad is not None], norm_type)
+        with self._clip_guard.exempt():
+            local = total_norm([p.grad for p in params if p.grad is not None], norm_type)
         # float64 on every rank: ranks whose shards differ in dtype must post the same
         # collective, and the sum of powers loses nothing before the root
         local = local.to(runtime.device(), torch.float64)
@@ -389,6 +435,7 @@ class ZeroStage2(Strategy):
         return total.to(layout.params[0].dtype)  # the same dtype on every rank
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        self._clip_guard.disarm()
         _, _, shards, passes = self._parts()
         if passes.late:
             raise late_gradient(step)
@@ -403,6 +450,16 @@ class ZeroStage2(Strategy):
     def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return reshard_owned(saved, self.shards.ctx.optimizer, self.shards.layout.mine)
 
+    def full_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any] | None:
+        return owned_full_state(self.shards, model, optimizer)
+
+    def load_full_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        load_owned(optimizer, model, self.shards.layout.mine, state)
+
     def state_dict(self) -> dict[str, Any]:
         _, _, shards, _ = self._parts()
         return shards.state_dict()
@@ -412,5 +469,8 @@ class ZeroStage2(Strategy):
         shards.load_state_dict(state)
 
     def close(self) -> None:
+        self._clip_guard.disarm()
+        if self._partial_state is not None:
+            self._partial_state.remove()
         if self._passes is not None:
             self._passes.close()

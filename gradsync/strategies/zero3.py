@@ -64,13 +64,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync import compat, runtime
+from gradsync.checks.diagnose import BETWEEN
 from gradsync.checks.guards import all_finite
 from gradsync.errors import UsageError
 from gradsync.strategies.base import (
@@ -80,10 +82,24 @@ from gradsync.strategies.base import (
     SyncContext,
     optimizer_step,
 )
-from gradsync.strategies.zero_shards import gloo_carries, unscale_agreed
+from gradsync.strategies.zero_shards import (
+    LocalClipGuard,
+    gather_to_first,
+    gloo_carries,
+    on_cpu,
+    refuse_partial_state,
+    unscale_agreed,
+)
 from gradsync.telemetry.records import Span
 
-__all__ = ["ZeroStage3", "shard_model"]
+__all__ = ["FORWARD_BETWEEN_STEPS", "ZeroStage3", "shard_model"]
+
+#: the gate before a forward of the sharded model between steps, as every rank's message says
+FORWARD_BETWEEN_STEPS = (
+    "a forward of the zero:3 model between steps, a collective (FSDP2 gathers its parameters "
+    "from every rank): every rank must run it. To evaluate on some ranks only, enter "
+    "`with sync.unsharded():` on every rank and evaluate inside it"
+)
 
 
 def _fsdp2() -> tuple[Any, Any, Any]:
@@ -340,6 +356,11 @@ class ZeroStage3(Strategy):
         self._average_over = 1
         self._passes = 1
         self._meter = _Meter()
+        #: refuses torch's clip of this rank's shards by their own norm (``LocalClipGuard``)
+        self._clip_guard = LocalClipGuard(self.name)
+        self._hooks: list[Any] = []
+        #: inside ``sync.unsharded()``: every parameter is gathered on this rank
+        self._unsharded = False
 
     def setup(self, ctx: SyncContext) -> None:
         if ctx.compressor.spec != "none":
@@ -355,11 +376,79 @@ class ZeroStage3(Strategy):
         self._pairs = shard_model(ctx.model, ctx.optimizer, ctx.group)
         self._meter.active = _instrument(ctx.model, self._meter)
         self._meter.record_spans = ctx.record_spans
+        self._hooks = [
+            # before FSDP2's own pre-forward (prepend), which would post the first all-gather
+            ctx.model.register_forward_pre_hook(self._before_forward, prepend=True),
+            refuse_partial_state(ctx.optimizer, self.name),
+        ]
+
+    def _fsdp_modules(self) -> list[Any]:
+        assert self._ctx is not None, "setup() has not run"
+        return [m for m in self._ctx.model.modules() if compat.is_fsdp_module(m)]
+
+    def _reshard(self) -> None:
+        """Every FSDP2 module back to its shards (local: frees the gathered parameters). FSDP2
+        leaves the root's parameters gathered after a forward (for the backward that usually
+        follows), and ``model.state_dict()`` shards them again on the rank that calls it: the
+        ranks' next forwards would then differ by one all-gather and wait in different
+        collectives. Every rank starts each step, and each forward between steps, sharded."""
+        for module in self._fsdp_modules():
+            module.reshard()
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward between steps posts FSDP2's all-gathers, which every rank must join: pass
+        a gate first, so that a forward on rank 0 alone (an evaluation) is reported at once,
+        naming ``sync.unsharded()``, on every rank, instead of leaving rank 0 in an all-gather
+        while its peers wait for the next step (``StepGate.before_user_collective``)."""
+        ctx = self._ctx
+        if ctx is None or self._unsharded or ctx.watch is None:
+            return
+        phase, step, _ = ctx.watch.phase
+        if phase != BETWEEN:  # inside a step block (or a gradsync call): in step already
+            return
+        self._reshard()
+        if ctx.gate is not None:
+            ctx.gate.before_user_collective(step + 1, FORWARD_BETWEEN_STEPS)
+
+    @contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Every FSDP2 module's parameters gathered on this rank (FSDP2's ``unshard()``: one
+        all-gather per module, on every rank) and kept gathered through forwards (reshard after
+        forward off) until exit, which frees them again on this rank alone (no collective). In
+        between, a forward needs no peer: rank 0 may evaluate alone. Costs the whole model's
+        parameters in memory on every rank for its duration."""
+        if self._unsharded:
+            raise UsageError("sync.unsharded() blocks cannot be nested")
+        modules = self._fsdp_modules()
+        root = self._ctx.model if self._ctx is not None else None
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            self._collective(
+                None,
+                "sync.unsharded() (all-gather of every parameter)",
+                lambda: [m.unshard() for m in modules],
+            )
+            self._unsharded = True
+            yield
+        finally:
+            self._unsharded = False
+            for m in modules:
+                m.reshard()
+                # FSDP2's defaults back: shards freed after each block's forward, the root's
+                # kept for the backward that follows it
+                m.set_reshard_after_forward(m is not root, recurse=False)
 
     def trainable(self) -> list[torch.Tensor] | None:
         return [mine for mine, shard in self._pairs if shard.requires_grad]
 
     def begin_step(self, plan: StepPlan) -> None:
+        if self._unsharded:
+            raise UsageError(
+                "sync.step() inside sync.unsharded(): the step's forward and backward need the "
+                "parameters sharded; leave the unsharded() block (every rank) before the step"
+            )
+        self._reshard()
         self._average_over = plan.average_over
         self._passes = plan.micro_batches
         self._meter.reset()  # collectives between steps (an evaluation forward) are not the step's
@@ -388,6 +477,9 @@ class ZeroStage3(Strategy):
             return outcome
         if self._average_over > 1:
             compat.foreach_div(grads, float(self._average_over))
+        # The tensors the optimizer holds are this rank's rows: torch's clip over them would
+        # take their norm alone. (Over model.parameters(), FSDP2's DTensors, it is global.)
+        self._clip_guard.arm(grads)
         return outcome
 
     def _bytes_per_pass(self) -> int:
@@ -415,7 +507,10 @@ class ZeroStage3(Strategy):
 
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """The whole gradient's norm from every rank's shard: one all-reduce."""
-        grads = [p.grad for p in params if p.grad is not None]
+        with self._clip_guard.exempt():
+            return self._global_norm([p.grad for p in params if p.grad is not None], norm_type)
+
+    def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         dtype = grads[0].dtype if grads else torch.float32
         device = runtime.device()
         if norm_type == float("inf"):
@@ -437,6 +532,7 @@ class ZeroStage3(Strategy):
         return total if op == dist.ReduceOp.MAX else total ** (1.0 / norm_type)
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        self._clip_guard.disarm()
         ctx = self._ctx
         assert ctx is not None, "setup() has not run"
         self._account(outcome)
@@ -492,27 +588,75 @@ class ZeroStage3(Strategy):
                     )
                 target.copy_(state[k])
 
+    def full_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any] | None:
+        """Every rank's shards of the parameters and of the optimizer state, gathered to rank
+        0 (CPU copies, one gather) and put together by rows, as ``reshard`` does for one rank."""
+        mine = {"model": self.model_state_dict(model), "optimizer": optimizer.state_dict()}
+        parts = gather_to_first(
+            self._ctx_or_fail(),
+            on_cpu(mine),
+            lambda w, run: self._collective(None, w, run),
+            "zero:3",
+        )
+        return None if parts is None else self._put_together(parts, 1, 0)
+
+    def load_full_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """This rank's rows of a whole state (``full_state_dict``'s, or a DDP script's)."""
+        part = self.reshard([state])
+        self.load_model_state_dict(model, part["model"])
+        optimizer.load_state_dict(part["optimizer"])
+
+    def close(self) -> None:
+        self._clip_guard.disarm()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _ctx_or_fail(self) -> SyncContext:
+        assert self._ctx is not None, "setup() has not run"
+        return self._ctx
+
     def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """This rank's model and optimizer state on the current number of ranks from every
         saved rank's shards: FSDP2 splits each tensor by rows as ``torch.chunk`` does, so the
         saved shards end to end are the whole tensor, and this rank takes its rows of it. A
         state tensor of a parameter's shard shape (momentum, Adam's moments) is split as its
         parameter; one of another shape (Adam's step count) is the same on every rank."""
-        ctx = self._ctx
-        assert ctx is not None, "setup() has not run"
-        world, rank = runtime.world_size(ctx.group), ctx.rank
+        ctx = self._ctx_or_fail()
+        return self._put_together(saved, runtime.world_size(ctx.group), ctx.rank)
+
+    def _put_together(
+        self, saved: Sequence[dict[str, Any]], world: int, rank: int
+    ) -> dict[str, Any]:
+        """``rank``'s rows of every sharded tensor of ``saved`` (every rank's shards, in rank
+        order) split over ``world`` ranks: this rank's part for ``reshard``; with one rank,
+        the whole tensors (``full_state_dict``)."""
+        ctx = self._ctx_or_fail()
+        whole = world == 1
         current = self.model_state_dict(ctx.model)
         model = {
-            k: _rows(torch.cat([s["model"][k] for s in saved]), world, rank, k, now.shape)
+            k: _rows(
+                torch.cat([s["model"][k] for s in saved]),
+                world,
+                rank,
+                k,
+                v.shape if whole else now.shape,
+            )
             if compat.is_dtensor(v)
             else saved[0]["model"][k]
             for (k, now), v in zip(current.items(), ctx.model.state_dict().values(), strict=True)
         }
+        full_shape = {id(mine): shard.shape for mine, shard in self._pairs}
         params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
         first = saved[0]["optimizer"]
         state: dict[Any, Any] = {}
         for i, entry in first["state"].items():
-            shape = params[int(i)].shape
+            param = params[int(i)]
+            shape = full_shape.get(id(param), param.shape) if whole else param.shape
             state[i] = {
                 key: _rows(
                     torch.cat([s["optimizer"]["state"][i][key] for s in saved]),

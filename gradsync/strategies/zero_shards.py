@@ -42,13 +42,17 @@ buffer only.
 
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from gradsync import compat, runtime
 from gradsync.errors import UsageError
@@ -415,3 +419,221 @@ class ShardedUpdate:
                 "each rank's file holds the optimizer state of the tensors it owned. Resume "
                 "with the same model and number of ranks"
             )
+
+
+# -- what a script outside gradsync must not be handed silently: a shard taken for the whole --
+
+
+def _called_from_gradsync() -> bool:
+    """Whether the code that called into torch (the first frame outside torch and this
+    module) is gradsync's checkpointing or a strategy's, which take this rank's shard on
+    purpose (each rank writes its own file)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module != __name__ and module != "torch" and not module.startswith("torch."):
+            return module.startswith(("gradsync.checkpoint", "gradsync.strategies"))
+        frame = frame.f_back
+    return False
+
+
+def refuse_partial_state(optimizer: torch.optim.Optimizer, name: str) -> Any:
+    """Make ``optimizer.state_dict()`` called by the user's code raise: under ZeRO it holds
+    this rank's shard of the optimizer state only, and a rank-0 checkpoint of it resumes
+    silently with the rest missing (AdamW restarts the other tensors' moments from zero).
+    Gathering it there instead would hide a collective in a call DDP scripts make on rank 0
+    alone, which would hang; so the call is refused, naming the collective that gathers.
+    Returns the hook's handle (removed at ``close``: after training the optimizer is the
+    user's to inspect)."""
+
+    def refuse(_: torch.optim.Optimizer) -> None:
+        if _called_from_gradsync():
+            return
+        raise UsageError(
+            f"optimizer.state_dict() under {name} holds only this rank's shard of the "
+            "optimizer state, and a checkpoint of it would resume with the other ranks' state "
+            "missing. Call sync.full_state_dict() on every rank: rank 0 gets "
+            '{"model": ..., "optimizer": ...} whole (plain tensors, on the CPU), which '
+            "model.load_state_dict / optimizer.load_state_dict load in a DDP-style script and "
+            "sync.load_full_state_dict(state) loads under gradsync; or sync.save(dir) / "
+            "sync.load(dir) for gradsync's own per-rank checkpoints"
+        )
+
+    return optimizer.register_state_dict_pre_hook(refuse)
+
+
+def on_cpu(state: Any) -> Any:
+    """``state`` (nested dicts, lists and tuples) with every tensor copied to the CPU: what is
+    gathered to rank 0 (a rank's GPU tensors would arrive on rank 0 as tensors of a device it
+    may not use) and what a rank-0 checkpoint holds."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(on_cpu(v) for v in state)
+    return state
+
+
+def gather_to_first(
+    ctx: SyncContext, part: Any, collective: Callable[[str, Callable[[], None]], None], name: str
+) -> list[Any] | None:
+    """Every rank's ``part`` (plain objects, CPU tensors), in rank order, on the group's first
+    rank; None on the others. Collective."""
+    world = runtime.world_size(ctx.group)
+    if world == 1:
+        return [part]
+    parts: list[Any] | None = [None] * world if ctx.rank == 0 else None
+    first = dist.get_global_rank(ctx.group, 0) if ctx.group is not None else 0
+
+    def gather() -> None:
+        dist.gather_object(part, parts, dst=first, group=ctx.group)
+
+    collective(f"{name} full state dict (gather to rank 0)", gather)
+    return parts
+
+
+def join_owned(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``zero:1`` / ``zero:2``: the whole optimizer state dict from every rank's, each holding
+    the state of the tensors it owns, under rank 0's ``param_groups`` (the same on every rank);
+    ``reshard_owned`` deals it out again (and ``checkpoint.export`` joins saved files alike)."""
+    state: dict[Any, Any] = {}
+    for part in parts:
+        state.update(part["state"])
+    return {**parts[0], "state": dict(sorted(state.items()))}
+
+
+def load_owned(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    mine: Sequence[torch.Tensor],
+    state: dict[str, Any],
+) -> None:
+    """Load a whole state (``full_state_dict``'s, or a DDP script's checkpoint) under
+    ``zero:1`` / ``zero:2``: the model whole, the optimizer state of this rank's tensors."""
+    part = reshard_owned([state], optimizer, mine)
+    model.load_state_dict(part["model"])
+    optimizer.load_state_dict(part["optimizer"])
+
+
+class LocalClipGuard(TorchFunctionMode):
+    """Refuses a clip of the gradient by a norm of this rank's shard alone, such as torch's
+    ``clip_grad_norm_`` at the gradient-ready point of ``zero:2`` / ``zero:3``.
+
+    There each rank holds part of the gradient (``zero:2``: its own tensors'; ``zero:3``: its
+    rows of every tensor, the tensors its optimizer steps), so torch's clip takes the norm of
+    that part and each rank scales by its own factor: a silently wrong update. Making torch's
+    clip global would need a collective inside it, which would hang when a script clips a
+    subset of the parameters that some rank holds none of; so it is refused, naming
+    ``s.clip_grad_norm_``, which takes the whole gradient's norm.
+
+    How it is told apart from anything else done with the gradient: while armed (from the
+    gradient-ready point to the update) it follows what is computed from the shard's
+    gradients: scalars reduced from them (norms), and anything computed from those (the
+    stacked norms, their norm, the clip factor). An in-place change of a gradient by such a
+    value is a rescale by the shard's norm and is refused, even where the value came from that
+    one tensor: a rank may own a single tensor (under ``zero:2`` the largest often sits alone
+    on one), and its clip then looks exactly like normalizing a tensor by its own norm, which
+    is refused with it. Reading, logging and unscaling (the GradScaler's factor is not taken
+    from the shard) pass."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self._armed = False
+        self._exempt = False
+        self._grads: dict[int, weakref.ref[torch.Tensor]] = {}
+        #: values computed from the gradients: id -> (the tensor, the gradients it came from)
+        self._derived: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
+
+    def arm(self, grads: Iterable[torch.Tensor]) -> None:
+        self.disarm()
+        self._grads = {id(g): weakref.ref(g) for g in grads}
+        self._derived = {}
+        self.__enter__()
+        self._armed = True
+
+    def disarm(self) -> None:
+        if self._armed:
+            self._armed = False
+            self.__exit__(None, None, None)
+        self._grads, self._derived = {}, {}
+
+    @contextmanager
+    def exempt(self) -> Iterator[None]:
+        """gradsync's own clip (``grad_norm``), which combines the shards' norms."""
+        self._exempt = True
+        try:
+            yield
+        finally:
+            self._exempt = False
+
+    def _sources(self, t: torch.Tensor) -> tuple[bool, frozenset[int]]:
+        """Whether ``t`` is one of the gradients, and the gradients a derived ``t`` came from."""
+        grad = self._grads.get(id(t))
+        if grad is not None and grad() is t:
+            return True, frozenset()
+        derived = self._derived.get(id(t))
+        if derived is not None and derived[0]() is t:
+            return False, derived[1]
+        return False, frozenset()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self._exempt:
+            return func(*args, **kwargs)
+        grads: set[int] = set()
+        sources: frozenset[int] = frozenset()
+        for t in _tensors_in([*args, *kwargs.values()]):
+            is_grad, came_from = self._sources(t)
+            if is_grad:
+                grads.add(id(t))
+            sources |= came_from
+        in_place = _in_place(str(getattr(func, "__name__", "")))
+        if grads and sources and in_place:
+            raise self._refusal()
+        result = func(*args, **kwargs)
+        if grads or sources:
+            for out in _tensors_in([result]):
+                if sources or out.dim() == 0:  # from a gradient: its reductions only
+                    self._derived[id(out)] = (weakref.ref(out), sources | grads)
+        return result
+
+    def _refusal(self) -> UsageError:
+        return UsageError(
+            f"a gradient under {self.name} is being scaled by a norm of this rank's part of "
+            "the gradient only, as torch.nn.utils.clip_grad_norm_ does here: each rank holds "
+            "part of the gradient (zero:2: its own tensors'; zero:3: its rows of every tensor), "
+            "so each would clip by a different, wrong factor. Clip with s.clip_grad_norm_("
+            "max_norm) inside the step block (the whole gradient's norm, combined over the "
+            "ranks: call it on every rank); under zero:3, torch's clip over "
+            "model.parameters() (FSDP2's DTensors) also takes the whole norm; under zero:1 "
+            "every rank holds the whole gradient, and torch's clip works as under bsp"
+        )
+
+
+#: the operators that change their left operand in place (``g *= c``, ``g[...] = c``)
+_IN_PLACE_OPERATORS = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__setitem__"}
+)
+
+
+def _in_place(name: str) -> bool:
+    """Whether the torch function or method named ``name`` changes a tensor in place: torch's
+    trailing-underscore convention (``mul_``, its fused list form for torch's clip), or an
+    in-place operator."""
+    if name.startswith("__"):
+        return name in _IN_PLACE_OPERATORS
+    return name.endswith("_")
+
+
+def _tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among ``values`` and in their lists and tuples (one level: how torch's
+    fused list operations take them)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, list | tuple):
+            yield from (t for t in v if isinstance(t, torch.Tensor))

@@ -1,0 +1,151 @@
+"""The ZeRO traps of a ported DDP script (issue 42), on 2 gloo ranks: an evaluation on rank 0
+under ``zero:3`` works inside ``sync.unsharded()`` and is reported (naming it) without it,
+``model.state_dict()`` on rank 0 after an evaluation leaves the ranks in step, torch's
+``clip_grad_norm_`` on sharded gradients is refused or global, and a rank-0 checkpoint of a
+sharded optimizer is either whole (``sync.full_state_dict()``) or refused.
+
+One spawn (``zero_traps.everything``) runs every case; each test reads its part."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from gradsync import compat
+from gradsync.testing import run_ranks
+from tests.support import rank_device
+from tests.support import zero_traps as zt
+
+pytestmark = [
+    pytest.mark.ranks,
+    pytest.mark.skipif(compat.fsdp2() is None, reason="this torch has no FSDP2"),
+    rank_device.not_on_device("zero:3 refuses a GPU model over gloo (FSDP2's collectives)"),
+]
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    # The group's own timeout bounds a forward left in FSDP2's all-gather: a regression of the
+    # detection fails in seconds rather than hanging.
+    return run_ranks(zt.everything, WORLD, timeout_s=150, collective_timeout_s=20)
+
+
+@functools.cache
+def _reference(steps: int, clip: bool = False) -> dict[str, Any]:
+    return zt.reference(WORLD, steps, clip)
+
+
+def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([v.detach().reshape(-1) for v in state.values()])
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    err = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err <= 1e-10 * max(scale, 1.0), f"{what}: max abs error {err:.3e} (scale {scale:.3e})"
+
+
+def _assert_same_state(actual: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    """A model's and an optimizer's state dicts, as one process holds them."""
+    assert list(actual["model"]) == list(expected["model"]), what
+    for k, v in expected["model"].items():
+        got = actual["model"][k]
+        assert type(got) is torch.Tensor, f"{what}: {k} is a {type(got).__name__}"
+        _assert_close(got, v, f"{what} model {k}")
+    opt, ref = actual["optimizer"], expected["optimizer"]
+    assert opt["param_groups"] == ref["param_groups"], what
+    assert sorted(opt["state"]) == sorted(ref["state"]), what
+    for i, entry in ref["state"].items():
+        assert sorted(opt["state"][i]) == sorted(entry), (what, i)
+        for key, value in entry.items():
+            _assert_close(opt["state"][i][key].to(value.dtype), value, f"{what} state {i} {key}")
+
+
+# -- trap 1 -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+def test_rank_0_evaluates_alone_inside_sync_unsharded(runs: list[dict[str, Any]]) -> None:
+    r0, r1 = (out["evaluation"] for out in runs)
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    expected = _reference(2 * zt.STEPS)
+    assert r0["losses"] == [pytest.approx(expected["evaluated"], rel=1e-9)] * 3
+    assert r1["losses"] == []
+    for r, out in enumerate((r0, r1)):  # the evaluation changed nothing
+        _assert_close(out["params"], _flat(expected["model"]), f"rank {r} after evaluation")
+
+
+@pytest.mark.timeout(200)
+def test_a_state_dict_on_rank_0_after_an_evaluation_leaves_the_ranks_in_step(
+    runs: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (out["state_dict"] for out in runs)
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    expected = _reference(2 * zt.STEPS)
+    assert r0["evaluated"] == pytest.approx(expected["evaluated"], rel=1e-9)
+    for r, out in enumerate((r0, r1)):
+        _assert_close(out["params"], _flat(expected["model"]), f"rank {r}")
+
+
+@pytest.mark.timeout(200)
+def test_a_forward_on_rank_0_alone_fails_every_rank_naming_sync_unsharded(
+    runs: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (out["forward alone"] for out in runs)
+    for r, out in enumerate((r0, r1)):
+        assert out["error"] is not None, r
+        assert out["error"].startswith("SyncTimeoutError"), out["error"]
+        assert "sync.unsharded()" in out["error"], out["error"]
+    assert "never arrived: ranks [1]" in r0["error"], r0["error"]
+    assert "never arrived: ranks [0]" in r1["error"], r1["error"]
+
+
+# -- trap 3 -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "case", ["zero:2 model", "zero:2 optimizer", "zero:3 model", "zero:3 optimizer"]
+)
+def test_torch_clip_grad_norm_on_shards_is_refused_or_global(
+    runs: list[dict[str, Any]], case: str
+) -> None:
+    """Refused (naming s.clip_grad_norm_) on every rank, or the whole gradient's clip."""
+    outs = [out[f"clip {case}"] for out in runs]
+    errors = [out["error"] for out in outs]
+    if errors[0] is not None or errors[1] is not None:
+        for error in errors:
+            assert error is not None and error.startswith("UsageError"), errors
+            assert "s.clip_grad_norm_" in error, error
+    else:
+        expected = _flat(_reference(zt.STEPS, clip=True)["model"])
+        for r, out in enumerate(outs):
+            _assert_close(out["params"], expected, f"{case}, rank {r}")
+    assert [out["handle_after"] for out in outs] == [True, True]
+
+
+# -- trap 4 -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("spec", ["zero:1", "zero:2", "zero:3"])
+def test_a_rank_0_checkpoint_is_whole_or_refused(runs: list[dict[str, Any]], spec: str) -> None:
+    r0, r1 = (out[f"checkpoint {spec}"] for out in runs)
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    for out in (r0, r1):  # this rank's shard of the optimizer state is not passed off as whole
+        assert out["partial"] is not None and out["partial"].startswith("UsageError"), out
+        assert "sync.full_state_dict()" in out["partial"], out["partial"]
+    assert r1["full_on_others"] is True
+    _assert_same_state(r0["full"], _reference(zt.STEPS), f"{spec} full_state_dict")
+    # DDP's resume: a plain model and optimizer load rank 0's checkpoint and go on
+    expected = _reference(2 * zt.STEPS)
+    ddp = zt.continue_ddp_style(r0["full"], WORLD, range(zt.STEPS, 2 * zt.STEPS))
+    _assert_same_state(ddp, expected, f"{spec} loaded DDP-style")
+    # gradsync's resume from the same checkpoint
+    _assert_same_state(r0["resumed"], expected, f"{spec} resumed by load_full_state_dict")

@@ -1,0 +1,265 @@
+"""Rank functions for the ZeRO traps of a ported DDP script (issue 42): evaluation on rank 0
+under ``zero:3``, torch's ``clip_grad_norm_`` on sharded gradients, rank-0 checkpoints of a
+sharded optimizer (module level, so spawned ranks can import them).
+
+One spawn runs every case (``everything``); each case catches what it raises, so one trap
+that fails does not hide the others, and the forward on rank 0 alone (the case that hung
+before it was detected) comes last."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync as gs
+from tests.support import zero3_ranks as z3
+from tests.support import zero_ranks as zr
+
+STEPS = 2  # before the evaluation or the checkpoint, and again after it
+MAX_NORM = zr.MAX_NORM
+#: the gate's bound for a rank in its own code, short so a regression fails in seconds
+BETWEEN_S = 2.0
+TIMEOUT_S = 15.0
+
+
+class RootHeld(nn.Module):
+    """The ``mlp`` workload's student (Linear, Tanh, Linear, Tanh, Linear: the same numbers)
+    with its first and last layers held by the root module, as a GPT's embeddings and head
+    are: under ``zero:3`` the root is then an FSDP2 unit of its own, which FSDP2 leaves
+    gathered after a forward."""
+
+    def __init__(self, student: nn.Sequential) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = student[0], nn.ModuleList([student[2]]), student[4]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.middle[0](torch.tanh(self.first(x)))))
+
+
+def _model(w: Any) -> nn.Module:
+    return RootHeld(w.build_model())
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _build(spec: str, **kw: Any) -> tuple[Any, nn.Module, torch.optim.Optimizer, gs.Synchronizer]:
+    w = zr._workload()
+    model = _model(w)
+    opt = zr.make_optimizer("adamw", model)
+    kw.setdefault("timeout_s", TIMEOUT_S)
+    return w, model, opt, gs.Synchronizer(model, opt, strategy=spec, **kw)
+
+
+def _train(sync: gs.Synchronizer, w: Any, model: nn.Module, steps: range, rank: int) -> None:
+    for step in steps:
+        with sync.step():
+            w.loss(model, *zr._batch(w, step, rank, sync.world_size)).backward()
+
+
+def _eval_batch(w: Any, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return w.batch(99, zr.PER_RANK * world, 0, zr.PER_RANK * world)
+
+
+def reference(world: int, steps: int, clip: bool = False) -> dict[str, Any]:
+    """One process on the global batch (AdamW, the two param groups): the model's and the
+    optimizer's state dicts after ``steps`` steps, and the evaluation loss after STEPS."""
+    w = zr._workload()
+    model = _model(w)
+    opt = zr.make_optimizer("adamw", model)
+    gb = zr.PER_RANK * world
+    evaluated = None
+    for step in range(steps):
+        if step == STEPS:
+            with torch.no_grad():
+                evaluated = float(w.loss(model, *_eval_batch(w, world)))
+        opt.zero_grad()
+        w.loss(model, *w.batch(step, gb, 0, gb)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "evaluated": evaluated}
+
+
+def continue_ddp_style(state: dict[str, Any], world: int, steps: range) -> dict[str, Any]:
+    """What a DDP script's resume does with a rank-0 checkpoint: a plain model and optimizer
+    load it, and training goes on (one process on the global batch here)."""
+    w = zr._workload()
+    model = _model(w)
+    opt = zr.make_optimizer("adamw", model)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    gb = zr.PER_RANK * world
+    for step in steps:
+        opt.zero_grad()
+        w.loss(model, *w.batch(step, gb, 0, gb)).backward()
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+# -- trap 1: evaluation between steps under zero:3 ----------------------------------------------
+
+
+def evaluation_on_rank_0(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 evaluates alone inside ``sync.unsharded()`` (entered on every rank), three
+    forwards; then training goes on. Its loss must be the whole model's, and training after it
+    the trajectory of a run that never evaluated."""
+    w, model, _, sync = _build("zero:3", between_steps_timeout_s=BETWEEN_S)
+    out: dict[str, Any] = {"error": None, "losses": [], "params": None}
+    try:
+        _train(sync, w, model, range(STEPS), rank)
+        with sync.unsharded():
+            if rank == 0:
+                with torch.no_grad():
+                    for _ in range(3):
+                        out["losses"].append(float(w.loss(model, *_eval_batch(w, world))))
+            else:
+                time.sleep(0.5)  # rank 1 reaches the next step's gate first
+        _train(sync, w, model, range(STEPS, 2 * STEPS), rank)
+        out["params"] = z3.full(model)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = _error(exc)
+    finally:
+        sync.close()
+    return out
+
+
+def state_dict_after_evaluation(rank: int, world: int) -> dict[str, Any]:
+    """Every rank evaluates (a no-grad forward between steps, which FSDP2 leaves with the
+    root's parameters gathered), then rank 0 alone calls ``model.state_dict()`` (which puts
+    them back to shards on rank 0 only): the next step must still find the ranks in the same
+    collectives."""
+    w, model, _, sync = _build("zero:3")
+    out: dict[str, Any] = {"error": None, "params": None, "evaluated": None}
+    try:
+        _train(sync, w, model, range(STEPS), rank)
+        with torch.no_grad():
+            out["evaluated"] = float(w.loss(model, *_eval_batch(w, world)))
+        if rank == 0:
+            model.state_dict()
+        _train(sync, w, model, range(STEPS, 2 * STEPS), rank)
+        out["params"] = z3.full(model)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = _error(exc)
+    finally:
+        sync.close()
+    return out
+
+
+def forward_on_rank_0_alone(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 runs a forward of the sharded model between steps without ``sync.unsharded()``;
+    rank 1 goes on to the next step. Both must fail, naming ``sync.unsharded()``, rather than
+    sit in different collectives."""
+    w, model, _, sync = _build("zero:3", between_steps_timeout_s=BETWEEN_S)
+    out: dict[str, Any] = {"error": None}
+    try:
+        _train(sync, w, model, range(1), rank)
+        if rank == 0:
+            with torch.no_grad():
+                w.loss(model, *_eval_batch(w, world))
+        else:
+            _train(sync, w, model, range(1, 2), rank)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = _error(exc)
+    finally:
+        sync.close()
+    return out
+
+
+# -- trap 3: torch's clip_grad_norm_ on sharded gradients ---------------------------------------
+
+
+def torch_clip(rank: int, world: int, spec: str, over: str) -> dict[str, Any]:
+    """torch's own ``clip_grad_norm_`` at the gradient-ready point, over ``over``: the model's
+    parameters, or the tensors the optimizer steps (this rank's shards under zero:3). Either
+    gradsync refuses it, or the step is the one a single process clipping the whole gradient
+    makes."""
+    w, model, opt, sync = _build(spec)
+    params = (
+        list(model.parameters())
+        if over == "model"
+        else [p for g in opt.param_groups for p in g["params"]]
+    )
+    out: dict[str, Any] = {"error": None, "params": None}
+    try:
+        for step in range(STEPS):
+            with sync.step() as s:
+                w.loss(model, *zr._batch(w, step, rank, world)).backward()
+                s.synchronize()
+                torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        out["params"] = z3.full(model)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = _error(exc)
+    try:  # s.clip_grad_norm_ still works after a refusal
+        with sync.step() as s:
+            w.loss(model, *zr._batch(w, STEPS, rank, world)).backward()
+            s.clip_grad_norm_(MAX_NORM)
+        out["handle_after"] = True
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["handle_after"] = _error(exc)
+    finally:
+        sync.close()
+    return out
+
+
+# -- trap 4: rank-0 checkpoints of a sharded optimizer ------------------------------------------
+
+
+def _every_rank_has(state: dict[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's state on every rank, as when every rank ``torch.load``s rank 0's file (a copy:
+    torch's ``load_state_dict`` keeps the tensors it is given where it can)."""
+    box = [copy.deepcopy(state)]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
+
+
+def checkpoint(rank: int, world: int, spec: str) -> dict[str, Any]:
+    """STEPS steps; then ``optimizer.state_dict()`` on this rank alone (gradsync must refuse a
+    shard passed off as the whole), ``sync.full_state_dict()`` (rank 0's is checked by the
+    test and loaded DDP-style there), and a fresh model, optimizer and Synchronizer resumed
+    from it with ``sync.load_full_state_dict`` for STEPS more steps."""
+    w, model, opt, sync = _build(spec)
+    out: dict[str, Any] = {"partial": None, "error": None}
+    try:
+        _train(sync, w, model, range(STEPS), rank)
+        try:
+            opt.state_dict()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out["partial"] = _error(exc)
+        state = sync.full_state_dict()
+        out["full"] = state
+        out["full_on_others"] = state is None if rank else None
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = _error(exc)
+        return out
+    finally:
+        sync.close()
+    try:
+        w, model, opt, sync = _build(spec)
+        sync.load_full_state_dict(_every_rank_has(out["full"] if rank == 0 else None))
+        _train(sync, w, model, range(STEPS, 2 * STEPS), rank)
+        out["resumed"] = sync.full_state_dict()
+        sync.close()
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = _error(exc)
+    return out
+
+
+def everything(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    out["evaluation"] = evaluation_on_rank_0(rank, world)
+    out["state_dict"] = state_dict_after_evaluation(rank, world)
+    for spec in ("zero:2", "zero:3"):
+        for over in ("model", "optimizer"):
+            out[f"clip {spec} {over}"] = torch_clip(rank, world, spec, over)
+    for spec in ("zero:1", "zero:2", "zero:3"):
+        out[f"checkpoint {spec}"] = checkpoint(rank, world, spec)
+    out["forward alone"] = forward_on_rank_0_alone(rank, world)
+    return out
