@@ -896,6 +896,11 @@ class Synchronizer:
         parameters); here they are gathered once on entry and freed on exit (on each rank
         alone), at the cost of the whole model's memory meanwhile. Under every other strategy
         the parameters are whole already: nothing happens. No ``sync.step()`` inside it."""
+        if self._in_step:
+            raise UsageError(
+                "sync.unsharded() inside a sync.step() block: the step's forward needs the "
+                "parameters sharded; enter it between steps, on every rank"
+            )
         with contextlib.ExitStack() as held:
             with self._gradsync_call(self._step, "sync.unsharded()"):
                 held.enter_context(self.strategy.unsharded())

@@ -359,6 +359,8 @@ class ZeroStage3(Strategy):
         #: refuses torch's clip of this rank's shards by their own norm (``LocalClipGuard``)
         self._clip_guard = LocalClipGuard(self.name)
         self._hooks: list[Any] = []
+        #: the FSDP2 modules of the model (its blocks, then the root), listed once
+        self._modules: list[Any] = []
         #: inside ``sync.unsharded()``: every parameter is gathered on this rank
         self._unsharded = False
 
@@ -376,15 +378,12 @@ class ZeroStage3(Strategy):
         self._pairs = shard_model(ctx.model, ctx.optimizer, ctx.group)
         self._meter.active = _instrument(ctx.model, self._meter)
         self._meter.record_spans = ctx.record_spans
+        self._modules = [m for m in ctx.model.modules() if compat.is_fsdp_module(m)]
         self._hooks = [
             # before FSDP2's own pre-forward (prepend), which would post the first all-gather
             ctx.model.register_forward_pre_hook(self._before_forward, prepend=True),
             refuse_partial_state(ctx.optimizer, self.name),
         ]
-
-    def _fsdp_modules(self) -> list[Any]:
-        assert self._ctx is not None, "setup() has not run"
-        return [m for m in self._ctx.model.modules() if compat.is_fsdp_module(m)]
 
     def _reshard(self) -> None:
         """Every FSDP2 module back to its shards (local: frees the gathered parameters). FSDP2
@@ -392,7 +391,7 @@ class ZeroStage3(Strategy):
         follows), and ``model.state_dict()`` shards them again on the rank that calls it: the
         ranks' next forwards would then differ by one all-gather and wait in different
         collectives. Every rank starts each step, and each forward between steps, sharded."""
-        for module in self._fsdp_modules():
+        for module in self._modules:
             module.reshard()
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -419,7 +418,7 @@ class ZeroStage3(Strategy):
         parameters in memory on every rank for its duration."""
         if self._unsharded:
             raise UsageError("sync.unsharded() blocks cannot be nested")
-        modules = self._fsdp_modules()
+        modules = self._modules
         root = self._ctx.model if self._ctx is not None else None
         for m in modules:
             m.set_reshard_after_forward(False, recurse=False)
