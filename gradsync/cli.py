@@ -66,7 +66,7 @@ def _check_resume(cfg: Any, run_dir: Path) -> None:
     starts, and before config.json is rewritten with this run's flags."""
     from gradsync.checkpoint.checkpointer import check_resumable
     from gradsync.compression import parse_compression
-    from gradsync.worker import CHECKPOINT_DIR
+    from gradsync.rundir import CHECKPOINT_DIR
 
     check_resumable(run_dir / CHECKPOINT_DIR, parse_compression(cfg.compression).spec, cfg.strategy)
 
@@ -215,7 +215,7 @@ def cmd_checkpoint_export(args: argparse.Namespace) -> int:
 def _checkpoint_dir(path: Path) -> Path:
     """The checkpoint directory ``path`` names: a run directory's ``checkpoints/``, or
     ``path`` itself."""
-    from gradsync.worker import CHECKPOINT_DIR
+    from gradsync.rundir import CHECKPOINT_DIR
 
     if not path.exists():
         raise UsageError(
@@ -313,9 +313,11 @@ def _add_compare_parser(sub: Any) -> None:
         default=None,
         help="loss to time each strategy to (default: the worst final loss of the set)",
     )
-    # --strategy is run's: compare refuses it (cmd_compare says to use --strategies), so its
-    # help does not offer it. None tells cmd_compare that it was not given.
-    _add_run_flags(compare, unlisted=frozenset({"strategy"}))
+    # --strategy, --hosts and --link are run's: compare refuses them (saying what to use), so
+    # its help does not offer them. None tells cmd_compare that --strategy was not given.
+    from gradsync.compare import RUN_ONLY_FIELDS
+
+    _add_run_flags(compare, unlisted=RUN_ONLY_FIELDS)
     compare.set_defaults(func=cmd_compare, strategy=None)
 
 

@@ -24,8 +24,11 @@ LOCK_FILE = ".gradsync.lock"
 OVERWRITE_AND_RESUME = (
     "--resume continues the run in --out and --overwrite deletes it: pass one of them"
 )
+#: the built-in workloads' checkpoints (``--checkpoint-every``) and final parameters
+CHECKPOINT_DIR = "checkpoints"
+FINAL_MODEL = "final_model.pt"
 #: what a fresh run replaces in a directory it is told to --overwrite
-RUN_STATE = ("checkpoints", "faults", "metrics.jsonl")
+RUN_STATE = (CHECKPOINT_DIR, "faults", "metrics.jsonl")
 
 
 class RunDirectory:

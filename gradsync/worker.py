@@ -1,92 +1,29 @@
-"""The worker that ``gradsync run`` starts on every rank (also runnable under torchrun): the
-user's script (``run_script``) or a built-in workload (``run_worker``), either attached to the
-run directory through its Synchronizer (``gradsync.attached_run``)."""
+"""What ``gradsync run`` starts on every rank: a script, the user's own or the built-in
+workloads' (``gradsync.workloads.train``), run as ``__main__`` in the elastic agent's worker
+process with ``GRADSYNC_RUN_DIR`` naming the run directory its gs.Synchronizer attaches to
+(``gradsync.attached_run``). One way in for both (also runnable under torchrun:
+``python -m gradsync.worker --config RUN_DIR/config.json``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
-from gradsync import compat, runtime
-from gradsync.attached_run import FAULTS_DIR, RUN_DIR_ENV, drop_records_from, say_resumed
+from gradsync import runtime
+from gradsync.attached_run import CONFIG_FILE, RUN_DIR_ENV
 from gradsync.config import RunConfig
-from gradsync.logs import get_logger
-from gradsync.synchronizer import Synchronizer
-from gradsync.telemetry.records import METRICS_FILE
-from gradsync.workloads import make_workload
+from gradsync.rundir import CHECKPOINT_DIR, FINAL_MODEL
 
-CHECKPOINT_DIR = "checkpoints"
-logger = get_logger("run")
-FINAL_MODEL = "final_model.pt"
+__all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "run_rank", "run_script", "run_worker"]
 
-
-def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int:
-    """The step to start at: 0, or the newest checkpoint's after --resume or a restart by
-    the elastic agent (it sets TORCHELASTIC_RESTART_COUNT). The run directory's records of the
-    steps that run again are dropped, and rank 0 says where the run went back to: by
-    ``sync.load`` (``AttachedRun.loaded``), or here when there are no checkpoints to load."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if not (cfg.resume or restarted):
-        return 0
-    if cfg.resume or cfg.checkpoint_every:
-        extra = sync.load(run_dir / CHECKPOINT_DIR)
-        return int(extra["step"]) if extra else 0
-    if rank == 0:
-        # Every step runs again, a restart without checkpoints: their earlier records would
-        # count the rolled-back work twice in the report.
-        drop_records_from(run_dir / METRICS_FILE, 0)
-        say_resumed("starting over (no --checkpoint-every)", 0)
-    return 0
-
-
-def _log_recovery(directory: Path, resumed_at: int) -> None:
-    """When the first step after a resume completed: the end of the outage."""
-    directory.mkdir(parents=True, exist_ok=True)
-    entry = {
-        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        "resumed_at_step": resumed_at,
-        "first_step_done": time.time(),
-    }
-    with open(directory / "recoveries.jsonl", "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(entry) + "\n")
-
-
-class _CheckpointLog:
-    """``CHECKPOINTS/log.jsonl``: rank 0's time per save. Opened once, and flushed once a
-    second and at the end rather than per line: with a checkpoint every step, making the
-    directory and opening the file at each save cost about a tenth of a millisecond of the
-    step, and a write to the file at each save one more system call on the rank every other
-    waits for. Rank 0 killed, or stopped by a restart of the group, loses up to the last
-    second's lines (the times, not the checkpoints)."""
-
-    FLUSH_EVERY_S = 1.0
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._fh: Any = None
-        self._flushed = 0.0
-
-    def write(self, step: int, seconds: float) -> None:
-        if self._fh is None:
-            self.directory.mkdir(parents=True, exist_ok=True)  # the writer may not have yet
-            self._fh = open(self.directory / "log.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        now = time.time()
-        self._fh.write(f'{{"step": {step}, "seconds": {seconds!r}, "time": {now!r}}}\n')
-        if now - self._flushed >= self.FLUSH_EVERY_S:
-            self._fh.flush()
-            self._flushed = now
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+#: the built-in workloads' script (``--config RUN_DIR/config.json`` follows)
+BUILTIN = ["-m", "gradsync.workloads.train"]
 
 
 _PACKAGE = str(Path(__file__).resolve().parent) + os.sep
@@ -118,27 +55,31 @@ def _one_line_warnings() -> None:
 
 def run_rank(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     """One rank of ``gradsync run``: the user's script if the run names one, else the
-    built-in workload."""
-    if config_dict.get("script"):
-        return run_script(config_dict)
-    return run_worker(config_dict)
+    built-in workloads' script, both through ``run_script``."""
+    return run_script(config_dict)
+
+
+def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank of a built-in workload's run (the run's config.json must be written)."""
+    return run_script({**config_dict, "script": []})
 
 
 def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
-    """Run the user's script (or ``-m MODULE``) as ``__main__`` in this rank's process, as
-    ``python train.py ARGS`` under torchrun would, with ``GRADSYNC_RUN_DIR`` naming the run
-    directory its gs.Synchronizer attaches to. Why in-process rather than a new interpreter:
-    the elastic agent's worker is this process (its restarts, its error file naming the
-    failed rank and the exception), and a second interpreter would import torch again.
-    Returns, on rank 0, where the run directory is; a script's ``sys.exit(0)`` is a success,
-    any other exit status fails the rank."""
+    """Run the run's script (the user's, or ``-m MODULE``; none: the built-in workloads') as
+    ``__main__`` in this rank's process, as ``python train.py ARGS`` under torchrun would,
+    with ``GRADSYNC_RUN_DIR`` naming the run directory its gs.Synchronizer attaches to. Why
+    in-process rather than a new interpreter: the elastic agent's worker is this process (its
+    restarts, its error file naming the failed rank and the exception), and a second
+    interpreter would import torch again. Returns, on rank 0, where the run directory is; a
+    script's ``sys.exit(0)`` is a success, any other exit status fails the rank."""
     import runpy
 
     cfg = RunConfig.from_dict(config_dict)
     _one_line_warnings()
-    os.environ[RUN_DIR_ENV] = str(Path(cfg.out).resolve())
+    run_dir = Path(cfg.out).resolve()
+    os.environ[RUN_DIR_ENV] = str(run_dir)
     torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
-    command = list(cfg.script)
+    command = list(cfg.script) or [*BUILTIN, "--config", str(run_dir / CONFIG_FILE)]
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
         if command[0] == "-m":
@@ -156,118 +97,6 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         sys.argv = saved_argv
         sys.path[:] = saved_path
     return {"run_dir": cfg.out} if runtime.rank() == 0 else None
-
-
-def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
-    """Train ``config.steps`` steps; rank 0 writes metrics.jsonl and report.json and returns the
-    report as a dict (other ranks return None). Parameter-server ranks serve instead."""
-    cfg = RunConfig.from_dict(config_dict)
-    _one_line_warnings()
-    torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    backend = cfg.process_backend(local)
-    runtime.init(backend=backend, timeout_s=cfg.timeout)
-    rank, world = runtime.rank(), runtime.world_size()
-    if rank == 0 and backend == "gloo" and cfg.backend == "auto" and torch.cuda.is_available():
-        # Not silently on the CPU where a GPU is visible: say why, and what would use it.
-        logger.info(
-            "--backend auto: training on the CPU over gloo (%d process(es) on this machine, "
-            "%d GPU(s) visible, strategy %s); --backend nccl with at most one process per GPU "
-            "trains on them",
-            local,
-            torch.cuda.device_count(),
-            cfg.strategy,
-        )
-    run_dir = Path(cfg.out)
-    workload = make_workload(cfg.workload, seed=cfg.seed, data=cfg.data, params=cfg.params)
-    model = workload.build_model().to(runtime.device())
-    optimizer = workload.make_optimizer(model, cfg.lr or workload.default_lr)
-    # Attached to the run directory: metrics.jsonl, the trackers, the progress line, --kill,
-    # spans.jsonl and report.json, as for any script ``gradsync run`` starts
-    sync = _synchronizer(cfg, model, optimizer, run_dir)
-    run = sync.attached_run
-    assert run is not None
-    if sync.is_server:
-        # Servers resume too (their parameters, optimizer state and clocks): load is collective.
-        _resume(sync, cfg, run_dir, rank)
-        sync.serve()
-        sync.close()
-        return None
-    barrier_free = sync.strategy.barrier_free
-    start = _resume(sync, cfg, run_dir, rank)
-    recovering = start > 0 and rank == 0
-    checkpoints = run_dir / CHECKPOINT_DIR
-    log = _CheckpointLog(checkpoints)
-    for step in range(start, cfg.steps):
-        loss = _train_step(sync, workload, cfg, step, rank)
-        if barrier_free and run.sink is not None and (step + 1) % cfg.telemetry_every == 0:
-            # No gathering mid-run without a barrier: show rank 0's own view meanwhile.
-            run.sink.progress.update(step + 1, loss, 0.0, 0.0)
-        if recovering:
-            recovering = False
-            _log_recovery(run_dir / FAULTS_DIR, start)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            # Written in the background: the step pays for a copy of the state. The records of
-            # the steps not gathered yet go with it, so a restart that rolls back to it keeps
-            # them. close() below waits for the last writes.
-            seconds = sync.save(
-                checkpoints, keep=cfg.keep_checkpoints, wait=False, data_position=step + 1
-            )
-            if rank == 0:
-                log.write(step + 1, seconds)
-    log.close()
-    sync.report()  # rank 0 writes report.json (``AttachedRun.finish``)
-    # The final parameters, so runs (interrupted or not) can be compared bit for bit: whole
-    # tensors (gathering zero:3's shards is a collective, so every rank takes part).
-    final = {
-        k: v.full_tensor() if compat.is_dtensor(v) else v for k, v in model.state_dict().items()
-    }
-    if rank == 0:
-        torch.save(final, run_dir / FINAL_MODEL)
-    sync.close()
-    if rank != 0 or run.reported is None:
-        return None
-    return {**run.reported, "world_size": world}
-
-
-def _synchronizer(
-    cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: Path
-) -> Synchronizer:
-    return Synchronizer(
-        model,
-        optimizer,
-        strategy=cfg.strategy,
-        compression=cfg.compression,
-        bucket_mb=cfg.bucket_mb,
-        allreduce=cfg.allreduce,
-        telemetry_every=cfg.telemetry_every,
-        slow=cfg.slow,
-        servers=cfg.servers,
-        timeout_s=cfg.timeout,
-        balance=cfg.balance,
-        check_every=cfg.check_every,
-        run_dir=run_dir,
-    )
-
-
-def _train_step(sync: Synchronizer, workload: Any, cfg: RunConfig, step: int, rank: int) -> float:
-    """One step on this rank's shard of the step's global batch; returns its loss."""
-    # Balanced runs get this step's shard sizes from measured speed; others split evenly.
-    sizes = sync.shard_sizes(cfg.global_batch)
-    lo = sum(sizes[:rank])
-    hi = lo + sizes[rank]
-    micro = cfg.micro_batches
-    with sync.step(micro_batches=micro, samples=hi - lo) as s:
-        total_loss = torch.zeros((), dtype=torch.float64)
-        # Micro-batches split this rank's shard; the Synchronizer averages over them.
-        bounds = [lo + (hi - lo) * i // micro for i in range(micro + 1)]
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            x, y = workload.batch(step, cfg.global_batch, a, b)
-            loss = workload.loss(sync.model, x.to(runtime.device()), y.to(runtime.device()))
-            loss.backward()
-            total_loss += loss.detach().double().cpu()
-        s.loss = total_loss / micro
-    return float(s.loss)
 
 
 def main() -> None:

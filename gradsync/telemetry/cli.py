@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 TRACE_FILE = "trace.json"
-REPORT_FILE = "report.json"  # written by the run itself (gradsync.worker), never by `report`
+REPORT_FILE = "report.json"  # written by the run itself (gradsync.attached_run), never by `report`
 
 
 @dataclass(slots=True)

@@ -72,11 +72,6 @@ def test_hosts_and_link_are_refused_naming_gradsync_run(
     assert not (tmp_path / "cmp").exists()  # and no directory made
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compare's parser is built in gradsync/cli.py (_add_compare_parser), which still "
-    "hides only --strategy; it should pass unlisted=compare.RUN_ONLY_FIELDS",
-)
 def test_compare_help_lists_no_flag_compare_refuses(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli_main(["compare", "--help"])
