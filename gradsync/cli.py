@@ -178,9 +178,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     if args.out is None:
         cfg.out = cfg.out.replace("runs/", "runs/compare-", 1)
+    what = " ".join(cfg.script) if cfg.script else f"{cfg.workload}, {cfg.steps} steps each"
     print(
-        f"gradsync compare: {', '.join(strategies)} on {cfg.workload}, {cfg.nproc} workers, "
-        f"{cfg.steps} steps each -> {cfg.out}",
+        f"gradsync compare: {', '.join(strategies)} on {what}, {cfg.nproc} workers -> {cfg.out}",
         file=sys.stderr,
     )
     result = run_comparison(cfg, strategies, args.target_loss, show_progress=cfg.progress)
@@ -301,7 +301,14 @@ def _add_run_parser(sub: Any) -> None:
 
 
 def _add_compare_parser(sub: Any) -> None:
-    compare = sub.add_parser("compare", help=COMMANDS["compare"][0])
+    compare = sub.add_parser(
+        "compare",
+        help=COMMANDS["compare"][0],
+        usage="gradsync compare [flags] [-- SCRIPT.py ARGS... | -- -m MODULE ARGS...]",
+        description="Run each of --strategies on the same training, one after the other, and "
+        "compare time to a target loss: a built-in workload, or your own script after -- "
+        "(its gs.Synchronizer must leave strategy= out, so that each run chooses it).",
+    )
     compare.add_argument(
         "--strategies",
         default="bsp,ssp:2,async,local:8,diloco:32",
@@ -331,7 +338,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gradsync.cli:_add_run_parser",
     ),
     "compare": (
-        "run several strategies on the same workload",
+        "run several strategies on the same workload or script (compare ... -- train.py)",
         "gradsync.cli:_add_compare_parser",
     ),
     "checkpoint": ("work with a run's checkpoints", "gradsync.cli:_add_checkpoint_parsers"),
@@ -351,7 +358,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 #: Commands that take a script after ``--``
-SCRIPT_COMMANDS = frozenset({"run"})
+SCRIPT_COMMANDS = frozenset({"run", "compare"})
 
 #: Commands that never start torch's launcher: main() neither imports torch nor quiets its logs
 #: for them (the simulator and the report are pure Python and numpy).

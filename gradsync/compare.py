@@ -135,12 +135,14 @@ def run_comparison(
     base: RunConfig, strategies: list[str], target: float | None, show_progress: bool = True
 ) -> dict[str, Any]:
     from gradsync.launch import launch
-    from gradsync.worker import run_worker
+    from gradsync.worker import run_rank
 
     refuse_run_only_flags(base)
     out = Path(base.out)
     out.mkdir(parents=True, exist_ok=True)
-    progress = Progress(base.steps * len(strategies), enabled=show_progress)
+    # A script's steps are its own: the line then shows each run's step alone.
+    per_run = 0 if base.script else base.steps
+    progress = Progress(per_run * len(strategies), enabled=show_progress)
     curves: list[Curve] = []
     pulls: int | None = None
     for i, spec in enumerate(strategies):
@@ -153,17 +155,19 @@ def run_comparison(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / METRICS_FILE).unlink(missing_ok=True)
         (run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
-        cfg.save(run_dir)
+        # Each run's strategy is the comparison's, also for a script's Synchronizer (which
+        # takes it as if given on the command line: one naming its own is refused)
+        cfg.save(run_dir, given=["strategy", "servers"] if uses_servers(spec) else ["strategy"])
         progress.label = f"{spec} ({i + 1}/{len(strategies)})"
         stop = threading.Event()
         watcher = threading.Thread(
-            target=_watch, args=(run_dir, i * base.steps, progress, stop), daemon=True
+            target=_watch, args=(run_dir, i * per_run, progress, stop), daemon=True
         )
         watcher.start()
         try:
             # --max-restarts as under gradsync run: the workers resume from their checkpoints
             launch(
-                run_worker,
+                run_rank,
                 (cfg.to_dict(),),
                 nproc=cfg.processes,
                 threads=cfg.threads,
@@ -173,7 +177,7 @@ def run_comparison(
             stop.set()
             watcher.join()
         pull = 0
-        if uses_servers(spec):
+        if uses_servers(spec) and not base.script:  # a script's model is not known here
             if pulls is None:  # the same model and servers for every strategy: count once
                 pulls = pull_bytes_per_step(cfg)
             pull = pulls
@@ -181,7 +185,7 @@ def run_comparison(
         curves.append(curve)
         # The same loss the runs' own progress lines show: this step's, not the moving average.
         last = float(curve.raw[-1])
-        progress.update((i + 1) * base.steps, None if np.isnan(last) else last, 0.0, 0.0)
+        progress.update((i + 1) * per_run, None if np.isnan(last) else last, 0.0, 0.0)
     progress.close()
     return summarize(curves, target, out, plots=base.plots)
 

@@ -22,6 +22,8 @@ from gradsync.rundir import CHECKPOINT_DIR, FINAL_MODEL
 
 __all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "run_rank", "run_script", "run_worker"]
 
+#: replaced by the run directory in a script's arguments
+RUN_DIR_PLACEHOLDER = "{run_dir}"
 #: the built-in workloads' script (``--config RUN_DIR/config.json`` follows)
 BUILTIN = ["-m", "gradsync.workloads.train"]
 
@@ -79,7 +81,10 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     run_dir = Path(cfg.out).resolve()
     os.environ[RUN_DIR_ENV] = str(run_dir)
     torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
-    command = list(cfg.script) or [*BUILTIN, "--config", str(run_dir / CONFIG_FILE)]
+    # ``{run_dir}`` in the script's arguments: this run's directory (each of compare's runs has
+    # its own: a checkpoint path there is not shared between strategies)
+    command = [arg.replace(RUN_DIR_PLACEHOLDER, str(run_dir)) for arg in cfg.script]
+    command = command or [*BUILTIN, "--config", str(run_dir / CONFIG_FILE)]
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
         if command[0] == "-m":

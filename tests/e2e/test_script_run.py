@@ -66,3 +66,27 @@ def test_a_user_script_gets_the_run_directory_faults_and_restarts(tmp_path: Path
     whole = torch.load(slowed / "final.pt")
     resumed = torch.load(killed / "final.pt")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+@pytest.mark.timeout(300)
+def test_compare_runs_each_strategy_on_the_user_script(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync.cli", "compare", "--nproc", "2", "--no-plots"]
+        + ["--strategies", "bsp,local:4", "--out", str(out), "--", str(SCRIPT), str(STEPS)]
+        + ["{run_dir}/ckpt", "{run_dir}/final.pt"],  # each run's own directory
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line}
+    assert {"bsp", "local:4"} <= set(table), proc.stdout
+    for name in ("bsp", "local-4"):  # each strategy's own run directory and checkpoints
+        config = json.loads((out / name / "config.json").read_text())
+        assert config["strategy"] == name.replace("-", ":") and "strategy" in config["given"]
+        assert (out / name / "final.pt").exists() and (out / name / "ckpt").is_dir()
+    # The runs differ: local:4 averages every 4th step, bsp every step
+    bsp, local = (torch.load(out / name / "final.pt") for name in ("bsp", "local-4"))
+    assert any(not torch.equal(bsp[k], local[k]) for k in bsp)
