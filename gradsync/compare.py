@@ -216,19 +216,23 @@ def _dirname(spec: str) -> str:
 def summarize(
     curves: list[Curve], target: float | None, out: Path, plots: bool = True
 ) -> dict[str, Any]:
-    finals = [float(c.loss[-1]) for c in curves]
-    # Default target: the worst final loss, so every strategy reaches it and the table
-    # compares how fast each gets there.
+    finals = [float(c.loss[-1]) for c in curves]  # smoothed: the moving average's last
+    # Default target: the worst smoothed final loss, so every strategy reaches it and the
+    # table compares how fast each gets there.
     goal = target if target is not None else max(finals)
     rows = []
     for c, final in zip(curves, finals, strict=True):
+        # "final loss" is the last step's loss averaged over the ranks, the quantity of
+        # gradsync run's "final loss:" line and report.json; the moving average beside it.
+        last = float(c.raw[-1])
         hit = c.first_below(goal)
         wall = float(c.seconds[-1])
         samples = sum(t.samples for t in c.report.ranks)
         rows.append(
             {
                 "strategy": c.strategy,
-                "final_loss": final,
+                "final_loss": None if np.isnan(last) else last,
+                "final_loss_moving_average": final,
                 "steps_to_target": None if hit is None else int(c.steps[hit]) + 1,
                 "seconds_to_target": None if hit is None else float(c.seconds[hit]),
                 "samples_per_s": samples / wall if wall > 0 else 0.0,
@@ -245,7 +249,8 @@ def summarize(
 
 def format_table(result: dict[str, Any]) -> str:
     head = (
-        f"{'strategy':<12} {'final loss':>10} {'steps→target':>12} {'s→target':>9} "
+        f"{'strategy':<12} {'final loss':>10} {'avg ' + str(SMOOTH):>8} {'steps→target':>12} "
+        f"{'s→target':>9} "
         f"{'samples/s':>10} {'MB sent':>9} {'barrier tax':>11}"
     )
     lines = [f"target loss: {result['target_loss']:.4f} ({SMOOTH}-step moving average)", head]
@@ -253,10 +258,16 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         steps = "never" if r["steps_to_target"] is None else str(r["steps_to_target"])
         secs = "never" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
+        final = "n/a" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
         lines.append(
-            f"{r['strategy']:<12} {r['final_loss']:>10.4f} {steps:>12} {secs:>9} "
+            f"{r['strategy']:<12} {final:>10} {r['final_loss_moving_average']:>8.4f} "
+            f"{steps:>12} {secs:>9} "
             f"{r['samples_per_s']:>10,.0f} {r['mb_sent']:>9.1f} {r['barrier_tax']:>11.1%}"
         )
+    lines.append(
+        f"final loss: the last step's, as gradsync run reports it; avg {SMOOTH}: its "
+        f"{SMOOTH}-step moving average, which the target is met by"
+    )
     lines.append(
         "MB sent: every rank's payload; for ssp/async, pushes to and pulls from the servers"
     )

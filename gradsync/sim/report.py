@@ -26,7 +26,9 @@ def bsp_summary(res: SimResult, mean_base_ms: float) -> dict[str, Any]:
         "barrier_tax": float(res.idle_ms.sum() / (res.workers * res.wall_ms))
         if res.wall_ms > 0
         else 0.0,
-        "compute_share": (compute / compute.sum()).tolist() if compute.sum() > 0 else [],
+        # each worker's part of all the workers' compute: not the run reports' "compute
+        # share" (a rank's compute over its own wall time), hence another name
+        "compute_split": (compute / compute.sum()).tolist() if compute.sum() > 0 else [],
         "idle_per_worker_ms": res.idle_per_worker.tolist(),
         "throughput_steps_per_s": res.throughput,
         "efficiency": res.efficiency,
@@ -74,7 +76,7 @@ def format_bsp(res: SimResult, summary: dict[str, Any], max_rows: int) -> str:
         "(wall - mean base compute x steps - comm x steps)"
     )
     lines.append(f"barrier tax             {summary['barrier_tax']:.1%} of worker-time")
-    lines.append("compute share           " + _share_text(summary["compute_share"]))
+    lines.append("compute split           " + _share_text(summary["compute_split"]))
     return "\n".join(lines)
 
 

@@ -101,3 +101,18 @@ def test_strategy_list_errors() -> None:
         parse_strategies("bsp,bsp")
     with pytest.raises(ValueError, match="at least one"):
         parse_strategies(" , ")
+
+
+def test_the_table_s_final_loss_is_the_last_step_s_as_gradsync_run_reports_it(
+    tmp_path: Path,
+) -> None:
+    from gradsync.compare import format_table
+
+    curve = curve_from_records("bsp", _records([1.0] * 29 + [0.0], 0.1, 10))
+    result = summarize([curve], None, tmp_path, plots=False)
+    (row,) = result["rows"]
+    # RunReport's final_loss: the last step's loss averaged over the ranks
+    assert row["final_loss"] == 0.0
+    assert row["final_loss_moving_average"] == pytest.approx(0.9)
+    line = next(x for x in format_table(result).splitlines() if x.startswith("bsp"))
+    assert line.split()[1:3] == ["0.0000", "0.9000"]

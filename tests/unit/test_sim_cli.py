@@ -26,7 +26,7 @@ def test_bsp_table_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["wall_ms"] == pytest.approx(3 * (38 + 6))
     assert doc["barrier_idle_ms"] == pytest.approx(3 * 44 - 25.25 * 3 - 18)
     assert doc["per_step"][0]["wait_ms"] == [18.0, 16.0, 17.0, 0.0]
-    assert doc["compute_share"][3] == pytest.approx(38 / 101)
+    assert doc["compute_split"][3] == pytest.approx(38 / 101)
     text = run_cli(
         ["simulate", "--compute", "20,22,21,38", "--comm-ms", "6", "--steps", "3"], capsys
     )

@@ -36,7 +36,7 @@ def test_bsp_by_hand() -> None:
     assert res.wall_ms == 60.0
     summary = bsp_summary(res, mean_base_ms=17.0)
     assert summary["barrier_idle_ms"] == pytest.approx(60.0 - 17.0 * 2 - 5.0 * 2)
-    assert summary["compute_share"] == pytest.approx([40 / 102, 35 / 102, 27 / 102])
+    assert summary["compute_split"] == pytest.approx([40 / 102, 35 / 102, 27 / 102])
     assert summary["barrier_tax"] == pytest.approx(48.0 / (3 * 60.0))
 
 
