@@ -37,3 +37,18 @@ def test_hosts_flag_validation() -> None:
     assert bad.returncode == 2 and "do not split evenly over --hosts 3" in bad.stderr
     rate = gradsync("run", "--hosts", "2", "--link", "fast", "--nproc", "2", timeout=60)
     assert rate.returncode == 2 and "bad link rate 'fast'" in rate.stderr
+
+
+@pytest.mark.skipif(MISSING is not None, reason=f"emulated cluster unavailable: {MISSING}")
+@pytest.mark.timeout(240)
+def test_a_user_script_runs_on_the_emulated_hosts_too(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent.parent / "support" / "user_script.py"
+    out = tmp_path / "h"
+    run = gradsync(
+        "run", "--hosts", "2", "--nproc", "2", "--no-plots", "--out", str(out), "--",
+        str(script), "12", "{run_dir}/ckpt", "{run_dir}/final.pt",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 12 and len(report["ranks"]) == 2
+    assert (out / "final.pt").exists()  # the script's own output, in its run directory
