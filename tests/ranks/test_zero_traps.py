@@ -4,7 +4,7 @@ under ``zero:3`` works inside ``sync.unsharded()`` and is reported (naming it) w
 ``clip_grad_norm_`` on sharded gradients is refused or global, and a rank-0 checkpoint of a
 sharded optimizer is either whole (``sync.full_state_dict()``) or refused.
 
-One spawn (``zero_traps.everything``) runs every case; each test reads its part."""
+One spawn (``zero_traps.everything``) runs every case but one; each test reads its part."""
 
 from __future__ import annotations
 
@@ -30,9 +30,7 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    # The group's own timeout bounds a forward left in FSDP2's all-gather: a regression of the
-    # detection fails in seconds rather than hanging.
-    return run_ranks(zt.everything, WORLD, timeout_s=150, collective_timeout_s=20)
+    return run_ranks(zt.everything, WORLD, timeout_s=150, collective_timeout_s=60)
 
 
 @functools.cache
@@ -81,11 +79,9 @@ def test_rank_0_evaluates_alone_inside_sync_unsharded(runs: list[dict[str, Any]]
         _assert_close(out["params"], _flat(expected["model"]), f"rank {r} after evaluation")
 
 
-@pytest.mark.timeout(200)
-def test_a_state_dict_on_rank_0_after_an_evaluation_leaves_the_ranks_in_step(
-    runs: list[dict[str, Any]],
-) -> None:
-    r0, r1 = (out["state_dict"] for out in runs)
+@pytest.mark.timeout(120)
+def test_a_state_dict_on_rank_0_after_an_evaluation_leaves_the_ranks_in_step() -> None:
+    r0, r1 = run_ranks(zt.state_dict_alone, WORLD, timeout_s=90, collective_timeout_s=30)
     assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
     expected = _reference(2 * zt.STEPS)
     assert r0["evaluated"] == pytest.approx(expected["evaluated"], rel=1e-9)

@@ -2,13 +2,16 @@
 under ``zero:3``, torch's ``clip_grad_norm_`` on sharded gradients, rank-0 checkpoints of a
 sharded optimizer (module level, so spawned ranks can import them).
 
-One spawn runs every case (``everything``); each case catches what it raises, so one trap
-that fails does not hide the others, and the forward on rank 0 alone (the case that hung
-before it was detected) comes last."""
+One spawn runs every case but one (``everything``), each on a process group of its own and
+catching what it raises, so that one trap that fails does not hide the others; the forward on
+rank 0 alone (the case that hung before it was detected) comes last. The state dict after an
+evaluation runs alone (``state_dict_alone``): where it fails, gloo aborts the process."""
 
 from __future__ import annotations
 
 import copy
+import datetime
+import functools
 import time
 from typing import Any
 
@@ -25,6 +28,9 @@ MAX_NORM = zr.MAX_NORM
 #: the gate's bound for a rank in its own code, short so a regression fails in seconds
 BETWEEN_S = 2.0
 TIMEOUT_S = 15.0
+#: each case's group's own collective timeout, which bounds a forward left in FSDP2's
+#: all-gather (the user's code keeps it): a regression of the detection fails in seconds
+GROUP_TIMEOUT = datetime.timedelta(seconds=20)
 
 
 class RootHeld(nn.Module):
@@ -49,12 +55,14 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _build(spec: str, **kw: Any) -> tuple[Any, nn.Module, torch.optim.Optimizer, gs.Synchronizer]:
+def _build(
+    spec: str, group: Any, **kw: Any
+) -> tuple[Any, nn.Module, torch.optim.Optimizer, gs.Synchronizer]:
     w = zr._workload()
     model = _model(w)
     opt = zr.make_optimizer("adamw", model)
     kw.setdefault("timeout_s", TIMEOUT_S)
-    return w, model, opt, gs.Synchronizer(model, opt, strategy=spec, **kw)
+    return w, model, opt, gs.Synchronizer(model, opt, strategy=spec, group=group, **kw)
 
 
 def _train(sync: gs.Synchronizer, w: Any, model: nn.Module, steps: range, rank: int) -> None:
@@ -106,11 +114,11 @@ def continue_ddp_style(state: dict[str, Any], world: int, steps: range) -> dict[
 # -- trap 1: evaluation between steps under zero:3 ----------------------------------------------
 
 
-def evaluation_on_rank_0(rank: int, world: int) -> dict[str, Any]:
+def evaluation_on_rank_0(rank: int, world: int, group: Any) -> dict[str, Any]:
     """Rank 0 evaluates alone inside ``sync.unsharded()`` (entered on every rank), three
     forwards; then training goes on. Its loss must be the whole model's, and training after it
     the trajectory of a run that never evaluated."""
-    w, model, _, sync = _build("zero:3", between_steps_timeout_s=BETWEEN_S)
+    w, model, _, sync = _build("zero:3", group, between_steps_timeout_s=BETWEEN_S)
     out: dict[str, Any] = {"error": None, "losses": [], "params": None}
     try:
         _train(sync, w, model, range(STEPS), rank)
@@ -130,12 +138,12 @@ def evaluation_on_rank_0(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def state_dict_after_evaluation(rank: int, world: int) -> dict[str, Any]:
+def state_dict_after_evaluation(rank: int, world: int, group: Any) -> dict[str, Any]:
     """Every rank evaluates (a no-grad forward between steps, which FSDP2 leaves with the
     root's parameters gathered), then rank 0 alone calls ``model.state_dict()`` (which puts
     them back to shards on rank 0 only): the next step must still find the ranks in the same
     collectives."""
-    w, model, _, sync = _build("zero:3")
+    w, model, _, sync = _build("zero:3", group)
     out: dict[str, Any] = {"error": None, "params": None, "evaluated": None}
     try:
         _train(sync, w, model, range(STEPS), rank)
@@ -152,11 +160,11 @@ def state_dict_after_evaluation(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def forward_on_rank_0_alone(rank: int, world: int) -> dict[str, Any]:
+def forward_on_rank_0_alone(rank: int, world: int, group: Any) -> dict[str, Any]:
     """Rank 0 runs a forward of the sharded model between steps without ``sync.unsharded()``;
     rank 1 goes on to the next step. Both must fail, naming ``sync.unsharded()``, rather than
     sit in different collectives."""
-    w, model, _, sync = _build("zero:3", between_steps_timeout_s=BETWEEN_S)
+    w, model, _, sync = _build("zero:3", group, between_steps_timeout_s=BETWEEN_S)
     out: dict[str, Any] = {"error": None}
     try:
         _train(sync, w, model, range(1), rank)
@@ -175,12 +183,12 @@ def forward_on_rank_0_alone(rank: int, world: int) -> dict[str, Any]:
 # -- trap 3: torch's clip_grad_norm_ on sharded gradients ---------------------------------------
 
 
-def torch_clip(rank: int, world: int, spec: str, over: str) -> dict[str, Any]:
+def torch_clip(rank: int, world: int, spec: str, over: str, group: Any) -> dict[str, Any]:
     """torch's own ``clip_grad_norm_`` at the gradient-ready point, over ``over``: the model's
     parameters, or the tensors the optimizer steps (this rank's shards under zero:3). Either
     gradsync refuses it, or the step is the one a single process clipping the whole gradient
     makes."""
-    w, model, opt, sync = _build(spec)
+    w, model, opt, sync = _build(spec, group)
     params = (
         list(model.parameters())
         if over == "model"
@@ -211,21 +219,21 @@ def torch_clip(rank: int, world: int, spec: str, over: str) -> dict[str, Any]:
 # -- trap 4: rank-0 checkpoints of a sharded optimizer ------------------------------------------
 
 
-def _every_rank_has(state: dict[str, Any] | None) -> dict[str, Any]:
+def _every_rank_has(state: dict[str, Any] | None, group: Any) -> dict[str, Any]:
     """Rank 0's state on every rank, as when every rank ``torch.load``s rank 0's file (a copy:
     torch's ``load_state_dict`` keeps the tensors it is given where it can)."""
     box = [copy.deepcopy(state)]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     assert box[0] is not None
     return box[0]
 
 
-def checkpoint(rank: int, world: int, spec: str) -> dict[str, Any]:
+def checkpoint(rank: int, world: int, spec: str, group: Any) -> dict[str, Any]:
     """STEPS steps; then ``optimizer.state_dict()`` on this rank alone (gradsync must refuse a
     shard passed off as the whole), ``sync.full_state_dict()`` (rank 0's is checked by the
     test and loaded DDP-style there), and a fresh model, optimizer and Synchronizer resumed
     from it with ``sync.load_full_state_dict`` for STEPS more steps."""
-    w, model, opt, sync = _build(spec)
+    w, model, opt, sync = _build(spec, group)
     out: dict[str, Any] = {"partial": None, "error": None}
     try:
         _train(sync, w, model, range(STEPS), rank)
@@ -242,8 +250,8 @@ def checkpoint(rank: int, world: int, spec: str) -> dict[str, Any]:
     finally:
         sync.close()
     try:
-        w, model, opt, sync = _build(spec)
-        sync.load_full_state_dict(_every_rank_has(out["full"] if rank == 0 else None))
+        w, model, opt, sync = _build(spec, group)
+        sync.load_full_state_dict(_every_rank_has(out["full"] if rank == 0 else None, group))
         _train(sync, w, model, range(STEPS, 2 * STEPS), rank)
         out["resumed"] = sync.full_state_dict()
         sync.close()
@@ -252,14 +260,31 @@ def checkpoint(rank: int, world: int, spec: str) -> dict[str, Any]:
     return out
 
 
+def state_dict_alone(rank: int, world: int) -> dict[str, Any]:
+    """``state_dict_after_evaluation`` in a spawn of its own: where it fails, gloo finds the
+    ranks' collectives mismatched and aborts the process."""
+    return state_dict_after_evaluation(rank, world, None)
+
+
 def everything(rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    out["evaluation"] = evaluation_on_rank_0(rank, world)
-    out["state_dict"] = state_dict_after_evaluation(rank, world)
+    """Every other case, each on a group of its own: a case that leaves its collectives broken
+    (a trap that hangs until a timeout) leaves the others' connections whole."""
+    cases: dict[str, Any] = {
+        "evaluation": functools.partial(evaluation_on_rank_0, rank, world),
+    }
     for spec in ("zero:2", "zero:3"):
         for over in ("model", "optimizer"):
-            out[f"clip {spec} {over}"] = torch_clip(rank, world, spec, over)
+            cases[f"clip {spec} {over}"] = functools.partial(torch_clip, rank, world, spec, over)
     for spec in ("zero:1", "zero:2", "zero:3"):
-        out[f"checkpoint {spec}"] = checkpoint(rank, world, spec)
-    out["forward alone"] = forward_on_rank_0_alone(rank, world)
+        cases[f"checkpoint {spec}"] = functools.partial(checkpoint, rank, world, spec)
+    cases["forward alone"] = functools.partial(forward_on_rank_0_alone, rank, world)
+    out = {}
+    for name, case in cases.items():
+        # A case that failed may have left one rank seconds behind the other: meet on the
+        # default group (whose timeout is long) before making the next case's group.
+        dist.barrier()
+        try:
+            out[name] = case(dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT))
+        except Exception as exc:  # noqa: BLE001 - a case that broke its own group (close())
+            out[name] = {"error": f"outside the case's own checks: {_error(exc)}"}
     return out
