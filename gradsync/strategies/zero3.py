@@ -363,6 +363,8 @@ class ZeroStage3(Strategy):
         self._modules: list[Any] = []
         #: inside ``sync.unsharded()``: every parameter is gathered on this rank
         self._unsharded = False
+        #: ``model.state_dict()`` ran inside it, and put this rank's parameters back to shards
+        self._resharded_inside = False
 
     def setup(self, ctx: SyncContext) -> None:
         if ctx.compressor.spec != "none":
@@ -382,6 +384,7 @@ class ZeroStage3(Strategy):
         self._hooks = [
             # before FSDP2's own pre-forward (prepend), which would post the first all-gather
             ctx.model.register_forward_pre_hook(self._before_forward, prepend=True),
+            ctx.model.register_state_dict_pre_hook(self._on_state_dict),
             refuse_partial_state(ctx.optimizer, self.name),
         ]
 
@@ -400,6 +403,13 @@ class ZeroStage3(Strategy):
         naming ``sync.unsharded()``, on every rank, instead of leaving rank 0 in an all-gather
         while its peers wait for the next step (``StepGate.before_user_collective``)."""
         ctx = self._ctx
+        if self._unsharded and self._resharded_inside:
+            raise UsageError(
+                "a forward inside sync.unsharded() after model.state_dict(): FSDP2 put this "
+                "rank's parameters back to shards for the state dict, so this forward would "
+                "gather them again, a collective the other ranks are not in. Take the state "
+                "dict after the forwards (or sync.full_state_dict() on every rank, outside)"
+            )
         if ctx is None or self._unsharded or ctx.watch is None:
             return
         phase, step, _ = ctx.watch.phase
@@ -408,6 +418,10 @@ class ZeroStage3(Strategy):
         self._reshard()
         if ctx.gate is not None:
             ctx.gate.before_user_collective(step + 1, FORWARD_BETWEEN_STEPS)
+
+    def _on_state_dict(self, *_: Any) -> None:
+        if self._unsharded:
+            self._resharded_inside = True
 
     @contextmanager
     def unsharded(self) -> Iterator[None]:
@@ -428,7 +442,7 @@ class ZeroStage3(Strategy):
                 "sync.unsharded() (all-gather of every parameter)",
                 lambda: [m.unshard() for m in modules],
             )
-            self._unsharded = True
+            self._unsharded, self._resharded_inside = True, False
             yield
         finally:
             self._unsharded = False

@@ -75,6 +75,8 @@ def test_rank_0_evaluates_alone_inside_sync_unsharded(runs: list[dict[str, Any]]
     expected = _reference(2 * zt.STEPS)
     assert r0["losses"] == [pytest.approx(expected["evaluated"], rel=1e-9)] * 3
     assert r1["losses"] == []
+    assert str(r0["after_state_dict"]).startswith("UsageError"), r0["after_state_dict"]
+    assert "after model.state_dict()" in r0["after_state_dict"], r0["after_state_dict"]
     for r, out in enumerate((r0, r1)):  # the evaluation changed nothing
         _assert_close(out["params"], _flat(expected["model"]), f"rank {r} after evaluation")
 

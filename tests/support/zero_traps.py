@@ -119,7 +119,7 @@ def evaluation_on_rank_0(rank: int, world: int, group: Any) -> dict[str, Any]:
     forwards; then training goes on. Its loss must be the whole model's, and training after it
     the trajectory of a run that never evaluated."""
     w, model, _, sync = _build("zero:3", group, between_steps_timeout_s=BETWEEN_S)
-    out: dict[str, Any] = {"error": None, "losses": [], "params": None}
+    out: dict[str, Any] = {"error": None, "losses": [], "params": None, "after_state_dict": None}
     try:
         _train(sync, w, model, range(STEPS), rank)
         with sync.unsharded():
@@ -127,6 +127,11 @@ def evaluation_on_rank_0(rank: int, world: int, group: Any) -> dict[str, Any]:
                 with torch.no_grad():
                     for _ in range(3):
                         out["losses"].append(float(w.loss(model, *_eval_batch(w, world))))
+                    model.state_dict()  # FSDP2 puts this rank's parameters back to shards
+                    try:  # a forward now would gather alone: refused, not hung
+                        w.loss(model, *_eval_batch(w, world))
+                    except Exception as exc:  # noqa: BLE001 - the test reads it
+                        out["after_state_dict"] = _error(exc)
             else:
                 time.sleep(0.5)  # rank 1 reaches the next step's gate first
         _train(sync, w, model, range(STEPS, 2 * STEPS), rank)
