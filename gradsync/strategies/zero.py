@@ -43,8 +43,14 @@ another rank's part there must use ``zero:1``). A norm needs every rank's part, 
 must take it from ``grad_norm`` (one all-reduce of the shards' sums): ``clip_grad_norm(
 sync.strategy, params, max_norm)`` from ``gradsync.strategies``, which the step handle's
 ``s.clip_grad_norm_`` calls. ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
-there would clip each shard by its own norm. ``scaler.unscale_(optimizer)`` there works
-(each rank unscales its shard; the skip decision is agreed in the update).
+there would clip each shard by its own norm, so it is refused (``zero_shards.LocalClipGuard``
+says how it is recognised). ``scaler.unscale_(optimizer)`` there works (each rank unscales its
+shard; the skip decision is agreed in the update).
+
+Under both stages ``optimizer.state_dict()`` holds this rank's shard of the optimizer state:
+called from the user's code (a DDP script's rank-0 checkpoint) it is refused, naming
+``sync.full_state_dict()``, which gathers the whole state to rank 0 (``owned_full_state``);
+``sync.load_full_state_dict`` deals a whole state out as a resume on another world size does.
 
 Non-finite gradients skip the step on every rank together: under ``zero:1`` as under ``bsp``
 (every rank holds the same reduced bits); under ``zero:2`` each rank checks its shard and one

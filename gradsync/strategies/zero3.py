@@ -50,6 +50,18 @@ than one parameter group), nothing is wrapped: the collectives count as compute 
 Limits: the gradient exchange is FSDP2's, so compression is refused (as for ``zero:2``) and so
 is ``balance`` (FSDP2 divides every gradient by the world size).
 
+Between steps: a forward is a collective (FSDP2's gathers), so a DDP script's evaluation on
+rank 0 alone would leave rank 0 in an all-gather and its peers at the next step's gate. Each
+forward between steps first passes a gate of its own (``StepGate.before_user_collective``):
+run on every rank it costs two store round trips; run on rank 0 alone every rank fails within
+seconds, naming ``sync.unsharded()``, which gathers every parameter once on every rank so that
+rank 0 can then evaluate alone. Every step and every forward between steps starts from the
+shards on every rank (``_reshard``), since FSDP2 leaves the root gathered after a forward and
+``model.state_dict()`` shards it again on the calling rank only. ``sync.full_state_dict()``
+gathers every rank's shards of the model and of the optimizer state to rank 0 and puts them
+together by rows; ``optimizer.state_dict()`` from the user's code (this rank's rows) and
+torch's clip over the optimizer's tensors (their norm alone) are refused, naming the fix.
+
 Checkpoints: each rank writes its shards of the parameters and of the optimizer state, as
 plain tensors, in gradsync's own files (atomic, checksummed, written in the background, see
 ``gradsync.checkpoint``). Resuming on another number of ranks (``reshard``) reads every saved rank's
