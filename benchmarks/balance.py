@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import REVERSE, Harness, interleave, machine, median_of_ratios, table
-from gradsync.config import RunConfig
-from gradsync.launch import launch
+from gradsync.processes.launch import launch
+from gradsync.runner.config import RunConfig
+from gradsync.runner.worker import run_worker
 from gradsync.telemetry.records import StepRecord, read_records
 from gradsync.telemetry.report import RunReport
-from gradsync.worker import run_worker
 
 SEED = 0
 BATCH = 16  # per rank, the gradsync run default

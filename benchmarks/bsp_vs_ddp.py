@@ -19,7 +19,7 @@ import gradsync as gs
 from benchmarks.harness import Harness, fmt_iqr, machine, median_iqr, table, time_interleaved
 from benchmarks.steps import Trainer
 from gradsync.checks.guards import all_finite, check_replicas
-from gradsync.launch import launch
+from gradsync.processes.launch import launch
 from gradsync.workloads import make_workload
 
 SWEEP_MB = (0.25, 1.0, 5.0, 25.0, 100.0)

@@ -1,7 +1,8 @@
 """gradsync's checkpointer against torch's DCP ``async_save``: the cost of a save on the training
 thread, side by side in one run on the same model.
 
-Per workload, one run of 2 ``bsp`` ranks (gloo on loopback, ``gradsync.launch``) trains the
+Per workload, one run of 2 ``bsp`` ranks (gloo on loopback, ``gradsync.processes.launch``) trains
+the
 same model with AdamW and alternates blocks of steps (``benchmarks.checkpoint_vs_dcp_worker``,
 which says how): none without saves, and for each cadence (``--every``) one block with
 ``sync.save(DIR, wait=False)`` and one with ``torch.distributed.checkpoint.async_save`` of
@@ -31,7 +32,7 @@ from typing import Any
 from benchmarks import checkpoint_vs_dcp_worker as w
 from benchmarks.harness import Harness, machine, median_iqr, pair_ratios, table
 from gradsync.checkpoint.writer_process import FILES_EVERY
-from gradsync.launch import launch
+from gradsync.processes.launch import launch
 
 HEADING = "Checkpoint cost against torch's DCP"
 

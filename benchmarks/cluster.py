@@ -450,7 +450,8 @@ def _start_agents(
         cmd = agent_command(cluster, h, module_args, 1, endpoint, run_id, 300)
         cmd[cmd.index("--max-restarts") + 1] = str(max_restarts)
         env = {**os.environ, **worker_env(), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        # As gradsync.launch does with restarts: a fresh store per round, or a restarted round
+        # As gradsync.processes.launch does with restarts: a fresh store per round, or a restarted
+        # round
         # reads the dead round's gloo addresses (pytorch/pytorch#135712).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         env.update(

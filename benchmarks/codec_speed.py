@@ -40,7 +40,7 @@ from benchmarks.harness import (
 )
 from benchmarks.steps import POWERSGD_START, Trainer
 from gradsync.compression import parse_compression
-from gradsync.launch import launch
+from gradsync.processes.launch import launch
 from gradsync.workloads import make_workload
 
 SPECS = ("fp16", "bf16", "int8", "topk:0.01", "randomk:0.01", "sign", "powersgd:4", "sparseloco")

@@ -21,7 +21,7 @@ import gradsync as gs
 from benchmarks.codec_speed import load_note
 from benchmarks.harness import REVERSE, Harness, machine, table, time_interleaved
 from benchmarks.steps import POWERSGD_START, Trainer, bytes_per_step_and_close
-from gradsync.launch import launch
+from gradsync.processes.launch import launch
 from gradsync.workloads import make_workload
 
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk:0.01", "randomk:0.01", "sign", "powersgd:4")

@@ -1,6 +1,6 @@
 """The synchronization dial with a straggler: every strategy against BSP, 4 workers, charlm.
 
-Each repeat runs `gradsync.compare.run_comparison` over the strategies, rank 3 slowed 2x, in
+Each repeat runs `gradsync.runner.compare.run_comparison` over the strategies, rank 3 slowed 2x, in
 alternating order, and every figure is a ratio against BSP from the same repeat. A second,
 shorter set (`--jitter-repeats`, 0 skips it) moves the straggler every step: that is where a
 staleness slack can pay off, unlike with a straggler that stays slow.
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import REVERSE, Harness, machine, median, median_of_ratios, order, table
-from gradsync.compare import run_comparison
-from gradsync.config import RunConfig
+from gradsync.runner.compare import run_comparison
+from gradsync.runner.config import RunConfig
 from gradsync.strategies import uses_servers
 from gradsync.telemetry.records import StepRecord, read_records
 from gradsync.workloads import make_workload
@@ -44,7 +44,8 @@ def jitter_slow(steps: int, nproc: int = NPROC, factor: float = JITTER_FACTOR) -
 def run_dirname(spec: str) -> str:
     """The directory ``run_comparison`` gives a strategy's run under its ``out``: the spec with
     every run of other characters than letters and digits made one '-' (``ssp:2`` -> ``ssp-2``).
-    Kept in step with gradsync.compare by hand; a mismatch fails loudly (no metrics found)."""
+    Kept in step with gradsync.runner.compare by hand; a mismatch fails loudly (no metrics
+    found)."""
     return re.sub(r"[^A-Za-z0-9]+", "-", spec).strip("-")
 
 

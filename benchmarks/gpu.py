@@ -34,7 +34,7 @@ import gradsync as gs
 from benchmarks.harness import Harness, interleave, machine, median_of_ratios, table
 from benchmarks.steps import Trainer
 from gradsync.compression import parse_compression
-from gradsync.launch import launch
+from gradsync.processes.launch import launch
 from gradsync.workloads import make_workload
 
 SPECS = ("fp16", "bf16", "int8", "int4", "topk:0.01", "randomk:0.01", "sign", "powersgd:4")

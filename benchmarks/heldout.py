@@ -43,7 +43,7 @@ from benchmarks.harness import (
 )
 from benchmarks.steps import Trainer, bytes_per_step_and_close
 from benchmarks.zero import children_cpu_s, cpu_busy_s
-from gradsync.launch import launch
+from gradsync.processes.launch import launch
 from gradsync.workloads.charlm import CharLM
 
 COMPRESSORS = ("int8", "topk:0.01", "sign")

@@ -1,6 +1,7 @@
 """Hogwild against BSP and async on one host, without and with a straggler.
 
-Each repeat runs `gradsync.compare.run_comparison` over bsp, async and hogwild (2 workers, the
+Each repeat runs `gradsync.runner.compare.run_comparison` over bsp, async and hogwild (2 workers,
+the
 same seed, data and steps; async with its one parameter server), in alternating order, once
 with every worker at its own speed and once with rank 1 slowed 3x. Every ratio is against BSP
 in the same repeat and set; the table holds medians over repeats.
@@ -34,8 +35,8 @@ from benchmarks.harness import (
     span,
     table,
 )
-from gradsync.compare import SMOOTH, run_comparison
-from gradsync.config import RunConfig
+from gradsync.runner.compare import SMOOTH, run_comparison
+from gradsync.runner.config import RunConfig
 from gradsync.telemetry.records import StepRecord, read_records
 
 STRATEGIES = ("bsp", "async", "hogwild")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import gradsync as gs
 from benchmarks.harness import Harness, machine, span, table, time_interleaved
-from gradsync.launch import launch
+from gradsync.processes.launch import launch
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)  # bytes
 BLOCK_BYTES = 16 << 20  # a block moves about this much per method, so small sizes repeat more

@@ -43,8 +43,8 @@ from benchmarks.harness import (
     table,
 )
 from benchmarks.intervals import median_interval, median_of_medians_interval
-from gradsync import forkserver
-from gradsync.launch import launch
+from gradsync.processes import forkserver
+from gradsync.processes.launch import launch
 from gradsync.telemetry.records import read_jsonl
 
 RELIABILITY_MD = ROOT / "RELIABILITY.md"
@@ -54,7 +54,7 @@ def run(
     out: Path, args: argparse.Namespace, strategy: str, steps: int, *extra: str
 ) -> tuple[int, float]:
     cmd = [
-        sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", args.workload,
+        sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--workload", args.workload,
         "--strategy", strategy, "--steps", str(steps), "--seed", str(args.seed),
         "--out", str(out), "--no-plots", "--no-progress", *extra,
     ]  # fmt: skip
@@ -202,7 +202,8 @@ def restart_note() -> str:
     )
     return (
         f"The time from a kill to the next completed step: the restarted workers {how} "
-        "(`gradsync.forkserver`). Spawned, this time was 2.5 s (BSP) and 3.7 s (async) on this "
+        "(`gradsync.processes.forkserver`). Spawned, this time was 2.5 s (BSP) and 3.7 s "
+        "(async) on this "
         "machine with the same command (RELIABILITY.md at f386f17). Forked, one BSP kill taken "
         "apart (one-off timestamps, two runs): 0.2-0.3 s from the kill to the new workers' start "
         "(the agent noticing the death, it polls every 0.1 s; stopping the survivor; a new "

@@ -40,7 +40,7 @@ SLOW_RANK = 3  # the straggler runs use --slow 3:2
 
 
 def real_run(out: Path, steps: int, slow: str | None, workload: list[str]) -> Path:
-    cmd = [sys.executable, "-m", "gradsync.cli", "run", "--nproc", "4", *workload]
+    cmd = [sys.executable, "-m", "gradsync", "run", "--nproc", "4", *workload]
     # --overwrite: with --reuse, a run directory left incomplete by an earlier try is redone
     cmd += ["--steps", str(steps), "--out", str(out), "--no-progress", "--no-plots", "--overwrite"]
     if slow:

@@ -19,7 +19,7 @@ from tempfile import TemporaryDirectory
 
 from benchmarks.harness import Harness, interleave, machine, median_iqr, table
 from benchmarks.reliability import RELIABILITY_MD, run, step_period
-from gradsync import forkserver
+from gradsync.processes import forkserver
 
 CONFIGS = [("forked", False), ("forked", True), ("spawned", False), ("spawned", True)]
 

@@ -48,7 +48,7 @@ RATIO = {"none": 1.0, "int4": 128 / 17}
 def run(out: Path, spec: str, compress: str, steps: int) -> dict[str, Any]:
     """One ``gradsync run``; its per-step records, or the error's tail."""
     cmd = [
-        sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", "mlp",
+        sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--workload", "mlp",
         "--params", str(PARAMS), "--batch-size", str(BATCH), "--steps", str(steps),
         "--strategy", spec, "--out", str(out), "--no-plots", "--no-progress",
         "--check-every", "0",

@@ -285,7 +285,7 @@ def collectives(numel: int, repeats: int) -> dict[str, float]:
 
 def main() -> int:
     from benchmarks import zero_worker  # the ranks unpickle the entry point by this name
-    from gradsync.launch import launch
+    from gradsync.processes.launch import launch
 
     job_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
     job = json.loads(job_path.read_text())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from gradsync.cli import main
+from gradsync.runner.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -58,7 +58,7 @@ FAULTS_DIR = "faults"
 logger = get_logger("run")
 
 #: what a run directory's settings are when no ``config.json`` names them (``gradsync run``'s
-#: own defaults, ``gradsync.config.RunConfig``)
+#: own defaults, ``gradsync.runner.config.RunConfig``)
 _DEFAULTS: dict[str, Any] = {
     "straggler_window": 20,
     "straggler_threshold": 0.75,

@@ -22,7 +22,8 @@ is tested in ``tests/unit/test_compat.py``.
   (``Py_IncRef`` through ctypes), for the exit-safety hold of the final handshake.
 - ``override_shared_store_server``: have torch's rendezvous handler make the TCPStore it shares
   with its workers through our function (its ``_create_tcp_store_server``), so that the store
-  listens on the run's address instead of every interface (see ``gradsync.stores``; this one
+  listens on the run's address instead of every interface (see ``gradsync.processes.stores``; this
+  one
   and its fallback are tested in ``tests/unit/test_stores.py``).
 - ``fsdp2``: FSDP2's ``fully_shard``, ``DTensor`` and ``DeviceMesh``, public from torch 2.6
   (``torch.distributed.fsdp``, ``torch.distributed.tensor``) and private before
@@ -43,7 +44,8 @@ is tested in ``tests/unit/test_compat.py``.
   nothing to do for an empty list, which the fused calls refuse.
 - ``forkserver_started``: not torch's but Python's: whether multiprocessing's forkserver of this
   process runs already (``multiprocessing.forkserver._forkserver._forkserver_pid``), so that
-  ``gradsync.forkserver`` forks workers only from a server whose environment it knows. True
+  ``gradsync.processes.forkserver`` forks workers only from a server whose environment it knows.
+  True
   where Python hides it: workers are spawned then.
 - ``elastic_worker_failure``: not an API but the wording of the record torch's elastic agent
   logs when a worker process fails (``failed (exitcode: %s) local_rank: %s (pid: %s) ...``), so

@@ -11,7 +11,7 @@ builds the options of a parser from ``dataclasses.fields`` and :func:`from_names
 config back from the parsed values, so validation stays the config's own (its
 ``__post_init__``). A field without a flag is set by code only.
 
-Every command's flags are declared this way: ``run`` and ``compare`` (``gradsync.config``),
+Every command's flags are declared this way: ``run`` and ``compare`` (``gradsync.runner.config``),
 ``simulate`` and ``bench allreduce`` (``gradsync.sim.options``), ``cluster``
 (``gradsync.cluster.cli``). Torch-free: nothing here imports more than the standard library.
 """

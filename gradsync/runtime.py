@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from gradsync.errors import UsageError
-from gradsync.stores import process_group_store
+from gradsync.processes.stores import process_group_store
 
 #: the process group's collective timeout when gs.init() is not given one: torch's default,
 #: as for a DDP script. It bounds the user's own collectives; gradsync's are bounded by the

@@ -6,7 +6,8 @@ caller gets every rank's return value, or an error naming the rank that failed; 
 deadline kills every child, so a deadlocked collective fails the test instead of hanging it.
 
 The ranks are forked from multiprocessing's forkserver, which imports torch once
-(``gradsync.forkserver``) and lives as long as the caller's process, where workers may be forked
+(``gradsync.processes.forkserver``) and lives as long as the caller's process, where workers may be
+forked
 (``forkserver.available``: Linux without a visible GPU); elsewhere they are spawned. Why: a spawned
 rank imported torch and, at its first optimizer, torch._dynamo, about 1.7 s of a core each here,
 before it did anything; the test suite took 704 s with spawned ranks and 429 s with forked ones.
@@ -14,7 +15,7 @@ Each rank takes the caller's environment as it is at the call (a forked rank wou
 the forkserver's, from when it started), but what torch read from the environment while the server
 imported it stays as it read it then (``TORCH_DISTRIBUTED_DEBUG``, OpenMP's ``OMP_NUM_THREADS``): a
 test that needs those changed cannot have them here. The ranks share one string hash seed, which
-spawned ranks would each draw (``gradsync.forkserver``).
+spawned ranks would each draw (``gradsync.processes.forkserver``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradsync import forkserver
-from gradsync.stores import server_store
+from gradsync.processes import forkserver
+from gradsync.processes.stores import server_store
 
 
 class RankFailure(RuntimeError):

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from gradsync.cluster.netns import Cluster, Host, install_exit_handlers, restore_handlers
 from gradsync.cluster.system import kill_pids, list_namespaces, tool
 from gradsync.errors import UsageError
-from gradsync.stores import RENDEZVOUS_BACKEND
+from gradsync.processes.stores import RENDEZVOUS_BACKEND
 
 TIMEOUT_EXIT = 124  # as timeout(1): the job ran past its deadline and was killed
 

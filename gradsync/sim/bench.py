@@ -81,7 +81,7 @@ def _worker(sizes: tuple[int, ...], repeats: tuple[int, ...]) -> list[list[float
 
 def run_bench(cfg: BenchConfig) -> tuple[list[BenchRow], Fit]:
     """Measure, then fit alpha and beta of a ring all-reduce to the median times."""
-    from gradsync.launch import launch
+    from gradsync.processes.launch import launch
 
     repeats = tuple(cfg.repeats_for(s) for s in cfg.sizes)
     per_rank = launch(_worker, (cfg.sizes, repeats), nproc=cfg.nproc)

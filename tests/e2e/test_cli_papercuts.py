@@ -24,7 +24,7 @@ TORCH_IMPORT = re.compile(r"\|\s+torch(\.|$)", re.MULTILINE)
 
 def _gradsync(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gradsync.cli", *args],
+        [sys.executable, "-X", "importtime", "-m", "gradsync", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -48,7 +48,7 @@ def test_help_and_version_import_no_torch(argv: list[str]) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("entry", ["gradsync.cli", "gradsync.telemetry.cli"])
+@pytest.mark.parametrize("entry", ["gradsync.runner.cli", "gradsync.telemetry.cli"])
 def test_report_json_into_a_closed_pipe_exits_quietly(tmp_path: Path, entry: str) -> None:
     """As ``gradsync report --json RUN | head -c 10`` once head has exited: the read end of
     stdout is closed before gradsync writes, so every write fails (EPIPE), deterministically.

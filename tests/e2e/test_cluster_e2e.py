@@ -115,7 +115,7 @@ def test_allreduce_bandwidth_matches_the_link(cluster_2x100: Cluster, tmp_path: 
 def test_down_removes_a_crashed_cluster(needs_netns: None, tmp_path: Path) -> None:
     """``up`` without a context manager, a process left inside, then ``gradsync cluster down``
     (what a user runs after a crash) must leave nothing."""
-    from gradsync.cli import main
+    from gradsync.runner.cli import main
 
     c = Cluster(hosts=2, link="1gbit", prefix=PREFIX).up()
     leftover = None

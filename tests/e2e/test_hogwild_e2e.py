@@ -18,7 +18,7 @@ def test_gradsync_run_reports_the_updates_applied_and_their_staleness(tmp_path: 
     import sys
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gradsync.cli", "run", "--strategy", "hogwild", "--nproc", "2",
+    cmd = [sys.executable, "-m", "gradsync", "run", "--strategy", "hogwild", "--nproc", "2",
            "--workload", "mlp", "--steps", "12", "--out", str(out), "--no-plots",
            "--no-progress", "--timeout", "60"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150)

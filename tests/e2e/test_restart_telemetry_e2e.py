@@ -26,7 +26,7 @@ def test_restarted_run_reports_every_step_once(tmp_path: Path) -> None:
     # can only come back with the checkpoint.
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", "run", "--workload", "mlp", "--nproc", "2"]
+        [sys.executable, "-m", "gradsync", "run", "--workload", "mlp", "--nproc", "2"]
         + ["--steps", "30", "--checkpoint-every", "3", "--kill", "1:17", "--max-restarts", "1"]
         + ["--no-plots", "--no-progress", "--out", str(out)],
         capture_output=True,
@@ -58,7 +58,7 @@ def test_a_resume_after_a_torn_metrics_line_goes_on(tmp_path: Path) -> None:
     flags += ["--checkpoint-every", "5", "--no-plots", "--no-progress"]
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "gradsync.cli", "run", *flags, *extra]
+        cmd = [sys.executable, "-m", "gradsync", "run", *flags, *extra]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 
     first = run("--steps", "10")

@@ -26,7 +26,7 @@ def test_run_writes_trace_and_plots_and_warns_once_about_the_slow_rank(tmp_path:
     out = tmp_path / "run"
     argv = ["run", "--nproc", "2", "--workload", "mlp", "--steps", "40", "--slow", "1:3@10"]
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", *argv, "--out", str(out)],
+        [sys.executable, "-m", "gradsync", *argv, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=220,

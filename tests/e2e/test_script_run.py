@@ -27,7 +27,7 @@ def _run(tmp_path: Path, name: str, flags: list[str], command: list[str]) -> tup
     out = tmp_path / name
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--out", str(out)]
+        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--out", str(out)]
         + flags
         + ["--", *command, str(STEPS), str(tmp_path / f"{name}-ckpt"), str(out / "final.pt")],
         capture_output=True,
@@ -72,7 +72,7 @@ def test_a_user_script_gets_the_run_directory_faults_and_restarts(tmp_path: Path
 def test_compare_runs_each_strategy_on_the_user_script(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", "compare", "--nproc", "2", "--no-plots"]
+        [sys.executable, "-m", "gradsync", "compare", "--nproc", "2", "--no-plots"]
         + ["--strategies", "bsp,local:4", "--out", str(out), "--", str(SCRIPT), str(STEPS)]
         + ["{run_dir}/ckpt", "{run_dir}/final.pt"],  # each run's own directory
         capture_output=True,

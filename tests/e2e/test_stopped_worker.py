@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.reaper import workers
+from gradsync.processes.reaper import workers
 from tests.support.proctree import PROC, Watched, start_run, watch_until_exit
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,5 @@
-"""``gradsync.worker_deaths`` in a fresh interpreter, where torch's agent modules give their
+"""``gradsync.processes.worker_deaths`` in a fresh interpreter, where torch's agent modules give
+their
 loggers a level at import: the agent's own warnings are silenced, a death is not. The record
 read and the line written: tests/unit/test_worker_deaths.py."""
 
@@ -19,7 +20,7 @@ def test_the_agents_own_warnings_are_silenced_but_deaths_are_not() -> None:
     code = (
         "import logging\n"
         "from gradsync import compat\n"
-        "from gradsync.worker_deaths import quiet_elastic_logs\n"
+        "from gradsync.processes.worker_deaths import quiet_elastic_logs\n"
         "quiet_elastic_logs()\n"
         "import torch.distributed.elastic.agent.server.api as agent\n"
         "agent.logger.warning('Received %s death signal, shutting down workers', 2)\n"

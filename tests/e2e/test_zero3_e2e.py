@@ -27,7 +27,7 @@ pytestmark = [
 @pytest.mark.timeout(240)
 def test_gradsync_run_with_zero3_matches_bsp_and_resumes_after_a_kill(tmp_path: Path) -> None:
     def run(strategy: str, out: Path, *extra: str) -> dict[str, Any]:
-        cmd = [sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", "mlp",
+        cmd = [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--workload", "mlp",
                "--strategy", strategy, "--steps", "12", "--seed", "7", "--out", str(out),
                "--no-plots", "--no-progress", "--timeout", "60", *extra]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 def test_gradsync_run_with_zero2_trains_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", "run", "--nproc", "2", "--workload", "mlp",
+        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--workload", "mlp",
          "--params", "3000", "--steps", "6", "--strategy", "zero:2", "--out", str(out)],
         capture_output=True,
         text=True,

@@ -1,5 +1,5 @@
 """Workers launched several times from one process are forked from a forkserver only while they
-would see the launching process's environment as it is then (``gradsync.forkserver``), and
+would see the launching process's environment as it is then (``gradsync.processes.forkserver``), and
 each draws its own random numbers: the server's own children are reseeded, a worker's children
 are not. The rules themselves: tests/unit/test_forkserver.py."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from gradsync import forkserver
+from gradsync.processes import forkserver
 
 pytestmark = pytest.mark.ranks
 
@@ -43,7 +43,7 @@ def test_each_launch_gives_its_workers_the_environment_of_that_moment() -> None:
 # its own. Each prints its first draw after seeding torch with 0 before the fork.
 _FORKS = """
 import os, sys, torch
-import gradsync.forkserver_ready
+import gradsync.processes.forkserver_ready
 
 def draw_after_fork():
     torch.manual_seed(0)

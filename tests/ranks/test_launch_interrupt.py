@@ -1,4 +1,5 @@
-"""What a SIGINT does in a worker started by ``gradsync.launch.launch``: a ``KeyboardInterrupt``
+"""What a SIGINT does in a worker started by ``gradsync.processes.launch.launch``: a
+``KeyboardInterrupt``
 inside the entrypoint (the user's code may catch it), a quiet ``SystemExit(130)`` once it
 escapes or outside it, and a plain ``KeyboardInterrupt`` in processes forked from a worker."""
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from gradsync import launch as launching
+from gradsync.processes import launch as launching
 
 pytestmark = pytest.mark.ranks
 

@@ -1,4 +1,5 @@
-"""gradsync.reaper's rule on real children: a stopped child, or a stopped worker forked from the
+"""gradsync.processes.reaper's rule on real children: a stopped child, or a stopped worker forked
+from the
 forkserver, is killed only once it has been asked to exit."""
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.reaper import StoppedWorkerReaper, children, stopped_with_exit_pending, workers
+from gradsync.processes.reaper import (
+    StoppedWorkerReaper,
+    children,
+    stopped_with_exit_pending,
+    workers,
+)
 
 pytestmark = pytest.mark.ranks
 
@@ -79,7 +85,8 @@ def _pause() -> None:
 
 @pytest.mark.timeout(60)
 def test_the_reaper_kills_a_stopped_worker_forked_from_the_forkserver() -> None:
-    """Workers of a launch are the forkserver's children, not the agent's (gradsync.forkserver)."""
+    """Workers of a launch are the forkserver's children, not the agent's
+    (gradsync.processes.forkserver)."""
     ctx = multiprocessing.get_context("forkserver")
     worker = ctx.Process(target=_pause, daemon=True)
     worker.start()

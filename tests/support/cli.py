@@ -8,7 +8,7 @@ import sys
 
 def gradsync(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", *args],
+        [sys.executable, "-m", "gradsync", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

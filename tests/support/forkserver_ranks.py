@@ -28,7 +28,7 @@ def seen() -> dict[str, Any]:
 
 
 def main() -> None:
-    from gradsync.launch import launch
+    from gradsync.processes.launch import launch
 
     rounds = []
     for threads, mark in ((1, "a"), (2, "a"), (1, "a"), (1, "b")):

@@ -21,7 +21,7 @@ LISTEN = "0A"  # the TCP state column of /proc/net/tcp*
 def start_run(*args: str) -> subprocess.Popen[str]:
     """``gradsync run ARGS`` in a session of its own, stderr captured for the messages."""
     return subprocess.Popen(
-        [sys.executable, "-m", "gradsync.cli", "run", *args],
+        [sys.executable, "-m", "gradsync", "run", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

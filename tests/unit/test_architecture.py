@@ -144,9 +144,22 @@ MAY_IMPORT = {
     "checks": set(),
     "checkpoint": {"strategies", "checks", "telemetry"},
     "telemetry": set(),
-    "sim": {"telemetry"},
-    "cluster": set(),
+    "sim": {"telemetry", "processes"},
+    "cluster": {"processes"},
     "workloads": set(),
+    "processes": set(),
+    # the top of the house: nothing imports it, it may import everything
+    "runner": {
+        "strategies",
+        "compression",
+        "checks",
+        "checkpoint",
+        "telemetry",
+        "sim",
+        "cluster",
+        "workloads",
+        "processes",
+    },
     "fault": {"checkpoint"},  # the old name's aliases
 }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.cli import main
+from gradsync.runner.cli import main
 from gradsync.sim import bench
 from gradsync.sim.model import Fit
 

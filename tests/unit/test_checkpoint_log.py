@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.workloads.train import _CheckpointLog
+from gradsync.runner.train import _CheckpointLog
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +29,7 @@ def test_lines_reach_the_file_within_a_second_not_per_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     now = [1000.0]
-    monkeypatch.setattr("gradsync.workloads.train.time.time", lambda: now[0])
+    monkeypatch.setattr("gradsync.runner.train.time.time", lambda: now[0])
     log = _CheckpointLog(tmp_path)
     path = tmp_path / "log.jsonl"
     log.write(1, 0.001)  # the first line goes out at once

@@ -2,7 +2,7 @@
 
 The property: a user error exits with code 2 and one ``gradsync: error:`` line naming the bad
 value (or argparse's usage message for a value of the wrong type), never a traceback; valid
-input reaches the launcher with the values given. ``gradsync.cli.main`` runs in-process with
+input reaches the launcher with the values given. ``gradsync.runner.cli.main`` runs in-process with
 the launcher stubbed, so no worker is ever started.
 """
 
@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import gradsync.launch
+import gradsync.processes.launch
 import gradsync.telemetry.cli
-from gradsync.cli import main
 from gradsync.compression import VALID_FORMS, parse_compression
-from gradsync.config import MAX_LR
 from gradsync.inject import MAX_FACTOR, SLOW_FORM, parse_slow
+from gradsync.runner.cli import main
+from gradsync.runner.config import MAX_LR
 from gradsync.strategies import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 from gradsync.workloads import physical_memory, step_bytes
 
@@ -55,7 +55,7 @@ class Launches:
 def launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Launches]:
     stub = Launches()
     # cmd_run imports launch at call time, so patching the module attribute is what it sees.
-    monkeypatch.setattr(gradsync.launch, "launch", stub.launch)
+    monkeypatch.setattr(gradsync.processes.launch, "launch", stub.launch)
     monkeypatch.setattr(gradsync.telemetry.cli, "summarize_run", lambda *a, **k: "")
     monkeypatch.chdir(tmp_path)  # any default runs/<timestamp> lands in the test's directory
     yield stub

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 
 def _run_parser() -> argparse.ArgumentParser:
-    from gradsync.cli import build_parser
+    from gradsync.runner.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

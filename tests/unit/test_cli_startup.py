@@ -9,7 +9,7 @@ import importlib.metadata
 
 import pytest
 
-from gradsync import cli
+from gradsync.runner import cli
 
 pytestmark = pytest.mark.unit
 

@@ -91,7 +91,7 @@ def test_cli_refuses_bad_flags_before_touching_the_system(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The flags (ProbeOptions, UpOptions...) reach Cluster's checks: exit 2, one line."""
-    from gradsync.cli import main
+    from gradsync.runner.cli import main
 
     assert main(["cluster", *argv]) == 2
     err = capsys.readouterr().err

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradsync.cli import main as cli_main
-from gradsync.compare import _watch, curve_from_records, parse_strategies, summarize
 from gradsync.progress import HEARTBEAT_FILE, Progress, read_heartbeat
+from gradsync.runner.cli import main as cli_main
+from gradsync.runner.compare import _watch, curve_from_records, parse_strategies, summarize
 from gradsync.telemetry.records import StepRecord
 
 pytestmark = pytest.mark.unit
@@ -106,7 +106,7 @@ def test_strategy_list_errors() -> None:
 def test_the_table_s_final_loss_is_the_last_step_s_as_gradsync_run_reports_it(
     tmp_path: Path,
 ) -> None:
-    from gradsync.compare import format_table
+    from gradsync.runner.compare import format_table
 
     curve = curve_from_records("bsp", _records([1.0] * 29 + [0.0], 0.1, 10))
     result = summarize([curve], None, tmp_path, plots=False)

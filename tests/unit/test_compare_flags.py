@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-import gradsync.launch
-from gradsync.cli import main as cli_main
-from gradsync.compare import RUN_ONLY_FIELDS
-from gradsync.config import RunConfig
+import gradsync.processes.launch
 from gradsync.flags import option_of
+from gradsync.runner.cli import main as cli_main
+from gradsync.runner.compare import RUN_ONLY_FIELDS
+from gradsync.runner.config import RunConfig
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, write_records
 
 pytestmark = pytest.mark.unit
@@ -46,7 +46,7 @@ def test_max_restarts_reaches_the_launcher_of_every_strategy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeLaunch()
-    monkeypatch.setattr(gradsync.launch, "launch", fake)
+    monkeypatch.setattr(gradsync.processes.launch, "launch", fake)
     out = tmp_path / "cmp"
     assert cli_main([*COMPARE, "--max-restarts", "2", "--out", str(out), "--no-progress"]) == 0
     assert [(c["strategy"], c["max_restarts"]) for c in fake.calls] == [
@@ -62,7 +62,7 @@ def test_hosts_and_link_are_refused_naming_gradsync_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake = FakeLaunch()
-    monkeypatch.setattr(gradsync.launch, "launch", fake)
+    monkeypatch.setattr(gradsync.processes.launch, "launch", fake)
     argv = [*COMPARE, "--hosts", "2", "--link", "10mbit", "--out", str(tmp_path / "cmp")]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-import gradsync.launch
-from gradsync.cli import main
-from gradsync.config import RunConfig
+import gradsync.processes.launch
 from gradsync.errors import UsageError
+from gradsync.runner.cli import main
+from gradsync.runner.config import RunConfig
 from gradsync.workloads import data
 
 pytestmark = pytest.mark.unit
@@ -52,7 +52,7 @@ def test_cli_refuses_it_in_one_line_without_launching(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     launched: list[object] = []
-    monkeypatch.setattr(gradsync.launch, "launch", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(gradsync.processes.launch, "launch", lambda *a, **k: launched.append(a))
     path = tmp_path / "utf16.txt"
     path.write_bytes(TEXT.encode("utf-16"))
     code = main(["run", f"--data={path}", f"--out={tmp_path / 'run'}"])

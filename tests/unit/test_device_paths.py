@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync import runtime
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
+from gradsync.runner.config import RunConfig
 from gradsync.strategies.zero3 import refuse_gloo_off_host
 from gradsync.telemetry.device_clock import StepMarks
 from gradsync.telemetry.timing import TelemetryCollector

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from gradsync import cli
 from gradsync.checkpoint import CheckpointError, CheckpointStore, CheckpointWarning
 from gradsync.checkpoint.export import EXPORTABLE, TARGETS, export_checkpoint, single_process_state
 from gradsync.errors import UsageError
+from gradsync.runner import cli
 from tests.support import export_ranks as er
 from tests.support.export import (
     assert_same,

@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-import gradsync.launch
+import gradsync.processes.launch
 import gradsync.telemetry.cli
-from gradsync.cli import _config_from_args, build_parser, main
 from gradsync.cluster import cli as cluster_cli
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
 from gradsync.flags import add_flags, flag, flag_fields, flag_of, from_namespace, option_of
+from gradsync.runner.cli import _config_from_args, build_parser, main
+from gradsync.runner.config import RunConfig
 from gradsync.sim import cli as sim_cli
 from gradsync.sim import options as sim_options
 
@@ -170,7 +170,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[
         calls.append(args)
         return {0: {}}
 
-    monkeypatch.setattr(gradsync.launch, "launch", launch)
+    monkeypatch.setattr(gradsync.processes.launch, "launch", launch)
     monkeypatch.setattr(gradsync.telemetry.cli, "summarize_run", lambda *a, **k: "")
     monkeypatch.chdir(tmp_path)
     yield calls

@@ -1,5 +1,6 @@
 """Workers are forked from a forkserver only while they would see the launching process's
-environment as it is now (``gradsync.forkserver``); otherwise they are spawned, as before."""
+environment as it is now (``gradsync.processes.forkserver``); otherwise they are spawned, as
+before."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gradsync import compat, forkserver
+from gradsync import compat
 from gradsync.errors import UsageError
+from gradsync.processes import forkserver
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import gradsync as gs
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
+from gradsync.runner.config import RunConfig
 from gradsync.spec import STRATEGY_FORMS, parse_strategy_spec
 from gradsync.strategies import Hogwild, parse_strategy
 from gradsync.strategies.factory import check_compression

@@ -1,4 +1,5 @@
-"""What a SIGINT does in a worker started by ``gradsync.launch.launch``, in this process: a
+"""What a SIGINT does in a worker started by ``gradsync.processes.launch.launch``, in this process:
+a
 quiet ``SystemExit(130)`` only outside the entrypoint, and a handler of the user's kept. In
 workers: tests/ranks/test_launch_interrupt.py."""
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gradsync import launch as launching
+from gradsync.processes import launch as launching
 
 pytestmark = pytest.mark.unit
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradsync as gs
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
+from gradsync.runner.config import RunConfig
 from gradsync.strategies.ps import shard_by_size
 from gradsync.strategies.ps_server import (
     CHECKPOINTS_SAVED,

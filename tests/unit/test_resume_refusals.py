@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-import gradsync.launch
+import gradsync.processes.launch
 from gradsync import Synchronizer
 from gradsync.checkpoint import CheckpointError, CheckpointStore
 from gradsync.checkpoint.checkpointer import check_resumable
 from gradsync.checkpoint.rng import rng_state
-from gradsync.cli import main
 from gradsync.errors import UsageError
+from gradsync.runner.cli import main
 
 pytestmark = pytest.mark.unit
 
@@ -155,7 +155,7 @@ def test_cli_refuses_before_launching_or_rewriting_config(
     refusal: str,
 ) -> None:
     launched: list[object] = []
-    monkeypatch.setattr(gradsync.launch, "launch", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(gradsync.processes.launch, "launch", lambda *a, **k: launched.append(a))
     run = tmp_path / "run"
     if saved == "compressor":
         _checkpoint(run / "checkpoints", 10, compression="none")

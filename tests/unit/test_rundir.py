@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.cli import main
 from gradsync.errors import UsageError
-from gradsync.rundir import LOCK_FILE, claim
+from gradsync.runner.cli import main
+from gradsync.runner.rundir import LOCK_FILE, claim
 
 pytestmark = pytest.mark.unit
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from gradsync.attached_run import AttachedRun
-from gradsync.cli import main
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
 from gradsync.progress import Progress
+from gradsync.runner.cli import main
+from gradsync.runner.config import RunConfig
 
 pytestmark = pytest.mark.unit
 

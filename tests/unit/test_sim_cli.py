@@ -234,7 +234,7 @@ def test_from_run_rejects_what_is_not_a_run(
             run_cli(["simulate", "--from", str(folder)], capsys)
         assert str(folder) in str(info.value) and "config.json" in str(info.value)
     # Through the gradsync command: exit 2 and one line on stderr, no traceback.
-    from gradsync.cli import main
+    from gradsync.runner.cli import main
 
     assert main(["simulate", "--from", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.cli import main
+from gradsync.runner.cli import main
 
 pytestmark = pytest.mark.unit
 

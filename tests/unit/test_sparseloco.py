@@ -27,8 +27,8 @@ from gradsync.compression.sparseloco import (
     sparseloco,
     unpack_uint,
 )
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
+from gradsync.runner.config import RunConfig
 from gradsync.spec import COMPRESSION_FORMS, parse_compression_spec
 from gradsync.strategies.factory import check_compressor, parse_strategy
 

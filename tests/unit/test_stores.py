@@ -1,4 +1,5 @@
-"""gradsync.stores in one process: stores listen where they are told (and torch's rendezvous
+"""gradsync.processes.stores in one process: stores listen where they are told (and torch's
+rendezvous
 handler is made to bind the store it shares), gs.init()'s choice of store. The reaper on real
 children: tests/ranks/test_stores_ranks.py."""
 
@@ -11,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from gradsync import compat, stores
+from gradsync import compat
 from gradsync.errors import UsageError
+from gradsync.processes import stores
 from tests.support.proctree import Watched
 
 pytestmark = pytest.mark.unit

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
+from gradsync.runner.config import RunConfig
 from gradsync.strategies import parse_strategy
 from gradsync.topology import check_allreduce, check_hierarchical, host_key
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import gradsync as gs
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
+from gradsync.runner.config import RunConfig
 from gradsync.telemetry import trackers
 from gradsync.telemetry.records import StepRecord, read_records
 from gradsync.telemetry.report import RunReport

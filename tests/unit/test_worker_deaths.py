@@ -1,4 +1,5 @@
-"""``gradsync.worker_deaths``: the record torch's elastic agent logs for a failed worker becomes
+"""``gradsync.processes.worker_deaths``: the record torch's elastic agent logs for a failed worker
+becomes
 one line on stderr; every other record of that logger stays silent."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import signal
 import pytest
 
 from gradsync import compat
-from gradsync.worker_deaths import _DeathLine, describe_exit, report_worker_deaths
+from gradsync.processes.worker_deaths import _DeathLine, describe_exit, report_worker_deaths
 from tests.support.worker_deaths import TORCH_FORMAT
 
 pytestmark = pytest.mark.unit

@@ -11,8 +11,8 @@ import torch
 
 import gradsync as gs
 from gradsync import compat
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
+from gradsync.runner.config import RunConfig
 from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 from gradsync.strategies import ZeroStage1, ZeroStage2, parse_strategy
 from gradsync.strategies.zero_shards import (

@@ -1,8 +1,8 @@
 """What ``gradsync run`` starts on every rank: a script, the user's own or the built-in
-workloads' (``gradsync.workloads.train``), run as ``__main__`` in the elastic agent's worker
+workloads' (``gradsync.runner.train``), run as ``__main__`` in the elastic agent's worker
 process with ``GRADSYNC_RUN_DIR`` naming the run directory its gs.Synchronizer attaches to
 (``gradsync.attached_run``). One way in for both (also runnable under torchrun:
-``python -m gradsync.worker --config RUN_DIR/config.json``)."""
+``python -m gradsync.runner.worker --config RUN_DIR/config.json``)."""
 
 from __future__ import annotations
 
@@ -17,25 +17,29 @@ import torch
 
 from gradsync import runtime
 from gradsync.attached_run import CONFIG_FILE, RUN_DIR_ENV
-from gradsync.config import RunConfig
-from gradsync.rundir import CHECKPOINT_DIR, FINAL_MODEL
+from gradsync.logs import get_logger
+from gradsync.runner.config import RunConfig
+from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 
 __all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "run_rank", "run_script", "run_worker"]
 
 #: replaced by the run directory in a script's arguments
 RUN_DIR_PLACEHOLDER = "{run_dir}"
 #: the built-in workloads' script (``--config RUN_DIR/config.json`` follows)
-BUILTIN = ["-m", "gradsync.workloads.train"]
+BUILTIN = ["-m", "gradsync.runner.train"]
+warnings_logger = get_logger("warnings")
 
 
-_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+_PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep  # gradsync/
 
 
 def _one_line_warnings() -> None:
     """Show gradsync's own warnings in this worker (of its categories, or raised from its
-    files) as one ``gradsync: ...`` line each, like the command's other messages. Python's
-    format adds the file, line and source text of the ``warnings.warn`` call, which tell a user
-    of the command nothing; other warnings keep it."""
+    files) through the ``gradsync.warnings`` logger: one ``gradsync: ...`` line each, like the
+    command's other messages, at the level the user set for gradsync's logs
+    (``GRADSYNC_LOG_LEVEL=error`` hides them). Python's format adds the file, line and source
+    text of the ``warnings.warn`` call, which tell a user of the command nothing; other
+    warnings keep it. Filters still apply first: a warning the script ignores is not shown."""
     shown = warnings.showwarning
 
     def show(
@@ -47,8 +51,7 @@ def _one_line_warnings() -> None:
         line: str | None = None,
     ) -> None:
         if category.__module__.split(".")[0] == "gradsync" or filename.startswith(_PACKAGE):
-            text = str(message).removeprefix("gradsync: ")
-            print(f"gradsync: {text}", file=file or sys.stderr, flush=True)
+            warnings_logger.warning("%s", str(message).removeprefix("gradsync: "))
         else:
             shown(message, category, filename, lineno, file, line)
 
@@ -105,7 +108,8 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def main() -> None:
-    """``python -m gradsync.worker --config RUN_DIR/config.json``: one worker under torchrun."""
+    """``python -m gradsync.runner.worker --config RUN_DIR/config.json``: one worker under
+    torchrun."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

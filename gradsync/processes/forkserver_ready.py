@@ -1,4 +1,5 @@
-"""Imported last by the workers' forkserver (``gradsync.forkserver.PRELOAD``): readies it to fork
+"""Imported last by the workers' forkserver (``gradsync.processes.forkserver.PRELOAD``): readies it
+to fork
 workers that start as a spawned worker would.
 
 1. Every object imported so far leaves the garbage collector's reach (``gc.freeze``) before

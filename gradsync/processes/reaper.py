@@ -9,7 +9,7 @@ until someone continues it, so the whole run waited those 30 seconds, after the 
 already failed and named it, before it exited.
 
 :class:`StoppedWorkerReaper` watches the workers of the agent's process (its children, or
-those of its forkserver: ``gradsync.forkserver``) from a thread and SIGKILLs any that is
+those of its forkserver: ``gradsync.processes.forkserver``) from a thread and SIGKILLs any that is
 stopped while a termination signal is pending: the agent has already asked
 it to go, it cannot, and SIGKILL is what it would get at the end of the wait. A worker that is
 running, or stopped with no such request (a user pausing the job), is left alone; so is one
@@ -48,7 +48,7 @@ def children(pid: int) -> list[int]:
 def workers(pid: int) -> list[tuple[int, int]]:
     """``(worker, its parent)`` for the processes ``pid`` may have started as workers: its
     children, and the children of its child that is multiprocessing's forkserver (workers
-    forked from it, ``gradsync.forkserver``)."""
+    forked from it, ``gradsync.processes.forkserver``)."""
     found = []
     for child in children(pid):
         found.append((child, pid))

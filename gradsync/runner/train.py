@@ -1,10 +1,11 @@
 """The built-in workloads' training loop (``gradsync run --workload charlm | mlp``), an
 ordinary script like the user's own: ``gradsync run`` starts it on every rank through the same
-path as a user's script (``gradsync.worker.run_script``), and torchrun can too::
+path as a user's script (``gradsync.runner.worker.run_script``), and torchrun can too::
 
-    torchrun --nproc_per_node 2 -m gradsync.workloads.train --config RUN_DIR/config.json
+    torchrun --nproc_per_node 2 -m gradsync.runner.train --config RUN_DIR/config.json
 
-Its settings are the run's ``config.json`` (``gradsync.config.RunConfig``); its gs.Synchronizer
+Its settings are the run's ``config.json`` (``gradsync.runner.config.RunConfig``); its
+gs.Synchronizer
 attaches to the run directory (``gradsync.attached_run``) as a user script's does, which writes
 metrics.jsonl, report.json and the rest. What it adds: resuming from its checkpoints after
 ``--resume`` or a restart, a checkpoint every ``--checkpoint-every`` steps, rank 0's time per
@@ -24,9 +25,9 @@ import torch
 
 from gradsync import compat, runtime
 from gradsync.attached_run import FAULTS_DIR
-from gradsync.config import RunConfig
 from gradsync.logs import get_logger
-from gradsync.rundir import CHECKPOINT_DIR, FINAL_MODEL
+from gradsync.runner.config import RunConfig
+from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 from gradsync.synchronizer import Synchronizer
 from gradsync.workloads import make_workload
 
@@ -208,8 +209,8 @@ def _train_step(sync: Synchronizer, workload: Any, cfg: RunConfig, step: int, ra
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m gradsync.workloads.train --config RUN_DIR/config.json`` on every rank."""
-    parser = argparse.ArgumentParser(prog="python -m gradsync.workloads.train")
+    """``python -m gradsync.runner.train --config RUN_DIR/config.json`` on every rank."""
+    parser = argparse.ArgumentParser(prog="python -m gradsync.runner.train")
     parser.add_argument("--config", required=True, help="a run's config.json")
     args = parser.parse_args(argv)
     config = json.loads(Path(args.config).read_text(encoding="utf-8"))

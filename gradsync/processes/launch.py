@@ -5,9 +5,10 @@ c10d rendezvous on a loopback store with a free port, the same environment varia
 same restart semantics; so a worker that runs under one runs under the other.
 
 Two things differ, both for the process gradsync runs in, not for the workers' view: the
-rendezvous is torch's c10d rendezvous under gradsync's name (``gradsync.stores``), because
+rendezvous is torch's c10d rendezvous under gradsync's name (``gradsync.processes.stores``), because
 torch's own binds its stores to every interface whatever host it is given, and a reaper kills a
-stopped worker the agent has asked to exit (``gradsync.reaper``), because the agent would wait
+stopped worker the agent has asked to exit (``gradsync.processes.reaper``), because the agent would
+wait
 30 seconds for it.
 """
 
@@ -23,9 +24,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from gradsync import forkserver, stores
 from gradsync.errors import UsageError
-from gradsync.reaper import StoppedWorkerReaper
+from gradsync.processes import forkserver, stores
+from gradsync.processes.reaper import StoppedWorkerReaper
 
 LOOPBACK = "127.0.0.1"
 

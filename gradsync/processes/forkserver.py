@@ -33,7 +33,8 @@ What still differs from a spawned worker:
 - variables torch sets while it is imported (``TORCHINDUCTOR_CACHE_DIR``) are there from the
   start, where a spawned worker gets them at its first optimizer.
 
-The random generators do not differ: ``gradsync.forkserver_ready`` reseeds torch's and numpy's
+The random generators do not differ: ``gradsync.processes.forkserver_ready`` reseeds torch's and
+numpy's
 in each worker, and Python's ``random`` reseeds itself after a fork.
 """
 
@@ -58,7 +59,7 @@ __all__ = ["PRELOAD", "START_METHOD_ENV", "available", "start_method"]
 START_METHOD_ENV = "GRADSYNC_START_METHOD"
 
 #: What the forkserver imports before it forks anything.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "gradsync.forkserver_ready"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "gradsync.processes.forkserver_ready"]
 
 # The process settings gradsync started this process's forkserver with; None before it did.
 _started_with: dict[str, Any] | None = None

@@ -17,7 +17,7 @@ from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
 from gradsync.flags import flag
 from gradsync.inject import parse_kill, parse_slow
-from gradsync.rundir import OVERWRITE_AND_RESUME
+from gradsync.runner.rundir import OVERWRITE_AND_RESUME
 from gradsync.runtime import BACKENDS, check_nccl, choose_backend
 from gradsync.spec import parse_strategy_spec
 from gradsync.strategies.factory import (

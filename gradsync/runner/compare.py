@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from gradsync.config import RunConfig
 from gradsync.errors import UsageError
 from gradsync.progress import HEARTBEAT_FILE, Progress, read_heartbeat
+from gradsync.runner.config import RunConfig
 from gradsync.strategies.factory import parse_strategy, uses_servers
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records
 from gradsync.telemetry.report import RunReport
@@ -134,8 +134,8 @@ def pull_bytes_per_step(cfg: RunConfig) -> int:
 def run_comparison(
     base: RunConfig, strategies: list[str], target: float | None, show_progress: bool = True
 ) -> dict[str, Any]:
-    from gradsync.launch import launch
-    from gradsync.worker import run_rank
+    from gradsync.processes.launch import launch
+    from gradsync.runner.worker import run_rank
 
     refuse_run_only_flags(base)
     out = Path(base.out)

@@ -16,15 +16,15 @@ from gradsync.module_cli import closed_pipe
 
 def _add_run_flags(p: argparse.ArgumentParser, unlisted: frozenset[str] = frozenset()) -> None:
     """Flags of ``run`` and ``compare``: one per field of RunConfig, declared there."""
-    from gradsync.config import RunConfig
     from gradsync.flags import add_flags
+    from gradsync.runner.config import RunConfig
 
     add_flags(p, RunConfig, unlisted=unlisted)
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
-    from gradsync.config import RunConfig
     from gradsync.flags import from_namespace
+    from gradsync.runner.config import RunConfig
 
     return from_namespace(RunConfig, args, script=list(getattr(args, "script", None) or []))
 
@@ -34,8 +34,8 @@ def _given_flags(args: argparse.Namespace) -> list[str]:
     them: a script's gs.Synchronizer that names another value than a given flag is refused)."""
     import dataclasses
 
-    from gradsync.config import RunConfig
     from gradsync.flags import flag_of
+    from gradsync.runner.config import RunConfig
 
     return sorted(
         f.name
@@ -47,7 +47,7 @@ def _given_flags(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gradsync.rundir import claim
+    from gradsync.runner.rundir import claim
 
     cfg = _config_from_args(args)
     run_dir = Path(cfg.out)
@@ -66,7 +66,7 @@ def _check_resume(cfg: Any, run_dir: Path) -> None:
     starts, and before config.json is rewritten with this run's flags."""
     from gradsync.checkpoint.checkpointer import check_resumable
     from gradsync.compression import parse_compression
-    from gradsync.rundir import CHECKPOINT_DIR
+    from gradsync.runner.rundir import CHECKPOINT_DIR
 
     check_resumable(run_dir / CHECKPOINT_DIR, parse_compression(cfg.compression).spec, cfg.strategy)
 
@@ -77,8 +77,8 @@ def _placement(backend: str) -> str:
 
 
 def _run(cfg: Any, run_dir: Path, given: list[str] | None = None) -> int:
-    from gradsync.launch import launch
-    from gradsync.worker import run_rank
+    from gradsync.processes.launch import launch
+    from gradsync.runner.worker import run_rank
 
     given = given or []
     servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
@@ -152,7 +152,7 @@ def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
     with Cluster(hosts=cfg.hosts, link=cfg.link) as cluster:
         rc = launch_on_cluster(
             cluster,
-            ["gradsync.worker", "--config", str(run_dir / "config.json")],
+            ["gradsync.runner.worker", "--config", str(run_dir / "config.json")],
             nproc_per_host=per_host,
             env={"OMP_NUM_THREADS": str(cfg.threads), "GRADSYNC_THREADS": str(cfg.threads)},
             # a script's steps are its own: its timeout is the run's, once per started hour
@@ -163,7 +163,7 @@ def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from gradsync.compare import (
+    from gradsync.runner.compare import (
         format_table,
         parse_strategies,
         refuse_strategy_flag,
@@ -215,7 +215,7 @@ def cmd_checkpoint_export(args: argparse.Namespace) -> int:
 def _checkpoint_dir(path: Path) -> Path:
     """The checkpoint directory ``path`` names: a run directory's ``checkpoints/``, or
     ``path`` itself."""
-    from gradsync.rundir import CHECKPOINT_DIR
+    from gradsync.runner.rundir import CHECKPOINT_DIR
 
     if not path.exists():
         raise UsageError(
@@ -322,7 +322,7 @@ def _add_compare_parser(sub: Any) -> None:
     )
     # --strategy, --hosts and --link are run's: compare refuses them (saying what to use), so
     # its help does not offer them. None tells cmd_compare that --strategy was not given.
-    from gradsync.compare import RUN_ONLY_FIELDS
+    from gradsync.runner.compare import RUN_ONLY_FIELDS
 
     _add_run_flags(compare, unlisted=RUN_ONLY_FIELDS)
     compare.set_defaults(func=cmd_compare, strategy=None)
@@ -335,13 +335,13 @@ def _add_compare_parser(sub: Any) -> None:
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": (
         "train your script (run ... -- train.py) or a built-in workload on local processes",
-        "gradsync.cli:_add_run_parser",
+        "gradsync.runner.cli:_add_run_parser",
     ),
     "compare": (
         "run several strategies on the same workload or script (compare ... -- train.py)",
-        "gradsync.cli:_add_compare_parser",
+        "gradsync.runner.cli:_add_compare_parser",
     ),
-    "checkpoint": ("work with a run's checkpoints", "gradsync.cli:_add_checkpoint_parsers"),
+    "checkpoint": ("work with a run's checkpoints", "gradsync.runner.cli:_add_checkpoint_parsers"),
     "simulate": (
         "predict step time, idle and staleness of a strategy at any scale",
         "gradsync.sim.cli:add_parsers",
@@ -472,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the store's failure with a C++ backtrace, which gradsync names in its own words.
     # After parsing: this imports torch, which --help and the torch-free commands never need.
     if not os.environ.get("GRADSYNC_DEBUG") and args.command not in TORCH_FREE:
-        from gradsync.worker_deaths import quiet_elastic_logs
+        from gradsync.processes.worker_deaths import quiet_elastic_logs
 
         quiet_elastic_logs()
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -498,7 +498,7 @@ def _worker_failure(exc: Exception) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from gradsync import compat
-    from gradsync.worker_deaths import signal_name
+    from gradsync.processes.worker_deaths import signal_name
 
     # torch's agent turns a Ctrl-C (or a SIGTERM) into an exception of its own, once it
     # has stopped the workers: an interruption, not a failure with a traceback
@@ -516,7 +516,7 @@ def _worker_failure(exc: Exception) -> int:
 
 
 def _describe_child_failure(exc: Any) -> str:
-    from gradsync.worker_deaths import describe_exit
+    from gradsync.processes.worker_deaths import describe_exit
 
     lines = []
     for rank, failure in sorted(exc.failures.items()):
