@@ -65,7 +65,7 @@ from gradsync.checkpoint.writer_locks import wait_for_writers
 from gradsync.checkpoint.writer_process import ProcessCheckpointWriter, make_writer
 from gradsync.checks.diagnose import ArrivalWatch
 from gradsync.errors import UsageError
-from gradsync.strategies.base import CheckpointHooks, Layout, Strategy
+from gradsync.strategies.base import CheckpointHooks, Layout, Strategy, own_optimizer_state
 from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
 
 Writer = InlineCheckpointWriter | ProcessCheckpointWriter
@@ -294,7 +294,7 @@ def save(
         # dict: a learning-rate schedule changes it at every step.
         model_state = cp.strategy.model_state_dict(cp.model)
         state["model"] = replicas.whole(model_state, cp.rank)
-        state["optimizer"] = cp.optimizer.state_dict()
+        state["optimizer"] = own_optimizer_state(cp.optimizer)
     state |= {
         "sync": cp.sync_state(),
         "rng": rng_state(),
@@ -340,7 +340,7 @@ def _replicated_share(cp: Checkpointer) -> tuple[Share, list[Any] | None]:
     """The model and optimizer state as this rank writes its share of it (built in full),
     and the optimizer's ``param_groups``, kept beside the share."""
     model_state = cp.strategy.model_state_dict(cp.model)
-    replicated = {"model": model_state, "optimizer": cp.optimizer.state_dict()}
+    replicated = {"model": model_state, "optimizer": own_optimizer_state(cp.optimizer)}
     replicated["optimizer"], groups = _without_param_groups(replicated["optimizer"])
     buffers = _buffer_indices(cp.model, model_state)
     return replicas.share_of(replicated, cp.rank, cp.world_size, buffers), groups

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -162,6 +163,29 @@ class SyncContext:
     def scaling(self) -> bool:
         """Whether an enabled GradScaler owns the step and the non-finite decision."""
         return self.scaler is not None and bool(self.scaler.is_enabled())
+
+
+#: set while gradsync reads an optimizer's state for itself (``own_optimizer_state``)
+_READING_OWN_STATE: ContextVar[bool] = ContextVar("gradsync_reading_own_state", default=False)
+
+
+def own_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as gradsync's own checkpoints and gathers read it: under ZeRO
+    this rank's shard of the state, on purpose (each rank writes its own file, or the shards
+    are gathered), where the same call from a script is refused (``reading_own_state``,
+    ``zero_shards.refuse_partial_state``). A context variable says who reads, rather than a
+    look at the caller's frames: it is set exactly around gradsync's own calls."""
+    token = _READING_OWN_STATE.set(True)
+    try:
+        return optimizer.state_dict()
+    finally:
+        _READING_OWN_STATE.reset(token)
+
+
+def reading_own_state() -> bool:
+    """Whether the ``optimizer.state_dict()`` under way is gradsync's own
+    (``own_optimizer_state``)."""
+    return _READING_OWN_STATE.get()
 
 
 def local_gradient(
@@ -359,7 +383,7 @@ class Strategy(Protocol):
                 "ranks: there is no full state dict on a worker. Use sync.save(dir) and "
                 "gradsync export (docs/checkpoints.md) for a checkpoint"
             )
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        return {"model": model.state_dict(), "optimizer": own_optimizer_state(optimizer)}
 
     def load_full_state_dict(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
@@ -414,6 +438,8 @@ __all__ = [
     "compressor_state_dict",
     "load_compressor_state",
     "local_gradient",
+    "own_optimizer_state",
+    "reading_own_state",
     "optimizer_step",
     "parse_strategy_spec",
     "total_norm",

@@ -77,8 +77,15 @@ from gradsync import compat, runtime
 from gradsync.checks.guards import all_finite
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
-from gradsync.spec import COMPRESSION_FORMS
-from gradsync.strategies.base import StepOutcome, StepPlan, Strategy, SyncContext, total_norm
+from gradsync.spec import GRADIENT_COMPRESSION_FORMS
+from gradsync.strategies.base import (
+    StepOutcome,
+    StepPlan,
+    Strategy,
+    SyncContext,
+    own_optimizer_state,
+    total_norm,
+)
 from gradsync.strategies.bsp import BSP, late_gradient, wrong_passes
 from gradsync.strategies.zero_shards import (
     POINT_TO_POINT,
@@ -113,7 +120,7 @@ def _compression_error(stage: int, compression: str) -> UsageError:
         "reduce-scatters the gradient so that each rank receives only its own shard, and "
         "gradsync's compressors are all-reduce hooks that return the whole mean gradient. "
         f"Use zero:{stage} without compression, or zero:1, which exchanges the gradient as "
-        f"bsp does and takes every compressor ({COMPRESSION_FORMS})"
+        f"bsp does and takes every gradient compressor ({GRADIENT_COMPRESSION_FORMS})"
     )
 
 
@@ -200,7 +207,7 @@ def owned_full_state(
     0's is taken), the optimizer state of each tensor is on its owner's rank (gathered)."""
     parts = gather_to_first(
         shards.ctx,
-        on_cpu(optimizer.state_dict()),
+        on_cpu(own_optimizer_state(optimizer)),
         lambda what, run: shards.collective(None, what, run),
         shards.name,
     )

@@ -93,6 +93,7 @@ from gradsync.strategies.base import (
     Strategy,
     SyncContext,
     optimizer_step,
+    own_optimizer_state,
 )
 from gradsync.strategies.zero_shards import (
     LocalClipGuard,
@@ -618,7 +619,7 @@ class ZeroStage3(Strategy):
     ) -> dict[str, Any] | None:
         """Every rank's shards of the parameters and of the optimizer state, gathered to rank
         0 (CPU copies, one gather) and put together by rows, as ``reshard`` does for one rank."""
-        mine = {"model": self.model_state_dict(model), "optimizer": optimizer.state_dict()}
+        mine = {"model": self.model_state_dict(model), "optimizer": own_optimizer_state(optimizer)}
         parts = gather_to_first(
             self._ctx_or_fail(),
             on_cpu(mine),

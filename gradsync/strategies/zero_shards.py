@@ -42,7 +42,6 @@ buffer only.
 
 from __future__ import annotations
 
-import inspect
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -56,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradsync import compat, runtime
 from gradsync.errors import UsageError
-from gradsync.strategies.base import SyncContext, optimizer_step
+from gradsync.strategies.base import SyncContext, optimizer_step, reading_own_state
 from gradsync.strategies.ps_wire import shard_by_size
 from gradsync.telemetry.records import Span
 
@@ -424,19 +423,6 @@ class ShardedUpdate:
 # -- what a script outside gradsync must not be handed silently: a shard taken for the whole --
 
 
-def _called_from_gradsync() -> bool:
-    """Whether the code that called into torch (the first frame outside torch and this
-    module) is gradsync's checkpointing or a strategy's, which take this rank's shard on
-    purpose (each rank writes its own file)."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if module != __name__ and module != "torch" and not module.startswith("torch."):
-            return module.startswith(("gradsync.checkpoint", "gradsync.strategies"))
-        frame = frame.f_back
-    return False
-
-
 def refuse_partial_state(optimizer: torch.optim.Optimizer, name: str) -> Any:
     """Make ``optimizer.state_dict()`` called by the user's code raise: under ZeRO it holds
     this rank's shard of the optimizer state only, and a rank-0 checkpoint of it resumes
@@ -447,7 +433,7 @@ def refuse_partial_state(optimizer: torch.optim.Optimizer, name: str) -> Any:
     user's to inspect)."""
 
     def refuse(_: torch.optim.Optimizer) -> None:
-        if _called_from_gradsync():
+        if reading_own_state():  # gradsync's checkpoint or gather: this rank's shard, on purpose
             return
         raise UsageError(
             f"optimizer.state_dict() under {name} holds only this rank's shard of the "

@@ -61,11 +61,6 @@ def test_the_forms_said_to_compress_a_gradient_are_the_ones_zero_1_takes() -> No
     assert "sparseloco" not in listed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the message is written in gradsync/strategies/zero.py (_compression_error), which "
-    "still lists COMPRESSION_FORMS; it should list spec.GRADIENT_COMPRESSION_FORMS",
-)
 def test_the_zero_2_refusal_suggests_only_what_zero_1_takes() -> None:
     with pytest.raises(UsageError) as refused:
         check_compression("zero:2", "int8")
