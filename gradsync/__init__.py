@@ -24,6 +24,7 @@ from gradsync.errors import DivergenceError, SyncTimeoutError, UsageError
 if TYPE_CHECKING:  # the static view of the lazy names below, for mypy and editors
     from gradsync.balance import ShardBalancer
     from gradsync.compression import Compressor, parse_compression
+    from gradsync.ddp import DistributedDataParallel
     from gradsync.inject import Slowdown
     from gradsync.lr import scaled_lr, warmup
     from gradsync.runtime import init, is_main, rank, world_size
@@ -46,6 +47,7 @@ _LAZY = {
     "BSP": "gradsync.strategies",
     "Compressor": "gradsync.compression",
     "DiLoCo": "gradsync.strategies",
+    "DistributedDataParallel": "gradsync.ddp",
     "LocalSGD": "gradsync.strategies",
     "ParameterServer": "gradsync.strategies",
     "RankTotals": "gradsync.telemetry.report",
@@ -71,6 +73,7 @@ __all__ = [
     "BSP",
     "Compressor",
     "DiLoCo",
+    "DistributedDataParallel",
     "LocalSGD",
     "ParameterServer",
     "ShardBalancer",

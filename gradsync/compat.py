@@ -55,6 +55,12 @@ is tested in ``tests/unit/test_compat.py``.
 - ``elastic_signal``: the signal behind torch's elastic agent's ``SignalException`` (its
   ``sigval``), which it raises in the launcher for a Ctrl-C instead of ``KeyboardInterrupt``, so
   that ``gradsync run`` ends with one line and 128 + the signal; None where torch lacks it.
+- ``queue_end_of_backward`` / ``end_of_backward_callbacks``: the autograd engine's
+  ``queue_callback`` (``torch.autograd.Variable._execution_engine``), which runs a function once
+  the backward pass running now has finished, as DDP finishes its reduction there; the front
+  door (``gradsync.ddp``) completes the exchange with it, so ``loss.backward()`` returns with
+  ``p.grad`` final. False where torch hides it: the front door is then refused at construction,
+  naming the explicit ``sync.step()`` form.
 """
 
 from __future__ import annotations
@@ -346,3 +352,31 @@ def elastic_signal(exc: BaseException) -> int | None:
         return int(exc.sigval)
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def _engine_queue() -> Callable[[Callable[[], None]], None] | None:
+    variable = getattr(torch.autograd, "Variable", None)
+    engine = getattr(variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    return queue if callable(queue) else None
+
+
+def end_of_backward_callbacks() -> bool:
+    """Whether this torch lets ``queue_end_of_backward`` run a function at a backward pass's
+    end."""
+    return _engine_queue() is not None
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> bool:
+    """From inside a backward pass (an autograd hook): run ``callback`` once that pass has
+    finished, every gradient accumulated; an exception it raises comes out of
+    ``loss.backward()``. False where torch hides the engine's queue, or no backward pass is
+    running (the engine refuses then)."""
+    queue = _engine_queue()
+    if queue is None:
+        return False
+    try:
+        queue(callback)
+    except RuntimeError:
+        return False
+    return True

@@ -8,6 +8,7 @@ FROZEN_API = {
     "BSP",
     "Compressor",
     "DiLoCo",
+    "DistributedDataParallel",
     "LocalSGD",
     "ParameterServer",
     "ShardBalancer",
