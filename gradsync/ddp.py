@@ -187,6 +187,8 @@ class DistributedDataParallel(nn.Module):
         **options: Any,
     ) -> None:
         super().__init__()
+        # accepted for DDP's sake and needing nothing here (the class docstring says why)
+        del find_unused_parameters, gradient_as_bucket_view, static_graph
         _check_arguments(module, optimizer, device_ids, output_device, options)
         assert optimizer is not None
         if strategy is not None:  # before any collective; a run directory's choice is after
@@ -243,6 +245,8 @@ class DistributedDataParallel(nn.Module):
 
     # -- the user's calls ---------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._closed:  # after close(): the plain module, synchronizing nothing
+            return self.module(*inputs, **kwargs)
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self._open is not None and self._open.synchronized:
             # The last step's update never came (a GradScaler skipped it): close that block
@@ -295,6 +299,7 @@ class DistributedDataParallel(nn.Module):
         """Open this step's block at its synchronizing forward pass, keeping the gradients the
         ``no_sync()`` micro-batches accumulated (the block's entry releases ``p.grad``)."""
         held = [p.grad for p in self._params]
+        self._queued = False  # a backward pass that raised never ran the callback it queued
         self._open = _OpenStep(self.sync)
         for p, g in zip(self._params, held, strict=True):
             p.grad = g
