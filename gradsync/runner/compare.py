@@ -26,6 +26,7 @@ import numpy as np
 from gradsync.errors import UsageError
 from gradsync.progress import HEARTBEAT_FILE, Progress, read_heartbeat
 from gradsync.runner.config import RunConfig
+from gradsync.runner.rundir import COMPARE_FILE, claim
 from gradsync.strategies.factory import parse_strategy, uses_servers
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records
 from gradsync.telemetry.report import RunReport
@@ -134,34 +135,62 @@ def pull_bytes_per_step(cfg: RunConfig) -> int:
 def run_comparison(
     base: RunConfig, strategies: list[str], target: float | None, show_progress: bool = True
 ) -> dict[str, Any]:
+    """Each strategy's run in turn into ``OUT/<strategy>``, then ``OUT/compare.json``. ``OUT``
+    and each run's directory are locked as ``gradsync run`` locks its own (``rundir.claim``),
+    and refused as it refuses them: in use by another run, or holding one unless ``--resume``
+    or ``--overwrite`` is given."""
+    refuse_run_only_flags(base)
+    out = Path(base.out)
+    # Held until the comparison ends: no run or comparison writes into OUT meanwhile.
+    claimed = claim(out, resume=base.resume, overwrite=base.overwrite)
+    try:
+        # A script's steps are its own: the line then shows each run's step alone.
+        per_run = 0 if base.script else base.steps
+        progress = Progress(per_run * len(strategies), enabled=show_progress)
+        curves: list[Curve] = []
+        pulls: int | None = None
+        for i, spec in enumerate(strategies):
+            progress.label = f"{spec} ({i + 1}/{len(strategies)})"
+            cfg, records = _run_one(base, spec, progress, i * per_run)
+            pull = 0
+            if uses_servers(spec) and not base.script:  # a script's model is not known here
+                if pulls is None:  # the same model and servers for every strategy: count once
+                    pulls = pull_bytes_per_step(cfg)
+                pull = pulls
+            curve = curve_from_records(spec, records, pull)
+            curves.append(curve)
+            # The same loss the runs' own progress lines show: this step's, not the average.
+            last = float(curve.raw[-1])
+            progress.update((i + 1) * per_run, None if np.isnan(last) else last, 0.0, 0.0)
+        progress.close()
+        return summarize(curves, target, out, plots=base.plots)
+    finally:
+        claimed.release()
+
+
+def _run_one(
+    base: RunConfig, spec: str, progress: Progress, offset: int
+) -> tuple[RunConfig, list[StepRecord]]:
+    """One strategy's run into its own locked directory; its config and step records."""
     from gradsync.processes.launch import launch
     from gradsync.runner.worker import run_rank
 
-    refuse_run_only_flags(base)
-    out = Path(base.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # A script's steps are its own: the line then shows each run's step alone.
-    per_run = 0 if base.script else base.steps
-    progress = Progress(per_run * len(strategies), enabled=show_progress)
-    curves: list[Curve] = []
-    pulls: int | None = None
-    for i, spec in enumerate(strategies):
-        # --servers is for the parameter-server strategies; the others run without servers.
-        servers = base.servers if uses_servers(spec) else 1
-        cfg = replace(
-            base, strategy=spec, servers=servers, out=str(out / _dirname(spec)), progress=False
-        )
-        run_dir = Path(cfg.out)
-        run_dir.mkdir(parents=True, exist_ok=True)
+    # --servers is for the parameter-server strategies; the others run without servers.
+    servers = base.servers if uses_servers(spec) else 1
+    run_dir = Path(base.out) / _dirname(spec)
+    cfg = replace(base, strategy=spec, servers=servers, out=str(run_dir), progress=False)
+    # OUT passed claim() (empty, --resume or --overwrite): its runs are this comparison's
+    # to continue or start over, and any other run's directory in it is refused.
+    claimed = claim(run_dir, resume=base.resume, overwrite=not base.resume)
+    try:
         (run_dir / METRICS_FILE).unlink(missing_ok=True)
         (run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
         # Each run's strategy is the comparison's, also for a script's Synchronizer (which
         # takes it as if given on the command line: one naming its own is refused)
         cfg.save(run_dir, given=["strategy", "servers"] if uses_servers(spec) else ["strategy"])
-        progress.label = f"{spec} ({i + 1}/{len(strategies)})"
         stop = threading.Event()
         watcher = threading.Thread(
-            target=_watch, args=(run_dir, i * per_run, progress, stop), daemon=True
+            target=_watch, args=(run_dir, offset, progress, stop), daemon=True
         )
         watcher.start()
         try:
@@ -176,18 +205,9 @@ def run_comparison(
         finally:
             stop.set()
             watcher.join()
-        pull = 0
-        if uses_servers(spec) and not base.script:  # a script's model is not known here
-            if pulls is None:  # the same model and servers for every strategy: count once
-                pulls = pull_bytes_per_step(cfg)
-            pull = pulls
-        curve = curve_from_records(spec, read_records(run_dir), pull)
-        curves.append(curve)
-        # The same loss the runs' own progress lines show: this step's, not the moving average.
-        last = float(curve.raw[-1])
-        progress.update((i + 1) * per_run, None if np.isnan(last) else last, 0.0, 0.0)
-    progress.close()
-    return summarize(curves, target, out, plots=base.plots)
+        return cfg, read_records(run_dir)
+    finally:
+        claimed.release()
 
 
 def _watch(
@@ -242,7 +262,7 @@ def summarize(
             }
         )
     result = {"target_loss": goal, "rows": rows}
-    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / COMPARE_FILE).write_text(json.dumps(result, indent=2) + "\n")
     result["plots"] = [str(p) for p in _plots(curves, goal, out)] if plots else []
     return result
 

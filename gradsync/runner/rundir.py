@@ -1,23 +1,34 @@
 """One run per run directory, and no run deletes another's checkpoints.
 
-``gradsync run --out DIR`` takes an exclusive lock on ``DIR`` for as long as it runs: an
+``gradsync run --out DIR`` (and ``gradsync compare --out DIR``, for the comparison's directory and
+each strategy's run in it) takes an exclusive lock on ``DIR`` for as long as it runs: an
 ``fcntl.flock`` on ``DIR/.gradsync.lock``, which holds the owner's pid, host and start time so a
 second run can be refused naming it. The kernel drops the lock when its process ends however
-it ends, so a crashed run never leaves a stale lock behind. A directory that already holds a
-run is refused too, unless the new run continues it (``--resume``) or the user asks to start
-over in it (``--overwrite``, which alone deletes its checkpoints, fault markers and metrics).
+it ends, so a crashed run never leaves a stale lock behind. The lock file is opened without
+following a symbolic link: a link planted there would otherwise have its target truncated and
+rewritten. A directory that already holds a run is refused too, unless the new run continues
+it (``--resume``) or the user asks to start over in it (``--overwrite``). ``--overwrite`` deletes
+only what gradsync wrote (the checkpoints' step directories, fault markers and metrics) and only
+in a directory gradsync recognises as a run's: a plain directory is refused, naming what would
+have been deleted.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
+import re
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import IO
 
+from gradsync.checkpoint.files import MANIFEST
+from gradsync.checkpoint.writer_locks import LOCK_DIR
 from gradsync.errors import UsageError
 
 LOCK_FILE = ".gradsync.lock"
@@ -29,6 +40,15 @@ CHECKPOINT_DIR = "checkpoints"
 FINAL_MODEL = "final_model.pt"
 #: what a fresh run replaces in a directory it is told to --overwrite
 RUN_STATE = (CHECKPOINT_DIR, "faults", "metrics.jsonl")
+#: keys every config.json that ``gradsync run`` (and each run of ``compare``) writes holds
+RUN_CONFIG_KEYS = frozenset({"strategy", "nproc", "out", "steps", "workload"})
+#: the comparison's own file, in the directory of ``gradsync compare --out``
+COMPARE_FILE = "compare.json"
+#: a checkpoint's step directory (``gradsync.checkpoint.files``), committed or not
+_STEP_DIR = re.compile(r"^step-\d+$")
+#: the step records' log kept beside the checkpoints (``gradsync.checkpoint.row_log.LOG_DIR``,
+#: spelled here: that module imports torch, which this one never needs)
+ROW_LOG_DIR = "telemetry"
 
 
 class RunDirectory:
@@ -52,9 +72,9 @@ def claim(path: str | Path, *, resume: bool, overwrite: bool) -> RunDirectory:
         raise UsageError(f"--out {run_dir} is a file, not a directory: pass another --out")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the whole run
     except OSError as exc:
         raise UsageError(f"--out {run_dir} cannot be written: {exc.strerror}") from None
+    handle = _open_lock(run_dir)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -79,6 +99,30 @@ def claim(path: str | Path, *, resume: bool, overwrite: bool) -> RunDirectory:
     return claimed
 
 
+def _open_lock(run_dir: Path) -> IO[str]:
+    """``run_dir/.gradsync.lock``, opened for reading and writing without following a link
+    (O_NOFOLLOW) and without waiting on a FIFO (O_NONBLOCK): only a regular file is taken."""
+    lock = run_dir / LOCK_FILE
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(lock, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UsageError(
+                f"--out {run_dir}: its lock file {LOCK_FILE} is a symbolic link (to "
+                f"{os.readlink(lock)}); gradsync writes its lock only into a regular file of "
+                "its own: remove the link, or pass another --out"
+            ) from None
+        raise UsageError(f"--out {run_dir} cannot be written: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(
+            f"--out {run_dir}: its lock file {LOCK_FILE} is not a regular file; remove it, or "
+            "pass another --out"
+        )
+    return os.fdopen(fd, "r+")
+
+
 def _check_contents(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise UsageError(OVERWRITE_AND_RESUME)
@@ -86,18 +130,77 @@ def _check_contents(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     if not held or resume:
         return
     if not overwrite:
-        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
         raise UsageError(
-            f"--out {run_dir} already holds a run ({shown}): pass --resume to continue it from "
-            "its newest checkpoint, --overwrite to start over in it (deleting its checkpoints), "
-            "or another --out"
+            f"--out {run_dir} already holds a run ({_listed(held)}): pass --resume to continue "
+            "it from its newest checkpoint, --overwrite to start over in it (deleting its "
+            "checkpoints), or another --out"
         )
+    if not is_gradsync_run(run_dir):
+        doomed = [name for name in RUN_STATE if (run_dir / name).exists()]
+        would = f"would have deleted {_listed(doomed)}" if doomed else "would have written over it"
+        raise UsageError(
+            f"--out {run_dir} holds {_listed(held)} but no gradsync run (no config.json of "
+            f"gradsync run, no {CHECKPOINT_DIR}/step-*/{MANIFEST}): --overwrite {would}, and "
+            "deletes only what gradsync wrote; move those files away, or pass another --out"
+        )
+    _delete_run_state(run_dir)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
+def is_gradsync_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds what gradsync wrote: the config.json of ``gradsync run``, a
+    comparison's compare.json or its runs, or a committed checkpoint (a step directory with its
+    manifest)."""
+    if _has_run_config(run_dir) or (run_dir / COMPARE_FILE).is_file():
+        return True
+    checkpoints = run_dir / CHECKPOINT_DIR
+    if checkpoints.is_dir() and any(
+        _STEP_DIR.match(p.name) and (p / MANIFEST).is_file() for p in checkpoints.iterdir()
+    ):
+        return True
+    # A comparison stopped before its compare.json: its strategies' runs, one per directory
+    return any(_has_run_config(p) for p in run_dir.iterdir() if p.is_dir())
+
+
+def _has_run_config(run_dir: Path) -> bool:
+    try:
+        data = json.loads((run_dir / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return False  # absent, unreadable or not JSON: not gradsync's
+    return isinstance(data, dict) and data.keys() >= RUN_CONFIG_KEYS
+
+
+def _delete_run_state(run_dir: Path) -> None:
+    """What a fresh run replaces: the metrics and fault markers, and in ``checkpoints/`` the
+    step directories and logs gradsync writes there; anything else the user put in
+    ``checkpoints/`` stays (and so does the directory, then)."""
     for name in RUN_STATE:
         target = run_dir / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        else:
-            target.unlink(missing_ok=True)
+        if name == CHECKPOINT_DIR and target.is_dir() and not target.is_symlink():
+            for entry in target.iterdir():
+                if _STEP_DIR.match(entry.name) or entry.name in (ROW_LOG_DIR, LOCK_DIR):
+                    _remove(entry)
+            if not any(target.iterdir()):
+                target.rmdir()
+        elif target.exists() or target.is_symlink():
+            _remove(target)
 
 
-__all__ = ["LOCK_FILE", "OVERWRITE_AND_RESUME", "RunDirectory", "claim"]
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+__all__ = [
+    "COMPARE_FILE",
+    "LOCK_FILE",
+    "OVERWRITE_AND_RESUME",
+    "RunDirectory",
+    "claim",
+    "is_gradsync_run",
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,13 @@ RUN = ["run", "--nproc", "1", "--workload", "mlp", "--steps", "2", "--no-progres
 
 
 def _previous_run(out: Path) -> Path:
+    """A directory as gradsync run leaves it: its config.json, a checkpoint, its report."""
     kept = out / "checkpoints" / "step-000010" / "rank-0.pt"
     kept.parent.mkdir(parents=True)
     kept.write_text("a checkpoint")
     (out / "report.json").write_text("{}")
+    config = {"workload": "mlp", "strategy": "bsp", "nproc": 1, "steps": 2, "out": str(out)}
+    (out / "config.json").write_text(json.dumps(config))
     return kept
 
 
@@ -29,7 +33,7 @@ def test_a_fresh_run_into_a_used_directory_is_refused_and_deletes_nothing(
     kept = _previous_run(tmp_path)
     assert main([*RUN, "--out", str(tmp_path)]) == 2
     error = capsys.readouterr().err
-    assert "already holds a run (checkpoints, report.json)" in error
+    assert "already holds a run (checkpoints, config.json, report.json)" in error
     assert "--resume" in error and "--overwrite" in error
     assert kept.read_text() == "a checkpoint"
 
