@@ -136,6 +136,8 @@ class Synchronizer:
     #: Synchronizers created so far in this process, per process group: each one keeps its
     #: own arrival records, so a later one never reads an earlier one's
     _created: ClassVar[dict[str, int]] = {}
+    #: set by ``close()``: a step or load after it is refused (its strategy is torn down)
+    _closed = False
 
     def __init__(
         self,
@@ -179,7 +181,9 @@ class Synchronizer:
         strategy = "bsp" if strategy is None else strategy
         servers = 1 if servers is None else servers
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        _check_arguments(model, bucket_mb, telemetry_every, check_every, timeout_s, accumulation)
+        _check_arguments(
+            model, optimizer, bucket_mb, telemetry_every, check_every, timeout_s, accumulation
+        )
         if between_steps_timeout_s is not None and not between_steps_timeout_s > 0:
             raise UsageError(
                 f"between_steps_timeout_s must be > 0 or None (no gate), "
@@ -412,6 +416,7 @@ class Synchronizer:
         """One superstep. The block runs ``micro_batches`` backward passes; gradients accumulate
         locally and are averaged over the ranks and, with ``accumulation="mean"``, over the
         micro-batches too; communication starts on the last."""
+        self._check_open("sync.step()")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise UsageError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         if self._in_step:
@@ -777,6 +782,16 @@ class Synchronizer:
         """Collective: resume from the newest intact checkpoint in ``directory``; returns its
         extras plus ``step`` (the next step to run), or None when there is no checkpoint.
         With parameter servers every rank calls it, servers before ``serve()``."""
+        self._check_open("sync.load()")
+        if not isinstance(directory, str | Path):
+            raise UsageError(
+                f"sync.load() takes the checkpoint directory as a str or Path, got {directory!r}"
+            )
+        if Path(directory).is_file():  # a file holds no checkpoint: None would say "none yet"
+            raise UsageError(
+                f"sync.load({str(directory)!r}): a file, not a checkpoint directory; pass the "
+                "directory sync.save() was given (it holds step-NNNNNN/ directories)"
+            )
         with self._gradsync_call(self._step, "sync.load()"):
             if self._run is not None:
                 self._run.loading()
@@ -793,6 +808,13 @@ class Synchronizer:
                 self._run.loaded(self._step)
             return extra
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise UsageError(
+                f"{what} after sync.close(): this Synchronizer is closed (its strategy and "
+                "timeouts released); make a new gs.Synchronizer to train on"
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._step = int(state["step"])
         self.strategy.load_state_dict(state["strategy"])
@@ -801,6 +823,7 @@ class Synchronizer:
         """Wait for the checkpoints still being written, then release what this holds. Posts
         no collective (it may follow an exception on one rank): step records not gathered yet,
         up to twice ``telemetry_every`` steps, are gathered by ``report()`` only."""
+        self._closed = True
         try:
             self._checkpoints.close()
         finally:
@@ -939,6 +962,7 @@ def _check_sharded_model(model: torch.nn.Module, strategy: Strategy) -> None:
 
 def _check_arguments(
     model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
     bucket_mb: float,
     telemetry_every: int,
     check_every: int,
@@ -946,19 +970,31 @@ def _check_arguments(
     accumulation: str,
 ) -> None:
     """``UsageError`` naming the first bad ``Synchronizer`` argument and what is valid."""
-    if not isinstance(bucket_mb, int | float) or not bucket_mb > 0:
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, got {_described(model)}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(
+            f"optimizer must be a torch.optim.Optimizer over the model's parameters (e.g. "
+            f"torch.optim.SGD(model.parameters(), lr=0.1)), got {_described(optimizer)}"
+        )
+    if not _is_number(bucket_mb) or not bucket_mb > 0:
         raise UsageError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+    if not isinstance(telemetry_every, int) or isinstance(telemetry_every, bool):
+        raise UsageError(f"telemetry_every must be an integer >= 1, got {telemetry_every!r}")
     if telemetry_every < 1:
         raise UsageError(f"telemetry_every must be >= 1, got {telemetry_every}")
-    if check_every < 0:
-        raise UsageError(f"check_every must be >= 0 (0 turns the check off), got {check_every}")
-    if not timeout_s > 0:
-        raise UsageError(f"timeout_s must be > 0, got {timeout_s}")
+    if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 0:
+        raise UsageError(
+            f"check_every must be an integer >= 0 (0 turns the check off), got {check_every!r}"
+        )
+    if not _is_number(timeout_s) or not timeout_s > 0:
+        raise UsageError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(
             f"model {type(model).__name__} has no trainable parameters "
             "(none with requires_grad=True): there is nothing to synchronize"
         )
+    _check_dense_gradients(model)
     if accumulation not in ACCUMULATION:
         raise UsageError(
             f"accumulation must be one of {', '.join(ACCUMULATION)}, got {accumulation!r}: "
@@ -966,6 +1002,33 @@ def _check_arguments(
             "backward passes), 'sum' when the script divides each loss by k (as DDP scripts "
             "do with no_sync)"
         )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _described(value: object) -> str:
+    shown = repr(value)
+    return f"{type(value).__name__} {shown[:60]}{'...' if len(shown) > 60 else ''}"
+
+
+def _check_dense_gradients(model: torch.nn.Module) -> None:
+    """Sparse gradients (an embedding built with ``sparse=True``) have no storage of their own
+    to flatten into buckets: every strategy would fail at the first step with torch's raw
+    "Cannot access data pointer" error. Refused here, naming the module."""
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag)
+            and module.sparse
+            and module.weight.requires_grad
+        ):
+            raise UsageError(
+                f"model's {type(module).__name__} {repr(name) if name else '(the model)'} was "
+                "built with "
+                "sparse=True: its gradients are sparse tensors, which gradsync's strategies do "
+                "not exchange (they send dense gradients); build it with sparse=False"
+            )
 
 
 class _GradientReady:

@@ -8,6 +8,7 @@ its default and help, and a field without one is set by code only.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -37,6 +38,9 @@ DEFAULT_LINK = "1gbit"
 MIN_TIMEOUT_S = 1.0  # below it no collective of a real job completes before its own timeout
 MAX_LOCAL_PROCESSES = 256
 MAX_PARAMS = 1_000_000_000
+#: --threads per CPU of this machine at most: beyond a few per CPU, threads only queue (and
+#: 100000 of them fail the workers' start with a worker failure, not a usage error)
+MAX_THREADS_PER_CPU = 4
 #: above any learning rate that trains (SGD's and AdamW's sensible ones are below 10); far
 #: larger ones overflow float32 parameters in the first update instead (3.4e38 and up)
 MAX_LR = 1e6
@@ -355,6 +359,14 @@ class RunConfig:
             raise UsageError(
                 f"--nproc {self.nproc} is more local workers than gradsync starts on one machine "
                 f"(at most {MAX_LOCAL_PROCESSES}); use torchrun across nodes for more"
+            )
+        cpus = os.cpu_count() or 1
+        if self.threads > MAX_THREADS_PER_CPU * cpus:
+            raise UsageError(
+                f"--threads {self.threads} is more intra-op threads per rank than this "
+                f"machine's {cpus} CPU(s) run: use at most {MAX_THREADS_PER_CPU * cpus} "
+                f"({MAX_THREADS_PER_CPU} per CPU), e.g. --threads {max(1, cpus // self.nproc)} "
+                "to share the CPUs among the ranks"
             )
         if not 1000 <= self.params <= MAX_PARAMS:
             raise UsageError(

@@ -22,6 +22,8 @@ from gradsync.sim.model import (
 from gradsync.spec import SPLITS, STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
+#: workers x steps the simulator takes (--workers, --sweep-workers, --steps): about 1.4 GiB
+MAX_WORKER_STEPS = 2**24
 SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco", "hogwild")
 #: The ZeRO stages the simulator models.
 ZERO_STAGES = (1, 2, 3)
@@ -155,6 +157,19 @@ class ComputeModel:
             raise UsageError(f"--workers must be at least 1, got {self.workers}")
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.workers * self.steps > MAX_WORKER_STEPS:
+            # Every worker-step is a cell of the compute matrix and of each strategy's
+            # timeline (about 90 bytes in all): refused before numpy's MemoryError.
+            fewer = (
+                f"--steps {MAX_WORKER_STEPS // self.workers} or fewer"
+                if self.steps > self.workers
+                else f"--workers {MAX_WORKER_STEPS // self.steps} or fewer"
+            )
+            raise UsageError(
+                f"--workers {self.workers} x --steps {self.steps} is "
+                f"{self.workers * self.steps:,} worker-steps, more than the simulator's "
+                f"{MAX_WORKER_STEPS:,} (about {MAX_WORKER_STEPS * 90 / 2**30:.1f} GiB): use {fewer}"
+            )
         if not self.base_ms or any(not (b >= 0 and math.isfinite(b)) for b in self.base_ms):
             raise UsageError(f"--compute needs finite times >= 0 ms, got {list(self.base_ms)}")
         # Written as "not (ok)" so that nan, which fails every comparison, is rejected too.

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import matplotlib
 
+from gradsync.errors import UsageError
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
@@ -72,8 +74,15 @@ def _same_line(a: Sequence[float], b: Sequence[float]) -> bool:
 
 def _save(fig: plt.Figure, path: str | Path) -> Path:
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+    except OSError as exc:  # a read-only --plot-dir, a directory where the PNG goes
+        raise UsageError(
+            f"--plot-dir {out.parent}: cannot write {out.name} there ({exc.strerror}): pass "
+            "a --plot-dir that is a writable directory"
+        ) from None
+    finally:
+        plt.close(fig)
     return out

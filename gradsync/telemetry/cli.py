@@ -15,7 +15,13 @@ from typing import Any
 
 from gradsync.errors import UsageError
 from gradsync.module_cli import run_commands
-from gradsync.telemetry.records import METRICS_FILE, StepRecord, read_records, read_spans
+from gradsync.telemetry.records import (
+    METRICS_FILE,
+    Span,
+    StepRecord,
+    read_records,
+    read_spans,
+)
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import (
     Finding,
@@ -111,25 +117,38 @@ def analyze_run(
     """Read a run directory, find stragglers, write trace.json (and the PNGs) into it."""
     cfg = StragglerConfig(window=window, threshold=threshold, warmup=warmup)
     path = Path(run_dir)
+    records, spans = _read_run(path)
+    analysis = analyze_records(path, records, cfg)
+    try:
+        analysis.outputs.append(write_trace(path / TRACE_FILE, records, spans, analysis.findings))
+        if plots:
+            from gradsync.telemetry.plots import write_plots  # matplotlib is slow to import
+
+            analysis.outputs += write_plots(records, path, analysis.findings)
+    except OSError as exc:  # a read-only directory, a trace.json that is a directory
+        raise UsageError(
+            f"cannot write {exc.filename or path} ({exc.strerror}): the report writes "
+            f"{TRACE_FILE} and its plots into the run directory {path}, which must be a "
+            "writable directory: make it writable, or copy it somewhere that is"
+        ) from None
+    return analysis
+
+
+def _read_run(path: Path) -> tuple[list[StepRecord], list[Span]]:
+    """The step records and spans of run directory ``path``, or a one-line ``UsageError``."""
     if not path.is_dir():
         raise UsageError(f"no run directory at {str(path)!r}: pass the directory a run wrote")
     if not (path / METRICS_FILE).exists():
         raise UsageError(f"{str(path)!r} has no {METRICS_FILE}: is it a gradsync run directory?")
     try:
-        records = read_records(path)
-    except (ValueError, TypeError) as e:  # JSON or schema damage: say which file, not a traceback
-        raise UsageError(f"cannot read {path / METRICS_FILE}: {e}") from e
+        records, spans = read_records(path), read_spans(path)
+    except (ValueError, TypeError) as e:  # JSON or schema damage: its file and line say where
+        raise UsageError(f"cannot report on {path}: {e}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {e.filename or path}: {e.strerror}") from None
     if not records:
         raise UsageError(f"{path / METRICS_FILE} holds no step records: did the run take a step?")
-    analysis = analyze_records(path, records, cfg)
-    analysis.outputs.append(
-        write_trace(path / TRACE_FILE, records, read_spans(path), analysis.findings)
-    )
-    if plots:
-        from gradsync.telemetry.plots import write_plots  # matplotlib is slow to import
-
-        analysis.outputs += write_plots(records, path, analysis.findings)
-    return analysis
+    return records, spans
 
 
 def analyze_records(run_dir: Path, records: list[StepRecord], cfg: StragglerConfig) -> RunAnalysis:

@@ -20,8 +20,9 @@ barrier; their ``idle`` is the wait the server imposed (SSP's staleness bound), 
 from __future__ import annotations
 
 import json
+import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -112,10 +113,79 @@ def write_records(path: Path, records: Iterable[StepRecord | Span], append: bool
 
 def read_records(run_dir: str | Path) -> list[StepRecord]:
     """Read ``metrics.jsonl`` from a run directory (or the file itself): one record per rank
-    per step, the latest attempt's where a restart ran a step again (see ``latest_attempts``)."""
-    return latest_attempts(
-        StepRecord.from_dict(d) for d in read_jsonl(_resolve(run_dir, METRICS_FILE))
-    )
+    per step, the latest attempt's where a restart ran a step again (see ``latest_attempts``).
+    A record whose field holds what no run writes (a string, NaN, a negative or absurd time) is
+    a ``ValueError`` naming the file, the line, the field and what is valid."""
+    path = _resolve(run_dir, METRICS_FILE)
+    records = []
+    for number, data in _read_lines(path):
+        try:
+            records.append(StepRecord.from_dict(check_record(data)))
+        except ValueError as exc:
+            raise ValueError(f"{path}: line {number}: {exc}") from None
+    return latest_attempts(records)
+
+
+#: bounds of a step record's numbers: far beyond any run, and small enough that the report's
+#: sums and differences of them stay finite (1e9 s is 31 years; 1e12 s after the epoch, the
+#: year 33658)
+MAX_SECONDS = 1e9
+MAX_TIME = 1e12
+_INTEGERS = {"rank": 2**31, "step": 2**53, "samples": 2**63, "bytes": 2**63}
+_DURATIONS = ("compute", "sync", "idle", "comm")
+
+
+def check_record(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` if it is a step record as gradsync writes one, else a ``ValueError`` naming the
+    first bad field, its value and what is valid. ``loss`` may be NaN or infinite: a diverged
+    step's loss is recorded as it was."""
+    missing = [f.name for f in fields(StepRecord) if f.name not in data and f.name in _REQUIRED]
+    if missing:
+        raise ValueError(f"a step record needs {', '.join(missing)}, and this one has none")
+    for name, limit in _INTEGERS.items():
+        value = data[name]
+        if not (_is_number(value) and value == int(value) and 0 <= value < limit):
+            raise ValueError(
+                f"{name} is {_shown(value)}: valid is a whole number from 0 to {limit - 1}"
+            )
+    if not (_is_number(data["time"]) and abs(data["time"]) <= MAX_TIME):
+        raise ValueError(
+            f"time is {_shown(data['time'])}: valid is the wall-clock in seconds since the "
+            f"epoch, a number within {MAX_TIME:g}"
+        )
+    for name in _DURATIONS:
+        value = data[name]
+        if not (_is_number(value) and 0 <= value <= MAX_SECONDS):
+            raise ValueError(
+                f"{name} is {_shown(value)}: valid is a duration in seconds, from 0 to "
+                f"{MAX_SECONDS:g}"
+            )
+    loss = data.get("loss")
+    if loss is not None and not (isinstance(loss, int | float) and not isinstance(loss, bool)):
+        raise ValueError(
+            f"loss is {_shown(loss)}: valid is a number (NaN for a diverged step) or null"
+        )
+    for name in ("skipped", "barrier"):
+        if not isinstance(data.get(name, False), bool):
+            raise ValueError(f"{name} is {_shown(data[name])}: valid is true or false")
+    return data
+
+
+_REQUIRED = frozenset(("rank", "step", "time", *_DURATIONS, "samples", "bytes"))
+
+
+def _shown(value: object) -> str:
+    """``value`` as the file spells it (true, NaN, "x"), not as Python does."""
+    return json.dumps(value)
+
+
+#: what ``json.loads`` returns, by the name JSON gives it
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float, not a bool (JSON's true is no count or time)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def latest_attempts(records: Iterable[StepRecord]) -> list[StepRecord]:
@@ -154,18 +224,31 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     cut short: no newline after it, not JSON. That line is dropped with a warning naming the
     file, and the rest is read, so that a resume goes on (losing one record) instead of
     failing on it. A line that does not parse anywhere else is damage no interrupted append
-    makes: a ``ValueError`` naming the file and the line, for the user to look at."""
+    makes: a ``ValueError`` naming the file and the line, for the user to look at; so is a
+    line that is JSON but not an object (every record is one)."""
+    found = []
+    for _, data in _read_lines(path):  # a loop, not a comprehension: the warning's stacklevel
+        found.append(data)
+    return found
+
+
+def _read_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of each line of ``path``, as ``read_jsonl`` reads them."""
     if not path.exists():
         raise FileNotFoundError(
             f"no {path.name} in {path.parent}: is this a gradsync run directory?"
         )
+    if not path.is_file():
+        raise ValueError(
+            f"{path} is not a file (a directory?): it should be the file of records gradsync "
+            "writes, one JSON object per line"
+        )
     lines = path.read_bytes().split(b"\n")  # bytes: a cut can split a character, too
-    found = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            found.append(json.loads(line))
+            data = json.loads(line)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
             if number < len(lines):  # a newline follows it: the line was written whole
                 raise ValueError(f"{path}: line {number} is not JSON ({exc})") from None
@@ -173,6 +256,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 f"{path}: dropped its last line (line {number}), torn by an interrupted "
                 f"write: {len(line)} bytes without a newline that are not JSON",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,  # the reader's caller
             )
-    return found
+            continue
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{path}: line {number} is a JSON {_JSON_TYPES.get(type(data), 'value')}, not "
+                'an object: each line is one record, {"rank": ..., "step": ..., ...}'
+            )
+        yield number, data
