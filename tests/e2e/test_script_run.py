@@ -90,3 +90,24 @@ def test_compare_runs_each_strategy_on_the_user_script(tmp_path: Path) -> None:
     # The runs differ: local:4 averages every 4th step, bsp every step
     bsp, local = (torch.load(out / name / "final.pt") for name in ("bsp", "local-4"))
     assert any(not torch.equal(bsp[k], local[k]) for k in bsp)
+
+
+@pytest.mark.timeout(200)
+def test_the_ported_ddp_example_gets_the_run_directory_too(tmp_path: Path) -> None:
+    """examples/ddp_lm_gradsync.py, a public DDP script ported to gs.Synchronizer, unchanged."""
+    example = SCRIPT.parents[2] / "examples" / "ddp_lm_gradsync.py"
+    out = tmp_path / "lm"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--slow", "1:3", "--no-plots"]
+        + ["--straggler-warmup", "2", "--straggler-window", "6", "--out", str(out), "--"]
+        + [str(example), "--steps", "14", "--eval-every", "100", "--out", str(tmp_path / "own")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 14
+    assert [finding["rank"] for finding in report["stragglers"]] == [1], report["stragglers"]
+    assert (tmp_path / "own" / "final.pt").exists()  # the script's own outputs, where it says
