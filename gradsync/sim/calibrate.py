@@ -45,13 +45,24 @@ def save_calibration(path: str | Path, fit: Fit, extra: dict[str, Any]) -> None:
 def load_calibration(path: str | Path) -> AlphaBeta:
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise UsageError(f"cannot read calibration file {path}: {exc}") from None
-    if doc.get("kind") != CALIBRATION_KIND:
-        raise UsageError(f"{path} is not a gradsync bench allreduce calibration file")
+    if not isinstance(doc, dict) or doc.get("kind") != CALIBRATION_KIND:
+        held = "" if isinstance(doc, dict) else f" (it holds a JSON {type(doc).__name__})"
+        raise UsageError(
+            f"{path} is not a gradsync bench allreduce calibration file{held}: pass the JSON "
+            "object that gradsync bench allreduce writes"
+        )
+    alpha, beta = doc.get("alpha_s"), doc.get("beta_s_per_byte")
+    for name, value in (("alpha_s", alpha), ("beta_s_per_byte", beta)):
+        # max(0.0, NaN) is 0.0: a NaN would pass as a free link, so finiteness is checked first
+        if not (isinstance(value, int | float) and not isinstance(value, bool)) or not (
+            math.isfinite(value)
+        ):
+            raise UsageError(f"{path}: {name} is {value!r}: valid is a finite number of seconds")
     return AlphaBeta(
-        alpha=max(0.0, doc["alpha_s"]),
-        beta=max(0.0, doc["beta_s_per_byte"]),
+        alpha=max(0.0, alpha),
+        beta=max(0.0, beta),
         algorithm=doc.get("algorithm", "ring"),
     )
 

@@ -114,8 +114,14 @@ def _non_object_lines(tmp_path: Path) -> list[str]:
     return ["--from", str(tmp_path / "run")]
 
 
+def _calibration_list(tmp_path: Path) -> list[str]:
+    (tmp_path / "calibration.json").write_text("[1, 2]\n")
+    return ["--calibration", str(tmp_path / "calibration.json")]
+
+
 SIMULATE_CASES: dict[str, tuple[Callable[[Path], list[str]], list[str]]] = {
     "--from with non-object lines": (_non_object_lines, ["--from", "not an object"]),
+    "a calibration file that is a list": (_calibration_list, ["calibration.json", "not a"]),
     "--workers 100000000": (
         lambda _: ["--workers", "100000000"],
         ["--workers 100000000 x --steps 100", "or fewer"],
