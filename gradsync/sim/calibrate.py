@@ -53,18 +53,20 @@ def load_calibration(path: str | Path) -> AlphaBeta:
             f"{path} is not a gradsync bench allreduce calibration file{held}: pass the JSON "
             "object that gradsync bench allreduce writes"
         )
-    alpha, beta = doc.get("alpha_s"), doc.get("beta_s_per_byte")
-    for name, value in (("alpha_s", alpha), ("beta_s_per_byte", beta)):
-        # max(0.0, NaN) is 0.0: a NaN would pass as a free link, so finiteness is checked first
-        if not (isinstance(value, int | float) and not isinstance(value, bool)) or not (
-            math.isfinite(value)
-        ):
-            raise UsageError(f"{path}: {name} is {value!r}: valid is a finite number of seconds")
+    alpha = _finite_seconds(path, "alpha_s", doc.get("alpha_s"))
+    beta = _finite_seconds(path, "beta_s_per_byte", doc.get("beta_s_per_byte"))
     return AlphaBeta(
         alpha=max(0.0, alpha),
         beta=max(0.0, beta),
         algorithm=doc.get("algorithm", "ring"),
     )
+
+
+def _finite_seconds(path: str | Path, name: str, value: Any) -> float:
+    # max(0.0, NaN) is 0.0: a NaN would pass as a free link, so finiteness is checked first
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UsageError(f"{path}: {name} is {value!r}: valid is a finite number of seconds")
+    return float(value)
 
 
 def load_calibration_table(path: str | Path) -> CollectiveTable | None:
