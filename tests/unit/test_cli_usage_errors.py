@@ -1,0 +1,68 @@
+"""Each user error of ``gradsync run`` gets one clear message naming the bad value and what is
+valid, and exit status 2, before any process starts: checked in this process through the
+command's ``main``. That the installed command exits 2 without a traceback, as a process:
+tests/e2e/test_errors_e2e.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gradsync.runner.cli import main
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--strategy", "bogus"], "unknown strategy 'bogus'; valid: bsp, zero:N, local:H"),
+        (["--strategy", "local:0"], "H must be an integer >= 1"),
+        (["--strategy", "ssp:-1"], "S must be an integer >= 0 or inf"),
+        (["--strategy", "ssp:1", "--servers", "0"], "--servers must be at least 1, got 0"),
+        (["--batch-size", "6", "--micro-batches", "4"], "does not split into --micro-batches 4"),
+        (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+        (["--bucket-mb", "0"], "--bucket-mb must be > 0, got 0.0"),
+        (["--micro-batches", "0"], "--micro-batches must be at least 1, got 0"),
+        (
+            ["--data", "/nonexistent/corpus.txt"],
+            "--data file '/nonexistent/corpus.txt' does not exist or is not a file; pass an "
+            "existing text file of at least 1024 bytes, or omit --data to train on the "
+            "standard-library sample",
+        ),
+        (["--workload", "resnet"], "unknown workload 'resnet'; valid: charlm, mlp"),
+        (["--slow", "1x3"], "bad --slow value '1x3'"),
+        (["--nproc", "2", "--slow", "5:2"], "names rank 5, but ranks are 0..1"),
+    ],
+)
+def test_cli_usage_errors(
+    args: list[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--out", str(tmp_path / "r"), *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
+
+
+def test_data_file_too_small_names_size_and_what_is_valid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = tmp_path / "small.txt"
+    small.write_text("tiny corpus")
+    assert main(["run", "--out", str(tmp_path / "r"), "--data", str(small)]) == 2
+    err = capsys.readouterr().err
+    assert f"--data file '{small}' holds 11 bytes; pass an existing text file of at least " in err
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--hosts", "3", "--nproc", "2"], "do not split evenly over --hosts 3"),
+        (["--hosts", "2", "--link", "fast", "--nproc", "2"], "bad link rate 'fast'"),
+    ],
+)
+def test_emulated_cluster_flags_are_checked_before_any_host_is_made(
+    args: list[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--out", str(tmp_path / "r"), *args]) == 2
+    assert expected in capsys.readouterr().err
