@@ -1,6 +1,6 @@
 """Issue 48: gradsync ``bsp`` with its default bucket plan against torch DDP with its
 defaults, on the emulated cluster (one rank per host, rate-limited links), where a bucket
-plan with no small first bucket sends nothing until backward ends.
+plan that puts a gradient of a few MB in one bucket sends it only once backward ends.
 
 Needs root and iproute2 (``gradsync cluster``). Per link and number of hosts, one launch runs
 every configuration of ``benchmarks.first_bucket_worker`` in interleaved blocks; the ratios
@@ -29,7 +29,8 @@ MODULE = "benchmarks.first_bucket_worker"
 def run_one(hosts: int, link: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     path = os.environ.get("PYTHONPATH")
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
-    worker = [MODULE, "--params", str(args.params), "--batch", str(args.batch)]
+    worker = [MODULE, "--model", args.model, "--params", str(args.params)]
+    worker += ["--batch", str(args.batch)]
     worker += ["--repeats", str(args.repeats), "--block", str(args.block), "--out", str(out)]
     with Cluster(hosts=hosts, link=link, prefix=PREFIX) as cluster:
         rc = launch_on_cluster(cluster, worker, env=env, timeout_s=900)
@@ -45,7 +46,7 @@ def render(results: list[tuple[int, str, dict[str, Any]]], command: str) -> str:
         b = r["blocks"]
         rows.append(
             [
-                f"{hosts} hosts, {link}",
+                f"{r['model']}, {hosts} hosts, {link}",
                 f"{r['grad_mb']:.1f} MB",
                 fmt_iqr([1000 * s for s in b["ddp"]], ".1f", " ms"),
                 fmt_iqr(pair_ratios(b["gradsync"], b["ddp"])),
@@ -55,16 +56,17 @@ def render(results: list[tuple[int, str, dict[str, Any]]], command: str) -> str:
         )
     header = ["cluster", "gradient", "DDP step", "bsp / DDP", "bsp 1 MB / DDP", "compute only"]
     return (
-        "gradsync `bsp` with its defaults (a 1 MiB first bucket, then 25 MiB: DDP's plan) "
-        "against torch DDP with its defaults, one rank per emulated host, step time ratios "
-        "per block (<= 1.00: gradsync as fast or faster), median and interquartile range.\n\n"
-        + table(header, rows)
-        + f"\n\n{machine()}. Command: `{command}`\n"
+        "gradsync `bsp` with its defaults (a first bucket of at most 1 MiB, then an eighth of "
+        "the gradient, 1 to 25 MiB: `spec.default_bucket_mb`) and with `bucket_mb=1`, against "
+        "torch DDP with its defaults (1 MiB, then 25 MiB), one rank per emulated host, step "
+        "time ratios per block (<= 1.00: gradsync as fast or faster), median and interquartile "
+        "range.\n\n" + table(header, rows) + f"\n\n{machine()}. Command: `{command}`\n"
     )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     p.add_argument("--params", type=int, default=1_500_000, help="mlp parameters")
     p.add_argument("--batch", type=int, default=256, help="samples per rank per step")
     p.add_argument("--repeats", type=int, default=5)
@@ -91,7 +93,7 @@ def main() -> int:
     body = render(results, command)
     print(body)
     if args.write:
-        write_section("first_bucket", body)
+        write_section(f"first_bucket_{args.model}", body)
     return 0
 
 

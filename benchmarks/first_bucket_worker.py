@@ -1,7 +1,8 @@
 """The ranks' side of ``benchmarks.first_bucket``: torch DDP and gradsync ``bsp`` in blocks of
 steps interleaved in the same processes, on one model, each rank on its own emulated host.
 
-``python -m benchmarks.first_bucket_worker --params N --batch B --repeats R --block S --out F``
+``python -m benchmarks.first_bucket_worker --model mlp|transformer --params N --batch B
+--repeats R --block S --out F``
 under torchrun: configurations ``ddp`` (DDP's defaults: a 1 MiB first bucket, then 25 MiB),
 ``gradsync`` (bsp with its defaults: the same plan since issue 48), ``gradsync-1mb``
 (``bucket_mb=1``, the fastest fixed size in issue 48's sweep) and ``compute-only``. Rank 0
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,11 +25,50 @@ from benchmarks.steps import Trainer
 from gradsync.workloads import make_workload
 
 KINDS = ("ddp", "gradsync", "gradsync-1mb", "compute-only")
+VOCAB, CONTEXT = 128, 64
+
+
+class TinyTransformer:
+    """A workload of many small tensors, as the issue's held-out model: a token embedding,
+    ``layers`` encoder layers of width ``dim`` and an output head, on random tokens drawn from
+    the step's seed (the mlp workload has a few large tensors: its gradient's order says
+    little about overlap)."""
+
+    name = "transformer"
+    default_lr = 1e-3
+
+    def __init__(self, dim: int = 128, layers: int = 6) -> None:
+        self.dim, self.layers = dim, layers
+
+    def build_model(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(
+            self.dim, 4, 4 * self.dim, dropout=0.0, batch_first=True
+        )
+        return torch.nn.Sequential(
+            torch.nn.Embedding(VOCAB, self.dim),
+            torch.nn.TransformerEncoder(layer, self.layers, enable_nested_tensor=False),
+            torch.nn.Linear(self.dim, VOCAB),
+        )
+
+    def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+    def batch(
+        self, step: int, global_batch: int, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, VOCAB, (global_batch, CONTEXT + 1), generator=g)
+        return tokens[start:stop, :-1], tokens[start:stop, 1:]
+
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--params", type=int, default=1_500_000)
+    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    p.add_argument("--params", type=int, default=1_500_000, help="the mlp's parameters")
     p.add_argument("--batch", type=int, default=256, help="per rank")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--block", type=int, default=10)
@@ -35,7 +76,11 @@ def main() -> None:
     args = p.parse_args()
     gs.init()
     torch.set_num_threads(1)
-    workload = make_workload("mlp", params=args.params)
+    workload: Any = (
+        TinyTransformer()
+        if args.model == "transformer"
+        else make_workload("mlp", params=args.params)
+    )
     global_batch = args.batch * dist.get_world_size()
 
     def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -50,7 +95,9 @@ def main() -> None:
     blocks = time_interleaved(steps, args.repeats, args.block)
     if dist.get_rank() == 0:
         grad_mb = sum(p.numel() for p in workload.build_model().parameters()) * 4 / 2**20
-        Path(args.out).write_text(json.dumps({"blocks": blocks, "grad_mb": grad_mb}))
+        Path(args.out).write_text(
+            json.dumps({"blocks": blocks, "grad_mb": grad_mb, "model": args.model})
+        )
     dist.barrier()
 
 

@@ -2,7 +2,7 @@
 
 import gradsync as gs
 gs.init()
-sync = gs.Synchronizer(model, optimizer, strategy="bsp", bucket_mb=25.0)
+sync = gs.Synchronizer(model, optimizer, strategy="bsp")
 for x, y in loader:
     with sync.step():
         loss_fn(model(x), y).backward()

@@ -1,11 +1,13 @@
 """Gradient buckets fired from autograd hooks, so communication overlaps the backward pass.
 
 Parameters are grouped, in reverse registration order (roughly the order backward produces
-their gradients), into buckets of about ``bucket_mb``. A post-accumulate-grad hook on every
-parameter counts how many backward passes have reached it this step; when every parameter of a
-bucket has seen the step's last micro-batch, the bucket is flattened (its gradients copied into
-one buffer, scaled on the way) and its exchange launched asynchronously through the function
-the strategy passes in (a plain all-reduce or a compressor's hook).
+their gradients), into buckets of about ``bucket_mb``, the first of at most
+``spec.FIRST_BUCKET_MB`` (1 MiB, as DDP's first bucket: it leaves while backward goes on). A
+post-accumulate-grad hook on every parameter counts how many backward passes have reached it
+this step; when every parameter of a bucket has seen the step's last micro-batch, the bucket is
+flattened (its gradients copied into one buffer, scaled on the way) and its exchange launched
+asynchronously through the function the strategy passes in (a plain all-reduce or a
+compressor's hook).
 
 Buckets are launched strictly in index order on every rank, because collectives on one process
 group must be issued in the same order everywhere. A bucket that is ready early waits for its
@@ -24,15 +26,19 @@ import torch
 
 from gradsync.checks.guards import is_finite
 from gradsync.compression.base import FlatBucket
+from gradsync.spec import FIRST_BUCKET_MB, default_bucket_mb
 from gradsync.telemetry.records import Span
 
 MB = 1024 * 1024
 
 
-def plan_buckets(params: Sequence[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:
-    """Group parameters in reverse order into buckets of at most ``bucket_mb`` (a parameter
-    larger than that gets a bucket of its own); a bucket never mixes dtypes or devices."""
-    limit = bucket_mb * MB
+def plan_buckets(
+    params: Sequence[torch.Tensor], bucket_mb: float, first_bucket_mb: float = FIRST_BUCKET_MB
+) -> list[list[torch.Tensor]]:
+    """Group parameters in reverse order into buckets of at most ``bucket_mb``, the first of at
+    most ``first_bucket_mb`` (a parameter larger than its bucket's cap gets a bucket of its
+    own); a bucket never mixes dtypes or devices."""
+    limit = min(first_bucket_mb, bucket_mb) * MB
     buckets: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
     size = 0
@@ -42,6 +48,7 @@ def plan_buckets(params: Sequence[torch.Tensor], bucket_mb: float) -> list[list[
         if current and (size + nbytes > limit or mixed):
             buckets.append(current)
             current, size = [], 0
+            limit = bucket_mb * MB  # the first bucket is closed: the others take bucket_mb
         current.append(p)
         size += nbytes
     if current:
@@ -132,10 +139,15 @@ class BucketReducer:
     def __init__(
         self,
         params: Sequence[torch.Tensor],
-        bucket_mb: float,
+        bucket_mb: float | None,
         exchange: ExchangeFn,
         record_spans: bool = False,
     ) -> None:
+        if bucket_mb is None:  # the default plan, from the gradient's size (spec)
+            total_mb = sum(p.numel() * p.element_size() for p in params) / MB
+            bucket_mb = default_bucket_mb(total_mb)
+        #: the bucket size planned with (the user's ``bucket_mb``, or the default plan's)
+        self.bucket_mb = bucket_mb
         groups = plan_buckets(params, bucket_mb)
         self.buckets = [GradBucket(i, ps, i == len(groups) - 1) for i, ps in enumerate(groups)]
         self._bucket_of: dict[int, int] = {}

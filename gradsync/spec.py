@@ -150,6 +150,44 @@ def default_delay(period: int, fragments: int) -> int:
 #: about 1/F of the bytes; "layers" strides whole layers over the fragments (the paper's form).
 SPLITS = ("rows", "layers")
 
+#: the first gradient bucket's size cap, MiB, whatever ``bucket_mb`` is: DDP's first bucket
+#: (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``). Backward produces the last layers' gradients
+#: first; a small first bucket sends them while backward goes on, where one bucket holding the
+#: whole gradient of a model of a few MB is sent only once backward ends (10-20% of the step
+#: on a 1 Gbit/s link, issue 48). Here, not in ``buckets``: the simulator (no torch) plans alike.
+FIRST_BUCKET_MB = 1.0
+#: the default plan's largest bucket, MiB (DDP's ``bucket_cap_mb``)
+MAX_BUCKET_MB = 25.0
+#: the default plan cuts a gradient into about this many buckets
+DEFAULT_BUCKETS = 8
+
+
+def default_bucket_mb(total_mb: float) -> float:
+    """``bucket_mb`` where the user names none: an eighth of the gradient, at least the first
+    bucket's size and at most ``MAX_BUCKET_MB``. Why not DDP's fixed 25 MB: a gradient of a few
+    MB is then one bucket behind a 1 MB first one, sent only once backward ends; on the
+    emulated cluster (2 hosts, 1 Gbit/s, ``python -m benchmarks.first_bucket --model
+    transformer``) a 4.7 MB transformer stepped 1.03-1.07x DDP's time with 25 MB buckets and
+    0.84-0.96x with 1 MB ones, where a quarter of the gradient (1.2 MB) gave 0.99; a 5.7 MB
+    mlp of a few large tensors was about even either way (BENCHMARKS.md, "first bucket").
+    Large gradients keep 25 MB buckets, as DDP's."""
+    return min(MAX_BUCKET_MB, max(FIRST_BUCKET_MB, total_mb / DEFAULT_BUCKETS))
+
+
+def bucket_sizes_mb(total_mb: float, bucket_mb: float) -> list[float]:
+    """How a gradient of ``total_mb`` splits into buckets by size alone (``buckets.plan_buckets``
+    also keeps each parameter whole and dtypes apart): a first of at most ``FIRST_BUCKET_MB``,
+    then ones of ``bucket_mb``."""
+    if total_mb <= 0:
+        return []
+    first = min(FIRST_BUCKET_MB, bucket_mb, total_mb)
+    sizes = [first]
+    rest = total_mb - first
+    while rest > 1e-12:
+        sizes.append(min(bucket_mb, rest))
+        rest -= sizes[-1]
+    return sizes
+
 
 def _split_field(parts: list[str]) -> str | None:
     """Take SPLIT off the end of ``parts`` (H, F, ...): the last field after F when it is not a

@@ -145,7 +145,7 @@ class Synchronizer:
         optimizer: torch.optim.Optimizer,
         strategy: str | Strategy | None = None,
         compression: str | Compressor | None = None,
-        bucket_mb: float = 25.0,
+        bucket_mb: float | None = None,
         *,
         group: dist.ProcessGroup | None = None,
         telemetry: bool = True,
@@ -283,7 +283,7 @@ class Synchronizer:
                     optimizer=optimizer,
                     group=group,
                     compressor=self.compressor,
-                    bucket_mb=float(bucket_mb),
+                    bucket_mb=None if bucket_mb is None else float(bucket_mb),
                     record_spans=record_spans,
                     skip_nonfinite=skip_nonfinite,
                     watch=self._watch,
@@ -963,7 +963,7 @@ def _check_sharded_model(model: torch.nn.Module, strategy: Strategy) -> None:
 def _check_arguments(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    bucket_mb: float,
+    bucket_mb: float | None,
     telemetry_every: int,
     check_every: int,
     timeout_s: float,
@@ -977,8 +977,10 @@ def _check_arguments(
             f"optimizer must be a torch.optim.Optimizer over the model's parameters (e.g. "
             f"torch.optim.SGD(model.parameters(), lr=0.1)), got {_described(optimizer)}"
         )
-    if not _is_number(bucket_mb) or not bucket_mb > 0:
-        raise UsageError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+    if bucket_mb is not None and (not _is_number(bucket_mb) or not bucket_mb > 0):
+        raise UsageError(
+            f"bucket_mb must be a number > 0, or None for the default plan, got {bucket_mb!r}"
+        )
     if not isinstance(telemetry_every, int) or isinstance(telemetry_every, bool):
         raise UsageError(f"telemetry_every must be an integer >= 1, got {telemetry_every!r}")
     if telemetry_every < 1:

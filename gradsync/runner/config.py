@@ -143,8 +143,12 @@ class RunConfig:
         "sparseloco[:D[:C[:B]]] (local:H, diloco:H) (default: none)",
         group=SYNC,
     )
-    bucket_mb: float = flag(
-        25.0, metavar="MB", help="gradient bucket size in MB (default: %(default)g)", group=SYNC
+    bucket_mb: float | None = flag(
+        None,
+        metavar="MB",
+        help="gradient bucket size in MB (default: an eighth of the gradient, from 1 to 25 MB; "
+        "the first bucket at most 1 MB)",
+        group=SYNC,
     )
     allreduce: str = flag(
         "ring",
@@ -341,7 +345,7 @@ class RunConfig:
                 f"--batch-size {self.batch_size} does not split into --micro-batches "
                 f"{self.micro_batches} equal parts; use a multiple of {self.micro_batches}"
             )
-        if not self.bucket_mb > 0:
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
         if self.lr is not None and not 0 < self.lr <= MAX_LR:
             raise UsageError(f"--lr must be a number > 0 and at most {MAX_LR:g}, got {self.lr}")

@@ -23,6 +23,7 @@ from gradsync.sim.config import CommModel, SimStrategy, parse_sim_strategy
 from gradsync.sim.model import AlphaBeta, Fit
 from gradsync.sim.simulate import SimResult, simulate
 from gradsync.sim.table import CollectiveTable
+from gradsync.spec import bucket_sizes_mb, default_bucket_mb
 from gradsync.telemetry.records import StepRecord, read_records, read_spans
 
 CALIBRATION_KIND = "gradsync.allreduce_calibration"
@@ -98,7 +99,7 @@ class RunProfile:
 
     nproc: int
     strategy: str
-    bucket_mb: float
+    bucket_mb: float | None  # None: the default plan (spec.default_bucket_mb)
     compute_ms: dict[int, np.ndarray]
     bytes_per_step: float
     measured_step_ms: float  # median over steps of the slowest rank's compute + sync
@@ -198,7 +199,7 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
     return RunProfile(
         nproc=int(config.get("nproc", len(compute))),
         strategy=str(config.get("strategy", "bsp")),
-        bucket_mb=float(config.get("bucket_mb", 25.0)),
+        bucket_mb=None if config.get("bucket_mb") is None else float(config["bucket_mb"]),
         compute_ms={k: np.asarray(v) for k, v in sorted(compute.items())},
         bytes_per_step=float(np.median([r.bytes for r in records])),
         measured_step_ms=float(np.median(list(step_wall.values()))),
@@ -297,14 +298,17 @@ def _collective_ms(
     """Per simulated step, the all-reduce time the slowest rank waits for, and its source."""
     steps = run_collective.shape[0]
     nbytes = profile.bytes_per_step / ratio
-    bucket = profile.bucket_mb * 2**20
-    buckets = max(1, math.ceil(nbytes / bucket)) if bucket > 0 else 1
+    # as the run plans them: a small first bucket, then bucket_mb ones (spec.bucket_sizes_mb)
+    total_mb = nbytes / 2**20
+    bucket_mb = profile.bucket_mb or default_bucket_mb(total_mb)
+    sizes = [mb * 2**20 for mb in bucket_sizes_mb(total_mb, bucket_mb)] or [nbytes]
+    buckets = len(sizes)
     if workers < 2:
         return np.zeros(steps), "none (1 worker)"
     if table is not None:
-        # Every bucket is charged in full: on the measured runs the payload is one bucket,
-        # launched when backward ends, so nothing of it is hidden.
-        draws = [table.sample_s(nbytes / buckets, steps, rng, workers) for _ in range(buckets)]
+        # Every bucket is charged in full, as if launched when backward ends: the overlap the
+        # small first bucket buys is not credited (an upper bound on the exchange).
+        draws = [table.sample_s(size, steps, rng, workers) for size in sizes]
         return 1000.0 * np.sum(draws, axis=0), "calibration (measured repeats)"
     if link is not None:
         # Folding the per-bucket latencies into alpha keeps it a single message.

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from gradsync import runtime
-from gradsync.buckets import BucketReducer, GradBucket
+from gradsync.buckets import MB, BucketReducer, GradBucket
 from gradsync.checks.guards import all_finite, scrub_nonfinite_state
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
+from gradsync.logs import get_logger
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,
@@ -28,6 +29,8 @@ from gradsync.strategies.base import (
     optimizer_step,
 )
 from gradsync.telemetry.records import Span
+
+logger = get_logger("strategies.bsp")
 
 
 class BSP(Strategy):
@@ -61,6 +64,17 @@ class BSP(Strategy):
         group = ctx.group if hierarchy is None else hierarchy.leader_group
         self._state = ctx.compressor.make_state(group)
         self._reducer = BucketReducer(params, ctx.bucket_mb, self._exchange, ctx.record_spans)
+        if ctx.rank == 0:
+            sizes = [
+                b.buffer().numel() * b.buffer().element_size() / MB for b in self._reducer.buckets
+            ]
+            logger.info(
+                "bsp: %d gradient bucket(s) of %s MB (bucket_mb %g%s)",
+                len(sizes),
+                ", ".join(f"{mb:.2f}" for mb in sizes),
+                self._reducer.bucket_mb,
+                "" if ctx.bucket_mb is not None else ": the default plan",
+            )
         self._world = runtime.world_size(ctx.group)
         self.fused_mean = ctx.compressor is ALLREDUCE
         # A plain sum carries NaN/Inf to every rank by itself; lossy exchanges need the poison.

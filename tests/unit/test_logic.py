@@ -9,6 +9,7 @@ import torch
 
 from gradsync.buckets import MB, plan_buckets
 from gradsync.inject import Slowdown, parse_slow
+from gradsync.spec import bucket_sizes_mb, default_bucket_mb
 from gradsync.strategies.base import parse_strategy_spec
 from gradsync.telemetry.records import StepRecord, fill_idle
 from gradsync.telemetry.report import RunReport
@@ -53,6 +54,18 @@ def test_buckets_reverse_order_respect_size_and_dtype() -> None:
     assert buckets[0][0] is params[2]  # reverse registration order
     big = plan_buckets([torch.zeros(10) for _ in range(5)], bucket_mb=1.0)
     assert len(big) == 1 and len(big[0]) == 5
+
+
+def test_the_first_bucket_is_small_so_it_leaves_while_backward_goes_on() -> None:
+    # 12 tensors of 0.5 MiB: the first bucket takes 1 MiB (DDP's), the others 25 MiB at most
+    params = [torch.zeros(MB // 8) for _ in range(12)]
+    buckets = plan_buckets(params, bucket_mb=25.0)
+    assert [len(b) for b in buckets] == [2, 10]
+    assert buckets[0] == [params[11], params[10]]  # the last layers' gradients, first
+    assert [len(b) for b in plan_buckets(params, bucket_mb=0.5)] == [1] * 12  # smaller: it rules
+    assert bucket_sizes_mb(6.0, 25.0) == [1.0, 5.0]
+    assert bucket_sizes_mb(0.5, 25.0) == [0.5]
+    assert bucket_sizes_mb(3.0, 1.0) == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -175,3 +188,17 @@ def test_hang_diagnosis_counts_a_rank_one_step_ahead_as_arrived() -> None:
     store.set("gradsync/arrive/2", "5")
     store.set("gradsync/arrive/3", "4")
     assert watch.arrivals(5) == ([0, 1, 2], [3])
+
+
+def test_the_default_plan_cuts_a_small_gradient_into_a_few_buckets_and_a_large_one_in_25_mb() -> (
+    None
+):
+    from gradsync.buckets import BucketReducer
+
+    assert default_bucket_mb(40.0) == pytest.approx(40.0 / 8)
+    assert default_bucket_mb(4.7) == 1.0  # never below the first bucket's size
+    assert default_bucket_mb(400.0) == 25.0  # DDP's cap for large gradients
+    params = [torch.zeros(MB // 4, requires_grad=True) for _ in range(32)]  # 32 MiB
+    reducer = BucketReducer(params, None, lambda bucket: None)  # type: ignore[arg-type,return-value]
+    assert reducer.bucket_mb == 4.0
+    assert [len(b.parameters()) for b in reducer.buckets] == [1, 4, 4, 4, 4, 4, 4, 4, 3]
