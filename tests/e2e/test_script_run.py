@@ -45,7 +45,8 @@ def test_a_user_script_gets_the_run_directory_faults_and_restarts(tmp_path: Path
     slowed, _ = _run(tmp_path, "slowed", ["--slow", "1:3"], [str(SCRIPT)])
     report = json.loads((slowed / "report.json").read_text())
     assert report["steps"] == STEPS
-    assert [finding["rank"] for finding in report["stragglers"]] == [1], report["stragglers"]
+    stragglers = [f["rank"] for f in report["stragglers"] if f["kind"] == "straggler"]
+    assert stragglers == [1], report["stragglers"]
     trace = json.loads((slowed / "trace.json").read_text())
     tracks = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "compute"}
     assert tracks == {0, 1}
@@ -109,5 +110,6 @@ def test_the_ported_ddp_example_gets_the_run_directory_too(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 14
-    assert [finding["rank"] for finding in report["stragglers"]] == [1], report["stragglers"]
+    stragglers = [f["rank"] for f in report["stragglers"] if f["kind"] == "straggler"]
+    assert stragglers == [1], report["stragglers"]  # (a "slowdown" of every rank may be there too)
     assert (tmp_path / "own" / "final.pt").exists()  # the script's own outputs, where it says
