@@ -227,17 +227,10 @@ def drop_records_from(path: Path, step: int) -> None:
     path.write_text("".join(lines), encoding="utf-8")
 
 
-def say_resumed(how: str, step: int, flag: bool = False) -> None:
-    """``gradsync: restart: resuming at step 12 (restart 1 of 1)``, on standard error (``flag``:
-    the run was started with ``--resume``)."""
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
-    why = "restart" if restarted else "--resume" if flag else "resume"
-    count = ""
-    if restarted:  # this round's restart and the most the agent allows (set by its agent)
-        most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
-        count = os.environ["TORCHELASTIC_RESTART_COUNT"] + (f" of {most}" if most else "")
-        count = f" (restart {count})"
-    logger.info("%s: %s at step %d%s", why, how, step, count)
+def restart_count() -> int:
+    """Which restart of the run this process belongs to (0: the first attempt), as torch's
+    elastic agent says in ``TORCHELASTIC_RESTART_COUNT``."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 class AttachedRun:
@@ -309,15 +302,23 @@ class AttachedRun:
             return
         self.sink.showing = True
         drop_records_from(self.sink.path, step)
-        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
-        if restarted or step or self.settings.get("resume"):
-            if step:
-                how = "resuming"
-            elif self.settings.get("checkpoint_every"):
-                how = "starting over (no checkpoint was complete yet)"
-            else:
-                how = "starting over (no checkpoint)"
-            say_resumed(how, step, bool(self.settings.get("resume")))
+        restarted = restart_count()
+        flag = bool(self.settings.get("resume"))
+        if not (restarted or step or flag):
+            return
+        if step:
+            how = "resuming"
+        elif self.settings.get("checkpoint_every"):
+            how = "starting over (no checkpoint was complete yet)"
+        else:
+            how = "starting over (no checkpoint)"
+        why = "restart" if restarted else "--resume" if flag else "resume"
+        count = ""
+        if restarted:  # this round's restart and the most the agent allows (set by its agent)
+            most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+            count = f" (restart {restarted}{f' of {most}' if most else ''})"
+        # e.g. "gradsync: restart: resuming at step 12 (restart 1 of 1)"
+        logger.info("%s: %s at step %d%s", why, how, step, count)
 
     def finish(
         self, report: RunReport, spans: list[Span] | None, measured: dict[str, Any] | None

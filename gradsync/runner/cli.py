@@ -29,23 +29,6 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     return from_namespace(RunConfig, args, script=list(getattr(args, "script", None) or []))
 
 
-def _given_flags(args: argparse.Namespace) -> list[str]:
-    """The run flags the command line gave a value other than its default (config.json keeps
-    them: a script's gs.Synchronizer that names another value than a given flag is refused)."""
-    import dataclasses
-
-    from gradsync.flags import flag_of
-    from gradsync.runner.config import RunConfig
-
-    return sorted(
-        f.name
-        for f in dataclasses.fields(RunConfig)
-        if flag_of(f) is not None
-        and f.default is not dataclasses.MISSING
-        and getattr(args, f.name, f.default) != f.default
-    )
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from gradsync.runner.rundir import claim
 
@@ -56,7 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if cfg.resume and not cfg.script:  # a script resumes from its own checkpoints
             _check_resume(cfg, run_dir)
-        return _run(cfg, run_dir, _given_flags(args))
+        return _run(cfg, run_dir, cfg.changed_fields())
     finally:
         claimed.release()
 

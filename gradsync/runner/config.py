@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -525,6 +525,16 @@ class RunConfig:
         if self.max_restarts:
             raise UsageError("--max-restarts is not supported with --hosts yet")
 
+    def changed_fields(self) -> list[str]:
+        """The fields holding another value than their default (a factory's, such as ``out``,
+        never counts): the flags a command line gave, as config.json records them
+        (``given``)."""
+        return [
+            f.name
+            for f in fields(self)
+            if f.default is not MISSING and getattr(self, f.name) != f.default
+        ]
+
     def _check_script(self) -> None:
         """A script to run exists, and no flag of the built-in workloads comes with it: the
         script trains its own model on its own data, so such a flag would silently do
@@ -540,8 +550,8 @@ class RunConfig:
                 f"gradsync run -- {self.script[0]}: no such script (give a Python file, or "
                 "-m MODULE)"
             )
-        defaults = {f.name: f.default for f in fields(RunConfig)}
-        given = [name for name in WORKLOAD_ONLY if getattr(self, name) != defaults[name]]
+        changed = self.changed_fields()
+        given = [name for name in WORKLOAD_ONLY if name in changed]
         if given:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise UsageError(

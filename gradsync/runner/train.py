@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gradsync import compat, runtime
-from gradsync.attached_run import FAULTS_DIR
+from gradsync.attached_run import FAULTS_DIR, restart_count
 from gradsync.logs import get_logger
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
@@ -39,8 +39,7 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
     the elastic agent (it sets TORCHELASTIC_RESTART_COUNT). The run directory's records of the
     steps that run again are dropped, and rank 0 says where the run went back to: by
     ``sync.load`` (``AttachedRun.loaded``), or here when there are no checkpoints to load."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if not (cfg.resume or restarted):
+    if not (cfg.resume or restart_count()):
         return 0
     if cfg.resume or cfg.checkpoint_every:
         extra = sync.load(run_dir / CHECKPOINT_DIR)
@@ -58,7 +57,7 @@ def _log_recovery(directory: Path, resumed_at: int) -> None:
     """When the first step after a resume completed: the end of the outage."""
     directory.mkdir(parents=True, exist_ok=True)
     entry = {
-        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "restart": restart_count(),
         "resumed_at_step": resumed_at,
         "first_step_done": time.time(),
     }
