@@ -5,7 +5,8 @@ steps interleaved in the same processes, on one model, each rank on its own emul
 --repeats R --block S --out F``
 under torchrun: configurations ``ddp`` (DDP's defaults: a 1 MiB first bucket, then 25 MiB),
 ``gradsync`` (bsp with its defaults: the same plan since issue 48), ``gradsync-1mb``
-(``bucket_mb=1``, the fastest fixed size in issue 48's sweep) and ``compute-only``. Rank 0
+(``bucket_mb=1``, the fastest fixed size in issue 48's sweep), ``gradsync-25mb`` (the plan
+before issue 48) and ``compute-only``. Rank 0
 writes every block's mean step time to ``--out`` (JSON).
 """
 
@@ -24,7 +25,7 @@ from benchmarks.harness import time_interleaved
 from benchmarks.steps import Trainer
 from gradsync.workloads import make_workload
 
-KINDS = ("ddp", "gradsync", "gradsync-1mb", "compute-only")
+KINDS = ("ddp", "gradsync", "gradsync-1mb", "gradsync-25mb", "compute-only")
 VOCAB, CONTEXT = 128, 64
 
 
@@ -88,7 +89,9 @@ def main() -> None:
 
     def trainer(kind: str) -> Trainer:
         mode = "gradsync" if kind.startswith("gradsync") else kind
-        bucket_mb = 1.0 if kind == "gradsync-1mb" else 25.0
+        # "gradsync": the default plan; "-1mb" and "-25mb": fixed sizes (25 MB: the plan before
+        # issue 48, and DDP's cap)
+        bucket_mb = {"gradsync": None, "gradsync-1mb": 1.0, "gradsync-25mb": 25.0}.get(kind, 25.0)
         return Trainer(mode, workload, global_batch, optimizer=sgd, bucket_mb=bucket_mb)
 
     steps = {kind: trainer(kind).step for kind in KINDS}

@@ -167,10 +167,10 @@ def default_bucket_mb(total_mb: float) -> float:
     bucket's size and at most ``MAX_BUCKET_MB``. Why not DDP's fixed 25 MB: a gradient of a few
     MB is then one bucket behind a 1 MB first one, sent only once backward ends; on the
     emulated cluster (2 hosts, 1 Gbit/s, ``python -m benchmarks.first_bucket --model
-    transformer``) a 4.7 MB transformer stepped 1.03-1.07x DDP's time with 25 MB buckets and
-    0.84-0.96x with 1 MB ones, where a quarter of the gradient (1.2 MB) gave 0.99; a 5.7 MB
-    mlp of a few large tensors was about even either way (BENCHMARKS.md, "first bucket").
-    Large gradients keep 25 MB buckets, as DDP's."""
+    transformer``) a 4.7 MB transformer stepped 1.07x DDP's time with 25 MB buckets and 0.89x
+    with this plan (1 MB buckets there); a 5.7 MB mlp of a few large tensors was about even
+    either way (BENCHMARKS.md, "first bucket"). Large gradients keep 25 MB buckets, as
+    DDP's."""
     return min(MAX_BUCKET_MB, max(FIRST_BUCKET_MB, total_mb / DEFAULT_BUCKETS))
 
 
