@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from gradsync import exit_safety
 from gradsync.checks.guards import is_finite
 from gradsync.compression.base import FlatBucket
 from gradsync.spec import FIRST_BUCKET_MB, default_bucket_mb
@@ -279,7 +280,7 @@ class BucketReducer:
         self.launch_log.append((bucket.index(), t0, wall0))
         fut = self._exchange(bucket)
         if self._record_spans:
-            fut = fut.then(self._span_recorder(bucket, t0, wall0))
+            fut = exit_safety.then(fut, self._span_recorder(bucket, t0, wall0))
         self._futures[bucket.index()] = fut
 
     def _span_recorder(

@@ -18,8 +18,6 @@ is tested in ``tests/unit/test_compat.py``.
   ``_per_optimizer_states``), so that ``zero:2``, where each rank unscales only its shard of the
   gradient, can make every rank's scaler decide on the whole gradient (as torch's FSDP
   ``ShardedGradScaler`` does by all-reducing the same counts).
-- ``hold_until_exit``: a reference the interpreter never drops, even while it shuts down
-  (``Py_IncRef`` through ctypes), for the exit-safety hold of the final handshake.
 - ``override_shared_store_server``: have torch's rendezvous handler make the TCPStore it shares
   with its workers through our function (its ``_create_tcp_store_server``), so that the store
   listens on the run's address instead of every interface (see ``gradsync.processes.stores``; this
@@ -65,7 +63,6 @@ is tested in ``tests/unit/test_compat.py``.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import functools
 import logging
@@ -177,22 +174,6 @@ def scaler_found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> list[torc
     return [t for t in found.values() if isinstance(t, torch.Tensor)]
 
 
-# Objects held by hold_until_exit (one list, itself never freed).
-_HELD: list[Any] | None = None
-
-
-def hold_until_exit(slot: str, obj: Any) -> None:
-    """Keep ``obj`` referenced for the rest of the process, its shutdown included: a reference
-    Python never drops, so nothing ``obj`` keeps alive is freed by another thread at exit.
-    A later call with the same ``slot`` releases the previous object (on this thread) and
-    holds the new one. The permanent reference is taken on the first call, not at import."""
-    global _HELD
-    if _HELD is None:
-        _HELD = []
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_HELD))
-    _HELD[:] = [(s, o) for s, o in _HELD if s != slot] + [(slot, obj)]
-
-
 def forkserver_started() -> bool:
     """Whether multiprocessing's forkserver of this process is already running (True where
     this Python does not say: then the caller cannot know its environment either)."""
@@ -221,7 +202,6 @@ __all__ = [
     "foreach_div",
     "fsdp2",
     "fsdp_comms",
-    "hold_until_exit",
     "is_dtensor",
     "is_fsdp_module",
     "mark_optimizer_stepped",

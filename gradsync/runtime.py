@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from gradsync import exit_safety
 from gradsync.errors import UsageError
 from gradsync.processes.stores import process_group_store
 
@@ -108,20 +109,25 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         check_nccl(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
         torch.cuda.set_device(local_rank)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if missing:  # none of it: a world of one
+    _make_group(chosen, datetime.timedelta(seconds=timeout_s), world_of_one=bool(missing))
+    # Made here, so destroyed at exit, after gloo's threads are done (gradsync.exit_safety).
+    exit_safety.own_the_group()
+
+
+def _make_group(backend: str, timeout: datetime.timedelta, *, world_of_one: bool) -> None:
+    if world_of_one:
         dist.init_process_group(
-            chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
         return
     # Where rank 0 serves the store itself, torch's env:// would have it listen on every
     # interface: make it here, on MASTER_ADDR only (None: env:// does no such thing).
     store = process_group_store(timeout)
     if store is None:
-        dist.init_process_group(chosen, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
         return
     rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(chosen, store=store, rank=rank_, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world, timeout=timeout)
 
 
 def _sees_cuda() -> bool:

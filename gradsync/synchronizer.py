@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from gradsync import compat, runtime
+from gradsync import compat, exit_safety, runtime
 from gradsync.attached_run import AttachedRun
 from gradsync.balance import ShardBalancer
 from gradsync.checkpoint.checkpointer import Checkpointer
@@ -699,15 +699,15 @@ class Synchronizer:
         destroys the group before exit. A gloo barrier holds weak references to every
         collective still queued or in progress when it is posted, so none of them is freed
         before the barrier itself is; collectives that finished earlier were freed before it was
-        posted. Keeping the barrier's Work alive for the rest of the process
-        (``compat.hold_until_exit``; a later handshake replaces it, on this thread, after its
-        own barrier is posted) thus leaves no tensor for a gloo thread to free at exit."""
+        posted. Keeping the barrier's Work referenced until the exit has waited for it
+        (``exit_safety.keep``; a later handshake replaces it, on this thread, after its own
+        barrier is posted) thus leaves no tensor for a gloo thread to free at exit."""
         if self.world_size == 1:
             return
         work = dist.barrier(group=self.group, async_op=True)
         assert work is not None
         self._watch.run(END, "final handshake (barrier)", work.wait)
-        compat.hold_until_exit("final handshake", work)
+        exit_safety.keep("final handshake", work)
 
     def gather_spans(self) -> list[Span] | None:
         """Collective, after ``report()``: every rank's timeline spans (``record_spans=True``),

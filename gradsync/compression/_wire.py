@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from gradsync import exit_safety
 from gradsync.compression.base import BucketLike, Codec, Sent
 
 _MASK64 = (1 << 64) - 1
@@ -218,4 +219,4 @@ def all_gather_mean(
         total.div_(world)
         return buf if in_place else total.to(buf.dtype).view_as(buf)
 
-    return work.get_future().then(finish)
+    return exit_safety.then(work.get_future(), finish)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import exit_safety
 from gradsync.compression._wire import accumulator_dtype
 from gradsync.compression.base import BucketLike, Compressor
 from gradsync.compression.fp import CastCodec
@@ -40,7 +41,7 @@ def allreduce_hook(state: AllReduceState, bucket: BucketLike) -> torch.futures.F
     def mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         return fut.value()[0].div_(world)
 
-    return work.get_future().then(mean)
+    return exit_safety.then(work.get_future(), mean)
 
 
 def plain_codec(numel: int, dtype: torch.dtype, shapes: list[list[int]], stream: int) -> CastCodec:

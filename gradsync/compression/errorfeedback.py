@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import exit_safety
 from gradsync.compression._wire import accumulator_dtype, blocks
 from gradsync.compression.base import BucketLike, Compressor, Hook
 
@@ -108,7 +109,7 @@ def error_feedback_hook(
         state.residuals[index] = residual
         return value
 
-    return fut.then(keep_residual)
+    return exit_safety.then(fut, keep_residual)
 
 
 def _reusable(residual: torch.Tensor, buf: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import exit_safety
 from gradsync.compression._wire import accumulator_dtype, record_sent, world_and_rank
 from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
 
@@ -73,7 +74,7 @@ def cast_hook(
     def cast_back(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         return buf.copy_(fut.value()[0].view_as(buf))
 
-    return work.get_future().then(cast_back)
+    return exit_safety.then(work.get_future(), cast_back)
 
 
 def fp16_hook(state: CastState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:

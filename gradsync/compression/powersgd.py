@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import exit_safety
 from gradsync.compression._lowrank import (
     compute_p,
     compute_q,
@@ -201,7 +202,7 @@ def _plain_mean(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Futur
     state.bytes_sent += buf.numel() * buf.element_size()
     work = dist.all_reduce(buf, group=state.group, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda fut: fut.value()[0].div_(world))
+    return exit_safety.then(work.get_future(), lambda fut: fut.value()[0].div_(world))
 
 
 def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
@@ -245,7 +246,7 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
         write_mean(plan, flat, ps, qs, reduced[:n_plain], world)
         return buf
 
-    return q_work.get_future().then(finish)
+    return exit_safety.then(q_work.get_future(), finish)
 
 
 def write_mean(

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import exit_safety
 from gradsync.compression._select import random_subset, top_magnitudes
 from gradsync.compression._wire import (
     accumulator_dtype,
@@ -213,7 +214,7 @@ def randomk_hook(state: RandomKState, bucket: BucketLike) -> torch.futures.Futur
         out = codec.scatter(fut.value()[0].div_(world), chosen)
         return out.to(buf.dtype).view_as(buf)
 
-    return work.get_future().then(scatter)
+    return exit_safety.then(work.get_future(), scatter)
 
 
 def randomk_codec(

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gradsync import exit_safety
 from gradsync.compression._wire import (
     BLOCK,
     accumulator_dtype,
@@ -470,7 +471,7 @@ def sparseloco_hook(
             codec.accumulate(from_payload(part, codec.layout), total, 0)
         return total.div_(world).to(buf.dtype).view_as(buf)
 
-    return work.get_future().then(finish)
+    return exit_safety.then(work.get_future(), finish)
 
 
 def sparseloco_codec(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import exit_safety, runtime
 from gradsync.buckets import MB, BucketReducer, GradBucket
 from gradsync.checks.guards import all_finite, scrub_nonfinite_state
 from gradsync.compression.allreduce import ALLREDUCE
@@ -225,7 +225,7 @@ def _allreduce_sum(state: Any, bucket: GradBucket) -> torch.futures.Future[torch
     state.bytes_sent += buf.numel() * buf.element_size()
     work = dist.all_reduce(buf, group=state.group, async_op=True)
     assert work is not None
-    return work.get_future().then(_first)
+    return exit_safety.then(work.get_future(), _first)
 
 
 def _first(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

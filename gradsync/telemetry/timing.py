@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradsync import compat, runtime
+from gradsync import exit_safety, runtime
 from gradsync.telemetry.device_clock import StepMarks
 from gradsync.telemetry.records import StepRecord, fill_idle
 
@@ -259,9 +259,9 @@ class TelemetryCollector:
     def hold_in_flight(self) -> None:
         """Closing without a final ``flush``: keep a gather still in flight (its tensors, its
         Work) referenced until the process exits, so that no backend thread frees them while
-        the interpreter shuts down (see ``compat.hold_until_exit``)."""
+        the interpreter shuts down (see ``gradsync.exit_safety``)."""
         if self._in_flight is not None:
-            compat.hold_until_exit("telemetry gather in flight", self._in_flight)
+            exit_safety.keep("telemetry gather in flight", self._in_flight)
             self._in_flight = None
 
     def _watched(self, step: int | None, what: str, fn: Callable[[], Any]) -> Any:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import datetime
-import gc
 import warnings
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,23 +78,6 @@ def test_marking_the_optimizer_stepped_silences_the_scheduler_warning() -> None:
 
     assert scheduler_warnings(mark=False)  # the warning exists in this torch
     assert scheduler_warnings(mark=True) == []
-
-
-def test_a_held_object_lives_until_its_slot_is_reused() -> None:
-    class Work:
-        pass
-
-    first, second = Work(), Work()
-    first_ref = weakref.ref(first)
-    compat.hold_until_exit("test slot", first)
-    del first
-    gc.collect()
-    assert first_ref() is not None
-    compat.hold_until_exit("other slot", second)
-    assert first_ref() is not None  # another slot does not release it
-    compat.hold_until_exit("test slot", Work())
-    gc.collect()
-    assert first_ref() is None
 
 
 def test_whether_the_forkserver_runs_is_read_and_unknown_means_running(
