@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradsync import exit_safety
+from gradsync import compat, exit_safety
 from gradsync.checks.guards import is_finite
 from gradsync.compression.base import FlatBucket
 from gradsync.spec import FIRST_BUCKET_MB, default_bucket_mb
@@ -175,6 +175,13 @@ class BucketReducer:
         self.poison_nonfinite = False
         self.local_nonfinite = False
         self._poison_rest = False
+        #: note each bucket's write count at launch, so that ``wait()`` finds a gradient
+        #: written while its exchange was in flight (only where the exchange itself writes
+        #: nothing into the buffer: the plain in-place sum)
+        self.guard_writes = False
+        self._launch_writes: list[int | None] = []
+        #: the indices of the buckets that ``wait()`` found written during their exchange
+        self.written_in_flight: list[int] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     # -- step lifecycle ---------------------------------------------------------------------
@@ -185,6 +192,8 @@ class BucketReducer:
         self._pending_params = [len(b.parameters()) for b in self.buckets]
         self._next_to_launch = 0
         self._futures = [None] * len(self.buckets)
+        self._launch_writes = [None] * len(self.buckets)
+        self.written_in_flight = []
         self.launch_log = []
         self._spans = []
         self.local_nonfinite = False
@@ -217,11 +226,18 @@ class BucketReducer:
         self._armed = False
 
     def wait(self, step: int = 0) -> list[torch.Tensor]:
-        """Wait for every bucket's exchange; return the reduced flat buffers by bucket index."""
+        """Wait for every bucket's exchange; return the reduced flat buffers by bucket index.
+        With ``guard_writes``, ``written_in_flight`` then names the buckets whose gradients
+        were written (``p.grad`` changed in place, e.g. by a clip) during their exchange."""
         out = []
         for fut in self._futures:
             assert fut is not None, "flush() must run before wait()"
             out.append(fut.wait())
+        self.written_in_flight = [
+            b.index()
+            for b, count in zip(self.buckets, self._launch_writes, strict=True)
+            if count is not None and compat.write_count(b.buffer()) != count
+        ]
         return out
 
     def write_back(self, reduced: list[torch.Tensor], scale: float = 1.0) -> None:
@@ -279,6 +295,8 @@ class BucketReducer:
         t0, wall0 = time.perf_counter(), time.time()
         self.launch_log.append((bucket.index(), t0, wall0))
         fut = self._exchange(bucket)
+        if self.guard_writes:
+            self._launch_writes[bucket.index()] = compat.write_count(bucket.buffer())
         if self._record_spans:
             fut = exit_safety.then(fut, self._span_recorder(bucket, t0, wall0))
         self._futures[bucket.index()] = fut

@@ -200,6 +200,7 @@ __all__ = [
     "default_store",
     "foreach_copy",
     "foreach_div",
+    "write_count",
     "fsdp2",
     "fsdp_comms",
     "is_dtensor",
@@ -282,6 +283,13 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         return
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)
+
+
+def write_count(t: torch.Tensor) -> int:
+    """How many in-place writes ``t``'s storage has had through torch's ops (its version
+    counter, shared by its views; a collective's own writes do not count): a changed count
+    between two reads means the tensor was written in between."""
+    return int(t._version)
 
 
 def foreach_div(tensors: list[torch.Tensor], divisor: float) -> None:

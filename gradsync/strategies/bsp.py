@@ -77,6 +77,9 @@ class BSP(Strategy):
             )
         self._world = runtime.world_size(ctx.group)
         self.fused_mean = ctx.compressor is ALLREDUCE
+        # The plain in-place sum writes nothing of its own into a bucket while it is in flight,
+        # so any write there is the script's, racing the exchange (issue 42, trap 2).
+        self._reducer.guard_writes = self.fused_mean and hierarchy is None
         # A plain sum carries NaN/Inf to every rank by itself; lossy exchanges need the poison.
         self._reducer.poison_nonfinite = ctx.skip_nonfinite and ctx.compressor is not ALLREDUCE
 
@@ -145,9 +148,9 @@ class BSP(Strategy):
             reducer.flush_abort()
             return StepOutcome(skipped=True)
         reducer.flush(poison=True)
-        return self._finish_exchange(step)
+        return self._finish_exchange(step, check_script_writes=False)
 
-    def _finish_exchange(self, step: int) -> StepOutcome:
+    def _finish_exchange(self, step: int, check_script_writes: bool = True) -> StepOutcome:
         assert self._ctx is not None
         reducer = self.reducer
         ctx = self._ctx
@@ -156,6 +159,8 @@ class BSP(Strategy):
             reduced = ctx.watch.run(step, what, lambda: reducer.wait(step))
         else:
             reduced = reducer.wait(step)
+        if reducer.written_in_flight and check_script_writes:
+            raise written_in_flight(step, reducer.written_in_flight)
         nbytes = self._state.bytes_sent - self._bytes_at_start
         spans = reducer.take_spans()
         if (ctx.skip_nonfinite or ctx.scaling) and not all_finite(reduced):
@@ -207,6 +212,19 @@ def wrong_passes(micro_batches: int, passes: int) -> UsageError:
     return UsageError(
         f"sync.step(micro_batches={micro_batches}) but the block ran {passes} "
         f"backward pass(es); run exactly {micro_batches}"
+    )
+
+
+def written_in_flight(step: int, buckets: list[int]) -> UsageError:
+    """The script wrote into gradients whose exchange was still in flight (every rank finds
+    the same buckets: which ones were launched during backward is the same everywhere)."""
+    return UsageError(
+        f"step {step}: p.grad was changed in place inside the sync.step() block while its "
+        f"exchange was still in flight (bucket(s) {', '.join(map(str, buckets))}), e.g. by "
+        "clip_grad_norm_ or scaler.unscale_ before s.synchronize(): the write races the "
+        "all-reduce and the replicas drift apart. Call s.synchronize() first (it waits for the "
+        "exchange), then clip; or use gs.DistributedDataParallel, whose exchange ends with "
+        "backward (docs/porting.md)"
     )
 
 

@@ -52,3 +52,12 @@ def test_a_run_ending_mid_period_leaves_identical_replicas(strategy: str) -> Non
     # 6 steps of H=4: the last 2 are an incomplete period, closed by report().
     first, second = run_ranks(gr.periodic_ending_mid_period, 2, strategy, 6)
     assert torch.equal(first, second)
+
+
+@pytest.mark.timeout(90)
+def test_a_clip_racing_the_exchange_is_refused_at_its_first_step() -> None:
+    for out in run_ranks(gr.clip_inside_the_block, 2):
+        step, message = out["before"]
+        assert step == 0, message
+        assert "changed in place" in message and "s.synchronize()" in message, message
+        assert out["after"] is None  # the documented place for the clip

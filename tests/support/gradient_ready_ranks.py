@@ -164,3 +164,29 @@ def nan_on_one_parameter_server_worker(rank: int, world: int, compression: str |
         "skipped": skipped,
         "skipped_steps": report.skipped_steps,
     }
+
+
+def clip_inside_the_block(rank: int, world: int) -> dict[str, Any]:
+    """Issue 42, trap 2: the clip inside the block before ``s.synchronize()`` (refused at the
+    first step, on every rank), then after it in another Synchronizer (no error)."""
+    from gradsync.errors import UsageError
+
+    out: dict[str, Any] = {}
+    for where in ("before", "after"):
+        w = _mlp()
+        model = w.build_model()
+        sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout_s=20)
+        try:
+            for step in range(3):
+                with sync.step() as s:
+                    x, y = w.batch(step, PER_RANK * world, rank * PER_RANK, (rank + 1) * PER_RANK)
+                    w.loss(model, x, y).backward()
+                    if where == "after":
+                        s.synchronize()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            out[where] = None
+        except UsageError as exc:
+            out[where] = (step, str(exc))
+        finally:
+            sync.close()
+    return out
