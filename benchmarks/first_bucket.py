@@ -50,6 +50,7 @@ def render(results: list[tuple[int, str, dict[str, Any]]], command: str) -> str:
                 f"{r['grad_mb']:.1f} MB",
                 fmt_iqr([1000 * s for s in b["ddp"]], ".1f", " ms"),
                 fmt_iqr(pair_ratios(b["gradsync"], b["ddp"])),
+                fmt_iqr(pair_ratios(b["gradsync-auto"], b["ddp"])) if "gradsync-auto" in b else "-",
                 fmt_iqr(pair_ratios(b["gradsync-1mb"], b["ddp"])),
                 fmt_iqr(pair_ratios(b["gradsync-25mb"], b["ddp"])),
                 fmt_iqr([1000 * s for s in b["compute-only"]], ".1f", " ms"),
@@ -60,13 +61,15 @@ def render(results: list[tuple[int, str, dict[str, Any]]], command: str) -> str:
         "gradient",
         "DDP step",
         "bsp / DDP",
+        "bsp auto / DDP",
         "bsp 1 MB / DDP",
         "bsp 25 MB / DDP",
         "compute only",
     ]
     return (
         "gradsync `bsp` with its defaults (a first bucket of at most 1 MiB, then an eighth of "
-        "the gradient, 1 to 25 MiB: `spec.default_bucket_mb`), with `bucket_mb=1` and with "
+        "the gradient, 1 to 25 MiB: `spec.default_bucket_mb`), with `bucket_mb='auto'` (a few "
+        "plans timed over its first steps, the fastest kept), with `bucket_mb=1` and with "
         "`bucket_mb=25` (the plan before), against "
         "torch DDP with its defaults (1 MiB, then 25 MiB), one rank per emulated host, step "
         "time ratios per block (<= 1.00: gradsync as fast or faster), median and interquartile "

@@ -25,7 +25,7 @@ from benchmarks.harness import time_interleaved
 from benchmarks.steps import Trainer
 from gradsync.workloads import make_workload
 
-KINDS = ("ddp", "gradsync", "gradsync-1mb", "gradsync-25mb", "compute-only")
+KINDS = ("ddp", "gradsync", "gradsync-auto", "gradsync-1mb", "gradsync-25mb", "compute-only")
 VOCAB, CONTEXT = 128, 64
 
 
@@ -89,9 +89,11 @@ def main() -> None:
 
     def trainer(kind: str) -> Trainer:
         mode = "gradsync" if kind.startswith("gradsync") else kind
-        # "gradsync": the default plan; "-1mb" and "-25mb": fixed sizes (25 MB: the plan before
+        # "gradsync": the default plan; "-auto": bucket_mb="auto" (its timing steps fall in the
+        # warm-up and its first block); "-1mb" and "-25mb": fixed sizes (25 MB: the plan before
         # issue 48, and DDP's cap)
-        bucket_mb = {"gradsync": None, "gradsync-1mb": 1.0, "gradsync-25mb": 25.0}.get(kind, 25.0)
+        plans = {"gradsync": None, "gradsync-auto": "auto", "gradsync-1mb": 1.0}
+        bucket_mb = plans.get(kind, 25.0)
         return Trainer(mode, workload, global_batch, optimizer=sgd, bucket_mb=bucket_mb)
 
     steps = {kind: trainer(kind).step for kind in KINDS}

@@ -20,6 +20,7 @@ from torch.profiler import record_function
 from gradsync import compat, exit_safety, runtime
 from gradsync.attached_run import AttachedRun
 from gradsync.balance import ShardBalancer
+from gradsync.bucket_autotune import AUTO
 from gradsync.checkpoint.checkpointer import Checkpointer
 from gradsync.checks.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.checks.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
@@ -145,7 +146,7 @@ class Synchronizer:
         optimizer: torch.optim.Optimizer,
         strategy: str | Strategy | None = None,
         compression: str | Compressor | None = None,
-        bucket_mb: float | None = None,
+        bucket_mb: float | str | None = None,
         *,
         group: dist.ProcessGroup | None = None,
         telemetry: bool = True,
@@ -283,7 +284,7 @@ class Synchronizer:
                     optimizer=optimizer,
                     group=group,
                     compressor=self.compressor,
-                    bucket_mb=None if bucket_mb is None else float(bucket_mb),
+                    bucket_mb=bucket_mb if bucket_mb in (None, AUTO) else float(bucket_mb),
                     record_spans=record_spans,
                     skip_nonfinite=skip_nonfinite,
                     watch=self._watch,
@@ -963,7 +964,7 @@ def _check_sharded_model(model: torch.nn.Module, strategy: Strategy) -> None:
 def _check_arguments(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    bucket_mb: float | None,
+    bucket_mb: float | str | None,
     telemetry_every: int,
     check_every: int,
     timeout_s: float,
@@ -977,9 +978,10 @@ def _check_arguments(
             f"optimizer must be a torch.optim.Optimizer over the model's parameters (e.g. "
             f"torch.optim.SGD(model.parameters(), lr=0.1)), got {_described(optimizer)}"
         )
-    if bucket_mb is not None and (not _is_number(bucket_mb) or not bucket_mb > 0):
+    if bucket_mb not in (None, AUTO) and not (_is_number(bucket_mb) and float(bucket_mb) > 0):
         raise UsageError(
-            f"bucket_mb must be a number > 0, or None for the default plan, got {bucket_mb!r}"
+            f"bucket_mb must be a number > 0, None for the default plan or {AUTO!r} to time a "
+            f"few plans over the first steps, got {bucket_mb!r}"
         )
     if not isinstance(telemetry_every, int) or isinstance(telemetry_every, bool):
         raise UsageError(f"telemetry_every must be an integer >= 1, got {telemetry_every!r}")

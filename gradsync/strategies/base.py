@@ -139,7 +139,9 @@ class SyncContext:
     optimizer: torch.optim.Optimizer
     group: dist.ProcessGroup | None
     compressor: Compressor
-    bucket_mb: float | None  # None: the default plan (``spec.default_bucket_mb``)
+    bucket_mb: (
+        float | str | None
+    )  # None: the default plan (``spec.default_bucket_mb``); "auto": timed (``bucket_autotune``)
     record_spans: bool = False
     #: skip (on every rank together) a step whose mean gradient is not finite
     skip_nonfinite: bool = True

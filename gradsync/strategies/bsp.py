@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import exit_safety, runtime
+from gradsync.bucket_autotune import AUTO, STEPS_PER_PLAN, WARMUP_STEPS, BucketTuner, candidates
 from gradsync.buckets import MB, BucketReducer, GradBucket
 from gradsync.checks.guards import all_finite, scrub_nonfinite_state
 from gradsync.compression.allreduce import ALLREDUCE
@@ -55,33 +56,105 @@ class BSP(Strategy):
         #: is needed to divide them (DDP does the same). Compressors divide in their own hook.
         self.fused_mean = False
         self._world = 1
+        self._params: list[torch.Tensor] = []
+        #: ``bucket_mb="auto"``'s trials (None: a fixed plan)
+        self._tuner: BucketTuner | None = None
+        self._step_started: float | None = None
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
-        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        self._params = [p for p in ctx.model.parameters() if p.requires_grad]
         hierarchy = ctx.hierarchy
         # Under a hierarchy a compressor runs on the leaders only, across hosts.
         group = ctx.group if hierarchy is None else hierarchy.leader_group
         self._state = ctx.compressor.make_state(group)
-        self._reducer = BucketReducer(params, ctx.bucket_mb, self._exchange, ctx.record_spans)
-        if ctx.rank == 0:
-            sizes = [
-                b.buffer().numel() * b.buffer().element_size() / MB for b in self._reducer.buckets
-            ]
-            logger.info(
-                "bsp: %d gradient bucket(s) of %s MB (bucket_mb %g%s)",
-                len(sizes),
-                ", ".join(f"{mb:.2f}" for mb in sizes),
-                self._reducer.bucket_mb,
-                "" if ctx.bucket_mb is not None else ": the default plan",
-            )
         self._world = runtime.world_size(ctx.group)
         self.fused_mean = ctx.compressor is ALLREDUCE
+        if ctx.bucket_mb == AUTO:
+            self._tuner = self._make_tuner(ctx)
+            self._reducer = self._make_reducer(self._tuner.plan_for_next_step())
+        else:
+            assert not isinstance(ctx.bucket_mb, str), ctx.bucket_mb
+            self._reducer = self._make_reducer(ctx.bucket_mb)
+        if ctx.rank == 0:
+            self._log_plan(ctx.bucket_mb)
+
+    def _make_tuner(self, ctx: SyncContext) -> BucketTuner:
+        if not self.fused_mean or ctx.hierarchy is not None:
+            # A compressor keeps state per bucket (residuals, PowerSGD's factors), which a
+            # change of plan mid-run would misplace.
+            raise UsageError(
+                "bucket_mb='auto' tunes the plain all-reduce's buckets; with compression "
+                f"{ctx.compressor.spec!r} or allreduce='hierarchical' give bucket_mb a number "
+                "(or None for the default plan)"
+            )
+        total_mb = sum(p.numel() * p.element_size() for p in self._params) / MB
+        tuner = BucketTuner(candidates(total_mb))
+        if ctx.rank == 0:
+            logger.info(
+                "bsp: bucket_mb auto: timing plans of %s MB over the first %d steps",
+                ", ".join(f"{mb:g}" for mb in tuner.plans),
+                WARMUP_STEPS + STEPS_PER_PLAN * len(tuner.plans),
+            )
+        return tuner
+
+    def _make_reducer(self, bucket_mb: float | None) -> BucketReducer:
+        assert self._ctx is not None
+        ctx = self._ctx
+        reducer = BucketReducer(self._params, bucket_mb, self._exchange, ctx.record_spans)
         # The plain in-place sum writes nothing of its own into a bucket while it is in flight,
         # so any write there is the script's, racing the exchange (issue 42, trap 2).
-        self._reducer.guard_writes = self.fused_mean and hierarchy is None
+        reducer.guard_writes = self.fused_mean and ctx.hierarchy is None
         # A plain sum carries NaN/Inf to every rank by itself; lossy exchanges need the poison.
-        self._reducer.poison_nonfinite = ctx.skip_nonfinite and ctx.compressor is not ALLREDUCE
+        reducer.poison_nonfinite = ctx.skip_nonfinite and ctx.compressor is not ALLREDUCE
+        return reducer
+
+    def _log_plan(self, asked: float | str | None) -> None:
+        reducer = self.reducer
+        sizes = [b.buffer().numel() * b.buffer().element_size() / MB for b in reducer.buckets]
+        why = ""
+        if asked is None:
+            why = ": the default plan"
+        elif asked == AUTO:
+            why = ": kept by bucket_mb auto"
+        logger.info(
+            "bsp: %d gradient bucket(s) of %s MB (bucket_mb %g%s)",
+            len(sizes),
+            ", ".join(f"{mb:.2f}" for mb in sizes),
+            reducer.bucket_mb,
+            why,
+        )
+
+    def _retune(self, step: int) -> None:
+        """Under ``bucket_mb="auto"``, at the start of a step: time the step before, decide once
+        every plan has its steps (one collective, on every rank at the same step), and switch
+        the reducer to the plan this step runs."""
+        assert self._ctx is not None and self._tuner is not None
+        ctx, tuner = self._ctx, self._tuner
+        now = time.perf_counter()
+        if self._step_started is not None:
+            tuner.record(now - self._step_started)
+        if tuner.ready_to_decide:
+            agreed = torch.tensor(tuner.medians(), dtype=torch.float64, device=runtime.device())
+
+            def slowest_rank() -> None:
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ctx.group)
+
+            if self._world > 1 and ctx.watch is not None:
+                ctx.watch.run(step, "bucket_mb auto: agreeing on the plan", slowest_rank)
+            elif self._world > 1:
+                slowest_rank()
+            times = agreed.cpu().tolist()
+            tuner.decide(times)
+            if ctx.rank == 0:
+                logger.info("bsp: bucket_mb auto: %s", tuner.describe(times))
+        mb = tuner.plan_for_next_step()
+        if abs(mb - self.reducer.bucket_mb) > 1e-9:
+            self.reducer.close()
+            self._reducer = self._make_reducer(mb)
+            if ctx.rank == 0 and not tuner.deciding:
+                self._log_plan(AUTO)
+        self._step_started = None if not tuner.deciding else time.perf_counter()
 
     @property
     def reducer(self) -> BucketReducer:
@@ -111,6 +184,8 @@ class BSP(Strategy):
 
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
+        if self._tuner is not None and self._tuner.deciding:
+            self._retune(plan.step)
         # No optimizer.zero_grad() here: arm() releases every p.grad (it was a view into a
         # bucket holding last step's reduced gradient) before the backward pass.
         self._micro_batches = plan.micro_batches
@@ -190,6 +265,21 @@ class BSP(Strategy):
             span = Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step")
             outcome.spans.append(span)
         return outcome
+
+    def summary(self) -> dict[str, Any]:
+        """The bucket plan the run ended with (report.json), and what ``bucket_mb="auto"``
+        timed."""
+        reducer = self.reducer
+        out: dict[str, Any] = {
+            "bucket_mb": reducer.bucket_mb,
+            "bucket_sizes_mb": [round(b.nbytes / MB, 4) for b in reducer.buckets],
+        }
+        if self._tuner is not None:
+            out["bucket_mb_auto"] = {
+                "tried_mb": self._tuner.plans,
+                "chosen_mb": self._tuner.chosen,
+            }
+        return out
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Whether every replica must hold the same parameters after ``step`` (always, in BSP).
