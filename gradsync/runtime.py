@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from gradsync import exit_safety
+from gradsync.checks import secret
 from gradsync.errors import UsageError
 from gradsync.processes.stores import process_group_store
 
@@ -110,6 +111,10 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
         check_nccl(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
         torch.cuda.set_device(local_rank)
     _make_group(chosen, datetime.timedelta(seconds=timeout_s), world_of_one=bool(missing))
+    if not missing and not secret.from_environment() and dist.get_world_size() > 1:
+        # Under plain torchrun no run secret is given: the ranks agree on one now, over the
+        # group and never through its store, which any local process can reach.
+        os.environ[secret.SECRET_ENV] = secret.agree(None)
     # Made here, so destroyed at exit, after gloo's threads are done (gradsync.exit_safety).
     exit_safety.own_the_group()
 

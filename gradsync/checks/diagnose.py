@@ -26,7 +26,12 @@ before the first step use ``START``; those after the last (the final check and g
 The same thread also publishes a heartbeat every ``beat_s``: where this rank is (between steps
 in the user's code, inside its step block, at a step gate, in a wait) and a counter that
 advances as long as the process runs. ``gradsync.checks.gate`` reads it to tell a peer busy in
-the user's code (an evaluation on rank 0) from one that hangs or is gone.
+the user's code (an evaluation on rank 0) from one that hangs or is gone. The thread needs the
+GIL, so each rank also publishes its process's identity once (``gradsync.checks.liveness``):
+a silent peer on this machine whose process still runs is holding the GIL, not gone.
+
+Every key lives in the store under a name hashed with the run's secret
+(``gradsync.checks.secret``), so that no other process can address the keys to come.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from gradsync import compat
+from gradsync.checks import liveness, secret
 from gradsync.errors import DivergenceError, SyncTimeoutError
 
 T = TypeVar("T")
@@ -152,7 +158,10 @@ class ArrivalWatch:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.store: Any = store if store is not None else compat.default_store()
+        self._plain_store: Any = store if store is not None else compat.default_store()
+        #: the store, its keys named through the run's secret where this process has one
+        self.store: Any = secret.keyed(self._plain_store, secret.from_environment())
+        self._identities: dict[int, str] = {}
         self.arrive_after_s = (
             arrive_after_s if arrive_after_s is not None else min(2.0, timeout_s / 4)
         )
@@ -192,8 +201,45 @@ class ArrivalWatch:
     def start(self) -> None:
         """Start the watchdog thread (arrival records and the heartbeat), once."""
         if self._thread is None and self.store is not None and self.world_size > 1:
+            # From this thread, before any peer can wait for this rank at a gate: a rank that
+            # goes on into a call holding the GIL may never let the watchdog thread write it.
+            self._publish_identity()
             self._thread = threading.Thread(target=self._run, name="gradsync-arrivals", daemon=True)
             self._thread.start()
+
+    @property
+    def secured(self) -> bool:
+        """Whether this watch's keys are named through a run secret."""
+        return isinstance(self.store, secret.KeyedStore)
+
+    def secure(self) -> None:
+        """Name this watch's keys through a secret agreed over the world's process group, where
+        none was given (a script that made its group itself, under plain torchrun). A
+        collective on the world group: called by every rank at the same point (the first step
+        gate), and only where this watch's ranks are the whole world."""
+        if self.secured or self._plain_store is None or self.world_size == 1:
+            return
+        if not dist.is_initialized() or dist.get_world_size() != self.world_size:
+            return  # a subgroup's watch: its peers alone could not take part in a collective
+        self.store = secret.KeyedStore(self._plain_store, secret.agree(None))
+        self._publish_identity()
+
+    def _publish_identity(self) -> None:
+        with contextlib.suppress(Exception):  # best effort: without it a peer is judged by beats
+            self.store.set(f"{self._prefix}/process/{self.rank}", liveness.identity())
+
+    def running(self, rank: int) -> bool | None:
+        """Whether ``rank``'s process still runs (not stopped, not a zombie, not gone), asked
+        of the kernel; None where that cannot be told from here (another machine)."""
+        if rank not in self._identities:
+            key = f"{self._prefix}/process/{rank}"
+            try:
+                if self.store is None or not self.store.check([key]):
+                    return None
+                self._identities[rank] = self.store.get(key).decode()
+            except Exception:  # noqa: BLE001 - the store may be gone with the peer
+                return None
+        return liveness.running(self._identities[rank])
 
     def _beat(self) -> None:
         with self._lock:

@@ -22,7 +22,17 @@ that has not arrived:
   ``between_steps_timeout_s`` in all;
 - inside its step block, at another gate or wait, or silent (stopped, frozen, gone): gradsync's
   own business; fail once that has lasted ``timeout_s``;
-- silent after leaving word that its block raised: fail at once, naming the exception.
+- silent after leaving word that its block raised: fail at once, naming the exception;
+- silent, but its process still runs (asked of the kernel where the peer is on this machine,
+  ``ArrivalWatch.running``): it is in its own code holding the GIL, which keeps its heartbeat
+  thread from running (a long C call); wait for it, as for a rank between steps, up to
+  ``between_steps_timeout_s``.
+
+Whatever the store holds, the wait is bounded. The keys are named through the run's secret
+(``gradsync.checks.secret``), so no process outside the run can address a gate to come; one
+that reaches the store can still change a counter that exists. A counter above the world size
+fails the gate at once; every rank at the gate while its "go" never comes fails it after
+``timeout_s``.
 
 A gate may also come before a collective of the user's own code between steps (``zero:3``'s
 forward, where FSDP2 gathers the parameters: ``before_user_collective``). A rank there while a
@@ -118,11 +128,25 @@ class StepGate:
         self._label = f"{what} ({where(step)})"
         self._user = user
         watch.enter(USER_GATE if user else GATE, step, self._label)
-        if int(store.add(name, 1)) == watch.world_size:
+        count = int(store.add(name, 1))
+        if count > watch.world_size:  # each rank adds one: another process added the rest
+            raise SyncTimeoutError(
+                f"{where(step)}: {what}: the gate's counter reads {count} for "
+                f"{watch.world_size} ranks: a process outside this run (or a previous run on the "
+                "same store) wrote into its store. See README's trust model."
+            )
+        if count == watch.world_size:
             store.set(name + "/go", "1")
         else:
             self._await(name + "/go", step, what)
         self._forget(name)
+        # Where no secret was given, the ranks agree on one at their first gate, all present.
+        try:
+            watch.secure()
+        except RuntimeError as exc:
+            raise SyncTimeoutError(
+                f"{where(step)}: {what}: agreeing on the run's secret failed: {exc}"
+            ) from exc
 
     def _forget(self, name: str) -> None:
         """Delete the keys of the gate two back: every rank has passed it by now (a rank
@@ -148,6 +172,7 @@ class StepGate:
                 ) from exc
         # A long wait (an evaluation on a peer) polls instead: every store wait that times out
         # makes torch log a warning, which would fill stderr twice a second.
+        all_here: float | None = None  # since when every peer's heartbeat says it is here
         while True:
             judge_at = time.monotonic() + min(0.5, watch.beat_s)
             while time.monotonic() < judge_at:
@@ -155,15 +180,20 @@ class StepGate:
                     return
                 time.sleep(0.02)
             reasons = self._judge(peers, started)
+            all_here = (all_here or time.monotonic()) if not peers else None
+            if all_here is not None and time.monotonic() - all_here >= self.timeout_s:
+                reasons = [
+                    "Every rank is at this gate, but it never opened: its counter in the store "
+                    "was changed by a process outside this run (see README's trust model)."
+                ]
             # A peer that passed already may have moved on by the time its beat was read.
             if reasons and not watch.store.check([go]):
                 waited = time.monotonic() - started
-                absent = sorted(peers)
                 raise SyncTimeoutError(
                     f"{where(step)}: {what} (waiting for every rank to arrive before the "
                     f"collectives) failed after {waited:.1f}s (timeout {self.timeout_s:g}s; "
                     f"{self.between_steps_s:g}s for a rank in its own code between steps): "
-                    f"never arrived: ranks {absent}. " + " ".join(reasons)
+                    f"never arrived: ranks {sorted(peers)}. " + " ".join(reasons)
                 )
 
     def _judge(self, peers: dict[int, _Peer], started: float) -> list[str]:
@@ -198,10 +228,28 @@ class StepGate:
                 if now - started >= self.between_steps_s:
                     reasons.append(f"Rank {rank} is still {beat.place()}.")
                 continue
+            # Two beats missed is silence enough to ask the kernel: a peer that went back to its
+            # own code and into a call holding the GIL may have last said it was in a wait.
+            if now - peer.alive_at >= 2 * watch.beat_s and self._busy(rank):
+                peer.blamed_since = now
+                if now - started >= self.between_steps_s:
+                    reasons.append(
+                        f"Rank {rank} is busy in its own code: its process runs, but its "
+                        f"heartbeat has not been written for {now - peer.alive_at:.0f}s (a call "
+                        "that holds the GIL, such as a long C extension call)."
+                    )
+                continue
             reason = self._blame(rank, peer, alive, now)
             if reason is not None:
                 reasons.append(reason)
         return reasons
+
+    def _busy(self, rank: int) -> bool:
+        """Whether silent ``rank`` is alive nonetheless: its process runs (on this machine) and
+        left no word of a failed block. Its heartbeat's last phase says nothing here: a step is
+        often shorter than a beat, so a rank that went back to its own code and into a call
+        holding the GIL may have last said it was in its block or at the previous gate."""
+        return self.watch.failure_of(rank) is None and self.watch.running(rank) is True
 
     def _mismatch(self, rank: int, peer: _Peer, beat: Beat, now: float) -> str | None:
         """``rank`` is alive at another gate, and this gate or that one comes before a

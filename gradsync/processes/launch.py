@@ -15,6 +15,7 @@ wait
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import uuid
@@ -29,6 +30,8 @@ from gradsync.processes import forkserver, stores
 from gradsync.processes.reaper import StoppedWorkerReaper
 
 LOOPBACK = "127.0.0.1"
+#: ``gradsync.checks.secret.SECRET_ENV`` (processes/ imports no other package of gradsync)
+RUN_SECRET_ENV = "GRADSYNC_RUN_SECRET"
 
 
 def launch(
@@ -58,6 +61,9 @@ def launch(
     # Children inherit the environment at spawn: cap intra-op threads before torch starts there.
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["GRADSYNC_THREADS"] = str(threads)
+    # The run's secret, which names gradsync's keys in the run's store (gradsync.checks.secret):
+    # through the environment, which other users cannot read (a command line they can).
+    os.environ[RUN_SECRET_ENV] = secrets.token_hex(16)
     if max_restarts > 0:
         # With the rendezvous store shared into the workers, a restarted round can read the
         # previous round's gloo addresses and fail to connect (pytorch/pytorch#135712): give

@@ -121,6 +121,7 @@ def _summary(cfg: Any, run_dir: Path) -> str:
 
 def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
     """The same workers, started by torch's launcher inside each emulated host's namespace."""
+    from gradsync.checks import secret
     from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing
 
     missing = requirements_missing()
@@ -137,7 +138,13 @@ def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
             cluster,
             ["gradsync.runner.worker", "--config", str(run_dir / "config.json")],
             nproc_per_host=per_host,
-            env={"OMP_NUM_THREADS": str(cfg.threads), "GRADSYNC_THREADS": str(cfg.threads)},
+            env={
+                "OMP_NUM_THREADS": str(cfg.threads),
+                "GRADSYNC_THREADS": str(cfg.threads),
+                # one secret for every host's workers (gradsync.checks.secret); the environment,
+                # unlike a command line, is not readable by other users
+                secret.SECRET_ENV: secret.draw(),
+            },
             # a script's steps are its own: its timeout is the run's, once per started hour
             timeout_s=cfg.timeout + 60.0 * (cfg.steps if not cfg.script else 60),
         )

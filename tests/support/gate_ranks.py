@@ -3,6 +3,8 @@ ranks at different places. Module level, so spawned ranks can import them."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
-from gradsync import inject
+from gradsync import compat
 from gradsync.errors import SyncTimeoutError
 from gradsync.workloads import make_workload
 from tests.support.ranks import flat_params, make_optimizer
@@ -54,25 +56,30 @@ def long_evaluation_each(rank: int, world: int, strategies: list[str]) -> dict[s
 
 
 def frozen_between_steps(rank: int, world: int) -> dict[str, Any]:
-    """The last rank stops responding between steps 2 and 3 (its heartbeat stops, as when the
-    process is stopped or frozen): the others must fail within the timeout, not wait for it as
-    for a rank in its own code."""
+    """The last rank is stopped (SIGSTOP) between steps 2 and 3: the others must fail within
+    the timeout, not wait for it as for a rank in its own code. (A process that merely stops
+    beating while it runs is busy, holding the GIL: waited for, tests/ranks/test_gate_hardening.py.)
+    """
+    pids = [0] * world
+    dist.all_gather_object(pids, os.getpid())
     w, model, _, sync = _setup()
     for step in range(3):
         with sync.step():
             _train_step(w, model, rank, world, step)
     if rank == world - 1:
         time.sleep(1.0)  # alive in its own code for a while: its heartbeat is seen
-        sync.watch.close()  # then the heartbeat ends, as it would in a stopped process
-        inject.hang(limit_s=30)
+        os.kill(os.getpid(), signal.SIGSTOP)  # until the others have their error
         return {"stayed_away": True}
     started = time.monotonic()
     try:
         with sync.step():
             _train_step(w, model, rank, world, 3)
     except SyncTimeoutError as exc:
-        inject.release_hang()
-        return {"error": str(exc), "waited": time.monotonic() - started}
+        waited = time.monotonic() - started
+        # The last survivor to fail lets it go on (a peer that beats again would be waited for).
+        if int(compat.default_store().add("test/frozen/failed", 1)) == world - 1:
+            os.kill(pids[-1], signal.SIGCONT)
+        return {"error": str(exc), "waited": waited}
     return {"error": None}
 
 

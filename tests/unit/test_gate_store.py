@@ -1,0 +1,121 @@
+"""The step gate's wait is bounded whatever the store holds, gradsync's keys are named through the
+run's secret, and a peer's process is asked of the kernel before its silence is read as death
+(issue 43, items 1 and 5; across processes: tests/ranks/test_gate_hardening.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from gradsync.checks import liveness, secret
+from gradsync.checks.diagnose import GATE, START, ArrivalWatch
+from gradsync.checks.gate import StepGate
+from gradsync.errors import SyncTimeoutError
+
+pytestmark = pytest.mark.unit
+
+TIMEOUT_S = 1.0
+WHAT = "construction of the Synchronizer"
+LABEL = f"{WHAT} (before step 0)"
+
+
+def _gate(store: dist.Store) -> tuple[ArrivalWatch, StepGate]:
+    """Rank 0 of 2, its peer (rank 1) already at the first gate by its heartbeat."""
+    watch = ArrivalWatch(0, 2, TIMEOUT_S, store=store, arrive_after_s=0.1)
+    watch.store.set(f"{watch.prefix}/beat/1", f"7|{GATE}|{START}|{LABEL}")
+    return watch, StepGate(watch, TIMEOUT_S, between_steps_s=60.0)
+
+
+def _wait_in_thread(gate: StepGate, limit_s: float) -> tuple[BaseException | None, float, bool]:
+    """The gate's wait, given ``limit_s`` to end: (what it raised, how long, whether it ended)."""
+    raised: list[BaseException | None] = [None]
+
+    def wait() -> None:
+        try:
+            gate.wait(START, WHAT)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised[0] = exc
+
+    started = time.monotonic()
+    thread = threading.Thread(target=wait, daemon=True)  # left behind if it never ends
+    thread.start()
+    thread.join(limit_s)
+    return raised[0], time.monotonic() - started, not thread.is_alive()
+
+
+@pytest.mark.timeout(30)
+def test_a_gate_counter_raised_by_another_process_fails_the_gate_at_once(monkeypatch) -> None:
+    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
+    store = dist.HashStore()
+    watch, gate = _gate(store)
+    # The attack of issue 43: the next gate's counter pre-incremented by the world size.
+    store.add(f"{watch.prefix}/gate/0/{START}/{WHAT}", 2)
+    raised, waited, ended = _wait_in_thread(gate, 10 * TIMEOUT_S)
+    watch.close()
+    assert ended, "the gate waited on, past ten times its timeout"
+    assert isinstance(raised, SyncTimeoutError), raised
+    assert "the gate's counter reads 3 for 2 ranks" in str(raised), raised
+    assert waited < TIMEOUT_S, waited
+
+
+@pytest.mark.timeout(30)
+def test_a_gate_that_never_opens_with_every_rank_there_fails_after_its_timeout(
+    monkeypatch,
+) -> None:
+    """Every rank's heartbeat says it is at the gate, yet no "go" comes (a counter changed
+    behind the ranks' backs): the wait ends after the timeout, not never."""
+    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
+    watch, gate = _gate(dist.HashStore())
+    raised, waited, ended = _wait_in_thread(gate, 10 * TIMEOUT_S)
+    watch.close()
+    assert ended, "the gate waited on, past ten times its timeout"
+    assert isinstance(raised, SyncTimeoutError), raised
+    assert "Every rank is at this gate, but it never opened" in str(raised), raised
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 3, waited
+
+
+@pytest.mark.timeout(30)
+def test_with_a_secret_no_key_of_gradsync_has_a_name_another_process_can_derive(
+    monkeypatch,
+) -> None:
+    monkeypatch.setenv(secret.SECRET_ENV, secret.draw())
+    plain = dist.HashStore()
+    watch = ArrivalWatch(0, 2, TIMEOUT_S, store=plain, arrive_after_s=0.1)
+    assert watch.secured
+    # The peer, holding the same secret, is at the gate and says so through the secret's names.
+    watch.store.set(f"{watch.prefix}/beat/1", f"7|{GATE}|{START}|{LABEL}")
+    # Another process adds to the counters under the names it can derive: they are not these.
+    for n in range(20):
+        plain.add(f"{watch.prefix}/gate/{n}/{START}/{WHAT}", 2)
+    gate = StepGate(watch, TIMEOUT_S, between_steps_s=60.0)
+    name = f"{watch.prefix}/gate/0/{START}/{WHAT}"
+
+    def peer_arrives() -> None:
+        if watch.store.add(name, 1) == 2:
+            watch.store.set(name + "/go", "1")
+
+    threading.Timer(0.3, peer_arrives).start()
+    raised, _, ended = _wait_in_thread(gate, 10 * TIMEOUT_S)
+    assert ended and raised is None, raised  # rank 1's arrival, under the secret's name, opened it
+    watch.close()
+    hashed = {watch.store.name(f"{watch.prefix}/beat/1"), watch.store.name(name)}
+    assert all(n.startswith("gradsync/") and "arrive" not in n for n in hashed), hashed
+    assert plain.check(list(hashed))
+    other = secret.KeyedStore(dist.HashStore(), secret.draw())
+    assert other.name("gradsync/arrive/beat/0") != watch.store.name("gradsync/arrive/beat/0")
+
+
+@pytest.mark.timeout(10)
+def test_this_process_runs_and_a_reused_pid_or_another_machine_does_not_count() -> None:
+    me = liveness.identity()
+    assert liveness.running(me) is True
+    machine, pid, start = me.split("|")
+    assert liveness.running(f"{machine}|{pid}|{int(start) + 1}") is False  # another process
+    assert liveness.running(f"another-machine|{pid}|{start}") is None
+    assert liveness.running("") is None
+    assert os.getpid() == int(pid)
