@@ -35,6 +35,10 @@ is tested in ``tests/unit/test_compat.py``.
   collectives that wrap whatever the module had, a user's own custom collectives included.
   None where torch lacks those setters or hides the groups: ``zero:3`` then leaves FSDP2's
   collectives alone, and their time counts as compute.
+- ``in_backward_pass``: whether a backward pass is running on this thread
+  (``torch._C._current_graph_task_id``), where a torch function mode entered would not
+  outlive the pass (``zero_shards.LocalClipGuard``, armed from ``gs.DistributedDataParallel``'s
+  end-of-backward callback).
 - ``foreach_copy`` / ``foreach_div``: torch's fused list operations (``_foreach_copy_``,
   ``_foreach_div_``), one call for a whole list of tensors instead of one per tensor (a
   checkpoint snapshot copies a hundred-odd tensors every step, ``zero:3`` averages each of
@@ -353,6 +357,15 @@ def end_of_backward_callbacks() -> bool:
     """Whether this torch lets ``queue_end_of_backward`` run a function at a backward pass's
     end."""
     return _engine_queue() is not None
+
+
+def in_backward_pass() -> bool:
+    """Whether this thread is running a backward pass (an autograd hook or end-of-backward
+    callback: ``torch._C._current_graph_task_id``). The engine restores the thread's torch
+    function modes when the pass returns, so a mode entered here would be gone by then. False
+    where torch hides it."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return callable(current) and int(current()) != -1
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> bool:

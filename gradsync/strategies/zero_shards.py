@@ -534,6 +534,12 @@ class LocalClipGuard(TorchFunctionMode):
 
     def arm(self, grads: Iterable[torch.Tensor]) -> None:
         self.disarm()
+        if compat.in_backward_pass():
+            # gs.DistributedDataParallel finishes the exchange in an end-of-backward callback,
+            # and the engine drops a mode entered there when the pass returns (exiting it
+            # later would pop another): the front door has torch's clip take the whole norm
+            # instead (ddp.py: zero:2's DTensor view; zero:3's FSDP2 DTensors).
+            return
         self._grads = {id(g): weakref.ref(g) for g in grads}
         self._derived = {}
         self.__enter__()
