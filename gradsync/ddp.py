@@ -8,7 +8,8 @@ A DDP script ports by changing its ``DistributedDataParallel(model)`` line (and 
 and nothing else: ``no_sync()`` / ``require_backward_grad_sync`` for accumulation,
 ``loss.backward()``, ``scaler.scale / unscale_ / step / update``, ``clip_grad_norm_``,
 ``optimizer.step()``, ``zero_grad()``, ``model.module`` and ``state_dict()`` keep their DDP
-meaning, and under ``bsp`` the run ends bit for bit where DDP's does.
+meaning, and under ``bsp``, ``zero:1``, ``zero:2`` and ``zero:3`` the run ends where DDP's does
+(bit for bit in the tests, fp32 on gloo).
 
 Why this shape. The alternatives were a wrapped optimizer to use instead of the user's
 (``model, optimizer = gs.wrap(model, optimizer)``, as torchft's ``OptimizerWrapper``) or an
@@ -52,18 +53,47 @@ Non-finite gradients follow DDP too (``skip_nonfinite=False`` by default): an en
 GradScaler sees them and skips, which it could not if gradsync dropped them first; without a
 scaler pass ``skip_nonfinite=True`` to have gradsync skip such steps on every rank.
 
-Refused at construction, naming the explicit ``sync.step()`` form instead: ``zero:2`` /
-``zero:3`` (torch's ``clip_grad_norm_`` in the user's loop would see one shard of the
-gradient), the parameter-server strategies (servers run ``sync.serve()`` on ranks of their own)
-and ``hogwild``.
+Sharded gradients (``zero:2``, ``zero:3``): after the exchange each rank holds a part of the
+mean gradient, so torch's ``clip_grad_norm_`` over the loop's parameters must combine the
+parts' norms, and the GradScaler's inf/NaN check must be the same on every rank (DDP's
+all-reduce leaves a non-finite value on every rank; a reduce-scatter leaves it on its owner
+only, and a rank whose scaler skips while another steps would leave the replicas apart).
+
+- ``zero:2``: from the end of backward to ``optimizer.step()``, ``p.grad`` of every parameter
+  is a DTensor over the group sharded on dim 0, whose rows are all on the owner's rank (its
+  local tensor the exchange's buffer, so in-place changes reach the update) and none on the
+  others' (``_ShardView``). torch's clip of DTensor gradients takes the whole norm (one
+  all-reduce), and DTensor reduces the GradScaler's ``found_inf`` over the group, as they do
+  for FSDP2's gradients; every rank holds a DTensor for every parameter, so a clip of a subset
+  (the same on every rank) posts the same collectives everywhere. ``optimizer.step()`` puts
+  the plain gradients back (None for the others' tensors) before the sharded update.
+- ``zero:3``: the module is FSDP2's after the wrap (``model.module`` holds its DTensors), whose
+  gradients are DTensors already: torch's clip over ``model.parameters()`` takes the whole
+  norm by itself. The optimizer's tensors are this rank's shards, plain, so the scaler's check
+  on them is local: at the end of backward one one-element all-reduce tells every rank whether
+  any shard is non-finite, and if so every rank's shards become NaN (DDP's outcome: every
+  rank's scaler skips). ``no_sync()`` is FSDP2's ``set_requires_gradient_sync(False)``:
+  unsharded gradients accumulate locally, as under DDP, and the last micro-batch's
+  reduce-scatter carries their sum. FSDP2's sharded parameters never accumulate a gradient
+  (FSDP2 assigns their shards), so the end of backward is found from hooks on the forward's
+  outputs, and the exchange's end is queued behind FSDP2's own end-of-backward callback.
+  torch's clip over the optimizer's tensors (this rank's shards) would take their norm alone:
+  clip ``model.parameters()``. gradsync's ``LocalClipGuard``, which refuses that in the
+  explicit form, cannot work here: a torch function mode entered in an end-of-backward
+  callback does not outlive the backward pass.
+
+Refused at construction, naming the explicit ``sync.step()`` form instead: the
+parameter-server strategies (servers run ``sync.serve()`` on ranks of their own) and
+``hogwild``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +102,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync import compat, runtime
+from gradsync.checks.guards import all_finite
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.strategies import parse_strategy
@@ -79,13 +110,10 @@ from gradsync.synchronizer import StepHandle, Synchronizer
 
 #: strategies whose update fits DDP's loop: the whole mean gradient (or this rank's own, for
 #: the periodic ones) in ``p.grad`` at the end of backward, the update in ``optimizer.step()``
-SUPPORTED = ("bsp", "zero:1", "local", "diloco")
+SUPPORTED = ("bsp", "zero:1", "zero:2", "zero:3", "local", "diloco")
 
 #: why each other strategy is refused, and what to use
 REFUSED = {
-    "zero:2": "each rank holds only its shard of the mean gradient, so torch's clip_grad_norm_ "
-    "in the loop would clip each shard by its own norm",
-    "zero:3": "the model must go through fully_shard and every forward is a collective",
     "ssp": "parameter servers run sync.serve() on ranks of their own and step the optimizer there",
     "async": "parameter servers run sync.serve() on ranks of their own and step the optimizer "
     "there",
@@ -109,8 +137,8 @@ def check_strategy(name: str) -> None:
         return
     why = REFUSED.get(kind, "it is not one the front door knows how to drive")
     raise UsageError(
-        f"gs.DistributedDataParallel cannot run strategy {name!r}: {why}. It runs "
-        f"{', '.join(SUPPORTED[:2])}, local:H and diloco:H; for {name} use the explicit form, "
+        f"gs.DistributedDataParallel cannot run strategy {name!r}: {why}. It runs bsp, "
+        f"zero:1, zero:2, zero:3, local:H and diloco:H; for {name} use the explicit form, "
         f"sync = gs.Synchronizer(model, optimizer, strategy={name!r}) with "
         "`with sync.step(micro_batches=k) as s:` (docs/porting.md)"
     )
@@ -138,10 +166,13 @@ class _OpenStep:
         #: s.synchronize() ran: p.grad holds the gradient the update will use
         self.synchronized = False
 
-    def synchronize(self) -> None:
-        if not self.synchronized:
-            self.synchronized = True
-            self.handle.synchronize()
+    def synchronize(self) -> bool:
+        """``s.synchronize()`` once: True when this call finished the exchange and the update
+        will be applied (not when gradsync skips the step, ``skip_nonfinite``)."""
+        if self.synchronized:
+            return False
+        self.synchronized = True
+        return self.handle.synchronize()
 
     def close(self) -> None:
         self._block.__exit__(None, None, None)
@@ -165,7 +196,7 @@ class DistributedDataParallel(nn.Module):
     Call ``model.report()`` on every rank at the end of training (before
     ``destroy_process_group``) for gradsync's timing report and final checks; under
     ``local:H`` / ``diloco:H`` it also closes an unfinished period with a last average, so the
-    replicas end identical. Under ``bsp`` and ``zero:1`` it is optional.
+    replicas end identical. Under ``bsp`` and ``zero:1/2/3`` it is optional.
     """
 
     def __init__(
@@ -193,12 +224,6 @@ class DistributedDataParallel(nn.Module):
         assert optimizer is not None
         if strategy is not None:  # before any collective; a run directory's choice is after
             check_strategy(parse_strategy(strategy, servers=options.get("servers", 1)).name)
-        if not compat.end_of_backward_callbacks():
-            raise UsageError(
-                "this torch has no end-of-backward callbacks, which gs.DistributedDataParallel "
-                "needs to finish the exchange before your clip reads p.grad; use the explicit "
-                "form, gs.Synchronizer with `with sync.step() as s:` (docs/porting.md)"
-            )
         self.module = module
         #: DDP's flags: no_sync() clears the first; the second says whether this forward
         #: follows a synchronizing one (then buffers are broadcast first, as DDP does)
@@ -218,6 +243,14 @@ class DistributedDataParallel(nn.Module):
         )
         try:
             check_strategy(self.sync.strategy.name)
+            # Read after the Synchronizer: under zero:3 these are FSDP2's sharded DTensors.
+            self._params = [p for p in module.parameters() if p.requires_grad]
+            #: zero:2: its shards of the gradient shown to the loop as DTensors (``_ShardView``)
+            self._view = (
+                _ShardView(self._params, process_group)
+                if self.sync.strategy.name == "zero:2"
+                else None
+            )
         except UsageError:
             self.sync.close()
             raise
@@ -232,12 +265,16 @@ class DistributedDataParallel(nn.Module):
         self._exit: _Exit | None = None
         self._queued = False
         self._closed = False
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._skip_nonfinite = skip_nonfinite
+        #: zero:3: the module is FSDP2's root, whose backward ends in its own callback
+        self._fsdp = compat.is_fsdp_module(module)
         # After the Synchronizer's own: on each parameter its hook has counted the gradient
         # (and maybe launched its bucket) before this one queues the end-of-backward callback.
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._params
-        ]
+        # FSDP2's sharded parameters never accumulate a gradient (FSDP2 assigns it): there
+        # the forward's outputs carry the hook instead.
+        self._hooks = [] if self._fsdp else self._hook_parameters()
+        #: zero:3: hooks on this step's outputs, until its backward pass ends
+        self._output_hooks: list[Any] = []
         # restored by close(): the instance's own step (a scheduler's), else the class's
         self._own_step = optimizer.__dict__.get("step")
         self._original_step = optimizer.step
@@ -256,7 +293,14 @@ class DistributedDataParallel(nn.Module):
             self._broadcast_buffers()
         if syncing and self._open is None:
             self._enter()
+        if self._fsdp:  # no_sync(): FSDP2 accumulates unsharded gradients, reduces none
+            root: Any = self.module  # an FSDPModule
+            root.set_requires_gradient_sync(self.require_backward_grad_sync)
         output = self.module(*inputs, **kwargs)
+        if self._fsdp and syncing:
+            for t in _tensors_in(output):
+                if t.requires_grad:  # the first to get its gradient starts the backward pass
+                    self._output_hooks.append(t.register_hook(self._on_output_gradient))
         self.require_forward_param_sync = syncing
         return output
 
@@ -282,9 +326,9 @@ class DistributedDataParallel(nn.Module):
         """Give the optimizer its own ``step`` back and release the Synchronizer (no
         collective)."""
         self._closed = True
-        for h in self._hooks:
+        for h in [*self._hooks, *self._output_hooks]:
             h.remove()
-        self._hooks = []
+        self._hooks, self._output_hooks = [], []
         # A scheduler built after the wrap wrapped the routed step: then it stays, and with
         # no open block it calls the original step directly.
         if self._optimizer.__dict__.get("step") is self._routed_step:
@@ -295,10 +339,16 @@ class DistributedDataParallel(nn.Module):
         self.sync.close()
 
     # -- the superstep ------------------------------------------------------------------------
+    def _hook_parameters(self) -> list[Any]:
+        return [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._params]
+
     def _enter(self) -> None:
         """Open this step's block at its synchronizing forward pass, keeping the gradients the
-        ``no_sync()`` micro-batches accumulated (the block's entry releases ``p.grad``)."""
-        held = [p.grad for p in self._params]
+        ``no_sync()`` micro-batches accumulated (the block's entry releases ``p.grad``).
+        Under zero:3 FSDP2 keeps those itself, unsharded, and the sharded ``p.grad`` left is
+        the last step's (the user's ``zero_grad()`` clears the optimizer's tensors, not
+        FSDP2's): the entry's release stands."""
+        held = [None if self._fsdp else p.grad for p in self._params]
         self._queued = False  # a backward pass that raised never ran the callback it queued
         self._open = _OpenStep(self.sync)
         for p, g in zip(self._params, held, strict=True):
@@ -309,12 +359,30 @@ class DistributedDataParallel(nn.Module):
         if step is None or step.synchronized or self._queued:
             return  # a no_sync() micro-batch, or the callback is queued already
         step.backward_seen = True
-        self._queued = compat.queue_end_of_backward(self._end_of_backward)
+        first = self._after_fsdp if self._fsdp else self._end_of_backward
+        self._queued = compat.queue_end_of_backward(first)
+
+    def _on_output_gradient(self, grad: torch.Tensor) -> None:
+        self._on_gradient(grad)
+
+    def _after_fsdp(self) -> None:
+        """FSDP2 waits for its last reduce-scatter in an end-of-backward callback of its own,
+        which may be queued after this one: queue the exchange's end behind it (callbacks
+        queued while the engine runs them run after every one queued before)."""
+        if not compat.queue_end_of_backward(self._end_of_backward):
+            self._end_of_backward()
 
     def _end_of_backward(self) -> None:
         self._queued = False
-        if self._open is not None:
-            self._open.synchronize()
+        for h in self._output_hooks:
+            h.remove()
+        self._output_hooks = []
+        if self._open is None or not self._open.synchronize():
+            return
+        if self._fsdp and not self._skip_nonfinite:
+            self._spread_nonfinite()
+        if self._view is not None:
+            self._view.show()
 
     def _optimizer_step(self, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         exiting = self._exit
@@ -343,12 +411,30 @@ class DistributedDataParallel(nn.Module):
     def _close(self, exiting: _Exit) -> Any:
         step, self._open = self._open, None
         assert step is not None
+        if self._view is not None:  # the update steps this rank's plain gradients
+            self._view.hide()
         self._exit = exiting
         try:
             step.close()
         finally:
             self._exit = None
         return exiting.result
+
+    def _spread_nonfinite(self) -> None:
+        """zero:3: when any rank's shard of the gradient is not finite, make every rank's all
+        NaN, so that every rank's GradScaler skips the step, as under DDP, where the
+        all-reduce leaves the non-finite values on every rank. (The scaler checks the
+        optimizer's tensors, this rank's shards only, so the ranks would disagree: some
+        stepping, some not.) One one-element all-reduce."""
+        grads = [
+            p.grad for g in self._optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
+        bad = torch.tensor([0.0 if all_finite(grads) else 1.0], device=runtime.device())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group)
+        if bad.item() != 0.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.fill_(math.nan)
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers on every rank, one broadcast per dtype and device (DDP's
@@ -362,6 +448,94 @@ class DistributedDataParallel(nn.Module):
                 flat = flatten(tensors)
                 dist.broadcast(flat, src=src, group=self._group)
                 copy_into(flat, tensors)
+
+
+class _ShardView:
+    """``zero:2``'s gradient shown to the user's loop as DTensors, from the end of backward to
+    ``optimizer.step()``, so that torch's ``clip_grad_norm_`` and ``GradScaler`` take the
+    whole gradient's norm and inf/NaN check by themselves, as they do for FSDP2's gradients.
+
+    After the exchange each rank holds the mean gradient of the whole tensors it owns and
+    ``p.grad`` is None for the others', so torch's clip over ``model.parameters()`` would
+    scale each rank's part by its own norm (``zero_shards.LocalClipGuard`` refuses that in the
+    explicit form). Here every parameter's ``p.grad`` becomes a DTensor sharded on dim 0 over
+    the group: the owner's local tensor is its whole gradient (the exchange's buffer itself,
+    so in-place changes reach the update), every other rank's an empty one (0 rows, no
+    memory); a 0-dim parameter's is ``Partial`` with a zero scalar on the others. DTensor's
+    norm of such a tensor reduces the local norms over the group, whatever the rows per rank,
+    and its inf/NaN check for the GradScaler (``found_inf``) is reduced over the group too.
+    Every rank holds a DTensor for every parameter, so a clip of any subset of the parameters
+    (the same on every rank) posts the same collectives on every rank. ``hide()`` puts the
+    plain gradients back (None for the others') before the update."""
+
+    def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+        found = compat.fsdp2()
+        try:
+            from torch.distributed.tensor import Partial, Shard
+        except ImportError:
+            found = None
+        if found is None:
+            raise UsageError(
+                f"gs.DistributedDataParallel runs zero:2 by showing the loop its gradient as "
+                f"DTensors, which torch {torch.__version__} does not have publicly (torch >= "
+                "2.6); use zero:1, or the explicit form with s.clip_grad_norm_ (docs/porting.md)"
+            )
+        _, self._dtensor, mesh_cls = found
+        self._shard, self._partial = Shard(0), Partial()
+        device_type = params[0].device.type if params else "cpu"
+        self._mesh = mesh_cls.from_group(group or dist.group.WORLD, device_type)
+        self._params = params
+        #: per parameter: the DTensor shown, and this rank's plain gradient (None: another's)
+        self._shown: list[tuple[torch.Tensor, Any, torch.Tensor | None]] = []
+
+    def show(self) -> None:
+        shown = []
+        for p in self._params:
+            mine = p.grad
+            if p.dim() == 0:
+                local = torch.zeros_like(p) if mine is None else mine
+                view = self._dtensor.from_local(local, self._mesh, [self._partial], run_check=False)
+            else:
+                local = p.new_empty((0, *p.shape[1:])) if mine is None else mine
+                view = self._dtensor.from_local(
+                    local,
+                    self._mesh,
+                    [self._shard],
+                    run_check=False,
+                    shape=p.shape,
+                    stride=_contiguous_strides(p.shape),
+                )
+            p.grad = view
+            shown.append((p, view, mine))
+        self._shown = shown
+
+    def hide(self) -> None:
+        for p, view, mine in self._shown:
+            if p.grad is view:
+                p.grad = mine
+            elif isinstance(p.grad, self._dtensor):  # replaced by the loop (g = g * c)
+                p.grad = None if mine is None else p.grad.to_local()
+        self._shown = []
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)  # torch's contiguous strides
+    return tuple(reversed(strides))
+
+
+def _tensors_in(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's output: a tensor, or nested lists, tuples and dicts."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, list | tuple):
+        for item in output:
+            yield from _tensors_in(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors_in(item)
 
 
 def _route_step(
@@ -417,6 +591,12 @@ def _check_arguments(
             )
     if device_ids is not None and len(device_ids) > 1:
         raise UsageError(f"device_ids={device_ids!r}: one device per process, as DDP requires")
+    if not compat.end_of_backward_callbacks():
+        raise UsageError(
+            "this torch has no end-of-backward callbacks, which gs.DistributedDataParallel "
+            "needs to finish the exchange before your clip reads p.grad; use the explicit "
+            "form, gs.Synchronizer with `with sync.step() as s:` (docs/porting.md)"
+        )
 
 
 __all__ = ["DistributedDataParallel", "check_strategy"]

@@ -70,8 +70,6 @@ def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
 @pytest.mark.parametrize(
     ("strategy", "why"),
     [
-        ("zero:2", "shard"),
-        ("zero:3", "fully_shard"),
         ("ssp:2", "sync.serve()"),
         ("async", "sync.serve()"),
         ("hogwild", "shared parameters"),
