@@ -18,6 +18,8 @@ What this module does about it, without reading interpreter internals:
   object by a weak reference: it dies exactly when gloo's thread has destroyed it.
 - ``keep(name, work)`` keeps a collective that may still be in flight when the script ends (the
   last telemetry gather, the final handshake's barrier) referenced from the main thread.
+- ``stop_at_exit(stop)`` stops a thread of gradsync's own (the heartbeat) at exit, before it
+  could return from a store call into a finalizing interpreter.
 - An ``atexit`` handler, which runs before the interpreter starts finalizing (a thread can still
   take the GIL then), waits until every tracked callback is gone and every kept collective is
   complete, bounded by ``DRAIN_TIMEOUT_S`` (a stopped peer leaves its collectives incomplete:
@@ -38,7 +40,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DRAIN_TIMEOUT_S", "drain", "keep", "own_the_group", "then"]
+__all__ = ["DRAIN_TIMEOUT_S", "drain", "keep", "own_the_group", "stop_at_exit", "then"]
 
 log = logging.getLogger("gradsync.exit")
 
@@ -62,6 +64,8 @@ class _Callback:
 
 
 _callbacks: weakref.WeakSet[_Callback] = weakref.WeakSet()
+#: what stops gradsync's own threads (weakly held: a closed Synchronizer is not kept alive)
+_stoppers: list[weakref.WeakMethod[Callable[[], None]]] = []
 _kept: dict[str, Any] = {}
 _owned_group = False
 _registered = False
@@ -89,6 +93,14 @@ def keep(name: str, work: Any) -> None:
     referenced here until the process exits; a later ``keep`` of the same ``name`` replaces it."""
     _register()
     _kept[name] = work
+
+
+def stop_at_exit(stop: Callable[[], None]) -> None:
+    """Call the bound method ``stop`` at exit, before the wait: it stops and joins a thread of
+    gradsync's (the heartbeat), which would otherwise run on into the interpreter's shutdown
+    and, returning from a store call there, abort the same way."""
+    _register()
+    _stoppers.append(weakref.WeakMethod(stop))  # type: ignore[arg-type]
 
 
 def own_the_group() -> None:
@@ -122,7 +134,19 @@ def drain(timeout_s: float = DRAIN_TIMEOUT_S) -> list[str]:
     return waiting
 
 
+def _stop_threads() -> None:
+    for ref in list(_stoppers):
+        stop = ref()
+        if stop is not None:
+            try:
+                stop()
+            except Exception as exc:  # the exit goes on
+                log.debug("stopping a thread at exit failed: %s", exc)
+    _stoppers.clear()
+
+
 def _at_exit() -> None:
+    _stop_threads()
     # An uncaught exception ends the script (Python set sys.last_value as it printed it): its
     # collectives may never complete, and holding a failed rank's exit only delays the restart.
     failed = getattr(sys, "last_value", None) is not None

@@ -238,6 +238,8 @@ class Synchronizer:
             self._group_timeout.seconds if self._group_timeout is not None else timeout_s,
             scope=self._arrival_scope(group),
         )
+        # Its heartbeat thread must not run on into the interpreter's shutdown (issue 49).
+        exit_safety.stop_at_exit(self._watch.stop)
         # Parameter servers serve inside gradsync, never in the user's code: no gate there.
         self._gate = (
             StepGate(self._watch, self._watch.timeout_s, between_steps_timeout_s)

@@ -453,6 +453,15 @@ class ArrivalWatch:
     def close(self) -> None:
         self._stop.set()
 
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close and wait (at most ``timeout_s``) for the heartbeat thread to end: at exit, a
+        thread returning from a store call into a finalizing interpreter aborts the process
+        (``gradsync.exit_safety``)."""
+        self.close()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
 
 #: what gloo's and NCCL's errors say when a collective's peer is gone or late
 _COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "NCCL")

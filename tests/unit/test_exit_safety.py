@@ -109,3 +109,24 @@ def test_an_exit_on_an_uncaught_exception_waits_only_briefly(
     t0 = time.monotonic()
     exit_safety._at_exit()
     assert time.monotonic() - t0 < exit_safety.DRAIN_TIMEOUT_S / 2
+
+
+def test_the_exit_stops_threads_first_and_holds_no_object_alive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(exit_safety, "_destroy_the_group", lambda: None)
+    stopped: list[str] = []
+
+    class Watch:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    kept, dropped = Watch("kept"), Watch("dropped")
+    exit_safety.stop_at_exit(kept.stop)
+    exit_safety.stop_at_exit(dropped.stop)
+    del dropped  # a Synchronizer gone before the exit: nothing to stop, nothing kept alive
+    exit_safety._at_exit()
+    assert stopped == ["kept"]
