@@ -92,7 +92,8 @@ class BSP(Strategy):
         tuner = BucketTuner(candidates(total_mb))
         if ctx.rank == 0:
             logger.info(
-                "bsp: bucket_mb auto: timing plans of %s MB over the first %d steps",
+                "%s: bucket_mb auto: timing plans of %s MB over the first %d steps",
+                self.name,
                 ", ".join(f"{mb:g}" for mb in tuner.plans),
                 WARMUP_STEPS + STEPS_PER_PLAN * len(tuner.plans),
             )
@@ -118,7 +119,8 @@ class BSP(Strategy):
         elif asked == AUTO:
             why = ": kept by bucket_mb auto"
         logger.info(
-            "bsp: %d gradient bucket(s) of %s MB (bucket_mb %g%s)",
+            "%s: %d gradient bucket(s) of %s MB (bucket_mb %g%s)",
+            self.name,
             len(sizes),
             ", ".join(f"{mb:.2f}" for mb in sizes),
             reducer.bucket_mb,
@@ -147,7 +149,7 @@ class BSP(Strategy):
             times = agreed.cpu().tolist()
             tuner.decide(times)
             if ctx.rank == 0:
-                logger.info("bsp: bucket_mb auto: %s", tuner.describe(times))
+                logger.info("%s: bucket_mb auto: %s", self.name, tuner.describe(times))
         mb = tuner.plan_for_next_step()
         if abs(mb - self.reducer.bucket_mb) > 1e-9:
             self.reducer.close()

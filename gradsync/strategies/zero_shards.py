@@ -438,7 +438,8 @@ def refuse_partial_state(optimizer: torch.optim.Optimizer, name: str) -> Any:
         raise UsageError(
             f"optimizer.state_dict() under {name} holds only this rank's shard of the "
             "optimizer state, and a checkpoint of it would resume with the other ranks' state "
-            "missing. Call sync.full_state_dict() on every rank: rank 0 gets "
+            "missing. Call sync.full_state_dict() (model.sync.full_state_dict() through "
+            "gs.DistributedDataParallel) on every rank: rank 0 gets "
             '{"model": ..., "optimizer": ...} whole (plain tensors, on the CPU), which '
             "model.load_state_dict / optimizer.load_state_dict load in a DDP-style script and "
             "sync.load_full_state_dict(state) loads under gradsync; or sync.save(dir) / "
