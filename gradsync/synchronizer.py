@@ -843,8 +843,9 @@ class Synchronizer:
         self._release_timeout()
 
     def _release_timeout(self) -> None:
-        """Give the group back the collective timeout it had before this Synchronizer."""
-        self._watch.close()
+        """Stop the heartbeat thread; give the group back the collective timeout it had before
+        this Synchronizer."""
+        self._watch.stop()
         if self._group_timeout is not None:
             self._group_timeout.restore()
 
