@@ -119,3 +119,11 @@ def test_this_process_runs_and_a_reused_pid_or_another_machine_does_not_count() 
     assert liveness.running(f"another-machine|{pid}|{start}") is None
     assert liveness.running("") is None
     assert os.getpid() == int(pid)
+
+
+def test_the_launcher_hands_the_secret_under_the_name_the_watch_reads() -> None:
+    """Two packages that may not import each other each name the variable."""
+    from gradsync.checks.secret import SECRET_ENV
+    from gradsync.processes.launch import RUN_SECRET_ENV
+
+    assert RUN_SECRET_ENV == SECRET_ENV
