@@ -39,6 +39,9 @@ class Flag:
     metavar: str | None = None
     option: str | None = None  # the option string, where it is not --field-name
     choices: Sequence[str] | None = None  # argparse refuses any other value, naming these
+    #: parses the value where the field's type alone cannot (``float | str``: a number or a
+    #: word); raises ``ValueError`` or ``argparse.ArgumentTypeError`` naming what is valid
+    parse: Callable[[str], Any] | None = None
 
     def option_for(self, f: dataclasses.Field[Any]) -> str:
         if self.option is not None:
@@ -58,6 +61,7 @@ def flag(
     option: str | None = None,
     choices: Sequence[str] | None = None,
     factory: Callable[[], Any] | None = None,
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """A dataclass field with its command-line flag: ``nproc: int = flag(4, help=...)``.
 
@@ -65,7 +69,9 @@ def flag(
     flag then defaults to None, which :func:`from_namespace` reads as "not given". A
     ``list[X]`` field takes ``factory=list``: its repeatable flag starts from an empty list.
     """
-    spec = Flag(help=help, group=group, metavar=metavar, option=option, choices=choices)
+    spec = Flag(
+        help=help, group=group, metavar=metavar, option=option, choices=choices, parse=parse
+    )
     meta = {FLAG_KEY: spec}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -130,6 +136,9 @@ def _how(f: dataclasses.Field[Any], hint: Any, spec: Flag) -> dict[str, Any]:
         how.update(action="append", default=[])
     else:
         how["default"] = None if f.default is dataclasses.MISSING else f.default
+    if spec.parse is not None:
+        how["type"] = spec.parse
+        return how
     if kind not in (int, float, str):
         raise TypeError(f"field {f.name}: no command-line type for {hint!r}")
     if kind is not str:

@@ -7,6 +7,7 @@ its default and help, and a field without one is set by code only.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -14,6 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gradsync.bucket_autotune import AUTO
 from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
 from gradsync.flags import flag
@@ -70,6 +72,19 @@ STRAGGLERS = "stragglers"
 FAULTS = "fault tolerance"
 CLUSTER = "emulated cluster"
 OUTPUT = "output"
+
+
+def parse_bucket_mb(text: str) -> float | str:
+    """``--bucket-mb``: a size in MB, or ``auto`` (a size's range is checked with the other
+    fields, so the command line and ``RunConfig`` refuse the same values alike)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid float value {text!r}: give a size in MB (a number > 0) or 'auto'"
+        ) from None
 
 
 def default_out() -> str:
@@ -143,12 +158,14 @@ class RunConfig:
         "sparseloco[:D[:C[:B]]] (local:H, diloco:H) (default: none)",
         group=SYNC,
     )
-    bucket_mb: float | None = flag(
+    bucket_mb: float | str | None = flag(
         None,
         metavar="MB",
-        help="gradient bucket size in MB (default: an eighth of the gradient, from 1 to 25 MB; "
-        "the first bucket at most 1 MB)",
+        help="gradient bucket size in MB, or 'auto': time a few plans over the first steps and "
+        "keep the fastest (default: an eighth of the gradient, from 1 to 25 MB; the first "
+        "bucket at most 1 MB)",
         group=SYNC,
+        parse=parse_bucket_mb,
     )
     allreduce: str = flag(
         "ring",
@@ -345,8 +362,10 @@ class RunConfig:
                 f"--batch-size {self.batch_size} does not split into --micro-batches "
                 f"{self.micro_batches} equal parts; use a multiple of {self.micro_batches}"
             )
-        if self.bucket_mb is not None and not self.bucket_mb > 0:
-            raise UsageError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
+        if self.bucket_mb not in (None, AUTO) and not (
+            isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0
+        ):
+            raise UsageError(f"--bucket-mb must be a number > 0 or 'auto', got {self.bucket_mb!r}")
         if self.lr is not None and not 0 < self.lr <= MAX_LR:
             raise UsageError(f"--lr must be a number > 0 and at most {MAX_LR:g}, got {self.lr}")
 

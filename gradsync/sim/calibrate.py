@@ -122,6 +122,21 @@ class RunProfile:
         return max(self.compute_ms, key=lambda r: float(np.median(self.compute_ms[r])))
 
 
+def _planned_bucket_mb(run_dir: str | Path, asked: Any) -> float | None:
+    """The bucket size the run trained with: the one asked for, or under ``auto`` the plan it
+    kept (report.json's ``strategy_summary``; the default plan where that is missing)."""
+    if asked is None:
+        return None
+    if asked != "auto":
+        return float(asked)
+    report = Path(run_dir) / "report.json"
+    try:
+        kept = json.loads(report.read_text())["strategy_summary"]["bucket_mb"]
+        return float(kept)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _collective_steps(run_dir: str | Path, steps: list[int]) -> np.ndarray | None:
     try:
         spans = read_spans(run_dir)
@@ -199,7 +214,7 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
     return RunProfile(
         nproc=int(config.get("nproc", len(compute))),
         strategy=str(config.get("strategy", "bsp")),
-        bucket_mb=None if config.get("bucket_mb") is None else float(config["bucket_mb"]),
+        bucket_mb=_planned_bucket_mb(run_dir, config.get("bucket_mb")),
         compute_ms={k: np.asarray(v) for k, v in sorted(compute.items())},
         bytes_per_step=float(np.median([r.bytes for r in records])),
         measured_step_ms=float(np.median(list(step_wall.values()))),

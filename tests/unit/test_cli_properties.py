@@ -221,13 +221,23 @@ def test_float_flags(
 
 
 @PROPERTY
-@given(flag=st.sampled_from(sorted(FLOAT_FLAGS)), text=st.text().filter(lambda s: not _is_float(s)))
+@given(
+    flag=st.sampled_from(sorted(FLOAT_FLAGS)),
+    # --bucket-mb also takes 'auto' (tests/ranks/test_bucket_autotune_ranks.py)
+    text=st.text().filter(lambda s: not _is_float(s) and s.strip().lower() != "auto"),
+)
 def test_float_flags_reject_non_numbers(
     capsys: pytest.CaptureFixture[str], launches: Launches, flag: str, text: str
 ) -> None:
     run_cli(capsys, launches, f"{flag}={text}").assert_user_error(
         flag, "invalid float value", repr(text)
     )
+
+
+def test_bucket_mb_takes_auto_in_any_case(
+    capsys: pytest.CaptureFixture[str], launches: Launches
+) -> None:
+    run_cli(capsys, launches, "--bucket-mb= Auto").assert_launched(bucket_mb="auto")
 
 
 # -- spec flags ------------------------------------------------------------------------------

@@ -209,3 +209,13 @@ def test_predicted_tax_counts_worker_time_as_the_telemetry_does(tmp_path: Path) 
     # Without the run's host overhead there is no record of who was late either.
     bare = predict(prof, None, host_overhead=False)
     assert bare.barrier_tax == pytest.approx(30.0 / (4 * 24.0))
+
+
+def test_a_run_under_bucket_mb_auto_is_modelled_with_the_plan_it_kept(tmp_path: Path) -> None:
+    from gradsync.sim.calibrate import _planned_bucket_mb
+
+    assert _planned_bucket_mb(tmp_path, None) is None
+    assert _planned_bucket_mb(tmp_path, 4) == 4.0
+    assert _planned_bucket_mb(tmp_path, "auto") is None  # no report: the default plan
+    (tmp_path / "report.json").write_text('{"strategy_summary": {"bucket_mb": 1.0}}')
+    assert _planned_bucket_mb(tmp_path, "auto") == 1.0
