@@ -70,6 +70,19 @@ class _Peer:
     elsewhere_since: float | None = None
 
 
+#: what a store call's error says when it only ran out of time or was interrupted, not when
+#: the store is gone ("Connection reset", "Broken pipe", "Connection refused" are not here)
+_TRANSIENT = ("timeout", "timed out", "temporarily unavailable", "interrupted system call")
+
+
+def transient_store_error(exc: BaseException) -> bool:
+    """Whether a store call's ``exc`` is worth another try: a timeout, or EAGAIN / EINTR from
+    its socket under load (issue 43, item 6: "Resource temporarily unavailable" failed a run
+    at a load of 7 on 2 cores)."""
+    text = str(exc).lower()
+    return any(word in text for word in _TRANSIENT)
+
+
 @dataclass
 class StepGate:
     """Gates of one Synchronizer: every rank must pass the same gates in the same order."""
@@ -166,7 +179,7 @@ class StepGate:
             watch.store.wait([go], datetime.timedelta(seconds=watch.arrive_after_s))
             return
         except RuntimeError as exc:  # DistStoreError: nobody set it in that time
-            if "time" not in str(exc).lower():
+            if not transient_store_error(exc):
                 raise SyncTimeoutError(
                     f"{where(step)}: {what}: the store holding the gate failed: {exc}"
                 ) from exc
@@ -176,7 +189,7 @@ class StepGate:
         while True:
             judge_at = time.monotonic() + min(0.5, watch.beat_s)
             while time.monotonic() < judge_at:
-                if watch.store.check([go]):
+                if self._opened(go, step, what):
                     return
                 time.sleep(0.02)
             reasons = self._judge(peers, started)
@@ -187,7 +200,7 @@ class StepGate:
                     "was changed by a process outside this run (see README's trust model)."
                 ]
             # A peer that passed already may have moved on by the time its beat was read.
-            if reasons and not watch.store.check([go]):
+            if reasons and not self._opened(go, step, what):
                 waited = time.monotonic() - started
                 raise SyncTimeoutError(
                     f"{where(step)}: {what} (waiting for every rank to arrive before the "
@@ -195,6 +208,19 @@ class StepGate:
                     f"{self.between_steps_s:g}s for a rank in its own code between steps): "
                     f"never arrived: ranks {sorted(peers)}. " + " ".join(reasons)
                 )
+
+    def _opened(self, go: str, step: int, what: str) -> bool:
+        """Whether the gate's ``go`` key is set. A store call that fails for a moment (on an
+        oversubscribed machine a socket read can give up with EAGAIN, issue 43 item 6) reads
+        as "not yet": the peers' heartbeats, not one store call, decide when to give up."""
+        try:
+            return bool(self.watch.store.check([go]))
+        except RuntimeError as exc:
+            if transient_store_error(exc):
+                return False
+            raise SyncTimeoutError(
+                f"{where(step)}: {what}: the store holding the gate failed: {exc}"
+            ) from exc
 
     def _judge(self, peers: dict[int, _Peer], started: float) -> list[str]:
         """Update what is known of every rank not at the gate (``peers`` keeps only those);

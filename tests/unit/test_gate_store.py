@@ -127,3 +127,48 @@ def test_the_launcher_hands_the_secret_under_the_name_the_watch_reads() -> None:
     from gradsync.processes.launch import RUN_SECRET_ENV
 
     assert RUN_SECRET_ENV == SECRET_ENV
+
+
+class _EagainStore:
+    """A store whose waits and first checks give up with EAGAIN, as a socket read can on an
+    oversubscribed machine (issue 43, item 6)."""
+
+    def __init__(self, inner: dist.Store, failures: int) -> None:
+        self._inner = inner
+        self.failures = failures
+
+    def wait(self, keys: list[str], timeout: object = None) -> None:
+        raise RuntimeError("recv: Resource temporarily unavailable")
+
+    def check(self, keys: list[str]) -> bool:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("recv: Resource temporarily unavailable")
+        return bool(self._inner.check(keys))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+@pytest.mark.timeout(30)
+def test_a_store_call_giving_up_with_eagain_is_tried_again_not_a_failure(monkeypatch) -> None:
+    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
+    inner = dist.HashStore()
+    store = _EagainStore(inner, failures=3)
+    watch, gate = _gate(store)  # type: ignore[arg-type]
+    name = f"{watch.prefix}/gate/0/{START}/{WHAT}"
+    # The peer arrives 0.3 s later and opens the gate, as the last rank to arrive does.
+    threading.Timer(0.3, lambda: (inner.add(name, 1), inner.set(name + "/go", "1"))).start()
+    raised, waited, ended = _wait_in_thread(gate, 10 * TIMEOUT_S)
+    watch.close()
+    assert ended and raised is None, raised
+    assert store.failures == 0  # the failed checks were tried again
+
+
+def test_only_timeouts_and_eagain_count_as_transient() -> None:
+    from gradsync.checks.gate import transient_store_error
+
+    assert transient_store_error(RuntimeError("wait timeout after 200ms, keys: /x"))
+    assert transient_store_error(RuntimeError("recv: Resource temporarily unavailable"))
+    assert not transient_store_error(RuntimeError("Connection reset by peer"))
+    assert not transient_store_error(RuntimeError("Broken pipe"))
