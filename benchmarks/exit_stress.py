@@ -113,7 +113,7 @@ def main() -> None:
     minutes = (time.monotonic() - t0) / 60
     body = "\n".join(
         [
-            f"## Every finished run exits 0 ({args.label})",
+            f"## Every finished run exits 0 (issue 49, {args.label})",
             "",
             f"{machine()}; {args.load} busy loops beside the 2 ranks; {minutes:.0f} minutes.",
             f"`python -m benchmarks.exit_stress --runs {args.runs} --write` (issue 49).",
@@ -125,7 +125,7 @@ def main() -> None:
     )
     print(body)
     if args.write:
-        write_section(f"exit_stress_{args.label}", body, RELIABILITY_MD)
+        write_section("exit_stress", body, RELIABILITY_MD)
 
 
 if __name__ == "__main__":
