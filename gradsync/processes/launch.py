@@ -62,8 +62,11 @@ def launch(
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["GRADSYNC_THREADS"] = str(threads)
     # The run's secret, which names gradsync's keys in the run's store (gradsync.checks.secret):
-    # through the environment, which other users cannot read (a command line they can).
-    os.environ[RUN_SECRET_ENV] = secrets.token_hex(16)
+    # through the environment, which other users cannot read (a command line they can). One per
+    # launching process, not per launch: forked workers inherit the environment the forkserver
+    # started with, and a variable that changed since makes every later launch spawn instead
+    # (gradsync compare launches once per strategy). Each run has its own store anyway.
+    os.environ.setdefault(RUN_SECRET_ENV, secrets.token_hex(16))
     if max_restarts > 0:
         # With the rendezvous store shared into the workers, a restarted round can read the
         # previous round's gloo addresses and fail to connect (pytorch/pytorch#135712): give

@@ -1,6 +1,6 @@
 """Structural rules of the package that need a fresh interpreter: importing the synchronizer
-takes no exit hold (``gradsync.compat``). The rules read from the source:
-tests/unit/test_architecture.py."""
+registers no exit handler (``gradsync.exit_safety`` registers one on first use). The rules
+read from the source: tests/unit/test_architecture.py."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
-def test_importing_the_synchronizer_takes_no_exit_hold() -> None:
+def test_importing_the_synchronizer_registers_no_exit_handler() -> None:
     code = (
-        "import gradsync.synchronizer, gradsync.compat as c\n"
-        "assert c._HELD is None, 'hold taken at import'\n"
+        "import gradsync.synchronizer, gradsync.exit_safety as e\n"
+        "assert not e._registered, 'exit handler registered at import'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

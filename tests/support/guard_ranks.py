@@ -6,7 +6,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import gradsync as gs
 from gradsync import inject
@@ -109,8 +108,9 @@ def skips_report(rank: int, world: int) -> dict[str, Any]:
             x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
             w.loss(model, x, y).backward()
     if rank == world - 1:
-        key = "gradsync/arrive/" + str(rank)
-        store = dist.distributed_c10d._get_default_store()
+        # Through the watch's store: gradsync's keys are named by the run's secret (issue 43).
+        key = f"{sync.watch.prefix}/{rank}"
+        store = sync.watch.store
         recorded = store.get(key).decode() if store.check([key]) else None
         inject.hang()  # until every other rank has its diagnosis
         return {"stayed_away": True, "recorded": recorded}
