@@ -14,12 +14,13 @@ wait
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -61,12 +62,6 @@ def launch(
     # Children inherit the environment at spawn: cap intra-op threads before torch starts there.
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["GRADSYNC_THREADS"] = str(threads)
-    # The run's secret, which names gradsync's keys in the run's store (gradsync.checks.secret):
-    # through the environment, which other users cannot read (a command line they can). One per
-    # launching process, not per launch: forked workers inherit the environment the forkserver
-    # started with, and a variable that changed since makes every later launch spawn instead
-    # (gradsync compare launches once per strategy). Each run has its own store anyway.
-    os.environ.setdefault(RUN_SECRET_ENV, secrets.token_hex(16))
     if max_restarts > 0:
         # With the rendezvous store shared into the workers, a restarted round can read the
         # previous round's gloo addresses and fail to connect (pytorch/pytorch#135712): give
@@ -77,25 +72,53 @@ def launch(
         # loopback: keep its sockets where the stores are.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     stores.register_rendezvous()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=run_id or uuid.uuid4().hex[:12],
-        rdzv_backend=stores.RENDEZVOUS_BACKEND,
-        rdzv_endpoint=f"{host}:0",
-        rdzv_configs={"timeout": 120, "is_host": True},
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method=forkserver.start_method(),
-        local_addr=host,
-    )
-    if log_dir is not None:
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    # The secret first: the start method compares this environment with the forkserver's.
+    with _run_secret():
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=run_id or uuid.uuid4().hex[:12],
+            rdzv_backend=stores.RENDEZVOUS_BACKEND,
+            rdzv_endpoint=f"{host}:0",
+            rdzv_configs={"timeout": 120, "is_host": True},
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method=forkserver.start_method(),
+            local_addr=host,
+        )
+        if log_dir is not None:
+            from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-        config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-    with StoppedWorkerReaper():
-        return elastic_launch(config, _recorded)(entrypoint, *args)
+            config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
+        with StoppedWorkerReaper():
+            return elastic_launch(config, _recorded)(entrypoint, *args)
+
+
+#: the secret this process hands its runs' workers (drawn on first use)
+_SECRET: list[str] = []
+
+
+@contextlib.contextmanager
+def _run_secret() -> Iterator[None]:
+    """The run's secret, which names gradsync's keys in the run's store (gradsync.checks.secret),
+    in the environment the workers start with, which other users cannot read (a command line
+    they can). One per launching process, not per launch: forked workers inherit the
+    environment the forkserver started with, and a variable that changed since makes every
+    later launch spawn instead (gradsync compare launches once per strategy); each run has its
+    own store anyway. Taken out again afterwards, so this process's own later code (a test
+    suite, a script that launches) does not see a secret its stores were not named with. A
+    secret the user set stays."""
+    if RUN_SECRET_ENV in os.environ:
+        yield
+        return
+    if not _SECRET:
+        _SECRET.append(secrets.token_hex(16))
+    os.environ[RUN_SECRET_ENV] = _SECRET[0]
+    try:
+        yield
+    finally:
+        os.environ.pop(RUN_SECRET_ENV, None)
 
 
 @record

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
         (["--strategy", "ssp:1", "--servers", "0"], "--servers must be at least 1, got 0"),
         (["--batch-size", "6", "--micro-batches", "4"], "does not split into --micro-batches 4"),
         (["--nproc", "0"], "--nproc must be at least 1, got 0"),
-        (["--bucket-mb", "0"], "--bucket-mb must be > 0, got 0.0"),
+        (["--bucket-mb", "0"], "--bucket-mb must be a number > 0 or 'auto', got 0.0"),
         (["--micro-batches", "0"], "--micro-batches must be at least 1, got 0"),
         (
             ["--data", "/nonexistent/corpus.txt"],
