@@ -15,7 +15,6 @@ of one rank shows as exit code -6 there); the failures' lines naming the cause a
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import machine, table, write_section
+from benchmarks.harness import busy_loops, machine, table, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RELIABILITY_MD = ROOT / "RELIABILITY.md"
@@ -56,11 +55,6 @@ SHAPES = ("teardown", "bare")
 STRATEGIES = ("bsp", "zero:1", "local:4")
 
 
-def _spin() -> None:
-    while True:
-        pass
-
-
 def launch(script: Path, strategy: str, shape: str, timeout_s: float) -> tuple[int, str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
@@ -88,28 +82,21 @@ def main() -> None:
     parser.add_argument("--label", default="gradsync", help="the version's name in the table")
     parser.add_argument("--write", action="store_true", help="write RELIABILITY.md's section")
     args = parser.parse_args()
-    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.load)]
-    for p in spinners:
-        p.start()
     rows, failures = [], []
     t0 = time.monotonic()
-    try:
-        with tempfile.TemporaryDirectory(prefix="gradsync-exit-") as tmp:
-            script = Path(tmp) / "train.py"
-            script.write_text(SCRIPT)
-            for shape in SHAPES:
-                for strategy in STRATEGIES:
-                    bad = 0
-                    for i in range(args.runs):
-                        rc, cause = launch(script, strategy, shape, args.timeout)
-                        if rc != 0:
-                            bad += 1
-                            failures.append(f"{shape} {strategy} run {i + 1}: rc {rc}: {cause}")
-                    rows.append([shape, strategy, str(args.runs), str(bad)])
-                    print(f"{shape:9} {strategy:8} {bad} of {args.runs} failed", flush=True)
-    finally:
-        for p in spinners:
-            p.kill()
+    with busy_loops(args.load), tempfile.TemporaryDirectory(prefix="gradsync-exit-") as tmp:
+        script = Path(tmp) / "train.py"
+        script.write_text(SCRIPT)
+        for shape in SHAPES:
+            for strategy in STRATEGIES:
+                bad = 0
+                for i in range(args.runs):
+                    rc, cause = launch(script, strategy, shape, args.timeout)
+                    if rc != 0:
+                        bad += 1
+                        failures.append(f"{shape} {strategy} run {i + 1}: rc {rc}: {cause}")
+                rows.append([shape, strategy, str(args.runs), str(bad)])
+                print(f"{shape:9} {strategy:8} {bad} of {args.runs} failed", flush=True)
     minutes = (time.monotonic() - t0) / 60
     body = "\n".join(
         [

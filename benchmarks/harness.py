@@ -8,13 +8,15 @@ repository root: ``python -m benchmarks.NAME``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import os
 import platform
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -135,6 +137,25 @@ def table(header: str | list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[None]:
+    """``count`` processes spinning on a core each while the block runs: a loaded machine for
+    the stress benchmarks (``exit_stress``, ``load_stress``)."""
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(count)]
+    for p in spinners:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
 
 
 def write_section(name: str, body: str, path: Path = BENCHMARKS_MD) -> None:

@@ -12,7 +12,6 @@ Not part of ``make bench``: a round takes about 10 minutes under that load on 2 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import re
 import subprocess
@@ -20,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import machine, table, write_section
+from benchmarks.harness import busy_loops, machine, table, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RELIABILITY_MD = ROOT / "RELIABILITY.md"
@@ -37,11 +36,6 @@ SCENARIOS = (
     "tests/ranks/test_bucket_autotune_ranks.py",
     "tests/e2e/test_exit.py",
 )
-
-
-def _spin() -> None:
-    while True:
-        pass
 
 
 def run_round(paths: list[str], timeout_s: float) -> tuple[int, int, list[str]]:
@@ -69,28 +63,21 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write RELIABILITY.md's section")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    spinners = [
-        multiprocessing.Process(target=_spin, daemon=True) for _ in range(cores * args.per_core)
-    ]
-    for p in spinners:
-        p.start()
+    loops = cores * args.per_core
     rows, failures = [], []
     t0 = time.monotonic()
-    try:
+    with busy_loops(loops):
         for r in range(args.rounds):
             passed, failed, lines = run_round(list(SCENARIOS), args.timeout)
             rows.append([str(r + 1), str(passed), str(failed)])
             failures += [f"round {r + 1}: {line}" for line in lines]
             print(f"round {r + 1}: {passed} passed, {failed} failed", flush=True)
-    finally:
-        for p in spinners:
-            p.kill()
     load = os.getloadavg()[0]
     body = "\n".join(
         [
             "## The multi-rank scenarios under load (issue 43, item 6)",
             "",
-            f"{machine()}; {len(spinners)} busy loops ({args.per_core} per core) beside the "
+            f"{machine()}; {loops} busy loops ({args.per_core} per core) beside the "
             f"tests; load average {load:.1f} at the end; {(time.monotonic() - t0) / 60:.0f} "
             f"minutes. `python -m benchmarks.load_stress --rounds {args.rounds} --write`.",
             "",
