@@ -156,6 +156,8 @@ def busy_loops(count: int) -> Iterator[None]:
     finally:
         for p in spinners:
             p.kill()
+        for p in spinners:
+            p.join()
 
 
 def write_section(name: str, body: str, path: Path = BENCHMARKS_MD) -> None:
