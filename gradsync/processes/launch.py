@@ -15,6 +15,7 @@ wait
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -95,8 +96,10 @@ def launch(
             return elastic_launch(config, _recorded)(entrypoint, *args)
 
 
-#: the secret this process hands its runs' workers (drawn on first use)
-_SECRET: list[str] = []
+@functools.cache
+def _process_secret() -> str:
+    """The secret this process hands its runs' workers (drawn on first use)."""
+    return secrets.token_hex(16)
 
 
 @contextlib.contextmanager
@@ -112,9 +115,7 @@ def _run_secret() -> Iterator[None]:
     if RUN_SECRET_ENV in os.environ:
         yield
         return
-    if not _SECRET:
-        _SECRET.append(secrets.token_hex(16))
-    os.environ[RUN_SECRET_ENV] = _SECRET[0]
+    os.environ[RUN_SECRET_ENV] = _process_secret()
     try:
         yield
     finally:
