@@ -112,7 +112,7 @@ class BSP(Strategy):
 
     def _log_plan(self, asked: float | str | None) -> None:
         reducer = self.reducer
-        sizes = [b.buffer().numel() * b.buffer().element_size() / MB for b in reducer.buckets]
+        sizes = [b.nbytes / MB for b in reducer.buckets]
         why = ""
         if asked is None:
             why = ": the default plan"
