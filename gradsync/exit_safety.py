@@ -100,6 +100,8 @@ def stop_at_exit(stop: Callable[[], None]) -> None:
     gradsync's (the heartbeat), which would otherwise run on into the interpreter's shutdown
     and, returning from a store call there, abort the same way."""
     _register()
+    # Synchronizers come and go in one process (a test suite): drop the dead ones as we go.
+    _stoppers[:] = [ref for ref in _stoppers if ref() is not None]
     _stoppers.append(weakref.WeakMethod(stop))  # type: ignore[arg-type]
 
 
