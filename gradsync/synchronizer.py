@@ -781,6 +781,27 @@ class Synchronizer:
         files of the newest step and fail after ``timeout_s`` naming the ranks missing."""
         self._checkpoints.wait(timeout_s)
 
+    def register_state(
+        self,
+        key: str,
+        state_fn: Callable[[], Any],
+        load_fn: Callable[[Any], Any],
+        *,
+        replicated: bool = False,
+    ) -> None:
+        """Save ``state_fn()`` under ``key`` with every checkpoint of this rank, and call
+        ``load_fn(saved)`` in ``load()`` once the model and optimizer are restored: e.g.
+        ``sync.register_state("scheduler", sched.state_dict, sched.load_state_dict,
+        replicated=True)``. The state holds tensors, numbers, strings and containers of them.
+        ``replicated``: the same on every rank, so a resume on another number of ranks loads
+        rank 0's (other entries are per rank, and are then not restored, with a warning).
+        Register on every rank, before ``load()``. See ``gradsync.checkpoint.registry``."""
+        self._checkpoints.registry.register(key, state_fn, load_fn, replicated=replicated)
+
+    def unregister_state(self, key: str) -> None:
+        """Stop saving ``key``'s registered state (``register_state``)."""
+        self._checkpoints.registry.unregister(key)
+
     def load(self, directory: str | Path) -> dict[str, Any] | None:
         """Collective: resume from the newest intact checkpoint in ``directory``; returns its
         extras plus ``step`` (the next step to run), or None when there is no checkpoint.

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from gradsync.checkpoint import replicas
 from gradsync.checkpoint.packing import Share, constant
+from gradsync.checkpoint.registry import REGISTERED, StateRegistry
 from gradsync.checkpoint.rng import rng_state, set_rng_state
 from gradsync.checkpoint.row_log import RowLogError, RowLogs, read_rows
 from gradsync.checkpoint.store import (
@@ -118,6 +119,8 @@ class Checkpointer:
         self.published_seen: tuple[int, tuple[str, int]] | None = None
         #: what the strategy asked of the checkpoints in its ``setup`` (parameter servers)
         self.hooks = CheckpointHooks()
+        #: the states registered to go with every checkpoint (``sync.register_state``)
+        self.registry = StateRegistry()
         #: names this run's checkpoint files, the same on every rank (the Synchronizer sets
         #: rank 0's, broadcast with the initial state): a commit never pairs them with files of
         #: a rolled-back attempt
@@ -303,6 +306,8 @@ def save(
         "layout": _layout(cp),
         "extra": extra or {},
     }
+    if len(cp.registry):
+        state[REGISTERED] = cp.registry.states()
     writer = cp.writer_for(directory, keep)
     if cp.strategy.barrier_free:
         # Nothing is gathered before the end: the rows go to the log, the range here.
@@ -437,6 +442,8 @@ def save_server(
         "telemetry": cp.collector.pending_flat_rows(),
         "extra": {},
     }
+    if len(cp.registry):
+        state[REGISTERED] = cp.registry.states()
     writer = cp.writer_for(directory, keep)
     packed = snapshot(state, pool=writer.pool)
     writer.submit(step, packed, durable=durable)
@@ -577,9 +584,11 @@ def load(cp: Checkpointer, directory: str | Path) -> dict[str, Any] | None:
     # nothing else can fail, so that a load that raised leaves none on any rank.
     rows = _own_telemetry(store, info, state, cp.rank, changed)
     role = cp.strategy.server_role()
+    registered = state.get(REGISTERED)
     if role is not None:
         role.restore(state["server"])
         cp.load_sync_state(state["sync"])
+        cp.registry.load(registered, step=step, world_changed=changed, warn=cp.rank == 0)
         _restore_rows(cp, rows, store.directory)
         return {**(state.get("extra") or {}), "step": cp.step()}
     cp.strategy.load_model_state_dict(cp.model, state["model"])
@@ -600,6 +609,8 @@ def load(cp: Checkpointer, directory: str | Path) -> dict[str, Any] | None:
     else:
         cp.load_sync_state(state["sync"])
         set_rng_state(state["rng"])
+    # After the model and optimizer: a registered scheduler's state refers to its optimizer.
+    cp.registry.load(registered, step=step, world_changed=changed, warn=cp.rank == 0)
     _restore_rows(cp, rows, store.directory)
     extra: dict[str, Any] = dict(state.get("extra") or {})
     extra["step"] = cp.step()

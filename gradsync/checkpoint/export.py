@@ -9,6 +9,9 @@ checkpoint is put back together, with the same code ``sync.load`` uses (``Checkp
 
     {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": N, "extra": {...}}
 
+plus ``"registered"``: rank 0's states registered with ``sync.register_state`` (a scheduler's
+``state_dict()``, say), when the run registered any.
+
 and written with ``torch.save`` (open it with ``torch.load(out, weights_only=True)``) or with
 ``torch.distributed.checkpoint.save`` in this process alone, no process group (open it with
 ``torch.distributed.checkpoint.load``). ``step`` is the number of steps the checkpoint was taken
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from gradsync.checkpoint.checkpointer import join_replicated, skip_reason
+from gradsync.checkpoint.registry import REGISTERED
 from gradsync.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
@@ -137,6 +141,8 @@ def _read(directory: str | Path, step: int | None) -> tuple[dict[str, Any], Chec
         "step": info.step,
         "extra": dict(first.get("extra") or {}),
     }
+    if REGISTERED in first:  # rank 0's registered states (``sync.register_state``)
+        state["registered"] = first[REGISTERED]
     return state, info, name
 
 
