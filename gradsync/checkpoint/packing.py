@@ -41,6 +41,7 @@ __all__ = [
     "Crc32",
     "Packed",
     "Share",
+    "is_encoded",
     "is_packed_file",
     "pack",
     "read_packed",
@@ -534,6 +535,11 @@ class _EncodedShare:
 
 #: where a ``constant`` was encoded: anywhere (it holds no tensor, so no offset)
 CONSTANT = ("constant",)
+
+
+def is_encoded(obj: object) -> bool:
+    """Whether ``obj`` is an encoding ``pack`` made (``constant``), not a caller's value."""
+    return type(obj) is _EncodedShare
 
 
 def constant(tree: Any) -> _EncodedShare:

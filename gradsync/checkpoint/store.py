@@ -49,6 +49,8 @@ from gradsync.checkpoint.files import (
 from gradsync.checkpoint.packing import (
     BufferPool,
     Packed,
+    Share,
+    is_encoded,
     is_packed_file,
     pack,
     read_packed,
@@ -339,6 +341,11 @@ def _check_weights_only_safe(obj: object, where: str) -> None:
     """
     kind = type(obj)
     if kind in (torch.Tensor, torch.nn.Parameter) or kind is torch.Size or kind in _LEAVES:
+        return
+    if isinstance(obj, Share):  # gradsync's wrapper of the model's and optimizer's state
+        _check_weights_only_safe(obj.tree, where)
+        return
+    if is_encoded(obj):  # a constant gradsync encoded itself (it holds plain values)
         return
     if kind in (dict, OrderedDict) and isinstance(obj, dict):
         for key, value in obj.items():
