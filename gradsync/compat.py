@@ -44,6 +44,10 @@ is tested in ``tests/unit/test_compat.py``.
   checkpoint snapshot copies a hundred-odd tensors every step, ``zero:3`` averages each of
   its gradient shards). A loop of the public ``copy_`` / ``div_`` where torch lacks them, and
   nothing to do for an empty list, which the fused calls refuse.
+- ``pin_host_memory``: page-locks a CPU buffer in place through ``torch.cuda.cudart()``'s
+  ``cudaHostRegister`` (torch has no public call that pins memory it did not allocate, such
+  as the checkpoint writer's shared buffers), so a GPU model's snapshot copies into it
+  asynchronously.
 - ``forkserver_started``: not torch's but Python's: whether multiprocessing's forkserver of this
   process runs already (``multiprocessing.forkserver._forkserver._forkserver_pid``), so that
   ``gradsync.processes.forkserver`` forks workers only from a server whose environment it knows.
@@ -70,6 +74,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -204,6 +209,8 @@ __all__ = [
     "default_store",
     "foreach_copy",
     "foreach_div",
+    "pin_host_memory",
+    "untracked_alias",
     "write_count",
     "fsdp2",
     "fsdp_comms",
@@ -277,16 +284,37 @@ def fsdp_comms(module: Any) -> list[tuple[Any, Any]] | None:
         return None
 
 
-def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for every i, in one call where torch has the fused
-    ``_foreach_copy_`` (a checkpoint snapshot copies a hundred-odd tensors every step)."""
+def foreach_copy(
+    dst: list[torch.Tensor], src: list[torch.Tensor], *, non_blocking: bool = False
+) -> None:
+    """``dst[i].copy_(src[i], non_blocking=...)`` for every i, in one call where torch has the
+    fused ``_foreach_copy_`` (a checkpoint snapshot copies a hundred-odd tensors every step)."""
     fused = getattr(torch, "_foreach_copy_", None)
     if fused is not None:
         if dst or src:  # the fused call refuses empty lists (a state without tensors)
-            fused(dst, src)
+            fused(dst, src, non_blocking=non_blocking)
         return
     for d, s in zip(dst, src, strict=True):
-        d.copy_(s)
+        d.copy_(s, non_blocking=non_blocking)
+
+
+def pin_host_memory(t: torch.Tensor) -> bool:
+    """Page-lock the host memory of CPU tensor ``t`` in place (``cudaHostRegister``, as torch's
+    own checkpoint staging does for shared buffers), so that device-to-host copies into it run
+    as DMA without a staging copy and can be asynchronous. Unpinned again when ``t`` is
+    collected. False where there is no CUDA or it refuses: copies into ``t`` then still work,
+    staged by the driver."""
+    if t.device.type != "cpu" or not t.numel() or not torch.cuda.is_available():
+        return False
+    if t.is_pinned():
+        return True
+    cudart = torch.cuda.cudart()
+    address = t.data_ptr()
+    if int(cudart.cudaHostRegister(address, t.numel() * t.element_size(), 0)) != 0:
+        return False
+    # The callback holds the address, not ``t``: it runs as ``t`` goes, before its memory does.
+    weakref.finalize(t, cudart.cudaHostUnregister, address)
+    return True
 
 
 def write_count(t: torch.Tensor) -> int:
@@ -294,6 +322,14 @@ def write_count(t: torch.Tensor) -> int:
     counter, shared by its views; a collective's own writes do not count): a changed count
     between two reads means the tensor was written in between."""
     return int(t._version)
+
+
+def untracked_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory under another tensor (same storage, shape and strides) whose in-place
+    writes, and its views', do not count in ``write_count(t)`` (nor ``t``'s in its own): it has
+    a version counter of its own (``t.data``). gradsync's exchange writes into a bucket through
+    one, so the bucket's own count moves only with the script's writes (issue 42, trap 2)."""
+    return t.data
 
 
 def foreach_div(tensors: list[torch.Tensor], divisor: float) -> None:

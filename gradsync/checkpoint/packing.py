@@ -321,7 +321,8 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
     names = {_dtype_name(d): i for i, d in enumerate(order)}
     tree = {"index": names, "root": tree}
     # ``map`` over attribute getters: these loops run over every tensor at every snapshot.
-    if pool is None or not all(map(_IS_CPU, leaves.sources)):
+    devices = () if all(map(_IS_CPU, leaves.sources)) else _devices(leaves.sources)
+    if pool is None or devices is None:
         buffers = [
             torch.cat([t.detach().reshape(-1).cpu() for t in g]) if g else torch.empty(0, dtype=d)
             for d, g in zip(order, groups, strict=True)
@@ -337,6 +338,8 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
         entry = pool.take(key)
         if entry is None:
             buf = pool.new_buffer(key.dtype, leaves.sizes.get(key.dtype, 0))
+            if devices:  # a GPU's state: pinned once, so that every copy into it is DMA
+                compat.pin_host_memory(buf)
             views = [
                 buf[at : at + t.numel()].view(t.shape)
                 for at, t in zip(_offsets(group), group, strict=True)
@@ -346,7 +349,11 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
         dst.extend(entry[1])
         src.extend(group)
     with torch.no_grad():  # a copy of values, never part of a graph (no detach per tensor)
-        compat.foreach_copy(dst, src)
+        # From a GPU: every copy queued at once, then one wait for them all (a ``.cpu()`` per
+        # tensor waited for each); the snapshot is complete when ``pack`` returns.
+        compat.foreach_copy(dst, src, non_blocking=bool(devices))
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
     def release() -> None:
         for key, entry in zip(keys, entries, strict=True):
@@ -358,6 +365,15 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
         release=release,
         shares=tuple(leaves.reused),
     )
+
+
+def _devices(sources: list[torch.Tensor]) -> tuple[torch.device, ...] | None:
+    """The CUDA devices of a state whose tensors are on the CPU and CUDA devices only (what
+    the pooled copy handles), or None for another device (it is copied by ``.cpu()``)."""
+    devices = {t.device for t in sources if not t.is_cpu}
+    if any(d.type != "cuda" for d in devices):
+        return None
+    return tuple(devices)
 
 
 def _offsets(group: list[torch.Tensor]) -> list[int]:

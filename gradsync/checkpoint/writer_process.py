@@ -11,8 +11,8 @@ Small buffers (the step records) travel in the message itself.
 ``make_writer`` picks this writer where it works (Linux) unless
 ``GRADSYNC_CHECKPOINT_WRITER=inline`` asks for writing on the training thread. A model on a
 GPU gets it too, so a rank killed right after a save still has that save written, as on the
-CPU: its snapshot, copied to host buffers of its own (``pack`` pools only CPU
-sources), is copied once more into the pool's shared buffers (``_into_shared``).
+CPU: ``pack`` copies its tensors straight into the pool's shared buffers, pinned, with
+non-blocking copies and one wait for them all.
 
 A child that dies is noticed at once (its socket closes) and is an error of the rank's next
 call, naming its pid and how it ended; before raising, the writer starts another child that
@@ -362,7 +362,6 @@ class ProcessCheckpointWriter(WriterBase):
             if self._closing:
                 raise CheckpointError("the checkpoint writer is closed")
             self._last = max(self._last, step)
-        packed = self._into_shared(packed)
         # The header is made by the child, and only for a snapshot it writes: most are held
         # and never written (``packed_header``). The tree travels pickled, the model's and
         # optimizer's part of it once per layout (``_share_ident``).
@@ -450,37 +449,6 @@ class ProcessCheckpointWriter(WriterBase):
         if commit:
             what += f"{' and ' if what else ''}commits this run's newest complete step"
         return f"another writer process (pid {child.pid}) {what}"
-
-    def _into_shared(self, packed: Packed) -> Packed:
-        """``packed`` with each buffer that is not from this writer's pool copied into one
-        that is (a GPU model's snapshot: ``pack`` pools only CPU sources, so its buffers are
-        host copies of its own), handed back to the pool as a pooled snapshot's are. One copy
-        on the training thread, where the message would carry the bytes, pickled and then
-        written to the socket's blob (three copies: about 1.1 ms a MB on this machine)."""
-        if packed.release is not None:  # pooled: its buffers are shared already
-            return packed
-        taken: list[tuple[Any, tuple[torch.Tensor, list[torch.Tensor]]]] = []
-        buffers = []
-        for buf in packed.buffers:
-            if buf.numel() * buf.element_size() < _SHARED_MIN_BYTES:
-                buffers.append(buf)  # small: it travels in the message, as a pooled one's
-                continue
-            key = self.pool.key(buf.dtype, (buf.shape,))
-            entry = self.pool.take(key)
-            if entry is None:
-                shared = self.pool.new_buffer(buf.dtype, buf.numel())
-                entry = (shared, [shared])
-            entry[0].copy_(buf)
-            taken.append((key, entry))
-            buffers.append(entry[0])
-        if not taken:
-            return packed
-
-        def release() -> None:
-            for key, entry in taken:
-                self.pool.give(key, entry)
-
-        return Packed(tree=packed.tree, buffers=buffers, release=release, shares=packed.shares)
 
     def _share_ident(self, share: Any) -> int:
         """The child's number for a kept encoding of the replicated share (``Packed.shares``),

@@ -64,48 +64,6 @@ def test_pooled_snapshots_in_shared_memory_are_written_as_taken(tmp_path: Path) 
     assert writer._child.poll() is not None  # reaped: nothing left running
 
 
-@pytest.mark.parametrize("files_every", [1, 4])
-def test_snapshots_packed_off_the_pool_travel_in_shared_memory_too(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files_every: int
-) -> None:
-    """A GPU model's snapshot is packed into host buffers of its own (``pack`` pools only CPU
-    sources): the writer copies them into its pool's shared buffers rather than sending their
-    bytes in the message, written or held alike, and takes the buffers back once done."""
-    from gradsync.checkpoint import writer_process
-
-    sent: list[object] = []
-    send = writer_process.send_message
-    monkeypatch.setattr(
-        writer_process,
-        "send_message",
-        lambda sock, m, fds=(), **kw: (sent.append(m), send(sock, m, fds, **kw)),
-    )
-    writer = _writer(tmp_path, files_every=files_every)
-    hold = writer._hold  # a held snapshot's message goes to the mailbox, not the socket
-    monkeypatch.setattr(writer, "_hold", lambda step, p, m: (sent.append(m), hold(step, p, m)))
-    weights = torch.zeros(50_000)  # 200 KB
-    try:
-        for step in range(1, 13):
-            weights.fill_(float(step))
-            writer.submit(step, snapshot({"w": weights, "b": torch.arange(3), "step": step}))
-            weights.fill_(-1.0)
-        writer.flush()
-        writer.wait(12)
-        store = CheckpointStore(tmp_path)
-        state = store.load(store.at(12), 0)
-        assert torch.equal(state["w"], torch.full((50_000,), 12.0))
-        assert torch.equal(state["b"], torch.arange(3)) and state["step"] == 12
-        writes = [m for m in sent if isinstance(m, tuple) and m[0] == "write"]
-        assert len(writes) == 12, sent  # each snapshot's, written or held
-        for message in writes:  # the 200 KB as a shared buffer's number, never as bytes
-            parts = message[5]  # type: ignore[index]
-            assert max(len(p) for _, p in parts if isinstance(p, bytes)) < 4096, parts
-        # buffers come back to the pool: a handful of shared ones for 12 snapshots
-        assert 1 <= len(writer._shared.by_address) <= writer.depth + 4
-    finally:
-        writer.close()
-
-
 def test_the_child_process_never_loads_torch(tmp_path: Path) -> None:
     writer = _writer(tmp_path)
     try:
