@@ -61,7 +61,7 @@ class GradBucket(FlatBucket):
     """One bucket: its parameters and a flat buffer they are copied into, with DDP
     ``GradBucket``'s surface (inherited from ``FlatBucket``)."""
 
-    __slots__ = ("offsets", "_views")
+    __slots__ = ("offsets", "_views", "_exchanged")
 
     def __init__(self, index: int, params: list[torch.Tensor], is_last: bool) -> None:
         total = sum(p.numel() for p in params)
@@ -73,6 +73,7 @@ class GradBucket(FlatBucket):
             self.offsets.append(offset)
             offset += p.numel()
         self._views = super().gradients()
+        self._exchanged = self._exchange_face()
 
     def gradients(self) -> list[torch.Tensor]:
         # Built once: every step re-points p.grad at these views twice (collect, attach), and
@@ -82,6 +83,19 @@ class GradBucket(FlatBucket):
     def set_buffer(self, buffer: torch.Tensor) -> None:
         super().set_buffer(buffer)
         self._views = super().gradients()
+        self._exchanged = self._exchange_face()
+
+    def for_exchange(self) -> FlatBucket:
+        """This bucket as its exchange sees it: the same memory, index and parameters, through
+        a buffer whose writes do not move ``compat.write_count(self.buffer())``. A compressor
+        or the hierarchical all-reduce writes its result into the bucket while the script may
+        still run; through this alias only the script's own writes (``p.grad`` views the real
+        buffer) move the count that ``BucketReducer.wait`` compares."""
+        return self._exchanged
+
+    def _exchange_face(self) -> FlatBucket:
+        alias = compat.untracked_alias(self._buffer)
+        return FlatBucket(alias, index=self._index, is_last=self._is_last, params=self._params)
 
     def attach_grads(self) -> None:
         """Make every ``p.grad`` a view into this bucket's buffer (after the exchange, so the
@@ -131,7 +145,9 @@ class GradBucket(FlatBucket):
         return self._buffer.numel() * self._buffer.element_size()
 
 
-ExchangeFn = Callable[[GradBucket], "torch.futures.Future[torch.Tensor]"]
+#: launches one bucket's exchange; it gets ``GradBucket.for_exchange()``, the bucket's memory
+#: under an alias whose writes the write guard does not count
+ExchangeFn = Callable[[FlatBucket], "torch.futures.Future[torch.Tensor]"]
 
 
 class BucketReducer:
@@ -176,8 +192,8 @@ class BucketReducer:
         self.local_nonfinite = False
         self._poison_rest = False
         #: note each bucket's write count at launch, so that ``wait()`` finds a gradient
-        #: written while its exchange was in flight (only where the exchange itself writes
-        #: nothing into the buffer: the plain in-place sum)
+        #: written while its exchange was in flight. The exchange's own writes do not count:
+        #: it writes through ``GradBucket.for_exchange()``'s alias, the script through ``p.grad``
         self.guard_writes = False
         self._launch_writes: list[int | None] = []
         #: the indices of the buckets that ``wait()`` found written during their exchange
@@ -294,9 +310,9 @@ class BucketReducer:
             self.local_nonfinite = True
         t0, wall0 = time.perf_counter(), time.time()
         self.launch_log.append((bucket.index(), t0, wall0))
-        fut = self._exchange(bucket)
         if self.guard_writes:
             self._launch_writes[bucket.index()] = compat.write_count(bucket.buffer())
+        fut = self._exchange(bucket.for_exchange())
         if self._record_spans:
             fut = exit_safety.then(fut, self._span_recorder(bucket, t0, wall0))
         self._futures[bucket.index()] = fut

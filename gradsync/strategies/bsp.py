@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from gradsync import exit_safety, runtime
 from gradsync.bucket_autotune import AUTO, STEPS_PER_PLAN, WARMUP_STEPS, BucketTuner, candidates
-from gradsync.buckets import MB, BucketReducer, GradBucket
+from gradsync.buckets import MB, BucketReducer
 from gradsync.checks.guards import all_finite, scrub_nonfinite_state
 from gradsync.compression.allreduce import ALLREDUCE
+from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
 from gradsync.strategies.base import (
@@ -103,9 +104,10 @@ class BSP(Strategy):
         assert self._ctx is not None
         ctx = self._ctx
         reducer = BucketReducer(self._params, bucket_mb, self._exchange, ctx.record_spans)
-        # The plain in-place sum writes nothing of its own into a bucket while it is in flight,
-        # so any write there is the script's, racing the exchange (issue 42, trap 2).
-        reducer.guard_writes = self.fused_mean and ctx.hierarchy is None
+        # Every exchange (plain sum, compressor, hierarchy) writes into a bucket through an
+        # alias the guard does not count, so a write it sees in flight is the script's, racing
+        # the exchange (issue 42, trap 2).
+        reducer.guard_writes = True
         # A plain sum carries NaN/Inf to every rank by itself; lossy exchanges need the poison.
         reducer.poison_nonfinite = ctx.skip_nonfinite and ctx.compressor is not ALLREDUCE
         return reducer
@@ -167,7 +169,7 @@ class BSP(Strategy):
     def compressor_state(self) -> Any:
         return self._state
 
-    def _exchange(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _exchange(self, bucket: FlatBucket) -> torch.futures.Future[torch.Tensor]:
         assert self._ctx is not None
         if self.fused_mean and self._ctx.hierarchy is not None:
             buf = bucket.buffer()
@@ -314,7 +316,7 @@ def written_in_flight(step: int, buckets: list[int]) -> UsageError:
         f"step {step}: p.grad was changed in place inside the sync.step() block while its "
         f"exchange was still in flight (bucket(s) {', '.join(map(str, buckets))}), e.g. by "
         "clip_grad_norm_ or scaler.unscale_ before s.synchronize(): the write races the "
-        "all-reduce and the replicas drift apart. Call s.synchronize() first (it waits for the "
+        "exchange and the replicas drift apart. Call s.synchronize() first (it waits for the "
         "exchange), then clip; or use gs.DistributedDataParallel, whose exchange ends with "
         "backward (docs/porting.md)"
     )
@@ -329,7 +331,7 @@ def late_gradient(step: int) -> UsageError:
     )
 
 
-def _allreduce_sum(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _allreduce_sum(state: Any, bucket: FlatBucket) -> torch.futures.Future[torch.Tensor]:
     """The uncompressed exchange without its division: the bucket already holds g / W."""
     buf = bucket.buffer()
     state.bytes_sent += buf.numel() * buf.element_size()
