@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradsync.compression import Compressor, error_feedback, powersgd
 from gradsync.testing import run_ranks
 from tests.support import gradient_ready_ranks as gr
 
@@ -54,10 +55,50 @@ def test_a_run_ending_mid_period_leaves_identical_replicas(strategy: str) -> Non
     assert torch.equal(first, second)
 
 
+#: (compression, allreduce, ranks): the plain in-place sum; compressors that write their mean
+#: into the bucket (a cast back, int8's and an error-feedback top-k's decode, PowerSGD's
+#: first steps: an all-reduce then a division, and its low-rank steps); the hierarchy (2
+#: ranks on one host: its reduce and broadcast; 3 on two hosts: the leaders' exchange too,
+#: compressed)
+EXCHANGES = [
+    (None, "ring", 2),
+    ("fp16", "ring", 2),
+    ("int8", "ring", 2),
+    ("topk:0.1", "ring", 2),
+    ("powersgd:2", "ring", 2),
+    pytest.param(
+        error_feedback(powersgd(2, start_iter=0)), "ring", 2, id="powersgd:2-low-rank-ring-2"
+    ),
+    (None, "hierarchical", 2),
+    ("fp16", "hierarchical", 3),
+]
+
+
 @pytest.mark.timeout(90)
-def test_a_clip_racing_the_exchange_is_refused_at_its_first_step() -> None:
-    for out in run_ranks(gr.clip_inside_the_block, 2):
+@pytest.mark.parametrize(("compression", "allreduce", "world"), EXCHANGES)
+def test_a_clip_racing_the_exchange_is_refused_at_its_first_step(
+    compression: str | Compressor | None, allreduce: str, world: int
+) -> None:
+    for rank, out in enumerate(run_ranks(gr.clip_inside_the_block, world, compression, allreduce)):
+        assert out["before"] is not None, f"rank {rank}: the clip in flight was not refused"
         step, message = out["before"]
         assert step == 0, message
         assert "changed in place" in message and "s.synchronize()" in message, message
         assert out["after"] is None  # the documented place for the clip
+        assert out["handle"] is None  # and the handle's clip, which synchronizes first
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("compression", "allreduce", "world"), EXCHANGES[1:])
+def test_a_clip_at_the_gradient_ready_point_is_not_refused_under_any_exchange(
+    compression: str | Compressor | None, allreduce: str, world: int
+) -> None:
+    # Several buckets and two micro-batches a step, as the plain sum's exactness test above.
+    steps = 3
+    args = ("bsp", steps, True, compression, allreduce)
+    results = run_ranks(gr.clip_at_the_gradient_ready_point, world, *args)
+    for out in results:
+        assert out["ready"] == [True] * steps
+        assert torch.equal(out["final"], results[0]["final"])
+        assert out["norms"] == results[0]["norms"]
+    assert max(results[0]["norms"]) > gr.MAX_NORM  # the clip did cut

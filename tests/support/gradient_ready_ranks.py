@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 import gradsync as gs
 from gradsync import inject
+from gradsync.compression.base import Compressor
 from gradsync.workloads import make_workload
 
 MAX_NORM = 0.05
@@ -37,15 +39,37 @@ def clipped_reference(world: int, steps: int) -> torch.Tensor:
     return _flat(model)
 
 
+def _claim_host(rank: int, allreduce: str) -> None:
+    """Under ``allreduce="hierarchical"``: ranks 0 and 1 on one host (its intra-host reduce
+    and broadcast), any third on another (the leaders' exchange, a compressor's hook)."""
+    if allreduce == "hierarchical":
+        os.environ["GRADSYNC_HOST"] = f"host-{min(rank // 2, 1)}"
+
+
 def clip_at_the_gradient_ready_point(
-    rank: int, world: int, strategy: str, steps: int, clip: bool
+    rank: int,
+    world: int,
+    strategy: str,
+    steps: int,
+    clip: bool,
+    compression: str | Compressor | None = None,
+    allreduce: str = "ring",
 ) -> dict[str, Any]:
     """Two micro-batches a step; clip at ``s.synchronize()`` (or not)."""
+    _claim_host(rank, allreduce)
     w = _mlp()
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     start = _flat(model)
-    sync = gs.Synchronizer(model, opt, strategy=strategy, bucket_mb=0.01, check_every=1)
+    sync = gs.Synchronizer(
+        model,
+        opt,
+        strategy=strategy,
+        bucket_mb=0.01,
+        check_every=1,
+        compression=compression,
+        allreduce=allreduce,
+    )
     if sync.is_server:
         sync.serve()
         return {}
@@ -166,16 +190,26 @@ def nan_on_one_parameter_server_worker(rank: int, world: int, compression: str |
     }
 
 
-def clip_inside_the_block(rank: int, world: int) -> dict[str, Any]:
+def clip_inside_the_block(
+    rank: int, world: int, compression: str | Compressor | None = None, allreduce: str = "ring"
+) -> dict[str, Any]:
     """Issue 42, trap 2: the clip inside the block before ``s.synchronize()`` (refused at the
-    first step, on every rank), then after it in another Synchronizer (no error)."""
+    first step, on every rank), then after it in another Synchronizer, then through
+    ``s.clip_grad_norm_`` in a third (no error for either)."""
     from gradsync.errors import UsageError
 
+    _claim_host(rank, allreduce)
     out: dict[str, Any] = {}
-    for where in ("before", "after"):
+    for where in ("before", "after", "handle"):
         w = _mlp()
         model = w.build_model()
-        sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout_s=20)
+        sync = gs.Synchronizer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            timeout_s=20,
+            compression=compression,
+            allreduce=allreduce,
+        )
         try:
             for step in range(3):
                 with sync.step() as s:
@@ -183,7 +217,10 @@ def clip_inside_the_block(rank: int, world: int) -> dict[str, Any]:
                     w.loss(model, x, y).backward()
                     if where == "after":
                         s.synchronize()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+                    if where == "handle":
+                        s.clip_grad_norm_(MAX_NORM)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             out[where] = None
         except UsageError as exc:
             out[where] = (step, str(exc))
