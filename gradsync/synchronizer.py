@@ -20,7 +20,6 @@ from torch.profiler import record_function
 from gradsync import compat, exit_safety, runtime
 from gradsync.attached_run import AttachedRun
 from gradsync.balance import ShardBalancer
-from gradsync.bucket_autotune import AUTO
 from gradsync.checkpoint.checkpointer import Checkpointer
 from gradsync.checks.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.checks.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
@@ -30,6 +29,15 @@ from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
+from gradsync.options import (
+    DEFAULT_TIMEOUT_S,
+    GROUP_OF,
+    Checks,
+    Exchange,
+    Limits,
+    Options,
+    Telemetry,
+)
 from gradsync.strategies.base import (
     Layout,
     StepOutcome,
@@ -43,10 +51,7 @@ from gradsync.telemetry.device_clock import DeviceClock, StepMarks, cuda_device_
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.timing import TelemetryCollector
-from gradsync.topology import Hierarchy, check_allreduce, check_hierarchical
-
-#: the accumulation conventions of ``Synchronizer(accumulation=...)``
-ACCUMULATION = ("mean", "sum")
+from gradsync.topology import Hierarchy, check_hierarchical
 
 
 @dataclass(slots=True)
@@ -102,10 +107,6 @@ class StepHandle:
         return clip_grad_norm(self._strategy, self._params, max_norm, norm_type)
 
 
-#: ``timeout_s`` when neither the script nor ``gradsync run --timeout`` names one
-DEFAULT_TIMEOUT_S = 300.0
-
-
 class Synchronizer:
     """Wraps a model and the user's optimizer; each ``with sync.step():`` block is a superstep.
 
@@ -123,6 +124,14 @@ class Synchronizer:
     steps (an evaluation on rank 0) is waited for up to ``between_steps_timeout_s`` before
     the next collective is posted (``gradsync.checks.gate``); None turns that gate off, and then
     ``timeout_s`` bounds those waits too.
+
+    The settings also come grouped (``gradsync.options``): ``exchange=Exchange(...)``
+    (``bucket_mb``, ``allreduce``, ``accumulation``, ``broadcast_buffers``, ``balance``),
+    ``limits=Limits(...)`` (``timeout_s``, ``between_steps_timeout_s``),
+    ``telemetry=Telemetry(...)`` (``telemetry_every``, ``record_spans``, ``on_records``;
+    ``telemetry=False`` turns it off) and ``checks=Checks(...)`` (``check_every``,
+    ``skip_nonfinite``), each field the keyword of its name; a setting given both ways is
+    refused. ``sync.options`` holds them resolved.
 
     If a rank's block raises, its peers skip that step with it (under ``bsp`` its unsent
     buckets go out as NaN) and the exception propagates on that rank; caught there, training
@@ -149,7 +158,7 @@ class Synchronizer:
         bucket_mb: float | str | None = None,
         *,
         group: dist.ProcessGroup | None = None,
-        telemetry: bool = True,
+        telemetry: bool | Telemetry = True,
         telemetry_every: int = 10,
         slow: str | list[Slowdown] | None = None,
         on_records: Callable[[list[StepRecord]], None] | None = None,
@@ -165,36 +174,23 @@ class Synchronizer:
         between_steps_timeout_s: float | None = DEFAULT_BETWEEN_STEPS_S,
         allreduce: str = "ring",
         run_dir: str | Path | None = None,
+        exchange: Exchange | None = None,
+        limits: Limits | None = None,
+        checks: Checks | None = None,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
-        # ``run_dir`` or GRADSYNC_RUN_DIR (set by ``gradsync run``): the run directory's files,
-        # faults and settings for whatever script trains (``gradsync.attached_run``); the
-        # command line's --strategy, --compression, --servers and --timeout where the script
-        # names none
-        self._run = AttachedRun.find(run_dir)
-        if self._run is not None:
-            strategy = self._run.choose("strategy", strategy, "bsp")
-            compression = self._run.choose("compression", compression, None)
-            servers = self._run.choose("servers", servers, 1)
-            timeout_s = self._run.choose("timeout_s", timeout_s, DEFAULT_TIMEOUT_S)
-            record_spans = True  # spans.jsonl, trace.json's per-rank tracks
-            slow = self._run.slow if slow is None else slow
-        strategy = "bsp" if strategy is None else strategy
-        servers = 1 if servers is None else servers
-        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        _check_arguments(
-            model, optimizer, bucket_mb, telemetry_every, check_every, timeout_s, accumulation
+        _check_arguments(model, optimizer, scaler)
+        # The settings given as keywords (each the field of that name of an option group)
+        keywords = {name: value for name, value in locals().items() if name in GROUP_OF}
+        options = Options.of(
+            keywords, exchange=exchange, limits=limits, telemetry=telemetry, checks=checks
         )
-        if between_steps_timeout_s is not None and not between_steps_timeout_s > 0:
-            raise UsageError(
-                f"between_steps_timeout_s must be > 0 or None (no gate), "
-                f"got {between_steps_timeout_s!r}"
-            )
-        self.accumulation: Literal["mean", "sum"] = "sum" if accumulation == "sum" else "mean"
-        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-            raise UsageError(
-                f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
-            )
+        # ``run_dir`` or GRADSYNC_RUN_DIR (set by ``gradsync run``): the run directory's files,
+        # faults and settings for whatever script trains (``gradsync.attached_run``)
+        self._run = AttachedRun.find(run_dir)
+        strategy, compression, servers, slow, self.options = self._run_defaults(
+            strategy, compression, servers, slow, options
+        )
         self.scaler = scaler
         self.model = model
         self.optimizer = optimizer
@@ -204,59 +200,98 @@ class Synchronizer:
         self.group = group
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
-        self.strategy = parse_strategy(strategy, servers=servers, timeout_s=timeout_s)
-        _check_sharded_model(model, self.strategy)
-        self.allreduce = check_allreduce(allreduce)
+        self.strategy, self.compressor = self._make_strategy(strategy, compression, servers)
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         if self._run is not None:
             self._run.start(self.rank, self.layout.workers)
-        # DDP broadcasts buffers from rank 0 at the first forward after a gradient-syncing one:
-        # once per step, at its first micro-batch. The start of the step block is the same point.
-        self._sync_buffers = (
-            broadcast_buffers and self.world_size > 1 and self.strategy.replicates_every_step
-        )
-        self.compressor = parse_compression(compression)
-        check_hierarchical(self.allreduce, self.strategy, self.compressor.spec)
-        check_compressor(self.strategy, self.compressor)
         self._hierarchy: Hierarchy | None = None
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
-        self.telemetry_enabled = telemetry
-        self.record_spans = record_spans
         self.spans: list[Span] = []
-        self.check_every = check_every
-        self.timeout_s = timeout_s
-        self.balancer = self._make_balancer(balance)
-        if self.balancer is not None and not telemetry:
-            raise UsageError("balance=True needs telemetry (it balances on measured compute)")
+        self.balancer = self._make_balancer(self.options.exchange.balance)
         self._sizes: list[int] | None = None
-        # timeout_s becomes the group's collective timeout while this Synchronizer is open,
-        # so the backend itself ends any wait that outlasts it (see gradsync.checks.diagnose).
-        self._group_timeout = GroupTimeout(group, timeout_s) if self.world_size > 1 else None
-        self._watch = ArrivalWatch(
-            self.rank,
-            self.world_size,
-            self._group_timeout.seconds if self._group_timeout is not None else timeout_s,
-            scope=self._arrival_scope(group),
-        )
-        # Its heartbeat thread must not run on into the interpreter's shutdown (issue 49).
-        exit_safety.stop_at_exit(self._watch.stop)
-        # Parameter servers serve inside gradsync, never in the user's code: no gate there.
-        self._gate = (
-            StepGate(self._watch, self._watch.timeout_s, between_steps_timeout_s)
-            if self.world_size > 1
-            and between_steps_timeout_s is not None
-            and not self.strategy.servers
-            else None
-        )
-        self._collector = TelemetryCollector(
-            group, telemetry_every, self._on_gathered, watch=self._watch
-        )
-        self._user_sink = on_records
+        self._group_timeout, self._watch, self._gate = self._make_watch()
+        every = (self.options.telemetry or Telemetry()).telemetry_every  # none: no records
+        self._collector = TelemetryCollector(group, every, self._on_gathered, watch=self._watch)
         self._step = 0
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
         self._final_checked = False
-        self._checkpoints = Checkpointer(
+        self._checkpoints = self._make_checkpointer()
+        if self.strategy.barrier_free:
+            self._collector.before_gather = self._checkpoints.before_gather
+        self._setup_strategy()
+        self._trainable = self.strategy.trainable() or self._trainable
+        cuda = cuda_device_of(self._trainable)
+        # On CUDA a host clock times kernel launches: steps are timed by device events there.
+        self._clock = DeviceClock(cuda) if cuda is not None and self.telemetry_enabled else None
+        self._marks: StepMarks | None = None
+        self._back_to_user()
+        # Counts every optimizer.step(); gradsync's own are expected, any other is the
+        # double-step trap of a ported script (optimizer.step() or scaler.step() kept).
+        self._optimizer_steps = self._expected_steps = 0
+        self._step_hook = optimizer.register_step_post_hook(self._count_optimizer_step)
+
+    def _run_defaults(
+        self,
+        strategy: str | Strategy | None,
+        compression: str | Compressor | None,
+        servers: int | None,
+        slow: str | list[Slowdown] | None,
+        options: Options,
+    ) -> tuple[str | Strategy, str | Compressor | None, int, str | list[Slowdown] | None, Options]:
+        """The arguments and options the script names, else (in a run directory) the command
+        line's --strategy, --compression, --servers, --timeout and --slow, else the defaults."""
+        if self._run is not None:
+            strategy = self._run.choose("strategy", strategy, "bsp")
+            compression = self._run.choose("compression", compression, None)
+            servers = self._run.choose("servers", servers, 1)
+            chosen = self._run.choose("timeout_s", options.limits.timeout_s, DEFAULT_TIMEOUT_S)
+            options = options.attached(chosen)
+            slow = self._run.slow if slow is None else slow
+        strategy = "bsp" if strategy is None else strategy
+        return strategy, compression, 1 if servers is None else servers, slow, options.resolved()
+
+    def _make_strategy(
+        self, strategy: str | Strategy, compression: str | Compressor | None, servers: int
+    ) -> tuple[Strategy, Compressor]:
+        """The strategy and the compressor, checked against the model, the exchange and each
+        other."""
+        made = parse_strategy(strategy, servers=servers, timeout_s=self.timeout_s)
+        _check_sharded_model(self.model, made)
+        compressor = parse_compression(compression)
+        check_hierarchical(self.allreduce, made, compressor.spec)
+        check_compressor(made, compressor)
+        return made, compressor
+
+    def _make_watch(self) -> tuple[GroupTimeout | None, ArrivalWatch, StepGate | None]:
+        """The group's collective timeout while gradsync runs, the arrival watch every wait
+        goes through, and the gate before each collective (``gradsync.checks``)."""
+        group, limits = self.group, self.options.limits
+        timeout_s = self.timeout_s
+        # timeout_s becomes the group's collective timeout while this Synchronizer is open,
+        # so the backend itself ends any wait that outlasts it (see gradsync.checks.diagnose).
+        group_timeout = GroupTimeout(group, timeout_s) if self.world_size > 1 else None
+        watch = ArrivalWatch(
+            self.rank,
+            self.world_size,
+            group_timeout.seconds if group_timeout is not None else timeout_s,
+            scope=self._arrival_scope(group),
+        )
+        # Its heartbeat thread must not run on into the interpreter's shutdown (issue 49).
+        exit_safety.stop_at_exit(watch.stop)
+        # Parameter servers serve inside gradsync, never in the user's code: no gate there.
+        between = limits.between_steps_timeout_s
+        gate = (
+            StepGate(watch, watch.timeout_s, between)
+            if self.world_size > 1 and between is not None and not self.strategy.servers
+            else None
+        )
+        return group_timeout, watch, gate
+
+    def _make_checkpointer(self) -> Checkpointer:
+        """The saves and loads of this rank (``gradsync.checkpoint``), given the loop's parts."""
+        group, model, optimizer = self.group, self.model, self.optimizer
+        return Checkpointer(
             rank=self.rank,
             world_size=self.world_size,
             layout=self.layout,
@@ -272,28 +307,31 @@ class Synchronizer:
             sync_state=self.state_dict,
             load_sync_state=self.load_state_dict,
         )
-        if self.strategy.barrier_free:
-            self._collector.before_gather = self._checkpoints.before_gather
+
+    def _setup_strategy(self) -> None:
+        """Collective: the gate, the model check, the initial broadcast and the strategy's
+        setup; a failure releases the collective timeout and the heartbeat."""
+        exchange = self.options.exchange
         try:
             self._pass_gate(START, "construction of the Synchronizer")
             self._check_same_model()
             self._broadcast_initial_state()
-            if self.allreduce == "hierarchical" and self.world_size > 1:
-                self._hierarchy = Hierarchy(group, timeout_s)
+            if exchange.allreduce == "hierarchical" and self.world_size > 1:
+                self._hierarchy = Hierarchy(self.group, self.timeout_s)
             self.strategy.setup(
                 SyncContext(
-                    model=model,
-                    optimizer=optimizer,
-                    group=group,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    group=self.group,
                     compressor=self.compressor,
-                    bucket_mb=bucket_mb if bucket_mb in (None, AUTO) else float(bucket_mb),
-                    record_spans=record_spans,
-                    skip_nonfinite=skip_nonfinite,
+                    bucket_mb=exchange.bucket_mb,
+                    record_spans=self.record_spans,
+                    skip_nonfinite=self.options.checks.skip_nonfinite,
                     watch=self._watch,
                     register_checkpoint_hooks=self._checkpoints.register_hooks,
                     layout=self.layout,
                     rank=self.rank,
-                    scaler=scaler,
+                    scaler=self.scaler,
                     gate=self._gate,
                     hierarchy=self._hierarchy,
                 )
@@ -302,16 +340,51 @@ class Synchronizer:
         except BaseException:
             self._release_timeout()
             raise
-        self._trainable = self.strategy.trainable() or self._trainable
-        cuda = cuda_device_of(self._trainable)
-        # On CUDA a host clock times kernel launches: steps are timed by device events there.
-        self._clock = DeviceClock(cuda) if cuda is not None and telemetry else None
-        self._marks: StepMarks | None = None
-        self._back_to_user()
-        # Counts every optimizer.step(); gradsync's own are expected, any other is the
-        # double-step trap of a ported script (optimizer.step() or scaler.step() kept).
-        self._optimizer_steps = self._expected_steps = 0
-        self._step_hook = optimizer.register_step_post_hook(self._count_optimizer_step)
+
+    @property
+    def _broadcasts_buffers(self) -> bool:
+        """DDP broadcasts buffers from rank 0 at the first forward after a gradient-syncing one:
+        once per step, at its first micro-batch. The start of the step block is the same
+        point."""
+        return (
+            self.options.exchange.broadcast_buffers
+            and self.world_size > 1
+            and self.strategy.replicates_every_step
+        )
+
+    # The settings by the names they had before the option groups (``self.options`` holds
+    # them): read-only.
+    @property
+    def timeout_s(self) -> float:
+        """``options.limits.timeout_s``, resolved: the bound on gradsync's own waits."""
+        timeout_s = self.options.limits.timeout_s
+        assert timeout_s is not None  # resolved() filled it in
+        return timeout_s
+
+    @property
+    def allreduce(self) -> str:
+        """``options.exchange.allreduce``."""
+        return self.options.exchange.allreduce
+
+    @property
+    def accumulation(self) -> Literal["mean", "sum"]:
+        """``options.exchange.accumulation``."""
+        return "sum" if self.options.exchange.accumulation == "sum" else "mean"
+
+    @property
+    def telemetry_enabled(self) -> bool:
+        """Whether steps are timed and records gathered (``telemetry=False`` turns it off)."""
+        return self.options.telemetry is not None
+
+    @property
+    def record_spans(self) -> bool:
+        """``options.telemetry.record_spans`` (False with telemetry off)."""
+        return self.options.telemetry is not None and self.options.telemetry.record_spans
+
+    @property
+    def check_every(self) -> int:
+        """``options.checks.check_every``: steps between replica checks (0: none)."""
+        return self.options.checks.check_every
 
     @classmethod
     def _arrival_scope(cls, group: dist.ProcessGroup | None) -> str:
@@ -343,8 +416,9 @@ class Synchronizer:
             self.balancer.observe(records)
         if self._run is not None and self._run.sink is not None:
             self._run.sink(records)
-        if self._user_sink is not None:
-            self._user_sink(records)
+        sink = self.options.telemetry.on_records if self.options.telemetry else None
+        if sink is not None:
+            sink(records)
 
     def shard_sizes(self, global_batch: int) -> list[int]:
         """With ``balance``: how many samples of this step's global batch each rank takes (the
@@ -492,7 +566,7 @@ class Synchronizer:
         )
         with record_function("gradsync.begin_step"):
             # Read each step, as DDP does: a module may have replaced a buffer since.
-            buffers = list(self.model.buffers()) if self._sync_buffers else []
+            buffers = list(self.model.buffers()) if self._broadcasts_buffers else []
             if buffers:
                 self._broadcast(buffers, self._step, "buffer broadcast")
             self.strategy.begin_step(plan)
@@ -986,15 +1060,10 @@ def _check_sharded_model(model: torch.nn.Module, strategy: Strategy) -> None:
 
 
 def _check_arguments(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    bucket_mb: float | str | None,
-    telemetry_every: int,
-    check_every: int,
-    timeout_s: float,
-    accumulation: str,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
 ) -> None:
-    """``UsageError`` naming the first bad ``Synchronizer`` argument and what is valid."""
+    """``UsageError`` naming the first bad object given to the ``Synchronizer`` and what is
+    valid (its settings are checked by their option groups, ``gradsync.options``)."""
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, got {_described(model)}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -1002,33 +1071,15 @@ def _check_arguments(
             f"optimizer must be a torch.optim.Optimizer over the model's parameters (e.g. "
             f"torch.optim.SGD(model.parameters(), lr=0.1)), got {_described(optimizer)}"
         )
-    if bucket_mb not in (None, AUTO) and not (_is_number(bucket_mb) and float(bucket_mb) > 0):
-        raise UsageError(
-            f"bucket_mb must be a number > 0, None for the default plan or {AUTO!r} to time a "
-            f"few plans over the first steps, got {bucket_mb!r}"
-        )
-    if not isinstance(telemetry_every, int) or isinstance(telemetry_every, bool):
-        raise UsageError(f"telemetry_every must be an integer >= 1, got {telemetry_every!r}")
-    if telemetry_every < 1:
-        raise UsageError(f"telemetry_every must be >= 1, got {telemetry_every}")
-    if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 0:
-        raise UsageError(
-            f"check_every must be an integer >= 0 (0 turns the check off), got {check_every!r}"
-        )
-    if not _is_number(timeout_s) or not timeout_s > 0:
-        raise UsageError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     if not any(p.requires_grad for p in model.parameters()):
         raise UsageError(
             f"model {type(model).__name__} has no trainable parameters "
             "(none with requires_grad=True): there is nothing to synchronize"
         )
     _check_dense_gradients(model)
-    if accumulation not in ACCUMULATION:
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise UsageError(
-            f"accumulation must be one of {', '.join(ACCUMULATION)}, got {accumulation!r}: "
-            "'mean' when each micro-batch's loss is its own mean (gradsync averages the k "
-            "backward passes), 'sum' when the script divides each loss by k (as DDP scripts "
-            "do with no_sync)"
+            f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
         )
 
 
