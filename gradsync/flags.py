@@ -11,7 +11,13 @@ builds the options of a parser from ``dataclasses.fields`` and :func:`from_names
 config back from the parsed values, so validation stays the config's own (its
 ``__post_init__``). A field without a flag is set by code only.
 
-Every command's flags are declared this way: ``run`` and ``compare`` (``gradsync.runner.config``),
+A flag that sets a library option is declared on that option's field (``gradsync.options``:
+the Synchronizer's settings); a command's config takes it with :func:`flag_from`, which copies
+the declaration and adds the help group, and :func:`sourced` reads the values back out to
+build the option's dataclass.
+
+Every command's flags are declared this way: ``run`` and ``compare`` (``gradsync.runner.config``;
+the Synchronizer's options among them on ``gradsync.options``),
 ``simulate`` and ``bench allreduce`` (``gradsync.sim.options``), ``cluster``
 (``gradsync.cluster.cli``). Torch-free: nothing here imports more than the standard library.
 """
@@ -26,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 FLAG_KEY = "gradsync.flag"  # the key of a field's metadata that holds its Flag
+SOURCE_KEY = "gradsync.flag_from"  # (dataclass, field name) whose flag a field declares
 
 T = TypeVar("T")
 
@@ -76,6 +83,34 @@ def flag(
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_from(
+    cls: type, name: str, *, default: Any = dataclasses.MISSING, group: str | None = None
+) -> Any:
+    """A config field whose flag is the one field ``name`` of dataclass ``cls`` declares (its
+    help, metavar, option string, choices and parser), shown in help group ``group``, with
+    that field's default unless ``default`` is given: ``bucket_mb: float | None =
+    flag_from(Exchange, "bucket_mb", group=SYNC)``. The flag is thus declared once, beside the
+    library option it sets; :func:`sourced` reads the config's values back out for ``cls``."""
+    source = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    spec = None if source is None else flag_of(source)
+    if source is None or spec is None:
+        raise TypeError(f"{cls.__name__}.{name} declares no flag")
+    value = source.default if default is dataclasses.MISSING else default
+    meta = {FLAG_KEY: dataclasses.replace(spec, group=group), SOURCE_KEY: (cls, name)}
+    return dataclasses.field(default=value, metadata=meta)
+
+
+def sourced(config: Any, cls: type) -> dict[str, Any]:
+    """The values of ``config``'s fields declared by :func:`flag_from` on fields of ``cls``,
+    keyed by those fields' names: ``Exchange(**sourced(run_config, Exchange))``."""
+    values = {}
+    for f in dataclasses.fields(config):
+        source = f.metadata.get(SOURCE_KEY)
+        if source is not None and source[0] is cls:
+            values[source[1]] = getattr(config, f.name)
+    return values
 
 
 def flag_of(f: dataclasses.Field[Any]) -> Flag | None:

@@ -2,12 +2,14 @@
 
 Its fields are also the declaration of the flags of ``gradsync run`` and ``gradsync compare``
 (gradsync.flags builds the parser from them): a new field with :func:`flag` is a new flag, with
-its default and help, and a field without one is set by code only.
+its default and help, and a field without one is set by code only. The flags that set the
+Synchronizer's options (``--bucket-mb``, ``--allreduce``, ``--balance``, ``--timeout``,
+``--check-every``) are declared on those options' fields (``gradsync.options``) and taken here
+with :func:`gradsync.flags.flag_from`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -18,8 +20,9 @@ from typing import Any
 from gradsync.bucket_autotune import AUTO
 from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
-from gradsync.flags import flag
+from gradsync.flags import flag, flag_from
 from gradsync.inject import parse_kill, parse_slow
+from gradsync.options import DEFAULT_TIMEOUT_S, Checks, Exchange, Limits
 from gradsync.runner.rundir import OVERWRITE_AND_RESUME
 from gradsync.runtime import BACKENDS, check_nccl, choose_backend
 from gradsync.spec import parse_strategy_spec
@@ -72,19 +75,6 @@ STRAGGLERS = "stragglers"
 FAULTS = "fault tolerance"
 CLUSTER = "emulated cluster"
 OUTPUT = "output"
-
-
-def parse_bucket_mb(text: str) -> float | str:
-    """``--bucket-mb``: a size in MB, or ``auto`` (a size's range is checked with the other
-    fields, so the command line and ``RunConfig`` refuse the same values alike)."""
-    if text.strip().lower() == AUTO:
-        return AUTO
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid float value {text!r}: give a size in MB (a number > 0) or 'auto'"
-        ) from None
 
 
 def default_out() -> str:
@@ -158,34 +148,11 @@ class RunConfig:
         "sparseloco[:D[:C[:B]]] (local:H, diloco:H) (default: none)",
         group=SYNC,
     )
-    bucket_mb: float | str | None = flag(
-        None,
-        metavar="MB",
-        help="gradient bucket size in MB, or 'auto': time a few plans over the first steps and "
-        "keep the fastest (default: an eighth of the gradient, from 1 to 25 MB; the first "
-        "bucket at most 1 MB)",
-        group=SYNC,
-        parse=parse_bucket_mb,
-    )
-    allreduce: str = flag(
-        "ring",
-        metavar="KIND",
-        help="ring (flat) | hierarchical: sum within each host, then across hosts among one "
-        "rank per host (bsp, zero:1, local:H, diloco:H; default: %(default)s)",
-        group=SYNC,
-    )
-    balance: bool = flag(
-        False,
-        help="shard each global batch by measured speed (bsp; the update stays exact; "
-        "default: off)",
-        group=SYNC,
-    )
-    timeout: float = flag(
-        300.0,
-        metavar="S",
-        help="seconds a synchronizing wait may take before failing (default: %(default)g)",
-        group=SYNC,
-    )
+    # The Synchronizer's options: each flag is declared on its field in gradsync.options.
+    bucket_mb: float | str | None = flag_from(Exchange, "bucket_mb", group=SYNC)
+    allreduce: str = flag_from(Exchange, "allreduce", group=SYNC)
+    balance: bool = flag_from(Exchange, "balance", group=SYNC)
+    timeout: float = flag_from(Limits, "timeout_s", default=DEFAULT_TIMEOUT_S, group=SYNC)
     slow: str | None = flag(
         None,
         metavar="RANK:FACTOR[@START[-END]]",
@@ -212,12 +179,7 @@ class RunConfig:
         help="first steps never scored for stragglers (default: %(default)s)",
         group=STRAGGLERS,
     )
-    check_every: int = flag(
-        100,
-        metavar="N",
-        help="compare replica fingerprints every N steps (0: off; default: %(default)s)",
-        group=FAULTS,
-    )
+    check_every: int = flag_from(Checks, "check_every", group=FAULTS)
     checkpoint_every: int = flag(
         0,
         metavar="N",

@@ -25,7 +25,9 @@ import torch
 
 from gradsync import compat, runtime
 from gradsync.attached_run import FAULTS_DIR, restart_count
+from gradsync.flags import sourced
 from gradsync.logs import get_logger
+from gradsync.options import Checks, Exchange, Limits, Telemetry
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 from gradsync.synchronizer import Synchronizer
@@ -170,20 +172,19 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
 def _synchronizer(
     cfg: RunConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: Path
 ) -> Synchronizer:
+    # The options the flags set, each flag declared on its option's field (gradsync.options)
     return Synchronizer(
         model,
         optimizer,
         strategy=cfg.strategy,
         compression=cfg.compression,
-        bucket_mb=cfg.bucket_mb,
-        allreduce=cfg.allreduce,
-        telemetry_every=cfg.telemetry_every,
         slow=cfg.slow,
         servers=cfg.servers,
-        timeout_s=cfg.timeout,
-        balance=cfg.balance,
-        check_every=cfg.check_every,
         run_dir=run_dir,
+        exchange=Exchange(**sourced(cfg, Exchange)),
+        limits=Limits(**sourced(cfg, Limits)),
+        telemetry=Telemetry(telemetry_every=cfg.telemetry_every),
+        checks=Checks(**sourced(cfg, Checks)),
     )
 
 
