@@ -1,6 +1,7 @@
 """Two DDP scripts and their gradsync ports (examples/ddp_lm.py and examples/ddp_vision.py, each
-with a ``_gradsync`` twin): under bsp the same final parameters and buffers, bit for bit (the
-small diff: tests/unit/test_ddp_port_unit.py)."""
+with a ``_gradsync`` twin, the explicit form, and a ``_frontdoor`` twin, through
+gs.DistributedDataParallel): under bsp the same final parameters and buffers, bit for bit (the
+small diffs: tests/unit/test_ddp_port_unit.py, tests/unit/test_front_door_unit.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def test_the_port_ends_bitwise_equal_to_the_ddp_script(name: str, tmp_path: Path
     args, printed = RUNS[name]
     finals = []
     original, port = pair(name)
-    for script in (original, port):
+    # both ports: the explicit sync.step() form and the DDP-shaped front door (issue 42)
+    frontdoor = port.with_name(f"{name}_frontdoor.py")
+    for script in (original, port, frontdoor):
         out = tmp_path / script.stem
         launch = ["--standalone", "--nproc_per_node=2", str(script), *args, "--out", str(out)]
         if script == original:
@@ -58,10 +61,11 @@ def test_the_port_ends_bitwise_equal_to_the_ddp_script(name: str, tmp_path: Path
         assert printed in log, log[-2000:]
         assert (out / "checkpoint.pt").exists()  # rank 0's evaluation and checkpoint ran
         finals.append(torch.load(out / "final.pt", weights_only=True))
-    ddp, ours = finals
-    assert ddp.keys() == ours.keys()
-    for key in ddp:  # parameters and buffers (BatchNorm statistics) alike
-        assert torch.equal(ddp[key], ours[key]), key
+    ddp, *ports = finals
+    for ours in ports:
+        assert ddp.keys() == ours.keys()
+        for key in ddp:  # parameters and buffers (BatchNorm statistics) alike
+            assert torch.equal(ddp[key], ours[key]), key
 
 
 @pytest.mark.timeout(120)
