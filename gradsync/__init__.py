@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the static view of the lazy names below, for mypy and edito
     from gradsync.ddp import DistributedDataParallel
     from gradsync.inject import Slowdown
     from gradsync.lr import scaled_lr, warmup
+    from gradsync.options import Checks, Exchange, Limits, Telemetry
     from gradsync.runtime import init, is_main, rank, world_size
     from gradsync.strategies import (
         BSP,
@@ -45,6 +46,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "BSP": "gradsync.strategies",
+    "Checks": "gradsync.options",
+    "Exchange": "gradsync.options",
+    "Limits": "gradsync.options",
+    "Telemetry": "gradsync.options",
     "Compressor": "gradsync.compression",
     "DiLoCo": "gradsync.strategies",
     "DistributedDataParallel": "gradsync.ddp",
@@ -71,9 +76,12 @@ _LAZY = {
 
 __all__ = [
     "BSP",
+    "Checks",
     "Compressor",
     "DiLoCo",
     "DistributedDataParallel",
+    "Exchange",
+    "Limits",
     "LocalSGD",
     "ParameterServer",
     "ShardBalancer",
@@ -86,6 +94,7 @@ __all__ = [
     "Strategy",
     "SyncTimeoutError",
     "Synchronizer",
+    "Telemetry",
     "UsageError",
     "init",
     "is_main",

@@ -6,6 +6,10 @@ pytestmark = pytest.mark.unit
 
 FROZEN_API = {
     "BSP",
+    "Checks",
+    "Exchange",
+    "Limits",
+    "Telemetry",
     "Compressor",
     "DiLoCo",
     "DistributedDataParallel",
