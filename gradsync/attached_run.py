@@ -80,13 +80,15 @@ _DEFAULTS: dict[str, Any] = {
     "given": [],
 }
 
-#: Synchronizer argument -> the ``gradsync run`` flag (config.json key) it comes from
+#: Synchronizer argument -> the ``gradsync run`` flag's config.json key it comes from
 _CHOSEN_BY_FLAG = {
     "strategy": "strategy",
     "compression": "compression",
     "servers": "servers",
     "timeout_s": "timeout",
 }
+#: a config.json key whose flag is spelt otherwise on the command line
+_FLAG_SPELLING = {"compression": "--compress"}
 
 
 def run_settings(directory: Path) -> dict[str, Any]:
@@ -270,7 +272,7 @@ class AttachedRun:
             return default if from_flag is None else from_flag
         given = flag in (self.settings.get("given") or ())
         if given and isinstance(script_value, str | int | float) and script_value != from_flag:
-            option = "--" + flag.replace("_", "-")
+            option = _FLAG_SPELLING.get(flag, "--" + flag.replace("_", "-"))
             raise UsageError(
                 f"gradsync run {option} {from_flag}, but the script's gs.Synchronizer passes "
                 f"{argument}={script_value!r}: leave {argument} out of the script to let the "

@@ -60,6 +60,10 @@ def test_a_script_naming_another_value_than_a_given_flag_is_refused(tmp_path: Pa
     # a flag left at its default gives way to the script's choice
     quiet = _attached(tmp_path, strategy="bsp", given=[])
     assert quiet.choose("strategy", "zero:1", "bsp") == "zero:1"
+    # named as the command line spells it: --compress, not config.json's "compression"
+    compressed = _attached(tmp_path, compression="fp16", given=["compression"])
+    with pytest.raises(UsageError, match=r"gradsync run --compress fp16, but .*drop --compress$"):
+        compressed.choose("compression", "int8", None)
 
 
 def test_without_a_known_number_of_steps_the_line_shows_the_step() -> None:
