@@ -15,6 +15,7 @@ import json
 import resource
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -43,11 +44,64 @@ DDP, ZERO_OPT, FSDP_NO_RESHARD, FSDP, COMPUTE = (
 GRADSYNC = "gradsync "
 
 
-def workload(job: dict[str, Any]) -> CharLM:
-    """The model every part trains: the charlm transformer, widened and deepened to the job's
-    size; AdamW (the workload's own optimizer, weight decay 0.01)."""
+class DeepMLP:
+    """A plain deep MLP: ``layers`` ``Linear(dim, dim)``, each followed by a ReLU, regressing a
+    fixed random target; AdamW with weight decay 0.01, as the transformer. ``plain``: the
+    layers are attributes of one module (no ``nn.Sequential``), as a user's own model often
+    is, which no list-based wrapping rule sees."""
+
+    name = "mlp"
+    default_lr = 1e-4
+
+    def __init__(self, dim: int, layers: int, plain: bool = False) -> None:
+        self.dim, self.layers, self.plain = dim, layers, plain
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        linears = [nn.Linear(self.dim, self.dim) for _ in range(self.layers)]
+        if self.plain:
+            return _PlainMLP(linears)
+        return nn.Sequential(*(m for lin in linears for m in (lin, nn.ReLU())))
+
+    def make_optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
+
+    def batch(self, i: int, size: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + i)
+        x = torch.randn(size, self.dim, generator=g)
+        return x[lo:hi], x[lo:hi].flip(1)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(x), y)
+
+
+class _PlainMLP(nn.Module):
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        for k, lin in enumerate(linears):
+            self.add_module(f"fc{k}", lin)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.children():
+            x = torch.relu(lin(x))
+        return x
+
+
+def workload(job: dict[str, Any]) -> Any:
+    """The model a part trains: the charlm transformer, widened and deepened to the job's
+    size, or a deep MLP (``job["model"]["kind"]``); AdamW with weight decay 0.01."""
     m = job["model"]
+    kind = m.get("kind", "charlm")
+    if kind in ("mlp", "plain-mlp"):
+        return DeepMLP(m["dim"], m["layers"], plain=kind == "plain-mlp")
     return CharLM(seed=0, dim=m["dim"], layers=m["layers"], heads=m["heads"], context=m["context"])
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The per-block units torch's FSDP2 examples wrap: a transformer's blocks, an MLP's
+    layers."""
+    listed = getattr(model, "blocks", model)
+    return [m for m in listed.children() if next(m.parameters(), None) is not None]
 
 
 def _start(job: dict[str, Any]) -> None:
@@ -106,29 +160,90 @@ def _peak_rss_bytes() -> int:
 # Part 1: memory, one strategy per launch ---------------------------------------------------------
 
 
+class _RssSampler:
+    """Samples this process's resident memory every few milliseconds on a thread of its own,
+    keeping the most seen in each phase of the step (``phase(name)`` switches): where a peak
+    comes from, which the process's high-water mark alone does not say."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.peaks: dict[str, int] = {}
+        self._phase = "build"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def phase(self, name: str) -> None:
+        self._sample()
+        self._phase = name
+        self._sample()
+
+    def _sample(self) -> None:
+        rss = _rss_bytes()
+        self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), rss)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self._sample()
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return self.peaks
+
+
 def memory_rank(job: dict[str, Any]) -> dict[str, Any]:
-    """Train ``job["steps"]`` steps under one gradsync strategy, as a user's loop would, and
-    say what this rank held after the last step and its peak resident memory."""
+    """Train ``job["steps"]`` steps under one configuration (a gradsync strategy through
+    ``gs.Synchronizer`` with its defaults but DDP's bucket size, as a user's loop would, or
+    one of torch's own pieces driven directly, as a DDP script would) and say what this rank
+    held after the last step, its peak resident memory, and the most seen in each phase."""
     _start(job)
     rank, world = dist.get_rank(), dist.get_world_size()
     rss_start = _rss_bytes()
+    sampler = _RssSampler()
     wl = workload(job)
-    model = wl.build_model()
-    optimizer = wl.make_optimizer(model, wl.default_lr)
-    sync = gs.Synchronizer(model, optimizer, strategy=job["strategy"], bucket_mb=BUCKET_MB)
+    with torch.device("meta"):  # the sizes, without a second model's memory
+        numels = [p.numel() for p in wl.build_model().parameters()]
     per_rank = job["batch"]
+    name = job["strategy"]
+    sync = None
+    if name in (ZERO_OPT, FSDP, DDP):
+        config = build(name, wl, per_rank)
+        model, net, optimizer = config.model, config.net, config.optimizer
+        stepper: Any = config.stepper
+    else:
+        model = net = wl.build_model()
+        optimizer = stepper = wl.make_optimizer(model, wl.default_lr)
+        sync = gs.Synchronizer(model, optimizer, strategy=name, bucket_mb=BUCKET_MB)
     for i in range(job["steps"]):
-        with sync.step(samples=per_rank):
-            x, y = wl.batch(i, per_rank * world, rank * per_rank, (rank + 1) * per_rank)
-            wl.loss(model, x, y).backward()
+        x, y = wl.batch(i, per_rank * world, rank * per_rank, (rank + 1) * per_rank)
+        if sync is not None:
+            with sync.step(samples=per_rank):
+                sampler.phase("forward")
+                loss = wl.loss(net, x, y)
+                sampler.phase("backward")
+                loss.backward()
+                sampler.phase("exchange and update")
+        else:
+            stepper.zero_grad(set_to_none=True)
+            sampler.phase("forward")
+            loss = wl.loss(net, x, y)
+            sampler.phase("backward")
+            loss.backward()
+            sampler.phase("exchange and update")
+            stepper.step()
+        sampler.phase("between steps")
+    phases = sampler.stop()
     out = {
         "held": held(model, optimizer),
         "peak_rss": _peak_rss_bytes(),
         "rss_start": rss_start,
         "rss_end": _rss_bytes(),
-        "numels": [p.numel() for p in wl.build_model().parameters()],
+        "phases": {k: v - rss_start for k, v in phases.items()},
+        "numels": numels,
     }
-    sync.close()
+    if sync is not None:
+        sync.close()
     return out
 
 
@@ -143,9 +258,12 @@ class Config:
     model: nn.Module
     optimizer: torch.optim.Optimizer  # the one that holds the optimizer state
     close: Callable[[], None] = field(default=lambda: None)
+    #: torch's pieces: the module the forward calls (DDP's wrapper) and the optimizer stepped
+    net: Any = None
+    stepper: Any = None
 
 
-def _plain(wl: CharLM, per_rank: int, net: nn.Module, opt: Any) -> Callable[[int], Any]:
+def _plain(wl: Any, per_rank: int, net: nn.Module, opt: Any) -> Callable[[int], Any]:
     """torch's own pieces driven directly, as a DDP script does."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -160,7 +278,7 @@ def _plain(wl: CharLM, per_rank: int, net: nn.Module, opt: Any) -> Callable[[int
     return step
 
 
-def build(name: str, wl: CharLM, per_rank: int) -> Config:
+def build(name: str, wl: Any, per_rank: int) -> Config:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -174,7 +292,8 @@ def build(name: str, wl: CharLM, per_rank: int) -> Config:
             options["strategy"] = name.removeprefix(GRADSYNC)
         t = Trainer(mode, wl, per_rank * world, bucket_mb=BUCKET_MB, report_loss=False, **options)
         sync = t.sync
-        return Config(t.step, t.model, t.opt, sync.close if sync is not None else lambda: None)
+        close = sync.close if sync is not None else lambda: None
+        return Config(t.step, t.model, t.opt, close, net=t.net, stepper=t.opt)
     model = wl.build_model()
     if name == ZERO_OPT:
         net = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
@@ -185,16 +304,16 @@ def build(name: str, wl: CharLM, per_rank: int) -> Config:
             weight_decay=WEIGHT_DECAY,
         )
         # the state lives in the AdamW that steps this rank's partition
-        return Config(_plain(wl, per_rank, net, zero), model, zero.optim)
+        return Config(_plain(wl, per_rank, net, zero), model, zero.optim, net=net, stepper=zero)
     if name in (FSDP, FSDP_NO_RESHARD):
         mesh = init_device_mesh("cpu", (world,))
         reshard = name == FSDP
-        # one unit per transformer block and one for the rest, as FSDP2's examples wrap a model
-        for block in model.blocks:  # type: ignore[union-attr]
+        # one unit per transformer block (MLP layer) and one for the rest, as FSDP2's examples
+        for block in blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=wl.default_lr, weight_decay=WEIGHT_DECAY)
-        return Config(_plain(wl, per_rank, model, opt), model, opt)
+        return Config(_plain(wl, per_rank, model, opt), model, opt, net=model, stepper=opt)
     raise ValueError(f"unknown configuration {name!r}")
 
 

@@ -4,18 +4,21 @@
 - ``zero:1``: the gradient is exchanged exactly as under ``bsp`` (the same bucketed, overlapped
   all-reduce, so every compressor works as it does there); each rank then steps the optimizer on
   the parameter tensors it owns, and one exchange brings every rank's updated tensors to every
-  rank (an all-gather on NCCL, one broadcast per owner on gloo). Every rank holds the whole
-  mean gradient, as under ``bsp``.
-- ``zero:2``: as the backward pass finishes each tensor's gradient (its last micro-batch), the
-  gradient is scaled into the rank's kept flat buffer (laid out by owner, padded to equal
-  chunks) and freed, so the whole gradient never exists twice; then one reduce-scatter (NCCL)
-  or a ring of send/receive pairs (gloo) sums the buffer so that each rank receives only its
-  own tensors' part. Either way each rank sends (N - 1)/N of the gradient's bytes, half of what
-  an all-reduce sends, and receives into one chunk-sized buffer; the others' gradients are
-  freed (their ``p.grad`` is None), then the same shard step and exchange of the update.
-  Memory: between steps a rank holds its chunk of the gradient plus the kept buffer (one copy
-  of the parameters' bytes, shared by the gradient's way out and the parameters' way back,
-  which are never in use together); no step allocates a full-size buffer.
+  rank (an all-gather on NCCL, one broadcast per owner on gloo), in bucket-sized rounds. Every
+  rank holds the whole mean gradient, as under ``bsp``.
+- ``zero:2``: as the backward pass finishes each tensor's gradient (its last micro-batch),
+  every round (``zero_shards.plan_rounds``: half a bucket's slice of every owner's chunk)
+  whose tensors are all finished is scaled into a kept round buffer and summed so that each
+  rank receives only its own tensors' part (a reduce-scatter on NCCL, a ring of send/receive
+  pairs on gloo), and the gradients no later round needs are freed, while backward goes on;
+  the rounds go in one fixed order on every rank, so a rank whose gradients finish in
+  another order only sends later. Either way each rank sends (N - 1)/N of the gradient's
+  bytes, half of what an all-reduce sends; the others' gradients are freed (their ``p.grad``
+  is None), then the same shard step and exchange of the update. Memory: between steps a
+  rank holds its chunk of the gradient plus two round buffers (one bucket in all, shared by
+  the gradient's way out and the parameters' way back, never in use together); during
+  backward, the gradients of the rounds not yet sent. No step allocates a buffer of the
+  model's size (issue 47).
 
 Both follow one process on the global batch (tested in float64 to 1e-10 on 2 and 3 ranks, SGD
 with momentum and AdamW, with micro-batches and uneven shards) and leave every replica with
@@ -89,7 +92,6 @@ from gradsync.strategies.base import (
 from gradsync.strategies.bsp import BSP, late_gradient, wrong_passes
 from gradsync.strategies.zero_shards import (
     POINT_TO_POINT,
-    FlatGroup,
     LocalClipGuard,
     OwnerLayout,
     ShardedUpdate,
@@ -98,6 +100,7 @@ from gradsync.strategies.zero_shards import (
     join_owned,
     load_owned,
     on_cpu,
+    pack_round,
     reduce_scatter_flat,
     refuse_partial_state,
     reshard_owned,
@@ -277,10 +280,21 @@ class ZeroStage2(Strategy):
         self._passes: _BackwardPasses | None = None
         #: this rank's part of the reduced gradient, one buffer per flat group
         self._received: list[torch.Tensor] = []
-        #: where each parameter's gradient goes: (flat group, index in it)
-        self._slots: dict[int, tuple[int, int]] = {}
-        #: the parameters whose gradient is already in the exchange's buffer this step
-        self._packed: set[int] = set()
+        #: the rounds (flat group, round) in the order every rank exchanges them
+        self._order: list[tuple[int, int]] = []
+        #: each round's tensors (indices in its flat group), and each tensor's rounds
+        self._members: dict[tuple[int, int], set[int]] = {}
+        self._rounds_of: dict[int, list[tuple[int, int]]] = {}
+        #: this step: tensors each round still waits for, rounds each tensor is still in,
+        #: the next round in ``_order`` to exchange, and the exchanges' time and bytes
+        self._waiting: dict[tuple[int, int], int] = {}
+        self._left: dict[int, int] = {}
+        self._next = 0
+        self._step = 0
+        self._sent: list[tuple[float, float, int]] = []
+        #: seconds this step's rounds held backward (sent from its hooks)
+        self._in_backward = 0.0
+        self._in_flight: list[Any] = []
         self._micro_batches = 1
         self._scale = 1.0
         #: refuses torch's clip of this rank's part of the gradient (``LocalClipGuard``)
@@ -298,9 +312,18 @@ class ZeroStage2(Strategy):
         self._shards = ShardedUpdate(ctx, layout, self.name, self.exchange)
         self._passes = _BackwardPasses(params, self._pack_one)
         self._received = [g.empty(1) for g in layout.groups]
-        self._slots = {
-            id(p): (k, i) for k, g in enumerate(layout.groups) for i, p in enumerate(g.params)
-        }
+        shards = self._shards
+        # The rounds go in one fixed order on every rank (so that every rank posts the same
+        # collectives in the same order, whatever order its gradients finish in): each flat
+        # group's first round first, which holds the tensors backward usually finishes first
+        # (each owner's chunk lists its tensors from the last registered, ``_flat_groups``).
+        self._order = [(k, j) for k, rounds in enumerate(shards.rounds) for j in range(len(rounds))]
+        self._members = {(k, j): shards.rounds[k][j].members() for k, j in self._order}
+        rounds_of: dict[int, list[tuple[int, int]]] = {}
+        for (k, j), members in self._members.items():
+            for i in members:
+                rounds_of.setdefault(id(layout.groups[k].params[i]), []).append((k, j))
+        self._rounds_of = rounds_of
         self._partial_state = refuse_partial_state(ctx.optimizer, self.name)
 
     @property
@@ -322,7 +345,10 @@ class ZeroStage2(Strategy):
         # The mean over ranks and micro-batches (and the balancing weight) rides on the copy
         # into the exchange's buffer, so the reduce-scatter is a plain sum.
         self._scale = plan.sample_weight / (layout.world * plan.average_over)
-        self._packed.clear()
+        self._step = plan.step
+        self._waiting = {kj: len(m) for kj, m in self._members.items()}
+        self._left = {key: len(v) for key, v in self._rounds_of.items()}
+        self._next, self._sent, self._in_backward = 0, [], 0.0
         passes.arm(plan.micro_batches)
 
     def gradients_ready(self, step: int) -> StepOutcome:
@@ -346,74 +372,91 @@ class ZeroStage2(Strategy):
         return self._exchange(step, poison=True)
 
     def _exchange(self, step: int, poison: bool) -> StepOutcome:
-        ctx, layout, shards, passes = self._parts()
+        """The rounds backward has not sent yet (a tensor without a gradient on this rank: zero;
+        with ``poison``, NaN), then this rank's part of the mean gradient as its ``p.grad``."""
+        ctx, layout, _, passes = self._parts()
         passes.disarm()
-        wall0, t0 = time.time(), time.perf_counter()
-        sends = shards.flat
-        for g, send in zip(layout.groups, sends, strict=True):
-            self._pack_rest(g, send, poison)
-        ring = shards.exchange == POINT_TO_POINT
-
-        def run() -> None:
-            pairs = zip(self._received, sends, strict=True)
-            if ring:
-                for received, send in pairs:
-                    ring_reduce_scatter(received, send, layout.rank, layout.world, ctx.group)
-                return
-            works = [
-                reduce_scatter_flat(received, send, group=ctx.group, async_op=True)
-                for received, send in pairs
-            ]
-            for work in works:
-                work.wait()
-
-        kind = "ring reduce-scatter (send/receive)" if ring else "reduce-scatter"
-        shards.collective(step, f"zero:2 gradient {kind} ({len(sends)} buffer(s))", run)
-        nbytes = sum(s.numel() * s.element_size() for s in sends)
+        while self._next < len(self._order):
+            self._send_round(self._order[self._next], poison)
+            self._next += 1
+        self._finish_in_flight()
+        if poison:  # this rank's own check fails too, whatever the rounds sent before it
+            for received in self._received:
+                received.fill_(float("nan"))
+        nbytes = sum(n for _, _, n in self._sent)
         spans = []
-        if ctx.record_spans:
+        if ctx.record_spans and self._sent:
+            wall0, seconds = self._sent[0][0], sum(d for _, d, _ in self._sent)
             args = {"bytes": nbytes}
-            spans.append(
-                Span(-1, -1, "reduce_scatter", wall0, time.perf_counter() - t0, "comm", args)
-            )
+            spans.append(Span(-1, -1, "reduce_scatter", wall0, seconds, "comm", args))
         for g, received in zip(layout.groups, self._received, strict=True):
             for i in g.owned(layout.rank):
                 g.params[i].grad = g.view(received, i, base=layout.rank * g.chunk)
+        outcome = StepOutcome(bytes_sent=nbytes, spans=spans, comm_in_block=self._in_backward)
         if ctx.skip_nonfinite and not ctx.scaling and not self._all_ranks_finite(step):
             ctx.optimizer.zero_grad(set_to_none=True)
-            return StepOutcome(bytes_sent=nbytes, skipped=True, spans=spans)
+            outcome.skipped = True
+            return outcome
         if not poison:  # the user's code may now read p.grad: this rank's part only
             self._clip_guard.arm(p.grad for p in layout.mine if p.grad is not None)
-        return StepOutcome(bytes_sent=nbytes, spans=spans)
+        return outcome
 
     def _pack_one(self, param: torch.Tensor) -> None:
-        """The backward pass has finished ``param``'s gradient for this step: scale it into the
-        exchange's buffer and free it now, so that the whole gradient never exists twice (the
-        backward's tensors and the buffer) and the copies run while backward goes on."""
-        k, i = self._slots[id(param)]
-        _, layout, shards, _ = self._parts()
-        g = layout.groups[k]
-        if param.grad is not None:
-            torch.mul(param.grad, self._scale, out=g.view(shards.flat[k], i))
-            param.grad = None
-            self._packed.add(id(param))
+        """The backward pass has finished ``param``'s gradient for this step: send every round
+        now complete, in the fixed order, so that each gradient is freed once its rounds are
+        sent and the whole gradient never exists at once (nor a buffer of its size)."""
+        for kj in self._rounds_of[id(param)]:
+            self._waiting[kj] -= 1
+        t0 = time.perf_counter()
+        while self._next < len(self._order) and self._waiting[self._order[self._next]] == 0:
+            self._send_round(self._order[self._next], poison=False)
+            self._next += 1
+        # inside the user's block, where the Synchronizer's clock says compute: it is sync
+        self._in_backward += time.perf_counter() - t0
 
-    def _pack_rest(self, group: FlatGroup, send: torch.Tensor, poison: bool) -> None:
-        """Complete one flat group's buffer: the gradients not packed during backward (a
-        tensor left out of a micro-batch: scaled in now; one without a gradient on this rank:
-        zero) and the padding; with ``poison``, NaN everywhere instead."""
-        for i, p in enumerate(group.params):
-            if id(p) in self._packed:
-                continue
-            view = group.view(send, i)
-            if p.grad is None:
-                view.zero_()
-            else:
-                torch.mul(p.grad, self._scale, out=view)
-            p.grad = None
-        group.zero_padding(send, range(group.world))
+    def _send_round(self, kj: tuple[int, int], poison: bool) -> None:
+        """Scale round ``kj``'s gradients into a kept round buffer, reduce-scatter it into this
+        rank's part of the mean gradient (a ring of send/receive pairs on gloo), and free the
+        gradients no later round needs."""
+        ctx, layout, shards, _ = self._parts()
+        k, j = kj
+        g, rnd = layout.groups[k], shards.rounds[k][j]
+        if len(self._in_flight) == 2:  # the buffer about to be packed is the oldest's
+            self._in_flight.pop(0).wait()
+        buf = shards.round_buffer(k, len(self._sent), rnd)
         if poison:
-            send.fill_(float("nan"))
+            buf.fill_(float("nan"))
+        else:
+            pack_round(buf, g, rnd, range(layout.world), lambda i: g.params[i].grad, self._scale)
+        received = self._received[k][rnd.lo : rnd.lo + rnd.size]
+        ring = shards.exchange == POINT_TO_POINT
+        wall0, t0 = time.time(), time.perf_counter()
+
+        def run() -> None:
+            if ring:
+                ring_reduce_scatter(received, buf, layout.rank, layout.world, ctx.group)
+            else:
+                work = reduce_scatter_flat(received, buf, group=ctx.group, async_op=True)
+                self._in_flight.append(work)
+
+        kind = "ring reduce-scatter (send/receive)" if ring else "reduce-scatter"
+        shards.collective(self._step, f"zero:2 gradient {kind}, round {j + 1} of group {k}", run)
+        self._sent.append((wall0, time.perf_counter() - t0, buf.numel() * buf.element_size()))
+        for i in self._members[kj]:
+            p = g.params[i]
+            self._left[id(p)] -= 1
+            if self._left[id(p)] == 0:
+                p.grad = None
+
+    def _finish_in_flight(self) -> None:
+        _, _, shards, _ = self._parts()
+
+        def wait() -> None:
+            while self._in_flight:
+                self._in_flight.pop(0).wait()
+
+        if self._in_flight:
+            shards.collective(self._step, "zero:2 gradient reduce-scatter (wait)", wait)
 
     def _all_ranks_finite(self, step: int) -> bool:
         """Whether every rank's shard of the mean gradient is finite: one 1-element sum."""

@@ -18,32 +18,37 @@ which already hold each rank's ``optimizer.state_dict()``, hold each rank's shar
 whose step reads every parameter together (LBFGS's closure, a norm over all tensors) would see
 only the shard: such optimizers do not fit ZeRO at all.
 
-Each stage moves tensors through flat buffers of ``world`` equal chunks, one per (dtype,
-device): rank r's tensors in registration order from ``r * chunk``, padded with zeros to the
-largest shard. Each rank allocates that buffer once (``ShardedUpdate.flat``) and keeps it
-between steps: a fresh 76 MB buffer cost 49 ms a step to allocate and fault in on the
-benchmark's machine, against 11 ms to copy into a kept one. The parameters never alias it (the
-gathered tensors are copied out), so overwriting it at the next step changes nothing the user
-holds; ``zero:2`` packs its gradient into the same buffer, which is free until the update's
-gather. Held between steps, it is one extra copy of the parameters' bytes per rank, which
-the tables count as neither gradient nor parameter.
+Each stage lays its tensors out as flat buffers of ``world`` equal chunks, one per (dtype,
+device): rank r's tensors from ``r * chunk`` (from the last registered, the order backward
+usually finishes them), padded with zeros to the largest shard. That layout is never
+allocated whole (issue 47: a kept buffer of one copy of the parameters' bytes made the peak
+of ``zero:1`` no lower than ``bsp``'s). The exchanges go in rounds (``plan_rounds``): each
+round carries the same slice of every owner's chunk, half a gradient bucket in all, through
+one of two round buffers kept between steps (allocating a fresh buffer each time cost more
+than a copy into a kept one on the benchmark's machine), so that one round is on the wire
+while the next is packed: a rank's exchange buffers are one bucket, whatever the model's size.
+A round keeps every element at the chunk index it had in the whole layout, so a ring sums it
+in the same order and the results are bitwise those of one whole-buffer exchange. The
+parameters never alias the buffers (the gathered tensors are copied out), so overwriting
+them at the next round changes nothing the user holds.
 
 How the buffers travel depends on the backend (``choose_exchange``): NCCL (and any backend but
-gloo) takes the flat collectives, an in-place ``all_gather_into_tensor`` per buffer and, under
-``zero:2``, one ``reduce_scatter_tensor``. Gloo's versions of those are slow on CPU: for the
+gloo) takes the flat collectives, an in-place ``all_gather_into_tensor`` per round and, under
+``zero:2``, a ``reduce_scatter_tensor`` per round. Gloo's versions of those are slow on CPU: for the
 benchmark's 76 MB on 2 ranks the flat all-gather took 168-200 ms where one broadcast from each
 rank of its own chunk took 31-44 ms (the same bytes), and the reduce-scatter 187-220 ms where an
 all-reduce took 91-100 ms and a ring of send/receive pairs 69 ms. So on gloo the parameters
-come back by one broadcast per owner, straight into the kept buffer, and the gradient goes by
-that ring (``ring_reduce_scatter``): each rank sends (N - 1)/N of the gradient, as a
-reduce-scatter does (an all-reduce would send twice that), and receives into its own shard's
-buffer only.
+come back by one broadcast per owner and round, straight into a round buffer, and the
+gradient goes by that ring (``ring_reduce_scatter``): each rank sends (N - 1)/N of the
+gradient, as a reduce-scatter does (an all-reduce would send twice that), and receives into its
+own shard's buffer only.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradsync import compat, runtime
 from gradsync.errors import UsageError
+from gradsync.spec import default_bucket_mb
 from gradsync.strategies.base import SyncContext, optimizer_step, reading_own_state
 from gradsync.strategies.ps_wire import shard_by_size
 from gradsync.telemetry.records import Span
@@ -152,8 +158,11 @@ class FlatGroup:
     world: int
 
     def empty(self, chunks: int) -> torch.Tensor:
+        return self.buffer(chunks * self.chunk)
+
+    def buffer(self, numel: int) -> torch.Tensor:
         p = self.params[0]
-        return torch.empty(chunks * self.chunk, dtype=p.dtype, device=p.device)
+        return torch.empty(numel, dtype=p.dtype, device=p.device)
 
     def view(self, flat: torch.Tensor, i: int, base: int = 0) -> torch.Tensor:
         """``params[i]``'s place in ``flat``, a buffer that starts at element ``base``."""
@@ -177,7 +186,10 @@ def _flat_groups(params: list[torch.Tensor], owners: list[int], world: int) -> l
         kinds.setdefault((p.dtype, p.device), []).append(i)
     groups = []
     for members in kinds.values():
-        members.sort(key=lambda i: (owners[i], i))
+        # Each owner's tensors in the order backward usually finishes them (the last
+        # registered first), so that ``zero:2``'s first rounds hold the gradients that are
+        # ready first and can go, and free them, while backward goes on.
+        members.sort(key=lambda i: (owners[i], -i))
         load = [0] * world
         for i in members:
             load[owners[i]] += params[i].numel()
@@ -197,6 +209,123 @@ def _flat_groups(params: list[torch.Tensor], owners: list[int], world: int) -> l
             )
         )
     return groups
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The part of ``params[index]`` (of a flat group) that one round carries: its elements
+    ``start`` to ``start + length``, at ``at`` in its owner's part of the round."""
+
+    index: int
+    start: int
+    length: int
+    at: int
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One bucket-sized exchange of a flat group: elements ``lo`` to ``lo + size`` of every
+    owner's chunk, laid out in a round buffer of ``world * size`` elements (owner r's part at
+    ``r * size``); ``pieces[r]``: the tensors of owner r that part holds, or parts of them."""
+
+    lo: int
+    size: int
+    pieces: tuple[tuple[Piece, ...], ...]
+
+    def members(self) -> set[int]:
+        return {pc.index for owner in self.pieces for pc in owner}
+
+
+def plan_rounds(group: FlatGroup, per_owner: int) -> list[Round]:
+    """``group``'s chunks cut into rounds of ``per_owner`` elements of each owner's chunk: the
+    exchanges that replace one of the whole flat buffer. A tensor may straddle rounds. Each
+    round puts every owner's elements at the same chunk index as the whole buffer did, so a
+    ring sums every element in the same order, and the result is bitwise the same."""
+    per_owner = max(1, per_owner)
+    streams: list[list[tuple[int, int, int]]] = [[] for _ in range(group.world)]
+    for i, (o, off) in enumerate(zip(group.owners, group.offsets, strict=True)):
+        streams[o].append((i, off - o * group.chunk, group.params[i].numel()))
+    rounds = []
+    cursor = [0] * group.world  # per owner: its first tensor not wholly before this round
+    for lo in range(0, group.chunk, per_owner):
+        size = min(per_owner, group.chunk - lo)
+        pieces = []
+        for r, stream in enumerate(streams):
+            mine = []
+            k = cursor[r]
+            while k < len(stream) and stream[k][1] < lo + size:
+                i, a, n = stream[k]
+                first, last = max(a, lo), min(a + n, lo + size)
+                if first < last:
+                    mine.append(Piece(i, first - a, last - first, first - lo))
+                if a + n <= lo + size:
+                    cursor[r] = k + 1
+                k += 1
+            pieces.append(tuple(mine))
+        rounds.append(Round(lo, size, tuple(pieces)))
+    return rounds
+
+
+def _flat_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in order: a view when contiguous (parameters and their gradients
+    nearly always are), else a copy, good for reading only."""
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+def pack_round(
+    buf: torch.Tensor,
+    group: FlatGroup,
+    rnd: Round,
+    owners: Iterable[int],
+    source: Callable[[int], torch.Tensor | None],
+    scale: float | None = None,
+) -> None:
+    """Fill ``owners``' parts of round buffer ``buf`` from ``source(index)`` (a tensor of the
+    group's ``params[index]`` shape; None: zeros), times ``scale`` when given, and zero their
+    padding, so that what a collective carries there is deterministic."""
+    for r in owners:
+        part = buf[r * rnd.size : (r + 1) * rnd.size]
+        for pc in rnd.pieces[r]:
+            dst = part[pc.at : pc.at + pc.length]
+            t = source(pc.index)
+            if t is None:
+                dst.zero_()
+                continue
+            src = _flat_view(t)[pc.start : pc.start + pc.length]
+            if scale is None:
+                dst.copy_(src)
+            else:
+                torch.mul(src, scale, out=dst)
+        padding = max(0, group.loads[r] - rnd.lo)
+        if padding < rnd.size:
+            part[padding:].zero_()
+
+
+def unpack_round(buf: torch.Tensor, group: FlatGroup, rnd: Round, owner: int) -> None:
+    """Copy ``owner``'s part of round buffer ``buf`` into its parameters."""
+    part = buf[owner * rnd.size : (owner + 1) * rnd.size]
+    for pc in rnd.pieces[owner]:
+        p = group.params[pc.index]
+        src = part[pc.at : pc.at + pc.length]
+        if p.is_contiguous():
+            p.view(-1)[pc.start : pc.start + pc.length].copy_(src)
+        else:
+            whole = p.reshape(-1).clone()
+            whole[pc.start : pc.start + pc.length].copy_(src)
+            p.copy_(whole.view(p.shape))
+
+
+def round_elements(ctx: SyncContext, layout: OwnerLayout) -> int:
+    """Elements of each owner's chunk one round carries: half the gradient bucket
+    (``bucket_mb``, or the default plan for this model, as under ``bsp``) split over the
+    ranks, so that the two round buffers together are one bucket, whatever the model's size."""
+    total = sum(p.numel() * p.element_size() for p in layout.params)
+    mb = ctx.bucket_mb if isinstance(ctx.bucket_mb, int | float) else None
+    if mb is None:
+        mb = default_bucket_mb(total / 1e6)
+    size = max(p.element_size() for p in layout.params)
+    # half a bucket a round: two rounds are in flight, so the two kept buffers make one bucket
+    return max(1, int(mb * 1e6) // (2 * size * layout.world))
 
 
 class OwnerLayout:
@@ -296,10 +425,16 @@ class ShardedUpdate:
             exchange = choose_exchange(str(dist.get_backend(ctx.group)), device)
         #: how the buffers travel: POINT_TO_POINT or COLLECTIVE
         self.exchange = exchange
-        #: one buffer of ``world`` chunks per flat group, kept between steps (the module's
-        #: docstring says why); its pages are touched at first use (under ``zero:1`` on one
-        #: rank, never)
-        self.flat = [g.empty(layout.world) for g in layout.groups]
+        #: each flat group's exchanges, one bucket-sized round at a time (``plan_rounds``)
+        per_owner = round_elements(ctx, layout)
+        self.rounds = [plan_rounds(g, per_owner) for g in layout.groups]
+        #: two round buffers per flat group, kept between steps (the module's docstring says
+        #: why), so that one round is on the wire while the next is packed; untouched pages
+        #: cost nothing (zero:1 on one rank never touches them)
+        self.buffers = [
+            [g.buffer(layout.world * min(per_owner, g.chunk)) for _ in range(2)]
+            for g in layout.groups
+        ]
 
     def collective(self, step: int | None, what: str, run: Callable[[], T]) -> T:
         """``run`` (collectives and their waits) through the hang diagnosis, when there is one
@@ -336,26 +471,21 @@ class ShardedUpdate:
         )
 
     def gather(self, step: int) -> int:
-        """Every rank's updated tensors to every rank, through the kept buffers: one in-place
-        all-gather per flat group, or on gloo one broadcast per owner's chunk."""
+        """Every rank's updated tensors to every rank, one bucket-sized round at a time through
+        the kept round buffers: an in-place all-gather per round, or on gloo one broadcast per
+        owner's part."""
         layout, ctx = self.layout, self.ctx
         if layout.world == 1:  # the optimizer updated every tensor in place: nothing to send
             return 0
-        rank = layout.rank
         wall0, t0 = time.time(), time.perf_counter()
-        nbytes = 0
+        nbytes = sum(
+            r.size * g.params[0].element_size()
+            for g, rounds in zip(layout.groups, self.rounds, strict=True)
+            for r in rounds
+        )
+        what = f"{self.name} parameter {self._gather_name()} ({self._count()} round(s))"
         with torch.no_grad():
-            mine = []
-            for g, full in zip(layout.groups, self.flat, strict=True):
-                base = rank * g.chunk
-                own = full[base : base + g.chunk]
-                for i in g.owned(rank):
-                    g.view(own, i, base=base).copy_(g.params[i])
-                g.zero_padding(own, [rank], base=base)
-                mine.append(own)
-                nbytes += own.numel() * own.element_size()
-            what = f"{self.name} parameter {self._gather_name()} ({len(mine)} buffer(s))"
-            self.collective(step, what, lambda: self._exchange_params(mine))
+            self.collective(step, what, self._gather_rounds)
         if ctx.record_spans:
             args = {"bytes": nbytes}
             self.spans.append(
@@ -363,42 +493,63 @@ class ShardedUpdate:
             )
         return nbytes
 
+    def _count(self) -> int:
+        return sum(len(r) for r in self.rounds)
+
     def _gather_name(self) -> str:
         return "broadcasts" if self.exchange == POINT_TO_POINT else "all-gather"
 
-    def _exchange_params(self, mine: list[torch.Tensor]) -> None:
-        """Fill every flat buffer from its owners (``mine``: this rank's chunk of each) and copy
-        the other ranks' tensors out; on gloo each owner's tensors are copied out as soon as its
-        broadcast lands, while the later ones are still on the wire."""
-        layout, group = self.layout, self.ctx.group
-        if self.exchange == COLLECTIVE:
-            works = [
-                all_gather_flat(full, own, group=group, async_op=True)
-                for full, own in zip(self.flat, mine, strict=True)
-            ]
-            for work in works:
-                work.wait()
-            for g, full in zip(layout.groups, self.flat, strict=True):
-                for owner in range(layout.world):
-                    if owner != layout.rank:
-                        self._unpack(g, full, owner)
-            return
-        pending = []
-        for g, full in zip(layout.groups, self.flat, strict=True):
-            for owner in range(layout.world):
-                chunk = full[owner * g.chunk : (owner + 1) * g.chunk]
-                work = dist.broadcast(chunk, src=_peer(group, owner), group=group, async_op=True)
-                pending.append((g, full, owner, work))
-        for g, full, owner, work in pending:
-            work.wait()
-            if owner != layout.rank:
-                self._unpack(g, full, owner)
+    def round_buffer(self, k: int, n: int, rnd: Round) -> torch.Tensor:
+        """The kept buffer the ``n``-th exchange of a step uses for round ``rnd`` of group
+        ``k``: the two alternate, so one can be on the wire while the other is packed."""
+        return self.buffers[k][n % 2][: self.layout.world * rnd.size]
 
-    @staticmethod
-    def _unpack(g: FlatGroup, full: torch.Tensor, owner: int) -> None:
-        for i, o in enumerate(g.owners):
-            if o == owner:
-                g.params[i].copy_(g.view(full, i))
+    def _gather_rounds(self) -> None:
+        """Post each round's gather as soon as this rank's part is packed, with at most two
+        in flight (one per kept buffer); each owner's part is copied out as it lands."""
+        layout = self.layout
+        pending: deque[tuple[FlatGroup, Round, torch.Tensor, list[tuple[int, Any]]]] = deque()
+        n = 0
+        for k, g in enumerate(layout.groups):
+            for rnd in self.rounds[k]:
+                if len(pending) == 2:  # the buffer about to be packed is the oldest's
+                    self._land(*pending.popleft())
+                buf = self.round_buffer(k, n, rnd)
+                n += 1
+                pack_round(buf, g, rnd, [layout.rank], g.params.__getitem__)
+                pending.append((g, rnd, buf, self._post_gather(buf, rnd)))
+        while pending:
+            self._land(*pending.popleft())
+
+    def _post_gather(self, buf: torch.Tensor, rnd: Round) -> list[tuple[int, Any]]:
+        """Start filling ``buf`` from every owner: (owner, its work) per owner on gloo's
+        broadcasts; one all-gather (owner -1: every owner) on the flat collectives."""
+        group, rank = self.ctx.group, self.layout.rank
+        if self.exchange == COLLECTIVE:
+            own = buf[rank * rnd.size : (rank + 1) * rnd.size]
+            return [(-1, all_gather_flat(buf, own, group=group, async_op=True))]
+        return [
+            (
+                owner,
+                dist.broadcast(
+                    buf[owner * rnd.size : (owner + 1) * rnd.size],
+                    src=_peer(group, owner),
+                    group=group,
+                    async_op=True,
+                ),
+            )
+            for owner in range(self.layout.world)
+        ]
+
+    def _land(
+        self, g: FlatGroup, rnd: Round, buf: torch.Tensor, works: list[tuple[int, Any]]
+    ) -> None:
+        rank = self.layout.rank
+        for owner, work in works:
+            work.wait()
+            for o in range(self.layout.world) if owner < 0 else [owner]:
+                if o != rank:
+                    unpack_round(buf, g, rnd, o)
 
     def take_spans(self) -> list[Span]:
         spans, self.spans = self.spans, []

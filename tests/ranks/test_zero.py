@@ -134,9 +134,10 @@ def test_gloo_picks_point_to_point_and_either_way_of_exchanging_follows_one_proc
 def test_the_buffers_are_kept_between_steps_and_a_parameter_changed_between_steps_holds(
     exact: tuple[int, list[dict[str, Any]]],
 ) -> None:
-    """Every step reuses the same flat buffers; no parameter or gradient shares their storage
-    (the next step overwrites them); a change the user makes to every parameter between steps
-    is what the next step starts from, on every rank, as in one process."""
+    """Every step reuses the same round buffers, each at most one bucket (not one copy of the
+    model, which is several buckets here); no parameter or gradient shares their storage (the
+    next step overwrites them); a change the user makes to every parameter between steps is
+    what the next step starts from, on every rank, as in one process."""
     world, results = exact
     for name in zr.exactness_cases(world):
         if not name.startswith("zero"):
@@ -144,6 +145,9 @@ def test_the_buffers_are_kept_between_steps_and_a_parameter_changed_between_step
         for out in results:
             buffers = out[name]["buffers"]
             assert all(b["ptrs"] == buffers[0]["ptrs"] for b in buffers), name
+            last = buffers[-1]
+            assert last["model_bytes"] > 4 * last["bucket_bytes"], name  # rounds, not one
+            assert all(size <= last["bucket_bytes"] for size in last["sizes"]), (name, last)
             assert not any(b["params_alias"] or b["grads_alias"] for b in buffers), name
     expected, unedited = _reference("sgd", world, edited=True), _reference("sgd", world)
     assert not torch.allclose(expected[-1], unedited[-1])  # the edit mattered

@@ -25,6 +25,7 @@ STEPS = 4
 MAX_NORM = 0.05  # below the mean gradient's norm at every step, so the clip cuts
 SHARES = [1.0, 3.0, 2.0]  # fixed uneven shards for the balanced case
 TIMEOUT_S = 30.0  # a rank left waiting by a bug fails the test in seconds, not minutes
+BUCKET_MB = 0.01  # far below the model's size: several buckets and exchange rounds
 EDIT_STEP = 2  # the "edit" cases change every parameter in place before this step
 
 
@@ -134,7 +135,7 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         opt,
         strategy=strategy,
         compression=case.get("compression"),
-        bucket_mb=0.01,  # several buckets under zero:1, as under bsp
+        bucket_mb=BUCKET_MB,  # several buckets under zero:1, as under bsp; several rounds
         check_every=1,  # the divergence check after every step, besides the test's own
         balance=balance,
         timeout_s=TIMEOUT_S,
@@ -164,17 +165,22 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
 
 def _buffers(sync: gs.Synchronizer, model: nn.Module) -> dict[str, Any] | None:
     """A stage's kept buffers after a step: their addresses (the same every step when they
-    are reused), how the stage exchanges, and whether a parameter or a gradient shares
-    storage with one (a parameter must not: the next step overwrites the buffer)."""
+    are reused), their sizes beside the bucket's and the model's, how the stage exchanges,
+    and whether a parameter or a gradient shares storage with one (a parameter must not: the
+    next step overwrites the buffer)."""
     strategy = sync.strategy
     if not isinstance(strategy, ZeroStage1 | ZeroStage2):
         return None
     shards = strategy.shards
-    kept = {t.untyped_storage().data_ptr() for t in shards.flat}
+    kept_buffers = [t for pair in shards.buffers for t in pair]
+    kept = {t.untyped_storage().data_ptr() for t in kept_buffers}
     tensors = list(model.parameters())
     grads = [p.grad for p in tensors if p.grad is not None]
     return {
-        "ptrs": [t.data_ptr() for t in shards.flat],
+        "ptrs": [t.data_ptr() for t in kept_buffers],
+        "sizes": [t.untyped_storage().nbytes() for t in kept_buffers],
+        "bucket_bytes": BUCKET_MB * 1e6,
+        "model_bytes": sum(p.numel() * p.element_size() for p in tensors),
         "exchange": shards.exchange,
         "params_alias": any(p.untyped_storage().data_ptr() in kept for p in tensors),
         "grads_alias": any(g.untyped_storage().data_ptr() in kept for g in grads),

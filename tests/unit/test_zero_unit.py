@@ -20,6 +20,9 @@ from gradsync.strategies.zero_shards import (
     POINT_TO_POINT,
     OwnerLayout,
     choose_exchange,
+    pack_round,
+    plan_rounds,
+    unpack_round,
 )
 from gradsync.telemetry.cli import _format_bytes
 from gradsync.workloads import make_workload
@@ -66,7 +69,9 @@ def test_the_layout_gives_whole_tensors_by_size_in_equal_padded_chunks() -> None
     assert layout.owners == [0, 1, 0, 1]
     assert layout.numel(0) == 13 and layout.numel(1) == 11
     f32, f64 = layout.groups
-    assert f32.chunk == 11 and f32.offsets == (0, 11, 18) and f32.loads == (10, 11)
+    # each owner's tensors from the last registered (the order backward finishes them)
+    assert f32.params == (params[0], params[3], params[1])
+    assert f32.chunk == 11 and f32.offsets == (0, 11, 15) and f32.loads == (10, 11)
     assert f64.chunk == 3 and f64.loads == (3, 0)  # rank 1's float64 chunk is all padding
     buf = torch.full((22,), 5.0)
     f32.zero_padding(buf, [0, 1])
@@ -136,3 +141,32 @@ def test_on_one_rank_a_stage_is_plain_training_and_refuses_a_late_backward(
         w.loss(model, *w.batch(4, 8, 0, 8)).backward()
     sync.close()
     assert not math.isnan(float(zr.flat(model).sum()))
+
+
+def test_the_rounds_carry_every_element_once_in_bucket_sized_parts() -> None:
+    """Each flat group is exchanged in rounds of at most ``per_owner`` elements of each
+    owner's chunk; a tensor may straddle rounds; packing every round and unpacking it again
+    puts every element back where it was, padding zeroed."""
+    params = [torch.arange(10.0), torch.arange(7.0) + 100, torch.arange(4.0) + 200]
+    layout = OwnerLayout(params, world=2, rank=0)
+    (g,) = layout.groups
+    rounds = plan_rounds(g, per_owner=3)
+    assert [(r.lo, r.size) for r in rounds] == [(0, 3), (3, 3), (6, 3), (9, 2)]
+    seen = [0] * 21
+    for rnd in rounds:
+        for owner in range(2):
+            for pc in rnd.pieces[owner]:
+                k = next(k for k, p in enumerate(params) if p is g.params[pc.index])
+                base = sum(p.numel() for p in params[:k])
+                for e in range(pc.start, pc.start + pc.length):
+                    seen[base + e] += 1
+    assert seen == [1] * 21
+    copies = [torch.full_like(p, -1.0) for p in params]
+    target = OwnerLayout(copies, world=2, rank=0).groups[0]
+    for rnd in rounds:
+        buf = torch.full((2 * rnd.size,), float("nan"))
+        pack_round(buf, g, rnd, range(2), g.params.__getitem__)
+        assert not torch.isnan(buf).any()  # padding zeroed, never left to chance
+        for owner in range(2):
+            unpack_round(buf, target, rnd, owner)
+    assert all(torch.equal(a, b) for a, b in zip(copies, params, strict=True))
