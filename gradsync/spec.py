@@ -346,6 +346,7 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
         ),
         StrategyForm("async", servers=True),
         StrategyForm("hogwild"),
+        StrategyForm("gossip", "H", "an integer >= 1", _period, _show_period),
     ]
 )
 

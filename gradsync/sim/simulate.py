@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradsync.errors import UsageError
+from gradsync.pairing import partner
 from gradsync.sim.config import (
     HIERARCHICAL,
     CommModel,
@@ -155,6 +156,14 @@ def simulate(
             f"--overlap applies to {' and '.join(OVERLAPPED)} only, not {strat.spec}"
             + (" (its reduce-scatter runs after the backward pass)" if strat.kind == "zero" else "")
         )
+    if strat.kind == "gossip":
+        if comm.ratio != 1 or comm_steps is not None:
+            raise UsageError(
+                f"{strat.spec} exchanges whole parameters between pairs: it is priced from the "
+                "comm model, uncompressed (no compression ratio, no per-step comm times)"
+            )
+        pair = comm.collective_ms("broadcast", 2)  # a model each way between two ranks
+        return _gossip(c, pair, comm.exchange_ms(c.shape[1]), int(strat.param), strat.spec)
     if strat.kind == "zero":
         if comm.ratio != 1:
             raise UsageError(
@@ -390,6 +399,45 @@ def _periodic(c: np.ndarray, exchange: np.ndarray, h: int, spec: str) -> SimResu
         staleness=np.broadcast_to((np.arange(steps) % h)[:, None], c.shape).astype(np.int64),
         step_ms=step,
         period=h,
+    )
+
+
+def _gossip(c: np.ndarray, pair_ms: float, final_ms: float, h: int, spec: str) -> SimResult:
+    # gossip:H: H local steps, then each worker waits for its partner of the round alone
+    # (``gradsync.pairing.partner``) and both pay one pair exchange; no barrier spans
+    # the group until the end, where one all-reduce makes the replicas one model.
+    steps, workers = c.shape
+    clock = np.zeros(workers)  # when each worker is done with everything so far
+    idle = np.zeros_like(c)
+    comm = np.zeros(steps)
+    end = np.empty_like(c)
+    for t in range(steps):
+        clock = clock + c[t]
+        if (t + 1) % h == 0:
+            peers = [partner(w, workers, (t + 1) // h - 1) for w in range(workers)]
+            ready = np.array([clock[w] if p is None else max(clock[w], clock[p]) for w, p in
+                              enumerate(peers)])  # fmt: skip
+            paired = np.array([p is not None for p in peers])
+            idle[t] += ready - clock
+            clock = ready + np.where(paired, pair_ms, 0.0)
+            comm[t] = pair_ms if paired.any() else 0.0
+        end[t] = clock
+    slowest = float(clock.max())
+    idle[-1] += slowest - clock  # the final average waits for the slowest worker
+    comm[-1] += final_ms
+    wall = slowest + final_ms
+    everyone_done = np.maximum.accumulate(end.max(axis=1))
+    return SimResult(
+        strategy=spec,
+        compute_ms=c,
+        idle_ms=idle,
+        comm_ms=comm,
+        wall_ms=wall,
+        staleness=np.broadcast_to((np.arange(steps) % h)[:, None], c.shape).astype(np.int64),
+        done_ms=everyone_done,
+        steady_throughput=float(steps * workers) / (float(end[-1].min()) / 1000.0)
+        if end[-1].min() > 0
+        else 0.0,
     )
 
 

@@ -46,7 +46,7 @@ from gradsync.strategies.streaming import (
 )
 
 
-class _Periodic(Strategy):
+class Periodic(Strategy):
     """Shared step logic: local steps, and a synchronization every ``period`` steps."""
 
     name = "periodic"
@@ -182,7 +182,7 @@ class _Periodic(Strategy):
         self._in_sync = bool(state.get("in_sync", True))
 
 
-class LocalSGD(_Periodic):
+class LocalSGD(Periodic):
     """``local:H``: average the parameters every H steps.
 
     Uncompressed, the parameters themselves are averaged. Through a lossy compressor they must
@@ -236,7 +236,7 @@ class OuterConfig:
             raise UsageError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
 
 
-class DiLoCo(_Periodic):
+class DiLoCo(Periodic):
     """``diloco:H``: the user's optimizer is the inner one; every H steps the averaged
     pseudo-gradient (global minus local parameters) goes through an outer SGD with Nesterov
     momentum, and the new global parameters are copied back to every worker.

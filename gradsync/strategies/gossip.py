@@ -1,0 +1,143 @@
+"""Gossip averaging (``gossip:H``): every H steps each rank averages its parameters with one
+peer, and no collective spans the group until the end.
+
+Local SGD (``local:H``) averages every H steps over all ranks: one all-reduce, a barrier that
+waits for the slowest rank, and 2(W-1) latency terms on a ring. Gossip replaces it by a pair
+exchange: each rank sends its parameters to one partner and receives the partner's, and both
+take the mean. A rank then waits for its partner only, so a slow rank holds back one peer per
+round rather than the whole group, and a round costs one latency and one model's bytes each
+way, whatever the number of ranks. The price is consensus: replicas differ during training (by
+design, the divergence check does not run then) and agree only in the limit; ``report()`` ends
+with one all-reduce of the parameters, so the final model is one. Before it, the spread of the
+replicas (the largest difference of any rank's parameter from their mean) is measured and kept
+in the strategy's summary (``report.json``, ``strategy_summary``).
+
+Who pairs with whom, every rank computes alike from the round number (``gradsync.pairing``:
+the hypercube on a power-of-two number of ranks, else a seeded perfect matching, one rank
+sitting out a round when W is odd). Each pair's mean is computed as ``(a + b) / 2`` on both
+sides, so partners hold bitwise the same parameters after a round (IEEE addition commutes).
+
+Why our own: torch has no gossip averaging; the pair exchange is ``batch_isend_irecv`` of the
+flat parameters, over the user's process group. What is not here yet: compression of the pair
+exchange (refused, naming the strategies that compress), the hierarchy (refused), and
+NoLoCo's modified outer step (Kabbaj et al., 2025).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.checks.diagnose import END
+from gradsync.compression.allreduce import ALLREDUCE
+from gradsync.errors import UsageError
+from gradsync.flat import copy_into, flatten
+from gradsync.pairing import partner
+from gradsync.strategies.base import StepOutcome, SyncContext
+from gradsync.strategies.local_sgd import Periodic
+
+__all__ = ["Gossip", "partner"]
+
+
+class Gossip(Periodic):
+    """``gossip:H``: every H steps, average the parameters with one partner (see the module
+    docstring)."""
+
+    name = "gossip"
+    #: nothing spans the group before the end: telemetry is gathered then, not every few steps
+    barrier_free = True
+    takes_hierarchy = False
+
+    def __init__(self, period: int) -> None:
+        super().__init__(period)
+        self._round = 0
+        #: the replicas' spread measured before the final average (None: not yet)
+        self._spread: float | None = None
+        self._world = 1
+        self._rank = 0
+
+    def setup(self, ctx: SyncContext) -> None:
+        if ctx.compressor is not ALLREDUCE:
+            raise UsageError(
+                f"gossip:{self.period} exchanges whole parameters between pairs of ranks and "
+                f"takes no compression (got {ctx.compressor.spec}); compress with local:H or "
+                "diloco:H, or drop the compression"
+            )
+        if ctx.hierarchy is not None:
+            raise UsageError(
+                f"gossip:{self.period} pairs ranks itself and takes no allreduce='hierarchical'"
+            )
+        super().setup(ctx)
+        self._world = dist.get_world_size(ctx.group) if dist.is_initialized() else 1
+        self._rank = dist.get_rank(ctx.group) if dist.is_initialized() else 0
+
+    def _exchange(self, step: int, outcome: StepOutcome) -> StepOutcome:
+        """The pair exchange due after local step ``step``, if any: no gate, no barrier beyond
+        the partner (a rank's own code between steps delays its partner only)."""
+        if (step + 1) % self.period:
+            return outcome
+        peer = partner(self._rank, self._world, self._round)
+        self._round += 1
+        if peer is not None:
+            outcome.bytes_sent += self._average_with(peer, step)
+        return outcome
+
+    def _average_with(self, peer: int, step: int) -> int:
+        """Average the parameters with ``peer``'s; the bytes sent."""
+        ctx = self._ctx
+        assert ctx is not None
+        mine = flatten(self._params)
+        theirs = torch.empty_like(mine)
+        group = ctx.group
+        to = peer if group is None else dist.get_global_rank(group, peer)
+
+        def run() -> None:
+            ops = [
+                dist.P2POp(dist.isend, mine, to, group),
+                dist.P2POp(dist.irecv, theirs, to, group),
+            ]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+        if ctx.watch is None:
+            run()
+        else:
+            ctx.watch.run(step, f"gossip:{self.period} averaging with rank {peer}", run)
+        # (a + b) / 2 on both sides: addition commutes, so the pair ends bitwise alike.
+        copy_into((mine + theirs) / 2, self._params)
+        return mine.numel() * mine.element_size()
+
+    def finalize(self) -> None:
+        """One average over every rank, so the final model is one; the spread before it is
+        measured first (the largest distance of a replica's parameter from the mean)."""
+        if self._world < 2 or self._ctx is None:
+            return
+        if self._ctx.gate is not None:
+            self._ctx.gate.ensure(END, f"final averaging of gossip:{self.period}")
+        mine = flatten(self._params)
+        mean = self._mean(mine.clone())
+        spread = (mine - mean).abs().max() if mine.numel() else torch.zeros(())
+        spread = spread.reshape(1).to(torch.float64)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self._ctx.group)
+        self._spread = float(spread.item())
+        copy_into(mean, self._params)
+        self._in_sync = True
+
+    def replicas_identical(self, step: int, final: bool) -> bool:
+        """Only at the end: during training the replicas differ by design."""
+        return final
+
+    def summary(self) -> dict[str, Any]:
+        return {"period": self.period, "rounds": self._round, "spread_before_final": self._spread}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "round": self._round}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._round = int(state.get("round", 0))
+
+    def _synchronize(self) -> None:  # the final average only (``finalize``)
+        raise AssertionError("gossip synchronizes in pairs (_exchange) and at the end (finalize)")

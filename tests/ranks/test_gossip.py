@@ -1,0 +1,50 @@
+"""Gossip averaging (``gossip:H``): pairs average every H steps with no group-wide collective,
+partners end each round bitwise alike, and ``report()`` leaves one model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsync.pairing import partner
+from gradsync.testing import run_ranks
+from tests.support import gossip_ranks as gr
+
+pytestmark = pytest.mark.ranks
+
+
+@pytest.mark.timeout(120)
+def test_four_ranks_average_in_hypercube_pairs_and_end_as_one_model() -> None:
+    period, steps = 2, 6
+    out = run_ranks(gr.train, 4, period, steps, timeout_s=100)
+    for r in out:  # no all-reduce, broadcast, gather or barrier while training
+        assert r["collectives"] == [], r["collectives"]
+    for step in range(steps):
+        params = [r["after"][step] for r in out]
+        if (step + 1) % period:
+            continue
+        round_ = (step + 1) // period - 1
+        for rank in range(4):
+            peer = partner(rank, 4, round_)
+            assert peer is not None
+            assert torch.equal(params[rank], params[peer]), (step, rank, peer)
+        # ... and the pairs differ from each other: replicas are not one model yet
+        assert not torch.equal(params[0], params[partner(0, 4, round_) ^ 3])
+    finals = [r["final"] for r in out]
+    assert all(torch.equal(f, finals[0]) for f in finals)  # one model after report()
+    summary = out[0]["summary"]
+    assert summary["rounds"] == steps // period and summary["spread_before_final"] > 0
+    nbytes = finals[0].numel() * finals[0].element_size()
+    assert out[0]["bytes"] == [0, nbytes] * (steps // period)  # a model's bytes per round
+
+
+@pytest.mark.timeout(120)
+def test_an_odd_number_of_ranks_sits_one_out_each_round_and_ends_as_one_model() -> None:
+    out = run_ranks(gr.train, 3, 1, 3, timeout_s=100)
+    for step in range(3):
+        alone = [r for r in range(3) if partner(r, 3, step) is None]
+        assert len(alone) == 1
+        paired = [r for r in range(3) if r not in alone]
+        assert torch.equal(out[paired[0]]["after"][step], out[paired[1]]["after"][step])
+    finals = [r["final"] for r in out]
+    assert all(torch.equal(f, finals[0]) for f in finals)

@@ -1,0 +1,62 @@
+"""Rank bodies for gossip averaging (``gossip:H``), importable by spawned ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import gradsync as gs
+from gradsync.workloads import make_workload
+from tests.support.ranks import flat_params
+
+PER_RANK = 4
+#: the group-wide collectives a gossip step must not post (its pair exchange is send/recv)
+GROUP_WIDE = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "barrier")
+
+
+class _Counted:
+    """Counts calls of torch.distributed's group-wide collectives while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: list[str] = []
+        for name in GROUP_WIDE:
+            original = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                self.calls.append(name)
+            return original(*args, **kwargs)
+
+        return counted
+
+
+def train(rank: int, world: int, period: int, steps: int) -> dict[str, Any]:
+    """SGD on the float64 mlp, each rank its own shard; the parameters after every step, the
+    group-wide collectives posted during the steps, and the final parameters and summary."""
+    w = make_workload("mlp", seed=5, params=3000, dtype="float64")
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    counted = _Counted()
+    sync = gs.Synchronizer(model, opt, strategy=f"gossip:{period}", timeout_s=20)
+    after: list[torch.Tensor] = []
+    counted.on = True
+    for step in range(steps):
+        with sync.step(samples=PER_RANK):
+            x, y = w.batch(step, PER_RANK * world, rank * PER_RANK, (rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+        after.append(flat_params(model))
+    counted.on = False
+    report = sync.report()
+    sync.close()
+    return {
+        "after": after,
+        "collectives": counted.calls,
+        "final": flat_params(model),
+        "summary": sync.strategy.summary(),
+        "bytes": [r.bytes for r in report.records if r.rank == rank],
+    }

@@ -1,0 +1,74 @@
+"""Who gossips with whom (``gradsync.strategies.gossip.partner``), and what gossip refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradsync.errors import UsageError
+from gradsync.pairing import partner
+from gradsync.sim.config import CommModel
+from gradsync.sim.simulate import SimResult, simulate
+from gradsync.spec import parse_strategy_spec
+from gradsync.strategies import parse_strategy
+from gradsync.strategies.factory import check_compression
+from gradsync.strategies.gossip import Gossip
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 8, 16])
+def test_each_round_is_a_matching_every_rank_computes_alike(world: int) -> None:
+    for round_ in range(12):
+        peers = [partner(r, world, round_) for r in range(world)]
+        for rank, peer in enumerate(peers):
+            if peer is not None:
+                assert peer != rank and peers[peer] == rank  # symmetric
+        assert peers.count(None) == world % 2  # one sits out only when the world is odd
+
+
+def test_a_power_of_two_world_walks_the_hypercube() -> None:
+    assert [partner(5, 8, r) for r in range(4)] == [4, 7, 1, 4]
+    assert partner(0, 1, 0) is None
+
+
+def test_the_spec_parses_and_refuses_alike() -> None:
+    assert parse_strategy_spec("gossip:4").period == 4
+    strategy = parse_strategy("gossip:4")
+    assert isinstance(strategy, Gossip) and strategy.barrier_free
+    with pytest.raises(UsageError, match=r"strategy 'gossip:0'.*H must be an integer >= 1"):
+        parse_strategy("gossip:0")
+    with pytest.raises(UsageError, match="gossip:4 .* takes no compression .*local:H or diloco:H"):
+        check_compression("gossip:4", "fp16")
+
+
+def _simulate(strategy: str, compute: np.ndarray, comm_ms: float) -> SimResult:
+    return simulate(strategy, compute, CommModel(comm_ms=comm_ms))
+
+
+def test_the_simulator_charges_a_pair_exchange_per_round_and_one_average_at_the_end() -> None:
+    result = _simulate("gossip:4", np.full((8, 4), 100.0), 10.0)
+    # 8 steps of 100 ms, 2 rounds of a 10 ms pair exchange, one 10 ms all-reduce at the end
+    assert result.wall_ms == pytest.approx(800 + 2 * 10 + 10)
+    assert result.idle_ms.sum() == 0.0
+
+
+def test_a_slow_worker_holds_back_its_partners_not_the_whole_group() -> None:
+    compute = np.full((8, 8), 100.0)
+    compute[3, 0] = 400.0  # worker 0 slow once, in the first round
+    gossip = _simulate("gossip:4", compute, 10.0)
+    local = _simulate("local:4", compute, 10.0)
+    # local:4 makes all 8 workers wait at the first average; gossip only worker 0's partner
+    # (worker 1 in the hypercube's first round), the rest later and by less
+    first_round = gossip.idle_ms[3]
+    assert first_round[1] == pytest.approx(300.0) and first_round[2:].sum() == 0.0
+    assert local.idle_ms[3][1:].sum() == pytest.approx(7 * 300.0)
+    # with slowdowns now here, now there, the waits do not add up as the group's do
+    rng = np.random.default_rng(0)
+    noisy = 100.0 * np.where(rng.random((64, 16)) < 0.05, 3.0, 1.0)
+    assert _simulate("gossip:4", noisy, 10.0).wall_ms < _simulate("local:4", noisy, 10.0).wall_ms
+
+
+def test_the_simulator_refuses_what_it_does_not_price_for_gossip() -> None:
+    with pytest.raises(UsageError, match="gossip:4 exchanges whole parameters between pairs"):
+        simulate("gossip:4", np.full((4, 2), 1.0), CommModel(comm_ms=1.0, ratio=2.0))
