@@ -60,3 +60,26 @@ def train(rank: int, world: int, period: int, steps: int) -> dict[str, Any]:
         "summary": sync.strategy.summary(),
         "bytes": [r.bytes for r in report.records if r.rank == rank],
     }
+
+
+def checkpointed(rank: int, world: int, directory: str, resume: bool) -> torch.Tensor:
+    """8 steps of gossip:2 saving after step 4 (or resumed from that checkpoint for steps 4-7);
+    the parameters before the final average (a round after step 8 leaves pairs alike)."""
+    w = make_workload("mlp", seed=5, params=3000, dtype="float64")
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sync = gs.Synchronizer(model, opt, strategy="gossip:3", timeout_s=20)
+    first = 0
+    if resume:
+        loaded = sync.load(directory)
+        assert loaded is not None
+        first = loaded["step"]
+    for step in range(first, 8):
+        with sync.step(samples=PER_RANK):
+            x, y = w.batch(step, PER_RANK * world, rank * PER_RANK, (rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+        if step == 3 and not resume:
+            sync.save(directory)
+    params = flat_params(model)
+    sync.close()
+    return params
