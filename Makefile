@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch is pinned and installed first: on our machines this version comes from a local CPU wheel;
 # any other version would pull gigabytes of CUDA packages. The package itself only needs torch>=2.4.
+# The dev extras include gradsync[ft] (torchft 0.2, for live membership's tests), which needs torch>=2.7.
 TORCH ?= torch==2.13.0
 
 .PHONY: venv demo test check lint bench clean

@@ -29,6 +29,7 @@ from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
+from gradsync.membership import check_membership
 from gradsync.options import (
     DEFAULT_TIMEOUT_S,
     GROUP_OF,
@@ -177,6 +178,9 @@ class Synchronizer:
         exchange: Exchange | None = None,
         limits: Limits | None = None,
         checks: Checks | None = None,
+        membership: str | None = None,
+        lighthouse: str | None = None,
+        min_replicas: int = 1,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         _check_arguments(model, optimizer, scaler)
@@ -201,6 +205,19 @@ class Synchronizer:
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
         self.strategy, self.compressor = self._make_strategy(strategy, compression, servers)
+        # membership="torchft": this process is one replica group (gradsync.membership)
+        self._live = check_membership(
+            membership,
+            lighthouse=lighthouse,
+            min_replicas=min_replicas,
+            strategy=strategy,
+            compression_spec=self.compressor.spec,
+            allreduce=self.allreduce,
+            bucket_mb=self.options.exchange.bucket_mb,
+            balance=self.options.exchange.balance,
+            world_size=self.world_size,
+        )
+        self._membership: Any = None
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         if self._run is not None:
             self._run.start(self.rank, self.layout.workers)
@@ -318,6 +335,7 @@ class Synchronizer:
             self._broadcast_initial_state()
             if exchange.allreduce == "hierarchical" and self.world_size > 1:
                 self._hierarchy = Hierarchy(self.group, self.timeout_s)
+            self._membership = self._join_membership()
             self.strategy.setup(
                 SyncContext(
                     model=self.model,
@@ -334,12 +352,32 @@ class Synchronizer:
                     scaler=self.scaler,
                     gate=self._gate,
                     hierarchy=self._hierarchy,
+                    membership=self._membership,
                 )
             )
             self._checkpoints.check_strategy()
         except BaseException:
             self._release_timeout()
+            if self._membership is not None:
+                self._membership.close()
             raise
+
+    def _join_membership(self) -> Any:
+        """Under ``membership="torchft"``: this replica group's torchft Manager, which heals a
+        replacement with what a checkpoint would give it (``ReplicaState``); else None."""
+        if self._live is None:
+            return None
+        from gradsync.membership.ft_manager import ReplicaState, TorchftMembership
+
+        state = ReplicaState(
+            model=self.model,
+            optimizer=self.optimizer,
+            strategy=self.strategy,
+            sync_state=self.state_dict,
+            load_sync_state=self.load_state_dict,
+            registry=self._checkpoints.registry,
+        )
+        return TorchftMembership(self._live, state, timeout_s=self.timeout_s)
 
     @property
     def _broadcasts_buffers(self) -> bool:
@@ -935,6 +973,8 @@ class Synchronizer:
         self.strategy.close()
         if self._hierarchy is not None:
             self._hierarchy.close()
+        if self._membership is not None:
+            self._membership.close()
         self._release_timeout()
 
     def _release_timeout(self) -> None:

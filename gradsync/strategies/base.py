@@ -131,6 +131,27 @@ def _no_hooks(hooks: CheckpointHooks) -> None:
     return None
 
 
+class Membership(Protocol):
+    """Live membership (``Synchronizer(membership="torchft")``, ``gradsync.membership``): the
+    replicas training now are a quorum that changes between steps, and every cross-replica
+    exchange goes through it. A strategy that takes one (BSP) joins the quorum at the start of
+    each step, sends its gradient through ``allreduce`` and applies the update only where
+    ``commit`` says so: a step not committed is skipped on this replica, as a non-finite one
+    is, and the quorum heals the replica at a later step if its peers went on."""
+
+    def start_step(self, step: int) -> None:
+        """Join this step's quorum; a replacement takes a live peer's state here."""
+        ...
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The mean of ``tensor`` over this step's participants, in place."""
+        ...
+
+    def commit(self, step: int) -> bool:
+        """Called once per step after the exchange: whether this replica applies it."""
+        ...
+
+
 @dataclass(slots=True, kw_only=True)
 class SyncContext:
     """The runtime objects a strategy works on (config lives in the strategy itself)."""
@@ -160,6 +181,9 @@ class SyncContext:
     hierarchy: Any = None
     #: give the checkpoints ``CheckpointHooks`` (once, in ``setup``)
     register_checkpoint_hooks: Callable[[CheckpointHooks], None] = _no_hooks
+    #: ``membership="torchft"``: the quorum every cross-replica exchange goes through (None:
+    #: the group is every replica, for the whole run)
+    membership: Membership | None = None
 
     @property
     def scaling(self) -> bool:

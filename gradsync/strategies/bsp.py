@@ -3,6 +3,11 @@
 Gradients are exchanged bucket by bucket from autograd hooks (see ``gradsync.buckets``), so
 most communication overlaps the backward pass; the step then waits for every bucket, writes
 the mean gradient back into ``p.grad`` and calls the user's ``optimizer.step()`` unchanged.
+
+Under live membership (``SyncContext.membership``, ``membership="torchft"``) the group is one
+replica and the exchange crosses replicas through the quorum instead: each step joins the
+quorum first, each bucket is averaged over the step's participants, and the update is applied
+only where the quorum commits the step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
 from gradsync.strategies.base import (
+    Membership,
     StepOutcome,
     StepPlan,
     Strategy,
@@ -61,6 +67,8 @@ class BSP(Strategy):
         #: ``bucket_mb="auto"``'s trials (None: a fixed plan)
         self._tuner: BucketTuner | None = None
         self._step_started: float | None = None
+        #: live membership's quorum (None: ``ctx.group`` holds every replica)
+        self._membership: Membership | None = None
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
@@ -71,6 +79,10 @@ class BSP(Strategy):
         self._state = ctx.compressor.make_state(group)
         self._world = runtime.world_size(ctx.group)
         self.fused_mean = ctx.compressor is ALLREDUCE
+        self._membership = ctx.membership
+        # The Synchronizer refused the rest (gradsync.membership): the quorum carries a plain
+        # mean, and the world here is this replica alone.
+        assert self._membership is None or (self.fused_mean and hierarchy is None)
         if ctx.bucket_mb == AUTO:
             self._tuner = self._make_tuner(ctx)
             self._reducer = self._make_reducer(self._tuner.plan_for_next_step())
@@ -171,6 +183,12 @@ class BSP(Strategy):
 
     def _exchange(self, bucket: FlatBucket) -> torch.futures.Future[torch.Tensor]:
         assert self._ctx is not None
+        if self._membership is not None:
+            # The bucket holds this replica's gradient times its 1/k (the world here is one):
+            # the quorum's mean over its participants is the step's gradient.
+            buf = bucket.buffer()
+            self._state.bytes_sent += buf.numel() * buf.element_size()
+            return self._membership.allreduce(buf)
         if self.fused_mean and self._ctx.hierarchy is not None:
             buf = bucket.buffer()
             self._state.bytes_sent += buf.numel() * buf.element_size()
@@ -188,6 +206,10 @@ class BSP(Strategy):
 
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
+        if self._membership is not None:
+            # Before anything of the step: a replacement heals here (model, optimizer, the
+            # Synchronizer's state), and its first exchange is then its peers'.
+            self._membership.start_step(plan.step)
         if self._tuner is not None and self._tuner.deciding:
             self._retune(plan.step)
         # No optimizer.zero_grad() here: arm() releases every p.grad (it was a view into a
@@ -261,6 +283,13 @@ class BSP(Strategy):
         assert self._ctx is not None
         if self.reducer.late_gradient:
             raise late_gradient(step)
+        # Asked every step, skipped or not: the quorum counts the steps it decided on.
+        if self._membership is not None and not self._membership.commit(step):
+            # A participant was lost mid-exchange (or too few took part): the gradient is not
+            # the quorum's, so this replica skips the step; a later quorum heals it if its
+            # peers committed the step.
+            self._ctx.optimizer.zero_grad(set_to_none=True)
+            outcome.skipped = True
         if outcome.skipped:
             return outcome
         wall0, t0 = time.time(), time.perf_counter()

@@ -148,6 +148,9 @@ MAY_IMPORT = {
     "cluster": {"processes"},
     "workloads": set(),
     "processes": set(),
+    # live membership: the Manager heals a replica with what a checkpoint holds (the strategy's
+    # model state, the registry) and serves its group's store on loopback (processes.stores)
+    "membership": {"strategies", "checkpoint", "processes"},
     # the top of the house: nothing imports it, it may import everything
     "runner": {
         "strategies",
@@ -159,6 +162,7 @@ MAY_IMPORT = {
         "cluster",
         "workloads",
         "processes",
+        "membership",
     },
     "fault": {"checkpoint"},  # the old name's aliases
 }

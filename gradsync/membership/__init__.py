@@ -1,0 +1,135 @@
+"""Live membership: replica groups that leave and join a run while the others train on.
+
+Without it (``membership=None``) a lost worker stops every rank: torch's elastic agent restarts
+the group and all resume from the last checkpoint. With ``membership="torchft"`` each replica
+group is a participant of a torchft quorum (``gradsync.membership.ft_manager``): the others go
+on at the next step with the mean over the live participants, and a replacement heals from a
+live peer's state before it rejoins (docs/membership.md).
+
+Why a package of its own: what it holds (torchft's Manager, its lighthouse, the state a
+replacement heals from) is neither a strategy nor checkpointing, and it is the one place that
+imports torchft, an optional dependency (``pip install gradsync[ft]``). Strategies see only the
+``strategies.base.Membership`` protocol, through ``SyncContext.membership``.
+
+This module is torch-free and torchft-free: the Synchronizer validates its arguments here
+before anything listens or is exchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from gradsync.errors import UsageError
+from gradsync.spec import parse_strategy_spec
+
+#: the values ``Synchronizer(membership=...)`` takes besides None (the classic restart)
+MEMBERSHIPS = ("torchft",)
+#: where the lighthouse's address is read when ``lighthouse=`` is not given (torchft's own name)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+#: this replica group's id (torchft's examples' name): it names the group in the quorum and in
+#: torchft's logs; a uuid is added by torchft, so a replacement never collides with the dead
+REPLICA_ID_ENV = "REPLICA_GROUP_ID"
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSettings:
+    """What ``membership="torchft"`` was given, validated."""
+
+    lighthouse: str
+    min_replicas: int
+    replica_id: str | None
+
+
+def torchft_missing() -> str | None:
+    """Why torchft cannot be used here (None: it can)."""
+    if importlib.util.find_spec("torchft") is None:
+        return (
+            "membership='torchft' needs torchft, which is not installed: "
+            "pip install 'gradsync[ft]' (torchft 0.2, torch >= 2.7)"
+        )
+    return None
+
+
+def check_membership(
+    membership: str | None,
+    *,
+    lighthouse: str | None,
+    min_replicas: int,
+    strategy: Any,
+    compression_spec: str,
+    allreduce: str,
+    bucket_mb: Any,
+    balance: Any,
+    world_size: int,
+) -> LiveSettings | None:
+    """The validated settings of ``membership=`` (None: no live membership), or a
+    ``UsageError`` naming the bad value and what is valid. Called before anything listens."""
+    if membership is None:
+        if lighthouse is not None or min_replicas != 1:
+            raise UsageError(
+                "lighthouse= and min_replicas= set how replica groups join a torchft quorum: "
+                "they need membership='torchft'"
+            )
+        return None
+    if membership not in MEMBERSHIPS:
+        valid = ", ".join(repr(m) for m in (None, *MEMBERSHIPS))
+        raise UsageError(f"membership={membership!r} is not known; valid: {valid}")
+    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
+        raise UsageError(f"min_replicas must be an integer >= 1, got {min_replicas!r}")
+    _check_exchange(strategy, compression_spec, allreduce, bucket_mb, balance)
+    if world_size != 1:
+        raise UsageError(
+            f"membership='torchft' runs each replica group as one process (a world of 1), but "
+            f"this group has {world_size} ranks: start one process per replica group, each "
+            "with gs.init() in a world of one (docs/membership.md)"
+        )
+    address = lighthouse if lighthouse is not None else os.environ.get(LIGHTHOUSE_ENV)
+    if not address:
+        raise UsageError(
+            "membership='torchft' needs the lighthouse's address: lighthouse='http://HOST:PORT' "
+            f"or ${LIGHTHOUSE_ENV} (docs/membership.md starts one on 127.0.0.1)"
+        )
+    missing = torchft_missing()
+    if missing is not None:
+        raise UsageError(missing)
+    replica_id = os.environ.get(REPLICA_ID_ENV) or None
+    return LiveSettings(lighthouse=address, min_replicas=min_replicas, replica_id=replica_id)
+
+
+def _check_exchange(
+    strategy: Any, compression_spec: str, allreduce: str, bucket_mb: Any, balance: Any
+) -> None:
+    """What the torchft Manager's collectives can carry in this first version: BSP's plain
+    all-reduce, bucket by bucket, the same buckets on every replica."""
+    if not isinstance(strategy, str) or parse_strategy_spec(strategy).kind != "bsp":
+        raise UsageError(
+            f"membership='torchft' runs strategy 'bsp' only for now, got {strategy!r}: its "
+            "gradient is the one exchange that goes through the torchft Manager's all-reduce "
+            "and commit decision (the other strategies' collectives would stay inside one "
+            "replica group, or reach a lost one and hang); give strategy='bsp' as a string"
+        )
+    if compression_spec != "none":
+        raise UsageError(
+            f"membership='torchft' with compression {compression_spec!r}: a compressor runs "
+            "its own collectives over the replica group, which under torchft holds one "
+            "process, so replicas would never exchange; use compression=None"
+        )
+    if allreduce != "ring":
+        raise UsageError(
+            f"membership='torchft' with allreduce={allreduce!r}: the Manager's all-reduce is "
+            "the exchange; use allreduce='ring' (the default)"
+        )
+    if bucket_mb == "auto":
+        raise UsageError(
+            "membership='torchft' with bucket_mb='auto': each replica would time its own plans "
+            "and could choose other buckets than its peers, whose all-reduces would then not "
+            "match; give bucket_mb a number (or None for the default plan)"
+        )
+    if balance:
+        raise UsageError(
+            "membership='torchft' with balance: shard balancing weighs ranks of one group, "
+            "and the quorum changes under it; use balance=False"
+        )

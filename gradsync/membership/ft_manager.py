@@ -1,0 +1,185 @@
+"""This replica group as a torchft participant: its ``Manager``, built so that every socket
+gradsync can place listens on loopback, and the three calls BSP makes of it each step.
+
+Why a module of its own: torchft's ``Manager`` is the only cross-replica channel under
+``membership="torchft"`` (each replica group is a world of one, so gradsync's own collectives
+stay local), and building it takes decisions that are not a strategy's: which store, which
+checkpoint transport, what a replacement heals from, where things listen. BSP sees it only as
+``strategies.base.Membership`` (``start_step``, ``allreduce``, ``commit``).
+
+What listens (docs/membership.md has the table):
+
+- the group's TCPStore, which torchft's quorum hands to the peers to build the cross-replica
+  gloo group: ``processes.stores.server_store`` on 127.0.0.1 (torch's own would bind every
+  interface);
+- the Manager's server (quorum and commit RPCs): torchft 0.2 hard-codes ``bind="[::]:PORT"``;
+  the Manager is built with ``ManagerServer`` swapped, for the construction only, for one that
+  binds the same port on ``host`` (``_manager_server_bound_to``);
+- gloo's sockets: ``GLOO_SOCKET_IFNAME`` (``lo`` for a local run, as gradsync's launchers set);
+- the healing transfer: torchft's ``PGTransport`` over that gloo group, so no HTTP server; the
+  default ``HTTPTransport`` would bind every interface (``("", 0)`` over IPv6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradsync.checkpoint.registry import StateRegistry
+from gradsync.errors import UsageError
+from gradsync.logs import get_logger
+from gradsync.membership import LiveSettings
+from gradsync.processes.stores import server_store
+from gradsync.strategies.base import Strategy, own_optimizer_state
+
+logger = get_logger("membership")
+
+#: where a local run's sockets listen
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """What a live peer sends a replacement, and how the replacement takes it: the model (as
+    the strategy saves it), the optimizer, the Synchronizer's own state (step, strategy and
+    compressor state) and every state registered with ``sync.register_state``: what a
+    checkpoint holds, minus the RNG (each replica draws its own data) and the step records."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    strategy: Strategy
+    sync_state: Callable[[], dict[str, Any]]
+    load_sync_state: Callable[[dict[str, Any]], None]
+    registry: StateRegistry
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.strategy.model_state_dict(self.model),
+            "optimizer": own_optimizer_state(self.optimizer),
+            "sync": self.sync_state(),
+            "registered": self.registry.states(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.strategy.load_model_state_dict(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_sync_state(state["sync"])
+        step = int(state["sync"]["step"])
+        self.registry.load(state["registered"], step=step, world_changed=False, warn=True)
+        logger.info("healed from a live peer: resuming at step %d", step)
+
+
+class TorchftMembership:
+    """``strategies.base.Membership`` through a torchft ``Manager`` (see the module docstring).
+
+    The quorum is synchronous (``use_async_quorum=False``): a replacement heals inside
+    ``start_step``, before the step's forward pass, and takes part in that step's all-reduce
+    like any peer, rather than contributing zeros for a step while its state arrives."""
+
+    def __init__(
+        self,
+        settings: LiveSettings,
+        state: ReplicaState,
+        *,
+        timeout_s: float,
+        host: str = LOOPBACK,
+    ) -> None:
+        import torchft.manager as ft_manager
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ProcessGroupGloo
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = server_store(host, 0, timeout=timeout)
+        self._pg = ProcessGroupGloo(timeout=timeout)
+        transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
+        with _manager_server_bound_to(ft_manager, host):
+            self.manager = ft_manager.Manager(
+                pg=self._pg,
+                load_state_dict=state.load_state_dict,
+                state_dict=state.state_dict,
+                min_replica_size=settings.min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                rank=0,
+                world_size=1,
+                store_addr=host,
+                store_port=self._store.port,
+                lighthouse_addr=settings.lighthouse,
+                replica_id=settings.replica_id,
+                hostname=host,
+                checkpoint_transport=transport,
+                # Replicas may start from different weights: the first quorum heals every
+                # participant but one from it, as gradsync's initial broadcast does in a group.
+                init_sync=True,
+            )
+        # One thread waits for the buckets' all-reduces in launch order and completes the
+        # futures BucketReducer holds: the Manager returns a Work whose result exists only
+        # once waited on, and waiting in the autograd hook would serialize the exchange with
+        # the backward pass.
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-torchft")
+
+    def start_step(self, step: int) -> None:
+        """Join this step's quorum (a replacement heals here, before the forward pass)."""
+        self.manager.start_quorum()
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The mean of ``tensor`` over this step's participants, in place. A failed exchange
+        (a peer lost mid-step) completes all the same, with garbage in ``tensor``: the Manager
+        noted the error, and ``commit`` then says False."""
+        work = self.manager.allreduce(tensor)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def complete() -> None:
+            try:
+                work.wait()  # reports its own error to the Manager rather than raising
+            finally:
+                done.set_result(tensor)
+
+        self._waiter.submit(complete)
+        return done
+
+    def commit(self, step: int) -> bool:
+        """Whether this replica applies the step: every participant's exchange completed and
+        the quorum had at least ``min_replicas`` participants."""
+        return bool(self.manager.should_commit())
+
+    def participants(self) -> int:
+        return int(self.manager.num_participants())
+
+    def close(self) -> None:
+        self._waiter.shutdown(wait=True)
+        self.manager.shutdown(wait=True)
+        self._pg.shutdown()
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(module: Any, host: str) -> Iterator[None]:
+    """While the ``Manager`` is built: its ``ManagerServer`` listens on ``host`` instead of the
+    ``[::]`` that torchft 0.2 hard-codes (same port). The name is swapped in torchft's module
+    and put back at once; a torchft that builds its server otherwise fails here, loudly,
+    rather than binding every interface unseen."""
+    made = module.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        if "bind" not in kwargs:
+            raise UsageError(
+                "this torchft builds its ManagerServer without bind=: gradsync cannot keep it "
+                f"on {host} (tested with torchft 0.2.0)"
+            )
+        port = str(kwargs["bind"]).rpartition(":")[2]
+        return made(**{**kwargs, "bind": f"{host}:{port}"})
+
+    module.ManagerServer = bound
+    try:
+        yield
+    finally:
+        module.ManagerServer = made

@@ -1,0 +1,68 @@
+"""``membership=`` is validated before anything listens: each refusal names the bad value and
+what is valid (``gradsync.membership.check_membership``; no process, no torchft needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gradsync.errors import UsageError
+from gradsync.membership import LIGHTHOUSE_ENV, check_membership, torchft_missing
+
+pytestmark = pytest.mark.unit
+
+GOOD: dict[str, Any] = dict(
+    lighthouse="http://127.0.0.1:1",
+    min_replicas=1,
+    strategy="bsp",
+    compression_spec="none",
+    allreduce="ring",
+    bucket_mb=None,
+    balance=False,
+    world_size=1,
+)
+
+
+def test_no_membership_is_the_classic_restart_and_refuses_its_settings() -> None:
+    assert check_membership(None, **{**GOOD, "lighthouse": None}) is None
+    with pytest.raises(UsageError, match="need membership='torchft'"):
+        check_membership(None, **GOOD)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"strategy": "local:4"}, r"'bsp' only for now, got 'local:4'"),
+        ({"strategy": "zero:1"}, r"'bsp' only for now, got 'zero:1'"),
+        ({"compression_spec": "topk:0.01"}, r"compression 'topk:0.01'"),
+        ({"allreduce": "hierarchical"}, r"allreduce='hierarchical'"),
+        ({"bucket_mb": "auto"}, r"bucket_mb='auto'"),
+        ({"balance": True}, r"with balance"),
+        ({"world_size": 2}, r"this group has 2 ranks"),
+        ({"min_replicas": 0}, r"min_replicas must be an integer >= 1, got 0"),
+    ],
+)
+def test_what_the_manager_cannot_carry_is_refused_naming_it(
+    change: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(UsageError, match=match):
+        check_membership("torchft", **{**GOOD, **change})
+
+
+def test_an_unknown_membership_names_the_valid_ones() -> None:
+    with pytest.raises(UsageError, match=r"membership='etcd' is not known; valid: None, 'torchft'"):
+        check_membership("etcd", **GOOD)
+
+
+def test_the_lighthouse_comes_from_the_argument_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if torchft_missing():
+        pytest.skip("torchft is not installed: pip install 'gradsync[ft]'")
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    with pytest.raises(UsageError, match="needs the lighthouse's address"):
+        check_membership("torchft", **{**GOOD, "lighthouse": None})
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://127.0.0.1:2")
+    settings = check_membership("torchft", **{**GOOD, "lighthouse": None})
+    assert settings is not None and settings.lighthouse == "http://127.0.0.1:2"
