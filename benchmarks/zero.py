@@ -250,13 +250,13 @@ def memory_reading(mem: dict[str, Any], specs: list[str], ranks: list[int]) -> s
         text += ("; " if above else "") + "below it for " + ", ".join(below)
     return (
         text + ". Holding less between steps lowers the peak only by what the stage's own "
-        "buffers do not take back: every zero:1/zero:2 rank keeps one flat buffer of N chunks "
-        f"of the largest shard for its parameter exchange ({kept} rank(s) for this model; "
-        "allocated once and reused, not counted as gradients or parameters above; zero:1 on "
-        "one rank, with nothing to exchange, never touches it), into which "
-        "zero:2 also packs each gradient as the backward pass finishes it, plus zero:2's own "
-        f"chunk of the reduced gradient; stage 1 saves (1 - 1/N) of AdamW's state ({saved} "
-        f"rank(s)), stage 2 also (1 - 1/N) of the gradients ({grads} rank(s)). The held bytes "
+        "buffers do not take back: every zero:1/zero:2 rank keeps two round buffers for its "
+        "exchanges, one gradient bucket in all whatever the model's size (issue 47; before, "
+        f"one flat buffer of N chunks of the largest shard: {kept} rank(s) for this model), "
+        "plus zero:2's own chunk of the reduced gradient and, during backward, the "
+        "gradients of the rounds not yet sent; stage 1 saves (1 - 1/N) of AdamW's state "
+        f"({saved} rank(s)), stage 2 also (1 - 1/N) of the gradients ({grads} rank(s)). The "
+        "held bytes "
         "are the issue's measure; the peak is what a rank needs to have free."
     )
 
