@@ -8,13 +8,12 @@ the next module's gather prefetched) and reduce-scatters its gradients as the ba
 finishes them, so each rank receives only its shard of the mean gradient. That is stage 3
 exactly, maintained in torch and tested on NCCL and gloo: gradsync wraps it rather than writing
 its own (hooks that free and regather parameters around autograd are the part that is hard to
-get right). Wrapping: each outermost element of an ``nn.Sequential`` or ``nn.ModuleList`` (a
-transformer's blocks, an MLP's layers) is one FSDP unit, gathered on its own, so is any other
-module holding at least ``UNIT_BYTES`` outside those units (a plain model's large attributes),
-and the root holds the rest; a model that shares a parameter between modules is wrapped at the
-root only (FSDP2 needs a shared parameter inside one unit). Units of whole blocks rather than
-of every module that owns a parameter: on the 2-layer ``charlm`` the latter made 14 gathers a
-pass and the step 6x slower than ``bsp`` on gloo. A model the user already sharded with
+get right). Wrapping: each outermost element of an ``nn.Sequential`` or ``nn.ModuleList``
+(a transformer's blocks, an MLP's layers) is one FSDP unit, gathered on its own, and the root
+holds the rest; a model that shares a parameter between modules is wrapped at the root only
+(FSDP2 needs a shared parameter inside one unit). Units of whole blocks rather than of every
+module that owns a parameter: on the 2-layer ``charlm`` the latter made 14 gathers a pass and
+the step 6x slower than ``bsp`` on gloo. A model the user already sharded with
 ``fully_shard`` is taken as it is, whatever their wrapping.
 
 What gradsync adds: the user's optimizer keeps stepping. FSDP2 expects the optimizer to be
@@ -126,42 +125,22 @@ def _fsdp2() -> tuple[Any, Any, Any]:
     return found
 
 
-#: a module whose parameters, less those of the units inside it, reach this many bytes is an
-#: FSDP2 unit of its own (``_units``)
-UNIT_BYTES = 4 * 2**20
-
-
-def _units(model: torch.nn.Module, unit_bytes: int = UNIT_BYTES) -> list[torch.nn.Module]:
-    """The modules to wrap before the root, inner ones first: the outermost elements of an
-    ``nn.Sequential`` or ``nn.ModuleList`` that hold parameters (a transformer's blocks, an
-    MLP's layers), and any other module whose parameters outside those units reach
-    ``unit_bytes`` (a plain model's large children: ``self.fc1 = nn.Linear(...)``); none
-    when a parameter is shared between modules (the root then holds everything).
-
-    Why by size as well as by list: the root's parameters are gathered all at once, and
-    FSDP2 keeps them gathered from forward to backward, so a plain model whose layers are
-    attributes (no list) was one unit: every rank gathered the whole model in each pass, and
-    ``zero:3`` peaked above ``bsp``. Each unit is gathered on its own, the next one prefetched,
-    and freed after use, so the gathered size is bounded by the largest unit."""
+def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to wrap before the root: the outermost elements of an ``nn.Sequential`` or
+    ``nn.ModuleList`` that hold parameters (a transformer's blocks, an MLP's layers), each one
+    gather; none when a parameter is shared between modules (the root then holds everything)."""
     every = list(model.named_parameters(remove_duplicate=False))
     if len({id(p) for _, p in every}) != len(every):
         return []
     units: list[torch.nn.Module] = []
 
-    def visit(module: torch.nn.Module) -> int:
-        """Bytes of ``module``'s parameters that no unit inside it holds."""
+    def visit(module: torch.nn.Module) -> None:
         listed = isinstance(module, torch.nn.Sequential | torch.nn.ModuleList)
-        loose = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         for child in module.children():
             if listed and next(child.parameters(), None) is not None:
                 units.append(child)
-                continue
-            rest = visit(child)
-            if rest >= unit_bytes:
-                units.append(child)
             else:
-                loose += rest
-        return loose
+                visit(child)
 
     visit(model)
     return units

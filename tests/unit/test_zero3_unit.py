@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from gradsync import compat
 from gradsync.strategies import parse_strategy
@@ -33,31 +32,3 @@ def test_the_units_are_the_blocks_of_a_sequential_and_none_with_a_shared_paramet
     assert _units(tied) == []
     stage = parse_strategy("zero:3")
     assert isinstance(stage, ZeroStage3) and not stage.resizable and not stage.weights_samples
-
-
-def test_a_plain_models_large_children_are_units_of_their_own_and_small_ones_stay_at_the_root() -> (
-    None
-):
-    """A model whose layers are attributes (no list) is not gathered whole: each child module
-    holding at least ``unit_bytes`` (outside the units inside it) is a unit, inner ones first;
-    smaller ones stay with the root."""
-
-    class Inner(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.big = nn.Linear(64, 64)  # 16.6 kB
-            self.small1 = nn.Linear(4, 4)  # 80 bytes each
-            self.small2 = nn.Linear(4, 4)
-
-    class Plain(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1 = nn.Linear(64, 64)
-            self.inner = Inner()
-            self.tiny = nn.Linear(2, 2)
-
-    model = Plain()
-    units = _units(model, unit_bytes=16_000)
-    assert units == [model.fc1, model.inner.big]
-    # below the size, two small children together make their parent a unit (160 bytes)
-    assert _units(model, unit_bytes=100) == [model.fc1, model.inner.big, model.inner]
