@@ -54,9 +54,9 @@ def test_bsp_and_zero1_with_an_enabled_grad_scaler_end_bitwise_equal_to_ddp(
 
 
 @pytest.mark.timeout(120)
-def test_local_diloco_and_compressed_bsp_end_with_identical_replicas() -> None:
+def test_local_diloco_gossip_and_compressed_bsp_end_with_identical_replicas() -> None:
     first, second = run_ranks(front_door_ranks.other_strategies, 2, timeout_s=110)
-    for name in ("local", "diloco", "bsp_fp16"):
+    for name in ("local", "diloco", "gossip", "bsp_fp16"):
         # parameters: BatchNorm's running statistics stay each rank's own after the last
         # forward pass, under DDP too
         assert_same_state(first[name]["params"], second[name]["params"])

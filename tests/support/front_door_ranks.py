@@ -211,6 +211,7 @@ def other_strategies(rank: int, world: int) -> dict[str, Any]:
         for name, strategy, options in (
             ("local", "local:2", {}),
             ("diloco", "diloco:2", {}),
+            ("gossip", "gossip:2", {}),
             ("bsp_fp16", "bsp", {"compression": "fp16"}),
         )
     }
