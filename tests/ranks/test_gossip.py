@@ -18,7 +18,7 @@ pytestmark = pytest.mark.ranks
 @pytest.mark.timeout(120)
 def test_four_ranks_average_in_hypercube_pairs_and_end_as_one_model() -> None:
     period, steps = 2, 6
-    out = run_ranks(gr.train, 4, period, steps, timeout_s=100)
+    out = run_ranks(gr.train, 4, period, steps, 4096, timeout_s=100)  # pieces of 4 KB
     for r in out:  # no all-reduce, broadcast, gather or barrier while training
         assert r["collectives"] == [], r["collectives"]
     for step in range(steps):

@@ -35,9 +35,16 @@ class _Counted:
         return counted
 
 
-def train(rank: int, world: int, period: int, steps: int) -> dict[str, Any]:
+def train(
+    rank: int, world: int, period: int, steps: int, piece_bytes: int | None = None
+) -> dict[str, Any]:
     """SGD on the float64 mlp, each rank its own shard; the parameters after every step, the
-    group-wide collectives posted during the steps, and the final parameters and summary."""
+    group-wide collectives posted during the steps, and the final parameters and summary.
+    ``piece_bytes``: the pair exchange's pieces (small: the 24 KB model goes in several)."""
+    if piece_bytes is not None:
+        from gradsync.strategies import gossip
+
+        gossip.PIECE_BYTES = piece_bytes
     w = make_workload("mlp", seed=5, params=3000, dtype="float64")
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
