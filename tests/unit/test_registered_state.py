@@ -96,7 +96,8 @@ def test_nothing_registered_writes_no_entry(tmp_path: Path) -> None:
     assert info is not None and REGISTERED not in store.load(info, 0)
 
 
-def test_a_key_the_checkpoint_lacks_or_nothing_registered_is_warned_of(tmp_path: Path) -> None:
+def _save_with_data(tmp_path: Path) -> None:
+    """A checkpoint whose only registered entry is ``data``."""
     before = _Parts()
     before.sync.register_state("data", lambda: {"position": 7}, lambda s: None)
     try:
@@ -104,6 +105,10 @@ def test_a_key_the_checkpoint_lacks_or_nothing_registered_is_warned_of(tmp_path:
         before.sync.save(tmp_path)
     finally:
         before.sync.close()
+
+
+def test_a_key_the_checkpoint_lacks_or_nothing_registered_is_warned_of(tmp_path: Path) -> None:
+    _save_with_data(tmp_path)
     after = _Parts()
     after.sync.register_state("scheduler", after.sched.state_dict, after.sched.load_state_dict)
     try:
@@ -118,13 +123,7 @@ def test_a_key_the_checkpoint_lacks_or_nothing_registered_is_warned_of(tmp_path:
 
 
 def test_a_load_function_that_raises_names_its_key(tmp_path: Path) -> None:
-    before = _Parts()
-    before.sync.register_state("data", lambda: {"position": 7}, lambda s: None)
-    try:
-        before.train(1)
-        before.sync.save(tmp_path)
-    finally:
-        before.sync.close()
+    _save_with_data(tmp_path)
 
     def refuse(state: Any) -> None:
         raise KeyError("position")
