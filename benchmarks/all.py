@@ -41,7 +41,8 @@ BENCHMARKS = (
 # minutes timed without it and without heldout, which was added then); run it on its own (as
 # root): `.venv/bin/python -m benchmarks.frontier --write`. Nor is benchmarks/start_method.py
 # (about 5 minutes; RELIABILITY.md, start_method). Nor is benchmarks/gpu.py, which needs
-# a CUDA device (issue 18): `python -m benchmarks.gpu --write` on a machine with one.
+# a CUDA device (issue 18): `python -m benchmarks.gpu --write` on a machine with one. Nor is
+# benchmarks/gate.py (issue 44, about a minute): `python -m benchmarks.gate --write`.
 CLUSTER = "cluster"
 #: these exit 2 where they cannot build an emulated cluster (no root, no iproute2): skipped
 NEEDS_ROOT = (CLUSTER, "topology", "zero_cluster", "streaming_sim")
