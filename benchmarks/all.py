@@ -27,7 +27,7 @@ BENCHMARKS = (
     "balance",
     "sim_calibration",
     "reliability",
-    "zero",
+    "zero",  # 3.8 minutes (2026-11-29, with torch's pieces at 4 ranks; was 2.7 without them)
     "heldout",  # about 1.4 minutes
     # About 4.6 minutes (2026-11-28, on a shared machine): with it the whole run comes to about
     # 38.5 of its 40 minutes (33.4 timed, heldout's 0.9, reliability 0.4 shorter since).
