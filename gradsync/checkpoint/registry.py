@@ -1,8 +1,8 @@
 """State that components register to be saved with every checkpoint and put back on load.
 
-A component that owns state a resumed run needs (a learning-rate scheduler, a data loader's
-position, a curriculum, an EMA of the weights, gradsync's own random number generators)
-registers it once under a key as a pair of functions, as torchft's ``Manager`` takes
+A component of the user's that owns state a resumed run needs (a learning-rate scheduler, a
+data loader's position, a curriculum, an EMA of the weights) registers it once under a key as
+a pair of functions, as torchft's ``Manager`` takes
 ``(state_dict, load_state_dict)`` per component::
 
     sync.register_state("scheduler", scheduler.state_dict, scheduler.load_state_dict)
@@ -11,6 +11,8 @@ Every ``sync.save()`` then calls ``state_fn()`` and writes what it returns with 
 the rank's state (tensors, numbers, strings and containers of them: the same values
 ``torch.load(weights_only=True)`` reads), and ``sync.load()`` calls ``load_fn(saved)`` once
 the model and optimizer are restored. Checkpoint code never reaches into the component.
+gradsync's own state (the strategy's and compressor's, the RNG, the step records) is saved as
+before, under its own keys of the file, not through this registry.
 
 Resuming on another number of ranks (``bsp``): each rank's entry is its own, so an entry
 registered with ``replicated=True`` (the same on every rank, as a scheduler is) is loaded from

@@ -38,7 +38,7 @@ from gradsync.pairing import partner
 from gradsync.strategies.base import StepOutcome, SyncContext
 from gradsync.strategies.local_sgd import Periodic
 
-__all__ = ["PIECE_BYTES", "Gossip", "partner"]
+__all__ = ["PIECE_BYTES", "Gossip"]
 
 #: the pair exchange sends the parameters in pieces of at most this many bytes each way.
 #: Why: measured on the emulated cluster (2 hosts, 1 Gbit/s, gloo), 12 MB sent as one message
