@@ -23,6 +23,7 @@ from gradsync.balance import ShardBalancer
 from gradsync.checkpoint.checkpointer import Checkpointer
 from gradsync.checks.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.checks.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
+from gradsync.checks.gate_ahead import GateAhead
 from gradsync.checks.guards import check_replicas
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
@@ -227,6 +228,12 @@ class Synchronizer:
         self.balancer = self._make_balancer(self.options.exchange.balance)
         self._sizes: list[int] | None = None
         self._group_timeout, self._watch, self._gate = self._make_watch()
+        #: the step gate waited on a thread from the block's entry (``checks.gate_ahead``)
+        self._ahead = (
+            GateAhead(self._gate) if self._gate is not None and self.strategy.gate_ahead else None
+        )
+        if self._ahead is not None:
+            exit_safety.stop_at_exit(self._ahead.stop)
         every = (self.options.telemetry or Telemetry()).telemetry_every  # none: no records
         self._collector = TelemetryCollector(group, every, self._on_gathered, watch=self._watch)
         self._step = 0
@@ -351,6 +358,7 @@ class Synchronizer:
                     rank=self.rank,
                     scaler=self.scaler,
                     gate=self._gate,
+                    before_collective=self._join_gate,
                     hierarchy=self._hierarchy,
                     membership=self._membership,
                 )
@@ -549,9 +557,13 @@ class Synchronizer:
         self._in_step = True
         self._watch.enter(BLOCK, self._step)
         try:
-            if self.strategy.replicates_every_step:
-                self._pass_gate(self._step, "the step")
-            self._enter_gradsync()
+            if self._ahead is not None:
+                # Joined before the step's first collective: the forward hides its round trips.
+                self._ahead.arm(self._step, "the step")
+            else:
+                if self.strategy.replicates_every_step:
+                    self._pass_gate(self._step, "the step")
+                self._enter_gradsync()
             wall0, t0 = time.time(), time.perf_counter()
             self._mark_start()
             slept = self._begin(micro_batches, weight)
@@ -568,6 +580,7 @@ class Synchronizer:
                 raise
             t1 = time.perf_counter()
             self._mark_block_end()
+            self._join_gate()  # where the strategy posted nothing in the block
             outcome = ready.outcome()
             with record_function("gradsync.update"):
                 outcome = self.strategy.update(self._step, outcome)
@@ -579,6 +592,7 @@ class Synchronizer:
         finally:
             self._in_step = False
             handle._ready = None
+            self._settle_gate()
             self._back_to_user()
 
     def _sample_weight(self, samples: int) -> tuple[float, int]:
@@ -606,6 +620,7 @@ class Synchronizer:
             # Read each step, as DDP does: a module may have replaced a buffer since.
             buffers = list(self.model.buffers()) if self._broadcasts_buffers else []
             if buffers:
+                self._join_gate()
                 self._broadcast(buffers, self._step, "buffer broadcast")
             self.strategy.begin_step(plan)
         if not self.slowdowns:
@@ -688,6 +703,21 @@ class Synchronizer:
         """Wait (in the store) until every rank is back from its own code; see checks.gate."""
         if self._gate is not None:
             self._gate.ensure(step, what)
+
+    def _join_gate(self) -> None:
+        """Before gradsync's collectives of a step: the gate's wait armed at the block's entry
+        has ended (its ``SyncTimeoutError`` otherwise), and ``timeout_s`` bounds them from here
+        (``checks.gate_ahead``). Cheap once joined: strategies call it before every collective."""
+        if self._ahead is not None:
+            self._ahead.join()
+            self._enter_gradsync()
+
+    def _settle_gate(self) -> None:
+        """At the end of a block that raised before joining: let the armed wait end, so that
+        the thread is free for the next step (its error is the block's to report, not this)."""
+        if self._ahead is not None and self._ahead.pending:
+            with contextlib.suppress(Exception):
+                self._ahead.join()
 
     def _enter_gradsync(self) -> None:
         """gradsync's collectives follow: ``timeout_s`` bounds them."""
@@ -980,6 +1010,8 @@ class Synchronizer:
     def _release_timeout(self) -> None:
         """Stop the heartbeat thread; give the group back the collective timeout it had before
         this Synchronizer."""
+        if self._ahead is not None:
+            self._ahead.stop()
         self._watch.stop()
         if self._group_timeout is not None:
             self._group_timeout.restore()

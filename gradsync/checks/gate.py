@@ -97,6 +97,13 @@ class StepGate:
     _fresh: bool = False
     #: whether the gate being waited at comes before a collective of the user's code
     _user: bool = False
+    #: set by ``cancel``: a wait in flight (on ``GateAhead``'s thread) gives up
+    _cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Make a wait in flight on another thread give up at its next poll (the
+        Synchronizer is closing, or the process exits)."""
+        self._cancelled = True
 
     def left(self) -> None:
         """Control went back to the user's code: the next collective needs a gate."""
@@ -191,6 +198,8 @@ class StepGate:
             while time.monotonic() < judge_at:
                 if self._opened(go, step, what):
                     return
+                if self._cancelled:
+                    raise SyncTimeoutError(f"{where(step)}: {what}: the wait was cancelled")
                 time.sleep(0.02)
             reasons = self._judge(peers, started)
             all_here = (all_here or time.monotonic()) if not peers else None

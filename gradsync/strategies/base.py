@@ -127,6 +127,10 @@ class CheckpointHooks:
     holds_snapshots: bool = False
 
 
+def _nothing() -> None:
+    return None
+
+
 def _no_hooks(hooks: CheckpointHooks) -> None:
     return None
 
@@ -181,6 +185,9 @@ class SyncContext:
     hierarchy: Any = None
     #: give the checkpoints ``CheckpointHooks`` (once, in ``setup``)
     register_checkpoint_hooks: Callable[[CheckpointHooks], None] = _no_hooks
+    #: to call before each collective of a step (a strategy with ``gate_ahead``): ends the
+    #: step gate's wait begun at the block's entry, raising its error if it failed
+    before_collective: Callable[[], None] = _nothing
     #: ``membership="torchft"``: the quorum every cross-replica exchange goes through (None:
     #: the group is every replica, for the whole run)
     membership: Membership | None = None
@@ -321,6 +328,10 @@ class Strategy(Protocol):
     #: whether its collectives run inside the user's block (FSDP2's under ``zero:3``): a
     #: failed one there is then diagnosed as a failed wait, naming the ranks that never came
     collectives_in_block: bool = False
+    #: whether every collective it posts inside a step goes after
+    #: ``SyncContext.before_collective()``: the step gate can then be waited on a thread from
+    #: the block's entry and joined there (``gradsync.checks.gate_ahead``)
+    gate_ahead: bool = False
     #: whether it sums its gradient through ``SyncContext.hierarchy`` when one is given
     #: (``allreduce="hierarchical"``); the others refuse it
     takes_hierarchy: bool = False

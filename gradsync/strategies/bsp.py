@@ -49,6 +49,7 @@ class BSP(Strategy):
     resizable = True
     lockstep = True
     replicates_every_step = True
+    gate_ahead = True
     takes_hierarchy = True
 
     def __init__(self) -> None:
@@ -151,6 +152,7 @@ class BSP(Strategy):
         if self._step_started is not None:
             tuner.record(now - self._step_started)
         if tuner.ready_to_decide:
+            ctx.before_collective()
             agreed = torch.tensor(tuner.medians(), dtype=torch.float64, device=runtime.device())
 
             def slowest_rank() -> None:
@@ -183,6 +185,7 @@ class BSP(Strategy):
 
     def _exchange(self, bucket: FlatBucket) -> torch.futures.Future[torch.Tensor]:
         assert self._ctx is not None
+        self._ctx.before_collective()
         if self._membership is not None:
             # The bucket holds this replica's gradient times its 1/k (the world here is one):
             # the quorum's mean over its participants is the step's gradient.

@@ -270,6 +270,7 @@ class ZeroStage2(Strategy):
     lockstep = True
     reshardable = True
     replicates_every_step = True
+    gate_ahead = True
 
     def __init__(self, exchange: str = "auto") -> None:
         #: how the gradient and the update travel (``zero_shards.EXCHANGES``)

@@ -439,6 +439,7 @@ class ShardedUpdate:
     def collective(self, step: int | None, what: str, run: Callable[[], T]) -> T:
         """``run`` (collectives and their waits) through the hang diagnosis, when there is one
         (``step`` None: the step of the latest wait)."""
+        self.ctx.before_collective()
         watch = self.ctx.watch
         return run() if watch is None else watch.run(step, what, run)
 

@@ -1,0 +1,47 @@
+"""The step gate waited on its own thread from the block's entry and joined before gradsync's
+first collective (gradsync.checks.gate_ahead): its round trips leave the training thread, and
+what the gate guarantees holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsync.testing import run_ranks
+from tests.support import gate_ahead_ranks
+
+pytestmark = pytest.mark.ranks
+
+GROUP_TIMEOUT_S = 30  # the process group's own, which the user's collectives keep
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["bsp", "zero:2"])
+def test_the_gate_waits_on_its_own_thread_and_a_late_rank_is_waited_for(strategy: str) -> None:
+    r0, r1 = run_ranks(
+        gate_ahead_ranks.store_requests_per_step,
+        2,
+        strategy,
+        collective_timeout_s=GROUP_TIMEOUT_S,
+        timeout_s=140,
+    )
+    for r in (r0, r1):
+        assert r["steps"] == 10
+        # steps 4-9: the training thread asks the store nothing; the gate's thread does
+        assert r["training"] == 0, r
+        assert r["gate"] >= 2 * 6, r
+    assert torch.equal(r0["params"], r1["params"])
+
+
+@pytest.mark.timeout(120)
+def test_the_gate_thread_ends_with_close() -> None:
+    for r in run_ranks(gate_ahead_ranks.gate_thread_ends_with_close, 2, timeout_s=100):
+        assert r["threads"] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_block_raising_before_the_first_collective_is_skipped_by_every_rank() -> None:
+    r0, r1 = run_ranks(gate_ahead_ranks.loss_before_any_collective, 2, timeout_s=100)
+    assert r0["skipped"] == r1["skipped"] == [False, True, False, False]
+    assert r1["errors"] == ["a bad batch"] and r0["errors"] == []
+    assert torch.equal(r0["params"], r1["params"])

@@ -1,0 +1,117 @@
+"""Rank functions for tests/ranks/test_gate_ahead.py: the step gate waited on its own thread
+from the block's entry (gradsync.checks.gate_ahead). Module level, so spawned ranks can import
+them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+import gradsync as gs
+from gradsync.workloads import make_workload
+from tests.support.ranks import flat_params, make_optimizer
+
+TIMEOUT_S = 2.0  # the Synchronizer's, far below the sleeps below
+
+
+class _CountingStore:
+    """A store that counts the requests made on the training thread and on the gate's."""
+
+    def __init__(self, store: Any, training: int) -> None:
+        self._store, self._training = store, training
+        self.training = self.gate = 0
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._store, name)
+        if not callable(found):
+            return found
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == self._training:
+                self.training += 1
+            elif threading.current_thread().name == "gradsync-gate":
+                self.gate += 1
+            return found(*args, **kwargs)
+
+        return counted
+
+
+def _train(strategy: str, rank: int, world: int, steps: int, hook: Any = None) -> Any:
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    sync = gs.Synchronizer(model, make_optimizer("sgd", model), strategy, timeout_s=TIMEOUT_S)
+    for step in range(steps):
+        if hook is not None:
+            hook(step, sync)
+        with sync.step():
+            x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
+            loss = w.loss(model, x, y)
+            if step == 3:
+                # the user's own collective in the block, before gradsync's first one: under
+                # the group's timeout, not timeout_s (rank 1 came back late, see below)
+                seen = loss.detach().clone()
+                dist.all_reduce(seen)
+            loss.backward()
+        if step == 2 and rank == 1:
+            time.sleep(2 * TIMEOUT_S)  # an evaluation between steps
+    return model, sync
+
+
+def store_requests_per_step(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    """Steps after the first few, counting the store requests of each thread: the gate's
+    round trips must be made on its own thread, none on the training thread."""
+    counter: list[_CountingStore] = []
+
+    def hook(step: int, sync: gs.Synchronizer) -> None:
+        if step == 4:  # the secret agreed at the first gate, the watch's store final
+            keyed = sync.watch.store
+            counter.append(_CountingStore(keyed.store, threading.get_ident()))
+            keyed.store = counter[0]
+
+    model, sync = _train(strategy, rank, world, 10, hook)
+    sync.close()
+    return {
+        "training": counter[0].training,
+        "gate": counter[0].gate,
+        "params": flat_params(model),
+        "steps": sync.step_count,
+    }
+
+
+def gate_thread_ends_with_close(rank: int, world: int) -> dict[str, Any]:
+    """After close(), no gradsync-gate thread is left."""
+    _, sync = _train("bsp", rank, world, 3)
+    sync.close()
+    return {"threads": [t.name for t in threading.enumerate() if t.name == "gradsync-gate"]}
+
+
+def loss_before_any_collective(rank: int, world: int) -> dict[str, Any]:
+    """A block whose forward fails on rank 1 before the gate was joined: every rank skips the
+    step, as when the gate was waited at the block's entry."""
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    sync = gs.Synchronizer(model, make_optimizer("sgd", model), "bsp", timeout_s=TIMEOUT_S)
+    skipped, errors = [], []
+    for step in range(4):
+        try:
+            with sync.step() as handle:
+                if step == 1 and rank == 1:
+                    raise ValueError("a bad batch")
+                x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
+                w.loss(model, x, y).backward()
+            skipped.append(handle.skipped)
+        except ValueError as exc:
+            errors.append(str(exc))
+            skipped.append(True)
+    sync.close()
+    return {"skipped": skipped, "errors": errors, "params": flat_params(model)}
+
+
+__all__ = [
+    "gate_thread_ends_with_close",
+    "loss_before_any_collective",
+    "store_requests_per_step",
+]

@@ -1,0 +1,97 @@
+"""GateAhead (gradsync.checks.gate_ahead) on a fake gate: arm returns at once, join waits for
+the wait and raises its error at every join of that step, stop cancels a wait in flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from gradsync.checks.gate_ahead import GateAhead
+from gradsync.errors import SyncTimeoutError
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+class _FakeGate:
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.release = threading.Event()
+        self.error = error
+        self.waits: list[tuple[int, str]] = []
+        self.threads: list[str] = []
+        self.cancelled = False
+
+    def ensure(self, step: int, what: str) -> None:
+        self.waits.append((step, what))
+        self.threads.append(threading.current_thread().name)
+        while not self.release.wait(0.01):
+            if self.cancelled:
+                raise SyncTimeoutError("cancelled")
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _ahead(gate: _FakeGate) -> Any:
+    return GateAhead(gate)  # type: ignore[arg-type]
+
+
+def test_arm_returns_at_once_and_join_waits_for_the_gate() -> None:
+    gate = _FakeGate()
+    ahead = _ahead(gate)
+    t0 = time.monotonic()
+    ahead.arm(3, "the step")
+    assert time.monotonic() - t0 < 0.5 and ahead.pending
+    joined = threading.Event()
+    joiner = threading.Thread(target=lambda: (ahead.join(), joined.set()))
+    joiner.start()
+    assert not joined.wait(0.2)  # the gate has not opened
+    gate.release.set()
+    assert joined.wait(5)
+    joiner.join()
+    assert gate.waits == [(3, "the step")] and gate.threads == ["gradsync-gate"]
+    assert not ahead.pending
+    ahead.join()  # nothing armed: returns
+    ahead.stop()
+
+
+def test_a_failed_gate_is_raised_at_every_join_until_the_next_arm() -> None:
+    gate = _FakeGate(SyncTimeoutError("rank 1 never arrived"))
+    gate.release.set()
+    ahead = _ahead(gate)
+    ahead.arm(0, "the step")
+    for _ in range(3):  # every collective of the step is refused, not only the first
+        with pytest.raises(SyncTimeoutError, match="rank 1 never arrived"):
+            ahead.join()
+    gate.error = None
+    ahead.arm(1, "the step")
+    ahead.join()
+    ahead.stop()
+
+
+def test_arming_twice_without_a_join_is_refused() -> None:
+    gate = _FakeGate()
+    gate.release.set()
+    ahead = _ahead(gate)
+    ahead.arm(0, "the step")
+    with pytest.raises(RuntimeError, match="already armed"):
+        ahead.arm(1, "the step")
+    ahead.join()
+    ahead.stop()
+
+
+def test_stop_cancels_a_wait_in_flight_and_ends_the_thread() -> None:
+    gate = _FakeGate()
+    ahead = _ahead(gate)
+    ahead.arm(0, "the step")
+    while not gate.waits:
+        time.sleep(0.01)
+    ahead.stop()
+    assert gate.cancelled
+    assert not [t for t in threading.enumerate() if t.name == "gradsync-gate"]
+    with pytest.raises(SyncTimeoutError, match="cancelled"):
+        ahead.join()
