@@ -27,8 +27,11 @@ The same thread also publishes a heartbeat every ``beat_s``: where this rank is 
 in the user's code, inside its step block, at a step gate, in a wait) and a counter that
 advances as long as the process runs. ``gradsync.checks.gate`` reads it to tell a peer busy in
 the user's code (an evaluation on rank 0) from one that hangs or is gone. The thread needs the
-GIL, so each rank also publishes its process's identity once (``gradsync.checks.liveness``):
-a silent peer on this machine whose process still runs is holding the GIL, not gone.
+GIL, so a silent peer may be holding it, not gone. Each rank therefore publishes its process's
+identity once (``gradsync.checks.liveness``): a peer on this machine is asked of the kernel.
+Where some peer is on another machine, each rank also starts a voucher at its first gate
+(``gradsync.checks.voucher``), a process beside it that writes whether it runs: a peer on
+another machine reads that.
 
 Every key lives in the store under a name hashed with the run's secret
 (``gradsync.checks.secret``), so that no other process can address the keys to come.
@@ -47,7 +50,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from gradsync import compat
-from gradsync.checks import liveness, secret
+from gradsync.checks import liveness, secret, voucher
 from gradsync.errors import DivergenceError, SyncTimeoutError
 
 T = TypeVar("T")
@@ -179,6 +182,12 @@ class ArrivalWatch:
         self._phase: tuple[str, int, str] = (BETWEEN, START, "")
         self._beats = 0
         self._garbage: list[str] = []
+        #: this rank's voucher, where a peer is on another machine (started by ``gathered``)
+        self._voucher: voucher.Voucher | None = None
+        self._gathered = False
+        self._vouches: dict[int, voucher.Vouch] = {}
+        #: the store vouchers write to: under every prefix, where they and this rank agree
+        self._tcp = voucher.tcp_store(self._plain_store)
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
@@ -204,6 +213,8 @@ class ArrivalWatch:
             # From this thread, before any peer can wait for this rank at a gate: a rank that
             # goes on into a call holding the GIL may never let the watchdog thread write it.
             self._publish_identity()
+            with contextlib.suppress(Exception):  # without it, a voucher is started everywhere
+                self.store.add(self._machine_key(), 1)
             self._thread = threading.Thread(target=self._run, name="gradsync-arrivals", daemon=True)
             self._thread.start()
 
@@ -223,23 +234,72 @@ class ArrivalWatch:
             return  # a subgroup's watch: its peers alone could not take part in a collective
         self.store = secret.KeyedStore(self._plain_store, secret.agree(None))
         self._publish_identity()
+        if self._voucher is not None:
+            self._voucher.rename(self._vouch_key(self.rank))
 
     def _publish_identity(self) -> None:
         with contextlib.suppress(Exception):  # best effort: without it a peer is judged by beats
             self.store.set(f"{self._prefix}/process/{self.rank}", liveness.identity())
 
+    def _machine_key(self) -> str:
+        """The count of this watch's ranks on this rank's machine."""
+        return f"{self._prefix}/machine/{liveness.machine()}"
+
+    def _vouch_key(self, rank: int) -> str:
+        """Where ``rank``'s voucher writes in the TCPStore itself (named through the secret)."""
+        key = f"{self._prefix}/vouch/{rank}"
+        return self.store.name(key) if isinstance(self.store, secret.KeyedStore) else key
+
+    def gathered(self) -> None:
+        """Every rank is at a gate, so each has started its watch (and counted itself on its
+        machine): the first time, start this rank's voucher if a peer is on another machine.
+        Before ``secure()``: the counts were made under the names in use before it."""
+        if self._gathered or self.store is None or self.world_size == 1:
+            return
+        self._gathered = True
+        try:
+            here = int(self.store.add(self._machine_key(), 0))
+        except Exception:  # noqa: BLE001 - without a count, assume a peer elsewhere
+            here = 0
+        if here < self.world_size and liveness.machine():
+            self._voucher = voucher.Voucher.start(
+                self._plain_store, self._vouch_key(self.rank), self.beat_s
+            )
+
+    @property
+    def vouching(self) -> bool:
+        """Whether this rank's voucher has written (peers on other machines can read it)."""
+        return self._voucher is not None and self.vouched(self.rank) is not None
+
     def running(self, rank: int) -> bool | None:
         """Whether ``rank``'s process still runs (not stopped, not a zombie, not gone), asked
-        of the kernel; None where that cannot be told from here (another machine)."""
+        of the kernel on this machine, else of its voucher; None where neither can tell."""
+        here = liveness.running(self._identity(rank))
+        return here if here is not None else self.vouched(rank)
+
+    def _identity(self, rank: int) -> str:
         if rank not in self._identities:
             key = f"{self._prefix}/process/{rank}"
             try:
                 if self.store is None or not self.store.check([key]):
-                    return None
+                    return ""
                 self._identities[rank] = self.store.get(key).decode()
             except Exception:  # noqa: BLE001 - the store may be gone with the peer
+                return ""
+        return self._identities[rank]
+
+    def vouched(self, rank: int) -> bool | None:
+        """Whether ``rank``'s voucher says its process runs (``gradsync.checks.voucher``); None
+        where it has written nothing (no peer on another machine, or not started yet)."""
+        key = self._vouch_key(rank)
+        try:
+            if self._tcp is None or not self._tcp.check([key]):
                 return None
-        return liveness.running(self._identities[rank])
+            value = self._tcp.get(key)
+            vouch = self._vouches.setdefault(rank, voucher.Vouch())
+            return vouch.running(value, time.monotonic(), self.stale_s)
+        except Exception:  # noqa: BLE001 - the store may be gone with the peer
+            return None
 
     def _beat(self) -> None:
         with self._lock:
@@ -452,12 +512,16 @@ class ArrivalWatch:
 
     def close(self) -> None:
         self._stop.set()
+        if self._voucher is not None:
+            self._voucher.close()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close and wait (at most ``timeout_s``) for the heartbeat thread to end: at exit, a
         thread returning from a store call into a finalizing interpreter aborts the process
-        (``gradsync.exit_safety``)."""
+        (``gradsync.exit_safety``). The voucher is waited for too, so none is left behind."""
         self.close()
+        if self._voucher is not None:
+            self._voucher.stop()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)

@@ -24,9 +24,9 @@ that has not arrived:
   own business; fail once that has lasted ``timeout_s``;
 - silent after leaving word that its block raised: fail at once, naming the exception;
 - silent, but its process still runs (asked of the kernel where the peer is on this machine,
-  ``ArrivalWatch.running``): it is in its own code holding the GIL, which keeps its heartbeat
-  thread from running (a long C call); wait for it, as for a rank between steps, up to
-  ``between_steps_timeout_s``.
+  else of the peer's voucher, a process beside it that needs no GIL: ``ArrivalWatch.running``):
+  it is in its own code holding the GIL, which keeps its heartbeat thread from running (a long
+  C call); wait for it, as for a rank between steps, up to ``between_steps_timeout_s``.
 
 Whatever the store holds, the wait is bounded. The keys are named through the run's secret
 (``gradsync.checks.secret``), so no process outside the run can address a gate to come; one
@@ -160,6 +160,7 @@ class StepGate:
         else:
             self._await(name + "/go", step, what)
         self._forget(name)
+        watch.gathered()  # every rank is here: those with a peer on another machine get a voucher
         # Where no secret was given, the ranks agree on one at their first gate, all present.
         try:
             watch.secure()
@@ -280,10 +281,11 @@ class StepGate:
         return reasons
 
     def _busy(self, rank: int) -> bool:
-        """Whether silent ``rank`` is alive nonetheless: its process runs (on this machine) and
-        left no word of a failed block. Its heartbeat's last phase says nothing here: a step is
-        often shorter than a beat, so a rank that went back to its own code and into a call
-        holding the GIL may have last said it was in its block or at the previous gate."""
+        """Whether silent ``rank`` is alive nonetheless: its process runs (by the kernel, or its
+        voucher on another machine) and left no word of a failed block. Its heartbeat's last
+        phase says nothing here: a step is often shorter than a beat, so a rank that went back
+        to its own code and into a call holding the GIL may have last said it was in its block
+        or at the previous gate."""
         return self.watch.failure_of(rank) is None and self.watch.running(rank) is True
 
     def _mismatch(self, rank: int, peer: _Peer, beat: Beat, now: float) -> str | None:

@@ -1,5 +1,6 @@
 """Issue 43: another process in the run's store cannot freeze the ranks at a gate (item 1), and a
-rank holding the GIL between steps is waited for, not declared dead (item 5)."""
+rank holding the GIL between steps is waited for, not declared dead (item 5; a rank on another
+machine: tests/e2e/test_cluster_liveness.py)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,4 @@ def test_a_rank_holding_the_gil_between_steps_is_waited_for() -> None:
     assert r1["error"] is None, r1["error"]
     assert torch.equal(r0["params"], r1["params"])
     assert r0["longest_step"] > ranks.HOLD_S - 1 > 2 * TIMEOUT_S, r0
+    assert not r0["vouching"] and not r1["vouching"]  # one machine: no voucher processes

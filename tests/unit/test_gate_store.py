@@ -15,6 +15,7 @@ import torch.distributed as dist
 from gradsync.checks import liveness, secret
 from gradsync.checks.diagnose import GATE, START, ArrivalWatch
 from gradsync.checks.gate import StepGate
+from gradsync.checks.voucher import Vouch
 from gradsync.errors import SyncTimeoutError
 
 pytestmark = pytest.mark.unit
@@ -119,6 +120,18 @@ def test_this_process_runs_and_a_reused_pid_or_another_machine_does_not_count() 
     assert liveness.running(f"another-machine|{pid}|{start}") is None
     assert liveness.running("") is None
     assert os.getpid() == int(pid)
+
+
+def test_a_peer_reads_a_voucher_as_running_while_it_advances_and_says_so() -> None:
+    vouch = Vouch()
+    assert vouch.running(b"1|S", now=10.0, stale_s=1.5)
+    assert vouch.running(b"1|S", now=11.0, stale_s=1.5)  # not stale yet
+    assert not vouch.running(b"1|S", now=11.6, stale_s=1.5)  # silent: its machine is gone
+    assert vouch.running(b"2|R", now=11.7, stale_s=1.5)
+    assert not vouch.running(b"3|T", now=11.8, stale_s=1.5)  # stopped: SIGSTOP, a debugger
+    assert not vouch.running(b"4|t", now=11.9, stale_s=1.5)
+    with pytest.raises(ValueError):
+        vouch.running(b"not a vouch", now=12.0, stale_s=1.5)
 
 
 def test_the_launcher_hands_the_secret_under_the_name_the_watch_reads() -> None:

@@ -1,0 +1,88 @@
+"""A rank's voucher (issue 43, item 5, peers on other machines): a process beside the rank that
+writes into the run's store whether the rank runs, whatever the rank's GIL is doing, and that
+is gone soon after its rank, SIGKILL included. On the emulated cluster, with the step gate:
+tests/e2e/test_cluster_liveness.py."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+import torch.distributed as dist
+
+from gradsync.checks import liveness
+
+pytestmark = pytest.mark.e2e
+
+#: the rank: starts its voucher under a PrefixStore (as the default group's store is), says
+#: the voucher's pid, renames its key once the first is written, then waits to be killed
+RANK = """
+import sys, time, datetime
+import torch.distributed as dist
+from gradsync.checks.voucher import Voucher
+host, port = sys.argv[1], int(sys.argv[2])
+store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+voucher = Voucher.start(dist.PrefixStore("default_pg/", store), "first", 0.1)
+print(voucher.pid, flush=True)
+while not store.check(["first"]):
+    time.sleep(0.05)
+voucher.rename("second")
+time.sleep(120)
+"""
+
+
+def _until(what: Callable[[], object], limit_s: float = 60.0) -> object:
+    """``what()`` once it is true, polled; fails the test after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.05)
+    pytest.fail(f"not within {limit_s}s: {what}")
+
+
+def _state(store: dist.TCPStore, key: str) -> str:
+    return store.get(key).decode().partition("|")[2] if store.check([key]) else ""
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (it no longer runs either way)."""
+    start = liveness.start_of(pid)
+    return start is None or liveness.state(pid, start) in ("Z", "X")
+
+
+@pytest.mark.timeout(120)
+def test_the_voucher_says_whether_its_rank_runs_and_dies_with_it() -> None:
+    limit = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=limit)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, "127.0.0.1", str(store.port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert rank.stdout is not None
+        voucher = int(rank.stdout.readline())
+        # Written in the TCPStore itself (not under the prefix), renamed as the rank asked.
+        _until(lambda: _state(store, "second") in ("R", "S"))
+        os.kill(rank.pid, signal.SIGSTOP)
+        _until(lambda: _state(store, "second") == "T")
+        os.kill(rank.pid, signal.SIGCONT)
+        _until(lambda: _state(store, "second") in ("R", "S"))
+        rank.kill()  # SIGKILL: nothing of the rank's runs to close anything
+        rank.wait(10)
+        _until(lambda: _exited(voucher), 15.0)
+        last = store.get("second")
+        time.sleep(0.5)  # five of its beats
+        assert store.get("second") == last  # nobody writes for the dead rank
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait(10)
