@@ -260,6 +260,8 @@ class DistributedDataParallel(nn.Module):
             broadcast_buffers
             and runtime.world_size(process_group) > 1
             and self.sync.strategy.replicates_every_step
+            # as DDP: a module without buffers now is not walked for them at every forward
+            and next(iter(module.buffers()), None) is not None
         )
         self._optimizer = optimizer
         self._open: _OpenStep | None = None

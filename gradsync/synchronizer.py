@@ -202,6 +202,9 @@ class Synchronizer:
         # What the strategies synchronize (their lists are taken at setup too): listed once,
         # not on every step, for StepHandle.clip_grad_norm_.
         self._trainable: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+        # As DDP: a model without buffers at construction is never walked for them again (the
+        # walk costs about 0.2 ms a step on a 24-layer transformer's 242 modules).
+        self._has_buffers = next(iter(model.buffers()), None) is not None
         self.group = group
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
@@ -618,7 +621,8 @@ class Synchronizer:
         )
         with record_function("gradsync.begin_step"):
             # Read each step, as DDP does: a module may have replaced a buffer since.
-            buffers = list(self.model.buffers()) if self._broadcasts_buffers else []
+            syncs = self._has_buffers and self._broadcasts_buffers
+            buffers = list(self.model.buffers()) if syncs else []
             if buffers:
                 self._join_gate()
                 self._broadcast(buffers, self._step, "buffer broadcast")
