@@ -183,7 +183,7 @@ class ArrivalWatch:
         self._beats = 0
         self._garbage: list[str] = []
         #: this rank's voucher, where a peer is on another machine (started by ``gathered``)
-        self._voucher: voucher.Voucher | None = None
+        self._voucher: voucher.Claim | None = None
         self._gathered = False
         self._vouches: dict[int, voucher.Vouch] = {}
         #: the store vouchers write to: under every prefix, where they and this rank agree
@@ -262,7 +262,7 @@ class ArrivalWatch:
         except Exception:  # noqa: BLE001 - without a count, assume a peer elsewhere
             here = 0
         if here < self.world_size and liveness.machine():
-            self._voucher = voucher.Voucher.start(
+            self._voucher = voucher.claim(
                 self._plain_store, self._vouch_key(self.rank), self.beat_s
             )
 

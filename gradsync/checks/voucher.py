@@ -31,14 +31,15 @@ Why a process per rank that writes to the store, and not:
   tie gradsync to a protocol torch keeps private.
 
 The cost is paid only where a peer is on another machine (ranks that all share one machine
-start none): one process per rank, importing torch's store client (about 145 MB of private
-memory and 1.7 s of CPU at start, measured with torch 2.13 on CPU), then one store write per
-heartbeat interval (0.4 ms of CPU each). It writes to the TCPStore beneath the rank's
-prefixes (``PrefixStore.underlying_store``; the peers read it there), at a key the rank names
-through the run's secret and hands it over a pipe (the secret itself is not handed over). It leaves nothing behind: it exits when
-the pipe from its rank closes (the rank stopped its watch, exited or was killed, SIGKILL
-included: the kernel closes the pipe), when the rank is gone or a zombie, when it finds itself
-reparented, or when the store is gone.
+start none): one process per rank, whatever the number of its Synchronizers (each claims a key
+of its own, :func:`claim`), importing torch's store client (about 145 MB of private memory and
+1.7 s of CPU at start, measured with torch 2.13 on CPU), then one store write per key and
+heartbeat interval (0.4 ms of CPU each). It writes to the TCPStore beneath the rank's prefixes
+(``PrefixStore.underlying_store``; the peers read it there), at keys the rank names through the
+run's secret and hands it over a pipe (the secret itself is not handed over). It leaves nothing
+behind: it exits when the pipe from its rank closes (the last claim was closed, or the rank
+exited or was killed, SIGKILL included: the kernel closes the pipe), when the rank is gone or a
+zombie, when it finds itself reparented, or when the store is gone.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,26 +74,33 @@ def tcp_store(store: Any) -> Any | None:
     return store if isinstance(store, dist.TCPStore) else None
 
 
+#: this process's voucher for each store (host, port): one, however many watches claim it
+_VOUCHERS: dict[tuple[str, int], Voucher] = {}
+_LOCK = threading.Lock()
+
+
 class Voucher:
-    """This rank's voucher process, as the rank sees it."""
+    """This process's voucher process for one store, as this process sees it."""
 
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self._process = process
+        self._owner = os.getpid()
+        #: the claims not yet closed: the voucher is told to exit when none is left
+        self.claims = 0
 
     @classmethod
-    def start(cls, store: Any, key: str, beat_s: float) -> Voucher | None:
-        """A voucher for this process writing to ``store``'s TCPStore at ``key`` every
-        ``beat_s``; None where it cannot be started (no TCPStore, no /proc)."""
-        tcp = tcp_store(store)
+    def start(cls, host: str, port: int) -> Voucher | None:
+        """A voucher for this process writing to the TCPStore at ``host:port``; None where it
+        cannot be started (no /proc)."""
         start = liveness.start_of(os.getpid())
-        if tcp is None or start is None:
+        if start is None:
             return None
         # The same gradsync as this process's, wherever that was imported from.
         root = str(Path(__file__).resolve().parents[2])
         # It is handed keys already named through the run's secret: it needs none.
         env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        args = [str(os.getpid()), start, str(tcp.host), str(tcp.port), repr(beat_s)]
+        args = [str(os.getpid()), start, host, str(port)]
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", _MODULE, *args],
@@ -101,20 +110,21 @@ class Voucher:
             )
         except OSError:
             return None
-        voucher = cls(process)
-        voucher.rename(key)
-        return voucher
+        return cls(process)
 
     @property
     def pid(self) -> int:
         return self._process.pid
 
-    def rename(self, key: str) -> None:
-        """Write at ``key`` from now on (the keys were renamed through a secret agreed after
-        the voucher started)."""
+    @property
+    def usable(self) -> bool:
+        """Whether it runs, for this process (a forked child of it has a voucher of its own)."""
+        return self._owner == os.getpid() and self._process.poll() is None and self.claims > 0
+
+    def send(self, line: str) -> None:
         if self._process.stdin is not None:
-            with contextlib.suppress(OSError, ValueError):  # it is gone: nothing to rename
-                self._process.stdin.write(f"{key}\n".encode())
+            with contextlib.suppress(OSError, ValueError):  # it is gone: nothing to tell it
+                self._process.stdin.write(f"{line}\n".encode())
                 self._process.stdin.flush()
 
     def close(self) -> None:
@@ -123,15 +133,78 @@ class Voucher:
             with contextlib.suppress(OSError):
                 self._process.stdin.close()
 
-    def stop(self, timeout_s: float = 2.0) -> None:
-        """Close and wait for the voucher to exit; kill it if it has not within ``timeout_s``
-        (a child of this process that forked holds the pipe open)."""
-        self.close()
+    def wait(self, timeout_s: float) -> None:
+        """Wait for the voucher to exit; kill it if it has not within ``timeout_s`` (a child
+        of this process that forked holds the pipe open)."""
         try:
             self._process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+
+
+class Claim:
+    """One watch's key, written by this process's voucher until ``close``."""
+
+    def __init__(self, voucher: Voucher, key: str, beat_s: float) -> None:
+        self._voucher = voucher
+        self._key = key
+        self._beat_s = beat_s
+        self._closed = False
+        voucher.send(f"+{beat_s!r} {key}")
+
+    @property
+    def pid(self) -> int:
+        """The voucher's process."""
+        return self._voucher.pid
+
+    def rename(self, key: str) -> None:
+        """Write at ``key`` instead (the keys were renamed through a secret agreed after the
+        claim was made)."""
+        with _LOCK:
+            if not self._closed:
+                self._voucher.send(f"-{self._key}")
+                self._key = key
+                self._voucher.send(f"+{self._beat_s!r} {key}")
+
+    def close(self) -> None:
+        """Stop writing at this claim's key; the voucher exits with its last claim."""
+        with _LOCK:
+            if self._closed:
+                return
+            self._closed = True
+            self._voucher.send(f"-{self._key}")
+            self._voucher.claims -= 1
+            if self._voucher.claims == 0:
+                self._voucher.close()
+                for where, voucher in list(_VOUCHERS.items()):
+                    if voucher is self._voucher:
+                        del _VOUCHERS[where]
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Close, and wait for the voucher to exit if this was its last claim."""
+        self.close()
+        if self._voucher.claims == 0:
+            self._voucher.wait(timeout_s)
+
+
+def claim(store: Any, key: str, beat_s: float) -> Claim | None:
+    """Have this process's voucher for ``store``'s TCPStore (started on the first claim)
+    write at ``key`` once every ``beat_s`` or more often; None where no voucher can (no
+    TCPStore, no /proc)."""
+    tcp = tcp_store(store)
+    if tcp is None:
+        return None
+    where = (str(tcp.host), int(tcp.port))
+    with _LOCK:
+        voucher = _VOUCHERS.get(where)
+        if voucher is None or not voucher.usable:
+            voucher = Voucher.start(*where)
+            if voucher is None:
+                return None
+            _VOUCHERS[where] = voucher
+        voucher.claims += 1
+        return Claim(voucher, key, beat_s)
 
 
 @dataclass
@@ -153,36 +226,44 @@ class Vouch:
         return bool(state) and state not in liveness.NOT_RUNNING and now - self.seen_at < stale_s
 
 
-def _keys(pending: bytes) -> tuple[str | None, bytes]:
-    """The last whole line of ``pending`` (the key to write at), and what follows it."""
+def _read(pending: bytes, keys: dict[str, float]) -> bytes:
+    """Apply the whole lines of ``pending`` to ``keys`` (``+BEAT_S KEY``: write at KEY every
+    BEAT_S; ``-KEY``: no more); what follows the last whole line."""
     *lines, rest = pending.split(b"\n")
-    return (lines[-1].decode() if lines else None), rest
+    for line in lines:
+        text = line.decode()
+        if text.startswith("+"):
+            beat_s, _, key = text[1:].partition(" ")
+            keys[key] = float(beat_s)
+        elif text.startswith("-"):
+            keys.pop(text[1:], None)
+    return rest
 
 
-def _vouch(pid: int, start: str, store: Any, beat_s: float) -> None:
-    """Write rank ``pid``'s state at the key its pipe (stdin) names, once every ``beat_s``,
+def _vouch(pid: int, start: str, store: Any) -> None:
+    """Write rank ``pid``'s state at the keys its pipe (stdin) names, each as often as asked,
     until the pipe closes or the rank is gone."""
-    key, pending, seq = "", b"", 0
+    keys: dict[str, float] = {}
+    pending, seq = b"", 0
     while True:
-        ready, _, _ = select.select([0], [], [], beat_s)
+        ready, _, _ = select.select([0], [], [], min(keys.values(), default=1.0))
         if ready:
             data = os.read(0, 4096)
             if not data:
                 return  # the rank closed the pipe, or died
-            named, pending = _keys(pending + data)
-            key = named if named is not None else key
+            pending = _read(pending + data, keys)
         state = liveness.state(pid, start)
         if state is None or state in "ZXx" or os.getppid() != pid:
             return  # gone, a zombie, or dead and this process handed to another parent
-        if key:
-            seq += 1
+        seq += 1
+        for key in keys:
             store.set(key, f"{seq}|{state}")
 
 
 def main(argv: list[str]) -> int:
-    """``python -m gradsync.checks.voucher PID START HOST PORT BEAT_S``, started by
-    :meth:`Voucher.start`; the key to write at comes on stdin, a line each time it changes."""
-    pid, start, host, port, beat_s = argv
+    """``python -m gradsync.checks.voucher PID START HOST PORT``, started by
+    :meth:`Voucher.start`; the keys to write at come on stdin (see ``_read``)."""
+    pid, start, host, port = argv
     # A terminal's Ctrl-C is for the rank to act on; its voucher follows it out when it goes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     timeout = datetime.timedelta(seconds=_STORE_TIMEOUT_S)
@@ -196,11 +277,11 @@ def main(argv: list[str]) -> int:
         )
         return 1
     with contextlib.suppress(RuntimeError, OSError):  # the store went with the end of the run
-        _vouch(int(pid), start, store, float(beat_s))
+        _vouch(int(pid), start, store)
     return 0
 
 
-__all__ = ["Vouch", "Voucher", "tcp_store"]
+__all__ = ["Claim", "Vouch", "Voucher", "claim", "tcp_store"]
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

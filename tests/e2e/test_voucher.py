@@ -20,19 +20,22 @@ from gradsync.checks import liveness
 
 pytestmark = pytest.mark.e2e
 
-#: the rank: starts its voucher under a PrefixStore (as the default group's store is), says
-#: the voucher's pid, renames its key once the first is written, then waits to be killed
+#: the rank: two watches claim its voucher (one under a PrefixStore, as the default group's
+#: store is), it says the voucher's pid for each, closes the second claim and renames the
+#: first key once both are written, then waits to be killed
 RANK = """
 import sys, time, datetime
 import torch.distributed as dist
-from gradsync.checks.voucher import Voucher
+from gradsync.checks import voucher
 host, port = sys.argv[1], int(sys.argv[2])
 store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
-voucher = Voucher.start(dist.PrefixStore("default_pg/", store), "first", 0.1)
-print(voucher.pid, flush=True)
-while not store.check(["first"]):
+first = voucher.claim(dist.PrefixStore("default_pg/", store), "first", 0.1)
+other = voucher.claim(store, "other", 0.5)
+print(first.pid, other.pid, flush=True)
+while not store.check(["first", "other"]):
     time.sleep(0.05)
-voucher.rename("second")
+other.close()  # before the rename: once "second" is written, "other" no longer is
+first.rename("second")
 time.sleep(120)
 """
 
@@ -69,9 +72,13 @@ def test_the_voucher_says_whether_its_rank_runs_and_dies_with_it() -> None:
     )
     try:
         assert rank.stdout is not None
-        voucher = int(rank.stdout.readline())
+        voucher, same = (int(pid) for pid in rank.stdout.readline().split())
+        assert voucher == same  # one voucher per rank, however many watches
         # Written in the TCPStore itself (not under the prefix), renamed as the rank asked.
         _until(lambda: _state(store, "second") in ("R", "S"))
+        closed = store.get("other")
+        time.sleep(1.0)  # two of the closed claim's beats, ten of the other's
+        assert store.get("other") == closed
         os.kill(rank.pid, signal.SIGSTOP)
         _until(lambda: _state(store, "second") == "T")
         os.kill(rank.pid, signal.SIGCONT)
