@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from gradsync.sim.config import (
     parse_sim_strategy,
     takes_hierarchy,
 )
+from gradsync.sim.gate import REQUESTS_PER_RANK
 from gradsync.sim.options import (
     SimulateOptions,
     comm_model,
@@ -33,7 +35,7 @@ from gradsync.sim.side_by_side import (
     format_streaming,
     streaming_rows,
 )
-from gradsync.sim.simulate import overlap_summary, simulate, zero_comm_ms
+from gradsync.sim.simulate import Overlap, overlap_summary, simulate, zero_comm_ms
 
 #: The strategies ``simulate --strategy zero:N`` prints side by side.
 BESIDE_BSP = ("bsp", "zero:1", "zero:2", "zero:3")
@@ -82,6 +84,10 @@ def single(args: SimulateOptions) -> int:
         doc, text = _overlapped(args, strategy, model, compute, comm)
     else:
         doc, text = _one(args, strategy, model, compute, comm, layers)
+    if comm.gate is not None and strategy.kind in ("bsp", "zero"):
+        ov = overlap_from_args(args) if args.overlap else None
+        doc["gate"], line = _gate_cost(strategy, compute, comm, ov)
+        text += "\n" + line
     if comm.hosts is not None and comm.hosts.allreduce == "hierarchical":
         ov = overlap_from_args(args) if args.overlap else None
         rows = allreduce_rows(strategy, compute, comm, layers=layers, overlap=ov)
@@ -89,6 +95,30 @@ def single(args: SimulateOptions) -> int:
         text += "\n\n" + format_allreduce(rows, comm, model.workers)
     emit(args, doc, text)
     return 0
+
+
+def _gate_cost(
+    strategy: SimStrategy, compute: np.ndarray, comm: CommModel, ov: Overlap | None
+) -> tuple[dict[str, Any], str]:
+    """The step gate's share of the step: the run priced with and without it."""
+    assert comm.gate is not None
+    workers = compute.shape[1]
+    with_gate = simulate(strategy, compute, comm, overlap=ov)
+    without = simulate(strategy, compute, replace(comm, gate=None), overlap=ov)
+    per_step = (with_gate.wall_ms - without.wall_ms) / with_gate.steps
+    share = per_step / (without.wall_ms / without.steps)
+    doc = {
+        "opens_ms": comm.gate.open_ms(workers),
+        "cost_ms_per_step": per_step,
+        "share_of_step": share,
+        "store_rate": comm.gate.store_rate,
+    }
+    line = (
+        f"step gate              {per_step:.2f} ms a step ({share:+.1%} of the step without it): "
+        f"it opens {doc['opens_ms']:.2f} ms after the ranks arrive ({REQUESTS_PER_RANK} requests "
+        f"x {workers} ranks at {comm.gate.store_rate:g}/s, + 2 round trips)"
+    )
+    return doc, line
 
 
 def _overlapped(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from gradsync.errors import UsageError
+from gradsync.sim.gate import StoreGate
 from gradsync.sim.model import (
     AlphaBeta,
     flat_allreduce_time,
@@ -268,7 +269,8 @@ class CommModel:
     all-gathers. ``ratio`` is a compressor's: an exchange carries ``nbytes / ratio`` (a fixed
     ``comm_ms`` shrinks in proportion); zero:N's collectives are never compressed.
     ``hosts`` (alpha-beta only) puts the workers on hosts, ``link`` then being the link between
-    them.
+    them. ``gate``: the step gate's store, priced under the strategies that pass it every step
+    (``gradsync.sim.gate``); None leaves it out, as ``between_steps_timeout_s=None`` does.
     """
 
     comm_ms: float | None = None
@@ -276,6 +278,7 @@ class CommModel:
     nbytes: float = 0.0
     ratio: float = 1.0
     hosts: Hosts | None = None
+    gate: StoreGate | None = None
 
     def __post_init__(self) -> None:
         if (self.comm_ms is None) == (self.link is None):

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from gradsync.errors import UsageError
 from gradsync.flags import flag, option_of
 from gradsync.sim.config import ALLREDUCE_CHOICES, CommModel, ComputeModel, Hosts
+from gradsync.sim.gate import StoreGate
 from gradsync.sim.model import ALGORITHMS, AlphaBeta
 from gradsync.sim.simulate import Overlap
 
@@ -62,6 +63,14 @@ class SimulateOptions:
     link_gbps: float | None = flag(None, help="link bandwidth, Gbit/s (10)", group=COMM)
     algorithm: str | None = flag(None, choices=ALGORITHMS, help="all-reduce algorithm", group=COMM)
     calibration: str | None = flag(None, help="alpha/beta JSON from bench allreduce", group=COMM)
+    gate_store_rate: float | None = flag(
+        None,
+        metavar="REQ_PER_S",
+        help="price the step gate (bsp, zero:N): one store serving REQ_PER_S requests a second, "
+        "two per rank per step (benchmarks.gate measures it; default: not priced)",
+        group=COMM,
+    )
+    gate_rtt_ms: float = flag(0.1, help="the gate's store round trip, ms (0.1)", group=COMM)
     compression_ratio: float = flag(
         1.0,
         help="a compressor's: each exchange carries bytes / R (int4 about 7.5, int8 about 4; "
@@ -280,9 +289,10 @@ def comm_model(args: SimulateOptions) -> CommModel:
     link = link_from_args(args)
     ratio = args.compression_ratio
     hosts = hosts_from_args(args)
+    gate = gate_from_args(args)
     if link is None:
         fixed = 0.0 if args.comm_ms is None else args.comm_ms
-        return CommModel(comm_ms=fixed, ratio=ratio, hosts=hosts)
+        return CommModel(comm_ms=fixed, ratio=ratio, hosts=hosts, gate=gate)
     if args.comm_ms is not None:
         raise UsageError(
             "--comm-ms is a fixed cost; it cannot be combined with the alpha-beta "
@@ -291,7 +301,14 @@ def comm_model(args: SimulateOptions) -> CommModel:
         )
     if args.message_mb is None or args.message_mb < 0:
         raise UsageError("the alpha-beta model needs --message-mb (gradient size in MiB, >= 0)")
-    return CommModel(link=link, nbytes=args.message_mb * 2**20, ratio=ratio, hosts=hosts)
+    return CommModel(link=link, nbytes=args.message_mb * 2**20, ratio=ratio, hosts=hosts, gate=gate)
+
+
+def gate_from_args(args: SimulateOptions) -> StoreGate | None:
+    """``--gate-store-rate``: the step gate's store; None (not priced) without it."""
+    if args.gate_store_rate is None:
+        return None
+    return StoreGate(store_rate=args.gate_store_rate, rtt_ms=args.gate_rtt_ms)
 
 
 # The defaults of the path inside a host: ten times the default link between hosts, and a

@@ -188,7 +188,7 @@ def simulate(
     if strat.kind == "bsp":
         if overlap is not None:
             return _bsp_overlap(c, comm, overlap)
-        return _bsp(c, exchange)
+        return _bsp(c, exchange, _gate_open_ms(comm, c.shape[1]))
     if strat.kind == "async":
         return _async(c, exchange)
     if strat.kind == "hogwild":
@@ -271,15 +271,19 @@ def _zero(c: np.ndarray, comm: CommModel, stage: int, ov: Overlap | None) -> Sim
     # The gradient exchange (overlapped with backward under zero:1 --overlap, as bsp's), then
     # the optimizer step on the shard (inside compute: not modelled apart), then the
     # all-gather, which needs the step's result and so is never hidden; then the barrier.
+    # The step gate: waited ahead under zero:1/2 (as bsp's), before the forward under zero:3.
     _, grad_ms, gather_ms = zero_comm_ms(stage, comm, c.shape[1])
     spec = f"zero:{stage}"
+    gate_ms = _gate_open_ms(comm, c.shape[1])
     if ov is not None:
         bucketed = _bsp_overlap(c, comm, ov)
         assert bucketed.step_ms is not None
         step = bucketed.step_ms + gather_ms
         return _barrier_result(f"{spec}+overlap", c, step, bucketed.comm_ms + gather_ms)
-    unhidden = np.full(c.shape[0], grad_ms + gather_ms)
-    return _barrier_result(spec, c, c.max(axis=1) + unhidden, unhidden)
+    slowest = c.max(axis=1)
+    ready = slowest + gate_ms if stage == 3 else np.maximum(slowest, gate_ms)
+    step = ready + grad_ms + gather_ms
+    return _barrier_result(spec, c, step, step - slowest)
 
 
 def _barrier_result(spec: str, c: np.ndarray, step: np.ndarray, unhidden: np.ndarray) -> SimResult:
@@ -295,16 +299,26 @@ def _barrier_result(spec: str, c: np.ndarray, step: np.ndarray, unhidden: np.nda
     )
 
 
-def _bsp(c: np.ndarray, exchange: np.ndarray) -> SimResult:
-    return _barrier_result("bsp", c, c.max(axis=1) + exchange, exchange)
+def _gate_open_ms(comm: CommModel, workers: int) -> float:
+    """When the step gate opens after the ranks arrive (0 where it is not priced)."""
+    return 0.0 if comm.gate is None or workers == 1 else comm.gate.open_ms(workers)
+
+
+def _bsp(c: np.ndarray, exchange: np.ndarray, gate_ms: float = 0.0) -> SimResult:
+    # The gate is waited ahead (gradsync.checks.gate_ahead): the exchange starts once the
+    # slowest worker's gradient is ready and the gate has opened.
+    slowest = c.max(axis=1)
+    step = np.maximum(slowest, gate_ms) + exchange
+    return _barrier_result("bsp", c, step, step - slowest)
 
 
 def _bsp_overlap(c: np.ndarray, comm: CommModel, ov: Overlap) -> SimResult:
     # Bucket i is ready on a worker at (1 - f) c + f c (i + 1) / k; its all-reduce starts when
-    # the slowest worker has it and the previous bucket's all-reduce is done.
+    # the slowest worker has it and the previous bucket's all-reduce is done (the first one,
+    # once the step gate has opened).
     slowest = c.max(axis=1)
     per_bucket = comm.exchange_ms(c.shape[1], 1.0 / ov.buckets)
-    finish = np.zeros_like(slowest)
+    finish = np.full_like(slowest, _gate_open_ms(comm, c.shape[1]))
     for i in range(ov.buckets):
         ready = slowest * ((1.0 - ov.backward_frac) + ov.backward_frac * (i + 1) / ov.buckets)
         finish = np.maximum(ready, finish) + per_bucket
