@@ -309,6 +309,8 @@ PUBLIC: dict[str, dict[str, Any]] = {
         "--link-gbps": None,
         "--algorithm": None,
         "--calibration": None,
+        "--gate-store-rate": None,
+        "--gate-rtt-ms": 0.1,
         "--compression-ratio": 1.0,
         "--hosts": None,
         "--allreduce": "ring",
