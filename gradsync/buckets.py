@@ -57,6 +57,21 @@ def plan_buckets(
     return buckets
 
 
+def distinct_plans(params: Sequence[torch.Tensor], sizes: Sequence[float]) -> list[float]:
+    """``sizes`` without those that group ``params`` into the same buckets as an earlier one.
+    Sizes are only caps: on a model of a few large tensors several give one plan (a 38 MB mlp
+    whose 37 MB weight is a bucket of its own has the same buckets at 4.8 MB as at 25 MB), and
+    ``bucket_mb="auto"`` would time the same plan twice."""
+    kept: list[float] = []
+    seen: set[tuple[int, ...]] = set()
+    for mb in sizes:
+        layout = tuple(len(bucket) for bucket in plan_buckets(params, mb))
+        if layout not in seen:
+            seen.add(layout)
+            kept.append(mb)
+    return kept
+
+
 class GradBucket(FlatBucket):
     """One bucket: its parameters and a flat buffer they are copied into, with DDP
     ``GradBucket``'s surface (inherited from ``FlatBucket``)."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from gradsync import exit_safety, runtime
 from gradsync.bucket_autotune import AUTO, STEPS_PER_PLAN, WARMUP_STEPS, BucketTuner, candidates
-from gradsync.buckets import MB, BucketReducer
+from gradsync.buckets import MB, BucketReducer, distinct_plans
 from gradsync.checks.guards import all_finite, scrub_nonfinite_state
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
@@ -103,8 +103,11 @@ class BSP(Strategy):
                 "(or None for the default plan)"
             )
         total_mb = sum(p.numel() * p.element_size() for p in self._params) / MB
-        tuner = BucketTuner(candidates(total_mb))
-        if ctx.rank == 0:
+        # the same buckets under two sizes are one plan: timed once
+        tuner = BucketTuner(distinct_plans(self._params, candidates(total_mb)))
+        if ctx.rank == 0 and not tuner.deciding:
+            logger.info("%s: bucket_mb auto: one plan for this model, nothing to time", self.name)
+        elif ctx.rank == 0:
             logger.info(
                 "%s: bucket_mb auto: timing plans of %s MB over the first %d steps",
                 self.name,

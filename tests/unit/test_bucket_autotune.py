@@ -53,3 +53,23 @@ def test_the_decision_follows_the_agreed_times_not_this_ranks() -> None:
 def test_a_single_candidate_is_kept_without_timing() -> None:
     tuner = BucketTuner([1.0])
     assert not tuner.deciding and tuner.plan_for_next_step() == 1.0
+
+
+def test_sizes_that_give_the_same_buckets_are_one_plan() -> None:
+    import torch
+
+    from gradsync.buckets import MB, distinct_plans
+
+    def mlp(hidden: int) -> list[torch.Tensor]:
+        # The benchmark's mlp's shapes (meta: sizes only): 64 -> hidden -> hidden -> 16.
+        shapes = [(hidden, 64), (hidden,), (hidden, hidden), (hidden,), (16, hidden), (16,)]
+        return [torch.empty(s, device="meta") for s in shapes]
+
+    # 38 MB: its 37 MB weight is a bucket of its own under any cap up to 25 MB, and the rest
+    # fits under 1 MB either side of it: 4.8, 25 and 1 MB are the same three buckets.
+    big = mlp(3122)
+    total = sum(p.numel() * 4 for p in big) / MB
+    assert distinct_plans(big, candidates(total)) == [default_bucket_mb(total)]
+    # Many tensors of 0.5 MiB: each size is its own plan, kept in the order given.
+    many = [torch.empty(MB // 8, device="meta") for _ in range(80)]
+    assert distinct_plans(many, candidates(40.0)) == [default_bucket_mb(40.0), 25.0, 1.0]
