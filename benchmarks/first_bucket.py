@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.first_bucket_worker import KINDS
 from benchmarks.harness import ROOT, fmt_iqr, machine, pair_ratios, table, write_section
 from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing
 
@@ -30,7 +31,7 @@ def run_one(hosts: int, link: str, args: argparse.Namespace, out: Path) -> dict[
     path = os.environ.get("PYTHONPATH")
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
     worker = [MODULE, "--model", args.model, "--params", str(args.params)]
-    worker += ["--batch", str(args.batch)]
+    worker += ["--batch", str(args.batch), "--kinds", args.kinds]
     worker += ["--repeats", str(args.repeats), "--block", str(args.block), "--out", str(out)]
     with Cluster(hosts=hosts, link=link, prefix=PREFIX) as cluster:
         rc = launch_on_cluster(cluster, worker, env=env, timeout_s=900)
@@ -40,7 +41,24 @@ def run_one(hosts: int, link: str, args: argparse.Namespace, out: Path) -> dict[
     return result
 
 
-def render(results: list[tuple[int, str, dict[str, Any]]], command: str) -> str:
+def _ratio(b: dict[str, list[float]], kind: str) -> str:
+    return fmt_iqr(pair_ratios(b[kind], b["ddp"])) if kind in b else "-"
+
+
+def _plans(results: list[tuple[int, str, dict[str, Any]]]) -> str:
+    """Each gradsync configuration's buckets (MB, in launch order) as the runs ended, once per
+    distinct plan set: which columns ran the same plan (the default may equal a fixed size)."""
+    seen: dict[str, str] = {}
+    for hosts, link, r in results:
+        plans = r.get("plans", {})
+        text = "; ".join(f"{k}: {', '.join(f'{mb:g}' for mb in mbs)}" for k, mbs in plans.items())
+        seen.setdefault(text, f"{hosts} hosts, {link}")
+    return " ".join(f"Buckets, MB ({where}): {text}." for text, where in seen.items() if text)
+
+
+def render(
+    results: list[tuple[int, str, dict[str, Any]]], command: str, conditions: str = ""
+) -> str:
     rows = []
     for hosts, link, r in results:
         b = r["blocks"]
@@ -49,11 +67,13 @@ def render(results: list[tuple[int, str, dict[str, Any]]], command: str) -> str:
                 f"{r['model']}, {hosts} hosts, {link}",
                 f"{r['grad_mb']:.1f} MB",
                 fmt_iqr([1000 * s for s in b["ddp"]], ".1f", " ms"),
-                fmt_iqr(pair_ratios(b["gradsync"], b["ddp"])),
-                fmt_iqr(pair_ratios(b["gradsync-auto"], b["ddp"])) if "gradsync-auto" in b else "-",
-                fmt_iqr(pair_ratios(b["gradsync-1mb"], b["ddp"])),
-                fmt_iqr(pair_ratios(b["gradsync-25mb"], b["ddp"])),
-                fmt_iqr([1000 * s for s in b["compute-only"]], ".1f", " ms"),
+                _ratio(b, "gradsync"),
+                _ratio(b, "gradsync-auto"),
+                _ratio(b, "gradsync-1mb"),
+                _ratio(b, "gradsync-25mb"),
+                fmt_iqr([1000 * s for s in b["compute-only"]], ".1f", " ms")
+                if "compute-only" in b
+                else "-",
             ]
         )
     header = [
@@ -73,7 +93,9 @@ def render(results: list[tuple[int, str, dict[str, Any]]], command: str) -> str:
         "`bucket_mb=25` (the plan before), against "
         "torch DDP with its defaults (1 MiB, then 25 MiB), one rank per emulated host, step "
         "time ratios per block (<= 1.00: gradsync as fast or faster), median and interquartile "
-        "range.\n\n" + table(header, rows) + f"\n\n{machine()}. Command: `{command}`\n"
+        "range.\n\n"
+        + table(header, rows)
+        + f"\n\n{_plans(results)}\n\n{machine()}. {conditions}Command: `{command}`\n"
     )
 
 
@@ -86,6 +108,12 @@ def main() -> int:
     p.add_argument("--block", type=int, default=10, help="steps per timed block")
     p.add_argument("--links", default="1gbit,100mbit")
     p.add_argument("--hosts", default="2")
+    p.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help="configurations (benchmarks.first_bucket_worker.KINDS), ddp among them; repeats "
+        "that are a multiple of their number give each one every place in the rotation",
+    )
     p.add_argument("--write", action="store_true", help="add the section to BENCHMARKS.md")
     args = p.parse_args()
     missing = requirements_missing()
@@ -94,6 +122,8 @@ def main() -> int:
         return 0
     results = []
     started = time.monotonic()
+    # the machine may be shared: the load average says how far to trust the blocks
+    load_before, date = os.getloadavg()[0], time.strftime("%Y-%m-%d", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="gradsync-first-bucket-") as tmp:
         for hosts in (int(h) for h in args.hosts.split(",")):
             for link in args.links.split(","):
@@ -103,7 +133,12 @@ def main() -> int:
     command = "python -m benchmarks.first_bucket " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "write"
     )
-    body = render(results, command)
+    minutes = (time.monotonic() - started) / 60
+    conditions = (
+        f"Date: {date}. Whole run: {minutes:.1f} min. 1-minute load average {load_before:.1f} "
+        f"before the run and {os.getloadavg()[0]:.1f} after. "
+    )
+    body = render(results, command, conditions)
     print(body)
     if args.write:
         write_section(f"first_bucket_{args.model}", body)

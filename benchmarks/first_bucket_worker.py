@@ -4,10 +4,12 @@ steps interleaved in the same processes, on one model, each rank on its own emul
 ``python -m benchmarks.first_bucket_worker --model mlp|transformer --params N --batch B
 --repeats R --block S --out F``
 under torchrun: configurations ``ddp`` (DDP's defaults: a 1 MiB first bucket, then 25 MiB),
-``gradsync`` (bsp with its defaults: the same plan since issue 48), ``gradsync-1mb``
+``gradsync`` (bsp with its defaults: a first bucket of at most 1 MiB, then an eighth of the
+gradient, 1 to 25 MiB), ``gradsync-auto`` (``bucket_mb="auto"``), ``gradsync-1mb``
 (``bucket_mb=1``, the fastest fixed size in issue 48's sweep), ``gradsync-25mb`` (the plan
-before issue 48) and ``compute-only``. Rank 0
-writes every block's mean step time to ``--out`` (JSON).
+before issue 48) and ``compute-only`` (``--kinds`` picks some, ddp always among them). Rank 0
+writes every block's mean step time, and each gradsync configuration's buckets as it ended, to
+``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -73,8 +75,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256, help="per rank")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--block", type=int, default=10)
+    p.add_argument("--kinds", default=",".join(KINDS), help="configurations, comma-separated")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or "ddp" not in kinds:
+        p.error(f"--kinds: unknown {unknown}; valid: {KINDS}, ddp among them (the reference)")
     gs.init()
     torch.set_num_threads(1)
     workload: Any = (
@@ -96,13 +103,19 @@ def main() -> None:
         bucket_mb = plans.get(kind, 25.0)
         return Trainer(mode, workload, global_batch, optimizer=sgd, bucket_mb=bucket_mb)
 
-    steps = {kind: trainer(kind).step for kind in KINDS}
-    blocks = time_interleaved(steps, args.repeats, args.block)
+    trainers = {kind: trainer(kind) for kind in kinds}
+    blocks = time_interleaved({k: t.step for k, t in trainers.items()}, args.repeats, args.block)
     if dist.get_rank() == 0:
         grad_mb = sum(p.numel() for p in workload.build_model().parameters()) * 4 / 2**20
-        Path(args.out).write_text(
-            json.dumps({"blocks": blocks, "grad_mb": grad_mb, "model": args.model})
-        )
+        # each gradsync configuration's buckets as it ended (auto's: the plan it kept), so a
+        # reader sees which columns ran the same plan
+        plans = {
+            k: [round(b.nbytes / 2**20, 2) for b in t.sync.strategy.reducer.buckets]
+            for k, t in trainers.items()
+            if t.sync is not None
+        }
+        result = {"blocks": blocks, "grad_mb": grad_mb, "model": args.model, "plans": plans}
+        Path(args.out).write_text(json.dumps(result))
     dist.barrier()
 
 
