@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,24 @@ from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import Finding, StragglerConfig, StragglerDetector
 from gradsync.telemetry.trackers import JsonlTracker, Tracker, make_tracker, parse_trackers
 
-__all__ = ["CONFIG_FILE", "FAULTS_DIR", "RUN_DIR_ENV", "AttachedRun", "RunSink"]
+__all__ = [
+    "ATTEMPTS_FILE",
+    "CONFIG_FILE",
+    "FAULTS_DIR",
+    "HEALED_FILE",
+    "RUN_DIR_ENV",
+    "AttachedRun",
+    "RunSink",
+]
 
 #: the environment variable naming the run directory a Synchronizer attaches to
 RUN_DIR_ENV = "GRADSYNC_RUN_DIR"
 CONFIG_FILE = "config.json"
 FAULTS_DIR = "faults"
+#: under FAULTS_DIR: each healing of this replica group from a live peer (live membership)
+HEALED_FILE = "healed.jsonl"
+#: under FAULTS_DIR: each start of a replica group's process (``gradsync run --replica-groups``)
+ATTEMPTS_FILE = "attempts.jsonl"
 
 logger = get_logger("run")
 
@@ -76,6 +89,9 @@ _DEFAULTS: dict[str, Any] = {
     "compression": None,
     "servers": None,
     "timeout": None,
+    # ``gradsync run --replica-groups G``: each group's Synchronizer takes membership="torchft"
+    "replica_groups": 0,
+    "min_replicas": 1,
     #: the flags the command line gave (``gradsync run`` writes them into config.json)
     "given": [],
 }
@@ -235,6 +251,15 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
+def append_fault(directory: Path, name: str, entry: dict[str, Any]) -> None:
+    """One JSON line appended to ``directory/faults/name`` (a line is written whole: a
+    replacement's lines follow its predecessor's)."""
+    faults = directory / FAULTS_DIR
+    faults.mkdir(parents=True, exist_ok=True)
+    with open(faults / name, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry) + "\n")
+
+
 class AttachedRun:
     """What a Synchronizer does for the run directory it is attached to (module docstring).
     Found from its settings first (``find``), then started with the Synchronizer's rank and
@@ -279,6 +304,46 @@ class AttachedRun:
                 f"command line choose, or drop {option}"
             )
         return script_value
+
+    def live(self, membership: str | None, min_replicas: int | None) -> tuple[str | None, int]:
+        """The Synchronizer's ``membership`` and ``min_replicas``: under ``gradsync run
+        --replica-groups`` this process is one replica group, so membership is "torchft" and
+        ``min_replicas`` the run's --min-replicas unless the script names its own; a script
+        that asks for another membership, or another number than the command line gave, is
+        refused. Elsewhere the script's values (``min_replicas`` None: 1)."""
+        groups = int(self.settings.get("replica_groups") or 0)
+        if not groups:
+            return membership, 1 if min_replicas is None else min_replicas
+        if membership not in (None, "torchft"):
+            raise UsageError(
+                f"gradsync run --replica-groups {groups} runs each replica group as a torchft "
+                f"participant, but the script's gs.Synchronizer passes membership="
+                f"{membership!r}: leave membership out of the script, or drop --replica-groups"
+            )
+        from_flag = int(self.settings.get("min_replicas") or 1)
+        given = "min_replicas" in (self.settings.get("given") or ())
+        if min_replicas is not None and given and min_replicas != from_flag:
+            raise UsageError(
+                f"gradsync run --min-replicas {from_flag}, but the script's gs.Synchronizer "
+                f"passes min_replicas={min_replicas}: leave min_replicas out of the script to "
+                "let the command line choose, or drop --min-replicas"
+            )
+        return "torchft", from_flag if min_replicas is None else min_replicas
+
+    def healed(self, step: int, nbytes: int, seconds: float) -> None:
+        """This replica group took a live peer's state at ``step`` (``nbytes`` of tensors,
+        ``seconds`` from asking for the quorum to having loaded it): a line in
+        ``faults/healed.jsonl``, which ``gradsync run --replica-groups`` sums up."""
+        if self.rank != 0:
+            return
+        entry = {
+            "step": step,
+            "bytes": nbytes,
+            "seconds": seconds,
+            "restart": restart_count(),
+            "time": time.time(),
+        }
+        append_fault(self.directory, HEALED_FILE, entry)
 
     @property
     def slow(self) -> str | None:

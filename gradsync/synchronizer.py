@@ -181,7 +181,7 @@ class Synchronizer:
         checks: Checks | None = None,
         membership: str | None = None,
         lighthouse: str | None = None,
-        min_replicas: int = 1,
+        min_replicas: int | None = None,
     ) -> None:
         runtime.require_initialized("gs.Synchronizer")
         _check_arguments(model, optimizer, scaler)
@@ -209,7 +209,10 @@ class Synchronizer:
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
         self.strategy, self.compressor = self._make_strategy(strategy, compression, servers)
-        # membership="torchft": this process is one replica group (gradsync.membership)
+        # membership="torchft": this process is one replica group (gradsync.membership); under
+        # ``gradsync run --replica-groups`` the run directory says so
+        if self._run is not None:
+            membership, min_replicas = self._run.live(membership, min_replicas)
         self._live = check_membership(
             membership,
             lighthouse=lighthouse,
@@ -388,7 +391,8 @@ class Synchronizer:
             load_sync_state=self.load_state_dict,
             registry=self._checkpoints.registry,
         )
-        return TorchftMembership(self._live, state, timeout_s=self.timeout_s)
+        healed = self._run.healed if self._run is not None else None
+        return TorchftMembership(self._live, state, timeout_s=self.timeout_s, on_healed=healed)
 
     @property
     def _broadcasts_buffers(self) -> bool:
@@ -570,6 +574,8 @@ class Synchronizer:
             wall0, t0 = time.time(), time.perf_counter()
             self._mark_start()
             slept = self._begin(micro_batches, weight)
+            # a replacement that healed in _begin (live membership) took its peer's step
+            handle.step = ready._step = self._step
             in_block = (
                 self._watch.in_block(self._step, "the step's forward and backward collectives")
                 if self.strategy.collectives_in_block

@@ -57,7 +57,7 @@ def check_membership(
     membership: str | None,
     *,
     lighthouse: str | None,
-    min_replicas: int,
+    min_replicas: int | None,
     strategy: Any,
     compression_spec: str,
     allreduce: str,
@@ -68,7 +68,7 @@ def check_membership(
     """The validated settings of ``membership=`` (None: no live membership), or a
     ``UsageError`` naming the bad value and what is valid. Called before anything listens."""
     if membership is None:
-        if lighthouse is not None or min_replicas != 1:
+        if lighthouse is not None or min_replicas not in (None, 1):
             raise UsageError(
                 "lighthouse= and min_replicas= set how replica groups join a torchft quorum: "
                 "they need membership='torchft'"
@@ -77,9 +77,10 @@ def check_membership(
     if membership not in MEMBERSHIPS:
         valid = ", ".join(repr(m) for m in (None, *MEMBERSHIPS))
         raise UsageError(f"membership={membership!r} is not known; valid: {valid}")
+    min_replicas = 1 if min_replicas is None else min_replicas
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         raise UsageError(f"min_replicas must be an integer >= 1, got {min_replicas!r}")
-    _check_exchange(strategy, compression_spec, allreduce, bucket_mb, balance)
+    check_exchange(strategy, compression_spec, allreduce, bucket_mb, balance)
     if world_size != 1:
         raise UsageError(
             f"membership='torchft' runs each replica group as one process (a world of 1), but "
@@ -92,6 +93,7 @@ def check_membership(
             "membership='torchft' needs the lighthouse's address: lighthouse='http://HOST:PORT' "
             f"or ${LIGHTHOUSE_ENV} (docs/membership.md starts one on 127.0.0.1)"
         )
+    check_lighthouse(address)
     missing = torchft_missing()
     if missing is not None:
         raise UsageError(missing)
@@ -99,7 +101,7 @@ def check_membership(
     return LiveSettings(lighthouse=address, min_replicas=min_replicas, replica_id=replica_id)
 
 
-def _check_exchange(
+def check_exchange(
     strategy: Any, compression_spec: str, allreduce: str, bucket_mb: Any, balance: Any
 ) -> None:
     """What the torchft Manager's collectives can carry in this first version: BSP's plain
@@ -132,4 +134,15 @@ def _check_exchange(
         raise UsageError(
             "membership='torchft' with balance: shard balancing weighs ranks of one group, "
             "and the quorum changes under it; use balance=False"
+        )
+
+
+def check_lighthouse(address: str) -> None:
+    """A lighthouse address torchft's client can dial: ``http://HOST:PORT`` (or https)."""
+    scheme, sep, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if not sep or scheme not in ("http", "https") or not host or not port.isdigit():
+        raise UsageError(
+            f"the lighthouse's address must be http://HOST:PORT, got {address!r} (torchft's "
+            "lighthouse prints its own, e.g. http://127.0.0.1:29510)"
         )

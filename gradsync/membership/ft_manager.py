@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,7 +76,6 @@ class ReplicaState:
         self.load_sync_state(state["sync"])
         step = int(state["sync"]["step"])
         self.registry.load(state["registered"], step=step, world_changed=False, warn=True)
-        logger.info("healed from a live peer: resuming at step %d", step)
 
 
 class TorchftMembership:
@@ -90,11 +92,13 @@ class TorchftMembership:
         *,
         timeout_s: float,
         host: str = LOOPBACK,
+        on_healed: Callable[[int, int, float], None] | None = None,
     ) -> None:
         import torchft.manager as ft_manager
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.process_group import ProcessGroupGloo
 
+        _quiet_torchft_noise()
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = server_store(host, 0, timeout=timeout)
         self._pg = ProcessGroupGloo(timeout=timeout)
@@ -102,7 +106,7 @@ class TorchftMembership:
         with _manager_server_bound_to(ft_manager, host):
             self.manager = ft_manager.Manager(
                 pg=self._pg,
-                load_state_dict=state.load_state_dict,
+                load_state_dict=self._heal,
                 state_dict=state.state_dict,
                 min_replica_size=settings.min_replicas,
                 use_async_quorum=False,
@@ -126,10 +130,38 @@ class TorchftMembership:
         # once waited on, and waiting in the autograd hook would serialize the exchange with
         # the backward pass.
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-torchft")
+        self._state, self._on_healed = state, on_healed
+        self._name = (
+            "this replica group"
+            if settings.replica_id is None
+            else f"replica group {settings.replica_id}"
+        )
+        #: the step and tensor bytes of the state taken from a peer in this quorum, if any
+        self._healed: tuple[int, int] | None = None
+
+    def _heal(self, state: dict[str, Any]) -> None:
+        self._state.load_state_dict(state)
+        self._healed = (int(state["sync"]["step"]), tensor_bytes(state))
 
     def start_step(self, step: int) -> None:
-        """Join this step's quorum (a replacement heals here, before the forward pass)."""
+        """Join this step's quorum (a replacement heals here, before the forward pass); a
+        healing is reported to ``on_healed`` with its step, bytes and the quorum's seconds."""
+        self._healed = None
+        start = time.perf_counter()
         self.manager.start_quorum()
+        if self._healed is None:
+            return
+        healed_at, nbytes = self._healed
+        seconds = time.perf_counter() - start
+        logger.info(
+            "%s healed from a live peer: at step %d (%.2f MB in %.2f s)",
+            self._name,
+            healed_at,
+            nbytes / 1e6,
+            seconds,
+        )
+        if self._on_healed is not None:
+            self._on_healed(healed_at, nbytes, seconds)
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """The mean of ``tensor`` over this step's participants, in place. A failed exchange
@@ -159,6 +191,40 @@ class TorchftMembership:
         self._waiter.shutdown(wait=True)
         self.manager.shutdown(wait=True)
         self._pg.shutdown()
+
+
+class _NotAboutNccl(logging.Filter):
+    """Drops torchft's warning, at every new quorum, that it cannot reset NCCL's flight
+    recorder: gradsync's replica groups exchange over gloo, where there is none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
+
+
+def _quiet_torchft_noise() -> None:
+    """torchft 0.2's notices that tell a user of gradsync nothing to act on: the NCCL warning
+    above, and two warnings its healing transfer raises inside torch's own code (a read-only
+    buffer it wraps, a deprecated pytree check). Narrowly: those messages, from torchft."""
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _NotAboutNccl) for f in manager_log.filters):
+        manager_log.addFilter(_NotAboutNccl())
+    warnings.filterwarnings(
+        "ignore", message="The given buffer is not writable", module=r"torchft\."
+    )
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module=r"torchft\."
+    )
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of every tensor in a nested state dict (what a healing transfer carried)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(tensor_bytes(v) for v in state)
+    return 0
 
 
 @contextlib.contextmanager

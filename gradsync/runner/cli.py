@@ -64,6 +64,10 @@ def _run(cfg: Any, run_dir: Path, given: list[str] | None = None) -> int:
     from gradsync.runner.worker import run_rank
 
     given = given or []
+    if cfg.replica_groups:
+        from gradsync.runner.replica_groups import run_groups
+
+        return run_groups(cfg, run_dir, given)  # a launch per group, each with its restarts
     servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
     # Where the model trains is decided per machine (--backend auto): said up front, so a
     # run meant for the GPU that fell back to the CPU is seen before its first step.

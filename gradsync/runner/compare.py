@@ -105,7 +105,9 @@ def refuse_strategy_flag(strategy: str | None) -> None:
 
 #: ``gradsync run``'s flags (RunConfig fields) that compare refuses, for its --help to leave out
 #: as it leaves out --strategy: compare runs every strategy on local processes.
-RUN_ONLY_FIELDS = frozenset({"strategy", "hosts", "link"})
+RUN_ONLY_FIELDS = frozenset(
+    {"strategy", "hosts", "link", "replica_groups", "lighthouse", "min_replicas"}
+)
 
 
 def refuse_run_only_flags(cfg: RunConfig) -> None:
@@ -118,6 +120,13 @@ def refuse_run_only_flags(cfg: RunConfig) -> None:
             f"--link {cfg.link} (the emulated cluster) are gradsync run's; run each strategy "
             f"there instead, e.g. gradsync run --hosts {cfg.hosts} --link {cfg.link} "
             "--strategy bsp, or compare without --hosts and --link"
+        )
+    if cfg.replica_groups:
+        raise UsageError(
+            f"gradsync compare runs each strategy on one group of local processes: "
+            f"--replica-groups {cfg.replica_groups} (live membership, bsp only) is gradsync "
+            "run's; run it there, e.g. gradsync run --replica-groups "
+            f"{cfg.replica_groups} --nproc 1 --strategy bsp"
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
 from gradsync.flags import flag, flag_from
 from gradsync.inject import parse_kill, parse_slow
+from gradsync.membership import check_exchange, check_lighthouse, torchft_missing
 from gradsync.options import DEFAULT_TIMEOUT_S, Checks, Exchange, Limits
 from gradsync.runner.rundir import OVERWRITE_AND_RESUME
 from gradsync.runtime import BACKENDS, check_nccl, choose_backend
@@ -73,6 +75,7 @@ TRAINING = "training"
 SYNC = "synchronization"
 STRAGGLERS = "stragglers"
 FAULTS = "fault tolerance"
+LIVE = "live membership (torchft)"
 CLUSTER = "emulated cluster"
 OUTPUT = "output"
 
@@ -213,6 +216,34 @@ class RunConfig:
         "comma-separated for several (default: none)",
         group=FAULTS,
     )
+    replica_groups: int = flag(
+        0,
+        metavar="G",
+        help="live membership: G replica groups of --nproc ranks (1 for now), each a torchft "
+        "participant with its own restarts (--max-restarts, per group): the others go on "
+        "without a lost group, and its replacement heals from a live peer; --kill and --slow "
+        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp only; "
+        "docs/membership.md (0: off; default: %(default)s)",
+        group=LIVE,
+    )
+    lighthouse: str | None = flag(
+        None,
+        metavar="ADDRESS",
+        help="the torchft lighthouse of --replica-groups, http://HOST:PORT (default: one "
+        "started for the run on 127.0.0.1 and stopped with it)",
+        group=LIVE,
+    )
+    min_replicas: int = flag(
+        1,
+        metavar="N",
+        help="replica groups a step needs: with fewer, the lighthouse waits (the one gradsync "
+        "run starts) and no step is applied; G makes the others wait for a lost group's "
+        "replacement (default: %(default)s)",
+        group=LIVE,
+    )
+    #: which replica group a group's own config.json describes (no flag: ``gradsync run
+    #: --replica-groups`` writes one per group, with --kill and --slow in the group's ranks)
+    replica_group: int | None = None
     hosts: int = flag(
         0,
         metavar="H",
@@ -255,6 +286,7 @@ class RunConfig:
         self._check_stragglers()
         self._check_inputs()
         self._check_recovery()
+        self._check_live()
         self._check_kill()
         if self.hosts:
             self._check_hosts()
@@ -303,6 +335,8 @@ class RunConfig:
             )
         if self.uses_servers:
             return "parameter servers exchange host memory, which NCCL does not send"
+        if self.replica_groups:
+            return "--replica-groups exchange over torchft's gloo group on the CPU"
         if parse_strategy_spec(self.strategy).kind == "hogwild":
             return "hogwild shares parameters in host memory"
         return None
@@ -420,9 +454,10 @@ class RunConfig:
     def _check_kill(self) -> None:
         kills = parse_kill(self.kill)
         for k in kills:
-            if k.rank >= self.processes:
+            if k.rank >= self.ranks_in_run:
                 raise UsageError(
-                    f"--kill names rank {k.rank}, but ranks are 0..{self.processes - 1}"
+                    f"--kill names rank {k.rank}, but ranks are 0..{self.ranks_in_run - 1}"
+                    f"{self._ranks_of_groups}"
                 )
         for k in kills:
             if self.uses_servers and k.rank >= self.nproc:
@@ -437,11 +472,108 @@ class RunConfig:
                 f"--kill {late[0].rank}:{late[0].step} would never fire: the run has --steps "
                 f"{self.steps} (steps 0..{self.steps - 1})"
             )
-        if kills and self.max_restarts < len(kills):
+        # Each replica group restarts on its own: its --max-restarts covers its own kills.
+        per_group = Counter(self.group_of(k.rank) for k in kills)
+        most = max(per_group.values(), default=0)
+        if most and self.max_restarts < most:
+            where = " in one replica group" if self.replica_groups else ""
             raise UsageError(
-                f"--kill injects {len(kills)} failure(s) but --max-restarts is "
+                f"--kill injects {most} failure(s){where} but --max-restarts is "
                 f"{self.max_restarts}: the run could not survive them"
             )
+
+    def _check_live(self) -> None:
+        """--replica-groups and its flags: what the torchft membership of this first version
+        carries (gradsync.membership says why each is refused), refused before any start."""
+        if not self.replica_groups:
+            if self.lighthouse is not None or self.min_replicas != 1:
+                given = "--lighthouse" if self.lighthouse is not None else "--min-replicas"
+                raise UsageError(
+                    f"{given} sets how replica groups meet: it needs --replica-groups G"
+                )
+            return
+        groups = self.replica_groups
+        if not 2 <= groups <= MAX_LOCAL_PROCESSES:
+            raise UsageError(
+                f"--replica-groups must be between 2 and {MAX_LOCAL_PROCESSES} (0: off), got "
+                f"{groups}: a single group has no peer to go on without it or to heal from"
+            )
+        if self.nproc != 1:
+            raise UsageError(
+                f"--replica-groups runs one rank per replica group for now, got --nproc "
+                f"{self.nproc}: groups of several ranks are not supported by "
+                "membership='torchft' yet; use --nproc 1 (and more --replica-groups)"
+            )
+        if parse_strategy_spec(self.strategy).kind != "bsp":
+            raise UsageError(
+                f"--replica-groups runs --strategy bsp only for now, got {self.strategy}: its "
+                "gradient is the one exchange that goes through torchft's all-reduce and "
+                "commit decision (the others' collectives would stay inside one group or reach "
+                "a lost one); use --strategy bsp"
+            )
+        try:
+            check_exchange(
+                self.strategy,
+                parse_compression(self.compression).spec,
+                self.allreduce,
+                self.bucket_mb,
+                self.balance,
+            )
+        except UsageError as exc:
+            raise UsageError(f"--replica-groups {groups}: {exc}") from None
+        self._check_live_run()
+        missing = torchft_missing()
+        if missing is not None:
+            raise UsageError(f"--replica-groups: {missing}")
+
+    def _check_live_run(self) -> None:
+        """The run's own settings under --replica-groups: what its launch cannot do yet."""
+        groups = self.replica_groups
+        if self.hosts:
+            raise UsageError(
+                f"--replica-groups with --hosts {self.hosts}: the emulated cluster does not run "
+                "replica groups yet; drop --hosts"
+            )
+        if self.resume:
+            raise UsageError(
+                "--replica-groups with --resume: a lost group heals from a live peer, and "
+                "resuming every group from its checkpoints is not supported yet; drop --resume"
+            )
+        if self.min_replicas < 1:
+            raise UsageError(f"--min-replicas must be at least 1, got {self.min_replicas}")
+        if self.min_replicas > groups and self.lighthouse is None:
+            # (with a lighthouse of your own, groups of other runs may make up the number)
+            raise UsageError(
+                f"--min-replicas {self.min_replicas} is more than --replica-groups {groups}: "
+                f"no quorum of the run's groups would ever form; use 1..{groups}"
+            )
+        if self.lighthouse is not None:
+            check_lighthouse(self.lighthouse)
+        if self.replica_group is not None and not 0 <= self.replica_group < groups:
+            raise UsageError(f"replica group {self.replica_group} is not one of 0..{groups - 1}")
+
+    @property
+    def groups_here(self) -> int:
+        """The replica groups this config launches: --replica-groups for the whole run; 1 for
+        a group's own config.json, or a run without live membership."""
+        return self.replica_groups if self.replica_groups and self.replica_group is None else 1
+
+    @property
+    def ranks_in_run(self) -> int:
+        """The ranks --kill and --slow name: every group's, group K holding K*nproc..."""
+        return self.processes * self.groups_here
+
+    def group_of(self, rank: int) -> int:
+        """The replica group of ``rank`` (in the numbering of ``ranks_in_run``)."""
+        return rank // self.processes
+
+    @property
+    def _ranks_of_groups(self) -> str:
+        if self.groups_here == 1:
+            return ""
+        n = self.nproc
+        holds = "rank K" if n == 1 else f"ranks {n}K to {n}K+{n - 1}"
+        return f" ({self.groups_here} replica groups of {n} rank(s): group K holds {holds})"
 
     def _check_servers(self) -> None:
         if self.servers < 1:
@@ -479,11 +611,12 @@ class RunConfig:
         OwnerLayout(trainable, self.nproc, 0).check(trainable, str(spec))
 
     def _check_slow(self) -> None:
+        workers = self.nproc * self.groups_here
         for s in parse_slow(self.slow):
-            if s.rank >= self.nproc:
+            if s.rank >= workers:
                 raise UsageError(
-                    f"--slow names rank {s.rank}, but ranks are 0..{self.nproc - 1} "
-                    f"with --nproc {self.nproc}"
+                    f"--slow names rank {s.rank}, but ranks are 0..{workers - 1} "
+                    f"with --nproc {self.nproc}{self._ranks_of_groups}"
                 )
 
     def _check_hosts(self) -> None:

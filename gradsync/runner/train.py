@@ -43,6 +43,10 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
     ``sync.load`` (``AttachedRun.loaded``), or here when there are no checkpoints to load."""
     if not (cfg.resume or restart_count()):
         return 0
+    if cfg.replica_groups:
+        # A restarted replica group loads no checkpoint and rolls nothing back: it heals from
+        # a live peer at its first step (``--resume`` is refused with --replica-groups).
+        return 0
     if cfg.resume or cfg.checkpoint_every:
         extra = sync.load(run_dir / CHECKPOINT_DIR)
         return int(extra["step"]) if extra else 0
@@ -137,8 +141,10 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     recovering = start > 0 and rank == 0
     checkpoints = run_dir / CHECKPOINT_DIR
     log = _CheckpointLog(checkpoints)
-    for step in range(start, cfg.steps):
-        loss = _train_step(sync, workload, cfg, step, rank)
+    # Counted by the Synchronizer, not from ``start``: a replica group's replacement heals at
+    # its first step and goes on from its peer's step (live membership), and ends at --steps.
+    while sync.step_count < cfg.steps:
+        loss, step = _train_step(sync, workload, cfg, rank)
         if barrier_free and run.sink is not None and (step + 1) % cfg.telemetry_every == 0:
             # No gathering mid-run without a barrier: show rank 0's own view meanwhile.
             run.sink.progress.update(step + 1, loss, 0.0, 0.0)
@@ -188,24 +194,30 @@ def _synchronizer(
     )
 
 
-def _train_step(sync: Synchronizer, workload: Any, cfg: RunConfig, step: int, rank: int) -> float:
-    """One step on this rank's shard of the step's global batch; returns its loss."""
+def _train_step(sync: Synchronizer, workload: Any, cfg: RunConfig, rank: int) -> tuple[float, int]:
+    """One step on this rank's shard of the step's global batch; returns its loss and its
+    index. With replica groups, group K's ranks take the K-th part of the global batch of
+    every group's ranks, so the groups together train what one group of all their ranks
+    would."""
     # Balanced runs get this step's shard sizes from measured speed; others split evenly.
     sizes = sync.shard_sizes(cfg.global_batch)
     lo = sum(sizes[:rank])
     hi = lo + sizes[rank]
+    groups = max(1, cfg.replica_groups)
+    offset = (cfg.replica_group or 0) * cfg.global_batch
     micro = cfg.micro_batches
     with sync.step(micro_batches=micro, samples=hi - lo) as s:
         total_loss = torch.zeros((), dtype=torch.float64)
         # Micro-batches split this rank's shard; the Synchronizer averages over them.
-        bounds = [lo + (hi - lo) * i // micro for i in range(micro + 1)]
+        bounds = [offset + lo + (hi - lo) * i // micro for i in range(micro + 1)]
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            x, y = workload.batch(step, cfg.global_batch, a, b)
+            # s.step, not a count of the loop: a replacement healed at the step's start
+            x, y = workload.batch(s.step, cfg.global_batch * groups, a, b)
             loss = workload.loss(sync.model, x.to(runtime.device()), y.to(runtime.device()))
             loss.backward()
             total_loss += loss.detach().double().cpu()
         s.loss = total_loss / micro
-    return float(s.loss)
+    return float(s.loss), s.step
 
 
 def main(argv: list[str] | None = None) -> None:

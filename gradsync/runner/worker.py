@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
@@ -16,7 +17,13 @@ from typing import Any, TextIO
 import torch
 
 from gradsync import runtime
-from gradsync.attached_run import CONFIG_FILE, RUN_DIR_ENV
+from gradsync.attached_run import (
+    ATTEMPTS_FILE,
+    CONFIG_FILE,
+    RUN_DIR_ENV,
+    append_fault,
+    restart_count,
+)
 from gradsync.logs import get_logger
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
@@ -83,6 +90,11 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     _one_line_warnings()
     run_dir = Path(cfg.out).resolve()
     os.environ[RUN_DIR_ENV] = str(run_dir)
+    if cfg.replica_groups and os.environ.get("LOCAL_RANK", "0") == "0":
+        # Each start of a replica group's process, for the run's summary of its restarts
+        # (the group's elastic agent restarts it on its own; nothing else sees that).
+        entry = {"restart": restart_count(), "pid": os.getpid(), "time": time.time()}
+        append_fault(run_dir, ATTEMPTS_FILE, entry)
     torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
     # ``{run_dir}`` in the script's arguments: this run's directory (each of compare's runs has
     # its own: a checkpoint path there is not shared between strategies)

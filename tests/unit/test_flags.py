@@ -35,7 +35,7 @@ from gradsync.sim import options as sim_options
 pytestmark = pytest.mark.unit
 
 #: set by code (library callers, benchmarks) or, for script, by what follows `--`: no flag
-CONFIG_ONLY = {"telemetry_every", "script"}
+CONFIG_ONLY = {"telemetry_every", "script", "replica_group"}
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 FLAG_FIELDS = sorted(name for name, f in FIELDS.items() if flag_of(f) is not None)
 
@@ -149,6 +149,10 @@ INVALID: list[dict[str, Any]] = [
     {"lr": 1e308},  # overflows float32 parameters in the first update
     {"lr": math.inf},
     {"batch_size": 1_000_000_000},  # terabytes of activations
+    {"replica_groups": 1, "nproc": 1},  # no peer to go on without, or to heal from
+    {"replica_groups": 2},  # --nproc 4: groups of one rank only, for now
+    {"lighthouse": "http://127.0.0.1:1"},  # no --replica-groups
+    {"min_replicas": 3, "replica_groups": 2, "nproc": 1},  # never a quorum
 ]
 ANY_VALUE = {"out", "resume", "progress", "plots"}  # no value of these is refused
 

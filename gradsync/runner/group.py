@@ -1,0 +1,64 @@
+"""One replica group of ``gradsync run --replica-groups G`` (``gradsync.runner.replica_groups``
+starts G of these, each a process of its own): the group's ranks launched through torch's
+elastic agent, as ``gradsync run`` launches a run's, with the group's own ``--max-restarts``.
+A failure is said in one line naming the group; a stop by signal is said once, by the run.
+A module of its own: it reports a failure as ``gradsync run`` does (``runner.cli``), which
+itself starts the groups through ``runner.replica_groups``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from gradsync.runner.config import RunConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gradsync.runner.group --config RUN/group-K/config.json``."""
+    from gradsync.processes.launch import launch
+    from gradsync.runner.worker import run_rank
+
+    parser = argparse.ArgumentParser(prog="python -m gradsync.runner.group")
+    parser.add_argument("--config", required=True, help="a replica group's config.json")
+    args = parser.parse_args(argv)
+    cfg = RunConfig.from_dict(json.loads(Path(args.config).read_text(encoding="utf-8")))
+    if not os.environ.get("GRADSYNC_DEBUG"):  # as gradsync run's own launch (runner.cli)
+        from gradsync.processes.worker_deaths import quiet_elastic_logs
+
+        quiet_elastic_logs()
+    try:
+        launch(
+            run_rank,
+            (cfg.to_dict(),),
+            nproc=cfg.processes,
+            threads=cfg.threads,
+            max_restarts=cfg.max_restarts,
+        )
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - named in one line, as gradsync run does
+        return _group_failure(cfg.replica_group, exc)
+    return 0
+
+
+def _group_failure(group: int | None, exc: Exception) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from gradsync import compat
+    from gradsync.runner.cli import _describe_child_failure
+
+    signum = compat.elastic_signal(exc)
+    if signum is not None:
+        return 128 + signum  # stopped: the run says so once, for every group
+    if isinstance(exc, ChildFailedError):
+        why = _describe_child_failure(exc)
+        print(f"gradsync: error: replica group {group}: {why}", file=sys.stderr)
+        return 1
+    raise exc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

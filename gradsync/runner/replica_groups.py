@@ -1,0 +1,268 @@
+"""``gradsync run --replica-groups G``: G replica groups, each a torchft participant (live
+membership, docs/membership.md), started, watched and stopped together.
+
+How: the run starts torchft's lighthouse in this process, bound to 127.0.0.1 with a port the
+system picks (``membership.lighthouse``; or takes ``--lighthouse``), then one child process per
+group, ``python -m gradsync.runner.group --config RUN/group-K/config.json``, an ordinary local
+launch of the group's ranks through torch's elastic agent (``gradsync.processes.launch``) with
+the group's own ``--max-restarts``. A group whose worker dies is restarted by its own agent;
+the replacement's Synchronizer heals from a live peer at its first step; no other group's
+process stops. Each group trains in its own run directory, ``RUN/group-K/``, whose config.json
+says which group it is (``replica_group``) and holds ``--kill`` and ``--slow`` in the group's
+own ranks, and whose ``replica_groups`` makes its Synchronizer take ``membership="torchft"``
+(``AttachedRun.live``).
+
+Why a process per group rather than G launches in this one: the elastic agent installs its
+signal handlers and the launch sets the environment it hands the workers (``REPLICA_GROUP_ID``
+differs per group), both for the whole process. Each group runs in a session of its own, so
+that on Ctrl-C or SIGTERM this process stops every group itself (its agent stops the group's
+workers) and, past a grace period, kills what is left of the group's process tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gradsync.attached_run import ATTEMPTS_FILE, CONFIG_FILE, FAULTS_DIR, HEALED_FILE
+from gradsync.errors import UsageError
+from gradsync.membership import LIGHTHOUSE_ENV, REPLICA_ID_ENV, torchft_missing
+from gradsync.membership.lighthouse import local_lighthouse
+from gradsync.runner.config import RunConfig
+from gradsync.runner.rundir import RunDirectory, claim, is_gradsync_run
+
+#: how long a group's agent has to stop its workers after SIGTERM before its tree is killed
+STOP_GRACE_S = 20.0
+
+
+def group_dir(run_dir: Path, group: int) -> Path:
+    return run_dir / f"group-{group}"
+
+
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM reached this process while the groups ran."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def run_groups(cfg: RunConfig, run_dir: Path, given: list[str]) -> int:
+    """Run every replica group to its end; print the summary; the exit status: 0 when every
+    group succeeded, 128 + N after signal N, else 1."""
+    cfg.save(run_dir, given=given)
+    if not os.environ.get("GRADSYNC_DEBUG"):
+        # torchft's lighthouse and Managers log every quorum at info (a few lines a step, per
+        # group): warnings and errors only, as gradsync quiets the elastic agent's logs.
+        os.environ.setdefault("RUST_LOG", "warn")
+    claims = [_claim_group(run_dir, k) for k in range(cfg.replica_groups)]
+    children: list[subprocess.Popen[bytes]] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for s in previous:
+            signal.signal(s, _raise_signalled)
+        with _lighthouse(cfg) as address:
+            _announce(cfg, run_dir, address)
+            for k in range(cfg.replica_groups):
+                config = _write_group_config(cfg, run_dir, k, address, given)
+                children.append(_start_group(config, k, address))
+            codes = _wait(children)
+    except _Signalled as stop:
+        # SIGTERM whatever came here: a worker's Python handler for SIGINT waits for the
+        # torchft call it is blocked in (a quorum that now never forms); SIGTERM ends it.
+        _stop(children, signal.SIGTERM)
+        name = signal.Signals(stop.signum).name
+        print(f"gradsync: interrupted by {name}: every replica group was stopped", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        _stop(children, signal.SIGTERM)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for c in claims:
+            c.release()
+    print(summarize_groups(cfg, run_dir, codes))
+    failed = [k for k, code in enumerate(codes) if code != 0]
+    if failed:
+        print(
+            f"gradsync: error: replica group(s) {', '.join(map(str, failed))} failed (exit "
+            f"code(s) {', '.join(str(codes[k]) for k in failed)}): see their messages above",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _raise_signalled(signum: int, frame: Any) -> None:
+    raise _Signalled(signum)
+
+
+def _claim_group(run_dir: Path, group: int) -> RunDirectory:
+    """The group's directory, locked for this run. The run's own directory was claimed empty
+    or with --overwrite: a group directory of an earlier run in it is replaced whole (its
+    final_model.pt and report.json too, which a failing group would not write again)."""
+    path = group_dir(run_dir, group)
+    if path.is_dir() and is_gradsync_run(path):
+        shutil.rmtree(path)
+    return claim(path, resume=False, overwrite=True)
+
+
+@contextlib.contextmanager
+def _lighthouse(cfg: RunConfig) -> Iterator[str]:
+    """The lighthouse's address: ``--lighthouse``, or one started here on loopback and shut
+    down when the groups are done."""
+    if cfg.lighthouse is not None:
+        yield cfg.lighthouse
+        return
+    missing = torchft_missing()
+    if missing is not None:
+        raise UsageError(f"--replica-groups: {missing}")
+    with local_lighthouse(cfg.min_replicas) as address:
+        yield address
+
+
+def _announce(cfg: RunConfig, run_dir: Path, address: str) -> None:
+    what = " ".join(cfg.script) if cfg.script else f"{cfg.workload}, {cfg.steps} steps"
+    started = "" if cfg.lighthouse is not None else " (started for this run)"
+    print(
+        f"gradsync run: {what}, {cfg.replica_groups} replica groups of {cfg.nproc} worker(s), "
+        f"strategy bsp, membership torchft, lighthouse {address}{started}, at least "
+        f"{cfg.min_replicas} group(s) per step -> {run_dir}/group-K",
+        file=sys.stderr,
+    )
+
+
+def ranks_of_group(spec: str | None, group: int, per_group: int) -> str | None:
+    """The items of a ``--kill`` or ``--slow`` spec (``RANK:...``, comma-separated, ranks of
+    the whole run) that name group ``group``'s ranks, renumbered as the group's own."""
+    if spec is None:
+        return None
+    mine = []
+    for item in spec.split(","):
+        rank, _, rest = item.strip().partition(":")
+        if int(rank) // per_group == group:
+            mine.append(f"{int(rank) - group * per_group}:{rest}")
+    return ",".join(mine) or None
+
+
+def group_config(cfg: RunConfig, run_dir: Path, group: int, lighthouse: str) -> RunConfig:
+    """Group ``group``'s own config: its directory, its ranks' faults, the lighthouse; the
+    live progress line is group 0's alone (two would overwrite each other)."""
+    return dataclasses.replace(
+        cfg,
+        out=str(group_dir(run_dir, group)),
+        replica_group=group,
+        kill=ranks_of_group(cfg.kill, group, cfg.processes),
+        slow=ranks_of_group(cfg.slow, group, cfg.nproc),
+        lighthouse=lighthouse,
+        progress=cfg.progress and group == 0,
+        overwrite=False,
+    )
+
+
+def _write_group_config(
+    cfg: RunConfig, run_dir: Path, group: int, lighthouse: str, given: list[str]
+) -> Path:
+    own = group_config(cfg, run_dir, group, lighthouse)
+    own.save(Path(own.out), given=given)
+    return Path(own.out) / CONFIG_FILE
+
+
+def _start_group(config: Path, group: int, lighthouse: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse, REPLICA_ID_ENV: str(group)}
+    command = [sys.executable, "-m", "gradsync.runner.group", "--config", str(config)]
+    return subprocess.Popen(command, env=env, start_new_session=True)
+
+
+def _wait(children: list[subprocess.Popen[bytes]]) -> list[int]:
+    """Every group's exit status, once all have ended (a group that failed for good leaves
+    the others training: that is what live membership is for)."""
+    while any(c.poll() is None for c in children):
+        time.sleep(0.1)
+    return [int(c.returncode) for c in children]
+
+
+def _stop(children: list[subprocess.Popen[bytes]], signum: int) -> None:
+    """Each group still running gets ``signum`` (its agent stops its workers with it); a group
+    still there after STOP_GRACE_S loses its whole process tree (its session) to SIGKILL."""
+    running = [c for c in children if c.poll() is None]
+    for c in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(c.pid, signum)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for c in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for c in children:
+        # What the group's agent left behind (or the agent itself): its session, killed whole.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(c.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.wait(timeout=10)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def group_outcome(directory: Path) -> dict[str, Any]:
+    """What a group's directory says of its run: the last step recorded and its loss, the
+    restarts of its process and the healings of its replacements."""
+    from gradsync.telemetry.records import METRICS_FILE, read_records
+
+    records = read_records(directory) if (directory / METRICS_FILE).exists() else []
+    last = max((r.step for r in records), default=None)
+    losses = [r.loss for r in records if r.step == last and r.loss is not None]
+    attempts = _jsonl(directory / FAULTS_DIR / ATTEMPTS_FILE)
+    return {
+        "steps": None if last is None else last + 1,
+        "final_loss": sum(losses) / len(losses) if losses else None,
+        "restarts": max((int(a["restart"]) for a in attempts), default=0),
+        # the first quorum's sync of replicas that started apart is a healing too: not these
+        "healed": [h for h in _jsonl(directory / FAULTS_DIR / HEALED_FILE) if h["restart"] > 0],
+    }
+
+
+def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
+    """The table printed at the end: each group's exit, steps, final loss, restarts and
+    healings; each group's trace.json and plots are written into its directory."""
+    from gradsync.telemetry.cli import summarize_run
+    from gradsync.telemetry.records import METRICS_FILE
+
+    lines = [
+        f"{'group':>5}  {'exit':>4}  {'steps':>5}  {'final loss':>10}  {'restarts':>8}  healed"
+    ]
+    for k, code in enumerate(codes):
+        directory = group_dir(run_dir, k)
+        if (directory / METRICS_FILE).exists():
+            summarize_run(
+                directory,
+                window=cfg.straggler_window,
+                threshold=cfg.straggler_threshold,
+                plots=cfg.plots,
+                warmup=cfg.straggler_warmup,
+            )
+        got = group_outcome(directory)
+        healed = ", ".join(
+            f"at step {h['step']} ({h['bytes'] / 1e6:.2f} MB in {h['seconds']:.2f} s)"
+            for h in got["healed"]
+        )
+        steps = "-" if got["steps"] is None else str(got["steps"])
+        loss = "-" if got["final_loss"] is None else f"{got['final_loss']:.4f}"
+        lines.append(
+            f"{k:>5}  {code:>4}  {steps:>5}  {loss:>10}  {got['restarts']:>8}  {healed or '-'}"
+        )
+    lines.append(f"each group's metrics, report.json, trace.json and plots: {run_dir}/group-K/")
+    return "\n".join(lines)

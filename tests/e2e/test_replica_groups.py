@@ -1,0 +1,98 @@
+"""``gradsync run --replica-groups 2``: two replica groups on loopback, each a torchft
+participant with its own elastic agent; group 1 is SIGKILLed mid-run and restarted by its own
+agent, its replacement heals from group 0, and the run ends with both groups' final parameters
+bitwise equal. One run (each group costs seconds of start-up).
+
+``--min-replicas 2`` makes group 0 wait at the step group 1 died in for the replacement, rather
+than train on alone (tests/ranks/test_live_membership.py tests that): so the replacement heals
+at exactly that step, and the test does not race the survivor to the end of the run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.proctree import (
+    Watched,
+    assert_listens_on_loopback_only,
+    describe_listeners,
+    reaped_within,
+    watch_until_exit,
+)
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("torchft", reason="--replica-groups needs torchft: pip install 'gradsync[ft]'")
+
+STEPS, KILL_AT = 30, 8
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(280)
+def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradsync", "run"]
+        + ["--replica-groups", "2", "--nproc", "1", "--min-replicas", "2"]
+        + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS)]
+        + ["--max-restarts", "1", "--kill", f"1:{KILL_AT}"]  # rank 1: group 1's only rank
+        + ["--timeout", "90", "--no-plots", "--no-progress", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    watched = Watched()
+    try:
+        rc = watch_until_exit(proc, watched, timeout_s=240)
+        stdout, stderr = proc.communicate(timeout=30)
+        # Nothing of the run outlives it: the groups' agents, workers, forkservers.
+        left = [pid for pid in watched.survivors() if not reaped_within(pid, 10)]
+    finally:
+        watched.kill_all()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert rc == 0, stderr[-4000:]
+    assert not left, f"still running after the run: {left}"
+    group0, group1 = out / "group-0", out / "group-1"
+    # Group 0 was never restarted: one process from start to end, every step once.
+    assert [a["restart"] for a in _jsonl(group0 / "faults" / "attempts.jsonl")] == [0]
+    assert sorted(json.loads(line)["step"] for line in (group0 / "metrics.jsonl").open()) == list(
+        range(STEPS)
+    )
+    # Group 1 was restarted once, by its own agent, and its replacement healed from group 0
+    # at the step it died in (group 0 waited there: --min-replicas 2).
+    assert [a["restart"] for a in _jsonl(group1 / "faults" / "attempts.jsonl")] == [0, 1]
+    healed = [h for h in _jsonl(group1 / "faults" / "healed.jsonl") if h["restart"] == 1]
+    assert [h["step"] for h in healed] == [KILL_AT], healed
+    assert healed[0]["bytes"] > 0
+    assert f"replica group 1 healed from a live peer: at step {KILL_AT}" in stderr, stderr[-4000:]
+    # ... and ended at --steps, as group 0 did, not --steps past the step it healed at.
+    assert max(json.loads(line)["step"] for line in (group1 / "metrics.jsonl").open()) == STEPS - 1
+    # The replicas agree bitwise at the end.
+    a, b = (torch.load(g / "final_model.pt", weights_only=True) for g in (group0, group1))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # The summary: each group's steps and restarts (exit, steps, final loss, restarts, healed).
+    rows = re.findall(r"^\s+(\d)\s+0\s+(\d+)\s+\S+\s+(\d+)\s+(.*)$", stdout, re.M)
+    assert [(g, s, r) for g, s, r, _ in rows] == [("0", str(STEPS), "0"), ("1", str(STEPS), "1")]
+    # Everything listened on loopback: the lighthouse (in gradsync run itself), each group's
+    # stores, torchft Manager servers and gloo sockets.
+    assert_listens_on_loopback_only(watched)
+    root = {entry for entry in watched.listeners if entry[1] == proc.pid}
+    assert root, "the lighthouse's listener was not seen:\n  " + describe_listeners(
+        watched.listeners
+    )

@@ -1,0 +1,116 @@
+"""``gradsync run --replica-groups G`` without starting anything: the combinations it refuses
+(exit 2, one line naming the bad value and why), how --kill and --slow reach each group, and
+how a group's Synchronizer takes membership="torchft" from its run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradsync.attached_run import AttachedRun
+from gradsync.errors import UsageError
+from gradsync.runner.cli import main
+from gradsync.runner.config import RunConfig
+from gradsync.runner.replica_groups import group_config, ranks_of_group
+
+pytestmark = pytest.mark.unit
+
+GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--replica-groups", "2"], "one rank per replica group for now, got --nproc 4"),
+        (["--replica-groups", "1", "--nproc", "1"], "must be between 2 and 256 (0: off), got 1"),
+        ([*GROUPS, "--strategy", "zero:1"], "runs --strategy bsp only for now, got zero:1"),
+        ([*GROUPS, "--strategy", "local:4"], "runs --strategy bsp only for now, got local:4"),
+        ([*GROUPS, "--compress", "fp16"], "--replica-groups 2: membership='torchft' with comp"),
+        ([*GROUPS, "--bucket-mb", "auto"], "with bucket_mb='auto'"),
+        ([*GROUPS, "--resume"], "--replica-groups with --resume"),
+        ([*GROUPS, "--backend", "nccl"], "exchange over torchft's gloo group on the CPU"),
+        ([*GROUPS, "--min-replicas", "3"], "--min-replicas 3 is more than --replica-groups 2"),
+        ([*GROUPS, "--min-replicas", "0"], "--min-replicas must be at least 1, got 0"),
+        ([*GROUPS, "--lighthouse", "127.0.0.1:29510"], "must be http://HOST:PORT, got '127.0."),
+        (["--lighthouse", "http://127.0.0.1:1"], "--lighthouse sets how replica groups meet"),
+        (["--min-replicas", "2"], "--min-replicas sets how replica groups meet: it needs"),
+        ([*GROUPS, "--kill", "2:5"], "--kill names rank 2, but ranks are 0..1 (2 replica grou"),
+        ([*GROUPS, "--slow", "2:1.5"], "--slow names rank 2, but ranks are 0..1"),
+        (
+            [*GROUPS, "--kill", "1:3,1:5", "--max-restarts", "1"],
+            "--kill injects 2 failure(s) in one replica group but --max-restarts is 1",
+        ),
+    ],
+)
+def test_refused_before_anything_starts(
+    flags: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *flags, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
+@pytest.mark.timeout(60)
+def test_compare_refuses_replica_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", *GROUPS, "--strategies", "bsp", "--out", str(tmp_path / "c")]
+    assert main(argv) == 2
+    assert "--replica-groups 2 (live membership, bsp only) is gradsync run's" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.timeout(60)
+def test_kill_and_slow_name_the_ranks_of_every_group_and_each_group_gets_its_own() -> None:
+    # One failure per group is within --max-restarts 1: each group restarts on its own.
+    cfg = RunConfig(
+        replica_groups=3,
+        nproc=1,
+        workload="mlp",
+        steps=20,
+        kill="0:3,2:5",
+        slow="1:2@4",
+        max_restarts=1,
+        out="run",
+    )
+    assert [ranks_of_group(cfg.kill, k, 1) for k in range(3)] == ["0:3", None, "0:5"]
+    assert [ranks_of_group(cfg.slow, k, 1) for k in range(3)] == [None, "0:2@4", None]
+    own = group_config(cfg, Path("run"), 2, "http://127.0.0.1:9")
+    assert (own.out, own.replica_group, own.kill, own.slow) == ("run/group-2", 2, "0:5", None)
+    assert own.lighthouse == "http://127.0.0.1:9"
+    assert not own.progress  # group 0's line alone
+    assert group_config(cfg, Path("run"), 0, "http://127.0.0.1:9").progress
+
+
+def _run_dir(tmp_path: Path, **settings: object) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    return tmp_path
+
+
+@pytest.mark.timeout(60)
+def test_a_group_synchronizer_takes_torchft_membership_from_its_run_directory(
+    tmp_path: Path,
+) -> None:
+    run = AttachedRun(_run_dir(tmp_path, replica_groups=2, min_replicas=2, given=["min_replicas"]))
+    assert run.live(None, None) == ("torchft", 2)
+    assert run.live("torchft", 2) == ("torchft", 2)
+    with pytest.raises(UsageError, match="--min-replicas 2, but the script's gs.Synchronizer"):
+        run.live(None, 1)
+    with pytest.raises(UsageError, match="passes membership='other'"):
+        run.live("other", None)
+    # Outside --replica-groups: the script's own values (min_replicas left out: 1)
+    (tmp_path / "plain").mkdir()
+    plain = AttachedRun(_run_dir(tmp_path / "plain", steps=5))
+    assert plain.live(None, None) == (None, 1)
+
+
+@pytest.mark.timeout(60)
+def test_min_replicas_not_given_on_the_command_line_leaves_the_scripts_own(
+    tmp_path: Path,
+) -> None:
+    run = AttachedRun(_run_dir(tmp_path, replica_groups=2, given=["replica_groups"]))
+    assert run.live(None, 2) == ("torchft", 2)
+    assert run.live(None, None) == ("torchft", 1)
