@@ -202,6 +202,14 @@ def _stop(children: list[subprocess.Popen[bytes]], signum: int) -> None:
     for c in running:
         with contextlib.suppress(subprocess.TimeoutExpired):
             c.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for k, c in enumerate(children):
+        if c.poll() is None:
+            name = signal.Signals(signum).name
+            print(
+                f"gradsync: replica group {k} did not stop within {STOP_GRACE_S:.0f} s of "
+                f"{name}: its processes were killed",
+                file=sys.stderr,
+            )
     for c in children:
         # What the group's agent left behind (or the agent itself): its session, killed whole.
         with contextlib.suppress(ProcessLookupError, PermissionError):

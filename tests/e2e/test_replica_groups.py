@@ -1,7 +1,8 @@
 """``gradsync run --replica-groups 2``: two replica groups on loopback, each a torchft
 participant with its own elastic agent; group 1 is SIGKILLed mid-run and restarted by its own
 agent, its replacement heals from group 0, and the run ends with both groups' final parameters
-bitwise equal. One run (each group costs seconds of start-up).
+bitwise equal. One run (each group costs seconds of start-up); and Ctrl-C, which stops
+every group and leaves nothing running.
 
 ``--min-replicas 2`` makes group 0 wait at the step group 1 died in for the replacement, rather
 than train on alone (tests/ranks/test_live_membership.py tests that): so the replacement heals
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +99,41 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     assert root, "the lighthouse's listener was not seen:\n  " + describe_listeners(
         watched.listeners
     )
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
+        + ["--workload", "mlp", "--params", "5000", "--steps", "100000"]
+        + ["--no-plots", "--no-progress", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    watched = Watched()
+    try:
+        # Both groups training (each has gathered its first records) before the interrupt.
+        deadline = time.monotonic() + 150
+        while not all((out / f"group-{k}" / "metrics.jsonl").exists() for k in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the groups never trained"
+            watched.sample(proc.pid)
+            time.sleep(0.1)
+        watched.sample(proc.pid)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C reaches gradsync run (the groups have sessions)
+        rc = watch_until_exit(proc, watched, timeout_s=60)
+        _, stderr = proc.communicate(timeout=30)
+        left = [pid for pid in watched.survivors() if not reaped_within(pid, 10)]
+    finally:
+        watched.kill_all()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert rc == 130, stderr[-3000:]
+    assert "interrupted by SIGINT: every replica group was stopped" in stderr, stderr[-3000:]
+    # Each group's agent stopped its workers: none had to be killed past the grace period
+    # (a worker's SIGINT handler waits for a quorum that never forms; SIGTERM ends it).
+    assert "did not stop within" not in stderr, stderr[-3000:]
+    assert not left, f"still running after the run: {left}"
