@@ -44,4 +44,19 @@ def copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
             t.copy_(part)
 
 
-__all__ = ["copy_into", "flatten", "views"]
+def chunks(tensors: Sequence[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, in runs of at most ``max_bytes`` each (a larger tensor alone), so
+    that moving them one flat run at a time never copies more than that at once."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not out or size + nbytes > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
+__all__ = ["chunks", "copy_into", "flatten", "views"]

@@ -37,3 +37,21 @@ def buffer_walks(rank: int, world: int, with_buffer: bool) -> dict[str, Any]:
     sync.close()
     seen = float(model.seen) if with_buffer else None
     return {"walks": walks[0], "seen": seen}
+
+
+def chunked_initial_broadcast(rank: int, world: int) -> dict[str, Any]:
+    """Every rank builds its model from its own seed; with broadcast runs of 1 KB (a few
+    tensors each, one tensor alone where it is larger) every rank must start from rank 0's
+    parameters and buffers, whatever the dtype."""
+    import gradsync.synchronizer as synchronizer
+
+    synchronizer.BROADCAST_CHUNK_BYTES = 1024
+    torch.manual_seed(100 + rank)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(16, 16) for _ in range(6)], torch.nn.Linear(16, 300)
+    )
+    model.register_buffer("counts", torch.randint(0, 1000, (40,)))  # int64: its own run
+    sync = gs.Synchronizer(model, make_optimizer("sgd", model), "bsp", timeout_s=30)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    sync.close()
+    return {"state": state}
