@@ -73,11 +73,14 @@ def _by_step(log: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 def test_a_lost_replica_group_heals_from_the_survivor_which_never_restarts(tmp_path: Path) -> None:
     from torchft.coordination import LighthouseServer
 
-    # Short timeouts so that a lost participant is dropped from the quorum within a second.
+    # A short heartbeat timeout, so that a lost participant is dropped from the quorum within
+    # a second; a longer join timeout, so that a replacement's first quorum waits for the
+    # survivor's next one even on a loaded machine (with 1 s, a survivor whose step took
+    # longer left the replacement a quorum of its own, training from step 0).
     lighthouse = LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=1,
-        join_timeout_ms=1000,
+        join_timeout_ms=5000,
         quorum_tick_ms=20,
         heartbeat_timeout_ms=1000,
     )
