@@ -12,7 +12,16 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from gradsync.checkpoint.writer_process import WRITER_ENV
+from tests.support.bytecode import compile_tree
+
+# Where no process may write bytecode (PYTHONDONTWRITEBYTECODE), gradsync's and the tests' is
+# written here once, checked against the sources at every import, so that the hundreds of
+# processes a run starts (and this one, from its next import on) do not each compile them
+# again (tests/support/bytecode.py).
+if sys.dont_write_bytecode:
+    compile_tree(Path(__file__).resolve().parents[1] / "gradsync", Path(__file__).resolve().parent)
+
+from gradsync.checkpoint.writer_process import WRITER_ENV  # noqa: E402
 
 # Every rank and the test process itself use one intra-op thread: the machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
