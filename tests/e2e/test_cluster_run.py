@@ -1,7 +1,9 @@
-"""`gradsync run --hosts`: the training workers on an emulated cluster, end to end."""
+"""`gradsync run --hosts`: the training workers on an emulated cluster, end to end, and where
+they listen (tests/e2e/test_listen.py says why that is checked)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 from pathlib import Path
@@ -9,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from gradsync.cluster import requirements_missing
-from tests.support.cli import gradsync
+from gradsync.cluster.netns import SUBNET
+from tests.support.proctree import (
+    assert_listens_on_loopback_only,
+    describe_listeners,
+    is_loopback,
+    watched_run,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -17,19 +25,18 @@ MISSING = requirements_missing()
 
 
 @pytest.mark.skipif(MISSING is not None, reason=f"emulated cluster unavailable: {MISSING}")
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_script_on_two_emulated_hosts_matches_loopback_and_cleans_up(tmp_path: Path) -> None:
     """A user's script (the built-in workloads are one too, started the same way) on two
-    emulated hosts ends where the same script on loopback ends."""
+    emulated hosts ends where the same script on loopback ends; each run listens only where it
+    should: the cluster run on its hosts' addresses, the loopback run on loopback."""
     script = Path(__file__).resolve().parent.parent / "support" / "user_script.py"
     args = ["--nproc", "2", "--no-plots", "--no-progress"]
     command = ["--", str(script), "12", "{run_dir}/ckpt", "{run_dir}/final.pt"]
-    slow = gradsync(
-        "run", "--hosts", "2", "--link", "200mbit", "--out", str(tmp_path / "h"), *args, *command
+    on_hosts, _ = watched_run(
+        "--hosts", "2", "--link", "200mbit", "--out", str(tmp_path / "h"), *args, *command
     )
-    assert slow.returncode == 0, slow.stderr[-3000:]
-    local = gradsync("run", "--out", str(tmp_path / "l"), *args, *command)
-    assert local.returncode == 0, local.stderr[-3000:]
+    local, _ = watched_run("--out", str(tmp_path / "l"), *args, *command)
     a = json.loads((tmp_path / "h" / "report.json").read_text())
     b = json.loads((tmp_path / "l" / "report.json").read_text())
     assert a["final_loss"] == b["final_loss"]  # same math, only the network differs
@@ -37,3 +44,16 @@ def test_a_script_on_two_emulated_hosts_matches_loopback_and_cleans_up(tmp_path:
     assert (tmp_path / "h" / "final.pt").exists()  # the script's own output, in its run dir
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "gs-" not in netns
+
+    assert on_hosts.listeners, f"no listener seen in {on_hosts.samples} samples"
+    # Loopback inside a host's namespace is that host's own; else only the emulated hosts'
+    # addresses (their namespaces hold nothing else: a wildcard socket is what this catches).
+    hosts = ipaddress.ip_network(f"{SUBNET}.0/24")
+    outside = {
+        entry
+        for entry in on_hosts.listeners
+        if not is_loopback(entry[0])
+        and ipaddress.ip_address(entry[0].rpartition(":")[0]) not in hosts
+    }
+    assert not outside, "listening beyond the hosts' addresses:\n  " + describe_listeners(outside)
+    assert_listens_on_loopback_only(local)

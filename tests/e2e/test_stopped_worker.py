@@ -1,7 +1,8 @@
 """A stopped worker (SIGSTOP: a hang from outside the process) ends `gradsync run` within its
 --timeout plus a few seconds, with the stopped rank named and no process of the run left, where
 torch's elastic agent alone waits 30 more seconds for the stopped worker to act on SIGTERM. And
-a Ctrl-C ends it in one line, leaving nothing either."""
+a Ctrl-C ends it in one line, leaving nothing either; that run, a local one without restarts, is
+also where tests/e2e/test_listen.py's check that such a run listens on loopback only is made."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from gradsync.processes.reaper import workers
-from tests.support.proctree import PROC, Watched, start_run, watch_until_exit
+from tests.support.proctree import (
+    PROC,
+    Watched,
+    assert_listens_on_loopback_only,
+    start_run,
+    watch_until_exit,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -102,6 +109,8 @@ def _command(pid: int) -> str:
 
 @pytest.mark.timeout(180)
 def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """And the run (local, no restarts) listened on loopback only (tests/e2e/test_listen.py):
+    its stores and gloo's sockets open before its first step, which is seen before the Ctrl-C."""
     # A terminal's Ctrl-C: SIGINT to the run's whole process group. torch's agent turns it
     # into an exception of its own, which used to end the run with a traceback and exit 1.
     out = tmp_path / "run"
@@ -123,3 +132,4 @@ def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(tmp_path: Path) -> N
     assert "Traceback" not in stderr, stderr[-3000:]
     assert "death signal" not in stderr, stderr[-3000:]  # the agent's own line, said again
     assert left == [], f"processes of the run still alive after it exited: {left}"
+    assert_listens_on_loopback_only(watched)

@@ -167,3 +167,31 @@ def watch_until_exit(
         watched.sample(proc.pid)
         time.sleep(interval_s)
     return proc.poll()
+
+
+def watched_run(*args: str, timeout_s: float = 200) -> tuple[Watched, str]:
+    """``gradsync run ARGS`` to its end, its tree sampled all along (every listener it opened
+    is in ``listeners``); fails the test unless it exits 0. Returns what was seen and stderr."""
+    proc = start_run(*args)
+    watched = Watched()
+    try:
+        rc = watch_until_exit(proc, watched, timeout_s)
+    finally:
+        watched.kill_all()
+        proc.kill()
+        _, stderr = proc.communicate(timeout=30)
+    assert rc == 0, stderr[-3000:]
+    return watched, stderr
+
+
+def describe_listeners(listeners: set[tuple[str, int, str]]) -> str:
+    return "\n  ".join(f"{addr} (pid {pid}: {cmd})" for addr, pid, cmd in sorted(listeners))
+
+
+def assert_listens_on_loopback_only(watched: Watched) -> None:
+    """Some listener was seen (else the check saw nothing), and none beyond loopback."""
+    assert watched.listeners, (
+        f"no listener seen in {watched.samples} samples: the check saw nothing"
+    )
+    outside = {entry for entry in watched.listeners if not is_loopback(entry[0])}
+    assert not outside, "listening beyond loopback:\n  " + describe_listeners(outside)
