@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from gradsync.runner.config import RunConfig
@@ -25,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="a replica group's config.json")
     args = parser.parse_args(argv)
     cfg = RunConfig.from_dict(json.loads(Path(args.config).read_text(encoding="utf-8")))
+    _stop_with_parent(os.getppid())
     if not os.environ.get("GRADSYNC_DEBUG"):  # as gradsync run's own launch (runner.cli)
         from gradsync.processes.worker_deaths import quiet_elastic_logs
 
@@ -42,6 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - named in one line, as gradsync run does
         return _group_failure(cfg.replica_group, exc)
     return 0
+
+
+def _stop_with_parent(parent: int) -> None:
+    """Stop this group as the run's SIGTERM would once the ``gradsync run`` that started it is
+    gone: a run killed with SIGKILL runs no handler, and each group has a session of its own
+    (so that a terminal's Ctrl-C reaches the run alone), so nothing else would stop it."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent stops its workers, as on the run's
+
+    threading.Thread(target=watch, name="gradsync-group-parent", daemon=True).start()
 
 
 def _group_failure(group: int | None, exc: Exception) -> int:

@@ -137,3 +137,30 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
     # (a worker's SIGINT handler waits for a quorum that never forms; SIGTERM ends it).
     assert "did not stop within" not in stderr, stderr[-3000:]
     assert not left, f"still running after the run: {left}"
+
+
+@pytest.mark.timeout(200)
+def test_a_run_killed_with_sigkill_leaves_no_replica_group_running(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
+        + ["--workload", "mlp", "--params", "5000", "--steps", "100000"]
+        + ["--no-plots", "--no-progress", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    watched = Watched()
+    try:
+        deadline = time.monotonic() + 150
+        while not all((out / f"group-{k}" / "metrics.jsonl").exists() for k in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the groups never trained"
+            watched.sample(proc.pid)
+            time.sleep(0.1)
+        watched.sample(proc.pid)
+        proc.kill()  # no handler runs: the groups, in sessions of their own, must stop alone
+        proc.wait(timeout=30)
+        left = [pid for pid in watched.survivors() if not reaped_within(pid, 40)]
+    finally:
+        watched.kill_all()
+    assert not left, f"still running 40 s after the run was killed: {left}"
