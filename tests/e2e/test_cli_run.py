@@ -24,9 +24,19 @@ def _run(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], Path
     return proc, out
 
 
+@pytest.fixture(scope="module")
+def clean(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One run without a slowed rank, for both tests: each launch costs seconds of start-up."""
+    return _run(tmp_path_factory.mktemp("clean"))
+
+
 @pytest.mark.timeout(180)
-def test_run_writes_config_metrics_and_report(tmp_path: Path) -> None:
-    proc, out = _run(tmp_path)
+def test_run_writes_config_metrics_and_report(
+    clean: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    proc, out = clean
     config = json.loads((out / "config.json").read_text())
     assert config["nproc"] == 2 and config["workload"] == "mlp" and config["strategy"] == "bsp"
     lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -47,10 +57,12 @@ def test_run_writes_config_metrics_and_report(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_slow_rank_sets_the_pace_and_raises_others_idle(tmp_path: Path) -> None:
-    _, clean = _run(tmp_path / "clean")
-    _, slowed = _run(tmp_path / "slow", "--slow", "1:3")
-    base = json.loads((clean / "report.json").read_text())
+def test_slow_rank_sets_the_pace_and_raises_others_idle(
+    clean: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
+) -> None:
+    # (no plots: they come after the steps compared here; tests/e2e/test_run_outputs.py's)
+    _, slowed = _run(tmp_path / "slow", "--slow", "1:3", "--no-plots")
+    base = json.loads((clean[1] / "report.json").read_text())
     slow = json.loads((slowed / "report.json").read_text())
     assert slow["pace_setter"] == 1
     assert slow["pace_setter_counts"]["1"] >= 18  # of 20 steps
