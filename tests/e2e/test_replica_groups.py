@@ -101,9 +101,9 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     )
 
 
-@pytest.mark.timeout(200)
-def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def _training_run(out: Path, watched: Watched) -> subprocess.Popen[str]:
+    """A long two-group run, returned once both groups are training (each has gathered its
+    first records): what the signal tests then stop."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
         + ["--workload", "mlp", "--params", "5000", "--steps", "100000"]
@@ -113,15 +113,22 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
         text=True,
         start_new_session=True,
     )
-    watched = Watched()
-    try:
-        # Both groups training (each has gathered its first records) before the interrupt.
-        deadline = time.monotonic() + 150
-        while not all((out / f"group-{k}" / "metrics.jsonl").exists() for k in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline, "the groups never trained"
-            watched.sample(proc.pid)
-            time.sleep(0.1)
+    deadline = time.monotonic() + 150
+    while not all((out / f"group-{k}" / "metrics.jsonl").exists() for k in (0, 1)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the groups never trained: {proc.communicate(timeout=30)[1]}")
         watched.sample(proc.pid)
+        time.sleep(0.1)
+    watched.sample(proc.pid)
+    return proc
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: Path) -> None:
+    watched = Watched()
+    proc = _training_run(tmp_path / "run", watched)
+    try:
         proc.send_signal(signal.SIGINT)  # Ctrl-C reaches gradsync run (the groups have sessions)
         rc = watch_until_exit(proc, watched, timeout_s=60)
         _, stderr = proc.communicate(timeout=30)
@@ -141,25 +148,11 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
 
 @pytest.mark.timeout(200)
 def test_a_run_killed_with_sigkill_leaves_no_replica_group_running(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
-        + ["--workload", "mlp", "--params", "5000", "--steps", "100000"]
-        + ["--no-plots", "--no-progress", "--out", str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     watched = Watched()
+    proc = _training_run(tmp_path / "run", watched)
     try:
-        deadline = time.monotonic() + 150
-        while not all((out / f"group-{k}" / "metrics.jsonl").exists() for k in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline, "the groups never trained"
-            watched.sample(proc.pid)
-            time.sleep(0.1)
-        watched.sample(proc.pid)
         proc.kill()  # no handler runs: the groups, in sessions of their own, must stop alone
-        proc.wait(timeout=30)
+        proc.communicate(timeout=30)
         left = [pid for pid in watched.survivors() if not reaped_within(pid, 40)]
     finally:
         watched.kill_all()
