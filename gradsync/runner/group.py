@@ -21,8 +21,7 @@ from gradsync.runner.config import RunConfig
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m gradsync.runner.group --config RUN/group-K/config.json``."""
-    from gradsync.processes.launch import launch
-    from gradsync.runner.worker import run_rank
+    from gradsync.runner.worker import launch_ranks
 
     parser = argparse.ArgumentParser(prog="python -m gradsync.runner.group")
     parser.add_argument("--config", required=True, help="a replica group's config.json")
@@ -34,13 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet_elastic_logs()
     try:
-        launch(
-            run_rank,
-            (cfg.to_dict(),),
-            nproc=cfg.processes,
-            threads=cfg.threads,
-            max_restarts=cfg.max_restarts,
-        )
+        launch_ranks(cfg)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - named in one line, as gradsync run does
