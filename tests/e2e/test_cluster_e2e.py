@@ -18,6 +18,7 @@ import pytest
 
 from gradsync.cluster import Cluster, cleanup_stale, launch_on_cluster
 from gradsync.cluster.system import requirements_missing
+from tests.support.proctree import pids_in_netns
 
 pytestmark = pytest.mark.e2e
 
@@ -38,19 +39,6 @@ def _netns_inodes(cluster: Cluster) -> set[int]:
     return {os.stat(f"/run/netns/{ns}").st_ino for ns in cluster.namespaces()}
 
 
-def _pids_in_netns(inodes: set[int]) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                link = os.readlink(f"/proc/{entry}/ns/net")
-            except OSError:
-                continue
-            if int(link.split("[")[1].rstrip("]")) in inodes:
-                found.append(int(entry))
-    return found
-
-
 def _assert_gone(cluster: Cluster, inodes: set[int], marker: str | None = None) -> None:
     namespaces = subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True, check=True, timeout=10
@@ -60,7 +48,7 @@ def _assert_gone(cluster: Cluster, inodes: set[int], marker: str | None = None) 
     ).stdout
     assert cluster.base not in namespaces
     assert cluster.base not in links
-    assert _pids_in_netns(inodes) == []
+    assert pids_in_netns(inodes) == []
     if marker:
         # Also by command line: a worker that escaped its namespace would still be ours.
         for entry in os.listdir("/proc"):

@@ -15,24 +15,12 @@ import pytest
 
 from gradsync.cluster import Cluster, cleanup_stale, launch_on_cluster, requirements_missing
 from tests.support import remote_liveness as worker
+from tests.support.proctree import pids_in_netns
 
 pytestmark = pytest.mark.e2e
 
 MISSING = requirements_missing()
 PREFIX = "gst-"  # as tests/e2e/test_cluster_e2e.py: never a user's cluster
-
-
-def _in_namespaces(inodes: set[int]) -> list[int]:
-    """The processes whose network namespace is one of ``inodes``."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            link = os.readlink(f"/proc/{entry}/ns/net")
-        except OSError:
-            continue
-        if int(link.split("[")[1].rstrip("]")) in inodes:
-            found.append(int(entry))
-    return found
 
 
 @pytest.mark.skipif(MISSING is not None, reason=f"emulated cluster unavailable: {MISSING}")
@@ -48,9 +36,9 @@ def test_a_rank_on_another_host_holding_the_gil_is_waited_for_and_a_stopped_one_
             rc = launch_on_cluster(c, module, 1, {worker.OUT_ENV: str(tmp_path)}, timeout_s=150)
             # Every rank has exited: its voucher goes with it, no one kills it here.
             deadline = time.monotonic() + 10
-            while _in_namespaces(inodes) and time.monotonic() < deadline:
+            while pids_in_netns(inodes) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            left = _in_namespaces(inodes)
+            left = pids_in_netns(inodes)
     finally:
         cleanup_stale(PREFIX, cluster.tag)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

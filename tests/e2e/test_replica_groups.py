@@ -63,10 +63,7 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
         # Nothing of the run outlives it: the groups' agents, workers, forkservers.
         left = [pid for pid in watched.survivors() if not reaped_within(pid, 10)]
     finally:
-        watched.kill_all()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+        _stop(proc, watched)
     assert rc == 0, stderr[-4000:]
     assert not left, f"still running after the run: {left}"
     group0, group1 = out / "group-0", out / "group-1"
@@ -99,6 +96,14 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     assert root, "the lighthouse's listener was not seen:\n  " + describe_listeners(
         watched.listeners
     )
+
+
+def _stop(proc: subprocess.Popen[str], watched: Watched) -> None:
+    """Whatever a test leaves of a run when it ends, passed or failed: killed and reaped."""
+    watched.kill_all()
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=30)
 
 
 def _training_run(out: Path, watched: Watched) -> subprocess.Popen[str]:
@@ -134,10 +139,7 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
         _, stderr = proc.communicate(timeout=30)
         left = [pid for pid in watched.survivors() if not reaped_within(pid, 10)]
     finally:
-        watched.kill_all()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+        _stop(proc, watched)
     assert rc == 130, stderr[-3000:]
     assert "interrupted by SIGINT: every replica group was stopped" in stderr, stderr[-3000:]
     # Each group's agent stopped its workers: none had to be killed past the grace period
@@ -155,5 +157,5 @@ def test_a_run_killed_with_sigkill_leaves_no_replica_group_running(tmp_path: Pat
         proc.communicate(timeout=30)
         left = [pid for pid in watched.survivors() if not reaped_within(pid, 40)]
     finally:
-        watched.kill_all()
+        _stop(proc, watched)
     assert not left, f"still running 40 s after the run was killed: {left}"

@@ -82,6 +82,19 @@ def reaped_within(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
+def pids_in_netns(inodes: set[int]) -> list[int]:
+    """The processes whose network namespace is one of ``inodes`` (an emulated host's)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            link = os.readlink(f"/proc/{entry}/ns/net")
+        except OSError:
+            continue
+        if int(link.split("[")[1].rstrip("]")) in inodes:
+            found.append(int(entry))
+    return found
+
+
 def _socket_inodes(pid: int) -> set[int]:
     inodes = set()
     with contextlib.suppress(OSError):
