@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gradsync import compat, runtime
-from gradsync.attached_run import FAULTS_DIR, restart_count
+from gradsync.attached_run import append_fault, restart_count
 from gradsync.flags import sourced
 from gradsync.logs import get_logger
 from gradsync.options import Checks, Exchange, Limits, Telemetry
@@ -59,16 +59,14 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
     return 0
 
 
-def _log_recovery(directory: Path, resumed_at: int) -> None:
+def _log_recovery(run_dir: Path, resumed_at: int) -> None:
     """When the first step after a resume completed: the end of the outage."""
-    directory.mkdir(parents=True, exist_ok=True)
     entry = {
         "restart": restart_count(),
         "resumed_at_step": resumed_at,
         "first_step_done": time.time(),
     }
-    with open(directory / "recoveries.jsonl", "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(entry) + "\n")
+    append_fault(run_dir, "recoveries.jsonl", entry)
 
 
 class _CheckpointLog:
@@ -150,7 +148,7 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             run.sink.progress.update(step + 1, loss, 0.0, 0.0)
         if recovering:
             recovering = False
-            _log_recovery(run_dir / FAULTS_DIR, start)
+            _log_recovery(run_dir, start)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             # Written in the background: the step pays for a copy of the state. The records of
             # the steps not gathered yet go with it, so a restart that rolls back to it keeps
