@@ -23,9 +23,10 @@ import os
 from pathlib import Path
 
 _PROC = Path("/proc")
-#: ``/proc/PID/stat`` states of a process that will not run again without help: zombie, dead,
-#: stopped, stopped by a tracer
-NOT_RUNNING = frozenset("ZXxTt")
+#: ``/proc/PID/stat`` states of a process that is over: zombie, dead
+GONE = frozenset("ZXx")
+#: and of one that will not run again without help: those, stopped, stopped by a tracer
+NOT_RUNNING = GONE | frozenset("Tt")
 
 
 def machine() -> str:
@@ -85,4 +86,4 @@ def running(peer: str) -> bool | None:
     return now is not None and now not in NOT_RUNNING  # None: gone, or its pid reused
 
 
-__all__ = ["NOT_RUNNING", "identity", "machine", "running", "start_of", "state"]
+__all__ = ["GONE", "NOT_RUNNING", "identity", "machine", "running", "start_of", "state"]

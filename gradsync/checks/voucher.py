@@ -253,7 +253,7 @@ def _vouch(pid: int, start: str, store: Any) -> None:
                 return  # the rank closed the pipe, or died
             pending = _read(pending + data, keys)
         state = liveness.state(pid, start)
-        if state is None or state in "ZXx" or os.getppid() != pid:
+        if state is None or state in liveness.GONE or os.getppid() != pid:
             return  # gone, a zombie, or dead and this process handed to another parent
         seq += 1
         for key in keys:
