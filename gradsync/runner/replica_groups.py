@@ -68,6 +68,7 @@ def run_groups(cfg: RunConfig, run_dir: Path, given: list[str]) -> int:
     claims = [_claim_group(run_dir, k) for k in range(cfg.replica_groups)]
     children: list[subprocess.Popen[bytes]] = []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signalled: int | None = None
     try:
         for s in previous:
             signal.signal(s, _raise_signalled)
@@ -78,18 +79,19 @@ def run_groups(cfg: RunConfig, run_dir: Path, given: list[str]) -> int:
                 children.append(_start_group(config, k, address))
             codes = _wait(children)
     except _Signalled as stop:
+        signalled = stop.signum
+    finally:
         # SIGTERM whatever came here: a worker's Python handler for SIGINT waits for the
         # torchft call it is blocked in (a quorum that now never forms); SIGTERM ends it.
-        _stop(children, signal.SIGTERM)
-        name = signal.Signals(stop.signum).name
-        print(f"gradsync: interrupted by {name}: every replica group was stopped", file=sys.stderr)
-        return 128 + stop.signum
-    finally:
         _stop(children, signal.SIGTERM)
         for s, handler in previous.items():
             signal.signal(s, handler)
         for c in claims:
             c.release()
+    if signalled is not None:
+        name = signal.Signals(signalled).name
+        print(f"gradsync: interrupted by {name}: every replica group was stopped", file=sys.stderr)
+        return 128 + signalled
     print(summarize_groups(cfg, run_dir, codes))
     failed = [k for k, code in enumerate(codes) if code != 0]
     if failed:
