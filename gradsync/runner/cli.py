@@ -60,7 +60,8 @@ def _placement(backend: str) -> str:
 
 
 def _run(cfg: Any, run_dir: Path, given: list[str] | None = None) -> int:
-    from gradsync.runner.worker import launch_ranks
+    from gradsync.processes.launch import launch
+    from gradsync.runner.worker import run_rank
 
     given = given or []
     if cfg.replica_groups:
@@ -89,7 +90,13 @@ def _run(cfg: Any, run_dir: Path, given: list[str] | None = None) -> int:
     if cfg.hosts:
         _run_on_cluster(cfg, run_dir)
     else:
-        results = launch_ranks(cfg)
+        results = launch(
+            run_rank,
+            (cfg.to_dict(),),
+            nproc=cfg.processes,
+            threads=cfg.threads,
+            max_restarts=cfg.max_restarts,
+        )
         if results.get(0) is None:
             raise RuntimeError("rank 0 returned no report")
     print(_summary(cfg, run_dir))

@@ -181,7 +181,8 @@ def _run_one(
     base: RunConfig, spec: str, progress: Progress, offset: int
 ) -> tuple[RunConfig, list[StepRecord]]:
     """One strategy's run into its own locked directory; its config and step records."""
-    from gradsync.runner.worker import launch_ranks
+    from gradsync.processes.launch import launch
+    from gradsync.runner.worker import run_rank
 
     # --servers is for the parameter-server strategies; the others run without servers.
     servers = base.servers if uses_servers(spec) else 1
@@ -203,7 +204,13 @@ def _run_one(
         watcher.start()
         try:
             # --max-restarts as under gradsync run: the workers resume from their checkpoints
-            launch_ranks(cfg)
+            launch(
+                run_rank,
+                (cfg.to_dict(),),
+                nproc=cfg.processes,
+                threads=cfg.threads,
+                max_restarts=cfg.max_restarts,
+            )
         finally:
             stop.set()
             watcher.join()

@@ -21,7 +21,8 @@ from gradsync.runner.config import RunConfig
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m gradsync.runner.group --config RUN/group-K/config.json``."""
-    from gradsync.runner.worker import launch_ranks
+    from gradsync.processes.launch import launch
+    from gradsync.runner.worker import run_rank
 
     parser = argparse.ArgumentParser(prog="python -m gradsync.runner.group")
     parser.add_argument("--config", required=True, help="a replica group's config.json")
@@ -33,7 +34,13 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet_elastic_logs()
     try:
-        launch_ranks(cfg)
+        launch(
+            run_rank,
+            (cfg.to_dict(),),
+            nproc=cfg.processes,
+            threads=cfg.threads,
+            max_restarts=cfg.max_restarts,
+        )
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - named in one line, as gradsync run does

@@ -28,7 +28,7 @@ from gradsync.logs import get_logger
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 
-__all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "launch_ranks", "run_rank", "run_script", "run_worker"]
+__all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "run_rank", "run_script", "run_worker"]
 
 #: replaced by the run directory in a script's arguments
 RUN_DIR_PLACEHOLDER = "{run_dir}"
@@ -69,21 +69,6 @@ def run_rank(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     """One rank of ``gradsync run``: the user's script if the run names one, else the
     built-in workloads' script, both through ``run_script``."""
     return run_script(config_dict)
-
-
-def launch_ranks(cfg: RunConfig) -> dict[int, Any]:
-    """Start ``cfg``'s ranks on this machine through torch's elastic agent, each running
-    ``run_rank``, with its ``--max-restarts``: ``gradsync run``, each run of ``compare`` and
-    each replica group; every rank's return value."""
-    from gradsync.processes.launch import launch
-
-    return launch(
-        run_rank,
-        (cfg.to_dict(),),
-        nproc=cfg.processes,
-        threads=cfg.threads,
-        max_restarts=cfg.max_restarts,
-    )
 
 
 def run_worker(config_dict: dict[str, Any]) -> dict[str, Any] | None:
