@@ -567,8 +567,10 @@ class Synchronizer:
         handle._strategy = self.strategy
         self._in_step = True
         self._watch.enter(BLOCK, self._step)
+        leaving = False  # a KeyboardInterrupt or SystemExit ends the block
         try:
             if self._ahead is not None:
+                self._settle_gate()  # the wait of a step a KeyboardInterrupt left, if caught
                 # Joined before the step's first collective: the forward hides its round trips.
                 self._ahead.arm(self._step, "the step")
             else:
@@ -602,10 +604,14 @@ class Synchronizer:
             # collectives in the block (zero:3) waited for the peers: that is sync time.
             self._natural = t1 - t0 - ready.seconds_in_block - outcome.comm_in_block - slept
             self._end_step(handle, outcome, wall0, t0, t1, ready.seconds_in_block)
+        except BaseException as exc:
+            leaving = not isinstance(exc, Exception)
+            raise
         finally:
             self._in_step = False
             handle._ready = None
-            self._settle_gate()
+            if not leaving:
+                self._settle_gate()
             self._back_to_user()
 
     def _sample_weight(self, samples: int) -> tuple[float, int]:
@@ -728,7 +734,10 @@ class Synchronizer:
 
     def _settle_gate(self) -> None:
         """At the end of a block that raised before joining: let the armed wait end, so that
-        the thread is free for the next step (its error is the block's to report, not this)."""
+        the thread is free for the next step (its error is the block's to report, not this).
+        Not while a KeyboardInterrupt or SystemExit unwinds the block: a peer interrupted too
+        never arrives, so the wait would last the gate's whole bound (and a Ctrl-C'd worker
+        outlive the launcher's grace); a step begun after one was caught settles it first."""
         if self._ahead is not None and self._ahead.pending:
             with contextlib.suppress(Exception):
                 self._ahead.join()

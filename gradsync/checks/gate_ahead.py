@@ -30,6 +30,13 @@ from gradsync.checks.gate import StepGate
 #: first blocking wait, at most ``ArrivalWatch.arrive_after_s``, has ended)
 _STOP_WAIT_S = 5.0
 
+#: how often a joining thread waiting for the gate comes back to the interpreter. A signal sent
+#: to the process (a Ctrl-C to the run's process group) may be taken by any of its threads, the
+#: gate's own among them; Python then runs its handler on the main thread only when that thread
+#: next executes bytecode, so an untimed wait here kept a worker waiting out the gate's bound
+#: (and the launcher its 30 s grace) with its KeyboardInterrupt unraised.
+_SIGNAL_CHECK_S = 0.1
+
 
 class GateAhead:
     """One Synchronizer's gate waits begun at ``arm`` and finished at ``join``."""
@@ -69,7 +76,7 @@ class GateAhead:
             return
         with self._cond:
             while self._pending and (self._job is not None or self._running):
-                self._cond.wait()
+                self._cond.wait(_SIGNAL_CHECK_S)
             self._pending = False
             if self._error is not None:
                 raise self._error

@@ -45,3 +45,11 @@ def test_a_block_raising_before_the_first_collective_is_skipped_by_every_rank() 
     assert r0["skipped"] == r1["skipped"] == [False, True, False, False]
     assert r1["errors"] == ["a bad batch"] and r0["errors"] == []
     assert torch.equal(r0["params"], r1["params"])
+
+
+@pytest.mark.timeout(150)
+def test_a_keyboard_interrupt_leaves_the_block_without_waiting_out_the_gate() -> None:
+    """A Ctrl-C'd worker must end promptly: its peer, interrupted too, never comes to the
+    gate, and the launcher kills what is left only after 30 s."""
+    r0, _ = run_ranks(gate_ahead_ranks.interrupted_while_a_peer_is_away, 2, timeout_s=140)
+    assert r0["left_after_s"] < 4, r0

@@ -110,8 +110,34 @@ def loss_before_any_collective(rank: int, world: int) -> dict[str, Any]:
     return {"skipped": skipped, "errors": errors, "params": flat_params(model)}
 
 
+def interrupted_while_a_peer_is_away(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0's block at step 2 ends with a KeyboardInterrupt (a Ctrl-C) while rank 1 is not
+    at that step's gate, under a long ``timeout_s``: how long the interrupt took to leave the
+    block. Rank 1 comes to close() only later."""
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    sync = gs.Synchronizer(model, make_optimizer("sgd", model), "bsp", timeout_s=60)
+    for step in range(2):
+        with sync.step():
+            x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
+            w.loss(model, x, y).backward()
+    left_after_s = None
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            with sync.step():
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            left_after_s = time.monotonic() - t0
+    else:
+        time.sleep(8)
+    sync.close()
+    return {"left_after_s": left_after_s}
+
+
 __all__ = [
     "gate_thread_ends_with_close",
+    "interrupted_while_a_peer_is_away",
     "loss_before_any_collective",
     "store_requests_per_step",
 ]

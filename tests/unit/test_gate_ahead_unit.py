@@ -3,6 +3,7 @@ the wait and raises its error at every join of that step, stop cancels a wait in
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any
@@ -95,3 +96,35 @@ def test_stop_cancels_a_wait_in_flight_and_ends_the_thread() -> None:
     assert not [t for t in threading.enumerate() if t.name == "gradsync-gate"]
     with pytest.raises(SyncTimeoutError, match="cancelled"):
         ahead.join()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted
+
+
+def test_a_signal_taken_by_the_gate_thread_reaches_the_joining_main_thread() -> None:
+    """A process-directed signal (a Ctrl-C) may land on the gate's thread; its Python handler
+    runs on the main thread, which must not sit in an untimed wait meanwhile (a worker waited
+    out the gate, and torch's launcher its 30 s grace, before it). Sent to the gate's thread
+    here, so that it lands there every time."""
+    gate = _FakeGate()
+    ahead = _ahead(gate)
+    previous = signal.signal(signal.SIGUSR1, _raise_interrupted)
+    try:
+        ahead.arm(1, "the step")
+        thread = ahead._thread
+        assert thread is not None and thread.ident is not None
+        threading.Timer(0.2, signal.pthread_kill, (thread.ident, signal.SIGUSR1)).start()
+        threading.Timer(10, gate.release.set).start()  # without the fix: join ends here
+        t0 = time.monotonic()
+        with pytest.raises(_Interrupted):
+            ahead.join()
+        assert time.monotonic() - t0 < 5
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        gate.release.set()
+        ahead.stop()
