@@ -2,7 +2,8 @@
 
 ``model`` holds the alpha-beta collective costs and the fit (and the two-level all-reduce);
 ``simulate`` the per-strategy simulation; ``streaming`` streaming DiLoCo's fragments and
-timeline; ``calibrate`` the prediction of a real run from its telemetry. Nothing here
+timeline; ``calibrate`` the prediction of a real run from its telemetry; ``failures`` the
+goodput of restart-from-checkpoint against live membership under failures. Nothing here
 starts a process or touches torch.distributed, except ``bench`` (imported on demand).
 """
 

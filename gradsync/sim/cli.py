@@ -22,7 +22,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="predict step time, idle and staleness of a strategy at any scale",
         description="Simulate data-parallel training (no processes): BSP, ZeRO stages 1, 2 and 3, "
         "SSP, async, local SGD, DiLoCo (plain and streaming), overlap, hosts with a flat or "
-        "hierarchical all-reduce; sweeps over staleness and workers; or predict a real run.",
+        "hierarchical all-reduce; sweeps over staleness and workers; or predict a real run; "
+        "or the goodput of restart-from-checkpoint against live membership under failures.",
     )
     add_flags(sim, SimulateOptions)
     sim.set_defaults(func=cmd_simulate)
@@ -47,6 +48,8 @@ def parse_size(text: str) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     opts = from_namespace(SimulateOptions, args)  # refuses what needs no simulation to refuse
+    if opts.failures:
+        return commands.failures(opts)
     if opts.from_run:
         return commands.from_run(opts)
     if opts.sweep_staleness or opts.sweep_workers:

@@ -19,15 +19,18 @@ from gradsync.sim.config import (
     parse_sim_strategy,
     takes_hierarchy,
 )
+from gradsync.sim.failures import LLAMA3, format_table, goodput
 from gradsync.sim.gate import REQUESTS_PER_RANK
 from gradsync.sim.options import (
     SimulateOptions,
     comm_model,
     compute_model,
     emit,
+    failure_costs_from_args,
     layers_from_args,
     link_from_args,
     overlap_from_args,
+    parse_gpus,
 )
 from gradsync.sim.side_by_side import (
     allreduce_rows,
@@ -387,4 +390,40 @@ def from_run(args: SimulateOptions) -> int:
         if args.remove_straggler:
             lines.append(f"(rank {profile.slowest_rank()} had the highest median compute)")
     emit(args, doc, "\n".join(lines))
+    return 0
+
+
+def failures(args: SimulateOptions) -> int:
+    """``--failures``: both paths' goodput at every cluster size, beside the published count."""
+    costs = failure_costs_from_args(args)
+    rows = [goodput(n, costs) for n in parse_gpus(args.gpus)]
+    doc: dict[str, Any] = {
+        "costs": {
+            "failure_rate_per_gpu_hour": costs.failure_rate,
+            "step_s": costs.step_s,
+            "checkpoint_every": costs.checkpoint_every,
+            "restart_s": costs.restart_s,
+            "stall_s": costs.stall_s,
+            "heal_s": costs.heal_s,
+            "group_gpus": costs.group_gpus,
+        },
+        "rows": [
+            {
+                "gpus": r.gpus,
+                "failures_per_day": r.failures_per_day,
+                "hours_between": r.hours_between,
+                "goodput_restart": r.restart,
+                "goodput_live": r.live,
+            }
+            for r in rows
+        ],
+        "reference": {
+            "source": LLAMA3.source,
+            "interruptions": LLAMA3.interruptions,
+            "days": LLAMA3.days,
+            "gpus": LLAMA3.gpus,
+            "per_day": LLAMA3.per_day,
+        },
+    }
+    emit(args, doc, format_table(rows, costs))
     return 0

@@ -18,6 +18,16 @@ from typing import Any, Protocol
 from gradsync.errors import UsageError
 from gradsync.flags import flag, option_of
 from gradsync.sim.config import ALLREDUCE_CHOICES, CommModel, ComputeModel, Hosts
+from gradsync.sim.failures import (
+    CHECKPOINT_EVERY,
+    GROUP_GPUS,
+    HEAL_S,
+    LLAMA3,
+    RESTART_S,
+    STALL_S,
+    STEP_S,
+    FailureCosts,
+)
 from gradsync.sim.gate import StoreGate
 from gradsync.sim.model import ALGORITHMS, AlphaBeta
 from gradsync.sim.simulate import Overlap
@@ -30,6 +40,20 @@ COMM = "communication (fixed, or alpha-beta for a message)"
 HOSTS = "hosts (as gradsync run --hosts H --allreduce KIND; alpha-beta model only)"
 STRATEGY = "strategy and output"
 PREDICTION = "calibrated prediction from a real run"
+FAILURES = "goodput under failures (--failures; defaults: gradsync's own measurements)"
+
+#: The fields that price failures: they mean something with ``--failures`` only.
+FAILURE_FIELDS = (
+    "gpus",
+    "failure_rate",
+    "step_s",
+    "checkpoint_every",
+    "restart_s",
+    "stall_s",
+    "heal_s",
+    "group_gpus",
+)
+DEFAULT_GPUS = "1024,16384,100000"
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -150,6 +174,57 @@ class SimulateOptions:
         "rank's compute independently",
         group=PREDICTION,
     )
+    failures: bool = flag(
+        False,
+        help="goodput of restart-from-checkpoint against live membership under failures, at "
+        "each of --gpus (docs/simulator.md, Goodput under failures)",
+        group=FAILURES,
+    )
+    gpus: str | None = flag(
+        None, metavar="LIST", help=f"cluster sizes (default {DEFAULT_GPUS})", group=FAILURES
+    )
+    failure_rate: float | None = flag(
+        None,
+        metavar="PER_GPU_HOUR",
+        help=f"failures a GPU-hour (default: Llama 3's {LLAMA3.interruptions} unexpected "
+        f"interruptions in {LLAMA3.days:g} days on {LLAMA3.gpus:,} GPUs, {LLAMA3.rate:.4g})",
+        group=FAILURES,
+    )
+    step_s: float | None = flag(
+        None, help=f"seconds a training step (default {STEP_S:g}: RELIABILITY.md)", group=FAILURES
+    )
+    checkpoint_every: int | None = flag(
+        None,
+        metavar="N",
+        help="steps between committed checkpoints, restart's rollback (default "
+        f"{CHECKPOINT_EVERY})",
+        group=FAILURES,
+    )
+    restart_s: float | None = flag(
+        None,
+        help="restart from checkpoint: seconds from a death to the whole group training again "
+        f"(default {RESTART_S:g}: gradsync's forked restart of a small model, a floor; minutes "
+        "at scale)",
+        group=FAILURES,
+    )
+    stall_s: float | None = flag(
+        None,
+        help=f"live membership: seconds the survivors stall per failure (default {STALL_S:g}, "
+        "measured: torchft's 2 s heartbeat timeout)",
+        group=FAILURES,
+    )
+    heal_s: float | None = flag(
+        None,
+        help="live membership: seconds from a death to the lost group training again, relaunch "
+        f"and healing from a peer (default {HEAL_S:g}, measured)",
+        group=FAILURES,
+    )
+    group_gpus: int | None = flag(
+        None,
+        metavar="G",
+        help=f"live membership: GPUs a failure takes out, one replica group (default {GROUP_GPUS})",
+        group=FAILURES,
+    )
 
     def __post_init__(self) -> None:
         if self.table_steps < 0:
@@ -162,6 +237,7 @@ class SimulateOptions:
             if isinstance(value, float) and not math.isfinite(value):
                 flag_name = option_of(SimulateOptions, f.name)
                 raise UsageError(f"{flag_name} must be a finite number, got {value}")
+        self._check_failures_mode()
         if self.from_run:
             extra = [
                 name
@@ -178,6 +254,35 @@ class SimulateOptions:
                     f"{', '.join(extra)} apply to a simulation, not to --from's prediction of a "
                     "run; drop them, or simulate without --from"
                 )
+
+    def _check_failures_mode(self) -> None:
+        """``--failures`` is a mode of its own: its flags are refused without it, and the
+        step simulation's with it, rather than ignored."""
+        given = [
+            option_of(SimulateOptions, n) for n in FAILURE_FIELDS if getattr(self, n) is not None
+        ]
+        if given and not self.failures:
+            raise UsageError(f"{', '.join(given)} price(s) failures: give --failures too")
+        if not self.failures:
+            return
+        own = {*FAILURE_FIELDS, "failures", "json"}
+        others = [
+            option_of(SimulateOptions, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in own and getattr(self, f.name) != _default(f)
+        ]
+        if others:
+            raise UsageError(
+                f"{', '.join(others)} apply to the step simulation, not to --failures (whose "
+                f"flags are {', '.join(option_of(SimulateOptions, n) for n in FAILURE_FIELDS)}); "
+                "drop them"
+            )
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 #: the name of ``bench allreduce``'s calibration file when ``--out`` is not given
@@ -309,6 +414,30 @@ def gate_from_args(args: SimulateOptions) -> StoreGate | None:
     if args.gate_store_rate is None:
         return None
     return StoreGate(store_rate=args.gate_store_rate, rtt_ms=args.gate_rtt_ms)
+
+
+def parse_gpus(text: str | None) -> list[int]:
+    """``--gpus``: the cluster sizes of ``--failures``."""
+    items = (DEFAULT_GPUS if text is None else text).split(",")
+    counts = []
+    for item in items:
+        try:
+            n = int(item.strip())
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UsageError(
+                f"--gpus takes whole numbers of GPUs >= 1, comma-separated (e.g. {DEFAULT_GPUS}), "
+                f"got {item.strip()!r}"
+            )
+        counts.append(n)
+    return counts
+
+
+def failure_costs_from_args(args: SimulateOptions) -> FailureCosts:
+    """``--failures``' costs: each flag given, else gradsync's measured default."""
+    given = {n: getattr(args, n) for n in FAILURE_FIELDS if n != "gpus"}
+    return FailureCosts(**{n: v for n, v in given.items() if v is not None})
 
 
 # The defaults of the path inside a host: ten times the default link between hosts, and a
