@@ -158,6 +158,7 @@ def test_the_float_flags_are_the_ones_that_were_checked_by_hand() -> None:
     assert sorted(FLOAT_FIELDS) == sorted(
         ["jitter", "comm_ms", "message_mb", "alpha_us", "link_gbps", "backward_frac"]
         + ["compression_ratio", "intra_gbps", "intra_alpha_us", "gate_store_rate", "gate_rtt_ms"]
+        + ["failure_rate", "step_s", "restart_s", "stall_s", "heal_s"]
     )
 
 
