@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from gradsync.errors import UsageError
-from gradsync.processes import forkserver, stores
+from gradsync.processes import forkserver, stores, task_limit
 from gradsync.processes.reaper import StoppedWorkerReaper
 
 LOOPBACK = "127.0.0.1"
@@ -60,6 +60,7 @@ def launch(
         raise UsageError(f"--threads must be at least 1, got {threads}")
     if max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    task_limit.check_room(nproc, threads)  # a rank short of a thread fails far from the cause
     # Children inherit the environment at spawn: cap intra-op threads before torch starts there.
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["GRADSYNC_THREADS"] = str(threads)

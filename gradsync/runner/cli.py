@@ -510,6 +510,7 @@ def _worker_failure(exc: Exception) -> int:
 
 
 def _describe_child_failure(exc: Any) -> str:
+    from gradsync.processes import task_limit
     from gradsync.processes.worker_deaths import describe_exit
 
     lines = []
@@ -526,6 +527,9 @@ def _describe_child_failure(exc: Any) -> str:
         else:
             why = "no error message (see the worker output above)"
         lines.append(f"rank {rank} failed (exit code {failure.exitcode}): {why}")
+    limit = task_limit.explain_failure(lines)
+    if limit is not None:
+        lines.append(limit)
     return "worker failure\n  " + "\n  ".join(lines)
 
 
