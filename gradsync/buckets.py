@@ -315,7 +315,7 @@ class BucketReducer:
 
     def _launch(self, bucket: GradBucket) -> None:
         # A named range in torch.profiler traces, beside the user's kernels and gloo's ops.
-        with torch.profiler.record_function(f"gradsync.launch[bucket {bucket.index()}]"):
+        with compat.annotate(f"gradsync.launch[bucket {bucket.index()}]"):
             self._copy_in_and_launch(bucket)
 
     def _copy_in_and_launch(self, bucket: GradBucket) -> None:

@@ -67,10 +67,16 @@ is tested in ``tests/unit/test_compat.py``.
   door (``gradsync.ddp``) completes the exchange with it, so ``loss.backward()`` returns with
   ``p.grad`` final. False where torch hides it: the front door is then refused at construction,
   naming the explicit ``sync.step()`` form.
+- ``annotate``: ``torch.profiler.record_function`` only while a profiler records
+  (``torch.autograd._profiler_enabled``): entering one costs about 16 us even when nothing
+  records (measured here, 20,000 calls, 2 cores), and the step enters five or six, about 4% of
+  a 2 ms step that DDP, which annotates in C++, does not pay. Always annotated where torch
+  hides the check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import logging
@@ -417,3 +423,12 @@ def queue_end_of_backward(callback: Callable[[], None]) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def annotate(name: str) -> contextlib.AbstractContextManager[Any]:
+    """``record_function(name)`` while a profiler records, else a context that does nothing;
+    always the former where this torch cannot say whether one records."""
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    if callable(enabled) and not enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import warnings
 from collections.abc import Iterator
@@ -112,3 +113,19 @@ def test_the_foreach_operations_act_on_every_tensor_and_on_none(
     assert all(torch.equal(c, g) for c, g in zip(copies, grads, strict=True))
     compat.foreach_div([], 3.0)  # an empty list (no gradients here) is nothing to do
     compat.foreach_copy([], [])
+
+
+def test_annotate_records_a_range_only_while_a_profiler_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with compat.annotate("gradsync.test_range"):
+        pass
+    assert isinstance(compat.annotate("gradsync.idle"), contextlib.nullcontext)
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    # the annotation is entered after the profiler: it sees one recording
+    with torch.profiler.profile(activities=cpu) as prof, compat.annotate("gradsync.test_range"):
+        torch.ones(2).add_(1)
+    assert "gradsync.test_range" in {event.name for event in prof.events()}
+    # a torch that hides the check: always annotated
+    monkeypatch.delattr(torch.autograd, "_profiler_enabled")
+    assert not isinstance(compat.annotate("gradsync.x"), contextlib.nullcontext)
