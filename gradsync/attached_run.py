@@ -10,6 +10,9 @@ files, written by the same code:
   straggler episode;
 - ``spans.jsonl`` and ``report.json``, at ``sync.report()`` (collective: every rank's timeline
   spans are gathered to rank 0 there);
+- ``membership.jsonl`` under live membership (``membership="torchft"``): each step's quorum
+  as this replica group saw it, written at the step (``gradsync.telemetry.membership``), and
+  ``faults/healed.jsonl``, each healing from a live peer; report.json sums them up;
 - the faults the run was asked for (``--kill R:S`` fires at the start of step S on rank R,
   once; ``--slow`` slows the ranks named), and after a restart the records of the steps that
   run again dropped from ``metrics.jsonl`` at ``sync.load()``.
@@ -29,14 +32,18 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from gradsync.errors import UsageError
 from gradsync.inject import maybe_kill, parse_kill
 from gradsync.logs import get_logger
+from gradsync.membership import REPLICA_ID_ENV, StepQuorum
 from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.telemetry.cli import REPORT_FILE, analyze_records
+from gradsync.telemetry.membership import MEMBERSHIP_FILE, MembershipLog, read_group
+from gradsync.telemetry.membership import summarize as summarize_membership
 from gradsync.telemetry.records import (
     METRICS_FILE,
     SPANS_FILE,
@@ -92,6 +99,8 @@ _DEFAULTS: dict[str, Any] = {
     # ``gradsync run --replica-groups G``: each group's Synchronizer takes membership="torchft"
     "replica_groups": 0,
     "min_replicas": 1,
+    #: which of them this directory's is (None: not a replica group of gradsync run's)
+    "replica_group": None,
     #: the flags the command line gave (``gradsync run`` writes them into config.json)
     "given": [],
 }
@@ -209,6 +218,7 @@ def write_report(
     report: RunReport,
     measured: dict[str, Any] | None = None,
     sink: RunSink | None = None,
+    group: str = "0",
 ) -> dict[str, Any]:
     """Write report.json: the report of every step of the run and the straggler findings
     ``gradsync report`` gives, plus what the strategy measured itself (``measured``, under
@@ -221,6 +231,10 @@ def write_report(
     written = analysis.run_report()
     if measured:
         written["strategy_summary"] = measured
+    if (directory / MEMBERSHIP_FILE).exists():
+        # live membership: this replica group's own view (the run's, over every group, is
+        # ``gradsync run --replica-groups``' RUN/report.json)
+        written["membership"] = summarize_membership([read_group(directory, group)])
     (directory / REPORT_FILE).write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
     if sink is not None:  # the trackers end with the same report and findings
         sink.close_trackers(analysis.report, analysis.findings)
@@ -272,6 +286,7 @@ class AttachedRun:
         self.rank = 0
         self.sink: RunSink | None = None
         self.reported: dict[str, Any] | None = None
+        self._membership: MembershipLog | None = None
 
     @classmethod
     def find(cls, run_dir: str | Path | None) -> AttachedRun | None:
@@ -341,9 +356,21 @@ class AttachedRun:
             "bytes": nbytes,
             "seconds": seconds,
             "restart": restart_count(),
+            # a replacement started by hand, not by an agent, is restart 0 too
+            "pid": os.getpid(),
             "time": time.time(),
         }
         append_fault(self.directory, HEALED_FILE, entry)
+
+    def quorum(self, seen: StepQuorum) -> None:
+        """A step's quorum as this replica group saw it (live membership): a line in
+        ``membership.jsonl`` (``gradsync.telemetry.membership``), written at the step."""
+        if self.rank != 0:
+            return
+        if self._membership is None:
+            path = self.directory / MEMBERSHIP_FILE
+            self._membership = MembershipLog(path, restart=restart_count())
+        self._membership.write(**{f.name: getattr(seen, f.name) for f in fields(seen)})
 
     @property
     def slow(self) -> str | None:
@@ -400,11 +427,16 @@ class AttachedRun:
                 for span in spans:
                     fh.write(span.to_json() + "\n")
         self.sink.progress.close()
+        # the replica group's name in its membership summary: gradsync run's, or torchft's
+        group = self.settings.get("replica_group")
+        name = str(group) if group is not None else os.environ.get(REPLICA_ID_ENV) or "0"
         self.reported = write_report(
-            self.directory, self.sink.stragglers, report, measured, self.sink
+            self.directory, self.sink.stragglers, report, measured, self.sink, group=name
         )
 
     def close(self) -> None:
         """When the Synchronizer closes: the trackers end even without a report."""
         if self.sink is not None:
             self.sink.close_trackers()
+        if self._membership is not None:
+            self._membership.close()

@@ -395,8 +395,14 @@ class Synchronizer:
             load_sync_state=self.load_state_dict,
             registry=self._checkpoints.registry,
         )
-        healed = self._run.healed if self._run is not None else None
-        return TorchftMembership(self._live, state, timeout_s=self.timeout_s, on_healed=healed)
+        run = self._run
+        return TorchftMembership(
+            self._live,
+            state,
+            timeout_s=self.timeout_s,
+            on_healed=run.healed if run is not None else None,
+            on_step=run.quorum if run is not None else None,  # membership.jsonl
+        )
 
     @property
     def _broadcasts_buffers(self) -> bool:

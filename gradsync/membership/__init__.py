@@ -35,6 +35,29 @@ REPLICA_ID_ENV = "REPLICA_GROUP_ID"
 
 
 @dataclass(frozen=True, slots=True)
+class StepQuorum:
+    """What one step's quorum was, as this replica group saw it (``TorchftMembership`` hands
+    one to ``on_step`` once the step's commit is decided; a run directory records it in
+    ``membership.jsonl``, ``gradsync.telemetry.membership``)."""
+
+    step: int
+    #: when the group asked for the quorum (epoch seconds), and how long it took to have it
+    #: (a replacement's healing included)
+    time: float
+    quorum_s: float
+    #: the lighthouse's id of the quorum (it changes whenever its members do)
+    quorum_id: int | None
+    participants: int
+    #: torchft's ids of the quorum's replicas, ``GROUP:UUID`` (None: not known)
+    members: list[str] | None
+    committed: bool
+    #: the bytes of tensors taken from a peer, when this group healed at the step
+    healed_bytes: int | None = None
+    #: this group's own replica id among ``members`` (None: not known)
+    replica_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LiveSettings:
     """What ``membership="torchft"`` was given, validated."""
 

@@ -23,6 +23,7 @@ What listens (docs/membership.md has the table):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import time
@@ -37,7 +38,7 @@ import torch
 from gradsync.checkpoint.registry import StateRegistry
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
-from gradsync.membership import LiveSettings
+from gradsync.membership import LiveSettings, StepQuorum
 from gradsync.processes.stores import server_store
 from gradsync.strategies.base import Strategy, own_optimizer_state
 
@@ -93,6 +94,7 @@ class TorchftMembership:
         timeout_s: float,
         host: str = LOOPBACK,
         on_healed: Callable[[int, int, float], None] | None = None,
+        on_step: Callable[[StepQuorum], None] | None = None,
     ) -> None:
         import torchft.manager as ft_manager
         from torchft.checkpointing.pg_transport import PGTransport
@@ -138,6 +140,13 @@ class TorchftMembership:
         )
         #: the step and tensor bytes of the state taken from a peer in this quorum, if any
         self._healed: tuple[int, int] | None = None
+        self._on_step = on_step
+        #: this step's quorum, until its commit is decided
+        self._quorum: StepQuorum | None = None
+        self._seen = _QuorumSeen.wrap(self.manager)
+        # torchft's id of this group (``GROUP:UUID``, or a bare UUID without a group id), as
+        # its Manager put it in this group's store: which of a quorum's members is this one
+        self._replica_id = self._store.get(ft_manager.REPLICA_ID_KEY).decode()
 
     def _heal(self, state: dict[str, Any]) -> None:
         self._state.load_state_dict(state)
@@ -147,12 +156,13 @@ class TorchftMembership:
         """Join this step's quorum (a replacement heals here, before the forward pass); a
         healing is reported to ``on_healed`` with its step, bytes and the quorum's seconds."""
         self._healed = None
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         self.manager.start_quorum()
+        seconds = time.perf_counter() - start
+        self._quorum = self._observed(step, wall, seconds)
         if self._healed is None:
             return
         healed_at, nbytes = self._healed
-        seconds = time.perf_counter() - start
         logger.info(
             "%s healed from a live peer: at step %d (%.2f MB in %.2f s)",
             self._name,
@@ -181,8 +191,31 @@ class TorchftMembership:
 
     def commit(self, step: int) -> bool:
         """Whether this replica applies the step: every participant's exchange completed and
-        the quorum had at least ``min_replicas`` participants."""
-        return bool(self.manager.should_commit())
+        the quorum had at least ``min_replicas`` participants. The step's quorum goes to
+        ``on_step`` with the decision."""
+        committed = bool(self.manager.should_commit())
+        quorum, self._quorum = self._quorum, None
+        if self._on_step is not None and quorum is not None:
+            # ``step``: the Synchronizer's, a healed replacement's peer's step
+            self._on_step(dataclasses.replace(quorum, step=step, committed=committed))
+        return committed
+
+    def _observed(self, step: int, wall: float, seconds: float) -> StepQuorum:
+        """The quorum just joined: its id and members as the lighthouse sent them (None
+        where this torchft's result was not seen), its participants as the Manager counts
+        them (those the step's all-reduce averages over)."""
+        result = self._seen.last if self._seen is not None else None
+        return StepQuorum(
+            step=step,
+            time=wall,
+            quorum_s=seconds,
+            quorum_id=None if result is None else int(result.quorum_id),
+            participants=self.participants(),
+            members=None if result is None else [str(r) for r in result.replica_ids],
+            committed=False,
+            healed_bytes=None if self._healed is None else self._healed[1],
+            replica_id=self._replica_id,
+        )
 
     def participants(self) -> int:
         return int(self.manager.num_participants())
@@ -191,6 +224,42 @@ class TorchftMembership:
         self._waiter.shutdown(wait=True)
         self.manager.shutdown(wait=True)
         self._pg.shutdown()
+
+
+class _QuorumSeen:
+    """torchft 0.2's ``ManagerClient`` as its Manager calls it, keeping the last quorum's
+    result: the Manager keeps the number of participants (``num_participants``) but neither
+    the quorum's id nor its members' replica ids, which tell a survivor which group it lost
+    even when a replacement took the lost one's place in the same quorum. Every other call
+    passes through unchanged."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        #: torchft's ``QuorumResult`` of the last quorum (``quorum_id``, ``replica_ids``)
+        self.last: Any = None
+
+    @classmethod
+    def wrap(cls, manager: Any) -> _QuorumSeen | None:
+        """Put one between ``manager`` and its client; None (and a warning: the run's
+        membership.jsonl then names no members) where this torchft has no such client."""
+        client = getattr(manager, "_client", None)
+        if not callable(getattr(client, "_quorum", None)):
+            logger.warning(
+                "this torchft's Manager has no _client._quorum (tested with torchft 0.2.0): "
+                "membership.jsonl records each step's participants but not who they were"
+            )
+            return None
+        seen = cls(client)
+        manager._client = seen
+        return seen
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self.last = result
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 class _NotAboutNccl(logging.Filter):

@@ -247,13 +247,17 @@ def group_outcome(directory: Path) -> dict[str, Any]:
 
 def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
     """The table printed at the end: each group's exit, steps, final loss, restarts and
-    healings; each group's trace.json and plots are written into its directory."""
-    from gradsync.telemetry.cli import summarize_run
+    healings, and a line of the run's membership; each group's trace.json and plots are
+    written into its directory, and the run's report.json (``write_run_report``) into
+    ``run_dir``."""
+    from gradsync.telemetry.cli import REPORT_FILE, summarize_run
+    from gradsync.telemetry.membership import describe
     from gradsync.telemetry.records import METRICS_FILE
 
     lines = [
         f"{'group':>5}  {'exit':>4}  {'steps':>5}  {'final loss':>10}  {'restarts':>8}  healed"
     ]
+    outcomes = []
     for k, code in enumerate(codes):
         directory = group_dir(run_dir, k)
         if (directory / METRICS_FILE).exists():
@@ -265,6 +269,7 @@ def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
                 warmup=cfg.straggler_warmup,
             )
         got = group_outcome(directory)
+        outcomes.append({"group": k, "exit": code, **got})
         healed = ", ".join(
             f"at step {h['step']} ({h['bytes'] / 1e6:.2f} MB in {h['seconds']:.2f} s)"
             for h in got["healed"]
@@ -274,5 +279,35 @@ def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
         lines.append(
             f"{k:>5}  {code:>4}  {steps:>5}  {loss:>10}  {got['restarts']:>8}  {healed or '-'}"
         )
+    report = write_run_report(cfg, run_dir, outcomes)
+    lines.append(describe(report["membership"]))
     lines.append(f"each group's metrics, report.json, trace.json and plots: {run_dir}/group-K/")
+    lines.append(f"the run's report (groups, membership): {run_dir / REPORT_FILE}")
     return "\n".join(lines)
+
+
+def run_membership(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """The membership section of the run's report.json: every group's membership.jsonl,
+    healings and starts (``gradsync.telemetry.membership.summarize``), a step having fewer
+    participants than --replica-groups."""
+    from gradsync.telemetry.membership import read_group, summarize
+
+    groups = [read_group(group_dir(run_dir, k), str(k)) for k in range(cfg.replica_groups)]
+    return summarize(groups, expected=cfg.replica_groups)
+
+
+def write_run_report(
+    cfg: RunConfig, run_dir: Path, outcomes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """``RUN/report.json``: each group's outcome (the table's row) and the run's membership;
+    each group's own report.json holds its step records' report. Returns what it wrote."""
+    from gradsync.telemetry.cli import REPORT_FILE
+
+    report = {
+        "replica_groups": cfg.replica_groups,
+        "min_replicas": cfg.min_replicas,
+        "groups": outcomes,
+        "membership": run_membership(cfg, run_dir),
+    }
+    (run_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report

@@ -30,6 +30,7 @@ from typing import IO
 from gradsync.checkpoint.files import MANIFEST
 from gradsync.checkpoint.writer_locks import LOCK_DIR
 from gradsync.errors import UsageError
+from gradsync.telemetry.membership import MEMBERSHIP_FILE
 
 LOCK_FILE = ".gradsync.lock"
 OVERWRITE_AND_RESUME = (
@@ -39,7 +40,7 @@ OVERWRITE_AND_RESUME = (
 CHECKPOINT_DIR = "checkpoints"
 FINAL_MODEL = "final_model.pt"
 #: what a fresh run replaces in a directory it is told to --overwrite
-RUN_STATE = (CHECKPOINT_DIR, "faults", "metrics.jsonl")
+RUN_STATE = (CHECKPOINT_DIR, "faults", "metrics.jsonl", MEMBERSHIP_FILE)
 #: keys every config.json that ``gradsync run`` (and each run of ``compare``) writes holds
 RUN_CONFIG_KEYS = frozenset({"strategy", "nproc", "out", "steps", "workload"})
 #: the comparison's own file, in the directory of ``gradsync compare --out``

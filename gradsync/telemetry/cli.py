@@ -15,6 +15,7 @@ from typing import Any
 
 from gradsync.errors import UsageError
 from gradsync.module_cli import run_commands
+from gradsync.telemetry.membership import MEMBERSHIP_FILE, GroupMembership, read_group
 from gradsync.telemetry.records import (
     METRICS_FILE,
     Span,
@@ -119,8 +120,10 @@ def analyze_run(
     path = Path(run_dir)
     records, spans = _read_run(path)
     analysis = analyze_records(path, records, cfg)
+    membership = _read_membership(path)
     try:
-        analysis.outputs.append(write_trace(path / TRACE_FILE, records, spans, analysis.findings))
+        trace = write_trace(path / TRACE_FILE, records, spans, analysis.findings, membership)
+        analysis.outputs.append(trace)
         if plots:
             from gradsync.telemetry.plots import write_plots  # matplotlib is slow to import
 
@@ -149,6 +152,17 @@ def _read_run(path: Path) -> tuple[list[StepRecord], list[Span]]:
     if not records:
         raise UsageError(f"{path / METRICS_FILE} holds no step records: did the run take a step?")
     return records, spans
+
+
+def _read_membership(path: Path) -> GroupMembership | None:
+    """Live membership's quorums, stalls and healings, where the run recorded them (None:
+    it did not), or a one-line ``UsageError`` naming the damage."""
+    if not (path / MEMBERSHIP_FILE).exists():
+        return None
+    try:
+        return read_group(path)
+    except ValueError as e:  # its file and line say where
+        raise UsageError(f"cannot report on {path}: {e}") from None
 
 
 def analyze_records(run_dir: Path, records: list[StepRecord], cfg: StragglerConfig) -> RunAnalysis:

@@ -7,7 +7,10 @@ barrier wait comes before the communication that finishes the step). Spans from 
 clocks are read at other points than the records' and need not nest inside the derived spans;
 overlapping spans (buckets in flight together) get extra lanes instead of breaking the nesting.
 Spans that records already give (compute, sync, idle of a recorded step) are not repeated.
-Straggler findings appear as spans on a "stragglers" thread of the rank they name.
+Straggler findings appear as spans on a "stragglers" thread of the rank they name. Under live
+membership (``membership.jsonl`` in the run directory) a "membership" thread of rank 0, the
+replica group's, shows each new quorum as an instant, each stall and healing as a span, and
+each step not committed as an instant (``gradsync.telemetry.membership.trace_marks``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gradsync.telemetry.membership import GroupMembership, trace_marks
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.stragglers import Finding
 
@@ -24,6 +28,8 @@ __all__ = ["trace_events", "write_trace"]
 
 _DERIVED = ("compute", "sync", "idle")
 _STEP_TID, _FINDING_TID = 0, 1
+#: after the lanes of spans.jsonl's categories (2 and up), however many a rank has
+_MEMBERSHIP_TID = 99
 _US = 1e6
 
 
@@ -103,6 +109,26 @@ class _Builder:
                 self.span(f.rank, _FINDING_TID, name, "straggler", start, end, why)
                 self.threads[(f.rank, _FINDING_TID)] = "stragglers"
 
+    def membership(self, marks: list[dict[str, Any]]) -> None:
+        """The replica group's quorums, stalls, healings and uncommitted steps
+        (``trace_marks``), on rank 0."""
+        for mark in marks:
+            a = self.us(mark["start"])
+            ev = {"name": mark["name"], "cat": "membership", "pid": 0, "tid": _MEMBERSHIP_TID}
+            if mark["dur"] is None:  # an instant, drawn across its thread
+                self.events.append({**ev, "ph": "i", "s": "t", "ts": a, "args": mark["args"]})
+            else:
+                self.span(
+                    0,
+                    _MEMBERSHIP_TID,
+                    mark["name"],
+                    "membership",
+                    a,
+                    a + round(mark["dur"] * _US),
+                    mark["args"],
+                )
+            self.threads[(0, _MEMBERSHIP_TID)] = "membership"
+
     def metadata(self) -> list[dict[str, Any]]:
         meta: list[dict[str, Any]] = []
         for rank in sorted({pid for pid, _ in self.threads}):
@@ -118,15 +144,19 @@ def trace_events(
     records: Iterable[StepRecord],
     spans: Iterable[Span] | None = None,
     findings: Sequence[Finding] = (),
+    membership: GroupMembership | None = None,
 ) -> dict[str, Any]:
     recs = sorted(records, key=lambda r: (r.rank, r.step))
     extra = sorted(spans or (), key=lambda s: (s.rank, s.start))
-    times = [r.time for r in recs] + [s.start for s in extra]
+    marks = trace_marks(membership) if membership is not None else []
+    # A replacement's first quorum and healing come before its first step record.
+    times = [r.time for r in recs] + [s.start for s in extra] + [m["start"] for m in marks]
     # Offsets from the run's start keep microsecond precision that epoch microseconds would lose.
     t0 = min(times) if times else 0.0
     trace = _Builder(t0)
     trace.extra_spans(extra, trace.steps(recs))
     trace.findings(recs, findings)
+    trace.membership(marks)
     return {
         "traceEvents": trace.metadata() + trace.events,
         "displayTimeUnit": "ms",
@@ -139,11 +169,14 @@ def write_trace(
     records: Iterable[StepRecord],
     spans: Iterable[Span] | None = None,
     findings: Sequence[Finding] = (),
+    membership: GroupMembership | None = None,
 ) -> Path:
-    """Write the trace of ``records`` (+ ``spans`` from spans.jsonl, + ``findings``) to ``path``."""
+    """Write the trace of ``records`` (+ ``spans`` from spans.jsonl, + ``findings``, + the
+    replica group's ``membership``) to ``path``."""
     out = Path(path)
     with open(out, "w", encoding="utf-8") as fh:
-        json.dump(trace_events(records, spans, findings), fh, separators=(",", ":"))
+        trace = trace_events(records, spans, findings, membership)
+        json.dump(trace, fh, separators=(",", ":"))
     return out
 
 
