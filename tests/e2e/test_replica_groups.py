@@ -1,8 +1,10 @@
 """``gradsync run --replica-groups 2``: two replica groups on loopback, each a torchft
 participant with its own elastic agent; group 1 is SIGKILLed mid-run and restarted by its own
 agent, its replacement heals from group 0, and the run ends with both groups' final parameters
-bitwise equal. One run (each group costs seconds of start-up); and Ctrl-C, which stops
-every group and leaves nothing running.
+bitwise equal; the run directory records each step's quorum, the loss group 0 saw and waited
+out, and the healing, which RUN/report.json, the summary and the traces show. One run (each
+group costs seconds of start-up); and Ctrl-C, which stops every group and leaves nothing
+running.
 
 ``--min-replicas 2`` makes group 0 wait at the step group 1 died in for the replacement, rather
 than train on alone (tests/ranks/test_live_membership.py tests that): so the replacement heals
@@ -89,6 +91,7 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     # The summary: each group's steps and restarts (exit, steps, final loss, restarts, healed).
     rows = re.findall(r"^\s+(\d)\s+0\s+(\d+)\s+\S+\s+(\d+)\s+(.*)$", stdout, re.M)
     assert [(g, s, r) for g, s, r, _ in rows] == [("0", str(STEPS), "0"), ("1", str(STEPS), "1")]
+    _assert_membership_recorded(out, stdout, healed[0])
     # Everything listened on loopback: the lighthouse (in gradsync run itself), each group's
     # stores, torchft Manager servers and gloo sockets.
     assert_listens_on_loopback_only(watched)
@@ -96,6 +99,60 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     assert root, "the lighthouse's listener was not seen:\n  " + describe_listeners(
         watched.listeners
     )
+
+
+def _assert_membership_recorded(out: Path, stdout: str, healed: dict[str, Any]) -> None:
+    """What the run recorded of its membership (docs/membership.md): each step's quorum per
+    group, the loss group 0 saw and waited out, the healing; RUN/report.json, the summary's
+    line and the groups' traces say the same."""
+    group0, group1 = out / "group-0", out / "group-1"
+    seen0 = _jsonl(group0 / "membership.jsonl")
+    assert [m["step"] for m in seen0] == list(range(STEPS))
+    assert all(m["participants"] == 2 and m["committed"] for m in seen0)
+    # At the step group 1 died in, group 0's quorum lost its replica and took in the
+    # replacement (another replica id of group 1): a new quorum, which it waited for.
+    at = seen0[KILL_AT]
+    assert at["quorum_id"] != seen0[KILL_AT - 1]["quorum_id"]
+    assert [r.split(":")[0] for r in at["left"] + at["joined"]] == ["1", "1"]
+    assert at["left"] != at["joined"]
+    assert at["stall_s"] > 1.0, at  # the lost replica's heartbeat timeout, at least
+    assert all((m["stall_s"] or 0) < at["stall_s"] for m in seen0 if m["step"] != KILL_AT)
+    # Group 1's file: the killed process's every step (each line written at its step), then
+    # the replacement's from the step it healed at.
+    seen1 = _jsonl(group1 / "membership.jsonl")
+    assert [(m["restart"], m["step"]) for m in seen1] == [(0, s) for s in range(KILL_AT)] + [
+        (1, s) for s in range(KILL_AT, STEPS)
+    ]
+    assert seen1[KILL_AT]["healed_bytes"] == healed["bytes"]
+    report = json.loads((out / "report.json").read_text())
+    membership = report["membership"]
+    assert [(f["group"], f["step"], f["seen_by"]) for f in membership["failures"]] == [
+        ("1", KILL_AT, ["0"])
+    ]
+    assert membership["steps_with_fewer_participants"] == 0  # --min-replicas 2: it waited
+    assert [q["step"] for q in membership["quorums"]] == [0, KILL_AT]
+    healings = membership["healings"]
+    assert (healings["count"], healings["bytes"]) == (1, healed["bytes"])
+    stall = membership["max_stall"]
+    assert (stall["group"], stall["step"]) == ("0", KILL_AT)
+    assert [g["restarts"] for g in report["groups"]] == [0, 1]
+    # each group's own report.json: its view (group 0 saw the loss)
+    own = json.loads((group0 / "report.json").read_text())["membership"]
+    assert [(f["group"], f["step"]) for f in own["failures"]] == [("1", KILL_AT)]
+    assert f"lost group 1 at step {KILL_AT} (seen by group 0)" in stdout, stdout
+    assert f"longest stall {stall['seconds']:.2f} s (group 0, step {KILL_AT})" in stdout
+    # The traces: the new quorum and the stall in group 0's, the healing in group 1's.
+    marks0 = _membership_marks(group0)
+    assert any(n.startswith("quorum ") and "(lost group 1; joined group 1)" in n for n in marks0)
+    assert any(n.startswith("stall ") for n in marks0), marks0
+    assert any(
+        n.startswith(f"healed from a peer: step {KILL_AT}") for n in _membership_marks(group1)
+    )
+
+
+def _membership_marks(directory: Path) -> list[str]:
+    trace = json.loads((directory / "trace.json").read_text())
+    return [e["name"] for e in trace["traceEvents"] if e.get("cat") == "membership"]
 
 
 def _stop(proc: subprocess.Popen[str], watched: Watched) -> None:

@@ -6,9 +6,10 @@ One run, because each replica process takes about 3 s of a core to import torch 
 two replicas train in agreement (bitwise, after the first quorum synced their different
 initial weights), and a NaN on one makes both skip that step; one is SIGKILLed mid-run and the
 survivor steps on in the same process; a replacement process heals from it (model, momentum,
-the Synchronizer's step and a registered state) and both agree bitwise again. Every listening
-socket of the tree, sampled throughout, is on loopback, and nothing is left running or
-listening afterwards."""
+the Synchronizer's step and a registered state) and both agree bitwise again; each replica's
+run directory (a script's own, ``GRADSYNC_RUN_DIR``) records the loss the survivor saw. Every
+listening socket of the tree, sampled throughout, is on loopback, and nothing is left running
+or listening afterwards."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 def _start(replica: int, out: Path, lighthouse: str, *extra: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}  # a world of one each
     env.update(GLOO_SOCKET_IFNAME="lo", TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1")
+    # a run directory per replica group, as a script's own (a replacement takes its group's)
+    env["GRADSYNC_RUN_DIR"] = str(out / f"group-{replica}")
     cmd = [sys.executable, "-m", "tests.support.live_replica", "--replica", str(replica)]
     with (out / f"stderr-{replica}-{time.monotonic_ns()}.txt").open("wb") as err:
         return subprocess.Popen(
@@ -151,6 +154,7 @@ def test_a_lost_replica_group_heals_from_the_survivor_which_never_restarts(tmp_p
     assert log_c[0]["step"] > lost_at and len(healed) >= 3
     assert [by_a[s]["fp"] for s in healed] == [by_c[s]["fp"] for s in healed]
     assert [by_a[s]["counter"] for s in healed] == [by_c[s]["counter"] for s in healed]
+    _assert_membership_recorded(tmp_path, b)
     # Everything that listened did so on loopback (the stores, torchft's Manager servers, gloo,
     # the lighthouse); afterwards nothing is left running, nor listening in this process.
     assert watched.listeners, f"no listener seen in {watched.samples} samples"
@@ -162,3 +166,22 @@ def test_a_lost_replica_group_heals_from_the_survivor_which_never_restarts(tmp_p
     after.sample(os.getpid())
     still = {addr for addr, _, _ in after.listeners} & {addr for addr, _, _ in watched.listeners}
     assert not still - before, f"still listening after the run: {sorted(still)}"
+
+
+def _assert_membership_recorded(out: Path, lost: subprocess.Popen[bytes]) -> None:
+    """The replica groups' run directories (``GRADSYNC_RUN_DIR``): the survivor saw the lost
+    replica leave its quorum and went on with one participant, stalled by the lighthouse's
+    heartbeat timeout first; the replacement (restart 0 too, started by hand: told apart by its
+    pid) healed once."""
+    from gradsync.telemetry.membership import read_group, summarize
+
+    groups = [read_group(out / f"group-{k}", str(k)) for k in (0, 1)]
+    # its own id, on its first line: a bare UUID (no REPLICA_GROUP_ID), named by its directory
+    lost_id = next(e for e in groups[1].entries if e["pid"] == lost.pid)["replica_id"]
+    section = summarize(groups, expected=2)
+    (failure,) = [f for f in section["failures"] if f["replica_id"] == lost_id]
+    assert (failure["group"], failure["seen_by"], failure["participants"]) == ("1", ["0"], 1)
+    assert section["steps_with_fewer_participants"] >= 5  # the survivor's steps alone
+    (at,) = [e for e in groups[0].entries if lost_id in e.get("left", ())]
+    assert at["stall_s"] > 0.3, at  # heartbeat_timeout_ms=1000
+    assert section["healings"]["count"] == 1, section["healings"]
