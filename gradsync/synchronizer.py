@@ -15,7 +15,6 @@ from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from gradsync import compat, exit_safety, runtime
 from gradsync.attached_run import AttachedRun
@@ -603,7 +602,7 @@ class Synchronizer:
             self._mark_block_end()
             self._join_gate()  # where the strategy posted nothing in the block
             outcome = ready.outcome()
-            with record_function("gradsync.update"):
+            with compat.annotate("gradsync.update"):
                 outcome = self.strategy.update(self._step, outcome)
             self._expected_steps = self._optimizer_steps
             # A synchronize() inside the block waited for the exchange, and a strategy's
@@ -641,7 +640,7 @@ class Synchronizer:
             accumulation=self.accumulation,
             sample_weight=weight,
         )
-        with record_function("gradsync.begin_step"):
+        with compat.annotate("gradsync.begin_step"):
             # Read each step, as DDP does: a module may have replaced a buffer since.
             syncs = self._has_buffers and self._broadcasts_buffers
             buffers = list(self.model.buffers()) if syncs else []
@@ -792,7 +791,7 @@ class Synchronizer:
         """Collective every ``check_every`` steps (and at the end): compare fingerprints."""
         if not self.strategy.replicas_identical(step, final):
             return
-        with record_function("gradsync.divergence_check"):
+        with compat.annotate("gradsync.divergence_check"):
             self._compare_fingerprints(step, final)
 
     def _compare_fingerprints(self, step: int, final: bool) -> None:
@@ -838,7 +837,7 @@ class Synchronizer:
             marks,
         )
         if self._collector.due() and not self.strategy.barrier_free:
-            with record_function("gradsync.telemetry_gather"):
+            with compat.annotate("gradsync.telemetry_gather"):
                 self._collector.flush_behind(h.step)
 
     def _add_spans(self, spans: list[Span], wall0: float, compute: float, sync: float) -> None:
@@ -907,7 +906,7 @@ class Synchronizer:
         With a parameter server this ends training: workers fetch the final parameters."""
         self._check_no_outside_update()
         with self._gradsync_call(END, "report()"):
-            with record_function("gradsync.finalize"):
+            with compat.annotate("gradsync.finalize"):
                 self.strategy.finalize()
             if self.check_every and not self._final_checked:
                 self._final_checked = True
@@ -1247,7 +1246,7 @@ class _GradientReady:
         return self._outcome
 
     def _run(self) -> StepOutcome:
-        with record_function("gradsync.gradients_ready"):
+        with compat.annotate("gradsync.gradients_ready"):
             return self._strategy.gradients_ready(self._step)
 
 
