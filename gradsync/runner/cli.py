@@ -99,8 +99,25 @@ def _run(cfg: Any, run_dir: Path, given: list[str] | None = None) -> int:
         )
         if results.get(0) is None:
             raise RuntimeError("rank 0 returned no report")
+    _record_bucket_plan(cfg, run_dir)
     print(_summary(cfg, run_dir))
     return 0
+
+
+def _record_bucket_plan(cfg: Any, run_dir: Path) -> None:
+    """The gradient buckets the run ended with (the default plan, a given ``--bucket-mb``, or
+    the one ``--bucket-mb auto`` kept), into config.json beside the flags (issue 48): the
+    report's ``strategy_summary`` has them, where the strategy buckets its exchange."""
+    try:
+        summary = json.loads((run_dir / "report.json").read_text())["strategy_summary"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no report, or a strategy without buckets
+    if not isinstance(summary, dict) or "bucket_sizes_mb" not in summary:
+        return
+    plan = {
+        k: summary[k] for k in ("bucket_mb", "bucket_sizes_mb", "bucket_mb_auto") if k in summary
+    }
+    cfg.add_facts(run_dir, bucket_plan=plan)
 
 
 def _summary(cfg: Any, run_dir: Path) -> str:

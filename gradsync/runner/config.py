@@ -713,6 +713,16 @@ class RunConfig:
         data = {**self.to_dict(), **extra}
         (run_dir / "config.json").write_text(json.dumps(data, indent=2) + "\n")
 
+    @staticmethod
+    def add_facts(run_dir: Path, **facts: Any) -> None:
+        """Add derived facts to a written config.json (replaced whole, never half-written);
+        ``from_dict`` ignores them, as it does ``save``'s ``extra``."""
+        path = run_dir / "config.json"
+        data = {**json.loads(path.read_text()), **facts}
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(partial, path)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         known = set(cls.__dataclass_fields__)

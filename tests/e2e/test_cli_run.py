@@ -52,6 +52,10 @@ def test_run_writes_config_metrics_and_report(
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 20 and len(report["ranks"]) == 2
     assert 0.0 <= report["barrier_tax"] < 1.0
+    # the bucket plan the run ended with, beside its flags (issue 48)
+    plan = config["bucket_plan"]
+    assert plan["bucket_mb"] > 0 and plan["bucket_sizes_mb"]
+    assert plan["bucket_sizes_mb"] == report["strategy_summary"]["bucket_sizes_mb"]
     assert "barrier tax" in proc.stdout and "pace-setter: rank" in proc.stdout
     assert "final loss" in proc.stdout
 
