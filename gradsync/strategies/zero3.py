@@ -478,8 +478,13 @@ class ZeroStage3(Strategy):
         self._average_over = plan.average_over
         self._passes = plan.micro_batches
         self._meter.reset()  # collectives between steps (an evaluation forward) are not the step's
-        for _, shard in self._pairs:  # FSDP2 would add this step's shards to the last ones
+        # Released, as a DDP script's zero_grad(set_to_none=True): FSDP2 would add this step's
+        # shards to the last ones, and the optimizer's parameter holds a view of the same
+        # storage (gradients_ready), which kept last step's gradient shards (1/N of the model)
+        # alive through this step's forward and backward, on top of the new ones (issue 47).
+        for mine, shard in self._pairs:
             shard.grad = None
+            mine.grad = None
 
     def gradients_ready(self, step: int) -> StepOutcome:
         ctx = self._ctx

@@ -107,6 +107,21 @@ def test_a_nan_in_one_ranks_shard_skips_the_step_on_every_rank(
 
 
 @pytest.mark.timeout(300)
+def test_last_steps_gradient_shards_are_released_when_the_next_step_begins(
+    runs: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """As a DDP script's zero_grad(set_to_none=True): after a block the optimizer's
+    parameters hold this rank's gradient shards; at the next block's entry they are released,
+    not kept (1/N of the model) through the next forward and backward (issue 47)."""
+    _, results = runs
+    for rank, out in enumerate(results):
+        r = out["released"]
+        assert all(r["after"]) and r["last"] == len(r["after"]), (rank, r)
+        assert all(r["entry"]), (rank, r)
+        assert r["alive"] == 0, (rank, r)
+
+
+@pytest.mark.timeout(300)
 def test_a_grad_scaler_decides_on_the_whole_gradient_as_under_bsp(
     runs: tuple[int, list[dict[str, Any]]],
 ) -> None:

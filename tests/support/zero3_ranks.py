@@ -7,6 +7,7 @@ collectives."""
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,29 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     }
 
 
+def released(rank: int, world: int) -> dict[str, Any]:
+    """Whether last step's gradient shards are still held once the next step's block is
+    entered: the optimizer's parameters' ``grad`` (views of FSDP2's gradient shards) and the
+    tensors themselves (weak references), read before that step's forward. Held, they cost
+    1/N of the model through the forward and backward on top of the new ones (issue 47)."""
+    w = zr._workload()
+    model = w.build_model()
+    opt = zr.make_optimizer("adamw", model)
+    sync = gs.Synchronizer(model, opt, strategy="zero:3", timeout_s=zr.TIMEOUT_S)
+    held = [p for group in opt.param_groups for p in group["params"]]
+    with sync.step():
+        w.loss(model, *zr._batch(w, 0, rank, world)).backward()
+    after = [p.grad is not None for p in held]
+    last = [weakref.ref(p.grad) for p in held if p.grad is not None]
+    with sync.step():
+        entry = [p.grad is None for p in held]
+        alive = sum(r() is not None for r in last)
+        w.loss(model, *zr._batch(w, 1, rank, world)).backward()
+    out = {"after": after, "entry": entry, "alive": alive, "last": len(last)}
+    sync.close()
+    return out
+
+
 def _shard_root_heavy(model: nn.Module) -> None:
     """A user's wrapping that leaves parameters at the root: the first layer is the only unit.
     FSDP2 keeps the root's parameters gathered from its forward to its backward."""
@@ -277,5 +301,6 @@ def everything(rank: int, world: int, root: str) -> dict[str, Any]:
     out["straight"] = _checkpointed(directory, rank, world, resume=False)
     out["resumed"] = _checkpointed(directory, rank, world, resume=True)
     out["refusals"] = refusals(rank, world)
+    out["released"] = released(rank, world)
     out["telemetry"] = {c: telemetry(rank, world, c) for c in ("zero:3", "presharded", "fallback")}
     return out
