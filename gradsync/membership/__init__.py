@@ -27,6 +27,8 @@ from gradsync.spec import parse_strategy_spec
 
 #: the values ``Synchronizer(membership=...)`` takes besides None (the classic restart)
 MEMBERSHIPS = ("torchft",)
+#: the strategies whose exchanges go through the quorum (``check_exchange``)
+LIVE_KINDS = ("bsp", "local")
 #: where the lighthouse's address is read when ``lighthouse=`` is not given (torchft's own name)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 #: this replica group's id (torchft's examples' name): it names the group in the quorum and in
@@ -127,14 +129,16 @@ def check_membership(
 def check_exchange(
     strategy: Any, compression_spec: str, allreduce: str, bucket_mb: Any, balance: Any
 ) -> None:
-    """What the torchft Manager's collectives can carry in this first version: BSP's plain
-    all-reduce, bucket by bucket, the same buckets on every replica."""
-    if not isinstance(strategy, str) or parse_strategy_spec(strategy).kind != "bsp":
+    """What the torchft Manager's collectives can carry in this version: BSP's plain
+    all-reduce, bucket by bucket, the same buckets on every replica; and ``local:H``'s average
+    of the parameters every H steps, one quorum a period."""
+    if not isinstance(strategy, str) or parse_strategy_spec(strategy).kind not in LIVE_KINDS:
         raise UsageError(
-            f"membership='torchft' runs strategy 'bsp' only for now, got {strategy!r}: its "
-            "gradient is the one exchange that goes through the torchft Manager's all-reduce "
-            "and commit decision (the other strategies' collectives would stay inside one "
-            "replica group, or reach a lost one and hang); give strategy='bsp' as a string"
+            f"membership='torchft' runs strategies 'bsp' and 'local:H' only for now, got "
+            f"{strategy!r}: their exchanges (BSP's gradient, local:H's average) are the ones "
+            "that go through the torchft Manager's all-reduce and commit decision (the other "
+            "strategies' collectives would stay inside one replica group, or reach a lost one "
+            "and hang); give strategy='bsp' or 'local:H' as a string"
         )
     if compression_spec != "none":
         raise UsageError(

@@ -23,7 +23,7 @@ from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
 from gradsync.flags import flag, flag_from
 from gradsync.inject import parse_kill, parse_slow
-from gradsync.membership import check_exchange, check_lighthouse, torchft_missing
+from gradsync.membership import LIVE_KINDS, check_exchange, check_lighthouse, torchft_missing
 from gradsync.options import DEFAULT_TIMEOUT_S, Checks, Exchange, Limits
 from gradsync.runner.rundir import OVERWRITE_AND_RESUME
 from gradsync.runtime import BACKENDS, check_nccl, choose_backend
@@ -504,12 +504,12 @@ class RunConfig:
                 f"{self.nproc}: groups of several ranks are not supported by "
                 "membership='torchft' yet; use --nproc 1 (and more --replica-groups)"
             )
-        if parse_strategy_spec(self.strategy).kind != "bsp":
+        if parse_strategy_spec(self.strategy).kind not in LIVE_KINDS:
             raise UsageError(
-                f"--replica-groups runs --strategy bsp only for now, got {self.strategy}: its "
-                "gradient is the one exchange that goes through torchft's all-reduce and "
-                "commit decision (the others' collectives would stay inside one group or reach "
-                "a lost one); use --strategy bsp"
+                f"--replica-groups runs --strategy bsp or local:H only for now, got "
+                f"{self.strategy}: their exchanges are the ones that go through torchft's "
+                "all-reduce and commit decision (the others' collectives would stay inside one "
+                "group or reach a lost one); use --strategy bsp or local:H"
             )
         try:
             check_exchange(

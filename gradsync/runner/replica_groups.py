@@ -137,7 +137,7 @@ def _announce(cfg: RunConfig, run_dir: Path, address: str) -> None:
     started = "" if cfg.lighthouse is not None else " (started for this run)"
     print(
         f"gradsync run: {what}, {cfg.replica_groups} replica groups of {cfg.nproc} worker(s), "
-        f"strategy bsp, membership torchft, lighthouse {address}{started}, at least "
+        f"strategy {cfg.strategy}, membership torchft, lighthouse {address}{started}, at least "
         f"{cfg.min_replicas} group(s) per step -> {run_dir}/group-K",
         file=sys.stderr,
     )

@@ -29,6 +29,7 @@ from gradsync.spec import (
     parse_strategy_spec,
 )
 from gradsync.strategies.base import (
+    Membership,
     StepOutcome,
     StepPlan,
     Strategy,
@@ -77,6 +78,14 @@ class Periodic(Strategy):
 
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
+        membership = self._live()
+        if membership is not None and plan.step % self.period == 0:
+            # A period's quorum, joined before its first local step: a replacement heals here
+            # (a peer's parameters, optimizer and step, all from that peer's period start) and
+            # then trains the period on its own data, so its share of the period's average is
+            # its own, not a copy of its donor's. A participant lost during the period fails
+            # the average's all-reduce, which is then not committed (``_average_live``).
+            membership.start_step(plan.step)
         self._ctx.optimizer.zero_grad(set_to_none=True)
         self._average_over = plan.average_over
 
@@ -114,6 +123,11 @@ class Periodic(Strategy):
         if (step + 1) % self.period:
             return outcome
         before = self._state.bytes_sent
+        if self._live() is not None:
+            self._in_sync = self._average_live(step)
+            outcome.bytes_sent += self._state.bytes_sent - before
+            outcome.barrier = True
+            return outcome
         if self._ctx.gate is not None:
             self._ctx.gate.ensure(step, f"averaging of {self.name}:{self.period}")
         self._synchronize()
@@ -127,10 +141,33 @@ class Periodic(Strategy):
         outer step), so every replica leaves ``report()`` with the same parameters."""
         if self._in_sync:
             return
+        if self._live() is not None:
+            self._in_sync = self._average_live(END)
+            return
         if self._ctx is not None and self._ctx.gate is not None:
             self._ctx.gate.ensure(END, f"final averaging of {self.name}:{self.period}")
         self._synchronize()
         self._in_sync = True
+
+    def _live(self) -> Membership | None:
+        """The torchft quorum every average goes through (None: the group holds every
+        replica)."""
+        return None if self._ctx is None else self._ctx.membership
+
+    def _average_live(self, step: int) -> bool:
+        """Under live membership: the mean over the period's quorum, applied where the quorum
+        commits it; whether it was (a replica that was not keeps its own parameters, and a
+        later quorum heals it if its peers went on). Only ``local:H`` takes a quorum
+        (``gradsync.membership.check_exchange``)."""
+        membership = self._live()
+        assert membership is not None
+        flat = flatten(self._params)
+        self._state.bytes_sent += flat.numel() * flat.element_size()
+        mean = membership.allreduce(flat).wait()
+        if not membership.commit(step):
+            return False
+        copy_into(mean, self._params)
+        return True
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Replicas agree right after each synchronization (and at the end), and only then."""

@@ -155,6 +155,52 @@ def _membership_marks(directory: Path) -> list[str]:
     return [e["name"] for e in trace["traceEvents"] if e.get("cat") == "membership"]
 
 
+@pytest.mark.timeout(280)
+def test_local_sgd_groups_heal_at_a_period_start_and_end_bitwise_equal(tmp_path: Path) -> None:
+    """``--strategy local:2``: one quorum a period, joined before its first local step; the
+    killed group's replacement heals there from group 0, trains the period on its own data
+    (its share of the average is its own, not its donor's again), and the last average leaves
+    both groups' parameters bitwise equal; group 0 never restarts."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradsync", "run", "--strategy", "local:2"]
+        + ["--replica-groups", "2", "--nproc", "1", "--min-replicas", "2"]
+        + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS)]
+        + ["--max-restarts", "1", "--kill", f"1:{KILL_AT}"]  # a period's first step
+        + ["--timeout", "90", "--no-plots", "--no-progress", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    watched = Watched()
+    try:
+        rc = watch_until_exit(proc, watched, timeout_s=240)
+        _, stderr = proc.communicate(timeout=30)
+        left = [pid for pid in watched.survivors() if not reaped_within(pid, 10)]
+    finally:
+        _stop(proc, watched)
+    assert rc == 0, stderr[-4000:]
+    assert not left, f"still running after the run: {left}"
+    assert "strategy local:2, membership torchft" in stderr, stderr[-2000:]
+    group0, group1 = out / "group-0", out / "group-1"
+    assert [a["restart"] for a in _jsonl(group0 / "faults" / "attempts.jsonl")] == [0]
+    assert sorted(json.loads(line)["step"] for line in (group0 / "metrics.jsonl").open()) == list(
+        range(STEPS)
+    )
+    assert [a["restart"] for a in _jsonl(group1 / "faults" / "attempts.jsonl")] == [0, 1]
+    healed = [h for h in _jsonl(group1 / "faults" / "healed.jsonl") if h["restart"] == 1]
+    assert [h["step"] for h in healed] == [KILL_AT], healed
+    # One quorum a period, recorded at its average (the period's last step), all committed.
+    seen0 = _jsonl(group0 / "membership.jsonl")
+    assert [m["step"] for m in seen0] == list(range(1, STEPS, 2))
+    assert all(m["participants"] == 2 and m["committed"] for m in seen0), seen0
+    a, b = (torch.load(g / "final_model.pt", weights_only=True) for g in (group0, group1))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 def _stop(proc: subprocess.Popen[str], watched: Watched) -> None:
     """Whatever a test leaves of a run when it ends, passed or failed: killed and reaped."""
     watched.kill_all()
