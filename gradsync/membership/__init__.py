@@ -28,7 +28,7 @@ from gradsync.spec import parse_strategy_spec
 #: the values ``Synchronizer(membership=...)`` takes besides None (the classic restart)
 MEMBERSHIPS = ("torchft",)
 #: the strategies whose exchanges go through the quorum (``check_exchange``)
-LIVE_KINDS = ("bsp", "local")
+LIVE_KINDS = ("bsp", "local", "diloco")
 #: where the lighthouse's address is read when ``lighthouse=`` is not given (torchft's own name)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 #: this replica group's id (torchft's examples' name): it names the group in the quorum and in
@@ -130,15 +130,23 @@ def check_exchange(
     strategy: Any, compression_spec: str, allreduce: str, bucket_mb: Any, balance: Any
 ) -> None:
     """What the torchft Manager's collectives can carry in this version: BSP's plain
-    all-reduce, bucket by bucket, the same buckets on every replica; and ``local:H``'s average
-    of the parameters every H steps, one quorum a period."""
-    if not isinstance(strategy, str) or parse_strategy_spec(strategy).kind not in LIVE_KINDS:
+    all-reduce, bucket by bucket, the same buckets on every replica; and the periodic
+    exchanges of ``local:H`` (the parameters' mean) and plain ``diloco:H`` (the mean
+    pseudo-gradient), one quorum a period."""
+    spec = parse_strategy_spec(strategy) if isinstance(strategy, str) else None
+    if spec is None or spec.kind not in LIVE_KINDS:
         raise UsageError(
-            f"membership='torchft' runs strategies 'bsp' and 'local:H' only for now, got "
-            f"{strategy!r}: their exchanges (BSP's gradient, local:H's average) are the ones "
-            "that go through the torchft Manager's all-reduce and commit decision (the other "
-            "strategies' collectives would stay inside one replica group, or reach a lost one "
-            "and hang); give strategy='bsp' or 'local:H' as a string"
+            f"membership='torchft' runs strategies 'bsp', 'local:H' and 'diloco:H' only for "
+            f"now, got {strategy!r}: their exchanges (BSP's gradient, the periodic average) "
+            "are the ones that go through the torchft Manager's all-reduce and commit decision "
+            "(the other strategies' collectives would stay inside one replica group, or reach "
+            "a lost one and hang); give strategy='bsp', 'local:H' or 'diloco:H' as a string"
+        )
+    if spec.fragments is not None:
+        raise UsageError(
+            f"membership='torchft' with streaming DiLoCo {strategy!r}: its fragments' "
+            "exchanges overlap the steps after them, and a quorum would have to span them; "
+            "use plain diloco:H"
         )
     if compression_spec != "none":
         raise UsageError(

@@ -506,10 +506,10 @@ class RunConfig:
             )
         if parse_strategy_spec(self.strategy).kind not in LIVE_KINDS:
             raise UsageError(
-                f"--replica-groups runs --strategy bsp or local:H only for now, got "
+                f"--replica-groups runs --strategy bsp, local:H or diloco:H only for now, got "
                 f"{self.strategy}: their exchanges are the ones that go through torchft's "
                 "all-reduce and commit decision (the others' collectives would stay inside one "
-                "group or reach a lost one); use --strategy bsp or local:H"
+                "group or reach a lost one); use --strategy bsp, local:H or diloco:H"
             )
         try:
             check_exchange(

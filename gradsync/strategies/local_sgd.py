@@ -84,7 +84,7 @@ class Periodic(Strategy):
             # (a peer's parameters, optimizer and step, all from that peer's period start) and
             # then trains the period on its own data, so its share of the period's average is
             # its own, not a copy of its donor's. A participant lost during the period fails
-            # the average's all-reduce, which is then not committed (``_average_live``).
+            # the average's all-reduce, which is then not committed (``_synchronize_live``).
             membership.start_step(plan.step)
         self._ctx.optimizer.zero_grad(set_to_none=True)
         self._average_over = plan.average_over
@@ -124,7 +124,7 @@ class Periodic(Strategy):
             return outcome
         before = self._state.bytes_sent
         if self._live() is not None:
-            self._in_sync = self._average_live(step)
+            self._in_sync = self._synchronize_live(step)
             outcome.bytes_sent += self._state.bytes_sent - before
             outcome.barrier = True
             return outcome
@@ -142,7 +142,7 @@ class Periodic(Strategy):
         if self._in_sync:
             return
         if self._live() is not None:
-            self._in_sync = self._average_live(END)
+            self._in_sync = self._synchronize_live(END)
             return
         if self._ctx is not None and self._ctx.gate is not None:
             self._ctx.gate.ensure(END, f"final averaging of {self.name}:{self.period}")
@@ -154,20 +154,11 @@ class Periodic(Strategy):
         replica)."""
         return None if self._ctx is None else self._ctx.membership
 
-    def _average_live(self, step: int) -> bool:
-        """Under live membership: the mean over the period's quorum, applied where the quorum
-        commits it; whether it was (a replica that was not keeps its own parameters, and a
-        later quorum heals it if its peers went on). Only ``local:H`` takes a quorum
-        (``gradsync.membership.check_exchange``)."""
-        membership = self._live()
-        assert membership is not None
-        flat = flatten(self._params)
-        self._state.bytes_sent += flat.numel() * flat.element_size()
-        mean = membership.allreduce(flat).wait()
-        if not membership.commit(step):
-            return False
-        copy_into(mean, self._params)
-        return True
+    def _synchronize_live(self, step: int) -> bool:
+        """Under live membership: the synchronization through the period's quorum, applied
+        where the quorum commits it; whether it was (a replica that was not keeps its own
+        parameters, and a later quorum heals it if its peers went on)."""
+        raise NotImplementedError
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Replicas agree right after each synchronization (and at the end), and only then."""
@@ -240,6 +231,18 @@ class LocalSGD(Periodic):
         if ctx.compressor is not ALLREDUCE:
             # Taken after the Synchronizer's initial broadcast: the same on every rank.
             self._anchor = flatten(self._params).clone()
+
+    def _synchronize_live(self, step: int) -> bool:
+        """The mean of the parameters over the quorum (uncompressed: the anchor is unused)."""
+        membership = self._live()
+        assert membership is not None
+        flat = flatten(self._params)
+        self._state.bytes_sent += flat.numel() * flat.element_size()
+        mean = membership.allreduce(flat).wait()
+        if not membership.commit(step):
+            return False
+        copy_into(mean, self._params)
+        return True
 
     def _synchronize(self) -> None:
         if self._anchor is None:
@@ -360,6 +363,8 @@ class DiLoCo(Periodic):
         """Apply the exchanges due after ``step``, then start the fragments scheduled here (and
         apply them at once when there is no delay)."""
         assert self._ctx is not None
+        if self._live() is not None:  # plain DiLoCo only (gradsync.membership.check_exchange)
+            return super()._exchange(step, outcome)
         applied = self._apply_due(step)
         starting = [p for p, at in enumerate(self._offsets) if (step + 1) % self.period == at]
         if starting:
@@ -428,6 +433,18 @@ class DiLoCo(Periodic):
         else:
             # alpha * local + (1 - alpha) * global
             copy_into(torch.lerp(target, flatten(params).to(target.dtype), alpha), params)
+
+    def _synchronize_live(self, step: int) -> bool:
+        """The outer step on the quorum's mean pseudo-gradient (one fragment, no delay)."""
+        membership = self._live()
+        assert membership is not None
+        pseudo = self._globals[0] - flatten(self._fragment_params[0])
+        self._state.bytes_sent += pseudo.numel() * pseudo.element_size()
+        mean = membership.allreduce(pseudo).wait()
+        if not membership.commit(step):
+            return False
+        self._apply(0, mean, 0.0)
+        return True
 
     def _synchronize(self) -> None:
         """Every fragment at once, replaced by its new global copy (the end of training)."""

@@ -156,14 +156,18 @@ def _membership_marks(directory: Path) -> list[str]:
 
 
 @pytest.mark.timeout(280)
-def test_local_sgd_groups_heal_at_a_period_start_and_end_bitwise_equal(tmp_path: Path) -> None:
-    """``--strategy local:2``: one quorum a period, joined before its first local step; the
-    killed group's replacement heals there from group 0, trains the period on its own data
-    (its share of the average is its own, not its donor's again), and the last average leaves
-    both groups' parameters bitwise equal; group 0 never restarts."""
+@pytest.mark.parametrize("strategy", ["local:2", "diloco:2"])
+def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
+    tmp_path: Path, strategy: str
+) -> None:
+    """``local:2`` and ``diloco:2``: one quorum a period, joined before its first local step;
+    the killed group's replacement heals there from group 0 (DiLoCo's global copy and outer
+    momentum with it), trains the period on its own data (its share of the period's exchange is
+    its own, not its donor's again), and the last exchange leaves both groups' parameters
+    bitwise equal; group 0 never restarts."""
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradsync", "run", "--strategy", "local:2"]
+        [sys.executable, "-m", "gradsync", "run", "--strategy", strategy]
         + ["--replica-groups", "2", "--nproc", "1", "--min-replicas", "2"]
         + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS)]
         + ["--max-restarts", "1", "--kill", f"1:{KILL_AT}"]  # a period's first step
@@ -182,7 +186,7 @@ def test_local_sgd_groups_heal_at_a_period_start_and_end_bitwise_equal(tmp_path:
         _stop(proc, watched)
     assert rc == 0, stderr[-4000:]
     assert not left, f"still running after the run: {left}"
-    assert "strategy local:2, membership torchft" in stderr, stderr[-2000:]
+    assert f"strategy {strategy}, membership torchft" in stderr, stderr[-2000:]
     group0, group1 = out / "group-0", out / "group-1"
     assert [a["restart"] for a in _jsonl(group0 / "faults" / "attempts.jsonl")] == [0]
     assert sorted(json.loads(line)["step"] for line in (group0 / "metrics.jsonl").open()) == list(

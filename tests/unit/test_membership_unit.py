@@ -33,8 +33,8 @@ def test_no_membership_is_the_classic_restart_and_refuses_its_settings() -> None
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"strategy": "diloco:4"}, r"'bsp' and 'local:H' only for now, got 'diloco:4'"),
-        ({"strategy": "zero:1"}, r"'bsp' and 'local:H' only for now, got 'zero:1'"),
+        ({"strategy": "diloco:4:2:1"}, r"with streaming DiLoCo 'diloco:4:2:1'"),
+        ({"strategy": "zero:1"}, r"'diloco:H' only for now, got 'zero:1'"),
         ({"compression_spec": "topk:0.01"}, r"compression 'topk:0.01'"),
         ({"allreduce": "hierarchical"}, r"allreduce='hierarchical'"),
         ({"bucket_mb": "auto"}, r"bucket_mb='auto'"),

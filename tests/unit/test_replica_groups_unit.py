@@ -26,8 +26,8 @@ GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
     [
         (["--replica-groups", "2"], "one rank per replica group for now, got --nproc 4"),
         (["--replica-groups", "1", "--nproc", "1"], "must be between 2 and 256 (0: off), got 1"),
-        ([*GROUPS, "--strategy", "zero:1"], "runs --strategy bsp or local:H only for now, got z"),
-        ([*GROUPS, "--strategy", "diloco:4"], "bsp or local:H only for now, got diloco:4"),
+        ([*GROUPS, "--strategy", "zero:1"], "bsp, local:H or diloco:H only for now, got zero:1"),
+        ([*GROUPS, "--strategy", "diloco:4:2:1"], "with streaming DiLoCo 'diloco:4:2:1'"),
         ([*GROUPS, "--compress", "fp16"], "--replica-groups 2: membership='torchft' with comp"),
         ([*GROUPS, "--bucket-mb", "auto"], "with bucket_mb='auto'"),
         ([*GROUPS, "--resume"], "--replica-groups with --resume"),
