@@ -60,6 +60,7 @@ __all__ = [
     "ATTEMPTS_FILE",
     "CONFIG_FILE",
     "FAULTS_DIR",
+    "GROUP_DIR",
     "HEALED_FILE",
     "RUN_DIR_ENV",
     "AttachedRun",
@@ -74,6 +75,12 @@ FAULTS_DIR = "faults"
 HEALED_FILE = "healed.jsonl"
 #: under FAULTS_DIR: each start of a replica group's process (``gradsync run --replica-groups``)
 ATTEMPTS_FILE = "attempts.jsonl"
+#: under FAULTS_DIR: each time a replica group's torchft Manager came up (``wait_for_groups``)
+MANAGER_UP_FILE = "manager_up.jsonl"
+#: a replica group's directory in ``gradsync run --replica-groups``' RUN/
+GROUP_DIR = "group-{}"
+#: how long a group's first process waits for every group's Manager before it trains anyway
+GROUPS_START_S = 120.0
 
 logger = get_logger("run")
 
@@ -344,6 +351,34 @@ class AttachedRun:
                 "let the command line choose, or drop --min-replicas"
             )
         return "torchft", from_flag if min_replicas is None else min_replicas
+
+    def wait_for_groups(self, timeout_s: float = GROUPS_START_S) -> None:
+        """Under ``gradsync run --replica-groups``, once this group's torchft Manager is up:
+        the group's first process waits until every group's Manager is (at most
+        ``timeout_s``), so that their first quorum holds them all. The lighthouse waits only
+        for the replicas it hears from: without this, the first group up trained alone until
+        the others joined by healing from it (RELIABILITY.md's 20-failure benchmark: up to 71
+        steps). A replacement does not wait: the others are past their start."""
+        groups = int(self.settings.get("replica_groups") or 0)
+        if not groups or self.settings.get("replica_group") is None or self.rank != 0:
+            return
+        entry = {"restart": restart_count(), "pid": os.getpid(), "time": time.time()}
+        append_fault(self.directory, MANAGER_UP_FILE, entry)
+        if restart_count() != 0:
+            return
+        run_dir = self.directory.parent
+        up = [run_dir / GROUP_DIR.format(k) / FAULTS_DIR / MANAGER_UP_FILE for k in range(groups)]
+        deadline = time.monotonic() + timeout_s
+        while not all(path.exists() for path in up):
+            if time.monotonic() > deadline:
+                late = [k for k, path in enumerate(up) if not path.exists()]
+                logger.warning(
+                    "replica group(s) %s not up after %.0f s: training without waiting for them",
+                    late,
+                    timeout_s,
+                )
+                return
+            time.sleep(0.05)
 
     def healed(self, step: int, nbytes: int, seconds: float) -> None:
         """This replica group took a live peer's state at ``step`` (``nbytes`` of tensors,

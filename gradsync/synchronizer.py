@@ -395,13 +395,16 @@ class Synchronizer:
             registry=self._checkpoints.registry,
         )
         run = self._run
-        return TorchftMembership(
+        membership = TorchftMembership(
             self._live,
             state,
             timeout_s=self.timeout_s,
             on_healed=run.healed if run is not None else None,
             on_step=run.quorum if run is not None else None,  # membership.jsonl
         )
+        if run is not None:
+            run.wait_for_groups()  # every group's Manager up before the first quorum
+        return membership
 
     @property
     def _broadcasts_buffers(self) -> bool:

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gradsync.attached_run import ATTEMPTS_FILE, CONFIG_FILE, FAULTS_DIR, HEALED_FILE
+from gradsync.attached_run import ATTEMPTS_FILE, CONFIG_FILE, FAULTS_DIR, GROUP_DIR, HEALED_FILE
 from gradsync.errors import UsageError
 from gradsync.membership import LIGHTHOUSE_ENV, REPLICA_ID_ENV, torchft_missing
 from gradsync.membership.lighthouse import local_lighthouse
@@ -46,7 +46,7 @@ STOP_GRACE_S = 20.0
 
 
 def group_dir(run_dir: Path, group: int) -> Path:
-    return run_dir / f"group-{group}"
+    return run_dir / GROUP_DIR.format(group)
 
 
 class _Signalled(BaseException):

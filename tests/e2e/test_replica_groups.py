@@ -257,12 +257,18 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
 
 @pytest.mark.timeout(200)
 def test_a_run_killed_with_sigkill_leaves_no_replica_group_running(tmp_path: Path) -> None:
+    """And (--min-replicas 1, the default) the groups started together: each one's first
+    quorum held both, where the first group up used to train alone until the other healed
+    from it (up to 71 steps in RELIABILITY.md's 20-failure benchmark)."""
     watched = Watched()
-    proc = _training_run(tmp_path / "run", watched)
+    out = tmp_path / "run"
+    proc = _training_run(out, watched)
     try:
+        first = [_jsonl(out / f"group-{k}" / "membership.jsonl")[0] for k in (0, 1)]
         proc.kill()  # no handler runs: the groups, in sessions of their own, must stop alone
         proc.communicate(timeout=30)
         left = [pid for pid in watched.survivors() if not reaped_within(pid, 40)]
     finally:
         _stop(proc, watched)
     assert not left, f"still running 40 s after the run was killed: {left}"
+    assert [m["participants"] for m in first] == [2, 2], first
