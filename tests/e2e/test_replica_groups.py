@@ -42,13 +42,12 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.timeout(280)
-def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
-    tmp_path: Path,
-) -> None:
-    out = tmp_path / "run"
+def _kill_heal_run(out: Path, *extra: str) -> tuple[str, str, Watched, int]:
+    """Two groups, --min-replicas 2, group 1 SIGKILLed at step KILL_AT and restarted once by
+    its own agent: the run's stdout and stderr once it exited 0, leaving nothing running (the
+    groups' agents, workers, forkservers), what was seen of its tree, and its pid."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradsync", "run"]
+        [sys.executable, "-m", "gradsync", "run", *extra]
         + ["--replica-groups", "2", "--nproc", "1", "--min-replicas", "2"]
         + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS)]
         + ["--max-restarts", "1", "--kill", f"1:{KILL_AT}"]  # rank 1: group 1's only rank
@@ -62,22 +61,36 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     try:
         rc = watch_until_exit(proc, watched, timeout_s=240)
         stdout, stderr = proc.communicate(timeout=30)
-        # Nothing of the run outlives it: the groups' agents, workers, forkservers.
         left = [pid for pid in watched.survivors() if not reaped_within(pid, 10)]
     finally:
         _stop(proc, watched)
     assert rc == 0, stderr[-4000:]
     assert not left, f"still running after the run: {left}"
+    return stdout, stderr, watched, proc.pid
+
+
+def _group0_unbroken_group1_restarted_once(out: Path) -> list[dict[str, Any]]:
+    """Group 0 never restarted (one process, every step once); group 1 restarted once by its
+    own agent. Group 1's healings by its replacement."""
     group0, group1 = out / "group-0", out / "group-1"
-    # Group 0 was never restarted: one process from start to end, every step once.
     assert [a["restart"] for a in _jsonl(group0 / "faults" / "attempts.jsonl")] == [0]
     assert sorted(json.loads(line)["step"] for line in (group0 / "metrics.jsonl").open()) == list(
         range(STEPS)
     )
-    # Group 1 was restarted once, by its own agent, and its replacement healed from group 0
-    # at the step it died in (group 0 waited there: --min-replicas 2).
     assert [a["restart"] for a in _jsonl(group1 / "faults" / "attempts.jsonl")] == [0, 1]
-    healed = [h for h in _jsonl(group1 / "faults" / "healed.jsonl") if h["restart"] == 1]
+    return [h for h in _jsonl(group1 / "faults" / "healed.jsonl") if h["restart"] == 1]
+
+
+@pytest.mark.timeout(280)
+def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    stdout, stderr, watched, pid = _kill_heal_run(out)
+    group0, group1 = out / "group-0", out / "group-1"
+    # Group 1's replacement healed from group 0 at the step it died in (group 0 waited there:
+    # --min-replicas 2).
+    healed = _group0_unbroken_group1_restarted_once(out)
     assert [h["step"] for h in healed] == [KILL_AT], healed
     assert healed[0]["bytes"] > 0
     assert f"replica group 1 healed from a live peer: at step {KILL_AT}" in stderr, stderr[-4000:]
@@ -95,7 +108,7 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     # Everything listened on loopback: the lighthouse (in gradsync run itself), each group's
     # stores, torchft Manager servers and gloo sockets.
     assert_listens_on_loopback_only(watched)
-    root = {entry for entry in watched.listeners if entry[1] == proc.pid}
+    root = {entry for entry in watched.listeners if entry[1] == pid}
     assert root, "the lighthouse's listener was not seen:\n  " + describe_listeners(
         watched.listeners
     )
@@ -166,34 +179,10 @@ def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     its own, not its donor's again), and the last exchange leaves both groups' parameters
     bitwise equal; group 0 never restarts."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gradsync", "run", "--strategy", strategy]
-        + ["--replica-groups", "2", "--nproc", "1", "--min-replicas", "2"]
-        + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS)]
-        + ["--max-restarts", "1", "--kill", f"1:{KILL_AT}"]  # a period's first step
-        + ["--timeout", "90", "--no-plots", "--no-progress", "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    watched = Watched()
-    try:
-        rc = watch_until_exit(proc, watched, timeout_s=240)
-        _, stderr = proc.communicate(timeout=30)
-        left = [pid for pid in watched.survivors() if not reaped_within(pid, 10)]
-    finally:
-        _stop(proc, watched)
-    assert rc == 0, stderr[-4000:]
-    assert not left, f"still running after the run: {left}"
+    _, stderr, _, _ = _kill_heal_run(out, "--strategy", strategy)  # KILL_AT: a period's first step
     assert f"strategy {strategy}, membership torchft" in stderr, stderr[-2000:]
     group0, group1 = out / "group-0", out / "group-1"
-    assert [a["restart"] for a in _jsonl(group0 / "faults" / "attempts.jsonl")] == [0]
-    assert sorted(json.loads(line)["step"] for line in (group0 / "metrics.jsonl").open()) == list(
-        range(STEPS)
-    )
-    assert [a["restart"] for a in _jsonl(group1 / "faults" / "attempts.jsonl")] == [0, 1]
-    healed = [h for h in _jsonl(group1 / "faults" / "healed.jsonl") if h["restart"] == 1]
+    healed = _group0_unbroken_group1_restarted_once(out)
     assert [h["step"] for h in healed] == [KILL_AT], healed
     # One quorum a period, recorded at its average (the period's last step), all committed.
     seen0 = _jsonl(group0 / "membership.jsonl")
