@@ -160,6 +160,15 @@ class Periodic(Strategy):
         parameters, and a later quorum heals it if its peers went on)."""
         raise NotImplementedError
 
+    def _quorum_mean(self, flat: torch.Tensor, step: int) -> torch.Tensor | None:
+        """The mean of ``flat`` over the period's quorum, or None where the quorum does not
+        commit it (``_synchronize_live`` then applies nothing)."""
+        membership = self._live()
+        assert membership is not None
+        self._state.bytes_sent += flat.numel() * flat.element_size()
+        mean = membership.allreduce(flat).wait()
+        return mean if membership.commit(step) else None
+
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Replicas agree right after each synchronization (and at the end), and only then."""
         return final or (step + 1) % self.period == 0
@@ -234,12 +243,8 @@ class LocalSGD(Periodic):
 
     def _synchronize_live(self, step: int) -> bool:
         """The mean of the parameters over the quorum (uncompressed: the anchor is unused)."""
-        membership = self._live()
-        assert membership is not None
-        flat = flatten(self._params)
-        self._state.bytes_sent += flat.numel() * flat.element_size()
-        mean = membership.allreduce(flat).wait()
-        if not membership.commit(step):
+        mean = self._quorum_mean(flatten(self._params), step)
+        if mean is None:
             return False
         copy_into(mean, self._params)
         return True
@@ -436,12 +441,8 @@ class DiLoCo(Periodic):
 
     def _synchronize_live(self, step: int) -> bool:
         """The outer step on the quorum's mean pseudo-gradient (one fragment, no delay)."""
-        membership = self._live()
-        assert membership is not None
-        pseudo = self._globals[0] - flatten(self._fragment_params[0])
-        self._state.bytes_sent += pseudo.numel() * pseudo.element_size()
-        mean = membership.allreduce(pseudo).wait()
-        if not membership.commit(step):
+        mean = self._quorum_mean(self._globals[0] - flatten(self._fragment_params[0]), step)
+        if mean is None:
             return False
         self._apply(0, mean, 0.0)
         return True
