@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gradsync.attached_run import ATTEMPTS_FILE, CONFIG_FILE, FAULTS_DIR, GROUP_DIR, HEALED_FILE
+from gradsync.attached_run import CONFIG_FILE, GROUP_DIR
 from gradsync.errors import UsageError
 from gradsync.membership import LIGHTHOUSE_ENV, REPLICA_ID_ENV, torchft_missing
 from gradsync.membership.lighthouse import local_lighthouse
@@ -220,28 +220,22 @@ def _stop(children: list[subprocess.Popen[bytes]], signum: int) -> None:
             c.wait(timeout=10)
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
 def group_outcome(directory: Path) -> dict[str, Any]:
     """What a group's directory says of its run: the last step recorded and its loss, the
     restarts of its process and the healings of its replacements."""
+    from gradsync.telemetry.membership import read_group
     from gradsync.telemetry.records import METRICS_FILE, read_records
 
     records = read_records(directory) if (directory / METRICS_FILE).exists() else []
     last = max((r.step for r in records), default=None)
     losses = [r.loss for r in records if r.step == last and r.loss is not None]
-    attempts = _jsonl(directory / FAULTS_DIR / ATTEMPTS_FILE)
+    seen = read_group(directory)  # its faults/attempts.jsonl and healed.jsonl, lines checked
     return {
         "steps": None if last is None else last + 1,
         "final_loss": sum(losses) / len(losses) if losses else None,
-        "restarts": max((int(a["restart"]) for a in attempts), default=0),
+        "restarts": max((int(a["restart"]) for a in seen.attempts), default=0),
         # the first quorum's sync of replicas that started apart is a healing too: not these
-        "healed": [h for h in _jsonl(directory / FAULTS_DIR / HEALED_FILE) if h["restart"] > 0],
+        "healed": [h for h in seen.healed if h["restart"] > 0],
     }
 
 
