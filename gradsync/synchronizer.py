@@ -24,6 +24,7 @@ from gradsync.checks.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, G
 from gradsync.checks.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.checks.gate_ahead import GateAhead
 from gradsync.checks.guards import check_replicas
+from gradsync.checks.verdicts import PendingVerdicts
 from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
@@ -72,14 +73,51 @@ class StepHandle:
     micro_batches: int
     loss: torch.Tensor | float | None = None
     samples: int = 0
-    #: after the block: True when the update was not applied (the gradient was not finite)
-    skipped: bool = False
-    #: why it was skipped, when the reason is known (another rank's block raised)
-    skip_reason: str | None = None
-    _ready: Callable[[], bool] | None = field(default=None, repr=False)
+    _skipped: bool = field(default=False, repr=False)
+    _skip_reason: str | None = field(default=None, repr=False)
+    #: the verdict still on the device (a 0-d tensor, 1.0: skipped), until it is read
+    _found_inf: torch.Tensor | None = field(default=None, repr=False)
+    #: why every rank skipped the step (``Synchronizer._skip_reason``), asked once it was
+    _why_skipped: Callable[[int], str | None] | None = field(default=None, repr=False)
+    _ready: Callable[[], StepOutcome] | None = field(default=None, repr=False)
     _params: list[torch.Tensor] = field(default_factory=list, repr=False)
     _strategy: Strategy | None = field(default=None, repr=False)
-    _applies: bool | None = field(default=None, repr=False)
+    _synchronized: bool = field(default=False, repr=False)
+
+    @property
+    def skipped(self) -> bool:
+        """After the block: True when the update was not applied (the gradient was not
+        finite). Where the verdict stayed on the device (a fused optimizer), reading this
+        before the Synchronizer has read it in its batch waits for the device."""
+        self._read_verdict()
+        return self._skipped
+
+    @skipped.setter
+    def skipped(self, value: bool) -> None:
+        self._found_inf = None
+        self._skipped = value
+
+    @property
+    def skip_reason(self) -> str | None:
+        """Why the step was skipped, when the reason is known (another rank's block raised)."""
+        self._read_verdict()
+        return self._skip_reason
+
+    @skip_reason.setter
+    def skip_reason(self, value: str | None) -> None:
+        self._skip_reason = value
+
+    def _read_verdict(self) -> None:
+        if self._found_inf is not None:
+            self._settle(bool(self._found_inf))
+
+    def _settle(self, skipped: bool) -> None:
+        """The verdict is known on the host: ``skipped``, and why where a rank's block raised."""
+        self._found_inf = None
+        self._skipped = skipped
+        why, self._why_skipped = self._why_skipped, None
+        if skipped and why is not None:
+            self._skip_reason = why(self.step)
 
     def synchronize(self) -> bool:
         """Finish this step's exchange now, inside the block, after its last backward pass.
@@ -90,12 +128,19 @@ class StepHandle:
         ``local:H`` / ``diloco:H`` this rank's own mean over micro-batches (the inner step's
         gradient); under ``ssp:S`` / ``async`` this worker's gradient before it is pushed.
         Returns False when the step will be skipped because the gradient is not finite (on
-        every rank that must agree). At most once per step; without it the exchange finishes
-        at the block's exit. No backward pass may follow it in the same block."""
+        every rank that must agree); where that verdict stays on the device (a fused
+        optimizer, docs/gpu.md), returning it waits for the device, which ``clip_grad_norm_``
+        does not. At most once per step; without it the exchange finishes at the block's
+        exit. No backward pass may follow it in the same block."""
+        return not _skipped(self._exchange())
+
+    def _exchange(self) -> StepOutcome:
+        """``synchronize()`` without reading its verdict: a verdict left on the device stays
+        there (``clip_grad_norm_`` needs none, and a skipped step's optimizer ignores it)."""
         if self._ready is None:
             raise UsageError("synchronize() belongs inside a sync.step() block")
-        self._applies = self._ready()
-        return self._applies
+        self._synchronized = True
+        return self._ready()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``synchronize()`` (unless done already), then clip the gradient the update will use
@@ -105,9 +150,11 @@ class StepHandle:
         ``local:H`` / ``diloco:H`` and ``ssp:S`` / ``async`` the norm of this rank's own
         gradient (see ``synchronize``); under ``zero:2``, where each rank holds its shard of
         the mean gradient, the norm is combined over the shards (a collective). A step to be
-        skipped clips nothing."""
-        if self._applies is None:
-            self.synchronize()
+        skipped clips nothing, except where its verdict stays on the device (a fused
+        optimizer): the non-finite gradient is then clipped to a non-finite one, the norm
+        returned is not finite, and the update is skipped all the same."""
+        if not self._synchronized:
+            self._exchange()
         assert self._strategy is not None
         return clip_grad_norm(self._strategy, self._params, max_norm, norm_type)
 
@@ -245,6 +292,8 @@ class Synchronizer:
             exit_safety.stop_at_exit(self._ahead.stop)
         every = (self.options.telemetry or Telemetry()).telemetry_every  # none: no records
         self._collector = TelemetryCollector(group, every, self._on_gathered, watch=self._watch)
+        #: non-finite verdicts left on the device, read together at the telemetry's period
+        self._verdicts = PendingVerdicts(every)
         self._step = 0
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
@@ -677,16 +726,31 @@ class Synchronizer:
             ready = handle._ready
             marks.in_block_wait = ready.device_wait if isinstance(ready, _GradientReady) else None
             marks.in_block_sync = outcome.comm_in_block if marks.in_block_wait else sync_in_block
-        handle.skipped = outcome.skipped
-        if outcome.skipped and self.world_size > 1:
-            handle.skip_reason = self._skip_reason(handle.step)
+        self._verdict_of(handle, outcome)
         if self.telemetry_enabled:
             self._record(handle, wall0, compute, sync, outcome, marks)
             if self.record_spans:
                 self._add_spans(outcome.spans, wall0, compute, sync)
+        if self._verdicts.due():  # where telemetry is off, or gathers only at the end
+            self._read_verdicts()
         self._step += 1
         if self.check_every and self._step % self.check_every == 0:
             self._check_replicas(self._step - 1)
+
+    def _verdict_of(self, handle: StepHandle, outcome: StepOutcome) -> None:
+        """Tell ``handle`` whether its step was skipped, and why where a rank's block raised;
+        a verdict still on the device is held and read later with others (``_verdicts``)."""
+        why = self._skip_reason if self.world_size > 1 else None
+        if outcome.found_inf is None:
+            handle._why_skipped = why
+            handle._settle(outcome.skipped)
+            return
+        handle._found_inf, handle._why_skipped = outcome.found_inf, why
+        self._verdicts.add(outcome.found_inf, handle._settle)
+
+    def _read_verdicts(self) -> None:
+        """Read the verdicts held on the device, in one copy (``checks.verdicts``)."""
+        self._verdicts.read()
 
     def _abandon(
         self, handle: StepHandle, ready: _GradientReady, exc: Exception, wall0: float, t0: float
@@ -834,12 +898,13 @@ class Synchronizer:
             h.samples,
             out.bytes_sent,
             h.loss,
-            out.skipped,
+            out.skipped if out.found_inf is None else out.found_inf,
             out.barrier,
             out.idle,
             marks,
         )
         if self._collector.due() and not self.strategy.barrier_free:
+            self._read_verdicts()  # at the same step: the host waits for the device once
             with compat.annotate("gradsync.telemetry_gather"):
                 self._collector.flush_behind(h.step)
 
@@ -908,6 +973,7 @@ class Synchronizer:
 
         With a parameter server this ends training: workers fetch the final parameters."""
         self._check_no_outside_update()
+        self._read_verdicts()
         with self._gradsync_call(END, "report()"):
             with compat.annotate("gradsync.finalize"):
                 self.strategy.finalize()
@@ -1225,7 +1291,7 @@ class _GradientReady:
         #: device events around synchronize() in the block (CUDA): the wait as device time
         self.device_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
-    def __call__(self) -> bool:
+    def __call__(self) -> StepOutcome:
         if self._outcome is not None:
             raise UsageError(f"synchronize() was already called in step {self._step}")
         t0 = time.perf_counter()
@@ -1234,7 +1300,7 @@ class _GradientReady:
         if start is not None and self._clock is not None:
             self.device_wait = (start, self._clock.mark())
         self.seconds_in_block = time.perf_counter() - t0
-        return not self._outcome.skipped
+        return self._outcome
 
     def outcome(self) -> StepOutcome:
         if self._outcome is None:
@@ -1251,6 +1317,13 @@ class _GradientReady:
     def _run(self) -> StepOutcome:
         with compat.annotate("gradsync.gradients_ready"):
             return self._strategy.gradients_ready(self._step)
+
+
+def _skipped(outcome: StepOutcome) -> bool:
+    """Whether the step is skipped, its verdict read from the device if it is there."""
+    if outcome.found_inf is not None:
+        return bool(outcome.found_inf)
+    return outcome.skipped
 
 
 Signature = list[tuple[str, str, tuple[int, ...], str, bool]]

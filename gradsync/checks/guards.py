@@ -62,6 +62,36 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(total)) or all(is_finite(t) for t in tensors)
 
 
+def nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The verdict of ``all_finite`` left on the device: a 0-d float32 tensor on the first
+    tensor's device, 1.0 where some element of some tensor is NaN or Inf and 0.0 otherwise,
+    made without reading anything back to the host (the ``found_inf`` a fused optimizer takes).
+
+    ``all_finite`` confirms a sum that overflowed on the host; here nothing can be confirmed,
+    so no sum may overflow: tensors narrower than float64 are summed into float64, where a
+    finite total of finite values is certain (float32's largest value times 2**900 elements
+    is still finite). A float64 tensor, whose finite values can overflow any sum, is checked
+    element by element instead (``isfinite().all()``, slower, and float64 gradients are rare).
+    """
+    if not tensors:
+        raise ValueError("nonfinite_flag needs at least one tensor")
+    device = tensors[0].device
+    sums, exact = [], []
+    for t in tensors:
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.dtype == torch.float64:
+            exact.append(torch.isfinite(t).all().to(device))
+        else:
+            sums.append(t.sum(dtype=torch.float64).to(device))
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    if sums:
+        bad = bad | ~torch.isfinite(torch.stack(sums).sum())
+    if exact:
+        bad = bad | ~torch.stack(exact).all()
+    return bad.to(torch.float32)
+
+
 def scrub_nonfinite_state(state: Any, _depth: int = 0) -> int:
     """Drop non-finite tensors from a compressor state's per-bucket dicts (residuals, warm
     starts), so one skipped step cannot poison every later one; returns how many it dropped.

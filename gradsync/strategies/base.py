@@ -36,7 +36,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from gradsync.checks.guards import all_finite
+from gradsync import compat
+from gradsync.checks.guards import all_finite, nonfinite_flag
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
@@ -57,6 +58,10 @@ class StepOutcome:
     #: (FSDP2's gathers under ``zero:3``): telemetry counts them as sync, not compute
     comm_in_block: float = 0.0
     spans: list[Span] = field(default_factory=list)
+    #: the non-finite verdict left on the device (``device_verdict``): a 0-d float32 tensor,
+    #: 1.0 where the update was skipped there. ``skipped`` then says only what the host knows
+    #: (False), and the Synchronizer reads this one later, with others, in one batch
+    found_inf: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,6 +196,9 @@ class SyncContext:
     #: ``membership="torchft"``: the quorum every cross-replica exchange goes through (None:
     #: the group is every replica, for the whole run)
     membership: Membership | None = None
+    #: the non-finite verdict of the step under way, on the device (``device_verdict``):
+    #: ``optimizer_step`` hands it to the optimizer as its ``found_inf`` and clears it
+    found_inf: torch.Tensor | None = None
 
     @property
     def scaling(self) -> bool:
@@ -221,13 +229,36 @@ def reading_own_state() -> bool:
     return _READING_OWN_STATE.get()
 
 
+def device_verdict(ctx: SyncContext) -> bool:
+    """Whether this step's non-finite verdict can stay on the device: the guard is on, no
+    GradScaler owns the decision, and the user's optimizer skips its own update on a
+    ``found_inf`` tensor (torch's fused optimizers, ``compat.takes_found_inf``), so the host
+    never has to know whether to call it. Not before the optimizer's first step: fused SGD
+    with momentum allocates its buffers uninitialised on its first step and fills them there,
+    so a first step skipped on the device would leave them holding garbage."""
+    return (
+        ctx.skip_nonfinite
+        and not ctx.scaling
+        and bool(ctx.optimizer.state)
+        and compat.takes_found_inf(ctx.optimizer)
+    )
+
+
 def local_gradient(
-    params: Sequence[torch.Tensor], ctx: SyncContext, average_over: int
+    params: Sequence[torch.Tensor], ctx: SyncContext, average_over: int, on_device: bool = False
 ) -> StepOutcome:
     """``gradients_ready`` for strategies whose update starts from this rank's own gradient
     (local steps, parameter-server pushes): the mean over micro-batches, or a skipped step
-    when it is not finite, which is this rank's alone (unless a GradScaler decides that)."""
+    when it is not finite, which is this rank's alone (unless a GradScaler decides that).
+    ``on_device``: the strategy's update is the user's optimizer through ``optimizer_step``,
+    so where ``device_verdict`` allows, the verdict stays on the device (``ctx.found_inf``)."""
     grads = [p.grad for p in params if p.grad is not None]
+    if on_device and grads and device_verdict(ctx):
+        ctx.found_inf = nonfinite_flag(grads)
+        if average_over > 1:
+            for g in grads:
+                g.div_(average_over)
+        return StepOutcome(barrier=False, found_inf=ctx.found_inf)
     if ctx.skip_nonfinite and not ctx.scaling and not all_finite(grads):
         return StepOutcome(barrier=False, skipped=True)
     if average_over > 1:
@@ -271,7 +302,14 @@ def clip_grad_norm(
 def optimizer_step(ctx: SyncContext) -> bool:
     """The user's optimizer step, through their GradScaler when there is one; returns whether
     the update was applied. The scaler skips a step whose unscaled gradient is not finite and
-    then lowers its scale (``backoff_factor`` < 1), so a lower scale means a skipped step."""
+    then lowers its scale (``backoff_factor`` < 1), so a lower scale means a skipped step. A
+    verdict left on the device (``ctx.found_inf``) goes to the optimizer instead, which skips
+    on it there: True is then only the host's view."""
+    found_inf, ctx.found_inf = ctx.found_inf, None
+    if not ctx.scaling and found_inf is not None:
+        # Applied or not is decided on the device: "applied" here is the host's view only.
+        compat.step_with_found_inf(ctx.optimizer, found_inf)
+        return True
     if not ctx.scaling:
         ctx.optimizer.step()
         return True
@@ -473,6 +511,7 @@ __all__ = [
     "SyncContext",
     "clip_grad_norm",
     "compressor_state_dict",
+    "device_verdict",
     "load_compressor_state",
     "local_gradient",
     "own_optimizer_state",

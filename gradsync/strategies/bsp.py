@@ -21,7 +21,7 @@ import torch.distributed as dist
 from gradsync import exit_safety, runtime
 from gradsync.bucket_autotune import AUTO, STEPS_PER_PLAN, WARMUP_STEPS, BucketTuner, candidates
 from gradsync.buckets import MB, BucketReducer, distinct_plans
-from gradsync.checks.guards import all_finite, scrub_nonfinite_state
+from gradsync.checks.guards import all_finite, nonfinite_flag, scrub_nonfinite_state
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
@@ -33,6 +33,7 @@ from gradsync.strategies.base import (
     Strategy,
     SyncContext,
     compressor_state_dict,
+    device_verdict,
     load_compressor_state,
     optimizer_step,
 )
@@ -218,6 +219,7 @@ class BSP(Strategy):
             self._membership.start_step(plan.step)
         if self._tuner is not None and self._tuner.deciding:
             self._retune(plan.step)
+        self._ctx.found_inf = None  # a verdict a raising update left behind
         # No optimizer.zero_grad() here: arm() releases every p.grad (it was a view into a
         # bucket holding last step's reduced gradient) before the backward pass.
         self._micro_batches = plan.micro_batches
@@ -270,6 +272,12 @@ class BSP(Strategy):
             raise written_in_flight(step, reducer.written_in_flight)
         nbytes = self._state.bytes_sent - self._bytes_at_start
         spans = reducer.take_spans()
+        if self._verdict_on_device():
+            # Every rank computes the same flag from the same reduced bits, and the optimizer
+            # skips on it: every rank skips this same step, and no host waits to learn it.
+            ctx.found_inf = nonfinite_flag(reduced)
+            reducer.write_back(reduced, scale=1.0)
+            return StepOutcome(bytes_sent=nbytes, spans=spans, found_inf=ctx.found_inf)
         if (ctx.skip_nonfinite or ctx.scaling) and not all_finite(reduced):
             scrub_nonfinite_state(self._state)
             if not ctx.scaling:
@@ -284,6 +292,14 @@ class BSP(Strategy):
         remaining = 1.0 if self.fused_mean else 1.0 / self._average_over
         reducer.write_back(reduced, scale=remaining)
         return StepOutcome(bytes_sent=nbytes, spans=spans)
+
+    def _verdict_on_device(self) -> bool:
+        """Whether this step's non-finite verdict stays on the device (``device_verdict``):
+        for the plain all-reduce only. A compressor's state touched by a non-finite step is
+        scrubbed on the host (``scrub_nonfinite_state``), and a torchft quorum decides its
+        commit on the host anyway."""
+        assert self._ctx is not None
+        return self.fused_mean and self._membership is None and device_verdict(self._ctx)
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         assert self._ctx is not None

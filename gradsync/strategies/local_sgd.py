@@ -87,14 +87,16 @@ class Periodic(Strategy):
             # the average's all-reduce, which is then not committed (``_synchronize_live``).
             membership.start_step(plan.step)
         self._ctx.optimizer.zero_grad(set_to_none=True)
+        self._ctx.found_inf = None  # a verdict a raising update left behind
         self._average_over = plan.average_over
 
     def gradients_ready(self, step: int) -> StepOutcome:
         """The local gradient (mean over micro-batches): nothing is exchanged before a local
         step."""
         assert self._ctx is not None
-        # A local step is this rank's own business: a non-finite gradient skips it here only.
-        outcome = local_gradient(self._params, self._ctx, self._average_over)
+        # A local step is this rank's own business: a non-finite gradient skips it here only,
+        # on the device where the optimizer takes the verdict there (``update`` steps it).
+        outcome = local_gradient(self._params, self._ctx, self._average_over, on_device=True)
         if outcome.skipped:
             self._ctx.optimizer.zero_grad(set_to_none=True)
         return outcome

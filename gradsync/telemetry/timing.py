@@ -60,7 +60,8 @@ class _Pending:
     samples: int
     bytes: int
     loss: torch.Tensor | float | None
-    skipped: bool
+    #: a tensor where the verdict stayed on the device: read with the loss, at the gather
+    skipped: bool | torch.Tensor
     barrier: bool
     idle: float
     #: device events to read ``compute`` and ``sync`` from (CUDA), or None (host-timed)
@@ -111,14 +112,16 @@ class TelemetryCollector:
         samples: int,
         nbytes: int,
         loss: torch.Tensor | float | None,
-        skipped: bool = False,
+        skipped: bool | torch.Tensor = False,
         barrier: bool = True,
         idle: float = 0.0,
         marks: StepMarks | None = None,
     ) -> None:
         """``idle`` is used only for steps without a barrier (the strategy measured it).
         ``marks``: the step's device events, which replace ``compute`` and ``sync`` once read
-        (gradsync.telemetry.device_clock)."""
+        (gradsync.telemetry.device_clock). ``skipped`` may be a 0-d tensor (1.0: skipped),
+        the verdict a fused optimizer took on the device: read, like a tensor loss, when the
+        rows are made."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()  # converted at flush, so a GPU loss costs no sync per step
         self._read_completed_marks()
@@ -334,9 +337,31 @@ def _wait(flight: _InFlight) -> list[torch.Tensor]:
 
 def _rows(pending: list[_Pending]) -> torch.Tensor:
     """One float64 row per record (``_COLUMNS``), its device events read first."""
+    _read_tensors([p for p in pending if p.row is None])
     rows = list(map(_row, pending))
     # through numpy: torch.tensor of a list of lists took about twice as long
     return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(-1, len(_COLUMNS)))
+
+
+def _read_tensors(pending: list[_Pending]) -> None:
+    """The losses and verdicts still held as tensors, read into floats in one copy to the
+    host, where one float() each would wait for the device once per record."""
+    held = [
+        (p, name)
+        for p in pending
+        for name in ("loss", "skipped")
+        if isinstance(getattr(p, name), torch.Tensor) and getattr(p, name).numel() == 1
+    ]
+    if len(held) < 2:
+        return
+    try:
+        values = torch.stack(
+            [getattr(p, name).reshape(()).to(torch.float64) for p, name in held]
+        ).tolist()
+    except RuntimeError:  # tensors on several devices: float() each, in _row
+        return
+    for (p, name), value in zip(held, values, strict=True):
+        setattr(p, name, value if name == "loss" else value != 0)
 
 
 def _row(p: _Pending) -> list[float]:

@@ -129,3 +129,18 @@ def test_annotate_records_a_range_only_while_a_profiler_records(
     # a torch that hides the check: always annotated
     monkeypatch.delattr(torch.autograd, "_profiler_enabled")
     assert not isinstance(compat.annotate("gradsync.x"), contextlib.nullcontext)
+
+
+def test_a_found_inf_skips_a_fused_step_and_other_optimizers_read_the_host() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    fused = torch.optim.AdamW([p], lr=0.1, fused=True)
+    assert compat.takes_found_inf(fused)
+    assert not compat.takes_found_inf(torch.optim.AdamW([p], lr=0.1))  # the fallback: the host
+    p.grad = torch.full((3,), float("nan"))
+    compat.step_with_found_inf(fused, torch.ones(()))
+    assert torch.equal(p.detach(), torch.ones(3))
+    assert not hasattr(fused, "found_inf")  # taken away again, as GradScaler does
+    p.grad = torch.ones(3)
+    compat.step_with_found_inf(fused, torch.zeros(()))
+    assert not torch.equal(p.detach(), torch.ones(3))
+    assert int(fused.state[p]["step"]) == 1  # the skipped step was not counted

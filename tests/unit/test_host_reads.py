@@ -1,0 +1,153 @@
+"""No host read of step data in the steady-state step where the optimizer takes the non-finite
+verdict on the device (issue 44): on the CPU through spies on the tensor members that hand
+values to the host (``tests/support/host_reads.py``), on a GPU through CUDA's sync debug mode.
+The periodic telemetry gather reads, once per ``telemetry_every`` steps and in a few copies
+whatever the number of steps: that is where the batched reads belong."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradsync as gs
+from gradsync import inject
+from gradsync.checks.guards import all_finite, nonfinite_flag
+from gradsync.workloads import make_workload
+from tests.support.host_reads import HostReads, host_reads
+from tests.support.ranks import flat_params
+
+pytestmark = pytest.mark.unit
+
+#: the strategies whose update is the user's optimizer in a world of one (zero:2 and zero:3
+#: decide their skip with a collective read on the host: docs/gpu.md)
+STRATEGIES = ["bsp", "zero:1", "local:2", "diloco:2"]
+WARMUP, STEPS, EVERY = 2, 12, 5
+
+
+def _fused(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+@dataclass
+class _Run:
+    reads: HostReads
+    handles: list[gs.StepHandle]
+    params: list[torch.Tensor]
+    report: gs.RunReport
+
+
+def _train(strategy: str, optimizer: str, nan_at: int | None = None) -> _Run:
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    opt = (
+        _fused(optimizer, model)
+        if optimizer != "plain"
+        else torch.optim.SGD(model.parameters(), lr=0.05)
+    )
+    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=EVERY, check_every=0)
+    if nan_at is not None:
+        inject.nan_gradient(sync, rank=0, step=nan_at)
+    handles, params = [], []
+    with host_reads() as reads:
+        for step in range(STEPS):
+            reads.step = step if step >= WARMUP else None
+            with sync.step() as s:
+                x, y = w.batch(step, 8, 0, 8)
+                s.loss = w.loss(model, x, y)
+                s.loss.backward()
+            reads.step = None
+            handles.append(s)
+            params.append(flat_params(model))
+    report = sync.report()
+    sync.close()
+    return _Run(reads, handles, params, report)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_steady_state_step_reads_nothing_on_the_host(
+    one_rank: None, strategy: str, optimizer: str
+) -> None:
+    reads = _train(strategy, optimizer).reads
+    gathers = {s for s in range(STEPS) if (s + 1) % EVERY == 0}
+    assert reads.steps() <= gathers, reads.describe()
+    for step in gathers:
+        # the verdicts, the losses and the records: a few copies, not one per step
+        assert len(reads.at(step)) <= 4, reads.describe()
+
+
+def test_a_plain_optimizer_reads_its_verdict_on_the_host_every_step(one_rank: None) -> None:
+    """The spies' own check: without a fused optimizer the guard must read every step."""
+    reads = _train("bsp", "plain").reads
+    assert reads.steps() == set(range(WARMUP, STEPS))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_non_finite_step_is_skipped_on_the_device_and_reported(
+    one_rank: None, strategy: str
+) -> None:
+    nan_at = 6
+    run = _train(strategy, "adamw", nan_at=nan_at)
+    params, handles = run.params, run.handles
+    assert torch.equal(params[nan_at - 1], params[nan_at])  # the update really was skipped
+    assert not torch.equal(params[nan_at], params[nan_at + 1])  # and training went on
+    assert bool(torch.isfinite(params[-1]).all())
+    assert [s.step for s in handles if s.skipped] == [nan_at]
+    report = run.report
+    assert report.skipped_steps == 1
+    assert [r.step for r in report.records if r.skipped] == [nan_at]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_synchronization_with_cuda_sync_debug_mode() -> None:
+    """The same steps on a GPU (a world of one over NCCL), with CUDA's sync debug mode raising
+    at any call that waits for the device, between the telemetry gathers."""
+    made = not dist.is_initialized()
+    if made:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for strategy in STRATEGIES:
+            _cuda_steps(strategy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        if made:
+            dist.destroy_process_group()
+
+
+def _cuda_steps(strategy: str) -> None:
+    w = make_workload("mlp", seed=2, params=30000)
+    model = w.build_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=100, check_every=0)
+    batches = [tuple(t.cuda() for t in w.batch(step, 8, 0, 8)) for step in range(STEPS)]
+    for step, (x, y) in enumerate(batches):
+        torch.cuda.set_sync_debug_mode("error" if step >= WARMUP else 0)
+        try:
+            with sync.step() as s:
+                s.loss = w.loss(model, x, y)
+                s.loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    sync.report()
+    sync.close()
+
+
+def test_the_device_flag_agrees_with_the_host_check() -> None:
+    big = torch.full((4,), 3e38)  # finite values whose float32 sum overflows
+    cases = [
+        [torch.ones(3)],
+        [big],
+        [torch.full((4,), 1e308, dtype=torch.float64)],  # float64: checked element by element
+        [torch.ones(2), torch.tensor([1.0, float("nan")])],
+        [torch.tensor([float("-inf")], dtype=torch.bfloat16)],
+        [torch.tensor([1 + 1j, complex(0, float("inf"))])],
+        [torch.ones(2, dtype=torch.float64), torch.tensor([float("inf")], dtype=torch.float64)],
+    ]
+    for tensors in cases:
+        assert float(nonfinite_flag(tensors)) == (0.0 if all_finite(tensors) else 1.0), tensors
