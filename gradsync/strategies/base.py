@@ -233,15 +233,14 @@ def device_verdict(ctx: SyncContext) -> bool:
     """Whether this step's non-finite verdict can stay on the device: the guard is on, no
     GradScaler owns the decision, and the user's optimizer skips its own update on a
     ``found_inf`` tensor (torch's fused optimizers, ``compat.takes_found_inf``), so the host
-    never has to know whether to call it. Not before the optimizer's first step: fused SGD
-    with momentum allocates its buffers uninitialised on its first step and fills them there,
-    so a first step skipped on the device would leave them holding garbage."""
-    return (
-        ctx.skip_nonfinite
-        and not ctx.scaling
-        and bool(ctx.optimizer.state)
-        and compat.takes_found_inf(ctx.optimizer)
-    )
+    never has to know whether to call it.
+
+    The caller adds when: not before the optimizer has state. Fused SGD with momentum
+    allocates its buffers uninitialised on its first step and fills them there, so a first
+    step skipped on the device would leave them holding garbage (as under a GradScaler). A
+    strategy whose ranks must decide alike asks for a step after the first on every rank
+    (``zero:1``'s ranks hold the state of their own tensors only, and one may hold none)."""
+    return ctx.skip_nonfinite and not ctx.scaling and compat.takes_found_inf(ctx.optimizer)
 
 
 def local_gradient(
@@ -253,7 +252,7 @@ def local_gradient(
     ``on_device``: the strategy's update is the user's optimizer through ``optimizer_step``,
     so where ``device_verdict`` allows, the verdict stays on the device (``ctx.found_inf``)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if on_device and grads and device_verdict(ctx):
+    if on_device and grads and bool(ctx.optimizer.state) and device_verdict(ctx):
         ctx.found_inf = nonfinite_flag(grads)
         if average_over > 1:
             for g in grads:

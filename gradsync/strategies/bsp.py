@@ -272,7 +272,7 @@ class BSP(Strategy):
             raise written_in_flight(step, reducer.written_in_flight)
         nbytes = self._state.bytes_sent - self._bytes_at_start
         spans = reducer.take_spans()
-        if self._verdict_on_device():
+        if self._verdict_on_device(step):
             # Every rank computes the same flag from the same reduced bits, and the optimizer
             # skips on it: every rank skips this same step, and no host waits to learn it.
             ctx.found_inf = nonfinite_flag(reduced)
@@ -293,13 +293,16 @@ class BSP(Strategy):
         reducer.write_back(reduced, scale=remaining)
         return StepOutcome(bytes_sent=nbytes, spans=spans)
 
-    def _verdict_on_device(self) -> bool:
+    def _verdict_on_device(self, step: int) -> bool:
         """Whether this step's non-finite verdict stays on the device (``device_verdict``):
         for the plain all-reduce only. A compressor's state touched by a non-finite step is
         scrubbed on the host (``scrub_nonfinite_state``), and a torchft quorum decides its
-        commit on the host anyway."""
+        commit on the host anyway. From the second step on, on every rank alike: whether the
+        update gathers after it (``zero:1``) follows the decision, so no rank may differ."""
         assert self._ctx is not None
-        return self.fused_mean and self._membership is None and device_verdict(self._ctx)
+        return (
+            step > 0 and self.fused_mean and self._membership is None and device_verdict(self._ctx)
+        )
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         assert self._ctx is not None
