@@ -106,7 +106,7 @@ from gradsync.checks.guards import all_finite
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.strategies import parse_strategy
-from gradsync.synchronizer import StepHandle, Synchronizer
+from gradsync.synchronizer import StepHandle, Synchronizer, finish_exchange
 
 #: strategies whose update fits DDP's loop: the whole mean gradient (or this rank's own, for
 #: the periodic ones) in ``p.grad`` at the end of backward, the update in ``optimizer.step()``
@@ -167,12 +167,17 @@ class _OpenStep:
         #: s.synchronize() ran: p.grad holds the gradient the update will use
         self.synchronized = False
 
-    def synchronize(self) -> bool:
+    def synchronize(self, verdict: bool = True) -> bool:
         """``s.synchronize()`` once: True when this call finished the exchange and the update
-        will be applied (not when gradsync skips the step, ``skip_nonfinite``)."""
+        will be applied (not when gradsync skips the step, ``skip_nonfinite``). Without
+        ``verdict`` the skip is not asked (True all the same): where it is decided on the
+        device (a fused optimizer), asking would make the host wait for the device."""
         if self.synchronized:
             return False
         self.synchronized = True
+        if not verdict:
+            finish_exchange(self.handle)
+            return True
         return self.handle.synchronize()
 
     def close(self) -> None:
@@ -380,7 +385,10 @@ class DistributedDataParallel(nn.Module):
         for h in self._output_hooks:
             h.remove()
         self._output_hooks = []
-        if self._open is None or not self._open.synchronize():
+        # Only spreading a non-finite gradient or showing a sharded view asks whether the step
+        # is skipped: anything else (bsp) leaves a verdict on the device there.
+        asks = (self._fsdp and not self._skip_nonfinite) or self._view is not None
+        if self._open is None or not self._open.synchronize(verdict=asks) or not asks:
             return
         if self._fsdp and not self._skip_nonfinite:
             self._spread_nonfinite()

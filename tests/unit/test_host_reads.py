@@ -81,6 +81,29 @@ def test_the_steady_state_step_reads_nothing_on_the_host(
         assert len(reads.at(step)) <= 4, reads.describe()
 
 
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_the_front_door_step_reads_nothing_on_the_host(
+    one_rank: None, skip_nonfinite: bool
+) -> None:
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    opt = _fused("adamw", model)
+    ddp = gs.DistributedDataParallel(
+        model, optimizer=opt, skip_nonfinite=skip_nonfinite, telemetry_every=EVERY
+    )
+    with host_reads() as reads:
+        for step in range(STEPS):
+            reads.step = step if step >= WARMUP else None
+            x, y = w.batch(step, 8, 0, 8)
+            w.loss(ddp, x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            reads.step = None
+    ddp.close()
+    gathers = {s for s in range(STEPS) if (s + 1) % EVERY == 0}
+    assert reads.steps() <= gathers, reads.describe()
+
+
 def test_a_plain_optimizer_reads_its_verdict_on_the_host_every_step(one_rank: None) -> None:
     """The spies' own check: without a fused optimizer the guard must read every step."""
     reads = _train("bsp", "plain").reads
