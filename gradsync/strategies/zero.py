@@ -17,8 +17,9 @@
   is None), then the same shard step and exchange of the update. Memory: between steps a
   rank holds its chunk of the gradient plus two round buffers (one bucket in all, shared by
   the gradient's way out and the parameters' way back, never in use together); during
-  backward, the gradients of the rounds not yet sent. No step allocates a buffer of the
-  model's size (issue 47).
+  backward, the gradients of the rounds not yet sent, at most one whole per owner: a finished
+  gradient whose last round waits for another owner's later one keeps only that round's part
+  (``_keep_tails``). No step allocates a buffer of the model's size (issue 47).
 
 Both follow one process on the global batch (tested in float64 to 1e-10 on 2 and 3 ranks, SGD
 with momentum and AdamW, with micro-batches and uneven shards) and leave every replica with
@@ -92,9 +93,11 @@ from gradsync.strategies.base import (
 from gradsync.strategies.bsp import BSP, late_gradient, wrong_passes
 from gradsync.strategies.zero_shards import (
     POINT_TO_POINT,
+    FlatGroup,
     LocalClipGuard,
     OwnerLayout,
     ShardedUpdate,
+    Tail,
     check_exchange,
     gather_to_first,
     join_owned,
@@ -286,6 +289,12 @@ class ZeroStage2(Strategy):
         #: each round's tensors (indices in its flat group), and each tensor's rounds
         self._members: dict[tuple[int, int], set[int]] = {}
         self._rounds_of: dict[int, list[tuple[int, int]]] = {}
+        #: where each round's piece of each of its tensors starts (round -> index -> element)
+        self._starts: dict[tuple[int, int], dict[int, int]] = {}
+        #: per flat group: the most elements of one gradient kept as a tail (one round's part)
+        self._tail_cap: list[int] = []
+        #: this step: finished gradients whose last rounds wait, kept as tails (by id(param))
+        self._tails: dict[int, Tail] = {}
         #: this step: tensors each round still waits for, rounds each tensor is still in,
         #: the next round in ``_order`` to exchange, and the exchanges' time and bytes
         self._waiting: dict[tuple[int, int], int] = {}
@@ -325,6 +334,12 @@ class ZeroStage2(Strategy):
             for i in members:
                 rounds_of.setdefault(id(layout.groups[k].params[i]), []).append((k, j))
         self._rounds_of = rounds_of
+        self._starts = {
+            (k, j): {pc.index: pc.start for owner in rnd.pieces for pc in owner}
+            for k, rounds in enumerate(shards.rounds)
+            for j, rnd in enumerate(rounds)
+        }
+        self._tail_cap = [max((r.size for r in rounds), default=0) for rounds in shards.rounds]
         self._partial_state = refuse_partial_state(ctx.optimizer, self.name)
 
     @property
@@ -350,6 +365,7 @@ class ZeroStage2(Strategy):
         self._waiting = {kj: len(m) for kj, m in self._members.items()}
         self._left = {key: len(v) for key, v in self._rounds_of.items()}
         self._next, self._sent, self._in_backward = 0, [], 0.0
+        self._tails = {}
         passes.arm(plan.micro_batches)
 
     def gradients_ready(self, step: int) -> StepOutcome:
@@ -378,9 +394,10 @@ class ZeroStage2(Strategy):
         ctx, layout, _, passes = self._parts()
         passes.disarm()
         while self._next < len(self._order):
-            self._send_round(self._order[self._next], poison)
+            self._send_round(self._order[self._next], poison, draining=True)
             self._next += 1
         self._finish_in_flight()
+        self._tails = {}
         if poison:  # this rank's own check fails too, whatever the rounds sent before it
             for received in self._received:
                 received.fill_(float("nan"))
@@ -415,10 +432,11 @@ class ZeroStage2(Strategy):
         # inside the user's block, where the Synchronizer's clock says compute: it is sync
         self._in_backward += time.perf_counter() - t0
 
-    def _send_round(self, kj: tuple[int, int], poison: bool) -> None:
+    def _send_round(self, kj: tuple[int, int], poison: bool, draining: bool = False) -> None:
         """Scale round ``kj``'s gradients into a kept round buffer, reduce-scatter it into this
         rank's part of the mean gradient (a ring of send/receive pairs on gloo), and free the
-        gradients no later round needs."""
+        gradients no later round needs; from backward's hooks (not ``draining``), keep only
+        the tails of those whose last rounds wait (``_keep_tails``)."""
         ctx, layout, shards, _ = self._parts()
         k, j = kj
         g, rnd = layout.groups[k], shards.rounds[k][j]
@@ -428,7 +446,7 @@ class ZeroStage2(Strategy):
         if poison:
             buf.fill_(float("nan"))
         else:
-            pack_round(buf, g, rnd, range(layout.world), lambda i: g.params[i].grad, self._scale)
+            pack_round(buf, g, rnd, range(layout.world), self._gradient_of(g), self._scale)
         received = self._received[k][rnd.lo : rnd.lo + rnd.size]
         ring = shards.exchange == POINT_TO_POINT
         wall0, t0 = time.time(), time.perf_counter()
@@ -447,6 +465,39 @@ class ZeroStage2(Strategy):
             p = g.params[i]
             self._left[id(p)] -= 1
             if self._left[id(p)] == 0:
+                p.grad = None
+                self._tails.pop(id(p), None)
+        if not (poison or draining):
+            self._keep_tails(kj)
+
+    def _gradient_of(self, g: FlatGroup) -> Callable[[int], torch.Tensor | Tail | None]:
+        """What a round packs of ``g.params[i]``: its kept tail, else its gradient."""
+
+        def source(i: int) -> torch.Tensor | Tail | None:
+            p = g.params[i]
+            return self._tails.get(id(p), p.grad)
+
+        return source
+
+    def _keep_tails(self, kj: tuple[int, int]) -> None:
+        """Round ``kj`` is sent, so its tensors' gradients are final: where what a tensor still
+        has to send is at most one round's part, copy that tail out and free the gradient.
+        A round carries the same slice of every owner's chunk, so a gradient whose chunk ends
+        past a round boundary waits for whatever another owner has there, often the last
+        gradient backward makes: without this, on 6 Linear(4096, 4096) at 4 ranks every
+        gradient lived until the end of backward (issue 47)."""
+        _, layout, _, _ = self._parts()
+        k = kj[0]
+        g = layout.groups[k]
+        for i in self._members[kj]:
+            p = g.params[i]
+            left, grad = self._left[id(p)], p.grad
+            if left == 0 or grad is None:
+                continue
+            rounds = self._rounds_of[id(p)]
+            start = self._starts[rounds[len(rounds) - left]][i]
+            if p.numel() - start <= self._tail_cap[k]:
+                self._tails[id(p)] = Tail(start, grad.reshape(-1)[start:].clone())
                 p.grad = None
 
     def _finish_in_flight(self) -> None:

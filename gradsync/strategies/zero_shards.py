@@ -272,17 +272,28 @@ def _flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """A tensor's elements from ``start`` on, flat: what ``zero:2`` keeps of a finished
+    gradient whose last rounds wait for another owner's later gradient, in place of the whole
+    gradient (``ZeroStage2._keep_tails``)."""
+
+    start: int
+    flat: torch.Tensor
+
+
 def pack_round(
     buf: torch.Tensor,
     group: FlatGroup,
     rnd: Round,
     owners: Iterable[int],
-    source: Callable[[int], torch.Tensor | None],
+    source: Callable[[int], torch.Tensor | Tail | None],
     scale: float | None = None,
 ) -> None:
     """Fill ``owners``' parts of round buffer ``buf`` from ``source(index)`` (a tensor of the
-    group's ``params[index]`` shape; None: zeros), times ``scale`` when given, and zero their
-    padding, so that what a collective carries there is deterministic."""
+    group's ``params[index]`` shape, or a ``Tail`` of one that holds every element the round
+    takes; None: zeros), times ``scale`` when given, and zero their padding, so that what a
+    collective carries there is deterministic."""
     for r in owners:
         part = buf[r * rnd.size : (r + 1) * rnd.size]
         for pc in rnd.pieces[r]:
@@ -291,7 +302,10 @@ def pack_round(
             if t is None:
                 dst.zero_()
                 continue
-            src = _flat_view(t)[pc.start : pc.start + pc.length]
+            if isinstance(t, Tail):
+                src = t.flat[pc.start - t.start : pc.start - t.start + pc.length]
+            else:
+                src = _flat_view(t)[pc.start : pc.start + pc.length]
             if scale is None:
                 dst.copy_(src)
             else:
