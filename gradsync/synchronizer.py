@@ -20,6 +20,7 @@ from gradsync import compat, exit_safety, runtime
 from gradsync.attached_run import AttachedRun
 from gradsync.balance import ShardBalancer
 from gradsync.checkpoint.checkpointer import Checkpointer
+from gradsync.checks import divergence_behind
 from gradsync.checks.diagnose import BETWEEN, BLOCK, END, START, ArrivalWatch, GroupTimeout
 from gradsync.checks.gate import DEFAULT_BETWEEN_STEPS_S, StepGate
 from gradsync.checks.gate_ahead import GateAhead
@@ -294,6 +295,8 @@ class Synchronizer:
         self._collector = TelemetryCollector(group, every, self._on_gathered, watch=self._watch)
         #: non-finite verdicts left on the device, read together at the telemetry's period
         self._verdicts = PendingVerdicts(every)
+        #: the periodic divergence check posted and not compared yet
+        self._posted_check: divergence_behind.PostedCheck | None = None
         self._step = 0
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
@@ -855,11 +858,29 @@ class Synchronizer:
             )
 
     def _check_replicas(self, step: int, final: bool = False) -> None:
-        """Collective every ``check_every`` steps (and at the end): compare fingerprints."""
-        if not self.strategy.replicas_identical(step, final):
-            return
+        """Collective every ``check_every`` steps (and at the end): compare fingerprints. The
+        periodic check compares those it posted a period before and posts this step's
+        (``checks.divergence_behind``); the final one compares at once."""
         with compat.annotate("gradsync.divergence_check"):
+            self._take_posted_check()
+            if not self.strategy.replicas_identical(step, final):
+                return
+            if not final:
+                workers = list(range(self.num_workers))
+                named: list[tuple[str, torch.Tensor]] = list(self.model.named_parameters())
+                self._posted_check = divergence_behind.post(named, self.group, step, workers)
+                if self._posted_check is not None:
+                    return
             self._compare_fingerprints(step, final)
+
+    def _take_posted_check(self) -> None:
+        """Compare the fingerprints the last periodic check posted, if any."""
+        posted, self._posted_check = self._posted_check, None
+        if posted is None:
+            return
+        what = f"divergence check posted after step {posted.step} (fingerprint gather)"
+        prints = self._watch.run(posted.step, what, lambda: divergence_behind.fingerprints(posted))
+        divergence_behind.compare(posted, prints)
 
     def _compare_fingerprints(self, step: int, final: bool) -> None:
         workers = list(range(self.num_workers))
@@ -1096,6 +1117,9 @@ class Synchronizer:
 
     def _close(self) -> None:
         self._collector.hold_in_flight()
+        if self._posted_check is not None:  # its tensors and Work outlive the backend thread
+            exit_safety.keep("divergence check in flight", self._posted_check)
+            self._posted_check = None
         self._step_hook.remove()
         self.strategy.close()
         if self._hierarchy is not None:

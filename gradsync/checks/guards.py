@@ -116,12 +116,17 @@ def scrub_nonfinite_state(state: Any, _depth: int = 0) -> int:
 
 def fingerprint(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """[n, 2] float64: sum and sum of squares of every tensor."""
+    return fingerprint_rows(params).cpu()
+
+
+def fingerprint_rows(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """``fingerprint`` where the parameters are (the first's device): nothing read yet."""
     rows = []
     with torch.no_grad():
         for _, p in params:
             x = p.detach().to(torch.float64)
             rows.append(torch.stack([x.sum(), (x * x).sum()]))
-    return torch.stack(rows).cpu()
+    return torch.stack(rows)
 
 
 def gather_fingerprints(
@@ -163,7 +168,15 @@ def check_replicas(
     when = f"at step {step}"
     if final:  # a parameter server has no step of its own to name
         when = f"at the end-of-run check after step {step}" if step >= 0 else "at the end of run"
-    _refuse_nonfinite(named, prints, compared, when)
+    compare_fingerprints([name for name, _ in named], prints, compared, when)
+
+
+def compare_fingerprints(
+    names: list[str], prints: list[torch.Tensor], compared: list[int], when: str
+) -> None:
+    """Raise ``DivergenceError`` if the host fingerprints ``prints`` (by group rank) of the
+    ranks ``compared`` differ, naming the first parameter (of ``names``) that does."""
+    _refuse_nonfinite(names, prints, compared, when)
     reference = prints[compared[0]]
     bad = [r for r in compared if not torch.equal(prints[r], reference)]
     if not bad:
@@ -175,14 +188,14 @@ def check_replicas(
     )
     raise DivergenceError(
         f"replicas diverged {when}: rank(s) {bad} differ from rank {compared[0]}; "
-        f"first differing parameter: {named[first][0]!r} "
+        f"first differing parameter: {names[first]!r} "
         f"(sum {float(reference[first, 0]):.17g} on rank {compared[0]} vs "
         f"{float(prints[bad[0]][first, 0]):.17g} on rank {bad[0]})"
     )
 
 
 def _refuse_nonfinite(
-    named: list[tuple[str, torch.Tensor]], prints: list[torch.Tensor], ranks: list[int], when: str
+    names: list[str], prints: list[torch.Tensor], ranks: list[int], when: str
 ) -> None:
     """NaN compares unequal to itself, so replicas that all hold NaN would read as diverged:
     say what is wrong instead, naming the first non-finite parameter and where it is."""
@@ -192,7 +205,7 @@ def _refuse_nonfinite(
     first = min(int((~f).nonzero()[0]) for f in finite.values() if not bool(f.all()))
     where = [r for r in ranks if not bool(finite[r][first])]
     raise DivergenceError(
-        f"parameters are not finite {when}: {named[first][0]!r} holds NaN or Inf on rank(s) "
+        f"parameters are not finite {when}: {names[first]!r} holds NaN or Inf on rank(s) "
         f"{where}. The non-finite guard skips steps whose gradient is not finite, so the update "
         "itself made them (a learning rate too high, an optimizer state already non-finite, "
         "or parameters changed outside the step)"

@@ -22,7 +22,7 @@ def test_no_host_reads_between_gathers_and_non_finite_steps_still_skipped() -> N
         r0, r1 = (out[strategy] for out in by_rank)
         for r in (r0, r1):
             assert {step for step, _, _ in r["reads"]} <= gathers, (strategy, r["reads"])
-            assert len(r["reads"]) <= 4 * len(gathers), (strategy, r["reads"])
+            assert len(r["reads"]) <= 6 * len(gathers), (strategy, r["reads"])
         if strategy in ("bsp", "zero:1"):
             # One mean gradient: rank 1's NaN, and its raising block's NaN buckets, make every
             # rank skip those steps, and rank 0 is told why the second was skipped.

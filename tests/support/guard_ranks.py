@@ -131,7 +131,7 @@ def perturbed(rank: int, world: int) -> dict[str, Any]:
     sync = gs.Synchronizer(model, opt, check_every=5)
     done = []
     try:
-        for step in range(12):
+        for step in range(16):
             with sync.step():
                 x, y = w.batch(step, 8, rank * 4, rank * 4 + 4)
                 w.loss(model, x, y).backward()

@@ -35,7 +35,7 @@ def _train(rank: int, world: int, strategy: str) -> dict[str, Any]:
     w = make_workload("mlp", seed=2, params=3000)
     model = w.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=EVERY, check_every=0)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=EVERY, check_every=EVERY)
     inject.nan_gradient(sync, rank=1, step=NAN_AT)
     handles, moved = [], []
     with host_reads() as reads:

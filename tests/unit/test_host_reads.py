@@ -2,7 +2,8 @@
 verdict on the device (issue 44): on the CPU through spies on the tensor members that hand
 values to the host (``tests/support/host_reads.py``), on a GPU through CUDA's sync debug mode.
 The periodic telemetry gather reads, once per ``telemetry_every`` steps and in a few copies
-whatever the number of steps: that is where the batched reads belong."""
+whatever the number of steps, and the divergence check compares there the fingerprints it
+posted a period before: that is where the batched reads belong."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ class _Run:
     report: gs.RunReport
 
 
-def _train(strategy: str, optimizer: str, nan_at: int | None = None) -> _Run:
+def _train(
+    strategy: str, optimizer: str, nan_at: int | None = None, telemetry: bool = True
+) -> _Run:
     w = make_workload("mlp", seed=2, params=3000)
     model = w.build_model()
     opt = (
@@ -49,7 +52,14 @@ def _train(strategy: str, optimizer: str, nan_at: int | None = None) -> _Run:
         if optimizer != "plain"
         else torch.optim.SGD(model.parameters(), lr=0.05)
     )
-    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=EVERY, check_every=0)
+    sync = gs.Synchronizer(
+        model,
+        opt,
+        strategy=strategy,
+        telemetry=telemetry,
+        telemetry_every=EVERY,
+        check_every=EVERY,
+    )
     if nan_at is not None:
         inject.nan_gradient(sync, rank=0, step=nan_at)
     handles, params = [], []
@@ -77,8 +87,10 @@ def test_the_steady_state_step_reads_nothing_on_the_host(
     gathers = {s for s in range(STEPS) if (s + 1) % EVERY == 0}
     assert reads.steps() <= gathers, reads.describe()
     for step in gathers:
-        # the verdicts, the losses and the records: a few copies, not one per step
-        assert len(reads.at(step)) <= 4, reads.describe()
+        # A few copies, not one per step: the verdicts, the losses and the records; and the
+        # comparison of the fingerprints the check posted a period before (already on the
+        # host by then: on CUDA in pinned memory, behind an event that has completed).
+        assert len(reads.at(step)) <= 6, reads.describe()
 
 
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
@@ -102,6 +114,18 @@ def test_the_front_door_step_reads_nothing_on_the_host(
     ddp.close()
     gathers = {s for s in range(STEPS) if (s + 1) % EVERY == 0}
     assert reads.steps() <= gathers, reads.describe()
+
+
+def test_the_divergence_check_posts_without_reading_and_compares_a_period_later(
+    one_rank: None,
+) -> None:
+    """Without telemetry: the check after step 4 only posts; after step 9 it compares step 4's
+    fingerprints (and posts step 9's). The verdicts, on the device from step 1, are read ten
+    at a time: after step 10."""
+    reads = _train("bsp", "adamw", telemetry=False).reads
+    assert reads.at(4) == [], reads.describe()
+    assert reads.steps() <= {9, 10}, reads.describe()
+    assert all(r.where.startswith("gradsync/checks/verdicts.py") for r in reads.at(10))
 
 
 def test_a_plain_optimizer_reads_its_verdict_on_the_host_every_step(one_rank: None) -> None:
@@ -147,7 +171,9 @@ def _cuda_steps(strategy: str) -> None:
     w = make_workload("mlp", seed=2, params=30000)
     model = w.build_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=100, check_every=0)
+    # No telemetry gather in the steps (it reads: the batch); the divergence check posts at
+    # steps 4 and 9 and compares at step 9, where the event after the first has completed.
+    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=100, check_every=EVERY)
     batches = [tuple(t.cuda() for t in w.batch(step, 8, 0, 8)) for step in range(STEPS)]
     for step, (x, y) in enumerate(batches):
         torch.cuda.set_sync_debug_mode("error" if step >= WARMUP else 0)
