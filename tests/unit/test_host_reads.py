@@ -1,6 +1,7 @@
 """No host read of step data in the steady-state step where the optimizer takes the non-finite
 verdict on the device (issue 44): on the CPU through spies on the tensor members that hand
-values to the host (``tests/support/host_reads.py``), on a GPU through CUDA's sync debug mode.
+values to the host (``tests/support/host_reads.py``); on a GPU through CUDA's sync debug mode in
+``test_host_reads_cuda.py``.
 The periodic telemetry gather reads, once per ``telemetry_every`` steps and in a few copies
 whatever the number of steps, and the divergence check compares there the fingerprints it
 posted a period before: that is where the batched reads belong."""
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gradsync as gs
 from gradsync import inject
@@ -148,43 +148,6 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_reported(
     report = run.report
     assert report.skipped_steps == 1
     assert [r.step for r in report.records if r.skipped] == [nan_at]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_no_synchronization_with_cuda_sync_debug_mode() -> None:
-    """The same steps on a GPU (a world of one over NCCL), with CUDA's sync debug mode raising
-    at any call that waits for the device, between the telemetry gathers."""
-    made = not dist.is_initialized()
-    if made:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        for strategy in STRATEGIES:
-            _cuda_steps(strategy)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        if made:
-            dist.destroy_process_group()
-
-
-def _cuda_steps(strategy: str) -> None:
-    w = make_workload("mlp", seed=2, params=30000)
-    model = w.build_model().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    # No telemetry gather in the steps (it reads: the batch); the divergence check posts at
-    # steps 4 and 9 and compares at step 9, where the event after the first has completed.
-    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=100, check_every=EVERY)
-    batches = [tuple(t.cuda() for t in w.batch(step, 8, 0, 8)) for step in range(STEPS)]
-    for step, (x, y) in enumerate(batches):
-        torch.cuda.set_sync_debug_mode("error" if step >= WARMUP else 0)
-        try:
-            with sync.step() as s:
-                s.loss = w.loss(model, x, y)
-                s.loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    sync.report()
-    sync.close()
 
 
 def test_the_device_flag_agrees_with_the_host_check() -> None:
