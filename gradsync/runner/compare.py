@@ -106,7 +106,15 @@ def refuse_strategy_flag(strategy: str | None) -> None:
 #: ``gradsync run``'s flags (RunConfig fields) that compare refuses, for its --help to leave out
 #: as it leaves out --strategy: compare runs every strategy on local processes.
 RUN_ONLY_FIELDS = frozenset(
-    {"strategy", "hosts", "link", "replica_groups", "lighthouse", "min_replicas"}
+    {
+        "strategy",
+        "hosts",
+        "link",
+        "replica_groups",
+        "lighthouse",
+        "min_replicas",
+        "heartbeat_timeout",
+    }
 )
 
 

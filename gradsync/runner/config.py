@@ -24,6 +24,7 @@ from gradsync.errors import UsageError
 from gradsync.flags import flag, flag_from
 from gradsync.inject import parse_kill, parse_slow
 from gradsync.membership import LIVE_KINDS, check_exchange, check_lighthouse, torchft_missing
+from gradsync.membership.lighthouse import HEARTBEAT_TIMEOUT_RANGE_S, HEARTBEAT_TIMEOUT_S
 from gradsync.options import DEFAULT_TIMEOUT_S, Checks, Exchange, Limits
 from gradsync.runner.rundir import OVERWRITE_AND_RESUME
 from gradsync.runtime import BACKENDS, check_nccl, choose_backend
@@ -239,6 +240,14 @@ class RunConfig:
         help="replica groups a step needs: with fewer, the lighthouse waits (the one gradsync "
         "run starts) and no step is applied; G makes the others wait for a lost group's "
         "replacement (default: %(default)s)",
+        group=LIVE,
+    )
+    heartbeat_timeout: float = flag(
+        HEARTBEAT_TIMEOUT_S,
+        metavar="S",
+        help="seconds without a heartbeat before the lighthouse gradsync run starts leaves a "
+        "replica group out of the quorum: the survivors' stall after a loss (a lighthouse "
+        "given with --lighthouse keeps its own; default: %(default)s)",
         group=LIVE,
     )
     #: which replica group a group's own config.json describes (no flag: ``gradsync run
@@ -486,12 +495,21 @@ class RunConfig:
         """--replica-groups and its flags: what the torchft membership of this first version
         carries (gradsync.membership says why each is refused), refused before any start."""
         if not self.replica_groups:
-            if self.lighthouse is not None or self.min_replicas != 1:
-                given = "--lighthouse" if self.lighthouse is not None else "--min-replicas"
+            given = [
+                name
+                for name, unset in (
+                    ("--lighthouse", self.lighthouse is None),
+                    ("--min-replicas", self.min_replicas == 1),
+                    ("--heartbeat-timeout", self.heartbeat_timeout == HEARTBEAT_TIMEOUT_S),
+                )
+                if not unset
+            ]
+            if given:
                 raise UsageError(
-                    f"{given} sets how replica groups meet: it needs --replica-groups G"
+                    f"{given[0]} sets how replica groups meet: it needs --replica-groups G"
                 )
             return
+        self._check_heartbeat_timeout()
         groups = self.replica_groups
         if not 2 <= groups <= MAX_LOCAL_PROCESSES:
             raise UsageError(
@@ -525,6 +543,21 @@ class RunConfig:
         missing = torchft_missing()
         if missing is not None:
             raise UsageError(f"--replica-groups: {missing}")
+
+    def _check_heartbeat_timeout(self) -> None:
+        lo, hi = HEARTBEAT_TIMEOUT_RANGE_S
+        if not lo <= self.heartbeat_timeout <= hi:
+            raise UsageError(
+                f"--heartbeat-timeout must be between {lo:g} and {hi:g} seconds, got "
+                f"{self.heartbeat_timeout:g}: a torchft Manager heartbeats every 0.1 s, so "
+                f"under {lo:g} s a busy group is taken for lost"
+            )
+        if self.lighthouse is not None and self.heartbeat_timeout != HEARTBEAT_TIMEOUT_S:
+            raise UsageError(
+                "--heartbeat-timeout sets the lighthouse gradsync run starts; the one given "
+                f"with --lighthouse {self.lighthouse} keeps its own (torchft_lighthouse "
+                "--heartbeat_timeout_ms)"
+            )
 
     def _check_live_run(self) -> None:
         """The run's own settings under --replica-groups: what its launch cannot do yet."""

@@ -128,7 +128,7 @@ def _lighthouse(cfg: RunConfig) -> Iterator[str]:
     missing = torchft_missing()
     if missing is not None:
         raise UsageError(f"--replica-groups: {missing}")
-    with local_lighthouse(cfg.min_replicas) as address:
+    with local_lighthouse(cfg.min_replicas, cfg.heartbeat_timeout) as address:
         yield address
 
 
@@ -300,6 +300,8 @@ def write_run_report(
     report = {
         "replica_groups": cfg.replica_groups,
         "min_replicas": cfg.min_replicas,
+        # the lighthouse gradsync run started; one given with --lighthouse keeps its own
+        "heartbeat_timeout_s": None if cfg.lighthouse is not None else cfg.heartbeat_timeout,
         "groups": outcomes,
         "membership": run_membership(cfg, run_dir),
     }

@@ -128,7 +128,9 @@ def _assert_membership_recorded(out: Path, stdout: str, healed: dict[str, Any]) 
     assert at["quorum_id"] != seen0[KILL_AT - 1]["quorum_id"]
     assert [r.split(":")[0] for r in at["left"] + at["joined"]] == ["1", "1"]
     assert at["left"] != at["joined"]
-    assert at["stall_s"] > 1.0, at  # the lost replica's heartbeat timeout, at least
+    # the lost replica's heartbeat timeout (1.5 s, --heartbeat-timeout), at least, and not
+    # over issue 45's 2 s (it was 2.03-2.13 s at a 2 s timeout)
+    assert 1.0 < at["stall_s"] < 2.0, at
     assert all((m["stall_s"] or 0) < at["stall_s"] for m in seen0 if m["step"] != KILL_AT)
     # Group 1's file: the killed process's every step (each line written at its step), then
     # the replacement's from the step it healed at.

@@ -37,6 +37,15 @@ GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
         ([*GROUPS, "--lighthouse", "127.0.0.1:29510"], "must be http://HOST:PORT, got '127.0."),
         (["--lighthouse", "http://127.0.0.1:1"], "--lighthouse sets how replica groups meet"),
         (["--min-replicas", "2"], "--min-replicas sets how replica groups meet: it needs"),
+        (["--heartbeat-timeout", "3"], "--heartbeat-timeout sets how replica groups meet"),
+        (
+            [*GROUPS, "--heartbeat-timeout", "0.1"],
+            "--heartbeat-timeout must be between 0.5 and 600 seconds, got 0.1",
+        ),
+        (
+            [*GROUPS, "--lighthouse", "http://127.0.0.1:1", "--heartbeat-timeout", "3"],
+            "the one given with --lighthouse http://127.0.0.1:1 keeps its own",
+        ),
         ([*GROUPS, "--kill", "2:5"], "--kill names rank 2, but ranks are 0..1 (2 replica grou"),
         ([*GROUPS, "--slow", "2:1.5"], "--slow names rank 2, but ranks are 0..1"),
         (
@@ -114,3 +123,33 @@ def test_min_replicas_not_given_on_the_command_line_leaves_the_scripts_own(
     run = AttachedRun(_run_dir(tmp_path, replica_groups=2, given=["replica_groups"]))
     assert run.live(None, 2) == ("torchft", 2)
     assert run.live(None, None) == ("torchft", 1)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("given", "timeout_ms"), [({}, 1500), ({"heartbeat_timeout": 4.0}, 4000)])
+def test_the_lighthouse_gradsync_run_starts_takes_the_heartbeat_timeout(
+    given: dict[str, float], timeout_ms: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--heartbeat-timeout reaches the lighthouse the run starts (the survivors' stall after a
+    loss: issue 45 allows 2 s, torchft's own default is 5 s)."""
+    coordination = pytest.importorskip("torchft.coordination")
+    from gradsync.runner.replica_groups import _lighthouse
+
+    started: list[dict[str, object]] = []
+
+    class Recorder:
+        def __init__(self, **options: object) -> None:
+            started.append(options)
+
+        def address(self) -> str:
+            return "http://somewhere:4321"
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(coordination, "LighthouseServer", Recorder)
+    cfg = RunConfig(replica_groups=2, nproc=1, **given)
+    with _lighthouse(cfg) as address:
+        assert address == "http://127.0.0.1:4321"
+    assert [o["heartbeat_timeout_ms"] for o in started] == [timeout_ms]
+    assert started[0]["bind"] == "127.0.0.1:0"
