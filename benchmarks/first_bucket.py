@@ -71,6 +71,8 @@ def render(
                 _ratio(b, "gradsync-auto"),
                 _ratio(b, "gradsync-1mb"),
                 _ratio(b, "gradsync-25mb"),
+                _ratio(b, "gradsync-nogate"),
+                _ratio(b, "gradsync-bare"),
                 fmt_iqr([1000 * s for s in b["compute-only"]], ".1f", " ms")
                 if "compute-only" in b
                 else "-",
@@ -84,13 +86,16 @@ def render(
         "bsp auto / DDP",
         "bsp 1 MB / DDP",
         "bsp 25 MB / DDP",
+        "bsp, gate off / DDP",
+        "bsp bare / DDP",
         "compute only",
     ]
     return (
         "gradsync `bsp` with its defaults (a first bucket of at most 1 MiB, then an eighth of "
         "the gradient, 1 to 25 MiB: `spec.default_bucket_mb`), with `bucket_mb='auto'` (a few "
         "plans timed over its first steps, the fastest kept), with `bucket_mb=1` and with "
-        "`bucket_mb=25` (the plan before), against "
+        "`bucket_mb=25` (the plan before), with the defaults' plan and the step gate off, and "
+        "'bare' (gate, telemetry, divergence check and non-finite guard off), against "
         "torch DDP with its defaults (1 MiB, then 25 MiB), one rank per emulated host, step "
         "time ratios per block (<= 1.00: gradsync as fast or faster), median and interquartile "
         "range.\n\n"

@@ -7,7 +7,9 @@ under torchrun: configurations ``ddp`` (DDP's defaults: a 1 MiB first bucket, th
 ``gradsync`` (bsp with its defaults: a first bucket of at most 1 MiB, then an eighth of the
 gradient, 1 to 25 MiB), ``gradsync-auto`` (``bucket_mb="auto"``), ``gradsync-1mb``
 (``bucket_mb=1``, the fastest fixed size in issue 48's sweep), ``gradsync-25mb`` (the plan
-before issue 48) and ``compute-only`` (``--kinds`` picks some, ddp always among them). Rank 0
+before issue 48), ``gradsync-nogate`` and ``gradsync-bare`` (the defaults' plan without the
+step gate, and without the gate, telemetry, the checks and the guard) and ``compute-only``
+(``--kinds`` picks some, ddp always among them). Rank 0
 writes every block's mean step time, and each gradsync configuration's buckets as it ended, to
 ``--out`` (JSON).
 """
@@ -27,7 +29,28 @@ from benchmarks.harness import time_interleaved
 from benchmarks.steps import Trainer
 from gradsync.workloads import make_workload
 
-KINDS = ("ddp", "gradsync", "gradsync-auto", "gradsync-1mb", "gradsync-25mb", "compute-only")
+KINDS = (
+    "ddp",
+    "gradsync",
+    "gradsync-auto",
+    "gradsync-1mb",
+    "gradsync-25mb",
+    "gradsync-nogate",
+    "gradsync-bare",
+    "compute-only",
+)
+#: the defaults less some of the per-step work, to tell the plan's cost from the rest's:
+#: "-nogate" without the step gate, "-bare" without the gate, telemetry, the divergence check
+#: and the non-finite guard (what ``benchmarks.host_overhead`` calls 'bare, gate off')
+_LESS = {
+    "gradsync-nogate": {"between_steps_timeout_s": None},
+    "gradsync-bare": {
+        "between_steps_timeout_s": None,
+        "telemetry": False,
+        "check_every": 0,
+        "skip_nonfinite": False,
+    },
+}
 VOCAB, CONTEXT = 128, 64
 
 
@@ -100,8 +123,15 @@ def main() -> None:
         # warm-up and its first block); "-1mb" and "-25mb": fixed sizes (25 MB: the plan before
         # issue 48, and DDP's cap)
         plans = {"gradsync": None, "gradsync-auto": "auto", "gradsync-1mb": 1.0}
-        bucket_mb = plans.get(kind, 25.0)
-        return Trainer(mode, workload, global_batch, optimizer=sgd, bucket_mb=bucket_mb)
+        bucket_mb = None if kind in _LESS else plans.get(kind, 25.0)
+        return Trainer(
+            mode,
+            workload,
+            global_batch,
+            optimizer=sgd,
+            bucket_mb=bucket_mb,
+            **_LESS.get(kind, {}),
+        )
 
     trainers = {kind: trainer(kind) for kind in kinds}
     blocks = time_interleaved({k: t.step for k, t in trainers.items()}, args.repeats, args.block)
