@@ -277,7 +277,35 @@ def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
     lines.append(describe(report["membership"]))
     lines.append(f"each group's metrics, report.json, trace.json and plots: {run_dir}/group-K/")
     lines.append(f"the run's report (groups, membership): {run_dir / REPORT_FILE}")
+    trace = write_run_trace(cfg, run_dir)
+    if trace is not None:
+        lines.append(f"every group on one clock (open at https://ui.perfetto.dev): {trace}")
     return "\n".join(lines)
+
+
+def write_run_trace(cfg: RunConfig, run_dir: Path) -> Path | None:
+    """``RUN/trace.json``: every group's trace.json on one clock, group K's ranks numbered
+    from ``K * nproc`` as ``--kill`` names them; None when no group wrote a trace. A group's
+    trace that cannot be read is left out with a notice rather than failing the summary."""
+    from gradsync.telemetry.cli import TRACE_FILE
+    from gradsync.telemetry.trace import merge_traces
+
+    parts = []
+    for k in range(cfg.replica_groups):
+        path = group_dir(run_dir, k) / TRACE_FILE
+        if not path.exists():
+            continue
+        try:
+            trace = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            print(f"gradsync run: {path} left out of the run's trace: {exc}", file=sys.stderr)
+            continue
+        parts.append((f"group {k}", k * cfg.nproc, trace))
+    if not parts:
+        return None
+    out = run_dir / TRACE_FILE
+    out.write_text(json.dumps(merge_traces(parts), separators=(",", ":")), encoding="utf-8")
+    return out
 
 
 def run_membership(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:

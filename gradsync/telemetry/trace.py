@@ -24,7 +24,7 @@ from gradsync.telemetry.membership import GroupMembership, trace_marks
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.stragglers import Finding
 
-__all__ = ["trace_events", "write_trace"]
+__all__ = ["merge_traces", "trace_events", "write_trace"]
 
 _DERIVED = ("compute", "sync", "idle")
 _STEP_TID, _FINDING_TID = 0, 1
@@ -182,3 +182,32 @@ def write_trace(
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+
+def merge_traces(parts: Sequence[tuple[str, int, dict[str, Any]]]) -> dict[str, Any]:
+    """One trace of several runs' traces (``trace_events``' dicts) on one clock: each part is
+    ``(label, first_rank, trace)``, its ranks renumbered from ``first_rank`` and named
+    ``"{label} rank R"``, its times shifted by its ``start_epoch_s`` from the earliest one's.
+    What ``gradsync run --replica-groups`` writes as ``RUN/trace.json``: every group's steps,
+    quorums, stalls and healings side by side (each group's own trace starts at its own
+    first event, so a replacement's healing and the survivors' stall would not line up)."""
+    starts = [float(t.get("otherData", {}).get("start_epoch_s", 0.0)) for _, _, t in parts]
+    t0 = min(starts, default=0.0)
+    events: list[dict[str, Any]] = []
+    for (label, first_rank, trace), start in zip(parts, starts, strict=True):
+        shift = round((start - t0) * _US)
+        for ev in trace.get("traceEvents", []):
+            moved = {**ev, "pid": first_rank + int(ev.get("pid", 0))}
+            if ev.get("ph") == "M":
+                if ev.get("name") == "process_name":
+                    moved["args"] = {"name": f"{label} rank {ev['pid']}"}
+                elif ev.get("name") == "process_sort_index":
+                    moved["args"] = {"sort_index": moved["pid"]}
+            else:
+                moved["ts"] = int(ev["ts"]) + shift
+            events.append(moved)
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"producer": "gradsync", "start_epoch_s": t0},
+    }

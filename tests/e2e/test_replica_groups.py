@@ -163,6 +163,21 @@ def _assert_membership_recorded(out: Path, stdout: str, healed: dict[str, Any]) 
     assert any(
         n.startswith(f"healed from a peer: step {KILL_AT}") for n in _membership_marks(group1)
     )
+    _assert_run_trace_lines_them_up(out)
+
+
+def _assert_run_trace_lines_them_up(out: Path) -> None:
+    """RUN/trace.json: both groups on one clock, group 0's stall ending after group 1's
+    replacement healed (the stall waited for it: --min-replicas 2)."""
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {0: "group 0 rank 0", 1: "group 1 rank 0"}, names
+    marks = [e for e in events if e.get("cat") == "membership" and e.get("ph") == "X"]
+    stall = next(e for e in marks if e["pid"] == 0 and e["args"]["step"] == KILL_AT)
+    healed = next(e for e in marks if e["pid"] == 1 and e["args"]["step"] == KILL_AT)
+    assert stall["name"].startswith("stall ") and healed["name"].startswith("healed from")
+    assert healed["ts"] < stall["ts"] + stall["dur"], (stall, healed)
+    assert stall["ts"] < healed["ts"] + healed["dur"], (stall, healed)
 
 
 def _membership_marks(directory: Path) -> list[str]:

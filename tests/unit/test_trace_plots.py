@@ -136,3 +136,26 @@ def test_plots_are_written_and_not_blank(tmp_path: Path) -> None:
 def test_trace_of_no_records_is_still_valid(tmp_path: Path) -> None:
     data = json.loads(write_trace(tmp_path / "t.json", []).read_text())
     assert data["traceEvents"] == [] and data["displayTimeUnit"] == "ms"
+
+
+def test_merged_traces_share_one_clock_and_number_each_parts_ranks_apart() -> None:
+    """RUN/trace.json of replica groups: group 1 started 2.5 s after group 0, so its events
+    move 2.5 s later; its rank 0 becomes pid 1 (``first_rank``), named after its group."""
+    from gradsync.telemetry.trace import merge_traces, trace_events
+
+    def record(at: float) -> StepRecord:
+        return StepRecord(0, 0, at, compute=0.1, sync=0.05, idle=0.0, comm=0.0, samples=8, bytes=0)
+
+    early, late = trace_events([record(100.0)]), trace_events([record(102.5)])
+    merged = merge_traces([("group 0", 0, early), ("group 1", 1, late)])
+    assert merged["otherData"]["start_epoch_s"] == 100.0
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in merged["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
+    assert names == {0: "group 0 rank 0", 1: "group 1 rank 0"}
+    steps = {e["pid"]: e["ts"] for e in merged["traceEvents"] if e.get("name") == "step 0"}
+    assert steps == {0: 0, 1: 2_500_000}
+    # the parts themselves are left as they were (each starts at its own 0)
+    assert [e["ts"] for e in late["traceEvents"] if e.get("name") == "step 0"] == [0]
