@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync import exit_safety, runtime
+from gradsync import runtime
 from gradsync.bucket_autotune import AUTO, STEPS_PER_PLAN, WARMUP_STEPS, BucketTuner, candidates
-from gradsync.buckets import MB, BucketReducer, distinct_plans
+from gradsync.buckets import MB, BucketReducer, Exchanged, Launched, distinct_plans
 from gradsync.checks.guards import all_finite, nonfinite_flag, scrub_nonfinite_state
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
@@ -187,7 +187,7 @@ class BSP(Strategy):
     def compressor_state(self) -> Any:
         return self._state
 
-    def _exchange(self, bucket: FlatBucket) -> torch.futures.Future[torch.Tensor]:
+    def _exchange(self, bucket: FlatBucket) -> Exchanged:
         assert self._ctx is not None
         self._ctx.before_collective()
         if self._membership is not None:
@@ -385,14 +385,11 @@ def late_gradient(step: int) -> UsageError:
     )
 
 
-def _allreduce_sum(state: Any, bucket: FlatBucket) -> torch.futures.Future[torch.Tensor]:
-    """The uncompressed exchange without its division: the bucket already holds g / W."""
+def _allreduce_sum(state: Any, bucket: FlatBucket) -> Launched:
+    """The uncompressed exchange without its division: the bucket already holds g / W. Waited
+    as its work, with no callback on its future (``buckets.Launched``)."""
     buf = bucket.buffer()
     state.bytes_sent += buf.numel() * buf.element_size()
     work = dist.all_reduce(buf, group=state.group, async_op=True)
     assert work is not None
-    return exit_safety.then(work.get_future(), _first)
-
-
-def _first(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-    return fut.value()[0]
+    return Launched(work, buf)
