@@ -59,9 +59,12 @@ called from the user's code (a DDP script's rank-0 checkpoint) it is refused, na
 
 Non-finite gradients skip the step on every rank together: under ``zero:1`` as under ``bsp``
 (every rank holds the same reduced bits); under ``zero:2`` each rank checks its shard and one
-one-element all-reduce tells every rank. With a GradScaler, the scaler decides (see
-``ShardedUpdate._unscale``). ``--balance`` works: each rank's gradient is weighted by its
-share on its way into the exchange, as under ``bsp``, so the mean stays the global batch's.
+one-element all-reduce (MAX) tells every rank. With a fused optimizer (``device_verdict``) the
+all-reduced flag stays on the device from the second step on and is the ``found_inf`` every
+rank's update of its shard skips on, so no host waits for it (issue 44). With a GradScaler,
+the scaler decides (see ``ShardedUpdate._unscale``). ``--balance`` works: each rank's
+gradient is weighted by its share on its way into the exchange, as under ``bsp``, so the mean
+stays the global batch's.
 
 Compression: ``zero:1`` takes every compressor (its exchange is BSP's). ``zero:2`` refuses them:
 gradsync's compressors are all-reduce hooks (a bucket in, the whole mean out, identical on
@@ -79,7 +82,6 @@ import torch
 import torch.distributed as dist
 
 from gradsync import compat, runtime
-from gradsync.checks.guards import all_finite
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
 from gradsync.spec import GRADIENT_COMPRESSION_FORMS
@@ -88,6 +90,7 @@ from gradsync.strategies.base import (
     StepPlan,
     Strategy,
     SyncContext,
+    device_verdict,
     own_optimizer_state,
     total_norm,
 )
@@ -99,6 +102,7 @@ from gradsync.strategies.zero_shards import (
     OwnerLayout,
     ShardedUpdate,
     Tail,
+    agreed_nonfinite,
     check_exchange,
     gather_to_first,
     join_owned,
@@ -367,6 +371,7 @@ class ZeroStage2(Strategy):
         self._left = {key: len(v) for key, v in self._rounds_of.items()}
         self._next, self._sent, self._in_backward = 0, [], 0.0
         self._tails = {}
+        self.shards.ctx.found_inf = None  # a verdict a raising update left behind
         passes.arm(plan.micro_batches)
 
     def gradients_ready(self, step: int) -> StepOutcome:
@@ -412,7 +417,11 @@ class ZeroStage2(Strategy):
             for i in g.owned(layout.rank):
                 g.params[i].grad = g.view(received, i, base=layout.rank * g.chunk)
         outcome = StepOutcome(bytes_sent=nbytes, spans=spans, comm_in_block=self._in_backward)
-        if ctx.skip_nonfinite and not ctx.scaling and not self._all_ranks_finite(step):
+        if step > 0 and device_verdict(ctx):
+            # The agreed flag stays on the device and gates every rank's fused update of its
+            # shard (``ShardedUpdate.apply``): every rank skips alike, no host waits for it.
+            ctx.found_inf = outcome.found_inf = self._agreed_flag(step)
+        elif ctx.skip_nonfinite and not ctx.scaling and self._agreed_flag(step).item() != 0.0:
             ctx.optimizer.zero_grad(set_to_none=True)
             outcome.skipped = True
             return outcome
@@ -511,16 +520,16 @@ class ZeroStage2(Strategy):
         if self._in_flight:
             shards.collective(self._step, "zero:2 gradient reduce-scatter (wait)", wait)
 
-    def _all_ranks_finite(self, step: int) -> bool:
-        """Whether every rank's shard of the mean gradient is finite: one 1-element sum."""
-        ctx, _, shards, _ = self._parts()
-        bad = torch.tensor([0.0 if all_finite(self._received) else 1.0], device=runtime.device())
-
-        def agree() -> None:
-            dist.all_reduce(bad, group=ctx.group)
-
-        shards.collective(step, "zero:2 non-finite check (all-reduce)", agree)
-        return bool(bad.item() == 0.0)
+    def _agreed_flag(self, step: int) -> torch.Tensor:
+        """Whether some rank's shard of the mean gradient is not finite: a 0-d flag on the
+        device (1.0: not finite), one one-element all-reduce (``agreed_nonfinite``)."""
+        _, _, shards, _ = self._parts()
+        return agreed_nonfinite(
+            self._received,
+            lambda what, run: shards.collective(step, what, run),
+            "zero:2 non-finite check (all-reduce of a flag)",
+            shards.ctx.group,
+        )
 
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole mean gradient: each rank's shard's, combined over the ranks by

@@ -25,9 +25,11 @@ and it steps plain tensors (no DTensor dispatch per operation). For a pre-sharde
 optimizer holds the DTensors, each is replaced in its param group by a plain parameter on the
 same shard. Around that, the protocol's usual pieces: the mean over micro-batches (FSDP2
 reduce-scatters every micro-batch's gradient and accumulates the shards, so no rank ever holds
-the whole gradient), the non-finite skip agreed by one all-reduce of a flag, the global
-gradient norm for clipping (the shards' sums combined), the GradScaler's inf/NaN counts agreed
-as under ``zero:2``, checkpoints of this rank's shards (plain tensors).
+the whole gradient), the non-finite skip agreed by one all-reduce of a flag (with a fused
+optimizer left on the device as its ``found_inf``: the optimizer steps plain tensors, this
+rank's rows, so it takes the flag as under ``zero:2``, and every rank skips on the global
+one), the global gradient norm for clipping (the shards' sums combined), the GradScaler's
+inf/NaN counts agreed as under ``zero:2``, checkpoints of this rank's shards (plain tensors).
 
 Telemetry: FSDP2's collectives run inside the user's forward and backward, where the
 Synchronizer's clock says compute. gradsync hands every FSDP2 module timed collectives through
@@ -85,18 +87,19 @@ import torch.distributed as dist
 
 from gradsync import compat, runtime
 from gradsync.checks.diagnose import BETWEEN
-from gradsync.checks.guards import all_finite
 from gradsync.errors import UsageError
 from gradsync.strategies.base import (
     StepOutcome,
     StepPlan,
     Strategy,
     SyncContext,
+    device_verdict,
     optimizer_step,
     own_optimizer_state,
 )
 from gradsync.strategies.zero_shards import (
     LocalClipGuard,
+    agreed_nonfinite,
     gather_to_first,
     gloo_carries,
     on_cpu,
@@ -477,6 +480,8 @@ class ZeroStage3(Strategy):
         self._reshard()
         self._average_over = plan.average_over
         self._passes = plan.micro_batches
+        if self._ctx is not None:
+            self._ctx.found_inf = None  # a verdict a raising update left behind
         self._meter.reset()  # collectives between steps (an evaluation forward) are not the step's
         # Released, as a DDP script's zero_grad(set_to_none=True): FSDP2 would add this step's
         # shards to the last ones, and the optimizer's parameter holds a view of the same
@@ -503,7 +508,11 @@ class ZeroStage3(Strategy):
         outcome = StepOutcome(
             bytes_sent=0 if self._meter.active else self._passes * self._bytes_per_pass()
         )
-        if ctx.skip_nonfinite and not ctx.scaling and not self._all_ranks_finite(step, grads):
+        if step > 0 and device_verdict(ctx):
+            # Each rank steps its own rows: the agreed flag stays on the device and gates
+            # every rank's fused update alike (``optimizer_step``), with no host read.
+            ctx.found_inf = outcome.found_inf = self._agreed_flag(step, grads)
+        elif ctx.skip_nonfinite and not ctx.scaling and self._agreed_flag(step, grads).item():
             outcome.skipped = True
             return outcome
         if self._average_over > 1:
@@ -527,14 +536,15 @@ class ZeroStage3(Strategy):
         watch = self._ctx.watch if self._ctx is not None else None
         run() if watch is None else watch.run(step, what, run)
 
-    def _all_ranks_finite(self, step: int, grads: list[torch.Tensor]) -> bool:
-        bad = torch.tensor([0.0 if all_finite(grads) else 1.0], device=runtime.device())
-
-        def agree() -> None:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group())
-
-        self._collective(step, "zero:3 non-finite check (all-reduce of a flag)", agree)
-        return bool(bad.item() == 0.0)
+    def _agreed_flag(self, step: int, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Whether some rank's shards of the gradient are not finite: a 0-d flag on the
+        device (1.0: not finite), one all-reduce of a flag (``agreed_nonfinite``)."""
+        return agreed_nonfinite(
+            grads,
+            lambda what, run: self._collective(step, what, run),
+            "zero:3 non-finite check (all-reduce of a flag)",
+            self._group(),
+        )
 
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """The whole gradient's norm from every rank's shard: one all-reduce."""

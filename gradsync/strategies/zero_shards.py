@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from gradsync import compat, runtime
+from gradsync.checks.guards import nonfinite_flag
 from gradsync.errors import UsageError
 from gradsync.spec import default_bucket_mb
 from gradsync.strategies.base import SyncContext, optimizer_step, reading_own_state
@@ -395,6 +396,33 @@ def reshard_owned(
     first = saved[0]["optimizer"]
     state = {i: entry for i, entry in every.items() if id(params[int(i)]) in ids}
     return {"model": saved[0]["model"], "optimizer": {**first, "state": state}}
+
+
+def agreed_nonfinite(
+    tensors: Sequence[torch.Tensor],
+    collective: Callable[[str, Callable[[], None]], None],
+    what: str,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Whether any rank's part of the gradient is not finite, as a 0-d float32 flag on the
+    communication device (1.0: some rank's part is), left there: this rank's
+    ``nonfinite_flag`` all-reduced with MAX (``collective`` runs it). MAX, not a sum: a fused
+    optimizer subtracts ``found_inf`` from its step count, so the flag must be 0 or 1. Under
+    ``zero:2`` and ``zero:3`` each rank steps only its own shard, so each rank must skip on
+    the global verdict, not its shard's: this is it, and no host reads it."""
+    device = runtime.device()
+    parts = [t for t in tensors if t.numel()]
+    flag = (
+        nonfinite_flag(parts).to(device).reshape(1)
+        if parts
+        else torch.zeros(1, dtype=torch.float32, device=device)
+    )
+
+    def agree() -> None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+
+    collective(what, agree)
+    return flag.reshape(())
 
 
 def unscale_agreed(

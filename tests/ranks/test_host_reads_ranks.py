@@ -23,9 +23,16 @@ def test_no_host_reads_between_gathers_and_non_finite_steps_still_skipped() -> N
         for r in (r0, r1):
             assert {step for step, _, _ in r["reads"]} <= gathers, (strategy, r["reads"])
             assert len(r["reads"]) <= 6 * len(gathers), (strategy, r["reads"])
-        if strategy in ("bsp", "zero:1"):
+        if strategy == "zero:3":
+            # Each rank steps its own rows: rank 1's NaN skips every rank's update (the
+            # all-reduced flag), and no rank's rows move.
+            for r in (r0, r1):
+                assert r["skipped"] == r["report_skipped"] == [h.NAN_AT], strategy
+                assert not r["moved"][h.NAN_AT] and r["moved"][h.NAN_AT + 1], strategy
+        elif strategy in ("bsp", "zero:1", "zero:2"):
             # One mean gradient: rank 1's NaN, and its raising block's NaN buckets, make every
-            # rank skip those steps, and rank 0 is told why the second was skipped.
+            # rank skip those steps, and rank 0 is told why the second was skipped. (zero:2:
+            # each rank holds its shard; the all-reduced flag gates every rank's update.)
             for r in (r0, r1):
                 assert r["report_skipped"] == [h.NAN_AT, h.RAISE_AT], strategy
                 assert not r["moved"][h.NAN_AT] and not r["moved"][h.RAISE_AT], strategy
