@@ -144,12 +144,18 @@ def collective_timeout(group: dist.ProcessGroup | None) -> float | None:
 def set_collective_timeout(group: dist.ProcessGroup | None, seconds: float) -> bool:
     """Make ``seconds`` the collective timeout of every backend of ``group``; False where torch
     does not allow it (the group keeps its own timeout then)."""
-    found = backends(group)
+    return set_backends_timeout(backends(group), datetime.timedelta(seconds=seconds))
+
+
+def set_backends_timeout(found: list[Any], timeout: datetime.timedelta) -> bool:
+    """``set_collective_timeout`` on backends found once with ``backends(group)``: a group's
+    backends are made with it, and the Synchronizer sets the timeout twice a step (issue 44:
+    looking them up again was most of that)."""
     if not found:
         return False
     try:
         for backend in found:
-            backend._set_default_timeout(datetime.timedelta(seconds=seconds))
+            backend._set_default_timeout(timeout)
     except (RuntimeError, AttributeError):
         return False
     return True

@@ -40,6 +40,7 @@ Every key lives in the store under a name hashed with the run's secret
 from __future__ import annotations
 
 import contextlib
+import datetime
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -117,7 +118,13 @@ class GroupTimeout:
     def __init__(self, group: dist.ProcessGroup | None, seconds: float) -> None:
         self.group = group
         self.previous = compat.collective_timeout(group)
-        self.applied = compat.set_collective_timeout(group, seconds)
+        # Looked up once: enter() and leave() run at every step (issue 44).
+        self._backends = compat.backends(group)
+        self._ours = datetime.timedelta(seconds=seconds)
+        self._theirs = (
+            datetime.timedelta(seconds=self.previous) if self.previous is not None else None
+        )
+        self.applied = compat.set_backends_timeout(self._backends, self._ours)
         self.seconds = seconds if self.applied or self.previous is None else self.previous
 
         #: whether ``seconds`` is in force now (between ``enter`` and ``leave``)
@@ -126,12 +133,12 @@ class GroupTimeout:
     def enter(self) -> None:
         """gradsync's own collectives follow: bound them by ``seconds``."""
         if self.applied and not self.inside:
-            self.inside = compat.set_collective_timeout(self.group, self.seconds)
+            self.inside = compat.set_backends_timeout(self._backends, self._ours)
 
     def leave(self) -> None:
         """Back to the user's code: their own timeout bounds their collectives."""
-        if self.applied and self.inside and self.previous is not None:
-            compat.set_collective_timeout(self.group, self.previous)
+        if self.applied and self.inside and self._theirs is not None:
+            compat.set_backends_timeout(self._backends, self._theirs)
             self.inside = False
 
     def restore(self) -> None:

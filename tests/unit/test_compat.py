@@ -53,6 +53,29 @@ def test_the_collective_timeout_is_read_and_changed(one_rank_group: None) -> Non
     assert compat.collective_timeout(None) == 7.0
 
 
+def test_the_group_timeout_is_ours_inside_gradsync_and_theirs_outside(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gradsync.checks.diagnose import GroupTimeout
+
+    held = GroupTimeout(None, 7.0)
+    assert held.applied and held.inside and compat.collective_timeout(None) == 7.0
+    # Its backends are looked up once, at construction: not at every enter and leave.
+    real, looked_up = compat.backends, []
+    monkeypatch.setattr(compat, "backends", lambda group: looked_up.append(group) or real(group))
+    for _ in range(3):
+        held.leave()
+        assert not held.inside and real(None)[0].options._timeout.total_seconds() == 30.0
+        held.enter()
+        assert held.inside and real(None)[0].options._timeout.total_seconds() == 7.0
+    assert looked_up == []
+    monkeypatch.undo()
+    held.restore()
+    assert not held.applied and compat.collective_timeout(None) == 30.0
+    held.enter()  # restored: the user's timeout stays
+    assert compat.collective_timeout(None) == 30.0
+
+
 def test_a_torch_without_the_private_names_degrades_to_the_fallbacks(
     one_rank_group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
