@@ -22,6 +22,7 @@ at times of their own (periodic averages) keep the gate waited where it is.
 
 from __future__ import annotations
 
+import queue
 import threading
 
 from gradsync.checks.gate import StepGate
@@ -39,16 +40,22 @@ _SIGNAL_CHECK_S = 0.1
 
 
 class GateAhead:
-    """One Synchronizer's gate waits begun at ``arm`` and finished at ``join``."""
+    """One Synchronizer's gate waits begun at ``arm`` and finished at ``join``.
+
+    The hand-over is two ``queue.SimpleQueue``s (a job in, its error or None out), not a
+    ``threading.Condition``: twice a step on a step that is all host overhead (issue 44), the
+    condition's Python (a lock made per wait, its waiter list, notify) and the extra lock
+    hand-overs between the two threads showed in the profile; a queue's put and get are one
+    C call each."""
 
     def __init__(self, gate: StepGate) -> None:
         self.gate = gate
-        self._cond = threading.Condition()
-        self._job: tuple[int, str] | None = None  # handed over, not yet taken by the thread
+        self._jobs: queue.SimpleQueue[tuple[int, str] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
         self._pending = False  # armed and not joined
-        self._running = False  # the thread is in the gate's wait
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # arm and stop, from different threads at exit
         self._stopping = False
 
     @property
@@ -58,58 +65,54 @@ class GateAhead:
 
     def arm(self, step: int, what: str) -> None:
         """Begin the gate at ``step`` (``what`` names it in messages) and return at once."""
-        with self._cond:
-            if self._pending:
-                raise RuntimeError("a gate wait is already armed: join() it first")
-            if self._thread is None:
+        if self._pending:
+            raise RuntimeError("a gate wait is already armed: join() it first")
+        if self._thread is None:
+            with self._lock:
+                self._stopping = False
                 self._thread = threading.Thread(target=self._run, name="gradsync-gate", daemon=True)
                 self._thread.start()
-            self._error = None
-            self._pending = True
-            self._job = (step, what)
-            self._cond.notify_all()
+        self._error = None
+        self._pending = True
+        self._jobs.put((step, what))
 
     def join(self) -> None:
         """Until the armed wait has ended; its error (``SyncTimeoutError``) if it failed, and
         again at every call until the next ``arm``. Nothing to do when nothing is armed."""
-        if not self._pending and self._error is None:
-            return
-        with self._cond:
-            while self._pending and (self._job is not None or self._running):
-                self._cond.wait(_SIGNAL_CHECK_S)
-            self._pending = False
-            if self._error is not None:
-                raise self._error
+        if self._pending:
+            while True:
+                try:
+                    error = self._done.get(timeout=_SIGNAL_CHECK_S)
+                except queue.Empty:
+                    continue
+                break
+            self._pending, self._error = False, error
+        if self._error is not None:
+            raise self._error
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while self._job is None and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                job, self._job = self._job, None
-                self._running = True
-            assert job is not None
+            job = self._jobs.get()
+            if job is None or self._stopping:  # a job handed over before stop() is not begun
+                return
             try:
                 self.gate.ensure(*job)
             except BaseException as exc:  # noqa: BLE001 - raised on the joining thread
-                error: BaseException | None = exc
+                self._done.put(exc)
             else:
-                error = None
-            with self._cond:
-                self._error, self._running = error, False
-                self._cond.notify_all()
+                self._done.put(None)
 
     def stop(self) -> None:
         """End the thread (at ``close()`` and at exit: it must not run on into the
         interpreter's shutdown, issue 49); a wait in flight is cancelled."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stopping = thread is not None
         self.gate.cancel()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is None:
+            return
+        self._jobs.put(None)
+        if thread is not threading.current_thread():
             thread.join(_STOP_WAIT_S)
 
 
