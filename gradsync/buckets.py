@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from gradsync import compat, exit_safety
-from gradsync.checks.guards import is_finite
+from gradsync.checks.guards import nonfinite_flag
 from gradsync.compression.base import FlatBucket
 from gradsync.spec import FIRST_BUCKET_MB, default_bucket_mb
 from gradsync.telemetry.records import Span
@@ -356,9 +356,14 @@ class BucketReducer:
 
     def _copy_in_and_launch(self, bucket: GradBucket) -> None:
         bucket.collect_grads(self.scale)
-        if self._poison_rest or (self.poison_nonfinite and not is_finite(bucket.buffer())):
+        if self._poison_rest:
             bucket.buffer().fill_(float("nan"))
             self.local_nonfinite = True
+        elif self.poison_nonfinite:
+            # The whole bucket NaN where any element is not finite, decided on the device: a
+            # host check here made the host wait for the backward every bucket (issue 44).
+            buf = bucket.buffer()
+            buf.masked_fill_(nonfinite_flag([buf]).to(torch.bool), float("nan"))
         t0, wall0 = time.perf_counter(), time.time()
         self.launch_log.append((bucket.index(), t0, wall0))
         if self.guard_writes:
