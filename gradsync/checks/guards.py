@@ -15,7 +15,7 @@ fingerprints, so any difference is a bug or corruption, reported with the first 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,26 +92,64 @@ def nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
     return bad.to(torch.float32)
 
 
-def scrub_nonfinite_state(state: Any, _depth: int = 0) -> int:
+#: a compressor state's per-bucket dicts whose dropped tensor restarts at zero: error-feedback
+#: residuals, SparseLoCo's accumulators, and what a hook recorded as sent (rewritten before
+#: its next use). Zeroing one on the device then stands for dropping it on the host; a warm
+#: start (PowerSGD's ``q``) is drawn afresh when dropped, which zero cannot stand for.
+ZERO_RESTART = frozenset({"residuals", "accumulators", "sent"})
+
+
+def scrub_nonfinite_state(state: Any) -> int:
     """Drop non-finite tensors from a compressor state's per-bucket dicts (residuals, warm
     starts), so one skipped step cannot poison every later one; returns how many it dropped.
     A dropped residual restarts at zero and a dropped warm start is drawn afresh."""
-    if _depth > 3 or state is None:
-        return 0
     dropped = 0
+    for _, value in _bucket_dicts(state):
+        for key in [k for k, v in value.items() if isinstance(v, torch.Tensor)]:
+            if not bool(torch.isfinite(value[key]).all()):
+                del value[key]
+                dropped += 1
+    return dropped
+
+
+def scrubs_on_device(state: Any) -> bool:
+    """Whether ``scrub_nonfinite_on_device`` can stand for ``scrub_nonfinite_state``: every
+    per-bucket dict of ``state`` that holds tensors is one whose dropped tensor restarts at
+    zero (``ZERO_RESTART``). The same on every rank (the states have the same shape)."""
+    return all(
+        name in ZERO_RESTART
+        for name, value in _bucket_dicts(state)
+        if any(isinstance(v, torch.Tensor) for v in value.values())
+    )
+
+
+def scrub_nonfinite_on_device(state: Any, found_inf: torch.Tensor) -> None:
+    """``scrub_nonfinite_state`` without a host read, where ``scrubs_on_device``: on a step
+    whose verdict ``found_inf`` (0-d, on the device) is set, each non-finite tensor of the
+    state's per-bucket dicts is zeroed in place, which for those dicts is what dropping it
+    does. Costs a read and a write of each state tensor per step, on the device."""
+    bad_step = found_inf.to(torch.bool)
+    for _, value in _bucket_dicts(state):
+        for t in value.values():
+            if isinstance(t, torch.Tensor) and t.numel():
+                bad = bad_step.to(t.device) & nonfinite_flag([t]).to(torch.bool)
+                t.masked_fill_(bad, 0)
+
+
+def _bucket_dicts(state: Any, _depth: int = 0) -> Iterator[tuple[str, dict[Any, Any]]]:
+    """The dicts among ``state``'s attributes, and those of the objects it holds (an
+    error-feedback wrapper's inner state), with their attribute names."""
+    if _depth > 3 or state is None:
+        return
     names = getattr(state, "__slots__", None) or list(getattr(state, "__dict__", {}))
     for name in names:
         value = getattr(state, name, None)
         if isinstance(value, dict):
-            for key in [k for k, v in value.items() if isinstance(v, torch.Tensor)]:
-                if not bool(torch.isfinite(value[key]).all()):
-                    del value[key]
-                    dropped += 1
+            yield name, value
         elif (hasattr(value, "__slots__") or hasattr(value, "__dict__")) and not isinstance(
             value, torch.Tensor | dist.ProcessGroup
         ):
-            dropped += scrub_nonfinite_state(value, _depth + 1)
-    return dropped
+            yield from _bucket_dicts(value, _depth + 1)
 
 
 def fingerprint(params: list[tuple[str, torch.Tensor]]) -> torch.Tensor:

@@ -243,6 +243,20 @@ def device_verdict(ctx: SyncContext) -> bool:
     return ctx.skip_nonfinite and not ctx.scaling and compat.takes_found_inf(ctx.optimizer)
 
 
+def scaler_on_device(ctx: SyncContext) -> bool:
+    """Whether a GradScaler's skip can stay on the device: it owns the step, and the user's
+    optimizer takes the scaler's ``found_inf`` tensor itself (``compat.takes_found_inf``), so
+    ``GradScaler.step`` reads nothing on the host (for any other optimizer it reads its inf
+    count with ``.item()`` to decide whether to call ``step()``), and torch shows the counts
+    it recorded (``compat.scaler_found_inf``), from which ``step_verdict`` takes the verdict
+    instead of comparing ``get_scale()`` (a host read) before and after."""
+    return (
+        ctx.scaling
+        and compat.takes_found_inf(ctx.optimizer)
+        and compat.scaler_unscaled(ctx.scaler, ctx.optimizer) is not None
+    )
+
+
 def local_gradient(
     params: Sequence[torch.Tensor], ctx: SyncContext, average_over: int, on_device: bool = False
 ) -> StepOutcome:
@@ -316,6 +330,29 @@ def optimizer_step(ctx: SyncContext) -> bool:
     ctx.scaler.step(ctx.optimizer)
     ctx.scaler.update()
     return bool(ctx.scaler.get_scale() >= before)
+
+
+def step_verdict(ctx: SyncContext, outcome: StepOutcome) -> bool:
+    """``optimizer_step`` for a strategy that can take the verdict on the device, recorded in
+    ``outcome``: ``skipped`` where the host knows it, else ``found_inf`` (already there when
+    the strategy handed the optimizer its own flag). Returns whether the host must treat the
+    update as made (True where the device decides: a skipped update leaves the parameters
+    as they were on every rank, so an exchange of them after it is harmless).
+
+    A GradScaler with a fused optimizer (``scaler_on_device``): its ``step()`` hands the
+    optimizer ``found_inf`` on the device, and the verdict is that same count (non-zero:
+    skipped, when ``update()`` lowers the scale), copied before ``update()`` clears it."""
+    if ctx.found_inf is None and scaler_on_device(ctx):
+        assert ctx.scaler is not None
+        ctx.scaler.step(ctx.optimizer)
+        counts = compat.scaler_found_inf(ctx.scaler, ctx.optimizer)
+        device = counts[0].device
+        total = torch.stack([c.to(device).reshape(()) for c in counts]).sum()
+        outcome.found_inf = (total > 0).to(torch.float32)
+        ctx.scaler.update()
+        return True
+    outcome.skipped = not optimizer_step(ctx)
+    return not outcome.skipped
 
 
 #: what a server role hands its state to when the workers ask for a checkpoint:
@@ -511,6 +548,8 @@ __all__ = [
     "clip_grad_norm",
     "compressor_state_dict",
     "device_verdict",
+    "scaler_on_device",
+    "step_verdict",
     "load_compressor_state",
     "local_gradient",
     "own_optimizer_state",

@@ -21,7 +21,13 @@ import torch.distributed as dist
 from gradsync import runtime
 from gradsync.bucket_autotune import AUTO, STEPS_PER_PLAN, WARMUP_STEPS, BucketTuner, candidates
 from gradsync.buckets import MB, BucketReducer, Exchanged, Launched, distinct_plans
-from gradsync.checks.guards import all_finite, nonfinite_flag, scrub_nonfinite_state
+from gradsync.checks.guards import (
+    all_finite,
+    nonfinite_flag,
+    scrub_nonfinite_on_device,
+    scrub_nonfinite_state,
+    scrubs_on_device,
+)
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
@@ -35,7 +41,8 @@ from gradsync.strategies.base import (
     compressor_state_dict,
     device_verdict,
     load_compressor_state,
-    optimizer_step,
+    scaler_on_device,
+    step_verdict,
 )
 from gradsync.telemetry.records import Span
 
@@ -273,11 +280,7 @@ class BSP(Strategy):
         nbytes = self._state.bytes_sent - self._bytes_at_start
         spans = reducer.take_spans()
         if self._verdict_on_device(step):
-            # Every rank computes the same flag from the same reduced bits, and the optimizer
-            # skips on it: every rank skips this same step, and no host waits to learn it.
-            ctx.found_inf = nonfinite_flag(reduced)
-            reducer.write_back(reduced, scale=1.0)
-            return StepOutcome(bytes_sent=nbytes, spans=spans, found_inf=ctx.found_inf)
+            return self._ready_on_device(reduced, nbytes, spans)
         if (ctx.skip_nonfinite or ctx.scaling) and not all_finite(reduced):
             scrub_nonfinite_state(self._state)
             if not ctx.scaling:
@@ -294,15 +297,39 @@ class BSP(Strategy):
         return StepOutcome(bytes_sent=nbytes, spans=spans)
 
     def _verdict_on_device(self, step: int) -> bool:
-        """Whether this step's non-finite verdict stays on the device (``device_verdict``):
-        for the plain all-reduce only. A compressor's state touched by a non-finite step is
-        scrubbed on the host (``scrub_nonfinite_state``), and a torchft quorum decides its
-        commit on the host anyway. From the second step on, on every rank alike: whether the
-        update gathers after it (``zero:1``) follows the decision, so no rank may differ."""
-        assert self._ctx is not None
+        """Whether this step's non-finite verdict stays on the device: the fused optimizer
+        takes gradsync's flag (``device_verdict``) or a GradScaler's (``scaler_on_device``),
+        and a compressor's state, if any, can be scrubbed there (``scrubs_on_device``: not
+        PowerSGD's warm starts). A torchft quorum decides its commit on the host anyway.
+        From the second step on, on every rank alike: whether the update gathers after it
+        (``zero:1``) follows the decision, so no rank may differ."""
+        ctx = self._ctx
+        assert ctx is not None
         return (
-            step > 0 and self.fused_mean and self._membership is None and device_verdict(self._ctx)
+            step > 0
+            and self._membership is None
+            and (device_verdict(ctx) or scaler_on_device(ctx))
+            and (self.fused_mean or scrubs_on_device(self._state))
         )
+
+    def _ready_on_device(
+        self, reduced: list[torch.Tensor], nbytes: int, spans: list[Span]
+    ) -> StepOutcome:
+        """The gradient-ready point with the verdict left on the device. Every rank computes
+        the same flag from the same reduced bits: a compressor's state is scrubbed where it is
+        set, and the optimizer skips on it (or, with a GradScaler, on the scaler's own
+        ``found_inf``, in ``update``), so every rank skips this same step with no host read."""
+        ctx = self._ctx
+        assert ctx is not None
+        flag = None if self.fused_mean and ctx.scaling else nonfinite_flag(reduced)
+        if not self.fused_mean:
+            assert flag is not None
+            scrub_nonfinite_on_device(self._state, flag)
+        self.reducer.write_back(reduced, scale=1.0 if self.fused_mean else 1.0 / self._average_over)
+        if ctx.scaling:
+            return StepOutcome(bytes_sent=nbytes, spans=spans)
+        ctx.found_inf = flag
+        return StepOutcome(bytes_sent=nbytes, spans=spans, found_inf=flag)
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         assert self._ctx is not None
@@ -318,7 +345,7 @@ class BSP(Strategy):
         if outcome.skipped:
             return outcome
         wall0, t0 = time.time(), time.perf_counter()
-        outcome.skipped = not optimizer_step(self._ctx)
+        step_verdict(self._ctx, outcome)
         if self._ctx.record_spans:
             span = Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step")
             outcome.spans.append(span)

@@ -37,7 +37,7 @@ from gradsync.strategies.base import (
     compressor_state_dict,
     load_compressor_state,
     local_gradient,
-    optimizer_step,
+    step_verdict,
 )
 from gradsync.strategies.streaming import (
     Exchange,
@@ -113,7 +113,7 @@ class Periodic(Strategy):
         self._step = step  # the last step run, for the timeout diagnosis of a synchronization
         if not outcome.skipped:
             # A GradScaler, when given, skips on this rank's own non-finite gradient.
-            outcome.skipped = not optimizer_step(self._ctx)
+            step_verdict(self._ctx, outcome)
         # Even after a skipped step: a skip is this rank's alone, and every rank must make the
         # same decision in finalize() (it is a collective).
         self._in_sync = False

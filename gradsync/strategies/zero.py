@@ -194,9 +194,7 @@ class ZeroStage1(BSP):
             raise late_gradient(step)
         if outcome.skipped:
             return outcome
-        applied, nbytes = self.shards.apply(step, full_grads=True)
-        outcome.skipped = not applied
-        outcome.bytes_sent += nbytes
+        outcome.bytes_sent += self.shards.apply(step, outcome, full_grads=True)
         outcome.spans.extend(self.shards.take_spans())
         return outcome
 
@@ -559,9 +557,7 @@ class ZeroStage2(Strategy):
             raise late_gradient(step)
         if outcome.skipped:
             return outcome
-        applied, nbytes = shards.apply(step, full_grads=False)
-        outcome.skipped = not applied
-        outcome.bytes_sent += nbytes
+        outcome.bytes_sent += shards.apply(step, outcome, full_grads=False)
         outcome.spans.extend(shards.take_spans())
         return outcome
 

@@ -94,8 +94,8 @@ from gradsync.strategies.base import (
     Strategy,
     SyncContext,
     device_verdict,
-    optimizer_step,
     own_optimizer_state,
+    step_verdict,
 )
 from gradsync.strategies.zero_shards import (
     LocalClipGuard,
@@ -584,7 +584,7 @@ class ZeroStage3(Strategy):
                 ctx, lambda what, run: self._collective(step, what, run), self.name, False
             )
         wall0, t0 = time.time(), time.perf_counter()
-        outcome.skipped = not optimizer_step(ctx)
+        step_verdict(ctx, outcome)
         if ctx.record_spans:
             outcome.spans.append(Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step"))
         return outcome

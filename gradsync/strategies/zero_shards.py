@@ -62,7 +62,12 @@ from gradsync import compat, runtime
 from gradsync.checks.guards import nonfinite_flag
 from gradsync.errors import UsageError
 from gradsync.spec import default_bucket_mb
-from gradsync.strategies.base import SyncContext, optimizer_step, reading_own_state
+from gradsync.strategies.base import (
+    StepOutcome,
+    SyncContext,
+    reading_own_state,
+    step_verdict,
+)
 from gradsync.strategies.ps_wire import shard_by_size
 from gradsync.telemetry.records import Span
 
@@ -485,9 +490,10 @@ class ShardedUpdate:
         watch = self.ctx.watch
         return run() if watch is None else watch.run(step, what, run)
 
-    def apply(self, step: int, *, full_grads: bool) -> tuple[bool, int]:
-        """Step the owned tensors, then gather; returns (applied, bytes sent). ``full_grads``:
-        every rank holds the whole mean gradient (``zero:1``), else only its shard's."""
+    def apply(self, step: int, outcome: StepOutcome, *, full_grads: bool) -> int:
+        """Step the owned tensors, then gather; the verdict goes into ``outcome``
+        (``step_verdict``); returns the bytes sent. ``full_grads``: every rank holds the whole
+        mean gradient (``zero:1``), else only its shard's."""
         ctx = self.ctx
         if ctx.scaling:
             self._unscale(step, full_grads)
@@ -498,15 +504,15 @@ class ShardedUpdate:
         for p, _ in hidden:
             p.grad = None
         try:
-            applied = optimizer_step(ctx)
+            applied = step_verdict(ctx, outcome)
         finally:
             for p, g in hidden:
                 p.grad = g
         if ctx.record_spans:
             self.spans.append(Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step"))
         # Every rank decided alike (the same gradient, or the scaler's agreed counts), so
-        # either every rank gathers or none does.
-        return applied, self.gather(step) if applied else 0
+        # either every rank gathers or none does (every rank, where the device decided).
+        return self.gather(step) if applied else 0
 
     def _unscale(self, step: int, full_grads: bool) -> None:
         unscale_agreed(

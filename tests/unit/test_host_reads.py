@@ -44,7 +44,12 @@ class _Run:
 
 
 def _train(
-    strategy: str, optimizer: str, nan_at: int | None = None, telemetry: bool = True
+    strategy: str,
+    optimizer: str,
+    nan_at: int | None = None,
+    telemetry: bool = True,
+    scaler: torch.amp.GradScaler | None = None,
+    compression: str = "none",
 ) -> _Run:
     w = make_workload("mlp", seed=2, params=3000)
     model = w.build_model()
@@ -60,6 +65,8 @@ def _train(
         telemetry=telemetry,
         telemetry_every=EVERY,
         check_every=EVERY,
+        scaler=scaler,
+        compression=compression,
     )
     if nan_at is not None and strategy != "zero:3":
         inject.nan_gradient(sync, rank=0, step=nan_at)
@@ -73,7 +80,8 @@ def _train(
                 # zero:3: inject's hooks are on FSDP2's sharded parameters, which the
                 # gradient bypasses (it reaches the gathered ones): a NaN loss instead
                 nan = step == nan_at and strategy == "zero:3"
-                (s.loss * math.nan if nan else s.loss).backward()
+                loss = s.loss * math.nan if nan else s.loss
+                (loss if scaler is None else scaler.scale(loss)).backward()
             reads.step = None
             handles.append(s)
             params.append(flat_params(model))
@@ -152,6 +160,49 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_reported(
     report = run.report
     assert report.skipped_steps == 1
     assert [r.step for r in report.records if r.skipped] == [nan_at]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_grad_scaler_with_a_fused_optimizer_reads_nothing_and_still_skips(
+    one_rank: None, strategy: str
+) -> None:
+    """The GradScaler hands the fused optimizer its found_inf on the device; gradsync takes the
+    verdict from that same count, not from get_scale() before and after (two .item()): the
+    steady state reads nothing between gathers, and a NaN step is skipped, reported and
+    backs the scale off."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    nan_at = 6
+    run = _train(strategy, "adamw", nan_at=nan_at, scaler=scaler)
+    gathers = {s for s in range(STEPS) if (s + 1) % EVERY == 0}
+    assert run.reads.steps() <= gathers, run.reads.describe()
+    assert torch.equal(run.params[nan_at - 1], run.params[nan_at])
+    assert not torch.equal(run.params[nan_at], run.params[nan_at + 1])
+    assert [s.step for s in run.handles if s.skipped] == [nan_at]
+    assert [r.step for r in run.report.records if r.skipped] == [nan_at]
+    assert scaler.get_scale() == 2.0**9  # backed off once
+
+
+@pytest.mark.parametrize("compression", ["int8", "int4", "powersgd:2"])
+def test_a_compressed_exchange_scrubs_its_state_on_the_device(
+    one_rank: None, compression: str
+) -> None:
+    """int8 keeps no tensor between steps and int4's error-feedback residuals restart at zero,
+    so after a NaN step they are zeroed on the device where the flag is set (a NaN residual
+    left there would be added into every later gradient: every later step skipped). PowerSGD's
+    warm starts are drawn afresh when dropped, which zero cannot stand for: once it keeps them
+    (after its start_iter=10 plain calls) it is still the host's check, every step."""
+    nan_at = 6
+    run = _train("bsp", "adamw", nan_at=nan_at, compression=compression)
+    gathers = {s for s in range(STEPS) if (s + 1) % EVERY == 0}
+    if compression.startswith("powersgd"):
+        assert set(range(10, STEPS)) <= run.reads.steps(), run.reads.describe()
+    else:
+        assert run.reads.steps() <= gathers, run.reads.describe()
+    assert torch.equal(run.params[nan_at - 1], run.params[nan_at])
+    assert not torch.equal(run.params[nan_at + 1], run.params[nan_at + 2])  # not poisoned
+    assert bool(torch.isfinite(run.params[-1]).all())
+    assert [s.step for s in run.handles if s.skipped] == [nan_at]
+    assert [r.step for r in run.report.records if r.skipped] == [nan_at]
 
 
 def test_the_device_flag_agrees_with_the_host_check() -> None:
