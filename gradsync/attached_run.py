@@ -266,6 +266,15 @@ def drop_records_from(path: Path, step: int) -> None:
     path.write_text("".join(lines), encoding="utf-8")
 
 
+def drop_quorums_from(path: Path, step: int) -> None:
+    """A replica group's ``membership.jsonl`` less the quorums of the steps a resume runs
+    again (each is written anew at its step); nothing when there is no such file."""
+    if not path.exists():
+        return
+    kept = [q for q in read_jsonl(path) if int(q["step"]) < step]
+    path.write_text("".join(json.dumps(q) + "\n" for q in kept), encoding="utf-8")
+
+
 def restart_count() -> int:
     """Which restart of the run this process belongs to (0: the first attempt), as torch's
     elastic agent says in ``TORCHELASTIC_RESTART_COUNT``."""
@@ -431,6 +440,8 @@ class AttachedRun:
             return
         self.sink.showing = True
         drop_records_from(self.sink.path, step)
+        if self.rank == 0:  # under --resume of replica groups: their quorums run again too
+            drop_quorums_from(self.directory / MEMBERSHIP_FILE, step)
         restarted = restart_count()
         flag = bool(self.settings.get("resume"))
         if not (restarted or step or flag):

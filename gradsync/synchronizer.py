@@ -1080,6 +1080,8 @@ class Synchronizer:
             if self._run is not None:
                 self._run.loading()
             extra = self._checkpoints.load(directory)
+            if extra is not None and self._membership is not None:
+                self._membership.resumed(self._step)  # the first quorum heals from the furthest
             if self.telemetry_enabled:
                 # The records restored from the checkpoint are gathered now, while every rank
                 # is here: their number differs between ranks after a resume on more ranks

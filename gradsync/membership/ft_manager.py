@@ -217,6 +217,14 @@ class TorchftMembership:
             replica_id=self._replica_id,
         )
 
+    def resumed(self, step: int) -> None:
+        """This replica loaded a checkpoint of ``step`` (``gradsync run --resume``): its
+        Manager counts from there, so that the first quorum heals every replica behind the
+        furthest from it (torchft heals those below the quorum's highest step), where all at
+        step 0 would heal every one but an arbitrary one from it."""
+        state = self.manager.state_dict()
+        self.manager.load_state_dict({**state, "step": step})
+
     def participants(self) -> int:
         return int(self.manager.num_participants())
 

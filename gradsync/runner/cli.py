@@ -51,7 +51,15 @@ def _check_resume(cfg: Any, run_dir: Path) -> None:
     from gradsync.compression import parse_compression
     from gradsync.runner.rundir import CHECKPOINT_DIR
 
-    check_resumable(run_dir / CHECKPOINT_DIR, parse_compression(cfg.compression).spec, cfg.strategy)
+    spec = parse_compression(cfg.compression).spec
+    if cfg.replica_groups:
+        from gradsync.runner.replica_groups import check_groups_resumable
+
+        # each group resumes from its own checkpoints (group-K/checkpoints)
+        for checkpoints in check_groups_resumable(cfg, run_dir):
+            check_resumable(checkpoints, spec, cfg.strategy)
+        return
+    check_resumable(run_dir / CHECKPOINT_DIR, spec, cfg.strategy)
 
 
 def _placement(backend: str) -> str:

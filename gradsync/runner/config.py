@@ -567,11 +567,6 @@ class RunConfig:
                 f"--replica-groups with --hosts {self.hosts}: the emulated cluster does not run "
                 "replica groups yet; drop --hosts"
             )
-        if self.resume:
-            raise UsageError(
-                "--replica-groups with --resume: a lost group heals from a live peer, and "
-                "resuming every group from its checkpoints is not supported yet; drop --resume"
-            )
         if self.min_replicas < 1:
             raise UsageError(f"--min-replicas must be at least 1, got {self.min_replicas}")
         if self.min_replicas > groups and self.lighthouse is None:

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gradsync.attached_run import CONFIG_FILE, GROUP_DIR
+from gradsync.attached_run import CONFIG_FILE, FAULTS_DIR, GROUP_DIR, MANAGER_UP_FILE
 from gradsync.errors import UsageError
 from gradsync.membership import LIGHTHOUSE_ENV, REPLICA_ID_ENV, torchft_missing
 from gradsync.membership.lighthouse import local_lighthouse
@@ -65,7 +65,7 @@ def run_groups(cfg: RunConfig, run_dir: Path, given: list[str]) -> int:
         # torchft's lighthouse and Managers log every quorum at info (a few lines a step, per
         # group): warnings and errors only, as gradsync quiets the elastic agent's logs.
         os.environ.setdefault("RUST_LOG", "warn")
-    claims = [_claim_group(run_dir, k) for k in range(cfg.replica_groups)]
+    claims = [_claim_group(run_dir, k, cfg.resume) for k in range(cfg.replica_groups)]
     children: list[subprocess.Popen[bytes]] = []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     signalled: int | None = None
@@ -108,14 +108,46 @@ def _raise_signalled(signum: int, frame: Any) -> None:
     raise _Signalled(signum)
 
 
-def _claim_group(run_dir: Path, group: int) -> RunDirectory:
+def _claim_group(run_dir: Path, group: int, resume: bool = False) -> RunDirectory:
     """The group's directory, locked for this run. The run's own directory was claimed empty
     or with --overwrite: a group directory of an earlier run in it is replaced whole (its
-    final_model.pt and report.json too, which a failing group would not write again)."""
+    final_model.pt and report.json too, which a failing group would not write again). With
+    --resume it is kept, less its record of the last start's Managers (``wait_for_groups``
+    must wait for this start's)."""
     path = group_dir(run_dir, group)
+    if resume:
+        (path / FAULTS_DIR / MANAGER_UP_FILE).unlink(missing_ok=True)
+        return claim(path, resume=True, overwrite=False)
     if path.is_dir() and is_gradsync_run(path):
         shutil.rmtree(path)
     return claim(path, resume=False, overwrite=True)
+
+
+def check_groups_resumable(cfg: RunConfig, run_dir: Path) -> list[Path]:
+    """Before ``gradsync run --replica-groups G --resume`` starts a group: the run in
+    ``run_dir`` must have been one of G replica groups (its config.json, not yet rewritten);
+    returns each group's checkpoint directory. Each group resumes from its own newest
+    checkpoint; a group with none starts at step 0, and the first quorum heals every group
+    behind the furthest one from it. A directory without a run resumes nothing, as a plain
+    ``gradsync run --resume`` there starts at step 0."""
+    from gradsync.runner.rundir import CHECKPOINT_DIR
+
+    config = run_dir / CONFIG_FILE
+    if not config.exists():  # nothing to resume: every group starts at step 0, as a run does
+        return [group_dir(run_dir, k) / CHECKPOINT_DIR for k in range(cfg.replica_groups)]
+    try:
+        before = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--resume: {config} cannot be read ({exc})") from None
+    groups = int(before.get("replica_groups") or 0)
+    if groups != cfg.replica_groups:
+        was = f"{groups} replica groups" if groups else "no replica groups"
+        raise UsageError(
+            f"--resume --replica-groups {cfg.replica_groups}: the run in {run_dir} had {was} "
+            f"(its {CONFIG_FILE}); resume it with --replica-groups {groups or 0}, or pass "
+            "--overwrite to start over"
+        )
+    return [group_dir(run_dir, k) / CHECKPOINT_DIR for k in range(groups)]
 
 
 @contextlib.contextmanager

@@ -43,9 +43,10 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
     ``sync.load`` (``AttachedRun.loaded``), or here when there are no checkpoints to load."""
     if not (cfg.resume or restart_count()):
         return 0
-    if cfg.replica_groups:
+    if cfg.replica_groups and restart_count():
         # A restarted replica group loads no checkpoint and rolls nothing back: it heals from
-        # a live peer at its first step (``--resume`` is refused with --replica-groups).
+        # a live peer at its first step. Under --resume (restart 0) each group loads its own
+        # newest checkpoint below, and the first quorum heals the groups behind the furthest.
         return 0
     if cfg.resume or cfg.checkpoint_every:
         extra = sync.load(run_dir / CHECKPOINT_DIR)

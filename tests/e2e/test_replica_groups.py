@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -246,12 +247,12 @@ def _stop(proc: subprocess.Popen[str], watched: Watched) -> None:
         proc.communicate(timeout=30)
 
 
-def _training_run(out: Path, watched: Watched) -> subprocess.Popen[str]:
+def _training_run(out: Path, watched: Watched, *extra: str) -> subprocess.Popen[str]:
     """A long two-group run, returned once both groups are training (each has gathered its
     first records): what the signal tests then stop."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
-        + ["--workload", "mlp", "--params", "5000", "--steps", "100000"]
+        + ["--workload", "mlp", "--params", "5000", "--steps", "100000", *extra]
         + ["--no-plots", "--no-progress", "--out", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -269,10 +270,12 @@ def _training_run(out: Path, watched: Watched) -> subprocess.Popen[str]:
     return proc
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(240)
 def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: Path) -> None:
+    """And --resume continues the run: see ``_resume_each_group``."""
     watched = Watched()
-    proc = _training_run(tmp_path / "run", watched)
+    out = tmp_path / "run"
+    proc = _training_run(out, watched, "--checkpoint-every", "5")
     try:
         proc.send_signal(signal.SIGINT)  # Ctrl-C reaches gradsync run (the groups have sessions)
         rc = watch_until_exit(proc, watched, timeout_s=60)
@@ -286,6 +289,50 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
     # (a worker's SIGINT handler waits for a quorum that never forms; SIGTERM ends it).
     assert "did not stop within" not in stderr, stderr[-3000:]
     assert not left, f"still running after the run: {left}"
+    _resume_each_group(out)
+
+
+def _committed(checkpoints: Path) -> list[int]:
+    return sorted(
+        int(d.name[5:]) for d in checkpoints.glob("step-*") if (d / "MANIFEST.json").is_file()
+    )
+
+
+def _resume_each_group(out: Path) -> None:
+    """``--resume`` of a stopped run of replica groups: each group loads its own newest
+    checkpoint, and the first quorum heals the groups behind the furthest one from it. Group
+    0's newest checkpoint is removed first, so it resumes behind group 1 and must heal at
+    group 1's step; left to torchft's choice among replicas that all count from 0, group 1
+    healed from group 0 and lost its steps."""
+    newest = [_committed(out / f"group-{k}" / "checkpoints") for k in (0, 1)]
+    assert len(newest[0]) >= 2 and newest[1], newest
+    ahead = newest[1][-1]
+    shutil.rmtree(out / "group-0" / "checkpoints" / f"step-{newest[0][-1]:06d}")
+    behind = _committed(out / "group-0" / "checkpoints")[-1]
+    assert behind < ahead, (behind, ahead)
+    steps = ahead + 10
+    done = subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
+        + ["--workload", "mlp", "--params", "5000", "--steps", str(steps), "--resume"]
+        + ["--checkpoint-every", "5", "--no-plots", "--no-progress", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    for at in (ahead, behind):
+        assert f"--resume: resuming at step {at}" in done.stderr, done.stderr[-4000:]
+    files = [out / f"group-{k}" / "faults" / "healed.jsonl" for k in (0, 1)]
+    healed = [_jsonl(f) if f.exists() else [] for f in files]
+    assert [h["step"] for h in healed[0]][-1] == ahead, healed
+    assert all(h["step"] == 0 for h in healed[1]), healed  # at most the first run's start
+    group1 = [json.loads(line)["step"] for line in (out / "group-1" / "metrics.jsonl").open()]
+    assert sorted(group1) == list(range(steps))  # every step once: none redone, none lost
+    quorums = [m["step"] for m in _jsonl(out / "group-1" / "membership.jsonl")]
+    assert sorted(quorums) == list(range(steps)), quorums  # the stopped run's after it dropped
+    a, b = (torch.load(out / f"group-{k}" / "final_model.pt", weights_only=True) for k in (0, 1))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 @pytest.mark.timeout(200)

@@ -30,7 +30,6 @@ GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
         ([*GROUPS, "--strategy", "diloco:4:2:1"], "with streaming DiLoCo 'diloco:4:2:1'"),
         ([*GROUPS, "--compress", "fp16"], "--replica-groups 2: membership='torchft' with comp"),
         ([*GROUPS, "--bucket-mb", "auto"], "with bucket_mb='auto'"),
-        ([*GROUPS, "--resume"], "--replica-groups with --resume"),
         ([*GROUPS, "--backend", "nccl"], "exchange over torchft's gloo group on the CPU"),
         ([*GROUPS, "--min-replicas", "3"], "--min-replicas 3 is more than --replica-groups 2"),
         ([*GROUPS, "--min-replicas", "0"], "--min-replicas must be at least 1, got 0"),
@@ -153,3 +152,19 @@ def test_the_lighthouse_gradsync_run_starts_takes_the_heartbeat_timeout(
         assert address == "http://127.0.0.1:4321"
     assert [o["heartbeat_timeout_ms"] for o in started] == [timeout_ms]
     assert started[0]["bind"] == "127.0.0.1:0"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("before", "says"), [(3, "had 3 replica groups"), (0, "had no replica")])
+def test_resume_refuses_a_run_of_other_groups(
+    before: int, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--resume continues each group from its own checkpoints: a run of another number of
+    groups (or of none) has no such checkpoints to continue."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"replica_groups": before, "nproc": 1}))
+    argv = ["run", *GROUPS, "--resume", "--out", str(run)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--resume --replica-groups 2: the run in {run} {says}" in err, err
