@@ -440,7 +440,10 @@ def unscale_agreed(
     here (unless the user did at the gradient-ready point) while ``zero:1`` still holds
     every gradient makes its inf/NaN check the global one; under ``zero:2`` and ``zero:3``
     the ranks each check their shard, so their counts are summed over ranks (``collective``
-    runs the all-reduce), as FSDP's ShardedGradScaler does."""
+    runs the all-reduce), as FSDP's ShardedGradScaler does, but with MAX: a fused optimizer
+    skips its update only where ``found_inf`` is exactly 1 (and subtracts it from its step
+    count), so a sum of 2 when two ranks' shards are not finite (a raising block poisons
+    every shard) applied a NaN update."""
     if not compat.scaler_unscaled(ctx.scaler, ctx.optimizer):
         ctx.scaler.unscale_(ctx.optimizer)
     if full_grads:
@@ -449,9 +452,10 @@ def unscale_agreed(
     total = torch.zeros(1, dtype=torch.float32, device=runtime.device())
     for c in counts:
         total += c.to(total.device).reshape(1)
+    total.clamp_(max=1.0)  # several devices of this rank: still one verdict
 
     def agree() -> None:
-        dist.all_reduce(total, group=ctx.group)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=ctx.group)
 
     collective(f"{name} GradScaler inf/NaN count (all-reduce)", agree)
     for c in counts:

@@ -50,3 +50,25 @@ def test_no_host_reads_between_gathers_and_non_finite_steps_still_skipped() -> N
             assert not r1["moved"][h.NAN_AT], strategy
             assert r0["report_skipped"] == [h.NAN_AT, h.RAISE_AT], strategy  # rank 1's records
         assert bool(torch.isfinite(r0["params"]).all()), strategy
+
+
+@pytest.mark.timeout(120)
+def test_a_grad_scaler_and_a_compressed_exchange_read_nothing_and_skip_together() -> None:
+    """bsp with int4 (error feedback: its residuals zeroed on the device after the NaN step,
+    else every later step would be skipped), and GradScalers under bsp and zero:2 (the
+    scaler's found_inf is the verdict; zero:2's counts agreed by an all-reduce): no read
+    between gathers, rank 1's NaN and its raising block skipped on both ranks, in step."""
+    by_rank = run_ranks(h.scaled_and_compressed, 2, timeout_s=110)
+    gathers = {s for s in range(h.STEPS) if (s + 1) % h.EVERY == 0}
+    for key in by_rank[0]:
+        r0, r1 = (out[key] for out in by_rank)
+        for r in (r0, r1):
+            assert {step for step, _, _ in r["reads"]} <= gathers, (key, r["reads"])
+            assert r["report_skipped"] == [h.NAN_AT, h.RAISE_AT], key
+            assert not r["moved"][h.NAN_AT] and not r["moved"][h.RAISE_AT], key
+            assert all(r["moved"][h.RAISE_AT + 1 :]), key  # nothing left poisoned
+        assert r0["skipped"] == [h.NAN_AT, h.RAISE_AT], key
+        assert torch.equal(r0["params"], r1["params"]), key
+        assert bool(torch.isfinite(r0["params"]).all()), key
+        if key.endswith("True"):  # backed off once per skipped step, on both ranks alike
+            assert r0["scale"] == r1["scale"] == 2.0**8, key

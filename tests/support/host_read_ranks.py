@@ -35,11 +35,38 @@ def steady_and_skipped(rank: int, world: int) -> dict[str, Any]:
     return {strategy: _train(rank, world, strategy) for strategy in STRATEGIES}
 
 
-def _train(rank: int, world: int, strategy: str) -> dict[str, Any]:
+#: (strategy, compression, with a GradScaler): a lossy exchange whose error-feedback residuals
+#: are scrubbed on the device, and GradScalers whose found_inf is the verdict
+SCALED_AND_COMPRESSED = (("bsp", "int4", False), ("bsp", "none", True), ("zero:2", "none", True))
+
+
+def scaled_and_compressed(rank: int, world: int) -> dict[str, Any]:
+    """``steady_and_skipped`` for ``SCALED_AND_COMPRESSED``, keyed by 'strategy compression
+    scaler'; each result also holds the scaler's final scale (None without one)."""
+    return {
+        f"{strategy} {compression} {scaled}": _train(rank, world, strategy, compression, scaled)
+        for strategy, compression, scaled in SCALED_AND_COMPRESSED
+    }
+
+
+def _train(
+    rank: int, world: int, strategy: str, compression: str = "none", scaled: bool = False
+) -> dict[str, Any]:
     w = make_workload("mlp", seed=2, params=3000)
     model = w.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=EVERY, check_every=EVERY)
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000) if scaled else None
+    )
+    sync = gs.Synchronizer(
+        model,
+        opt,
+        strategy=strategy,
+        compression=compression,
+        scaler=scaler,
+        telemetry_every=EVERY,
+        check_every=EVERY,
+    )
     # One tensor's gradient, or under zero:3 one row of it: it reaches one rank's shard only
     # (zero:2, zero:3), whose peer skips through the all-reduced flag alone.
     if strategy == "zero:3":
@@ -57,7 +84,8 @@ def _train(rank: int, world: int, strategy: str) -> dict[str, Any]:
                     if rank == 1 and step == RAISE_AT and strategy in RAISES:
                         raise Boom("bad batch")
                     x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
-                    w.loss(model, x, y).backward()
+                    loss = w.loss(model, x, y)
+                    (loss if scaler is None else scaler.scale(loss)).backward()
             except Boom:
                 pass
             reads.step = None
@@ -72,6 +100,7 @@ def _train(rank: int, world: int, strategy: str) -> dict[str, Any]:
         "report_skipped": sorted({r.step for r in report.records if r.skipped}),
         "moved": moved,
         "params": _flat(model),
+        "scale": None if scaler is None else scaler.get_scale(),
     }
 
 
