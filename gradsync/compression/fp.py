@@ -112,7 +112,12 @@ BF16 = Compressor(
     codec=functools.partial(cast_codec, wire=torch.bfloat16),
 )
 
+#: the wire dtype of each cast compressor, by spec: what live membership's quorum sends
+#: (``Membership.allreduce(tensor, wire)``) when BSP is given one of them
+CAST_WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
 __all__ = [
+    "CAST_WIRE",
     "BF16",
     "FP16",
     "CastCodec",

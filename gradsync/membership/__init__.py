@@ -126,6 +126,12 @@ def check_membership(
     return LiveSettings(lighthouse=address, min_replicas=min_replicas, replica_id=replica_id)
 
 
+#: the compressions BSP's buckets take through the quorum: each replica casts its share to
+#: the 16-bit type, the Manager sums the casts, and the sum is cast back
+#: (``ft_manager.TorchftMembership.allreduce``; ``compression.fp.CAST_WIRE``)
+QUORUM_COMPRESSIONS = ("fp16", "bf16")
+
+
 def check_exchange(
     strategy: Any, compression_spec: str, allreduce: str, bucket_mb: Any, balance: Any
 ) -> None:
@@ -148,11 +154,16 @@ def check_exchange(
             "exchanges overlap the steps after them, and a quorum would have to span them; "
             "use plain diloco:H"
         )
-    if compression_spec != "none":
+    if compression_spec != "none" and (
+        compression_spec not in QUORUM_COMPRESSIONS or spec.kind != "bsp"
+    ):
         raise UsageError(
-            f"membership='torchft' with compression {compression_spec!r}: a compressor runs "
-            "its own collectives over the replica group, which under torchft holds one "
-            "process, so replicas would never exchange; use compression=None"
+            f"membership='torchft' with {spec.kind} and compression {compression_spec!r}: "
+            "the quorum's all-reduce carries bsp's buckets cast to fp16 or bf16 "
+            "(compression='fp16' or 'bf16'); other compressors run collectives of their own "
+            "(gathers, several rounds, state that a failed step would leave half-updated), "
+            "and the periodic averages go uncompressed; use compression=None, or 'fp16' or "
+            "'bf16' under bsp"
         )
     if allreduce != "ring":
         raise UsageError(

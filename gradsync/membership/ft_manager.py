@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsync.checkpoint.registry import StateRegistry
 from gradsync.errors import UsageError
@@ -173,17 +174,29 @@ class TorchftMembership:
         if self._on_healed is not None:
             self._on_healed(healed_at, nbytes, seconds)
 
-    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def allreduce(
+        self, tensor: torch.Tensor, wire: torch.dtype | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
         """The mean of ``tensor`` over this step's participants, in place. A failed exchange
         (a peer lost mid-step) completes all the same, with garbage in ``tensor``: the Manager
-        noted the error, and ``commit`` then says False."""
-        work = self.manager.allreduce(tensor)
+        noted the error, and ``commit`` then says False. With ``wire`` (fp16, bf16) each
+        participant sends its share, ``tensor / participants`` cast to it, the Manager sums
+        the shares (so the sum cannot overflow where the fp32 values did not, as gradsync's
+        fp16 hook does within a group), and the sum is cast back into ``tensor``."""
+        if wire is None:
+            sent = tensor
+            work = self.manager.allreduce(tensor)  # torchft's mean: a sum, then 1/participants
+        else:
+            sent = tensor.div(self.participants()).to(wire)
+            work = self.manager.allreduce(sent, reduce_op=dist.ReduceOp.SUM)
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
         def complete() -> None:
             try:
                 work.wait()  # reports its own error to the Manager rather than raising
             finally:
+                if sent is not tensor:
+                    tensor.copy_(sent)
                 done.set_result(tensor)
 
         self._waiter.submit(complete)

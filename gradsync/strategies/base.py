@@ -152,8 +152,11 @@ class Membership(Protocol):
         """Join this step's quorum; a replacement takes a live peer's state here."""
         ...
 
-    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """The mean of ``tensor`` over this step's participants, in place."""
+    def allreduce(
+        self, tensor: torch.Tensor, wire: torch.dtype | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The mean of ``tensor`` over this step's participants, in place; sent as ``wire``
+        (fp16 or bf16, each participant's share cast to it) where given."""
         ...
 
     def commit(self, step: int) -> bool:

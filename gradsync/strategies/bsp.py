@@ -30,6 +30,7 @@ from gradsync.checks.guards import (
 )
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
+from gradsync.compression.fp import CAST_WIRE
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
 from gradsync.strategies.base import (
@@ -78,6 +79,8 @@ class BSP(Strategy):
         self._step_started: float | None = None
         #: live membership's quorum (None: ``ctx.group`` holds every replica)
         self._membership: Membership | None = None
+        #: the dtype the quorum's all-reduce sends (fp16/bf16 compression), None: as is
+        self._live_wire: torch.dtype | None = None
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
@@ -87,11 +90,16 @@ class BSP(Strategy):
         group = ctx.group if hierarchy is None else hierarchy.leader_group
         self._state = ctx.compressor.make_state(group)
         self._world = runtime.world_size(ctx.group)
-        self.fused_mean = ctx.compressor is ALLREDUCE
         self._membership = ctx.membership
         # The Synchronizer refused the rest (gradsync.membership): the quorum carries a plain
-        # mean, and the world here is this replica alone.
-        assert self._membership is None or (self.fused_mean and hierarchy is None)
+        # mean, sent as is or cast to fp16/bf16, and the world here is this replica alone.
+        self._live_wire = (
+            None
+            if self._membership is None or ctx.compressor is ALLREDUCE
+            else CAST_WIRE[ctx.compressor.spec]
+        )
+        self.fused_mean = ctx.compressor is ALLREDUCE or self._live_wire is not None
+        assert self._membership is None or hierarchy is None
         if ctx.bucket_mb == AUTO:
             self._tuner = self._make_tuner(ctx)
             self._reducer = self._make_reducer(self._tuner.plan_for_next_step())
@@ -201,8 +209,9 @@ class BSP(Strategy):
             # The bucket holds this replica's gradient times its 1/k (the world here is one):
             # the quorum's mean over its participants is the step's gradient.
             buf = bucket.buffer()
-            self._state.bytes_sent += buf.numel() * buf.element_size()
-            return self._membership.allreduce(buf)
+            wire = self._live_wire or buf.dtype
+            self._state.bytes_sent += buf.numel() * wire.itemsize
+            return self._membership.allreduce(buf, self._live_wire)
         if self.fused_mean and self._ctx.hierarchy is not None:
             buf = bucket.buffer()
             self._state.bytes_sent += buf.numel() * buf.element_size()

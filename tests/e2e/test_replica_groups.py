@@ -87,7 +87,8 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "run"
-    stdout, stderr, watched, pid = _kill_heal_run(out)
+    # fp16 through the quorum: each group casts its share, the Manager sums the casts
+    stdout, stderr, watched, pid = _kill_heal_run(out, "--compress", "fp16")
     group0, group1 = out / "group-0", out / "group-1"
     # Group 1's replacement healed from group 0 at the step it died in (group 0 waited there:
     # --min-replicas 2).
@@ -102,6 +103,10 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # fp16 on the wire: 2 bytes an element a step (the parameters' 4 uncompressed)
+    numel = sum(t.numel() for t in a.values())
+    sent = {json.loads(line)["bytes"] for line in (group0 / "metrics.jsonl").open()}
+    assert sent == {2 * numel}, (sent, numel)
     # The summary: each group's steps and restarts (exit, steps, final loss, restarts, healed).
     rows = re.findall(r"^\s+(\d)\s+0\s+(\d+)\s+\S+\s+(\d+)\s+(.*)$", stdout, re.M)
     assert [(g, s, r) for g, s, r, _ in rows] == [("0", str(STEPS), "0"), ("1", str(STEPS), "1")]

@@ -28,7 +28,11 @@ GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
         (["--replica-groups", "1", "--nproc", "1"], "must be between 2 and 256 (0: off), got 1"),
         ([*GROUPS, "--strategy", "zero:1"], "bsp, local:H or diloco:H only for now, got zero:1"),
         ([*GROUPS, "--strategy", "diloco:4:2:1"], "with streaming DiLoCo 'diloco:4:2:1'"),
-        ([*GROUPS, "--compress", "fp16"], "--replica-groups 2: membership='torchft' with comp"),
+        ([*GROUPS, "--compress", "int8"], "--replica-groups 2: membership='torchft' with bsp"),
+        (
+            [*GROUPS, "--strategy", "local:2", "--compress", "bf16"],
+            "membership='torchft' with local and compression 'bf16'",
+        ),
         ([*GROUPS, "--bucket-mb", "auto"], "with bucket_mb='auto'"),
         ([*GROUPS, "--backend", "nccl"], "exchange over torchft's gloo group on the CPU"),
         ([*GROUPS, "--min-replicas", "3"], "--min-replicas 3 is more than --replica-groups 2"),
