@@ -132,7 +132,7 @@ def refuse_run_only_flags(cfg: RunConfig) -> None:
     if cfg.replica_groups:
         raise UsageError(
             f"gradsync compare runs each strategy on one group of local processes: "
-            f"--replica-groups {cfg.replica_groups} (live membership, bsp only) is gradsync "
+            f"--replica-groups {cfg.replica_groups} (live membership) is gradsync "
             "run's; run it there, e.g. gradsync run --replica-groups "
             f"{cfg.replica_groups} --nproc 1 --strategy bsp"
         )

@@ -223,7 +223,8 @@ class RunConfig:
         help="live membership: G replica groups of --nproc ranks (1 for now), each a torchft "
         "participant with its own restarts (--max-restarts, per group): the others go on "
         "without a lost group, and its replacement heals from a live peer; --kill and --slow "
-        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp only; "
+        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp (also with fp16/bf16), "
+        "local:H or plain diloco:H; "
         "docs/membership.md (0: off; default: %(default)s)",
         group=LIVE,
     )
