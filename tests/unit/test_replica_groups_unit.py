@@ -70,9 +70,7 @@ def test_refused_before_anything_starts(
 def test_compare_refuses_replica_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["compare", *GROUPS, "--strategies", "bsp", "--out", str(tmp_path / "c")]
     assert main(argv) == 2
-    assert "--replica-groups 2 (live membership) is gradsync run's" in (
-        capsys.readouterr().err
-    )
+    assert "--replica-groups 2 (live membership) is gradsync run's" in (capsys.readouterr().err)
 
 
 @pytest.mark.timeout(60)
