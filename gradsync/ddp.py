@@ -386,9 +386,14 @@ class DistributedDataParallel(nn.Module):
             h.remove()
         self._output_hooks = []
         # Only spreading a non-finite gradient or showing a sharded view asks whether the step
-        # is skipped: anything else (bsp) leaves a verdict on the device there.
-        asks = (self._fsdp and not self._skip_nonfinite) or self._view is not None
-        if self._open is None or not self._open.synchronize(verdict=asks) or not asks:
+        # is skipped: anything else (bsp) leaves a verdict on the device there. zero:2's view
+        # needs no answer where its verdict stays on the device: a skipped step keeps the
+        # shards (the host path releases them), which the fused optimizer then ignores.
+        shows = self._view is not None
+        asks = (self._fsdp and not self._skip_nonfinite) or (shows and not self._shards_kept())
+        if self._open is None or not self._open.synchronize(verdict=asks):
+            return
+        if not (asks or shows):
             return
         if self._fsdp and not self._skip_nonfinite:
             self._spread_nonfinite()
@@ -430,6 +435,12 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._exit = None
         return exiting.result
+
+    def _shards_kept(self) -> bool:
+        """zero:2: whether this step's verdict stays on the device, so that its gradient
+        shards are there to show whether or not the step is skipped."""
+        verdict_on_device = getattr(self.sync.strategy, "verdict_on_device", None)
+        return verdict_on_device is not None and bool(verdict_on_device(self.sync.step_count))
 
     def _spread_nonfinite(self) -> None:
         """zero:3: when any rank's shard of the gradient is not finite, make every rank's all

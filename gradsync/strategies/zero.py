@@ -415,7 +415,7 @@ class ZeroStage2(Strategy):
             for i in g.owned(layout.rank):
                 g.params[i].grad = g.view(received, i, base=layout.rank * g.chunk)
         outcome = StepOutcome(bytes_sent=nbytes, spans=spans, comm_in_block=self._in_backward)
-        if step > 0 and device_verdict(ctx):
+        if self.verdict_on_device(step):
             # The agreed flag stays on the device and gates every rank's fused update of its
             # shard (``ShardedUpdate.apply``): every rank skips alike, no host waits for it.
             ctx.found_inf = outcome.found_inf = self._agreed_flag(step)
@@ -517,6 +517,13 @@ class ZeroStage2(Strategy):
 
         if self._in_flight:
             shards.collective(self._step, "zero:2 gradient reduce-scatter (wait)", wait)
+
+    def verdict_on_device(self, step: int) -> bool:
+        """Whether step ``step``'s non-finite verdict stays on the device (``device_verdict``,
+        from the second step on every rank alike): a skipped step then keeps each rank's
+        shard of the gradient as ``p.grad``, where the host path releases it."""
+        ctx, _, _, _ = self._parts()
+        return step > 0 and device_verdict(ctx)
 
     def _agreed_flag(self, step: int) -> torch.Tensor:
         """Whether some rank's shard of the mean gradient is not finite: a 0-d flag on the

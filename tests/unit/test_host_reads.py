@@ -105,15 +105,22 @@ def test_the_steady_state_step_reads_nothing_on_the_host(
         assert len(reads.at(step)) <= 6, reads.describe()
 
 
+@pytest.mark.parametrize("strategy", ["bsp", "zero:2"])
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
 def test_the_front_door_step_reads_nothing_on_the_host(
-    one_rank: None, skip_nonfinite: bool
+    one_rank: None, skip_nonfinite: bool, strategy: str
 ) -> None:
+    """zero:2: the front door shows its shards as DTensors without asking the verdict where it
+    stays on the device (a skipped step keeps them there)."""
     w = make_workload("mlp", seed=2, params=3000)
     model = w.build_model()
     opt = _fused("adamw", model)
     ddp = gs.DistributedDataParallel(
-        model, optimizer=opt, skip_nonfinite=skip_nonfinite, telemetry_every=EVERY
+        model,
+        optimizer=opt,
+        strategy=strategy,
+        skip_nonfinite=skip_nonfinite,
+        telemetry_every=EVERY,
     )
     with host_reads() as reads:
         for step in range(STEPS):
@@ -126,6 +133,31 @@ def test_the_front_door_step_reads_nothing_on_the_host(
     ddp.close()
     gathers = {s for s in range(STEPS) if (s + 1) % EVERY == 0}
     assert reads.steps() <= gathers, reads.describe()
+
+
+def test_the_front_door_under_zero2_skips_a_non_finite_step_on_the_device(one_rank: None) -> None:
+    """The shards shown without asking the verdict: a NaN step's update is still skipped (the
+    fused optimizer on the agreed flag), reported, and training goes on."""
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    opt = _fused("adamw", model)
+    ddp = gs.DistributedDataParallel(model, optimizer=opt, strategy="zero:2", skip_nonfinite=True)
+    nan_at = 6
+    inject.nan_gradient(ddp.sync, rank=0, step=nan_at)
+    params = []
+    for step in range(10):
+        x, y = w.batch(step, 8, 0, 8)
+        w.loss(ddp, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # through the DTensor view
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        params.append(flat_params(model))
+    report = ddp.report()
+    ddp.close()
+    assert torch.equal(params[nan_at - 1], params[nan_at])
+    assert not torch.equal(params[nan_at], params[nan_at + 1])
+    assert bool(torch.isfinite(params[-1]).all())
+    assert report.skipped_steps == 1
 
 
 def test_the_divergence_check_posts_without_reading_and_compares_a_period_later(
