@@ -451,6 +451,7 @@ class Synchronizer:
             self._live,
             state,
             timeout_s=self.timeout_s,
+            group=self.group,
             on_healed=run.healed if run is not None else None,
             on_step=run.quorum if run is not None else None,  # membership.jsonl
         )

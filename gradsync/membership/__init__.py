@@ -106,11 +106,13 @@ def check_membership(
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         raise UsageError(f"min_replicas must be an integer >= 1, got {min_replicas!r}")
     check_exchange(strategy, compression_spec, allreduce, bucket_mb, balance)
-    if world_size != 1:
+    kind = parse_strategy_spec(strategy).kind if isinstance(strategy, str) else None
+    if world_size != 1 and kind != "bsp":
         raise UsageError(
-            f"membership='torchft' runs each replica group as one process (a world of 1), but "
-            f"this group has {world_size} ranks: start one process per replica group, each "
-            "with gs.init() in a world of one (docs/membership.md)"
+            f"membership='torchft' with {strategy!r} runs each replica group as one process "
+            f"(a world of 1), but this group has {world_size} ranks: a replica group of "
+            "several ranks takes strategy='bsp' (each rank exchanges with the same rank of the "
+            "other groups); start one process per group for local:H and diloco:H"
         )
     address = lighthouse if lighthouse is not None else os.environ.get(LIGHTHOUSE_ENV)
     if not address:

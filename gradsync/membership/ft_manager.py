@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import runtime
 from gradsync.checkpoint.registry import StateRegistry
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
@@ -94,6 +95,7 @@ class TorchftMembership:
         *,
         timeout_s: float,
         host: str = LOOPBACK,
+        group: dist.ProcessGroup | None = None,
         on_healed: Callable[[int, int, float], None] | None = None,
         on_step: Callable[[StepQuorum], None] | None = None,
     ) -> None:
@@ -103,7 +105,12 @@ class TorchftMembership:
 
         _quiet_torchft_noise()
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = server_store(host, 0, timeout=timeout)
+        # A replica group of several ranks (``group``, gradsync's own process group) has one
+        # torchft Manager per rank: rank R of every group exchanges with rank R of the others
+        # (torchft's replica process group), and the ranks of a group agree on each quorum
+        # and commit through the group's store, which the group's rank 0 serves.
+        rank, world = runtime.rank(group), runtime.world_size(group)
+        self._store, port = _group_store(host, timeout, group, rank, world)
         self._pg = ProcessGroupGloo(timeout=timeout)
         transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
         with _manager_server_bound_to(ft_manager, host):
@@ -116,10 +123,10 @@ class TorchftMembership:
                 timeout=timeout,
                 quorum_timeout=timeout,
                 connect_timeout=timeout,
-                rank=0,
-                world_size=1,
+                rank=rank,
+                world_size=world,
                 store_addr=host,
-                store_port=self._store.port,
+                store_port=port,
                 lighthouse_addr=settings.lighthouse,
                 replica_id=settings.replica_id,
                 hostname=host,
@@ -133,6 +140,11 @@ class TorchftMembership:
         # once waited on, and waiting in the autograd hook would serialize the exchange with
         # the backward pass.
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-torchft")
+        #: a replica group of several ranks, until its first quorum: torchft heals each rank
+        #: from a peer of the same rank, and where several peers are as far (replicas that
+        #: all start at step 0), rank R may take group A's weights and rank R' group B's
+        self._align_after_quorum = world > 1
+        self._group = group
         self._state, self._on_healed = state, on_healed
         self._name = (
             "this replica group"
@@ -149,6 +161,17 @@ class TorchftMembership:
         # its Manager put it in this group's store: which of a quorum's members is this one
         self._replica_id = self._store.get(ft_manager.REPLICA_ID_KEY).decode()
 
+    def _align_group(self) -> None:
+        """After the first quorum, every rank of this replica group takes its rank 0's model
+        (parameters and buffers), as the Synchronizer's initial broadcast does: the ranks'
+        rank-0 peers all healed from one replica, so the group then holds that replica's
+        weights. Later quorums heal from committed replicas, which agree bitwise."""
+        group = self._group
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for tensor in self._state.model.state_dict().values():
+                dist.broadcast(tensor, src=src, group=group)
+
     def _heal(self, state: dict[str, Any]) -> None:
         self._state.load_state_dict(state)
         self._healed = (int(state["sync"]["step"]), tensor_bytes(state))
@@ -159,6 +182,9 @@ class TorchftMembership:
         self._healed = None
         wall, start = time.time(), time.perf_counter()
         self.manager.start_quorum()
+        if self._align_after_quorum:
+            self._align_group()
+            self._align_after_quorum = False
         seconds = time.perf_counter() - start
         self._quorum = self._observed(step, wall, seconds)
         if self._healed is None:
@@ -175,31 +201,45 @@ class TorchftMembership:
             self._on_healed(healed_at, nbytes, seconds)
 
     def allreduce(
-        self, tensor: torch.Tensor, wire: torch.dtype | None = None
+        self,
+        tensor: torch.Tensor,
+        wire: torch.dtype | None = None,
+        after: Callable[[], object] | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
         """The mean of ``tensor`` over this step's participants, in place. A failed exchange
         (a peer lost mid-step) completes all the same, with garbage in ``tensor``: the Manager
         noted the error, and ``commit`` then says False. With ``wire`` (fp16, bf16) each
         participant sends its share, ``tensor / participants`` cast to it, the Manager sums
         the shares (so the sum cannot overflow where the fp32 values did not, as gradsync's
-        fp16 hook does within a group), and the sum is cast back into ``tensor``."""
-        if wire is None:
-            sent = tensor
-            work = self.manager.allreduce(tensor)  # torchft's mean: a sum, then 1/participants
-        else:
-            sent = tensor.div(self.participants()).to(wire)
-            work = self.manager.allreduce(sent, reduce_op=dist.ReduceOp.SUM)
+        fp16 hook does within a group), and the sum is cast back into ``tensor``. ``after``:
+        called first, on the thread that waits for the exchanges (the group's own all-reduce
+        of ``tensor``, under a replica group of several ranks), so the cross-replica exchange
+        starts once it is done, buckets in launch order."""
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
-        def complete() -> None:
+        def exchange() -> None:
+            sent, work = tensor, None
             try:
+                if after is not None:
+                    try:
+                        after()
+                    except Exception as exc:  # noqa: BLE001 - the step must not commit
+                        # the group's own exchange failed (a rank of it is gone): the Manager
+                        # is told, so that this step is not committed, as for its own failures
+                        self.manager.report_error(exc)
+                        return
+                if wire is None:  # torchft's mean: a sum, then 1/participants
+                    work = self.manager.allreduce(tensor)
+                else:
+                    sent = tensor.div(self.participants()).to(wire)
+                    work = self.manager.allreduce(sent, reduce_op=dist.ReduceOp.SUM)
                 work.wait()  # reports its own error to the Manager rather than raising
             finally:
                 if sent is not tensor:
                     tensor.copy_(sent)
                 done.set_result(tensor)
 
-        self._waiter.submit(complete)
+        self._waiter.submit(exchange)
         return done
 
     def commit(self, step: int) -> bool:
@@ -304,6 +344,26 @@ def _quiet_torchft_noise() -> None:
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module=r"torchft\."
     )
+
+
+def _group_store(
+    host: str,
+    timeout: datetime.timedelta,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+) -> tuple[dist.TCPStore, int]:
+    """The replica group's store for its torchft Managers: served on ``host`` by the group's
+    rank 0 (a port the system picks, sent to the other ranks over ``group``), a client of it
+    on the others."""
+    store = server_store(host, 0, timeout=timeout) if rank == 0 else None
+    port = [store.port if store is not None else 0]
+    if world > 1:
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(port, src=src, group=group)
+    if store is None:
+        store = dist.TCPStore(host, port[0], is_master=False, timeout=timeout)
+    return store, port[0]
 
 
 def tensor_bytes(state: Any) -> int:

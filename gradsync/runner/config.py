@@ -220,7 +220,8 @@ class RunConfig:
     replica_groups: int = flag(
         0,
         metavar="G",
-        help="live membership: G replica groups of --nproc ranks (1 for now), each a torchft "
+        help="live membership: G replica groups of --nproc ranks (1 under local:H and "
+        "diloco:H), each a torchft "
         "participant with its own restarts (--max-restarts, per group): the others go on "
         "without a lost group, and its replacement heals from a live peer; --kill and --slow "
         "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp (also with fp16/bf16), "
@@ -517,13 +518,20 @@ class RunConfig:
                 f"--replica-groups must be between 2 and {MAX_LOCAL_PROCESSES} (0: off), got "
                 f"{groups}: a single group has no peer to go on without it or to heal from"
             )
-        if self.nproc != 1:
+        kind = parse_strategy_spec(self.strategy).kind
+        if self.nproc != 1 and kind != "bsp":
             raise UsageError(
-                f"--replica-groups runs one rank per replica group for now, got --nproc "
-                f"{self.nproc}: groups of several ranks are not supported by "
-                "membership='torchft' yet; use --nproc 1 (and more --replica-groups)"
+                f"--replica-groups with --nproc {self.nproc} runs --strategy bsp (each rank "
+                f"exchanges with the same rank of the other groups), got {self.strategy}: "
+                "local:H and diloco:H run one rank per replica group; use --nproc 1 (and more "
+                "--replica-groups), or --strategy bsp"
             )
-        if parse_strategy_spec(self.strategy).kind not in LIVE_KINDS:
+        if groups * self.nproc > MAX_LOCAL_PROCESSES:
+            raise UsageError(
+                f"--replica-groups {groups} of --nproc {self.nproc} is {groups * self.nproc} "
+                f"processes, more than {MAX_LOCAL_PROCESSES} on one machine"
+            )
+        if kind not in LIVE_KINDS:
             raise UsageError(
                 f"--replica-groups runs --strategy bsp, local:H or diloco:H only for now, got "
                 f"{self.strategy}: their exchanges are the ones that go through torchft's "

@@ -153,10 +153,14 @@ class Membership(Protocol):
         ...
 
     def allreduce(
-        self, tensor: torch.Tensor, wire: torch.dtype | None = None
+        self,
+        tensor: torch.Tensor,
+        wire: torch.dtype | None = None,
+        after: Callable[[], object] | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
         """The mean of ``tensor`` over this step's participants, in place; sent as ``wire``
-        (fp16 or bf16, each participant's share cast to it) where given."""
+        (fp16 or bf16, each participant's share cast to it) where given; started once
+        ``after`` returns (the replica group's own all-reduce, in a group of several ranks)."""
         ...
 
     def commit(self, step: int) -> bool:

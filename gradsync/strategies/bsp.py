@@ -206,12 +206,14 @@ class BSP(Strategy):
         assert self._ctx is not None
         self._ctx.before_collective()
         if self._membership is not None:
-            # The bucket holds this replica's gradient times its 1/k (the world here is one):
-            # the quorum's mean over its participants is the step's gradient.
+            # The bucket holds this rank's gradient times its 1/(W k): the replica group's sum
+            # (W ranks; none to make when W is 1) is the group's mean, and the quorum's mean
+            # of those over its participants is the step's gradient.
             buf = bucket.buffer()
             wire = self._live_wire or buf.dtype
+            after = None if self._world == 1 else _allreduce_sum(self._state, bucket).wait
             self._state.bytes_sent += buf.numel() * wire.itemsize
-            return self._membership.allreduce(buf, self._live_wire)
+            return self._membership.allreduce(buf, self._live_wire, after)
         if self.fused_mean and self._ctx.hierarchy is not None:
             buf = bucket.buffer()
             self._state.bytes_sent += buf.numel() * buf.element_size()

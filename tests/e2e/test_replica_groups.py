@@ -32,6 +32,7 @@ from tests.support.proctree import (
     reaped_within,
     watch_until_exit,
 )
+from tests.support.torchrun import ROOT
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("torchft", reason="--replica-groups needs torchft: pip install 'gradsync[ft]'")
@@ -43,15 +44,18 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _kill_heal_run(out: Path, *extra: str, kill_at: int = KILL_AT) -> tuple[str, str, Watched, int]:
-    """Two groups, --min-replicas 2, group 1 SIGKILLed at step ``kill_at`` and restarted once
-    by its own agent: the run's stdout and stderr once it exited 0, leaving nothing running
-    (the groups' agents, workers, forkservers), what was seen of its tree, and its pid."""
+def _kill_heal_run(
+    out: Path, *extra: str, kill_at: int = KILL_AT, nproc: int = 1
+) -> tuple[str, str, Watched, int]:
+    """Two groups of ``nproc`` ranks, --min-replicas 2, group 1's first rank SIGKILLed at step
+    ``kill_at`` and the group restarted once by its own agent: the run's stdout and stderr
+    once it exited 0, leaving nothing running (the groups' agents, workers, forkservers),
+    what was seen of its tree, and its pid."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradsync", "run", *extra]
-        + ["--replica-groups", "2", "--nproc", "1", "--min-replicas", "2"]
+        + ["--replica-groups", "2", "--nproc", str(nproc), "--min-replicas", "2"]
         + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS)]
-        + ["--max-restarts", "1", "--kill", f"1:{kill_at}"]  # rank 1: group 1's only rank
+        + ["--max-restarts", "1", "--kill", f"{nproc}:{kill_at}"]  # group 1's first rank
         + ["--timeout", "90", "--no-plots", "--no-progress", "--out", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -75,9 +79,9 @@ def _group0_unbroken_group1_restarted_once(out: Path) -> list[dict[str, Any]]:
     own agent. Group 1's healings by its replacement."""
     group0, group1 = out / "group-0", out / "group-1"
     assert [a["restart"] for a in _jsonl(group0 / "faults" / "attempts.jsonl")] == [0]
-    assert sorted(json.loads(line)["step"] for line in (group0 / "metrics.jsonl").open()) == list(
-        range(STEPS)
-    )
+    records = _jsonl(group0 / "metrics.jsonl")
+    for rank in {r["rank"] for r in records}:
+        assert sorted(r["step"] for r in records if r["rank"] == rank) == list(range(STEPS))
     assert [a["restart"] for a in _jsonl(group1 / "faults" / "attempts.jsonl")] == [0, 1]
     return [h for h in _jsonl(group1 / "faults" / "healed.jsonl") if h["restart"] == 1]
 
@@ -86,9 +90,11 @@ def _group0_unbroken_group1_restarted_once(out: Path) -> list[dict[str, Any]]:
 def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     tmp_path: Path,
 ) -> None:
+    """Groups of two ranks (each rank exchanges with the same rank of the other group, after
+    its group's own all-reduce), fp16 across groups (each group casts its share, the Manager
+    sums the casts); group 1's rank 0 is killed and its agent restarts the group's two."""
     out = tmp_path / "run"
-    # fp16 through the quorum: each group casts its share, the Manager sums the casts
-    stdout, stderr, watched, pid = _kill_heal_run(out, "--compress", "fp16")
+    stdout, stderr, watched, pid = _kill_heal_run(out, "--compress", "fp16", nproc=2)
     group0, group1 = out / "group-0", out / "group-1"
     # Group 1's replacement healed from group 0 at the step it died in (group 0 waited there:
     # --min-replicas 2).
@@ -103,10 +109,10 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    # fp16 on the wire: 2 bytes an element a step (the parameters' 4 uncompressed)
+    # a step sends 4 bytes an element inside the group and 2 (fp16) across groups
     numel = sum(t.numel() for t in a.values())
     sent = {json.loads(line)["bytes"] for line in (group0 / "metrics.jsonl").open()}
-    assert sent == {2 * numel}, (sent, numel)
+    assert sent == {(4 + 2) * numel}, (sent, numel)
     # The summary: each group's steps and restarts (exit, steps, final loss, restarts, healed).
     rows = re.findall(r"^\s+(\d)\s+0\s+(\d+)\s+\S+\s+(\d+)\s+(.*)$", stdout, re.M)
     assert [(g, s, r) for g, s, r, _ in rows] == [("0", str(STEPS), "0"), ("1", str(STEPS), "1")]
@@ -173,14 +179,20 @@ def _assert_membership_recorded(out: Path, stdout: str, healed: dict[str, Any]) 
 
 
 def _assert_run_trace_lines_them_up(out: Path) -> None:
-    """RUN/trace.json: both groups on one clock, group 0's stall ending after group 1's
-    replacement healed (the stall waited for it: --min-replicas 2)."""
+    """RUN/trace.json: both groups (two ranks each) on one clock, group 0's stall ending
+    after group 1's replacement healed (the stall waited for it: --min-replicas 2)."""
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    assert names == {0: "group 0 rank 0", 1: "group 1 rank 0"}, names
+    assert names == {
+        0: "group 0 rank 0",
+        1: "group 0 rank 1",
+        2: "group 1 rank 0",
+        3: "group 1 rank 1",
+    }, names
     marks = [e for e in events if e.get("cat") == "membership" and e.get("ph") == "X"]
+    # each group's rank 0 keeps its membership record: pid 0 for group 0, 2 for group 1
     stall = next(e for e in marks if e["pid"] == 0 and e["args"]["step"] == KILL_AT)
-    healed = next(e for e in marks if e["pid"] == 1 and e["args"]["step"] == KILL_AT)
+    healed = next(e for e in marks if e["pid"] == 2 and e["args"]["step"] == KILL_AT)
     assert stall["name"].startswith("stall ") and healed["name"].startswith("healed from")
     assert healed["ts"] < stall["ts"] + stall["dur"], (stall, healed)
     assert stall["ts"] < healed["ts"] + healed["dur"], (stall, healed)
@@ -357,3 +369,31 @@ def test_a_run_killed_with_sigkill_leaves_no_replica_group_running(tmp_path: Pat
         _stop(proc, watched)
     assert not left, f"still running 40 s after the run was killed: {left}"
     assert [m["participants"] for m in first] == [2, 2], first
+
+
+@pytest.mark.timeout(200)
+def test_a_script_whose_groups_start_apart_ends_with_one_model_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Two groups of two ranks running a user's script that seeds each group's model
+    differently (tests/support/replica_group_script.py): torchft's first quorum heals rank R
+    of a group from rank R of a peer, and where both groups are at step 0 rank 0 and rank 1
+    may take different groups' weights; the group's ranks then take their rank 0's (without
+    it, each group's ranks diverged: the end-of-run check failed)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "2"]
+        + ["--timeout", "60", "--no-plots", "--no-progress", "--out", str(tmp_path / "run")]
+        + ["--", str(ROOT / "tests" / "support" / "replica_group_script.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    files = [out / f"final-{g}-{r}.pt" for g in (0, 1) for r in (0, 1)]
+    finals = [torch.load(f, weights_only=True) for f in files]
+    for other in finals[1:]:
+        for key in finals[0]:
+            assert torch.equal(finals[0][key], other[key]), key

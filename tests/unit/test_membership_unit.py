@@ -39,7 +39,8 @@ def test_no_membership_is_the_classic_restart_and_refuses_its_settings() -> None
         ({"allreduce": "hierarchical"}, r"allreduce='hierarchical'"),
         ({"bucket_mb": "auto"}, r"bucket_mb='auto'"),
         ({"balance": True}, r"with balance"),
-        ({"world_size": 2}, r"this group has 2 ranks"),
+        ({"world_size": 2, "strategy": "local:4"}, r"'local:4' runs each replica group as one"),
+        ({"world_size": 2, "strategy": "diloco:4"}, r"but this group has 2 ranks: a replica"),
         ({"min_replicas": 0}, r"min_replicas must be an integer >= 1, got 0"),
     ],
 )
@@ -48,6 +49,11 @@ def test_what_the_manager_cannot_carry_is_refused_naming_it(
 ) -> None:
     with pytest.raises(UsageError, match=match):
         check_membership("torchft", **{**GOOD, **change})
+
+
+def test_a_replica_group_of_several_ranks_runs_bsp() -> None:
+    settings = check_membership("torchft", **{**GOOD, "world_size": 4})
+    assert settings is not None and settings.min_replicas == 1
 
 
 def test_an_unknown_membership_names_the_valid_ones() -> None:

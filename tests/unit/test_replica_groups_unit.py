@@ -24,7 +24,10 @@ GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--replica-groups", "2"], "one rank per replica group for now, got --nproc 4"),
+        (
+            ["--replica-groups", "2", "--strategy", "local:2"],
+            "--replica-groups with --nproc 4 runs --strategy bsp",
+        ),
         (["--replica-groups", "1", "--nproc", "1"], "must be between 2 and 256 (0: off), got 1"),
         ([*GROUPS, "--strategy", "zero:1"], "bsp, local:H or diloco:H only for now, got zero:1"),
         ([*GROUPS, "--strategy", "diloco:4:2:1"], "with streaming DiLoCo 'diloco:4:2:1'"),
