@@ -138,9 +138,11 @@ def check_exchange(
     strategy: Any, compression_spec: str, allreduce: str, bucket_mb: Any, balance: Any
 ) -> None:
     """What the torchft Manager's collectives can carry in this version: BSP's plain
-    all-reduce, bucket by bucket, the same buckets on every replica; and the periodic
-    exchanges of ``local:H`` (the parameters' mean) and plain ``diloco:H`` (the mean
-    pseudo-gradient), one quorum a period."""
+    all-reduce, bucket by bucket, the same buckets on every replica; the periodic exchanges
+    of ``local:H`` (the parameters' mean) and ``diloco:H`` (the mean pseudo-gradient), one
+    quorum a period; and streaming DiLoCo's fragments, one quorum an exchange, which the
+    Manager (one quorum at a time) can hold only where each exchange is applied before the
+    next one starts: TAU below H // F, the fewest steps between two fragments' starts."""
     spec = parse_strategy_spec(strategy) if isinstance(strategy, str) else None
     if spec is None or spec.kind not in LIVE_KINDS:
         raise UsageError(
@@ -150,11 +152,15 @@ def check_exchange(
             "(the other strategies' collectives would stay inside one replica group, or reach "
             "a lost one and hang); give strategy='bsp', 'local:H' or 'diloco:H' as a string"
         )
-    if spec.fragments is not None:
+    # the fewest steps between two fragments' starts (``streaming.offsets``)
+    gap = (spec.period or 1) // (spec.fragments or 1)
+    if spec.fragments is not None and (spec.delay or 0) >= gap:
         raise UsageError(
-            f"membership='torchft' with streaming DiLoCo {strategy!r}: its fragments' "
-            "exchanges overlap the steps after them, and a quorum would have to span them; "
-            "use plain diloco:H"
+            f"membership='torchft' with streaming DiLoCo {strategy!r}: with TAU={spec.delay} "
+            "a fragment's exchange would start at the step the previous one is applied, and "
+            "the torchft Manager holds one quorum at a time (each exchange has its own, from "
+            "the step after the previous one was applied until its own is); use TAU below "
+            f"H // F = {gap}"
         )
     if compression_spec != "none" and (
         compression_spec not in QUORUM_COMPRESSIONS or spec.kind != "bsp"

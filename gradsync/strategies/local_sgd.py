@@ -68,6 +68,9 @@ class Periodic(Strategy):
         self._step = 0  # the last step run: where a synchronization's wait is diagnosed
         #: whether the replicas agree (right after a synchronization, or the initial broadcast)
         self._in_sync = True
+        #: under live membership: a quorum was joined and its commit is not decided yet
+        #: (torchft's Manager holds one quorum at a time)
+        self._quorum_open = False
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
@@ -79,13 +82,14 @@ class Periodic(Strategy):
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
         membership = self._live()
-        if membership is not None and plan.step % self.period == 0:
+        if membership is not None and self._joins_quorum(plan.step):
             # A period's quorum, joined before its first local step: a replacement heals here
             # (a peer's parameters, optimizer and step, all from that peer's period start) and
             # then trains the period on its own data, so its share of the period's average is
             # its own, not a copy of its donor's. A participant lost during the period fails
             # the average's all-reduce, which is then not committed (``_synchronize_live``).
             membership.start_step(plan.step)
+            self._quorum_open = True
         self._ctx.optimizer.zero_grad(set_to_none=True)
         self._ctx.found_inf = None  # a verdict a raising update left behind
         self._average_over = plan.average_over
@@ -151,6 +155,11 @@ class Periodic(Strategy):
         self._synchronize()
         self._in_sync = True
 
+    def _joins_quorum(self, step: int) -> bool:
+        """Whether ``step`` joins a quorum before its local step (live membership): a
+        period's first step."""
+        return step % self.period == 0
+
     def _live(self) -> Membership | None:
         """The torchft quorum every average goes through (None: the group holds every
         replica)."""
@@ -169,7 +178,9 @@ class Periodic(Strategy):
         assert membership is not None
         self._state.bytes_sent += flat.numel() * flat.element_size()
         mean = membership.allreduce(flat).wait()
-        return mean if membership.commit(step) else None
+        committed = membership.commit(step)
+        self._quorum_open = False
+        return mean if committed else None
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Replicas agree right after each synchronization (and at the end), and only then."""
@@ -368,25 +379,36 @@ class DiLoCo(Periodic):
 
     def _exchange(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """Apply the exchanges due after ``step``, then start the fragments scheduled here (and
-        apply them at once when there is no delay)."""
+        apply them at once when there is no delay). Under live membership each exchange goes
+        through the quorum joined before it (``_joins_quorum``) and is applied where that
+        quorum commits it, plain DiLoCo being the one-fragment, undelayed case."""
         assert self._ctx is not None
-        if self._live() is not None:  # plain DiLoCo only (gradsync.membership.check_exchange)
-            return super()._exchange(step, outcome)
-        applied = self._apply_due(step)
+        applied, committed = self._apply_due(step)
         starting = [p for p, at in enumerate(self._offsets) if (step + 1) % self.period == at]
         if starting:
-            if self._ctx.gate is not None:
+            if self._ctx.gate is not None and self._live() is None:
                 self._ctx.gate.ensure(step, f"averaging of {self.name}:{self.period}")
             before = self._state.bytes_sent
             for p in starting:
                 self._start(p, step)
             outcome.bytes_sent += self._state.bytes_sent - before
-            applied += self._apply_due(step)
+            more, ok = self._apply_due(step)
+            applied, committed = applied + more, committed and ok
         if applied:
             # Ranks wait for each other where an exchange is applied, not where it starts.
             outcome.barrier = True
-            self._in_sync = self._replicated()
+            self._in_sync = committed and self._replicated()
         return outcome
+
+    def _joins_quorum(self, step: int) -> bool:
+        """Live membership: one quorum an exchange, joined at the run's first step and at the
+        step after each exchange was applied (plain DiLoCo: each period's first step). Nothing
+        is in flight there, so a replacement that heals there takes a peer's whole streaming
+        state (global copies, outer momentum, no exchange half-done), and the quorum lasts
+        until the exchange it carries is applied: TAU steps after its start, before the next
+        fragment's starts (``gradsync.membership.check_exchange`` refuses TAU >= H // F,
+        where a fragment would start at the step the previous one is applied)."""
+        return not self._quorum_open and not self._pending
 
     def _replicated(self) -> bool:
         """Whether the replicas agree right after an exchange was applied: only when that
@@ -396,20 +418,38 @@ class DiLoCo(Periodic):
     def _start(self, fragment: int, step: int) -> None:
         params = self._fragment_params[fragment]
         pseudo = self._globals[fragment] - flatten(params)
-        result = (
-            self._mean(pseudo, fragment, params)
-            if self.delay == 0
-            else self._launch(pseudo, fragment, params, wait=False)
-        )
+        result: torch.Tensor | torch.futures.Future[torch.Tensor]
+        membership = self._live()
+        if membership is not None:
+            # the quorum joined before it carries it; it is waited for at its due step
+            assert self._quorum_open, f"{self.spec}: an exchange started with no quorum joined"
+            self._state.bytes_sent += pseudo.numel() * pseudo.element_size()
+            result = membership.allreduce(pseudo)
+        elif self.delay == 0:
+            result = self._mean(pseudo, fragment, params)
+        else:
+            result = self._launch(pseudo, fragment, params, wait=False)
         self._pending.append(Exchange(fragment, step + self.delay, result))
 
-    def _apply_due(self, step: int) -> int:
-        """Apply (in the order they started) the exchanges due by ``step``; how many."""
+    def _apply_due(self, step: int) -> tuple[int, bool]:
+        """Apply (in the order they started) the exchanges due by ``step``: how many were due,
+        and whether all were applied. Under live membership the quorum decides at the due
+        step: one not committed (a participant lost while it was in flight) is not applied,
+        its fragment keeping its local values, global copy and outer momentum."""
         due = [ex for ex in self._pending if ex.due <= step]
         self._pending = [ex for ex in self._pending if ex.due > step]
+        membership = self._live()
+        committed = True
         for ex in due:
-            self._apply(ex.fragment, self._resolve(ex), self.alpha)
-        return len(due)
+            mean = self._resolve(ex)
+            if membership is not None:
+                ok = membership.commit(ex.due)
+                self._quorum_open = False
+                if not ok:
+                    committed = False
+                    continue
+            self._apply(ex.fragment, mean, self.alpha)
+        return len(due), committed
 
     def _resolve(self, ex: Exchange) -> torch.Tensor:
         """The mean pseudo-gradient of ``ex``, waited for if still in flight (the wait is this
@@ -442,11 +482,21 @@ class DiLoCo(Periodic):
             copy_into(torch.lerp(target, flatten(params).to(target.dtype), alpha), params)
 
     def _synchronize_live(self, step: int) -> bool:
-        """The outer step on the quorum's mean pseudo-gradient (one fragment, no delay)."""
-        mean = self._quorum_mean(self._globals[0] - flatten(self._fragment_params[0]), step)
+        """The last synchronization (``finalize``): every fragment's outer step on the quorum's
+        mean pseudo-gradient, each replaced by its new global copy. Its quorum is the one
+        joined after the last exchange was applied, or one of its own where the run ended
+        right at that exchange."""
+        membership = self._live()
+        assert membership is not None
+        if not self._quorum_open:
+            membership.start_step(step)
+            self._quorum_open = True
+        pseudo = [g - flatten(p) for g, p in zip(self._globals, self._fragment_params, strict=True)]
+        mean = self._quorum_mean(torch.cat(pseudo), step)
         if mean is None:
             return False
-        self._apply(0, mean, 0.0)
+        for fragment, part in enumerate(mean.split([g.numel() for g in self._globals])):
+            self._apply(fragment, part, 0.0)
         return True
 
     def _synchronize(self) -> None:
@@ -458,8 +508,9 @@ class DiLoCo(Periodic):
     def finalize(self) -> None:
         """Exchanges still in flight are applied first, as they would have been; then, unless
         that left the replicas agreeing, one synchronous exchange of every fragment."""
-        if self._apply_due(sys.maxsize):
-            self._in_sync = self._replicated()
+        applied, committed = self._apply_due(sys.maxsize)
+        if applied:
+            self._in_sync = committed and self._replicated()
         super().finalize()
 
     def replicas_identical(self, step: int, final: bool) -> bool:
@@ -506,13 +557,18 @@ class DiLoCo(Periodic):
         self._outer_opt.load_state_dict(state["outer_optimizer"])
         # A checkpoint is loaded onto the CPU; an exchange's mean becomes its fragment's
         # gradient at its due step, so it goes where that fragment's global copy lives.
+        # Under live membership a saved exchange's commit was never decided (its quorum is
+        # gone with the run that saved it, and a failed all-reduce leaves garbage in the
+        # mean): it is dropped, as one not committed, its fragment keeping its own values.
+        # (A peer's state, when healing, has none: quorums are joined with nothing in flight.)
+        saved_pending = [] if self._live() is not None else saved.get("pending", [])
         self._pending = [
             Exchange(
                 int(ex["fragment"]),
                 int(ex["due"]),
                 ex["mean"].to(self._globals[int(ex["fragment"])].device, copy=True),
             )
-            for ex in saved.get("pending", [])
+            for ex in saved_pending
         ]
 
 

@@ -33,7 +33,7 @@ def test_no_membership_is_the_classic_restart_and_refuses_its_settings() -> None
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"strategy": "diloco:4:2:1"}, r"with streaming DiLoCo 'diloco:4:2:1'"),
+        ({"strategy": "diloco:7:2:3"}, r"streaming DiLoCo .diloco:7:2:3.: with TAU=3 a fragment"),
         ({"strategy": "zero:1"}, r"'diloco:H' only for now, got 'zero:1'"),
         ({"compression_spec": "topk:0.01"}, r"compression 'topk:0.01'"),
         ({"allreduce": "hierarchical"}, r"allreduce='hierarchical'"),
@@ -49,6 +49,15 @@ def test_what_the_manager_cannot_carry_is_refused_naming_it(
 ) -> None:
     with pytest.raises(UsageError, match=match):
         check_membership("torchft", **{**GOOD, **change})
+
+
+@pytest.mark.parametrize("strategy", ["diloco:4:2:1", "diloco:8:4:1", "diloco:7:2:2", "diloco:6:3"])
+def test_streaming_diloco_with_each_exchange_applied_before_the_next_starts_runs(
+    strategy: str,
+) -> None:
+    """TAU below H // F: one quorum an exchange, the next joined after it was applied."""
+    settings = check_membership("torchft", **{**GOOD, "strategy": strategy})
+    assert settings is not None
 
 
 def test_a_replica_group_of_several_ranks_runs_bsp() -> None:

@@ -30,7 +30,10 @@ GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
         ),
         (["--replica-groups", "1", "--nproc", "1"], "must be between 2 and 256 (0: off), got 1"),
         ([*GROUPS, "--strategy", "zero:1"], "bsp, local:H or diloco:H only for now, got zero:1"),
-        ([*GROUPS, "--strategy", "diloco:4:2:1"], "with streaming DiLoCo 'diloco:4:2:1'"),
+        (
+            [*GROUPS, "--strategy", "diloco:7:2:3"],
+            "DiLoCo 'diloco:7:2:3': with TAU=3",
+        ),
         ([*GROUPS, "--compress", "int8"], "--replica-groups 2: membership='torchft' with bsp"),
         (
             [*GROUPS, "--strategy", "local:2", "--compress", "bf16"],
