@@ -176,6 +176,11 @@ class Periodic(Strategy):
         commit it (``_synchronize_live`` then applies nothing)."""
         membership = self._live()
         assert membership is not None
+        if not self._quorum_open:
+            # the last synchronization, where the run ended right after a decided one (or one
+            # not committed): a quorum of its own rather than the last one's, decided already
+            membership.start_step(step)
+            self._quorum_open = True
         self._state.bytes_sent += flat.numel() * flat.element_size()
         mean = membership.allreduce(flat).wait()
         committed = membership.commit(step)
@@ -485,12 +490,7 @@ class DiLoCo(Periodic):
         """The last synchronization (``finalize``): every fragment's outer step on the quorum's
         mean pseudo-gradient, each replaced by its new global copy. Its quorum is the one
         joined after the last exchange was applied, or one of its own where the run ended
-        right at that exchange."""
-        membership = self._live()
-        assert membership is not None
-        if not self._quorum_open:
-            membership.start_step(step)
-            self._quorum_open = True
+        right at that exchange (``_quorum_mean``)."""
         pseudo = [g - flatten(p) for g, p in zip(self._globals, self._fragment_params, strict=True)]
         mean = self._quorum_mean(torch.cat(pseudo), step)
         if mean is None:
