@@ -1,5 +1,6 @@
 """This replica group as a torchft participant: its ``Manager``, built so that every socket
-gradsync can place listens on loopback, and the three calls BSP makes of it each step.
+gradsync can place listens on one address (``host``: loopback, or on the emulated cluster the
+host's own, ``$GRADSYNC_MEMBERSHIP_HOST``), and the three calls BSP makes of it each step.
 
 Why a module of its own: torchft's ``Manager`` is the only cross-replica channel under
 ``membership="torchft"`` (each replica group is a world of one, so gradsync's own collectives
@@ -10,12 +11,13 @@ checkpoint transport, what a replacement heals from, where things listen. BSP se
 What listens (docs/membership.md has the table):
 
 - the group's TCPStore, which torchft's quorum hands to the peers to build the cross-replica
-  gloo group: ``processes.stores.server_store`` on 127.0.0.1 (torch's own would bind every
+  gloo group: ``processes.stores.server_store`` on ``host`` (torch's own would bind every
   interface);
 - the Manager's server (quorum and commit RPCs): torchft 0.2 hard-codes ``bind="[::]:PORT"``;
   the Manager is built with ``ManagerServer`` swapped, for the construction only, for one that
   binds the same port on ``host`` (``_manager_server_bound_to``);
-- gloo's sockets: ``GLOO_SOCKET_IFNAME`` (``lo`` for a local run, as gradsync's launchers set);
+- gloo's sockets: ``GLOO_SOCKET_IFNAME`` (``lo`` for a local run, as gradsync's launchers set;
+  the host's interface on the emulated cluster);
 - the healing transfer: torchft's ``PGTransport`` over that gloo group, so no HTTP server; the
   default ``HTTPTransport`` would bind every interface (``("", 0)`` over IPv6).
 """
@@ -26,6 +28,7 @@ import contextlib
 import dataclasses
 import datetime
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,6 +44,7 @@ from gradsync.checkpoint.registry import StateRegistry
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
 from gradsync.membership import LiveSettings, StepQuorum
+from gradsync.membership.lighthouse import HOST_ENV
 from gradsync.processes.stores import server_store
 from gradsync.strategies.base import Strategy, own_optimizer_state
 
@@ -94,7 +98,7 @@ class TorchftMembership:
         state: ReplicaState,
         *,
         timeout_s: float,
-        host: str = LOOPBACK,
+        host: str | None = None,
         group: dist.ProcessGroup | None = None,
         on_healed: Callable[[int, int, float], None] | None = None,
         on_step: Callable[[StepQuorum], None] | None = None,
@@ -104,6 +108,10 @@ class TorchftMembership:
         from torchft.process_group import ProcessGroupGloo
 
         _quiet_torchft_noise()
+        # The Synchronizer builds this without a host: a group that ``gradsync run --hosts``
+        # started on an emulated host is told its address in the environment, as gloo is told
+        # its interface, so that its peers on other hosts can reach its store and Manager.
+        host = host or os.environ.get(HOST_ENV) or LOOPBACK
         timeout = datetime.timedelta(seconds=timeout_s)
         # A replica group of several ranks (``group``, gradsync's own process group) has one
         # torchft Manager per rank: rank R of every group exchanges with rank R of the others

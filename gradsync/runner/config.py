@@ -571,10 +571,16 @@ class RunConfig:
     def _check_live_run(self) -> None:
         """The run's own settings under --replica-groups: what its launch cannot do yet."""
         groups = self.replica_groups
-        if self.hosts:
+        if self.hosts and self.hosts != groups:
             raise UsageError(
-                f"--replica-groups with --hosts {self.hosts}: the emulated cluster does not run "
-                "replica groups yet; drop --hosts"
+                f"--replica-groups {groups} with --hosts {self.hosts}: the emulated cluster "
+                f"runs one replica group per host; use --replica-groups {groups} --hosts {groups}"
+            )
+        if self.hosts and self.lighthouse is not None and self.replica_group is None:
+            # (a group's own config.json names the lighthouse the run started)
+            raise UsageError(
+                f"--lighthouse with --hosts {self.hosts}: the run starts the lighthouse inside "
+                "the emulated cluster (on host 0), where every host reaches it; drop --lighthouse"
             )
         if self.min_replicas < 1:
             raise UsageError(f"--min-replicas must be at least 1, got {self.min_replicas}")
@@ -668,6 +674,8 @@ class RunConfig:
                 f"--hosts {self.hosts}, or use async, local:H or bsp across hosts"
             )
         parse_rate(self.link)
+        if self.replica_groups:
+            return  # one group per host (_check_live_run), each with its own agent's restarts
         if self.processes % self.hosts:
             raise UsageError(
                 f"{self.processes} processes do not split evenly over --hosts {self.hosts}; "

@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsync.attached_run import CONFIG_FILE, FAULTS_DIR, GROUP_DIR, MANAGER_UP_FILE
 from gradsync.errors import UsageError
@@ -40,6 +40,9 @@ from gradsync.membership import LIGHTHOUSE_ENV, REPLICA_ID_ENV, torchft_missing
 from gradsync.membership.lighthouse import local_lighthouse
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import RunDirectory, claim, is_gradsync_run
+
+if TYPE_CHECKING:
+    from gradsync.cluster.netns import Host
 
 #: how long a group's agent has to stop its workers after SIGTERM before its tree is killed
 STOP_GRACE_S = 20.0
@@ -72,12 +75,16 @@ def run_groups(cfg: RunConfig, run_dir: Path, given: list[str]) -> int:
     try:
         for s in previous:
             signal.signal(s, _raise_signalled)
-        with _lighthouse(cfg) as address:
+        with _network(cfg) as (address, hosts):
             _announce(cfg, run_dir, address)
-            for k in range(cfg.replica_groups):
-                config = _write_group_config(cfg, run_dir, k, address, given)
-                children.append(_start_group(config, k, address))
-            codes = _wait(children)
+            try:
+                for k in range(cfg.replica_groups):
+                    config = _write_group_config(cfg, run_dir, k, address, given)
+                    children.append(_start_group(config, k, address, hosts[k], cfg.link))
+                codes = _wait(children)
+            finally:
+                # before an emulated cluster goes, which would kill them unordered
+                _stop(children, signal.SIGTERM)
     except _Signalled as stop:
         signalled = stop.signum
     finally:
@@ -151,6 +158,20 @@ def check_groups_resumable(cfg: RunConfig, run_dir: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
+def _network(cfg: RunConfig) -> Iterator[tuple[str, list[Host | None]]]:
+    """The lighthouse's address and where each group runs: on this machine (None), or with
+    ``--hosts`` group K on the emulated cluster's host K (``runner.groups_on_hosts``)."""
+    if not cfg.hosts:
+        with _lighthouse(cfg) as address:
+            yield address, [None] * cfg.replica_groups
+        return
+    from gradsync.runner.groups_on_hosts import emulated_hosts
+
+    with emulated_hosts(cfg) as (address, hosts):
+        yield address, list(hosts)
+
+
+@contextlib.contextmanager
 def _lighthouse(cfg: RunConfig) -> Iterator[str]:
     """The lighthouse's address: ``--lighthouse``, or one started here on loopback and shut
     down when the groups are done."""
@@ -211,9 +232,15 @@ def _write_group_config(
     return Path(own.out) / CONFIG_FILE
 
 
-def _start_group(config: Path, group: int, lighthouse: str) -> subprocess.Popen[bytes]:
+def _start_group(
+    config: Path, group: int, lighthouse: str, host: Host | None = None, link: str = ""
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse, REPLICA_ID_ENV: str(group)}
     command = [sys.executable, "-m", "gradsync.runner.group", "--config", str(config)]
+    if host is not None:
+        from gradsync.runner.groups_on_hosts import group_on_host
+
+        command = group_on_host(command, env, host, link)
     return subprocess.Popen(command, env=env, start_new_session=True)
 
 

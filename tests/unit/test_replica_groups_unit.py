@@ -55,6 +55,11 @@ GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
             [*GROUPS, "--lighthouse", "http://127.0.0.1:1", "--heartbeat-timeout", "3"],
             "the one given with --lighthouse http://127.0.0.1:1 keeps its own",
         ),
+        ([*GROUPS, "--hosts", "3"], "one replica group per host; use --replica-groups 2 --hosts 2"),
+        (
+            [*GROUPS, "--hosts", "2", "--lighthouse", "http://127.0.0.1:1"],
+            "--lighthouse with --hosts 2: the run starts the lighthouse inside",
+        ),
         ([*GROUPS, "--kill", "2:5"], "--kill names rank 2, but ranks are 0..1 (2 replica grou"),
         ([*GROUPS, "--slow", "2:1.5"], "--slow names rank 2, but ranks are 0..1"),
         (
