@@ -30,6 +30,11 @@ def test_the_gate_waits_on_its_own_thread_and_a_late_rank_is_waited_for(strategy
         # steps 4-9: the training thread asks the store nothing; the gate's thread does
         assert r["training"] == 0, r
         assert r["gate"] >= 2 * 6, r
+        # two requests a gate (issue 44): one add, then the last arrival's set or the others'
+        # wait; a wait that outlasts arrive_after_s polls with check (and reads beats: get)
+        by = r["gate_by"]
+        assert by.get("add") == 6 and by.get("set", 0) + by.get("wait", 0) == 6, r
+        assert set(by) <= {"add", "set", "wait", "check", "get"}, r
     assert torch.equal(r0["params"], r1["params"])
 
 

@@ -23,6 +23,8 @@ class _CountingStore:
     def __init__(self, store: Any, training: int) -> None:
         self._store, self._training = store, training
         self.training = self.gate = 0
+        #: the gate thread's requests by method (``add``, ``set``, ``wait``, ...)
+        self.gate_by: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         found = getattr(self._store, name)
@@ -34,6 +36,7 @@ class _CountingStore:
                 self.training += 1
             elif threading.current_thread().name == "gradsync-gate":
                 self.gate += 1
+                self.gate_by[name] = self.gate_by.get(name, 0) + 1
             return found(*args, **kwargs)
 
         return counted
@@ -76,6 +79,7 @@ def store_requests_per_step(rank: int, world: int, strategy: str) -> dict[str, A
     return {
         "training": counter[0].training,
         "gate": counter[0].gate,
+        "gate_by": counter[0].gate_by,
         "params": flat_params(model),
         "steps": sync.step_count,
     }
