@@ -282,7 +282,7 @@ def _stop(children: list[subprocess.Popen[bytes]], signum: int) -> None:
 def group_outcome(directory: Path) -> dict[str, Any]:
     """What a group's directory says of its run: the last step recorded and its loss, the
     restarts of its process and the healings of its replacements."""
-    from gradsync.telemetry.membership import read_group
+    from gradsync.telemetry.membership import peer_healings, read_group
     from gradsync.telemetry.records import METRICS_FILE, read_records
 
     records = read_records(directory) if (directory / METRICS_FILE).exists() else []
@@ -294,7 +294,7 @@ def group_outcome(directory: Path) -> dict[str, Any]:
         "final_loss": sum(losses) / len(losses) if losses else None,
         "restarts": max((int(a["restart"]) for a in seen.attempts), default=0),
         # the first quorum's sync of replicas that started apart is a healing too: not these
-        "healed": [h for h in seen.healed if h["restart"] > 0],
+        "healed": peer_healings(seen),
     }
 
 

@@ -270,18 +270,34 @@ def _gone(previous: dict[str, Any] | None, entry: dict[str, Any]) -> list[str]:
     return []
 
 
+def peer_healings(group: GroupMembership) -> list[dict[str, Any]]:
+    """The group's healings that caught a process up with a live peer: a replacement's (a
+    later process than the group's first), or a process's that had already taken part in a
+    quorum at an earlier step (it fell behind: cut off from the others by a partition, or its
+    step not committed) and stays restart 0. Not: the first quorum's sync of groups that
+    started apart."""
+    first = _process(group.entries[0]) if group.entries else None
+    took_part_from: dict[tuple[int, int | None], int] = {}
+    for e in group.entries:
+        key = _process(e)
+        took_part_from[key] = min(took_part_from.get(key, int(e["step"])), int(e["step"]))
+    found = []
+    for h in group.healed:
+        since = took_part_from.get(_process(h))
+        if _is_replacement(h, first) or (since is not None and since < int(h["step"])):
+            found.append(h)
+    return found
+
+
 def _healings(groups: list[GroupMembership]) -> dict[str, Any]:
-    """The replacements' healings: a group's later process taking a live peer's state. The
-    first process's sync at the first quorum of groups that started apart is counted apart
-    (``initial_syncs``)."""
+    """The healings from a live peer (``peer_healings``): a replacement's, or a cut-off live
+    process's. The first process's sync at the first quorum of groups that started apart is
+    counted apart (``initial_syncs``)."""
     healed, initial = [], 0
     for g in groups:
-        first = _process(g.entries[0]) if g.entries else None
-        for h in g.healed:
-            if _is_replacement(h, first):
-                healed.append((g.name, h))
-            else:
-                initial += 1
+        caught_up = peer_healings(g)
+        healed += [(g.name, h) for h in caught_up]
+        initial += len(g.healed) - len(caught_up)
     return {
         "count": len(healed),
         "bytes": sum(int(h["bytes"]) for _, h in healed),

@@ -180,6 +180,24 @@ def test_a_replacement_started_by_hand_is_told_apart_by_its_pid_and_named_by_its
 
 
 @pytest.mark.timeout(60)
+def test_a_cut_off_live_process_that_heals_at_its_next_quorum_counts_as_a_healing() -> None:
+    # benchmarks/live_partition.py: group 1's link down from step 43; its process, never
+    # restarted, gets its next quorum at step 922 and heals there from group 0
+    cut_off = _group(
+        "1",
+        _steps(0, 43, 1, [A, B]) + _steps(922, 930, 3, [A, B]),
+        healed=[
+            {"step": 0, "bytes": 10, "seconds": 0.02, "restart": 0, "pid": 100, "time": 1000.0},
+            {"step": 922, "bytes": 40, "seconds": 4.1, "restart": 0, "pid": 100, "time": 1922},
+        ],
+    )
+    survivor = _group("0", _steps(0, 43, 1, [A, B]) + _steps(43, 930, 2, [A]))
+    healings = summarize([survivor, cut_off], expected=2)["healings"]
+    assert (healings["count"], healings["bytes"], healings["initial_syncs"]) == (1, 40, 1)
+    assert [h["step"] for h in healings["at"]] == [922]
+
+
+@pytest.mark.timeout(60)
 def test_without_member_lists_a_drop_in_participants_is_a_loss_of_someone() -> None:
     entries = [
         {"step": s, "restart": 0, "time": s, "quorum_id": q, "participants": n, "committed": True}
