@@ -225,7 +225,7 @@ class RunConfig:
         "participant with its own restarts (--max-restarts, per group): the others go on "
         "without a lost group, and its replacement heals from a live peer; --kill and --slow "
         "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp (also with fp16/bf16), "
-        "local:H or plain diloco:H; "
+        "local:H or diloco:H (streaming too); "
         "docs/membership.md (0: off; default: %(default)s)",
         group=LIVE,
     )
