@@ -206,6 +206,11 @@ class SyncContext:
     #: the non-finite verdict of the step under way, on the device (``device_verdict``):
     #: ``optimizer_step`` hands it to the optimizer as its ``found_inf`` and clears it
     found_inf: torch.Tensor | None = None
+    #: an update has been applied with the host's verdict (``optimizer_step`` without a
+    #: device flag): the first one makes the optimizer's state (``device_verdict`` waits for
+    #: it). Under a lockstep strategy every rank reads the same verdicts on that path, so
+    #: every rank sets it at the same step, whatever state its own optimizer holds.
+    applied_once: bool = False
 
     @property
     def scaling(self) -> bool:
@@ -242,12 +247,23 @@ def device_verdict(ctx: SyncContext) -> bool:
     ``found_inf`` tensor (torch's fused optimizers, ``compat.takes_found_inf``), so the host
     never has to know whether to call it.
 
-    The caller adds when: not before the optimizer has state. Fused SGD with momentum
-    allocates its buffers uninitialised on its first step and fills them there, so a first
-    step skipped on the device would leave them holding garbage (as under a GradScaler). A
-    strategy whose ranks must decide alike asks for a step after the first on every rank
-    (``zero:1``'s ranks hold the state of their own tensors only, and one may hold none)."""
-    return ctx.skip_nonfinite and not ctx.scaling and compat.takes_found_inf(ctx.optimizer)
+    Not before an update was applied (``ctx.applied_once``): fused SGD with momentum
+    allocates its buffers uninitialised on its first step and fills them only if that step is
+    applied, so a first step skipped on the device would leave them holding garbage, added
+    into every later update. "From the second step on" was not enough: where the first steps
+    are all non-finite, the optimizer's first step comes later. Not "once this rank's
+    optimizer has state" either: ``zero:1``'s ranks hold the state of their own tensors only,
+    one may hold none, and ranks that chose differently would hang (whether the update
+    gathers follows the choice). The host path reads each verdict anyway, so every rank knows
+    the first applied step at no extra read. (Fused Adam/AdamW make zeroed state and take
+    back their step count where ``found_inf`` is set: a skipped first step is harmless there,
+    but one rule is kept for all.)"""
+    return (
+        ctx.skip_nonfinite
+        and not ctx.scaling
+        and ctx.applied_once
+        and compat.takes_found_inf(ctx.optimizer)
+    )
 
 
 def scaler_on_device(ctx: SyncContext) -> bool:
@@ -273,7 +289,7 @@ def local_gradient(
     ``on_device``: the strategy's update is the user's optimizer through ``optimizer_step``,
     so where ``device_verdict`` allows, the verdict stays on the device (``ctx.found_inf``)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if on_device and grads and bool(ctx.optimizer.state) and device_verdict(ctx):
+    if on_device and grads and device_verdict(ctx):
         ctx.found_inf = nonfinite_flag(grads)
         if average_over > 1:
             for g in grads:
@@ -332,6 +348,7 @@ def optimizer_step(ctx: SyncContext) -> bool:
         return True
     if not ctx.scaling:
         ctx.optimizer.step()
+        ctx.applied_once = True
         return True
     before = ctx.scaler.get_scale()
     ctx.scaler.step(ctx.optimizer)

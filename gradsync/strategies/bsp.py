@@ -312,8 +312,9 @@ class BSP(Strategy):
         takes gradsync's flag (``device_verdict``) or a GradScaler's (``scaler_on_device``),
         and a compressor's state, if any, can be scrubbed there (``scrubs_on_device``: not
         PowerSGD's warm starts). A torchft quorum decides its commit on the host anyway.
-        From the second step on, on every rank alike: whether the update gathers after it
-        (``zero:1``) follows the decision, so no rank may differ."""
+        On every rank alike: whether the update gathers after it (``zero:1``) follows the
+        decision, so no rank may differ. gradsync's flag once an update was applied (the
+        rule is ``device_verdict``'s), a GradScaler's from the second step."""
         ctx = self._ctx
         assert ctx is not None
         return (

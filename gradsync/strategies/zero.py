@@ -60,7 +60,7 @@ called from the user's code (a DDP script's rank-0 checkpoint) it is refused, na
 Non-finite gradients skip the step on every rank together: under ``zero:1`` as under ``bsp``
 (every rank holds the same reduced bits); under ``zero:2`` each rank checks its shard and one
 one-element all-reduce (MAX) tells every rank. With a fused optimizer (``device_verdict``) the
-all-reduced flag stays on the device from the second step on and is the ``found_inf`` every
+all-reduced flag stays on the device once an update was applied and is the ``found_inf`` every
 rank's update of its shard skips on, so no host waits for it (issue 44). With a GradScaler,
 the scaler decides (see ``ShardedUpdate._unscale``). ``--balance`` works: each rank's
 gradient is weighted by its share on its way into the exchange, as under ``bsp``, so the mean
@@ -519,11 +519,11 @@ class ZeroStage2(Strategy):
             shards.collective(self._step, "zero:2 gradient reduce-scatter (wait)", wait)
 
     def verdict_on_device(self, step: int) -> bool:
-        """Whether step ``step``'s non-finite verdict stays on the device (``device_verdict``,
-        from the second step on every rank alike): a skipped step then keeps each rank's
-        shard of the gradient as ``p.grad``, where the host path releases it."""
+        """Whether step ``step``'s non-finite verdict stays on the device (``device_verdict``:
+        once an update was applied, on every rank alike): a skipped step then keeps each
+        rank's shard of the gradient as ``p.grad``, where the host path releases it."""
         ctx, _, _, _ = self._parts()
-        return step > 0 and device_verdict(ctx)
+        return device_verdict(ctx)
 
     def _agreed_flag(self, step: int) -> torch.Tensor:
         """Whether some rank's shard of the mean gradient is not finite: a 0-d flag on the

@@ -508,9 +508,10 @@ class ZeroStage3(Strategy):
         outcome = StepOutcome(
             bytes_sent=0 if self._meter.active else self._passes * self._bytes_per_pass()
         )
-        if step > 0 and device_verdict(ctx):
+        if device_verdict(ctx):
             # Each rank steps its own rows: the agreed flag stays on the device and gates
-            # every rank's fused update alike (``optimizer_step``), with no host read.
+            # every rank's fused update alike (``optimizer_step``), with no host read. Only
+            # once an update was applied (``device_verdict``), known to every rank alike.
             ctx.found_inf = outcome.found_inf = self._agreed_flag(step, grads)
         elif ctx.skip_nonfinite and not ctx.scaling and self._agreed_flag(step, grads).item():
             outcome.skipped = True
