@@ -276,6 +276,8 @@ class Synchronizer:
             world_size=self.world_size,
         )
         self._membership: Any = None
+        #: what the strategy works on (set up in ``_setup_strategy``)
+        self._context: SyncContext | None = None
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         if self._run is not None:
             self._run.start(self.rank, self.layout.workers)
@@ -404,26 +406,25 @@ class Synchronizer:
             if exchange.allreduce == "hierarchical" and self.world_size > 1:
                 self._hierarchy = Hierarchy(self.group, self.timeout_s)
             self._membership = self._join_membership()
-            self.strategy.setup(
-                SyncContext(
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    group=self.group,
-                    compressor=self.compressor,
-                    bucket_mb=exchange.bucket_mb,
-                    record_spans=self.record_spans,
-                    skip_nonfinite=self.options.checks.skip_nonfinite,
-                    watch=self._watch,
-                    register_checkpoint_hooks=self._checkpoints.register_hooks,
-                    layout=self.layout,
-                    rank=self.rank,
-                    scaler=self.scaler,
-                    gate=self._gate,
-                    before_collective=self._join_gate,
-                    hierarchy=self._hierarchy,
-                    membership=self._membership,
-                )
+            self._context = SyncContext(
+                model=self.model,
+                optimizer=self.optimizer,
+                group=self.group,
+                compressor=self.compressor,
+                bucket_mb=exchange.bucket_mb,
+                record_spans=self.record_spans,
+                skip_nonfinite=self.options.checks.skip_nonfinite,
+                watch=self._watch,
+                register_checkpoint_hooks=self._checkpoints.register_hooks,
+                layout=self.layout,
+                rank=self.rank,
+                scaler=self.scaler,
+                gate=self._gate,
+                before_collective=self._join_gate,
+                hierarchy=self._hierarchy,
+                membership=self._membership,
             )
+            self.strategy.setup(self._context)
             self._checkpoints.check_strategy()
         except BaseException:
             self._release_timeout()
@@ -1081,6 +1082,11 @@ class Synchronizer:
             if self._run is not None:
                 self._run.loading()
             extra = self._checkpoints.load(directory)
+            if extra is not None and self._context is not None:
+                # the optimizer's state is the checkpoint's, which may predate its first applied
+                # update (fused SGD's momentum then made by a device-skipped step): the host
+                # decides again until an update is applied (every rank loads: they agree)
+                self._context.applied_once = False
             if extra is not None and self._membership is not None:
                 self._membership.resumed(self._step)  # the first quorum heals from the furthest
             if self.telemetry_enabled:

@@ -85,3 +85,30 @@ def test_two_non_finite_first_steps_leave_no_garbage_momentum(
         assert torch.allclose(fused[step], plain[step], rtol=1e-5, atol=1e-6), step
     for state in opt.state.values():
         assert bool(torch.isfinite(state["momentum_buffer"]).all())
+
+
+def test_a_load_from_before_the_first_applied_update_goes_back_to_the_host(
+    one_rank: None, inline_writer: None, tmp_path: Any
+) -> None:
+    """A checkpoint saved before any update was applied holds no momentum: after loading it,
+    a non-finite step must again be decided on the host (a device skip there would make the
+    buffers uninitialised), even though this process had applied updates since."""
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    sync = gs.Synchronizer(model, opt, telemetry=False)
+    inject.nan_gradient(sync, rank=0, step=0)
+    _one_step(sync, w, 0, "bsp")  # skipped: no state
+    sync.save(tmp_path)  # its state: no momentum buffer
+    for step in (1, 2):
+        _one_step(sync, w, step, "bsp")  # applied: the device decides from here on
+    sync.load(tmp_path)
+    assert not opt.state
+    inject.nan_gradient(sync, rank=0, step=1)
+    with host_reads() as reads:
+        reads.step = 1
+        _one_step(sync, w, 1, "bsp")  # the checkpoint's next step, non-finite
+        reads.step = None
+    assert not opt.state, "state made by a step skipped on the device after the load"
+    assert 1 in reads.steps()  # the host decided it
+    sync.close()
