@@ -11,6 +11,7 @@ CUDA's own check is ``torch.cuda.set_sync_debug_mode("error")``, where a GPU is 
 from __future__ import annotations
 
 import functools
+import os
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+#: the checkout's root: reads are named by their path in it (``gradsync/checks/verdicts.py``)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: the ``torch.Tensor`` members that hand a tensor's values to the host
 READS = ("item", "__bool__", "tolist", "__float__", "__int__", "__index__", "cpu", "numpy")
@@ -42,7 +46,7 @@ class HostReads:
         if self.step is None:
             return
         frame = traceback.extract_stack(limit=3)[0]
-        where = f"{frame.filename.split('/work/main/')[-1]}:{frame.lineno} {frame.line}"
+        where = f"{_relative(frame.filename)}:{frame.lineno} {frame.line}"
         self.reads.append(Read(self.step, name, where))
 
     def steps(self) -> set[int]:
@@ -53,6 +57,12 @@ class HostReads:
 
     def describe(self) -> list[str]:
         return [f"step {r.step}: {r.name} at {r.where}" for r in self.reads]
+
+
+def _relative(filename: str) -> str:
+    """``filename`` from the checkout's root where it is inside it (wherever it was cloned)."""
+    path = os.path.abspath(filename)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else filename
 
 
 def _spy(original: Callable[..., Any], name: str, reads: HostReads) -> Callable[..., Any]:
