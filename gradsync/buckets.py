@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -160,40 +160,10 @@ class GradBucket(FlatBucket):
         return self._buffer.numel() * self._buffer.element_size()
 
 
-class Exchanged(Protocol):
-    """A bucket's exchange in flight: ``wait()`` gives the reduced flat buffer (a
-    ``torch.futures.Future[torch.Tensor]``, or ``Launched``)."""
-
-    def wait(self) -> torch.Tensor: ...
-
-
-class Launched:
-    """One collective that leaves its result in ``result`` itself (an in-place all-reduce):
-    waiting for it is waiting for its ``work``.
-
-    Why not ``work.get_future().then(...)``, which gives the same tensor: a Python callback on
-    the future runs on gloo's thread, which takes the GIL to run it and again to destroy it,
-    while the training thread waits for the future the callback completes. On a step that is
-    all host overhead (issue 44) that hand-over was 3% to 9% of the step; DDP's reducer waits
-    for its work in C++. ``future()`` builds the callback only where one is wanted (spans)."""
-
-    __slots__ = ("_work", "_result")
-
-    def __init__(self, work: Any, result: torch.Tensor) -> None:
-        self._work = work
-        self._result = result
-
-    def wait(self) -> torch.Tensor:
-        self._work.wait()
-        return self._result
-
-    def future(self) -> torch.futures.Future[torch.Tensor]:
-        """The same exchange as a future of its result, for a caller that chains on it."""
-        result = self._result
-        chained: torch.futures.Future[torch.Tensor] = exit_safety.then(
-            self._work.get_future(), lambda _: result
-        )
-        return chained
+#: a bucket's exchange in flight: ``wait()`` gives the reduced flat buffer. (A class that
+#: waited on the all-reduce's work itself, without a callback, was tried and undone: see
+#: ``strategies.bsp._allreduce_sum``.)
+Exchanged = torch.futures.Future[torch.Tensor]
 
 
 #: launches one bucket's exchange; it gets ``GradBucket.for_exchange()``, the bucket's memory
@@ -373,8 +343,7 @@ class BucketReducer:
             self._launch_writes[bucket.index()] = compat.write_count(bucket.buffer())
         fut = self._exchange(bucket.for_exchange())
         if self._record_spans:
-            chained = fut.future() if isinstance(fut, Launched) else fut
-            fut = exit_safety.then(chained, self._span_recorder(bucket, t0, wall0))
+            fut = exit_safety.then(fut, self._span_recorder(bucket, t0, wall0))
         self._futures[bucket.index()] = fut
 
     def _span_recorder(
