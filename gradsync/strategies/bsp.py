@@ -428,10 +428,11 @@ def _allreduce_sum(state: Any, bucket: FlatBucket) -> torch.futures.Future[torch
     """The uncompressed exchange without its division: the bucket already holds g / W.
 
     Waited as its future, through a callback (``exit_safety.then``). Waiting on the work
-    itself (a ``Launched`` class in buckets, ac9403c) saved the callback's hand-over on gloo's thread, but
-    with it a rank whose peer was stopped (SIGSTOP) mid-run went on to the next step's gate
-    and failed there, 12.8 s after the stop instead of about 7 (tests/e2e/test_stopped_worker.py
-    failed 6 times in 8 with it, passed 6 in 6 without); not understood yet, so undone."""
+    itself (a ``Launched`` class in buckets, ac9403c) saved the callback's hand-over on gloo's
+    thread, but with it a rank whose peer was stopped (SIGSTOP) mid-run went on to the next
+    step's gate and failed there, 12.8 s after the stop instead of about 7
+    (tests/e2e/test_stopped_worker.py failed 6 times in 8 with it, passed 6 in 6 without); not
+    understood yet, so undone."""
     buf = bucket.buffer()
     state.bytes_sent += buf.numel() * buf.element_size()
     work = dist.all_reduce(buf, group=state.group, async_op=True)
