@@ -27,8 +27,8 @@ from tests.e2e.test_replica_groups import (
 )
 from tests.support.proctree import (
     Watched,
+    assert_listens_on_hosts_only,
     describe_listeners,
-    is_loopback,
     reaped_within,
     watch_until_exit,
 )
@@ -98,13 +98,7 @@ def test_replica_groups_on_two_emulated_hosts_heal_across_the_link(tmp_path: Pat
     hosts = ipaddress.ip_network(f"{SUBNET}.0/24")
     seen = describe_listeners(watched.listeners)
     addresses = {entry[0].rpartition(":")[0] for entry in watched.listeners}
-    outside = {
-        entry
-        for entry in watched.listeners
-        if not is_loopback(entry[0])
-        and ipaddress.ip_address(entry[0].rpartition(":")[0]) not in hosts
-    }
-    assert not outside, "listening beyond the hosts' addresses:\n  " + describe_listeners(outside)
+    assert_listens_on_hosts_only(watched.listeners, hosts)
     lighthouse = {e[0] for e in watched.listeners if "gradsync.membership.lighthouse" in e[2]}
     assert lighthouse and all(a.startswith(f"{host0}:") for a in lighthouse), seen
     assert host1 in addresses, "nothing listened on host 1's address:\n  " + seen

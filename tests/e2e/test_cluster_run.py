@@ -13,9 +13,8 @@ import pytest
 from gradsync.cluster import requirements_missing
 from gradsync.cluster.netns import SUBNET
 from tests.support.proctree import (
+    assert_listens_on_hosts_only,
     assert_listens_on_loopback_only,
-    describe_listeners,
-    is_loopback,
     watched_run,
 )
 
@@ -49,11 +48,5 @@ def test_a_script_on_two_emulated_hosts_matches_loopback_and_cleans_up(tmp_path:
     # Loopback inside a host's namespace is that host's own; else only the emulated hosts'
     # addresses (their namespaces hold nothing else: a wildcard socket is what this catches).
     hosts = ipaddress.ip_network(f"{SUBNET}.0/24")
-    outside = {
-        entry
-        for entry in on_hosts.listeners
-        if not is_loopback(entry[0])
-        and ipaddress.ip_address(entry[0].rpartition(":")[0]) not in hosts
-    }
-    assert not outside, "listening beyond the hosts' addresses:\n  " + describe_listeners(outside)
+    assert_listens_on_hosts_only(on_hosts.listeners, hosts)
     assert_listens_on_loopback_only(local)

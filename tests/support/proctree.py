@@ -208,3 +208,17 @@ def assert_listens_on_loopback_only(watched: Watched) -> None:
     )
     outside = {entry for entry in watched.listeners if not is_loopback(entry[0])}
     assert not outside, "listening beyond loopback:\n  " + describe_listeners(outside)
+
+
+def assert_listens_on_hosts_only(
+    listeners: set[tuple[str, int, str]], hosts: ipaddress.IPv4Network
+) -> None:
+    """None of ``listeners`` beyond loopback (inside a namespace, that host's own) or the
+    emulated hosts' subnet ``hosts``: a wildcard socket is what this catches."""
+    outside = {
+        entry
+        for entry in listeners
+        if not is_loopback(entry[0])
+        and ipaddress.ip_address(entry[0].rpartition(":")[0]) not in hosts
+    }
+    assert not outside, "listening beyond the hosts' addresses:\n  " + describe_listeners(outside)
