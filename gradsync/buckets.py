@@ -160,15 +160,9 @@ class GradBucket(FlatBucket):
         return self._buffer.numel() * self._buffer.element_size()
 
 
-#: a bucket's exchange in flight: ``wait()`` gives the reduced flat buffer. (A class that
-#: waited on the all-reduce's work itself, without a callback, was tried and undone: see
-#: ``strategies.bsp._allreduce_sum``.)
-Exchanged = torch.futures.Future[torch.Tensor]
-
-
 #: launches one bucket's exchange; it gets ``GradBucket.for_exchange()``, the bucket's memory
 #: under an alias whose writes the write guard does not count
-ExchangeFn = Callable[[FlatBucket], Exchanged]
+ExchangeFn = Callable[[FlatBucket], "torch.futures.Future[torch.Tensor]"]
 
 
 class BucketReducer:
@@ -204,7 +198,7 @@ class BucketReducer:
         #: each bucket's range name in torch.profiler traces, made once
         self._range_names = [f"gradsync.launch[bucket {b.index()}]" for b in self.buckets]
         self._next_to_launch = 0
-        self._futures: list[Exchanged | None] = []
+        self._futures: list[torch.futures.Future[torch.Tensor] | None] = []
         #: (bucket index, perf_counter at launch, wall time at launch) for this step
         self.launch_log: list[tuple[int, float, float]] = []
         self._spans: list[Span] = []

@@ -175,7 +175,7 @@ class TorchftMembership:
         rank-0 peers all healed from one replica, so the group then holds that replica's
         weights. Later quorums heal from committed replicas, which agree bitwise."""
         group = self._group
-        src = 0 if group is None else dist.get_global_rank(group, 0)
+        src = _group_root(group)
         with torch.no_grad():
             for tensor in self._state.model.state_dict().values():
                 dist.broadcast(tensor, src=src, group=group)
@@ -354,6 +354,11 @@ def _quiet_torchft_noise() -> None:
     )
 
 
+def _group_root(group: dist.ProcessGroup | None) -> int:
+    """The global rank of ``group``'s rank 0 (the default group's: 0)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
 def _group_store(
     host: str,
     timeout: datetime.timedelta,
@@ -367,7 +372,7 @@ def _group_store(
     store = server_store(host, 0, timeout=timeout) if rank == 0 else None
     port = [store.port if store is not None else 0]
     if world > 1:
-        src = 0 if group is None else dist.get_global_rank(group, 0)
+        src = _group_root(group)
         dist.broadcast_object_list(port, src=src, group=group)
     if store is None:
         store = dist.TCPStore(host, port[0], is_master=False, timeout=timeout)

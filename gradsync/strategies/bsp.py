@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from gradsync import exit_safety, runtime
 from gradsync.bucket_autotune import AUTO, STEPS_PER_PLAN, WARMUP_STEPS, BucketTuner, candidates
-from gradsync.buckets import MB, BucketReducer, Exchanged, distinct_plans
+from gradsync.buckets import MB, BucketReducer, distinct_plans
 from gradsync.checks.guards import (
     all_finite,
     nonfinite_flag,
@@ -92,7 +92,7 @@ class BSP(Strategy):
         self._world = runtime.world_size(ctx.group)
         self._membership = ctx.membership
         # The Synchronizer refused the rest (gradsync.membership): the quorum carries a plain
-        # mean, sent as is or cast to fp16/bf16, and the world here is this replica alone.
+        # mean, sent as is or cast to fp16/bf16, after the replica group's own sum.
         self._live_wire = (
             None
             if self._membership is None or ctx.compressor is ALLREDUCE
@@ -202,7 +202,7 @@ class BSP(Strategy):
     def compressor_state(self) -> Any:
         return self._state
 
-    def _exchange(self, bucket: FlatBucket) -> Exchanged:
+    def _exchange(self, bucket: FlatBucket) -> torch.futures.Future[torch.Tensor]:
         assert self._ctx is not None
         self._ctx.before_collective()
         if self._membership is not None:
