@@ -11,11 +11,14 @@ worth of bytes every H steps: 1/H of BSP's per step, before compression.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
+from gradsync import runtime
 from gradsync.checks.diagnose import END
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
@@ -64,6 +67,7 @@ class Periodic(Strategy):
         self._ctx: SyncContext | None = None
         self._params: list[torch.Tensor] = []
         self._state: Any = None
+        self._group_sum = GroupSum(1, lambda flat: lambda: None)
         self._average_over = 1
         self._step = 0  # the last step run: where a synchronization's wait is diagnosed
         #: whether the replicas agree (right after a synchronization, or the initial broadcast)
@@ -78,6 +82,9 @@ class Periodic(Strategy):
         # Under a hierarchy the compressor (or plain all-reduce) runs among the hosts' leaders.
         group = ctx.group if ctx.hierarchy is None else ctx.hierarchy.leader_group
         self._state = ctx.compressor.make_state(group)
+        #: under live membership, this replica group's own sum (``_live_launch``):
+        #: ``ctx.group`` is the group, the quorum holds the other groups
+        self._group_sum = group_sum(ctx.group)
 
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
@@ -181,11 +188,30 @@ class Periodic(Strategy):
             # not committed): a quorum of its own rather than the last one's, decided already
             membership.start_step(step)
             self._quorum_open = True
-        self._state.bytes_sent += flat.numel() * flat.element_size()
-        mean = membership.allreduce(flat).wait()
+        mean = self._live_launch(flat).wait()
         committed = membership.commit(step)
         self._quorum_open = False
         return mean if committed else None
+
+    def _live_launch(self, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Start the mean of ``flat`` (in place) over every rank of every replica group in the
+        quorum: ``flat / W`` summed over this group's W ranks (gloo; the group's mean, the same
+        bits on each of its ranks), then the quorum's mean of those over its participants,
+        rank R with rank R of the other groups (``Membership.allreduce``, which waits for the
+        group's sum first). Groups of equal size make that the mean over all their ranks,
+        and every rank of every group holds the same bits; a group of one rank sends its
+        own values as they are."""
+        membership = self._live()
+        assert membership is not None
+        nbytes = flat.numel() * flat.element_size()
+        self._state.bytes_sent += nbytes
+        ranks = self._group_sum.ranks
+        if ranks == 1:
+            return membership.allreduce(flat)
+        flat.div_(ranks)
+        self._state.bytes_sent += nbytes  # the group's own all-reduce
+        # launched here, on the thread every rank's collectives are issued from, in order
+        return membership.allreduce(flat, after=self._group_sum.launch(flat))
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Replicas agree right after each synchronization (and at the end), and only then."""
@@ -428,8 +454,7 @@ class DiLoCo(Periodic):
         if membership is not None:
             # the quorum joined before it carries it; it is waited for at its due step
             assert self._quorum_open, f"{self.spec}: an exchange started with no quorum joined"
-            self._state.bytes_sent += pseudo.numel() * pseudo.element_size()
-            result = membership.allreduce(pseudo)
+            result = self._live_launch(pseudo)
         elif self.delay == 0:
             result = self._mean(pseudo, fragment, params)
         else:
@@ -570,6 +595,28 @@ class DiLoCo(Periodic):
             )
             for ex in saved_pending
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSum:
+    """A replica group's own sum under live membership: its ``ranks``, and ``launch``, which
+    starts a tensor's sum over them in place and returns its wait."""
+
+    ranks: int
+    launch: Callable[[torch.Tensor], Callable[[], object]]
+
+
+def group_sum(group: dist.ProcessGroup | None) -> GroupSum:
+    """``group``'s sum: a plain gloo all-reduce, uncompressed (``Periodic._live_launch``). A
+    function of its own so that a test can stand in for a group of several ranks without
+    starting processes (tests/unit/test_group_quorum_mean_unit.py)."""
+
+    def launch(flat: torch.Tensor) -> Callable[[], object]:
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        assert work is not None
+        return work.wait
+
+    return GroupSum(runtime.world_size(group), launch)
 
 
 def _streaming_spec(
