@@ -273,7 +273,6 @@ class Synchronizer:
             allreduce=self.allreduce,
             bucket_mb=self.options.exchange.bucket_mb,
             balance=self.options.exchange.balance,
-            world_size=self.world_size,
         )
         self._membership: Any = None
         #: what the strategy works on (set up in ``_setup_strategy``)

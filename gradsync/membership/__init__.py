@@ -88,7 +88,6 @@ def check_membership(
     allreduce: str,
     bucket_mb: Any,
     balance: Any,
-    world_size: int,
 ) -> LiveSettings | None:
     """The validated settings of ``membership=`` (None: no live membership), or a
     ``UsageError`` naming the bad value and what is valid. Called before anything listens."""
@@ -105,15 +104,10 @@ def check_membership(
     min_replicas = 1 if min_replicas is None else min_replicas
     if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
         raise UsageError(f"min_replicas must be an integer >= 1, got {min_replicas!r}")
+    # Whatever check_exchange lets through runs in a replica group of any number of ranks:
+    # each rank exchanges with the same rank of the other groups, after the group's own sum
+    # (bsp's buckets, the periodic averages: docs/membership.md).
     check_exchange(strategy, compression_spec, allreduce, bucket_mb, balance)
-    kind = parse_strategy_spec(strategy).kind if isinstance(strategy, str) else None
-    if world_size != 1 and kind != "bsp":
-        raise UsageError(
-            f"membership='torchft' with {strategy!r} runs each replica group as one process "
-            f"(a world of 1), but this group has {world_size} ranks: a replica group of "
-            "several ranks takes strategy='bsp' (each rank exchanges with the same rank of the "
-            "other groups); start one process per group for local:H and diloco:H"
-        )
     address = lighthouse if lighthouse is not None else os.environ.get(LIGHTHOUSE_ENV)
     if not address:
         raise UsageError(

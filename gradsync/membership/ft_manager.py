@@ -1,11 +1,13 @@
 """This replica group as a torchft participant: its ``Manager``, built so that every socket
 gradsync can place listens on one address (``host``: loopback, or on the emulated cluster the
-host's own, ``$GRADSYNC_MEMBERSHIP_HOST``), and the three calls BSP makes of it each step.
+host's own, ``$GRADSYNC_MEMBERSHIP_HOST``), and the three calls a strategy makes of it (BSP
+each step, ``local:H`` and ``diloco:H`` each exchange).
 
 Why a module of its own: torchft's ``Manager`` is the only cross-replica channel under
-``membership="torchft"`` (each replica group is a world of one, so gradsync's own collectives
-stay local), and building it takes decisions that are not a strategy's: which store, which
-checkpoint transport, what a replacement heals from, where things listen. BSP sees it only as
+``membership="torchft"`` (gradsync's own collectives stay inside one replica group: a world
+of one, or the group's ranks summing before the quorum's mean), and building it takes
+decisions that are not a strategy's: which store, which checkpoint transport, what a
+replacement heals from, where things listen. Strategies see it only as
 ``strategies.base.Membership`` (``start_step``, ``allreduce``, ``commit``).
 
 What listens (docs/membership.md has the table):
@@ -171,14 +173,21 @@ class TorchftMembership:
 
     def _align_group(self) -> None:
         """After the first quorum, every rank of this replica group takes its rank 0's model
-        (parameters and buffers), as the Synchronizer's initial broadcast does: the ranks'
-        rank-0 peers all healed from one replica, so the group then holds that replica's
-        weights. Later quorums heal from committed replicas, which agree bitwise."""
+        (parameters and buffers), as the Synchronizer's initial broadcast does, and its
+        strategy's state (DiLoCo's global copies and outer momentum, which a healing brings
+        with the parameters: a rank with one replica's global copy and another's parameters
+        would send their difference as its pseudo-gradient). The group then holds one
+        replica's weights. Later quorums heal from committed replicas, which agree bitwise."""
         group = self._group
         src = _group_root(group)
         with torch.no_grad():
             for tensor in self._state.model.state_dict().values():
                 dist.broadcast(tensor, src=src, group=group)
+        strategy = self._state.strategy
+        held: list[dict[str, Any]] = [strategy.state_dict() if runtime.rank(group) == 0 else {}]
+        dist.broadcast_object_list(held, src=src, group=group)
+        if runtime.rank(group) != 0:
+            strategy.load_state_dict(held[0])
 
     def _heal(self, state: dict[str, Any]) -> None:
         self._state.load_state_dict(state)

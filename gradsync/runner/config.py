@@ -220,8 +220,7 @@ class RunConfig:
     replica_groups: int = flag(
         0,
         metavar="G",
-        help="live membership: G replica groups of --nproc ranks (1 under local:H and "
-        "diloco:H), each a torchft "
+        help="live membership: G replica groups of --nproc ranks, each a torchft "
         "participant with its own restarts (--max-restarts, per group): the others go on "
         "without a lost group, and its replacement heals from a live peer; --kill and --slow "
         "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp (also with fp16/bf16), "
@@ -519,13 +518,6 @@ class RunConfig:
                 f"{groups}: a single group has no peer to go on without it or to heal from"
             )
         kind = parse_strategy_spec(self.strategy).kind
-        if self.nproc != 1 and kind != "bsp":
-            raise UsageError(
-                f"--replica-groups with --nproc {self.nproc} runs --strategy bsp (each rank "
-                f"exchanges with the same rank of the other groups), got {self.strategy}: "
-                "local:H and diloco:H run one rank per replica group; use --nproc 1 (and more "
-                "--replica-groups), or --strategy bsp"
-            )
         if groups * self.nproc > MAX_LOCAL_PROCESSES:
             raise UsageError(
                 f"--replica-groups {groups} of --nproc {self.nproc} is {groups * self.nproc} "

@@ -204,17 +204,21 @@ def _membership_marks(directory: Path) -> list[str]:
 
 
 @pytest.mark.timeout(280)
-@pytest.mark.parametrize("strategy", ["local:2"])
+@pytest.mark.parametrize(("strategy", "nproc"), [("local:2", 1), ("local:2", 2), ("diloco:2", 2)])
 def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
-    tmp_path: Path, strategy: str
+    tmp_path: Path, strategy: str, nproc: int
 ) -> None:
-    """``local:2``: one quorum a period, joined before its first local step;
+    """``local:2`` and ``diloco:2``: one quorum a period, joined before its first local step;
     the killed group's replacement heals there from group 0 (DiLoCo's global copy and outer
     momentum with it), trains the period on its own data (its share of the period's exchange is
     its own, not its donor's again), and the last exchange leaves both groups' parameters
-    bitwise equal; group 0 never restarts."""
+    bitwise equal; group 0 never restarts. With groups of two ranks, group 1's rank 0 is killed
+    and its agent restarts both; each exchange is summed in the group first (the bytes say so),
+    and the run's final divergence check holds each group's two ranks bitwise equal, so all
+    four ranks end with the same bits (without the group's sum it failed)."""
     out = tmp_path / "run"
-    _, stderr, _, _ = _kill_heal_run(out, "--strategy", strategy)  # KILL_AT: a period's first step
+    # KILL_AT: a period's first step
+    _, stderr, _, _ = _kill_heal_run(out, "--strategy", strategy, nproc=nproc)
     assert f"strategy {strategy}, membership torchft" in stderr, stderr[-2000:]
     group0, group1 = out / "group-0", out / "group-1"
     healed = _group0_unbroken_group1_restarted_once(out)
@@ -227,11 +231,17 @@ def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # an average sends the model's fp32 values across groups, and as many inside a group
+    numel = sum(t.numel() for t in a.values())
+    records = _jsonl(group0 / "metrics.jsonl")
+    sent = {r["bytes"] for r in records if r["step"] % 2 == 1}
+    assert sent == {4 * numel * (1 if nproc == 1 else 2)}, (sent, numel)
 
 
 @pytest.mark.timeout(280)
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_a_group_lost_mid_exchange_fails_it_and_heals_at_the_next_quorum(
-    tmp_path: Path,
+    tmp_path: Path, nproc: int
 ) -> None:
     """Streaming DiLoCo ``diloco:6:2:1`` (fragment 0's exchange starts after steps 2, 8, ...
     and is applied one step later, fragment 1's after 5, 11, ...; one quorum an exchange,
@@ -241,9 +251,12 @@ def test_a_group_lost_mid_exchange_fails_it_and_heals_at_the_next_quorum(
     outer momentum), group 0 never restarts, the next quorum (step 10) takes in group 1's
     replacement, which heals there from group 0 (the streaming state with it, nothing in
     flight), and both end bitwise equal. Plain ``diloco:H`` is its one-fragment, undelayed
-    case, through the same code (docs/membership.md)."""
+    case, through the same code (docs/membership.md). With groups of two ranks, group 1's rank
+    0 is killed: both of group 0's ranks fail that exchange (rank 1's peer in group 1 never
+    sends: its group's sum failed first), and the end's divergence check holds each group's
+    ranks equal."""
     out = tmp_path / "run"
-    _, stderr, _, _ = _kill_heal_run(out, "--strategy", "diloco:6:2:1", kill_at=8)
+    _, stderr, _, _ = _kill_heal_run(out, "--strategy", "diloco:6:2:1", kill_at=8, nproc=nproc)
     group0, group1 = out / "group-0", out / "group-1"
     healed = _group0_unbroken_group1_restarted_once(out)
     assert [h["step"] for h in healed] == [10], healed
@@ -377,18 +390,22 @@ def test_a_run_killed_with_sigkill_leaves_no_replica_group_running(tmp_path: Pat
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["bsp", "diloco:2"])
 def test_a_script_whose_groups_start_apart_ends_with_one_model_on_every_rank(
-    tmp_path: Path,
+    tmp_path: Path, strategy: str
 ) -> None:
     """Two groups of two ranks running a user's script that seeds each group's model
     differently (tests/support/replica_group_script.py): torchft's first quorum heals rank R
     of a group from rank R of a peer, and where both groups are at step 0 rank 0 and rank 1
     may take different groups' weights; the group's ranks then take their rank 0's (without
-    it, each group's ranks diverged: the end-of-run check failed)."""
+    it, each group's ranks diverged: the end-of-run check failed), and under DiLoCo its global
+    copy and outer momentum with them (without those, a rank's pseudo-gradient mixed one
+    group's copy with the other's weights: the end-of-run check failed too)."""
     out = tmp_path / "out"
     out.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "2"]
+        + ["--strategy", strategy]
         + ["--timeout", "60", "--no-plots", "--no-progress", "--out", str(tmp_path / "run")]
         + ["--", str(ROOT / "tests" / "support" / "replica_group_script.py"), "--out", str(out)],
         capture_output=True,

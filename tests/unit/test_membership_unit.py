@@ -20,7 +20,6 @@ GOOD: dict[str, Any] = dict(
     allreduce="ring",
     bucket_mb=None,
     balance=False,
-    world_size=1,
 )
 
 
@@ -39,8 +38,6 @@ def test_no_membership_is_the_classic_restart_and_refuses_its_settings() -> None
         ({"allreduce": "hierarchical"}, r"allreduce='hierarchical'"),
         ({"bucket_mb": "auto"}, r"bucket_mb='auto'"),
         ({"balance": True}, r"with balance"),
-        ({"world_size": 2, "strategy": "local:4"}, r"'local:4' runs each replica group as one"),
-        ({"world_size": 2, "strategy": "diloco:4"}, r"but this group has 2 ranks: a replica"),
         ({"min_replicas": 0}, r"min_replicas must be an integer >= 1, got 0"),
     ],
 )
@@ -58,11 +55,6 @@ def test_streaming_diloco_with_each_exchange_applied_before_the_next_starts_runs
     """TAU below H // F: one quorum an exchange, the next joined after it was applied."""
     settings = check_membership("torchft", **{**GOOD, "strategy": strategy})
     assert settings is not None
-
-
-def test_a_replica_group_of_several_ranks_runs_bsp() -> None:
-    settings = check_membership("torchft", **{**GOOD, "world_size": 4})
-    assert settings is not None and settings.min_replicas == 1
 
 
 def test_an_unknown_membership_names_the_valid_ones() -> None:

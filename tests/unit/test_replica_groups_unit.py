@@ -11,6 +11,7 @@ import pytest
 
 from gradsync.attached_run import AttachedRun
 from gradsync.errors import UsageError
+from gradsync.membership import torchft_missing
 from gradsync.runner.cli import main
 from gradsync.runner.config import RunConfig
 from gradsync.runner.replica_groups import group_config, ranks_of_group
@@ -21,12 +22,22 @@ GROUPS = ["--replica-groups", "2", "--nproc", "1", "--workload", "mlp"]
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["bsp", "local:2", "diloco:2", "diloco:6:2:1"])
+def test_groups_of_several_ranks_run_every_live_strategy(strategy: str) -> None:
+    """Each rank exchanges with the same rank of the other groups, after its group's sum."""
+    if torchft_missing():
+        pytest.skip("torchft is not installed: pip install 'gradsync[ft]'")
+    cfg = RunConfig(replica_groups=2, nproc=2, strategy=strategy, workload="mlp", out="run")
+    assert (cfg.replica_groups, cfg.nproc, cfg.strategy) == (2, 2, strategy)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
         (
-            ["--replica-groups", "2", "--strategy", "local:2"],
-            "--replica-groups with --nproc 4 runs --strategy bsp",
+            ["--replica-groups", "2", "--nproc", "2", "--strategy", "ssp:2"],
+            "bsp, local:H or diloco:H only for now, got ssp:2",
         ),
         (["--replica-groups", "1", "--nproc", "1"], "must be between 2 and 256 (0: off), got 1"),
         ([*GROUPS, "--strategy", "zero:1"], "bsp, local:H or diloco:H only for now, got zero:1"),
