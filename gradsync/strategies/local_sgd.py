@@ -11,14 +11,16 @@ worth of bytes every H steps: 1/H of BSP's per step, before compression.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from gradsync import runtime
+from gradsync import exit_safety, runtime
 from gradsync.checks.diagnose import END
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
@@ -48,6 +50,7 @@ from gradsync.strategies.streaming import (
     fragment_tensors,
     offsets,
 )
+from gradsync.telemetry.records import Span
 
 
 class Periodic(Strategy):
@@ -75,6 +78,8 @@ class Periodic(Strategy):
         #: under live membership: a quorum was joined and its commit is not decided yet
         #: (torchft's Manager holds one quorum at a time)
         self._quorum_open = False
+        #: this step's timeline spans of its synchronization (``record_spans``)
+        self._spans: list[Span] = []
 
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
@@ -85,6 +90,22 @@ class Periodic(Strategy):
         #: under live membership, this replica group's own sum (``_live_launch``):
         #: ``ctx.group`` is the group, the quorum holds the other groups
         self._group_sum = group_sum(ctx.group)
+
+    @contextmanager
+    def _timed(self, name: str, cat: str = "step", **args: Any) -> Iterator[None]:
+        """A timeline span around the block (``record_spans``; nothing is timed otherwise):
+        where a synchronization's time goes on the training thread (issue 46)."""
+        if self._ctx is None or not self._ctx.record_spans:
+            yield
+            return
+        wall0, t0 = time.time(), time.perf_counter()
+        yield
+        self._spans.append(Span(-1, -1, name, wall0, time.perf_counter() - t0, cat, args or None))
+
+    def _take_spans(self, outcome: StepOutcome) -> StepOutcome:
+        outcome.spans.extend(self._spans)
+        self._spans = []
+        return outcome
 
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
@@ -143,11 +164,12 @@ class Periodic(Strategy):
             return outcome
         if self._ctx.gate is not None:
             self._ctx.gate.ensure(step, f"averaging of {self.name}:{self.period}")
-        self._synchronize()
+        with self._timed("average", "comm"):
+            self._synchronize()
         self._in_sync = True
         outcome.bytes_sent += self._state.bytes_sent - before
         outcome.barrier = True
-        return outcome
+        return self._take_spans(outcome)
 
     def finalize(self) -> None:
         """An incomplete last period ends with one more synchronization (an average, or an
@@ -380,6 +402,8 @@ class DiLoCo(Periodic):
         self._globals: list[torch.Tensor] = []
         self._outer_opt: torch.optim.SGD | None = None
         self._pending: list[Exchange] = []
+        #: each fragment's last exchange's time in flight, set on the communication thread
+        self._in_flight: dict[int, Span] = {}
 
     def setup(self, ctx: SyncContext) -> None:
         super().setup(ctx)
@@ -429,7 +453,7 @@ class DiLoCo(Periodic):
             # Ranks wait for each other where an exchange is applied, not where it starts.
             outcome.barrier = True
             self._in_sync = committed and self._replicated()
-        return outcome
+        return self._take_spans(outcome)
 
     def _joins_quorum(self, step: int) -> bool:
         """Live membership: one quorum an exchange, joined at the run's first step and at the
@@ -447,19 +471,42 @@ class DiLoCo(Periodic):
         return self.fragments == 1 and self.alpha == 0 and not self._pending
 
     def _start(self, fragment: int, step: int) -> None:
+        # The training thread's part: the pseudo-gradient and the compressor's encode, and
+        # under plain DiLoCo the whole exchange (the wire, the peers, the decode) as well.
+        blocking = self.delay == 0 and self._live() is None
+        name = f"outer_exchange[{fragment}]" if blocking else f"outer_launch[{fragment}]"
+        with self._timed(name, "comm" if blocking else "step", fragment=fragment):
+            result = self._launch_fragment(fragment)
+        if not isinstance(result, torch.Tensor) and self._ctx and self._ctx.record_spans:
+            result = self._track_in_flight(fragment, result)
+        self._pending.append(Exchange(fragment, step + self.delay, result))
+
+    def _launch_fragment(self, fragment: int) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
         params = self._fragment_params[fragment]
         pseudo = self._globals[fragment] - flatten(params)
-        result: torch.Tensor | torch.futures.Future[torch.Tensor]
-        membership = self._live()
-        if membership is not None:
+        if self._live() is not None:
             # the quorum joined before it carries it; it is waited for at its due step
             assert self._quorum_open, f"{self.spec}: an exchange started with no quorum joined"
-            result = self._live_launch(pseudo)
-        elif self.delay == 0:
-            result = self._mean(pseudo, fragment, params)
-        else:
-            result = self._launch(pseudo, fragment, params, wait=False)
-        self._pending.append(Exchange(fragment, step + self.delay, result))
+            return self._live_launch(pseudo)
+        if self.delay == 0:
+            return self._mean(pseudo, fragment, params)
+        return self._launch(pseudo, fragment, params, wait=False)
+
+    def _track_in_flight(
+        self, fragment: int, future: torch.futures.Future[torch.Tensor]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The exchange's time in flight, launch to result (the wire, the peers, the decode on
+        the communication thread), kept as a span for the step it is applied at: what the
+        inner steps overlap."""
+        wall0, t0 = time.time(), time.perf_counter()
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            value = fut.value()
+            name = f"outer_in_flight[{fragment}]"
+            self._in_flight[fragment] = Span(-1, -1, name, wall0, time.perf_counter() - t0, "comm")
+            return value
+
+        return cast("torch.futures.Future[torch.Tensor]", exit_safety.then(future, done))
 
     def _apply_due(self, step: int) -> tuple[int, bool]:
         """Apply (in the order they started) the exchanges due by ``step``: how many were due,
@@ -471,14 +518,22 @@ class DiLoCo(Periodic):
         membership = self._live()
         committed = True
         for ex in due:
-            mean = self._resolve(ex)
+            if isinstance(ex.result, torch.Tensor):  # waited for already (no delay)
+                mean = ex.result
+            else:
+                with self._timed(f"outer_wait[{ex.fragment}]", fragment=ex.fragment):
+                    mean = self._resolve(ex)
+            in_flight = self._in_flight.pop(ex.fragment, None)
+            if in_flight is not None:
+                self._spans.append(in_flight)
             if membership is not None:
                 ok = membership.commit(ex.due)
                 self._quorum_open = False
                 if not ok:
                     committed = False
                     continue
-            self._apply(ex.fragment, mean, self.alpha)
+            with self._timed(f"outer_step[{ex.fragment}]", fragment=ex.fragment):
+                self._apply(ex.fragment, mean, self.alpha)
         return len(due), committed
 
     def _resolve(self, ex: Exchange) -> torch.Tensor:

@@ -47,6 +47,30 @@ def test_one_fragment_without_delay_is_plain_diloco_bitwise(runs: list[dict[str,
 
 
 @pytest.mark.timeout(120)
+def test_exchange_spans_time_each_phase_and_change_nothing(runs: list[dict[str, Any]]) -> None:
+    # record_spans puts each exchange's phases on the timeline (issue 46): the launch on the
+    # training thread, its time in flight, the wait and the outer step TAU=1 step later;
+    # under plain DiLoCo one blocking exchange a period. The parameters are the same bits.
+    for r in range(WORLD):
+        for timed, untimed in (("alpha 0, spans", "alpha 0"), ("plain, spans", "plain")):
+            assert torch.equal(runs[r][timed]["params"], runs[r][untimed]["params"])
+            assert runs[r][timed]["after"][-1].equal(runs[r][untimed]["after"][-1])
+        assert runs[r]["alpha 0"]["spans"] == []  # nothing recorded unless asked
+        spans = runs[r]["alpha 0, spans"]["spans"]
+        assert all(dur >= 0 for _, _, dur in spans)
+        for p in range(2):
+            launched = [s for s, n, _ in spans if n == f"outer_launch[{p}]"]
+            for phase in ("outer_in_flight", "outer_wait", "outer_step"):
+                applied = [s for s, n, _ in spans if n == f"{phase}[{p}]"]
+                # every exchange applied within the run, one step after its launch (the last
+                # may still be in flight at the end, flushed by report())
+                assert applied and applied == [s + 1 for s in launched[: len(applied)]]
+        plain = runs[r]["plain, spans"]["spans"]
+        each = ("outer_exchange[0]", "outer_step[0]")
+        assert [(s, n) for s, n, _ in plain] == [(s, n) for s in (3, 7, 11) for n in each]
+
+
+@pytest.mark.timeout(120)
 def test_two_ranks_match_the_float64_reference(runs: list[dict[str, Any]]) -> None:
     # H=4, F=2, TAU=1, ALPHA=0.25 over 12 steps: fragment 1 starts after the last step, so its
     # exchange is still in flight when report() flushes it.

@@ -53,13 +53,20 @@ def train(
     *,
     compression: str | None = None,
     dtype: str = "float64",
+    record_spans: bool = False,
 ) -> dict[str, Any]:
     """Train the mlp; return the parameters after every step, the final (post-``report()``)
-    ones, the losses and each step's bytes and barrier flag."""
+    ones, the losses, each step's bytes and barrier flag, and (``record_spans``) the
+    exchanges' timeline spans as (step, name, seconds)."""
     w = _workload(dtype)
     model = w.build_model()
     sync = gs.Synchronizer(
-        model, _optimizer(model), strategy=strategy, compression=compression, timeout_s=30
+        model,
+        _optimizer(model),
+        strategy=strategy,
+        compression=compression,
+        timeout_s=30,
+        record_spans=record_spans,
     )
     after, losses = [], []
     for step in range(steps):
@@ -78,6 +85,7 @@ def train(
         "losses": losses,
         "bytes": [r.bytes for r in mine],
         "barrier": [r.barrier for r in mine],
+        "spans": [(s.step, s.name, s.dur) for s in sync.spans if s.name not in ("compute", "sync")],
     }
 
 
@@ -97,6 +105,9 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
         "int8": train(rank, world, "diloco:4:2", 48, compression="int8", dtype="float32"),
         "topk": train(rank, world, "diloco:4:2", 48, compression="topk:0.3", dtype="float32"),
         "int4": train(rank, world, "diloco:4:2", 48, compression="int4", dtype="float32"),
+        # "alpha 0" and "plain" again, their exchanges timed on the timeline (issue 46)
+        "alpha 0, spans": train(rank, world, "diloco:4:2:1", 12, record_spans=True),
+        "plain, spans": train(rank, world, "diloco:4", 12, record_spans=True),
     }
 
 
