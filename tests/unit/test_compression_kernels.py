@@ -20,6 +20,7 @@ import torch
 from gradsync.compression import _select
 from gradsync.compression._lowrank import compute_p, compute_q, subtract_outer, write_outer
 from gradsync.compression._select import SMALL, random_subset, top_magnitudes
+from gradsync.compression.int4 import Int4Codec
 from gradsync.compression.int8 import Int8Codec, dequantize, quantize, rounding_noise
 from gradsync.compression.powersgd import Projection, plan_shapes
 from gradsync.compression.sign import SignCodec, pack_signs, unpack_signs
@@ -107,6 +108,19 @@ def test_sign_contribution_subtracts_exactly_the_decode(n: int) -> None:
     codec = SignCodec(n, 64, torch.float32)
     x = rand(n, 4)
     x[::9] = -0.0
+    parts = codec.encode(x, 0)
+    expected = x - codec.decode(parts, 0)
+    got = codec.contribution(parts, 0).subtract_from(x.clone())
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("n", [1000, 600_001])
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_int4_contribution_subtracts_exactly_the_decode(n: int, chunk: int) -> None:
+    # Error feedback's residual without the dense decode: the same bits as x - decode(parts).
+    codec = Int4Codec(n, chunk, torch.float32)
+    x = rand(n, 5)
+    x[: chunk + 3] = 0.0  # a chunk of zeros: its scale is 0
     parts = codec.encode(x, 0)
     expected = x - codec.decode(parts, 0)
     got = codec.contribution(parts, 0).subtract_from(x.clone())
