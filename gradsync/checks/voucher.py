@@ -56,19 +56,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from gradsync.checks import liveness
-from gradsync.checks.secret import SECRET_ENV
 
 #: how long the voucher waits for the store to answer when it connects and on each write
 _STORE_TIMEOUT_S = 30.0
+#: the voucher's niceness, taken before it imports torch (see ``main``)
+NICE = 19
 _MODULE = "gradsync.checks.voucher"
 
 
 def tcp_store(store: Any) -> Any | None:
     """The TCPStore under ``store``'s prefixes, or None where there is none (a FileStore or
     a HashStore: no other machine reaches those)."""
+    import torch.distributed as dist  # the rank's, imported already (see ``main``)
+
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store if isinstance(store, dist.TCPStore) else None
@@ -98,6 +99,8 @@ class Voucher:
         # The same gradsync as this process's, wherever that was imported from.
         root = str(Path(__file__).resolve().parents[2])
         # It is handed keys already named through the run's secret: it needs none.
+        from gradsync.checks.secret import SECRET_ENV  # imports torch: the rank's, not here
+
         env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         args = [str(os.getpid()), start, host, str(port)]
@@ -266,6 +269,16 @@ def main(argv: list[str]) -> int:
     pid, start, host, port = argv
     # A terminal's Ctrl-C is for the rank to act on; its voucher follows it out when it goes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Behind training, and before torch's import (about 1.7 s of CPU): on a machine whose
+    # cores the ranks fill (the emulated cluster: every host on one machine's cores), each
+    # voucher's import at nice 0 took that from the ranks' first steps, in a run of a few
+    # seconds up to about half their CPU (issue 46's frontier). At 19 it still gets a small
+    # share of a busy core, so its writes keep coming (0.4 ms of CPU each, one a heartbeat
+    # interval); until its first, peers judge the rank by its heartbeat, as before.
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
+    import torch.distributed as dist
+
     timeout = datetime.timedelta(seconds=_STORE_TIMEOUT_S)
     try:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)

@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from gradsync.checks import liveness
+from gradsync.checks.voucher import NICE
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +56,11 @@ def _state(store: dist.TCPStore, key: str) -> str:
     return store.get(key).decode().partition("|")[2] if store.check([key]) else ""
 
 
+def _nice(pid: int) -> int:
+    # /proc/PID/stat: the field after the command's closing parenthesis, 17th from there
+    return int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[16])
+
+
 def _exited(pid: int) -> bool:
     """Gone, or a zombie nobody reaped yet (it no longer runs either way)."""
     start = liveness.start_of(pid)
@@ -76,6 +82,8 @@ def test_the_voucher_says_whether_its_rank_runs_and_dies_with_it() -> None:
         assert voucher == same  # one voucher per rank, however many watches
         # Written in the TCPStore itself (not under the prefix), renamed as the rank asked.
         _until(lambda: _state(store, "second") in ("R", "S"))
+        # behind its rank (issue 46): niced before it imported torch (it has, to write)
+        assert _nice(voucher) == NICE
         closed = store.get("other")
         time.sleep(1.0)  # two of the closed claim's beats, ten of the other's
         assert store.get("other") == closed
