@@ -630,10 +630,11 @@ class Synchronizer:
         self._watch.enter(BLOCK, self._step)
         leaving = False  # a KeyboardInterrupt or SystemExit ends the block
         try:
-            if self._ahead is not None:
-                self._settle_gate()  # the wait of a step a KeyboardInterrupt left, if caught
+            self._settle_gate()  # the wait of a step a KeyboardInterrupt left, if caught
+            gated = self.strategy.gate_at(self._step) if self._ahead is not None else None
+            if self._ahead is not None and gated is not None:
                 # Joined before the step's first collective: the forward hides its round trips.
-                self._ahead.arm(self._step, "the step")
+                self._ahead.arm(self._step, gated)
             else:
                 if self.strategy.replicates_every_step:
                     self._pass_gate(self._step, "the step")

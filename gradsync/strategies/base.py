@@ -480,6 +480,13 @@ class Strategy(Protocol):
         """Whether replicas must match after ``step`` (the same answer on every rank)."""
         return True
 
+    def gate_at(self, step: int) -> str | None:
+        """With ``gate_ahead``: what ``step``'s collectives are called in the gate's messages,
+        or None where the step posts none (the same answer on every rank); the gate is armed
+        at the block's entry of the steps named. Every step by default ("the step"); a
+        periodic strategy's exchange steps only."""
+        return "the step"
+
     def server_role(self) -> ServerRole | None:
         """The role of this rank if it is a server (after ``setup``); None on workers."""
         return None

@@ -55,6 +55,8 @@ class Gossip(Periodic):
     #: nothing spans the group before the end: telemetry is gathered then, not every few steps
     barrier_free = True
     takes_hierarchy = False
+    #: no gate: a pair waits for each other only (the final average passes one at ``END``)
+    gate_ahead = False
 
     def __init__(self, period: int) -> None:
         super().__init__(period)

@@ -15,8 +15,12 @@ pytestmark = pytest.mark.ranks
 GROUP_TIMEOUT_S = 30  # the process group's own, which the user's collectives keep
 
 
+#: gates in steps 4-9: every step's, or (issue 46) only the steps an exchange follows
+GATES = {"bsp": 6, "zero:2": 6, "local:2": 3, "diloco:4:2:1": 3}
+
+
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["bsp", "zero:2"])
+@pytest.mark.parametrize("strategy", list(GATES))
 def test_the_gate_waits_on_its_own_thread_and_a_late_rank_is_waited_for(strategy: str) -> None:
     r0, r1 = run_ranks(
         gate_ahead_ranks.store_requests_per_step,
@@ -29,13 +33,15 @@ def test_the_gate_waits_on_its_own_thread_and_a_late_rank_is_waited_for(strategy
         assert r["steps"] == 10
         # steps 4-9: the training thread asks the store nothing; the gate's thread does
         assert r["training"] == 0, r
-        assert r["gate"] >= 2 * 6, r
+        gates = GATES[strategy]
+        assert r["gate"] >= 2 * gates, r
         # two requests a gate (issue 44): one add, then the last arrival's set or the others'
         # wait; a wait that outlasts arrive_after_s polls with check (and reads beats: get)
         by = r["gate_by"]
-        assert by.get("add") == 6 and by.get("set", 0) + by.get("wait", 0) == 6, r
+        assert by.get("add") == gates and by.get("set", 0) + by.get("wait", 0) == gates, r
         assert set(by) <= {"add", "set", "wait", "check", "get"}, r
-    assert torch.equal(r0["params"], r1["params"])
+    if strategy != "diloco:4:2:1":  # streaming: replicas agree only after report()
+        assert torch.equal(r0["params"], r1["params"])
 
 
 @pytest.mark.timeout(120)
