@@ -110,7 +110,7 @@ from gradsync.synchronizer import StepHandle, Synchronizer, finish_exchange
 
 #: strategies whose update fits DDP's loop: the whole mean gradient (or this rank's own, for
 #: the periodic ones) in ``p.grad`` at the end of backward, the update in ``optimizer.step()``
-SUPPORTED = ("bsp", "zero:1", "zero:2", "zero:3", "local", "diloco", "gossip")
+SUPPORTED = ("bsp", "zero:1", "zero:2", "zero:3", "local", "diloco", "gossip", "noloco")
 
 #: why each other strategy is refused, and what to use
 REFUSED = {
@@ -138,7 +138,8 @@ def check_strategy(name: str) -> None:
     why = REFUSED.get(kind, "it is not one the front door knows how to drive")
     raise UsageError(
         f"gs.DistributedDataParallel cannot run strategy {name!r}: {why}. It runs bsp, "
-        f"zero:1, zero:2, zero:3, local:H, diloco:H and gossip:H; for {name} use the explicit "
+        f"zero:1, zero:2, zero:3, local:H, diloco:H, gossip:H and noloco:H; for {name} use the "
+        "explicit "
         "form, "
         f"sync = gs.Synchronizer(model, optimizer, strategy={name!r}) with "
         "`with sync.step(micro_batches=k) as s:` (docs/porting.md)"

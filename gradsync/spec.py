@@ -288,6 +288,20 @@ def _diloco(text: str) -> dict[str, Any]:
     return streaming
 
 
+def _noloco(text: str) -> dict[str, Any]:
+    """``H[:outer_lr=X][:outer_momentum=M]``: gossip's period and the outer step's settings
+    (``gradsync.strategies.gossip.NoLoCo``; the defaults are DiLoCo's, as NoLoCo's)."""
+    parts = [part.strip() for part in text.split(":")]
+    outer = _outer_fields(parts)
+    if len(parts) > 1:
+        raise _Refused(f"noloco takes H and the outer options only, got {':'.join(parts)}")
+    return {**_period(parts[0]), **outer}
+
+
+def _show_noloco(spec: StrategySpec) -> str:
+    return f"{spec.period}{outer_options({n: getattr(spec, n) for n in OUTER_DEFAULTS})}"
+
+
 def outer_options(values: Mapping[str, float | None]) -> str:
     """The spec fields (``:outer_lr=1.0:outer_momentum=0.0``) of the outer optimizer settings
     in ``values`` that differ from ``OUTER_DEFAULTS`` (None: the default)."""
@@ -347,6 +361,14 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
         StrategyForm("async", servers=True),
         StrategyForm("hogwild"),
         StrategyForm("gossip", "H", "an integer >= 1", _period, _show_period),
+        StrategyForm(
+            "noloco",
+            "H",
+            "an integer >= 1",
+            _noloco,
+            _show_noloco,
+            options="[:outer_lr=X][:outer_momentum=M]",
+        ),
     ]
 )
 

@@ -25,7 +25,7 @@ from gradsync.spec import SPLITS, STRATEGY_TABLE, StrategySpec, parse_strategy_s
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
 #: workers x steps the simulator takes (--workers, --sweep-workers, --steps): about 1.4 GiB
 MAX_WORKER_STEPS = 2**24
-SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco", "hogwild", "gossip")
+SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco", "hogwild", "gossip", "noloco")
 #: The ZeRO stages the simulator models.
 ZERO_STAGES = (1, 2, 3)
 

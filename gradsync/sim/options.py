@@ -121,7 +121,7 @@ class SimulateOptions:
     strategy: str = flag(
         "bsp",
         help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | "
-        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | hogwild",
+        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | hogwild | gossip:H | noloco:H",
         group=STRATEGY,
     )
     layers: str | None = flag(

@@ -156,7 +156,7 @@ def simulate(
             f"--overlap applies to {' and '.join(OVERLAPPED)} only, not {strat.spec}"
             + (" (its reduce-scatter runs after the backward pass)" if strat.kind == "zero" else "")
         )
-    if strat.kind == "gossip":
+    if strat.kind in ("gossip", "noloco"):  # noloco's outer step costs no communication
         if comm.ratio != 1 or comm_steps is not None:
             raise UsageError(
                 f"{strat.spec} exchanges whole parameters between pairs: it is priced from the "

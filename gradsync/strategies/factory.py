@@ -13,7 +13,7 @@ from gradsync.errors import UsageError
 from gradsync.spec import OUTER_DEFAULTS, SPLITS, parse_strategy_spec
 from gradsync.strategies.base import Strategy
 from gradsync.strategies.bsp import BSP
-from gradsync.strategies.gossip import Gossip
+from gradsync.strategies.gossip import Gossip, NoLoCo
 from gradsync.strategies.hogwild import Hogwild, refusal_of_compression
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer
@@ -43,6 +43,10 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
     if parsed.kind == "gossip":
         assert parsed.period is not None
         return Gossip(parsed.period)
+    if parsed.kind == "noloco":
+        assert parsed.period is not None
+        outer = {k: v for k in OUTER_DEFAULTS if (v := getattr(parsed, k)) is not None}
+        return NoLoCo(parsed.period, **outer)
     if parsed.kind == "zero":
         stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
         return stages[parsed.stage or 1]()
@@ -73,11 +77,11 @@ def check_compression(spec: str | Strategy, compression: str) -> None:
             refuse_compression(parsed.stage, compression)
         if parsed.kind == "hogwild" and compression != "none":
             raise UsageError(refusal_of_compression(compression))
-        if parsed.kind == "gossip" and compression != "none":
+        if parsed.kind in ("gossip", "noloco") and compression != "none":
             raise UsageError(
-                f"gossip:{parsed.period} exchanges whole parameters between pairs of ranks and "
-                f"takes no compression (got {compression}); compress with local:H or "
-                "diloco:H, or drop the compression"
+                f"{parsed.kind}:{parsed.period} exchanges whole parameters between pairs of "
+                f"ranks and takes no compression (got {compression}); compress with local:H "
+                "or diloco:H, or drop the compression"
             )
 
 

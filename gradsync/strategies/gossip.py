@@ -17,10 +17,20 @@ the hypercube on a power-of-two number of ranks, else a seeded perfect matching,
 sitting out a round when W is odd). Each pair's mean is computed as ``(a + b) / 2`` on both
 sides, so partners hold bitwise the same parameters after a round (IEEE addition commutes).
 
+NoLoCo (``noloco:H``, :class:`NoLoCo`; Kolehmainen et al., 2025, "NoLoCo: No-all-reduce Low
+Communication Training"): the same pair exchange, followed by an outer momentum step on slow
+weights each rank keeps, which bounds how far the replicas drift apart. Per round, with the
+rank's slow weights ``phi`` (its parameters after its last outer step), momentum ``m``, outer
+learning rate ``a`` and momentum ``b``, and ``mean`` the pair's mean of their parameters:
+``m <- b * m + a * (mean - phi)``, ``phi <- phi + m``, and the parameters become ``phi``. That
+is the update of the authors' reference code (its ``a * (mean progress) + a * (pair's mean slow
+weights - phi)``, whose two terms add up to ``a * (mean - phi)``), so the pair exchanges its
+parameters only, as gossip does. With ``a = 1, b = 0`` it lands on the pair's mean, as gossip
+(to rounding). Replicas do not agree after a round (each keeps its own ``phi`` and ``m``).
+
 Why our own: torch has no gossip averaging; the pair exchange is ``batch_isend_irecv`` of the
 flat parameters, over the user's process group. What is not here yet: compression of the pair
-exchange (refused, naming the strategies that compress), the hierarchy (refused), and
-NoLoCo's modified outer step (Kabbaj et al., 2025).
+exchange (refused, naming the strategies that compress) and the hierarchy (refused).
 """
 
 from __future__ import annotations
@@ -35,10 +45,11 @@ from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.pairing import partner
+from gradsync.spec import OUTER_DEFAULTS
 from gradsync.strategies.base import StepOutcome, SyncContext
-from gradsync.strategies.local_sgd import Periodic
+from gradsync.strategies.local_sgd import OuterConfig, Periodic
 
-__all__ = ["PIECE_BYTES", "Gossip"]
+__all__ = ["PIECE_BYTES", "Gossip", "NoLoCo"]
 
 #: the pair exchange sends the parameters in pieces of at most this many bytes each way.
 #: Why: measured on the emulated cluster (2 hosts, 1 Gbit/s, gloo), 12 MB sent as one message
@@ -69,13 +80,14 @@ class Gossip(Periodic):
     def setup(self, ctx: SyncContext) -> None:
         if ctx.compressor is not ALLREDUCE:
             raise UsageError(
-                f"gossip:{self.period} exchanges whole parameters between pairs of ranks and "
-                f"takes no compression (got {ctx.compressor.spec}); compress with local:H or "
-                "diloco:H, or drop the compression"
+                f"{self.name}:{self.period} exchanges whole parameters between pairs of ranks "
+                f"and takes no compression (got {ctx.compressor.spec}); compress with local:H "
+                "or diloco:H, or drop the compression"
             )
         if ctx.hierarchy is not None:
             raise UsageError(
-                f"gossip:{self.period} pairs ranks itself and takes no allreduce='hierarchical'"
+                f"{self.name}:{self.period} pairs ranks itself and takes no "
+                "allreduce='hierarchical'"
             )
         super().setup(ctx)
         self._world = dist.get_world_size(ctx.group) if dist.is_initialized() else 1
@@ -88,12 +100,23 @@ class Gossip(Periodic):
             return outcome
         peer = partner(self._rank, self._world, self._round)
         self._round += 1
-        if peer is not None:
-            outcome.bytes_sent += self._average_with(peer, step)
+        if peer is None:
+            self._sat_out()
+            return outcome
+        mean, nbytes = self._pair_mean(peer, step)
+        self._apply_round(mean)
+        outcome.bytes_sent += nbytes
         return outcome
 
-    def _average_with(self, peer: int, step: int) -> int:
-        """Average the parameters with ``peer``'s; the bytes sent."""
+    def _apply_round(self, mean: torch.Tensor) -> None:
+        """The round's result: the pair's mean becomes the parameters."""
+        copy_into(mean, self._params)
+
+    def _sat_out(self) -> None:
+        """A round without a partner (W odd): the parameters stay as they are."""
+
+    def _pair_mean(self, peer: int, step: int) -> tuple[torch.Tensor, int]:
+        """The mean of this rank's parameters and ``peer``'s, and the bytes sent."""
         ctx = self._ctx
         assert ctx is not None
         mine = flatten(self._params)
@@ -115,10 +138,9 @@ class Gossip(Periodic):
         if ctx.watch is None:
             run()
         else:
-            ctx.watch.run(step, f"gossip:{self.period} averaging with rank {peer}", run)
-        # (a + b) / 2 on both sides: addition commutes, so the pair ends bitwise alike.
-        copy_into((mine + theirs) / 2, self._params)
-        return mine.numel() * mine.element_size()
+            ctx.watch.run(step, f"{self.name}:{self.period} averaging with rank {peer}", run)
+        # (a + b) / 2 on both sides: addition commutes, so the pair holds bitwise one mean.
+        return (mine + theirs) / 2, mine.numel() * mine.element_size()
 
     def finalize(self) -> None:
         """One average over every rank, so the final model is one; the spread before it is
@@ -126,7 +148,7 @@ class Gossip(Periodic):
         if self._world < 2 or self._ctx is None:
             return
         if self._ctx.gate is not None:
-            self._ctx.gate.ensure(END, f"final averaging of gossip:{self.period}")
+            self._ctx.gate.ensure(END, f"final averaging of {self.name}:{self.period}")
         mine = flatten(self._params)
         mean = self._mean(mine.clone())
         spread = (mine - mean).abs().max() if mine.numel() else torch.zeros(())
@@ -152,3 +174,59 @@ class Gossip(Periodic):
 
     def _synchronize(self) -> None:  # the final average only (``finalize``)
         raise AssertionError("gossip synchronizes in pairs (_exchange) and at the end (finalize)")
+
+
+class NoLoCo(Gossip):
+    """``noloco:H``: gossip's pair exchange every H steps, then an outer momentum step on this
+    rank's slow weights (see the module docstring); the defaults are DiLoCo's outer settings,
+    as NoLoCo's."""
+
+    name = "noloco"
+
+    def __init__(
+        self,
+        period: int,
+        outer_lr: float = OUTER_DEFAULTS["outer_lr"],
+        outer_momentum: float = OUTER_DEFAULTS["outer_momentum"],
+    ) -> None:
+        super().__init__(period)
+        self.outer = OuterConfig(outer_lr=outer_lr, outer_momentum=outer_momentum)
+        self._slow: torch.Tensor | None = None
+        self._momentum: torch.Tensor | None = None
+
+    def setup(self, ctx: SyncContext) -> None:
+        super().setup(ctx)
+        # After the Synchronizer's initial broadcast: the same slow weights on every rank.
+        self._slow = flatten(self._params).clone()
+        self._momentum = torch.zeros_like(self._slow)
+
+    def _apply_round(self, mean: torch.Tensor) -> None:
+        slow, momentum = self._slow, self._momentum
+        assert slow is not None and momentum is not None
+        momentum.mul_(self.outer.outer_momentum).add_(mean.sub_(slow), alpha=self.outer.outer_lr)
+        slow.add_(momentum)
+        copy_into(slow, self._params)
+
+    def _sat_out(self) -> None:
+        # A pair of one: its own parameters stand for the pair's mean, so its slow weights
+        # take its progress in the same outer step as the others'.
+        self._apply_round(flatten(self._params))
+
+    def summary(self) -> dict[str, Any]:
+        lr, momentum = self.outer.outer_lr, self.outer.outer_momentum
+        return {**super().summary(), "outer_lr": lr, "outer_momentum": momentum}
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self._slow is not None and self._momentum is not None
+        return {
+            **super().state_dict(),
+            "slow": self._slow.clone(),
+            "momentum": self._momentum.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self._slow is not None and "slow" in state:
+            self._slow.copy_(state["slow"])
+        if self._momentum is not None and "momentum" in state:
+            self._momentum.copy_(state["momentum"])

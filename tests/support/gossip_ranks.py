@@ -36,11 +36,17 @@ class _Counted:
 
 
 def train(
-    rank: int, world: int, period: int, steps: int, piece_bytes: int | None = None
+    rank: int,
+    world: int,
+    period: int,
+    steps: int,
+    piece_bytes: int | None = None,
+    strategy: str | None = None,
 ) -> dict[str, Any]:
     """SGD on the float64 mlp, each rank its own shard; the parameters after every step, the
     group-wide collectives posted during the steps, and the final parameters and summary.
-    ``piece_bytes``: the pair exchange's pieces (small: the 24 KB model goes in several)."""
+    ``piece_bytes``: the pair exchange's pieces (small: the 24 KB model goes in several);
+    ``strategy``: ``gossip:{period}`` unless given (``noloco:...``)."""
     if piece_bytes is not None:
         from gradsync.strategies import gossip
 
@@ -49,7 +55,7 @@ def train(
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     counted = _Counted()
-    sync = gs.Synchronizer(model, opt, strategy=f"gossip:{period}", timeout_s=20)
+    sync = gs.Synchronizer(model, opt, strategy=strategy or f"gossip:{period}", timeout_s=20)
     after: list[torch.Tensor] = []
     counted.on = True
     for step in range(steps):
@@ -69,13 +75,15 @@ def train(
     }
 
 
-def checkpointed(rank: int, world: int, directory: str, resume: bool) -> torch.Tensor:
-    """8 steps of gossip:2 saving after step 4 (or resumed from that checkpoint for steps 4-7);
-    the parameters before the final average (a round after step 8 leaves pairs alike)."""
+def checkpointed(
+    rank: int, world: int, directory: str, resume: bool, strategy: str = "gossip:3"
+) -> torch.Tensor:
+    """8 steps of ``strategy`` saving after step 4 (or resumed from that checkpoint for steps
+    4-7); the parameters before the final average (a round after step 8 leaves pairs alike)."""
     w = make_workload("mlp", seed=5, params=3000, dtype="float64")
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sync = gs.Synchronizer(model, opt, strategy="gossip:3", timeout_s=20)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, timeout_s=20)
     first = 0
     if resume:
         loaded = sync.load(directory)

@@ -12,7 +12,7 @@ from gradsync.sim.simulate import SimResult, simulate
 from gradsync.spec import parse_strategy_spec
 from gradsync.strategies import parse_strategy
 from gradsync.strategies.factory import check_compression
-from gradsync.strategies.gossip import Gossip
+from gradsync.strategies.gossip import Gossip, NoLoCo
 
 pytestmark = pytest.mark.unit
 
@@ -72,3 +72,43 @@ def test_a_slow_worker_holds_back_its_partners_not_the_whole_group() -> None:
 def test_the_simulator_refuses_what_it_does_not_price_for_gossip() -> None:
     with pytest.raises(UsageError, match="gossip:4 exchanges whole parameters between pairs"):
         simulate("gossip:4", np.full((4, 2), 1.0), CommModel(comm_ms=1.0, ratio=2.0))
+
+
+def test_noloco_parses_with_the_outer_options_and_refuses_the_rest() -> None:
+    assert str(parse_strategy_spec("noloco:4")) == "noloco:4"
+    assert str(parse_strategy_spec("noloco:4:outer_momentum=0.5")) == "noloco:4:outer_momentum=0.5"
+    strategy = parse_strategy("noloco:4:outer_lr=0.5")
+    assert isinstance(strategy, NoLoCo) and strategy.barrier_free and strategy.period == 4
+    assert (strategy.outer.outer_lr, strategy.outer.outer_momentum) == (0.5, 0.9)
+    with pytest.raises(UsageError, match=r"noloco takes H and the outer options only"):
+        parse_strategy("noloco:4:2")
+    with pytest.raises(UsageError, match=r"outer_momentum=1 must be a number from 0 to below 1"):
+        parse_strategy("noloco:4:outer_momentum=1")
+    with pytest.raises(UsageError, match=r"noloco:4 exchanges whole parameters"):
+        check_compression("noloco:4", "int8")
+
+
+def test_noloco_outer_step_is_momentum_on_the_slow_weights() -> None:
+    """m <- b m + a (mean - phi), phi <- phi + m, parameters <- phi, round after round; a rank
+    sitting a round out takes its own parameters for the mean."""
+    import torch
+
+    a, b = 0.5, 0.8
+    strategy = NoLoCo(2, outer_lr=a, outer_momentum=b)
+    param = torch.zeros(3, dtype=torch.float64)
+    strategy._params = [param]
+    strategy._slow = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    strategy._momentum = torch.zeros(3, dtype=torch.float64)
+    phi, m = strategy._slow.clone(), torch.zeros(3, dtype=torch.float64)
+    for mean in ([2.0, 2.0, 2.0], [0.0, 1.0, -1.0]):
+        mean_t = torch.tensor(mean, dtype=torch.float64)
+        m = b * m + a * (mean_t - phi)
+        phi = phi + m
+        strategy._apply_round(mean_t.clone())
+        assert torch.allclose(param, phi, rtol=0, atol=1e-15)
+        assert torch.allclose(strategy._slow, phi, rtol=0, atol=1e-15)
+    param.add_(1.0)  # local steps, then a round without a partner
+    m = b * m + a * (param - phi)
+    phi = phi + m
+    strategy._sat_out()
+    assert torch.allclose(param, phi, rtol=0, atol=1e-15)
