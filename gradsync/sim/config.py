@@ -313,6 +313,17 @@ class CommModel:
             self.hosts.hosts, per_host, nbytes / self.ratio, inter, intra
         )
 
+    def pair_ms(self, workers: int) -> float:
+        """One pair exchange of gossip (a model each way between two ranks) while every rank
+        exchanges with its own partner. On hosts: across the inter-host link, which a host's
+        ranks share (each of them sends a model through it at once); a fixed ``comm_ms`` is one
+        all-reduce, as for a broadcast."""
+        if self.hosts is None or self.comm_ms is not None:
+            return self.collective_ms("broadcast", 2)
+        assert self.link is not None
+        sharing = self.hosts.per_host(workers)
+        return 1000.0 * self.link.time("broadcast", 2, self.nbytes * sharing)
+
     def collective_ms(self, op: str, workers: int, fraction: float = 1.0) -> float:
         """One ``op`` (``gradsync.sim.model.OPS``) of ``fraction`` of the message, uncompressed.
 

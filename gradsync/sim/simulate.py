@@ -162,7 +162,7 @@ def simulate(
                 f"{strat.spec} exchanges whole parameters between pairs: it is priced from the "
                 "comm model, uncompressed (no compression ratio, no per-step comm times)"
             )
-        pair = comm.collective_ms("broadcast", 2)  # a model each way between two ranks
+        pair = comm.pair_ms(c.shape[1])  # a model each way between two ranks
         return _gossip(c, pair, comm.exchange_ms(c.shape[1]), int(strat.param), strat.spec)
     if strat.kind == "zero":
         if comm.ratio != 1:

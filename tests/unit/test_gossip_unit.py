@@ -69,6 +69,22 @@ def test_a_slow_worker_holds_back_its_partners_not_the_whole_group() -> None:
     assert _simulate("gossip:4", noisy, 10.0).wall_ms < _simulate("local:4", noisy, 10.0).wall_ms
 
 
+def test_on_hosts_a_pair_exchange_shares_its_hosts_link() -> None:
+    # 8 workers on 4 hosts (issue 46's gossip question): each round a host's two ranks each
+    # send a model through the host's link at once; it ran (priced no pair) before
+    from gradsync.sim.config import Hosts
+    from gradsync.sim.model import AlphaBeta
+
+    link, nbytes = AlphaBeta(alpha=0.0, beta=8e-8), 4e6  # 100 Mbit/s, 4 MB
+    comm = CommModel(link=link, nbytes=nbytes, hosts=Hosts(hosts=4, intra=link))
+    assert comm.pair_ms(8) == pytest.approx(1000 * link.time("broadcast", 2, 2 * nbytes))
+    assert CommModel(link=link, nbytes=nbytes).pair_ms(8) == pytest.approx(
+        1000 * link.time("broadcast", 2, nbytes)
+    )
+    result = simulate("gossip:4", np.full((8, 8), 13.0), comm)
+    assert result.wall_ms > 8 * 13.0 + 2 * comm.pair_ms(8)
+
+
 def test_the_simulator_refuses_what_it_does_not_price_for_gossip() -> None:
     with pytest.raises(UsageError, match="gossip:4 exchanges whole parameters between pairs"):
         simulate("gossip:4", np.full((4, 2), 1.0), CommModel(comm_ms=1.0, ratio=2.0))
