@@ -45,6 +45,8 @@ ONLY = Config("compute-only", "compute-only (limit, no communication)", "compute
 LOCAL4 = Config("local4", "`local:4` (previous best)", "gradsync", "strategy=local:4", False)
 #: gossip averaging (issue 46): a pair exchange every 4 steps, no collective spanning the group
 GOSSIP4 = Config("gossip4", "`gossip:4`", "gradsync", "strategy=gossip:4", False)
+#: gossip with NoLoCo's outer momentum step (issue 46), DiLoCo's outer settings
+NOLOCO4 = Config("noloco4", "`noloco:4`", "gradsync", "strategy=noloco:4", False)
 
 
 def _c(key: str, strategy: str, compress: str = "") -> Config:
@@ -99,6 +101,7 @@ class Setting:
     steps: int = 64
     goal: float | None = None  # x sooner to DDP's final loss; None: report only
     goal_of_limit: float | None = None  # or: this fraction of the compute-only limit
+    per_host: int = 1  # ranks on each host (they share its link)
 
     def args(self) -> list[str]:
         wl = ["--workload", self.workload, "--global-batch", str(self.batch)]
@@ -110,7 +113,8 @@ class Setting:
             if self.workload == "mlp"
             else "charlm (default size)"
         )
-        return f"{wl}, global batch {self.batch}, {self.hosts} hosts, {self.link} links"
+        ranks = f" x {self.per_host} ranks" if self.per_host > 1 else ""
+        return f"{wl}, global batch {self.batch}, {self.hosts} hosts{ranks}, {self.link} links"
 
 
 # Picked by a 1-repeat probe of a wider set, whose dropped members never reached DDP's final
@@ -134,6 +138,20 @@ SETTINGS = (
     # 1M parameters: at a tenth of the bandwidth, DDP's 64 steps of the 3M model alone take a
     # minute; 4 MB per exchange at 100 Mbit/s is like 40 MB at 1 Gbit/s.
     Setting("mlp2-100m", "mlp", 2, "100mbit", MLP_SHORT, params=1_000_000),
+)
+#: settings run only when named (``--settings``): issue 46's gossip question, 8 ranks (4 hosts
+#: of 2, which share their host's link) at 100 Mbit/s, gossip and NoLoCo against the periodic
+#: all-reduce strategies (several minutes: DDP's 64 steps alone take about a minute)
+EXTRA_SETTINGS = (
+    Setting(
+        "gossip8-100m",
+        "mlp",
+        4,
+        "100mbit",
+        (DDP, LOCAL4, GOSSIP4, NOLOCO4, MLP_STREAM, ONLY),
+        params=1_000_000,
+        per_host=2,
+    ),
 )
 QUICK = {"mlp2": {"params": 1_000_000, "steps": 16}, "charlm2": {"steps": 32}}
 
@@ -176,13 +194,16 @@ def worker(argv: Sequence[str]) -> int:
 # Driver ------------------------------------------------------------------------------------------
 
 
-def launch(cluster: Cluster, args: list[str], out: Path, what: str) -> dict[str, Any]:
-    """One launch of ``worker`` on every host (cluster.py's ``launch``, this module's worker)."""
+def launch(
+    cluster: Cluster, args: list[str], out: Path, what: str, per_host: int = 1
+) -> dict[str, Any]:
+    """One launch of ``worker`` on every host (cluster.py's ``launch``, this module's worker),
+    ``per_host`` ranks on each."""
     for stale in out.parent.glob(out.name + "*"):
         stale.unlink()
     t0 = time.monotonic()
     cmd = ["benchmarks.frontier", "--worker", *args, "--out", str(out)]
-    rc = launch_on_cluster(cluster, cmd, env=worker_env(), timeout_s=900)
+    rc = launch_on_cluster(cluster, cmd, per_host, env=worker_env(), timeout_s=900)
     if rc != 0 or not out.exists():
         raise RuntimeError(f"launch failed (rc {rc}) after {time.monotonic() - t0:.0f}s: {args}")
     result: dict[str, Any] = json.loads(out.read_text())
@@ -200,7 +221,8 @@ def measure(s: Setting, repeats: int, workdir: Path) -> list[dict[str, Any]]:
                 for c in order(s.configs, rep, ROTATE)
             ]
             out = workdir / f"{s.key}-{rep}.json"
-            res = launch(cluster, [*s.args(), *runs], out, f"{s.key}, repeat {rep + 1}/{repeats}")
+            what = f"{s.key}, repeat {rep + 1}/{repeats}"
+            res = launch(cluster, [*s.args(), *runs], out, what, s.per_host)
             reps.append({r["name"]: r for r in res["runs"]})
     return reps
 
@@ -386,10 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"benchmarks.frontier: {missing}", file=sys.stderr)
         return 2
-    by_key = {s.key: s for s in SETTINGS}
+    by_key = {s.key: s for s in (*SETTINGS, *EXTRA_SETTINGS)}
     wanted = [k.strip() for k in args.settings.split(",") if k.strip()]
     if not wanted or set(wanted) - set(by_key):
-        h.error(f"--settings takes a comma-separated subset of {keys}")
+        h.error(f"--settings takes a comma-separated subset of {', '.join(by_key)}")
     settings = [by_key[k] for k in wanted]
     if args.quick:
         from dataclasses import replace
