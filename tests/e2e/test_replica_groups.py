@@ -204,7 +204,10 @@ def _membership_marks(directory: Path) -> list[str]:
 
 
 @pytest.mark.timeout(280)
-@pytest.mark.parametrize(("strategy", "nproc"), [("local:2", 1), ("local:2", 2), ("diloco:2", 2)])
+# local:2 with groups of two ranks; DiLoCo's groups (of one and of two) heal in the streaming
+# test below, plain diloco:H being its one-fragment case, and groups of one under local:2 take
+# the same one-rank path there (the suite's time: issue 45's cases were folded so)
+@pytest.mark.parametrize(("strategy", "nproc"), [("local:2", 2)])
 def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     tmp_path: Path, strategy: str, nproc: int
 ) -> None:

@@ -69,10 +69,10 @@ def test_noloco_pairs_as_gossip_and_its_outer_step_lands_on_the_mean_at_lr_1() -
     round) and ends as one model; with outer_lr=1 and no momentum its outer step lands on the
     pair's mean, gossip's result, to rounding (phi + (mean - phi))."""
     period, steps = 2, 6
-    gossip = run_ranks(gr.train, 4, period, steps, timeout_s=100)
+    gossip = run_ranks(gr.train, 2, period, steps, timeout_s=100)
     plain = "noloco:2:outer_lr=1:outer_momentum=0"
-    as_gossip = run_ranks(gr.train, 4, period, steps, None, plain, timeout_s=100)
-    noloco = run_ranks(gr.train, 4, period, steps, None, "noloco:2", timeout_s=100)
+    as_gossip = run_ranks(gr.train, 2, period, steps, None, plain, timeout_s=100)
+    noloco = run_ranks(gr.train, 2, period, steps, None, "noloco:2", timeout_s=100)
     for g, a in zip(gossip, as_gossip, strict=True):
         for step in range(steps):
             torch.testing.assert_close(a["after"][step], g["after"][step], rtol=0, atol=1e-12)
@@ -91,7 +91,7 @@ def test_a_resumed_noloco_run_continues_bitwise(tmp_path: Path) -> None:
     """The slow weights and the outer momentum are in the checkpoint: resumed after step 4 of
     8, every rank ends where the uninterrupted run ended, bit for bit."""
     spec = "noloco:3:outer_lr=0.5:outer_momentum=0.8"
-    whole = run_ranks(gr.checkpointed, 4, str(tmp_path), False, spec, timeout_s=100)
-    resumed = run_ranks(gr.checkpointed, 4, str(tmp_path), True, spec, timeout_s=100)
+    whole = run_ranks(gr.checkpointed, 2, str(tmp_path), False, spec, timeout_s=100)
+    resumed = run_ranks(gr.checkpointed, 2, str(tmp_path), True, spec, timeout_s=100)
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
