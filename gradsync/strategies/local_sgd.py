@@ -162,7 +162,7 @@ class Periodic(Strategy):
     def _exchange(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """The synchronization due after local step ``step``, if any."""
         assert self._ctx is not None
-        if (step + 1) % self.period:
+        if not self._exchanges_after(step):
             return outcome
         before = self._state.bytes_sent
         if self._live() is not None:
@@ -170,9 +170,7 @@ class Periodic(Strategy):
             outcome.bytes_sent += self._state.bytes_sent - before
             outcome.barrier = True
             return outcome
-        self._ctx.before_collective()  # the gate armed at this step's entry (gate_at)
-        if self._ctx.gate is not None:
-            self._ctx.gate.ensure(step, f"averaging of {self.name}:{self.period}")
+        self._ctx.before_collective()  # joins the gate armed at this step's entry (gate_at)
         with self._timed("average", "comm"):
             self._synchronize()
         self._in_sync = True
@@ -198,10 +196,14 @@ class Periodic(Strategy):
         period's first step."""
         return step % self.period == 0
 
+    def _exchanges_after(self, step: int) -> bool:
+        """Whether an exchange starts after ``step``'s local step: every H steps."""
+        return (step + 1) % self.period == 0
+
     def gate_at(self, step: int) -> str | None:
         """Where an exchange follows this step's local step (under live membership the
         quorum, not the gate, stands for every rank's arrival)."""
-        if self._live() is not None or (step + 1) % self.period:
+        if self._live() is not None or not self._exchanges_after(step):
             return None
         return f"averaging of {self.name}:{self.period}"
 
@@ -457,10 +459,7 @@ class DiLoCo(Periodic):
         applied, committed = self._apply_due(step)
         starting = self._starting(step)
         if starting:
-            if self._live() is None:
-                self._ctx.before_collective()  # the gate armed at this step's entry
-            if self._ctx.gate is not None and self._live() is None:
-                self._ctx.gate.ensure(step, f"averaging of {self.name}:{self.period}")
+            self._ctx.before_collective()  # joins the gate armed at this step's entry (gate_at)
             before = self._state.bytes_sent
             for p in starting:
                 self._start(p, step)
@@ -477,10 +476,8 @@ class DiLoCo(Periodic):
         """The fragments whose exchanges start after ``step``'s local step."""
         return [p for p, at in enumerate(self._offsets) if (step + 1) % self.period == at]
 
-    def gate_at(self, step: int) -> str | None:
-        if self._live() is not None or not self._starting(step):
-            return None
-        return f"averaging of {self.name}:{self.period}"
+    def _exchanges_after(self, step: int) -> bool:
+        return bool(self._starting(step))
 
     def _joins_quorum(self, step: int) -> bool:
         """Live membership: one quorum an exchange, joined at the run's first step and at the
