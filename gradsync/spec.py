@@ -39,6 +39,7 @@ __all__ = [
     "StrategyForm",
     "StrategySpec",
     "outer_options",
+    "outer_settings",
     "parse_compression_spec",
     "parse_strategy_spec",
 ]
@@ -299,7 +300,14 @@ def _noloco(text: str) -> dict[str, Any]:
 
 
 def _show_noloco(spec: StrategySpec) -> str:
-    return f"{spec.period}{outer_options({n: getattr(spec, n) for n in OUTER_DEFAULTS})}"
+    return f"{spec.period}{outer_options(outer_settings(spec))}"
+
+
+def outer_settings(spec: StrategySpec) -> dict[str, Any]:
+    """The outer optimizer settings ``spec`` names (those that differ from ``OUTER_DEFAULTS``),
+    by keyword: what ``DiLoCo`` and ``NoLoCo`` take (floats, typed ``Any`` as keyword
+    arguments)."""
+    return {k: v for k in OUTER_DEFAULTS if (v := getattr(spec, k)) is not None}
 
 
 def outer_options(values: Mapping[str, float | None]) -> str:
@@ -313,7 +321,7 @@ def outer_options(values: Mapping[str, float | None]) -> str:
 
 
 def _show_diloco(spec: StrategySpec) -> str:
-    outer = outer_options({name: getattr(spec, name) for name in OUTER_DEFAULTS})
+    outer = outer_options(outer_settings(spec))
     if spec.fragments is None:
         return f"{spec.period}{outer}"
     alpha = f":{spec.alpha!r}" if spec.alpha else ""

@@ -10,10 +10,10 @@ import math
 
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
-from gradsync.spec import OUTER_DEFAULTS, SPLITS, parse_strategy_spec
+from gradsync.spec import SPLITS, outer_settings, parse_strategy_spec
 from gradsync.strategies.base import Strategy
 from gradsync.strategies.bsp import BSP
-from gradsync.strategies.gossip import Gossip, NoLoCo
+from gradsync.strategies.gossip import Gossip, NoLoCo, pair_compression_refusal
 from gradsync.strategies.hogwild import Hogwild, refusal_of_compression
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer
@@ -45,8 +45,7 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
         return Gossip(parsed.period)
     if parsed.kind == "noloco":
         assert parsed.period is not None
-        outer = {k: v for k in OUTER_DEFAULTS if (v := getattr(parsed, k)) is not None}
-        return NoLoCo(parsed.period, **outer)
+        return NoLoCo(parsed.period, **outer_settings(parsed))
     if parsed.kind == "zero":
         stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
         return stages[parsed.stage or 1]()
@@ -54,10 +53,9 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
         assert parsed.period is not None
         if parsed.kind == "local":
             return LocalSGD(parsed.period)
-        outer = {k: v for k in OUTER_DEFAULTS if (v := getattr(parsed, k)) is not None}
         return DiLoCo(
             parsed.period,
-            **outer,
+            **outer_settings(parsed),
             fragments=parsed.fragments or 1,
             delay=parsed.delay or 0,
             alpha=parsed.alpha or 0.0,
@@ -78,11 +76,8 @@ def check_compression(spec: str | Strategy, compression: str) -> None:
         if parsed.kind == "hogwild" and compression != "none":
             raise UsageError(refusal_of_compression(compression))
         if parsed.kind in ("gossip", "noloco") and compression != "none":
-            raise UsageError(
-                f"{parsed.kind}:{parsed.period} exchanges whole parameters between pairs of "
-                f"ranks and takes no compression (got {compression}); compress with local:H "
-                "or diloco:H, or drop the compression"
-            )
+            spec_text = f"{parsed.kind}:{parsed.period}"
+            raise UsageError(pair_compression_refusal(spec_text, compression))
 
 
 def check_compressor(strategy: Strategy, compressor: Compressor) -> None:

@@ -49,7 +49,7 @@ from gradsync.spec import OUTER_DEFAULTS
 from gradsync.strategies.base import StepOutcome, SyncContext
 from gradsync.strategies.local_sgd import OuterConfig, Periodic
 
-__all__ = ["PIECE_BYTES", "Gossip", "NoLoCo"]
+__all__ = ["PIECE_BYTES", "Gossip", "NoLoCo", "pair_compression_refusal"]
 
 #: the pair exchange sends the parameters in pieces of at most this many bytes each way.
 #: Why: measured on the emulated cluster (2 hosts, 1 Gbit/s, gloo), 12 MB sent as one message
@@ -80,9 +80,7 @@ class Gossip(Periodic):
     def setup(self, ctx: SyncContext) -> None:
         if ctx.compressor is not ALLREDUCE:
             raise UsageError(
-                f"{self.name}:{self.period} exchanges whole parameters between pairs of ranks "
-                f"and takes no compression (got {ctx.compressor.spec}); compress with local:H "
-                "or diloco:H, or drop the compression"
+                pair_compression_refusal(f"{self.name}:{self.period}", ctx.compressor.spec)
             )
         if ctx.hierarchy is not None:
             raise UsageError(
@@ -230,3 +228,13 @@ class NoLoCo(Gossip):
             self._slow.copy_(state["slow"])
         if self._momentum is not None and "momentum" in state:
             self._momentum.copy_(state["momentum"])
+
+
+def pair_compression_refusal(strategy: str, compression: str) -> str:
+    """Why gossip and NoLoCo take no compression (the same words before launch, in
+    ``factory.check_compression``, and in ``setup``)."""
+    return (
+        f"{strategy} exchanges whole parameters between pairs of ranks and takes no "
+        f"compression (got {compression}); compress with local:H or diloco:H, or drop the "
+        "compression"
+    )
