@@ -33,7 +33,6 @@ other cluster benchmarks), one worker per host behind a ``--link`` limit.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.harness import ROTATE, Harness, machine, order, table
+from gradsync.telemetry.records import read_jsonl
 
 WARMUP = 8
 COMPUTE_ONLY = ("compute-only (`local:100000`)", "local:100000", "")
@@ -86,8 +86,7 @@ def run_once(
 def phases(spans: Path, steps: int) -> dict[str, float]:
     """Each phase's mean ms per step over the steps from ``WARMUP`` on, averaged over ranks."""
     per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for line in spans.read_text().splitlines():
-        s = json.loads(line)
+    for s in read_jsonl(spans):
         if not WARMUP <= s["step"] < steps:
             continue
         name = s["name"].split("[")[0]

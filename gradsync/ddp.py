@@ -139,8 +139,7 @@ def check_strategy(name: str) -> None:
     raise UsageError(
         f"gs.DistributedDataParallel cannot run strategy {name!r}: {why}. It runs bsp, "
         f"zero:1, zero:2, zero:3, local:H, diloco:H, gossip:H and noloco:H; for {name} use the "
-        "explicit "
-        "form, "
+        "explicit form, "
         f"sync = gs.Synchronizer(model, optimizer, strategy={name!r}) with "
         "`with sync.step(micro_batches=k) as s:` (docs/porting.md)"
     )

@@ -135,7 +135,8 @@ class RunConfig:
         metavar="SPEC",
         help="bsp | zero:N (N 1-3) | local:H | "
         "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M] | ssp:S | "
-        "async | hogwild (default: %(default)s)",
+        "async | hogwild | gossip:H | noloco:H[:outer_lr=X][:outer_momentum=M] "
+        "(default: %(default)s)",
         group=SYNC,
     )
     servers: int = flag(
