@@ -122,8 +122,9 @@ def check_membership(
     return LiveSettings(lighthouse=address, min_replicas=min_replicas, replica_id=replica_id)
 
 
-#: the compressions BSP's buckets take through the quorum: each replica casts its share to
-#: the 16-bit type, the Manager sums the casts, and the sum is cast back
+#: the compressions BSP's buckets and the periodic averages take through the quorum: each
+#: replica casts its share to the 16-bit type, the Manager sums the casts, and the sum is cast
+#: back
 #: (``ft_manager.TorchftMembership.allreduce``; ``compression.fp.CAST_WIRE``)
 QUORUM_COMPRESSIONS = ("fp16", "bf16")
 
@@ -156,16 +157,13 @@ def check_exchange(
             "the step after the previous one was applied until its own is); use TAU below "
             f"H // F = {gap}"
         )
-    if compression_spec != "none" and (
-        compression_spec not in QUORUM_COMPRESSIONS or spec.kind != "bsp"
-    ):
+    if compression_spec != "none" and compression_spec not in QUORUM_COMPRESSIONS:
         raise UsageError(
             f"membership='torchft' with {spec.kind} and compression {compression_spec!r}: "
-            "the quorum's all-reduce carries bsp's buckets cast to fp16 or bf16 "
-            "(compression='fp16' or 'bf16'); other compressors run collectives of their own "
-            "(gathers, several rounds, state that a failed step would leave half-updated), "
-            "and the periodic averages go uncompressed; use compression=None, or 'fp16' or "
-            "'bf16' under bsp"
+            "the quorum's all-reduce carries bsp's buckets and the periodic averages as they "
+            "are or cast to fp16 or bf16; other compressors run collectives of their own "
+            "(gathers, several rounds, state that a failed step would leave half-updated); "
+            "use compression=None, 'fp16' or 'bf16'"
         )
     if allreduce != "ring":
         raise UsageError(

@@ -224,8 +224,8 @@ class RunConfig:
         help="live membership: G replica groups of --nproc ranks, each a torchft "
         "participant with its own restarts (--max-restarts, per group): the others go on "
         "without a lost group, and its replacement heals from a live peer; --kill and --slow "
-        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp (also with fp16/bf16), "
-        "local:H or diloco:H (streaming too); "
+        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp, local:H or "
+        "diloco:H (streaming too), uncompressed or with --compress fp16/bf16; "
         "docs/membership.md (0: off; default: %(default)s)",
         group=LIVE,
     )

@@ -24,6 +24,7 @@ from gradsync import exit_safety, runtime
 from gradsync.checks.diagnose import END
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.compression.base import FlatBucket
+from gradsync.compression.fp import CAST_WIRE
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.spec import (
@@ -79,6 +80,9 @@ class Periodic(Strategy):
         self._params: list[torch.Tensor] = []
         self._state: Any = None
         self._group_sum = GroupSum(1, lambda flat: lambda: None)
+        #: under live membership with fp16/bf16 compression: the type each replica's share of
+        #: the quorum's mean is cast to (``Membership.allreduce``'s ``wire``)
+        self._live_wire: torch.dtype | None = None
         self._average_over = 1
         self._step = 0  # the last step run: where a synchronization's wait is diagnosed
         #: whether the replicas agree (right after a synchronization, or the initial broadcast)
@@ -98,6 +102,10 @@ class Periodic(Strategy):
         #: under live membership, this replica group's own sum (``_live_launch``):
         #: ``ctx.group`` is the group, the quorum holds the other groups
         self._group_sum = group_sum(ctx.group)
+        # The Synchronizer refused the other compressors under live membership
+        # (gradsync.membership): the quorum carries a mean sent as is or cast to fp16/bf16.
+        if ctx.membership is not None and ctx.compressor is not ALLREDUCE:
+            self._live_wire = CAST_WIRE[ctx.compressor.spec]
 
     @contextmanager
     def _timed(self, name: str, cat: str = "step", **args: Any) -> Iterator[None]:
@@ -240,18 +248,20 @@ class Periodic(Strategy):
         rank R with rank R of the other groups (``Membership.allreduce``, which waits for the
         group's sum first). Groups of equal size make that the mean over all their ranks,
         and every rank of every group holds the same bits; a group of one rank sends its
-        own values as they are."""
+        own values as they are. With fp16/bf16 compression each replica's share of the
+        quorum's mean travels cast to that type (``_live_wire``); the group's sum does not."""
         membership = self._live()
         assert membership is not None
-        nbytes = flat.numel() * flat.element_size()
-        self._state.bytes_sent += nbytes
+        wire = self._live_wire
+        self._state.bytes_sent += flat.numel() * (wire or flat.dtype).itemsize
         ranks = self._group_sum.ranks
         if ranks == 1:
-            return membership.allreduce(flat)
+            return membership.allreduce(flat, wire)
         flat.div_(ranks)
-        self._state.bytes_sent += nbytes  # the group's own all-reduce
+        # the group's own all-reduce, uncompressed
+        self._state.bytes_sent += flat.numel() * flat.element_size()
         # launched here, on the thread every rank's collectives are issued from, in order
-        return membership.allreduce(flat, after=self._group_sum.launch(flat))
+        return membership.allreduce(flat, wire, after=self._group_sum.launch(flat))
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Replicas agree right after each synchronization (and at the end), and only then."""
@@ -326,11 +336,20 @@ class LocalSGD(Periodic):
             self._anchor = flatten(self._params).clone()
 
     def _synchronize_live(self, step: int) -> bool:
-        """The mean of the parameters over the quorum (uncompressed: the anchor is unused)."""
-        mean = self._quorum_mean(flatten(self._params), step)
-        if mean is None:
+        """The mean of the parameters over the quorum; cast to fp16/bf16 on the way, the mean
+        change since the last synchronization added to the anchor, as ``_synchronize`` does
+        (the anchor, in this strategy's state, comes along when a replica heals)."""
+        if self._anchor is None:
+            mean = self._quorum_mean(flatten(self._params), step)
+            if mean is None:
+                return False
+            copy_into(mean, self._params)
+            return True
+        change = self._quorum_mean(flatten(self._params) - self._anchor, step)
+        if change is None:  # not committed: this replica keeps its own, anchor and all
             return False
-        copy_into(mean, self._params)
+        self._anchor += change
+        copy_into(self._anchor, self._params)
         return True
 
     def _synchronize(self) -> None:

@@ -24,6 +24,8 @@ from gradsync.strategies.local_sgd import DiLoCo, GroupSum, LocalSGD, Periodic
 pytestmark = pytest.mark.unit
 
 GROUPS, RANKS = 2, 2
+#: the last ``_train``'s stand-in Managers, by (group, rank)
+quorums: dict[tuple[int, int], Quorum] = {}
 
 
 class Meeting:
@@ -51,6 +53,7 @@ class Quorum:
     def __init__(self, meeting: Meeting, group: int) -> None:
         self.meeting, self.group = meeting, group
         self.started: list[int] = []
+        self.wires: list[torch.dtype | None] = []  # each exchange's ``wire``
 
     def start_step(self, step: int) -> None:
         self.started.append(step)
@@ -61,11 +64,16 @@ class Quorum:
         wire: torch.dtype | None = None,
         after: Callable[[], object] | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
-        assert wire is None
+        self.wires.append(wire)
         if after is not None:
             after()
-        self.meeting.sum(self.group, tensor)
-        tensor.div_(GROUPS)  # torchft's mean: a sum, then 1/participants
+        if wire is None:
+            self.meeting.sum(self.group, tensor)
+            tensor.div_(GROUPS)  # torchft's mean: a sum, then 1/participants
+        else:  # as ``TorchftMembership.allreduce``: the shares cast, summed, cast back
+            sent = tensor.div(GROUPS).to(wire)
+            self.meeting.sum(self.group, sent)
+            tensor.copy_(sent)
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(tensor)
         return done
@@ -88,7 +96,10 @@ def _group_sums() -> list[GroupSum]:
 
 
 def _train(
-    make: Callable[[], Periodic], steps: int, monkeypatch: pytest.MonkeyPatch
+    make: Callable[[], Periodic],
+    steps: int,
+    monkeypatch: pytest.MonkeyPatch,
+    compression: str | None = None,
 ) -> tuple[list[nn.Module], list[list[list[torch.Tensor]]]]:
     """``steps`` steps on every rank of every group, each rank in a thread: the models, and
     each rank's parameters after each of its local steps (before any exchange)."""
@@ -96,6 +107,7 @@ def _train(
     monkeypatch.setattr(local_sgd, "group_sum", lambda group: next(sums))
     meetings = [Meeting(GROUPS) for _ in range(RANKS)]  # rank R of each group meets there
     models, stepped, runs = [], [], []
+    quorums.clear()
     for group in range(GROUPS):
         for rank in range(RANKS):
             torch.manual_seed(0)  # one start everywhere, as after the initial broadcast
@@ -110,9 +122,9 @@ def _train(
                 model=model,
                 optimizer=optimizer,
                 group=None,
-                compressor=parse_compression(None),
+                compressor=parse_compression(compression),
                 bucket_mb=25.0,
-                membership=Quorum(meetings[rank], group),
+                membership=quorums.setdefault((group, rank), Quorum(meetings[rank], group)),
             )
             strategy.setup(ctx)  # in this thread: the stand-in sums are taken in order
             data = torch.Generator().manual_seed(10 * group + rank)
@@ -177,3 +189,28 @@ def test_a_streaming_fragments_exchange_is_the_mean_over_every_rank_of_every_gro
     _assert_every_rank_holds_the_mean(first, [own[1][:2] for own in stepped])
     # the other fragment is still each rank's own
     assert not torch.equal(models[0][1].weight, models[1][1].weight)  # type: ignore[index]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "make",
+    [lambda: LocalSGD(2), lambda: DiLoCo(2, outer_lr=1.0, outer_momentum=0.0)],
+    ids=["local", "diloco"],
+)
+def test_through_fp16_a_periods_exchange_travels_cast_and_lands_on_the_mean(
+    make: Callable[[], Periodic], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compression='fp16'``: each replica's share of the quorum's mean goes as fp16 (local:H
+    sends its change since the last synchronization, as it does through any lossy
+    compressor), every rank of every group ends with the same bits, within fp16's rounding
+    of the mean of the ranks' last local steps."""
+    models, stepped = _train(make, 2, monkeypatch, compression="fp16")
+    assert {w for q in quorums.values() for w in q.wires} == {torch.float16}
+    params = [[p.detach() for p in m.parameters()] for m in models]
+    for held in params[1:]:
+        for a, b in zip(params[0], held, strict=True):
+            assert torch.equal(a, b)
+    for i, value in enumerate(params[0]):
+        mean = torch.stack([own[-1][i] for own in stepped]).mean(0)
+        torch.testing.assert_close(value, mean, rtol=0, atol=1e-4)
+        assert not torch.equal(value, mean)  # it did go through fp16

@@ -73,3 +73,16 @@ def test_the_lighthouse_comes_from_the_argument_or_the_environment(
     monkeypatch.setenv(LIGHTHOUSE_ENV, "http://127.0.0.1:2")
     settings = check_membership("torchft", **{**GOOD, "lighthouse": None})
     assert settings is not None and settings.lighthouse == "http://127.0.0.1:2"
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "local:4", "diloco:4", "diloco:4:2:1"])
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_a_cast_to_16_bits_crosses_the_quorum_under_every_live_strategy(
+    strategy: str, compression: str
+) -> None:
+    """BSP's buckets and the periodic averages both go through the Manager's all-reduce,
+    which carries each replica's share cast to fp16/bf16 (docs/membership.md)."""
+    change = {"strategy": strategy, "compression_spec": compression}
+    assert check_membership("torchft", **{**GOOD, **change}) is not None
+    with pytest.raises(UsageError, match=r"use compression=None, 'fp16' or 'bf16'"):
+        check_membership("torchft", **{**GOOD, **change, "compression_spec": "int8"})

@@ -32,7 +32,10 @@ class Quorum:
     def start_step(self, step: int) -> None:
         self.started.append(step)
 
-    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def allreduce(
+        self, tensor: torch.Tensor, wire: torch.dtype | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
+        assert wire is None  # uncompressed
         tensor.mul_(0.5)  # in place, as torchft's: the "mean" differs from this replica's own
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(tensor)

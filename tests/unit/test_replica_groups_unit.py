@@ -47,8 +47,8 @@ def test_groups_of_several_ranks_run_every_live_strategy(strategy: str) -> None:
         ),
         ([*GROUPS, "--compress", "int8"], "--replica-groups 2: membership='torchft' with bsp"),
         (
-            [*GROUPS, "--strategy", "local:2", "--compress", "bf16"],
-            "membership='torchft' with local and compression 'bf16'",
+            [*GROUPS, "--strategy", "local:2", "--compress", "int4"],
+            "membership='torchft' with local and compression 'int4'",
         ),
         ([*GROUPS, "--bucket-mb", "auto"], "with bucket_mb='auto'"),
         ([*GROUPS, "--backend", "nccl"], "exchange over torchft's gloo group on the CPU"),

@@ -92,7 +92,10 @@ class Quorum:
         self.started.append(step)
         self.open = True
 
-    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def allreduce(
+        self, tensor: torch.Tensor, wire: torch.dtype | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
+        assert wire is None  # uncompressed
         assert self.open, "an exchange with no quorum joined"
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         if self.pair is None:
