@@ -4,6 +4,8 @@ what the gate guarantees holds."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -15,20 +17,33 @@ pytestmark = pytest.mark.ranks
 GROUP_TIMEOUT_S = 30  # the process group's own, which the user's collectives keep
 
 
-#: gates in steps 4-9: every step's, or (issue 46) only the steps an exchange follows
-GATES = {"bsp": 6, "zero:2": 6, "local:2": 3, "diloco:4:2:1": 3}
+#: gates in steps 4-9: every step's, or (issue 46) only the steps an exchange follows. local:H
+#: is left out: it arms its gate through Periodic.gate_at, as diloco:H does (only the steps an
+#: exchange follows differ, Periodic._exchanges_after, which every local:H test runs), so the
+#: diloco:4:2:1 case covers its path (both failed alike with Periodic.gate_at returning None)
+GATES = {"bsp": 6, "zero:2": 6, "diloco:4:2:1": 3}
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", list(GATES))
-def test_the_gate_waits_on_its_own_thread_and_a_late_rank_is_waited_for(strategy: str) -> None:
-    r0, r1 = run_ranks(
+@pytest.fixture(scope="module", params=list(GATES))
+def counted(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    """One launch per strategy for both tests below (each costs a late rank's 4 s): the
+    strategy and each rank's result of ``store_requests_per_step``."""
+    strategy = request.param
+    out = run_ranks(
         gate_ahead_ranks.store_requests_per_step,
         2,
         strategy,
         collective_timeout_s=GROUP_TIMEOUT_S,
         timeout_s=140,
     )
+    return strategy, out
+
+
+@pytest.mark.timeout(150)
+def test_the_gate_waits_on_its_own_thread_and_a_late_rank_is_waited_for(
+    counted: tuple[str, list[dict[str, Any]]],
+) -> None:
+    strategy, (r0, r1) = counted
     for r in (r0, r1):
         assert r["steps"] == 10
         # steps 4-9: the training thread asks the store nothing; the gate's thread does
@@ -44,9 +59,9 @@ def test_the_gate_waits_on_its_own_thread_and_a_late_rank_is_waited_for(strategy
         assert torch.equal(r0["params"], r1["params"])
 
 
-@pytest.mark.timeout(120)
-def test_the_gate_thread_ends_with_close() -> None:
-    for r in run_ranks(gate_ahead_ranks.gate_thread_ends_with_close, 2, timeout_s=100):
+@pytest.mark.timeout(150)
+def test_the_gate_thread_ends_with_close(counted: tuple[str, list[dict[str, Any]]]) -> None:
+    for r in counted[1]:
         assert r["threads"] == []
 
 
