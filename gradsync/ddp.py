@@ -297,14 +297,25 @@ class DistributedDataParallel(nn.Module):
             # The last step's update never came (a GradScaler skipped it): close that block
             # now, before this forward's backward adds a gradient to it.
             self._close(_Exit(apply=False))
-        if self._follow_buffers and self.require_forward_param_sync:
-            self._broadcast_buffers()
-        if syncing and self._open is None:
-            self._enter()
-        if self._fsdp:  # no_sync(): FSDP2 accumulates unsharded gradients, reduces none
-            root: Any = self.module  # an FSDPModule
-            root.set_requires_gradient_sync(self.require_backward_grad_sync)
-        output = self.module(*inputs, **kwargs)
+        broadcast = self._follow_buffers and self.require_forward_param_sync
+        # Outside a step block (a no_sync() micro-batch, an evaluation, the buffer broadcast
+        # before the block opens) these are collectives under zero:3: the strategy puts them
+        # behind one gate named for which it is (``Strategy.forward_between_steps``; nothing
+        # under the other strategies, whose forward posts no collective a peer could pair).
+        between = (
+            self.sync.strategy.forward_between_steps(training=torch.is_grad_enabled())
+            if self._open is None and (broadcast or not syncing)
+            else contextlib.nullcontext()
+        )
+        with between:
+            if broadcast:
+                self._broadcast_buffers()
+            if syncing and self._open is None:
+                self._enter()
+            if self._fsdp:  # no_sync(): FSDP2 accumulates unsharded gradients, reduces none
+                root: Any = self.module  # an FSDPModule
+                root.set_requires_gradient_sync(self.require_backward_grad_sync)
+            output = self.module(*inputs, **kwargs)
         if self._fsdp and syncing:
             for t in _tensors_in(output):
                 if t.requires_grad:  # the first to get its gradient starts the backward pass

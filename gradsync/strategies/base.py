@@ -512,6 +512,15 @@ class Strategy(Protocol):
         whole already: nothing to do."""
         return contextlib.nullcontext()
 
+    def forward_between_steps(self, *, training: bool) -> AbstractContextManager[None]:
+        """Around a forward of ``gs.DistributedDataParallel`` outside a step block (a
+        ``no_sync()`` micro-batch when ``training``, an evaluation otherwise), its buffer
+        broadcast included: where such a forward is a collective (``zero:3``), one gate before
+        it, named for what it is, so that a rank evaluating alone meets no peer's training
+        forward. Elsewhere nothing: the forward posts no collective a peer could mistake."""
+        del training
+        return contextlib.nullcontext()
+
     def full_state_dict(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any] | None:

@@ -108,13 +108,27 @@ from gradsync.strategies.zero_shards import (
 )
 from gradsync.telemetry.records import Span
 
-__all__ = ["FORWARD_BETWEEN_STEPS", "ZeroStage3", "shard_model"]
+__all__ = [
+    "FORWARD_BETWEEN_STEPS",
+    "TRAINING_FORWARD_BETWEEN_STEPS",
+    "ZeroStage3",
+    "shard_model",
+]
 
 #: the gate before a forward of the sharded model between steps, as every rank's message says
 FORWARD_BETWEEN_STEPS = (
     "a forward of the zero:3 model between steps, a collective (FSDP2 gathers its parameters "
     "from every rank): every rank must run it. To evaluate on some ranks only, enter "
     "`with sync.unsharded():` on every rank and evaluate inside it"
+)
+
+#: the gate before a ``no_sync()`` micro-batch's forward of ``gs.DistributedDataParallel``
+#: between steps: named apart from an evaluation's, so that the two never meet
+TRAINING_FORWARD_BETWEEN_STEPS = (
+    "a no_sync() micro-batch's forward of the zero:3 model (through "
+    "gs.DistributedDataParallel), a collective every rank must run at the same point of its "
+    "loop. To evaluate on some ranks only, enter `with sync.unsharded():` on every rank and "
+    "evaluate inside it"
 )
 
 
@@ -379,6 +393,8 @@ class ZeroStage3(Strategy):
         self._modules: list[Any] = []
         #: inside ``sync.unsharded()``: every parameter is gathered on this rank
         self._unsharded = False
+        #: the front door's forward passed its gate already (``forward_between_steps``)
+        self._forward_gated = False
         #: ``model.state_dict()`` ran inside it, and put this rank's parameters back to shards
         self._resharded_inside = False
 
@@ -418,7 +434,6 @@ class ZeroStage3(Strategy):
         a gate first, so that a forward on rank 0 alone (an evaluation) is reported at once,
         naming ``sync.unsharded()``, on every rank, instead of leaving rank 0 in an all-gather
         while its peers wait for the next step (``StepGate.before_user_collective``)."""
-        ctx = self._ctx
         if self._unsharded and self._resharded_inside:
             raise UsageError(
                 "a forward inside sync.unsharded() after model.state_dict(): FSDP2 put this "
@@ -426,14 +441,36 @@ class ZeroStage3(Strategy):
                 "gather them again, a collective the other ranks are not in. Take the state "
                 "dict after the forwards (or sync.full_state_dict() on every rank, outside)"
             )
+        if not self._forward_gated:
+            self._gate_forward(FORWARD_BETWEEN_STEPS)
+
+    def _gate_forward(self, what: str) -> bool:
+        """Between steps, outside ``sync.unsharded()``: shard every module and pass a gate
+        named ``what`` before the forward's collectives. Whether it did."""
+        ctx = self._ctx
         if ctx is None or self._unsharded or ctx.watch is None:
-            return
+            return False
         phase, step, _ = ctx.watch.phase
         if phase != BETWEEN:  # inside a step block (or a gradsync call): in step already
-            return
+            return False
         self._reshard()
         if ctx.gate is not None:
-            ctx.gate.before_user_collective(step + 1, FORWARD_BETWEEN_STEPS)
+            ctx.gate.before_user_collective(step + 1, what)
+        return True
+
+    @contextmanager
+    def forward_between_steps(self, *, training: bool) -> Iterator[None]:
+        """The front door's forward outside a step block, its buffer broadcast included, under
+        one gate (``Strategy.forward_between_steps``): a ``no_sync()`` micro-batch's gate is
+        named apart from an evaluation's, so a rank evaluating alone (the raw module, or the
+        wrapper without gradients) and a peer training never pair their collectives; both
+        fail within seconds naming ``sync.unsharded()``."""
+        what = TRAINING_FORWARD_BETWEEN_STEPS if training else FORWARD_BETWEEN_STEPS
+        self._forward_gated = self._gate_forward(what)
+        try:
+            yield
+        finally:
+            self._forward_gated = False
 
     def _on_state_dict(self, *_: Any) -> None:
         if self._unsharded:

@@ -104,6 +104,24 @@ def test_a_forward_on_rank_0_alone_fails_every_rank_naming_sync_unsharded(
     assert "never arrived: ranks [0]" in r1["error"], r1["error"]
 
 
+@pytest.mark.timeout(200)
+def test_the_front_doors_no_sync_forward_never_pairs_with_an_evaluation_on_rank_0(
+    runs: list[dict[str, Any]],
+) -> None:
+    """Rank 0 evaluates the raw module alone while rank 1's next step starts with a
+    ``no_sync()`` micro-batch and a buffer broadcast: each fails within seconds, naming
+    ``sync.unsharded()`` and where the other is, not after ``between_steps_timeout_s`` (60 s)."""
+    r0, r1 = (out["front door forward alone"] for out in runs)
+    for r, out in enumerate((r0, r1)):
+        assert out["error"] is not None, r
+        assert out["error"].startswith("SyncTimeoutError"), out["error"]
+        assert "sync.unsharded()" in out["error"], out["error"]
+        assert out["seconds"] < 30, out
+    assert "no_sync() micro-batch's forward" in r0["error"], r0["error"]  # where rank 1 is
+    assert "never arrived: ranks [1]" in r0["error"], r0["error"]
+    assert "never arrived: ranks [0]" in r1["error"], r1["error"]
+
+
 # -- trap 3 -------------------------------------------------------------------------------------
 
 

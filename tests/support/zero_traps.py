@@ -185,6 +185,65 @@ def forward_on_rank_0_alone(rank: int, world: int, group: Any) -> dict[str, Any]
     return out
 
 
+class WithBuffer(RootHeld):
+    """``RootHeld`` with a buffer, which the front door broadcasts from rank 0 at the first
+    forward of each step, as DDP does (another collective outside the step block)."""
+
+    def __init__(self, student: nn.Sequential) -> None:
+        super().__init__(student)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def front_door_forward_on_rank_0_alone(rank: int, world: int, group: Any) -> dict[str, Any]:
+    """The front door (``gs.DistributedDataParallel``) with two micro-batches a step and a
+    buffer: after a step, rank 0 evaluates the raw module alone, without
+    ``sync.unsharded()``, while rank 1 goes on to the next step's first micro-batch (under
+    ``no_sync()``: its buffer broadcast and its forward are collectives outside the step
+    block). Both must fail within seconds naming ``sync.unsharded()``: before, rank 1's
+    no_sync() forward paired its gathers with rank 0's evaluation, or its buffer broadcast left
+    rank 0 waiting for a rank in its own code, up to ``between_steps_timeout_s``."""
+    w = zr._workload()
+    raw = WithBuffer(w.build_model())
+    opt = zr.make_optimizer("adamw", raw)
+    model = gs.DistributedDataParallel(
+        raw,
+        optimizer=opt,
+        strategy="zero:3",
+        process_group=group,
+        timeout_s=TIMEOUT_S,
+        between_steps_timeout_s=60.0,  # the mismatch, not this bound, must end the wait
+    )
+    out: dict[str, Any] = {"error": None, "seconds": None}
+
+    def micro_batches(step: int) -> None:
+        x, y = zr._batch(w, step, rank, world)
+        with model.no_sync():
+            w.loss(model, x[:3], y[:3]).backward()
+        w.loss(model, x[3:], y[3:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        micro_batches(0)
+        started = time.monotonic()
+        try:
+            if rank == 0:
+                with torch.no_grad():
+                    model.module(_eval_batch(w, world)[0])
+            else:
+                micro_batches(1)
+        finally:
+            out["seconds"] = time.monotonic() - started
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = _error(exc)
+    finally:
+        model.sync.close()
+    return out
+
+
 # -- trap 3: torch's clip_grad_norm_ on sharded gradients ---------------------------------------
 
 
@@ -283,6 +342,9 @@ def everything(rank: int, world: int) -> dict[str, Any]:
     for spec in ("zero:1", "zero:2", "zero:3"):
         cases[f"checkpoint {spec}"] = functools.partial(checkpoint, rank, world, spec)
     cases["forward alone"] = functools.partial(forward_on_rank_0_alone, rank, world)
+    cases["front door forward alone"] = functools.partial(
+        front_door_forward_on_rank_0_alone, rank, world
+    )
     out = {}
     for name, case in cases.items():
         # A case that failed may have left one rank seconds behind the other: meet on the
