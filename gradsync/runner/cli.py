@@ -38,28 +38,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     claimed = claim(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
         if cfg.resume and not cfg.script:  # a script resumes from its own checkpoints
-            _check_resume(cfg, run_dir)
+            from gradsync.runner.resume import check_resume
+
+            # before any worker starts, and before config.json is rewritten with this run's
+            # flags: a refused --resume leaves the saved run's as it was
+            check_resume(cfg, run_dir)
         return _run(cfg, run_dir, cfg.changed_fields())
     finally:
         claimed.release()
-
-
-def _check_resume(cfg: Any, run_dir: Path) -> None:
-    """Refuse a --resume the workers would fail (or worse, quietly start over) before any
-    starts, and before config.json is rewritten with this run's flags."""
-    from gradsync.checkpoint.checkpointer import check_resumable
-    from gradsync.compression import parse_compression
-    from gradsync.runner.rundir import CHECKPOINT_DIR
-
-    spec = parse_compression(cfg.compression).spec
-    if cfg.replica_groups:
-        from gradsync.runner.replica_groups import check_groups_resumable
-
-        # each group resumes from its own checkpoints (group-K/checkpoints)
-        for checkpoints in check_groups_resumable(cfg, run_dir):
-            check_resumable(checkpoints, spec, cfg.strategy)
-        return
-    check_resumable(run_dir / CHECKPOINT_DIR, spec, cfg.strategy)
 
 
 def _placement(backend: str) -> str:

@@ -196,7 +196,10 @@ class RunConfig:
         2, metavar="N", help="checkpoints kept (default: %(default)s)", group=FAULTS
     )
     resume: bool = flag(
-        False, help="continue from the newest checkpoint in --out (default: off)", group=FAULTS
+        False,
+        help="continue from the newest checkpoint in --out, with the saved run's --workload, "
+        "--params, --strategy and --replica-groups (default: off)",
+        group=FAULTS,
     )
     overwrite: bool = flag(
         False,

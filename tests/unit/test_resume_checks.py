@@ -1,0 +1,211 @@
+"""``gradsync run --resume`` held against the run it continues (``gradsync.runner.resume``),
+before any worker starts: another workload, model size, strategy spec or replica groups than
+the saved run's config.json is refused naming both values and the flags to pass (not torch's
+``Unexpected key(s) in state_dict`` from every worker), and config.json is left as it was;
+--steps below the checkpoint's step is refused (not a run that trains nothing and exits 0); a
+changed --seed or --batch-size is warned about. The checkpoints' own refusals:
+test_resume_refusals.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gradsync.processes.launch
+from gradsync.checkpoint import CheckpointStore
+from gradsync.runner.cli import main
+from gradsync.runner.config import RunConfig
+from gradsync.telemetry.records import METRICS_FILE, StepRecord, write_records
+
+pytestmark = pytest.mark.unit
+
+FLAGS = ["--no-plots", "--no-progress"]
+
+
+def _saved_run(run: Path, step: int = 12, **flags: Any) -> RunConfig:
+    """What a finished ``gradsync run`` of ``flags`` leaves: its config.json, and a checkpoint
+    of ``step`` (one rank's, as the stores of the other tests write them)."""
+    cfg = RunConfig(**{"workload": "mlp", "nproc": 2, "steps": step, "out": str(run), **flags})
+    run.mkdir(parents=True, exist_ok=True)
+    cfg.save(run, given=cfg.changed_fields())
+    store = CheckpointStore(run / "checkpoints")
+    strategy = cfg.strategy.split(":")[0]
+    store.save(step, 0, 1, {"strategy": strategy, "compression": "none", "extra": {}})
+    store.commit(step, 1)
+    return cfg
+
+
+class FakeLaunch:
+    """The workers, as far as the command sees them: rank 0's step records of the steps from
+    the resumed one to --steps, written as a resumed run would."""
+
+    def __init__(self, resumed_at: int = 12) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.resumed_at = resumed_at
+
+    def __call__(self, entry: Any, args: tuple[Any, ...], **kwargs: Any) -> dict[int, Any]:
+        cfg = args[0]
+        self.calls.append({**cfg, **kwargs})
+        ranks = range(cfg["nproc"])
+        steps = range(self.resumed_at, cfg["steps"])
+        records = [_record(r, s) for s in steps for r in ranks]
+        write_records(Path(cfg["out"]) / METRICS_FILE, records)
+        return {0: {"run_dir": cfg["out"]}}
+
+
+def _record(rank: int, step: int) -> StepRecord:
+    return StepRecord(rank, step, 100.0 + step, 0.5, 0.5, 0.0, 0.0, 4, 10, loss=1.0 / (step + 1))
+
+
+@pytest.fixture
+def launch(monkeypatch: pytest.MonkeyPatch) -> FakeLaunch:
+    fake = FakeLaunch()
+    monkeypatch.setattr(gradsync.processes.launch, "launch", fake)
+    return fake
+
+
+@pytest.mark.parametrize(
+    ("saved", "given", "was", "now"),
+    [
+        ({}, ["--workload=charlm"], "--workload mlp", "--workload charlm"),
+        ({}, ["--params=50000"], "--params 100000", "--params 50000"),
+        # the whole spec, not the name the checkpoint records ('bsp', 'local')
+        ({}, ["--strategy=local:2"], "--strategy bsp", "--strategy local:2"),
+        (
+            {"strategy": "local:4"},
+            ["--strategy=local:8"],
+            "--strategy local:4",
+            "--strategy local:8",
+        ),
+        (
+            {"params": 20000},
+            ["--workload=charlm", "--params=30000"],
+            "--workload mlp",  # charlm has no --params: only the workload is named
+            "--workload charlm",
+        ),
+        ({"replica_groups": 2}, [], "--replica-groups 2", "no --replica-groups"),
+    ],
+)
+def test_a_flag_that_shapes_the_checkpoints_is_refused_before_any_worker(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    launch: FakeLaunch,
+    saved: dict[str, Any],
+    given: list[str],
+    was: str,
+    now: str,
+) -> None:
+    run = tmp_path / "run"
+    flags = {"nproc": 1, **saved} if "replica_groups" in saved else saved
+    _saved_run(run, **flags)
+    before = (run / "config.json").read_bytes()
+    argv = ["run", "--workload=mlp", f"--nproc={flags.get('nproc', 2)}", "--steps=20"]
+    code = main([*argv, *given, "--resume", f"--out={run}", *FLAGS])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and not launch.calls, err
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        f"gradsync: error: --resume: the run in {run} was trained with {was} (its config.json), "
+        f"this run asks for {now}: "
+    ), err
+    assert f"Rerun with {was}, or pass a new --out" in err[0], err
+    assert (run / "config.json").read_bytes() == before  # the saved run's, not this attempt's
+
+
+def test_several_flags_are_named_together(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    run = tmp_path / "run"
+    _saved_run(run, strategy="diloco:8", params=20000)
+    argv = ["run", "--workload=mlp", "--nproc=2", "--params=30000", "--strategy=diloco:4"]
+    assert main([*argv, "--resume", f"--out={run}", *FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert "trained with --params 20000 --strategy diloco:8 (its config.json)" in err, err
+    assert "asks for --params 30000 --strategy diloco:4" in err, err
+    assert "Rerun with --params 20000 --strategy diloco:8, or" in err, err
+
+
+@pytest.mark.parametrize(
+    ("saved", "given"),
+    [
+        ({"strategy": "diloco:8"}, ["--strategy=diloco:8:1"]),  # one spec, spelled two ways
+        ({"workload": "charlm"}, ["--workload=charlm", "--params=5000"]),  # charlm's own size
+    ],
+)
+def test_the_same_model_and_strategy_resume(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    launch: FakeLaunch,
+    saved: dict[str, Any],
+    given: list[str],
+) -> None:
+    run = tmp_path / "run"
+    _saved_run(run, **saved)
+    argv = ["run", "--workload=mlp", "--nproc=2", "--steps=14", *given]
+    assert main([*argv, "--resume", f"--out={run}", *FLAGS]) == 0, capsys.readouterr().err
+    assert len(launch.calls) == 1
+
+
+def test_a_scripts_run_is_not_resumed_as_a_built_in_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    run = tmp_path / "run"
+    _saved_run(run)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "script": ["train.py", "--x"]}))
+    assert main(["run", "--workload=mlp", "--resume", f"--out={run}", *FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert "the run in" in err and "trained a script (train.py --x" in err, err
+    assert f"gradsync run --resume --out {run} -- train.py --x" in err and not launch.calls
+
+
+def test_steps_below_the_checkpoints_step_are_refused_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    run = tmp_path / "run"
+    _saved_run(run, step=12)
+    before = (run / "config.json").read_bytes()
+    argv = ["run", "--workload=mlp", "--nproc=2", "--steps=8", "--resume", f"--out={run}"]
+    assert main([*argv, *FLAGS]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("gradsync: error: --resume --steps 8: "), err
+    assert "from its checkpoint of step 12, past --steps 8: it would train nothing" in err[0]
+    assert "pass more than 12" in err[0]
+    assert not launch.calls and (run / "config.json").read_bytes() == before
+
+
+def test_steps_at_the_checkpoints_step_finish_the_run_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    run = tmp_path / "run"
+    _saved_run(run, step=12)
+    write_records(run / METRICS_FILE, [_record(r, s) for s in range(12) for r in (0, 1)])
+    argv = ["run", "--workload=mlp", "--nproc=2", "--steps=12", "--resume", f"--out={run}"]
+    assert main([*argv, *FLAGS]) == 0
+    err = capsys.readouterr().err
+    assert "the checkpoint of step 12 is the run's last (--steps 12): no step left" in err, err
+    assert len(launch.calls) == 1
+
+
+def test_another_seed_or_batch_size_is_warned_about_in_a_line_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    run = tmp_path / "run"
+    _saved_run(run, seed=0, batch_size=16)
+    argv = ["run", "--workload=mlp", "--nproc=2", "--steps=14", "--seed=3", "--batch-size=8"]
+    assert main([*argv, "--resume", f"--out={run}", *FLAGS]) == 0
+    warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("gradsync: warn")]
+    assert warned == [
+        "gradsync: warning: --resume with --seed 3 where the saved run had --seed 0: the data "
+        "order from the resumed step on differs from the saved run's; mlp's targets too (its "
+        "teacher is drawn from the seed)",
+        "gradsync: warning: --resume with --batch-size 8 where the saved run had --batch-size "
+        "16: the data order from the resumed step on differs from the saved run's",
+    ]
+    assert len(launch.calls) == 1
+    # the same flags again: nothing to warn about
+    assert main([*argv, "--resume", f"--out={run}", *FLAGS]) == 0
+    assert "warning" not in capsys.readouterr().err
