@@ -69,10 +69,10 @@ def test_noloco_pairs_as_gossip_and_its_outer_step_lands_on_the_mean_at_lr_1() -
     round) and ends as one model; with outer_lr=1 and no momentum its outer step lands on the
     pair's mean, gossip's result, to rounding (phi + (mean - phi))."""
     period, steps = 2, 6
-    gossip = run_ranks(gr.train, 2, period, steps, timeout_s=100)
-    plain = "noloco:2:outer_lr=1:outer_momentum=0"
-    as_gossip = run_ranks(gr.train, 2, period, steps, None, plain, timeout_s=100)
-    noloco = run_ranks(gr.train, 2, period, steps, None, "noloco:2", timeout_s=100)
+    # one launch for the three runs, each rank running them in turn
+    specs = ["gossip:2", "noloco:2:outer_lr=1:outer_momentum=0", "noloco:2"]
+    by_rank = run_ranks(gr.train_each, 2, period, steps, specs, timeout_s=100)
+    gossip, as_gossip, noloco = ([out[i] for out in by_rank] for i in range(len(specs)))
     for g, a in zip(gossip, as_gossip, strict=True):
         for step in range(steps):
             torch.testing.assert_close(a["after"][step], g["after"][step], rtol=0, atol=1e-12)

@@ -22,9 +22,14 @@ class _Counted:
     def __init__(self) -> None:
         self.on = False
         self.calls: list[str] = []
-        for name in GROUP_WIDE:
-            original = getattr(dist, name)
+        self._originals = {name: getattr(dist, name) for name in GROUP_WIDE}
+        for name, original in self._originals.items():
             setattr(dist, name, self._wrap(name, original))
+
+    def restore(self) -> None:
+        """torch.distributed's own functions back (another run in this process counts anew)."""
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
 
     def _wrap(self, name: str, original: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -64,6 +69,7 @@ def train(
             w.loss(model, x, y).backward()
         after.append(flat_params(model))
     counted.on = False
+    counted.restore()
     report = sync.report()
     sync.close()
     return {
@@ -73,6 +79,13 @@ def train(
         "summary": sync.strategy.summary(),
         "bytes": [r.bytes for r in report.records if r.rank == rank],
     }
+
+
+def train_each(
+    rank: int, world: int, period: int, steps: int, strategies: list[str]
+) -> list[dict[str, Any]]:
+    """``train`` under each strategy in turn, in one process group (one start-up for all)."""
+    return [train(rank, world, period, steps, None, strategy) for strategy in strategies]
 
 
 def checkpointed(
