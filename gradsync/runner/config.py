@@ -197,8 +197,8 @@ class RunConfig:
     )
     resume: bool = flag(
         False,
-        help="continue from the newest checkpoint in --out, with the saved run's --workload, "
-        "--params, --strategy and --replica-groups (default: off)",
+        help="continue from the newest checkpoint in --out: the saved run's workload, model "
+        "size, strategy and replica groups (default: off)",
         group=FAULTS,
     )
     overwrite: bool = flag(
