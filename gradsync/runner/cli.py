@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import UsageError
 from gradsync.module_cli import closed_pipe
+
+if TYPE_CHECKING:
+    from gradsync.runner.resume import Resumed
 
 
 def _add_run_flags(p: argparse.ArgumentParser, unlisted: frozenset[str] = frozenset()) -> None:
@@ -37,13 +41,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Held until this process ends: no second run in the same directory meanwhile.
     claimed = claim(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
+        resumed: Resumed | None = None
         if cfg.resume and not cfg.script:  # a script resumes from its own checkpoints
             from gradsync.runner.resume import check_resume
 
             # before any worker starts, and before config.json is rewritten with this run's
             # flags: a refused --resume leaves the saved run's as it was
-            check_resume(cfg, run_dir)
-        return _run(cfg, run_dir, cfg.changed_fields())
+            resumed = check_resume(cfg, run_dir)
+        return _run(cfg, run_dir, cfg.changed_fields(), resumed)
     finally:
         claimed.release()
 
@@ -53,7 +58,9 @@ def _placement(backend: str) -> str:
     return f"on the {'GPU' if backend == 'nccl' else 'CPU'} ({backend})"
 
 
-def _run(cfg: Any, run_dir: Path, given: list[str] | None = None) -> int:
+def _run(
+    cfg: Any, run_dir: Path, given: list[str] | None = None, resumed: Resumed | None = None
+) -> int:
     from gradsync.processes.launch import launch
     from gradsync.runner.worker import run_rank
 
@@ -94,7 +101,7 @@ def _run(cfg: Any, run_dir: Path, given: list[str] | None = None) -> int:
         if results.get(0) is None:
             raise RuntimeError("rank 0 returned no report")
     _record_bucket_plan(cfg, run_dir)
-    print(_summary(cfg, run_dir))
+    print(_summary(cfg, run_dir, resumed))
     return 0
 
 
@@ -114,8 +121,9 @@ def _record_bucket_plan(cfg: Any, run_dir: Path) -> None:
     cfg.add_facts(run_dir, bucket_plan=plan)
 
 
-def _summary(cfg: Any, run_dir: Path) -> str:
-    """The final table, stragglers, trace.json and plots of the finished run."""
+def _summary(cfg: Any, run_dir: Path, resumed: Resumed | None = None) -> str:
+    """The final table, stragglers, trace.json and plots of the finished run. Its header
+    names the ranks this attempt ran (``_attempts_header``)."""
     from gradsync.telemetry.cli import summarize_run
     from gradsync.telemetry.records import METRICS_FILE
 
@@ -125,13 +133,36 @@ def _summary(cfg: Any, run_dir: Path) -> str:
             "no gs.Synchronizer, or its Synchronizer took no step (telemetry=False, or "
             "run_dir= naming another directory)"
         )
-    return summarize_run(
+    text = summarize_run(
         run_dir,
         window=cfg.straggler_window,
         threshold=cfg.straggler_threshold,
         plots=cfg.plots,
         warmup=cfg.straggler_warmup,
     )
+    return text if resumed is None else _attempts_header(text, cfg.nproc, resumed.saved_nproc)
+
+
+#: the summary's header: ``run: DIR (N steps, R ranks)``, R the ranks in the run's records
+_HEADER = re.compile(r"run: (?P<dir>.*) \((?P<steps>\d+) steps, (?P<ranks>\d+) ranks\)")
+
+
+def _attempts_header(text: str, nproc: int, before: int | None) -> str:
+    """``text`` with a header that names this attempt's ranks, ``nproc``: after a --resume on
+    another --nproc (the saved run's ``before``), the run's records hold the saved run's ranks
+    too, which the report's header counts."""
+    first, newline, rest = text.partition("\n")
+    header = _HEADER.fullmatch(first)
+    if header is None or int(header["ranks"]) == nproc:
+        return text
+    recorded = int(header["ranks"])
+    was = (
+        f"{before} before the resume"
+        if before not in (None, nproc)
+        else f"{recorded} in the run's records"
+    )
+    ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
+    return f"run: {header['dir']} ({header['steps']} steps, {ranks}; {was}){newline}{rest}"
 
 
 def _run_on_cluster(cfg: Any, run_dir: Path) -> None:

@@ -3,7 +3,8 @@ before any worker starts: another workload, model size, strategy spec or replica
 the saved run's config.json is refused naming both values and the flags to pass (not torch's
 ``Unexpected key(s) in state_dict`` from every worker), and config.json is left as it was;
 --steps below the checkpoint's step is refused (not a run that trains nothing and exits 0); a
-changed --seed or --batch-size is warned about. The checkpoints' own refusals:
+changed --seed or --batch-size is warned about; the summary's header names this attempt's
+ranks, not every rank in the run's records. The checkpoints' own refusals:
 test_resume_refusals.py."""
 
 from __future__ import annotations
@@ -209,3 +210,21 @@ def test_another_seed_or_batch_size_is_warned_about_in_a_line_each(
     # the same flags again: nothing to warn about
     assert main([*argv, "--resume", f"--out={run}", *FLAGS]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_headers_ranks_are_this_attempts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    """A 2-rank bsp run resumed on 1 rank: the records hold both ranks' steps before the
+    resume; the header says 1 rank (and the saved run's 2), the table still shows both."""
+    run = tmp_path / "run"
+    _saved_run(run, step=12)
+    write_records(run / METRICS_FILE, [_record(r, s) for s in range(12) for r in (0, 1)])
+    argv = ["run", "--workload=mlp", "--nproc=1", "--steps=20", "--resume", f"--out={run}"]
+    assert main([*argv, *FLAGS]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"run: {run} (20 steps, 1 rank; 2 before the resume)", out[:3]
+    # the same world as the saved run's: the header as every run has it
+    assert main([*argv, "--nproc=2", *FLAGS]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"run: {run} (20 steps, 2 ranks)", out[:3]
