@@ -19,8 +19,9 @@ after, ``extra`` the extras saved with it (``gradsync run``: ``data_position``).
 
 Which strategies export (``EXPORTABLE``): ``bsp`` (every rank's share joined), ``zero:1`` and
 ``zero:2`` (the model from rank 0, whole on every rank; the optimizer state of each tensor from
-the rank that owned it), and ``local:H``, ``diloco:H`` and ``hogwild`` (rank 0's model and its
-own optimizer: their replicas are each rank's own between synchronizations). The others are
+the rank that owned it), and ``local:H``, ``diloco:H``, ``gossip:H``, ``noloco:H`` and
+``hogwild`` (rank 0's model and its own optimizer: their replicas are each rank's own between
+synchronizations, and each rank's file holds its own whole). The others are
 refused before anything is written, naming why: ``zero:3`` (every rank's file holds its shards
 of the parameters), ``ssp:S`` and ``async`` (the parameters and the optimizer state are on the
 server ranks, split between them), and strategies gradsync does not know. See
@@ -61,8 +62,13 @@ EXPORTABLE = {
     "zero:2": "the model (whole on every rank) and every rank's shard of the optimizer state",
     "local": "rank 0's model and optimizer state",
     "diloco": "rank 0's model and (inner) optimizer state",
+    "gossip": "rank 0's model and optimizer state",
+    "noloco": "rank 0's model and (inner) optimizer state",
     "hogwild": "the shared parameters and rank 0's buffers and optimizer state",
 }
+
+#: the strategies of ``EXPORTABLE`` a user spells with a period, ``local:H`` and the others
+_PERIODIC = ("local", "diloco", "gossip", "noloco")
 
 #: why the strategies gradsync knows but cannot export are refused
 _REFUSED = {
@@ -201,7 +207,7 @@ def _check_exportable(strategy: str, info: CheckpointInfo) -> None:
 
 def _spelled(strategy: str) -> str:
     """How a user spells the strategy whose checkpoints record ``strategy``."""
-    return f"{strategy}:H" if strategy in ("local", "diloco") else strategy
+    return f"{strategy}:H" if strategy in _PERIODIC else strategy
 
 
 def _model_and_optimizer(

@@ -286,7 +286,8 @@ def _add_checkpoint_parsers(sub: Any) -> None:
         "single-process script holds it, {model, optimizer, step, extra}: the model's and "
         "the optimizer's state dicts, and write it with torch.save (open with "
         "torch.load(OUT, weights_only=True)) or torch.distributed.checkpoint (DCP, a "
-        "directory). Exports bsp, zero:1, zero:2, local:H, diloco:H and hogwild checkpoints; "
+        "directory). Exports bsp, zero:1, zero:2, local:H, diloco:H, gossip:H, noloco:H and "
+        "hogwild checkpoints; "
         "see docs/checkpoints.md.",
     )
     export.add_argument(

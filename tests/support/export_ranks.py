@@ -15,7 +15,7 @@ import gradsync as gs
 STEPS = 4
 #: the strategies trained on real ranks (hogwild's ranks go on writing the shared parameters
 #: after a checkpoint, so their final model is no checkpoint's: tested on one rank)
-STRATEGIES = ("bsp", "zero:1", "zero:2", "local:2", "diloco:2")
+STRATEGIES = ("bsp", "zero:1", "zero:2", "local:2", "diloco:2", "gossip:2", "noloco:2")
 #: ``bsp`` on a model with BatchNorm, whose running statistics differ between the ranks
 BATCH_NORM = "bsp-batchnorm"
 

@@ -55,8 +55,8 @@ def test_an_export_loads_into_a_fresh_model_and_optimizer_bitwise(
     directory, model, optimizer = one_rank_runs[spec]
     done = export_checkpoint(directory, tmp_path / "model.pt")
     assert (done.step, done.to, done.world_size) == (er.STEPS, "torch", 1)
-    # as checkpoints record it: local:2 as "local", diloco:2 as "diloco"
-    assert done.strategy == (spec.partition(":")[0] if spec[0] in "ld" else spec)
+    # as checkpoints record it: local:2 as "local", diloco:2 as "diloco", gossip:2 as "gossip"
+    assert done.strategy == (spec if spec.startswith("zero") else spec.partition(":")[0])
     exported = torch.load(done.path, weights_only=True)
     assert set(exported) == {"model", "optimizer", "step", "extra"}
     check_export(exported, model, optimizer, er.STEPS)
@@ -148,7 +148,7 @@ def test_a_strategy_that_cannot_export_is_refused_and_nothing_written(
         export_checkpoint(directory, out, to=to)
     message = str(refused.value)
     assert f"strategy {strategy}," in message and why in message
-    assert "bsp, zero:1, zero:2, local:H, diloco:H, hogwild export" in message
+    assert "bsp, zero:1, zero:2, local:H, diloco:H, gossip:H, noloco:H, hogwild export" in message
     assert "nothing was written" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
@@ -188,7 +188,9 @@ def test_bad_arguments_are_refused_naming_what_is_valid(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint in .*empty: nothing to export"):
         export_checkpoint(tmp_path / "empty", tmp_path / "x")
-    assert set(EXPORTABLE) == {"bsp", "zero:1", "zero:2", "local", "diloco", "hogwild"}
+    assert set(EXPORTABLE) == {
+        *("bsp", "zero:1", "zero:2", "local", "diloco", "gossip", "noloco", "hogwild")
+    }
 
 
 # -- the command line, in this process -------------------------------------------------------------
