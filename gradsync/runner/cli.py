@@ -287,8 +287,7 @@ def _add_checkpoint_parsers(sub: Any) -> None:
         "the optimizer's state dicts, and write it with torch.save (open with "
         "torch.load(OUT, weights_only=True)) or torch.distributed.checkpoint (DCP, a "
         "directory). Exports bsp, zero:1, zero:2, local:H, diloco:H, gossip:H, noloco:H and "
-        "hogwild checkpoints; "
-        "see docs/checkpoints.md.",
+        "hogwild checkpoints; see docs/checkpoints.md.",
     )
     export.add_argument(
         "directory",

@@ -709,10 +709,11 @@ class RunConfig:
         given = [name for name in WORKLOAD_ONLY if name in changed]
         if given:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
+            one = len(given) == 1
             raise UsageError(
-                f"{options} set the built-in workloads, not a script's training: set them in "
-                f"the script (its model, data, optimizer and gs.Synchronizer call) and drop "
-                "them here"
+                f"{options} {'sets' if one else 'set'} the built-in workloads, not a script's "
+                f"training: set {'it' if one else 'them'} in the script (its model, data, "
+                f"optimizer and gs.Synchronizer call) and drop {'it' if one else 'them'} here"
             )
 
     def _check_tracker(self) -> None:

@@ -27,9 +27,11 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.nproc < 2:
             raise UsageError(f"--nproc must be at least 2 for an all-reduce, got {self.nproc}")
-        if not self.sizes or any(s < 4 or s % 4 for s in self.sizes):
+        bad = [s for s in self.sizes if s < 4 or s % 4]
+        if not self.sizes or bad:
             raise UsageError(
-                f"--sizes must be byte counts that are multiples of 4 (float32), got {self.sizes}"
+                "--sizes must be positive multiples of 4 bytes (float32 values), got "
+                f"{', '.join(map(str, bad)) or 'none'}"
             )
         if self.repeats < 1:
             raise UsageError(f"--repeats must be at least 1, got {self.repeats}")

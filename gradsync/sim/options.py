@@ -295,7 +295,9 @@ class BenchOptions:
 
     nproc: int = flag(2, help="ranks (default 2)")
     sizes: str | None = flag(
-        None, help="bytes, comma-separated; K/M suffixes ok (default 4K..64M in x4 steps)"
+        None,
+        help="bytes, comma-separated, each a positive multiple of 4 (float32 values); K/M "
+        "suffixes ok (default 4K..64M in x4 steps)",
     )
     repeats: int = flag(20, help="timed repeats per size (default 20)")
     out: str | None = flag(

@@ -29,6 +29,9 @@ def test_workload_flags_with_a_script_are_refused_naming_them(tmp_path: Path) ->
     script.write_text("")
     with pytest.raises(UsageError, match=r"^--steps, --lr set the built-in workloads"):
         RunConfig(script=[str(script)], steps=5, lr=0.1, out=str(tmp_path))
+    one = r"^--checkpoint-every sets the built-in workloads, .* set it in .* drop it here$"
+    with pytest.raises(UsageError, match=one):
+        RunConfig(script=[str(script)], checkpoint_every=5, out=str(tmp_path))
     # the flags a script's Synchronizer takes are fine
     RunConfig(script=[str(script)], strategy="local:4", timeout=30.0, out=str(tmp_path))
 

@@ -297,3 +297,18 @@ def test_a_fit_with_no_bandwidth_is_a_warning_not_an_infinite_link() -> None:
     assert len(warnings) == 2
     assert "beta" in warnings[0] and "--repeats" in warnings[0] and "--sizes" in warnings[0]
     assert "alpha" in warnings[1]
+
+
+@pytest.mark.parametrize(("sizes", "bad"), [("0", "0"), ("4096,6,0", "6, 0"), ("-8", "-8")])
+def test_bench_sizes_must_be_positive_multiples_of_4(
+    sizes: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 bytes is a multiple of 4 too: the refusal says positive multiples, naming the sizes
+    it refuses (it said "multiples of 4 (float32), got (0,)")."""
+    from gradsync.runner.cli import main
+
+    assert main(["bench", "allreduce", f"--sizes={sizes}"]) == 2
+    assert capsys.readouterr().err == (
+        "gradsync: error: --sizes must be positive multiples of 4 bytes (float32 values), "
+        f"got {bad}\n"
+    )
