@@ -7,7 +7,8 @@ files, written by the same code:
 
 - ``metrics.jsonl``: every gathered step record, by rank 0, as they arrive (and the
   ``--tracker`` sinks: TensorBoard, W&B, MLflow), with the live progress line and a notice per
-  straggler episode;
+  straggler episode; and those no gather took, from a Synchronizer closed (or a process that
+  ended) without ``sync.report()``, by each rank itself (``write_own_records``);
 - ``spans.jsonl`` and ``report.json``, at ``sync.report()`` (collective: every rank's timeline
   spans are gathered to rank 0 there);
 - ``membership.jsonl`` under live membership (``membership="torchft"``): each step's quorum
@@ -51,6 +52,7 @@ from gradsync.telemetry.records import (
     StepRecord,
     read_jsonl,
     read_records,
+    write_records,
 )
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import Finding, StragglerConfig, StragglerDetector
@@ -479,6 +481,17 @@ class AttachedRun:
         self.reported = write_report(
             self.directory, self.sink.stragglers, report, measured, self.sink, group=name
         )
+
+    def write_own_records(self, records: list[StepRecord]) -> None:
+        """This rank's records that no gather took (a Synchronizer closed, or a process that
+        ended, without ``sync.report()``: a script ported through the front door may never
+        call it), appended to ``metrics.jsonl`` by this rank itself: no collective, and no
+        rank waits for another. Their ``idle`` is left as measured (see
+        ``TelemetryCollector.take_own_pending``)."""
+        if not records:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_records(self.directory / METRICS_FILE, records)
 
     def close(self) -> None:
         """When the Synchronizer closes: the trackers end even without a report."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import multiprocessing.util
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -280,6 +282,12 @@ class Synchronizer:
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         if self._run is not None:
             self._run.start(self.rank, self.layout.workers)
+            # A script that never calls report() (a port through the front door may not) or
+            # close() still gets its last step records into the run directory: at the exit of
+            # its process (a multiprocessing child's too, which runs no atexit handler).
+            multiprocessing.util.Finalize(
+                self, _write_unreported, args=(weakref.ref(self),), exitpriority=1
+            )
         self._hierarchy: Hierarchy | None = None
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
         self.spans: list[Span] = []
@@ -1121,8 +1129,24 @@ class Synchronizer:
             self._checkpoints.close()
         finally:
             if self._run is not None:
+                self._write_own_records()
                 self._run.close()
             self._close()
+
+    def _write_own_records(self) -> None:
+        """This rank's step records that no gather took (closed or ended without
+        ``report()``), into the run directory by this rank alone: no collective."""
+        if self._run is None or not self.telemetry_enabled:
+            return
+        try:
+            self._run.write_own_records(self._collector.take_own_pending(self.rank))
+        except OSError as exc:  # the run directory is gone or full: the run itself is not
+            warnings.warn(
+                f"gradsync: rank {self.rank}: could not write its last step records into "
+                f"{self._run.directory}: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _close(self) -> None:
         self._collector.hold_in_flight()
@@ -1311,6 +1335,14 @@ def _check_dense_gradients(model: torch.nn.Module) -> None:
                 "sparse=True: its gradients are sparse tensors, which gradsync's strategies do "
                 "not exchange (they send dense gradients); build it with sparse=False"
             )
+
+
+def _write_unreported(ref: weakref.ref[Synchronizer]) -> None:
+    """At the process's exit: the step records of a Synchronizer never closed (``close()``
+    writes them itself)."""
+    sync = ref()
+    if sync is not None and not sync._closed:
+        sync._write_own_records()
 
 
 class _GradientReady:

@@ -27,6 +27,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+try:  # where the system has no flock (Windows), records are appended unlocked
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux or macOS
+    fcntl = None  # type: ignore[assignment]
+
 METRICS_FILE = "metrics.jsonl"
 SPANS_FILE = "spans.jsonl"
 
@@ -106,9 +111,15 @@ def fill_idle(
 
 
 def write_records(path: Path, records: Iterable[StepRecord | Span], append: bool = True) -> None:
+    """Write ``records`` to ``path``, one line each, in one write under an exclusive lock of
+    the file where the system has ``flock``: rank 0 appends every gathered batch to
+    ``metrics.jsonl``, and a rank closed without ``report()`` appends its own last records
+    (``AttachedRun.write_own_records``), maybe at the same moment."""
+    text = "".join(r.to_json() + "\n" for r in records)
     with open(path, "a" if append else "w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(r.to_json() + "\n")
+        if fcntl is not None:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        fh.write(text)
 
 
 def read_records(run_dir: str | Path) -> list[StepRecord]:

@@ -274,29 +274,22 @@ class TelemetryCollector:
 
     def _add(self, gathered: list[torch.Tensor]) -> list[StepRecord]:
         """Records from each rank's gathered rows (in rank order), appended and passed on."""
-        new = [
-            StepRecord(
-                rank=rank,
-                step=int(row[0]),
-                time=row[1],
-                compute=row[2],
-                sync=row[3],
-                idle=row[9],
-                comm=0.0,
-                samples=int(row[4]),
-                bytes=int(row[5]),
-                loss=None if row[6] != row[6] else row[6],
-                skipped=bool(row[7]),
-                barrier=bool(row[8]),
-            )
-            for rank, block in enumerate(gathered)
-            for row in block.tolist()
-        ]
+        new = [_record(rank, row) for rank, block in enumerate(gathered) for row in block.tolist()]
         new = fill_idle(new, self._since_barrier)
         self.records.extend(new)
         if self.sink is not None and new:
             self.sink(new)
         return new
+
+    def take_own_pending(self, rank: int) -> list[StepRecord]:
+        """This rank's records not gathered (a gather in flight's included), as records of
+        ``rank``, taken off the collector: no collective, for a Synchronizer closed without
+        ``report()``. Their ``idle`` is what the strategy measured (0 at a barrier step: the
+        other ranks' compute, which the barrier's idle is made of, is not here)."""
+        rows = self.pending_rows().tolist()
+        self._pending, self._unread = [], 0
+        self.hold_in_flight()
+        return [_record(rank, row) for row in rows]
 
     def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
         world = runtime.world_size(self.group)
@@ -333,6 +326,24 @@ class _InFlight:
 def _wait(flight: _InFlight) -> list[torch.Tensor]:
     flight.work.wait()
     return [b.cpu() for b in flight.blocks]
+
+
+def _record(rank: int, row: list[float]) -> StepRecord:
+    """``rank``'s record from its row (``_COLUMNS``); ``comm`` is ``fill_idle``'s to set."""
+    return StepRecord(
+        rank=rank,
+        step=int(row[0]),
+        time=row[1],
+        compute=row[2],
+        sync=row[3],
+        idle=row[9],
+        comm=0.0,
+        samples=int(row[4]),
+        bytes=int(row[5]),
+        loss=None if row[6] != row[6] else row[6],
+        skipped=bool(row[7]),
+        barrier=bool(row[8]),
+    )
 
 
 def _rows(pending: list[_Pending]) -> torch.Tensor:

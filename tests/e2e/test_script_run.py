@@ -113,3 +113,31 @@ def test_the_ported_ddp_example_gets_the_run_directory_too(tmp_path: Path) -> No
     stragglers = [f["rank"] for f in report["stragglers"] if f["kind"] == "straggler"]
     assert stragglers == [1], report["stragglers"]  # (a "slowdown" of every rank may be there too)
     assert (tmp_path / "own" / "final.pt").exists()  # the script's own outputs, where it says
+
+
+@pytest.mark.timeout(200)
+def test_a_front_door_script_that_never_calls_report_keeps_every_step_record(
+    tmp_path: Path,
+) -> None:
+    """examples/ddp_lm_frontdoor.py, unchanged, calls neither ``model.report()`` nor
+    ``close()``: each rank's records that no gather took (the last ones, up to twice
+    ``telemetry_every``) reach metrics.jsonl all the same, written by each rank at its exit.
+    Before, 14 steps left metrics.jsonl with 10 of them, and a run of fewer steps than a
+    gather failed saying the script "took no step"."""
+    example = SCRIPT.parents[2] / "examples" / "ddp_lm_frontdoor.py"
+    out = tmp_path / "fd"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--no-plots", "--out", str(out)]
+        + ["--", str(example), "--steps", "14", "--eval-every", "100", "--out", str(tmp_path)]
+        + ["--accumulation", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert sorted((r["rank"], r["step"]) for r in records) == [
+        (rank, step) for rank in range(2) for step in range(14)
+    ]
+    assert "run: " in proc.stderr + proc.stdout and "(14 steps, 2 ranks)" in proc.stdout

@@ -311,3 +311,20 @@ def test_a_runs_config_builds_the_groups_it_sets() -> None:
     assert Checks(**sourced(cfg, Checks)) == Checks(check_every=3)
     assert sourced(cfg, Telemetry) == {}
     assert isinstance(Exchange(balance=ShardBalancer(2)).balance, ShardBalancer)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_run_directory_gets_the_records_no_gather_took_when_closed_without_report(
+    tmp_path: Path,
+) -> None:
+    """``close()`` without ``report()`` (a front-door script may never call it): this rank's
+    step records that no gather took go into metrics.jsonl, written by the rank itself."""
+    model, sgd = _model_and_sgd()
+    sync = gs.Synchronizer(model, sgd, run_dir=tmp_path)  # a gather every 10 steps
+    for _ in range(3):  # fewer than a gather's 10
+        with sync.step():
+            model(torch.ones(2, 3)).sum().backward()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    sync.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [(r["rank"], r["step"]) for r in records] == [(0, 0), (0, 1), (0, 2)]
