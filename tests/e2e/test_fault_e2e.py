@@ -12,12 +12,18 @@ import torch
 
 from gradsync.checkpoint import CheckpointStore
 from tests.support.cli import gradsync
+from tests.support.shared_runs import (
+    FAULT_COMMON,
+    KILLED_BSP_RESUMED,
+    KILLED_BSP_STRATEGY,
+    SharedRun,
+)
 
 pytestmark = pytest.mark.e2e
 
 # the line gradsync run prints for a worker's death: (local rank, how it ended)
 DEATH = re.compile(r"gradsync: worker process (\d) of this machine \(pid \d+\) (.*)")
-COMMON = ["--workload", "mlp", "--params", "20000", "--steps", "30", "--no-plots", "--no-progress"]
+COMMON = FAULT_COMMON
 
 
 def _final(run: Path) -> dict[str, torch.Tensor]:
@@ -30,30 +36,12 @@ def _run(out: Path, *extra: str) -> str:
     return proc.stderr
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    ("strategy", "every", "resumed", "killed"),
-    [
-        # a checkpoint every step, written in the background: the newest complete one at the
-        # kill is step 17's, or one or two before it if its writes were still under way
-        (["--strategy", "bsp"], 1, (15, 16, 17), 1),
-        # rank 1 dies at step 17, between the checkpoints of steps 10 and 20
-        (["--strategy", "diloco:4"], 10, (10,), 1),
-        # residuals resumed; rank 0 dies here: it serves the round's store, which its peer's
-        # wait then fails on (its death named without the survivor's backtrace)
-        (["--strategy", "bsp", "--compress", "topk:0.05"], 10, (10,), 0),
-    ],
-    ids=["bsp-every-step", "diloco", "topk-error-feedback-rank-0"],
-)
-def test_killed_rank_resumes_bitwise_equal(
-    tmp_path: Path, strategy: list[str], every: int, resumed: tuple[int, ...], killed: int
+def _assert_resumed_bitwise(
+    clean: Path, faulty: Path, err: str, killed: int, resumed: tuple[int, ...]
 ) -> None:
-    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    _run(clean, *strategy)
-    err = _run(
-        faulty, *strategy, "--checkpoint-every", str(every), "--max-restarts", "1",
-        "--kill", f"{killed}:17",
-    )  # fmt: skip
+    """The faulty run (rank ``killed`` SIGKILLed at step 17, one restart) resumed at one of
+    ``resumed``, named the death once, without the survivor's backtrace, and ended where the
+    uninterrupted run ended, every step's telemetry once per rank."""
     found = re.findall(r"restart: resuming at step (\d+) \(restart 1 of 1\)", err)
     assert len(found) == 1 and int(found[0]) in resumed, err[-3000:]
     # the death the agent recovered from is named, once
@@ -75,43 +63,56 @@ def test_killed_rank_resumes_bitwise_equal(
 
 
 @pytest.mark.timeout(300)
-def test_bsp_resumes_on_a_different_number_of_ranks(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    first = gradsync(
-        "run",
-        "--nproc",
-        "2",
-        "--out",
-        str(out),
-        *COMMON[:4],
-        "--steps",
-        "20",
-        "--checkpoint-every",
-        "10",
-        "--no-plots",
-        "--no-progress",
-        timeout=240,
-    )
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_killed_rank_resumes_bitwise_equal_from_a_checkpoint_of_every_step(
+    tmp_path: Path, killed_bsp_run: SharedRun
+) -> None:
+    """bsp, a checkpoint every step, written in the background (the shared run,
+    tests/e2e/conftest.py; its strategy and steps are the clean run's)."""
+    clean = tmp_path / "clean"
+    _run(clean, *KILLED_BSP_STRATEGY)
+    _assert_resumed_bitwise(clean, killed_bsp_run.out, killed_bsp_run.stderr, 1, KILLED_BSP_RESUMED)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("strategy", "killed"),
+    [
+        # rank 1 dies at step 17, between the checkpoints of steps 10 and 20
+        (["--strategy", "diloco:4"], 1),
+        # residuals resumed; rank 0 dies here: it serves the round's store, which its peer's
+        # wait then fails on (its death named without the survivor's backtrace)
+        (["--strategy", "bsp", "--compress", "topk:0.05"], 0),
+    ],
+    ids=["diloco", "topk-error-feedback-rank-0"],
+)
+def test_killed_rank_resumes_bitwise_equal(
+    tmp_path: Path, strategy: list[str], killed: int
+) -> None:
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    _run(clean, *strategy)
+    err = _run(
+        faulty, *strategy, "--checkpoint-every", "10", "--max-restarts", "1",
+        "--kill", f"{killed}:17",
+    )  # fmt: skip
+    _assert_resumed_bitwise(clean, faulty, err, killed, (10,))
+
+
+@pytest.mark.timeout(300)
+def test_bsp_resumes_on_a_different_number_of_ranks(
+    tmp_path: Path, killed_bsp_run: SharedRun
+) -> None:
+    # The 2-rank run's checkpoint of its last step (the shared run, tests/e2e/conftest.py,
+    # copied: this resume writes into its directory), resumed on 3 ranks for 10 more steps.
+    out = killed_bsp_run.copy(tmp_path / "run")
     more = gradsync(
-        "run",
-        "--nproc",
-        "3",
-        "--out",
-        str(out),
-        *COMMON[:4],
-        "--steps",
-        "30",
-        "--resume",
-        "--no-plots",
-        "--no-progress",
-        timeout=240,
-    )
+        "run", "--nproc", "3", "--out", str(out), *COMMON[:4], "--steps", "40", "--resume",
+        "--no-plots", "--no-progress", timeout=240,
+    )  # fmt: skip
     assert more.returncode == 0, more.stderr[-2000:]
-    assert "resuming at step 20" in more.stderr and "restarts from zero" not in more.stderr
+    assert "resuming at step 30" in more.stderr and "restarts from zero" not in more.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert {r["rank"] for r in records if r["step"] >= 20} == {0, 1, 2}
-    assert max(r["step"] for r in records) == 29
+    assert {r["rank"] for r in records if r["step"] >= 30} == {0, 1, 2}
+    assert max(r["step"] for r in records) == 39
 
 
 @pytest.mark.timeout(300)

@@ -14,27 +14,21 @@ import pytest
 from gradsync.checkpoint.store import CheckpointStore
 from gradsync.telemetry.records import METRICS_FILE
 from tests.support.restart_telemetry import tear_last_line
+from tests.support.shared_runs import KILLED_BSP_RESUMED, SharedRun
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.timeout(180)
-def test_restarted_run_reports_every_step_once(tmp_path: Path) -> None:
-    # Checkpoints every 3 steps, telemetry gathered every 10: at the kill (step 17) the restart
-    # resumes from step 15 (or 12, if the background write of 15 was not complete yet); steps
-    # 10..14 (10..11) come before it, were never gathered and never run again: their records
-    # can only come back with the checkpoint.
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "run", "--workload", "mlp", "--nproc", "2"]
-        + ["--steps", "30", "--checkpoint-every", "3", "--kill", "1:17", "--max-restarts", "1"]
-        + ["--no-plots", "--no-progress", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"restart: resuming at step (15|12)\b", proc.stderr), proc.stderr[-3000:]
+def test_restarted_run_reports_every_step_once(killed_bsp_run: SharedRun) -> None:
+    # The shared killed run (tests/e2e/conftest.py): checkpoints every step, telemetry gathered
+    # every 10: at the kill (step 17) the restart resumes from step 17 (or 16 or 15, if the
+    # background writes of the newer ones were not complete yet); steps 10..16 (10..14) come
+    # before it, were never gathered and never run again: their records can only come back
+    # with the checkpoint.
+    out, stderr = killed_bsp_run.out, killed_bsp_run.stderr
+    resumed = "|".join(str(step) for step in KILLED_BSP_RESUMED)
+    assert re.search(rf"restart: resuming at step ({resumed})\b", stderr), stderr[-3000:]
     lines = (out / METRICS_FILE).read_text().splitlines()
     keys = [(d["rank"], d["step"]) for d in map(json.loads, lines)]
     assert sorted(keys) == [(rank, step) for rank in range(2) for step in range(30)]

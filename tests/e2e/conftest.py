@@ -1,0 +1,21 @@
+"""Runs that tests in several e2e files read, made once a session (tests/support/shared_runs.py
+has the commands): each ``gradsync run`` costs seconds of start-up on 2 cores."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.proctree import watched_run
+from tests.support.shared_runs import KILLED_BSP, SharedRun
+
+
+@pytest.fixture(scope="session")
+def killed_bsp_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    """``gradsync run`` with KILLED_BSP's flags (rank 1 killed at step 17, one restart from a
+    checkpoint written every step), its tree watched all along. Read by test_fault_e2e (the
+    final model bitwise an uninterrupted run's; then resumed on 3 ranks, from a copy),
+    test_restart_telemetry_e2e (every step once in the telemetry and report) and test_listen
+    (loopback only, in both rounds)."""
+    out = tmp_path_factory.mktemp("killed-bsp") / "run"
+    watched, stderr = watched_run(*KILLED_BSP, "--out", str(out), timeout_s=240)
+    return SharedRun(out, stderr, watched)

@@ -1,0 +1,44 @@
+"""The ``gradsync run`` commands whose one run several e2e test files read: each launch costs
+seconds of start-up on 2 cores, so tests/e2e/conftest.py makes each of these runs once a
+session, and the tests that change a run directory (a resume) work on a copy of it."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.proctree import Watched
+
+#: the mlp of test_fault_e2e's runs: 20,000 parameters, 30 steps
+FAULT_COMMON = [
+    "--workload", "mlp", "--params", "20000", "--steps", "30", "--no-plots", "--no-progress",
+]  # fmt: skip
+
+#: 2 ranks of bsp, a checkpoint every step (written in the background), rank 1 SIGKILLed at
+#: step 17 and the run restarted once: the newest complete checkpoint at the kill is step
+#: 17's, or one or two before it if its writes were still under way
+KILLED_BSP_STRATEGY = ["--strategy", "bsp"]
+KILLED_BSP = [
+    "--nproc", "2", *FAULT_COMMON, *KILLED_BSP_STRATEGY,
+    "--checkpoint-every", "1", "--max-restarts", "1", "--kill", "1:17",
+]  # fmt: skip
+#: where KILLED_BSP's restart may resume
+KILLED_BSP_RESUMED = (15, 16, 17)
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """A finished run (it exited 0): its directory, its stderr, and what was seen of its
+    process tree while it ran (every process and listener: tests/support/proctree.py), where
+    it was watched."""
+
+    out: Path
+    stderr: str
+    watched: Watched | None = None
+
+    def copy(self, to: Path) -> Path:
+        """The run directory copied to ``to``, for a test that changes it (the shared one is
+        left as the run left it)."""
+        shutil.copytree(self.out, to)
+        return to
