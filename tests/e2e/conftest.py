@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.cli import gradsync
 from tests.support.proctree import watched_run
-from tests.support.shared_runs import KILLED_BSP, SharedRun
+from tests.support.shared_runs import KILLED_BSP, ONE_RANK, SharedRun
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +20,14 @@ def killed_bsp_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     out = tmp_path_factory.mktemp("killed-bsp") / "run"
     watched, stderr = watched_run(*KILLED_BSP, "--out", str(out), timeout_s=240)
     return SharedRun(out, stderr, watched)
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    """``gradsync run`` with ONE_RANK's flags (checkpoints of steps 5 and 10): what
+    test_fault_e2e (the newest checkpoint left unfinished) and test_restart_telemetry_e2e (the
+    metrics file's last line torn) each change in a copy, then resume."""
+    out = tmp_path_factory.mktemp("one-rank") / "run"
+    proc = gradsync("run", *ONE_RANK, "--out", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return SharedRun(out, proc.stderr)

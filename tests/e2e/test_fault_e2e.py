@@ -135,13 +135,16 @@ def test_other_strategies_refuse_a_different_number_of_ranks(tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(240)
-def test_a_resume_past_an_unfinished_checkpoint_says_so_in_one_line(tmp_path: Path) -> None:
-    # What a kill during a save leaves: the newest checkpoint without its manifest.
-    out = tmp_path / "run"
+def test_a_resume_past_an_unfinished_checkpoint_says_so_in_one_line(
+    tmp_path: Path, one_rank_run: SharedRun
+) -> None:
+    # What a kill during a save leaves: the newest checkpoint without its manifest (in a copy
+    # of the shared one-rank run's directory, tests/e2e/conftest.py: 10 steps, a checkpoint
+    # every 5).
+    first = one_rank_run.stderr
+    assert ", on the CPU (gloo) -> " in first.splitlines()[0], first[:500]
+    out = one_rank_run.copy(tmp_path / "run")
     flags = ["--nproc", "1", "--out", str(out), *COMMON[:4], "--no-plots"]
-    first = gradsync("run", *flags, "--steps", "10", "--checkpoint-every", "5", timeout=180)
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert ", on the CPU (gloo) -> " in first.stderr.splitlines()[0], first.stderr[:500]
     (out / "checkpoints" / "step-000010" / "MANIFEST.json").unlink()
     more = gradsync("run", *flags, "--steps", "14", "--resume", timeout=180)
     assert more.returncode == 0, more.stderr[-2000:]

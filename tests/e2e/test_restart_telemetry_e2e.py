@@ -46,19 +46,16 @@ def test_restarted_run_reports_every_step_once(killed_bsp_run: SharedRun) -> Non
 
 
 @pytest.mark.timeout(240)
-def test_a_resume_after_a_torn_metrics_line_goes_on(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def test_a_resume_after_a_torn_metrics_line_goes_on(
+    tmp_path: Path, one_rank_run: SharedRun
+) -> None:
+    # The shared one-rank run (tests/e2e/conftest.py: 10 steps, a checkpoint every 5), copied.
+    out = one_rank_run.copy(tmp_path / "run")
     flags = ["--workload", "mlp", "--params", "20000", "--nproc", "1", "--out", str(out)]
     flags += ["--checkpoint-every", "5", "--no-plots", "--no-progress"]
-
-    def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "gradsync", "run", *flags, *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-
-    first = run("--steps", "10")
-    assert first.returncode == 0, first.stderr[-3000:]
     torn = json.loads(tear_last_line(out / METRICS_FILE))
-    more = run("--steps", "14", "--resume")
+    cmd = [sys.executable, "-m", "gradsync", "run", *flags, "--steps", "14", "--resume"]
+    more = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert more.returncode == 0, more.stderr[-3000:]
     notice = [line for line in more.stderr.splitlines() if "dropped its last line" in line]
     assert len(notice) == 1 and str(out / METRICS_FILE) in notice[0], more.stderr[-3000:]

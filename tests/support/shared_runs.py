@@ -26,6 +26,12 @@ KILLED_BSP = [
 #: where KILLED_BSP's restart may resume
 KILLED_BSP_RESUMED = (15, 16, 17)
 
+#: one rank, 10 steps, a checkpoint every 5: what the resume tests change, then resume from
+ONE_RANK = [
+    "--nproc", "1", "--workload", "mlp", "--params", "20000", "--steps", "10",
+    "--checkpoint-every", "5", "--no-plots", "--no-progress",
+]  # fmt: skip
+
 
 @dataclass(frozen=True)
 class SharedRun:
