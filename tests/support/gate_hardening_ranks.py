@@ -71,7 +71,7 @@ def trains_beside_an_attacker(rank: int, world: int) -> dict[str, Any]:
     return {"params": flat_params(model), "steps": sync.step_count, "armed": armed}
 
 
-HOLD_S = 8.0  # far beyond the timeout (2 s) and the heartbeat's silence before blame (1.5 s)
+HOLD_S = 6.0  # 3x the timeout (2 s), 4x the heartbeat's silence before blame (1.5 s)
 
 
 def holds_the_gil_between_steps(rank: int, world: int) -> dict[str, Any]:

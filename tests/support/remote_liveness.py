@@ -23,7 +23,7 @@ from tests.support.gate_ranks import _setup, _train_step
 from tests.support.ranks import flat_params
 
 OUT_ENV = "GRADSYNC_TEST_OUT"
-HOLD_S = 8.0  # far beyond the timeout (2 s) and a heartbeat's silence before blame (1.5 s)
+HOLD_S = 6.0  # 3x the timeout (2 s), 4x a heartbeat's silence before blame (1.5 s)
 #: bounds the wait for rank 1 in its own code: a stopped rank taken for a busy one fails the
 #: test with the gate's message instead of hanging it
 BETWEEN_S = 30.0
