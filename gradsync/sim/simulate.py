@@ -379,7 +379,9 @@ def _free_running(
     # A zero-length step ends when it starts; it still has not finished before it began.
     staleness = clock - np.minimum(finished, clock)
     first_out = float(end[-1].min())
-    steady = float((end <= first_out).sum()) / (first_out / 1000.0) if first_out > 0 else 0.0
+    # tested on the seconds, not the ms: a subnormal ms (5e-324) is 0 once divided by 1000
+    seconds = first_out / 1000.0
+    steady = float((end <= first_out).sum()) / seconds if seconds > 0 else 0.0
     return SimResult(
         strategy=spec,
         compute_ms=c,
