@@ -309,6 +309,9 @@ class Synchronizer:
         self._step = 0
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
+        #: seconds the training thread waited in ``_join_gate`` since it was last zeroed (at
+        #: a block's start): waiting for peers, so sync time, not compute
+        self._gate_waited = 0.0
         self._final_checked = False
         self._checkpoints = self._make_checkpointer()
         if self.strategy.barrier_free:
@@ -648,6 +651,7 @@ class Synchronizer:
                     self._pass_gate(self._step, "the step")
                 self._enter_gradsync()
             wall0, t0 = time.time(), time.perf_counter()
+            self._gate_waited = 0.0
             self._mark_start()
             slept = self._begin(micro_batches, weight)
             # a replacement that healed in _begin (live membership) took its peer's step
@@ -664,6 +668,10 @@ class Synchronizer:
                 self._abandon(handle, ready, exc, wall0, t0)
                 raise
             t1 = time.perf_counter()
+            # The gate's wait joined inside the block (before its first collective) was a wait
+            # for peers still in their own code, an evaluation on rank 0 say: sync time. In
+            # compute it made the waiting rank look like the one that set the pace.
+            waited = self._gate_waited
             self._mark_block_end()
             self._join_gate()  # where the strategy posted nothing in the block
             outcome = ready.outcome()
@@ -672,8 +680,9 @@ class Synchronizer:
             self._expected_steps = self._optimizer_steps
             # A synchronize() inside the block waited for the exchange, and a strategy's
             # collectives in the block (zero:3) waited for the peers: that is sync time.
-            self._natural = t1 - t0 - ready.seconds_in_block - outcome.comm_in_block - slept
-            self._end_step(handle, outcome, wall0, t0, t1, ready.seconds_in_block)
+            sync_in_block = ready.seconds_in_block + waited
+            self._natural = t1 - t0 - sync_in_block - outcome.comm_in_block - slept
+            self._end_step(handle, outcome, wall0, t0, t1, sync_in_block)
         except BaseException as exc:
             leaving = not isinstance(exc, Exception)
             raise
@@ -814,7 +823,9 @@ class Synchronizer:
         has ended (its ``SyncTimeoutError`` otherwise), and ``timeout_s`` bounds them from here
         (``checks.gate_ahead``). Cheap once joined: strategies call it before every collective."""
         if self._ahead is not None:
+            started = time.perf_counter()
             self._ahead.join()
+            self._gate_waited += time.perf_counter() - started
             self._enter_gradsync()
 
     def _settle_gate(self) -> None:
@@ -931,7 +942,9 @@ class Synchronizer:
             h.loss,
             out.skipped if out.found_inf is None else out.found_inf,
             out.barrier,
-            out.idle,
+            # At a barrier the idle is derived from every rank's compute (``fill_idle``), at
+            # least what this rank measured waiting at the gate for peers in their own code.
+            max(out.idle, self._gate_waited) if out.barrier else out.idle,
             marks,
         )
         if self._collector.due() and not self.strategy.barrier_free:
