@@ -775,7 +775,9 @@ def _check_compatible(
     if saved_strategy != name:
         raise CheckpointError(
             f"checkpoint at step {step} was written by strategy {saved_strategy!r}, "
-            f"this run uses {name!r}"
+            f"this run uses {name!r}: a strategy's state (its replicas, periods, outer "
+            f"optimizer, shards) has no meaning under another. Resume with a {saved_strategy!r} "
+            "strategy (strategy=..., gradsync run --strategy), or start in a new directory"
         )
     layout = _layout(cp)
     if _has_servers(cp) and (saved_world, saved_layout) != (cp.world_size, layout):

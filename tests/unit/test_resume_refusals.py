@@ -227,3 +227,28 @@ def test_resuming_on_another_world_size_restarts_error_feedback(
             assert two.load(tmp_path) == {"step": 3}  # was: KeyError: 'inner'
     finally:
         two.close()
+
+
+def test_load_refuses_another_strategys_state_naming_the_fix(
+    tmp_path: Path, one_rank: None
+) -> None:
+    plain = _sync(None)
+    _checkpoint(
+        tmp_path,
+        3,
+        model=plain.model.state_dict(),
+        optimizer=plain.optimizer.state_dict(),
+        sync={**plain.state_dict(), "step": 3},
+        rng=rng_state(),
+        strategy="local",  # as a local:H run writes it
+        compression=plain.compressor.spec,
+        layout={"workers": 1, "servers": 0},
+    )
+    try:
+        with pytest.raises(CheckpointError) as refused:
+            plain.load(tmp_path)
+    finally:
+        plain.close()
+    message = str(refused.value)
+    assert "written by strategy 'local', this run uses 'bsp'" in message, message
+    assert "Resume with a 'local' strategy" in message and "new directory" in message, message
