@@ -25,7 +25,7 @@ from tests.support.proctree import (
 
 pytestmark = pytest.mark.e2e
 
-TIMEOUT_S = 6  # short: what is tested is the bound beyond it, not its length
+TIMEOUT_S = 4  # short: what is tested is the bound beyond it, not its length
 GRACE_S = 5  # what the run may take beyond its --timeout to fail, report and exit
 
 
