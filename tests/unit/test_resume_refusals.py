@@ -176,20 +176,28 @@ def _sync(compression: str | None) -> Synchronizer:
     return Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), compression=compression)
 
 
+def _rank_0_checkpoint(directory: Path, sync: Synchronizer, **change: Any) -> None:
+    """What ``sync.save()`` writes for rank 0 after step 3 (written here without its background
+    writer), with ``change`` in place of its entries."""
+    _checkpoint(
+        directory,
+        3,
+        **{
+            "model": sync.model.state_dict(),
+            "optimizer": sync.optimizer.state_dict(),
+            "sync": {**sync.state_dict(), "step": 3},
+            "rng": rng_state(),
+            "strategy": sync.strategy.name,
+            "compression": sync.compressor.spec,
+            "layout": {"workers": 1, "servers": 0},
+            **change,
+        },
+    )
+
+
 def test_load_refuses_another_compressors_state(tmp_path: Path, one_rank: None) -> None:
     plain = _sync(None)
-    # What sync.save() writes for rank 0 (written here without its background writer).
-    _checkpoint(
-        tmp_path,
-        3,
-        model=plain.model.state_dict(),
-        optimizer=plain.optimizer.state_dict(),
-        sync={**plain.state_dict(), "step": 3},
-        rng=rng_state(),
-        strategy=plain.strategy.name,
-        compression=plain.compressor.spec,
-        layout={"workers": 1, "servers": 0},
-    )
+    _rank_0_checkpoint(tmp_path, plain)
     plain.close()
     compressed = _sync("topk:0.5")
     try:
@@ -233,17 +241,7 @@ def test_load_refuses_another_strategys_state_naming_the_fix(
     tmp_path: Path, one_rank: None
 ) -> None:
     plain = _sync(None)
-    _checkpoint(
-        tmp_path,
-        3,
-        model=plain.model.state_dict(),
-        optimizer=plain.optimizer.state_dict(),
-        sync={**plain.state_dict(), "step": 3},
-        rng=rng_state(),
-        strategy="local",  # as a local:H run writes it
-        compression=plain.compressor.spec,
-        layout={"workers": 1, "servers": 0},
-    )
+    _rank_0_checkpoint(tmp_path, plain, strategy="local")  # as a local:H run writes it
     try:
         with pytest.raises(CheckpointError) as refused:
             plain.load(tmp_path)
