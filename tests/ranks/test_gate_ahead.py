@@ -4,6 +4,8 @@ what the gate guarantees holds."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from gradsync.testing import run_ranks
 from tests.support import gate_ahead_ranks
+from tests.support.overlap import Overlapped, overlapped
 
 pytestmark = pytest.mark.ranks
 
@@ -24,19 +27,36 @@ GROUP_TIMEOUT_S = 30  # the process group's own, which the user's collectives ke
 GATES = {"bsp": 6, "zero:2": 6, "diloco:4:2:1": 3}
 
 
-@pytest.fixture(scope="module", params=list(GATES))
-def counted(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
-    """One launch per strategy for both tests below (each costs a late rank's 4 s): the
-    strategy and each rank's result of ``store_requests_per_step``."""
-    strategy = request.param
-    out = run_ranks(
-        gate_ahead_ranks.store_requests_per_step,
-        2,
-        strategy,
-        collective_timeout_s=GROUP_TIMEOUT_S,
-        timeout_s=140,
+@pytest.fixture(scope="module")
+def launched() -> Iterator[Overlapped]:
+    """This file's launches that mostly wait (a late rank's 3.2 s, an interrupted peer's 6 s),
+    started at once so that the waits overlap (tests/support/overlap.py): each strategy's
+    ``store_requests_per_step``, for both tests that read it, and the interrupt's."""
+    launches: dict[str, Callable[[], Any]] = {
+        strategy: functools.partial(
+            run_ranks,
+            gate_ahead_ranks.store_requests_per_step,
+            2,
+            strategy,
+            collective_timeout_s=GROUP_TIMEOUT_S,
+            timeout_s=140,
+        )
+        for strategy in GATES
+    }
+    launches["interrupt"] = functools.partial(
+        run_ranks, gate_ahead_ranks.interrupted_while_a_peer_is_away, 2, timeout_s=140
     )
-    return strategy, out
+    with overlapped(launches) as out:
+        yield out
+
+
+@pytest.fixture(scope="module", params=list(GATES))
+def counted(
+    request: pytest.FixtureRequest, launched: Overlapped
+) -> tuple[str, list[dict[str, Any]]]:
+    """The strategy and each rank's result of its ``store_requests_per_step`` launch."""
+    strategy = request.param
+    return strategy, launched.result(strategy)
 
 
 @pytest.mark.timeout(150)
@@ -74,8 +94,10 @@ def test_a_block_raising_before_the_first_collective_is_skipped_by_every_rank() 
 
 
 @pytest.mark.timeout(150)
-def test_a_keyboard_interrupt_leaves_the_block_without_waiting_out_the_gate() -> None:
+def test_a_keyboard_interrupt_leaves_the_block_without_waiting_out_the_gate(
+    launched: Overlapped,
+) -> None:
     """A Ctrl-C'd worker must end promptly: its peer, interrupted too, never comes to the
     gate, and the launcher kills what is left only after 30 s."""
-    r0, _ = run_ranks(gate_ahead_ranks.interrupted_while_a_peer_is_away, 2, timeout_s=140)
+    r0, _ = launched.result("interrupt")
     assert r0["left_after_s"] < 4, r0

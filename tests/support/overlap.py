@@ -1,0 +1,38 @@
+"""Launches that mostly wait, started together so that their waits overlap.
+
+Some ranks tests spend their seconds waiting, not computing: a rank sleeping past the gate's
+timeout, a timeout running out, a peer kept away. Run one after the other, those waits add up;
+each of them is a ``run_ranks`` of its own (its own store, process group and ranks), so a
+module-scoped fixture can start a file's such launches at once, each on a thread of its own,
+and each test then takes its own launch's result, or has its error raised. What each test
+asserts is unchanged; the fixture waits for every launch before the module ends, so nothing is
+left running."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+
+class Overlapped:
+    """The launches started by ``overlapped``, by name."""
+
+    def __init__(self, futures: dict[str, Future[Any]]) -> None:
+        self._futures = futures
+
+    def result(self, name: str) -> Any:
+        """Launch ``name``'s result, once it has ended (its exception raised here)."""
+        return self._futures[name].result()
+
+
+@contextmanager
+def overlapped(launches: dict[str, Callable[[], Any]]) -> Iterator[Overlapped]:
+    """Every launch started at once, each on a thread of its own (each a ``run_ranks`` call,
+    bounded by its own ``timeout_s``); on exit, every launch waited for."""
+    pool = ThreadPoolExecutor(max_workers=len(launches), thread_name_prefix="overlapped-launch")
+    try:
+        yield Overlapped({name: pool.submit(launch) for name, launch in launches.items()})
+    finally:
+        pool.shutdown(wait=True)
