@@ -3,26 +3,56 @@ block that raises on one rank: every rank skips that step together and stays in 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from gradsync.testing import RankFailure, run_ranks
 from tests.support import gate_ranks
+from tests.support.overlap import Overlapped, overlapped, ranks
 
 pytestmark = pytest.mark.ranks
 
 GROUP_TIMEOUT_S = 30  # the process group's own, which the user's collectives keep
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
+    """This file's launches that mostly wait (an evaluation past the timeout, a stopped rank's
+    timeout, a peer's silence), started at once so that the waits overlap
+    (tests/support/overlap.py); each test below reads its own."""
+    with overlapped(
+        {
+            "long evaluation": ranks(
+                gate_ranks.long_evaluation_each,
+                2,
+                ["bsp", "local:2"],
+                collective_timeout_s=GROUP_TIMEOUT_S,
+                timeout_s=140,
+            ),
+            "frozen": ranks(
+                gate_ranks.frozen_between_steps,
+                3,
+                collective_timeout_s=GROUP_TIMEOUT_S,
+                timeout_s=90,
+            ),
+            "uncaught": ranks(gate_ranks.raises_uncaught, 2, timeout_s=90, allow_failures=True),
+            "save on rank 0": ranks(
+                gate_ranks.save_on_rank_0_only,
+                2,
+                str(tmp_path_factory.mktemp("save-on-rank-0")),
+                collective_timeout_s=GROUP_TIMEOUT_S,
+                timeout_s=90,
+            ),
+        }
+    ) as out:
+        yield out
+
+
 @pytest.mark.timeout(150)
-def test_a_long_evaluation_on_rank_0_is_not_cut_short() -> None:
-    by_rank = run_ranks(
-        gate_ranks.long_evaluation_each,
-        2,
-        ["bsp", "local:2"],
-        collective_timeout_s=GROUP_TIMEOUT_S,
-        timeout_s=140,
-    )
+def test_a_long_evaluation_on_rank_0_is_not_cut_short(launched: Overlapped) -> None:
+    by_rank = launched.result("long evaluation")
     for strategy in ("bsp", "local:2"):
         r0, r1 = (out[strategy] for out in by_rank)
         assert r0["steps"] == r1["steps"] == 6
@@ -30,10 +60,10 @@ def test_a_long_evaluation_on_rank_0_is_not_cut_short() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_stops_responding_between_steps_is_named_within_the_timeout() -> None:
-    r0, r1, r2 = run_ranks(
-        gate_ranks.frozen_between_steps, 3, collective_timeout_s=GROUP_TIMEOUT_S, timeout_s=90
-    )
+def test_a_rank_that_stops_responding_between_steps_is_named_within_the_timeout(
+    launched: Overlapped,
+) -> None:
+    r0, r1, r2 = launched.result("frozen")
     assert r2 == {"stayed_away": True}
     for r in (r0, r1):
         assert r["error"] is not None
@@ -63,8 +93,10 @@ def test_a_block_that_raises_on_one_rank_is_skipped_by_every_rank() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_an_uncaught_exception_in_a_block_fails_the_peers_within_seconds() -> None:
-    r0, r1 = run_ranks(gate_ranks.raises_uncaught, 2, timeout_s=90, allow_failures=True)
+def test_an_uncaught_exception_in_a_block_fails_the_peers_within_seconds(
+    launched: Overlapped,
+) -> None:
+    r0, r1 = launched.result("uncaught")
     assert isinstance(r1, RankFailure) and "Boom: bad batch" in str(r1)
     assert r0["error"] is not None
     assert r0["error"].startswith("step 4: the step (waiting"), r0["error"]
@@ -73,14 +105,8 @@ def test_an_uncaught_exception_in_a_block_fails_the_peers_within_seconds() -> No
 
 
 @pytest.mark.timeout(120)
-def test_ranks_in_different_collectives_say_where_each_one_is(tmp_path) -> None:
-    r0, r1 = run_ranks(
-        gate_ranks.save_on_rank_0_only,
-        2,
-        str(tmp_path),
-        collective_timeout_s=GROUP_TIMEOUT_S,
-        timeout_s=90,
-    )
+def test_ranks_in_different_collectives_say_where_each_one_is(launched: Overlapped) -> None:
+    r0, r1 = launched.result("save on rank 0")
     assert r0["error"] is not None and r1["error"] is not None
     assert r0["error"].startswith("step 2: sync.save() (waiting"), r0["error"]
     assert "Rank 1 is waiting to begin the step (step 2)" in r0["error"], r0["error"]

@@ -4,8 +4,7 @@ what the gate guarantees holds."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from gradsync.testing import run_ranks
 from tests.support import gate_ahead_ranks
-from tests.support.overlap import Overlapped, overlapped
+from tests.support.overlap import Overlapped, overlapped, ranks
 
 pytestmark = pytest.mark.ranks
 
@@ -32,9 +31,8 @@ def launched() -> Iterator[Overlapped]:
     """This file's launches that mostly wait (a late rank's 3.2 s, an interrupted peer's 6 s),
     started at once so that the waits overlap (tests/support/overlap.py): each strategy's
     ``store_requests_per_step``, for both tests that read it, and the interrupt's."""
-    launches: dict[str, Callable[[], Any]] = {
-        strategy: functools.partial(
-            run_ranks,
+    launches = {
+        strategy: ranks(
             gate_ahead_ranks.store_requests_per_step,
             2,
             strategy,
@@ -43,8 +41,8 @@ def launched() -> Iterator[Overlapped]:
         )
         for strategy in GATES
     }
-    launches["interrupt"] = functools.partial(
-        run_ranks, gate_ahead_ranks.interrupted_while_a_peer_is_away, 2, timeout_s=140
+    launches["interrupt"] = ranks(
+        gate_ahead_ranks.interrupted_while_a_peer_is_away, 2, timeout_s=140
     )
     with overlapped(launches) as out:
         yield out

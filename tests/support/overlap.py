@@ -10,10 +10,18 @@ left running."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
+
+from gradsync.testing import run_ranks
+
+
+def ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+    """``run_ranks(fn, world_size, *args, **kwargs)``, to be started by ``overlapped``."""
+    return functools.partial(run_ranks, fn, world_size, *args, **kwargs)
 
 
 class Overlapped:
