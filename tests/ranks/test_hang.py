@@ -8,10 +8,12 @@ it is named, instead of a raw backend error after the group's timeout.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from gradsync.testing import run_ranks
 from tests.support import guard_ranks
+from tests.support.overlap import Overlapped, overlapped, ranks
 
 pytestmark = pytest.mark.ranks
 
@@ -19,15 +21,30 @@ TIMEOUT_S = 3  # the Synchronizer's, in guard_ranks
 GROUP_TIMEOUT_S = 30
 
 
+@pytest.fixture(scope="module")
+def launched() -> Iterator[Overlapped]:
+    """Both tests' launches, which mostly wait out the 3 s, started at once so that the waits
+    overlap (tests/support/overlap.py)."""
+    with overlapped(
+        {
+            "averaging": ranks(
+                guard_ranks.hang_before_averaging,
+                2,
+                "local:4",
+                collective_timeout_s=GROUP_TIMEOUT_S,
+                timeout_s=90,
+            ),
+            "report": ranks(
+                guard_ranks.skips_report, 3, collective_timeout_s=GROUP_TIMEOUT_S, timeout_s=90
+            ),
+        }
+    ) as out:
+        yield out
+
+
 @pytest.mark.timeout(120)
-def test_rank_missing_a_local_sgd_averaging_is_named() -> None:
-    r0, r1 = run_ranks(
-        guard_ranks.hang_before_averaging,
-        2,
-        "local:4",
-        collective_timeout_s=GROUP_TIMEOUT_S,
-        timeout_s=90,
-    )
+def test_rank_missing_a_local_sgd_averaging_is_named(launched: Overlapped) -> None:
+    r0, r1 = launched.result("averaging")
     assert r1 == {"stayed_away": True}
     assert r0["error"] is not None
     assert r0["error"].startswith("step 7: averaging of local:4 (waiting"), r0["error"]
@@ -38,10 +55,8 @@ def test_rank_missing_a_local_sgd_averaging_is_named() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_rank_that_never_calls_report_is_named() -> None:
-    r0, r1, r2 = run_ranks(
-        guard_ranks.skips_report, 3, collective_timeout_s=GROUP_TIMEOUT_S, timeout_s=90
-    )
+def test_rank_that_never_calls_report_is_named(launched: Overlapped) -> None:
+    r0, r1, r2 = launched.result("report")
     # Rank 2 did wait at the last step's exchange long enough to record that arrival...
     assert r2 == {"stayed_away": True, "recorded": "5:0"}
     for r in (r0, r1):
