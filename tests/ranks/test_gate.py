@@ -15,22 +15,28 @@ from tests.support.overlap import Overlapped, overlapped, ranks
 pytestmark = pytest.mark.ranks
 
 GROUP_TIMEOUT_S = 30  # the process group's own, which the user's collectives keep
+#: the strategies rank 0's long evaluation runs under, a launch each (their waits overlap)
+LONG_EVALUATION = ("bsp", "local:2")
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
-    """This file's launches that mostly wait (an evaluation past the timeout, a stopped rank's
-    timeout, a peer's silence), started at once so that the waits overlap
-    (tests/support/overlap.py); each test below reads its own."""
+    """This file's launches that mostly wait (an evaluation past the timeout under each
+    strategy, a stopped rank's timeout, a peer's silence), started at once so that the waits
+    overlap (tests/support/overlap.py); each test below reads its own."""
+    long_evaluations = {
+        f"long evaluation {strategy}": ranks(
+            gate_ranks.long_evaluation_each,
+            2,
+            [strategy],
+            collective_timeout_s=GROUP_TIMEOUT_S,
+            timeout_s=140,
+        )
+        for strategy in LONG_EVALUATION
+    }
     with overlapped(
         {
-            "long evaluation": ranks(
-                gate_ranks.long_evaluation_each,
-                2,
-                ["bsp", "local:2"],
-                collective_timeout_s=GROUP_TIMEOUT_S,
-                timeout_s=140,
-            ),
+            **long_evaluations,
             "frozen": ranks(
                 gate_ranks.frozen_between_steps,
                 3,
@@ -52,8 +58,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
 
 @pytest.mark.timeout(150)
 def test_a_long_evaluation_on_rank_0_is_not_cut_short(launched: Overlapped) -> None:
-    by_rank = launched.result("long evaluation")
-    for strategy in ("bsp", "local:2"):
+    for strategy in LONG_EVALUATION:
+        by_rank = launched.result(f"long evaluation {strategy}")
         r0, r1 = (out[strategy] for out in by_rank)
         assert r0["steps"] == r1["steps"] == 6
         assert torch.equal(r0["params"], r1["params"]), strategy
