@@ -6,15 +6,19 @@ also where tests/e2e/test_listen.py's check that such a run listens on loopback 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from gradsync.processes.reaper import workers
+from tests.support.overlap import Overlapped, overlapped
 from tests.support.proctree import (
     PROC,
     Watched,
@@ -53,13 +57,24 @@ def _wait_for_training(proc: subprocess.Popen[str], watched: Watched, metrics: P
     watched.sample(proc.pid)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["bsp", "zero:3"])
-def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
-    tmp_path: Path, strategy: str
-) -> None:
-    """zero:3 too: there the survivor waits inside FSDP2's gathers, in the user's forward."""
-    out = tmp_path / "run"
+#: the strategies a worker is stopped under: bsp, and zero:3, where the survivor waits inside
+#: FSDP2's gathers, in the user's forward
+STRATEGIES = ["bsp", "zero:3"]
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How a run with a stopped worker ended: its exit code and stderr, the seconds from the
+    stop to its exit, and its processes left alive after the bound."""
+
+    rc: int | None
+    stderr: str
+    took: float
+    left: list[tuple[int, str]]
+
+
+def _stop_a_worker(out: Path, strategy: str) -> Stopped:
+    """A run under ``strategy`` whose last worker is SIGSTOPped once it trains."""
     proc = start_run(
         *("--nproc", "2", "--workload", "mlp", "--steps", "100000", "--strategy", strategy),
         *("--timeout", str(TIMEOUT_S), "--no-plots", "--no-progress", "--out", str(out)),
@@ -76,6 +91,30 @@ def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
         left = _left_after(watched, stopped_at, TIMEOUT_S + GRACE_S)
     finally:
         stderr = _end(proc, watched)
+    return Stopped(rc, stderr, took, left)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
+    """Both strategies' runs at once (tests/support/overlap.py): each waits out its --timeout
+    after the stop, and the waits overlap."""
+    runs = {
+        strategy: functools.partial(
+            _stop_a_worker, tmp_path_factory.mktemp("stopped") / "run", strategy
+        )
+        for strategy in STRATEGIES
+    }
+    with overlapped(runs) as out:
+        yield out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
+    stopped: Overlapped, strategy: str
+) -> None:
+    run = stopped.result(strategy)
+    rc, stderr, took, left = run.rc, run.stderr, run.took, run.left
     assert rc == 1, f"exit code {rc}: {stderr[-3000:]}"
     assert "never arrived: ranks [" in stderr, stderr[-3000:]
     assert took <= TIMEOUT_S + GRACE_S, f"exited {took:.1f}s after the stop: {stderr[-3000:]}"
