@@ -7,7 +7,7 @@ import pytest
 
 from tests.support.cli import gradsync
 from tests.support.proctree import watched_run
-from tests.support.shared_runs import KILLED_BSP, ONE_RANK, SharedRun
+from tests.support.shared_runs import CLEAN_BSP, KILLED_BSP, ONE_RANK, SharedRun
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +20,17 @@ def killed_bsp_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     out = tmp_path_factory.mktemp("killed-bsp") / "run"
     watched, stderr = watched_run(*KILLED_BSP, "--out", str(out), timeout_s=240)
     return SharedRun(out, stderr, watched)
+
+
+@pytest.fixture(scope="session")
+def clean_bsp_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    """``gradsync run`` with CLEAN_BSP's flags (KILLED_BSP's run, uninterrupted): the
+    reference of test_fault_e2e's every-step test (bitwise) and of test_zero3_e2e (zero:3
+    killed and resumed ends where bsp ends)."""
+    out = tmp_path_factory.mktemp("clean-bsp") / "run"
+    proc = gradsync("run", *CLEAN_BSP, "--out", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return SharedRun(out, proc.stderr)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from tests.support.cli import gradsync
 from tests.support.shared_runs import (
     FAULT_COMMON,
     KILLED_BSP_RESUMED,
-    KILLED_BSP_STRATEGY,
     SharedRun,
 )
 
@@ -64,13 +63,12 @@ def _assert_resumed_bitwise(
 
 @pytest.mark.timeout(300)
 def test_killed_rank_resumes_bitwise_equal_from_a_checkpoint_of_every_step(
-    tmp_path: Path, killed_bsp_run: SharedRun
+    clean_bsp_run: SharedRun, killed_bsp_run: SharedRun
 ) -> None:
-    """bsp, a checkpoint every step, written in the background (the shared run,
-    tests/e2e/conftest.py; its strategy and steps are the clean run's)."""
-    clean = tmp_path / "clean"
-    _run(clean, *KILLED_BSP_STRATEGY)
-    _assert_resumed_bitwise(clean, killed_bsp_run.out, killed_bsp_run.stderr, 1, KILLED_BSP_RESUMED)
+    """bsp, a checkpoint every step, written in the background: the shared runs,
+    tests/e2e/conftest.py, killed and uninterrupted."""
+    faulty = killed_bsp_run
+    _assert_resumed_bitwise(clean_bsp_run.out, faulty.out, faulty.stderr, 1, KILLED_BSP_RESUMED)
 
 
 @pytest.mark.timeout(300)

@@ -6,13 +6,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from gradsync import compat
 from tests.support import rank_device
+from tests.support.shared_runs import FAULT_COMMON, SharedRun
 
 pytestmark = [
     pytest.mark.e2e,
@@ -25,24 +25,24 @@ pytestmark = [
 
 
 @pytest.mark.timeout(240)
-def test_gradsync_run_with_zero3_matches_bsp_and_resumes_after_a_kill(tmp_path: Path) -> None:
-    def run(strategy: str, out: Path, *extra: str) -> dict[str, Any]:
-        cmd = [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--workload", "mlp",
-               "--strategy", strategy, "--steps", "12", "--seed", "7", "--out", str(out),
-               "--no-plots", "--no-progress", "--timeout", "60", *extra]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads((out / "report.json").read_text())
-
-    bsp = run("bsp", tmp_path / "bsp")
-    killed = run(
-        "zero:3", tmp_path / "z3", "--checkpoint-every", "1", "--kill", "1:6", "--max-restarts", "1"
-    )
+def test_gradsync_run_with_zero3_matches_bsp_and_resumes_after_a_kill(
+    tmp_path: Path, clean_bsp_run: SharedRun
+) -> None:
+    # bsp's run is the one test_fault_e2e compares with too (tests/e2e/conftest.py): the same
+    # 2 ranks, workload and steps as zero:3's here
+    out = tmp_path / "z3"
+    cmd = [sys.executable, "-m", "gradsync", "run", "--nproc", "2", *FAULT_COMMON,
+           "--strategy", "zero:3", "--out", str(out), "--timeout", "60",
+           "--checkpoint-every", "1", "--kill", "1:6", "--max-restarts", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = json.loads((out / "report.json").read_text())
+    bsp = json.loads((clean_bsp_run.out / "report.json").read_text())
     assert killed["steps"] == bsp["steps"]
     assert killed["final_loss"] == pytest.approx(bsp["final_loss"], rel=1e-5)
     # The final model is whole (rank 0 gathered the shards), and the same as bsp's.
-    ours = torch.load(tmp_path / "z3" / "final_model.pt", weights_only=True)
-    theirs = torch.load(tmp_path / "bsp" / "final_model.pt", weights_only=True)
+    ours = torch.load(out / "final_model.pt", weights_only=True)
+    theirs = torch.load(clean_bsp_run.out / "final_model.pt", weights_only=True)
     assert ours.keys() == theirs.keys()
     for k in ours:
         assert ours[k].shape == theirs[k].shape

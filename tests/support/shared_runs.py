@@ -25,6 +25,8 @@ KILLED_BSP = [
 ]  # fmt: skip
 #: where KILLED_BSP's restart may resume
 KILLED_BSP_RESUMED = (15, 16, 17)
+#: KILLED_BSP uninterrupted: the reference its final model is held to, and zero:3's
+CLEAN_BSP = ["--nproc", "2", *FAULT_COMMON, *KILLED_BSP_STRATEGY]
 
 #: one rank, 10 steps, a checkpoint every 5: what the resume tests change, then resume from
 ONE_RANK = [
