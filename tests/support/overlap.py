@@ -1,12 +1,14 @@
 """Launches that mostly wait, started together so that their waits overlap.
 
-Some ranks tests spend their seconds waiting, not computing: a rank sleeping past the gate's
-timeout, a timeout running out, a peer kept away. Run one after the other, those waits add up;
-each of them is a ``run_ranks`` of its own (its own store, process group and ranks), so a
-module-scoped fixture can start a file's such launches at once, each on a thread of its own,
-and each test then takes its own launch's result, or has its error raised. What each test
-asserts is unchanged; the fixture waits for every launch before the module ends, so nothing is
-left running."""
+Some tests spend their seconds waiting, not computing: a rank sleeping past the gate's
+timeout, a timeout running out, a peer kept away (tests/ranks), a run waiting out its
+--timeout after a worker was stopped (tests/e2e). Run one after the other, those waits add up;
+each launch is independent of the others (a ``run_ranks`` has its own store, process group and
+ranks; a ``gradsync run`` its own processes and ports), so a module-scoped fixture can start a
+file's such launches at once, each on a thread of its own, and each test then takes its own
+launch's result, or has its error raised. What each test asserts is unchanged; the fixture
+waits for every launch before the module ends, so nothing is left running. Launches that time
+their own steps, or compute for most of their seconds, are left to run alone."""
 
 from __future__ import annotations
 
