@@ -633,7 +633,7 @@ class Synchronizer:
         if self._run is not None:
             self._run.before_step(self._step)  # a --kill due at this step
         handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
-        ready = _GradientReady(self.strategy, self._step, self._clock)
+        ready = _GradientReady(self.strategy, self._step, self._clock, lambda: self._gate_waited)
         handle._ready = ready
         handle._params = self._trainable
         handle._strategy = self.strategy
@@ -670,8 +670,9 @@ class Synchronizer:
             t1 = time.perf_counter()
             # The gate's wait joined inside the block (before its first collective) was a wait
             # for peers still in their own code, an evaluation on rank 0 say: sync time. In
-            # compute it made the waiting rank look like the one that set the pace.
-            waited = self._gate_waited
+            # compute it made the waiting rank look like the one that set the pace. (A join
+            # inside synchronize() is in its seconds already.)
+            waited = self._gate_waited - ready.gate_waited_in_call
             self._mark_block_end()
             self._join_gate()  # where the strategy posted nothing in the block
             outcome = ready.outcome()
@@ -738,6 +739,10 @@ class Synchronizer:
         """Telemetry, the step count and the periodic divergence check, after the update."""
         t2 = time.perf_counter()
         sync_in_block += outcome.comm_in_block
+        # Floored: the waits subtracted are timed apart (the gate's join, synchronize(), a
+        # strategy's collectives in the block) and a nested call may be in two of them for a
+        # few microseconds; a negative duration would fail every reader of the records.
+        sync_in_block = min(sync_in_block, t1 - t0)
         compute, sync = t1 - t0 - sync_in_block, t2 - t1 + sync_in_block
         marks, self._marks = self._marks, None
         if marks is not None and self._clock is not None:
@@ -1362,22 +1367,33 @@ class _GradientReady:
     """The gradient-ready phase of one step: run once, from ``StepHandle.synchronize()``
     inside the block or at the block's exit, whichever comes first."""
 
-    def __init__(self, strategy: Strategy, step: int, clock: DeviceClock | None = None) -> None:
+    def __init__(
+        self,
+        strategy: Strategy,
+        step: int,
+        clock: DeviceClock | None = None,
+        gate_waited: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self._strategy, self._step, self._clock = strategy, step, clock
         self._outcome: StepOutcome | None = None
         self.seconds_in_block = 0.0
+        #: the Synchronizer's gate wait so far (``_join_gate``), and how much of it fell inside
+        #: synchronize() in the block, whose ``seconds_in_block`` holds it already
+        self._gate_waited = gate_waited
+        self.gate_waited_in_call = 0.0
         #: device events around synchronize() in the block (CUDA): the wait as device time
         self.device_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def __call__(self) -> StepOutcome:
         if self._outcome is not None:
             raise UsageError(f"synchronize() was already called in step {self._step}")
-        t0 = time.perf_counter()
+        t0, gate0 = time.perf_counter(), self._gate_waited()
         start = self._clock.mark() if self._clock is not None else None
         self._outcome = self._run()
         if start is not None and self._clock is not None:
             self.device_wait = (start, self._clock.mark())
         self.seconds_in_block = time.perf_counter() - t0
+        self.gate_waited_in_call = self._gate_waited() - gate0
         return self._outcome
 
     def outcome(self) -> StepOutcome:
