@@ -77,7 +77,7 @@ def test_the_gate_waits_on_its_own_thread_and_a_late_rank_is_waited_for(
         assert torch.equal(r0["params"], r1["params"])
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(120)
 def test_the_gate_thread_ends_with_close(counted: tuple[str, list[dict[str, Any]]]) -> None:
     for r in counted[1]:
         assert r["threads"] == []
