@@ -947,9 +947,7 @@ class Synchronizer:
             h.loss,
             out.skipped if out.found_inf is None else out.found_inf,
             out.barrier,
-            # At a barrier the idle is derived from every rank's compute (``fill_idle``), at
-            # least what this rank measured waiting at the gate for peers in their own code.
-            max(out.idle, self._gate_waited) if out.barrier else out.idle,
+            out.idle,
             marks,
         )
         if self._collector.due() and not self.strategy.barrier_free:

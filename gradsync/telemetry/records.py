@@ -88,9 +88,7 @@ def fill_idle(
 
     At a barrier step, idle = max over ranks of the compute accumulated since the previous
     barrier, minus the rank's own (for BSP, every step is a barrier and this is the step's
-    compute), and at least the idle the rank measured itself: its wait at the step gate for
-    peers still in their own code between steps (an evaluation on rank 0, say), which no
-    record's compute holds. Steps without a barrier keep the idle the strategy measured.
+    compute). Steps without a barrier keep the idle the strategy measured.
     ``carry`` holds each rank's compute accumulated since the last barrier across calls
     (records arrive in batches).
     """
@@ -106,7 +104,7 @@ def fill_idle(
         if any(r.barrier for r in group):
             slowest = max(acc[r.rank] for r in group)
             for r in group:
-                r.idle = max(slowest - acc[r.rank], r.idle)
+                r.idle = slowest - acc[r.rank]
                 acc[r.rank] = 0.0
         for r in group:
             r.comm = max(0.0, r.sync - r.idle)
