@@ -435,7 +435,7 @@ class ZeroStage2(Strategy):
             self._waiting[kj] -= 1
         if self._next < len(self._order) and self._waiting[self._order[self._next]] == 0:
             # The step gate's wait first, outside the time below: the Synchronizer counts it
-            # (sync, and the rank's idle), and it must not count it twice.
+            # as sync, and it must not count it twice.
             self._parts()[0].before_collective()
         t0 = time.perf_counter()
         while self._next < len(self._order) and self._waiting[self._order[self._next]] == 0:
