@@ -943,7 +943,7 @@ class Synchronizer:
             compute,
             sync,
             h.samples,
-            out.bytes_sent,
+            self._bytes_sent(out),
             h.loss,
             out.skipped if out.found_inf is None else out.found_inf,
             out.barrier,
@@ -954,6 +954,13 @@ class Synchronizer:
             self._read_verdicts()  # at the same step: the host waits for the device once
             with compat.annotate("gradsync.telemetry_gather"):
                 self._collector.flush_behind(h.step)
+
+    def _bytes_sent(self, out: StepOutcome) -> int:
+        """The step's payload bytes, none in a world of one: its collectives are no-ops that
+        send nothing, so a one-rank run reports 0 MB sent, not the gradient's size (under live
+        membership a group of one still sends to the other groups)."""
+        alone = self.world_size == 1 and self._membership is None
+        return 0 if alone else out.bytes_sent
 
     def _add_spans(self, spans: list[Span], wall0: float, compute: float, sync: float) -> None:
         step = self._step

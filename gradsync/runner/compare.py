@@ -272,7 +272,9 @@ def summarize(
                 "final_loss_moving_average": final,
                 "steps_to_target": None if hit is None else int(c.steps[hit]) + 1,
                 "seconds_to_target": None if hit is None else float(c.seconds[hit]),
-                "samples_per_s": samples / wall if wall > 0 else 0.0,
+                # None when no step counted samples (a script whose sync.step() is given
+                # no samples=): unknown, not zero
+                "samples_per_s": samples / wall if wall > 0 and samples > 0 else None,
                 "mb_sent": float(c.bytes[-1]) / 1e6,
                 "barrier_tax": c.report.barrier_tax,
                 "wall_s": wall,
@@ -296,10 +298,11 @@ def format_table(result: dict[str, Any]) -> str:
         steps = "never" if r["steps_to_target"] is None else str(r["steps_to_target"])
         secs = "never" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
         final = "n/a" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
+        rate = "n/a" if r["samples_per_s"] is None else f"{r['samples_per_s']:,.0f}"
         lines.append(
             f"{r['strategy']:<12} {final:>10} {r['final_loss_moving_average']:>8.4f} "
             f"{steps:>12} {secs:>9} "
-            f"{r['samples_per_s']:>10,.0f} {r['mb_sent']:>9.1f} {r['barrier_tax']:>11.1%}"
+            f"{rate:>10} {r['mb_sent']:>9.1f} {r['barrier_tax']:>11.1%}"
         )
     lines.append(
         f"final loss: the last step's, as gradsync run reports it; avg {SMOOTH}: its "

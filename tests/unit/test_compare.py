@@ -116,3 +116,25 @@ def test_the_table_s_final_loss_is_the_last_step_s_as_gradsync_run_reports_it(
     assert row["final_loss_moving_average"] == pytest.approx(0.9)
     line = next(x for x in format_table(result).splitlines() if x.startswith("bsp"))
     assert line.split()[1:3] == ["0.0000", "0.9000"]
+
+
+def test_a_run_that_counted_no_samples_shows_no_rate(tmp_path: Path) -> None:
+    """A script that gives sync.step() no samples= counts none: its rate is unknown ("n/a"),
+    not 0 samples/s beside a run that counted them."""
+    from gradsync.runner.compare import format_table
+
+    counted = curve_from_records("bsp", _records([1.0] * 10, 0.1, 10))
+    uncounted = [
+        StepRecord(r, s, 100.0 + s * 0.1, 0.05, 0.05, 0.0, 0.0, 0, 10, loss=1.0)
+        for s in range(10)
+        for r in (0, 1)
+    ]
+    result = summarize(
+        [counted, curve_from_records("local:2", uncounted)], None, tmp_path, plots=False
+    )
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert rows["bsp"]["samples_per_s"] == pytest.approx(2 * 10 * 4 / 1.0)  # 10 steps of 0.1 s
+    assert rows["local:2"]["samples_per_s"] is None
+    table = format_table(result).splitlines()
+    assert next(x for x in table if x.startswith("local:2")).split()[5] == "n/a"
+    assert next(x for x in table if x.startswith("bsp ")).split()[5] == "80"
