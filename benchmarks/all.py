@@ -44,7 +44,8 @@ BENCHMARKS = (
 # a CUDA device (issue 18): `python -m benchmarks.gpu --write` on a machine with one. Nor is
 # benchmarks/gate.py (issue 44, about a minute): `python -m benchmarks.gate --write`. Nor is
 # benchmarks/host_overhead.py (issue 44, about a minute; it would take the run past its
-# budget too): `python -m benchmarks.host_overhead --write`.
+# budget too): `python -m benchmarks.host_overhead --write`. Nor is benchmarks/kept_encoding.py
+# (issue 40, about half a minute): `python -m benchmarks.kept_encoding --write`.
 CLUSTER = "cluster"
 #: these exit 2 where they cannot build an emulated cluster (no root, no iproute2): skipped
 NEEDS_ROOT = (CLUSTER, "topology", "zero_cluster", "streaming_sim")
