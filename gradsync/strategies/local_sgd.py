@@ -178,7 +178,10 @@ class Periodic(Strategy):
             outcome.bytes_sent += self._state.bytes_sent - before
             outcome.barrier = True
             return outcome
-        self._ctx.before_collective()  # joins the gate armed at this step's entry (gate_at)
+        # Joins the gate armed at this step's entry (gate_at). After a block that ended the
+        # Synchronizer has joined it already (a no-op here); after one that raised
+        # (Synchronizer._abandon) this is the only join before the exchange is posted.
+        self._ctx.before_collective()
         with self._timed("average", "comm"):
             self._synchronize()
         self._in_sync = True
@@ -478,7 +481,7 @@ class DiLoCo(Periodic):
         applied, committed = self._apply_due(step)
         starting = self._starting(step)
         if starting:
-            self._ctx.before_collective()  # joins the gate armed at this step's entry (gate_at)
+            self._ctx.before_collective()  # as in Periodic._exchange: needed after a raise
             before = self._state.bytes_sent
             for p in starting:
                 self._start(p, step)

@@ -44,6 +44,12 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
                 timeout_s=90,
             ),
             "uncaught": ranks(gate_ranks.raises_uncaught, 2, timeout_s=90, allow_failures=True),
+            "raise while stopped": ranks(
+                gate_ranks.raises_while_peer_stopped,
+                2,
+                collective_timeout_s=GROUP_TIMEOUT_S,
+                timeout_s=80,
+            ),
             "save on rank 0": ranks(
                 gate_ranks.save_on_rank_0_only,
                 2,
@@ -79,6 +85,18 @@ def test_a_rank_that_stops_responding_between_steps_is_named_within_the_timeout(
         assert "between steps 2 and 3" in r["error"], r["error"]
         # its second in its own code, the heartbeat's silence, then the timeout: not 1800 s
         assert r["waited"] < gate_ranks.TIMEOUT_S + 8, r
+
+
+@pytest.mark.timeout(90)
+def test_a_block_that_raises_at_an_exchange_step_still_waits_at_the_gate(
+    launched: Overlapped,
+) -> None:
+    r0, r1 = launched.result("raise while stopped")
+    assert r0 == {"stayed_away": True}
+    (note,) = r1["notes"]
+    assert "could not be completed for the other ranks" in note, note
+    assert "Rank 0 stopped responding" in note, note
+    assert r1["waited"] < GROUP_TIMEOUT_S / 2, r1  # the gate's bound, not the group's
 
 
 @pytest.mark.timeout(150)

@@ -125,6 +125,32 @@ def raises_in_block_each_way(rank: int, world: int) -> dict[str, Any]:
 RAISES = [("bsp", "before backward"), ("bsp", "after backward"), ("local:2", "before backward")]
 
 
+def raises_while_peer_stopped(rank: int, world: int) -> dict[str, Any]:
+    """``local:2``: rank 1's block raises at step 3, an exchange step, while rank 0 is stopped
+    (SIGSTOP) between steps 2 and 3. The exchange rank 1 still takes part in must first wait
+    at the gate, which names rank 0 within the timeout, not wait in the collective for the
+    group's own timeout; the failure is a note on rank 1's exception (``_abandon``)."""
+    pids = [0] * world
+    dist.all_gather_object(pids, os.getpid())
+    w, model, _, sync = _setup("local:2")
+    for step in range(3):
+        with sync.step():
+            _train_step(w, model, rank, world, step)
+    if rank == 0:
+        time.sleep(1.0)  # alive in its own code for a while: its heartbeat is seen
+        os.kill(os.getpid(), signal.SIGSTOP)  # until rank 1 has its error
+        return {"stayed_away": True}
+    started = time.monotonic()
+    try:
+        with sync.step():
+            raise Boom("bad batch")
+    except Boom as exc:
+        notes = list(getattr(exc, "__notes__", []))
+    waited = time.monotonic() - started
+    os.kill(pids[0], signal.SIGCONT)
+    return {"notes": notes, "waited": waited}
+
+
 def raises_uncaught(rank: int, world: int) -> dict[str, Any]:
     """Rank 1's block raises at step 3 and nothing catches it: the others must fail within
     seconds (not the timeout), naming rank 1 and its exception."""
