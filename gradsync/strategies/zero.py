@@ -433,10 +433,11 @@ class ZeroStage2(Strategy):
         sent and the whole gradient never exists at once (nor a buffer of its size)."""
         for kj in self._rounds_of[id(param)]:
             self._waiting[kj] -= 1
-        if self._next < len(self._order) and self._waiting[self._order[self._next]] == 0:
-            # The step gate's wait first, outside the time below: the Synchronizer counts it
-            # as sync, and it must not count it twice.
-            self._parts()[0].before_collective()
+        if self._next == len(self._order) or self._waiting[self._order[self._next]]:
+            return  # the next round in the order still waits for gradients
+        # The step gate's wait first, outside the time below: the Synchronizer counts it as
+        # sync, and it must not count it twice.
+        self._parts()[0].before_collective()
         t0 = time.perf_counter()
         while self._next < len(self._order) and self._waiting[self._order[self._next]] == 0:
             self._send_round(self._order[self._next], poison=False)
