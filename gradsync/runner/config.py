@@ -557,7 +557,10 @@ class RunConfig:
                 f"{self.heartbeat_timeout:g}: a torchft Manager heartbeats every 0.1 s, so "
                 f"under {lo:g} s a busy group is taken for lost"
             )
-        if self.lighthouse is not None and self.heartbeat_timeout != HEARTBEAT_TIMEOUT_S:
+        # A group's own config (replica_group set) names the lighthouse the run started with
+        # this very timeout: only one given with --lighthouse keeps a timeout of its own.
+        given_lighthouse = self.lighthouse is not None and self.replica_group is None
+        if given_lighthouse and self.heartbeat_timeout != HEARTBEAT_TIMEOUT_S:
             raise UsageError(
                 "--heartbeat-timeout sets the lighthouse gradsync run starts; the one given "
                 f"with --lighthouse {self.lighthouse} keeps its own (torchft_lighthouse "

@@ -192,3 +192,14 @@ def test_resume_refuses_a_run_of_other_groups(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"--resume --replica-groups 2: the run in {run} {says}" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_groups_config_keeps_the_heartbeat_timeout_of_the_lighthouse_the_run_started() -> None:
+    """The run hands the lighthouse it started (with --heartbeat-timeout) to each group's
+    config: that is no --lighthouse of the user's, so the timeout is not refused there."""
+    cfg = RunConfig(replica_groups=2, nproc=1, workload="mlp", heartbeat_timeout=2.0, out="run")
+    own = group_config(cfg, Path("run"), 1, "http://127.0.0.1:9")
+    assert (own.lighthouse, own.heartbeat_timeout) == ("http://127.0.0.1:9", 2.0)
+    with pytest.raises(UsageError, match="the one given with --lighthouse http://127.0.0.1:9"):
+        RunConfig(replica_groups=2, nproc=1, heartbeat_timeout=2.0, lighthouse="http://127.0.0.1:9")
