@@ -11,6 +11,7 @@ with :func:`gradsync.flags.flag_from`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import Counter
@@ -372,12 +373,34 @@ class RunConfig:
                 f"--batch-size {self.batch_size} does not split into --micro-batches "
                 f"{self.micro_batches} equal parts; use a multiple of {self.micro_batches}"
             )
-        if self.bucket_mb not in (None, AUTO) and not (
-            isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0
-        ):
-            raise UsageError(f"--bucket-mb must be a number > 0 or 'auto', got {self.bucket_mb!r}")
+        self._check_bucket_mb()
         if self.lr is not None and not 0 < self.lr <= MAX_LR:
             raise UsageError(f"--lr must be a number > 0 and at most {MAX_LR:g}, got {self.lr}")
+
+    def _check_bucket_mb(self) -> None:
+        if self.bucket_mb not in (None, AUTO) and not (
+            isinstance(self.bucket_mb, (int, float))
+            and math.isfinite(self.bucket_mb)  # inf would reach config.json as Infinity
+            and self.bucket_mb > 0
+        ):
+            raise UsageError(
+                f"--bucket-mb must be a finite number > 0 or 'auto', got {self.bucket_mb!r}"
+            )
+        if self.bucket_mb != AUTO or parse_strategy_spec(self.strategy).kind != "bsp":
+            return
+        # bsp's workers refuse these (a compressor keeps state per bucket, which a change of
+        # plan mid-run would misplace; a hierarchy of ranks runs its own buckets): refused here,
+        # before anything starts or a run directory is left behind.
+        spec = parse_compression(self.compression).spec
+        given = [f"--compress {spec}"] if spec != "none" else []
+        if self.allreduce == "hierarchical" and self.nproc > 1:
+            given.append("--allreduce hierarchical")
+        if given:
+            raise UsageError(
+                f"--bucket-mb auto with {' and '.join(given)}: auto tunes the plain ring "
+                "all-reduce's buckets only; give --bucket-mb a number (or leave it out for the "
+                "default plan)"
+            )
 
     def _check_limits(self) -> None:
         """Values that would pass the workers' own checks and fail or hang much later."""

@@ -23,7 +23,18 @@ pytestmark = pytest.mark.unit
         (["--strategy", "ssp:1", "--servers", "0"], "--servers must be at least 1, got 0"),
         (["--batch-size", "6", "--micro-batches", "4"], "does not split into --micro-batches 4"),
         (["--nproc", "0"], "--nproc must be at least 1, got 0"),
-        (["--bucket-mb", "0"], "--bucket-mb must be a number > 0 or 'auto', got 0.0"),
+        (["--bucket-mb", "0"], "--bucket-mb must be a finite number > 0 or 'auto', got 0.0"),
+        (["--bucket-mb", "inf"], "--bucket-mb must be a finite number > 0 or 'auto', got inf"),
+        (["--bucket-mb", "nan"], "--bucket-mb must be a finite number > 0 or 'auto', got nan"),
+        # refused before launch: bsp's workers would refuse it, leaving a run directory behind
+        (
+            ["--nproc", "2", "--bucket-mb", "auto", "--compress", "fp16"],
+            "--bucket-mb auto with --compress fp16: auto tunes the plain ring all-reduce's",
+        ),
+        (
+            ["--nproc", "2", "--bucket-mb", "auto", "--allreduce", "hierarchical"],
+            "--bucket-mb auto with --allreduce hierarchical: auto tunes",
+        ),
         (["--micro-batches", "0"], "--micro-batches must be at least 1, got 0"),
         (
             ["--data", "/nonexistent/corpus.txt"],
