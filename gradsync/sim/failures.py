@@ -87,6 +87,18 @@ HEAL_S = 2.1
 #: GPUs a failure takes out of training under live membership: one 8-GPU host
 GROUP_GPUS = 8
 
+# The ranges the flags take. Past them the figures are nonsense rather than wrong (a step of
+# more than a day; failures/day printed as 300 digits), and far past them the closed forms
+# overflow a float: every GPU failing once a minute is a cluster that never trains.
+#: failures a GPU-hour: each GPU failing once a minute
+MAX_FAILURE_RATE = 60.0
+#: --step-s, --restart-s, --stall-s and --heal-s: a day
+MAX_SECONDS = 86_400.0
+#: --checkpoint-every: steps
+MAX_CHECKPOINT_EVERY = 10**9
+#: --gpus and --group-gpus: ten million GPUs, a hundred times the largest clusters of 2024
+MAX_GPUS = 10**7
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FailureCosts:
@@ -102,24 +114,29 @@ class FailureCosts:
     group_gpus: int = GROUP_GPUS
 
     def __post_init__(self) -> None:
-        for name, value, low, strict in (
-            ("--failure-rate", self.failure_rate, 0.0, False),
-            ("--step-s", self.step_s, 0.0, True),
-            ("--restart-s", self.restart_s, 0.0, False),
-            ("--stall-s", self.stall_s, 0.0, False),
-            ("--heal-s", self.heal_s, 0.0, False),
+        for name, value, low, strict, high in (
+            ("--failure-rate", self.failure_rate, 0.0, False, MAX_FAILURE_RATE),
+            ("--step-s", self.step_s, 0.0, True, MAX_SECONDS),
+            ("--restart-s", self.restart_s, 0.0, False, MAX_SECONDS),
+            ("--stall-s", self.stall_s, 0.0, False, MAX_SECONDS),
+            ("--heal-s", self.heal_s, 0.0, False, MAX_SECONDS),
         ):
-            if not math.isfinite(value) or value < low or (strict and value == low):
+            if not math.isfinite(value) or value < low or (strict and value == low) or value > high:
                 bound = "> 0" if strict else ">= 0"
-                raise UsageError(f"{name} must be a finite number {bound}, got {value}")
-        if self.checkpoint_every < 1:
+                raise UsageError(
+                    f"{name} must be a number {bound} and at most {high:g}"
+                    f"{' (a day)' if high == MAX_SECONDS else ''}, got {value}"
+                )
+        if not 1 <= self.checkpoint_every <= MAX_CHECKPOINT_EVERY:
             # "never" has no steady state: each failure would go back to step 0.
             raise UsageError(
-                f"--checkpoint-every must be a whole number of steps >= 1, got "
-                f"{self.checkpoint_every}"
+                f"--checkpoint-every must be a whole number of steps from 1 to "
+                f"{MAX_CHECKPOINT_EVERY:,}, got {self.checkpoint_every}"
             )
-        if self.group_gpus < 1:
-            raise UsageError(f"--group-gpus must be a whole number >= 1, got {self.group_gpus}")
+        if not 1 <= self.group_gpus <= MAX_GPUS:
+            raise UsageError(
+                f"--group-gpus must be a whole number from 1 to {MAX_GPUS:,}, got {self.group_gpus}"
+            )
 
 
 def failures_per_day(gpus: int, rate: float) -> float:
@@ -132,7 +149,9 @@ def _kept_share(x: float) -> float:
     the last of periodic commits T apart (x = L T): x / (e^x - 1), about 1 - x/2 for short T,
     half an interval lost per failure. From renewal-reward: a run of Exp(L) length keeps
     T * floor(run / T), whose mean is T q / (1 - q), q = e^-x."""
-    return 1.0 if x == 0 else x / math.expm1(x)
+    # x e^-x / (1 - e^-x), the same ratio: e^x overflows a float past x of about 709 (a
+    # failure rate or checkpoint interval far out), where e^-x goes smoothly to 0.
+    return 1.0 if x == 0 else x * math.exp(-x) / -math.expm1(-x)
 
 
 def _per_second(gpus: int, costs: FailureCosts) -> float:

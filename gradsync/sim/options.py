@@ -23,6 +23,7 @@ from gradsync.sim.failures import (
     GROUP_GPUS,
     HEAL_S,
     LLAMA3,
+    MAX_GPUS,
     RESTART_S,
     STALL_S,
     STEP_S,
@@ -427,10 +428,10 @@ def parse_gpus(text: str | None) -> list[int]:
             n = int(item.strip())
         except ValueError:
             n = 0
-        if n < 1:
+        if not 1 <= n <= MAX_GPUS:
             raise UsageError(
-                f"--gpus takes whole numbers of GPUs >= 1, comma-separated (e.g. {DEFAULT_GPUS}), "
-                f"got {item.strip()!r}"
+                f"--gpus takes whole numbers of GPUs from 1 to {MAX_GPUS:,}, comma-separated "
+                f"(e.g. {DEFAULT_GPUS}), got {item.strip()!r}"
             )
         counts.append(n)
     return counts

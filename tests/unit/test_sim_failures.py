@@ -172,20 +172,35 @@ def test_the_docs_table_at_scale(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (
             ["--gpus", "0"],
-            r"--gpus takes whole numbers of GPUs >= 1, comma-separated \(e\.g\. 1024",
+            r"--gpus takes whole numbers of GPUs from 1 to 10,000,000, comma-sep.* \(e\.g\. 1024",
         ),
-        (["--gpus", "1024,-5"], "--gpus takes whole numbers of GPUs >= 1.* got '-5'"),
+        (["--gpus", "1024,-5"], "--gpus takes whole numbers of GPUs from 1.* got '-5'"),
         (["--gpus", "1024,lots"], "--gpus takes whole numbers .* got 'lots'"),
         (["--gpus", "1.5"], "--gpus takes whole numbers .* got '1.5'"),
-        (["--failure-rate=-1e-5"], "--failure-rate must be a finite number >= 0, got -1e-05"),
-        (["--restart-s", "-1"], "--restart-s must be a finite number >= 0, got -1.0"),
-        (["--stall-s", "-1"], "--stall-s must be a finite number >= 0"),
-        (["--heal-s", "-0.1"], "--heal-s must be a finite number >= 0"),
-        (["--step-s", "0"], "--step-s must be a finite number > 0, got 0.0"),
+        (
+            ["--failure-rate=-1e-5"],
+            "--failure-rate must be a number >= 0 and at most 60, got -1e-05",
+        ),
+        (
+            ["--restart-s", "-1"],
+            r"--restart-s must be a number >= 0 and at most 86400 \(a day\), got -1",
+        ),
+        (["--stall-s", "-1"], "--stall-s must be a number >= 0"),
+        (["--heal-s", "-0.1"], "--heal-s must be a number >= 0"),
+        (["--step-s", "0"], "--step-s must be a number > 0 and at most 86400 .* got 0.0"),
         (["--heal-s", "inf"], "--heal-s must be a finite number, got inf"),
-        (["--checkpoint-every", "0"], "--checkpoint-every must be a whole number of steps >= 1"),
-        (["--group-gpus", "0"], "--group-gpus must be a whole number >= 1, got 0"),
+        (
+            ["--checkpoint-every", "0"],
+            "--checkpoint-every must be a whole number of steps from 1 to 1,000,000,0",
+        ),
+        (["--group-gpus", "0"], "--group-gpus must be a whole number from 1 to 10,000,000, got 0"),
         (["--gpus", "8", "--group-gpus", "8"], "--group-gpus 8 leaves fewer than 2 replica"),
+        # past these the closed forms overflowed a float (OverflowError) or printed 300 digits
+        (["--failure-rate", "1e9"], "--failure-rate must be .* at most 60, got 1000000000.0"),
+        (["--step-s", "1e12"], "--step-s must be .* at most 86400 .* got 1000000000000.0"),
+        (["--checkpoint-every", "1000000001"], "--checkpoint-every must be .* got 1000000001"),
+        (["--gpus", "10000001"], "--gpus takes whole numbers of GPUs from 1 to 10,000,000"),
+        (["--group-gpus", "10000001"], "--group-gpus must be a whole number from 1 to 10,000,000"),
         (["--workers", "3"], "--workers apply to the step simulation, not to --failures"),
     ],
 )
@@ -221,3 +236,13 @@ def test_the_model_imports_neither_torch_nor_numpy() -> None:
         for a in n.names
     }
     assert imported == {"__future__", "math", "dataclasses", "gradsync.errors"}
+
+
+def test_the_longest_checkpoint_interval_keeps_nothing_without_overflowing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A billion steps between checkpoints: e^(L T) is past a float's range (it raised
+    OverflowError); the work kept is 0, the live path unaffected."""
+    out = run_cli(["simulate", "--failures", "--checkpoint-every", "1000000000"], capsys)
+    rows = [line.split() for line in out.splitlines() if line.lstrip()[:1].isdigit()]
+    assert rows and all(r[3] == "0.0000%" and r[4] != "0.0000%" for r in rows)
