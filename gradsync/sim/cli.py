@@ -67,6 +67,7 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     sizes = tuple(parse_size(s) for s in opts.sizes.split(",")) if opts.sizes else DEFAULT_SIZES
     cfg = BenchConfig(nproc=opts.nproc, sizes=sizes, repeats=opts.repeats)
     backend = default_backend()
+    check_out(opts.out)  # before the measurement, which takes a while, not after it
     rows, fit = run_bench(cfg)
     measurements = [
         {
@@ -96,6 +97,22 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     }
     emit(opts, doc, text)
     return 0
+
+
+def check_out(out: str | None) -> None:
+    """``UsageError`` for an ``--out`` that names no file the fit could be written to: an
+    existing directory, or a path below an existing file."""
+    if out is None:
+        return
+    path = Path(out)
+    if path.is_dir():
+        raise UsageError(
+            f"--out {out} is a directory; give the file the fit goes to, e.g. "
+            f"--out {path / CALIBRATION_FILE}"
+        )
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"--out {out}: {parent} is a file, not a directory")
 
 
 def calibration_path(out: str | None) -> Path:

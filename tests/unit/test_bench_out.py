@@ -52,3 +52,20 @@ def test_out_is_written_there_its_directory_made(
         Path("cal"),
         Path("cal/fit.json"),
     ]
+
+
+def test_an_out_that_is_a_directory_or_below_a_file_is_refused_before_the_bench(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It failed with IsADirectoryError once the measurement was done."""
+
+    def no_bench(cfg: object) -> None:
+        raise AssertionError("the bench ran before --out was checked")
+
+    monkeypatch.setattr(bench, "run_bench", no_bench)
+    (tmp_path / "afile").write_text("x")
+    assert main(["bench", "allreduce", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path} is a directory; give the file the fit goes to, e.g. --out " in err
+    assert main(["bench", "allreduce", "--out", str(tmp_path / "afile" / "fit.json")]) == 2
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in capsys.readouterr().err
