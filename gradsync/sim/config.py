@@ -25,6 +25,12 @@ from gradsync.spec import SPLITS, STRATEGY_TABLE, StrategySpec, parse_strategy_s
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
 #: workers x steps the simulator takes (--workers, --sweep-workers, --steps): about 1.4 GiB
 MAX_WORKER_STEPS = 2**24
+# The ranges of the step model's inputs. Past them the figures are nonsense (a step of days)
+# and far past them a float overflows: --jitter 1e308 drew inf, and inf - inf printed nan.
+#: --compute, --jitter and --comm-ms, in ms: an hour
+MAX_MS = 3_600_000.0
+#: a --straggler or --transient factor: a worker a thousand times slower
+MAX_FACTOR = 1000.0
 SIMULATED = ("bsp", "zero", "ssp", "async", "local", "diloco", "hogwild", "gossip", "noloco")
 #: The ZeRO stages the simulator models.
 ZERO_STAGES = (1, 2, 3)
@@ -171,21 +177,36 @@ class ComputeModel:
                 f"{self.workers * self.steps:,} worker-steps, more than the simulator's "
                 f"{MAX_WORKER_STEPS:,} (about {MAX_WORKER_STEPS * 90 / 2**30:.1f} GiB): use {fewer}"
             )
-        if not self.base_ms or any(not (b >= 0 and math.isfinite(b)) for b in self.base_ms):
-            raise UsageError(f"--compute needs finite times >= 0 ms, got {list(self.base_ms)}")
         # Written as "not (ok)" so that nan, which fails every comparison, is rejected too.
-        if not (self.jitter_ms >= 0 and math.isfinite(self.jitter_ms)):
-            raise UsageError(f"--jitter must be a finite number >= 0 ms, got {self.jitter_ms}")
+        if not self.base_ms or any(not 0 <= b <= MAX_MS for b in self.base_ms):
+            raise UsageError(
+                f"--compute needs finite times from 0 to {MAX_MS:.0f} ms (an hour), got "
+                f"{list(self.base_ms)}"
+            )
+        if not any(b > 0 for b in self.base_ms):
+            # every share of the compute split, and every strategy's speed, would be 0 / 0
+            raise UsageError(
+                f"--compute needs a time > 0 ms for at least one worker, got {list(self.base_ms)}"
+            )
+        if not 0 <= self.jitter_ms <= MAX_MS:
+            raise UsageError(
+                f"--jitter must be a finite number from 0 to {MAX_MS:.0f} ms (an hour), got "
+                f"{self.jitter_ms}"
+            )
         for rank, factor in self.stragglers:
             if not 0 <= rank < self.workers:
                 raise UsageError(f"straggler rank {rank} is not in 0..{self.workers - 1}")
-            if not (factor > 0 and math.isfinite(factor)):
-                raise UsageError(f"straggler factor must be a finite number > 0, got {factor}")
+            if not 0 < factor <= MAX_FACTOR:
+                raise UsageError(
+                    f"straggler factor must be a finite number > 0 and at most {MAX_FACTOR:g}, got "
+                    f"{factor}"
+                )
         if not 0 <= self.transient_prob <= 1:
             raise UsageError(f"transient probability must be in [0, 1], got {self.transient_prob}")
-        if not (self.transient_factor > 0 and math.isfinite(self.transient_factor)):
+        if not 0 < self.transient_factor <= MAX_FACTOR:
             raise UsageError(
-                f"transient factor must be a finite number > 0, got {self.transient_factor}"
+                f"transient factor must be a finite number > 0 and at most {MAX_FACTOR:g}, got "
+                f"{self.transient_factor}"
             )
 
     def base(self) -> np.ndarray:
@@ -283,8 +304,11 @@ class CommModel:
     def __post_init__(self) -> None:
         if (self.comm_ms is None) == (self.link is None):
             raise UsageError("give either a fixed --comm-ms or an alpha-beta link, not both")
-        if self.comm_ms is not None and not (self.comm_ms >= 0 and math.isfinite(self.comm_ms)):
-            raise UsageError(f"--comm-ms must be a finite number >= 0, got {self.comm_ms}")
+        if self.comm_ms is not None and not 0 <= self.comm_ms <= MAX_MS:
+            raise UsageError(
+                f"--comm-ms must be a finite number from 0 to {MAX_MS:.0f} ms (an hour), got "
+                f"{self.comm_ms}"
+            )
         if not (self.nbytes >= 0 and math.isfinite(self.nbytes)):
             raise UsageError(f"message size must be a finite number >= 0 bytes, got {self.nbytes}")
         if not (self.ratio >= 1 and math.isfinite(self.ratio)):

@@ -373,6 +373,25 @@ def compute_model(args: SimulateOptions) -> ComputeModel:
     )
 
 
+# The link flags' ranges: past them a step costs days or a float overflows (--link-gbps 1e-300
+# printed a wall-clock of 300 digits).
+#: --link-gbps and --intra-gbps: 1 Mbit/s to 1 Pbit/s
+GBPS_RANGE = (1e-3, 1e6)
+#: --alpha-us and --intra-alpha-us: up to a second
+ALPHA_US_RANGE = (0.0, 1e6)
+#: --message-mb: up to a TiB
+MESSAGE_MB_RANGE = (0.0, 1e6)
+
+
+def check_range(name: str, value: float, low: float, high: float, unit: str) -> None:
+    """``UsageError`` naming the flag, its value and its range unless low <= value <= high
+    (nan included: it fails every comparison)."""
+    if not low <= value <= high:
+        raise UsageError(
+            f"{name} must be a finite number from {low:g} to {high:g} {unit}, got {value}"
+        )
+
+
 def link_from_args(args: SimulateOptions) -> AlphaBeta | None:
     given = [args.alpha_us, args.link_gbps, args.algorithm]
     if args.calibration:
@@ -385,9 +404,9 @@ def link_from_args(args: SimulateOptions) -> AlphaBeta | None:
     if args.message_mb is None and all(v is None for v in given):
         return None
     gbps = 10.0 if args.link_gbps is None else args.link_gbps
-    if gbps <= 0:
-        raise UsageError(f"--link-gbps must be > 0, got {gbps}")
+    check_range("--link-gbps", gbps, *GBPS_RANGE, "Gbit/s")
     alpha_us = 20.0 if args.alpha_us is None else args.alpha_us
+    check_range("--alpha-us", alpha_us, *ALPHA_US_RANGE, "us")
     return AlphaBeta(
         alpha=alpha_us * 1e-6, beta=8.0 / (gbps * 1e9), algorithm=args.algorithm or "ring"
     )
@@ -407,8 +426,9 @@ def comm_model(args: SimulateOptions) -> CommModel:
             "flags (--message-mb, --alpha-us, --link-gbps, --algorithm, "
             "--calibration)"
         )
-    if args.message_mb is None or args.message_mb < 0:
+    if args.message_mb is None:
         raise UsageError("the alpha-beta model needs --message-mb (gradient size in MiB, >= 0)")
+    check_range("--message-mb", args.message_mb, *MESSAGE_MB_RANGE, "MiB")
     return CommModel(link=link, nbytes=args.message_mb * 2**20, ratio=ratio, hosts=hosts, gate=gate)
 
 
@@ -469,9 +489,9 @@ def hosts_from_args(args: SimulateOptions) -> Hosts | None:
             )
         return None
     gbps = INTRA_GBPS if args.intra_gbps is None else args.intra_gbps
-    if not gbps > 0:
-        raise UsageError(f"--intra-gbps must be > 0, got {gbps}")
+    check_range("--intra-gbps", gbps, *GBPS_RANGE, "Gbit/s")
     alpha_us = INTRA_ALPHA_US if args.intra_alpha_us is None else args.intra_alpha_us
+    check_range("--intra-alpha-us", alpha_us, *ALPHA_US_RANGE, "us")
     algorithm = args.algorithm or "ring"
     intra = AlphaBeta(alpha=alpha_us * 1e-6, beta=8.0 / (gbps * 1e9), algorithm=algorithm)
     return Hosts(hosts=args.hosts, intra=intra, allreduce=args.allreduce)

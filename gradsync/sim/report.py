@@ -15,13 +15,16 @@ def bsp_summary(res: SimResult, mean_base_ms: float) -> dict[str, Any]:
     """Totals of a barrier run, by the definitions in docs/simulator.md."""
     comm_total = float(res.comm_ms.sum())
     compute = res.compute_ms.sum(axis=0)
+    idle = res.wall_ms - mean_base_ms * res.steps - comm_total
+    if abs(idle) <= 1e-9 * res.wall_ms:
+        idle = 0.0  # the sums' rounding, not idle time (it printed as -0.00 ms)
     return {
         "strategy": res.strategy,
         "workers": res.workers,
         "steps": res.steps,
         "wall_ms": res.wall_ms,
         # Against perfect balance: every worker at the mean base compute, plus the comm.
-        "barrier_idle_ms": res.wall_ms - mean_base_ms * res.steps - comm_total,
+        "barrier_idle_ms": idle,
         "comm_ms_total": comm_total,
         "barrier_tax": float(res.idle_ms.sum() / (res.workers * res.wall_ms))
         if res.wall_ms > 0

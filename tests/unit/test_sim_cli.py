@@ -120,6 +120,18 @@ def test_sweeps_write_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFix
         (["--straggler", "x:2"], "integer rank"),
         (["--straggler", "nan:2"], "integer rank"),
         (["--transient", "0.1:inf"], "transient factor must be a finite number"),
+        # finite but far out: they printed nan, inf or 300-digit figures with exit 0
+        (["--jitter", "1e308"], r"--jitter must be a finite number from 0 to 3600000 ms \(an"),
+        (["--transient", "1:1e308"], "transient factor .* at most 1000, got 1e\\+308"),
+        (["--straggler", "0:1001"], "straggler factor .* at most 1000, got 1001"),
+        (["--compute", "1e308"], "--compute needs finite times from 0 to 3600000 ms"),
+        (["--compute", "0"], "--compute needs a time > 0 ms for at least one worker"),
+        (["--comm-ms", "1e308"], "--comm-ms must be a finite number from 0 to 3600000 ms"),
+        (["--message-mb", "1", "--link-gbps", "1e-300"], "--link-gbps must be .* from 0.001 to"),
+        (["--message-mb", "1", "--alpha-us", "1e308"], "--alpha-us must be .* from 0 to 1e\\+06"),
+        (["--message-mb", "1e308"], "--message-mb must be a finite number from 0 to 1e\\+06 MiB"),
+        (["--message-mb", "-1"], "--message-mb must be a finite number from 0"),
+        (["--hosts", "2", "--message-mb", "1", "--intra-gbps", "1e-300"], "--intra-gbps must"),
         (["--from", "runs/x", "--warmup", "-1"], "--warmup must be >= 0"),
         (["--table-steps", "-1"], "--table-steps must be >= 0, got -1"),
         (["--from", "runs/x", "--hosts", "2"], "^--hosts apply to a simulation"),
@@ -312,3 +324,9 @@ def test_bench_sizes_must_be_positive_multiples_of_4(
         "gradsync: error: --sizes must be positive multiples of 4 bytes (float32 values), "
         f"got {bad}\n"
     )
+
+
+def test_a_free_link_shows_no_negative_barrier_idle(capsys: pytest.CaptureFixture[str]) -> None:
+    """--message-mb 0: the sums' rounding left -2e-13 ms, printed as -0.00 ms."""
+    out = run_cli(["simulate", "--message-mb", "0"], capsys)
+    assert "barrier idle injected   0.00 ms" in out and "-0.00" not in out
