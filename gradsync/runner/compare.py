@@ -15,6 +15,7 @@ one-element header, from each server.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from dataclasses import dataclass, replace
@@ -82,14 +83,36 @@ def curve_from_records(strategy: str, records: list[StepRecord], pull_bytes: int
 
 
 def parse_strategies(text: str) -> list[str]:
-    specs = [s.strip() for s in text.split(",") if s.strip()]
-    if not specs:
+    specs = [s.strip() for s in text.split(",")]
+    if not any(specs):
         raise UsageError("--strategies needs at least one strategy, e.g. bsp,local:8,ssp:2")
+    if not all(specs):
+        # "bsp,,local:2" is likelier a strategy lost in editing than two meant ones
+        raise UsageError(
+            f"--strategies has an empty item in {text!r}: give comma-separated strategy specs, "
+            "e.g. bsp,local:8,ssp:2"
+        )
     for s in specs:
         parse_strategy(s)
     if len(set(specs)) != len(specs):
         raise UsageError(f"--strategies lists a strategy twice: {text!r}")
     return specs
+
+
+def check_target_loss(target: float | None, script: list[str] | None) -> None:
+    """``UsageError`` for a ``--target-loss`` no run can reach: nan or inf (every row showed
+    "never"), or a negative one on a built-in workload (charlm's cross-entropy and mlp's
+    squared error are >= 0). A script's own loss may be negative (a negated reward, a
+    log-likelihood), so there any finite target goes."""
+    if target is None:
+        return
+    if not math.isfinite(target):
+        raise UsageError(f"--target-loss must be a finite number, got {target}")
+    if target < 0 and not script:
+        raise UsageError(
+            f"--target-loss {target:g} is below 0, which the built-in workloads' losses never "
+            "are: give a target >= 0 (or leave it out for the worst final loss of the set)"
+        )
 
 
 def refuse_strategy_flag(strategy: str | None) -> None:
@@ -157,6 +180,7 @@ def run_comparison(
     and refused as it refuses them: in use by another run, or holding one unless ``--resume``
     or ``--overwrite`` is given."""
     refuse_run_only_flags(base)
+    check_target_loss(target, base.script)
     out = Path(base.out)
     # Held until the comparison ends: no run or comparison writes into OUT meanwhile.
     claimed = claim(out, resume=base.resume, overwrite=base.overwrite)

@@ -78,3 +78,37 @@ def test_compare_help_lists_no_flag_compare_refuses(capsys: pytest.CaptureFixtur
     text = capsys.readouterr().out
     for name in sorted(RUN_ONLY_FIELDS):
         assert f"{option_of(RunConfig, name)} " not in text, name
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (["--target-loss", "nan"], "--target-loss must be a finite number, got nan"),
+        (["--target-loss", "inf"], "--target-loss must be a finite number, got inf"),
+        (["--target-loss", "-1"], "--target-loss -1 is below 0, which the built-in workloads'"),
+        (["--strategies", "bsp,,local:2"], "--strategies has an empty item in 'bsp,,local:2'"),
+        (["--strategies", "bsp,"], "--strategies has an empty item in 'bsp,'"),
+    ],
+)
+def test_targets_no_run_reaches_and_empty_strategies_are_refused_before_any_launch(
+    given: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """They were accepted: every row then showed "never", or the empty item was dropped."""
+    fake = FakeLaunch()
+    monkeypatch.setattr(gradsync.processes.launch, "launch", fake)
+    assert cli_main([*COMPARE, *given, "--out", str(tmp_path / "cmp"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert fake.calls == []
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_a_script_may_time_to_a_negative_loss() -> None:
+    """A script's own loss may be below 0 (a negated reward): its target is its own."""
+    from gradsync.runner.compare import check_target_loss
+
+    check_target_loss(-1.0, ["train.py"])
