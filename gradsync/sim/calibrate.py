@@ -170,10 +170,17 @@ def _read_run_records(run_dir: str | Path) -> list[StepRecord]:
     path = Path(run_dir)
     if not path.exists():
         raise UsageError(f"--from {run_dir}: no such directory; a run directory holds {RUN_FILES}")
-    if path.is_dir() and not (path / "metrics.jsonl").is_file():
+    if not path.is_dir():
         raise UsageError(
-            f"--from {run_dir}: not a gradsync run directory (no metrics.jsonl); it needs "
-            f"{RUN_FILES}, as written by gradsync run --out DIR"
+            f"--from {run_dir}: is a file, not a directory; a run directory holds {RUN_FILES}"
+        )
+    if not (path / "metrics.jsonl").is_file():
+        from gradsync.telemetry.cli import runs_below
+
+        below = runs_below(path)  # a replica-groups or compare directory: its runs are below
+        raise UsageError(
+            f"--from {run_dir}: not a gradsync run directory (no metrics.jsonl); "
+            + (below or f"it needs {RUN_FILES}, as written by gradsync run --out DIR")
         )
     try:
         return read_records(path)

@@ -61,7 +61,11 @@ class RunAnalysis:
 
     def format(self) -> str:
         ranks = len(self.report.ranks)
-        lines = [f"run: {self.run_dir} ({self.report.steps} steps, {ranks} ranks)", ""]
+        steps = self.report.steps
+        lines = [
+            f"run: {self.run_dir} ({_count(steps, 'step')}, {_count(ranks, 'rank')})",
+            "",
+        ]
         lines += [self.report.format(), "", _format_bytes(self.bytes, ranks), ""]
         cfg = self.config
         lines.append(f"stragglers (window {cfg.window} steps, threshold {cfg.threshold:g}):")
@@ -137,12 +141,29 @@ def analyze_run(
     return analysis
 
 
+def runs_below(path: Path) -> str:
+    """Where the runs are when ``path`` holds run directories rather than being one: the
+    group-K/ of a ``gradsync run --replica-groups`` run, the per-strategy directories of a
+    ``gradsync compare`` (each its own run). Empty when none of its sub-directories is a run."""
+    try:
+        found = sorted(d for d in path.iterdir() if (d / METRICS_FILE).is_file())
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    shown = ", ".join(str(d) for d in found[:4]) + (", ..." if len(found) > 4 else "")
+    return f"its sub-directories are runs, each with its own: give one of {shown}"
+
+
 def _read_run(path: Path) -> tuple[list[StepRecord], list[Span]]:
     """The step records and spans of run directory ``path``, or a one-line ``UsageError``."""
     if not path.is_dir():
         raise UsageError(f"no run directory at {str(path)!r}: pass the directory a run wrote")
     if not (path / METRICS_FILE).exists():
-        raise UsageError(f"{str(path)!r} has no {METRICS_FILE}: is it a gradsync run directory?")
+        raise UsageError(
+            f"{str(path)!r} has no {METRICS_FILE}: "
+            + (runs_below(path) or "is it a gradsync run directory?")
+        )
     try:
         records, spans = read_records(path), read_spans(path)
     except (ValueError, TypeError) as e:  # JSON or schema damage: its file and line say where
@@ -239,10 +260,15 @@ def _bytes(records: list[StepRecord], run_dir: Path) -> dict[str, float]:
     return out
 
 
+def _count(n: int, noun: str) -> str:
+    """ "1 rank", "2 ranks" (a one-rank run read "1 ranks")."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _format_bytes(b: dict[str, float], ranks: int) -> str:
     line = (
         f"bytes sent: {b['per_rank_step'] / 1e6:.3f} MB per rank per step "
-        f"({b['per_rank_step'] * ranks / 1e6:.3f} MB per step over {ranks} ranks), "
+        f"({b['per_rank_step'] * ranks / 1e6:.3f} MB per step over {_count(ranks, 'rank')}), "
         f"{b['total'] / 1e6:.1f} MB in total"
     )
     # Uncompressed runs send fp32 gradients: a "1.0x fewer" line would only be noise.

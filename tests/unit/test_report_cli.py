@@ -118,3 +118,29 @@ def test_bad_input_exits_2_with_a_message(
     err = capsys.readouterr().err
     assert err.startswith("gradsync report: error: ") and message in err
     assert "Traceback" not in err
+
+
+def _groups_dir(path: Path, subdirs: list[str]) -> Path:
+    """A directory whose sub-directories are the runs: gradsync run --replica-groups writes
+    group-K/, gradsync compare one directory a strategy."""
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    for name in subdirs:
+        (path / name).mkdir()
+        write_records(path / name / METRICS_FILE, synthetic_records(10, 1, seed=1))
+    return path
+
+
+@pytest.mark.parametrize("subdirs", [["group-0", "group-1"], ["bsp", "local-4"]])
+def test_a_directory_of_runs_points_to_them(
+    subdirs: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "is it a gradsync run directory?", of the directory the command just wrote."""
+    top = _groups_dir(tmp_path / "top", subdirs)
+    assert main(["report", str(top), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    shown = ", ".join(str(top / d) for d in subdirs)
+    assert f"its sub-directories are runs, each with its own: give one of {shown}" in err, err
+    assert main(["report", str(top / subdirs[0]), "--no-plots"]) == 0
+    # one rank, and steps: singular where one
+    assert f"run: {top / subdirs[0]} (10 steps, 1 rank)" in capsys.readouterr().out

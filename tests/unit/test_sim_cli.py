@@ -330,3 +330,20 @@ def test_a_free_link_shows_no_negative_barrier_idle(capsys: pytest.CaptureFixtur
     """--message-mb 0: the sums' rounding left -2e-13 ms, printed as -0.00 ms."""
     out = run_cli(["simulate", "--message-mb", "0"], capsys)
     assert "barrier idle injected   0.00 ms" in out and "-0.00" not in out
+
+
+def test_from_a_directory_of_runs_or_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A replica-groups run's directory points to its group-K/; a file is said to be one (an
+    empty one said "has 0 steps")."""
+    top = tmp_path / "rg"
+    for name in ("group-0", "group-1"):
+        (top / name).mkdir(parents=True)
+        (top / name / "metrics.jsonl").write_text("")
+    with pytest.raises(UsageError, match="its sub-directories are runs, each with its own: give"):
+        run_cli(["simulate", "--from", str(top)], capsys)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(UsageError, match=f"^--from {afile}: is a file, not a directory"):
+        run_cli(["simulate", "--from", str(afile)], capsys)
