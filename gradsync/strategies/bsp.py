@@ -45,6 +45,7 @@ from gradsync.strategies.base import (
     scaler_on_device,
     step_verdict,
 )
+from gradsync.strategies.passes import wrong_passes
 from gradsync.telemetry.records import Span
 
 logger = get_logger("strategies.bsp")
@@ -392,14 +393,6 @@ class BSP(Strategy):
     def close(self) -> None:
         if self._reducer is not None:
             self._reducer.close()
-
-
-def wrong_passes(micro_batches: int, passes: int) -> UsageError:
-    """The block ran another number of backward passes than ``sync.step`` announced."""
-    return UsageError(
-        f"sync.step(micro_batches={micro_batches}) but the block ran {passes} "
-        f"backward pass(es); run exactly {micro_batches}"
-    )
 
 
 def written_in_flight(step: int, buckets: list[int]) -> UsageError:

@@ -56,6 +56,7 @@ from gradsync.strategies.base import (
     local_gradient,
     optimizer_step,
 )
+from gradsync.strategies.passes import PassCounter
 from gradsync.telemetry.records import Span
 from gradsync.topology import host_key
 
@@ -121,6 +122,7 @@ class Hogwild(Strategy):
     def __init__(self) -> None:
         self._ctx: SyncContext | None = None
         self._params: list[torch.Tensor] = []
+        self._passes = PassCounter([])
         self._mapping: torch.Tensor | None = None  # the whole shared file, as bytes
         self._counters: torch.Tensor | None = None  # (world, _SLOTS) int64, shared
         self._average_over = 1
@@ -132,6 +134,7 @@ class Hogwild(Strategy):
         self._refuse(ctx)
         self._ctx = ctx
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
+        self._passes = PassCounter(self._params)
         world = ctx.layout.world_size
         if world > 1:
             self._check_one_host(ctx)
@@ -283,11 +286,13 @@ class Hogwild(Strategy):
         self._ctx.optimizer.zero_grad(set_to_none=True)
         self._average_over = plan.average_over
         self._read = self._version()
+        self._passes.arm(plan.micro_batches)
 
     def gradients_ready(self, step: int) -> StepOutcome:
         """This rank's own gradient (the mean over micro-batches); a non-finite one skips this
         rank's update only."""
         assert self._ctx is not None
+        self._passes.check()
         outcome = local_gradient(self._params, self._ctx, self._average_over)
         if outcome.skipped:
             self._ctx.optimizer.zero_grad(set_to_none=True)
@@ -392,6 +397,7 @@ class Hogwild(Strategy):
     def close(self) -> None:
         """Give every parameter a private copy of its values and let go of the mapping (the
         file was unlinked at setup: the memory is freed once the last rank lets go)."""
+        self._passes.close()
         if self._mapping is None:
             return
         with torch.no_grad():

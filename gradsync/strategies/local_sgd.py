@@ -45,6 +45,7 @@ from gradsync.strategies.base import (
     local_gradient,
     step_verdict,
 )
+from gradsync.strategies.passes import PassCounter
 from gradsync.strategies.streaming import (
     Exchange,
     check_saved_fragments,
@@ -78,6 +79,7 @@ class Periodic(Strategy):
         self.period = period
         self._ctx: SyncContext | None = None
         self._params: list[torch.Tensor] = []
+        self._passes = PassCounter([])
         self._state: Any = None
         self._group_sum = GroupSum(1, lambda flat: lambda: None)
         #: under live membership with fp16/bf16 compression: the type each replica's share of
@@ -96,6 +98,7 @@ class Periodic(Strategy):
     def setup(self, ctx: SyncContext) -> None:
         self._ctx = ctx
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
+        self._passes = PassCounter(self._params)
         # Under a hierarchy the compressor (or plain all-reduce) runs among the hosts' leaders.
         group = ctx.group if ctx.hierarchy is None else ctx.hierarchy.leader_group
         self._state = ctx.compressor.make_state(group)
@@ -137,11 +140,13 @@ class Periodic(Strategy):
         self._ctx.optimizer.zero_grad(set_to_none=True)
         self._ctx.found_inf = None  # a verdict a raising update left behind
         self._average_over = plan.average_over
+        self._passes.arm(plan.micro_batches)
 
     def gradients_ready(self, step: int) -> StepOutcome:
         """The local gradient (mean over micro-batches): nothing is exchanged before a local
         step."""
         assert self._ctx is not None
+        self._passes.check()
         # A local step is this rank's own business: a non-finite gradient skips it here only,
         # on the device where the optimizer takes the verdict there (``update`` steps it).
         outcome = local_gradient(self._params, self._ctx, self._average_over, on_device=True)
@@ -307,6 +312,9 @@ class Periodic(Strategy):
 
     def _synchronize(self) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        self._passes.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {**compressor_state_dict(self._state), "in_sync": self._in_sync}

@@ -72,6 +72,7 @@ from gradsync.strategies.base import (
     SyncContext,
     local_gradient,
 )
+from gradsync.strategies.passes import PassCounter
 from gradsync.strategies.ps_server import AppliedUpdate, PSServer, ServerStats
 from gradsync.strategies.ps_wire import (
     CHECKPOINT,
@@ -105,6 +106,7 @@ class ParameterServer(Strategy):
         self._ctx: SyncContext | None = None
         self._plan: ShardPlan | None = None
         self._server: PSServer | None = None
+        self._passes = PassCounter([])  # a worker's (setup)
         self._average_over = 1
         self._finished = False
         self._codecs: list[PushCodec] = []
@@ -140,9 +142,14 @@ class ParameterServer(Strategy):
         plan = self._plan = ShardPlan(ctx, self.servers, self.timeout_s)
         if ctx.layout.role(ctx.rank) == "server":
             self._server = PSServer(plan, ctx, self.staleness, ctx.rank)
-        elif plan.compressed:
+            return
+        self._passes = PassCounter(plan.params)
+        if plan.compressed:
             # One codec per shard, holding this worker's error-feedback residual.
             self._codecs = [plan.codec(s, ctx.rank) for s in range(self.servers)]
+
+    def close(self) -> None:
+        self._passes.close()
 
     def server_role(self) -> PSServer | None:
         return self._server
@@ -161,11 +168,13 @@ class ParameterServer(Strategy):
             raise UsageError("training already finished (report() ended it): no more steps")
         self._ctx.optimizer.zero_grad(set_to_none=True)
         self._average_over = plan.average_over
+        self._passes.arm(plan.micro_batches)
 
     def gradients_ready(self, step: int) -> StepOutcome:
         """This worker's own gradient, the mean over micro-batches: it is what gets pushed,
         unless it is not finite: then this worker skips the step (it pushes nothing)."""
         assert self._ctx is not None
+        self._passes.check()
         return local_gradient(self.plan.params, self._ctx, self._average_over)
 
     def abandon(self, step: int) -> StepOutcome:

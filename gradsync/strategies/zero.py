@@ -94,7 +94,8 @@ from gradsync.strategies.base import (
     own_optimizer_state,
     total_norm,
 )
-from gradsync.strategies.bsp import BSP, late_gradient, wrong_passes
+from gradsync.strategies.bsp import BSP, late_gradient
+from gradsync.strategies.passes import wrong_passes
 from gradsync.strategies.zero_shards import (
     POINT_TO_POINT,
     FlatGroup,

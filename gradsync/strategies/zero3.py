@@ -97,6 +97,7 @@ from gradsync.strategies.base import (
     own_optimizer_state,
     step_verdict,
 )
+from gradsync.strategies.passes import wrong_passes
 from gradsync.strategies.zero_shards import (
     LocalClipGuard,
     agreed_nonfinite,
@@ -242,10 +243,21 @@ class _Meter:
         # The backward pass may run on autograd's device threads (CUDA), not the caller's.
         self._lock = threading.Lock()
         self.seconds, self.nbytes, self.spans = 0.0, 0, list[Span]()
+        #: reduce-scatters per FSDP2 module (by its wrapper's id): one per backward pass that
+        #: gave the module's parameters a gradient, so the most of them is the step's passes
+        self.scatters: dict[int, int] = {}
 
     def reset(self) -> None:
         with self._lock:
             self.seconds, self.nbytes, self.spans = 0.0, 0, []
+            self.scatters = {}
+
+    def scattered(self, key: int) -> None:
+        with self._lock:
+            self.scatters[key] = self.scatters.get(key, 0) + 1
+
+    def backward_passes(self) -> int:
+        return max(self.scatters.values(), default=0)
 
     def add(self, name: str, wall0: float, seconds: float, nbytes: int) -> None:
         with self._lock:
@@ -344,6 +356,7 @@ class _TimedReduceScatter(_TimedComm):
                 async_op=async_op,
             )
 
+        self.meter.scattered(id(self))
         return self._timed(input_tensor, group, run)
 
 
@@ -386,6 +399,7 @@ class ZeroStage3(Strategy):
         self._average_over = 1
         self._passes = 1
         self._meter = _Meter()
+        self._counts_passes = False  # the backward passes checked (gradients_ready)
         #: refuses torch's clip of this rank's shards by their own norm (``LocalClipGuard``)
         self._clip_guard = LocalClipGuard(self.name)
         self._hooks: list[Any] = []
@@ -411,6 +425,7 @@ class ZeroStage3(Strategy):
         self._ctx = ctx
         self._pairs = shard_model(ctx.model, ctx.optimizer, ctx.group)
         self._meter.active = _instrument(ctx.model, self._meter)
+        self._counts_passes = self._meter.active and runtime.world_size(ctx.group) > 1
         self._meter.record_spans = ctx.record_spans
         self._modules = [m for m in ctx.model.modules() if compat.is_fsdp_module(m)]
         self._hooks = [
@@ -531,6 +546,12 @@ class ZeroStage3(Strategy):
     def gradients_ready(self, step: int) -> StepOutcome:
         ctx = self._ctx
         assert ctx is not None, "setup() has not run"
+        # Counted from FSDP2's reduce-scatters where gradsync times them (``_instrument``):
+        # the gradient is divided by the passes announced, so another count would scale the
+        # update silently. (Unchecked where this torch cannot time them, and in a world of
+        # one, where FSDP2 posts no reduce-scatter.)
+        if self._counts_passes and self._meter.backward_passes() != self._passes:
+            raise wrong_passes(self._passes, self._meter.backward_passes())
         grads = []
         with torch.no_grad():
             for mine, shard in self._pairs:

@@ -59,3 +59,44 @@ def test_api_usage_errors() -> None:
     for m, bad in zip(messages[4:7], ("0", "-1", "1.5"), strict=True):
         assert f"micro_batches must be an integer >= 1, got {bad}" in m
     assert "micro_batches=2) but the block ran 1 backward pass" in messages[7]
+
+
+def _wrong_passes(rank: int, world: int) -> dict[str, list[str]]:
+    """Another number of backward passes than announced, under the strategies that count them
+    where a world of one cannot show it: zero:3 (FSDP2's reduce-scatters) and a parameter-server
+    worker (tests/unit/test_backward_pass_count.py has the others)."""
+    out: dict[str, list[str]] = {}
+    x = torch.ones(2, 4)
+    for strategy in ("zero:3", "ssp:1"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+        sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        messages = out[strategy] = []
+        if sync.is_server:
+            sync.serve()
+            continue
+        for ran in (1, 3):
+            try:
+                with sync.step(micro_batches=2):
+                    for _ in range(ran):
+                        sync.model(x).sum().backward()
+                messages.append("no error")
+            except UsageError as exc:
+                messages.append(str(exc))
+        with sync.step(micro_batches=2):  # the announced count still trains
+            for _ in range(2):
+                sync.model(x).sum().backward()
+        sync.report()
+        sync.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_another_number_of_backward_passes_is_refused_under_zero3_and_ssp() -> None:
+    by_rank = run_ranks(_wrong_passes, 2, timeout_s=110)
+    for strategy, workers in (("zero:3", (0, 1)), ("ssp:1", (0,))):
+        for rank in workers:
+            got = by_rank[rank][strategy]
+            assert len(got) == 2, (strategy, rank, got)
+            for message, ran in zip(got, (1, 3), strict=True):
+                assert f"micro_batches=2) but the block ran {ran} backward" in message, message
