@@ -239,6 +239,7 @@ class SimulateOptions:
                 flag_name = option_of(SimulateOptions, f.name)
                 raise UsageError(f"{flag_name} must be a finite number, got {value}")
         self._check_failures_mode()
+        self._check_sweeps()
         if self.from_run:
             extra = [
                 name
@@ -255,6 +256,44 @@ class SimulateOptions:
                     f"{', '.join(extra)} apply to a simulation, not to --from's prediction of a "
                     "run; drop them, or simulate without --from"
                 )
+
+    def _check_sweeps(self) -> None:
+        """The flags one mode reads and the others would silently ignore: --strategies is
+        the workers sweep's, --strategy one simulation's (or --from's), and --from predicts
+        one run rather than sweeping."""
+        sweeps = [
+            flag
+            for flag, given in (
+                (f"--sweep-staleness {self.sweep_staleness}", self.sweep_staleness),
+                (f"--sweep-workers {self.sweep_workers}", self.sweep_workers),
+            )
+            if given
+        ]
+        if self.from_run and sweeps:
+            raise UsageError(
+                f"{' and '.join(sweeps)} sweep(s) simulations; --from predicts the one run "
+                f"{self.from_run}: give one or the other"
+            )
+        if sweeps and self.strategy != "bsp":
+            raise UsageError(
+                f"--strategy {self.strategy} is for one simulation; the sweeps take their own "
+                "(--sweep-staleness runs ssp:S at each S, --sweep-workers runs --strategies): "
+                f"drop --strategy, or give --sweep-workers with --strategies {self.strategy}"
+            )
+        if self.strategies == DEFAULT_SWEEP_STRATEGIES:
+            return
+        if not self.sweep_workers:
+            raise UsageError(
+                f"--strategies {self.strategies!r} lists the strategies of --sweep-workers: "
+                "give --sweep-workers too, or --strategy S for one simulation"
+            )
+        items = [s.strip() for s in self.strategies.split(",")]
+        if not all(items):
+            what = "has an empty item" if any(items) else "names no strategy"
+            raise UsageError(
+                f"--strategies {self.strategies!r} {what}: give comma-separated "
+                f"strategy specs, e.g. {DEFAULT_SWEEP_STRATEGIES}"
+            )
 
     def _check_failures_mode(self) -> None:
         """``--failures`` is a mode of its own: its flags are refused without it, and the

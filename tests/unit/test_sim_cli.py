@@ -132,6 +132,12 @@ def test_sweeps_write_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFix
         (["--message-mb", "1e308"], "--message-mb must be a finite number from 0 to 1e\\+06 MiB"),
         (["--message-mb", "-1"], "--message-mb must be a finite number from 0"),
         (["--hosts", "2", "--message-mb", "1", "--intra-gbps", "1e-300"], "--intra-gbps must"),
+        # flags the mode given would have silently ignored
+        (["--strategies", "bsp,async"], "--strategies 'bsp,async' lists the strategies of --sw"),
+        (["--sweep-workers", "2,4", "--from", "runs/x"], "--from predicts the one run runs/x"),
+        (["--strategy", "ssp:2", "--sweep-staleness", "0,1"], "--strategy ssp:2 is for one sim"),
+        (["--sweep-workers", "2,4", "--strategies", ""], "--strategies '' names no strategy"),
+        (["--sweep-workers", "2", "--strategies", "bsp,,async"], "'bsp,,async' has an empty it"),
         (["--from", "runs/x", "--warmup", "-1"], "--warmup must be >= 0"),
         (["--table-steps", "-1"], "--table-steps must be >= 0, got -1"),
         (["--from", "runs/x", "--hosts", "2"], "^--hosts apply to a simulation"),
