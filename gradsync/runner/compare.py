@@ -181,6 +181,13 @@ def run_comparison(
     or ``--overwrite`` is given."""
     refuse_run_only_flags(base)
     check_target_loss(target, base.script)
+    # Each strategy's own config is checked before the first run starts: one refused (bsp
+    # under --bucket-mb auto with --compress) would otherwise stop the comparison midway.
+    for spec in strategies:
+        try:
+            _config(base, spec)
+        except UsageError as exc:
+            raise UsageError(f"--strategies {spec}: {exc}") from None
     out = Path(base.out)
     # Held until the comparison ends: no run or comparison writes into OUT meanwhile.
     claimed = claim(out, resume=base.resume, overwrite=base.overwrite)
@@ -209,6 +216,14 @@ def run_comparison(
         claimed.release()
 
 
+def _config(base: RunConfig, spec: str) -> RunConfig:
+    """Strategy ``spec``'s run of the comparison (RunConfig checks it as it is made)."""
+    # --servers is for the parameter-server strategies; the others run without servers.
+    servers = base.servers if uses_servers(spec) else 1
+    run_dir = Path(base.out) / _dirname(spec)
+    return replace(base, strategy=spec, servers=servers, out=str(run_dir), progress=False)
+
+
 def _run_one(
     base: RunConfig, spec: str, progress: Progress, offset: int
 ) -> tuple[RunConfig, list[StepRecord]]:
@@ -216,10 +231,8 @@ def _run_one(
     from gradsync.processes.launch import launch
     from gradsync.runner.worker import run_rank
 
-    # --servers is for the parameter-server strategies; the others run without servers.
-    servers = base.servers if uses_servers(spec) else 1
-    run_dir = Path(base.out) / _dirname(spec)
-    cfg = replace(base, strategy=spec, servers=servers, out=str(run_dir), progress=False)
+    cfg = _config(base, spec)
+    run_dir = Path(cfg.out)
     # OUT passed claim() (empty, --resume or --overwrite): its runs are this comparison's
     # to continue or start over, and any other run's directory in it is refused.
     claimed = claim(run_dir, resume=base.resume, overwrite=not base.resume)

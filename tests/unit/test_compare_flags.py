@@ -112,3 +112,17 @@ def test_a_script_may_time_to_a_negative_loss() -> None:
     from gradsync.runner.compare import check_target_loss
 
     check_target_loss(-1.0, ["train.py"])
+
+
+def test_a_strategy_its_own_config_refuses_is_refused_before_the_first_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bsp refuses --bucket-mb auto with --compress fp16; local:2 (first) takes it: the
+    comparison stopped after local:2's run."""
+    fake = FakeLaunch()
+    monkeypatch.setattr(gradsync.processes.launch, "launch", fake)
+    argv = ["compare", "--strategies", "local:2,bsp", "--steps", "4", "--no-plots"]
+    argv += ["--bucket-mb", "auto", "--compress", "fp16", "--out", str(tmp_path / "cmp")]
+    assert cli_main(argv) == 2
+    assert "--strategies bsp: --bucket-mb auto with --compress fp16" in capsys.readouterr().err
+    assert fake.calls == []
