@@ -213,8 +213,9 @@ def test_float_flags(
     capsys: pytest.CaptureFixture[str], launches: Launches, flag: str, value: float
 ) -> None:
     outcome = run_cli(capsys, launches, f"{flag}={value!r}")
-    # nan, every value <= 0 and --lr above MAX_LR (inf included) are refused
-    if value > 0 and (flag != "--lr" or value <= MAX_LR):
+    # nan, every value <= 0, --bucket-mb inf (it reached config.json as Infinity) and --lr
+    # above MAX_LR (inf included) are refused
+    if value > 0 and (value <= MAX_LR if flag == "--lr" else math.isfinite(value)):
         outcome.assert_launched(**{FLOAT_FLAGS[flag]: value})
     else:
         outcome.assert_user_error(flag, str(value))
