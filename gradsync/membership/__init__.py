@@ -57,6 +57,13 @@ class StepQuorum:
     healed_bytes: int | None = None
     #: this group's own replica id among ``members`` (None: not known)
     replica_id: str | None = None
+    #: the step the quorum was joined before, where it is not ``step``: a periodic strategy's
+    #: quorum is joined at a period's first step (where a loss is seen and a replacement
+    #: heals) and decides the average at the period's last (``step``)
+    joined_at: int | None = None
+    #: the run's final synchronization (an incomplete last period's average, in
+    #: ``report()``), after the last step: ``step`` is then the number of steps run
+    final: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from gradsync import runtime
 from gradsync.checkpoint.registry import StateRegistry
+from gradsync.checks.diagnose import END
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
 from gradsync.membership import LiveSettings, StepQuorum
@@ -166,6 +167,8 @@ class TorchftMembership:
         self._on_step = on_step
         #: this step's quorum, until its commit is decided
         self._quorum: StepQuorum | None = None
+        #: the last step a quorum decided (``_decided``: where the final average is recorded)
+        self._last_step = 0
         self._seen = _QuorumSeen.wrap(self.manager)
         # torchft's id of this group (``GROUP:UUID``, or a bare UUID without a group id), as
         # its Manager put it in this group's store: which of a quorum's members is this one
@@ -203,7 +206,10 @@ class TorchftMembership:
             self._align_group()
             self._align_after_quorum = False
         seconds = time.perf_counter() - start
-        self._quorum = self._observed(step, wall, seconds)
+        # joined at the step the group is at once the quorum is had: a healed replacement's
+        # is its peer's (the step faults/healed.jsonl names)
+        joined = step if self._healed is None else self._healed[0]
+        self._quorum = self._observed(joined, wall, seconds)
         if self._healed is None:
             return
         healed_at, nbytes = self._healed
@@ -266,9 +272,30 @@ class TorchftMembership:
         committed = bool(self.manager.should_commit())
         quorum, self._quorum = self._quorum, None
         if self._on_step is not None and quorum is not None:
-            # ``step``: the Synchronizer's, a healed replacement's peer's step
-            self._on_step(dataclasses.replace(quorum, step=step, committed=committed))
+            self._on_step(self._decided(quorum, step, committed))
         return committed
+
+    def _decided(self, quorum: StepQuorum, step: int, committed: bool) -> StepQuorum:
+        """The quorum as recorded: at ``step``, whose exchange it decided (the Synchronizer's
+        step, a healed replacement's peer's), with the step it was joined before where that
+        differs, so that a loss and a healing, seen at the join, are told at the step they
+        happened at (faults/healed.jsonl's), not the period's last. The final average after
+        the last step is asked for at ``END``, an order past every step and no step: it is
+        recorded at the step its quorum was joined, or where it was joined for it (no period
+        was open), at the last step a quorum decided, and said ``final``."""
+        final = step == END
+        if final:
+            step = self._last_step if quorum.step == END else quorum.step
+        else:
+            self._last_step = max(self._last_step, step)
+        joined = step if quorum.step == END else quorum.step
+        return dataclasses.replace(
+            quorum,
+            step=step,
+            committed=committed,
+            joined_at=None if joined == step else joined,
+            final=final,
+        )
 
     def _observed(self, step: int, wall: float, seconds: float) -> StepQuorum:
         """The quorum just joined: its id and members as the lighthouse sent them (None

@@ -20,6 +20,15 @@ one, which also says who ``left`` and who ``joined`` it since; ``healed_bytes`` 
 replacement healed at. ``pid`` and ``restart`` (the elastic agent's count) tell a group's
 processes apart: a replacement started by hand, not by an agent, is restart 0 too.
 
+A periodic strategy (``local:H``, ``diloco:H``) joins one quorum a period, before the period's
+first local step, and decides the period's average at its last: its line is at that last step
+and says ``joined_at``, the step the quorum was joined before, where its members, its wait and
+a healing happened; the summary tells a loss, a stall and a healing at ``joined_at`` (a
+replacement's healing is at the same step in faults/healed.jsonl). The run's final average (an
+incomplete last period's, in ``report()``) comes after the last step: its line says ``final``
+and is at the step its quorum was joined, or at the last step a quorum decided where none was
+open.
+
 Why a file of its own rather than fields of metrics.jsonl's step records: the quorum is the
 replica group's, not a rank's (every rank of a group sees the same one), and metrics.jsonl's
 records travel as rows of floats gathered across the group's ranks every ``telemetry_every``
@@ -90,6 +99,8 @@ class MembershipLog:
         committed: bool,
         healed_bytes: int | None = None,
         replica_id: str | None = None,
+        joined_at: int | None = None,
+        final: bool = False,
     ) -> dict[str, Any]:
         normal = statistics.median(self._history) if self._history else None
         self._history.append(quorum_s)
@@ -116,6 +127,10 @@ class MembershipLog:
         self._steps += 1
         if healed_bytes is not None:
             entry["healed_bytes"] = healed_bytes
+        if joined_at is not None:
+            entry["joined_at"] = joined_at
+        if final:
+            entry["final"] = True
         return entry
 
     def write(self, **observed: Any) -> dict[str, Any]:
@@ -192,8 +207,8 @@ def summarize(groups: list[GroupMembership], expected: int | None = None) -> dic
     most = max((e["participants"] for _, e in entries), default=0)
     expected = most if expected is None else expected
     fewer = sorted({e["step"] for _, e in entries if e["participants"] < expected})
-    stalls = [
-        {"group": name, "step": e["step"], "seconds": e["stall_s"]}
+    stalls = [  # the quorum's wait: at the step it was joined before
+        {"group": name, "step": joined_step(e), "seconds": e["stall_s"]}
         for name, e in entries
         if e.get("stall_s") is not None and e["stall_s"] >= STALL_S
     ]
@@ -245,7 +260,7 @@ def _failures(groups: list[GroupMembership]) -> list[dict[str, Any]]:
                 seen = lost.setdefault(
                     replica,
                     {
-                        "step": e["step"],
+                        "step": joined_step(e),
                         "group": names.get(replica, group_name(replica)) if named else None,
                         "replica_id": replica if named else None,
                         "participants": e["participants"],
@@ -266,7 +281,7 @@ def _gone(previous: dict[str, Any] | None, entry: dict[str, Any]) -> list[str]:
     if previous is None or _process(previous) != _process(entry) or "members" in entry:
         return []
     if entry["participants"] < previous["participants"]:
-        return [f"?@{entry['step']}"]
+        return [f"?@{joined_step(entry)}"]
     return []
 
 
@@ -280,7 +295,7 @@ def peer_healings(group: GroupMembership) -> list[dict[str, Any]]:
     took_part_from: dict[tuple[int, int | None], int] = {}
     for e in group.entries:
         key = _process(e)
-        took_part_from[key] = min(took_part_from.get(key, int(e["step"])), int(e["step"]))
+        took_part_from[key] = min(took_part_from.get(key, joined_step(e)), joined_step(e))
     found = []
     for h in group.healed:
         since = took_part_from.get(_process(h))
@@ -308,6 +323,12 @@ def _healings(groups: list[GroupMembership]) -> dict[str, Any]:
         ],
         "initial_syncs": initial,
     }
+
+
+def joined_step(entry: dict[str, Any]) -> int:
+    """The step a line's quorum was joined before: where its members, its wait and a healing
+    happened (a periodic strategy's line is at the step whose average it decided, later)."""
+    return int(entry.get("joined_at", entry["step"]))
 
 
 def _process(entry: dict[str, Any]) -> tuple[int, int | None]:
@@ -381,11 +402,12 @@ def trace_marks(group: GroupMembership) -> list[dict[str, Any]]:
         if "members" in e:
             change = _change(e)
             name = f"quorum {e['quorum_id']}: {e['participants']} participant(s){change}"
-            args = {k: e[k] for k in ("step", "quorum_id", "members", "left", "joined") if k in e}
+            keys = ("step", "joined_at", "quorum_id", "members", "left", "joined")
+            args = {k: e[k] for k in keys if k in e}
             marks.append({"name": name, "start": e["time"], "dur": None, "args": args})
         stall = e.get("stall_s")
         if stall is not None and stall >= STALL_S:
-            args = {"step": e["step"], "stall_s": stall, "quorum_id": e["quorum_id"]}
+            args = {"step": joined_step(e), "stall_s": stall, "quorum_id": e["quorum_id"]}
             name = f"stall {stall:.2f} s (quorum)"
             marks.append({"name": name, "start": e["time"], "dur": e["quorum_s"], "args": args})
         if not e["committed"]:

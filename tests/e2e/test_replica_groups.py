@@ -228,10 +228,20 @@ def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     group0, group1 = out / "group-0", out / "group-1"
     healed = _group0_unbroken_group1_restarted_once(out)
     assert [h["step"] for h in healed] == [KILL_AT], healed
-    # One quorum a period, recorded at its average (the period's last step), all committed.
+    # One quorum a period, recorded at its average (the period's last step), all committed,
+    # each saying the step it was joined before (the period's first).
     seen0 = _jsonl(group0 / "membership.jsonl")
     assert [m["step"] for m in seen0] == list(range(1, STEPS, 2))
     assert all(m["participants"] == 2 and m["committed"] for m in seen0), seen0
+    assert [m["joined_at"] for m in seen0] == list(range(0, STEPS, 2)), seen0
+    # The loss and the healing at the step they happened at, the step healed.jsonl says: the
+    # quorum joined at KILL_AT (was: lost at KILL_AT + 1, the period's average, after a
+    # healing at KILL_AT).
+    seen1 = [m for m in _jsonl(group1 / "membership.jsonl") if "healed_bytes" in m]
+    assert [(m["restart"], m["joined_at"]) for m in seen1][-1] == (1, KILL_AT), seen1
+    membership = json.loads((out / "report.json").read_text())["membership"]
+    assert [(f["group"], f["step"]) for f in membership["failures"]] == [("1", KILL_AT)]
+    assert [h["step"] for h in membership["healings"]["at"]] == [KILL_AT]
     a, b = (torch.load(g / "final_model.pt", weights_only=True) for g in (group0, group1))
     assert a.keys() == b.keys()
     for key in a:
@@ -271,6 +281,9 @@ def test_a_group_lost_mid_exchange_fails_it_and_heals_at_the_next_quorum(
     seen0 = _jsonl(group0 / "membership.jsonl")
     assert [m["step"] for m in seen0 if m["step"] < STEPS] == list(range(3, STEPS, 3)), seen0
     assert len(seen0) == STEPS // 3 + 1, seen0
+    # the final average after the last step: said so, at a step (was: at END, 2**62)
+    assert seen0[-1]["final"] and seen0[-1]["step"] == STEPS, seen0[-1]
+    assert not any(m.get("final") for m in seen0[:-1]), seen0
     assert [m["step"] for m in seen0 if not m["committed"]] == [9], seen0
     at = next(m for m in seen0 if m["step"] == 12)  # the quorum the replacement joined
     assert [r.split(":")[0] for r in at["left"] + at["joined"]] == ["1", "1"], at
