@@ -288,6 +288,7 @@ class Synchronizer:
             multiprocessing.util.Finalize(
                 self, _write_unreported, args=(weakref.ref(self),), exitpriority=1
             )
+            _ATTACHED.add(self)  # and when its rank is stopped (write_unreported_records)
         self._hierarchy: Hierarchy | None = None
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
         self.spans: list[Span] = []
@@ -1366,6 +1367,17 @@ def _write_unreported(ref: weakref.ref[Synchronizer]) -> None:
     sync = ref()
     if sync is not None and not sync._closed:
         sync._write_own_records()
+
+
+#: the Synchronizers of this process attached to a ``gradsync run`` directory
+_ATTACHED: weakref.WeakSet[Synchronizer] = weakref.WeakSet()
+
+
+def write_unreported_records() -> None:
+    """The step records of every attached Synchronizer not closed, written now: for a rank
+    stopped by a signal, whose process runs no exit hook (``gradsync.runner.worker``)."""
+    for sync in list(_ATTACHED):
+        _write_unreported(weakref.ref(sync))
 
 
 class _GradientReady:

@@ -27,6 +27,7 @@ from gradsync.attached_run import (
 from gradsync.logs import get_logger
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
+from gradsync.runner.stopped import records_kept_when_stopped
 
 __all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "run_rank", "run_script", "run_worker"]
 
@@ -83,9 +84,9 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     in-process rather than a new interpreter: the elastic agent's worker is this process (its
     restarts, its error file naming the failed rank and the exception), and a second
     interpreter would import torch again. Returns, on rank 0, where the run directory is; a
-    script's ``sys.exit(0)`` is a success, any other exit status fails the rank."""
-    import runpy
-
+    script's ``sys.exit(0)`` is a success, any other exit status fails the rank. A SIGTERM
+    from the agent (a peer failed for good) writes the rank's step records first
+    (``runner.stopped``)."""
     cfg = RunConfig.from_dict(config_dict)
     _one_line_warnings()
     run_dir = Path(cfg.out).resolve()
@@ -102,14 +103,8 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     command = command or [*BUILTIN, "--config", str(run_dir / CONFIG_FILE)]
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
-        if command[0] == "-m":
-            sys.argv = [command[1], *command[2:]]
-            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
-        else:
-            # As ``python train.py``: the script's own directory first on the import path
-            sys.argv = command
-            sys.path.insert(0, str(Path(command[0]).resolve().parent))
-            runpy.run_path(command[0], run_name="__main__")
+        with records_kept_when_stopped():
+            _run_main(command)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
@@ -117,6 +112,20 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         sys.argv = saved_argv
         sys.path[:] = saved_path
     return {"run_dir": cfg.out} if runtime.rank() == 0 else None
+
+
+def _run_main(command: list[str]) -> None:
+    """``command`` (a script and its arguments, or ``-m MODULE ...``) as ``__main__``."""
+    import runpy
+
+    if command[0] == "-m":
+        sys.argv = [command[1], *command[2:]]
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+    else:
+        # As ``python train.py``: the script's own directory first on the import path
+        sys.argv = command
+        sys.path.insert(0, str(Path(command[0]).resolve().parent))
+        runpy.run_path(command[0], run_name="__main__")
 
 
 def main() -> None:

@@ -141,3 +141,26 @@ def test_a_front_door_script_that_never_calls_report_keeps_every_step_record(
         (rank, step) for rank in range(2) for step in range(14)
     ]
     assert "run: " in proc.stderr + proc.stdout and "(14 steps, 2 ranks)" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_stopped_after_a_peer_failed_keep_their_step_records(tmp_path: Path) -> None:
+    """Rank 1's script raises before step 5: the run fails, and the agent stops rank 0 (waiting
+    in step 5) with SIGTERM. Each rank's records of steps 0-4, which no gather had taken (a
+    gather every 10 steps), reach metrics.jsonl: rank 0 writes its own when stopped
+    (gradsync.runner.stopped). Before, metrics.jsonl held rank 1's alone."""
+    out = tmp_path / "failed"
+    script = SCRIPT.parent / "failing_script.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--no-plots", "--out", str(out)]
+        + ["--timeout", "30", "--", str(script), "5"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the user's error at step 5" in proc.stderr, proc.stderr[-3000:]
+    records = {(r["rank"], r["step"]) for r in map(json.loads, (out / "metrics.jsonl").open())}
+    assert {(rank, step) for rank in range(2) for step in range(5)} <= records, sorted(records)
