@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+#: how much of a file's end is read at a time to find its last newline (``_cut_torn_tail``)
+_TAIL_CHUNK = 1 << 16
 
 try:  # where the system has no flock (Windows), records are appended unlocked
     import fcntl
@@ -120,7 +124,39 @@ def write_records(path: Path, records: Iterable[StepRecord | Span], append: bool
     with open(path, "a" if append else "w", encoding="utf-8") as fh:
         if fcntl is not None:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        if append:
+            _cut_torn_tail(path, fh.fileno())
         fh.write(text)
+
+
+def _cut_torn_tail(path: Path, fd: int) -> None:
+    """A last line without its newline (a crash or a full disk cut an append short) is cut
+    off before the next append, with a warning: appended to, it would become a line that is
+    not JSON in the middle of the file, which every later read refuses (a resume's restored
+    records are written before anything reads the file)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return
+    with open(path, "rb") as raw:
+        keep = size
+        while keep > 0:  # back to the byte after the last newline, a chunk at a time
+            start = max(0, keep - _TAIL_CHUNK)
+            raw.seek(start)
+            chunk = raw.read(keep - start)
+            if keep == size and chunk.endswith(b"\n"):
+                return  # whole
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            keep = start
+    os.ftruncate(fd, keep)
+    warnings.warn(
+        f"{path}: dropped its last line, torn by an interrupted write ({size - keep} bytes "
+        "without a newline), before appending to it",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def read_records(run_dir: str | Path) -> list[StepRecord]:

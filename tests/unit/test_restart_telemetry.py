@@ -121,6 +121,20 @@ def test_a_torn_last_line_is_dropped_with_a_warning_naming_the_file(tmp_path: Pa
     assert len(keys) == 2 * 10 - 1 and (torn["rank"], torn["step"]) not in keys
 
 
+def test_an_append_after_a_torn_last_line_cuts_it_first(tmp_path: Path) -> None:
+    """A resume's restored records are appended before anything reads metrics.jsonl: glued to
+    a torn last line they made a line that is not JSON mid-file, and every later resume and
+    report failed (a tester's full-disk case). The torn tail is cut, with a warning."""
+    path = tmp_path / METRICS_FILE
+    records = synthetic_records(10, RANKS, bytes_per_step=BYTES, seed=3)
+    write_records(path, records[:12])
+    torn = json.loads(tear_last_line(path))
+    with pytest.warns(RuntimeWarning, match=rf"{re.escape(str(path))}: dropped its last line"):
+        write_records(path, records[12:])
+    keys = [(r.rank, r.step) for r in read_records(tmp_path)]  # no warning, no error
+    assert len(keys) == 2 * 10 - 1 and (torn["rank"], torn["step"]) not in keys
+
+
 def test_a_damaged_line_before_the_last_is_an_error_naming_the_file_and_line(
     tmp_path: Path,
 ) -> None:
