@@ -432,7 +432,8 @@ class ZeroStage2(Strategy):
         """The backward pass has finished ``param``'s gradient for this step: send every round
         now complete, in the fixed order, so that each gradient is freed once its rounds are
         sent and the whole gradient never exists at once (nor a buffer of its size)."""
-        for kj in self._rounds_of[id(param)]:
+        # A parameter with no elements is in no round (nothing to send): .get, not [].
+        for kj in self._rounds_of.get(id(param), ()):
             self._waiting[kj] -= 1
         if self._next == len(self._order) or self._waiting[self._order[self._next]]:
             return  # the next round in the order still waits for gradients

@@ -187,6 +187,12 @@ def shard_model(
     if any(isinstance(p, dtensor) for p in model.parameters()):
         sharded = dict(model.named_parameters())
         return [(_repoint(optimizer, sharded[n]), sharded[n]) for n in names]
+    empty = [n for n, p in model.named_parameters() if p.numel() == 0]
+    if empty:  # FSDP2 fails on them inside the first step (_chunk_cat of no elements)
+        raise UsageError(
+            f"zero:3 cannot shard a parameter with no elements: {', '.join(map(repr, empty))}; "
+            "remove it or register it as a buffer, or use zero:2, which takes it"
+        )
     if any(optimizer.state.values()):
         raise UsageError(
             "zero:3 shards the parameters the optimizer holds, and this optimizer has state "
