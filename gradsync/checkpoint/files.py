@@ -274,6 +274,28 @@ class CheckpointFiles:
             durable=durable,
         )
 
+    def commit_newest(
+        self, world_size: int, *, save_id: str = "", durable: bool = False
+    ) -> CheckpointInfo | None:
+        """Commit the newest step whose every rank's file of ``save_id`` is written, unless it
+        (or a newer one) is committed already; ``None`` when there is none to commit. What a
+        committer does last, after its peers' writers have ended.
+
+        Why from the directory rather than from the steps the committer has in hand: it gives
+        steps up (a commit past its deadline while a peer's writer was stopped drops every step
+        it held), and a peer stopped that long writes its files only as it ends, so the newest
+        complete step is often one the committer no longer remembers."""
+        for step, _path in self._step_dirs():
+            if self.committed(step, save_id):
+                return None
+            try:
+                info = self.try_commit(step, world_size, save_id=save_id, durable=durable)
+            except (CheckpointError, OSError):  # a damaged file: an older step may be whole
+                continue
+            if not isinstance(info, list):
+                return info
+        return None
+
     def _written_files(
         self,
         step_dir: str,

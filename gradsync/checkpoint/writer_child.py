@@ -250,38 +250,28 @@ class _Child:
         """The training process died: write the snapshots it left in the mailbox (both: its
         peers may have left the one before as their newest), then, on rank 0, commit the
         newest step whose every file is there once the peers' writers are done."""
-        written = []
         for message in self._held():
-            step = message[1]
-            if step <= self.last_written:
+            if message[1] <= self.last_written:
                 continue
-            try:
+            # nobody to report to: a failure leaves the other one to try
+            with contextlib.suppress(Exception):
                 self._write_file(*message[1:])
-            except Exception:  # noqa: BLE001 - nobody to report to: try the other one
-                continue
-            written.append(step)
         if self.commits is not None:
-            self._last_commit(sorted(set(written) | set(self.commits.steps()), reverse=True))
+            self._last_commit()
 
-    def _last_commit(self, steps: list[int]) -> None:
-        """Commit the newest of ``steps`` (newest first) whose files are all there, once the
-        peers' writers have ended (their locks), or at ``timeout_s``: a peer may still be
-        writing a newer step's file than it has written so far."""
+    def _last_commit(self) -> None:
+        """Commit the newest step every rank wrote (``CheckpointFiles.commit_newest``: read
+        from the directory, not from ``self.commits``, which an error clears), once the peers'
+        writers have ended (their locks), or at ``timeout_s``: a peer may still be writing a
+        newer step's file than it has written so far."""
         deadline = time.monotonic() + self.timeout_s
         peers = range(1, self.world_size)
         while time.monotonic() < deadline and not all(
             released(self.files.directory, self.save_id, r) for r in peers
         ):
             time.sleep(0.005)
-        for step in steps:
-            try:
-                info = self.files.try_commit(
-                    step, self.world_size, save_id=self.save_id, durable=False
-                )
-            except Exception:  # noqa: BLE001 - nobody to report to: try an older step
-                continue
-            if not isinstance(info, list):
-                return
+        with contextlib.suppress(Exception):  # nobody to report to
+            self.files.commit_newest(self.world_size, save_id=self.save_id)
 
     def _write_file(
         self, step: int, durable: bool, keep: int, made: tuple[Any, ...], parts: list[Any]

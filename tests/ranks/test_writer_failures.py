@@ -162,3 +162,36 @@ def test_a_stopped_writer_fails_its_rank_within_the_timeout_and_is_continued_on_
     # 5 and 9 written once it went on (8 was older than 9: not written, as at a rank's death),
     # and 1 kept as the newest durable checkpoint
     assert [int(p.name[5:]) for p in sorted(tmp_path.glob("step-*"))] == [1, 5, 9]
+
+
+@needs_linux
+@pytest.mark.timeout(120)
+def test_a_peer_s_writer_stopped_past_the_commit_deadline_loses_only_the_steps_in_flight(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP rank 1's writer: rank 0's commit of step 5 passes its deadline (an error, which
+    drops 9, the other step rank 0 wrote), then both ranks die and rank 1's writer, continued,
+    writes 5 and 9. Rank 0's writer commits 9, the newest step both ranks wrote: it once
+    committed only steps it still had in hand, none, and a resume went back to step 1."""
+    writers = _writers(tmp_path, 2, files_every=4)
+    stopped = writers[1]._child.pid
+    try:
+        for w in writers:
+            _save(w, 1)
+        for w in writers:
+            w.wait(1)
+        os.kill(stopped, signal.SIGSTOP)
+        for step in range(2, 10):  # 5 and 9 are files, the others held
+            for w in writers:
+                _save(w, step)
+        deadline = time.monotonic() + BOUND_S
+        while writers[0]._error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "checkpoint of step 5 " in str(writers[0]._error), writers[0]._error
+    finally:
+        for w in writers:  # the ranks die, no close: rank 1's writer is continued
+            with contextlib.suppress(OSError):
+                w._sock.shutdown(socket.SHUT_RDWR)
+            w._finalizer()
+    assert wait_for_writers(tmp_path, timeout_s=BOUND_S) == []  # every writer has ended
+    assert _latest(tmp_path, 2) == 9
