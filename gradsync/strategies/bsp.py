@@ -107,17 +107,23 @@ class BSP(Strategy):
         else:
             assert not isinstance(ctx.bucket_mb, str), ctx.bucket_mb
             self._reducer = self._make_reducer(ctx.bucket_mb)
-        if ctx.rank == 0:
+        # Under bucket_mb auto the plan is said once it is kept (``_retune``), unless there
+        # is nothing to time.
+        if ctx.rank == 0 and (self._tuner is None or not self._tuner.deciding):
             self._log_plan(ctx.bucket_mb)
 
     def _make_tuner(self, ctx: SyncContext) -> BucketTuner:
         if not self.fused_mean or ctx.hierarchy is not None:
             # A compressor keeps state per bucket (residuals, PowerSGD's factors), which a
             # change of plan mid-run would misplace.
+            given = (
+                f"compression {ctx.compressor.spec!r}"
+                if not self.fused_mean
+                else "allreduce='hierarchical'"
+            )
             raise UsageError(
-                "bucket_mb='auto' tunes the plain all-reduce's buckets; with compression "
-                f"{ctx.compressor.spec!r} or allreduce='hierarchical' give bucket_mb a number "
-                "(or None for the default plan)"
+                f"bucket_mb='auto' tunes the plain all-reduce's buckets; with {given} give "
+                "bucket_mb a number (or None for the default plan)"
             )
         total_mb = sum(p.numel() * p.element_size() for p in self._params) / MB
         # the same buckets under two sizes are one plan: timed once
@@ -186,12 +192,15 @@ class BSP(Strategy):
             tuner.decide(times)
             if ctx.rank == 0:
                 logger.info("%s: bucket_mb auto: %s", self.name, tuner.describe(times))
+            decided = True
+        else:
+            decided = False
         mb = tuner.plan_for_next_step()
         if abs(mb - self.reducer.bucket_mb) > 1e-9:
             self.reducer.close()
             self._reducer = self._make_reducer(mb)
-            if ctx.rank == 0 and not tuner.deciding:
-                self._log_plan(AUTO)
+        if decided and ctx.rank == 0:  # once, whichever plan won (a switch or not)
+            self._log_plan(AUTO)
         self._step_started = None if not tuner.deciding else time.perf_counter()
 
     @property

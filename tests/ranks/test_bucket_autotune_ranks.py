@@ -20,6 +20,10 @@ def test_both_ranks_keep_one_plan_and_train_as_a_fixed_plan_does() -> None:
     assert chosen[0] == chosen[1] and chosen[0] in tuned[0]["summary"]["bucket_mb_auto"]["tried_mb"]
     assert tuned[0]["summary"]["bucket_mb"] == chosen[0]  # the reducer runs the kept plan
     assert len(tuned[0]["summary"]["bucket_mb_auto"]["tried_mb"]) == 2
+    # Said once, once kept, naming the kept plan (it was said before any timing, naming the
+    # first plan tried, and twice when that one won).
+    (kept,) = tuned[0]["plans"]
+    assert f"(bucket_mb {chosen[0]:g}: kept by bucket_mb auto)" in kept, kept
     # A plan changes when buckets leave, not what they sum to (2 ranks: a + b either way).
     for a, b in zip(tuned, fixed, strict=True):
         assert torch.equal(a["final"], b["final"])
@@ -29,3 +33,4 @@ def test_both_ranks_keep_one_plan_and_train_as_a_fixed_plan_does() -> None:
 def test_auto_refuses_a_compressor_naming_it() -> None:
     for message in run_ranks(at.auto_with_compression, 2):
         assert message is not None and "bucket_mb='auto'" in message and "fp16" in message
+        assert "hierarchical" not in message, message  # what was given, not every case

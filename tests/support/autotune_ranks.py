@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,8 +15,12 @@ STEPS = 14
 
 
 def train(rank: int, world: int, bucket_mb: Any) -> dict[str, Any]:
-    """A 1.2 MB gradient (plans of 1 and 1.2 MB tried), ``STEPS`` steps; the final parameters
-    and the strategy's summary."""
+    """A 1.2 MB gradient (plans of 1 and 1.2 MB tried), ``STEPS`` steps; the final parameters,
+    the strategy's summary and the plan lines bsp logged."""
+    said: list[str] = []
+    catch = logging.Handler(logging.INFO)
+    catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gradsync.strategies.bsp").addHandler(catch)
     w = make_workload("mlp", seed=5, params=300_000)
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -28,7 +33,9 @@ def train(rank: int, world: int, bucket_mb: Any) -> dict[str, Any]:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     summary = sync.strategy.summary()
     sync.close()
-    return {"final": flat, "summary": summary}
+    logging.getLogger("gradsync.strategies.bsp").removeHandler(catch)
+    plans = [line for line in said if "gradient bucket(s)" in line]
+    return {"final": flat, "summary": summary, "plans": plans}
 
 
 def auto_with_compression(rank: int, world: int) -> str | None:
