@@ -404,9 +404,10 @@ def read_packed(data: bytes | bytearray) -> Packed:
     the buffers are copies, so ``data`` may go."""
     if not data.startswith(MAGIC):
         raise ValueError("not a gradsync packed state (wrong magic)")
-    n = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
     body = len(MAGIC) + 8
-    header = json.loads(bytes(data[body : body + n]))
+    n = int.from_bytes(data[len(MAGIC) : body], "little")
+    n = _whole(n, "the header's length", max(0, len(data) - body))
+    header = _parse_header(bytes(data[body : body + n]))
     version = header.get("version") if isinstance(header, dict) else None
     if version != packed_header.PACKED_VERSION:
         raise ValueError(f"packed state version {version!r}; this gradsync reads 1")
@@ -420,6 +421,16 @@ def read_packed(data: bytes | bytearray) -> Packed:
         _read_buffer(name, entry, payload) for name, entry in zip(names, entries, strict=True)
     ]
     return Packed(tree=tree, buffers=buffers)
+
+
+def _parse_header(text: bytes) -> Any:
+    """The header's JSON, refused with the reason a damaged or crafted file gives."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("its header nests deeper than any state gradsync writes") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"its header is not JSON text ({exc})") from None
 
 
 def _whole(value: Any, field: str, most: int) -> int:
@@ -644,7 +655,12 @@ def _tensor(node: Any, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
     """A tensor's node, ``[dtype, offset, shape]``: its elements in its dtype's buffer, checked
     as ``read_packed`` checks the buffers (the numbers come from the file)."""
     dtype, offset, shape = node
-    buffer = buffers[dtype]
+    buffer = buffers.get(dtype)
+    if buffer is None:
+        raise ValueError(
+            f"a tensor names the buffer {_json(dtype)}, which the file does not have (it has "
+            f"{', '.join(map(repr, buffers)) or 'none'})"
+        )
     where = f"a {dtype} tensor's"
     offset = _whole(offset, f"{where} offset", len(buffer))
     if type(shape) is not list:

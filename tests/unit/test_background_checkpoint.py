@@ -173,7 +173,8 @@ def _crafted(tmp_path: Path, pattern: str, replacement: str) -> CheckpointStore:
         (r'"float32",2,\[3,2\]', '"float32",2,[3,2e300]', "shape"),
         (r'"float32",2,\[3,2\]', '"float32",2,[3,3]', "shape"),  # past its buffer's end
         (r'"float32",2,\[3,2\]', '"float32",NaN,[3,2]', "offset"),
-        (r'\["best",Infinity\]', "[" * 100_000 + "]" * 100_000, "RecursionError"),
+        (r'\["best",Infinity\]', "[" * 100_000 + "]" * 100_000, "nests deeper"),
+        (r'"float32",0,\[2\]', '"complex1024",0,[2]', "does not have"),  # no such buffer
     ],
 )
 def test_a_crafted_packed_header_number_is_refused_naming_the_field(
@@ -184,6 +185,16 @@ def test_a_crafted_packed_header_number_is_refused_naming_the_field(
     assert info is not None  # the checksums match: the refusal is the header's validation
     with pytest.raises(CheckpointError, match=rf"rank-0\.pt: .*\b{field}\b"):
         store.load(info, 0)
+
+
+def test_a_header_length_past_the_end_of_the_file_is_refused_naming_it(tmp_path: Path) -> None:
+    _crafted(tmp_path, r'"numel":8\b', '"numel":8')
+    path = tmp_path / "step-000001" / "rank-0.pt"
+    raw = bytearray(path.read_bytes())
+    start = raw.index(b"{")
+    raw[start - 8 : start] = (len(raw) + 10**9).to_bytes(8, "little")
+    with pytest.raises(ValueError, match="the header's length is .* not a whole number"):
+        read_packed(bytes(raw))
 
 
 def test_a_state_holding_infinity_still_loads(tmp_path: Path) -> None:
