@@ -197,7 +197,8 @@ class DistributedDataParallel(nn.Module):
     DDP's own options: ``device_ids`` (one device, the module's), ``output_device``,
     ``broadcast_buffers``, ``process_group`` and ``bucket_cap_mb`` keep their meaning;
     ``find_unused_parameters``, ``gradient_as_bucket_view`` and ``static_graph`` are accepted
-    and need nothing (unused parameters count as zeros, gradients are bucket views already).
+    and need nothing (gradients are bucket views already; a parameter unused on every rank
+    gets a zero gradient where DDP leaves None, so momentum or weight decay still move it).
 
     Call ``model.report()`` on every rank at the end of training (before
     ``destroy_process_group``) for gradsync's timing report and final checks; under
