@@ -281,16 +281,26 @@ def _stop(children: list[subprocess.Popen[bytes]], signum: int) -> None:
 
 def group_outcome(directory: Path) -> dict[str, Any]:
     """What a group's directory says of its run: the last step recorded and its loss, the
-    restarts of its process and the healings of its replacements."""
-    from gradsync.telemetry.membership import peer_healings, read_group
+    steps before it that some rank has no record of, the restarts of its process and the
+    healings of its replacements."""
+    from gradsync.telemetry.membership import peer_healings, read_group, step_ranges
     from gradsync.telemetry.records import METRICS_FILE, read_records
 
     records = read_records(directory) if (directory / METRICS_FILE).exists() else []
     last = max((r.step for r in records), default=None)
     losses = [r.loss for r in records if r.step == last and r.loss is not None]
     seen = read_group(directory)  # its faults/attempts.jsonl and healed.jsonl, lines checked
+    # ``steps`` is the step reached, and a group's report.json counts the steps recorded: the
+    # steps between, said here, were skipped by a healing or their records lost with a
+    # killed process (docs/membership.md, "What a kill loses of the step records")
+    held: dict[int, set[int]] = {}
+    for r in records:
+        held.setdefault(r.rank, set()).add(r.step)
+    every = set(range(0 if last is None else last + 1))
+    unrecorded = sorted(set().union(*(every - steps for steps in held.values())))
     return {
         "steps": None if last is None else last + 1,
+        "unrecorded_at": step_ranges(unrecorded),
         "final_loss": sum(losses) / len(losses) if losses else None,
         "restarts": max((int(a["restart"]) for a in seen.attempts), default=0),
         # the first quorum's sync of replicas that started apart is a healing too: not these
@@ -332,6 +342,12 @@ def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
         lines.append(
             f"{k:>5}  {code:>4}  {steps:>5}  {loss:>10}  {got['restarts']:>8}  {healed or '-'}"
         )
+    for got in outcomes:
+        if got["unrecorded_at"]:
+            lines.append(
+                f"group {got['group']}: no step records of step(s) {got['unrecorded_at']} "
+                "(skipped by a healing, or lost with a killed process: docs/membership.md)"
+            )
     report = write_run_report(cfg, run_dir, outcomes)
     lines.append(describe(report["membership"]))
     lines.append(f"each group's metrics, report.json, trace.json and plots: {run_dir}/group-K/")

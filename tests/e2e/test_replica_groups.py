@@ -225,7 +225,7 @@ def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     without it, it failed)."""
     out = tmp_path / "run"
     # KILL_AT: a period's first step
-    _, stderr, _, _ = _kill_heal_run(
+    stdout, stderr, _, _ = _kill_heal_run(
         out, "--strategy", strategy, "--compress", "fp16", nproc=nproc, killed=nproc - 1
     )
     assert f"strategy {strategy}, membership torchft" in stderr, stderr[-2000:]
@@ -240,6 +240,12 @@ def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     for rank in range(nproc):
         steps = sorted(r["step"] for r in records1 if r["rank"] == rank)
         assert steps == list(range(KILL_AT if rank == nproc - 1 else 0, STEPS)), (rank, steps)
+    # ... which the summary and RUN/report.json say, where the steps reached and the group's
+    # report.json (the steps recorded) differ
+    said = f"group 1: no step records of step(s) 0-{KILL_AT - 1} (skipped by a healing"
+    assert said in stdout, stdout
+    outcomes = json.loads((out / "report.json").read_text())["groups"]
+    assert [g["unrecorded_at"] for g in outcomes] == ["", f"0-{KILL_AT - 1}"], outcomes
     # One quorum a period, recorded at its average (the period's last step), all committed,
     # each saying the step it was joined before (the period's first).
     seen0 = _jsonl(group0 / "membership.jsonl")

@@ -15,7 +15,7 @@ import pytest
 from gradsync.errors import UsageError
 from gradsync.membership.ft_manager import _QuorumSeen
 from gradsync.runner.config import RunConfig
-from gradsync.runner.replica_groups import write_run_report
+from gradsync.runner.replica_groups import group_outcome, write_run_report
 from gradsync.telemetry.cli import analyze_run
 from gradsync.telemetry.membership import (
     MEMBERSHIP_FILE,
@@ -270,6 +270,26 @@ def test_the_runs_report_sums_up_every_groups_directory(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "report.json").read_text()) == written
     assert written["groups"] == outcomes and written["replica_groups"] == 2
     assert written["membership"] == summarize(_lost_and_healed(), expected=2)
+
+
+@pytest.mark.timeout(60)
+def test_a_groups_outcome_names_the_steps_some_rank_has_no_record_of(tmp_path: Path) -> None:
+    # a group of two ranks that reached step 11: rank 1's steps 0-3 and both ranks' step 7
+    # were not recorded (lost with a killed process, or skipped by a healing). The summary's
+    # "steps" (12, the step reached) and the group's report.json (the steps recorded) then
+    # differ: the outcome says where (was: nothing did).
+    held = {0: [s for s in range(12) if s != 7], 1: [s for s in range(4, 12) if s != 7]}
+    records = [
+        StepRecord(rank, step, 1000.0 + step, 0.5, 0.1, 0.0, 0.0, 8, 0, loss=1.0)
+        for rank, steps in held.items()
+        for step in steps
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(r.to_json() + "\n" for r in records))
+    got = group_outcome(tmp_path)
+    assert (got["steps"], got["unrecorded_at"]) == (12, "0-3, 7")
+    full = [StepRecord(0, s, 1000.0 + s, 0.5, 0.1, 0.0, 0.0, 8, 0) for s in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(r.to_json() + "\n" for r in full))
+    assert group_outcome(tmp_path)["unrecorded_at"] == ""
 
 
 class _Client:
