@@ -89,6 +89,7 @@ def claim(path: str | Path, *, resume: bool, overwrite: bool) -> RunDirectory:
     claimed = RunDirectory(run_dir, handle)
     try:
         _check_contents(run_dir, resume=resume, overwrite=overwrite)
+        _check_writable(run_dir)
     except BaseException:
         claimed.release()
         raise
@@ -122,6 +123,20 @@ def _open_lock(run_dir: Path) -> IO[str]:
             "pass another --out"
         )
     return os.fdopen(fd, "r+")
+
+
+def _check_writable(run_dir: Path) -> None:
+    """The run writes into its directory's state (checkpoints, faults): one that cannot be
+    written (a read-only mount, another owner) is refused here, not after the workers started
+    and loaded a checkpoint."""
+    for name in RUN_STATE:
+        path = run_dir / name
+        if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+            raise UsageError(
+                f"--out {run_dir}: {path} cannot be written (read-only, or another user's): "
+                "the run writes its checkpoints and records there; make it writable or pass "
+                "another --out"
+            )
 
 
 def _check_contents(run_dir: Path, *, resume: bool, overwrite: bool) -> None:

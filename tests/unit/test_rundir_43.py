@@ -175,3 +175,22 @@ def test_overwrite_of_a_run_deletes_its_state_and_keeps_the_users_files(tmp_path
     claim(other, resume=False, overwrite=True).release()
     assert not (other / "checkpoints").exists()
     assert (other / "config.json").exists()  # rewritten by the run, not deleted
+
+
+def test_a_run_state_that_cannot_be_written_is_refused_before_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only checkpoints directory (a tester's read-only mount) failed the resumed run
+    only after its workers loaded a checkpoint (OSError on log.jsonl). os.access stands in for
+    the mount: as root, a mode alone would not make it unwritable."""
+    (tmp_path / "checkpoints").mkdir()
+    import os
+
+    real = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if Path(p).name == "checkpoints" else real(p, mode)
+    )
+    with pytest.raises(UsageError, match=r"checkpoints cannot be written \(read-only"):
+        claim(tmp_path, resume=True, overwrite=False).release()
+    monkeypatch.setattr(os, "access", real)
+    claim(tmp_path, resume=True, overwrite=False).release()  # writable: claimed
