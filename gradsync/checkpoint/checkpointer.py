@@ -591,7 +591,7 @@ def load(cp: Checkpointer, directory: str | Path) -> dict[str, Any] | None:
         cp.registry.load(registered, step=step, world_changed=changed, warn=cp.rank == 0)
         _restore_rows(cp, rows, store.directory)
         return {**(state.get("extra") or {}), "step": cp.step()}
-    cp.strategy.load_model_state_dict(cp.model, state["model"])
+    _load_model(cp, state, info)
     cp.optimizer.load_state_dict(state["optimizer"])
     lost = bool(state["sync"].get("strategy", {}).get("compressor"))
     if changed and lost and cp.rank == 0:
@@ -624,6 +624,23 @@ class _OwnRows:
 
     rows: torch.Tensor | list[float] | None
     span: tuple[int, int] | None = None
+
+
+def _load_model(cp: Checkpointer, state: dict[str, Any], info: Any) -> None:
+    """The model's state from the checkpoint; one saved from another model (a run resumed with
+    another workload or size, a changed script) named as such, where torch's message alone
+    names neither the checkpoint nor the cause."""
+    try:
+        cp.strategy.load_model_state_dict(cp.model, state["model"])
+    except RuntimeError as exc:
+        if "state_dict" not in str(exc):
+            raise
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = "; ".join(lines).replace(":; ", ": ")  # one line: the run shows a failure's last
+        raise CheckpointError(
+            f"the checkpoint {info.path} does not fit this model (saved from another model: "
+            f"another workload or size, or a changed script?): {why}"
+        ) from None
 
 
 def _restore_rows(cp: Checkpointer, own: _OwnRows, directory: Path) -> None:
