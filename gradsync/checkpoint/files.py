@@ -275,17 +275,21 @@ class CheckpointFiles:
         )
 
     def commit_newest(
-        self, world_size: int, *, save_id: str = "", durable: bool = False
+        self, world_size: int, *, newest: int, save_id: str = "", durable: bool = False
     ) -> CheckpointInfo | None:
-        """Commit the newest step whose every rank's file of ``save_id`` is written, unless it
-        (or a newer one) is committed already; ``None`` when there is none to commit. What a
-        committer does last, after its peers' writers have ended.
+        """Commit the newest step at or below ``newest`` whose every rank's file of ``save_id``
+        is written, unless it (or a newer one) is committed already; ``None`` when there is
+        none to commit. What a committer does last, after its peers' writers have ended;
+        ``newest``: the newest step it wrote its own file of (a directory above it is left
+        from before a rollback to an older step).
 
         Why from the directory rather than from the steps the committer has in hand: it gives
         steps up (a commit past its deadline while a peer's writer was stopped drops every step
         it held), and a peer stopped that long writes its files only as it ends, so the newest
         complete step is often one the committer no longer remembers."""
         for step, _path in self._step_dirs():
+            if step > newest:
+                continue
             if self.committed(step, save_id):
                 return None
             try:

@@ -225,6 +225,7 @@ class _Child:
             # from a writer taking over from a dead one: this rank's file of the step is
             # written, its commit not done
             self.commits.add(message[1], False)
+            self.last_written = max(self.last_written, message[1])
         elif kind == "close":
             return True
         return False
@@ -260,10 +261,11 @@ class _Child:
             self._last_commit()
 
     def _last_commit(self) -> None:
-        """Commit the newest step every rank wrote (``CheckpointFiles.commit_newest``: read
-        from the directory, not from ``self.commits``, which an error clears), once the peers'
-        writers have ended (their locks), or at ``timeout_s``: a peer may still be writing a
-        newer step's file than it has written so far."""
+        """Commit the newest step every rank wrote, up to this rank's newest file
+        (``CheckpointFiles.commit_newest``: read from the directory, not from
+        ``self.commits``, which an error clears), once the peers' writers have ended (their
+        locks), or at ``timeout_s``: a peer may still be writing a newer step's file than it
+        has written so far."""
         deadline = time.monotonic() + self.timeout_s
         peers = range(1, self.world_size)
         while time.monotonic() < deadline and not all(
@@ -271,7 +273,9 @@ class _Child:
         ):
             time.sleep(0.005)
         with contextlib.suppress(Exception):  # nobody to report to
-            self.files.commit_newest(self.world_size, save_id=self.save_id)
+            self.files.commit_newest(
+                self.world_size, newest=self.last_written, save_id=self.save_id
+            )
 
     def _write_file(
         self, step: int, durable: bool, keep: int, made: tuple[Any, ...], parts: list[Any]

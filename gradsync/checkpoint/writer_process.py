@@ -544,22 +544,31 @@ class ProcessCheckpointWriter(WriterBase):
     def close(self, timeout_s: float | None = None) -> None:
         """Write what is in flight, then stop the child; raises what went wrong in it (once:
         a dead child's snapshots went to another, ``_take_over``)."""
+        flushed = False
         try:
             if self._failure is None:
                 self.flush(timeout_s)
+                flushed = True
         finally:
             with self._cond:
                 self._closing = True
-            # continued if stopped: it then writes what it holds and ends (``_stop_child``)
-            self._child.send_signal(signal.SIGCONT)
-            with contextlib.suppress(CheckpointError):
-                self._send(("close",))
-            try:
-                self._child.wait(timeout=5.0)  # it exits once its commits are done
-            except subprocess.TimeoutExpired:  # everything was flushed: nothing to lose
-                self._child.kill()
-                self._child.wait()
-            self._finalizer()  # closes the socket
+            if flushed:
+                # continued if stopped: it then writes what it holds and ends
+                self._child.send_signal(signal.SIGCONT)
+                with contextlib.suppress(CheckpointError):
+                    self._send(("close",))
+                try:
+                    self._child.wait(timeout=5.0)  # it exits once its commits are done
+                except subprocess.TimeoutExpired:  # everything was flushed: nothing to lose
+                    self._child.kill()
+                    self._child.wait()
+            self._finalizer()  # continued if stopped, its socket shut (``_stop_child``)
+            if not flushed:
+                # Not killed, but let go as when the rank dies: it writes what it holds and,
+                # on rank 0, commits the newest step every rank wrote once its peers' writers
+                # have ended, which a peer whose writer was stopped does only after this rank
+                # gave up on it (a commit past its deadline); then it ends by itself.
+                threading.Thread(target=self._child.wait, daemon=True).start()
             self._receiver.join(timeout=5.0)
 
     # -- the receiver thread ------------------------------------------------------------------

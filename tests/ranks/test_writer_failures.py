@@ -166,13 +166,15 @@ def test_a_stopped_writer_fails_its_rank_within_the_timeout_and_is_continued_on_
 
 @needs_linux
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank_0", ["dies", "closes"])
 def test_a_peer_s_writer_stopped_past_the_commit_deadline_loses_only_the_steps_in_flight(
-    tmp_path: Path,
+    tmp_path: Path, rank_0: str
 ) -> None:
     """SIGSTOP rank 1's writer: rank 0's commit of step 5 passes its deadline (an error, which
-    drops 9, the other step rank 0 wrote), then both ranks die and rank 1's writer, continued,
-    writes 5 and 9. Rank 0's writer commits 9, the newest step both ranks wrote: it once
-    committed only steps it still had in hand, none, and a resume went back to step 1."""
+    drops 9, the other step rank 0 wrote), then rank 0 dies or closes its writer (which raises
+    that error), rank 1 dies, and rank 1's writer, continued, writes 5 and 9. Rank 0's writer
+    commits 9, the newest step both ranks wrote: it once committed only steps it still had in
+    hand, none, and a resume went back to step 1; closed, it ended at once."""
     writers = _writers(tmp_path, 2, files_every=4)
     stopped = writers[1]._child.pid
     try:
@@ -188,6 +190,10 @@ def test_a_peer_s_writer_stopped_past_the_commit_deadline_loses_only_the_steps_i
         while writers[0]._error is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "checkpoint of step 5 " in str(writers[0]._error), writers[0]._error
+        if rank_0 == "closes":
+            with pytest.raises(CheckpointError, match="checkpoint of step 5 "):
+                writers[0].close(TIMEOUT_S)
+            time.sleep(1.0)  # rank 1 fails a moment later, as the run stops it
     finally:
         for w in writers:  # the ranks die, no close: rank 1's writer is continued
             with contextlib.suppress(OSError):

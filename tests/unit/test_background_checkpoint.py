@@ -241,6 +241,25 @@ def test_only_durable_writes_and_commits_fsync(
     assert any(MANIFEST in name for name in synced)  # under its temporary name, then renamed
 
 
+def test_the_last_commit_takes_the_newest_step_every_rank_wrote_up_to_rank_0_s_newest(
+    tmp_path: Path,
+) -> None:
+    # What rank 0's writer commits as it ends (``CheckpointFiles.commit_newest``), whatever it
+    # had given up: steps 2 and 3 complete, 4 without rank 1's file, 6 left complete from
+    # before a rollback to step 4 (above the newest file rank 0 wrote since: never touched).
+    store = CheckpointStore(tmp_path, keep=2)
+    for step, ranks in [(1, 2), (2, 2), (3, 2), (4, 1), (6, 2)]:
+        for rank in range(ranks):
+            store.write(step, rank, 2, snapshot({"r": rank}), save_id="run", durable=False)
+    store.commit(1, 2, save_id="run")
+    info = store.commit_newest(2, newest=4, save_id="run")
+    assert info is not None and info.step == 3
+    assert store.committed(3, "run") and not store.committed(6, "run")
+    assert not store.committed(2, "run")
+    assert store.commit_newest(2, newest=4, save_id="run") is None  # 3 is committed already
+    assert store.commit_newest(2, newest=6, save_id="other") is None  # no file of another run
+
+
 class TestTheInlineWriter(WriterContract):
     """The contract of tests/support/background_writers.py, kept by the inline writer."""
 
