@@ -204,6 +204,10 @@ def _records_kept_when_stopped(sync: Synchronizer) -> Callable[[], None]:
     what puts the previous handling back."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None  # signal handlers are the main thread's to set: Python's default
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        # handled already: gradsync run's own (``gradsync.runner.stopped``, which writes the
+        # same records where it acts) or the launcher's
+        return lambda: None
     previous = signal.signal(signal.SIGTERM, _park)
     read, write = os.pipe()
     os.set_blocking(write, False)  # the signal's C handler must never block on it
