@@ -1,22 +1,26 @@
 """A rank of ``gradsync run`` stopped by its elastic agent keeps its step records.
 
-When one rank fails for good, torch's agent stops the others with SIGTERM. Its default action
-ends a process at once, running no exit hook, so each survivor lost the step records that no
-gather had taken yet (a failure at step 15 left metrics.jsonl with the failed rank's records
-alone; telemetry gathers every 10 steps, and a gather is written one gather later). Here a
-SIGTERM writes them first (``synchronizer.write_unreported_records``), then ends the process
-with the status a SIGTERM gives (143).
+When a rank fails, torch's agent stops the others with SIGTERM. Its default action ends a
+process at once, running no exit hook, so each survivor lost the step records that no gather
+had taken yet (a failure at step 15 left metrics.jsonl with the failed rank's records alone;
+telemetry gathers every 10 steps, and a gather is written one gather later; in a replica group
+of 2 ranks, every step before a kill). Here a SIGTERM writes them first
+(``synchronizer.write_unreported_records``: an append, no collective), then ends the process
+with the status a SIGTERM gives (143), within ``GRACE_S`` whatever the write waits for.
 
 Why a thread besides the handler: a Python signal handler runs only when the main thread
-returns to Python, and a survivor may be blocked in a collective or a store wait for its
-whole timeout; the agent would then wait (30 s) before killing it. ``signal.set_wakeup_fd``
-writes the signal's number to a pipe from the C handler at once, which wakes a thread that
-writes the records while the main thread stays blocked (such waits release the GIL).
+returns to Python, and a survivor is usually blocked with the dead rank (a collective, a store
+wait, its group's torchft quorum) for up to its timeout; the agent would then wait 30 s before
+killing it. ``signal.set_wakeup_fd`` writes the signal's number to a pipe from the C handler at
+once, which wakes a thread that writes the records while the main thread stays blocked (such
+waits release the GIL). Where the handler runs first, on the main thread, it does the same, and
+parks there if the thread is already at it, so that training does not step on meanwhile.
 
-A script that installs a SIGTERM handler of its own keeps it: neither path runs then. Only
-where the run ends here: with restarts left, the agent restarts every rank from the newest
-checkpoint, which carries the records not gathered (``resume``); written now as well, they
-would appear twice.
+When: where the run ends here (no restarts left), and in a replica group, whose replacement
+heals forward from a live peer and runs none of those steps again. Not with restarts left
+otherwise: every rank then resumes from the newest checkpoint, which carries the records not
+gathered; written now as well, they would appear twice. A script that installs a SIGTERM
+handler of its own keeps it: neither path acts then.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from gradsync.synchronizer import write_unreported_records
 
 #: the exit status of a process ended by SIGTERM, as a shell reports it
 STOPPED_STATUS = 128 + signal.SIGTERM
+#: how long the write may take before the process ends anyway
+GRACE_S = 5.0
 
 
 def _restarts_left() -> bool:
@@ -40,31 +46,38 @@ def _restarts_left() -> bool:
 
 
 @contextlib.contextmanager
-def records_kept_when_stopped() -> Iterator[None]:
+def records_kept_when_stopped(heals_forward: bool = False) -> Iterator[None]:
     """While the block runs (a rank's script), a SIGTERM writes this process's step records
-    not gathered, then ends it. Nothing changes off the main thread or with restarts left."""
-    if threading.current_thread() is not threading.main_thread() or _restarts_left():
+    not gathered, then ends it. ``heals_forward``: the rank is in a replica group (its
+    restart runs none of its steps again). Nothing changes off the main thread, or with
+    restarts left that resume from a checkpoint."""
+    if threading.current_thread() is not threading.main_thread() or (
+        _restarts_left() and not heals_forward
+    ):
         yield
         return
     once = threading.Lock()
 
     def stop() -> None:
-        if once.acquire(blocking=False):
-            try:
-                write_unreported_records()
-            finally:
-                os._exit(STOPPED_STATUS)
-
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)  # the C handler must never block on a full pipe
+        if not once.acquire(blocking=False):
+            threading.Event().wait()  # the other path writes and ends the process: park
+        deadline = threading.Timer(GRACE_S, os._exit, args=(STOPPED_STATUS,))
+        deadline.daemon = True
+        deadline.start()
+        try:
+            write_unreported_records()
+        finally:
+            os._exit(STOPPED_STATUS)
 
     def on_sigterm(signum: int, frame: object) -> None:
         stop()
 
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # the C handler must never block on a full pipe
+
     def woken() -> None:
         while data := os.read(read_end, 64):
-            # A script that set a SIGTERM handler of its own (a checkpoint on preemption) has
-            # its handler run, not this thread's exit.
+            # A script that set a SIGTERM handler of its own has its handler run instead.
             if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) is on_sigterm:
                 stop()
 
@@ -75,8 +88,9 @@ def records_kept_when_stopped() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.set_wakeup_fd(previous_fd)
+        # The handler first: a SIGTERM in between then ends the process as before.
         signal.signal(signal.SIGTERM, previous)
+        signal.set_wakeup_fd(previous_fd)
         os.close(write_end)  # the watcher's read returns empty: it ends
         watcher.join(timeout=5)
         os.close(read_end)

@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +34,6 @@ from gradsync.synchronizer import Synchronizer
 from gradsync.workloads import make_workload
 
 logger = get_logger("run")
-
-#: how long a replica group's rank stopped by SIGTERM has to write its step records before
-#: its process ends anyway (``_records_kept_when_stopped``)
-STOPPED_GRACE_S = 5.0
 
 
 def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int:
@@ -143,7 +136,6 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
         sync.close()
         return None
     barrier_free = sync.strategy.barrier_free
-    restore_handlers = _records_kept_when_stopped(sync) if cfg.replica_groups else None
     start = _resume(sync, cfg, run_dir, rank)
     recovering = start > 0 and rank == 0
     checkpoints = run_dir / CHECKPOINT_DIR
@@ -177,78 +169,9 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
     if rank == 0:
         torch.save(final, run_dir / FINAL_MODEL)
     sync.close()
-    if restore_handlers is not None:
-        restore_handlers()
     if rank != 0 or run.reported is None:
         return None
     return {**run.reported, "world_size": world}
-
-
-def _records_kept_when_stopped(sync: Synchronizer) -> Callable[[], None]:
-    """Under replica groups: this rank's step records not written yet survive the SIGTERM
-    its group's elastic agent sends when another rank of the group dies (or the run stops).
-    The group's replacement heals forward from a live peer and runs none of those steps again,
-    so they are the only records of them; Python's default for SIGTERM ends the process at
-    once, without the exit-time write of them (the Synchronizer's finalizer).
-
-    Why a thread and not the handler itself: a handler runs only once the main thread is back
-    in Python, and a survivor is usually blocked in a call with the dead rank (its group's
-    torchft quorum, up to ``--timeout``). The signal's wakeup fd tells a thread at once; it
-    appends this rank's records no gather took to metrics.jsonl, as the Synchronizer's
-    ``close()`` does (no collective), and ends the process, within STOPPED_GRACE_S whatever
-    the write waits for (a normal exit would wait for gloo's work in flight with the dead
-    rank, past the agent's 30 s before its SIGKILL). The records a gather in flight took from
-    the other ranks are not written (the Synchronizer keeps no way to take them without
-    waiting), nor those of a rank SIGKILLed (docs/membership.md). The handler parks the main
-    thread, where it runs, so that it does not step on while its records are taken. Returns
-    what puts the previous handling back."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None  # signal handlers are the main thread's to set: Python's default
-    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
-        # handled already: gradsync run's own (``gradsync.runner.stopped``, which writes the
-        # same records where it acts) or the launcher's
-        return lambda: None
-    previous = signal.signal(signal.SIGTERM, _park)
-    read, write = os.pipe()
-    os.set_blocking(write, False)  # the signal's C handler must never block on it
-    before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    threading.Thread(
-        target=_end_when_stopped, args=(read, sync), name="gradsync-stopped", daemon=True
-    ).start()
-
-    def restore() -> None:
-        # the handler first: a SIGTERM in between then ends the process as before, where the
-        # other order would park the main thread with no thread told to end it
-        signal.signal(signal.SIGTERM, previous)
-        signal.set_wakeup_fd(before)
-        os.close(write)  # the thread reads the end of the pipe and returns
-
-    return restore
-
-
-def _park(signum: int, frame: Any) -> None:
-    """The main thread's SIGTERM handler: wait there for ``_end_when_stopped`` to end the
-    process."""
-    threading.Event().wait()
-
-
-def _end_when_stopped(read: int, sync: Synchronizer) -> None:
-    """The wakeup fd's reader (``_records_kept_when_stopped``): at a SIGTERM, this rank's
-    records written, then the process's end, at STOPPED_GRACE_S at the latest."""
-    with os.fdopen(read, "rb", buffering=0) as pipe:
-        while got := pipe.read(64):
-            if signal.SIGTERM not in got:
-                continue
-            code = 128 + signal.SIGTERM
-            deadline = threading.Timer(STOPPED_GRACE_S, os._exit, args=(code,))
-            deadline.daemon = True
-            deadline.start()
-            try:
-                # The write alone, not close(): that waits for what the main thread is blocked
-                # in (the quorum with the dead rank), and the process ends right after.
-                sync._write_own_records()
-            finally:
-                os._exit(code)
 
 
 def _synchronizer(

@@ -103,7 +103,7 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     command = command or [*BUILTIN, "--config", str(run_dir / CONFIG_FILE)]
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
-        with records_kept_when_stopped():
+        with records_kept_when_stopped(heals_forward=bool(cfg.replica_groups)):
             _run_main(command)
     except SystemExit as exc:
         if exc.code not in (None, 0):
