@@ -132,7 +132,7 @@ class GradBucket(FlatBucket):
         for p in self._params:
             p.grad = None
 
-    def collect_grads(self, factor: float = 1.0) -> None:
+    def collect_grads(self, factor: float = 1.0, missing: set[int] | None = None) -> None:
         """Before a launch: bring every gradient into the buffer multiplied by ``factor`` (a
         missing one as zeros) and re-point ``p.grad`` at its view.
 
@@ -146,6 +146,8 @@ class GradBucket(FlatBucket):
             if g is None:
                 view.zero_()
                 p.grad = view
+                if missing is not None:  # no gradient on this rank: ``got_gradient``
+                    missing.add(id(p))
             elif g.data_ptr() != view.data_ptr():
                 if factor == 1.0:
                     view.copy_(g)
@@ -209,6 +211,8 @@ class BucketReducer:
         self.poison_nonfinite = False
         self.local_nonfinite = False
         self._poison_rest = False
+        #: the parameters that had no gradient on this rank when their bucket was launched
+        self._missing = set[int]()
         #: note each bucket's write count at launch, so that ``wait()`` finds a gradient
         #: written while its exchange was in flight. The exchange's own writes do not count:
         #: it writes through ``GradBucket.for_exchange()``'s alias, the script through ``p.grad``
@@ -231,8 +235,15 @@ class BucketReducer:
         self.launch_log = []
         self._spans = []
         self.local_nonfinite = False
+        self._missing = set[int]()
         for b in self.buckets:
             b.release_grads()
+
+    def got_gradient(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` had a gradient on this rank when its bucket was launched (a
+        backward pass of the step reached it, or the front door's ``no_sync()`` micro-batches
+        left it one)."""
+        return id(param) not in self._missing
 
     def backward_passes(self) -> int:
         """How many backward passes reached at least one parameter this step."""
@@ -322,7 +333,7 @@ class BucketReducer:
             self._copy_in_and_launch(bucket)
 
     def _copy_in_and_launch(self, bucket: GradBucket) -> None:
-        bucket.collect_grads(self.scale)
+        bucket.collect_grads(self.scale, self._missing)
         if self._poison_rest:
             bucket.buffer().fill_(float("nan"))
             self.local_nonfinite = True

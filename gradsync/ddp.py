@@ -196,9 +196,10 @@ class DistributedDataParallel(nn.Module):
 
     DDP's own options: ``device_ids`` (one device, the module's), ``output_device``,
     ``broadcast_buffers``, ``process_group`` and ``bucket_cap_mb`` keep their meaning;
-    ``find_unused_parameters``, ``gradient_as_bucket_view`` and ``static_graph`` are accepted
-    and need nothing (gradients are bucket views already; a parameter unused on every rank
-    gets a zero gradient where DDP leaves None, so momentum or weight decay still move it).
+    ``find_unused_parameters`` as DDP's under ``bsp`` (a parameter no rank used keeps
+    ``grad`` None; without it, or under another strategy, it gets a zero gradient, so momentum
+    or weight decay still move it); ``gradient_as_bucket_view`` and ``static_graph`` are
+    accepted and need nothing (gradients are bucket views already).
 
     Call ``model.report()`` on every rank at the end of training (before
     ``destroy_process_group``) for gradsync's timing report and final checks; under
@@ -226,7 +227,7 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         # accepted for DDP's sake and needing nothing here (the class docstring says why)
-        del find_unused_parameters, gradient_as_bucket_view, static_graph
+        del gradient_as_bucket_view, static_graph
         _check_arguments(module, optimizer, device_ids, output_device, options)
         assert optimizer is not None
         if strategy is not None:  # before any collective; a run directory's choice is after
@@ -245,6 +246,7 @@ class DistributedDataParallel(nn.Module):
             group=process_group,
             accumulation="sum",
             broadcast_buffers=False,  # broadcast here instead, at DDP's point (the docstring)
+            find_unused_parameters=find_unused_parameters,
             skip_nonfinite=skip_nonfinite,
             **options,
         )

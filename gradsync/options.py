@@ -76,7 +76,10 @@ class Exchange:
     each host, then across hosts). ``accumulation``: how the k backward passes of
     ``sync.step(micro_batches=k)`` combine, ``"mean"`` or ``"sum"`` (``Synchronizer``).
     ``broadcast_buffers``: buffers broadcast from rank 0 at each step, as DDP's.
-    ``balance``: shard each global batch by measured speed (True, or a ``ShardBalancer``)."""
+    ``balance``: shard each global batch by measured speed (True, or a ``ShardBalancer``).
+    ``find_unused_parameters``: as DDP's, a parameter that no rank used in a step keeps
+    ``grad`` None (an optimizer then leaves it alone), at the cost of one small all-reduce a
+    step; without it such a parameter gets a zero gradient (``bsp``; other strategies warn)."""
 
     bucket_mb: float | str | None = flag(
         None,
@@ -94,6 +97,7 @@ class Exchange:
     )
     accumulation: str = "mean"
     broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
     balance: bool | ShardBalancer = flag(
         False,
         help="shard each global batch by measured speed (bsp; the update stays exact; "
@@ -118,6 +122,7 @@ class Exchange:
                 "loss by k (as DDP scripts do with no_sync)"
             )
         _check_bool("broadcast_buffers", self.broadcast_buffers)
+        _check_bool("find_unused_parameters", self.find_unused_parameters)
         if not isinstance(self.balance, bool | ShardBalancer):
             raise UsageError(
                 f"balance must be True, False or a gradsync.ShardBalancer, got "

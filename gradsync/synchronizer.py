@@ -181,7 +181,8 @@ class Synchronizer:
     ``timeout_s`` bounds those waits too.
 
     The settings also come grouped (``gradsync.options``): ``exchange=Exchange(...)``
-    (``bucket_mb``, ``allreduce``, ``accumulation``, ``broadcast_buffers``, ``balance``),
+    (``bucket_mb``, ``allreduce``, ``accumulation``, ``broadcast_buffers``,
+    ``find_unused_parameters``, ``balance``),
     ``limits=Limits(...)`` (``timeout_s``, ``between_steps_timeout_s``),
     ``telemetry=Telemetry(...)`` (``telemetry_every``, ``record_spans``, ``on_records``;
     ``telemetry=False`` turns it off) and ``checks=Checks(...)`` (``check_every``,
@@ -226,6 +227,7 @@ class Synchronizer:
         accumulation: str = "mean",
         scaler: torch.amp.GradScaler | None = None,
         broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
         between_steps_timeout_s: float | None = DEFAULT_BETWEEN_STEPS_S,
         allreduce: str = "ring",
         run_dir: str | Path | None = None,
@@ -434,6 +436,7 @@ class Synchronizer:
                 before_collective=self._join_gate,
                 hierarchy=self._hierarchy,
                 membership=self._membership,
+                find_unused_parameters=self._finds_unused(exchange.find_unused_parameters),
             )
             self.strategy.setup(self._context)
             self._checkpoints.check_strategy()
@@ -442,6 +445,23 @@ class Synchronizer:
             if self._membership is not None:
                 self._membership.close()
             raise
+
+    def _finds_unused(self, asked: bool) -> bool:
+        """``find_unused_parameters``, where the strategy honours it; said where it does not
+        (a script ported from DDP keeps its flag under any strategy, as the front door's)."""
+        live = self._membership is not None  # the flags would cover this replica group only
+        if not asked or (self.strategy.drops_unused_gradients and not live):
+            return asked
+        if self.rank == 0:
+            where = "membership='torchft'" if live else self.strategy.name
+            warnings.warn(
+                f"gradsync: find_unused_parameters=True is honoured under bsp; under {where} "
+                "a parameter that no rank used gets a zero gradient (an optimizer with "
+                "momentum or weight decay still moves it)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return False
 
     def _join_membership(self) -> Any:
         """Under ``membership="torchft"``: this replica group's torchft Manager, which heals a

@@ -203,6 +203,9 @@ class SyncContext:
     #: ``membership="torchft"``: the quorum every cross-replica exchange goes through (None:
     #: the group is every replica, for the whole run)
     membership: Membership | None = None
+    #: ``find_unused_parameters=True``: a parameter no rank used keeps ``grad`` None, as under
+    #: DDP (where the strategy ``drops_unused_gradients``)
+    find_unused_parameters: bool = False
     #: the non-finite verdict of the step under way, on the device (``device_verdict``):
     #: ``optimizer_step`` hands it to the optimizer as its ``found_inf`` and clears it
     found_inf: torch.Tensor | None = None
@@ -433,6 +436,9 @@ class Strategy(Protocol):
     #: whether it sums its gradient through ``SyncContext.hierarchy`` when one is given
     #: (``allreduce="hierarchical"``); the others refuse it
     takes_hierarchy: bool = False
+    #: whether it honours ``SyncContext.find_unused_parameters`` (DDP's: a parameter no rank
+    #: used keeps ``grad`` None); the others give it a zero gradient, and the Synchronizer warns
+    drops_unused_gradients: bool = False
     #: whether ``reshard`` can split every rank's saved state anew for another world size
     #: (a strategy that is not ``resizable`` resumes on the saved world size otherwise)
     reshardable: bool = False

@@ -61,6 +61,7 @@ class BSP(Strategy):
     replicates_every_step = True
     gate_ahead = True
     takes_hierarchy = True
+    drops_unused_gradients = True
 
     def __init__(self) -> None:
         self._ctx: SyncContext | None = None
@@ -269,7 +270,33 @@ class BSP(Strategy):
             reducer.flush_abort()
             raise wrong_passes(self._micro_batches, passes)
         reducer.flush()
-        return self._finish_exchange(step)
+        outcome = self._finish_exchange(step)
+        if self._ctx.find_unused_parameters and not outcome.skipped:
+            self._drop_unused(step)
+        return outcome
+
+    def _drop_unused(self, step: int) -> None:
+        """``find_unused_parameters=True``, as DDP: a parameter that no rank's backward pass
+        reached this step keeps ``grad`` None, so the optimizer leaves it alone (its momentum,
+        its weight decay); the exchange gave it zeros. Which ones: one all-reduce of a flag per
+        parameter, as DDP's bitmap (a host read of it too)."""
+        ctx = self._ctx
+        assert ctx is not None
+        reducer = self.reducer
+        flags = [reducer.got_gradient(p) for p in self._params]
+        used = torch.tensor(flags, dtype=torch.int32, device=self._params[0].device)
+        if self._world > 1:
+
+            def everyone() -> None:
+                dist.all_reduce(used, group=ctx.group)
+
+            if ctx.watch is not None:
+                ctx.watch.run(step, "find_unused_parameters: which parameters were used", everyone)
+            else:
+                everyone()
+        for p, count in zip(self._params, used.tolist(), strict=True):
+            if not count:
+                p.grad = None
 
     def abandon(self, step: int) -> StepOutcome:
         """This rank's block raised: send NaN for every bucket not yet sent, so the peers'
