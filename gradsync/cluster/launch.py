@@ -55,6 +55,7 @@ def agent_command(
     endpoint: str,
     run_id: str,
     join_timeout_s: int,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The command line of host ``host``'s agent (useful to print, or to run by hand)."""
     # Without is_host, torch guesses who serves the store by matching the endpoint against the
@@ -70,7 +71,7 @@ def agent_command(
         "--rdzv-id", run_id,
         "--rdzv-conf", f"is_host={is_host},join_timeout={join_timeout_s}",
         "--local-addr", host.addr,
-        "--max-restarts", "0",
+        "--max-restarts", str(max_restarts),
         "--monitor-interval", "0.1",
         "--module", *module_args,
     ]  # fmt: skip
@@ -112,6 +113,7 @@ def launch_on_cluster(
     nproc_per_host: int = 1,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 600.0,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``python -m <module_args...>`` as ``nproc_per_host`` workers on every host; wait.
 
@@ -145,6 +147,8 @@ def launch_on_cluster(
             child_env = {**os.environ, **(env or {})}
             # c10d warns on every connection that 10.213.0.x has no reverse DNS entry.
             child_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            if max_restarts:
+                child_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
             child_env.update(
                 GLOO_SOCKET_IFNAME=h.ifname,
                 TP_SOCKET_IFNAME=h.ifname,
@@ -152,7 +156,14 @@ def launch_on_cluster(
                 GRADSYNC_CLUSTER_LINK=cluster.link,
             )
             cmd = agent_command(
-                cluster, h, module_args, nproc_per_host, endpoint, run_id, join_timeout
+                cluster,
+                h,
+                module_args,
+                nproc_per_host,
+                endpoint,
+                run_id,
+                join_timeout,
+                max_restarts,
             )
             # A session of its own: a terminal's Ctrl-C reaches only us, and we decide the order
             # in which things die.

@@ -193,6 +193,7 @@ def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
             },
             # a script's steps are its own: its timeout is the run's, once per started hour
             timeout_s=cfg.timeout + 60.0 * (cfg.steps if not cfg.script else 60),
+            max_restarts=cfg.max_restarts,
         )
     if rc != 0:
         raise RuntimeError(f"workers on the emulated cluster failed (exit code {rc})")

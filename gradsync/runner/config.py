@@ -703,8 +703,6 @@ class RunConfig:
                 f"{self.processes} processes do not split evenly over --hosts {self.hosts}; "
                 "use a number of workers (plus servers) that is a multiple of the hosts"
             )
-        if self.max_restarts:
-            raise UsageError("--max-restarts is not supported with --hosts yet")
 
     def changed_fields(self) -> list[str]:
         """The fields holding another value than their default (a factory's, such as ``out``,

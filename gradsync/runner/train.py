@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsync import compat, runtime
 from gradsync.attached_run import append_fault, restart_count
@@ -41,9 +42,10 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
     the elastic agent (it sets TORCHELASTIC_RESTART_COUNT). The run directory's records of the
     steps that run again are dropped, and rank 0 says where the run went back to: by
     ``sync.load`` (``AttachedRun.loaded``), or here when there are no checkpoints to load."""
-    if not (cfg.resume or restart_count()):
+    restarted = agreed_restart(sync)
+    if not (cfg.resume or restarted):
         return 0
-    if cfg.replica_groups and restart_count():
+    if cfg.replica_groups and restarted:
         # A restarted replica group loads no checkpoint and rolls nothing back: it heals from
         # a live peer at its first step. Under --resume (restart 0) each group loads its own
         # newest checkpoint below, and the first quorum heals the groups behind the furthest.
@@ -58,6 +60,22 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
         if run is not None:  # drops the records of every step (they all run again), says so
             run.loaded(0)
     return 0
+
+
+def agreed_restart(sync: Synchronizer) -> int:
+    """This attempt's restart count as every rank takes it: the most any rank's agent counted.
+    Across hosts each host's agent counts only its own workers' failures: when one host's
+    worker dies, the other agents restart theirs for the new rendezvous round without counting
+    it, so their workers would start afresh while the failed host's load the newest checkpoint
+    (on the emulated cluster, both then waited for the other at the step gate). Written back
+    to the environment, so that this process's later reads (the run's messages and records)
+    say the same."""
+    count = torch.tensor([restart_count()], dtype=torch.int64, device=runtime.device())
+    if sync.world_size > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=sync.group)
+    agreed = int(count.item())
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(agreed)
+    return agreed
 
 
 def _log_recovery(run_dir: Path, resumed_at: int) -> None:
