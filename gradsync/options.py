@@ -100,8 +100,8 @@ class Exchange:
     find_unused_parameters: bool = False
     balance: bool | ShardBalancer = flag(
         False,
-        help="shard each global batch by measured speed (bsp; the update stays exact; "
-        "default: off)",
+        help="shard each global batch by measured speed (bsp, zero:1, zero:2; the update "
+        "stays exact; default: off)",
     )
 
     def __post_init__(self) -> None:

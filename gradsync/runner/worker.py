@@ -119,7 +119,9 @@ def _run_main(command: list[str]) -> None:
     import runpy
 
     if command[0] == "-m":
+        # As ``python -m``: the current directory first on the import path (a package there)
         sys.argv = [command[1], *command[2:]]
+        sys.path.insert(0, os.getcwd())
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)
     else:
         # As ``python train.py``: the script's own directory first on the import path

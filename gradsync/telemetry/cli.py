@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bytes(records: list[StepRecord], run_dir: Path) -> dict[str, float]:
     total = float(sum(r.bytes for r in records))
-    out = {"total": total, "per_rank_step": total / len(records)}
+    # no records: a script that took no step and called report() (the command says so)
+    out = {"total": total, "per_rank_step": total / len(records) if records else 0.0}
     try:
         fp32 = json.loads((run_dir / "config.json").read_text()).get("fp32_bytes_per_step")
     except (OSError, ValueError, AttributeError):

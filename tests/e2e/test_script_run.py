@@ -23,18 +23,29 @@ SCRIPT = Path(__file__).resolve().parent.parent / "support" / "user_script.py"
 STEPS = 30
 
 
-def _run(tmp_path: Path, name: str, flags: list[str], command: list[str]) -> tuple[Path, str]:
+def _run(
+    tmp_path: Path, name: str, flags: list[str], command: list[str], in_root: bool = False
+) -> tuple[Path, str]:
+    """``in_root``: started in the repository's root, with nothing on PYTHONPATH, as a user
+    runs ``gradsync run -- -m PACKAGE.MODULE`` beside their package (as ``python -m``)."""
     out = tmp_path / name
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
+    # The console script, as a user types it: ``python -m gradsync`` would put the current
+    # directory on the import path by itself.
+    gradsync = [str(Path(sys.executable).parent / "gradsync")]
+    if in_root:
+        env.pop("PYTHONPATH")
+    else:
+        gradsync = [sys.executable, "-m", "gradsync"]
     proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--out", str(out)]
+        [*gradsync, "run", "--nproc", "2", "--out", str(out)]
         + flags
         + ["--", *command, str(STEPS), str(tmp_path / f"{name}-ckpt"), str(out / "final.pt")],
         capture_output=True,
         text=True,
         timeout=150,
         env=env,
-        cwd=tmp_path,
+        cwd=SCRIPT.parents[2] if in_root else tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stderr
@@ -60,6 +71,7 @@ def test_a_user_script_gets_the_run_directory_faults_and_restarts(tmp_path: Path
         "killed",
         ["--kill", "1:10", "--max-restarts", "1", "--no-plots"],
         ["-m", "tests.support.user_script"],
+        in_root=True,
     )
     assert re.search(r"restart: resuming at step (9|10) \(restart 1 of 1\)", stderr), stderr
     steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").open()]

@@ -144,3 +144,11 @@ def test_a_directory_of_runs_points_to_them(
     assert main(["report", str(top / subdirs[0]), "--no-plots"]) == 0
     # one rank, and steps: singular where one
     assert f"run: {top / subdirs[0]} (10 steps, 1 rank)" in capsys.readouterr().out
+
+
+def test_a_run_of_no_steps_has_no_bytes_per_step(tmp_path: Path) -> None:
+    """A script that called report() without a step (a docs tester's) raised ZeroDivisionError
+    here, before gradsync run could say it wrote no step records."""
+    from gradsync.telemetry.cli import _bytes
+
+    assert _bytes([], tmp_path) == {"total": 0.0, "per_rank_step": 0.0}
