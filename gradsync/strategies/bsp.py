@@ -290,10 +290,8 @@ class BSP(Strategy):
             def everyone() -> None:
                 dist.all_reduce(used, group=ctx.group)
 
-            if ctx.watch is not None:
-                ctx.watch.run(step, "find_unused_parameters: which parameters were used", everyone)
-            else:
-                everyone()
+            what = "find_unused_parameters: which parameters were used"
+            everyone() if ctx.watch is None else ctx.watch.run(step, what, everyone)
         for p, count in zip(self._params, used.tolist(), strict=True):
             if not count:
                 p.grad = None

@@ -556,8 +556,9 @@ class ZeroStage3(Strategy):
         # the gradient is divided by the passes announced, so another count would scale the
         # update silently. (Unchecked where this torch cannot time them, and in a world of
         # one, where FSDP2 posts no reduce-scatter.)
-        if self._counts_passes and self._meter.backward_passes() != self._passes:
-            raise wrong_passes(self._passes, self._meter.backward_passes())
+        passes = self._meter.backward_passes() if self._counts_passes else self._passes
+        if passes != self._passes:
+            raise wrong_passes(self._passes, passes)
         grads = []
         with torch.no_grad():
             for mine, shard in self._pairs:

@@ -15,7 +15,12 @@ from typing import Any
 
 from gradsync.errors import UsageError
 from gradsync.module_cli import run_commands
-from gradsync.telemetry.membership import MEMBERSHIP_FILE, GroupMembership, read_group
+from gradsync.telemetry.membership import (
+    MEMBERSHIP_FILE,
+    GroupMembership,
+    counted,
+    read_group,
+)
 from gradsync.telemetry.records import (
     METRICS_FILE,
     Span,
@@ -63,7 +68,7 @@ class RunAnalysis:
         ranks = len(self.report.ranks)
         steps = self.report.steps
         lines = [
-            f"run: {self.run_dir} ({_count(steps, 'step')}, {_count(ranks, 'rank')})",
+            f"run: {self.run_dir} ({counted(steps, 'step')}, {counted(ranks, 'rank')})",
             "",
         ]
         lines += [self.report.format(), "", _format_bytes(self.bytes, ranks), ""]
@@ -261,15 +266,10 @@ def _bytes(records: list[StepRecord], run_dir: Path) -> dict[str, float]:
     return out
 
 
-def _count(n: int, noun: str) -> str:
-    """ "1 rank", "2 ranks" (a one-rank run read "1 ranks")."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def _format_bytes(b: dict[str, float], ranks: int) -> str:
     line = (
         f"bytes sent: {b['per_rank_step'] / 1e6:.3f} MB per rank per step "
-        f"({b['per_rank_step'] * ranks / 1e6:.3f} MB per step over {_count(ranks, 'rank')}), "
+        f"({b['per_rank_step'] * ranks / 1e6:.3f} MB per step over {counted(ranks, 'rank')}), "
         f"{b['total'] / 1e6:.1f} MB in total"
     )
     # Uncompressed runs send fp32 gradients: a "1.0x fewer" line would only be noise.

@@ -360,7 +360,7 @@ def describe(section: dict[str, Any]) -> str:
     """The summary's one line of a ``summarize`` section, e.g. ``membership: 2 quorums; lost
     group 1 at step 8 (seen by group 0); 0 of 30 steps with fewer than 2 participants; 1
     healing (0.04 MB in 1.39 s); longest stall 2.05 s (group 0, step 8)``."""
-    parts = [_count(len(section["quorums"]), "quorum")]
+    parts = [counted(len(section["quorums"]), "quorum")]
     lost = [
         f"group {f['group'] or '?'} at step {f['step']} (seen by group {', '.join(f['seen_by'])})"
         for f in section["failures"]
@@ -368,12 +368,12 @@ def describe(section: dict[str, Any]) -> str:
     parts.append("lost " + ", ".join(lost) if lost else "no group lost")
     fewer, at = section["steps_with_fewer_participants"], section["fewer_participants_at"]
     parts.append(
-        f"{fewer} of {_count(section['steps'], 'step')} with fewer than "
+        f"{fewer} of {counted(section['steps'], 'step')} with fewer than "
         f"{section['expected_participants']} participants" + (f" ({at})" if fewer else "")
     )
     healings = section["healings"]
     parts.append(
-        f"{_count(healings['count'], 'healing')} ({healings['bytes'] / 1e6:.2f} MB in "
+        f"{counted(healings['count'], 'healing')} ({healings['bytes'] / 1e6:.2f} MB in "
         f"{healings['seconds']:.2f} s)"
     )
     longest = section["max_stall"]
@@ -388,7 +388,8 @@ def describe(section: dict[str, Any]) -> str:
     return "membership: " + "; ".join(parts)
 
 
-def _count(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
+    """ "1 step", "2 steps": also the run report's header (``telemetry.cli``)."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 

@@ -137,14 +137,15 @@ def _cut_torn_tail(path: Path, fd: int) -> None:
     size = os.fstat(fd).st_size
     if size == 0:
         return
-    with open(path, "rb") as raw:
+    with open(path, "rb") as raw:  # ``fd`` is the appender's, write-only
+        raw.seek(size - 1)
+        if raw.read(1) == b"\n":
+            return  # whole: one byte read per append
         keep = size
         while keep > 0:  # back to the byte after the last newline, a chunk at a time
             start = max(0, keep - _TAIL_CHUNK)
             raw.seek(start)
             chunk = raw.read(keep - start)
-            if keep == size and chunk.endswith(b"\n"):
-                return  # whole
             newline = chunk.rfind(b"\n")
             if newline >= 0:
                 keep = start + newline + 1
