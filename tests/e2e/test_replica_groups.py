@@ -349,6 +349,15 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
     out = tmp_path / "run"
     proc = _training_run(out, watched, "--checkpoint-every", "5")
     try:
+        # The resume below needs group 0 two commits in: the first records can come before
+        # them (the checkpoint writer runs at the lowest priority), and a CI run once stopped
+        # the run at its first commit.
+        deadline = time.monotonic() + 60
+        while len(_committed(out / "group-0" / "checkpoints")) < 2 and proc.poll() is None:
+            if time.monotonic() > deadline:
+                break
+            watched.sample(proc.pid)
+            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)  # Ctrl-C reaches gradsync run (the groups have sessions)
         rc = watch_until_exit(proc, watched, timeout_s=60)
         _, stderr = proc.communicate(timeout=30)
