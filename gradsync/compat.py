@@ -35,6 +35,12 @@ is tested in ``tests/unit/test_compat.py``.
   collectives that wrap whatever the module had, a user's own custom collectives included.
   None where torch lacks those setters or hides the groups: ``zero:3`` then leaves FSDP2's
   collectives alone, and their time counts as compute.
+- ``fsdp_forget_forwards``: clears the forward order FSDP2 keeps for its backward prefetch
+  (``comm_ctx.post_forward_order`` and each parameter group's ``_post_forward_indices``), which
+  only a backward empties: a forward run by rank 0 alone between steps (an evaluation inside
+  ``sync.unsharded()``) left entries that made rank 0's next backward prefetch one all-gather
+  its peers never post (tested in ``tests/ranks/test_zero_traps.py``). Nothing where torch
+  names them otherwise: the ranks then hang as before, until the step's timeout names them.
 - ``in_backward_pass``: whether a backward pass is running on this thread
   (``torch._C._current_graph_task_id``), where a torch function mode entered would not
   outlive the pass (``zero_shards.LocalClipGuard``, armed from ``gs.DistributedDataParallel``'s
@@ -232,6 +238,7 @@ __all__ = [
     "write_count",
     "fsdp2",
     "fsdp_comms",
+    "fsdp_forget_forwards",
     "is_dtensor",
     "is_fsdp_module",
     "mark_optimizer_stepped",
@@ -300,6 +307,24 @@ def fsdp_comms(module: Any) -> list[tuple[Any, Any]] | None:
         return [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
     except (AttributeError, TypeError):
         return None
+
+
+def fsdp_forget_forwards(modules: list[Any]) -> None:
+    """Empty FSDP2's record of the forwards since the last backward, on FSDP2 modules
+    ``modules`` (the root's and each unit's parameter groups): the next backward then prefetches
+    only what the next forward ran, the same on every rank whatever forwards one rank ran alone."""
+    for module in modules:
+        try:
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                one = state._fsdp_param_group
+                groups = [] if one is None else [one]
+            for group in groups:
+                group.comm_ctx.post_forward_order.clear()
+                group._post_forward_indices.clear()
+        except AttributeError:
+            return
 
 
 def foreach_copy(

@@ -536,6 +536,10 @@ class ZeroStage3(Strategy):
                 "parameters sharded; leave the unsharded() block (every rank) before the step"
             )
         self._reshard()
+        # A forward since the last backward (rank 0's evaluation inside sync.unsharded()) is
+        # in FSDP2's forward order, which its backward prefetch follows: rank 0 would post an
+        # all-gather its peers do not.
+        compat.fsdp_forget_forwards(self._modules)
         self._average_over = plan.average_over
         self._passes = plan.micro_batches
         if self._ctx is not None:

@@ -69,8 +69,14 @@ def _assert_same_state(actual: dict[str, Any], expected: dict[str, Any], what: s
 
 
 @pytest.mark.timeout(200)
-def test_rank_0_evaluates_alone_inside_sync_unsharded(runs: list[dict[str, Any]]) -> None:
-    r0, r1 = (out["evaluation"] for out in runs)
+@pytest.mark.parametrize("case", ["evaluation", "evaluation units only"])
+def test_rank_0_evaluates_alone_inside_sync_unsharded(
+    runs: list[dict[str, Any]], case: str
+) -> None:
+    """Also where the root holds no parameter (``units only``): rank 0's evaluation forwards
+    were in FSDP2's forward record, and its next backward prefetched an all-gather that rank 1
+    never posted (a hang, then the step's timeout)."""
+    r0, r1 = (out[case] for out in runs)
     assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
     expected = _reference(2 * zt.STEPS)
     assert r0["losses"] == [pytest.approx(expected["evaluated"], rel=1e-9)] * 3

@@ -56,10 +56,10 @@ def _error(exc: BaseException) -> str:
 
 
 def _build(
-    spec: str, group: Any, **kw: Any
+    spec: str, group: Any, units_only: bool = False, **kw: Any
 ) -> tuple[Any, nn.Module, torch.optim.Optimizer, gs.Synchronizer]:
     w = zr._workload()
-    model = _model(w)
+    model = w.build_model() if units_only else _model(w)
     opt = zr.make_optimizer("adamw", model)
     kw.setdefault("timeout_s", TIMEOUT_S)
     return w, model, opt, gs.Synchronizer(model, opt, strategy=spec, group=group, **kw)
@@ -114,11 +114,17 @@ def continue_ddp_style(state: dict[str, Any], world: int, steps: range) -> dict[
 # -- trap 1: evaluation between steps under zero:3 ----------------------------------------------
 
 
-def evaluation_on_rank_0(rank: int, world: int, group: Any) -> dict[str, Any]:
+def evaluation_on_rank_0(
+    rank: int, world: int, group: Any, units_only: bool = False
+) -> dict[str, Any]:
     """Rank 0 evaluates alone inside ``sync.unsharded()`` (entered on every rank), three
     forwards; then training goes on. Its loss must be the whole model's, and training after it
-    the trajectory of a run that never evaluated."""
-    w, model, _, sync = _build("zero:3", group, between_steps_timeout_s=BETWEEN_S)
+    the trajectory of a run that never evaluated. ``units_only``: the plain student, whose root
+    holds no parameter of its own, so each Linear is an FSDP2 unit that reshards after its
+    forward, and the evaluation's forwards are in FSDP2's record for its backward prefetch."""
+    w, model, _, sync = _build(
+        "zero:3", group, units_only=units_only, between_steps_timeout_s=BETWEEN_S
+    )
     out: dict[str, Any] = {"error": None, "losses": [], "params": None, "after_state_dict": None}
     try:
         _train(sync, w, model, range(STEPS), rank)
@@ -335,6 +341,9 @@ def everything(rank: int, world: int) -> dict[str, Any]:
     (a trap that hangs until a timeout) leaves the others' connections whole."""
     cases: dict[str, Any] = {
         "evaluation": functools.partial(evaluation_on_rank_0, rank, world),
+        "evaluation units only": functools.partial(
+            evaluation_on_rank_0, rank, world, units_only=True
+        ),
     }
     for spec in ("zero:2", "zero:3"):
         for over in ("model", "optimizer"):
