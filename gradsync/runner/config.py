@@ -39,7 +39,13 @@ from gradsync.strategies.factory import (
 from gradsync.strategies.zero_shards import OwnerLayout
 from gradsync.telemetry.stragglers import StragglerConfig
 from gradsync.topology import check_allreduce, check_hierarchical
-from gradsync.workloads import WORKLOADS, make_workload, physical_memory, step_bytes
+from gradsync.workloads import (
+    SIZED_BY_PARAMS,
+    WORKLOADS,
+    make_workload,
+    physical_memory,
+    step_bytes,
+)
 from gradsync.workloads.data import check_data_file
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -129,7 +135,10 @@ class RunConfig:
         group=TRAINING,
     )
     params: int = flag(
-        100_000, metavar="N", help="mlp parameter count (default: %(default)s)", group=TRAINING
+        100_000,
+        metavar="N",
+        help="parameter count of the mlp workload's model (mlp only; default: %(default)s)",
+        group=TRAINING,
     )
     strategy: str = flag(
         "bsp",
@@ -462,6 +471,7 @@ class RunConfig:
             raise UsageError(f"{option}: {exc}") from None
 
     def _check_inputs(self) -> None:
+        self._check_params()
         if self.data is not None:
             if self.workload != "charlm":
                 raise UsageError(
@@ -473,6 +483,20 @@ class RunConfig:
             raise UsageError(
                 f"--balance needs --strategy bsp, zero:1 or zero:2, got {self.strategy}"
             )
+
+    def _check_params(self) -> None:
+        """--params sizes mlp's model only: given with another workload, it would be silently
+        ignored. (With a script, ``_check_script`` names it among the built-in workloads'
+        flags.) Given is judged against the default, as ``changed_fields`` does."""
+        default = RunConfig.__dataclass_fields__["params"].default
+        if self.script or self.workload in SIZED_BY_PARAMS or self.params == default:
+            return
+        takes = ", ".join(SIZED_BY_PARAMS)
+        raise UsageError(
+            f"--params {self.params} does not apply to workload {self.workload}, whose model "
+            f"has a fixed size: --params sizes the model of workload {takes} only; drop "
+            f"--params, or use --workload {SIZED_BY_PARAMS[0]}"
+        )
 
     def _check_recovery(self) -> None:
         if self.check_every < 0:

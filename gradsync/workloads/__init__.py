@@ -11,8 +11,11 @@ from gradsync.workloads.data import VOCAB
 from gradsync.workloads.mlp import IN_DIM, OUT_DIM, TeacherStudentMLP, hidden_for
 
 WORKLOADS = ("charlm", "mlp")
+#: the workloads whose model ``--params`` sizes (charlm's size is its own, fixed)
+SIZED_BY_PARAMS = ("mlp",)
 
 __all__ = [
+    "SIZED_BY_PARAMS",
     "WORKLOADS",
     "CharLM",
     "TeacherStudentMLP",

@@ -77,3 +77,31 @@ def test_emulated_cluster_flags_are_checked_before_any_host_is_made(
 ) -> None:
     assert main(["run", "--out", str(tmp_path / "r"), *args]) == 2
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_params_with_a_workload_of_a_fixed_size_is_refused_not_ignored(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """charlm's model has a fixed size: --params with it would silently do nothing."""
+    for workload in ([], ["--workload", "charlm"]):
+        code = main([command, "--out", str(tmp_path / "r"), *workload, "--params", "5000000"])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        assert (
+            "--params 5000000 does not apply to workload charlm, whose model has a fixed size: "
+            "--params sizes the model of workload mlp only; drop --params, or use --workload mlp"
+        ) in err
+    assert not (tmp_path / "r").exists()  # refused before the run directory is made
+
+
+def test_params_sizes_mlp_and_a_script_hears_it_is_a_workload_flag(tmp_path: Path) -> None:
+    from gradsync.errors import UsageError
+    from gradsync.runner.config import RunConfig
+
+    assert RunConfig(workload="mlp", params=5000, out=str(tmp_path)).params == 5000
+    script = tmp_path / "train.py"
+    script.write_text("")
+    # the script's message, not charlm's (the default --workload the script never chose)
+    with pytest.raises(UsageError, match=r"^--params sets the built-in workloads"):
+        RunConfig(script=[str(script)], params=5000, out=str(tmp_path))
