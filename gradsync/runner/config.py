@@ -527,7 +527,8 @@ class RunConfig:
                     f"--kill names rank {k.rank}, a parameter server with --strategy "
                     f"{self.strategy}; only worker ranks 0..{self.nproc - 1} can be killed"
                 )
-        late = [k for k in kills if k.step >= self.steps]
+        # a script's steps are its own (--steps is the built-in workloads'): not known here
+        late = [] if self.script else [k for k in kills if k.step >= self.steps]
         if late:
             raise UsageError(
                 f"--kill {late[0].rank}:{late[0].step} would never fire: the run has --steps "
@@ -798,9 +799,23 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def recorded(self) -> dict[str, Any]:
+        """What config.json records of this config: every field, less, for a run of a script
+        (``script``: the script or ``-m MODULE`` and its arguments, as run), the built-in
+        workloads' (``WORKLOAD_ONLY``): the script trains its own model on its own data for
+        its own number of steps, and their defaults (``workload: charlm``, ``steps: 200``)
+        would record a training that did not run. ``from_dict`` gives them back as defaults,
+        which a script's run never uses."""
+        data = self.to_dict()
+        if self.script:
+            for name in WORKLOAD_ONLY:
+                del data[name]
+        return data
+
     def save(self, run_dir: Path, **extra: Any) -> None:
-        """Write config.json: the flags, plus derived facts for reports (``extra``)."""
-        data = {**self.to_dict(), **extra}
+        """Write config.json: the flags (``recorded``), plus derived facts for reports
+        (``extra``)."""
+        data = {**self.recorded(), **extra}
         (run_dir / "config.json").write_text(json.dumps(data, indent=2) + "\n")
 
     @staticmethod

@@ -42,7 +42,10 @@ FINAL_MODEL = "final_model.pt"
 #: what a fresh run replaces in a directory it is told to --overwrite
 RUN_STATE = (CHECKPOINT_DIR, "faults", "metrics.jsonl", MEMBERSHIP_FILE)
 #: keys every config.json that ``gradsync run`` (and each run of ``compare``) writes holds
-RUN_CONFIG_KEYS = frozenset({"strategy", "nproc", "out", "steps", "workload"})
+RUN_CONFIG_KEYS = frozenset({"strategy", "nproc", "out"})
+#: and what it ran: a built-in workload's, or a script's (its config.json records no
+#: workload or steps, ``RunConfig.recorded``)
+RAN_KEYS = (frozenset({"steps", "workload"}), frozenset({"script"}))
 #: the comparison's own file, in the directory of ``gradsync compare --out``
 COMPARE_FILE = "compare.json"
 #: a checkpoint's step directory (``gradsync.checkpoint.files``), committed or not
@@ -186,7 +189,9 @@ def _has_run_config(run_dir: Path) -> bool:
         data = json.loads((run_dir / "config.json").read_bytes())
     except (OSError, ValueError):
         return False  # absent, unreadable or not JSON: not gradsync's
-    return isinstance(data, dict) and data.keys() >= RUN_CONFIG_KEYS
+    if not isinstance(data, dict) or not data.keys() >= RUN_CONFIG_KEYS:
+        return False
+    return any(data.keys() >= ran for ran in RAN_KEYS)
 
 
 def _delete_run_state(run_dir: Path) -> None:

@@ -86,3 +86,67 @@ def test_without_a_known_number_of_steps_the_line_shows_the_step() -> None:
     progress = Progress(0, stream=lines)  # type: ignore[arg-type]
     progress.update(7, 0.5, 0.0, 0.0)
     assert lines.text.startswith("step 7  loss 0.5000"), lines.text
+
+
+@pytest.fixture
+def fake_launch(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """The workers of a script's run, as the command sees them: one step record each."""
+    import gradsync.processes.launch
+    import gradsync.telemetry.cli
+    from gradsync.telemetry.records import METRICS_FILE, StepRecord, write_records
+
+    calls: list[dict[str, object]] = []
+
+    def launch(entry: object, args: tuple[dict[str, object], ...], **kwargs: object) -> object:
+        calls.append(args[0])
+        record = StepRecord(0, 0, 100.0, 0.5, 0.5, 0.0, 0.0, 4, 10, loss=1.0)
+        write_records(Path(str(args[0]["out"])) / METRICS_FILE, [record])
+        return {0: {}}
+
+    monkeypatch.setattr(gradsync.processes.launch, "launch", launch)
+    monkeypatch.setattr(gradsync.telemetry.cli, "summarize_run", lambda *a, **k: "")
+    return calls
+
+
+def test_config_json_records_the_script_run_not_the_built_in_workloads_defaults(
+    tmp_path: Path, fake_launch: list[dict[str, object]]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    run = tmp_path / "run"
+    argv = ["run", "--nproc=2", f"--out={run}", "--no-plots", "--no-progress", "--strategy=local:4"]
+    assert main([*argv, "--", str(script), "--epochs", "3"]) == 0
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["script"] == [str(script), "--epochs", "3"]
+    assert saved["nproc"] == 2 and saved["strategy"] == "local:4"
+    # none of the built-in workloads' fields: the script trained its own model, data and steps
+    assert not saved.keys() & {"workload", "steps", "batch_size", "lr", "seed", "params"}, saved
+    # a module run is recorded as run, -m and all
+    module = tmp_path / "module-run"
+    assert main(["run", f"--out={module}", "--no-plots", "--", "-m", "mypkg.train", "--x"]) == 0
+    saved = json.loads((module / "config.json").read_text())
+    assert saved["script"] == ["-m", "mypkg.train", "--x"] and "workload" not in saved
+    # the workers still get the whole config (RunConfig.from_dict fills in the rest)
+    assert RunConfig.from_dict(saved).script == ["-m", "mypkg.train", "--x"]
+    # and the directory is still a gradsync run's: --overwrite starts over in it
+    (module / "metrics.jsonl").write_text("")
+    assert main(["run", f"--out={module}", "--overwrite", "--", "-m", "mypkg.train"]) == 0
+
+
+def test_a_built_in_run_records_its_workload_and_steps(
+    tmp_path: Path, fake_launch: list[dict[str, object]]
+) -> None:
+    run = tmp_path / "run"
+    assert main(["run", "--nproc=1", "--steps=3", f"--out={run}", "--no-plots"]) == 0
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["workload"] == "charlm" and saved["steps"] == 3 and saved["script"] == []
+
+
+def test_a_scripts_kill_step_is_not_held_against_the_built_in_steps(tmp_path: Path) -> None:
+    """--steps (200 by default) counts the built-in workloads' steps; a script's are its own."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cfg = RunConfig(script=[str(script)], kill="1:250", max_restarts=1, nproc=2, out=str(tmp_path))
+    assert cfg.kill == "1:250"
+    with pytest.raises(UsageError, match=r"--kill 1:250 would never fire: the run has --steps"):
+        RunConfig(kill="1:250", max_restarts=1, nproc=2, out=str(tmp_path))
