@@ -54,6 +54,7 @@ from gradsync.checkpoint.packing import Share, constant
 from gradsync.checkpoint.registry import REGISTERED, StateRegistry
 from gradsync.checkpoint.rng import rng_state, set_rng_state
 from gradsync.checkpoint.row_log import RowLogError, RowLogs, read_rows
+from gradsync.checkpoint.settings import STRATEGY_SPEC, check_strategy_spec, strategy_spec
 from gradsync.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
@@ -125,6 +126,9 @@ class Checkpointer:
         #: rank 0's, broadcast with the initial state): a commit never pairs them with files of
         #: a rolled-back attempt
         self.save_id = secrets.token_hex(8)
+        #: the strategy's spec where its name does not say it all (``local:4``), recorded in
+        #: every checkpoint and held against the one a load reads (``settings``)
+        self.strategy_spec = strategy_spec(strategy)
 
     @property
     def is_server(self) -> bool:
@@ -306,6 +310,8 @@ def save(
         "layout": _layout(cp),
         "extra": extra or {},
     }
+    if cp.strategy_spec is not None:
+        state[STRATEGY_SPEC] = cp.strategy_spec
     if len(cp.registry):
         state[REGISTERED] = cp.registry.states()
     writer = cp.writer_for(directory, keep)
@@ -552,22 +558,30 @@ def load(cp: Checkpointer, directory: str | Path) -> dict[str, Any] | None:
         if info is not None:
             # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
             # servers), so all of them refuse alike; a file it cannot read fails every rank.
-            saved: tuple[Any, Any, Any, str | None]
+            saved: tuple[Any, Any, Any, Any, str | None]
             try:
                 mine = store.load(info, 0)
-                saved = (mine.get("strategy"), mine.get("layout"), mine.get("compression"), None)
+                saved = (
+                    mine.get("strategy"),
+                    mine.get("layout"),
+                    mine.get("compression"),
+                    mine.get(STRATEGY_SPEC),
+                    None,
+                )
             except CheckpointError as exc:
-                saved = (None, None, None, str(exc))
+                saved = (None, None, None, None, str(exc))
             choice = [(info.step, info.world_size, *saved)]
     # Rank 0 decides, so every rank resumes from the same step even if a file is being judged
     # differently elsewhere (a warning it already printed says why it skipped a newer one).
     dist.broadcast_object_list(choice, src=_global_zero(cp), group=cp.group)
     if choice[0] is None:
         return None
-    step, saved_world, saved_strategy, saved_layout, saved_compression, error = choice[0]
+    step, saved_world, saved_strategy, saved_layout, saved_compression, spec, error = choice[0]
     if error is not None:
         raise CheckpointError(error)
     _check_compatible(cp, step, saved_world, saved_strategy, saved_layout)
+    # the settings too (local:2 against local:4), as gradsync run --resume refuses them
+    check_strategy_spec(step, spec, cp.strategy_spec)
     _check_compression(step, saved_compression, cp.compression)
     changed = saved_world != cp.world_size
     if mine is None:
@@ -754,6 +768,7 @@ def check_resumable(directory: str | Path, compression: str, strategy: str | Non
         _check_compression(info.step, state.get("compression"), compression)
         if strategy is not None:
             _check_fragments(state, strategy)
+            _check_saved_spec(info.step, state, strategy)
     except (CheckpointError, UsageError) as exc:
         raise UsageError(f"--resume: {exc}") from None
 
@@ -771,6 +786,16 @@ def _check_fragments(state: dict[str, Any], strategy: str) -> None:
         return
     saved = state.get("sync", {}).get("strategy", {}).get("streaming", {})
     check_saved_fragments(saved, spec.fragments or 1, spec.split or SPLITS[0], str(spec))
+
+
+def _check_saved_spec(step: int, state: dict[str, Any], strategy: str) -> None:
+    """The spec the checkpoint was saved under against this run's ``strategy`` (a spec), as
+    ``load`` judges it in the workers (``settings.check_strategy_spec``). A checkpoint of another
+    strategy is left to the workers, which refuse it naming both."""
+    from gradsync.spec import parse_strategy_spec
+
+    if state.get("strategy") == parse_strategy_spec(strategy).kind:
+        check_strategy_spec(step, state.get(STRATEGY_SPEC), strategy)
 
 
 def skip_reason(message: Warning | str, directory: Path) -> str:

@@ -9,7 +9,9 @@ to pass instead:
   ``--replica-groups`` (each group's checkpoints are its own), against the saved run's
   config.json; a run of a user's script, resumed as a built-in workload's; then what the
   checkpoints themselves say (``check_resumable``: none usable, another compressor, streaming
-  DiLoCo's fragments cut otherwise);
+  DiLoCo's fragments cut otherwise, other settings of the strategy than the spec the checkpoint
+  holds); the strategy specs compared as ``sync.load`` compares them
+  (``gradsync.checkpoint.settings``);
 - ``--steps`` below the step the run would resume at: it would train nothing and report the
   saved run's steps. ``--steps`` equal to it is let through (with a line saying so): the
   workers train nothing and write the report and the final model, which a run stopped between
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.attached_run import CONFIG_FILE
+from gradsync.checkpoint.settings import same_strategy
 from gradsync.errors import UsageError
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import CHECKPOINT_DIR
@@ -111,15 +114,6 @@ def _shown(name: str, value: Any) -> str:
     return f"{_flag(name)} {value}"
 
 
-def _same_strategy(saved: Any, given: str) -> bool:
-    from gradsync.spec import parse_strategy_spec
-
-    try:  # canonical forms: diloco:8 and diloco:8:1 are one spec
-        return bool(parse_strategy_spec(str(saved)) == parse_strategy_spec(given))
-    except (UsageError, ValueError):
-        return str(saved) == given  # a spec of another version of gradsync: as written
-
-
 def _differs(name: str, saved: dict[str, Any], cfg: RunConfig) -> bool:
     """Whether ``cfg`` gives flag ``name`` another value than the saved run's config.json (a
     value it does not hold is not judged)."""
@@ -127,7 +121,8 @@ def _differs(name: str, saved: dict[str, Any], cfg: RunConfig) -> bool:
         return False
     given = getattr(cfg, name)
     if name == "strategy":
-        return not _same_strategy(saved[name], given)
+        # the comparison sync.load makes of the spec a checkpoint was saved under
+        return not same_strategy(saved[name], given)
     if name == "params":  # sizes mlp's model only: charlm's is its own
         return cfg.workload == "mlp" and saved.get("workload") == "mlp" and saved[name] != given
     if name == "replica_groups":
