@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import UsageError
 from gradsync.module_cli import closed_pipe
+from gradsync.telemetry.membership import counted
 
 if TYPE_CHECKING:
     from gradsync.runner.resume import Resumed
@@ -69,7 +70,8 @@ def _run(
         from gradsync.runner.replica_groups import run_groups
 
         return run_groups(cfg, run_dir, given)  # a launch per group, each with its restarts
-    servers = f" + {cfg.servers} server(s)" if cfg.uses_servers else ""
+    servers = f" + {counted(cfg.servers, 'server')}" if cfg.uses_servers else ""
+    workers = counted(cfg.nproc, "worker")
     # Where the model trains is decided per machine (--backend auto): said up front, so a
     # run meant for the GPU that fell back to the CPU is seen before its first step.
     where = "" if cfg.hosts else f", {_placement(cfg.process_backend(cfg.processes))}"
@@ -77,15 +79,15 @@ def _run(
         cfg.save(run_dir, given=given)
         strategy = f"strategy {cfg.strategy}" if "strategy" in given else "its own strategy"
         print(
-            f"gradsync run: {' '.join(cfg.script)}, {strategy}, {cfg.nproc} workers{servers}"
+            f"gradsync run: {' '.join(cfg.script)}, {strategy}, {workers}{servers}"
             f"{where} -> {run_dir}",
             file=sys.stderr,
         )
     else:
         cfg.save(run_dir, fp32_bytes_per_step=4 * _trainable_params(cfg), given=given)
         print(
-            f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {cfg.nproc} workers"
-            f"{servers}, {cfg.steps} steps, batch {cfg.batch_size}/worker{where} -> {run_dir}",
+            f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {workers}{servers}, "
+            f"{counted(cfg.steps, 'step')}, batch {cfg.batch_size}/worker{where} -> {run_dir}",
             file=sys.stderr,
         )
     if cfg.hosts:
@@ -144,7 +146,8 @@ def _summary(cfg: Any, run_dir: Path, resumed: Resumed | None = None) -> str:
 
 
 #: the summary's header: ``run: DIR (N steps, R ranks)``, R the ranks in the run's records
-_HEADER = re.compile(r"run: (?P<dir>.*) \((?P<steps>\d+) steps, (?P<ranks>\d+) ranks\)")
+#: (``1 step``, ``1 rank``: ``telemetry.membership.counted``)
+_HEADER = re.compile(r"run: (?P<dir>.*) \((?P<steps>\d+) steps?, (?P<ranks>\d+) ranks?\)")
 
 
 def _attempts_header(text: str, nproc: int, before: int | None) -> str:
@@ -161,8 +164,9 @@ def _attempts_header(text: str, nproc: int, before: int | None) -> str:
         if before not in (None, nproc)
         else f"{recorded} in the run's records"
     )
-    ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
-    return f"run: {header['dir']} ({header['steps']} steps, {ranks}; {was}){newline}{rest}"
+    steps = counted(int(header["steps"]), "step")
+    ranks = counted(nproc, "rank")
+    return f"run: {header['dir']} ({steps}, {ranks}; {was}){newline}{rest}"
 
 
 def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
@@ -175,8 +179,8 @@ def _run_on_cluster(cfg: Any, run_dir: Path) -> None:
         raise UsageError(f"--hosts needs the emulated cluster: {missing}")
     per_host = cfg.processes // cfg.hosts
     print(
-        f"gradsync run: emulated cluster of {cfg.hosts} hosts, {cfg.link} links, "
-        f"{per_host} process(es) per host",
+        f"gradsync run: emulated cluster of {counted(cfg.hosts, 'host')}, {cfg.link} links, "
+        f"{counted(per_host, 'process', 'processes')} per host",
         file=sys.stderr,
     )
     with Cluster(hosts=cfg.hosts, link=cfg.link) as cluster:
@@ -215,9 +219,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     if args.out is None:
         cfg.out = cfg.out.replace("runs/", "runs/compare-", 1)
-    what = " ".join(cfg.script) if cfg.script else f"{cfg.workload}, {cfg.steps} steps each"
+    steps = counted(cfg.steps, "step")
+    what = " ".join(cfg.script) if cfg.script else f"{cfg.workload}, {steps} each"
     print(
-        f"gradsync compare: {', '.join(strategies)} on {what}, {cfg.nproc} workers -> {cfg.out}",
+        f"gradsync compare: {', '.join(strategies)} on {what}, "
+        f"{counted(cfg.nproc, 'worker')} -> {cfg.out}",
         file=sys.stderr,
     )
     result = run_comparison(cfg, strategies, args.target_loss, show_progress=cfg.progress)
@@ -243,7 +249,8 @@ def cmd_checkpoint_export(args: argparse.Namespace) -> int:
     )
     print(
         f"gradsync: exported the checkpoint of step {done.step} ({done.strategy}, "
-        f"{done.world_size} ranks, {done.checkpoint}) to {done.path}; open it with {how}",
+        f"{counted(done.world_size, 'rank')}, {done.checkpoint}) to {done.path}; "
+        f"open it with {how}",
         file=sys.stderr,
     )
     return 0

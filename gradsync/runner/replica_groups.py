@@ -40,6 +40,7 @@ from gradsync.membership import LIGHTHOUSE_ENV, REPLICA_ID_ENV, torchft_missing
 from gradsync.membership.lighthouse import local_lighthouse
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import RunDirectory, claim, is_gradsync_run
+from gradsync.telemetry.membership import counted
 
 if TYPE_CHECKING:
     from gradsync.cluster.netns import Host
@@ -186,12 +187,13 @@ def _lighthouse(cfg: RunConfig) -> Iterator[str]:
 
 
 def _announce(cfg: RunConfig, run_dir: Path, address: str) -> None:
-    what = " ".join(cfg.script) if cfg.script else f"{cfg.workload}, {cfg.steps} steps"
+    what = " ".join(cfg.script) if cfg.script else f"{cfg.workload}, {counted(cfg.steps, 'step')}"
     started = "" if cfg.lighthouse is not None else " (started for this run)"
     print(
-        f"gradsync run: {what}, {cfg.replica_groups} replica groups of {cfg.nproc} worker(s), "
+        f"gradsync run: {what}, {cfg.replica_groups} replica groups of "
+        f"{counted(cfg.nproc, 'worker')}, "
         f"strategy {cfg.strategy}, membership torchft, lighthouse {address}{started}, at least "
-        f"{cfg.min_replicas} group(s) per step -> {run_dir}/group-K",
+        f"{counted(cfg.min_replicas, 'group')} per step -> {run_dir}/group-K",
         file=sys.stderr,
     )
 

@@ -73,16 +73,18 @@ class RunAnalysis:
         ]
         lines += [self.report.format(), "", _format_bytes(self.bytes, ranks), ""]
         cfg = self.config
-        lines.append(f"stragglers (window {cfg.window} steps, threshold {cfg.threshold:g}):")
+        window = counted(cfg.window, "step")
+        lines.append(f"stragglers (window {window}, threshold {cfg.threshold:g}):")
         lines += [f"  {f.describe()}" for f in self.findings] or [
             f"  none: no rank was {1 / cfg.threshold:.2f}x slower than the fastest rank, with "
-            f"the others waiting for it, for {cfg.min_len} steps or more after the first "
+            f"the others waiting for it, for {counted(cfg.min_len, 'step')} or more after the "
+            f"first "
             f"{cfg.warmup} (see docs/observability.md)"
         ]
         if any(s.lowest_relative is not None for s in self.scores):
             lines += [
                 "",
-                f"scores (window {cfg.window} steps; relative: vs the fastest rank, individual: "
+                f"scores (window {window}; relative: vs the fastest rank, individual: "
                 "vs its own best; 1.00 = as fast; last window and lowest):",
             ]
             lines += format_scores(self.scores)

@@ -388,9 +388,10 @@ def describe(section: dict[str, Any]) -> str:
     return "membership: " + "; ".join(parts)
 
 
-def counted(n: int, noun: str) -> str:
-    """ "1 step", "2 steps": also the run report's header (``telemetry.cli``)."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """ "1 step", "2 steps" (``plural`` where it is not ``noun`` + "s": "2 processes"): also
+    the run report's header (``telemetry.cli``) and ``gradsync run``'s lines."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def trace_marks(group: GroupMembership) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync.telemetry.membership import counted
 from gradsync.telemetry.records import StepRecord
 
 
@@ -128,7 +129,7 @@ class RunReport:
         if pace is not None and self.steps:
             lines.append(
                 f"pace-setter: rank {pace} was the slowest in "
-                f"{self.pace_setter_counts[pace]} of {self.steps} steps"
+                f"{self.pace_setter_counts[pace]} of {counted(self.steps, 'step')}"
             )
         if self.skipped_steps:
             lines.append(f"skipped steps (non-finite gradients): {self.skipped_steps}")

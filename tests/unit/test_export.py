@@ -208,7 +208,7 @@ def test_the_command_takes_a_run_directory_or_its_checkpoints(
     shutil.copytree(one_rank_runs["bsp"][0], run / "checkpoints")
     assert cli.main(["checkpoint", "export", str(run), str(tmp_path / "a.pt")]) == 0
     err = capsys.readouterr().err
-    assert "exported the checkpoint of step 4 (bsp, 1 ranks" in err
+    assert "exported the checkpoint of step 4 (bsp, 1 rank," in err
     assert "torch.load(path, weights_only=True)" in err
     argv = ["checkpoint", "export", str(run / "checkpoints"), str(tmp_path / "b"), "--to", "dcp"]
     assert cli.main([*argv, "--step", "2"]) == 0
