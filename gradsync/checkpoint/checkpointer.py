@@ -553,8 +553,15 @@ def load(cp: Checkpointer, directory: str | Path) -> dict[str, Any] | None:
     mine: dict[str, Any] | None = None
     if cp.rank == 0 and Path(directory).exists():
         # At most half the group's timeout: the other ranks wait in the broadcast below.
-        _wait_for_writers(directory, cp.save_id, min(cp.timeout_s / 2, 60.0))
+        ended = _wait_for_writers(directory, cp.save_id, min(cp.timeout_s / 2, 60.0))
         info = store.latest(allow_world_change=True)
+        if info is not None and ended:
+            # Directories above it that earlier attempts' writers left and no commit can
+            # complete: skipped with a warning just now, and removed, not warned about again
+            # at every later resume (``remove_abandoned`` keeps any that could be committed).
+            store.remove_abandoned(
+                above=info.step, world_size=info.world_size, own_save_id=cp.save_id
+            )
         if info is not None:
             # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
             # servers), so all of them refuse alike; a file it cannot read fails every rank.
@@ -726,9 +733,10 @@ def _join_replicated(
         state.update(model=shared["model"], optimizer=shared["optimizer"])
 
 
-def _wait_for_writers(directory: str | Path, own: str | None, timeout_s: float) -> None:
+def _wait_for_writers(directory: str | Path, own: str | None, timeout_s: float) -> bool:
     """Until the writer processes of earlier attempts have written what their ranks left
-    and committed it (``writer_locks``), so the newest checkpoint is read, not one before."""
+    and committed it (``writer_locks``), so the newest checkpoint is read, not one before.
+    Whether they have all ended (False: some still held their lock at ``timeout_s``)."""
     held = wait_for_writers(directory, except_save_id=own, timeout_s=timeout_s)
     if held:
         warnings.warn(
@@ -738,6 +746,7 @@ def _wait_for_writers(directory: str | Path, own: str | None, timeout_s: float) 
             CheckpointWarning,
             stacklevel=3,
         )
+    return not held
 
 
 def check_resumable(directory: str | Path, compression: str, strategy: str | None = None) -> None:

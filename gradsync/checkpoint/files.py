@@ -376,6 +376,36 @@ class CheckpointFiles:
                 removed.append(path)
         return removed
 
+    def remove_abandoned(self, *, above: int, world_size: int, own_save_id: str) -> list[Path]:
+        """Remove the step directories above ``above`` that no commit can make a checkpoint
+        of any more: left by writers of earlier attempts (the held snapshots a dying rank's
+        writer writes, where a peer held only the one before), never committed. Call it only
+        once every writer of an earlier attempt has ended (``writer_locks``), with
+        ``above`` the step being resumed from.
+
+        A directory is removed only when it has no manifest, holds no file of
+        ``own_save_id`` (this attempt's), no attempt has a file of every rank ``0 ..
+        world_size - 1`` in it (a complete step not committed holds the newest state: it is
+        kept), and it holds nothing but rank files, their ``.sum`` files and temporary files
+        of gradsync's writes. Returns the directories removed.
+
+        Why: such a directory is skipped with a warning by every later ``latest()`` (it is
+        above the checkpoint resumed from, which pruning never touches) until the run commits
+        a step past it, which under held snapshots may take up to 64 steps, or never if the
+        run is stopped before: every resume warned about the same directories again."""
+        removed = []
+        for step, path in self._step_dirs():
+            if step <= above:
+                break
+            ranks = _abandoned_files(path, step)
+            if ranks is None or own_save_id in ranks:
+                continue
+            if any(held.issuperset(range(world_size)) for held in ranks.values()):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        return removed
+
     # -- reading ------------------------------------------------------------------------------
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
@@ -391,6 +421,38 @@ class CheckpointFiles:
         except (FileNotFoundError, NotADirectoryError):
             return []
         return sorted(found, reverse=True)
+
+
+_RANK_FILE = re.compile(r"^rank-(\d+)\.pt$")
+_RANK_SUM = re.compile(r"^rank-(\d+)\.pt\.sum$")
+
+
+def _abandoned_files(path: Path, step: int) -> dict[str, set[int]] | None:
+    """The ranks with a file of ``step`` in ``path``, by the ``save_id`` their ``.sum`` names;
+    None where ``path`` must be kept whatever they are: it has a manifest, or an entry that is
+    not a rank file, its ``.sum`` or a temporary file of gradsync's writes (``_atomic_write``),
+    or a ``.sum`` that cannot be read."""
+    ranks: dict[str, set[int]] = {}
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    for name in names:
+        if name == MANIFEST:
+            return None
+        if _RANK_FILE.match(name) or (name.startswith(".") and name.endswith(_TMP_SUFFIX)):
+            continue
+        found = _RANK_SUM.match(name)
+        if found is None:
+            return None
+        try:
+            meta = json.loads((path / name).read_bytes())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(meta, dict) or meta.get("step", step) != step:
+            return None
+        ranks.setdefault(str(meta.get("save_id", "")), set()).add(int(found.group(1)))
+    return ranks
 
 
 def _atomic_write(
