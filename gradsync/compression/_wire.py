@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import exit_safety
-from gradsync.compression.base import BucketLike, Codec, Sent
+from gradsync.compression.base import BucketLike, Codec, Group, ReplicaExchange, Sent
 
 _MASK64 = (1 << 64) - 1
 
@@ -32,8 +32,28 @@ class GatherCodec(Codec, Protocol):
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None: ...
 
 
-def world_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+def world_and_rank(group: Group) -> tuple[int, int]:
+    if isinstance(group, ReplicaExchange):
+        return group.size(), group.rank()
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def all_gather_async(outputs: list[torch.Tensor], tensor: torch.Tensor, group: Group) -> dist.Work:
+    """``tensor`` of every rank of ``group`` into ``outputs``, started: its ``Work``."""
+    if isinstance(group, ReplicaExchange):
+        return group.all_gather(outputs, tensor)
+    work = dist.all_gather(outputs, tensor, group=group, async_op=True)
+    assert work is not None
+    return work
+
+
+def all_reduce_async(tensor: torch.Tensor, group: Group) -> dist.Work:
+    """The sum of ``tensor`` over ``group``, in place, started: its ``Work``."""
+    if isinstance(group, ReplicaExchange):
+        return group.all_reduce_sum(tensor)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    assert work is not None
+    return work
 
 
 def derive_seed(*parts: int) -> int:
@@ -199,8 +219,7 @@ def all_gather_mean(
             codec.accumulate(from_payload(payload, codec.layout), mine, step)
             record_sent(state, bucket.index(), mine)
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    work = dist.all_gather(gathered, payload, group=state.group, async_op=True)
-    assert work is not None
+    work = all_gather_async(gathered, payload, state.group)
     in_place = buf.dtype == acc and buf.is_contiguous()
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:

@@ -11,17 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync import exit_safety
-from gradsync.compression._wire import accumulator_dtype
-from gradsync.compression.base import BucketLike, Compressor
+from gradsync.compression._wire import accumulator_dtype, all_reduce_async, world_and_rank
+from gradsync.compression.base import BucketLike, Compressor, Group
 from gradsync.compression.fp import CastCodec
 
 
 @dataclass(slots=True)
 class AllReduceState:
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = field(default=0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -33,10 +32,9 @@ class AllReduceState:
 
 def allreduce_hook(state: AllReduceState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
-    world = dist.get_world_size(state.group)
+    world, _ = world_and_rank(state.group)
     state.bytes_sent += buf.numel() * buf.element_size()
-    work = dist.all_reduce(buf, group=state.group, async_op=True)
-    assert work is not None
+    work = all_reduce_async(buf, state.group)
 
     def mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         return fut.value()[0].div_(world)
@@ -50,7 +48,7 @@ def plain_codec(numel: int, dtype: torch.dtype, shapes: list[list[int]], stream:
     return CastCodec(numel, dtype, accumulator_dtype(dtype))
 
 
-def _make_state(group: dist.ProcessGroup | None) -> AllReduceState:
+def _make_state(group: Group) -> AllReduceState:
     return AllReduceState(group=group)
 
 

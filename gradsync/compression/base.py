@@ -103,12 +103,37 @@ class Contribution(Protocol):
     def subtract_from(self, corrected: torch.Tensor) -> torch.Tensor: ...
 
 
+class ReplicaExchange:
+    """Where a compressor's collectives go when they are not torch.distributed's: live
+    membership's replicas (``membership.ft_manager``), whose all-gathers and all-reduces run on
+    torchft's process group, rebuilt at every new quorum and never registered with
+    torch.distributed. Its size, this replica's rank, and the two collectives compressors
+    post, each returning a ``Work`` as ``async_op=True`` does. A base class rather than a
+    Protocol: ``_wire`` tells it from a process group with one ``isinstance`` per exchange."""
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> dist.Work:
+        raise NotImplementedError
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> dist.Work:
+        raise NotImplementedError
+
+
+#: Where a compressor state's collectives go: a torch.distributed group (None: the default
+#: group) or live membership's replicas.
+Group = dist.ProcessGroup | ReplicaExchange | None
+
 #: What a hook records in ``state.sent[index]`` for error feedback.
 Sent = torch.Tensor | Contribution
 
 
 class CompressorState(Protocol):
-    group: dist.ProcessGroup | None
+    group: Group
     bytes_sent: int
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -123,7 +148,7 @@ class Compressor:
     """How to make per-run state, the hook that exchanges one bucket, and the family's codec."""
 
     spec: str
-    make_state: Callable[[dist.ProcessGroup | None], Any]
+    make_state: Callable[[Group], Any]
     hook: Hook
     #: payload bytes per fp32 byte, for reports; None when it depends on the data.
     nominal_ratio: float | None = None

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.compression.base import Compressor
+from gradsync.compression.base import Compressor, Group
 from gradsync.compression.spec import parse_compression
 
 
 def ddp_comm_hook(
-    compressor: "Compressor | str | None", group: "dist.ProcessGroup | None" = None
+    compressor: "Compressor | str | None", group: "Group" = None
 ) -> "tuple[Any, Any]":
     """Return ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
 

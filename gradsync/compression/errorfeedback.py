@@ -33,11 +33,10 @@ import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync import exit_safety
 from gradsync.compression._wire import accumulator_dtype, blocks
-from gradsync.compression.base import BucketLike, Compressor, Hook
+from gradsync.compression.base import BucketLike, Compressor, Group, Hook
 
 
 class ErrorFeedbackState:
@@ -56,12 +55,12 @@ class ErrorFeedbackState:
         self.residuals: dict[int, torch.Tensor] = {}
 
     @property
-    def group(self) -> dist.ProcessGroup | None:
-        group: dist.ProcessGroup | None = self.inner.group
+    def group(self) -> Group:
+        group: Group = self.inner.group
         return group
 
     @group.setter
-    def group(self, value: dist.ProcessGroup | None) -> None:
+    def group(self, value: Group) -> None:
         self.inner.group = value
 
     @property
@@ -134,7 +133,7 @@ def _add_and_keep(buf: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return residual
 
 
-def _make_state(make_inner: Any, group: dist.ProcessGroup | None) -> ErrorFeedbackState:
+def _make_state(make_inner: Any, group: Group) -> ErrorFeedbackState:
     return ErrorFeedbackState(make_inner(group))
 
 

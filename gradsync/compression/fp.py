@@ -19,16 +19,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync import exit_safety
-from gradsync.compression._wire import accumulator_dtype, record_sent, world_and_rank
-from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
+from gradsync.compression._wire import (
+    accumulator_dtype,
+    all_reduce_async,
+    record_sent,
+    world_and_rank,
+)
+from gradsync.compression.base import BucketLike, Compressor, Group, Layout, Stateless
 
 
 @dataclass(slots=True)
 class CastState:
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = 0
     #: set to a dict by an error-feedback wrapper: bucket index -> this rank's decoded share.
     sent: dict[int, torch.Tensor] | None = field(default=None, repr=False)
@@ -68,8 +72,7 @@ def cast_hook(
     state.bytes_sent += wire.numel() * wire.element_size()
     if state.sent is not None:
         record_sent(state, bucket.index(), codec.decode([wire], 0).mul_(world))
-    work = dist.all_reduce(wire, group=state.group, async_op=True)
-    assert work is not None
+    work = all_reduce_async(wire, state.group)
 
     def cast_back(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         return buf.copy_(fut.value()[0].view_as(buf))
@@ -93,7 +96,7 @@ def cast_codec(
     return CastCodec(numel, wire, accumulator_dtype(dtype))
 
 
-def _make_state(group: dist.ProcessGroup | None) -> CastState:
+def _make_state(group: Group) -> CastState:
     return CastState(group=group)
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync.compression._wire import (
     accumulator_dtype,
@@ -39,7 +38,7 @@ from gradsync.compression._wire import (
     scale_chunks_,
     split_chunks,
 )
-from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
+from gradsync.compression.base import BucketLike, Compressor, Group, Layout, Stateless
 from gradsync.compression.int8 import chunk_absmax
 
 DEFAULT_CHUNK = 128
@@ -49,7 +48,7 @@ LEVELS = 7
 
 @dataclass(slots=True)
 class Int4State:
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = 0
     chunk: int = DEFAULT_CHUNK
     #: set by the error-feedback wrapper: this rank's decoded contribution per bucket index

@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync.compression._wire import (
     accumulator_dtype,
@@ -72,14 +71,14 @@ from gradsync.compression._wire import (
     split_chunks,
     world_and_rank,
 )
-from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
+from gradsync.compression.base import BucketLike, Compressor, Group, Layout, Stateless
 
 DEFAULT_CHUNK = 1024
 
 
 @dataclass(slots=True)
 class Int8State:
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = 0
     seed: int = 0
     chunk: int = DEFAULT_CHUNK

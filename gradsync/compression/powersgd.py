@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync import exit_safety
 from gradsync.compression._lowrank import (
@@ -60,19 +59,20 @@ from gradsync.compression._lowrank import (
 )
 from gradsync.compression._wire import (
     accumulator_dtype,
+    all_reduce_async,
     derive_seed,
     generator,
     record_sent,
     world_and_rank,
 )
-from gradsync.compression.base import BucketLike, Compressor, Layout
+from gradsync.compression.base import BucketLike, Compressor, Group, Layout
 from gradsync.errors import UsageError
 from gradsync.flat import views
 
 
 @dataclass(slots=True)
 class PowerSGDState:
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = 0
     matrix_rank: int = 1
     start_iter: int = 10
@@ -200,8 +200,7 @@ def _plain_mean(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Futur
     world, _ = world_and_rank(state.group)
     record_sent(state, bucket.index(), buf.to(accumulator_dtype(buf.dtype), copy=True))
     state.bytes_sent += buf.numel() * buf.element_size()
-    work = dist.all_reduce(buf, group=state.group, async_op=True)
-    assert work is not None
+    work = all_reduce_async(buf, state.group)
     return exit_safety.then(work.get_future(), lambda fut: fut.value()[0].div_(world))
 
 
@@ -225,8 +224,7 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
     # Waited here, not in a future callback: a collective issued from a callback starts on a
     # transport thread at a moment that differs per rank, so with two buckets in flight ranks
     # would issue collectives in different orders and gloo/NCCL would pair the wrong ones.
-    p_work = dist.all_reduce(ps_flat, group=state.group, async_op=True)
-    assert p_work is not None
+    p_work = all_reduce_async(ps_flat, state.group)
     p_work.wait()
     compute_q(mats, ps, qs)
     if state.sent is not None:
@@ -237,8 +235,7 @@ def powersgd_hook(state: PowerSGDState, bucket: BucketLike) -> torch.futures.Fut
     n_plain = plan.plain_numel
     second = torch.cat([flat[a:b].to(acc) for a, b in plan.plain] + [state.q[index]])
     state.bytes_sent += second.numel() * second.element_size()
-    q_work = dist.all_reduce(second, group=state.group, async_op=True)
-    assert q_work is not None
+    q_work = all_reduce_async(second, state.group)
 
     def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         reduced = fut.value()[0]

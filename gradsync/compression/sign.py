@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from gradsync.compression._wire import (
@@ -39,14 +38,14 @@ from gradsync.compression._wire import (
     scale_chunks_,
     split_chunks,
 )
-from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
+from gradsync.compression.base import BucketLike, Compressor, Group, Layout, Stateless
 
 DEFAULT_CHUNK = 64
 
 
 @dataclass(slots=True)
 class SignState:
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = 0
     chunk: int = DEFAULT_CHUNK
     sent: dict[int, torch.Tensor] | None = field(default=None, repr=False)

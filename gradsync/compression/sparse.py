@@ -27,19 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync import exit_safety
 from gradsync.compression._select import random_subset, top_magnitudes
 from gradsync.compression._wire import (
     accumulator_dtype,
     all_gather_mean,
+    all_reduce_async,
     derive_seed,
     generator,
     record_sent,
     world_and_rank,
 )
-from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
+from gradsync.compression.base import BucketLike, Compressor, Group, Layout, Stateless
 
 
 def kept(fraction: float, numel: int) -> int:
@@ -54,7 +54,7 @@ def check_fraction(name: str, fraction: float) -> None:
 
 @dataclass(slots=True)
 class TopKState:
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = 0
     fraction: float = 0.01
     sent: dict[int, torch.Tensor] | None = field(default=None, repr=False)
@@ -129,7 +129,7 @@ def topk_codec(
 
 @dataclass(slots=True)
 class RandomKState:
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = 0
     fraction: float = 0.01
     seed: int = 0
@@ -207,8 +207,7 @@ def randomk_hook(state: RandomKState, bucket: BucketLike) -> torch.futures.Futur
     state.bytes_sent += values.numel() * values.element_size()
     if state.sent is not None:
         record_sent(state, index_key, codec.scatter(values, chosen))
-    work = dist.all_reduce(values, group=state.group, async_op=True)
-    assert work is not None
+    work = all_reduce_async(values, state.group)
 
     def scatter(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out = codec.scatter(fut.value()[0].div_(world), chosen)

@@ -59,18 +59,18 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from gradsync import exit_safety
 from gradsync.compression._wire import (
     BLOCK,
     accumulator_dtype,
+    all_gather_async,
     from_payload,
     split_chunks,
     to_payload,
     world_and_rank,
 )
-from gradsync.compression.base import BucketLike, Compressor, Layout, Stateless
+from gradsync.compression.base import BucketLike, Compressor, Group, Layout, Stateless
 from gradsync.spec import SPARSELOCO_DEFAULTS, parse_compression_spec
 
 DEFAULT_DENSITY, DEFAULT_CHUNK, DEFAULT_BETA = SPARSELOCO_DEFAULTS
@@ -406,7 +406,7 @@ class SparseLoCoState:
     No ``sent`` attribute: the accumulator is this compressor's own error feedback, so
     ``error_feedback(sparseloco())`` is refused rather than feeding back twice."""
 
-    group: dist.ProcessGroup | None = None
+    group: Group = None
     bytes_sent: int = 0
     density: float = DEFAULT_DENSITY
     chunk: int = DEFAULT_CHUNK
@@ -461,8 +461,7 @@ def sparseloco_hook(
     acc.index_add_(0, pos, sent, alpha=-1)
     world, _ = world_and_rank(state.group)
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    work = dist.all_gather(gathered, payload, group=state.group, async_op=True)
-    assert work is not None
+    work = all_gather_async(gathered, payload, state.group)
 
     def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.wait()

@@ -129,10 +129,11 @@ def check_membership(
     return LiveSettings(lighthouse=address, min_replicas=min_replicas, replica_id=replica_id)
 
 
-#: the compressions BSP's buckets and the periodic averages take through the quorum: each
-#: replica casts its share to the 16-bit type, the Manager sums the casts, and the sum is cast
-#: back
-#: (``ft_manager.TorchftMembership.allreduce``; ``compression.fp.CAST_WIRE``)
+#: the compressions the periodic averages of ``local:H`` and ``diloco:H`` take through the
+#: quorum: each replica casts its share to the 16-bit type, the Manager sums the casts, and the
+#: sum is cast back (``ft_manager.TorchftMembership.allreduce``; ``compression.fp.CAST_WIRE``).
+#: BSP's buckets take these and every other compressor, whose collectives then run on the
+#: quorum's participants (``TorchftMembership.exchange``)
 QUORUM_COMPRESSIONS = ("fp16", "bf16")
 
 
@@ -164,13 +165,13 @@ def check_exchange(
             "the step after the previous one was applied until its own is); use TAU below "
             f"H // F = {gap}"
         )
-    if compression_spec != "none" and compression_spec not in QUORUM_COMPRESSIONS:
+    periodic = spec.kind != "bsp"
+    if periodic and compression_spec != "none" and compression_spec not in QUORUM_COMPRESSIONS:
         raise UsageError(
             f"membership='torchft' with {spec.kind} and compression {compression_spec!r}: "
-            "the quorum's all-reduce carries bsp's buckets and the periodic averages as they "
-            "are or cast to fp16 or bf16; other compressors run collectives of their own "
-            "(gathers, several rounds, state that a failed step would leave half-updated); "
-            "use compression=None, 'fp16' or 'bf16'"
+            "the quorum's all-reduce carries the periodic averages as they are or cast to "
+            "fp16 or bf16 (bsp takes every compressor across replica groups); use "
+            "compression=None, 'fp16' or 'bf16', or strategy='bsp'"
         )
     if allreduce != "ring":
         raise UsageError(

@@ -40,10 +40,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from gradsync import runtime
 from gradsync.checkpoint.registry import StateRegistry
 from gradsync.checks.diagnose import END
+from gradsync.compression.base import ReplicaExchange
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
 from gradsync.membership import LiveSettings, StepQuorum
@@ -170,6 +172,7 @@ class TorchftMembership:
         #: the last step a quorum decided (``_decided``: where the final average is recorded)
         self._last_step = 0
         self._seen = _QuorumSeen.wrap(self.manager)
+        self._replicas = _Replicas(self.manager, self._pg)
         # torchft's id of this group (``GROUP:UUID``, or a bare UUID without a group id), as
         # its Manager put it in this group's store: which of a quorum's members is this one
         self._replica_id = self._store.get(ft_manager.REPLICA_ID_KEY).decode()
@@ -265,6 +268,38 @@ class TorchftMembership:
         self._waiter.submit(exchange)
         return done
 
+    @property
+    def replicas(self) -> ReplicaExchange:
+        return self._replicas
+
+    def exchange(
+        self,
+        run: Callable[[], torch.futures.Future[torch.Tensor]],
+        tensor: torch.Tensor,
+        after: Callable[[], object] | None = None,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """A compressed exchange across the replicas: ``run()`` posts a compressor's
+        collectives on ``replicas`` (torchft's process group) once ``after`` (the replica
+        group's own exchange) returns, on the thread that waits for every exchange, so that
+        buckets go in launch order. Its value, or ``tensor`` as it is where a collective
+        failed (a peer lost mid-step): the failure goes to the Manager, whose ``commit`` then
+        says False, as a failed all-reduce of its own does."""
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def go() -> None:
+            result = tensor
+            try:
+                if after is not None:
+                    after()
+                result = run().wait()
+            except Exception as exc:  # noqa: BLE001 - the step must not commit
+                self.manager.report_error(exc)
+            finally:
+                done.set_result(result)
+
+        self._waiter.submit(go)
+        return done
+
     def commit(self, step: int) -> bool:
         """Whether this replica applies the step: every participant's exchange completed and
         the quorum had at least ``min_replicas`` participants. The step's quorum goes to
@@ -329,6 +364,33 @@ class TorchftMembership:
         self._waiter.shutdown(wait=True)
         self.manager.shutdown(wait=True)
         self._pg.shutdown()
+
+
+class _Replicas(ReplicaExchange):
+    """This step's participants as a compressor's group: torchft's process group, which the
+    Manager reconfigures at each new quorum, with the Manager's count and rank of its
+    participants. The quorum is synchronous, so every replica in it takes part (a
+    replacement heals before the step): the process group's ranks are the participants."""
+
+    def __init__(self, manager: Any, pg: Any) -> None:
+        self._manager, self._pg = manager, pg
+
+    def size(self) -> int:
+        return int(self._manager.num_participants())
+
+    def rank(self) -> int:
+        rank = self._manager.participating_rank()
+        if rank is None:
+            raise RuntimeError("this replica does not take part in the step's exchange")
+        return int(rank)
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> dist.Work:
+        work: dist.Work = self._pg.allgather([outputs], [tensor], AllgatherOptions())
+        return work
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> dist.Work:
+        work: dist.Work = self._pg.allreduce([tensor], dist.ReduceOp.SUM)
+        return work
 
 
 class _QuorumSeen:

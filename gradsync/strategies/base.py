@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from gradsync import compat
 from gradsync.checks.guards import all_finite, nonfinite_flag
-from gradsync.compression.base import Compressor
+from gradsync.compression.base import Compressor, ReplicaExchange
 from gradsync.errors import UsageError
 from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 from gradsync.telemetry.records import Span
@@ -161,6 +161,23 @@ class Membership(Protocol):
         """The mean of ``tensor`` over this step's participants, in place; sent as ``wire``
         (fp16 or bf16, each participant's share cast to it) where given; started once
         ``after`` returns (the replica group's own all-reduce, in a group of several ranks)."""
+        ...
+
+    @property
+    def replicas(self) -> ReplicaExchange:
+        """The quorum's participants as a compressor's group (``compression.base.Group``): a
+        compressed exchange's all-gathers and all-reduces run on them."""
+        ...
+
+    def exchange(
+        self,
+        run: Callable[[], torch.futures.Future[torch.Tensor]],
+        tensor: torch.Tensor,
+        after: Callable[[], object] | None = None,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """``run()`` (a compressor's hook on a state whose group is ``replicas``) once
+        ``after`` returns, on the thread that waits for the exchanges: its result, or
+        ``tensor`` where it failed, which the quorum then does not commit."""
         ...
 
     def commit(self, step: int) -> bool:

@@ -29,7 +29,7 @@ from gradsync.checks.guards import (
     scrubs_on_device,
 )
 from gradsync.compression.allreduce import ALLREDUCE
-from gradsync.compression.base import FlatBucket
+from gradsync.compression.base import FlatBucket, Group
 from gradsync.compression.fp import CAST_WIRE
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
@@ -89,17 +89,18 @@ class BSP(Strategy):
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
         hierarchy = ctx.hierarchy
         # Under a hierarchy a compressor runs on the leaders only, across hosts.
-        group = ctx.group if hierarchy is None else hierarchy.leader_group
-        self._state = ctx.compressor.make_state(group)
+        group: Group = ctx.group if hierarchy is None else hierarchy.leader_group
         self._world = runtime.world_size(ctx.group)
         self._membership = ctx.membership
-        # The Synchronizer refused the rest (gradsync.membership): the quorum carries a plain
-        # mean, sent as is or cast to fp16/bf16, after the replica group's own sum.
-        self._live_wire = (
-            None
-            if self._membership is None or ctx.compressor is ALLREDUCE
-            else CAST_WIRE[ctx.compressor.spec]
-        )
+        # Under live membership the quorum carries a plain mean (as is, or each share cast to
+        # fp16/bf16 and summed by the Manager), after the replica group's own sum; any other
+        # compressor runs its own collectives on the quorum's participants (``exchange``).
+        self._live_wire = None
+        if self._membership is not None and ctx.compressor is not ALLREDUCE:
+            self._live_wire = CAST_WIRE.get(ctx.compressor.spec)
+            if self._live_wire is None:
+                group = self._membership.replicas
+        self._state = ctx.compressor.make_state(group)
         self.fused_mean = ctx.compressor is ALLREDUCE or self._live_wire is not None
         assert self._membership is None or hierarchy is None
         if ctx.bucket_mb == AUTO:
@@ -217,14 +218,7 @@ class BSP(Strategy):
         assert self._ctx is not None
         self._ctx.before_collective()
         if self._membership is not None:
-            # The bucket holds this rank's gradient times its 1/(W k): the replica group's sum
-            # (W ranks; none to make when W is 1) is the group's mean, and the quorum's mean
-            # of those over its participants is the step's gradient.
-            buf = bucket.buffer()
-            wire = self._live_wire or buf.dtype
-            after = None if self._world == 1 else _allreduce_sum(self._state, bucket).wait
-            self._state.bytes_sent += buf.numel() * wire.itemsize
-            return self._membership.allreduce(buf, self._live_wire, after)
+            return self._exchange_live(self._membership, bucket)
         if self.fused_mean and self._ctx.hierarchy is not None:
             buf = bucket.buffer()
             self._state.bytes_sent += buf.numel() * buf.element_size()
@@ -239,6 +233,35 @@ class BSP(Strategy):
             hook, state = self._ctx.compressor.hook, self._state
             return hierarchy.mean_async(bucket.buffer(), lambda: hook(state, bucket))
         return self._ctx.compressor.hook(self._state, bucket)
+
+    def _exchange_live(
+        self, membership: Membership, bucket: FlatBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The bucket's exchange across the quorum, after the replica group's own sum (W ranks;
+        none to make when W is 1), which makes the group's gradient. A plain mean: the bucket
+        holds this rank's gradient times its 1/(W k), so the group's sum is the group's mean
+        and the quorum's mean of those the step's gradient. A compressor's: the bucket holds
+        the gradient as is, so the group's sum is divided by W before the compressor, whose
+        mean over the participants is the step's gradient."""
+        assert self._ctx is not None
+        buf = bucket.buffer()
+        group_sum = None
+        if self._world > 1:
+            self._state.bytes_sent += buf.numel() * buf.element_size()
+            group_sum = _group_sum(buf, self._ctx.group)
+        if not self.fused_mean:
+            hook, state, world = self._ctx.compressor.hook, self._state, self._world
+
+            def group_mean() -> None:
+                if group_sum is not None:
+                    group_sum.wait()
+                    buf.div_(world)
+
+            return membership.exchange(lambda: hook(state, bucket), buf, group_mean)
+        wire = self._live_wire or buf.dtype
+        self._state.bytes_sent += buf.numel() * wire.itemsize
+        after = None if group_sum is None else group_sum.wait
+        return membership.allreduce(buf, self._live_wire, after)
 
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
@@ -463,6 +486,16 @@ def _allreduce_sum(state: Any, bucket: FlatBucket) -> torch.futures.Future[torch
     buf = bucket.buffer()
     state.bytes_sent += buf.numel() * buf.element_size()
     work = dist.all_reduce(buf, group=state.group, async_op=True)
+    assert work is not None
+    return exit_safety.then(work.get_future(), _first)
+
+
+def _group_sum(
+    buf: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.futures.Future[torch.Tensor]:
+    """The replica group's own sum of ``buf`` under live membership, started; waited as its
+    future, as ``_allreduce_sum`` is."""
+    work = dist.all_reduce(buf, group=group, async_op=True)
     assert work is not None
     return exit_safety.then(work.get_future(), _first)
 

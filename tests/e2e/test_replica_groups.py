@@ -126,6 +126,38 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     )
 
 
+@pytest.mark.timeout(280)
+def test_a_compressor_crosses_the_quorum_and_a_healed_group_ends_where_ranks_would(
+    tmp_path: Path,
+) -> None:
+    """``--compress int8`` under ``bsp``: each bucket's int8 codes and scales are all-gathered
+    over the quorum's participants (torchft's process group), decoded in the participants'
+    order, as ``--nproc 2`` does over two ranks. Group 1 is killed at KILL_AT and its
+    replacement heals from group 0 (int8's step counters come along); both groups end bitwise
+    equal to an uninterrupted ``--nproc 2`` run of the same command, and each step sends what
+    two ranks' int8 exchange sends."""
+    out, plain = tmp_path / "run", tmp_path / "plain"
+    _kill_heal_run(out, "--compress", "int8")
+    healed = _group0_unbroken_group1_restarted_once(out)
+    assert [h["step"] for h in healed] == [KILL_AT], healed
+    subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--compress", "int8", "--nproc", "2"]
+        + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS), "--timeout", "90"]
+        + ["--no-plots", "--no-progress", "--out", str(plain)],
+        check=True,
+        capture_output=True,
+        timeout=200,
+    )
+    expected = torch.load(plain / "final_model.pt", weights_only=True)
+    for group in (out / "group-0", out / "group-1"):
+        got = torch.load(group / "final_model.pt", weights_only=True)
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), (group.name, key)
+    sent = {r["bytes"] for r in _jsonl(out / "group-0" / "metrics.jsonl")}
+    assert sent == {r["bytes"] for r in _jsonl(plain / "metrics.jsonl")}, sent
+
+
 def _assert_membership_recorded(out: Path, stdout: str, healed: dict[str, Any]) -> None:
     """What the run recorded of its membership (docs/membership.md): each step's quorum per
     group, the loss group 0 saw and waited out, the healing; RUN/report.json, the summary's

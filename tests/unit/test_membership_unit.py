@@ -34,7 +34,7 @@ def test_no_membership_is_the_classic_restart_and_refuses_its_settings() -> None
     [
         ({"strategy": "diloco:7:2:3"}, r"streaming DiLoCo .diloco:7:2:3.: with TAU=3 a fragment"),
         ({"strategy": "zero:1"}, r"'diloco:H' only for now, got 'zero:1'"),
-        ({"compression_spec": "topk:0.01"}, r"compression 'topk:0.01'"),
+        ({"compression_spec": "topk:0.01", "strategy": "local:4"}, r"compression .topk:0.01."),
         ({"allreduce": "hierarchical"}, r"allreduce='hierarchical'"),
         ({"bucket_mb": "auto"}, r"bucket_mb='auto'"),
         ({"balance": True}, r"with balance"),
@@ -84,5 +84,16 @@ def test_a_cast_to_16_bits_crosses_the_quorum_under_every_live_strategy(
     which carries each replica's share cast to fp16/bf16 (docs/membership.md)."""
     change = {"strategy": strategy, "compression_spec": compression}
     assert check_membership("torchft", **{**GOOD, **change}) is not None
-    with pytest.raises(UsageError, match=r"use compression=None, 'fp16' or 'bf16'"):
-        check_membership("torchft", **{**GOOD, **change, "compression_spec": "int8"})
+
+
+@pytest.mark.parametrize("compression", ["int8", "int4", "topk:0.1", "powersgd:2", "sparseloco"])
+def test_bsp_takes_every_compressor_across_the_quorum_the_periodic_averages_only_16_bits(
+    compression: str,
+) -> None:
+    """BSP's compressed buckets run the compressor's own collectives on the quorum's
+    participants; the periodic averages go through the Manager's all-reduce only."""
+    change = {"compression_spec": compression}
+    assert check_membership("torchft", **{**GOOD, **change, "strategy": "bsp"}) is not None
+    for strategy in ("local:4", "diloco:4"):
+        with pytest.raises(UsageError, match=r"use compression=None, 'fp16' or 'bf16'"):
+            check_membership("torchft", **{**GOOD, **change, "strategy": strategy})

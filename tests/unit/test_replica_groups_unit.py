@@ -45,7 +45,6 @@ def test_groups_of_several_ranks_run_every_live_strategy(strategy: str) -> None:
             [*GROUPS, "--strategy", "diloco:7:2:3"],
             "DiLoCo 'diloco:7:2:3': with TAU=3",
         ),
-        ([*GROUPS, "--compress", "int8"], "--replica-groups 2: membership='torchft' with bsp"),
         (
             [*GROUPS, "--strategy", "local:2", "--compress", "int4"],
             "membership='torchft' with local and compression 'int4'",
