@@ -54,7 +54,9 @@ class SimResult:
     strategy: str
     compute_ms: np.ndarray
     idle_ms: np.ndarray
-    comm_ms: np.ndarray  # (steps,): exchange time no worker could hide, charged at that step
+    # (steps,): exchange time no worker could hide, charged at that step; where each worker
+    # paid its own (``comm_steps`` per worker, ssp and async), their mean over the workers
+    comm_ms: np.ndarray
     wall_ms: float
     staleness: np.ndarray  # updates each worker's read missed, in clocks (0 under BSP)
     step_ms: np.ndarray | None = None  # (steps,): superstep time, for the barrier strategies
@@ -132,7 +134,9 @@ def simulate(
     """Simulate ``strategy`` on a ``(steps, workers)`` compute matrix.
 
     ``comm_steps`` (``(steps,)``, ms), when given, replaces ``comm``'s constant exchange with
-    one exchange time per step, e.g. resampled from a real run's telemetry. ``layers``: the
+    one exchange time per step, e.g. resampled from a real run's telemetry; for ``ssp:S`` and
+    ``async`` it may be ``(steps, workers)``, each worker's own exchange (a push and a pull
+    that waits for no other worker's). ``layers``: the
     sizes of the model's layers in module order, from which streaming DiLoCo's fragments take
     their shares of the bytes under the spec's split (``streaming.fragment_shares``): each
     layer's bytes (``streaming.layer_bytes``), or its tensors' rows and bytes
@@ -183,8 +187,12 @@ def simulate(
         if overlap is not None:
             raise UsageError("per-step comm times cannot be combined with --overlap")
         exchange = np.asarray(comm_steps, dtype=float)
-        if exchange.shape != (c.shape[0],) or not np.all(exchange >= 0):
-            raise UsageError("per-step comm must be one time >= 0 ms per step")
+        own = strat.kind in ("ssp", "async") and exchange.shape == c.shape
+        if (exchange.shape != (c.shape[0],) and not own) or not np.all(exchange >= 0):
+            raise UsageError(
+                "per-step comm must be one time >= 0 ms per step (ssp:S and async: or one per "
+                "worker and step)"
+            )
     if strat.kind == "bsp":
         if overlap is not None:
             return _bsp_overlap(c, comm, overlap)
@@ -327,10 +335,15 @@ def _bsp_overlap(c: np.ndarray, comm: CommModel, ov: Overlap) -> SimResult:
 
 def _async(c: np.ndarray, exchange: np.ndarray) -> SimResult:
     # No bound: each worker runs back to back; staleness follows from the finish times.
-    end = np.cumsum(c + exchange[:, None], axis=0)
+    end = np.cumsum(c + _by_worker(exchange), axis=0)
     start = np.zeros_like(end)
     start[1:] = end[:-1]
     return _free_running("async", c, exchange, start, end)
+
+
+def _by_worker(exchange: np.ndarray) -> np.ndarray:
+    """``exchange`` as (steps, workers): one time per step for every worker, or each its own."""
+    return exchange if exchange.ndim == 2 else exchange[:, None]
 
 
 def _hogwild(c: np.ndarray) -> SimResult:
@@ -386,7 +399,7 @@ def _free_running(
         strategy=spec,
         compute_ms=c,
         idle_ms=idle,
-        comm_ms=exchange.copy(),
+        comm_ms=exchange.mean(axis=1) if exchange.ndim == 2 else exchange.copy(),
         wall_ms=wall,
         staleness=staleness.astype(np.int64),
         done_ms=everyone_done,
