@@ -46,6 +46,7 @@ from gradsync.checkpoint.packing import BufferPool, Packed, raw_bytes
 from gradsync.checkpoint.store import CheckpointError, CheckpointStore
 from gradsync.checkpoint.writer_child import SHARES_KEPT, recv_message, send_message
 from gradsync.checkpoint.writer_inline import InlineCheckpointWriter, WriterBase
+from gradsync.logs import get_logger
 
 __all__ = ["WRITER_ENV", "ProcessCheckpointWriter", "make_writer", "process_writer_available"]
 
@@ -70,6 +71,8 @@ NICE = 10
 #: be lost anyway (docs/checkpoints.md, "Durability").
 FILES_EVERY = 64
 _START_TIMEOUT_S = 30.0
+
+logger = get_logger("checkpoint")
 
 
 def process_writer_available() -> bool:
@@ -210,6 +213,16 @@ def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket, owner: int)
     finally:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=0.05)
+
+
+def _restarts_left() -> bool:
+    """Whether torch's elastic agent restarts this rank's group when it fails (torchrun's and
+    ``gradsync run``'s ``--max-restarts``, as the agent tells its workers)."""
+    try:
+        done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        return done < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    except ValueError:
+        return False
 
 
 def _exit_note(child: subprocess.Popen[bytes]) -> str:
@@ -398,6 +411,11 @@ class ProcessCheckpointWriter(WriterBase):
         self._abandoned = self._last
         why = f"rank {self.rank}: {self._writer_name()} died: {_exit_note(self._child)}"
         self._failure = CheckpointError(f"{why}; {self._take_over(unwritten)}")
+        if _restarts_left():
+            # The rank fails with this error, but an elastic restart shows none of a failed
+            # attempt's errors (only "worker process N exited with code 1"), where a run that
+            # ends with it names it: said here, once, for the attempt that restarts.
+            logger.warning("%s; this rank fails, and the run restarts", self._failure)
 
     def _unwritten(self) -> list[tuple[Any, ...]]:
         """The ``write`` messages of the snapshots handed over and not written, oldest

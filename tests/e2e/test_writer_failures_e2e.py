@@ -51,9 +51,10 @@ def _heartbeat_step(out: Path) -> int:
 
 def _signal_writer_at(
     proc: subprocess.Popen[str], watched: Watched, out: Path, rank: int, step: int, sig: int
-) -> None:
+) -> int:
     """Send rank ``rank``'s writer process ``sig`` as soon as rank 0's heartbeat says
-    ``step`` steps are done (it is rewritten every 10 steps: ``step`` is one of those)."""
+    ``step`` steps are done (it is rewritten every 10 steps: ``step`` is one of those);
+    returns its pid."""
     deadline = time.monotonic() + 120
     writer = None
     while writer is None:  # the writers start with the first save
@@ -66,6 +67,7 @@ def _signal_writer_at(
         assert proc.poll() is None and time.monotonic() < deadline, f"step {step} never came"
         time.sleep(0.001)
     os.kill(writer, sig)
+    return writer
 
 
 def _finish(proc: subprocess.Popen[str], watched: Watched, wait_s: float) -> tuple[int | None, str]:
@@ -115,7 +117,9 @@ def test_a_killed_writer_process_costs_the_run_a_step_or_two(
     resumes within 2 steps of the newest step any rank had saved when it failed, which is the
     kill's step or after (the run resumed at step 1 before: only step 1's file was ever
     committed), and the run completes. The steps around the kill are slowed (a sleep of 10
-    times their compute) so that it lands before step 64."""
+    times their compute) so that it lands before step 64. The restarted attempt's output names
+    the writer's death, as a run without restarts does (it showed only "worker process N exited
+    with code 1")."""
     out = tmp_path / "run"
     proc = start_run(
         *("--nproc", "2", "--workload", "mlp", "--steps", "70", "--checkpoint-every", "1"),
@@ -124,11 +128,14 @@ def test_a_killed_writer_process_costs_the_run_a_step_or_two(
         *("--no-plots", "--no-progress", "--out", str(out)),
     )
     watched = Watched()
+    writer = -1
     try:
-        _signal_writer_at(proc, watched, out, rank, KILL_AT, signal.SIGKILL)
+        writer = _signal_writer_at(proc, watched, out, rank, KILL_AT, signal.SIGKILL)
     finally:
         rc, stderr = _finish(proc, watched, wait_s=200)
     assert rc == 0, stderr[-3000:]
+    died = f"rank {rank}: the checkpoint writer process (pid {writer}) died: it exited with code -9"
+    assert f"{died} (killed by SIGKILL)" in stderr, stderr[-3000:]
     resumed = [int(s) for s in re.findall(r"restart: resuming at step (\d+)", stderr)]
     assert len(resumed) == 1, stderr[-3000:]
     # steps some rank's writer wrote at the failure, not every rank's: newer than the resume
