@@ -129,11 +129,11 @@ def check_membership(
     return LiveSettings(lighthouse=address, min_replicas=min_replicas, replica_id=replica_id)
 
 
-#: the compressions the periodic averages of ``local:H`` and ``diloco:H`` take through the
-#: quorum: each replica casts its share to the 16-bit type, the Manager sums the casts, and the
-#: sum is cast back (``ft_manager.TorchftMembership.allreduce``; ``compression.fp.CAST_WIRE``).
-#: BSP's buckets take these and every other compressor, whose collectives then run on the
-#: quorum's participants (``TorchftMembership.exchange``)
+#: the compressions streaming DiLoCo's fragments take through the quorum: each replica casts
+#: its share to the 16-bit type, the Manager sums the casts, and the sum is cast back
+#: (``ft_manager.TorchftMembership.allreduce``; ``compression.fp.CAST_WIRE``). BSP's buckets
+#: and the averages of ``local:H`` and ``diloco:H`` take these and every other compressor,
+#: whose collectives then run on the quorum's participants (``TorchftMembership.exchange``)
 QUORUM_COMPRESSIONS = ("fp16", "bf16")
 
 
@@ -165,13 +165,14 @@ def check_exchange(
             "the step after the previous one was applied until its own is); use TAU below "
             f"H // F = {gap}"
         )
-    periodic = spec.kind != "bsp"
-    if periodic and compression_spec != "none" and compression_spec not in QUORUM_COMPRESSIONS:
+    streaming = (spec.fragments or 1) > 1
+    if streaming and compression_spec != "none" and compression_spec not in QUORUM_COMPRESSIONS:
         raise UsageError(
-            f"membership='torchft' with {spec.kind} and compression {compression_spec!r}: "
-            "the quorum's all-reduce carries the periodic averages as they are or cast to "
-            "fp16 or bf16 (bsp takes every compressor across replica groups); use "
-            "compression=None, 'fp16' or 'bf16', or strategy='bsp'"
+            f"membership='torchft' with streaming DiLoCo {strategy!r} and compression "
+            f"{compression_spec!r}: the fragments' exchanges cross the quorum as they are or "
+            "cast to fp16 or bf16 (the last one sends every fragment at once, which a "
+            "compressor's state kept per fragment does not fit); use compression=None, "
+            "'fp16' or 'bf16', or one fragment (diloco:H)"
         )
     if allreduce != "ring":
         raise UsageError(

@@ -238,7 +238,7 @@ class RunConfig:
         "participant with its own restarts (--max-restarts, per group): the others go on "
         "without a lost group, and its replacement heals from a live peer; --kill and --slow "
         "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp, local:H or "
-        "diloco:H (streaming too); bsp with any --compress, the others uncompressed or "
+        "diloco:H (streaming too) with any --compress, streaming DiLoCo uncompressed or "
         "--compress fp16/bf16; "
         "docs/membership.md (0: off; default: %(default)s)",
         group=LIVE,

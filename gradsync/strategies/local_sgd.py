@@ -23,7 +23,7 @@ import torch.distributed as dist
 from gradsync import exit_safety, runtime
 from gradsync.checks.diagnose import END
 from gradsync.compression.allreduce import ALLREDUCE
-from gradsync.compression.base import FlatBucket
+from gradsync.compression.base import FlatBucket, Group
 from gradsync.compression.fp import CAST_WIRE
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
@@ -100,15 +100,18 @@ class Periodic(Strategy):
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
         self._passes = PassCounter(self._params)
         # Under a hierarchy the compressor (or plain all-reduce) runs among the hosts' leaders.
-        group = ctx.group if ctx.hierarchy is None else ctx.hierarchy.leader_group
-        self._state = ctx.compressor.make_state(group)
+        group: Group = ctx.group if ctx.hierarchy is None else ctx.hierarchy.leader_group
         #: under live membership, this replica group's own sum (``_live_launch``):
         #: ``ctx.group`` is the group, the quorum holds the other groups
         self._group_sum = group_sum(ctx.group)
-        # The Synchronizer refused the other compressors under live membership
-        # (gradsync.membership): the quorum carries a mean sent as is or cast to fp16/bf16.
+        # Under live membership the quorum carries a mean sent as is or cast to fp16/bf16
+        # (the Manager's all-reduce); any other compressor runs its own collectives on the
+        # quorum's participants (``Membership.exchange``).
         if ctx.membership is not None and ctx.compressor is not ALLREDUCE:
-            self._live_wire = CAST_WIRE[ctx.compressor.spec]
+            self._live_wire = CAST_WIRE.get(ctx.compressor.spec)
+            if self._live_wire is None:
+                group = ctx.membership.replicas
+        self._state = ctx.compressor.make_state(group)
 
     @contextmanager
     def _timed(self, name: str, cat: str = "step", **args: Any) -> Iterator[None]:
@@ -249,7 +252,9 @@ class Periodic(Strategy):
         self._quorum_open = False
         return mean if committed else None
 
-    def _live_launch(self, flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def _live_launch(
+        self, flat: torch.Tensor, index: int = 0, params: list[torch.Tensor] | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
         """Start the mean of ``flat`` (in place) over every rank of every replica group in the
         quorum: ``flat / W`` summed over this group's W ranks (gloo; the group's mean, the same
         bits on each of its ranks), then the quorum's mean of those over its participants,
@@ -257,19 +262,27 @@ class Periodic(Strategy):
         group's sum first). Groups of equal size make that the mean over all their ranks,
         and every rank of every group holds the same bits; a group of one rank sends its
         own values as they are. With fp16/bf16 compression each replica's share of the
-        quorum's mean travels cast to that type (``_live_wire``); the group's sum does not."""
-        membership = self._live()
-        assert membership is not None
+        quorum's mean travels cast to that type (``_live_wire``); the group's sum does not.
+        Another compressor takes the group's mean and averages it over the participants with
+        its own collectives (``index`` keys its state, as ``_launch``'s)."""
+        membership, ctx = self._live(), self._ctx
+        assert membership is not None and ctx is not None
         wire = self._live_wire
-        self._state.bytes_sent += flat.numel() * (wire or flat.dtype).itemsize
-        ranks = self._group_sum.ranks
-        if ranks == 1:
-            return membership.allreduce(flat, wire)
-        flat.div_(ranks)
-        # the group's own all-reduce, uncompressed
-        self._state.bytes_sent += flat.numel() * flat.element_size()
-        # launched here, on the thread every rank's collectives are issued from, in order
-        return membership.allreduce(flat, wire, after=self._group_sum.launch(flat))
+        compressed = wire is None and ctx.compressor is not ALLREDUCE
+        if not compressed:  # the compressor's hook counts its own
+            self._state.bytes_sent += flat.numel() * (wire or flat.dtype).itemsize
+        after = None
+        if self._group_sum.ranks > 1:
+            flat.div_(self._group_sum.ranks)
+            # the group's own all-reduce, uncompressed
+            self._state.bytes_sent += flat.numel() * flat.element_size()
+            # launched here, on the thread every rank's collectives are issued from, in order
+            after = self._group_sum.launch(flat)
+        if compressed:
+            bucket = FlatBucket(flat, index=index, is_last=True, params=params or self._params)
+            hook, state = ctx.compressor.hook, self._state
+            return membership.exchange(lambda: hook(state, bucket), flat, after)
+        return membership.allreduce(flat, wire, after=after)
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Replicas agree right after each synchronization (and at the end), and only then."""
@@ -541,7 +554,7 @@ class DiLoCo(Periodic):
         if self._live() is not None:
             # the quorum joined before it carries it; it is waited for at its due step
             assert self._quorum_open, f"{self.spec}: an exchange started with no quorum joined"
-            return self._live_launch(pseudo)
+            return self._live_launch(pseudo, fragment, params)
         if self.delay == 0:
             return self._mean(pseudo, fragment, params)
         return self._launch(pseudo, fragment, params, wait=False)

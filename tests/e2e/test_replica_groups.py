@@ -252,13 +252,15 @@ def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     stopped by the agent's SIGTERM and writes its step records first); each exchange is
     summed in the group first (the bytes say so), and the run's final divergence check holds
     each group's two ranks bitwise equal, so all four ranks end with the same bits (without
-    the group's sum it failed). Run with ``--compress fp16``: the average crosses the quorum
-    cast to fp16, local:H's change since its anchor (which the replacement heals with:
-    without it, it failed)."""
+    the group's sum it failed). Run with ``--compress int8``: local:H's change since its
+    anchor (which the replacement heals with: without it, it failed under fp16), summed and
+    divided in the group, crosses the quorum as int8 codes and scales all-gathered over its
+    participants (fp16's cast through the Manager's all-reduce is the bsp test's and
+    tests/unit/test_group_quorum_mean_unit.py's)."""
     out = tmp_path / "run"
     # KILL_AT: a period's first step
     stdout, stderr, _, _ = _kill_heal_run(
-        out, "--strategy", strategy, "--compress", "fp16", nproc=nproc, killed=nproc - 1
+        out, "--strategy", strategy, "--compress", "int8", nproc=nproc, killed=nproc - 1
     )
     assert f"strategy {strategy}, membership torchft" in stderr, stderr[-2000:]
     group0, group1 = out / "group-0", out / "group-1"
@@ -296,12 +298,13 @@ def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    # an average sends the model's values across groups as fp16 (2 bytes each), and inside a
-    # group of several ranks as fp32 (4 bytes each) first
+    # an average sends the model's values across groups as int8 (a byte each, and a 4-byte
+    # scale per 1024), and inside a group of several ranks as fp32 (4 bytes each) first
     numel = sum(t.numel() for t in a.values())
     records = _jsonl(group0 / "metrics.jsonl")
     sent = {r["bytes"] for r in records if r["step"] % 2 == 1}
-    assert sent == {2 * numel + (0 if nproc == 1 else 4 * numel)}, (sent, numel)
+    int8 = numel + 4 * -(-numel // 1024)
+    assert sent == {int8 + (0 if nproc == 1 else 4 * numel)}, (sent, numel)
 
 
 @pytest.mark.timeout(280)

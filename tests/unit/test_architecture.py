@@ -150,8 +150,9 @@ MAY_IMPORT = {
     "processes": set(),
     # live membership: the Manager heals a replica with what a checkpoint holds (the strategy's
     # model state, the registry) and serves its group's store on loopback (processes.stores);
-    # the final average is asked for at checks' END, as the strategies ask for it
-    "membership": {"strategies", "checkpoint", "processes", "checks"},
+    # the final average is asked for at checks' END, as the strategies ask for it; its
+    # quorum's participants are a compressor's group (compression.base.ReplicaExchange)
+    "membership": {"strategies", "checkpoint", "processes", "checks", "compression"},
     # the top of the house: nothing imports it, it may import everything
     "runner": {
         "strategies",

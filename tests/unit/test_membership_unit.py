@@ -34,7 +34,7 @@ def test_no_membership_is_the_classic_restart_and_refuses_its_settings() -> None
     [
         ({"strategy": "diloco:7:2:3"}, r"streaming DiLoCo .diloco:7:2:3.: with TAU=3 a fragment"),
         ({"strategy": "zero:1"}, r"'diloco:H' only for now, got 'zero:1'"),
-        ({"compression_spec": "topk:0.01", "strategy": "local:4"}, r"compression .topk:0.01."),
+        ({"compression_spec": "topk:0.01", "strategy": "diloco:4:2:1"}, r"compression .topk:0.01."),
         ({"allreduce": "hierarchical"}, r"allreduce='hierarchical'"),
         ({"bucket_mb": "auto"}, r"bucket_mb='auto'"),
         ({"balance": True}, r"with balance"),
@@ -87,13 +87,13 @@ def test_a_cast_to_16_bits_crosses_the_quorum_under_every_live_strategy(
 
 
 @pytest.mark.parametrize("compression", ["int8", "int4", "topk:0.1", "powersgd:2", "sparseloco"])
-def test_bsp_takes_every_compressor_across_the_quorum_the_periodic_averages_only_16_bits(
+def test_every_compressor_crosses_the_quorum_but_streaming_fragments_take_16_bits(
     compression: str,
 ) -> None:
-    """BSP's compressed buckets run the compressor's own collectives on the quorum's
-    participants; the periodic averages go through the Manager's all-reduce only."""
+    """BSP's buckets and the periodic averages run the compressor's own collectives on the
+    quorum's participants; streaming DiLoCo's fragments go through the Manager's all-reduce."""
     change = {"compression_spec": compression}
-    assert check_membership("torchft", **{**GOOD, **change, "strategy": "bsp"}) is not None
-    for strategy in ("local:4", "diloco:4"):
-        with pytest.raises(UsageError, match=r"use compression=None, 'fp16' or 'bf16'"):
-            check_membership("torchft", **{**GOOD, **change, "strategy": strategy})
+    for strategy in ("bsp", "local:4", "diloco:4"):
+        assert check_membership("torchft", **{**GOOD, **change, "strategy": strategy})
+    with pytest.raises(UsageError, match=r"use compression=None, 'fp16' or 'bf16', or one"):
+        check_membership("torchft", **{**GOOD, **change, "strategy": "diloco:4:2:1"})

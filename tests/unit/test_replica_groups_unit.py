@@ -46,8 +46,8 @@ def test_groups_of_several_ranks_run_every_live_strategy(strategy: str) -> None:
             "DiLoCo 'diloco:7:2:3': with TAU=3",
         ),
         (
-            [*GROUPS, "--strategy", "local:2", "--compress", "int4"],
-            "membership='torchft' with local and compression 'int4'",
+            [*GROUPS, "--strategy", "diloco:4:2:1", "--compress", "int4"],
+            "membership='torchft' with streaming DiLoCo 'diloco:4:2:1' and compression 'int4'",
         ),
         ([*GROUPS, "--bucket-mb", "auto"], "with bucket_mb='auto'"),
         ([*GROUPS, "--backend", "nccl"], "exchange over torchft's gloo group on the CPU"),
