@@ -9,6 +9,7 @@ docs/membership.md ("Streaming DiLoCo"); the e2e run is tests/e2e/test_replica_g
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -93,9 +94,12 @@ class Quorum:
         self.open = True
 
     def allreduce(
-        self, tensor: torch.Tensor, wire: torch.dtype | None = None
+        self,
+        tensor: torch.Tensor,
+        wire: torch.dtype | None = None,
+        after: Callable[[], object] | None = None,
     ) -> torch.futures.Future[torch.Tensor]:
-        assert wire is None  # uncompressed
+        assert wire is None and after is None  # uncompressed, groups of one rank
         assert self.open, "an exchange with no quorum joined"
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         if self.pair is None:
