@@ -282,6 +282,8 @@ class Periodic(Strategy):
             bucket = FlatBucket(flat, index=index, is_last=True, params=params or self._params)
             hook, state = ctx.compressor.hook, self._state
             return membership.exchange(lambda: hook(state, bucket), flat, after)
+        if after is None:
+            return membership.allreduce(flat, wire)
         return membership.allreduce(flat, wire, after=after)
 
     def replicas_identical(self, step: int, final: bool) -> bool:
