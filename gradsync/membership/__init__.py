@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradsync.errors import UsageError
-from gradsync.spec import parse_strategy_spec
+from gradsync.spec import StrategySpec, parse_strategy_spec
 
 #: the values ``Synchronizer(membership=...)`` takes besides None (the classic restart)
 MEMBERSHIPS = ("torchft",)
 #: the strategies whose exchanges go through the quorum (``check_exchange``)
 LIVE_KINDS = ("bsp", "local", "diloco")
+#: the strategies whose exchange goes through the quorum, as the messages name them
+LIVE_STRATEGIES = "bsp, zero:1, local:H or diloco:H"
 #: where the lighthouse's address is read when ``lighthouse=`` is not given (torchft's own name)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 #: this replica group's id (torchft's examples' name): it names the group in the quorum and in
@@ -137,6 +139,13 @@ def check_membership(
 QUORUM_COMPRESSIONS = ("fp16", "bf16")
 
 
+def runs_live(spec: StrategySpec) -> bool:
+    """Whether the strategy ``spec`` runs under live membership: those of ``LIVE_KINDS``, and
+    ``zero:1`` inside each replica group (HSDP's shape: the optimizer state sharded over the
+    group's ranks, the gradient's mean over every group through the quorum, as ``bsp``)."""
+    return spec.kind in LIVE_KINDS or (spec.kind == "zero" and spec.stage == 1)
+
+
 def check_exchange(
     strategy: Any, compression_spec: str, allreduce: str, bucket_mb: Any, balance: Any
 ) -> None:
@@ -147,13 +156,13 @@ def check_exchange(
     Manager (one quorum at a time) can hold only where each exchange is applied before the
     next one starts: TAU below H // F, the fewest steps between two fragments' starts."""
     spec = parse_strategy_spec(strategy) if isinstance(strategy, str) else None
-    if spec is None or spec.kind not in LIVE_KINDS:
+    if spec is None or not runs_live(spec):
         raise UsageError(
-            f"membership='torchft' runs strategies 'bsp', 'local:H' and 'diloco:H' only for "
-            f"now, got {strategy!r}: their exchanges (BSP's gradient, the periodic average) "
-            "are the ones that go through the torchft Manager's all-reduce and commit decision "
-            "(the other strategies' collectives would stay inside one replica group, or reach "
-            "a lost one and hang); give strategy='bsp', 'local:H' or 'diloco:H' as a string"
+            f"membership='torchft' runs strategies {LIVE_STRATEGIES} only for now, got "
+            f"{strategy!r}: their exchanges (BSP's gradient, the periodic average) are the "
+            "ones that go through the torchft Manager's quorum and commit decision (the other "
+            "strategies' collectives would stay inside one replica group, or reach a lost one "
+            f"and hang); give strategy as a string, one of {LIVE_STRATEGIES}"
         )
     # the fewest steps between two fragments' starts (``streaming.offsets``)
     gap = (spec.period or 1) // (spec.fragments or 1)

@@ -24,7 +24,13 @@ from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
 from gradsync.flags import flag, flag_from
 from gradsync.inject import parse_kill, parse_slow
-from gradsync.membership import LIVE_KINDS, check_exchange, check_lighthouse, torchft_missing
+from gradsync.membership import (
+    LIVE_STRATEGIES,
+    check_exchange,
+    check_lighthouse,
+    runs_live,
+    torchft_missing,
+)
 from gradsync.membership.lighthouse import HEARTBEAT_TIMEOUT_RANGE_S, HEARTBEAT_TIMEOUT_S
 from gradsync.options import DEFAULT_TIMEOUT_S, Checks, Exchange, Limits
 from gradsync.runner.rundir import OVERWRITE_AND_RESUME
@@ -237,7 +243,7 @@ class RunConfig:
         help="live membership: G replica groups of --nproc ranks, each a torchft "
         "participant with its own restarts (--max-restarts, per group): the others go on "
         "without a lost group, and its replacement heals from a live peer; --kill and --slow "
-        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp, local:H or "
+        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp, zero:1, local:H or "
         "diloco:H (streaming too) with any --compress, streaming DiLoCo uncompressed or "
         "--compress fp16/bf16; "
         "docs/membership.md (0: off; default: %(default)s)",
@@ -570,18 +576,18 @@ class RunConfig:
                 f"--replica-groups must be between 2 and {MAX_LOCAL_PROCESSES} (0: off), got "
                 f"{groups}: a single group has no peer to go on without it or to heal from"
             )
-        kind = parse_strategy_spec(self.strategy).kind
+        spec = parse_strategy_spec(self.strategy)
         if groups * self.nproc > MAX_LOCAL_PROCESSES:
             raise UsageError(
                 f"--replica-groups {groups} of --nproc {self.nproc} is {groups * self.nproc} "
                 f"processes, more than {MAX_LOCAL_PROCESSES} on one machine"
             )
-        if kind not in LIVE_KINDS:
+        if not runs_live(spec):
             raise UsageError(
-                f"--replica-groups runs --strategy bsp, local:H or diloco:H only for now, got "
+                f"--replica-groups runs --strategy {LIVE_STRATEGIES} only for now, got "
                 f"{self.strategy}: their exchanges are the ones that go through torchft's "
-                "all-reduce and commit decision (the others' collectives would stay inside one "
-                "group or reach a lost one); use --strategy bsp, local:H or diloco:H"
+                "quorum and commit decision (the others' collectives would stay inside one "
+                f"group or reach a lost one); use --strategy {LIVE_STRATEGIES}"
             )
         try:
             check_exchange(

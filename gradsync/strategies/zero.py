@@ -193,6 +193,12 @@ class ZeroStage1(BSP):
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         if self.reducer.late_gradient:
             raise late_gradient(step)
+        # Under live membership (zero:1 inside each replica group), as under bsp: asked every
+        # step, and a step the quorum does not commit is skipped by every rank of the group
+        # (their Managers agree on it), so the shards' exchange below is skipped together.
+        if self._membership is not None and not self._membership.commit(step):
+            self.shards.ctx.optimizer.zero_grad(set_to_none=True)
+            outcome.skipped = True
         if outcome.skipped:
             return outcome
         outcome.bytes_sent += self.shards.apply(step, outcome, full_grads=True)
