@@ -30,7 +30,7 @@ MEMBERSHIPS = ("torchft",)
 #: the strategies whose exchanges go through the quorum (``check_exchange``)
 LIVE_KINDS = ("bsp", "local", "diloco")
 #: the strategies whose exchange goes through the quorum, as the messages name them
-LIVE_STRATEGIES = "bsp, zero:1, local:H or diloco:H"
+LIVE_STRATEGIES = "bsp, zero:1, zero:2, local:H or diloco:H"
 #: where the lighthouse's address is read when ``lighthouse=`` is not given (torchft's own name)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 #: this replica group's id (torchft's examples' name): it names the group in the quorum and in
@@ -141,9 +141,11 @@ QUORUM_COMPRESSIONS = ("fp16", "bf16")
 
 def runs_live(spec: StrategySpec) -> bool:
     """Whether the strategy ``spec`` runs under live membership: those of ``LIVE_KINDS``, and
-    ``zero:1`` inside each replica group (HSDP's shape: the optimizer state sharded over the
-    group's ranks, the gradient's mean over every group through the quorum, as ``bsp``)."""
-    return spec.kind in LIVE_KINDS or (spec.kind == "zero" and spec.stage == 1)
+    ``zero:1`` and ``zero:2`` inside each replica group (HSDP's shape: the optimizer state,
+    and under ``zero:2`` the gradient, sharded over the group's ranks; the gradient's mean
+    over every group through the quorum: the whole gradient under ``zero:1``, as ``bsp``, each
+    rank's shard under ``zero:2``)."""
+    return spec.kind in LIVE_KINDS or (spec.kind == "zero" and spec.stage in (1, 2))
 
 
 def check_exchange(

@@ -243,8 +243,8 @@ class RunConfig:
         help="live membership: G replica groups of --nproc ranks, each a torchft "
         "participant with its own restarts (--max-restarts, per group): the others go on "
         "without a lost group, and its replacement heals from a live peer; --kill and --slow "
-        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp, zero:1, local:H or "
-        "diloco:H (streaming too) with any --compress, streaming DiLoCo uncompressed or "
+        "name ranks 0..G*nproc-1, group K holding ranks K*nproc...; bsp, zero:1, zero:2, "
+        "local:H or diloco:H (streaming too) with any --compress, streaming DiLoCo uncompressed or "
         "--compress fp16/bf16; "
         "docs/membership.md (0: off; default: %(default)s)",
         group=LIVE,

@@ -86,6 +86,7 @@ from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
 from gradsync.spec import GRADIENT_COMPRESSION_FORMS
 from gradsync.strategies.base import (
+    Membership,
     StepOutcome,
     StepPlan,
     Strategy,
@@ -320,10 +321,13 @@ class ZeroStage2(Strategy):
         #: refuses torch's clip of this rank's part of the gradient (``LocalClipGuard``)
         self._clip_guard = LocalClipGuard(self.name)
         self._partial_state: Any = None
+        #: live membership's quorum (None: ``ctx.group`` holds every replica)
+        self._membership: Membership | None = None
 
     def setup(self, ctx: SyncContext) -> None:
         if ctx.compressor is not ALLREDUCE:  # a Compressor object too, whatever its spec
             raise _compression_error(2, ctx.compressor.spec)
+        self._membership = ctx.membership
         _check_scaler(ctx, self.name)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         layout = self._layout = OwnerLayout(params, runtime.world_size(ctx.group), ctx.rank)
@@ -363,6 +367,10 @@ class ZeroStage2(Strategy):
 
     def begin_step(self, plan: StepPlan) -> None:
         _, layout, _, passes = self._parts()
+        if self._membership is not None:
+            # Before anything of the step: a replacement heals here (each rank from the same
+            # rank of a live group: its shard of the optimizer state is this rank's own).
+            self._membership.start_step(plan.step)
         # Released, not zeroed: backward then hands every parameter a fresh gradient tensor,
         # which is copied once into the exchange's buffer and freed (as under bsp).
         for p in layout.params:
@@ -413,6 +421,8 @@ class ZeroStage2(Strategy):
             for received in self._received:
                 received.fill_(float("nan"))
         nbytes = sum(n for _, _, n in self._sent)
+        if self._membership is not None:
+            nbytes += self._quorum_mean(self._membership)
         spans = []
         if ctx.record_spans and self._sent:
             wall0, seconds = self._sent[0][0], sum(d for _, d, _ in self._sent)
@@ -433,6 +443,16 @@ class ZeroStage2(Strategy):
         if not poison:  # the user's code may now read p.grad: this rank's part only
             self._clip_guard.arm(p.grad for p in layout.mine if p.grad is not None)
         return outcome
+
+    def _quorum_mean(self, membership: Membership) -> int:
+        """Under live membership: this rank's part of the group's mean gradient, averaged
+        with the same rank's part in every group of the quorum (HSDP's shape: the
+        reduce-scatter inside the group, the all-reduce of each shard across groups); the
+        bytes sent. A failed exchange leaves garbage that the step's commit then refuses."""
+        launched = [membership.allreduce(received) for received in self._received]
+        for done in launched:
+            done.wait()
+        return sum(r.numel() * r.element_size() for r in self._received)
 
     def _pack_one(self, param: torch.Tensor) -> None:
         """The backward pass has finished ``param``'s gradient for this step: send every round
@@ -572,9 +592,13 @@ class ZeroStage2(Strategy):
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         self._clip_guard.disarm()
-        _, _, shards, passes = self._parts()
+        ctx, _, shards, passes = self._parts()
         if passes.late:
             raise late_gradient(step)
+        # asked every step, as under bsp; a step not committed is skipped by the whole group
+        if self._membership is not None and not self._membership.commit(step):
+            ctx.optimizer.zero_grad(set_to_none=True)
+            outcome.skipped = True
         if outcome.skipped:
             return outcome
         outcome.bytes_sent += shards.apply(step, outcome, full_grads=False)

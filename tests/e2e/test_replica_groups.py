@@ -127,19 +127,22 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
 
 
 @pytest.mark.timeout(280)
-def test_zero_1_inside_each_group_heals_a_rank_from_its_peer_rank_and_ends_bitwise_equal(
-    tmp_path: Path,
+@pytest.mark.parametrize("strategy", ["zero:1", "zero:2"])
+def test_zero_inside_each_group_heals_a_rank_from_its_peer_rank_and_ends_bitwise_equal(
+    tmp_path: Path, strategy: str
 ) -> None:
-    """``zero:1`` inside replica groups of two ranks (HSDP's shape): each rank owns half of
-    the optimizer state within its group, the gradient's mean crosses the quorum as under
-    ``bsp``, and each step the quorum does not commit is skipped by both ranks of a group.
+    """``zero:1`` and ``zero:2`` inside replica groups of two ranks (HSDP's shape): each rank
+    owns half of the optimizer state within its group; the gradient's mean crosses the quorum
+    as under ``bsp`` (``zero:1``), or each rank's part of the group's reduce-scatter is
+    averaged with the same rank's part in the other group (``zero:2``); each step the quorum
+    does not commit is skipped by both ranks of a group.
     Group 1's rank 1 is killed; each new rank heals from the same rank of group 0, whose
     shard of the optimizer state is its own (the same ownership in every group), and both
     groups end bitwise equal, with parameters and optimizer state that every rank of a group
     agrees on (the run's final divergence check)."""
     out = tmp_path / "run"
-    _, stderr, _, _ = _kill_heal_run(out, "--strategy", "zero:1", nproc=2, killed=1)
-    assert "strategy zero:1, membership torchft" in stderr, stderr[-2000:]
+    _, stderr, _, _ = _kill_heal_run(out, "--strategy", strategy, nproc=2, killed=1)
+    assert f"strategy {strategy}, membership torchft" in stderr, stderr[-2000:]
     healed = _group0_unbroken_group1_restarted_once(out)
     assert [h["step"] for h in healed] == [KILL_AT], healed
     a, b = (

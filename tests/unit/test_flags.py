@@ -150,7 +150,7 @@ INVALID: list[dict[str, Any]] = [
     {"lr": math.inf},
     {"batch_size": 1_000_000_000},  # terabytes of activations
     {"replica_groups": 1, "nproc": 1},  # no peer to go on without, or to heal from
-    {"replica_groups": 2, "strategy": "zero:2"},  # its collectives would stay in one group
+    {"replica_groups": 2, "strategy": "zero:3"},  # its collectives would stay in one group
     {"replica_groups": 2, "heartbeat_timeout": 0.1},  # a busy group taken for lost
     {"lighthouse": "http://127.0.0.1:1"},  # no --replica-groups
     {"min_replicas": 3, "replica_groups": 2, "nproc": 1},  # never a quorum

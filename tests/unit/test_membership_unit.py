@@ -33,7 +33,7 @@ def test_no_membership_is_the_classic_restart_and_refuses_its_settings() -> None
     ("change", "match"),
     [
         ({"strategy": "diloco:7:2:3"}, r"streaming DiLoCo .diloco:7:2:3.: with TAU=3 a fragment"),
-        ({"strategy": "zero:2"}, r"diloco:H only for now, got 'zero:2'"),
+        ({"strategy": "zero:3"}, r"diloco:H only for now, got 'zero:3'"),
         ({"compression_spec": "topk:0.01", "strategy": "diloco:4:2:1"}, r"compression .topk:0.01."),
         ({"allreduce": "hierarchical"}, r"allreduce='hierarchical'"),
         ({"bucket_mb": "auto"}, r"bucket_mb='auto'"),

@@ -37,12 +37,12 @@ def test_groups_of_several_ranks_run_every_live_strategy(strategy: str) -> None:
     [
         (
             ["--replica-groups", "2", "--nproc", "2", "--strategy", "ssp:2"],
-            "bsp, zero:1, local:H or diloco:H only for now, got ssp:2",
+            "bsp, zero:1, zero:2, local:H or diloco:H only for now, got ssp:2",
         ),
         (["--replica-groups", "1", "--nproc", "1"], "must be between 2 and 256 (0: off), got 1"),
         (
-            [*GROUPS, "--strategy", "zero:2"],
-            "bsp, zero:1, local:H or diloco:H only for now, got zero:2",
+            [*GROUPS, "--strategy", "zero:3"],
+            "bsp, zero:1, zero:2, local:H or diloco:H only for now, got zero:3",
         ),
         (
             [*GROUPS, "--strategy", "diloco:7:2:3"],
