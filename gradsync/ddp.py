@@ -92,7 +92,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import types
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +187,73 @@ class _OpenStep:
         self._block.__exit__(None, None, None)
 
 
+class _ApartReplicas:
+    """Under a strategy whose replicas differ between its averages (``local:H``, ``diloco:H``,
+    ``gossip:H``, ``noloco:H``), the warnings of a script that never calls ``model.report()``
+    (a DDP script has no such call), whose replicas would end apart without a word: one when
+    the model's state is taken while they are apart (``model.state_dict()`` or
+    ``model.module.state_dict()``, what scripts save as the final model), and one on every
+    rank at the wrapper's collection or the interpreter's exit. Neither posts a collective:
+    one there would hang wherever the ranks disagree (one of them failed, or saves alone)."""
+
+    def __init__(self, sync: Synchronizer) -> None:
+        self._sync = sync
+        self._warned_state = False
+
+    def apart(self) -> bool:
+        """Whether the last step left the replicas apart and no ``report()`` has joined them
+        since (the same answer on every rank)."""
+        sync, steps = self._sync, self._sync.step_count
+        joined = sync.finalized_at is not None and sync.finalized_at >= steps
+        return steps > 0 and not joined and not sync.strategy.replicas_identical(steps - 1, False)
+
+    def _where(self) -> str:
+        strategy = self._sync.strategy
+        period = getattr(strategy, "period", None)
+        name = strategy.name + ("" if period is None else f":{period}")
+        why = (
+            "its pair exchanges never average every replica before report()"
+            if strategy.name in ("gossip", "noloco")
+            else "each rank's holds its own local steps since the last average"
+        )
+        return (
+            f"under {name} after step {self._sync.step_count - 1} without model.report(): the "
+            f"replicas differ ({why})"
+        )
+
+    _FIX = (
+        "Call model.report() on every rank after the training loop, before saving the final "
+        "model and before destroy_process_group(): it averages the unfinished period so the "
+        "replicas end identical (docs/porting.md, 'model.report() under local:H')"
+    )
+
+    def on_state_dict(self, *_: Any) -> None:
+        if self._warned_state or self._sync.busy or not self.apart():
+            return  # gradsync's own save / full_state_dict, or the replicas agree
+        self._warned_state = True
+        rank = self._sync.rank
+        warnings.warn(
+            f"gradsync: rank {rank} took model.state_dict() {self._where()}, so it is rank "
+            f"{rank}'s replica alone, not a model the ranks agree on. {self._FIX}; for a "
+            "checkpoint to resume from mid-period, model.sync.save(dir) on every rank",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def at_exit(self) -> None:
+        # a script that failed (Python set sys.last_value as it printed the exception) has
+        # its own error to show; this would only bury it
+        if getattr(sys, "last_value", None) is not None or not self.apart():
+            return
+        # no source line to point at: the script has ended (or dropped the wrapper)
+        warnings.warn_explicit(
+            f"gradsync: rank {self._sync.rank} ends {self._where()}, and they end so. {self._FIX}",
+            RuntimeWarning,
+            "<gradsync at exit>",
+            0,
+        )
+
+
 class DistributedDataParallel(nn.Module):
     """``torch.nn.parallel.DistributedDataParallel``'s surface over a ``gs.Synchronizer``.
 
@@ -204,7 +274,11 @@ class DistributedDataParallel(nn.Module):
     Call ``model.report()`` on every rank at the end of training (before
     ``destroy_process_group``) for gradsync's timing report and final checks; under
     ``local:H`` / ``diloco:H`` it also closes an unfinished period with a last average, so the
-    replicas end identical. Under ``bsp`` and ``zero:1/2/3`` it is optional.
+    replicas end identical (``gossip:H`` / ``noloco:H``: averages every replica). Under
+    ``bsp`` and ``zero:1/2/3`` it is optional. Under the others a script without it (a DDP
+    script has none) is warned, with no collective: once when the model's state is taken while
+    the replicas differ, and on every rank at the wrapper's collection or the interpreter's
+    exit (``_ApartReplicas``).
     """
 
     def __init__(
@@ -290,6 +364,15 @@ class DistributedDataParallel(nn.Module):
         self._own_step = optimizer.__dict__.get("step")
         self._original_step = optimizer.step
         self._routed_step = _route_step(optimizer, self._original_step, self._optimizer_step)
+        #: local:H, diloco:H, gossip:H, noloco:H on more than one rank: the replicas differ
+        #: between averages, and a script without model.report() ends with them apart
+        self._apart: _ApartReplicas | None = None
+        if not self.sync.strategy.replicates_every_step and runtime.world_size(process_group) > 1:
+            self._apart = _ApartReplicas(self.sync)
+            # kept past close(): a script may save after it
+            self._state_hook = module.register_state_dict_pre_hook(self._apart.on_state_dict)
+            # at this object's collection or the interpreter's exit, whichever comes first
+            weakref.finalize(self, self._apart.at_exit)
 
     # -- the user's calls ---------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

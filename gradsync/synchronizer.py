@@ -316,6 +316,12 @@ class Synchronizer:
         #: a block's start): waiting for peers, so sync time, not compute
         self._gate_waited = 0.0
         self._final_checked = False
+        #: ``step_count`` when ``report()`` last ran the strategy's ``finalize`` (the replicas
+        #: agree there); None before. The front door warns of replicas left apart without it.
+        self.finalized_at: int | None = None
+        #: gradsync's own API calls in progress (save, report, ...): the model's state taken
+        #: inside one is gradsync's, not the script's
+        self._calls = 0
         self._checkpoints = self._make_checkpointer()
         if self.strategy.barrier_free:
             self._collector.before_gather = self._checkpoints.before_gather
@@ -883,12 +889,20 @@ class Synchronizer:
         """A collective API call made between steps (save, load, report): gate, then
         ``timeout_s``, then back to the user."""
         self._watch.enter(BLOCK, step, what)
+        self._calls += 1
         try:
             self._pass_gate(step, what)
             self._enter_gradsync()
             yield
         finally:
+            self._calls -= 1
             self._back_to_user()
+
+    @property
+    def busy(self) -> bool:
+        """Inside a step block or one of gradsync's own API calls (``save``, ``report``,
+        ``full_state_dict``, ...): what touches the model now is gradsync's doing."""
+        return self._in_step or self._calls > 0
 
     def _count_optimizer_step(self, *_: Any) -> None:
         self._optimizer_steps += 1
@@ -1052,6 +1066,7 @@ class Synchronizer:
         with self._gradsync_call(END, "report()"):
             with compat.annotate("gradsync.finalize"):
                 self.strategy.finalize()
+            self.finalized_at = self._step
             if self.check_every and not self._final_checked:
                 self._final_checked = True
                 self._check_replicas(self._step - 1, final=True)

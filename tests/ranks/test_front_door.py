@@ -1,7 +1,8 @@
 """The DDP-shaped front door on 2 gloo ranks: a DDP loop (no_sync accumulation, a GradScaler,
 clipping, zero_grad) run unchanged with ``gs.DistributedDataParallel`` in place of torch's DDP
 ends bit for bit where DDP's does, under bsp and zero:1; local:2, diloco:2 and a compressed bsp
-end with identical replicas."""
+end with identical replicas after model.report(); a local:2 run without it warns on every rank
+that its replicas end apart."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_bsp_and_zero1_with_an_enabled_grad_scaler_end_bitwise_equal_to_ddp(
 
 
 @pytest.mark.timeout(120)
-def test_local_diloco_gossip_and_compressed_bsp_end_with_identical_replicas() -> None:
+def test_local_diloco_gossip_and_compressed_bsp_end_identical_and_warn_without_report() -> None:
     first, second = run_ranks(front_door_ranks.other_strategies, 2, timeout_s=110)
     for name in ("local", "diloco", "gossip", "bsp_fp16"):
         # parameters: BatchNorm's running statistics stay each rank's own after the last
@@ -64,6 +65,22 @@ def test_local_diloco_gossip_and_compressed_bsp_end_with_identical_replicas() ->
     # the local steps ran apart: before report() the replicas differed
     before = first["local"]["state"]["0.weight"], second["local"]["state"]["0.weight"]
     assert not torch.equal(*before)
+    for rank, out in enumerate((first, second)):
+        # ddp_loop's raw.state_dict() was taken mid-period, before report(): told so once;
+        # report() then joined the replicas, so the wrapper's collection says nothing
+        (took,) = out["local"]["warnings"]
+        assert f"rank {rank} took model.state_dict() under local:2 after step 4" in took
+        assert "Call model.report() on every rank" in took
+        assert not out["bsp_fp16"]["warnings"]
+        # a DDP script never calls report(): the replicas end apart, and every rank says so
+        unreported = out["local_unreported"]
+        assert not torch.equal(
+            first["local_unreported"]["params"]["0.weight"],
+            second["local_unreported"]["params"]["0.weight"],
+        )
+        took, ends = unreported["warnings"]
+        assert f"rank {rank} ends under local:2 after step 4 without model.report()" in ends
+        assert "Call model.report() on every rank" in ends
 
 
 @pytest.mark.timeout(60)
