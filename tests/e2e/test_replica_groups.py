@@ -127,15 +127,15 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
 
 
 @pytest.mark.timeout(280)
-@pytest.mark.parametrize("strategy", ["zero:1", "zero:2"])
+@pytest.mark.parametrize("strategy", ["zero:2"])
 def test_zero_inside_each_group_heals_a_rank_from_its_peer_rank_and_ends_bitwise_equal(
     tmp_path: Path, strategy: str
 ) -> None:
-    """``zero:1`` and ``zero:2`` inside replica groups of two ranks (HSDP's shape): each rank
-    owns half of the optimizer state within its group; the gradient's mean crosses the quorum
-    as under ``bsp`` (``zero:1``), or each rank's part of the group's reduce-scatter is
-    averaged with the same rank's part in the other group (``zero:2``); each step the quorum
-    does not commit is skipped by both ranks of a group.
+    """``zero:2`` inside replica groups of two ranks (HSDP's shape): each rank owns half of
+    the optimizer state within its group; each rank's part of the group's reduce-scatter is
+    averaged with the same rank's part in the other group; each step the quorum does not
+    commit is skipped by both ranks of a group (``zero:1``, whose gradient crosses the quorum
+    as under ``bsp``, is the compressor test's strategy below).
     Group 1's rank 1 is killed; each new rank heals from the same rank of group 0, whose
     shard of the optimizer state is its own (the same ownership in every group), and both
     groups end bitwise equal, with parameters and optimizer state that every rank of a group
@@ -158,14 +158,15 @@ def test_zero_inside_each_group_heals_a_rank_from_its_peer_rank_and_ends_bitwise
 def test_a_compressor_crosses_the_quorum_and_a_healed_group_ends_where_ranks_would(
     tmp_path: Path,
 ) -> None:
-    """``--compress int8`` under ``bsp``: each bucket's int8 codes and scales are all-gathered
-    over the quorum's participants (torchft's process group), decoded in the participants'
-    order, as ``--nproc 2`` does over two ranks. Group 1 is killed at KILL_AT and its
-    replacement heals from group 0 (int8's step counters come along); both groups end bitwise
-    equal to an uninterrupted ``--nproc 2`` run of the same command, and each step sends what
-    two ranks' int8 exchange sends."""
+    """``--compress int8`` under ``zero:1`` (BSP's exchange, and the quorum's commit asked
+    before the sharded update): each bucket's int8 codes and scales are all-gathered over the
+    quorum's participants (torchft's process group), decoded in the participants' order, as
+    ``--nproc 2`` does over two ranks. Group 1 is killed at KILL_AT and its replacement heals
+    from group 0 (int8's step counters come along); both groups end bitwise equal to an
+    uninterrupted ``--nproc 2`` run of ``bsp`` with int8, and each step sends what two ranks'
+    int8 exchange sends."""
     out, plain = tmp_path / "run", tmp_path / "plain"
-    _kill_heal_run(out, "--compress", "int8")
+    _kill_heal_run(out, "--strategy", "zero:1", "--compress", "int8")
     healed = _group0_unbroken_group1_restarted_once(out)
     assert [h["step"] for h in healed] == [KILL_AT], healed
     subprocess.run(
