@@ -1097,7 +1097,11 @@ class Synchronizer:
         of the background thread are raised by the next ``save``, ``wait_for_checkpoints`` or
         ``close``. With ``wait=True`` the checkpoint is complete when this returns."""
         if not wait:  # posts no collective, so no gate either: a copy and a hand-over
-            return self._checkpoints.save(directory, keep=keep, extra=extra, wait=False)
+            self._calls += 1  # still gradsync's own call (the front door's warnings)
+            try:
+                return self._checkpoints.save(directory, keep=keep, extra=extra, wait=False)
+            finally:
+                self._calls -= 1
         with self._gradsync_call(self._step, "sync.save()"):
             return self._checkpoints.save(directory, keep=keep, extra=extra, wait=True)
 
