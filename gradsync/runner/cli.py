@@ -34,22 +34,44 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     return from_namespace(RunConfig, args, script=list(getattr(args, "script", None) or []))
 
 
+class _DefaultNproc(int):
+    """``--nproc``'s default as run's parser holds it: 4, told apart from a given ``--nproc 4``
+    (a --resume without --nproc takes the saved run's)."""
+
+
+def _saved_nproc(out: str | None) -> int | None:
+    """The --nproc of the run saved in ``out`` (its config.json), or None: no such run, or a
+    config.json that does not say (a --resume of a built-in workload names a torn one)."""
+    if not out:
+        return None
+    try:
+        nproc = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))["nproc"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return nproc if type(nproc) is int and nproc >= 1 else None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from gradsync.runner.rundir import claim
 
+    before = _saved_nproc(args.out) if args.resume else None
+    if isinstance(args.nproc, _DefaultNproc):
+        # --resume continues the saved run with its settings: its ranks, where --nproc is not
+        # given (a given one that differs is taken, and the summary's header names both)
+        args.nproc = before if before is not None else int(args.nproc)
     cfg = _config_from_args(args)
     run_dir = Path(cfg.out)
     # Held until this process ends: no second run in the same directory meanwhile.
     claimed = claim(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
-        resumed: Resumed | None = None
         if cfg.resume and not cfg.script:  # a script resumes from its own checkpoints
             from gradsync.runner.resume import check_resume
 
             # before any worker starts, and before config.json is rewritten with this run's
             # flags: a refused --resume leaves the saved run's as it was
-            resumed = check_resume(cfg, run_dir)
-        return _run(cfg, run_dir, cfg.changed_fields(), resumed)
+            resumed: Resumed = check_resume(cfg, run_dir)
+            before = resumed.saved_nproc
+        return _run(cfg, run_dir, cfg.changed_fields(), before)
     finally:
         claimed.release()
 
@@ -59,9 +81,9 @@ def _placement(backend: str) -> str:
     return f"on the {'GPU' if backend == 'nccl' else 'CPU'} ({backend})"
 
 
-def _run(
-    cfg: Any, run_dir: Path, given: list[str] | None = None, resumed: Resumed | None = None
-) -> int:
+def _run(cfg: Any, run_dir: Path, given: list[str] | None = None, before: int | None = None) -> int:
+    """The run of ``cfg`` into ``run_dir``; ``before``: under --resume, the saved run's
+    --nproc (None: no resume, or not known)."""
     from gradsync.processes.launch import launch
     from gradsync.runner.worker import run_rank
 
@@ -72,6 +94,8 @@ def _run(
         return run_groups(cfg, run_dir, given)  # a launch per group, each with its restarts
     servers = f" + {counted(cfg.servers, 'server')}" if cfg.uses_servers else ""
     workers = counted(cfg.nproc, "worker")
+    # the compressor, where one is set (a script's Synchronizer takes it from --compress)
+    compressed = f", compression {cfg.compression}" if cfg.compression else ""
     # Where the model trains is decided per machine (--backend auto): said up front, so a
     # run meant for the GPU that fell back to the CPU is seen before its first step.
     where = "" if cfg.hosts else f", {_placement(cfg.process_backend(cfg.processes))}"
@@ -79,15 +103,16 @@ def _run(
         cfg.save(run_dir, given=given)
         strategy = f"strategy {cfg.strategy}" if "strategy" in given else "its own strategy"
         print(
-            f"gradsync run: {' '.join(cfg.script)}, {strategy}, {workers}{servers}"
+            f"gradsync run: {' '.join(cfg.script)}, {strategy}{compressed}, {workers}{servers}"
             f"{where} -> {run_dir}",
             file=sys.stderr,
         )
     else:
         cfg.save(run_dir, fp32_bytes_per_step=4 * _trainable_params(cfg), given=given)
         print(
-            f"gradsync run: {cfg.workload}, strategy {cfg.strategy}, {workers}{servers}, "
-            f"{counted(cfg.steps, 'step')}, batch {cfg.batch_size}/worker{where} -> {run_dir}",
+            f"gradsync run: {cfg.workload}, strategy {cfg.strategy}{compressed}, {workers}"
+            f"{servers}, {counted(cfg.steps, 'step')}, batch {cfg.batch_size}/worker{where} "
+            f"-> {run_dir}",
             file=sys.stderr,
         )
     if cfg.hosts:
@@ -103,7 +128,7 @@ def _run(
         if results.get(0) is None:
             raise RuntimeError("rank 0 returned no report")
     _record_bucket_plan(cfg, run_dir)
-    print(_summary(cfg, run_dir, resumed))
+    print(_summary(cfg, run_dir, before))
     return 0
 
 
@@ -123,11 +148,13 @@ def _record_bucket_plan(cfg: Any, run_dir: Path) -> None:
     cfg.add_facts(run_dir, bucket_plan=plan)
 
 
-def _summary(cfg: Any, run_dir: Path, resumed: Resumed | None = None) -> str:
+def _summary(cfg: Any, run_dir: Path, before: int | None = None) -> str:
     """The final table, stragglers, trace.json and plots of the finished run. Its header
-    names the ranks this attempt ran (``_attempts_header``)."""
+    names the ranks this attempt ran (``_attempts_header``; ``before``: the saved run's
+    --nproc under --resume), followed by a warning line for each --kill that never fired.
+    progress.json is rewritten with the run's last step (``_end_progress``)."""
     from gradsync.telemetry.cli import summarize_run
-    from gradsync.telemetry.records import METRICS_FILE
+    from gradsync.telemetry.records import METRICS_FILE, read_records
 
     if cfg.script and not (run_dir / METRICS_FILE).exists():
         raise UsageError(
@@ -142,7 +169,64 @@ def _summary(cfg: Any, run_dir: Path, resumed: Resumed | None = None) -> str:
         plots=cfg.plots,
         warmup=cfg.straggler_warmup,
     )
-    return text if resumed is None else _attempts_header(text, cfg.nproc, resumed.saved_nproc)
+    if cfg.resume:
+        text = _attempts_header(text, cfg.nproc, before)
+    try:
+        records = read_records(run_dir)  # as summarize_run has read them
+    except (OSError, ValueError, TypeError):
+        records = []  # nothing to say of the kills or the progress then
+    _end_progress(cfg, run_dir, records)
+    return _with_notes(text, _unfired_kills(cfg, run_dir, records))
+
+
+def _with_notes(text: str, notes: list[str]) -> str:
+    """``text`` with ``notes`` as lines of their own after its header."""
+    if not notes:
+        return text
+    first, newline, rest = text.partition("\n")
+    return "\n".join([first, *notes]) + newline + rest
+
+
+def _unfired_kills(cfg: Any, run_dir: Path, records: list[Any]) -> list[str]:
+    """A warning line for each --kill that did not fire: its step was past the rank's last
+    (a script's steps are its own, so it could not be refused before the run). A kill that
+    fired left its marker in ``faults/`` (``gradsync.inject.maybe_kill``)."""
+    from gradsync.attached_run import FAULTS_DIR
+    from gradsync.inject import parse_kill
+
+    lines = []
+    for kill in parse_kill(cfg.kill):
+        if (run_dir / FAULTS_DIR / f"kill-rank{kill.rank}-step{kill.step}.json").exists():
+            continue
+        steps = [r.step for r in records if r.rank == kill.rank]
+        ended = (
+            f"rank {kill.rank}'s last step was {max(steps)}"
+            if steps
+            else f"rank {kill.rank} recorded no step"
+        )
+        lines.append(
+            f"warning: --kill {kill.rank}:{kill.step} did not fire: {ended}, so no fault was "
+            "injected and nothing restarted"
+        )
+    return lines
+
+
+def _end_progress(cfg: Any, run_dir: Path, records: list[Any]) -> None:
+    """progress.json as the run ended: its last step, of as many (a script's number of steps
+    is known now), and the mean loss of the newest step with one. Rank 0 rewrites it at each
+    gather only, so the steps after the last one (a script that never calls report()) were
+    not in it."""
+    from gradsync.progress import HEARTBEAT_FILE, Progress
+
+    if not records:
+        return
+    last = max(r.step for r in records)
+    # the newest step with a loss (a script may give one every few steps only)
+    scored = max((r.step for r in records if r.loss is not None), default=last)
+    losses = [r.loss for r in records if r.step == scored and r.loss is not None]
+    total = last + 1 if cfg.script else cfg.steps
+    beat = Progress(total, enabled=False, heartbeat=run_dir / HEARTBEAT_FILE)
+    beat.update(last + 1, sum(losses) / len(losses) if losses else None, 0.0, 0.0)
 
 
 #: the summary's header: ``run: DIR (N steps, R ranks)``, R the ranks in the run's records
@@ -151,19 +235,20 @@ _HEADER = re.compile(r"run: (?P<dir>.*) \((?P<steps>\d+) steps?, (?P<ranks>\d+) 
 
 
 def _attempts_header(text: str, nproc: int, before: int | None) -> str:
-    """``text`` with a header that names this attempt's ranks, ``nproc``: after a --resume on
-    another --nproc (the saved run's ``before``), the run's records hold the saved run's ranks
-    too, which the report's header counts."""
+    """``text`` with a header that names this attempt's ranks, ``nproc``, and the saved run's
+    (``before``) where a --resume changed their number, fewer or more: the run's records hold
+    the saved run's ranks too, which the report's header counts."""
     first, newline, rest = text.partition("\n")
     header = _HEADER.fullmatch(first)
-    if header is None or int(header["ranks"]) == nproc:
+    if header is None:
         return text
     recorded = int(header["ranks"])
-    was = (
-        f"{before} before the resume"
-        if before not in (None, nproc)
-        else f"{recorded} in the run's records"
-    )
+    if before is not None and before != nproc:
+        was = f"{before} before the resume"
+    elif recorded != nproc:
+        was = f"{recorded} in the run's records"
+    else:
+        return text
     steps = counted(int(header["steps"]), "step")
     ranks = counted(nproc, "rank")
     return f"run: {header['dir']} ({steps}, {ranks}; {was}){newline}{rest}"
@@ -341,7 +426,10 @@ def _add_run_parser(sub: Any) -> None:
         "(--workload).",
     )
     _add_run_flags(run)
-    run.set_defaults(func=cmd_run)
+    from gradsync.runner.config import RunConfig
+
+    # told apart from a given --nproc 4: a --resume without --nproc takes the saved run's
+    run.set_defaults(func=cmd_run, nproc=_DefaultNproc(RunConfig().nproc))
 
 
 def _add_compare_parser(sub: Any) -> None:

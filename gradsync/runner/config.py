@@ -103,7 +103,10 @@ class RunConfig:
     """Every help names its default (the README's `gradsync run` reference lists each flag)."""
 
     nproc: int = flag(
-        4, metavar="N", help="worker processes (default: %(default)s)", group=TRAINING
+        4,
+        metavar="N",
+        help="worker processes (default: %(default)s; with --resume: the saved run's)",
+        group=TRAINING,
     )
     workload: str = flag("charlm", help="charlm | mlp (default: %(default)s)", group=TRAINING)
     steps: int = flag(200, help="training steps (default: %(default)s)", group=TRAINING)
@@ -214,7 +217,7 @@ class RunConfig:
     resume: bool = flag(
         False,
         help="continue from the newest checkpoint in --out: the saved run's workload, model "
-        "size, strategy and replica groups (default: off)",
+        "size, strategy and replica groups, and its --nproc unless given (default: off)",
         group=FAULTS,
     )
     overwrite: bool = flag(

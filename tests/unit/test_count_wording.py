@@ -78,6 +78,11 @@ def test_the_header_of_one_step_is_rewritten_after_a_resume_on_fewer_ranks() -> 
     assert (
         _attempts_header(text, 2, 1) == "run: runs/x (5 steps, 2 ranks; 1 before the resume)\nrest"
     )
+    # more ranks than before the resume: the records hold this attempt's ranks, named anyway
+    text = "run: runs/x (5 steps, 4 ranks)\nrest"
+    assert (
+        _attempts_header(text, 4, 2) == "run: runs/x (5 steps, 4 ranks; 2 before the resume)\nrest"
+    )
 
 
 def test_the_run_reports_pace_setter_line_counts_steps() -> None:

@@ -72,6 +72,10 @@ def test_flag_defaults_are_the_fields_defaults(command: str) -> None:
             assert action.default is None, name  # not given: the factory's value
         else:
             assert action.default == field.default, name
+            if command == "run" and name == "nproc":
+                # an int told apart from a given --nproc 4 (--resume takes the saved run's)
+                assert isinstance(action.default, int), name
+                continue
             assert type(action.default) is type(field.default), name
 
 
