@@ -117,19 +117,24 @@ __all__ = [
 ]
 
 #: the gate before a forward of the sharded model between steps, as every rank's message says
+#: (the raw module's, in either form, or the front door's without gradients: both hints)
 FORWARD_BETWEEN_STEPS = (
     "a forward of the zero:3 model between steps, a collective (FSDP2 gathers its parameters "
     "from every rank): every rank must run it. To evaluate on some ranks only, enter "
-    "`with sync.unsharded():` on every rank and evaluate inside it"
+    "`with sync.unsharded():` (through gs.DistributedDataParallel: "
+    "`with model.sync.unsharded():`) on every rank and evaluate inside it"
 )
 
-#: the gate before a ``no_sync()`` micro-batch's forward of ``gs.DistributedDataParallel``
-#: between steps: named apart from an evaluation's, so that the two never meet
+#: the gate before a training forward of ``gs.DistributedDataParallel`` outside a step block:
+#: a step's first forward, whose buffers the wrapper broadcasts from rank 0 first (as DDP
+#: does), or a ``no_sync()`` micro-batch's. Named apart from an evaluation's, so that the two
+#: never meet
 TRAINING_FORWARD_BETWEEN_STEPS = (
-    "a no_sync() micro-batch's forward of the zero:3 model (through "
-    "gs.DistributedDataParallel), a collective every rank must run at the same point of its "
-    "loop. To evaluate on some ranks only, enter `with sync.unsharded():` on every rank and "
-    "evaluate inside it"
+    "a training forward of the zero:3 model through gs.DistributedDataParallel before its "
+    "step's exchange (the step's first forward, which broadcasts rank 0's buffers as DDP "
+    "does, or a no_sync() micro-batch's), a collective every rank must run at the same point "
+    "of its loop. To evaluate on some ranks only, enter `with model.sync.unsharded():` on "
+    "every rank and evaluate inside it"
 )
 
 
@@ -460,7 +465,8 @@ class ZeroStage3(Strategy):
                 "a forward inside sync.unsharded() after model.state_dict(): FSDP2 put this "
                 "rank's parameters back to shards for the state dict, so this forward would "
                 "gather them again, a collective the other ranks are not in. Take the state "
-                "dict after the forwards (or sync.full_state_dict() on every rank, outside)"
+                "dict after the forwards (or sync.full_state_dict() on every rank, outside; "
+                "model.sync.full_state_dict() through gs.DistributedDataParallel)"
             )
         if not self._forward_gated:
             self._gate_forward(FORWARD_BETWEEN_STEPS)

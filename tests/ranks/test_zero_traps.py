@@ -123,7 +123,13 @@ def test_the_front_doors_no_sync_forward_never_pairs_with_an_evaluation_on_rank_
         assert out["error"].startswith("SyncTimeoutError"), out["error"]
         assert "sync.unsharded()" in out["error"], out["error"]
         assert out["seconds"] < 30, out
-    assert "no_sync() micro-batch's forward" in r0["error"], r0["error"]  # where rank 1 is
+    # where rank 1 is, worded for either of the front door's gated training forwards (the
+    # step's first, with its buffer broadcast, or a no_sync() micro-batch's), and the hint in
+    # the front door's own terms on both ranks
+    where = "Rank 1 is waiting to begin a training forward of the zero:3 model through "
+    assert where + "gs.DistributedDataParallel" in r0["error"], r0["error"]
+    for out in (r0, r1):
+        assert "`with model.sync.unsharded():` on every rank" in out["error"], out["error"]
     assert "never arrived: ranks [1]" in r0["error"], r0["error"]
     assert "never arrived: ranks [0]" in r1["error"], r1["error"]
 
