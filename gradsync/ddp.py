@@ -311,19 +311,25 @@ class DistributedDataParallel(nn.Module):
         #: follows a synchronizing one (then buffers are broadcast first, as DDP does)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self.sync = Synchronizer(
-            module,
-            optimizer,
-            strategy,
-            compression,
-            25.0 if bucket_cap_mb is None else bucket_cap_mb,
-            group=process_group,
-            accumulation="sum",
-            broadcast_buffers=False,  # broadcast here instead, at DDP's point (the docstring)
-            find_unused_parameters=find_unused_parameters,
-            skip_nonfinite=skip_nonfinite,
-            **options,
-        )
+        try:
+            self.sync = Synchronizer(
+                module,
+                optimizer,
+                strategy,
+                compression,
+                25.0 if bucket_cap_mb is None else bucket_cap_mb,
+                group=process_group,
+                accumulation="sum",
+                broadcast_buffers=False,  # broadcast here instead, at DDP's point (the docstring)
+                find_unused_parameters=find_unused_parameters,
+                skip_nonfinite=skip_nonfinite,
+                **options,
+            )
+        except UsageError as exc:
+            reworded = _in_front_door_terms(exc)
+            if reworded is None:
+                raise
+            raise reworded from None
         try:
             check_strategy(self.sync.strategy.name)
             # Read after the Synchronizer: under zero:3 these are FSDP2's sharded DTensors.
@@ -676,6 +682,24 @@ def _route_step(
     routed = types.MethodType(step, optimizer)
     optimizer.step = routed  # type: ignore[method-assign]
     return routed
+
+
+#: how the Synchronizer's refusals name the script's own call (``gradsync.attached_run``)
+_SYNCHRONIZER_CALL = "the script's gs.Synchronizer passes"
+
+
+def _in_front_door_terms(exc: UsageError) -> UsageError | None:
+    """A refusal from building the Synchronizer, naming the call this script made: it built
+    no gs.Synchronizer, its gs.DistributedDataParallel did (``gradsync run --strategy
+    local:4`` against a script's ``DDP(model, optimizer=..., strategy="zero:1")``)."""
+    text = str(exc)
+    if _SYNCHRONIZER_CALL not in text:
+        return None
+    return UsageError(
+        text.replace(
+            _SYNCHRONIZER_CALL, "the script's gs.DistributedDataParallel(model, ...) passes"
+        )
+    )
 
 
 def _check_arguments(

@@ -178,3 +178,21 @@ def test_without_end_of_backward_callbacks_the_front_door_is_refused(
     model, optimizer = _model_and_optimizer()
     with pytest.raises(UsageError, match="no end-of-backward callbacks.*explicit"):
         gs.DistributedDataParallel(model, optimizer=optimizer)
+
+
+def test_a_strategy_the_run_contradicts_is_refused_naming_the_front_door(
+    one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `gradsync run --strategy local:4 -- script.py` where the script wraps with
+    # strategy="zero:1": it built no gs.Synchronizer, so the refusal names what it did call
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text('{"strategy": "local:4", "given": ["strategy"]}')
+    monkeypatch.setenv("GRADSYNC_RUN_DIR", str(run_dir))
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(UsageError) as refused:
+        gs.DistributedDataParallel(model, optimizer=optimizer, strategy="zero:1", telemetry=False)
+    said = str(refused.value)
+    assert "gradsync run --strategy local:4, but the script's gs.DistributedDataParallel(" in said
+    assert "passes strategy='zero:1'" in said and "gs.Synchronizer" not in said
+    assert "step" not in optimizer.__dict__  # refused before the optimizer's step was routed
