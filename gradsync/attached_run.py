@@ -30,9 +30,12 @@ code runs in.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -123,6 +126,20 @@ _CHOSEN_BY_FLAG = {
 }
 #: a config.json key whose flag is spelt otherwise on the command line
 _FLAG_SPELLING = {"compression": "--compress"}
+
+#: the script's call that built the Synchronizer, as a refusal names it: the front door
+#: (``gs.DistributedDataParallel``) builds one for a script that never wrote gs.Synchronizer
+_CALLER = contextvars.ContextVar("gradsync_caller", default="gs.Synchronizer")
+
+
+@contextlib.contextmanager
+def called_as(caller: str) -> Iterator[None]:
+    """Within: the refusals below name ``caller`` as the script's call."""
+    token = _CALLER.set(caller)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
 
 
 def run_settings(directory: Path) -> dict[str, Any]:
@@ -332,7 +349,7 @@ class AttachedRun:
         if given and isinstance(script_value, str | int | float) and script_value != from_flag:
             option = _FLAG_SPELLING.get(flag, "--" + flag.replace("_", "-"))
             raise UsageError(
-                f"gradsync run {option} {from_flag}, but the script's gs.Synchronizer passes "
+                f"gradsync run {option} {from_flag}, but the script's {_CALLER.get()} passes "
                 f"{argument}={script_value!r}: leave {argument} out of the script to let the "
                 f"command line choose, or drop {option}"
             )
@@ -350,14 +367,14 @@ class AttachedRun:
         if membership not in (None, "torchft"):
             raise UsageError(
                 f"gradsync run --replica-groups {groups} runs each replica group as a torchft "
-                f"participant, but the script's gs.Synchronizer passes membership="
+                f"participant, but the script's {_CALLER.get()} passes membership="
                 f"{membership!r}: leave membership out of the script, or drop --replica-groups"
             )
         from_flag = int(self.settings.get("min_replicas") or 1)
         given = "min_replicas" in (self.settings.get("given") or ())
         if min_replicas is not None and given and min_replicas != from_flag:
             raise UsageError(
-                f"gradsync run --min-replicas {from_flag}, but the script's gs.Synchronizer "
+                f"gradsync run --min-replicas {from_flag}, but the script's {_CALLER.get()} "
                 f"passes min_replicas={min_replicas}: leave min_replicas out of the script to "
                 "let the command line choose, or drop --min-replicas"
             )

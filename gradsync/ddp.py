@@ -105,6 +105,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync import compat, runtime
+from gradsync.attached_run import called_as
+from gradsync.checkpoint.settings import strategy_spec
 from gradsync.checks.guards import all_finite
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
@@ -209,8 +211,7 @@ class _ApartReplicas:
 
     def _where(self) -> str:
         strategy = self._sync.strategy
-        period = getattr(strategy, "period", None)
-        name = strategy.name + ("" if period is None else f":{period}")
+        name = strategy_spec(strategy) or strategy.name
         why = (
             "its pair exchanges never average every replica before report()"
             if strategy.name in ("gossip", "noloco")
@@ -311,7 +312,7 @@ class DistributedDataParallel(nn.Module):
         #: follows a synchronizing one (then buffers are broadcast first, as DDP does)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        try:
+        with called_as("gs.DistributedDataParallel(model, ...)"):
             self.sync = Synchronizer(
                 module,
                 optimizer,
@@ -325,11 +326,6 @@ class DistributedDataParallel(nn.Module):
                 skip_nonfinite=skip_nonfinite,
                 **options,
             )
-        except UsageError as exc:
-            reworded = _in_front_door_terms(exc)
-            if reworded is None:
-                raise
-            raise reworded from None
         try:
             check_strategy(self.sync.strategy.name)
             # Read after the Synchronizer: under zero:3 these are FSDP2's sharded DTensors.
@@ -682,24 +678,6 @@ def _route_step(
     routed = types.MethodType(step, optimizer)
     optimizer.step = routed  # type: ignore[method-assign]
     return routed
-
-
-#: how the Synchronizer's refusals name the script's own call (``gradsync.attached_run``)
-_SYNCHRONIZER_CALL = "the script's gs.Synchronizer passes"
-
-
-def _in_front_door_terms(exc: UsageError) -> UsageError | None:
-    """A refusal from building the Synchronizer, naming the call this script made: it built
-    no gs.Synchronizer, its gs.DistributedDataParallel did (``gradsync run --strategy
-    local:4`` against a script's ``DDP(model, optimizer=..., strategy="zero:1")``)."""
-    text = str(exc)
-    if _SYNCHRONIZER_CALL not in text:
-        return None
-    return UsageError(
-        text.replace(
-            _SYNCHRONIZER_CALL, "the script's gs.DistributedDataParallel(model, ...) passes"
-        )
-    )
 
 
 def _check_arguments(
