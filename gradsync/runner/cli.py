@@ -176,7 +176,34 @@ def _summary(cfg: Any, run_dir: Path, before: int | None = None) -> str:
     except (OSError, ValueError, TypeError):
         records = []  # nothing to say of the kills or the progress then
     _end_progress(cfg, run_dir, records)
-    return _with_notes(text, _unfired_kills(cfg, run_dir, records))
+    notes = _unfired_kills(cfg, run_dir, records) + _restarted_counts(cfg, run_dir)
+    return _with_notes(text, notes)
+
+
+def _restarted_counts(cfg: Any, run_dir: Path) -> list[str]:
+    """A line for each restart whose step count began again at 0 (the script resumed from
+    its own checkpoint, or started over, without ``sync.load``): gradsync numbers its steps
+    on after the attempts before it (``telemetry.records.latest_attempts``), which need not be
+    the script's own iterations."""
+    from gradsync.telemetry.records import (
+        METRICS_FILE,
+        StepRecord,
+        read_jsonl,
+        restarted_counts,
+    )
+
+    try:
+        raw = [StepRecord.from_dict(d) for d in read_jsonl(run_dir / METRICS_FILE)]
+    except (OSError, ValueError, TypeError):
+        return []
+    most = f" of {cfg.max_restarts}" if cfg.max_restarts else ""
+    return [
+        f"restart {attempt}{most}: the script counted its steps from 0 again (it resumed "
+        f"without sync.load), so gradsync cannot know its own iterations: steps {moved} on "
+        f"are that attempt's steps 0 on; sync.load (sync.register_state for the script's "
+        "other state) keeps the step numbers"
+        for attempt, moved in sorted(restarted_counts(raw).items())
+    ]
 
 
 def _with_notes(text: str, notes: list[str]) -> str:

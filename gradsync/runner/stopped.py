@@ -16,11 +16,16 @@ once, which wakes a thread that writes the records while the main thread stays b
 waits release the GIL). Where the handler runs first, on the main thread, it does the same, and
 parks there if the thread is already at it, so that training does not step on meanwhile.
 
-When: where the run ends here (no restarts left), and in a replica group, whose replacement
-heals forward from a live peer and runs none of those steps again. Not with restarts left
-otherwise: every rank then resumes from the newest checkpoint, which carries the records not
-gathered; written now as well, they would appear twice. A script that installs a SIGTERM
-handler of its own keeps it: neither path acts then.
+When: always, restarts left or not. Each record names its attempt (``StepRecord.attempt``),
+and the records of the steps a restart runs again do not appear twice: a script that resumes
+through ``sync.load`` drops them there (and writes again, once, the ones its checkpoint
+carries); one that resumes from its own checkpoint, or starts over, counts its steps from 0
+again, and its attempt's records are read as the run's next steps
+(``gradsync.telemetry.records.latest_attempts``). Before, with restarts left, a survivor was
+ended at once: a script resumed without ``sync.load`` lost the failed attempt's last records
+(every step before a kill at step 15, with telemetry's gather every 10 steps and its write
+one gather later). A script that installs a SIGTERM handler of its own keeps it: neither
+path acts then.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import signal
 import threading
 from collections.abc import Iterator
 
-from gradsync.attached_run import restart_count
 from gradsync.synchronizer import write_unreported_records
 
 #: the exit status of a process ended by SIGTERM, as a shell reports it
@@ -40,20 +44,13 @@ STOPPED_STATUS = 128 + signal.SIGTERM
 GRACE_S = 5.0
 
 
-def _restarts_left() -> bool:
-    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
-    return restart_count() < most
-
-
 @contextlib.contextmanager
 def records_kept_when_stopped(heals_forward: bool = False) -> Iterator[None]:
     """While the block runs (a rank's script), a SIGTERM writes this process's step records
     not gathered, then ends it. ``heals_forward``: the rank is in a replica group (its
-    restart runs none of its steps again). Nothing changes off the main thread, or with
-    restarts left that resume from a checkpoint."""
-    if threading.current_thread() is not threading.main_thread() or (
-        _restarts_left() and not heals_forward
-    ):
+    restart runs none of its steps again; kept for its callers: the records are written
+    either way). Nothing changes off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     once = threading.Lock()

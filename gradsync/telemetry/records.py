@@ -24,7 +24,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +54,17 @@ class StepRecord:
     loss: float | None = None
     skipped: bool = False
     barrier: bool = True
+    #: which attempt of the run wrote the record: 0, then the elastic agent's restart count
+    #: (``TORCHELASTIC_RESTART_COUNT``) after each restart (the records ``sync.load``
+    #: restores from a checkpoint are written again by the attempt that loads them, with its
+    #: number); written only where not 0
+    attempt: int = 0
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        data = asdict(self)
+        if not self.attempt:
+            del data["attempt"]
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepRecord:
@@ -217,6 +225,12 @@ def check_record(data: dict[str, Any]) -> dict[str, Any]:
     for name in ("skipped", "barrier"):
         if not isinstance(data.get(name, False), bool):
             raise ValueError(f"{name} is {_shown(data[name])}: valid is true or false")
+    attempt = data.get("attempt", 0)
+    if not (_is_number(attempt) and attempt == int(attempt) and 0 <= attempt < 2**31):
+        raise ValueError(
+            f"attempt is {_shown(attempt)}: valid is a whole number from 0 (the run's first "
+            "attempt) to 2147483647"
+        )
     return data
 
 
@@ -245,13 +259,47 @@ def latest_attempts(records: Iterable[StepRecord]) -> list[StepRecord]:
     its latest attempt, the one whose update the run kept. Counting both would count the
     rolled-back work twice. A record that replaces another takes its own place in the order
     (after the records written before it), and a file without repeats reads back unchanged.
+
+    A script that resumes through ``sync.load`` keeps its step numbers across a restart
+    (``load`` drops the records of the steps that run again). One that resumes from its own
+    checkpoint, or starts over, counts from 0 again in each attempt: an attempt whose steps
+    repeat an earlier attempt's is another stretch of the run's work, not a rerun gradsync
+    can place, and its steps are numbered on after the earlier attempts' last
+    (``restarted_counts``), so that no attempt's records replace another's.
     """
+    listed = list(records)
+    shift = restarted_counts(listed)
     latest: dict[tuple[int, int], StepRecord] = {}
-    for r in records:
+    for r in listed:
+        if shift.get(r.attempt):
+            r = replace(r, step=r.step + shift[r.attempt])
         key = (r.rank, r.step)
         latest.pop(key, None)
         latest[key] = r
     return list(latest.values())
+
+
+def restarted_counts(records: Iterable[StepRecord]) -> dict[int, int]:
+    """The attempts (``StepRecord.attempt``) whose step count began again: ``{attempt: the
+    steps its numbers are moved by}``, the earlier attempts' last step + 1. An attempt began
+    again where its records start at step 0 and a (rank, step) of them is one of an earlier
+    attempt's (a replica group's replacement, which heals forward from a live peer's step,
+    starts past 0)."""
+    by_attempt: dict[int, list[StepRecord]] = {}
+    for r in records:
+        by_attempt.setdefault(r.attempt, []).append(r)
+    shift: dict[int, int] = {}
+    seen: set[tuple[int, int]] = set()
+    end = 0  # the earlier attempts' last step + 1, as numbered on
+    for attempt in sorted(by_attempt):
+        own = by_attempt[attempt]
+        again = min(r.step for r in own) == 0 and any((r.rank, r.step) in seen for r in own)
+        moved = end if again else 0
+        if moved:
+            shift[attempt] = moved
+        seen.update((r.rank, r.step + moved) for r in own)
+        end = max(end, max(r.step + moved for r in own) + 1)
+    return shift
 
 
 def read_spans(run_dir: str | Path) -> list[Span]:

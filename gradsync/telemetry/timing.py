@@ -20,6 +20,7 @@ the same step on every rank.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -32,6 +33,10 @@ import torch.distributed as dist
 from gradsync import exit_safety, runtime
 from gradsync.telemetry.device_clock import StepMarks
 from gradsync.telemetry.records import StepRecord, fill_idle
+
+#: the restart count torch's elastic agent gives each worker it starts
+#: (``gradsync.attached_run.restart_count`` reads it too)
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 # Columns of the gathered tensor, in order.
 _COLUMNS = (
@@ -329,7 +334,8 @@ def _wait(flight: _InFlight) -> list[torch.Tensor]:
 
 
 def _record(rank: int, row: list[float]) -> StepRecord:
-    """``rank``'s record from its row (``_COLUMNS``); ``comm`` is ``fill_idle``'s to set."""
+    """``rank``'s record from its row (``_COLUMNS``); ``comm`` is ``fill_idle``'s to set. Its
+    ``attempt`` is this process's: every rank of a gather restarts together."""
     return StepRecord(
         rank=rank,
         step=int(row[0]),
@@ -343,7 +349,17 @@ def _record(rank: int, row: list[float]) -> StepRecord:
         loss=None if row[6] != row[6] else row[6],
         skipped=bool(row[7]),
         barrier=bool(row[8]),
+        attempt=_attempt(),
     )
+
+
+def _attempt() -> int:
+    """Which attempt of the run this process is: the elastic agent's restart count (0 outside
+    an agent, or before any restart)."""
+    try:
+        return max(0, int(os.environ.get(RESTART_COUNT_ENV) or 0))
+    except ValueError:
+        return 0
 
 
 def _rows(pending: list[_Pending]) -> torch.Tensor:

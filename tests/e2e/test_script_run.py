@@ -176,3 +176,44 @@ def test_the_ranks_stopped_after_a_peer_failed_keep_their_step_records(tmp_path:
     assert "the user's error at step 5" in proc.stderr, proc.stderr[-3000:]
     records = {(r["rank"], r["step"]) for r in map(json.loads, (out / "metrics.jsonl").open())}
     assert {(rank, step) for rank in range(2) for step in range(5)} <= records, sorted(records)
+
+
+NO_LOAD_SCRIPT = """
+import torch, torch.nn as nn
+import gradsync as gs
+gs.init()
+torch.manual_seed(0)
+model = nn.Linear(8, 2)
+sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(8):
+    with sync.step():
+        nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 2)).backward()
+sync.report()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_restart_without_sync_load_keeps_each_attempts_records(tmp_path: Path) -> None:
+    """A script without sync.load, rank 1 killed at step 4 and restarted: it trains its 8 steps
+    again from 0. Rank 0, stopped by the agent, writes its records of steps 0-3 (attempt 0);
+    the restart's records (attempt 1) follow them: 12 steps, and a line says why. Before, the
+    restart's steps 0-7 replaced the first attempt's and the summary said 8 steps."""
+    script = tmp_path / "no_load.py"
+    script.write_text(NO_LOAD_SCRIPT)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--no-plots", "--out", str(out)]
+        + ["--no-progress", "--kill", "1:4", "--max-restarts", "1", "--", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    first = sorted((r["rank"], r["step"]) for r in records if r.get("attempt", 0) == 0)
+    assert first == [(0, step) for step in range(4)], first
+    assert len([r for r in records if r.get("attempt") == 1]) == 16
+    header, note = proc.stdout.splitlines()[:2]
+    assert header == f"run: {out} (12 steps, 2 ranks)", proc.stdout[:500]
+    assert note.startswith("restart 1 of 1: the script counted its steps from 0 again"), note

@@ -10,9 +10,17 @@ from pathlib import Path
 import pytest
 
 from gradsync.attached_run import drop_records_from, write_report
-from gradsync.telemetry.records import METRICS_FILE, read_records, write_records
+from gradsync.telemetry.records import (
+    METRICS_FILE,
+    StepRecord,
+    check_record,
+    read_records,
+    restarted_counts,
+    write_records,
+)
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import StragglerConfig, synthetic_records
+from gradsync.telemetry.timing import _COLUMNS, _record
 from tests.support.restart_telemetry import tear_last_line
 
 pytestmark = pytest.mark.unit
@@ -149,3 +157,53 @@ def test_a_damaged_line_before_the_last_is_an_error_naming_the_file_and_line(
     with pytest.raises(ValueError, match=where):
         drop_records_from(path, 10)
     assert path.read_text() == "".join(lines)  # left for the user to look at
+
+
+def _attempt(rank: int, step: int, attempt: int) -> StepRecord:
+    return StepRecord(rank, step, 100.0 + step, 0.5, 0.5, 0.0, 0.0, 4, 10, attempt=attempt)
+
+
+def test_an_attempt_that_counts_from_0_again_follows_the_ones_before(tmp_path: Path) -> None:
+    """A script resumed without sync.load (its own torch.save, or none): the restart's steps
+    are numbered from 0 again. Its records follow the first attempt's, none replacing
+    another's; metrics.jsonl keeps them as recorded, with their attempt."""
+    first = [_attempt(1, s, 0) for s in range(8)]  # rank 0 was killed: its records lost
+    second = [_attempt(r, s, 1) for s in range(20) for r in range(2)]
+    write_records(tmp_path / METRICS_FILE, first + second)
+    raw = [json.loads(line) for line in (tmp_path / METRICS_FILE).open()]
+    assert "attempt" not in raw[0] and raw[-1]["attempt"] == 1 and raw[-1]["step"] == 19
+    assert restarted_counts(first + second) == {1: 8}
+    records = read_records(tmp_path)
+    assert len(records) == 48
+    assert sorted(r.step for r in records if r.rank == 1) == list(range(28))
+    assert sorted(r.step for r in records if r.rank == 0) == list(range(8, 28))
+    assert RunReport.from_records(records).steps == 28
+
+
+def test_an_attempt_resumed_through_load_keeps_its_step_numbers(tmp_path: Path) -> None:
+    """sync.load resumed at step 12 (the records from 12 on dropped): the restart's records
+    go on from 12, and a replica group's replacement, healed at a live peer's step, is not
+    moved either, even where a step repeats."""
+    first = [_attempt(r, s, 0) for s in range(12) for r in range(2)]
+    second = [_attempt(r, s, 1) for s in range(12, 20) for r in range(2)]
+    assert restarted_counts(first + second) == {}
+    healed = [_attempt(r, s, 1) for s in range(11, 20) for r in range(2)]
+    assert restarted_counts(first + healed) == {}
+    write_records(tmp_path / METRICS_FILE, first + healed)
+    assert sorted({r.step for r in read_records(tmp_path)}) == list(range(20))
+
+
+def test_a_records_attempt_is_checked() -> None:
+    good = json.loads(_attempt(0, 0, 2).to_json())
+    assert check_record(good)["attempt"] == 2
+    with pytest.raises(ValueError, match="attempt is -1: valid is a whole number"):
+        check_record({**good, "attempt": -1})
+
+
+def test_records_name_the_attempt_of_their_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    row = [3.0, 100.0, 0.5, 0.5, 4.0, 10.0, 1.0, 0.0, 1.0, 0.0]
+    assert len(row) == len(_COLUMNS)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert _record(0, row).attempt == 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert _record(1, row).attempt == 2 and _record(1, row).step == 3

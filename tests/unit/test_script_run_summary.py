@@ -29,6 +29,8 @@ class FakeLaunch:
         self.calls: list[dict[str, Any]] = []
         self.steps = 20
         self.fired: list[tuple[int, int]] = []
+        #: the steps of a first attempt on rank 1 before a restart that counts from 0 again
+        self.restarted_after = 0
 
     def __call__(self, entry: Any, args: tuple[Any, ...], **kwargs: Any) -> dict[int, Any]:
         cfg = args[0]
@@ -36,8 +38,12 @@ class FakeLaunch:
         run = Path(cfg["out"])
         # rank 0's heartbeat at its last gather, as a script without report() leaves it
         (run / HEARTBEAT_FILE).write_text(json.dumps({"step": 10, "total": 0, "loss": None}))
+        attempt = 1 if self.restarted_after else 0
         records = [
-            StepRecord(r, s, 100.0 + s, 0.5, 0.5, 0.0, 0.0, 4, 10, loss=float(r + 1))
+            StepRecord(1, s, 50.0 + s, 0.5, 0.5, 0.0, 0.0, 4, 10)
+            for s in range(self.restarted_after)
+        ] + [
+            StepRecord(r, s, 100.0 + s, 0.5, 0.5, 0.0, 0.0, 4, 10, float(r + 1), attempt=attempt)
             for s in range(self.steps)
             for r in range(cfg["nproc"])
         ]
@@ -128,3 +134,25 @@ def test_progress_ends_at_the_last_step_and_the_start_line_names_the_compressor(
     assert "its own strategy, compression int8, 2 workers" in start, start
     beat = json.loads((run / HEARTBEAT_FILE).read_text())
     assert beat == {"step": 40, "total": 40, "loss": 1.5}, beat
+
+
+def test_a_restart_that_counted_from_0_again_is_said_and_counted_after_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch, script: str
+) -> None:
+    """A script resumed without sync.load, killed at step 8: the restart's records (steps 0-19
+    again) follow the first attempt's 8 steps, and a line says why the numbers are not the
+    script's own iterations, naming sync.load and register_state."""
+    run = tmp_path / "run"
+    launch.restarted_after = 8
+    kill = ["--kill=0:8", "--max-restarts=1"]
+    launch.fired = [(0, 8)]
+    assert main(["run", "--nproc=2", *kill, f"--out={run}", *FLAGS, "--", script]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"run: {run} (28 steps, 2 ranks)", out[:3]
+    assert out[1] == (
+        "restart 1 of 1: the script counted its steps from 0 again (it resumed without "
+        "sync.load), so gradsync cannot know its own iterations: steps 8 on are that "
+        "attempt's steps 0 on; sync.load (sync.register_state for the script's other state) "
+        "keeps the step numbers"
+    ), out[:3]
+    assert json.loads((run / HEARTBEAT_FILE).read_text())["step"] == 28
