@@ -59,6 +59,11 @@ is tested in ``tests/unit/test_compat.py``.
   ``gradsync.processes.forkserver`` forks workers only from a server whose environment it knows.
   True
   where Python hides it: workers are spawned then.
+- ``run_exit_handlers``: not torch's but Python's: runs this process's ``atexit`` handlers now
+  (``atexit._run_exitfuncs``: last registered first, each once, the registry emptied after),
+  for a ``gradsync run`` rank forked by multiprocessing, which ends with ``os._exit`` and so
+  never reaches the interpreter's exit that runs them (``gradsync.runner.worker``). False where
+  Python hides it: the handlers then do not run, as before.
 - ``elastic_worker_failure``: not an API but the wording of the record torch's elastic agent
   logs when a worker process fails (``failed (exitcode: %s) local_rank: %s (pid: %s) ...``), so
   that ``gradsync run`` can say which worker died before the agent restarts the group. None
@@ -214,6 +219,19 @@ def forkserver_started() -> bool:
 
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     return getattr(server, "_forkserver_pid", True) is not None
+
+
+def run_exit_handlers() -> bool:
+    """Run this process's ``atexit`` handlers now, as the interpreter's exit would (last
+    registered first; one that raises is reported and the others still run); each runs once,
+    the registry is empty after. False where this Python hides the call: nothing runs."""
+    import atexit
+
+    run = getattr(atexit, "_run_exitfuncs", None)
+    if not callable(run):
+        return False
+    run()
+    return True
 
 
 def override_shared_store_server(handler: Any, make: Callable[[str, int], Any]) -> bool:

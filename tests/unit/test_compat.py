@@ -120,6 +120,21 @@ def test_whether_the_forkserver_runs_is_read_and_unknown_means_running(
     assert compat.forkserver_started() is True
 
 
+def test_the_exit_handlers_run_through_pythons_call_and_not_where_it_is_hidden(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import atexit
+
+    # A stand-in: the real call would run this test process's own handlers (pytest's).
+    calls: list[str] = []
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: calls.append("ran"))
+    assert compat.run_exit_handlers() is True
+    assert calls == ["ran"]
+    monkeypatch.delattr(atexit, "_run_exitfuncs")  # a Python hiding it: nothing runs
+    assert compat.run_exit_handlers() is False
+    assert calls == ["ran"]
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "without the fused call"])
 def test_the_foreach_operations_act_on_every_tensor_and_on_none(
     fused: bool, monkeypatch: pytest.MonkeyPatch
