@@ -26,10 +26,14 @@ What still differs from a spawned worker:
   such iteration would pair up here and not there (the ranks of ``run_ranks`` share one seed
   too, so a test would not show it);
 - exit: a forked worker ends with ``os._exit`` once its function returns, as multiprocessing's
-  forked children do, so its ``atexit`` handlers, ``weakref.finalize`` callbacks and the
-  flushing of files it left open do not run. gradsync's worker closes what it opened itself
-  (``worker.run_worker``); a checkpoint writer left open by a failing worker writes its newest
-  snapshot, as after a kill;
+  forked children do, which skips the interpreter's exit. ``gradsync.runner.worker`` does its
+  part for the script it ran, where a spawned worker's interpreter would, after
+  multiprocessing's finalizers (gradsync's own: the step records, the checkpoint writer's
+  stop): the ``atexit`` handlers run (``weakref.finalize`` callbacks among them), then the
+  globals of a script run from its file are dropped and the garbage collected, so a file it
+  left open is flushed and closed; the same after a raise or ``sys.exit``. Not done: the
+  globals of other modules (and of a ``-m MODULE``) are not dropped, and the worker's
+  non-daemon threads are joined after the handlers, not before;
 - variables torch sets while it is imported (``TORCHINDUCTOR_CACHE_DIR``) are there from the
   start, where a spawned worker gets them at its first optimizer.
 

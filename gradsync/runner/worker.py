@@ -6,17 +6,25 @@ process with ``GRADSYNC_RUN_DIR`` naming the run directory its gs.Synchronizer a
 
 from __future__ import annotations
 
+import gc
+import importlib.util
+import io
 import json
+import multiprocessing
+import multiprocessing.util
 import os
+import pkgutil
 import sys
 import time
+import traceback
+import types
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
-from gradsync import runtime
+from gradsync import compat, runtime
 from gradsync.attached_run import (
     ATTEMPTS_FILE,
     CONFIG_FILE,
@@ -86,7 +94,8 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     interpreter would import torch again. Returns, on rank 0, where the run directory is; a
     script's ``sys.exit(0)`` is a success, any other exit status fails the rank. A SIGTERM
     from the agent (a peer failed for good) writes the rank's step records first
-    (``runner.stopped``)."""
+    (``runner.stopped``). A forked rank ends as the script's interpreter would
+    (``_ScriptExit``)."""
     cfg = RunConfig.from_dict(config_dict)
     _one_line_warnings()
     run_dir = Path(cfg.out).resolve()
@@ -102,20 +111,90 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     command = [arg.replace(RUN_DIR_PLACEHOLDER, str(run_dir)) for arg in cfg.script]
     command = command or [*BUILTIN, "--config", str(run_dir / CONFIG_FILE)]
     saved_argv, saved_path = list(sys.argv), list(sys.path)
+    ending = _ScriptExit()
+    if _ends_without_exit():
+        # After every other finalizer of the process (gradsync's own, at priorities 0 and 1,
+        # and multiprocessing's joining of the children): where a spawned rank's interpreter
+        # exit would run the same handlers, after the same steps.
+        multiprocessing.util.Finalize(None, ending, exitpriority=_LAST_PRIORITY)
     try:
         with records_kept_when_stopped(heals_forward=bool(cfg.replica_groups)):
-            _run_main(command)
+            _run_main(command, ending)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
+    except BaseException as exc:
+        ending.failed(exc)
+        raise
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
     return {"run_dir": cfg.out} if runtime.rank() == 0 else None
 
 
-def _run_main(command: list[str]) -> None:
-    """``command`` (a script and its arguments, or ``-m MODULE ...``) as ``__main__``."""
+#: lower than any finalizer's exit priority in gradsync (0 and 1) or a script's likely choice
+_LAST_PRIORITY = -(2**31)
+
+
+def _ends_without_exit() -> bool:
+    """Whether this process is a child that multiprocessing started by forking (``gradsync
+    run``'s workers from its forkserver, ``gradsync.processes.forkserver``): it ends with
+    ``os._exit`` once its function returns, so the interpreter's exit never runs there. A
+    spawned child ends with ``sys.exit``, a worker under torchrun is no child of
+    multiprocessing: their interpreters' exits do it. Multiprocessing sets a child's start
+    method to the one that started it."""
+    if multiprocessing.parent_process() is None:
+        return False
+    method = multiprocessing.get_start_method(allow_none=True)
+    return (method or multiprocessing.get_all_start_methods()[0]) != "spawn"
+
+
+class _ScriptExit:
+    """What ``python train.py``'s exit does for the script, done at the exit of a rank that
+    ends with ``os._exit`` (``_ends_without_exit``), which would skip it: its ``atexit``
+    handlers (``weakref.finalize`` callbacks among them) run, then its globals are dropped (a
+    script run from its file: runpy keeps a ``-m MODULE``'s to itself) and the garbage
+    collected, so a file it left open is flushed and closed as it is freed (a log written every
+    step and never closed was left empty). After an uncaught exception, the
+    exception is in ``sys.last_value`` while the handlers run, as Python sets it when it prints
+    one (gradsync's own handler then bounds its wait as for a failed script), and the locals of
+    the frames it passed through are dropped too. Multiprocessing flushes stdout and stderr
+    after this. What differs from the interpreter's exit: it comes before the process's
+    non-daemon threads are joined, and the globals of other modules are not dropped (a file
+    only another module holds is not closed)."""
+
+    def __init__(self) -> None:
+        #: the script's globals, where it ran from a source file (``_run_source``)
+        self.namespace: dict[str, Any] = {}
+        self.error: BaseException | None = None
+
+    def failed(self, exc: BaseException) -> None:
+        self.error = exc
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+
+    def __call__(self) -> None:
+        compat.run_exit_handlers()
+        if self.error is not None:
+            traceback.clear_frames(self.error.__traceback__)
+            for name in ("last_type", "last_value", "last_traceback"):
+                if hasattr(sys, name):
+                    delattr(sys, name)
+            self.error = None
+        # In the interpreter's order: names with one leading underscore first, then the rest
+        # (set to None, not deleted: a function of the script still running finds the name).
+        names = list(self.namespace)
+        for name in names:
+            if name.startswith("_") and not name.startswith("__"):
+                self.namespace[name] = None
+        for name in names:
+            if name != "__builtins__":
+                self.namespace[name] = None
+        gc.collect()
+
+
+def _run_main(command: list[str], ending: _ScriptExit | None = None) -> None:
+    """``command`` (a script and its arguments, or ``-m MODULE ...``) as ``__main__``; a
+    source file's globals kept in ``ending``, for the exit."""
     import runpy
 
     if command[0] == "-m":
@@ -127,7 +206,43 @@ def _run_main(command: list[str]) -> None:
         # As ``python train.py``: the script's own directory first on the import path
         sys.argv = command
         sys.path.insert(0, str(Path(command[0]).resolve().parent))
-        runpy.run_path(command[0], run_name="__main__")
+        if _is_source_file(command[0]):
+            _run_source(command[0], ending or _ScriptExit())
+        else:  # a directory or zip archive with a __main__.py, or a compiled file
+            runpy.run_path(command[0], run_name="__main__")
+
+
+def _is_source_file(path: str) -> bool:
+    """Whether ``runpy.run_path`` would compile ``path`` as source: a file that is no
+    import path entry (a zip archive is one) and is not compiled bytecode."""
+    if not os.path.isfile(path) or pkgutil.get_importer(path) is not None:
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(importlib.util.MAGIC_NUMBER)) != importlib.util.MAGIC_NUMBER
+
+
+def _run_source(path: str, ending: _ScriptExit) -> None:
+    """``runpy.run_path(path, run_name="__main__")`` for a source file, with the same
+    globals, but kept in ``ending``: runpy's module is its own, and a script that raises
+    leaves no way to reach it."""
+    with io.open_code(os.path.abspath(path)) as f:  # bytes: the file's coding line decides
+        source = f.read()
+    # dont_inherit: not this module's ``from __future__`` imports
+    code = compile(source, path, "exec", dont_inherit=True)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=path, __cached__=None, __loader__=None, __package__="", __spec__=None
+    )
+    ending.namespace = module.__dict__
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module  # as runpy does: pickle and ``import __main__`` find it
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+        else:
+            del sys.modules["__main__"]
 
 
 def main() -> None:
