@@ -37,6 +37,11 @@ What still differs from a spawned worker:
 - variables torch sets while it is imported (``TORCHINDUCTOR_CACHE_DIR``) are there from the
   start, where a spawned worker gets them at its first optimizer.
 
+Forked or spawned, multiprocessing sets a worker's start method to the one that started it
+(``forkserver``, ``spawn``); ``gradsync.runner.worker`` unsets it while the script runs, as in a
+fresh interpreter, so a DataLoader's workers start as under torchrun (forked, on Linux before
+Python 3.14) rather than importing the script again.
+
 The random generators do not differ: ``gradsync.processes.forkserver_ready`` reseeds torch's and
 numpy's
 in each worker, and Python's ``random`` reseeds itself after a fork.

@@ -6,6 +6,7 @@ process with ``GRADSYNC_RUN_DIR`` naming the run directory its gs.Synchronizer a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import io
@@ -19,6 +20,7 @@ import time
 import traceback
 import types
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -94,8 +96,8 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     interpreter would import torch again. Returns, on rank 0, where the run directory is; a
     script's ``sys.exit(0)`` is a success, any other exit status fails the rank. A SIGTERM
     from the agent (a peer failed for good) writes the rank's step records first
-    (``runner.stopped``). A forked rank ends as the script's interpreter would
-    (``_ScriptExit``)."""
+    (``runner.stopped``). The script sees multiprocessing's start method unset, and a forked
+    rank ends as the script's interpreter would (``_start_method_as_python``, ``_ScriptExit``)."""
     cfg = RunConfig.from_dict(config_dict)
     _one_line_warnings()
     run_dir = Path(cfg.out).resolve()
@@ -118,7 +120,10 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         # exit would run the same handlers, after the same steps.
         multiprocessing.util.Finalize(None, ending, exitpriority=_LAST_PRIORITY)
     try:
-        with records_kept_when_stopped(heals_forward=bool(cfg.replica_groups)):
+        with (
+            records_kept_when_stopped(heals_forward=bool(cfg.replica_groups)),
+            _start_method_as_python(),
+        ):
             _run_main(command, ending)
     except SystemExit as exc:
         if exc.code not in (None, 0):
@@ -141,12 +146,29 @@ def _ends_without_exit() -> bool:
     run``'s workers from its forkserver, ``gradsync.processes.forkserver``): it ends with
     ``os._exit`` once its function returns, so the interpreter's exit never runs there. A
     spawned child ends with ``sys.exit``, a worker under torchrun is no child of
-    multiprocessing: their interpreters' exits do it. Multiprocessing sets a child's start
-    method to the one that started it."""
+    multiprocessing: their interpreters' exits do it. Read before ``_start_method_as_python``:
+    multiprocessing sets a child's start method to the one that started it."""
     if multiprocessing.parent_process() is None:
         return False
     method = multiprocessing.get_start_method(allow_none=True)
     return (method or multiprocessing.get_all_start_methods()[0]) != "spawn"
+
+
+@contextlib.contextmanager
+def _start_method_as_python() -> Iterator[None]:
+    """While the script runs, multiprocessing's start method unset, as in ``python
+    train.py``: the platform's default for a process started without one, and a script's own
+    ``set_start_method`` is not refused. A rank is a multiprocessing child whose start method
+    multiprocessing set to the one that started it (forkserver, or spawn): a DataLoader with
+    workers then started them that way, and each imported the script again, whose unguarded
+    ``gs.init()`` failed the run (a script without ``if __name__ == "__main__":``, fine under
+    torchrun, where the default on Linux forks them from the script)."""
+    previous = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(None, force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
 
 
 class _ScriptExit:

@@ -1,6 +1,8 @@
 """``gradsync.runner.worker``: a script run in a rank ends as ``python train.py`` would (its
-files left open are flushed, its exit handlers run, after a raise too). In this process: the
-exit handlers are a stand-in (the real ones here are pytest's)."""
+files left open are flushed, its exit handlers run, after a raise too), and it sees
+multiprocessing's start method unset, as in a fresh interpreter. In this process: the exit
+handlers are a stand-in (the real ones here are pytest's); the end-to-end run of both is
+``tests/e2e/test_script_exit.py``."""
 
 from __future__ import annotations
 
@@ -91,6 +93,20 @@ def test_the_script_runs_as_main_with_its_own_globals(tmp_path: Path, as_a_rank:
     worker._run_main([str(script)], ending)
     assert ending.namespace["seen"] == ("__main__", str(script), 1)
     assert sys.modules["__main__"] is before
+
+
+def test_the_script_sees_the_start_method_unset_as_in_a_fresh_interpreter() -> None:
+    previous = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("spawn", force=True)  # as multiprocessing sets a child's
+    try:
+        with worker._start_method_as_python():
+            # unset: a process it starts gets the platform's default (fork on Linux before
+            # Python 3.14), and the script's own choice is not refused
+            assert multiprocessing.get_start_method(allow_none=True) is None
+            multiprocessing.set_start_method("spawn")
+        assert multiprocessing.get_start_method(allow_none=True) == "spawn"
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
 
 
 def test_a_process_that_is_no_multiprocessing_child_leaves_its_exit_to_python() -> None:
