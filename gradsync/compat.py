@@ -316,15 +316,21 @@ def fsdp_comms(module: Any) -> list[tuple[Any, Any]] | None:
     if not all(callable(getattr(module, name, None)) for name in setters):
         return None
     try:
-        state = module._get_fsdp_state()
-        # A list since FSDP2 allowed a mesh per parameter, one group (or None) before.
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            one = state._fsdp_param_group
-            groups = [] if one is None else [one]
-        return [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
+        return [(g._all_gather_comm, g._reduce_scatter_comm) for g in _fsdp_param_groups(module)]
     except (AttributeError, TypeError):
         return None
+
+
+def _fsdp_param_groups(module: Any) -> list[Any]:
+    """FSDP2 module ``module``'s parameter groups: a list since FSDP2 allowed a mesh per
+    parameter, one group (or None) before. AttributeError where this torch names them
+    otherwise."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = state._fsdp_param_group
+        groups = [] if one is None else [one]
+    return list(groups)
 
 
 def fsdp_forget_forwards(modules: list[Any]) -> None:
@@ -333,12 +339,7 @@ def fsdp_forget_forwards(modules: list[Any]) -> None:
     only what the next forward ran, the same on every rank whatever forwards one rank ran alone."""
     for module in modules:
         try:
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:
-                one = state._fsdp_param_group
-                groups = [] if one is None else [one]
-            for group in groups:
+            for group in _fsdp_param_groups(module):
                 group.comm_ctx.post_forward_order.clear()
                 group._post_forward_indices.clear()
         except AttributeError:

@@ -286,7 +286,8 @@ class Synchronizer:
             self._run.start(self.rank, self.layout.workers)
             # A script that never calls report() (a port through the front door may not) or
             # close() still gets its last step records into the run directory: at the exit of
-            # its process (a multiprocessing child's too, which runs no atexit handler).
+            # its process (a multiprocessing child's too, which ends with os._exit: its atexit
+            # handlers run only where gradsync's worker runs them, after these finalizers).
             multiprocessing.util.Finalize(
                 self, _write_unreported, args=(weakref.ref(self),), exitpriority=1
             )

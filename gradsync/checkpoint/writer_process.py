@@ -306,8 +306,9 @@ class ProcessCheckpointWriter(WriterBase):
         }
         self._child, self._sock = _spawn(self._init, _START_TIMEOUT_S)
         # Run when this writer is collected, or as the process exits: at the interpreter's
-        # exit, or at a multiprocessing child's (a rank under ``gradsync run``), which skips
-        # the interpreter's exit handlers (``weakref.finalize`` was not run there).
+        # exit, or at a multiprocessing child's (a rank under ``gradsync run``), which ends
+        # with os._exit and runs atexit handlers (``weakref.finalize``'s) only where gradsync's
+        # worker runs them for a script, after multiprocessing's finalizers.
         self._finalizer = multiprocessing.util.Finalize(
             self, _stop_child, args=(self._child, self._sock, os.getpid()), exitpriority=0
         )
