@@ -508,8 +508,10 @@ class DiLoCo(Periodic):
             before = self._state.bytes_sent
             for p in starting:
                 self._start(p, step)
-            outcome.bytes_sent += self._state.bytes_sent - before
             more, ok = self._apply_due(step)
+            # Counted once the undelayed ones are applied: under live membership a compressor's
+            # hook runs (and counts its payload) on the exchange thread, after ``_start``.
+            outcome.bytes_sent += self._state.bytes_sent - before
             applied, committed = applied + more, committed and ok
         if applied:
             # Ranks wait for each other where an exchange is applied, not where it starts.
