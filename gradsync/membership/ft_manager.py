@@ -173,6 +173,8 @@ class TorchftMembership:
         self._last_step = 0
         self._seen = _QuorumSeen.wrap(self.manager)
         self._replicas = _Replicas(self.manager, self._pg)
+        #: said once: a step skipped for a quorum smaller than ``min_replicas`` (``commit``)
+        self._min_replicas, self._warned_small = settings.min_replicas, False
         # torchft's id of this group (``GROUP:UUID``, or a bare UUID without a group id), as
         # its Manager put it in this group's store: which of a quorum's members is this one
         self._replica_id = self._store.get(ft_manager.REPLICA_ID_KEY).decode()
@@ -306,6 +308,20 @@ class TorchftMembership:
         ``on_step`` with the decision."""
         committed = bool(self.manager.should_commit())
         quorum, self._quorum = self._quorum, None
+        if not committed and not self._warned_small and self.participants() < self._min_replicas:
+            self._warned_small = True
+            logger.warning(
+                "%s skips step %d: its quorum had %d participant(s), fewer than min_replicas=%d; "
+                "every step is skipped until %d replica groups take part together. The "
+                "lighthouse forms a quorum once its own min_replicas have joined: start it with "
+                "min_replicas=%d too (gradsync run --replica-groups does), docs/membership.md",
+                self._name,
+                step,
+                self.participants(),
+                self._min_replicas,
+                self._min_replicas,
+                self._min_replicas,
+            )
         if self._on_step is not None and quorum is not None:
             self._on_step(self._decided(quorum, step, committed))
         return committed

@@ -97,3 +97,35 @@ def test_every_compressor_crosses_the_quorum_but_streaming_fragments_take_16_bit
         assert check_membership("torchft", **{**GOOD, **change, "strategy": strategy})
     with pytest.raises(UsageError, match=r"use compression=None, 'fp16' or 'bf16', or one"):
         check_membership("torchft", **{**GOOD, **change, "strategy": "diloco:4:2:1"})
+
+
+class _SmallQuorumManager:
+    """torchft's Manager after a quorum of one replica group: the step is not committed."""
+
+    def should_commit(self) -> bool:
+        return False
+
+    def num_participants(self) -> int:
+        return 1
+
+
+def test_a_step_skipped_for_a_quorum_below_min_replicas_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A lighthouse started with min_replicas=1 forms quorums of one group, which a
+    Synchronizer with min_replicas=2 never commits: every step skipped, nothing trained, and
+    (before) not a word. Said once, naming both settings."""
+    pytest.importorskip("torchft")
+    from gradsync.membership.ft_manager import TorchftMembership
+
+    live = TorchftMembership.__new__(TorchftMembership)  # no Manager, lighthouse or store
+    live.manager = _SmallQuorumManager()
+    live._quorum, live._on_step, live._name = None, None, "replica group 0"
+    live._min_replicas, live._warned_small = 2, False
+    with caplog.at_level("WARNING", logger="gradsync.membership"):
+        assert live.commit(0) is False
+        assert live.commit(1) is False
+    said = [r.getMessage() for r in caplog.records if r.name == "gradsync.membership"]
+    assert len(said) == 1, said
+    assert "skips step 0: its quorum had 1 participant(s), fewer than min_replicas=2" in said[0]
+    assert "start it with min_replicas=2" in said[0]
