@@ -31,34 +31,94 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     from gradsync.flags import from_namespace
     from gradsync.runner.config import RunConfig
 
+    for name in RESUMED_FLAGS:  # not given and not taken from a saved run: the default
+        value = getattr(args, name, None)
+        if isinstance(value, _Default):
+            setattr(args, name, value.value)
     return from_namespace(RunConfig, args, script=list(getattr(args, "script", None) or []))
 
 
-class _DefaultNproc(int):
-    """``--nproc``'s default as run's parser holds it: 4, told apart from a given ``--nproc 4``
-    (a --resume without --nproc takes the saved run's)."""
+#: run's flags that a --resume without them takes from the saved run's config.json (the run's
+#: workload, model size, steps, strategy, compressor, replica groups and ranks); a given one
+#: is held against the saved run's (gradsync.runner.resume): refused where it must match
+RESUMED_FLAGS = (
+    "workload",
+    "params",
+    "steps",
+    "strategy",
+    "compression",
+    "replica_groups",
+    "nproc",
+)
 
 
-def _saved_nproc(out: str | None) -> int | None:
-    """The --nproc of the run saved in ``out`` (its config.json), or None: no such run, or a
-    config.json that does not say (a --resume of a built-in workload names a torn one)."""
+class _Default:
+    """A flag of ``RESUMED_FLAGS``'s default as run's parser holds it, told apart from the same
+    value given (``--nproc 4``, ``--workload charlm``); its help shows the value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    __repr__ = __str__
+
+
+def _saved_config(out: str | None) -> dict[str, Any] | None:
+    """The config.json of the run saved in ``out``, or None: no such run, or one that is not a
+    JSON object (a --resume of a built-in workload names a torn one)."""
     if not out:
         return None
     try:
-        nproc = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))["nproc"]
-    except (OSError, ValueError, KeyError, TypeError):
+        data = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
-    return nproc if type(nproc) is int and nproc >= 1 else None
+    return data if isinstance(data, dict) else None
+
+
+def _saved_value(name: str, saved: dict[str, Any]) -> Any:
+    """The saved run's value of flag ``name`` (a field of RunConfig), or ``_Default`` itself
+    where its config.json does not hold one of the field's kind (a script's run records no
+    --workload, --params or --steps)."""
+    value = saved.get(name, _Default)
+    if name == "replica_groups" and value is None:
+        return 0
+    if name == "compression":
+        return value if value is None or isinstance(value, str) else _Default
+    if name in ("workload", "strategy"):
+        return value if isinstance(value, str) and value else _Default
+    # nproc, params, steps, replica_groups: a count
+    least = 0 if name == "replica_groups" else 1
+    return value if type(value) is int and value >= least else _Default
+
+
+def _take_saved_flags(args: argparse.Namespace) -> int | None:
+    """Under --resume, each flag of ``RESUMED_FLAGS`` not given takes the saved run's value
+    (the run continues with its settings); else, or where config.json does not say, its
+    default. Returns the saved run's --nproc (None: no resume, or not known)."""
+    saved = _saved_config(args.out) if args.resume else None
+    for name in RESUMED_FLAGS:
+        value = getattr(args, name)
+        if not isinstance(value, _Default):
+            continue  # given: a --nproc that differs is taken, the others are held to match
+        taken = _saved_value(name, saved) if saved is not None else _Default
+        if name == "params" and args.workload != "mlp":
+            taken = _Default  # sizes mlp's model only: another workload's is its own
+        setattr(args, name, value.value if taken is _Default else taken)
+    nproc = _saved_value("nproc", saved) if saved is not None else None
+    return nproc if isinstance(nproc, int) else None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gradsync.runner.rundir import claim
 
-    before = _saved_nproc(args.out) if args.resume else None
-    if isinstance(args.nproc, _DefaultNproc):
-        # --resume continues the saved run with its settings: its ranks, where --nproc is not
-        # given (a given one that differs is taken, and the summary's header names both)
-        args.nproc = before if before is not None else int(args.nproc)
+    # --resume continues the saved run with its settings where a flag does not say otherwise:
+    # its ranks (a given --nproc that differs is taken, and the summary's header names both),
+    # its workload, model, steps, strategy, compressor and replica groups
+    before = _take_saved_flags(args)
     cfg = _config_from_args(args)
     run_dir = Path(cfg.out)
     # Held until this process ends: no second run in the same directory meanwhile.
@@ -456,7 +516,9 @@ def _add_run_parser(sub: Any) -> None:
     from gradsync.runner.config import RunConfig
 
     # told apart from a given --nproc 4: a --resume without --nproc takes the saved run's
-    run.set_defaults(func=cmd_run, nproc=_DefaultNproc(RunConfig().nproc))
+    defaults = RunConfig()
+    held = {name: _Default(getattr(defaults, name)) for name in RESUMED_FLAGS}
+    run.set_defaults(func=cmd_run, **held)
 
 
 def _add_compare_parser(sub: Any) -> None:

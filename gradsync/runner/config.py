@@ -216,8 +216,10 @@ class RunConfig:
     )
     resume: bool = flag(
         False,
-        help="continue from the newest checkpoint in --out: the saved run's workload, model "
-        "size, strategy and replica groups, and its --nproc unless given (default: off)",
+        help="continue from the newest checkpoint in --out with the saved run's --workload, "
+        "--params, --steps, --strategy, --compress, --replica-groups and --nproc, each where "
+        "not given (a given --nproc may differ, a given --steps not below the checkpoint's "
+        "step) (default: off)",
         group=FAULTS,
     )
     overwrite: bool = flag(

@@ -1,8 +1,10 @@
 """What ``gradsync run --resume`` (a built-in workload's) holds against the run it continues,
 before any worker starts and before the run's config.json is rewritten with this run's flags.
 
-Refused (``UsageError``, exit 2), each naming the flag, the saved value, the given one and what
-to pass instead:
+A flag of these not given on the command line is the saved run's already
+(``gradsync.runner.cli.RESUMED_FLAGS``): what is held here is a given one. Refused
+(``UsageError``, exit 2), each naming the flag, the saved value, the given one and what to
+pass instead:
 
 - a flag that shapes what the checkpoints hold (``MUST_MATCH``): ``--workload``, ``--params``
   (for ``mlp``, the one workload it sizes), ``--strategy`` (the whole spec) and

@@ -17,6 +17,7 @@ import pytest
 
 import gradsync.processes.launch
 from gradsync.checkpoint import CheckpointStore
+from gradsync.compression import parse_compression
 from gradsync.runner.cli import main
 from gradsync.runner.config import RunConfig
 from gradsync.telemetry.records import METRICS_FILE, StepRecord, write_records
@@ -34,7 +35,8 @@ def _saved_run(run: Path, step: int = 12, **flags: Any) -> RunConfig:
     cfg.save(run, given=cfg.changed_fields())
     store = CheckpointStore(run / "checkpoints")
     strategy = cfg.strategy.split(":")[0]
-    store.save(step, 0, 1, {"strategy": strategy, "compression": "none", "extra": {}})
+    compression = parse_compression(cfg.compression).spec
+    store.save(step, 0, 1, {"strategy": strategy, "compression": compression, "extra": {}})
     store.commit(step, 1)
     return cfg
 
@@ -87,7 +89,13 @@ def launch(monkeypatch: pytest.MonkeyPatch) -> FakeLaunch:
             "--workload mlp",  # charlm has no --params: only the workload is named
             "--workload charlm",
         ),
-        ({"replica_groups": 2}, [], "--replica-groups 2", "no --replica-groups"),
+        # given: not given, the saved run's is taken (test_flags_not_given_are_the_saved_runs)
+        (
+            {"replica_groups": 2},
+            ["--replica-groups=0"],
+            "--replica-groups 2",
+            "no --replica-groups",
+        ),
     ],
 )
 def test_a_flag_that_shapes_the_checkpoints_is_refused_before_any_worker(
@@ -114,6 +122,81 @@ def test_a_flag_that_shapes_the_checkpoints_is_refused_before_any_worker(
     ), err
     assert f"Rerun with {was}, or pass a new --out" in err[0], err
     assert (run / "config.json").read_bytes() == before  # the saved run's, not this attempt's
+
+
+def test_a_resume_without_the_flags_continues_the_saved_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    """``gradsync run --resume --out RUN`` alone: the saved run's workload, model size, steps,
+    strategy, compressor and ranks (not charlm, bsp and 200 steps, refused as another run)."""
+    run = tmp_path / "run"
+    _saved_run(run, steps=20, strategy="zero:1", params=20000, compression="fp16")
+    assert main(["run", "--resume", f"--out={run}", *FLAGS]) == 0, capsys.readouterr().err
+    call = launch.calls[-1]
+    taken = {k: call[k] for k in ("workload", "params", "steps", "strategy", "compression")}
+    assert taken == {
+        "workload": "mlp",
+        "params": 20000,
+        "steps": 20,
+        "strategy": "zero:1",
+        "compression": "fp16",
+    }
+    assert call["nproc"] == 2
+    err = capsys.readouterr().err
+    assert "gradsync run: mlp, strategy zero:1, compression fp16, 2 workers, 20 steps" in err
+    # a given --steps is taken (more than the checkpoint's step), a given other flag refused
+    assert main(["run", "--resume", "--steps=30", f"--out={run}", *FLAGS]) == 0
+    assert launch.calls[-1]["steps"] == 30 and launch.calls[-1]["strategy"] == "zero:1"
+    assert main(["run", "--resume", "--strategy=bsp", f"--out={run}", *FLAGS]) == 2
+    assert "trained with --strategy zero:1 (its config.json)" in capsys.readouterr().err
+    assert len(launch.calls) == 2
+
+
+def test_flags_not_given_are_the_saved_runs(tmp_path: Path) -> None:
+    """Under --resume each of run's flags that shape the run takes config.json's value where
+    not given, --replica-groups among them; a given one is kept (held against the saved run's
+    after); without --resume, or without a config.json, the defaults."""
+    from gradsync.runner.cli import RESUMED_FLAGS, _take_saved_flags, build_parser
+
+    run = tmp_path / "run"
+    saved = {
+        "workload": "mlp",
+        "params": 20000,
+        "steps": 40,
+        "strategy": "local:2",
+        "compression": "int8",
+        "replica_groups": 2,
+        "nproc": 3,
+    }
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(saved))
+    assert set(RESUMED_FLAGS) == set(saved)
+
+    def parsed(*argv: str) -> tuple[dict[str, Any], int | None]:
+        args = build_parser(full={"run"}).parse_args(["run", f"--out={run}", *argv])
+        before = _take_saved_flags(args)
+        return {name: getattr(args, name) for name in RESUMED_FLAGS}, before
+
+    assert parsed("--resume") == (saved, 3)
+    given = ("--workload=charlm", "--steps=50", "--replica-groups=0", "--compress=fp16")
+    flags, before = parsed("--resume", *given)
+    assert before == 3 and flags == {
+        **saved,
+        "workload": "charlm",
+        "params": RunConfig().params,  # sizes mlp's model only: charlm's is its own
+        "steps": 50,
+        "replica_groups": 0,
+        "compression": "fp16",
+    }
+    defaults = RunConfig()
+    fresh = {name: getattr(defaults, name) for name in RESUMED_FLAGS}
+    assert parsed() == (fresh, None)  # no --resume: the defaults, config.json or not
+    (run / "config.json").write_text("{torn")
+    assert parsed("--resume") == (fresh, None)
+    # a script's run records no --workload, --params or --steps: theirs are the defaults
+    (run / "config.json").write_text(json.dumps({"strategy": "diloco:4", "nproc": 2}))
+    flags, before = parsed("--resume")
+    assert before == 2 and flags == {**fresh, "strategy": "diloco:4", "nproc": 2}
 
 
 def test_several_flags_are_named_together(
