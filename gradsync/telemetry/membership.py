@@ -49,6 +49,7 @@ import json
 import os
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -202,8 +203,13 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 def summarize(groups: list[GroupMembership], expected: int | None = None) -> dict[str, Any]:
     """report.json's ``membership`` section over ``groups``: the quorums, the steps with fewer
     than ``expected`` participants (None: the most any quorum had), each loss seen by the
-    others, the steps not committed, the replacements' healings and the stalls."""
+    others, the steps not committed, the replacements' healings and the stalls. Under a
+    periodic strategy (``local:H``, ``diloco:H``: its lines say ``joined_at``) a line is a
+    period's exchange, not a step: the counts are ``exchanges`` and
+    ``exchanges_with_fewer_participants`` (``periodic``), not ``steps``."""
     entries = [(g.name, e) for g in groups for e in g.entries]
+    periodic = any("joined_at" in e and not e.get("final") for _, e in entries)
+    unit = "exchanges" if periodic else "steps"
     most = max((e["participants"] for _, e in entries), default=0)
     expected = most if expected is None else expected
     fewer = sorted({e["step"] for _, e in entries if e["participants"] < expected})
@@ -216,10 +222,12 @@ def summarize(groups: list[GroupMembership], expected: int | None = None) -> dic
     not_committed = sorted({e["step"] for _, e in entries if not e["committed"]})
     return {
         "groups": len(groups),
-        "steps": len({e["step"] for _, e in entries}),
+        "periodic": periodic,
+        # a step's exchange each (bsp, zero:N), or a period's (local:H, diloco:H)
+        unit: len({e["step"] for _, e in entries}),
         "quorums": _quorums(entries),
         "expected_participants": expected,
-        "steps_with_fewer_participants": len(fewer),
+        f"{unit}_with_fewer_participants": len(fewer),
         "fewer_participants_at": step_ranges(fewer),
         "failures": _failures(groups),
         "not_committed": len(not_committed),
@@ -356,20 +364,38 @@ def step_ranges(steps: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def describe(section: dict[str, Any]) -> str:
+def describe(section: dict[str, Any], exits: Sequence[int] | None = None) -> str:
     """The summary's one line of a ``summarize`` section, e.g. ``membership: 2 quorums; lost
     group 1 at step 8 (seen by group 0); 0 of 30 steps with fewer than 2 participants; 1
-    healing (0.04 MB in 1.39 s); longest stall 2.05 s (group 0, step 8)``."""
+    healing (0.04 MB in 1.39 s); longest stall 2.05 s (group 0, step 8)``; under a periodic
+    strategy, ``0 of 15 exchanges (one a period) with fewer than 2 participants``.
+
+    ``exits``: each group's exit status, group K's at K, where the caller knows them. A loss
+    the records show is one a quorum saw: a group that failed with every other (no quorum
+    left to see it go) is in none, so "no group lost" is said only where ``exits`` are all 0;
+    a group that exited otherwise is named (``group 1 exited 1``), and without ``exits`` no
+    loss seen is said as that."""
     parts = [counted(len(section["quorums"]), "quorum")]
     lost = [
         f"group {f['group'] or '?'} at step {f['step']} (seen by group {', '.join(f['seen_by'])})"
         for f in section["failures"]
     ]
-    parts.append("lost " + ", ".join(lost) if lost else "no group lost")
-    fewer, at = section["steps_with_fewer_participants"], section["fewer_participants_at"]
+    failed = [f"group {k} exited {code}" for k, code in enumerate(exits or ()) if code != 0]
+    if lost:
+        parts.append("lost " + ", ".join(lost))
+    elif exits is not None and not failed:
+        parts.append("no group lost")
+    else:
+        parts.append("no loss seen by a quorum")
+    parts += failed
+    unit = "exchange" if section.get("periodic") else "step"
+    fewer = section[f"{unit}s_with_fewer_participants"]
+    at = section["fewer_participants_at"]
     parts.append(
-        f"{fewer} of {counted(section['steps'], 'step')} with fewer than "
-        f"{section['expected_participants']} participants" + (f" ({at})" if fewer else "")
+        f"{fewer} of {counted(section[unit + 's'], unit)}"
+        + (" (one a period)" if unit == "exchange" else "")
+        + f" with fewer than {section['expected_participants']} participants"
+        + (f" ({'at step(s) ' if unit == 'exchange' else ''}{at})" if fewer else "")
     )
     healings = section["healings"]
     parts.append(

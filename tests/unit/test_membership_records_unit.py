@@ -144,10 +144,49 @@ def test_a_run_without_a_loss_says_so() -> None:
     calm = [_group("0", _steps(0, 5, 1, [A, B])), _group("1", _steps(0, 5, 1, [A, B]))]
     section = summarize(calm)  # expected: the most participants any quorum had
     assert section["failures"] == [] and section["max_stall"] is None
-    assert describe(section) == (
+    assert describe(section, exits=[0, 0]) == (
         "membership: 1 quorum; no group lost; 0 of 5 steps with fewer than 2 participants; "
         "0 healings (0.00 MB in 0.00 s); no stall over 0.1 s"
     )
+    # without the groups' exits, only what the records show: no quorum saw a loss
+    assert describe(section).startswith("membership: 1 quorum; no loss seen by a quorum; 0 of")
+
+
+@pytest.mark.timeout(60)
+def test_a_group_that_failed_unseen_is_not_said_to_be_no_loss() -> None:
+    """Group 1's worker SIGKILLed with --max-restarts 0, and group 0 failed with it: no quorum
+    was left to see group 1 go, so no line says it left; the exits say both failed."""
+    both = [_group("0", _steps(0, 5, 1, [A, B])), _group("1", _steps(0, 4, 1, [A, B]))]
+    section = summarize(both, expected=2)
+    assert section["failures"] == []
+    said = describe(section, exits=[1, -9])
+    assert "no group lost" not in said, said
+    assert said.startswith(
+        "membership: 1 quorum; no loss seen by a quorum; group 0 exited 1; group 1 exited -9; "
+        "0 of 5 steps with fewer than 2 participants; "
+    ), said
+    # a loss a quorum saw, and the lost group's exit beside it
+    lost = describe(summarize(_lost_and_healed(), expected=2), exits=[0, 1])
+    assert "; lost group 1 at step 10 (seen by group 0); group 1 exited 1; 5 of 20 " in lost
+
+
+@pytest.mark.timeout(60)
+def test_a_periodic_strategys_lines_are_counted_as_exchanges_not_steps() -> None:
+    """A 30-step local:2 run: a line per period (15), at its last step, joined at its first:
+    15 exchanges, not '15 steps'; the one with fewer participants named at its step."""
+    periods = [dict(step=s + 1, joined_at=s, quorum_id=1, members=[A, B]) for s in range(0, 30, 2)]
+    alone = [{**p, "members": [A]} if p["step"] == 9 else p for p in periods]
+    groups = [_group("0", alone), _group("1", [p for p in periods if p["step"] != 9])]
+    section = summarize(groups, expected=2)
+    assert section["periodic"] is True and "steps" not in section
+    assert (section["exchanges"], section["exchanges_with_fewer_participants"]) == (15, 1)
+    said = describe(section, exits=[0, 0])
+    assert "; 1 of 15 exchanges (one a period) with fewer than 2 participants (at step(s) 9); " in (
+        said
+    ), said
+    # bsp's lines are steps: no joined_at
+    flat = summarize([_group("0", _steps(0, 30, 1, [A, B]))], expected=2)
+    assert flat["periodic"] is False and flat["steps"] == 30 and "exchanges" not in flat
 
 
 @pytest.mark.timeout(60)
