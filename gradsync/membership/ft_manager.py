@@ -218,13 +218,14 @@ class TorchftMembership:
         if self._healed is None:
             return
         healed_at, nbytes = self._healed
-        logger.info(
-            "%s healed from a live peer: at step %d (%.2f MB in %.2f s)",
-            self._name,
-            healed_at,
-            nbytes / 1e6,
-            seconds,
-        )
+        if runtime.rank(self._group) == 0:  # once a group, with the seconds healed.jsonl has
+            logger.info(
+                "%s healed from a live peer: at step %d (%.2f MB in %.2f s)",
+                self._name,
+                healed_at,
+                nbytes / 1e6,
+                seconds,
+            )
         if self._on_healed is not None:
             self._on_healed(healed_at, nbytes, seconds)
 
