@@ -17,7 +17,15 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["LOCK_DIR", "hold", "release", "released", "wait_for_writers"]
+__all__ = [
+    "LOCK_DIR",
+    "hold",
+    "release",
+    "released",
+    "wait_for_session_writers",
+    "wait_for_writers",
+    "writers_in_session",
+]
 
 LOCK_DIR = ".writers"
 _POLL_S = 0.005
@@ -102,3 +110,43 @@ def wait_for_writers(
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
     return held
+
+
+#: how a writer process's command line names its module (``writer_process._spawn``)
+_WRITER_MODULE = b"gradsync.checkpoint.writer_child"
+
+
+def writers_in_session(session: int) -> list[int]:
+    """The pids of the checkpoint writer processes still running in session ``session``
+    (Linux's ``/proc``; none elsewhere, where no writer process runs). A writer outlives its
+    rank until it has written what the rank held, wherever the rank saved."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+            if fields[0] == b"Z" or int(fields[3]) != session:  # state, session
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if _WRITER_MODULE in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or unreadable
+            continue
+    return found
+
+
+def wait_for_session_writers(timeout_s: float) -> list[int]:
+    """Until no checkpoint writer process is left in this process's session, or
+    ``timeout_s``; returns the pids still running then. For ``gradsync run --replica-groups``'s
+    group process, whose whole session the run kills once it has ended."""
+    session = os.getsid(0)
+    deadline = time.monotonic() + timeout_s
+    while (left := writers_in_session(session)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left

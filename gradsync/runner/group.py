@@ -18,6 +18,10 @@ from pathlib import Path
 
 from gradsync.runner.config import RunConfig
 
+#: how long a group that ended waits for its ranks' checkpoint writers, within the
+#: ``replica_groups.STOP_GRACE_S`` the run gives it after SIGTERM before killing its session
+WRITERS_GRACE_S = 15.0
+
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m gradsync.runner.group --config RUN/group-K/config.json``."""
@@ -45,7 +49,28 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - named in one line, as gradsync run does
         return _group_failure(cfg.replica_group, exc)
+    finally:
+        _wait_for_checkpoint_writers(cfg.replica_group)
     return 0
+
+
+def _wait_for_checkpoint_writers(group: int | None) -> None:
+    """Before this process ends: the checkpoint writers its ranks left (``writer_child``),
+    still writing the snapshots their stopped ranks held and, on rank 0, committing the
+    newest step every rank wrote. The run kills this group's whole session once this process
+    has ended (``replica_groups._stop``), and a writer killed then lost every checkpoint
+    held since the last one written to a file: a SIGTERM after three checkpoints logged left
+    the first, and --resume went back to it (docs/checkpoints.md, "Held snapshots")."""
+    from gradsync.checkpoint.writer_locks import wait_for_session_writers
+
+    left = wait_for_session_writers(WRITERS_GRACE_S)
+    if left:
+        print(
+            f"gradsync: replica group {group}: {len(left)} checkpoint writer(s) still writing "
+            f"{WRITERS_GRACE_S:.0f} s after the group ended (pids "
+            f"{', '.join(map(str, left))}): their checkpoints may be lost",
+            file=sys.stderr,
+        )
 
 
 def _stop_with_parent(parent: int) -> None:

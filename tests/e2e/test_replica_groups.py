@@ -385,11 +385,13 @@ def _stop(proc: subprocess.Popen[str], watched: Watched) -> None:
         proc.communicate(timeout=30)
 
 
-def _training_run(out: Path, watched: Watched, *extra: str) -> subprocess.Popen[str]:
-    """A long two-group run, returned once both groups are training (each has gathered its
-    first records): what the signal tests then stop."""
+def _training_run(
+    out: Path, watched: Watched, *extra: str, nproc: int = 1
+) -> subprocess.Popen[str]:
+    """A long two-group run of ``nproc`` ranks a group, returned once both groups are training
+    (each has gathered its first records): what the signal tests then stop."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
+        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", str(nproc)]
         + ["--workload", "mlp", "--params", "5000", "--steps", "100000", *extra]
         + ["--no-plots", "--no-progress", "--out", str(out)],
         stdout=subprocess.DEVNULL,
@@ -413,13 +415,18 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
     """And --resume continues the run: see ``_resume_each_group``."""
     watched = Watched()
     out = tmp_path / "run"
-    proc = _training_run(out, watched, "--checkpoint-every", "5")
+    proc = _training_run(out, watched, "--checkpoint-every", "5", nproc=2)
     try:
         # The resume below needs group 0 two commits in: the first records can come before
         # them (the checkpoint writer runs at the lowest priority), and a CI run once stopped
         # the run at its first commit.
+        # And each group's log past its newest file: the checkpoints since are held in its
+        # writer's memory (docs/checkpoints.md, "Held snapshots"), which the stop must write.
         deadline = time.monotonic() + 60
-        while len(_committed(out / "group-0" / "checkpoints")) < 2 and proc.poll() is None:
+        while (
+            len(_committed(out / "group-0" / "checkpoints")) < 2
+            or any(_logged(out / f"group-{k}") <= _newest(out / f"group-{k}") for k in (0, 1))
+        ) and proc.poll() is None:
             if time.monotonic() > deadline:
                 break
             watched.sample(proc.pid)
@@ -436,7 +443,21 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
     # (a worker's SIGINT handler waits for a quorum that never forms; SIGTERM ends it).
     assert "did not stop within" not in stderr, stderr[-3000:]
     assert not left, f"still running after the run: {left}"
-    _resume_each_group(out)
+    # Every checkpoint a group logged as taken is on disk, committed: the run killed each
+    # group's session as soon as its agent ended, with its writers still writing them.
+    for k in (0, 1):
+        assert _newest(out / f"group-{k}") >= _logged(out / f"group-{k}"), k
+    _resume_each_group(out, nproc=2)
+
+
+def _logged(group: Path) -> int:
+    """The newest step the group's checkpoints/log.jsonl lists (rank 0 took that save)."""
+    log = group / "checkpoints" / "log.jsonl"
+    return max((r["step"] for r in _jsonl(log)), default=-1) if log.exists() else -1
+
+
+def _newest(group: Path) -> int:
+    return max(_committed(group / "checkpoints"), default=-1)
 
 
 def _committed(checkpoints: Path) -> list[int]:
@@ -445,7 +466,7 @@ def _committed(checkpoints: Path) -> list[int]:
     )
 
 
-def _resume_each_group(out: Path) -> None:
+def _resume_each_group(out: Path, nproc: int) -> None:
     """``--resume`` of a stopped run of replica groups: each group loads its own newest
     checkpoint, and the first quorum heals the groups behind the furthest one from it. Group
     0's newest checkpoint is removed first, so it resumes behind group 1 and must heal at
@@ -459,7 +480,7 @@ def _resume_each_group(out: Path) -> None:
     assert behind < ahead, (behind, ahead)
     steps = ahead + 10
     done = subprocess.run(
-        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
+        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", str(nproc)]
         + ["--workload", "mlp", "--params", "5000", "--steps", str(steps), "--resume"]
         + ["--checkpoint-every", "5", "--no-plots", "--no-progress", "--out", str(out)],
         capture_output=True,
@@ -473,8 +494,9 @@ def _resume_each_group(out: Path) -> None:
     healed = [_jsonl(f) if f.exists() else [] for f in files]
     assert [h["step"] for h in healed[0]][-1] == ahead, healed
     assert all(h["step"] == 0 for h in healed[1]), healed  # at most the first run's start
-    group1 = [json.loads(line)["step"] for line in (out / "group-1" / "metrics.jsonl").open()]
-    assert sorted(group1) == list(range(steps))  # every step once: none redone, none lost
+    group1 = _jsonl(out / "group-1" / "metrics.jsonl")
+    for rank in range(nproc):  # every step once: none redone, none lost
+        assert sorted(r["step"] for r in group1 if r["rank"] == rank) == list(range(steps))
     quorums = [m["step"] for m in _jsonl(out / "group-1" / "membership.jsonl")]
     assert sorted(quorums) == list(range(steps)), quorums  # the stopped run's after it dropped
     a, b = (torch.load(out / f"group-{k}" / "final_model.pt", weights_only=True) for k in (0, 1))
