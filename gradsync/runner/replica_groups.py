@@ -351,7 +351,7 @@ def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
                 "(skipped by a healing, or lost with a killed process: docs/membership.md)"
             )
     report = write_run_report(cfg, run_dir, outcomes)
-    lines.append(describe(report["membership"]))
+    lines.append(describe(report["membership"], exits=[int(o["exit"]) for o in outcomes]))
     lines.append(f"each group's metrics, report.json, trace.json and plots: {run_dir}/group-K/")
     lines.append(f"the run's report (groups, membership): {run_dir / REPORT_FILE}")
     trace = write_run_trace(cfg, run_dir)
