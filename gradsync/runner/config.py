@@ -217,7 +217,7 @@ class RunConfig:
     resume: bool = flag(
         False,
         help="continue from the newest checkpoint in --out with the saved run's --workload, "
-        "--params, --steps, --strategy, --compress, --replica-groups and --nproc, each where "
+        "--params, --steps, --strategy, --compress, --nproc and --replica-groups, each where "
         "not given (a given --nproc may differ, a given --steps not below the checkpoint's "
         "step) (default: off)",
         group=FAULTS,

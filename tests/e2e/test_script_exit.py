@@ -4,11 +4,13 @@ from gradsync's forkserver too. A file it writes every step and never closes is 
 left empty); a DataLoader with workers in a script without ``if __name__ == "__main__":``
 works (its workers were started by the rank's forkserver start method and imported the script
 again, whose ``gs.init()`` failed the run); and after a kill and a restart nothing of the run
-is left running (its DataLoader's forkserver was, with parent PID 1)."""
+is left running (its DataLoader's forkserver was, with parent PID 1). The same run keeps each
+attempt's step records of a script that resumes without ``sync.load``."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -69,12 +71,12 @@ def test_a_script_ends_as_under_torchrun_after_a_kill_and_a_restart(tmp_path: Pa
     run_dir = (tmp_path / "run").resolve()
     # stderr into a file, not a pipe: a process left behind holding a pipe would keep the test
     # reading it until its timeout
-    with (tmp_path / "stderr").open("w") as err:
+    with (tmp_path / "stderr").open("w") as err, (tmp_path / "stdout").open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--out", str(run_dir)]
             + ["--no-progress", "--no-plots", "--kill", "1:3", "--max-restarts", "1"]
             + ["--", str(script), str(written)],
-            stdout=subprocess.DEVNULL,
+            stdout=out,
             stderr=err,
             cwd=tmp_path,
             start_new_session=True,
@@ -101,3 +103,18 @@ def test_a_script_ends_as_under_torchrun_after_a_kill_and_a_restart(tmp_path: Pa
         lines = (written / f"log-{rank}.txt").read_text().splitlines()
         assert lines == [f"step {s}" for s in range(STEPS)], (rank, lines)
         assert (written / f"atexit-{rank}").read_text() == "ran"
+    _assert_each_attempts_records_kept(run_dir, (tmp_path / "stdout").read_text())
+
+
+def _assert_each_attempts_records_kept(run_dir: Path, stdout: str) -> None:
+    """The script resumes without sync.load, so its restart trains its STEPS steps again from
+    0. Rank 0, stopped by the agent, wrote its records of steps 0-2 (attempt 0); the restart's
+    records (attempt 1) follow them, and a line says why. Before, the restart's steps replaced
+    the first attempt's and the summary said STEPS steps."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    first = sorted((r["rank"], r["step"]) for r in records if r.get("attempt", 0) == 0)
+    assert first == [(0, step) for step in range(3)], first
+    assert len([r for r in records if r.get("attempt") == 1]) == 2 * STEPS
+    header, note = stdout.splitlines()[:2]
+    assert header == f"run: {run_dir} ({STEPS + 3} steps, 2 ranks)", stdout[:500]
+    assert note.startswith("restart 1 of 1: the script counted its steps from 0 again"), note

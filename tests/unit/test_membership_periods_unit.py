@@ -57,6 +57,8 @@ def _membership() -> tuple[TorchftMembership, _Manager, list[StepQuorum]]:
     membership._quorum = None
     membership._healed = None
     membership._last_step = 0
+    membership._group = None  # a world of one: its rank 0 says a healing
+    membership._min_replicas, membership._warned_small = 1, False
     return membership, manager, recorded
 
 
