@@ -38,7 +38,9 @@ import torch.distributed as dist
 
 from gradsync import compat
 from gradsync.checks.guards import all_finite, nonfinite_flag
-from gradsync.compression.base import Compressor, ReplicaExchange
+from gradsync.compression.allreduce import ALLREDUCE
+from gradsync.compression.base import Compressor, Group, ReplicaExchange
+from gradsync.compression.fp import CAST_WIRE
 from gradsync.errors import UsageError
 from gradsync.spec import STRATEGY_FORMS, StrategySpec, parse_strategy_spec
 from gradsync.telemetry.records import Span
@@ -597,8 +599,34 @@ def load_compressor_state(state: Any, saved: dict[str, Any]) -> None:
         state.load_state_dict(saved.get("compressor", {}))
 
 
+def live_exchange(ctx: SyncContext, group: Group) -> tuple[torch.dtype | None, Group]:
+    """Under live membership, how a strategy's compressed exchange crosses the quorum: the
+    16-bit type each replica's share is cast to (fp16/bf16, through the Manager's all-reduce),
+    or None, and the group the compressor's state exchanges over: ``group`` as given, or the
+    quorum's participants for any other compressor, whose own collectives run on them
+    (``Membership.exchange``). Without membership or compression: None and ``group``."""
+    if ctx.membership is None or ctx.compressor is ALLREDUCE:
+        return None, group
+    wire = CAST_WIRE.get(ctx.compressor.spec)
+    return wire, group if wire is not None else ctx.membership.replicas
+
+
+def commit_or_skip(
+    membership: Membership | None, step: int, optimizer: torch.optim.Optimizer, outcome: StepOutcome
+) -> None:
+    """Under live membership, asked every step (skipped or not: the quorum counts the steps
+    it decided on): a step the quorum does not commit (a participant lost mid-exchange, or
+    too few took part) is skipped on this replica, its gradient released; a later quorum
+    heals the replica if its peers went on."""
+    if membership is not None and not membership.commit(step):
+        optimizer.zero_grad(set_to_none=True)
+        outcome.skipped = True
+
+
 __all__ = [
     "CheckpointHooks",
+    "commit_or_skip",
+    "live_exchange",
     "STRATEGY_FORMS",
     "CheckpointSink",
     "Layout",

@@ -29,8 +29,7 @@ from gradsync.checks.guards import (
     scrubs_on_device,
 )
 from gradsync.compression.allreduce import ALLREDUCE
-from gradsync.compression.base import FlatBucket, Group
-from gradsync.compression.fp import CAST_WIRE
+from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.logs import get_logger
 from gradsync.strategies.base import (
@@ -39,8 +38,10 @@ from gradsync.strategies.base import (
     StepPlan,
     Strategy,
     SyncContext,
+    commit_or_skip,
     compressor_state_dict,
     device_verdict,
+    live_exchange,
     load_compressor_state,
     scaler_on_device,
     step_verdict,
@@ -89,18 +90,12 @@ class BSP(Strategy):
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
         hierarchy = ctx.hierarchy
         # Under a hierarchy a compressor runs on the leaders only, across hosts.
-        group: Group = ctx.group if hierarchy is None else hierarchy.leader_group
+        group = ctx.group if hierarchy is None else hierarchy.leader_group
         self._world = runtime.world_size(ctx.group)
         self._membership = ctx.membership
-        # Under live membership the quorum carries a plain mean (as is, or each share cast to
-        # fp16/bf16 and summed by the Manager), after the replica group's own sum; any other
-        # compressor runs its own collectives on the quorum's participants (``exchange``).
-        self._live_wire = None
-        if self._membership is not None and ctx.compressor is not ALLREDUCE:
-            self._live_wire = CAST_WIRE.get(ctx.compressor.spec)
-            if self._live_wire is None:
-                group = self._membership.replicas
-        self._state = ctx.compressor.make_state(group)
+        # Under live membership, after the replica group's own sum (``_exchange_live``)
+        self._live_wire, exchanged_over = live_exchange(ctx, group)
+        self._state = ctx.compressor.make_state(exchanged_over)
         self.fused_mean = ctx.compressor is ALLREDUCE or self._live_wire is not None
         assert self._membership is None or hierarchy is None
         if ctx.bucket_mb == AUTO:
@@ -405,13 +400,7 @@ class BSP(Strategy):
         assert self._ctx is not None
         if self.reducer.late_gradient:
             raise late_gradient(step)
-        # Asked every step, skipped or not: the quorum counts the steps it decided on.
-        if self._membership is not None and not self._membership.commit(step):
-            # A participant was lost mid-exchange (or too few took part): the gradient is not
-            # the quorum's, so this replica skips the step; a later quorum heals it if its
-            # peers committed the step.
-            self._ctx.optimizer.zero_grad(set_to_none=True)
-            outcome.skipped = True
+        commit_or_skip(self._membership, step, self._ctx.optimizer, outcome)
         if outcome.skipped:
             return outcome
         wall0, t0 = time.time(), time.perf_counter()
@@ -485,16 +474,14 @@ def _allreduce_sum(state: Any, bucket: FlatBucket) -> torch.futures.Future[torch
     understood yet, so undone."""
     buf = bucket.buffer()
     state.bytes_sent += buf.numel() * buf.element_size()
-    work = dist.all_reduce(buf, group=state.group, async_op=True)
-    assert work is not None
-    return exit_safety.then(work.get_future(), _first)
+    return _group_sum(buf, state.group)
 
 
 def _group_sum(
     buf: torch.Tensor, group: dist.ProcessGroup | None
 ) -> torch.futures.Future[torch.Tensor]:
-    """The replica group's own sum of ``buf`` under live membership, started; waited as its
-    future, as ``_allreduce_sum`` is."""
+    """The sum of ``buf`` over ``group``, started (the plain exchange's, and under live
+    membership the replica group's own), waited as its future."""
     work = dist.all_reduce(buf, group=group, async_op=True)
     assert work is not None
     return exit_safety.then(work.get_future(), _first)

@@ -23,8 +23,7 @@ import torch.distributed as dist
 from gradsync import exit_safety, runtime
 from gradsync.checks.diagnose import END
 from gradsync.compression.allreduce import ALLREDUCE
-from gradsync.compression.base import FlatBucket, Group
-from gradsync.compression.fp import CAST_WIRE
+from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.spec import (
@@ -41,6 +40,7 @@ from gradsync.strategies.base import (
     Strategy,
     SyncContext,
     compressor_state_dict,
+    live_exchange,
     load_compressor_state,
     local_gradient,
     step_verdict,
@@ -100,18 +100,12 @@ class Periodic(Strategy):
         self._params = [p for p in ctx.model.parameters() if p.requires_grad]
         self._passes = PassCounter(self._params)
         # Under a hierarchy the compressor (or plain all-reduce) runs among the hosts' leaders.
-        group: Group = ctx.group if ctx.hierarchy is None else ctx.hierarchy.leader_group
+        group = ctx.group if ctx.hierarchy is None else ctx.hierarchy.leader_group
         #: under live membership, this replica group's own sum (``_live_launch``):
         #: ``ctx.group`` is the group, the quorum holds the other groups
         self._group_sum = group_sum(ctx.group)
-        # Under live membership the quorum carries a mean sent as is or cast to fp16/bf16
-        # (the Manager's all-reduce); any other compressor runs its own collectives on the
-        # quorum's participants (``Membership.exchange``).
-        if ctx.membership is not None and ctx.compressor is not ALLREDUCE:
-            self._live_wire = CAST_WIRE.get(ctx.compressor.spec)
-            if self._live_wire is None:
-                group = ctx.membership.replicas
-        self._state = ctx.compressor.make_state(group)
+        self._live_wire, exchanged_over = live_exchange(ctx, group)
+        self._state = ctx.compressor.make_state(exchanged_over)
 
     @contextmanager
     def _timed(self, name: str, cat: str = "step", **args: Any) -> Iterator[None]:

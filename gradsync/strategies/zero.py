@@ -91,6 +91,7 @@ from gradsync.strategies.base import (
     StepPlan,
     Strategy,
     SyncContext,
+    commit_or_skip,
     device_verdict,
     own_optimizer_state,
     total_norm,
@@ -194,12 +195,9 @@ class ZeroStage1(BSP):
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         if self.reducer.late_gradient:
             raise late_gradient(step)
-        # Under live membership (zero:1 inside each replica group), as under bsp: asked every
-        # step, and a step the quorum does not commit is skipped by every rank of the group
-        # (their Managers agree on it), so the shards' exchange below is skipped together.
-        if self._membership is not None and not self._membership.commit(step):
-            self.shards.ctx.optimizer.zero_grad(set_to_none=True)
-            outcome.skipped = True
+        # zero:1 inside each replica group: every rank of the group skips a step not committed
+        # (their Managers agree on it), so the shards' exchange below is skipped together
+        commit_or_skip(self._membership, step, self.shards.ctx.optimizer, outcome)
         if outcome.skipped:
             return outcome
         outcome.bytes_sent += self.shards.apply(step, outcome, full_grads=True)
@@ -595,10 +593,7 @@ class ZeroStage2(Strategy):
         ctx, _, shards, passes = self._parts()
         if passes.late:
             raise late_gradient(step)
-        # asked every step, as under bsp; a step not committed is skipped by the whole group
-        if self._membership is not None and not self._membership.commit(step):
-            ctx.optimizer.zero_grad(set_to_none=True)
-            outcome.skipped = True
+        commit_or_skip(self._membership, step, ctx.optimizer, outcome)
         if outcome.skipped:
             return outcome
         outcome.bytes_sent += shards.apply(step, outcome, full_grads=False)
