@@ -67,18 +67,6 @@ class _Default:
     __repr__ = __str__
 
 
-def _saved_config(out: str | None) -> dict[str, Any] | None:
-    """The config.json of the run saved in ``out``, or None: no such run, or one that is not a
-    JSON object (a --resume of a built-in workload names a torn one)."""
-    if not out:
-        return None
-    try:
-        data = json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _saved_value(name: str, saved: dict[str, Any]) -> Any:
     """The saved run's value of flag ``name`` (a field of RunConfig), or ``_Default`` itself
     where its config.json does not hold one of the field's kind (a script's run records no
@@ -99,7 +87,9 @@ def _take_saved_flags(args: argparse.Namespace) -> int | None:
     """Under --resume, each flag of ``RESUMED_FLAGS`` not given takes the saved run's value
     (the run continues with its settings); else, or where config.json does not say, its
     default. Returns the saved run's --nproc (None: no resume, or not known)."""
-    saved = _saved_config(args.out) if args.resume else None
+    from gradsync.runner.resume import saved_config
+
+    saved = saved_config(Path(args.out), warn=False) if args.resume and args.out else None
     for name in RESUMED_FLAGS:
         value = getattr(args, name)
         if not isinstance(value, _Default):

@@ -84,16 +84,19 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> Resumed:
     return Resumed(step, nproc if isinstance(nproc, int) else None)
 
 
-def saved_config(run_dir: Path) -> dict[str, Any] | None:
+def saved_config(run_dir: Path, warn: bool = True) -> dict[str, Any] | None:
     """The saved run's config.json, as it was before this run (None: there is none, or it is
     not a JSON object, and nothing is compared; a stop at the wrong moment can leave it torn,
-    and the checkpoints can still be resumed)."""
+    and the checkpoints can still be resumed). ``warn``: say so where it cannot be read (the
+    run's flags are read from it quietly first, and compared with it once, here)."""
     path = run_dir / CONFIG_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
+        if not warn:
+            return None
         print(
             f"gradsync: warning: --resume: {path} cannot be read ({exc}): this run's flags are "
             "not compared with the saved run's",
