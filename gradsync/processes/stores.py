@@ -26,6 +26,7 @@ import errno
 import ipaddress
 import os
 import socket
+import warnings
 from typing import Any
 
 import torch
@@ -157,13 +158,17 @@ def _address_literal(name: str) -> str | None:
 def process_group_store(timeout: datetime.timedelta) -> dist.Store | None:
     """The store for ``init_process_group`` from torchrun's environment when rank 0 serves it
     (the agent shares none): rank 0's server listens on ``MASTER_ADDR`` only. None where
-    torch's env:// does the same job: when the workers use the agent's store (they only connect),
-    or ``MASTER_ADDR`` is a host name (binding the address it resolves to here could miss the one
-    the other ranks reach), or not an address of this machine.
+    torch's env:// does the same job: when the workers use the agent's store (they only connect)
+    and it never restarts them, or ``MASTER_ADDR`` is a host name (binding the address it
+    resolves to here could miss the one the other ranks reach), or not an address of this
+    machine.
+
+    Where the agent shares its store and may restart its workers, the store is that one with a
+    prefix of the attempt (:func:`agent_store_of_this_attempt`).
 
     The decision rests on the environment alone, the same on every rank, so the ranks agree."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
+        return agent_store_of_this_attempt(timeout)
     addr = _address_literal(os.environ["MASTER_ADDR"])
     if addr is None:
         return None
@@ -182,3 +187,39 @@ def process_group_store(timeout: datetime.timedelta) -> dist.Store | None:
     else:
         store = dist.TCPStore(addr, port, world, False, timeout)
     return dist.PrefixStore(PROCESS_GROUP_PREFIX, store)
+
+
+def agent_store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store torchrun's agent shares with its workers, under a prefix naming the attempt,
+    where the agent may restart them; None (torch's env://, unprefixed) where it may not.
+
+    Why: torch (2.5 and later) shares the rendezvous store with the workers and puts no attempt
+    in the keys ``init_process_group`` writes there, so a restarted attempt read the previous
+    attempt's gloo addresses (or NCCL id) and failed in ``gs.init()`` with "Gloo connectFullMesh
+    failed ... Connection refused" (pytorch/pytorch#135712): plain torchrun with
+    ``--max-restarts`` could not restart any script. torch up to 2.4 put the attempt in the
+    prefix, as here.
+
+    Only where one agent runs every worker (``GROUP_WORLD_SIZE`` 1: a single machine): its
+    restart count is the same on every rank. With several agents it is not (an agent whose
+    workers were restarted because another machine joined or failed does not count that
+    restart), so a prefix would leave the ranks waiting for each other: there torch's own
+    behaviour stays, with a warning naming the setting that avoids it."""
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    if max_restarts == 0:
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if os.environ.get("RANK") == "0":
+            warnings.warn(
+                "torchrun shares its rendezvous store with the workers and allows restarts "
+                f"(--max-restarts {max_restarts}): on torch >= 2.5 a restarted attempt can "
+                "read the last attempt's addresses and fail to connect (pytorch/pytorch#135712);"
+                " set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every "
+                "machine (gradsync run does)",
+                stacklevel=3,
+            )
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(host, port, int(os.environ["WORLD_SIZE"]), False, timeout)
+    return dist.PrefixStore(f"{PROCESS_GROUP_PREFIX}/attempt_{attempt}", client)

@@ -85,6 +85,42 @@ def test_env_init_is_left_to_torch_where_binding_is_not_ours_to_do(
     assert stores.process_group_store(TIMEOUT) is None
 
 
+@pytest.mark.timeout(60)
+def test_a_restarting_agent_s_store_gets_the_attempt_in_its_keys(
+    torchrun_env: pytest.MonkeyPatch,
+) -> None:
+    """One agent that may restart its workers: the keys of the attempt's process group are
+    apart from the last attempt's (the restart itself: tests/e2e/test_torchrun_restart.py)."""
+    agent = stores.server_store("127.0.0.1", 0, timeout=TIMEOUT)
+    for key, value in {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_PORT": str(agent.port),
+    }.items():
+        torchrun_env.setenv(key, value)
+    store = stores.process_group_store(TIMEOUT)
+    assert isinstance(store, dist.PrefixStore)
+    store.set("rank_0", "here")
+    assert agent.get("default_pg/attempt_2/rank_0") == b"here"
+
+
+def test_several_restarting_agents_keep_torch_s_store_and_are_warned(
+    torchrun_env: pytest.MonkeyPatch,
+) -> None:
+    """Several agents' restart counts differ (one whose workers were restarted because another
+    machine failed does not count it): no prefix can be agreed, so the advice instead."""
+    for key, value in {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_MAX_RESTARTS": "1",
+        "GROUP_WORLD_SIZE": "2",
+    }.items():
+        torchrun_env.setenv(key, value)
+    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        assert stores.process_group_store(TIMEOUT) is None
+
+
 def test_the_shared_store_hook_and_its_fallback() -> None:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
