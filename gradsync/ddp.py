@@ -106,7 +106,6 @@ from torch import nn
 
 from gradsync import compat, runtime
 from gradsync.attached_run import called_as
-from gradsync.checkpoint.settings import strategy_spec
 from gradsync.checks.guards import all_finite
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
@@ -211,7 +210,7 @@ class _ApartReplicas:
 
     def _where(self) -> str:
         strategy = self._sync.strategy
-        name = strategy_spec(strategy) or strategy.name
+        name = strategy.settings_spec() or strategy.name
         why = (
             "its pair exchanges never average every replica before report()"
             if strategy.name in ("gossip", "noloco")

@@ -54,7 +54,7 @@ from gradsync.checkpoint.packing import Share, constant
 from gradsync.checkpoint.registry import REGISTERED, StateRegistry
 from gradsync.checkpoint.rng import rng_state, set_rng_state
 from gradsync.checkpoint.row_log import RowLogError, RowLogs, read_rows
-from gradsync.checkpoint.settings import STRATEGY_SPEC, check_strategy_spec, strategy_spec
+from gradsync.checkpoint.settings import STRATEGY_SPEC, check_strategy_spec
 from gradsync.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
@@ -128,7 +128,7 @@ class Checkpointer:
         self.save_id = secrets.token_hex(8)
         #: the strategy's spec where its name does not say it all (``local:4``), recorded in
         #: every checkpoint and held against the one a load reads (``settings``)
-        self.strategy_spec = strategy_spec(strategy)
+        self.strategy_spec = strategy.settings_spec()
 
     @property
     def is_server(self) -> bool:

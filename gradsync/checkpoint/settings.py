@@ -7,51 +7,23 @@ strategies it is not: ``local:2`` and ``local:4`` both wrote ``local``, and ``sy
 ``local:2`` checkpoint into a ``local:4`` Synchronizer without a word, where ``gradsync run
 --resume`` refused the same change (it compares the saved run's config.json). Their
 checkpoints now also hold the canonical spec (``strategy_spec``: ``local:2``, ``diloco:8:2:1``,
-``noloco:4:outer_lr=0.5``), and a load under another spec of the same strategy is refused,
-naming both (``check_strategy_spec``). Checkpoints written before hold none and are not judged
-(as before), nor is a strategy of the user's own (it has no spec).
+``noloco:4:outer_lr=0.5``), which the strategy gives (``Strategy.settings_spec``), and a load
+under another spec of the same strategy is refused, naming both (``check_strategy_spec``).
+Checkpoints written before hold none and are not judged (as before), nor is a strategy of the
+user's own (it has no spec).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gradsync.checkpoint.files import CheckpointError
 from gradsync.errors import UsageError
 
-if TYPE_CHECKING:  # torch-free to import: ``gradsync run --resume`` compares specs before torch
-    from gradsync.strategies.base import Strategy
-
-__all__ = ["STRATEGY_SPEC", "check_strategy_spec", "same_strategy", "strategy_spec"]
+__all__ = ["STRATEGY_SPEC", "check_strategy_spec", "same_strategy"]
 
 #: the key of a rank's file that holds the spec (absent where the name says it all)
 STRATEGY_SPEC = "strategy_spec"
-
-
-def strategy_spec(strategy: Strategy) -> str | None:
-    """The canonical spec of a built-in periodic strategy (``local:4``, ``diloco:8:2:1``,
-    ``gossip:2``, ``noloco:4``), as ``str(parse_strategy_spec(...))`` writes it; None for the
-    others, whose ``name`` is their whole spec, and for a strategy of the user's own."""
-    from gradsync.spec import StrategySpec
-    from gradsync.strategies.gossip import Gossip, NoLoCo
-    from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
-
-    if isinstance(strategy, DiLoCo) and strategy.name == "diloco":
-        return strategy.spec
-    if isinstance(strategy, LocalSGD) and strategy.name == "local":
-        return f"local:{strategy.period}"
-    if isinstance(strategy, NoLoCo) and strategy.name == "noloco":
-        outer = strategy.outer
-        spec = StrategySpec(
-            kind="noloco",
-            period=strategy.period,
-            outer_lr=outer.outer_lr,
-            outer_momentum=outer.outer_momentum,
-        )
-        return str(spec)
-    if isinstance(strategy, Gossip) and strategy.name == "gossip":
-        return f"gossip:{strategy.period}"
-    return None
 
 
 def same_strategy(saved: Any, given: str) -> bool:

@@ -469,6 +469,14 @@ class Strategy(Protocol):
 
     def setup(self, ctx: SyncContext) -> None: ...
 
+    def settings_spec(self) -> str | None:
+        """The canonical spec of its settings where ``name`` does not say them all (a built-in
+        periodic strategy: ``local:4``, ``diloco:8:2:1``, ``gossip:2``, ``noloco:4``), as
+        ``str(parse_strategy_spec(...))`` writes it. Checkpoints record it, and a load under
+        other settings is refused (``checkpoint.settings``). None where the name is the whole
+        spec, and for a strategy of the user's own."""
+        return None
+
     def begin_step(self, plan: StepPlan) -> None: ...
 
     def gradients_ready(self, step: int) -> StepOutcome:

@@ -45,7 +45,7 @@ from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.pairing import partner
-from gradsync.spec import OUTER_DEFAULTS
+from gradsync.spec import OUTER_DEFAULTS, StrategySpec
 from gradsync.strategies.base import StepOutcome, SyncContext
 from gradsync.strategies.local_sgd import OuterConfig, Periodic
 
@@ -76,6 +76,9 @@ class Gossip(Periodic):
         self._spread: float | None = None
         self._world = 1
         self._rank = 0
+
+    def settings_spec(self) -> str | None:
+        return f"gossip:{self.period}" if self.name == "gossip" else None  # None: a subclass
 
     def setup(self, ctx: SyncContext) -> None:
         if ctx.compressor is not ALLREDUCE:
@@ -191,6 +194,18 @@ class NoLoCo(Gossip):
         self.outer = OuterConfig(outer_lr=outer_lr, outer_momentum=outer_momentum)
         self._slow: torch.Tensor | None = None
         self._momentum: torch.Tensor | None = None
+
+    def settings_spec(self) -> str | None:
+        if self.name != "noloco":  # a user's subclass
+            return None
+        outer = self.outer
+        spec = StrategySpec(
+            kind="noloco",
+            period=self.period,
+            outer_lr=outer.outer_lr,
+            outer_momentum=outer.outer_momentum,
+        )
+        return str(spec)
 
     def setup(self, ctx: SyncContext) -> None:
         super().setup(ctx)

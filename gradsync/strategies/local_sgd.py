@@ -349,6 +349,9 @@ class LocalSGD(Periodic):
         super().__init__(period)
         self._anchor: torch.Tensor | None = None  # last synchronized parameters (lossy only)
 
+    def settings_spec(self) -> str | None:
+        return f"local:{self.period}" if self.name == "local" else None  # None: a user's subclass
+
     def setup(self, ctx: SyncContext) -> None:
         super().setup(ctx)
         if ctx.compressor is not ALLREDUCE:
@@ -461,6 +464,9 @@ class DiLoCo(Periodic):
         self._pending: list[Exchange] = []
         #: each fragment's last exchange's time in flight, set on the communication thread
         self._in_flight: dict[int, Span] = {}
+
+    def settings_spec(self) -> str | None:
+        return self.spec if self.name == "diloco" else None  # None: a user's subclass
 
     def setup(self, ctx: SyncContext) -> None:
         super().setup(ctx)

@@ -16,7 +16,7 @@ import torch
 from gradsync import Synchronizer
 from gradsync.checkpoint import CheckpointError, CheckpointStore
 from gradsync.checkpoint.checkpointer import check_resumable
-from gradsync.checkpoint.settings import STRATEGY_SPEC, same_strategy, strategy_spec
+from gradsync.checkpoint.settings import STRATEGY_SPEC, same_strategy
 from gradsync.errors import UsageError
 from gradsync.strategies import parse_strategy
 
@@ -102,13 +102,13 @@ def test_a_checkpoint_written_before_specs_were_recorded_still_loads(
     ],
 )
 def test_the_recorded_spec_is_the_canonical_one_of_the_strategy_built(spec: str) -> None:
-    recorded = strategy_spec(parse_strategy(spec))
+    recorded = parse_strategy(spec).settings_spec()
     assert recorded is not None and same_strategy(recorded, spec), recorded
 
 
 @pytest.mark.parametrize("spec", ["bsp", "zero:1", "zero:2", "hogwild", "ssp:2", "async"])
 def test_strategies_whose_name_is_their_spec_record_none(spec: str) -> None:
-    assert strategy_spec(parse_strategy(spec)) is None
+    assert parse_strategy(spec).settings_spec() is None
 
 
 def _checkpoint(directory: Path, **state: Any) -> None:
