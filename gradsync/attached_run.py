@@ -294,6 +294,16 @@ def drop_quorums_from(path: Path, step: int) -> None:
     path.write_text("".join(json.dumps(q) + "\n" for q in kept), encoding="utf-8")
 
 
+def add_facts(directory: Path, **facts: Any) -> None:
+    """Add derived facts to the run's written config.json, replaced whole (never half-written):
+    the bucket plan ``gradsync run`` chose, a script's gradient size (``AttachedRun.start``)."""
+    path = directory / CONFIG_FILE
+    data = {**json.loads(path.read_text()), **facts}
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(partial, path)
+
+
 def restart_count() -> int:
     """Which restart of the run this process belongs to (0: the first attempt), as torch's
     elastic agent says in ``TORCHELASTIC_RESTART_COUNT``."""
@@ -329,12 +339,28 @@ class AttachedRun:
         chosen = run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV) or None
         return None if chosen is None else cls(chosen)
 
-    def start(self, rank: int, workers: int) -> None:
-        """The Synchronizer's rank and its number of workers (the straggler detector's)."""
+    def start(self, rank: int, workers: int, gradient_numel: int) -> None:
+        """The Synchronizer's rank, its number of workers (the straggler detector's) and how
+        many elements its model's gradient has: a script's config.json gets the fp32 bytes
+        per step from it (``gradsync run`` cannot count a script's model before it runs), so
+        the report compares the bytes sent with them as it does a built-in workload's."""
         self.rank = rank
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.sink = RunSink(self.directory, self.settings, workers)
+            self._count_scripts_gradient(gradient_numel)
+
+    def _count_scripts_gradient(self, numel: int) -> None:
+        """The first Synchronizer of a script run (config.json names a script and no gradient
+        size yet) records its model's: a workload's run recorded it before any rank started."""
+        path = self.directory / CONFIG_FILE
+        try:
+            written = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # no config.json (plain torchrun) or unreadable (run_settings said so)
+        scripts = isinstance(written, dict) and "script" in written
+        if scripts and "fp32_bytes_per_step" not in written:
+            add_facts(self.directory, fp32_bytes_per_step=4 * numel)
 
     def choose(self, argument: str, script_value: Any, default: Any) -> Any:
         """The Synchronizer's ``argument``: the script's value (None: it named none), else the

@@ -283,7 +283,8 @@ class Synchronizer:
         self._context: SyncContext | None = None
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         if self._run is not None:
-            self._run.start(self.rank, self.layout.workers)
+            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            self._run.start(self.rank, self.layout.workers, trained)
             # A script that never calls report() (a port through the front door may not) or
             # close() still gets its last step records into the run directory: at the exit of
             # its process (a multiprocessing child's too, which ends with os._exit: its atexit

@@ -19,6 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gradsync.attached_run import add_facts
 from gradsync.bucket_autotune import AUTO
 from gradsync.compression import parse_compression
 from gradsync.errors import UsageError
@@ -832,13 +833,9 @@ class RunConfig:
 
     @staticmethod
     def add_facts(run_dir: Path, **facts: Any) -> None:
-        """Add derived facts to a written config.json (replaced whole, never half-written);
+        """Add derived facts to a written config.json (``attached_run.add_facts``);
         ``from_dict`` ignores them, as it does ``save``'s ``extra``."""
-        path = run_dir / "config.json"
-        data = {**json.loads(path.read_text()), **facts}
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(partial, path)
+        add_facts(run_dir, **facts)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:

@@ -63,6 +63,10 @@ def test_a_user_script_gets_the_run_directory_faults_and_restarts(tmp_path: Path
     assert tracks == {0, 1}
     for name in PLOT_FILES:
         assert (slowed / name).stat().st_size > 10_000, name
+    # the script's gradient size, which gradsync run cannot count before the script runs: the
+    # report's bytes against fp32 gradients, as a built-in workload's (its Linear layers only)
+    numel = sum(t.numel() for t in torch.load(slowed / "final.pt").values())
+    assert report["bytes"]["fp32_per_rank_step"] == 4 * numel, report["bytes"]
 
     # Killed at step 10 and restarted, the script resumes from its own sync.save checkpoints
     # (-m: the same script as a module), and ends where an uninterrupted run ends.

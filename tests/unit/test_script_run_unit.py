@@ -150,3 +150,23 @@ def test_a_scripts_kill_step_is_not_held_against_the_built_in_steps(tmp_path: Pa
     assert cfg.kill == "1:250"
     with pytest.raises(UsageError, match=r"--kill 1:250 would never fire: the run has --steps"):
         RunConfig(kill="1:250", max_restarts=1, nproc=2, out=str(tmp_path))
+
+
+def test_a_script_run_s_first_synchronizer_records_its_gradient_size(tmp_path: Path) -> None:
+    """gradsync run cannot count a script's model before the script runs: rank 0's first
+    Synchronizer adds it to config.json, for the report's bytes against fp32 gradients; a
+    built-in workload's (counted by the command) and a second Synchronizer's stay as written."""
+    script, workload = tmp_path / "script", tmp_path / "workload"
+    for directory, config in ((script, {"script": ["train.py"]}), (workload, {"steps": 5})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    AttachedRun(script).start(0, 2, gradient_numel=321)
+    AttachedRun(script).start(0, 2, gradient_numel=7)  # another Synchronizer of the script
+    assert json.loads((script / "config.json").read_text()) == {
+        "script": ["train.py"],
+        "fp32_bytes_per_step": 1284,
+    }
+    AttachedRun(workload).start(0, 2, gradient_numel=321)
+    assert json.loads((workload / "config.json").read_text()) == {"steps": 5}
+    AttachedRun(tmp_path / "plain").start(0, 1, gradient_numel=321)  # no config.json: nothing
+    assert not (tmp_path / "plain" / "config.json").exists()
