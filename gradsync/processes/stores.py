@@ -216,7 +216,7 @@ def agent_store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store | Non
                 "read the last attempt's addresses and fail to connect (pytorch/pytorch#135712);"
                 " set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every "
                 "machine (gradsync run does)",
-                stacklevel=3,
+                stacklevel=5,  # the script's gs.init()
             )
         return None
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
