@@ -76,14 +76,6 @@ def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return bits.to(dtype).mul_(2.0).sub_(1.0)
 
 
-def chunk_mean_abs(flat: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``mean |x|`` per chunk of flat ``x``, dividing the short last chunk by its own length."""
-    out = torch.empty(-(-flat.numel() // chunk), device=flat.device)
-    for start, stop in blocks(flat.numel(), chunk, flat.device):
-        _chunk_abs_sums(flat[start:stop], chunk, out[start // chunk :])
-    return _divide_sums(out, flat.numel(), chunk)
-
-
 def _chunk_abs_sums(part: torch.Tensor, chunk: int, out: torch.Tensor) -> None:
     """``sum |x|`` per chunk of ``part`` (a block starting on a chunk boundary) into ``out``'s
     first entries; |x| a block at a time: a bucket-sized temporary costs more than the sum."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,8 +86,3 @@ class CharLM:
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = model(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    @staticmethod
-    def uniform_loss() -> float:
-        """Loss of a model that knows nothing: a reference point for progress."""
-        return math.log(VOCAB)
