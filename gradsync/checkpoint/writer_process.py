@@ -375,7 +375,7 @@ class ProcessCheckpointWriter(WriterBase):
             self._raise_error()
             if self._closing:
                 raise CheckpointError("the checkpoint writer is closed")
-            self._last = max(self._last, step)
+            previous, self._last = self._last, max(self._last, step)
         # The header is made by the child, and only for a snapshot it writes: most are held
         # and never written (``packed_header``). The tree travels pickled, the model's and
         # optimizer's part of it once per layout (``_share_ident``).
@@ -387,7 +387,7 @@ class ProcessCheckpointWriter(WriterBase):
         ]
         refs = [(index, self._share_ident(share)) for index, share in kept]
         message = ("write", step, durable, self.store.keep, (tree, refs, sizes), parts)
-        if not self._to_file(step, durable):
+        if not self._to_file(step, durable, previous):
             self._hold(step, packed, message)
             return
         with self._cond:
@@ -484,11 +484,16 @@ class ProcessCheckpointWriter(WriterBase):
             del self._shares[min(self._shares)]
         return ident
 
-    def _to_file(self, step: int, durable: bool) -> bool:
+    def _to_file(self, step: int, durable: bool, previous: int) -> bool:
         """Whether ``step``'s snapshot is written now rather than held: decided from the steps
-        alone, so that every rank (saving after the same steps) writes the same ones."""
+        alone, so that every rank (saving after the same steps) writes the same ones. Held
+        only where the last save was the step before (a checkpoint every step, what holding
+        is for): a save every 5 steps was held too, so a run killed whole (its writers with
+        it) kept only every 64th step's file, and ``keep`` counted files a step apart by 64."""
         last = self._last_file
-        return durable or last is None or step - last >= self.files_every or step < last
+        if durable or last is None or step != previous + 1:
+            return True
+        return step - last >= self.files_every or step < last
 
     def _hold(self, step: int, packed: Packed, message: tuple[Any, ...]) -> None:
         """Leave the snapshot in the mailbox, unwritten. The one before it stays held too: a

@@ -417,12 +417,12 @@ def test_ctrl_c_stops_every_replica_group_and_leaves_nothing_running(tmp_path: P
     """And --resume continues the run: see ``_resume_each_group``."""
     watched = Watched()
     out = tmp_path / "run"
-    proc = _training_run(out, watched, "--checkpoint-every", "5", nproc=2)
+    proc = _training_run(out, watched, "--checkpoint-every", "1", nproc=2)
     try:
-        # The resume below needs group 0 two commits in: the first records can come before
-        # them (the checkpoint writer runs at the lowest priority), and a CI run once stopped
-        # the run at its first commit.
-        # And each group's log past its newest file: the checkpoints since are held in its
+        # The resume below needs group 0 two commits in (its first file, step 1, and the 64th
+        # step's): the first records can come before them (the checkpoint writer runs at the
+        # lowest priority), and a CI run once stopped the run at its first commit.
+        # And each group's log past its newest file: a checkpoint every step is held in its
         # writer's memory (docs/checkpoints.md, "Held snapshots"), which the stop must write.
         deadline = time.monotonic() + 60
         while (

@@ -239,6 +239,24 @@ def test_which_steps_become_files_depends_on_the_steps_alone(tmp_path: Path) -> 
     assert _files(tmp_path) == [1, 5, 9]
 
 
+def test_only_a_checkpoint_every_step_is_held(tmp_path: Path) -> None:
+    """A save every 5 steps is written as it comes, as its user asked: held, a run killed
+    whole (its writers with it) kept every 64th step's file alone. Saves a step apart are
+    held as before, whatever came first."""
+    store = CheckpointStore(tmp_path, keep=10)
+    writer = ProcessCheckpointWriter(
+        store, rank=0, world_size=1, save_id="run", timeout_s=10.0, files_every=64
+    )
+    try:
+        for step in (5, 10, 15, 16, 17):
+            writer.submit(step, snapshot({"w": torch.full((2,), float(step))}, pool=writer.pool))
+        writer.wait(15)  # what was sent to be written: 16 and 17 are held
+        assert _files(tmp_path) == [5, 10, 15]
+    finally:
+        writer.close()
+    assert _files(tmp_path) == [5, 10, 15, 17]  # the newest held one, written at close
+
+
 def test_a_held_snapshot_larger_than_the_mailbox_is_held_all_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
