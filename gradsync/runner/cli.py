@@ -39,8 +39,10 @@ def _config_from_args(args: argparse.Namespace) -> Any:
 
 
 #: run's flags that a --resume without them takes from the saved run's config.json (the run's
-#: workload, model size, steps, strategy, compressor, replica groups and ranks); a given one
-#: is held against the saved run's (gradsync.runner.resume): refused where it must match
+#: workload, model size, steps, strategy, compressor, replica groups and ranks, and how it
+#: checkpoints and restarts: a resume that dropped --checkpoint-every wrote no checkpoint
+#: more, and its config.json said 0 to the next resume); a given one is held against the
+#: saved run's (gradsync.runner.resume): refused where it must match
 RESUMED_FLAGS = (
     "workload",
     "params",
@@ -49,6 +51,9 @@ RESUMED_FLAGS = (
     "compression",
     "replica_groups",
     "nproc",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_restarts",
 )
 
 
@@ -78,8 +83,9 @@ def _saved_value(name: str, saved: dict[str, Any]) -> Any:
         return value if value is None or isinstance(value, str) else _Default
     if name in ("workload", "strategy"):
         return value if isinstance(value, str) and value else _Default
-    # nproc, params, steps, replica_groups: a count
-    least = 0 if name == "replica_groups" else 1
+    # nproc, params, steps, keep_checkpoints; replica_groups, checkpoint_every, max_restarts,
+    # where 0 is a setting (none, off)
+    least = 0 if name in ("replica_groups", "checkpoint_every", "max_restarts") else 1
     return value if type(value) is int and value >= least else _Default
 
 

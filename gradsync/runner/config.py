@@ -218,9 +218,10 @@ class RunConfig:
     resume: bool = flag(
         False,
         help="continue from the newest checkpoint in --out with the saved run's --workload, "
-        "--params, --steps, --strategy, --compress, --nproc and --replica-groups, each where "
-        "not given (a given --nproc may differ, a given --steps not below the checkpoint's "
-        "step) (default: off)",
+        "--params, --steps, --strategy, --compress, --nproc, --replica-groups, "
+        "--checkpoint-every, --keep-checkpoints and --max-restarts, each where not given (a "
+        "given --nproc may differ, a given --steps not below the checkpoint's step) "
+        "(default: off)",
         group=FAULTS,
     )
     overwrite: bool = flag(

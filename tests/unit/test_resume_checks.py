@@ -167,6 +167,10 @@ def test_flags_not_given_are_the_saved_runs(tmp_path: Path) -> None:
         "compression": "int8",
         "replica_groups": 2,
         "nproc": 3,
+        # how it checkpoints and restarts: a resume that dropped them checkpointed no more
+        "checkpoint_every": 5,
+        "keep_checkpoints": 3,
+        "max_restarts": 2,
     }
     run.mkdir()
     (run / "config.json").write_text(json.dumps(saved))
@@ -179,7 +183,7 @@ def test_flags_not_given_are_the_saved_runs(tmp_path: Path) -> None:
 
     assert parsed("--resume") == (saved, 3)
     given = ("--workload=charlm", "--steps=50", "--replica-groups=0", "--compress=fp16")
-    flags, before = parsed("--resume", *given)
+    flags, before = parsed("--resume", *given, "--checkpoint-every=0", "--max-restarts=0")
     assert before == 3 and flags == {
         **saved,
         "workload": "charlm",
@@ -187,6 +191,8 @@ def test_flags_not_given_are_the_saved_runs(tmp_path: Path) -> None:
         "steps": 50,
         "replica_groups": 0,
         "compression": "fp16",
+        "checkpoint_every": 0,  # given: 0 (off) is a setting, not a missing one
+        "max_restarts": 0,
     }
     defaults = RunConfig()
     fresh = {name: getattr(defaults, name) for name in RESUMED_FLAGS}
