@@ -59,11 +59,18 @@ class StepRecord:
     #: restores from a checkpoint are written again by the attempt that loads them, with its
     #: number); written only where not 0
     attempt: int = 0
+    #: False for a record its rank wrote alone, no gather having taken it (a script that
+    #: never calls ``report()``, a rank stopped by a signal): its ``idle`` and ``comm`` need
+    #: the other ranks' records of the step, which ``read_records`` derives; written only
+    #: where False
+    gathered: bool = True
 
     def to_json(self) -> str:
         data = asdict(self)
         if not self.attempt:
             del data["attempt"]
+        if self.gathered:
+            del data["gathered"]
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -180,7 +187,23 @@ def read_records(run_dir: str | Path) -> list[StepRecord]:
             records.append(StepRecord.from_dict(check_record(data)))
         except ValueError as exc:
             raise ValueError(f"{path}: line {number}: {exc}") from None
-    return latest_attempts(records)
+    return settle_ungathered(latest_attempts(records))
+
+
+def settle_ungathered(records: list[StepRecord]) -> list[StepRecord]:
+    """``records``, with ``idle`` and ``comm`` derived (``fill_idle``) for those no gather
+    took, from every rank's records of their steps, attempt by attempt. Each rank wrote them
+    alone, with the idle its strategy measured (0 at a barrier) and no comm: a script that
+    never called ``report()`` (a front-door port) reported comm 0, idle 0 and a barrier tax
+    of 0% for its steps. A step's records missing from some rank (a rank killed before its
+    write) leave the others' idle as the ranks there say. In place, in the order given."""
+    attempts: dict[int, list[StepRecord]] = {}
+    for r in records:
+        if not r.gathered:
+            attempts.setdefault(r.attempt, []).append(r)
+    for own in attempts.values():
+        fill_idle(own)
+    return records
 
 
 #: bounds of a step record's numbers: far beyond any run, and small enough that the report's
@@ -222,7 +245,7 @@ def check_record(data: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"loss is {_shown(loss)}: valid is a number (NaN for a diverged step) or null"
         )
-    for name in ("skipped", "barrier"):
+    for name in ("skipped", "barrier", "gathered"):
         if not isinstance(data.get(name, False), bool):
             raise ValueError(f"{name} is {_shown(data[name])}: valid is true or false")
     attempt = data.get("attempt", 0)

@@ -290,11 +290,15 @@ class TelemetryCollector:
         """This rank's records not gathered (a gather in flight's included), as records of
         ``rank``, taken off the collector: no collective, for a Synchronizer closed without
         ``report()``. Their ``idle`` is what the strategy measured (0 at a barrier step: the
-        other ranks' compute, which the barrier's idle is made of, is not here)."""
+        other ranks' compute, which the barrier's idle is made of, is not here), until
+        ``records.read_records`` derives it from every rank's (``gathered`` False)."""
         rows = self.pending_rows().tolist()
         self._pending, self._unread = [], 0
         self.hold_in_flight()
-        return [_record(rank, row) for row in rows]
+        records = [_record(rank, row) for row in rows]
+        for record in records:
+            record.gathered = False
+        return records
 
     def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
         world = runtime.world_size(self.group)

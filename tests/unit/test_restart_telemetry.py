@@ -207,3 +207,27 @@ def test_records_name_the_attempt_of_their_process(monkeypatch: pytest.MonkeyPat
     assert _record(0, row).attempt == 0
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert _record(1, row).attempt == 2 and _record(1, row).step == 3
+
+
+def test_records_no_gather_took_get_their_idle_from_every_rank(tmp_path: Path) -> None:
+    """Each rank writes alone the records no gather took (a script that never calls report()):
+    idle 0 at a barrier, no comm. Read back, they get both from every rank's compute, as a
+    gather gives them (a front-door port's summary said comm 0, idle 0, barrier tax 0%); a
+    gathered record keeps what its gather gave it."""
+
+    def own(rank: int, step: int, compute: float, gathered: bool = False) -> StepRecord:
+        return StepRecord(
+            rank, step, 100.0 + step, compute, 0.5, idle=0.0, comm=0.0, samples=8, bytes=8,
+            gathered=gathered,
+        )  # fmt: skip
+
+    gathered = own(0, 0, 0.1, gathered=True)
+    gathered.idle, gathered.comm = 0.25, 0.25
+    written = [gathered, own(0, 1, 0.1), own(1, 1, 0.4), own(0, 2, 0.3), own(1, 2, 0.2)]
+    write_records(tmp_path / METRICS_FILE, written)
+    assert '"gathered":false' in (tmp_path / METRICS_FILE).read_text()
+    read = {(r.rank, r.step): r for r in read_records(tmp_path)}
+    assert (read[0, 0].idle, read[0, 0].comm) == (0.25, 0.25)
+    assert read[0, 1].idle == pytest.approx(0.3) and read[0, 1].comm == pytest.approx(0.2)
+    assert (read[1, 1].idle, read[1, 1].comm) == (0.0, 0.5)
+    assert read[1, 2].idle == pytest.approx(0.1) and read[0, 2].idle == 0.0
