@@ -57,6 +57,8 @@ logger = get_logger("membership")
 
 #: where a local run's sockets listen
 LOOPBACK = "127.0.0.1"
+#: the elastic agent's count of this process's group's restarts (0: its first process)
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +168,10 @@ class TorchftMembership:
         )
         #: the step and tensor bytes of the state taken from a peer in this quorum, if any
         self._healed: tuple[int, int] | None = None
+        #: until this process's first quorum (``start_step``): a sync there at step 0 of the
+        #: group's first process is the groups' initial sync (they may start from different
+        #: weights), which the run's report counts apart from healings (``telemetry.membership``)
+        self._first_quorum = True
         self._on_step = on_step
         #: this step's quorum, until its commit is decided
         self._quorum: StepQuorum | None = None
@@ -207,6 +213,7 @@ class TorchftMembership:
         self._healed = None
         wall, start = time.time(), time.perf_counter()
         self.manager.start_quorum()
+        first, self._first_quorum = self._first_quorum, False
         if self._align_after_quorum:
             self._align_group()
             self._align_after_quorum = False
@@ -218,14 +225,17 @@ class TorchftMembership:
         if self._healed is None:
             return
         healed_at, nbytes = self._healed
+        # the group's first process: the elastic agent's restart count (gradsync run's groups
+        # and torchrun's) is 0
+        initial = first and healed_at == 0 and not int(os.environ.get(RESTART_ENV) or 0)
         if runtime.rank(self._group) == 0:  # once a group, with the seconds healed.jsonl has
-            logger.info(
-                "%s healed from a live peer: at step %d (%.2f MB in %.2f s)",
-                self._name,
-                healed_at,
-                nbytes / 1e6,
-                seconds,
+            said = (
+                "%s started from a live peer's weights, the first quorum's initial sync: at "
+                "step %d (%.2f MB in %.2f s)"
+                if initial
+                else "%s healed from a live peer: at step %d (%.2f MB in %.2f s)"
             )
+            logger.info(said, self._name, healed_at, nbytes / 1e6, seconds)
         if self._on_healed is not None:
             self._on_healed(healed_at, nbytes, seconds)
 

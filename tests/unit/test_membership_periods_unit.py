@@ -56,6 +56,7 @@ def _membership() -> tuple[TorchftMembership, _Manager, list[StepQuorum]]:
     membership._on_step = recorded.append
     membership._quorum = None
     membership._healed = None
+    membership._first_quorum = True
     membership._last_step = 0
     membership._group = None  # a world of one: its rank 0 says a healing
     membership._min_replicas, membership._warned_small = 1, False
@@ -161,3 +162,34 @@ def test_the_summary_tells_a_periodic_loss_stall_and_healing_at_the_step_they_ha
     said = describe(section)
     assert "lost group 1 at step 16 (seen by group 0)" in said, said
     assert "(group 0, step 16); not committed: step(s) 15" in said, said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("restart", "heal_to", "said"),
+    [
+        ("0", 0, "replica group 1 started from a live peer's weights, the first quorum's"),
+        ("1", 0, "replica group 1 healed from a live peer: at step 0"),  # a replacement
+        ("0", 16, "replica group 1 healed from a live peer: at step 16"),  # a resume behind
+    ],
+)
+def test_the_first_quorum_s_sync_is_said_apart_from_a_healing(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    restart: str,
+    heal_to: int,
+    said: str,
+) -> None:
+    """Groups that start together take one replica's weights at their first quorum: the run's
+    report counts that an initial sync, not a healing, and so does the line on stderr (it said
+    "healed from a live peer: at step 0" beside a summary of 0 healings)."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+    membership, manager, _ = _membership()
+    manager.heal_to = heal_to
+    with caplog.at_level("INFO", logger="gradsync.membership"):
+        membership.start_step(0)
+        manager.heal_to = 24
+        membership.start_step(24)  # a later quorum's: a healing whatever came before
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith(said), lines
+    assert lines[1].startswith("replica group 1 healed from a live peer: at step 24"), lines
