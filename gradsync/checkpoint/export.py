@@ -127,6 +127,10 @@ def single_process_state(directory: str | Path, *, step: int | None = None) -> d
     return _read(directory, step)[0]
 
 
+#: how many times the newest checkpoint is looked for again when it was pruned while read
+PRUNED_RETRIES = 5
+
+
 def _read(directory: str | Path, step: int | None) -> tuple[dict[str, Any], CheckpointInfo, str]:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UsageError(f"step must be an integer >= 0 (a checkpoint's step), got {step!r}")
@@ -135,7 +139,22 @@ def _read(directory: str | Path, step: int | None) -> tuple[dict[str, Any], Chec
         what = "is not a directory" if where.exists() else "does not exist"
         raise UsageError(f"checkpoint directory {where} {what}")
     store = CheckpointStore(where)
-    info = _find(store, step)
+    for tries_left in reversed(range(PRUNED_RETRIES)):
+        info = _find(store, step)
+        try:
+            return _read_checkpoint(store, info)
+        except (OSError, CheckpointError):
+            # A run still saving there pruned the newest checkpoint while it was read (its
+            # files gone: "rank-0.pt is missing" read as damage): take the newest again. One
+            # still there failed for its own reason, and so did one the caller named.
+            if step is not None or store.step_dir(info.step).is_dir() or not tries_left:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_checkpoint(
+    store: CheckpointStore, info: CheckpointInfo
+) -> tuple[dict[str, Any], CheckpointInfo, str]:
     first = store.load(info, 0)
     strategy = first.get("strategy")
     name = strategy if isinstance(strategy, str) else repr(strategy)

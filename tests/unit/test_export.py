@@ -113,6 +113,32 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
     assert not (tmp_path / "never.pt").exists()
 
 
+@pytest.mark.timeout(60)
+def test_a_newest_checkpoint_pruned_while_read_gives_way_to_the_newest_then(
+    one_rank_runs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run still saving into the directory prunes the checkpoint being exported: the export
+    takes the newest one again, rather than failing with "rank-0.pt is missing" (1 call in
+    300 of an export loop beside a live run, the checkpoint tester's)."""
+    import shutil
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(one_rank_runs["bsp"][0], directory)
+    real_load = CheckpointStore.load
+
+    def pruned_first(store: CheckpointStore, info: Any, rank: int) -> dict[str, Any]:
+        if info.step == 4:
+            shutil.rmtree(directory / "step-000004")  # the run's keep pruned it meanwhile
+        return real_load(store, info, rank)
+
+    monkeypatch.setattr(CheckpointStore, "load", pruned_first)
+    assert single_process_state(directory)["step"] == 2
+    # one the caller named is not swapped for another
+    shutil.copytree(one_rank_runs["bsp"][0] / "step-000004", directory / "step-000004")
+    with pytest.raises((CheckpointError, OSError)):
+        single_process_state(directory, step=4)
+
+
 def _crafted(directory: Path, strategy: str, layout: dict[str, int] | None = None) -> Path:
     """A committed checkpoint of ``strategy`` with a model and optimizer part, written through
     the store: what the export sees of a strategy it must refuse."""
