@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -76,8 +77,9 @@ class Progress:
                 json.dumps({"step": step, "total": self.total, "loss": loss}), encoding="utf-8"
             )
             os.replace(tmp, self.heartbeat)
-        except OSError:
-            pass  # a progress display must never stop training (e.g. a full disk)
+        except OSError:  # a progress display must never stop training (e.g. a full disk)
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # nor leave its half-written file behind
 
     def interrupt(self, message: str) -> None:
         """Print a line of its own (a warning) without garbling the progress line."""

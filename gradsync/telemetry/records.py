@@ -136,12 +136,19 @@ def write_records(path: Path, records: Iterable[StepRecord | Span], append: bool
     ``metrics.jsonl``, and a rank closed without ``report()`` appends its own last records
     (``AttachedRun.write_own_records``), maybe at the same moment."""
     text = "".join(r.to_json() + "\n" for r in records)
-    with open(path, "a" if append else "w", encoding="utf-8") as fh:
-        if fcntl is not None:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when the file closes
-        if append:
-            _cut_torn_tail(path, fh.fileno())
-        fh.write(text)
+    try:
+        with open(path, "a" if append else "w", encoding="utf-8") as fh:
+            if fcntl is not None:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when the file closes
+            if append:
+                _cut_torn_tail(path, fh.fileno())
+            fh.write(text)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        # a write's error (a full disk) names no file: "OSError: [Errno 28] No space left on
+        # device" alone left the user to guess which one
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 def _cut_torn_tail(path: Path, fd: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -231,3 +232,36 @@ def test_records_no_gather_took_get_their_idle_from_every_rank(tmp_path: Path) -
     assert read[0, 1].idle == pytest.approx(0.3) and read[0, 1].comm == pytest.approx(0.2)
     assert (read[1, 1].idle, read[1, 1].comm) == (0.0, 0.5)
     assert read[1, 2].idle == pytest.approx(0.1) and read[0, 2].idle == 0.0
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write's error names no file: a rank failed with "OSError: [Errno 28] No space left on
+    device" alone (the checkpoint tester's, on a full tmpfs), which left the file to guess."""
+    import builtins
+    import errno
+
+    from gradsync.telemetry import records
+
+    class _Full:
+        def __init__(self, fh: Any) -> None:
+            self.fh = fh
+
+        def __enter__(self) -> _Full:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.fh.close()
+
+        def fileno(self) -> int:
+            return int(self.fh.fileno())
+
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_open = builtins.open
+    monkeypatch.setattr(records, "open", lambda *a, **k: _Full(real_open(*a, **k)), raising=False)
+    path = tmp_path / METRICS_FILE
+    with pytest.raises(OSError, match=r"No space left on device: '.*metrics\.jsonl'"):
+        write_records(path, synthetic_records(1, 1, bytes_per_step=BYTES, seed=1))
