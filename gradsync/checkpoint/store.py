@@ -80,6 +80,41 @@ class _Invalid(Exception):
     """Why a checkpoint directory is unusable: becomes a CheckpointWarning, then a fallback."""
 
 
+class _Skipped:
+    """The checkpoints ``latest`` skips, said as warnings: each of the first ``SAID_ALONE``
+    with its reason, the rest in one line (a hogwild run's ranks drift apart by over a hundred
+    steps, and its resume printed a line for every checkpoint one rank had not written)."""
+
+    SAID_ALONE = 3
+
+    def __init__(self) -> None:
+        self.more: list[tuple[Path, str]] = []
+        self.said = 0
+
+    def add(self, path: Path, why: str) -> None:
+        if self.said < self.SAID_ALONE:
+            self.said += 1
+            _warn_skipped(f"skipping checkpoint {path}: {why}")
+        else:
+            self.more.append((path, why))
+
+    def say(self) -> None:
+        if not self.more:
+            return
+        (newest, why), oldest = self.more[0], self.more[-1][0]
+        others = len({w for _, w in self.more}) - 1
+        reasons = why if not others else f"{why}, and {others} other reason(s)"
+        span = newest.name if len(self.more) == 1 else f"{oldest.name} to {newest.name}"
+        _warn_skipped(
+            f"skipping {len(self.more)} more checkpoint(s) in {newest.parent} ({span}): {reasons}"
+        )
+        self.more = []
+
+
+def _warn_skipped(text: str) -> None:
+    warnings.warn(f"{text}; falling back to an earlier checkpoint", CheckpointWarning, stacklevel=4)
+
+
 class CheckpointStore(CheckpointFiles):
     """Checkpoints under ``directory``, keeping the newest ``keep`` complete ones: writing
     (``CheckpointFiles``), and finding and loading them.
@@ -128,17 +163,15 @@ class CheckpointStore(CheckpointFiles):
         When ``world_size`` differs from the checkpoint's, raises ``CheckpointError`` unless
         ``allow_world_change`` (then seed ranks with ``load(info, rank, source_rank=0)``).
         """
+        skipped = _Skipped()
         for step, path in self._step_dirs():
             try:
                 info = _read_manifest(path, step)
                 _verify(info, checksums=verify)
             except _Invalid as why:
-                warnings.warn(
-                    f"skipping checkpoint {path}: {why}; falling back to an earlier checkpoint",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
+                skipped.add(path, str(why))
                 continue
+            skipped.say()
             if world_size is not None and world_size != info.world_size and not allow_world_change:
                 raise CheckpointError(
                     f"checkpoint {path} was written by {info.world_size} ranks and resuming with "
@@ -148,6 +181,7 @@ class CheckpointStore(CheckpointFiles):
                     "with load(info, rank, source_rank=0)"
                 )
             return info
+        skipped.say()
         return None
 
     def at(self, step: int) -> CheckpointInfo:

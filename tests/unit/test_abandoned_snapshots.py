@@ -7,6 +7,7 @@ while an earlier writer may still write are kept."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,13 @@ def _load(sync: Synchronizer, directory: Path) -> tuple[Any, list[str]]:
 
 
 def _skipped(messages: list[str]) -> list[int]:
+    """The steps the warnings say were skipped: one a line, or past the third, the span of a
+    line that says the rest (``skipping 1 more checkpoint(s) in DIR (step-000004): ...``)."""
     return sorted(
-        int(m.split("step-")[1][:6]) for m in messages if m.startswith("skipping checkpoint")
+        int(step)
+        for m in messages
+        if m.startswith("skipping ")
+        for step in re.findall(r"step-(\d{6})", m.split(": ", 1)[0])
     )
 
 

@@ -145,6 +145,28 @@ def test_uncommitted_save_is_not_a_checkpoint(tmp_path: Path) -> None:
     assert info is not None and info.step == 10
 
 
+def test_many_skipped_checkpoints_are_said_in_a_few_lines(tmp_path: Path) -> None:
+    """A hogwild run's ranks drift apart: a resume skipped over a hundred checkpoints one
+    rank had not written, a line each. The newest three are said alone, the rest in one."""
+    store = CheckpointStore(tmp_path, keep=20)
+    _save_all(store, 10, world=2)
+    for step in range(11, 19):  # rank 1 never saved these
+        store.save(step, 0, 2, _state(0, step))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        info = store.latest(2)
+    assert info is not None and info.step == 10
+    said = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    assert [re.search(r"step-0000\d\d", line)[0] for line in said[:3]] == [  # type: ignore[index]
+        "step-000018",
+        "step-000017",
+        "step-000016",
+    ]
+    assert len(said) == 4, said
+    assert said[3].startswith("skipping 5 more checkpoint(s) in "), said[3]
+    assert "(step-000011 to step-000015): incomplete: no MANIFEST.json" in said[3], said[3]
+
+
 def test_commit_refuses_missing_rank(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     store.save(3, 0, 3, {"a": 1})
