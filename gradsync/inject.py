@@ -51,6 +51,7 @@ __all__ = [
     "Slowdown",
     "Target",
     "apply_slowdowns",
+    "check_slowdowns",
     "hang",
     "kill",
     "maybe_kill",
@@ -119,6 +120,16 @@ def parse_slow(spec: str | None) -> list[Slowdown]:
         except ValueError:
             raise UsageError(f"bad --slow value {part.strip()!r}; valid: {SLOW_FORM}") from None
     return out
+
+
+def check_slowdowns(slowdowns: list[Slowdown], world_size: int) -> None:
+    """Refuse a slowdown of a rank the group does not have: ``slow="3:2"`` in a world of two
+    slowed nothing, silently (``gradsync run --slow`` refuses it before the run)."""
+    for s in slowdowns:
+        if not 0 <= s.rank < world_size:
+            raise UsageError(
+                f"slow names rank {s.rank}, but this group's ranks are 0..{world_size - 1}"
+            )
 
 
 def apply_slowdowns(slowdowns: list[Slowdown], rank: int, step: int, natural: float) -> float:

@@ -32,7 +32,7 @@ from gradsync.compression import parse_compression
 from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.flat import chunks, copy_into, flatten
-from gradsync.inject import Slowdown, apply_slowdowns, parse_slow
+from gradsync.inject import Slowdown, apply_slowdowns, check_slowdowns, parse_slow
 from gradsync.membership import check_membership
 from gradsync.options import (
     DEFAULT_TIMEOUT_S,
@@ -248,6 +248,7 @@ class Synchronizer:
         # ``run_dir`` or GRADSYNC_RUN_DIR (set by ``gradsync run``): the run directory's files,
         # faults and settings for whatever script trains (``gradsync.attached_run``)
         self._run = AttachedRun.find(run_dir)
+        given_slow = slow is not None
         strategy, compression, servers, slow, self.options = self._run_defaults(
             strategy, compression, servers, slow, options
         )
@@ -295,6 +296,8 @@ class Synchronizer:
             _ATTACHED.add(self)  # and when its rank is stopped (write_unreported_records)
         self._hierarchy: Hierarchy | None = None
         self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
+        if given_slow:  # --slow's ranks may be other replica groups': the run checked those
+            check_slowdowns(self.slowdowns, self.world_size)
         self.spans: list[Span] = []
         self.balancer = self._make_balancer(self.options.exchange.balance)
         self._sizes: list[int] | None = None

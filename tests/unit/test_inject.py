@@ -255,3 +255,16 @@ def test_a_synchronizer_sleeps_for_an_injected_slowdown(one_rank: None) -> None:
     first, slowed = sorted(sync.report().records, key=lambda r: r.step)
     # step 1 sleeps 19x step 0's compute (the last measured) on top of its own
     assert slowed.compute >= 19 * first.compute > 0
+
+
+def test_a_slowdown_of_a_rank_the_group_lacks_is_refused(one_rank: None) -> None:
+    """``slow="3:2"`` in a world of one slowed nothing, silently (``gradsync run --slow``
+    refuses it before the run); a rank the group has is taken."""
+    model = _model()
+    with pytest.raises(UsageError, match=r"slow names rank 3, but this group's ranks are 0\.\.0"):
+        gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), slow="3:2")
+    sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), slow="0:2@5")
+    try:
+        assert [(s.rank, s.factor, s.start) for s in sync.slowdowns] == [(0, 2.0, 5)]
+    finally:
+        sync.close()
