@@ -93,6 +93,15 @@ def saved_config(run_dir: Path, warn: bool = True) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if warn and (run_dir / CHECKPOINT_DIR).is_dir():
+            # the flags not given then take their defaults (charlm on 4 ranks), whose refusal
+            # ("does not fit this model") did not say why
+            print(
+                f"gradsync: warning: --resume: {run_dir} has checkpoints but no {CONFIG_FILE}: "
+                "the flags not given take their defaults, not the saved run's; give them "
+                "(--workload, --params, --strategy, --nproc, ...)",
+                file=sys.stderr,
+            )
         return None
     except (OSError, ValueError) as exc:
         if not warn:

@@ -320,3 +320,18 @@ def test_the_headers_ranks_are_this_attempts(
     assert main([*argv, "--nproc=2", *FLAGS]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"run: {run} (20 steps, 2 ranks)", out[:3]
+
+
+def test_checkpoints_without_a_config_are_said_before_the_defaults_refuse_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run directory whose config.json is gone: --resume takes every flag not given from the
+    defaults (charlm on 4 ranks), whose refusal named the model, not why; it is said first."""
+    from gradsync.runner.resume import saved_config
+
+    (tmp_path / "checkpoints").mkdir()
+    assert saved_config(tmp_path) is None
+    err = capsys.readouterr().err
+    assert f"--resume: {tmp_path} has checkpoints but no config.json" in err, err
+    assert saved_config(tmp_path, warn=False) is None and not capsys.readouterr().err
+    assert saved_config(tmp_path / "absent") is None and not capsys.readouterr().err
