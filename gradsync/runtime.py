@@ -313,10 +313,16 @@ def is_main(group: dist.ProcessGroup | None = None) -> bool:
 
 
 def _launch_environment() -> Mapping[str, str]:
-    """torchrun's variables as ``gs.init()`` would take them: the environment's own, or made
-    from SLURM's; checked as :func:`init` checks them."""
-    slurm = slurm_environment(os.environ)
-    env = os.environ if slurm is None else slurm
+    """torchrun's ``RANK`` and ``WORLD_SIZE`` as ``gs.init()`` would take them: the
+    environment's own, or SLURM's task id and count; checked as :func:`init` checks them.
+    Only those two: the rank is known before the hosts are (a task without a node list raised
+    here, though only ``gs.init()`` needs rank 0's address)."""
+    env: Mapping[str, str] = os.environ
+    if "SLURM_PROCID" in env and "RANK" not in env and "WORLD_SIZE" not in env:
+        env = {
+            "RANK": str(_slurm_int(env, "SLURM_PROCID", minimum=0)),
+            "WORLD_SIZE": str(_slurm_int(env, "SLURM_NTASKS", minimum=1)),
+        }
     for name in ("RANK", "WORLD_SIZE"):
         if name in env and not env[name].isdigit():
             raise UsageError(f"{name}={env[name]!r} is not an integer >= 0")

@@ -155,6 +155,8 @@ def test_init_refuses_a_malformed_slurm_variable_before_any_group(
         ({"RANK": "3", "WORLD_SIZE": "8"}, 3, 8),
         (SRUN, 2, 4),
         ({**SRUN, "SLURM_PROCID": "0"}, 0, 4),
+        # the task's rank is known before its hosts are: only gs.init() needs rank 0's
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}, 1, 2),
     ],
 )
 def test_rank_and_world_size_before_init_come_from_the_launcher(
