@@ -697,6 +697,15 @@ def _check_arguments(
         raise UsageError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    mine = {id(p) for p in module.parameters()}
+    if mine and not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+        # another optimizer than the one the loop steps (built on another model, or a copy):
+        # the exchange would average gradients this optimizer never applies, silently
+        raise UsageError(
+            "gs.DistributedDataParallel(model, optimizer=optimizer): the optimizer holds none "
+            "of the model's parameters. Pass the optimizer the loop steps, built on "
+            "model.parameters() before this line"
+        )
     for name in OWN_OPTIONS:
         if name in options:
             raise UsageError(f"gs.DistributedDataParallel takes no {name}=: {OWN_OPTIONS[name]}")

@@ -481,6 +481,10 @@ class ZeroStage3(Strategy):
         if phase != BETWEEN:  # inside a step block (or a gradsync call): in step already
             return False
         self._reshard()
+        # FSDP2's record of the forwards since the last backward (its backward prefetch) as
+        # begin_step leaves it: after sync.unsharded(), a no_sync() micro-batch's backward on
+        # rank 0 prefetched an all-gather its peer never posted (the front-door tester's hang)
+        compat.fsdp_forget_forwards(self._modules)
         if ctx.gate is not None:
             ctx.gate.before_user_collective(step + 1, what)
         return True

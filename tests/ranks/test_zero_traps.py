@@ -134,6 +134,20 @@ def test_the_front_doors_no_sync_forward_never_pairs_with_an_evaluation_on_rank_
     assert "never arrived: ranks [0]" in r1["error"], r1["error"]
 
 
+def test_the_front_doors_accumulation_after_an_unsharded_evaluation_goes_on(
+    runs: list[dict[str, Any]],
+) -> None:
+    """docs/porting.md's rank-0 evaluation inside ``model.sync.unsharded()``, between steps of
+    two micro-batches (the first under ``no_sync()``): every step ends on both ranks (the next
+    step's ``no_sync()`` backward hung), and rank 0's whole model is the one rank 1 holds."""
+    r0, r1 = (out["front door unsharded between accumulations"] for out in runs)
+    for out in (r0, r1):
+        assert out["error"] is None and out["steps"] == 3, out
+    assert r0["full"] is not None and r0["full"].keys()
+    for key, value in r0["full"].items():
+        assert torch.isfinite(value).all(), key
+
+
 # -- trap 3 -------------------------------------------------------------------------------------
 
 

@@ -336,6 +336,42 @@ def state_dict_alone(rank: int, world: int) -> dict[str, Any]:
     return state_dict_after_evaluation(rank, world, None)
 
 
+def front_door_unsharded_between_accumulations(rank: int, world: int, group: Any) -> dict[str, Any]:
+    """The front door with two micro-batches a step (the first under ``no_sync()``), and after
+    each step ``model.sync.unsharded()`` entered on every rank with rank 0 evaluating inside it,
+    as docs/porting.md says: three steps end, and the ranks agree. Before, the next step's
+    ``no_sync()`` backward on rank 0 prefetched an all-gather rank 1 never posted (FSDP2's
+    record of the forwards, which only a backward or the step's start emptied), and both waited
+    until a timeout."""
+    w = zr._workload()
+    raw = w.build_model()
+    opt = zr.make_optimizer("adamw", raw)
+    model = gs.DistributedDataParallel(
+        raw, optimizer=opt, strategy="zero:3", process_group=group, timeout_s=TIMEOUT_S
+    )
+    out: dict[str, Any] = {"error": None, "steps": 0, "full": None}
+    try:
+        for step in range(3):
+            x, y = zr._batch(w, step, rank, world)
+            with model.no_sync():
+                w.loss(model, x[:3], y[:3]).backward()
+            w.loss(model, x[3:], y[3:]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with model.sync.unsharded():
+                if rank == 0:
+                    with torch.no_grad():
+                        model.module(_eval_batch(w, world)[0])
+            out["steps"] = step + 1
+        full = model.sync.full_state_dict()  # on every rank; rank 0's alone holds it
+        out["full"] = None if full is None else full["model"]
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        out["error"] = _error(exc)
+    finally:
+        model.sync.close()
+    return out
+
+
 def everything(rank: int, world: int) -> dict[str, Any]:
     """Every other case, each on a group of its own: a case that leaves its collectives broken
     (a trap that hangs until a timeout) leaves the others' connections whole."""
@@ -353,6 +389,9 @@ def everything(rank: int, world: int) -> dict[str, Any]:
     cases["forward alone"] = functools.partial(forward_on_rank_0_alone, rank, world)
     cases["front door forward alone"] = functools.partial(
         front_door_forward_on_rank_0_alone, rank, world
+    )
+    cases["front door unsharded between accumulations"] = functools.partial(
+        front_door_unsharded_between_accumulations, rank, world
     )
     out = {}
     for name, case in cases.items():

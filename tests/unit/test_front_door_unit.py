@@ -90,6 +90,12 @@ def test_an_unsupported_strategy_is_refused_before_any_collective(strategy: str,
     ("options", "says"),
     [
         ({"optimizer": None}, "pass the optimizer the loop steps"),
+        # another model's optimizer: gradients averaged that this one never applies (the
+        # front-door tester's run ended elsewhere than DDP's, silently)
+        (
+            {"optimizer": torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)},
+            "the optimizer holds none of the model's parameters",
+        ),
         ({"scaler": torch.amp.GradScaler("cpu")}, "keep calling scaler.scale"),
         ({"accumulation": "mean"}, "model.no_sync()"),
         ({"device_ids": [3]}, "move the module there first"),
