@@ -272,7 +272,7 @@ def _format_bytes(b: dict[str, float], ranks: int) -> str:
     line = (
         f"bytes sent: {b['per_rank_step'] / 1e6:.3f} MB per rank per step "
         f"({b['per_rank_step'] * ranks / 1e6:.3f} MB per step over {counted(ranks, 'rank')}), "
-        f"{b['total'] / 1e6:.1f} MB in total"
+        f"{b['total'] / 1e6:.{1 if b['total'] >= 1e5 else 3}f} MB in total"  # 0.036, not 0.0
     )
     # Uncompressed runs send fp32 gradients: a "1.0x fewer" line would only be noise.
     if "compression_ratio" in b and abs(b["compression_ratio"] - 1.0) > 0.01:

@@ -109,6 +109,10 @@ def test_the_bytes_line_says_more_when_a_run_sends_more_than_fp32_gradients() ->
         2,
     )
     assert "2.0x more than fp32 gradients" in line
+    # a short run's total is said in its size, not rounded to nothing (the front-door tester's
+    # 6 steps said "0.0 MB in total")
+    assert "4.0 MB in total" in line
+    assert "0.036 MB in total" in _format_bytes({"per_rank_step": 3e3, "total": 3.6e4}, 2)
 
 
 # -- a world of one (the test process) ---------------------------------------------------------
