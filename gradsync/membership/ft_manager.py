@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from gradsync import runtime
+from gradsync.attached_run import restart_count
 from gradsync.checkpoint.registry import StateRegistry
 from gradsync.checks.diagnose import END
 from gradsync.compression.base import ReplicaExchange
@@ -57,8 +58,6 @@ logger = get_logger("membership")
 
 #: where a local run's sockets listen
 LOOPBACK = "127.0.0.1"
-#: the elastic agent's count of this process's group's restarts (0: its first process)
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +226,7 @@ class TorchftMembership:
         healed_at, nbytes = self._healed
         # the group's first process: the elastic agent's restart count (gradsync run's groups
         # and torchrun's) is 0
-        initial = first and healed_at == 0 and not int(os.environ.get(RESTART_ENV) or 0)
+        initial = first and healed_at == 0 and restart_count() == 0
         if runtime.rank(self._group) == 0:  # once a group, with the seconds healed.jsonl has
             said = (
                 "%s started from a live peer's weights, the first quorum's initial sync: at "

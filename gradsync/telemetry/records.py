@@ -202,8 +202,9 @@ def settle_ungathered(records: list[StepRecord]) -> list[StepRecord]:
     took, from every rank's records of their steps, attempt by attempt. Each rank wrote them
     alone, with the idle its strategy measured (0 at a barrier) and no comm: a script that
     never called ``report()`` (a front-door port) reported comm 0, idle 0 and a barrier tax
-    of 0% for its steps. A step's records missing from some rank (a rank killed before its
-    write) leave the others' idle as the ranks there say. In place, in the order given."""
+    of 0% for its steps. Where a step's records are missing from some rank (a rank killed
+    before its write), its idle is derived from the ranks whose records are there. In place,
+    in the order given."""
     attempts: dict[int, list[StepRecord]] = {}
     for r in records:
         if not r.gathered:
