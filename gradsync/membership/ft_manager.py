@@ -180,6 +180,9 @@ class TorchftMembership:
         self._replicas = _Replicas(self.manager, self._pg)
         #: said once: a step skipped for a quorum smaller than ``min_replicas`` (``commit``)
         self._min_replicas, self._warned_small = settings.min_replicas, False
+        #: steps this replica committed, and whether any of them had another group in its
+        #: quorum: a group that never met one is told so at ``close`` (it trained alone)
+        self._committed_steps, self._met_a_peer = 0, False
         # torchft's id of this group (``GROUP:UUID``, or a bare UUID without a group id), as
         # its Manager put it in this group's store: which of a quorum's members is this one
         self._replica_id = self._store.get(ft_manager.REPLICA_ID_KEY).decode()
@@ -332,9 +335,29 @@ class TorchftMembership:
                 self._min_replicas,
                 self._min_replicas,
             )
+        if committed:
+            self._committed_steps += 1
+            self._met_a_peer = self._met_a_peer or self.participants() > 1
         if self._on_step is not None and quorum is not None:
             self._on_step(self._decided(quorum, step, committed))
         return committed
+
+    def _say_if_alone(self) -> None:
+        """Warn where every committed step of this replica had no other group in its quorum.
+        With ``min_replicas=1`` the lighthouse forms a quorum of whoever asks, so groups started
+        apart (by hand, one after another, a few seconds of launch between them) can each train
+        every step alone and end with different models, which nothing else would say."""
+        if self._met_a_peer or not self._committed_steps or runtime.rank(self._group) != 0:
+            return
+        logger.warning(
+            "%s trained alone: no other replica group took part in any quorum of its %d "
+            "committed step(s), so its model is its own and differs from any other group's. "
+            "Groups started apart do not wait for each other with min_replicas=1: give the "
+            "lighthouse and the Synchronizer min_replicas=G for G groups (gradsync run "
+            "--replica-groups starts its groups together), docs/membership.md",
+            self._name,
+            self._committed_steps,
+        )
 
     def _decided(self, quorum: StepQuorum, step: int, committed: bool) -> StepQuorum:
         """The quorum as recorded: at ``step``, whose exchange it decided (the Synchronizer's
@@ -387,6 +410,7 @@ class TorchftMembership:
         return int(self.manager.num_participants())
 
     def close(self) -> None:
+        self._say_if_alone()
         self._waiter.shutdown(wait=True)
         self.manager.shutdown(wait=True)
         self._pg.shutdown()

@@ -60,6 +60,7 @@ def _membership() -> tuple[TorchftMembership, _Manager, list[StepQuorum]]:
     membership._last_step = 0
     membership._group = None  # a world of one: its rank 0 says a healing
     membership._min_replicas, membership._warned_small = 1, False
+    membership._committed_steps, membership._met_a_peer = 0, False
     return membership, manager, recorded
 
 

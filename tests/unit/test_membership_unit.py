@@ -122,6 +122,7 @@ def test_a_step_skipped_for_a_quorum_below_min_replicas_is_said_once(
     live.manager = _SmallQuorumManager()
     live._quorum, live._on_step, live._name = None, None, "replica group 0"
     live._min_replicas, live._warned_small = 2, False
+    live._committed_steps, live._met_a_peer = 0, False
     with caplog.at_level("WARNING", logger="gradsync.membership"):
         assert live.commit(0) is False
         assert live.commit(1) is False
@@ -129,3 +130,48 @@ def test_a_step_skipped_for_a_quorum_below_min_replicas_is_said_once(
     assert len(said) == 1, said
     assert "skips step 0: its quorum had 1 participant(s), fewer than min_replicas=2" in said[0]
     assert "start it with min_replicas=2" in said[0]
+
+
+class _QuorumOf:
+    """torchft's Manager whose every quorum has ``participants`` replica groups, committed."""
+
+    def __init__(self, participants: list[int]) -> None:
+        self.participants = participants
+
+    def should_commit(self) -> bool:
+        return True
+
+    def num_participants(self) -> int:
+        return self.participants.pop(0)
+
+
+@pytest.mark.parametrize(
+    ("participants", "warned"),
+    [([1, 1, 1], True), ([1, 2, 1], False), ([2, 2, 2], False), ([], False)],
+)
+def test_a_group_that_never_met_another_says_it_trained_alone(
+    caplog: pytest.LogCaptureFixture, participants: list[int], warned: bool
+) -> None:
+    """Two groups started by hand a few seconds apart under a lighthouse of min_replicas=1:
+    the first finished its 30 steps before the second's first quorum, each trained alone,
+    and they ended with different models without a word. Said at close by a group none of
+    whose committed steps had another group in its quorum."""
+    pytest.importorskip("torchft")
+    from gradsync.membership.ft_manager import TorchftMembership
+
+    live = TorchftMembership.__new__(TorchftMembership)  # no Manager, lighthouse or store
+    live.manager = _QuorumOf(list(participants))
+    live._quorum, live._on_step, live._name = None, None, "replica group 1"
+    live._min_replicas, live._warned_small = 1, False
+    live._committed_steps, live._met_a_peer = 0, False
+    live._group = None  # a world of one: its rank 0 says it
+    for step in range(len(participants)):
+        assert live.commit(step) is True
+    with caplog.at_level("WARNING", logger="gradsync.membership"):
+        live._say_if_alone()
+    said = [r.getMessage() for r in caplog.records if r.name == "gradsync.membership"]
+    assert len(said) == int(warned), said
+    if warned:
+        assert said[0].startswith("replica group 1 trained alone: no other replica group")
+        assert "of its 3 committed step(s)" in said[0]
+        assert "min_replicas=G" in said[0]
