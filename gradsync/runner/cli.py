@@ -31,7 +31,7 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     from gradsync.flags import from_namespace
     from gradsync.runner.config import RunConfig
 
-    for name in RESUMED_FLAGS:  # not given and not taken from a saved run: the default
+    for name in HELD_DEFAULTS:  # not given and not taken from a saved run: the default
         value = getattr(args, name, None)
         if isinstance(value, _Default):
             setattr(args, name, value.value)
@@ -56,9 +56,13 @@ RESUMED_FLAGS = (
     "max_restarts",
 )
 
+#: run's flags whose default its parser holds as ``_Default``, to tell a value given from it:
+#: those a --resume takes from the saved run, and --link (given, it needs --hosts)
+HELD_DEFAULTS = (*RESUMED_FLAGS, "link")
+
 
 class _Default:
-    """A flag of ``RESUMED_FLAGS``'s default as run's parser holds it, told apart from the same
+    """A flag of ``HELD_DEFAULTS``'s default as run's parser holds it, told apart from the same
     value given (``--nproc 4``, ``--workload charlm``); its help shows the value."""
 
     __slots__ = ("value",)
@@ -108,6 +112,16 @@ def _take_saved_flags(args: argparse.Namespace) -> int | None:
     return nproc if isinstance(nproc, int) else None
 
 
+def _check_link_given(args: argparse.Namespace) -> None:
+    """Refuse a given ``--link`` without ``--hosts`` (RunConfig refuses only one other than
+    the default: ``--link 1gbit`` on a local run was taken silently, as if it shaped a link)."""
+    link = args.link
+    if not isinstance(link, _Default) and not args.hosts:
+        from gradsync.errors import UsageError
+
+        raise UsageError(f"--link {link} sets the emulated cluster's links: it needs --hosts H")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from gradsync.runner.rundir import claim
 
@@ -115,6 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # its ranks (a given --nproc that differs is taken, and the summary's header names both),
     # its workload, model, steps, strategy, compressor and replica groups
     before = _take_saved_flags(args)
+    _check_link_given(args)
     cfg = _config_from_args(args)
     run_dir = Path(cfg.out)
     # Held until this process ends: no second run in the same directory meanwhile.
@@ -513,7 +528,7 @@ def _add_run_parser(sub: Any) -> None:
 
     # told apart from a given --nproc 4: a --resume without --nproc takes the saved run's
     defaults = RunConfig()
-    held = {name: _Default(getattr(defaults, name)) for name in RESUMED_FLAGS}
+    held = {name: _Default(getattr(defaults, name)) for name in HELD_DEFAULTS}
     run.set_defaults(func=cmd_run, **held)
 
 

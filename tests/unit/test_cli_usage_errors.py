@@ -45,6 +45,9 @@ pytestmark = pytest.mark.unit
         (["--workload", "resnet"], "unknown workload 'resnet'; valid: charlm, mlp"),
         (["--slow", "1x3"], "bad --slow value '1x3'"),
         (["--nproc", "2", "--slow", "5:2"], "names rank 5, but ranks are 0..1"),
+        (["--link", "100mbit"], "--link 100mbit sets the emulated cluster's links: it needs"),
+        # the default's value given again: it shapes no link either (was taken silently)
+        (["--link", "1gbit"], "--link 1gbit sets the emulated cluster's links: it needs"),
     ],
 )
 def test_cli_usage_errors(

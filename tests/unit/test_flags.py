@@ -27,7 +27,7 @@ import gradsync.telemetry.cli
 from gradsync.cluster import cli as cluster_cli
 from gradsync.errors import UsageError
 from gradsync.flags import add_flags, flag, flag_fields, flag_of, from_namespace, option_of
-from gradsync.runner.cli import RESUMED_FLAGS, _config_from_args, _Default, build_parser, main
+from gradsync.runner.cli import HELD_DEFAULTS, _config_from_args, _Default, build_parser, main
 from gradsync.runner.config import RunConfig
 from gradsync.sim import cli as sim_cli
 from gradsync.sim import options as sim_options
@@ -71,8 +71,8 @@ def test_flag_defaults_are_the_fields_defaults(command: str) -> None:
         elif field.default_factory is not dataclasses.MISSING:
             assert action.default is None, name  # not given: the factory's value
         else:
-            if command == "run" and name in RESUMED_FLAGS:
-                # told apart from a given --nproc 4 (--resume takes the saved run's)
+            if command == "run" and name in HELD_DEFAULTS:
+                # told apart from a given --nproc 4 (--resume takes the saved run's), --link
                 assert isinstance(action.default, _Default), name
                 assert action.default.value == field.default, name
                 assert str(action.default) == str(field.default), name  # help's %(default)s
