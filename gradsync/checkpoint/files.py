@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from gradsync.checkpoint.writer_locks import others_alive
 from gradsync.errors import CheckpointError
 
 __all__ = [
@@ -264,7 +265,7 @@ class CheckpointFiles:
             _fsync_dir(self.directory)
         self.last_commit_seconds = time.perf_counter() - start
         if prune:
-            self.prune(newest=step)
+            self.prune(newest=step, save_id=save_id)
         return CheckpointInfo(
             step=step,
             world_size=world_size,
@@ -344,13 +345,18 @@ class CheckpointFiles:
             )
         return missing if missing else files
 
-    def prune(self, *, newest: int | None = None) -> list[Path]:
+    def prune(self, *, newest: int | None = None, save_id: str = "") -> list[Path]:
         """Keep the newest ``keep`` complete checkpoints at or below step ``newest`` (default:
         the newest complete one); delete older checkpoints and older incomplete directories.
 
         Directories above ``newest`` are never touched: they are a save in progress, or a
         damaged checkpoint from before a resume, which the next save of that step replaces.
-        Returns the directories removed.
+        An incomplete directory between the kept checkpoints (left by writers of an earlier
+        attempt, stopped, that wrote on after a resume) is deleted too, unless a writer of
+        another attempt than ``save_id`` is still alive (``writer_locks``) or the directory
+        holds anything but rank files (``_abandoned_files``). This attempt's commits go oldest
+        first (``commits``; ``commit_newest`` stops at a newer commit), so no step older than
+        the newest one committed is committed later. Returns the directories removed.
         """
         dirs = self._step_dirs()
         complete = [
@@ -368,9 +374,16 @@ class CheckpointFiles:
                 kept.add(step)
                 break
         oldest_kept = min(kept)
+        stale = {
+            s
+            for s, p in dirs
+            if oldest_kept < s < complete[0] and _abandoned_files(p, s) is not None
+        }
+        if stale and others_alive(self.directory, save_id):
+            stale.clear()
         removed = []
         for step, path in dirs:
-            if step < oldest_kept or (step in complete and step not in kept):
+            if step < oldest_kept or step in stale or (step in complete and step not in kept):
                 self._durable.pop(step, None)
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)

@@ -20,6 +20,7 @@ from pathlib import Path
 __all__ = [
     "LOCK_DIR",
     "hold",
+    "others_alive",
     "release",
     "released",
     "wait_for_session_writers",
@@ -80,6 +81,22 @@ def _free(path: Path) -> bool:
 def released(directory: str | Path, save_id: str, rank: int) -> bool:
     """Whether rank ``rank``'s writer of attempt ``save_id`` has ended (or never started)."""
     return _free(_path(directory, save_id, rank))
+
+
+def others_alive(directory: str | Path, save_id: str) -> bool:
+    """Whether a writer process of another attempt than ``save_id`` still holds its lock in
+    ``directory`` (it may still write into any step directory)."""
+    root = Path(directory) / LOCK_DIR
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return any(
+        name.endswith(".lock")
+        and not name.startswith(f"{save_id}.rank-")
+        and not _free(root / name)
+        for name in names
+    )
 
 
 def wait_for_writers(
