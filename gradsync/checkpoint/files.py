@@ -436,10 +436,6 @@ class CheckpointFiles:
         return sorted(found, reverse=True)
 
 
-_RANK_FILE = re.compile(r"^rank-(\d+)\.pt$")
-_RANK_SUM = re.compile(r"^rank-(\d+)\.pt\.sum$")
-
-
 def _abandoned_files(path: Path, step: int) -> dict[str, set[int]] | None:
     """The ranks with a file of ``step`` in ``path``, by the ``save_id`` their ``.sum`` names;
     None where ``path`` must be kept whatever they are: it has a manifest, or an entry that is
@@ -453,9 +449,9 @@ def _abandoned_files(path: Path, step: int) -> dict[str, set[int]] | None:
     for name in names:
         if name == MANIFEST:
             return None
-        if _RANK_FILE.match(name) or (name.startswith(".") and name.endswith(_TMP_SUFFIX)):
+        found = _RANK_FILE.match(name)
+        if (found and not found.group(2)) or (name[:1] == "." and name.endswith(_TMP_SUFFIX)):
             continue
-        found = _RANK_SUM.match(name)
         if found is None:
             return None
         try:

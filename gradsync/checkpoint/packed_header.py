@@ -26,7 +26,6 @@ __all__ = [
     "PACKED_VERSION",
     "dumps",
     "file_start",
-    "header",
     "offsets",
     "tree_json",
 ]
@@ -50,24 +49,19 @@ def offsets(buffers: Sequence[tuple[int, int]]) -> list[int]:
     return found
 
 
-def header(tree_text: str, buffers: Sequence[tuple[int, int]]) -> tuple[bytes, list[int]]:
-    """The file's first bytes (magic, header length, header) for a tree whose JSON text is
-    ``tree_text`` and buffers of (elements, bytes per element); and each buffer's offset."""
+def file_start(
+    tree: Any, kept: Mapping[int, str], buffers: Sequence[tuple[int, int]]
+) -> tuple[bytes, list[int]]:
+    """The file's first bytes (magic, header length, header) for ``tree`` with the kept texts
+    (``tree_json``) and buffers of (elements, bytes per element); and each buffer's offset.
+    What both the training process (``Packed.header``) and the writer's process make."""
     at = offsets(buffers)
     entries = [{"numel": numel, "offset": o} for (numel, _), o in zip(buffers, at, strict=True)]
     text = (
         f'{{"version":{PACKED_VERSION},"byteorder":{dumps(sys.byteorder)},'
-        f'"tree":{tree_text},"buffers":{dumps(entries)}}}'
+        f'"tree":{tree_json(tree, kept)},"buffers":{dumps(entries)}}}'
     ).encode()
     return MAGIC + len(text).to_bytes(8, "little") + text, at
-
-
-def file_start(
-    tree: Any, kept: Mapping[int, str], buffers: Sequence[tuple[int, int]]
-) -> tuple[bytes, list[int]]:
-    """``header`` of ``tree`` with the kept texts (``tree_json``): what both the training
-    process (``Packed.header``) and the writer's process make."""
-    return header(tree_json(tree, kept), buffers)
 
 
 def tree_json(tree: Any, kept: Mapping[int, str]) -> str:

@@ -83,7 +83,7 @@ class Packed:
         return packed_header.file_start(tree, texts, sizes)
 
     def header_parts(self) -> tuple[Any, list[tuple[int, _EncodedShare]], list[tuple[int, int]]]:
-        """What the header is made of (``packed_header.header``): the tree, with each
+        """What the header is made of (``packed_header.file_start``): the tree, with each
         top-level value that is a kept ``Share`` encoding (the model and optimizer state,
         most of the header) replaced by None and listed apart with its index, so that its
         text is made once and reused; and each buffer's elements and bytes per element."""

@@ -350,18 +350,16 @@ def _check_entry(path: Path, entry: FileEntry, *, checksums: bool) -> None:
             f"{entry.name} is truncated or damaged: {size} bytes, the manifest says {entry.size}"
         )
     algorithm, expected = ("crc32", entry.crc32) if entry.crc32 else ("sha256", entry.sha256)
-    if checksums and _hash_file(path, algorithm)[1] != expected:
+    if checksums and _hash_file(path, algorithm) != expected:
         raise _Invalid(f"{entry.name} is corrupted: its {algorithm} does not match the manifest")
 
 
-def _hash_file(path: Path, algorithm: str = "crc32") -> tuple[int, str]:
+def _hash_file(path: Path, algorithm: str) -> str:
     h: Crc32 | Any = Crc32() if algorithm == "crc32" else hashlib.sha256()
-    size = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
+    return h.hexdigest()
 
 
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype, torch.device)

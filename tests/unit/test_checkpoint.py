@@ -176,6 +176,20 @@ def test_commit_refuses_missing_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "step-000003" / MANIFEST).exists()
 
 
+def test_a_commit_removes_the_files_of_ranks_beyond_its_world(tmp_path: Path) -> None:
+    # a larger world's leftovers, the rank file and its .sum (until 2026-11-30 the .sum stayed)
+    store = CheckpointStore(tmp_path)
+    store.save(1, 2, 3, _state(2, 1))
+    _save_all(store, 1, world=2)
+    assert sorted(p.name for p in (tmp_path / "step-000001").iterdir()) == [
+        MANIFEST,
+        "rank-0.pt",
+        "rank-0.pt.sum",
+        "rank-1.pt",
+        "rank-1.pt.sum",
+    ]
+
+
 def test_keep_last_k(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep=2)
     for step in (10, 20, 30, 40):
