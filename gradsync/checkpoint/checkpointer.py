@@ -1,35 +1,19 @@
 """Save and resume a whole training state through ``CheckpointStore``: ``sync.save()``/``load()``.
 
 A checkpoint holds, per rank: the model and optimizer state dicts, the Synchronizer's strategy
-and compressor state (error-feedback residuals, PowerSGD factors, DiLoCo's outer optimizer,
-the step), RNG states, and the caller's extras (the data position). Both calls are collective.
-Every strategy resumes exactly where its checkpoint left it: bsp, local:H and diloco:H, and the
-parameter-server strategies ssp:S and async.
+and compressor state, RNG states, the step records not gathered yet, the registered states and
+the caller's extras. Both calls are collective, and every strategy resumes exactly where its
+checkpoint left it. Every rank hands a snapshot of its state to its background writer
+(``checkpoint.writer_process``); rank 0's commits the checkpoint once every rank's file is
+written. No collective is posted, so ``save(wait=False)`` costs the step a copy; ``save()``
+waits for the commit.
 
-Every rank hands a snapshot of its state to its background writer (``checkpoint.writer_process``);
-rank 0's commits the checkpoint once every rank's file is written. No collective is posted,
-so ``save(wait=False)`` costs the step a copy; ``save()`` waits for the commit. The step
-records not gathered yet go into each rank's file and ``load`` puts them back.
-
-Parameter servers (``ssp:S``, ``async``): the servers hold the parameters and the optimizer
-state, so they write a file too (their shard of the parameters, their optimizer's state, the
-clocks: pushes applied per worker and how fresh each worker's parameters were). Workers call
-``sync.save()`` after their N-th push; each sends every server a checkpoint request behind
-that push on the same ordered channel, so a server holding every worker's request has applied
-exactly N pushes of each. It then snapshots inside ``sync.serve()`` and writes its file in
-the background, in the directory rank 0 published in the store before its request. The
-checkpoint is complete once workers and servers have all written. ``sync.load()`` is
-collective over servers too: call it on every rank, servers before ``serve()``, which then
-starts from the saved state. A parameter-server checkpoint resumes only onto the same numbers
-of workers and servers (each server's shard and clocks are per worker).
-
-Resuming with a different number of ranks is supported for ``resizable`` strategies (BSP):
-every BSP replica holds the same model and optimizer state, written as one share per rank
-(``replicas``) and put back together from all the saved ranks' files on load, and the data
-position is the step (each step's global batch is a function of the seed and the step). Per-rank
-compressor state (error-feedback residuals) cannot be re-sharded and restarts from zero, with
-a warning. Other strategies keep per-rank state that has no meaning at another world size,
-so they refuse.
+Parameter servers (``ssp:S``, ``async``) hold the parameters and the optimizer state, so they
+write a file too, snapshotted inside ``sync.serve()`` once every worker's request has arrived
+(``save_server``); resuming needs the same numbers of workers and servers. Resuming on another
+number of ranks is for ``resizable`` strategies (BSP: each rank writes a share of the replicas'
+state, ``replicas``, joined on load) and ``reshardable`` ones; the others refuse.
+docs/checkpoints.md tells the whole story ("Parameter servers", "Changing the number of ranks").
 """
 
 from __future__ import annotations

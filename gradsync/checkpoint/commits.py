@@ -7,9 +7,9 @@ Shared by the two writers (``gradsync.checkpoint.writer_inline``'s, on the calle
 peers' files (each rank's ``.sum`` names the same ``save_id``) at doubling intervals, and gives
 a step up, as a ``CheckpointError``, when its files are still missing at its deadline.
 
-Durability (see ``gradsync.checkpoint.writer_inline``): a step is committed durable (fsyncing every
-rank's file, the manifest and the directories) when its save asked for it, or when the last
-durable commit is ``durable_every_s`` old.
+A step is committed durable (fsyncing every rank's file, the manifest and the directories)
+when its save asked for it, or when the last durable commit is ``durable_every_s`` old; why
+the others are not fsynced: docs/checkpoints.md, "Durability".
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
 """Export a gradsync checkpoint to files torch opens alone: a ``torch.save`` state dict or DCP.
 
-gradsync writes its checkpoints in its own packed format (``packing``), one file per rank, and
-under ``bsp`` each rank writes only a share of the replicated model and optimizer state
-(``replicas``): no single file is a model. That suits a job resuming itself, not a user who
-wants the trained model in a plain script (evaluation, fine-tuning, another trainer). Here the
-checkpoint is put back together, with the same code ``sync.load`` uses (``CheckpointStore``,
-``resume.join_replicated``), into what a single-process script would hold::
+gradsync writes its checkpoints in its own packed format, one file per rank, and under ``bsp``
+each rank writes only a share of the replicated model and optimizer state (``replicas``): no
+single file is a model, which suits a job resuming itself, not a plain script. Here the
+checkpoint is put back together with the code ``sync.load`` uses (``CheckpointStore``,
+``checkpointer.join_replicated``) into what a single-process script would hold::
 
     {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": N, "extra": {...}}
 
-plus ``"registered"``: rank 0's states registered with ``sync.register_state`` (a scheduler's
-``state_dict()``, say), when the run registered any.
-
-and written with ``torch.save`` (open it with ``torch.load(out, weights_only=True)``) or with
-``torch.distributed.checkpoint.save`` in this process alone, no process group (open it with
-``torch.distributed.checkpoint.load``). ``step`` is the number of steps the checkpoint was taken
-after, ``extra`` the extras saved with it (``gradsync run``: ``data_position``).
-
-Which strategies export (``EXPORTABLE``): ``bsp`` (every rank's share joined), ``zero:1`` and
-``zero:2`` (the model from rank 0, whole on every rank; the optimizer state of each tensor from
-the rank that owned it), and ``local:H``, ``diloco:H``, ``gossip:H``, ``noloco:H`` and
-``hogwild`` (rank 0's model and its own optimizer: their replicas are each rank's own between
-synchronizations, and each rank's file holds its own whole). The others are
-refused before anything is written, naming why: ``zero:3`` (every rank's file holds its shards
-of the parameters), ``ssp:S`` and ``async`` (the parameters and the optimizer state are on the
-server ranks, split between them), and strategies gradsync does not know. See
+(plus ``"registered"``, rank 0's registered states, where the run registered any), written with
+``torch.save`` or with ``torch.distributed.checkpoint.save`` in this process alone. Which
+strategies export, and why the others are refused: ``EXPORTABLE``, ``_REFUSED`` and
 docs/checkpoints.md, "Opening a checkpoint with torch alone".
 """
 

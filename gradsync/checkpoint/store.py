@@ -1,10 +1,6 @@
-"""Atomic, verified checkpoints: one file per rank per step, a manifest written last.
-
-::
-
-    DIR/step-000120/rank-0.pt        torch.save of rank 0's state
-    DIR/step-000120/rank-0.pt.sum    size and crc32 of rank-0.pt, written by rank 0's save
-    DIR/step-000120/MANIFEST.json    written last, by rank 0's commit: marks the step complete
+"""Finding, verifying and loading checkpoints: ``CheckpointStore`` adds them to the writing,
+committing and pruning of ``CheckpointFiles`` (``gradsync.checkpoint.files``, torch-free, which
+draws the directory's layout).
 
 Protocol (the store does no collectives; the caller decides when every rank has written)::
 
@@ -12,15 +8,8 @@ Protocol (the store does no collectives; the caller decides when every rank has 
     barrier()                                      # or: poll until not store.missing(...)
     if rank == 0: store.commit(step, world_size)   # writes the manifest, prunes to ``keep``
 
-Each file holds the state packed (``gradsync.checkpoint.packing``): a snapshot is one copy of the
-tensors, and a background writer (``gradsync.checkpoint.writer_process``) writes and commits
-it off the training thread, so a checkpoint can be taken every step. Writing, committing and
-pruning are ``CheckpointFiles`` (``gradsync.checkpoint.files``, torch-free); this module adds
-finding, verifying and loading checkpoints.
-
-On resume every rank calls ``latest(world_size)`` (same answer on a shared filesystem: it only
-reads) and ``load(info, rank)``, which reads with ``torch.load(weights_only=True)``.
-See docs/checkpoints.md.
+On resume every rank calls ``latest(world_size)`` (the same answer on a shared filesystem: it
+only reads) and ``load(info, rank)``. See docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The background checkpoint writer's process: it writes one rank's files, and on rank 0
 commits each step, while that rank trains.
 
-Why a process rather than a thread of the training process: a thread shares the GIL, and its
-Python work (file operations, the header, the commit and pruning) took the GIL from the
-training thread at every release; on a 2-core machine training 2 ranks, a checkpoint every
-step cost 14-21% of step time that way, of which about 1 ms per step was the snapshot and the
-rest the writer (measured with the writer discarding its snapshots). A process takes no GIL
-from training, and runs at the lowest priority (``SCHED_IDLE`` where Linux allows it, else
-``nice``), in the moments a rank waits for its peers (docs/checkpoints.md, "The writer
-process").
-
-The process never imports torch (``checkpoint.files`` and ``checkpoint.commits`` are
-torch-free): it starts in tens of milliseconds and holds about 12 MB instead of 280. It reads
-the snapshot's bytes from the training process's buffers, shared memory (``memfd``) whose file
-descriptors come over the socket; the training process reuses a buffer only after this process
-says the file holding it is written.
+Why a process rather than a thread of the training process: a thread's Python work (file
+operations, the header, the commit and pruning) takes the GIL from the training thread (14-21%
+of step time with a checkpoint every step on 2 cores); a process takes none, and runs at the
+lowest priority, in the moments a rank waits for its peers (docs/checkpoints.md, "The writer
+process"). It never imports torch (``checkpoint.files`` and ``checkpoint.commits`` are
+torch-free), and reads the snapshot's bytes from the training process's buffers, shared memory
+(``memfd``) whose descriptors come over the socket; the training process reuses a buffer only
+after this process says the file holding it is written.
 
 Messages (pickled tuples, one per ``SOCK_SEQPACKET`` packet; larger ones travel in a memfd):
 the training process sends ``("buffer", id, nbytes)`` and ``("mailbox", slot_bytes)`` with a
@@ -336,14 +330,9 @@ class _Child:
 
 def _lower_priority(nice: int, *, idle: bool) -> None:
     """Run behind training: ``SCHED_IDLE`` (Linux) where asked and allowed, which runs this
-    process only on a core nothing else wants, else ``nice``.
-
-    Why SCHED_IDLE rather than a nice value alone: a niced process still takes a core from a
-    rank it wakes beside, for the rest of the scheduler's slice, and with every core running a
-    rank and a checkpoint every step that came back as step time. Measured on this project's
-    2-core machine (docs/checkpoints.md, "The writer process"): about 1 ms of a 17 ms step.
-    Training never waits on this process except when ``depth`` snapshots are in flight, and
-    a rank waiting then leaves its core idle for this process."""
+    process only on a core nothing else wants, else ``nice``. Why not a nice value alone: a
+    niced process still takes a core from a rank it wakes beside for the rest of a time slice
+    (docs/checkpoints.md, "The writer process")."""
     if nice:
         with contextlib.suppress(OSError):
             os.nice(nice)

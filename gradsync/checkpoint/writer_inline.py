@@ -2,34 +2,15 @@
 caller's thread (``InlineCheckpointWriter``).
 
 ``sync.save(directory, wait=False)`` copies the state (``checkpoint.snapshot``) and hands it to
-this rank's writer. On Linux that is ``gradsync.checkpoint.writer_process``'s child process,
-which writes while training goes on; ``make_writer`` there picks it. The inline writer is what
-runs where a child cannot (no ``memfd``: macOS, Windows) and what unit tests use, which start
-no process: it writes the file in ``submit`` itself, so a save costs the step the write as
-well as the copy. Why no thread any more: a writer thread took the GIL from training for its
-Python work (14-21% of step time with a checkpoint every step on 2 cores, RELIABILITY.md), so
-the process replaced it wherever it runs, and a thread kept only as a fallback was a second
-concurrent writer to keep correct for a case where writing inline is as good.
+this rank's writer: on Linux ``gradsync.checkpoint.writer_process``'s child process, which
+writes while training goes on (``make_writer`` there picks it). The inline writer is what runs
+where a child cannot (no ``memfd``: macOS, Windows) and what unit tests use, which start no
+process: it writes the file in ``submit`` itself, so a save costs the step the write as well as
+the copy. There is no writer thread any more: it took the GIL from training for its Python
+work, so the process replaced it (docs/checkpoints.md, "The writer process").
 
-Rank 0's writer also commits: once every rank's file of a step is on disk
-(``CheckpointStore.missing`` is empty: each rank's ``.sum`` names the same ``save_id``), it
-writes the manifest and prunes to ``keep`` (``commits``). No collective is involved; the files
-are atomic and checksummed, and a step is restorable only once its manifest exists. The inline
+Rank 0's writer also commits (``commits``, which says when a commit is durable); the inline
 writer looks for its peers' files at each ``submit``, ``wait`` and ``flush``.
-
-Durability: a file written in the background is not fsynced, and neither is the manifest of
-its step, except every ``durable_every_s`` (30 s) on rank 0, whose commit then fsyncs every
-rank's file of that step, the manifest and the directories. A checkpoint every step that
-fsynced everything made each step wait for the disk (the files outlive the step by only
-``keep`` steps: unsynced, most never reach the disk at all). The files are as atomic and
-checksummed either way, so a killed process (what gradsync recovers from) loses nothing; a
-crash of the machine may tear the checkpoints written since the newest durable one, whose
-checksums then fail, and ``latest`` falls back to it: ``prune`` keeps the newest durable
-checkpoint besides the newest ``keep``. ``save(wait=True)`` is always durable.
-
-Why not ``torch.distributed.checkpoint.async_save``: it plans every save with collectives over
-the group, writes DCP's own layout without our manifest and checksums, and is meant for
-checkpoints minutes apart (BENCHMARKS.md compares the two side by side).
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""One rank's background checkpoint writer as a process (``gradsync.checkpoint.writer_child``).
+"""One rank's background checkpoint writer as a process (``gradsync.checkpoint.writer_child``,
+whose docstring says why a process).
 
-The same contract as ``InlineCheckpointWriter`` (``checkpoint.writer_inline``: ``submit``,
-``wait``, ``flush``, ``close``, errors raised on the training thread), with the writing and,
-on rank 0, the committing done by a child process while training goes on: see
-``writer_child``'s docstring for why a process. The snapshot buffers come from this writer's
-``pool`` and live in shared memory (``memfd``, Linux), so handing a snapshot over costs a
-message, not a copy; a buffer goes back to the pool once the child says its file is written.
-Small buffers (the step records) travel in the message itself.
+The same contract as ``InlineCheckpointWriter`` (``submit``, ``wait``, ``flush``, ``close``,
+errors raised on the training thread). The snapshot buffers come from this writer's ``pool``
+and live in shared memory (``memfd``, Linux), so handing a snapshot over costs a message, not a
+copy; a buffer goes back to the pool once the child says its file is written. ``make_writer``
+picks this writer on Linux unless ``GRADSYNC_CHECKPOINT_WRITER=inline``, for a GPU's model too.
 
-``make_writer`` picks this writer where it works (Linux) unless
-``GRADSYNC_CHECKPOINT_WRITER=inline`` asks for writing on the training thread. A model on a
-GPU gets it too, so a rank killed right after a save still has that save written, as on the
-CPU: ``pack`` copies its tensors straight into the pool's shared buffers, pinned, with
-non-blocking copies and one wait for them all.
-
-A child that dies is noticed at once (its socket closes) and is an error of the rank's next
-call, naming its pid and how it ended; before raising, the writer starts another child that
-writes the snapshots the dead one had not written (``_take_over``): the held ones live only in
-this process's memory, and without it a restart lost up to ``FILES_EVERY`` steps. Every wait
-on the child is bounded by ``timeout_s`` and names it, and a stopped child is continued as the
-writer lets it go (``_stop_child``), so that it writes what it holds and ends.
+A child that dies is an error of the rank's next call, naming its pid and how it ended; first
+another child writes the snapshots the dead one had not written (``_take_over``). Every wait on
+the child is bounded by ``timeout_s``, and a stopped child is continued as the writer lets it
+go (``_stop_child``), so that it writes what it holds and ends (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -62,13 +53,8 @@ _SHARED_MIN_BYTES = 4 * 1024
 #: the child's niceness: it writes in the moments the ranks leave a core idle
 NICE = 10
 #: with a checkpoint every step, one snapshot in this many is written as a file; the others
-#: wait in the mailbox, and the newest is written when the rank dies or flushes. Why 64 and
-#: not 16: on a 2-core machine training 2 ranks of charlm, the file writes (both ranks'
-#: children, rank 0's commit) slowed the steps by 0.3-0.5 ms each on average at 16 and about
-#: 0.1 ms at 64 (the snapshot alone: 0.7 ms). A kill still loses nothing held (the child
-#: writes it); what the cadence bounds is a loss of rank and child together (a group SIGKILL)
-#: and a machine crash, where the unsynced files since the last durable commit (30 s) may
-#: be lost anyway (docs/checkpoints.md, "Durability").
+#: wait in the mailbox, and the newest is written when the rank dies or flushes (why 64:
+#: docs/checkpoints.md, "Held snapshots")
 FILES_EVERY = 64
 _START_TIMEOUT_S = 30.0
 
