@@ -32,6 +32,7 @@ What this module does about it, without reading interpreter internals:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import sys
 import threading
@@ -148,6 +149,14 @@ def _stop_threads() -> None:
 
 
 def _at_exit() -> None:
+    # A second Ctrl-C while the process already exits (the terminal's and the launcher's both
+    # come) asks for what is under way: a traceback of it ("Exception ignored in atexit
+    # callback") was all it added to the run's one-line stop.
+    with contextlib.suppress(KeyboardInterrupt):
+        _exit_cleanly()
+
+
+def _exit_cleanly() -> None:
     _stop_threads()
     # An uncaught exception ends the script (Python set sys.last_value as it printed it): its
     # collectives may never complete, and holding a failed rank's exit only delays the restart.

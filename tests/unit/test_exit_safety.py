@@ -130,3 +130,25 @@ def test_the_exit_stops_threads_first_and_holds_no_object_alive(
     del dropped  # a Synchronizer gone before the exit: nothing to stop, nothing kept alive
     exit_safety._at_exit()
     assert stopped == ["kept"]
+
+
+def test_a_second_ctrl_c_during_the_exit_prints_no_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C of ``gradsync run``: a rank already exiting got another SIGINT inside the exit's
+    clean-up, and Python printed "Exception ignored in atexit callback" with a traceback
+    beside the run's one-line stop (tests/e2e/test_stopped_worker.py, under load)."""
+    monkeypatch.setattr(exit_safety, "_destroy_the_group", lambda: None)
+
+    class Interrupted:
+        def stop(self) -> None:
+            raise KeyboardInterrupt
+
+    watch = Interrupted()
+    exit_safety.stop_at_exit(watch.stop)
+    try:
+        exit_safety._at_exit()
+    except KeyboardInterrupt:  # what atexit printed with its traceback
+        pytest.fail("a Ctrl-C during the exit's clean-up came out of it")
+    finally:
+        exit_safety._stoppers.clear()
