@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from gradsync.procfs import state_and_start
+
 _PROC = Path("/proc")
 #: ``/proc/PID/stat`` states of a process that is over: zombie, dead
 GONE = frozenset("ZXx")
@@ -40,28 +42,17 @@ def machine() -> str:
         return ""
 
 
-def _stat(pid: int) -> tuple[str, str] | None:
-    """The state and the start time (clock ticks after boot) of ``pid``, or None when gone."""
-    try:
-        text = (_PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    # The command name (in parentheses) may hold spaces: the fields follow its last ')'.
-    fields = text[text.rfind(")") + 2 :].split()
-    return (fields[0], fields[19]) if len(fields) > 19 else None
-
-
 def state(pid: int, start: str) -> str | None:
     """The ``/proc/PID/stat`` state of process ``pid`` if it is still the one that started at
     ``start`` (clock ticks after boot, as :func:`start_of` says), else None (gone, or its pid
     reused)."""
-    stat = _stat(pid)
+    stat = state_and_start(pid)
     return stat[0] if stat is not None and stat[1] == start else None
 
 
 def start_of(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks after boot), or None when it is gone."""
-    stat = _stat(pid)
+    stat = state_and_start(pid)
     return stat[1] if stat is not None else None
 
 

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 
+from gradsync import procfs
 from gradsync.cluster.netns import Cluster, Host, install_exit_handlers, restore_handlers
 from gradsync.cluster.system import kill_pids, list_namespaces, tool
 from gradsync.errors import UsageError
@@ -81,15 +82,8 @@ def _descendants(roots: list[int]) -> list[int]:
     """All live descendants of ``roots``. torch starts workers in their own sessions, so killing
     an agent's process group misses them; find them by parent links before anything dies."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
+    for pid, ppid in procfs.parents().items():
+        children.setdefault(ppid, []).append(pid)
     found: list[int] = []
     stack = list(roots)
     while stack:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
+from gradsync import procfs
+
 CMD_TIMEOUT_S = 20.0
 _SBIN = "/usr/sbin:/sbin:/usr/bin:/bin"
 
@@ -73,11 +75,7 @@ def pids_in(ns: str) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return procfs.state(pid) not in (None, "Z")
 
 
 def kill_pids(pids: list[int], grace_s: float = 3.0) -> None:

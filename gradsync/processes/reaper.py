@@ -25,6 +25,8 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
+from gradsync import procfs
+
 _PROC = Path("/proc")
 # The signals the agent forwards to its workers when it stops them (SIGTERM) or when it is itself
 # stopped by one (torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE default).
@@ -42,7 +44,7 @@ def children(pid: int) -> list[int]:
             with contextlib.suppress(OSError):
                 found.extend(int(c) for c in task.read_text().split())
         return found
-    return [child for child, parent in _parents() if parent == pid]
+    return [child for child, parent in procfs.parents().items() if parent == pid]
 
 
 def workers(pid: int) -> list[tuple[int, int]]:
@@ -63,18 +65,6 @@ def _is_forkserver(pid: int) -> bool:
     except OSError:
         return False
     return b"from multiprocessing.forkserver import main" in command
-
-
-def _parents() -> list[tuple[int, int]]:
-    """(pid, parent pid) of every process."""
-    pairs = []
-    for entry in os.listdir(_PROC):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (_PROC / entry / "stat").read_bytes()
-                # The command name may hold spaces and parentheses: fields follow the last ')'.
-                pairs.append((int(entry), int(stat.rsplit(b")", 1)[1].split()[1])))
-    return pairs
 
 
 def stopped_with_exit_pending(pid: int, parent: int) -> bool:
