@@ -224,8 +224,8 @@ def _summary(cfg: Any, run_dir: Path, before: int | None = None) -> str:
     names the ranks this attempt ran (``_attempts_header``; ``before``: the saved run's
     --nproc under --resume), followed by a warning line for each --kill that never fired.
     progress.json is rewritten with the run's last step (``_end_progress``)."""
-    from gradsync.telemetry.cli import summarize_run
-    from gradsync.telemetry.records import METRICS_FILE, read_records
+    from gradsync.telemetry.cli import analyze_run
+    from gradsync.telemetry.records import METRICS_FILE
 
     if cfg.script and not (run_dir / METRICS_FILE).exists():
         raise UsageError(
@@ -233,19 +233,17 @@ def _summary(cfg: Any, run_dir: Path, before: int | None = None) -> str:
             "no gs.Synchronizer, or its Synchronizer took no step (telemetry=False, or "
             "run_dir= naming another directory)"
         )
-    text = summarize_run(
+    analysis = analyze_run(
         run_dir,
         window=cfg.straggler_window,
         threshold=cfg.straggler_threshold,
         plots=cfg.plots,
         warmup=cfg.straggler_warmup,
     )
+    text = analysis.format()
     if cfg.resume:
         text = _attempts_header(text, cfg.nproc, before)
-    try:
-        records = read_records(run_dir)  # as summarize_run has read them
-    except (OSError, ValueError, TypeError):
-        records = []  # nothing to say of the kills or the progress then
+    records = analysis.records  # read once (a long run's metrics.jsonl takes seconds)
     _end_progress(cfg, run_dir, records)
     notes = _unfired_kills(cfg, run_dir, records) + _restarted_counts(cfg, run_dir)
     return _with_notes(text, notes)

@@ -63,6 +63,8 @@ class RunAnalysis:
     bytes: dict[str, float]
     outputs: list[Path] = field(default_factory=list)
     scores: list[RankScores] = field(default_factory=list)
+    #: the step records analysed (``read_records``'), for a caller that says more of them
+    records: list[StepRecord] = field(default_factory=list)
 
     def format(self) -> str:
         ranks = len(self.report.ranks)
@@ -200,6 +202,7 @@ def analyze_records(run_dir: Path, records: list[StepRecord], cfg: StragglerConf
         run_dir, cfg, RunReport.from_records(records), findings, _bytes(records, run_dir)
     )
     analysis.scores = rank_scores(records, cfg.window, warmup=cfg.warmup)
+    analysis.records = records
     return analysis
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,11 @@ def launches(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Launch
     stub = Launches()
     # cmd_run imports launch at call time, so patching the module attribute is what it sees.
     monkeypatch.setattr(gradsync.processes.launch, "launch", stub.launch)
-    monkeypatch.setattr(gradsync.telemetry.cli, "summarize_run", lambda *a, **k: "")
+    monkeypatch.setattr(
+        gradsync.telemetry.cli,
+        "analyze_run",
+        lambda *a, **k: types.SimpleNamespace(format=lambda: "", records=[]),
+    )
     monkeypatch.chdir(tmp_path)  # any default runs/<timestamp> lands in the test's directory
     yield stub
 

@@ -16,6 +16,7 @@ import argparse
 import ast
 import dataclasses
 import math
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -182,7 +183,11 @@ def no_launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[
         return {0: {}}
 
     monkeypatch.setattr(gradsync.processes.launch, "launch", launch)
-    monkeypatch.setattr(gradsync.telemetry.cli, "summarize_run", lambda *a, **k: "")
+    monkeypatch.setattr(
+        gradsync.telemetry.cli,
+        "analyze_run",
+        lambda *a, **k: types.SimpleNamespace(format=lambda: "", records=[]),
+    )
     monkeypatch.chdir(tmp_path)
     yield calls
 

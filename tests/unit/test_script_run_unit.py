@@ -4,6 +4,7 @@ gs.Synchronizer takes the command line's choices (``attached_run.AttachedRun.cho
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,11 @@ def fake_launch(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
         return {0: {}}
 
     monkeypatch.setattr(gradsync.processes.launch, "launch", launch)
-    monkeypatch.setattr(gradsync.telemetry.cli, "summarize_run", lambda *a, **k: "")
+    monkeypatch.setattr(
+        gradsync.telemetry.cli,
+        "analyze_run",
+        lambda *a, **k: types.SimpleNamespace(format=lambda: "", records=[]),
+    )
     return calls
 
 
