@@ -145,17 +145,218 @@ class Checkpointer:
         if self.hooks.flush is not None:
             self.hooks.flush()
 
-    def save(self, directory: str | Path, *, keep: int, extra: dict[str, Any], wait: bool) -> float:
-        return save(self, directory, keep=keep, extra=extra, wait=wait)
+    def save(
+        self,
+        directory: str | Path,
+        *,
+        keep: int = 2,
+        extra: dict[str, Any] | None = None,
+        wait: bool = True,
+    ) -> float:
+        """Every rank snapshots its state and hands it to its background writer; rank 0's writer
+        commits the manifest once every rank's file is written. With ``wait`` this returns once
+        the checkpoint is complete; without, right after the snapshot. Returns the seconds this
+        rank spent here."""
+        if self.is_server:
+            raise UsageError(
+                "this rank is a parameter server: it checkpoints inside sync.serve() when the "
+                "workers call sync.save(); call save() on worker ranks only"
+            )
+        started = time.perf_counter()
+        step = self.step()
+        where = 0
+        if _has_servers(self) and self.rank == 0:
+            where = _publish_directory(self, directory, keep)
+        # Parameter servers snapshot once every worker's request (sent behind its step-th push)
+        # has arrived; the request goes out after the directory is published.
+        if self.hooks.before_save is not None:
+            self.hooks.before_save(step)
+        state: dict[str, Any] = {}
+        if self.strategy.resizable:
+            # Every replica holds the same model and optimizer state (what makes the strategy
+            # resizable): each rank writes a share of it, so the bytes written do not grow with
+            # the ranks and no rank's step pays for all of them (``replicas``). First in the
+            # state, so that its encoding, alike from one step to the next, is reused.
+            shared, groups = _replicated_share(self)
+            state["replicated"] = shared
+            state["replicated_owners"] = _owners_encoded(shared.owner)
+            if groups is not None:
+                state[PARAM_GROUPS] = groups
+        else:
+            # The model as a share this rank writes whole: packed as it is, its encoding, alike
+            # from one step to the next, reused (``replicas.whole``). Not the optimizer's state
+            # dict: a learning-rate schedule changes it at every step.
+            model_state = self.strategy.model_state_dict(self.model)
+            state["model"] = replicas.whole(model_state, self.rank)
+            state["optimizer"] = own_optimizer_state(self.optimizer)
+        state |= {
+            "sync": self.sync_state(),
+            "rng": rng_state(),
+            "strategy": self.strategy.name,
+            "compression": self.compression,  # load() refuses another compressor's state
+            "layout": _layout(self),
+            "extra": extra or {},
+        }
+        if self.strategy_spec is not None:
+            state[STRATEGY_SPEC] = self.strategy_spec
+        if len(self.registry):
+            state[REGISTERED] = self.registry.states()
+        writer = self.writer_for(directory, keep)
+        if self.strategy.barrier_free:
+            # Nothing is gathered before the end: the rows go to the log, the range here.
+            state[TELEMETRY_LOG] = _log_telemetry(self, writer.store.directory)
+        else:
+            state["telemetry"] = self.collector.pending_flat_rows()
+        packed = snapshot(state, pool=writer.pool)
+        writer.submit(step, packed, durable=wait)
+        # After the submit: a rank that dies from here on leaves this snapshot to its writer
+        # (parameter servers are asked to snapshot here: ``CheckpointHooks.handed_over``).
+        if self.hooks.handed_over is not None:
+            self.hooks.handed_over(step, wait, where)
+        if wait:
+            writer.wait(step)
+        return time.perf_counter() - started
 
-    def save_server(self, state: dict[str, Any], durable: bool = False, where: int = 0) -> None:
-        save_server(self, state, durable, where)
+    def save_server(
+        self, server_state: dict[str, Any], durable: bool = False, where: int = 0
+    ) -> None:
+        """A parameter server's part of a checkpoint, called from ``serve()`` once every worker's
+        request has arrived: its own file, written in the background like the workers' (held in
+        memory as theirs are, unless ``durable``: a worker's save waits for the files). ``where``:
+        rank 0's number for the directory (``_publish_directory``; 0: unknown)."""
+        pushed = server_state["pushed"]
+        step = min(pushed)
+        if any(c != step for c in pushed):
+            raise CheckpointError(
+                f"parameter server rank {self.rank}: the workers asked for a checkpoint with "
+                f"{pushed} pushes applied of workers 0..{len(pushed) - 1}: every worker must save "
+                "after the same step"
+            )
+        directory, keep = _published_directory(self, where)
+        self.load_sync_state({"step": step, "strategy": {}})
+        shares, optimizer_state = _server_shares(server_state, self.rank)
+        server = _server_tree(server_state, shares, optimizer_state)
+        state = {
+            "server": server,
+            "sync": self.sync_state(),
+            "strategy": self.strategy.name,
+            "compression": self.compression,  # load() refuses another compressor's state
+            "layout": _layout(self),
+            "telemetry": self.collector.pending_flat_rows(),
+            "extra": {},
+        }
+        if len(self.registry):
+            state[REGISTERED] = self.registry.states()
+        writer = self.writer_for(directory, keep)
+        packed = snapshot(state, pool=writer.pool)
+        writer.submit(step, packed, durable=durable)
 
     def flush_server(self) -> None:
-        flush_server(self)
+        """A worker waits for its checkpoints: a parameter server writes the newest snapshot it
+        holds, without waiting for the file (rank 0's commit waits for it)."""
+        if self.writer is not None:
+            self.writer.write_newest()
 
     def load(self, directory: str | Path) -> dict[str, Any] | None:
-        return load(self, directory)
+        """Collective (parameter servers included): restore the newest valid checkpoint; return
+        its extras plus ``step`` (None if there is none). A server keeps its state for
+        ``serve()``."""
+        # A save still being written would be missed or half-seen: written first. And a new
+        # writer after a load: the old one's counts of steps written would take the steps saved
+        # again after a rollback for ones already written.
+        self.close_writer()
+        # Step-record logs too: rows past the checkpoint may be in them (the load reopens its own).
+        self.row_logs.close()
+        store = CheckpointStore(directory)
+        choice: list[Any] = [None]
+        mine: dict[str, Any] | None = None
+        if self.rank == 0 and Path(directory).exists():
+            # At most half the group's timeout: the other ranks wait in the broadcast below.
+            ended = _wait_for_writers(directory, self.save_id, min(self.timeout_s / 2, 60.0))
+            info = store.latest(allow_world_change=True)
+            if info is not None and ended:
+                # Directories above it that earlier attempts' writers left and no commit can
+                # complete: skipped with a warning just now, and removed, not warned about again
+                # at every later resume (``remove_abandoned`` keeps any that could be committed).
+                store.remove_abandoned(
+                    above=info.step, world_size=info.world_size, own_save_id=self.save_id
+                )
+            if info is not None:
+                # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
+                # servers), so all of them refuse alike; a file it cannot read fails every rank.
+                saved: tuple[Any, Any, Any, Any, str | None]
+                try:
+                    mine = store.load(info, 0)
+                    saved = (
+                        mine.get("strategy"),
+                        mine.get("layout"),
+                        mine.get("compression"),
+                        mine.get(STRATEGY_SPEC),
+                        None,
+                    )
+                except CheckpointError as exc:
+                    saved = (None, None, None, None, str(exc))
+                choice = [(info.step, info.world_size, *saved)]
+        # Rank 0 decides, so every rank resumes from the same step even if a file is being judged
+        # differently elsewhere (a warning it already printed says why it skipped a newer one).
+        dist.broadcast_object_list(choice, src=_global_zero(self), group=self.group)
+        if choice[0] is None:
+            return None
+        step, saved_world, saved_strategy, saved_layout, saved_compression, spec, error = choice[0]
+        if error is not None:
+            raise CheckpointError(error)
+        _check_compatible(self, step, saved_world, saved_strategy, saved_layout)
+        # the settings too (local:2 against local:4), as gradsync run --resume refuses them
+        check_strategy_spec(step, spec, self.strategy_spec)
+        _check_compression(step, saved_compression, self.compression)
+        changed = saved_world != self.world_size
+        if mine is None:
+            info = store.at(step)
+            state = store.load(info, self.rank, source_rank=0 if changed else None)
+        else:
+            assert info is not None  # rank 0 read ``mine`` from it
+            state = mine
+        join_replicated(store, info, state, 0 if changed or mine is not None else self.rank)
+        if changed and not self.strategy.resizable:  # reshardable (``_check_compatible``)
+            every = [state if r == 0 else store.load(info, r) for r in range(saved_world)]
+            state.update(self.strategy.reshard(every))
+        # The records of the steps before the checkpoint, not gathered: put back last, once
+        # nothing else can fail, so that a load that raised leaves none on any rank.
+        rows = _own_telemetry(store, info, state, self.rank, changed)
+        role = self.strategy.server_role()
+        registered = state.get(REGISTERED)
+        if role is not None:
+            role.restore(state["server"])
+            self.load_sync_state(state["sync"])
+            self.registry.load(registered, step=step, world_changed=changed, warn=self.rank == 0)
+            _restore_rows(self, rows, store.directory)
+            return {**(state.get("extra") or {}), "step": self.step()}
+        _load_model(self, state, info)
+        self.optimizer.load_state_dict(state["optimizer"])
+        lost = bool(state["sync"].get("strategy", {}).get("compressor"))
+        if changed and lost and self.rank == 0:
+            warnings.warn(
+                f"resuming BSP from {saved_world} ranks on {self.world_size}: the model and "
+                "optimizer state come from the checkpoint; per-rank compressor state (error "
+                "feedback) restarts from zero",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        if changed:
+            # The strategy keeps the state it was built with (fresh compressor state): an empty
+            # dict instead would make error feedback look for saved residuals (KeyError 'inner').
+            self.load_sync_state(
+                {"step": state["sync"]["step"], "strategy": self.strategy.state_dict()}
+            )
+        else:
+            self.load_sync_state(state["sync"])
+            set_rng_state(state["rng"])
+        # After the model and optimizer: a registered scheduler's state refers to its optimizer.
+        self.registry.load(registered, step=step, world_changed=changed, warn=self.rank == 0)
+        _restore_rows(self, rows, store.directory)
+        extra: dict[str, Any] = dict(state.get("extra") or {})
+        extra["step"] = self.step()
+        return extra
 
     def writer_for(self, directory: str | Path, keep: int) -> Writer:
         """This rank's background writer for ``directory`` (one directory at a time)."""
@@ -240,79 +441,6 @@ def _describe(world: int, layout: dict[str, int] | None) -> str:
         return f"{world} ranks"
     w, k = layout["workers"], layout["servers"]
     return f"{world} ranks ({w} worker{'s' * (w != 1)} + {k} server{'s' * (k != 1)})"
-
-
-def save(
-    cp: Checkpointer,
-    directory: str | Path,
-    *,
-    keep: int = 2,
-    extra: dict[str, Any] | None = None,
-    wait: bool = True,
-) -> float:
-    """Every rank snapshots its state and hands it to its background writer; rank 0's writer
-    commits the manifest once every rank's file is written. With ``wait`` this returns once
-    the checkpoint is complete; without, right after the snapshot. Returns the seconds this
-    rank spent here."""
-    if cp.is_server:
-        raise UsageError(
-            "this rank is a parameter server: it checkpoints inside sync.serve() when the "
-            "workers call sync.save(); call save() on worker ranks only"
-        )
-    started = time.perf_counter()
-    step = cp.step()
-    where = 0
-    if _has_servers(cp) and cp.rank == 0:
-        where = _publish_directory(cp, directory, keep)
-    # Parameter servers snapshot once every worker's request (sent behind its step-th push)
-    # has arrived; the request goes out after the directory is published.
-    if cp.hooks.before_save is not None:
-        cp.hooks.before_save(step)
-    state: dict[str, Any] = {}
-    if cp.strategy.resizable:
-        # Every replica holds the same model and optimizer state (what makes the strategy
-        # resizable): each rank writes a share of it, so the bytes written do not grow with
-        # the ranks and no rank's step pays for all of them (``replicas``). First in the
-        # state, so that its encoding, alike from one step to the next, is reused.
-        shared, groups = _replicated_share(cp)
-        state["replicated"] = shared
-        state["replicated_owners"] = _owners_encoded(shared.owner)
-        if groups is not None:
-            state[PARAM_GROUPS] = groups
-    else:
-        # The model as a share this rank writes whole: packed as it is, its encoding, alike
-        # from one step to the next, reused (``replicas.whole``). Not the optimizer's state
-        # dict: a learning-rate schedule changes it at every step.
-        model_state = cp.strategy.model_state_dict(cp.model)
-        state["model"] = replicas.whole(model_state, cp.rank)
-        state["optimizer"] = own_optimizer_state(cp.optimizer)
-    state |= {
-        "sync": cp.sync_state(),
-        "rng": rng_state(),
-        "strategy": cp.strategy.name,
-        "compression": cp.compression,  # load() refuses another compressor's state
-        "layout": _layout(cp),
-        "extra": extra or {},
-    }
-    if cp.strategy_spec is not None:
-        state[STRATEGY_SPEC] = cp.strategy_spec
-    if len(cp.registry):
-        state[REGISTERED] = cp.registry.states()
-    writer = cp.writer_for(directory, keep)
-    if cp.strategy.barrier_free:
-        # Nothing is gathered before the end: the rows go to the log, the range here.
-        state[TELEMETRY_LOG] = _log_telemetry(cp, writer.store.directory)
-    else:
-        state["telemetry"] = cp.collector.pending_flat_rows()
-    packed = snapshot(state, pool=writer.pool)
-    writer.submit(step, packed, durable=wait)
-    # After the submit: a rank that dies from here on leaves this snapshot to its writer
-    # (parameter servers are asked to snapshot here: ``CheckpointHooks.handed_over``).
-    if cp.hooks.handed_over is not None:
-        cp.hooks.handed_over(step, wait, where)
-    if wait:
-        writer.wait(step)
-    return time.perf_counter() - started
 
 
 _OWNERS_KEPT: list[tuple[tuple[int, ...], Any]] = []  # the newest owners, encoded
@@ -404,48 +532,6 @@ def _without_param_groups(
     return rest, optimizer_state["param_groups"]
 
 
-def save_server(
-    cp: Checkpointer, server_state: dict[str, Any], durable: bool = False, where: int = 0
-) -> None:
-    """A parameter server's part of a checkpoint, called from ``serve()`` once every worker's
-    request has arrived: its own file, written in the background like the workers' (held in
-    memory as theirs are, unless ``durable``: a worker's save waits for the files). ``where``:
-    rank 0's number for the directory (``_publish_directory``; 0: unknown)."""
-    pushed = server_state["pushed"]
-    step = min(pushed)
-    if any(c != step for c in pushed):
-        raise CheckpointError(
-            f"parameter server rank {cp.rank}: the workers asked for a checkpoint with "
-            f"{pushed} pushes applied of workers 0..{len(pushed) - 1}: every worker must save "
-            "after the same step"
-        )
-    directory, keep = _published_directory(cp, where)
-    cp.load_sync_state({"step": step, "strategy": {}})
-    shares, optimizer_state = _server_shares(server_state, cp.rank)
-    server = _server_tree(server_state, shares, optimizer_state)
-    state = {
-        "server": server,
-        "sync": cp.sync_state(),
-        "strategy": cp.strategy.name,
-        "compression": cp.compression,  # load() refuses another compressor's state
-        "layout": _layout(cp),
-        "telemetry": cp.collector.pending_flat_rows(),
-        "extra": {},
-    }
-    if len(cp.registry):
-        state[REGISTERED] = cp.registry.states()
-    writer = cp.writer_for(directory, keep)
-    packed = snapshot(state, pool=writer.pool)
-    writer.submit(step, packed, durable=durable)
-
-
-def flush_server(cp: Checkpointer) -> None:
-    """A worker waits for its checkpoints: a parameter server writes the newest snapshot it
-    holds, without waiting for the file (rank 0's commit waits for it)."""
-    if cp.writer is not None:
-        cp.writer.write_newest()
-
-
 def _server_shares(
     server_state: dict[str, Any], rank: int
 ) -> tuple[tuple[Share, Share | None], dict[str, Any]]:
@@ -523,105 +609,6 @@ def _published_directory(cp: Checkpointer, where: int) -> tuple[str, int]:
     return found
 
 
-def load(cp: Checkpointer, directory: str | Path) -> dict[str, Any] | None:
-    """Collective (parameter servers included): restore the newest valid checkpoint; return
-    its extras plus ``step`` (None if there is none). A server keeps its state for ``serve()``."""
-    # A save still being written would be missed or half-seen: written first. And a new
-    # writer after a load: the old one's counts of steps written would take the steps saved
-    # again after a rollback for ones already written.
-    cp.close_writer()
-    # Step-record logs too: rows past the checkpoint may be in them (the load reopens its own).
-    cp.row_logs.close()
-    store = CheckpointStore(directory)
-    choice: list[Any] = [None]
-    mine: dict[str, Any] | None = None
-    if cp.rank == 0 and Path(directory).exists():
-        # At most half the group's timeout: the other ranks wait in the broadcast below.
-        ended = _wait_for_writers(directory, cp.save_id, min(cp.timeout_s / 2, 60.0))
-        info = store.latest(allow_world_change=True)
-        if info is not None and ended:
-            # Directories above it that earlier attempts' writers left and no commit can
-            # complete: skipped with a warning just now, and removed, not warned about again
-            # at every later resume (``remove_abandoned`` keeps any that could be committed).
-            store.remove_abandoned(
-                above=info.step, world_size=info.world_size, own_save_id=cp.save_id
-            )
-        if info is not None:
-            # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
-            # servers), so all of them refuse alike; a file it cannot read fails every rank.
-            saved: tuple[Any, Any, Any, Any, str | None]
-            try:
-                mine = store.load(info, 0)
-                saved = (
-                    mine.get("strategy"),
-                    mine.get("layout"),
-                    mine.get("compression"),
-                    mine.get(STRATEGY_SPEC),
-                    None,
-                )
-            except CheckpointError as exc:
-                saved = (None, None, None, None, str(exc))
-            choice = [(info.step, info.world_size, *saved)]
-    # Rank 0 decides, so every rank resumes from the same step even if a file is being judged
-    # differently elsewhere (a warning it already printed says why it skipped a newer one).
-    dist.broadcast_object_list(choice, src=_global_zero(cp), group=cp.group)
-    if choice[0] is None:
-        return None
-    step, saved_world, saved_strategy, saved_layout, saved_compression, spec, error = choice[0]
-    if error is not None:
-        raise CheckpointError(error)
-    _check_compatible(cp, step, saved_world, saved_strategy, saved_layout)
-    # the settings too (local:2 against local:4), as gradsync run --resume refuses them
-    check_strategy_spec(step, spec, cp.strategy_spec)
-    _check_compression(step, saved_compression, cp.compression)
-    changed = saved_world != cp.world_size
-    if mine is None:
-        info = store.at(step)
-        state = store.load(info, cp.rank, source_rank=0 if changed else None)
-    else:
-        assert info is not None  # rank 0 read ``mine`` from it
-        state = mine
-    _join_replicated(store, info, state, 0 if changed or mine is not None else cp.rank)
-    if changed and not cp.strategy.resizable:  # reshardable (``_check_compatible``)
-        every = [state if r == 0 else store.load(info, r) for r in range(saved_world)]
-        state.update(cp.strategy.reshard(every))
-    # The records of the steps before the checkpoint, not gathered: put back last, once
-    # nothing else can fail, so that a load that raised leaves none on any rank.
-    rows = _own_telemetry(store, info, state, cp.rank, changed)
-    role = cp.strategy.server_role()
-    registered = state.get(REGISTERED)
-    if role is not None:
-        role.restore(state["server"])
-        cp.load_sync_state(state["sync"])
-        cp.registry.load(registered, step=step, world_changed=changed, warn=cp.rank == 0)
-        _restore_rows(cp, rows, store.directory)
-        return {**(state.get("extra") or {}), "step": cp.step()}
-    _load_model(cp, state, info)
-    cp.optimizer.load_state_dict(state["optimizer"])
-    lost = bool(state["sync"].get("strategy", {}).get("compressor"))
-    if changed and lost and cp.rank == 0:
-        warnings.warn(
-            f"resuming BSP from {saved_world} ranks on {cp.world_size}: the model and "
-            "optimizer state come from the checkpoint; per-rank compressor state (error "
-            "feedback) restarts from zero",
-            CheckpointWarning,
-            stacklevel=2,
-        )
-    if changed:
-        # The strategy keeps the state it was built with (fresh compressor state): an empty
-        # dict instead would make error feedback look for saved residuals (KeyError 'inner').
-        cp.load_sync_state({"step": state["sync"]["step"], "strategy": cp.strategy.state_dict()})
-    else:
-        cp.load_sync_state(state["sync"])
-        set_rng_state(state["rng"])
-    # After the model and optimizer: a registered scheduler's state refers to its optimizer.
-    cp.registry.load(registered, step=step, world_changed=changed, warn=cp.rank == 0)
-    _restore_rows(cp, rows, store.directory)
-    extra: dict[str, Any] = dict(state.get("extra") or {})
-    extra["step"] = cp.step()
-    return extra
-
-
 @dataclass(frozen=True, slots=True)
 class _OwnRows:
     """This rank's step records not gathered before the checkpoint: the rows (None: none),
@@ -690,18 +677,13 @@ def _own_telemetry(
     return _OwnRows(rows, (first, end))
 
 
-def join_replicated(store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any]) -> None:
-    """Put rank 0's file of a resizable strategy's checkpoint (``state``, as ``store.load(info,
-    0)`` read it) back together with the model and optimizer state of every rank's share, as
-    ``load`` does: for readers of a checkpoint outside a job (``checkpoint.export``)."""
-    _join_replicated(store, info, state, 0)
-
-
-def _join_replicated(
-    store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any], source: int
+def join_replicated(
+    store: CheckpointStore, info: CheckpointInfo, state: dict[str, Any], source: int = 0
 ) -> None:
     """Put the model and optimizer state of a resizable strategy's checkpoint (``source``'s
-    file is ``state``) back together from every rank's share, into ``state``."""
+    file is ``state``, as ``store.load(info, source)`` read it) back together from every
+    rank's share, into ``state``: for ``load``, and for readers of a checkpoint outside a job
+    (``checkpoint.export``)."""
     if "replicated" in state:
         owner = state["replicated_owners"]
         shares = [
