@@ -15,7 +15,6 @@ writer looks for its peers' files at each ``submit``, ``wait`` and ``flush``.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +32,9 @@ DURABLE_EVERY_S = 30.0
 
 
 class WriterBase:
-    """What both background writers share (this module's thread, ``writer_process``'s child
-    process): the arguments, the waiting for a step or for everything handed over, and the
-    errors of the writer raised on the training thread. A subclass sets ``_written`` and
-    ``_committed`` under ``_cond`` and says when nothing is left in flight (``_settled``).
+    """What both writers share (this module's inline one, ``writer_process``'s child process):
+    the arguments, and when a step's checkpoint is complete. A subclass sets ``_written`` and
+    ``_committed``.
 
     ``save_id`` must be the same string on every rank of this run (and differ from any earlier
     run's or attempt's): it keeps rank 0 from committing a step with a peer's file left by an
@@ -63,72 +61,17 @@ class WriterBase:
         self.rank, self.world_size, self.save_id = rank, world_size, save_id
         self.timeout_s, self.depth = timeout_s, depth
         self.durable_every_s = durable_every_s
-        self._cond = threading.Condition()
         self._written = -1  # newest step this rank's file is on disk for
         self._committed = -1  # rank 0: newest step whose manifest it wrote
-        self._error: BaseException | None = None
         self._closing = False
 
     @property
     def commits(self) -> bool:
         return self.rank == 0
 
-    def _settled(self) -> bool:
-        """Whether every snapshot handed over is written and (rank 0) committed or given up
-        (called under ``_cond``)."""
-        raise NotImplementedError
-
-    def _writer_name(self) -> str:
-        """Who writes, for an error (a subclass names its process)."""
-        return "the checkpoint writer thread"
-
-    def _writer_state(self) -> str:
-        """What the writer is doing, for an error saying it did not answer in time."""
-        return "it is still busy (a stalled disk?)"
-
-    def _pending_steps(self) -> list[int]:
-        """The steps handed to the writer and not written yet (under ``_cond``)."""
-        raise NotImplementedError
-
-    def _room(self, pending: Callable[[], list[int]]) -> bool:
-        """Under ``_cond``: until fewer than ``depth`` snapshots are ``pending``, for
-        ``timeout_s`` at most (False then): a stopped writer or a stalled disk must fail the
-        rank, not hang it."""
-        deadline = time.monotonic() + self.timeout_s
-        while len(pending()) >= self.depth:
-            self._raise_error()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self._cond.wait(left)
-        return True
-
-    def _no_room(self, step: int) -> str:
-        return (
-            f"rank {self.rank}: no room for the checkpoint snapshot of step {step}: "
-            f"{self._writer_name()} wrote none of the {self.depth} before it (steps "
-            f"{', '.join(map(str, self._pending_steps()))}) in {self.timeout_s:g} s; "
-            f"{self._writer_state()}"
-        )
-
-    def wait(self, step: int, timeout_s: float | None = None) -> None:
-        """Until ``step``'s checkpoint is complete: committed (rank 0) or its manifest seen
-        (other ranks, once their own file is written). ``CheckpointError`` after the timeout."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        with self._cond:
-            while not self._done(step):
-                self._raise_error()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    late = self._late(step, limit)
-                    if self._written < step and self._pending_steps():  # did not answer
-                        late += f" by {self._writer_name()}; {self._writer_state()}"
-                    raise CheckpointError(late)
-                self._cond.wait(min(left, POLL_S) if self._written >= step else left)
-            self._raise_error()
-
     def _done(self, step: int) -> bool:
+        """Whether ``step``'s checkpoint is complete: committed (rank 0) or its manifest seen
+        (other ranks, once their own file is written)."""
         if self.commits:
             return self._committed >= step
         return self._written >= step and self.store.committed(step, self.save_id)
@@ -148,34 +91,6 @@ class WriterBase:
         """Start writing the newest snapshot if it is held in memory, without waiting (a
         writer that holds none has nothing to do)."""
         return None
-
-    def flush(self, timeout_s: float | None = None) -> None:
-        """Until every snapshot handed over is written and (rank 0) committed or given up."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        with self._cond:
-            while not self._settled():
-                self._raise_error()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CheckpointError(self._flush_late(limit))
-                self._cond.wait(min(left, 0.05))
-            self._raise_error()
-
-    def _flush_late(self, limit: float) -> str:
-        pending = self._pending_steps()
-        late = f"rank {self.rank}: checkpoints still being written to {self.store.directory} "
-        if not pending:  # rank 0 waits for its peers' files, or a write is under way
-            return late + f"after {limit:g} s"
-        return (
-            late + f"after {limit:g} s: steps {', '.join(map(str, pending))} not written by "
-            f"{self._writer_name()}; {self._writer_state()}"
-        )
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
 
 class InlineCheckpointWriter(WriterBase):
@@ -226,25 +141,17 @@ class InlineCheckpointWriter(WriterBase):
             self._commits.clear()
             raise error
 
-    def _settled(self) -> bool:
-        return not self._commits
-
-    def _pending_steps(self) -> list[int]:
-        return []  # written in ``submit``: none waits
-
-    def _writer_name(self) -> str:
-        return "the checkpoint writer"
-
     def wait(self, step: int, timeout_s: float | None = None) -> None:
-        """Until ``step``'s checkpoint is complete: committed (rank 0, once its peers' files
-        are there) or its manifest seen (other ranks). ``CheckpointError`` after the timeout."""
+        """Until ``step``'s checkpoint is complete (``_done``). ``CheckpointError`` after the
+        timeout."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         self._poll_until(lambda: self._done(step), limit, lambda: self._late(step, limit))
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Until rank 0 has committed (or given up) every step it wrote."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        self._poll_until(self._settled, limit, lambda: self._flush_late(limit))
+        late = f"rank {self.rank}: checkpoints still being written to {self.store.directory} "
+        self._poll_until(lambda: not self._commits, limit, lambda: late + f"after {limit:g} s")
 
     def _poll_until(self, done: Callable[[], bool], limit: float, late: Callable[[], str]) -> None:
         deadline = time.monotonic() + limit

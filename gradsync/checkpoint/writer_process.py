@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from gradsync.checkpoint import packed_header
+from gradsync.checkpoint.commits import POLL_S
 from gradsync.checkpoint.held_slots import SLOT_BYTES, HeldSlots
 from gradsync.checkpoint.packing import BufferPool, Packed, raw_bytes
 from gradsync.checkpoint.store import CheckpointError, CheckpointStore
@@ -259,6 +261,8 @@ class ProcessCheckpointWriter(WriterBase):
         **kwargs: Any,
     ) -> None:
         super().__init__(store, **kwargs)
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
         if files_every < 1:
             raise ValueError(f"files_every must be >= 1, got {files_every}")
         self.files_every = files_every
@@ -348,7 +352,29 @@ class ProcessCheckpointWriter(WriterBase):
         return _state_note(self._child.pid)
 
     def _pending_steps(self) -> list[int]:
+        """The steps handed to the child and not written yet (under ``_cond``)."""
         return sorted(entry[0] for entry in self._in_flight)
+
+    def _room(self) -> bool:
+        """Under ``_cond``: until fewer than ``depth`` snapshots are in flight, for
+        ``timeout_s`` at most (False then): a stopped child or a stalled disk must fail the
+        rank, not hang it."""
+        deadline = time.monotonic() + self.timeout_s
+        while len(self._in_flight) >= self.depth:
+            self._raise_error()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._cond.wait(left)
+        return True
+
+    def _no_room(self, step: int) -> str:
+        return (
+            f"rank {self.rank}: no room for the checkpoint snapshot of step {step}: "
+            f"{self._writer_name()} wrote none of the {self.depth} before it (steps "
+            f"{', '.join(map(str, self._pending_steps()))}) in {self.timeout_s:g} s; "
+            f"{self._writer_state()}"
+        )
 
     # -- the training thread ------------------------------------------------------------------
     def submit(self, step: int, packed: Packed, *, durable: bool = False) -> None:
@@ -356,7 +382,7 @@ class ProcessCheckpointWriter(WriterBase):
         ``depth`` are in flight, ``timeout_s`` at most (see ``InlineCheckpointWriter.submit``)."""
         with self._cond:
             self._raise_error()
-            if len(self._in_flight) >= self.depth and not self._room(self._pending_steps):
+            if len(self._in_flight) >= self.depth and not self._room():
                 raise CheckpointError(self._no_room(step))
             self._raise_error()
             if self._closing:
@@ -383,13 +409,15 @@ class ProcessCheckpointWriter(WriterBase):
         self._send(message)
 
     def _raise_error(self) -> None:
-        """``WriterBase._raise_error``, and the child's death (under ``_cond``): noticed at
-        the first call after its socket closed, and raised by every call from then on."""
+        """Under ``_cond``: the child's error, once, and its death: noticed at the first call
+        after its socket closed, and raised by every call from then on."""
         if self._failure is None and self._gone and self._started and not self._closing:
             self._fail()
         if self._failure is not None:
             raise CheckpointError(str(self._failure))
-        super()._raise_error()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def _fail(self) -> None:
         """The child died: have another write what it had not (``_take_over``), and fail."""
@@ -509,11 +537,28 @@ class ProcessCheckpointWriter(WriterBase):
             self._mailbox.put(seq, data)
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Write the newest held snapshot (the child reads it from the mailbox), then wait as
-        ``WriterBase.flush`` does."""
+        """Write the newest held snapshot (the child reads it from the mailbox), then wait
+        until every snapshot handed over is written and (rank 0) committed or given up."""
         if self._held:
             self._write_held(self._held[-1][0])
-        self._pin_on_error(super().flush, timeout_s)
+        self._pin_on_error(self._wait_settled, timeout_s)
+
+    def _wait_settled(self, timeout_s: float | None) -> None:
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while not self._settled():
+                self._raise_error()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = f"rank {self.rank}: checkpoints still being written to "
+                    late += f"{self.store.directory} after {limit:g} s"
+                    if pending := self._pending_steps():  # else rank 0 waits for its peers
+                        late += f": steps {', '.join(map(str, pending))} not written by "
+                        late += f"{self._writer_name()}; {self._writer_state()}"
+                    raise CheckpointError(late)
+                self._cond.wait(min(left, 0.05))
+            self._raise_error()
 
     def write_newest(self) -> None:
         """Tell the child to write the newest held snapshot, without waiting."""
@@ -521,9 +566,25 @@ class ProcessCheckpointWriter(WriterBase):
             self._write_held(self._held[-1][0])
 
     def wait(self, step: int, timeout_s: float | None = None) -> None:
-        """``WriterBase.wait``, writing ``step``'s snapshot first if it is held."""
+        """Until ``step``'s checkpoint is complete (``_done``), writing its snapshot first if
+        it is held. ``CheckpointError`` after the timeout."""
         self._write_held(step)
-        self._pin_on_error(super().wait, step, timeout_s)
+        self._pin_on_error(self._wait_done, step, timeout_s)
+
+    def _wait_done(self, step: int, timeout_s: float | None) -> None:
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while not self._done(step):
+                self._raise_error()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = self._late(step, limit)
+                    if self._written < step and self._pending_steps():  # did not answer
+                        late += f" by {self._writer_name()}; {self._writer_state()}"
+                    raise CheckpointError(late)
+                self._cond.wait(min(left, POLL_S) if self._written >= step else left)
+            self._raise_error()
 
     def _pin_on_error(self, call: Any, *args: Any) -> None:
         """``call``; if it fails (a timeout), the child may still be reading a held snapshot:
