@@ -166,26 +166,13 @@ class CheckpointFiles:
     def missing(self, step: int, world_size: int, save_id: str = "") -> list[int]:
         """Ranks whose file of ``step`` for ``save_id`` is not written yet (a file left by
         another run or attempt, with another ``save_id``, counts as missing)."""
-        step_dir = self.step_dir(step)
-        absent = []
-        for rank in range(world_size):
-            summary = step_dir / (_rank_file(rank) + ".sum")
-            try:
-                meta = json.loads(summary.read_bytes())
-            except (OSError, ValueError):
-                absent.append(rank)
-                continue
-            if meta.get("save_id", "") != save_id or meta.get("step", step) != step:
-                absent.append(rank)
-        return absent
+        where = self._step_dir_str(step)
+        return [r for r in range(world_size) if _summary(where, r, step, save_id) is None]
 
     def committed(self, step: int, save_id: str = "") -> bool:
         """Whether ``step``'s manifest is written, by the commit of ``save_id``."""
-        try:
-            data = json.loads((self.step_dir(step) / MANIFEST).read_bytes())
-        except (OSError, ValueError):
-            return False
-        return isinstance(data, dict) and data.get("save_id", "") == save_id
+        data = _manifest(self.step_dir(step))
+        return data is not None and data.get("save_id", "") == save_id
 
     def commit(
         self,
@@ -282,12 +269,9 @@ class CheckpointFiles:
         is written, unless it (or a newer one) is committed already; ``None`` when there is
         none to commit. What a committer does last, after its peers' writers have ended;
         ``newest``: the newest step it wrote its own file of (a directory above it is left
-        from before a rollback to an older step).
-
-        Why from the directory rather than from the steps the committer has in hand: it gives
-        steps up (a commit past its deadline while a peer's writer was stopped drops every step
-        it held), and a peer stopped that long writes its files only as it ends, so the newest
-        complete step is often one the committer no longer remembers."""
+        from before a rollback to an older step). From the directory, not the steps the
+        committer has in hand: it gives steps up at their deadline, and a peer whose writer was
+        stopped writes its files only as it ends."""
         for step, _path in self._step_dirs():
             if step > newest:
                 continue
@@ -318,18 +302,12 @@ class CheckpointFiles:
                 continue
             name = _rank_file(rank)
             path = f"{step_dir}/{name}"
+            meta = _summary(step_dir, rank, step, save_id)
             try:
-                with open(path + ".sum", "rb") as f:
-                    meta = json.loads(f.read())
-                actual = os.stat(path).st_size
-            except (OSError, ValueError):
-                missing.append(rank)
-                continue
-            if (
-                not isinstance(meta, dict)
-                or meta.get("save_id", "") != save_id
-                or meta.get("step", step) != step  # a stray file of another step
-            ):
+                actual = os.stat(path).st_size if meta is not None else -1
+            except OSError:
+                meta = None
+            if meta is None:
                 missing.append(rank)
                 continue
             if actual != meta["size"]:
@@ -400,12 +378,8 @@ class CheckpointFiles:
         ``own_save_id`` (this attempt's), no attempt has a file of every rank ``0 ..
         world_size - 1`` in it (a complete step not committed holds the newest state: it is
         kept), and it holds nothing but rank files, their ``.sum`` files and temporary files
-        of gradsync's writes. Returns the directories removed.
-
-        Why: such a directory is skipped with a warning by every later ``latest()`` (it is
-        above the checkpoint resumed from, which pruning never touches) until the run commits
-        a step past it, which under held snapshots may take up to 64 steps, or never if the
-        run is stopped before: every resume warned about the same directories again."""
+        of gradsync's writes. Returns the directories removed. Why: every later ``latest()``
+        warned about them again (docs/checkpoints.md, "Keep-K")."""
         removed = []
         for step, path in self._step_dirs():
             if step <= above:
@@ -493,12 +467,30 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def _is_durable(step_dir: Path) -> bool:
+def _summary(step_dir: str, rank: int, step: int, save_id: str) -> dict[str, Any] | None:
+    """Rank ``rank``'s ``.sum`` in ``step_dir``, where it is of ``step`` and ``save_id`` (a
+    file left by another run or attempt, or a stray file of another step, has none)."""
+    try:
+        with open(f"{step_dir}/{_rank_file(rank)}.sum", "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if type(meta) is not dict or meta.get("save_id", "") != save_id:
+        return None
+    return meta if meta.get("step", step) == step else None
+
+
+def _manifest(step_dir: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((step_dir / MANIFEST).read_bytes())
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and bool(data.get("durable", True))
+        return None
+    return data if type(data) is dict else None
+
+
+def _is_durable(step_dir: Path) -> bool:
+    data = _manifest(step_dir)
+    return data is not None and bool(data.get("durable", True))
 
 
 def _fsync_file(path: Path) -> None:

@@ -1,23 +1,15 @@
 """State that components register to be saved with every checkpoint and put back on load.
 
 A component of the user's that owns state a resumed run needs (a learning-rate scheduler, a
-data loader's position, a curriculum, an EMA of the weights) registers it once under a key as
-a pair of functions, as torchft's ``Manager`` takes
-``(state_dict, load_state_dict)`` per component::
+data loader's position) registers it once under a key as a pair of functions, as torchft's
+``Manager`` takes ``(state_dict, load_state_dict)`` per component::
 
     sync.register_state("scheduler", scheduler.state_dict, scheduler.load_state_dict)
 
-Every ``sync.save()`` then calls ``state_fn()`` and writes what it returns with the rest of
-the rank's state (tensors, numbers, strings and containers of them: the same values
-``torch.load(weights_only=True)`` reads), and ``sync.load()`` calls ``load_fn(saved)`` once
-the model and optimizer are restored. Checkpoint code never reaches into the component.
-gradsync's own state (the strategy's and compressor's, the RNG, the step records) is saved as
-before, under its own keys of the file, not through this registry.
-
-Resuming on another number of ranks (``bsp``): each rank's entry is its own, so an entry
-registered with ``replicated=True`` (the same on every rank, as a scheduler is) is loaded from
-rank 0's file on every rank, and any other entry is not restored, with a warning naming it:
-per-rank state (a data shard's position) has no meaning at another world size.
+``sync.save()`` writes what ``state_fn()`` returns with the rank's state, and ``sync.load()``
+calls ``load_fn(saved)`` once the model and optimizer are restored: checkpoint code never
+reaches into the component. What is restored where a key or an entry is missing, and on another
+number of ranks: docs/checkpoints.md, "Your own state".
 """
 
 from __future__ import annotations

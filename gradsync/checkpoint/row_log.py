@@ -1,35 +1,15 @@
 """A rank's step records (telemetry rows) in a log beside its checkpoints, for strategies that
 gather none before the end of the run (parameter servers, hogwild).
 
-A checkpoint carries the step records not gathered yet, so that a restart rolled back to it
-keeps them (``resume``). Under a lockstep strategy they are gathered every few steps and a
-checkpoint carries at most a few. A barrier-free strategy gathers nothing before the end, so
-every checkpoint carried every row of the run: with a checkpoint every step, each save cost
-time and bytes in proportion to the steps done, and each took a new snapshot buffer (the rows'
-shape changed every step) that the buffer pool kept. Measured on ``async`` charlm (2 workers, 1
-server, a small model): 1.5 ms a save at step 500, 9.7 ms at step 3000, and the worker's memory
-450 MB larger.
-
-Here each save appends to the log only the rows new since the last one (80 bytes a step), and
-the checkpoint names the range of row numbers it needs, ``[first, end)``. Row numbers count
-this rank's records from the start of the run (or from the checkpoint it resumed from). A log
-is only ever appended to while the run goes on, so every checkpoint in the directory keeps
-the rows it names:
-- a gather (``sync.flush_telemetry()``, ``report()``) first has every open log take the rows it
-  is about to take from the pending ones (``RowLogs.before_gather``), so a gather only moves
-  ``first``;
-- saves into several directories keep one log open in each, known by the directory's resolved
-  path (however it is spelled);
-- ``load()`` cuts the loaded directory's log at the checkpoint's ``end``: the rows of the steps
-  it rolls back go, and the resumed run appends after it. A log is started anew only where this
-  run has not loaded from or saved into the directory before (its rows are another run's), and
-  where a ``load()`` in the same process rolled back past rows a log of another directory holds.
-The log is never pruned: it grows by 80 bytes a step for the life of the directory.
-
-The log is written with ``pwrite`` into the page cache, not synced: it survives the rank's
-process, not the machine. After a machine crash a checkpoint may name rows the log lost; the
-resume then warns and goes on without them (the training state is whole; only those steps'
-records are missing from the report).
+Why: a checkpoint carries the step records not gathered yet, and under a barrier-free strategy
+that was every row of the run, so a save every step cost time, bytes and memory in proportion
+to the steps done (9.7 ms a save at step 3000 on ``async`` charlm). Here each save appends only
+the rows new since the last one (80 bytes a step), and the checkpoint names the range of row
+numbers it needs, ``[first, end)``, counted from the start of the run. While the run goes on a
+log is only appended to, so every checkpoint in the directory keeps the rows it names; a gather
+first lets every open log take the rows it takes (``RowLogs.before_gather``), and ``load()``
+cuts the loaded directory's log at the checkpoint's ``end``. The log is never pruned and not
+synced (a resume after a machine crash warns of rows lost). docs/checkpoints.md tells the rest.
 
 File: ``DIR/telemetry/rank-R.rows``, a 24-byte header (magic, the first row's number, the
 columns per row; little-endian) and the rows as little-endian float64.

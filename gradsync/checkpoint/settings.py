@@ -1,16 +1,12 @@
 """The strategy settings a checkpoint was saved under, and the one check of them that both
 ``sync.load`` and ``gradsync run --resume`` make.
 
-A checkpoint has always named its strategy (``local``, ``zero:2``, ``ssp:3``). For ``bsp``,
-``hogwild``, ``zero:N``, ``ssp:S`` and ``async`` that name is the whole spec. For the periodic
-strategies it is not: ``local:2`` and ``local:4`` both wrote ``local``, and ``sync.load`` took a
-``local:2`` checkpoint into a ``local:4`` Synchronizer without a word, where ``gradsync run
---resume`` refused the same change (it compares the saved run's config.json). Their
-checkpoints now also hold the canonical spec (``strategy_spec``: ``local:2``, ``diloco:8:2:1``,
-``noloco:4:outer_lr=0.5``), which the strategy gives (``Strategy.settings_spec``), and a load
-under another spec of the same strategy is refused, naming both (``check_strategy_spec``).
-Checkpoints written before hold none and are not judged (as before), nor is a strategy of the
-user's own (it has no spec).
+A checkpoint names its strategy (``local``), which for the periodic strategies is not the whole
+spec (``local:2`` and ``local:4`` both wrote ``local``), so their checkpoints also hold the
+canonical spec (``strategy_spec``, from ``Strategy.settings_spec``), and a load under another
+spec of the same strategy is refused, naming both (``check_strategy_spec``). Checkpoints
+written before hold none and are not judged, nor is a strategy of the user's own
+(docs/checkpoints.md, "Another strategy, or other settings of it").
 """
 
 from __future__ import annotations
