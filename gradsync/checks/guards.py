@@ -67,29 +67,25 @@ def nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
     tensor's device, 1.0 where some element of some tensor is NaN or Inf and 0.0 otherwise,
     made without reading anything back to the host (the ``found_inf`` a fused optimizer takes).
 
-    ``all_finite`` confirms a sum that overflowed on the host; here nothing can be confirmed,
-    so no sum may overflow: tensors narrower than float64 are summed into float64, where a
-    finite total of finite values is certain (float32's largest value times 2**900 elements
-    is still finite). A float64 tensor, whose finite values can overflow any sum, is checked
-    element by element instead (``isfinite().all()``, slower, and float64 gradients are rare).
+    Each tensor's least and greatest element (``torch.aminmax``, which propagates NaN): both
+    finite exactly when every element is, for any dtype, and nothing can overflow, so nothing
+    needs confirming (``all_finite`` confirms an overflowed sum on the host; here nothing can be
+    read back). Why not a sum into float64, as before: on the CPU it cost 43 ms for 10M float32
+    elements against 1.5 ms so (one thread, this machine, medians of 51), and it runs on every
+    compressed bucket and on every step of a fused optimizer.
     """
     if not tensors:
         raise ValueError("nonfinite_flag needs at least one tensor")
     device = tensors[0].device
-    sums, exact = [], []
+    ends = []
     for t in tensors:
         if t.is_complex():
             t = torch.view_as_real(t)
-        if t.dtype == torch.float64:
-            exact.append(torch.isfinite(t).all().to(device))
-        else:
-            sums.append(t.sum(dtype=torch.float64).to(device))
-    bad = torch.zeros((), dtype=torch.bool, device=device)
-    if sums:
-        bad = bad | ~torch.isfinite(torch.stack(sums).sum())
-    if exact:
-        bad = bad | ~torch.stack(exact).all()
-    return bad.to(torch.float32)
+        if t.numel():  # aminmax refuses an empty tensor, which holds nothing non-finite
+            ends.append(torch.stack(torch.aminmax(t)).to(device=device, dtype=torch.float64))
+    if not ends:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return (~torch.isfinite(torch.cat(ends)).all()).to(torch.float32)
 
 
 #: a compressor state's per-bucket dicts whose dropped tensor restarts at zero: error-feedback

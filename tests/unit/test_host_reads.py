@@ -247,6 +247,11 @@ def test_the_device_flag_agrees_with_the_host_check() -> None:
         [torch.tensor([float("-inf")], dtype=torch.bfloat16)],
         [torch.tensor([1 + 1j, complex(0, float("inf"))])],
         [torch.ones(2, dtype=torch.float64), torch.tensor([float("inf")], dtype=torch.float64)],
+        [torch.empty(0), torch.ones(2)],  # an empty tensor holds nothing non-finite
+        [torch.empty(0), torch.tensor([float("nan")], dtype=torch.float16)],
+        [torch.empty(0)],
+        [torch.tensor([2.0, float("-inf"), 1.0])],  # the least element alone is not finite
+        [torch.full((3,), -3e38), torch.full((3,), 65504.0, dtype=torch.float16)],
     ]
     for tensors in cases:
         assert float(nonfinite_flag(tensors)) == (0.0 if all_finite(tensors) else 1.0), tensors
