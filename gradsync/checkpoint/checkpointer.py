@@ -165,7 +165,7 @@ class Checkpointer:
         started = time.perf_counter()
         step = self.step()
         where = 0
-        if _has_servers(self) and self.rank == 0:
+        if self.layout.servers > 0 and self.rank == 0:
             where = _publish_directory(self, directory, keep)
         # Parameter servers snapshot once every worker's request (sent behind its step-th push)
         # has arrived; the request goes out after the directory is published.
@@ -299,7 +299,8 @@ class Checkpointer:
                 choice = [(info.step, info.world_size, *saved)]
         # Rank 0 decides, so every rank resumes from the same step even if a file is being judged
         # differently elsewhere (a warning it already printed says why it skipped a newer one).
-        dist.broadcast_object_list(choice, src=_global_zero(self), group=self.group)
+        zero = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(choice, src=zero, group=self.group)
         if choice[0] is None:
             return None
         step, saved_world, saved_strategy, saved_layout, saved_compression, spec, error = choice[0]
@@ -430,10 +431,6 @@ class Checkpointer:
 def _layout(cp: Checkpointer) -> dict[str, int]:
     """The layout as a checkpoint records it (plain values, for ``weights_only`` loading)."""
     return {"workers": cp.layout.workers, "servers": cp.layout.servers}
-
-
-def _has_servers(cp: Checkpointer) -> bool:
-    return cp.layout.servers > 0
 
 
 def _describe(world: int, layout: dict[str, int] | None) -> str:
@@ -797,7 +794,7 @@ def _check_compatible(
             "strategy (strategy=..., gradsync run --strategy), or start in a new directory"
         )
     layout = _layout(cp)
-    if _has_servers(cp) and (saved_world, saved_layout) != (cp.world_size, layout):
+    if cp.layout.servers > 0 and (saved_world, saved_layout) != (cp.world_size, layout):
         raise CheckpointError(
             f"checkpoint at step {step} was written by {_describe(saved_world, saved_layout)}; "
             f"this run has {_describe(cp.world_size, layout)}: resuming {name} needs the same "
@@ -830,7 +827,3 @@ def _check_compression(step: int, saved: str | None, current: str) -> None:
 def compression_flag(spec: str) -> str:
     """How a user asks for compression ``spec`` on the command line."""
     return "no --compress" if spec == "none" else f"--compress {spec}"
-
-
-def _global_zero(cp: Checkpointer) -> int:
-    return 0 if cp.group is None else dist.get_global_rank(cp.group, 0)

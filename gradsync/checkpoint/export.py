@@ -10,7 +10,7 @@ checkpoint is put back together with the code ``sync.load`` uses (``CheckpointSt
 
 (plus ``"registered"``, rank 0's registered states, where the run registered any), written with
 ``torch.save`` or with ``torch.distributed.checkpoint.save`` in this process alone. Which
-strategies export, and why the others are refused: ``EXPORTABLE``, ``_REFUSED`` and
+strategies export, and why the others are refused: ``EXPORTABLE``, ``_check_exportable`` and
 docs/checkpoints.md, "Opening a checkpoint with torch alone".
 """
 
@@ -55,18 +55,6 @@ EXPORTABLE = {
 
 #: the strategies of ``EXPORTABLE`` a user spells with a period, ``local:H`` and the others
 _PERIODIC = ("local", "diloco", "gossip", "noloco")
-
-#: why the strategies gradsync knows but cannot export are refused
-_REFUSED = {
-    "zero:3": (
-        "each rank's file holds only its shards of the parameters (and of their optimizer "
-        "state), not a whole model"
-    ),
-    "parameter server": (
-        "the parameters and the optimizer state live on the server ranks, each holding a "
-        "shard, and the workers' files hold no model of the run's own"
-    ),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,21 +186,23 @@ def _check_exportable(strategy: str, info: CheckpointInfo) -> None:
     if strategy in EXPORTABLE:
         return
     if strategy == "zero:3":
-        why = _REFUSED["zero:3"]
+        why = (
+            "each rank's file holds only its shards of the parameters (and of their optimizer "
+            "state), not a whole model"
+        )
     elif strategy == "async" or strategy.startswith("ssp:"):
-        why = _REFUSED["parameter server"]
+        why = (
+            "the parameters and the optimizer state live on the server ranks, each holding a "
+            "shard, and the workers' files hold no model of the run's own"
+        )
     else:
         why = "gradsync does not know how its checkpoints hold the model and optimizer"
     raise CheckpointError(
         f"cannot export the checkpoint of step {info.step} ({info.path}): it was written by "
         f"strategy {strategy}, and {why}. Checkpoints of "
-        f"{', '.join(_spelled(s) for s in EXPORTABLE)} export; nothing was written"
+        f"{', '.join(f'{s}:H' if s in _PERIODIC else s for s in EXPORTABLE)} export; "
+        "nothing was written"
     )
-
-
-def _spelled(strategy: str) -> str:
-    """How a user spells the strategy whose checkpoints record ``strategy``."""
-    return f"{strategy}:H" if strategy in _PERIODIC else strategy
 
 
 def _model_and_optimizer(

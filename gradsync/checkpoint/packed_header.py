@@ -27,7 +27,6 @@ __all__ = [
     "dumps",
     "file_start",
     "offsets",
-    "tree_json",
 ]
 
 MAGIC = b"gradsync-packed-state\n"
@@ -68,13 +67,11 @@ def tree_json(tree: Any, kept: Mapping[int, str]) -> str:
     """``tree`` as JSON, where ``kept`` gives the JSON text of the values of some top-level
     entries (by their index in the root's pairs; such a value in ``tree`` is ignored): the
     model and optimizer state, most of the header, alike from one snapshot to the next and
-    encoded once."""
-    root = tree.get("root") if type(tree) is dict else None
-    if not kept or type(root) is not dict or len(root) != 1:
+    encoded once. Only ``Packed.header_parts`` keeps any: its tree's root is then one dict
+    node, ``{"d" or "o": [pairs]}``."""
+    if not kept:
         return dumps(tree)
-    ((tag, pairs),) = root.items()
-    if tag not in ("d", "o") or type(pairs) is not list:
-        return dumps(tree)
+    ((tag, pairs),) = tree["root"].items()
     items = [
         dumps(pair) if i not in kept else f"[{dumps(pair[0])},{kept[i]}]"
         for i, pair in enumerate(pairs)
