@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gradsync import compat, exit_safety
-from gradsync.checks.guards import nonfinite_flag
+from gradsync.checks.guards import poison_nonfinite_
 from gradsync.compression.base import FlatBucket
 from gradsync.spec import FIRST_BUCKET_MB, default_bucket_mb
 from gradsync.telemetry.records import Span
@@ -340,8 +340,7 @@ class BucketReducer:
         elif self.poison_nonfinite:
             # The whole bucket NaN where any element is not finite, decided on the device: a
             # host check here made the host wait for the backward every bucket (issue 44).
-            buf = bucket.buffer()
-            buf.masked_fill_(nonfinite_flag([buf]).to(torch.bool), float("nan"))
+            poison_nonfinite_(bucket.buffer())
         t0, wall0 = time.perf_counter(), time.time()
         self.launch_log.append((bucket.index(), t0, wall0))
         if self.guard_writes:

@@ -88,6 +88,16 @@ def nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
     return (~torch.isfinite(torch.cat(ends)).all()).to(torch.float32)
 
 
+def poison_nonfinite_(buffer: torch.Tensor) -> None:
+    """Make every element of ``buffer`` NaN where any is NaN or Inf, decided on the device, and
+    leave it bit for bit as it was otherwise (-0.0 and subnormals included): a compressed
+    exchange may not carry a lone NaN (module docstring). A multiply by a 0-d 1.0, or NaN:
+    ``masked_fill_`` with the 0-d verdict as its mask took 3.6 ms for 4.6M float32 on the CPU,
+    the multiply 0.4 ms (one thread, medians of 31)."""
+    one_or_nan = torch.ones((), dtype=buffer.dtype, device=buffer.device)
+    buffer.mul_(one_or_nan.masked_fill_(nonfinite_flag([buffer]).to(torch.bool), float("nan")))
+
+
 #: a compressor state's per-bucket dicts whose dropped tensor restarts at zero: error-feedback
 #: residuals, SparseLoCo's accumulators, and what a hook recorded as sent (rewritten before
 #: its next use). Zeroing one on the device then stands for dropping it on the host; a warm

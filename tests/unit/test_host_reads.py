@@ -16,7 +16,7 @@ import torch
 
 import gradsync as gs
 from gradsync import inject
-from gradsync.checks.guards import all_finite, nonfinite_flag
+from gradsync.checks.guards import all_finite, nonfinite_flag, poison_nonfinite_
 from gradsync.workloads import make_workload
 from tests.support.host_reads import HostReads, host_reads
 from tests.support.ranks import flat_params
@@ -255,3 +255,25 @@ def test_the_device_flag_agrees_with_the_host_check() -> None:
     ]
     for tensors in cases:
         assert float(nonfinite_flag(tensors)) == (0.0 if all_finite(tensors) else 1.0), tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_a_finite_bucket_is_left_bit_for_bit_and_a_non_finite_one_turns_all_nan(
+    dtype: torch.dtype,
+) -> None:
+    """The poisoning before a compressed exchange: a multiply by 1.0 must change no finite
+    value's bits (-0.0, the smallest subnormal, the largest finite), and one NaN or Inf must
+    reach every element, with no host read."""
+    info = torch.finfo(dtype)
+    finite = torch.tensor(
+        [-0.0, 0.0, info.smallest_normal / 4, -info.max, info.max, 1.5], dtype=dtype
+    )
+    assert bool(torch.isfinite(finite).all()) and float(finite[2]) != 0.0  # a subnormal
+    buf = finite.clone()
+    poison_nonfinite_(buf)
+    assert torch.equal(buf.view(-1).view(torch.uint8), finite.view(-1).view(torch.uint8))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        buf = finite.clone()
+        buf[2] = bad
+        poison_nonfinite_(buf)
+        assert bool(torch.isnan(buf).all()), (dtype, bad, buf)
