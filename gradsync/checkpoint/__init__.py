@@ -4,11 +4,8 @@
 RNG state (``rng``), the step-record log (``row_log``) and the export to torch's own formats
 (``export``). See docs/checkpoints.md and docs/architecture.md.
 
-Nothing here imports the Synchronizer: it hands a ``Checkpointer`` its parts.
-
-The names below are loaded on first use (PEP 562), as in ``gradsync`` itself: the background
-checkpoint writer's process (``gradsync.checkpoint.writer_child``) imports this package without
-torch, and most of these modules import it.
+The names below are loaded on first use (PEP 562): the writer's process (``writer_child``)
+imports this package without torch, and most of these modules import it.
 """
 
 from __future__ import annotations

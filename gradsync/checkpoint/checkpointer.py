@@ -203,8 +203,11 @@ class Checkpointer:
             state[REGISTERED] = self.registry.states()
         writer = self.writer_for(directory, keep)
         if self.strategy.barrier_free:
-            # Nothing is gathered before the end: the rows go to the log, the range here.
-            state[TELEMETRY_LOG] = _log_telemetry(self, writer.store.directory)
+            # Nothing is gathered before the end: the rows new since the last save go to
+            # this rank's row log, the range of row numbers this checkpoint needs here.
+            first, end = self.collector.pending_range()
+            self.row_logs.cover(writer.store.directory, first, end, self.collector.rows_from)
+            state[TELEMETRY_LOG] = [first, end]
         else:
             state["telemetry"] = self.collector.pending_flat_rows()
         packed = snapshot(state, pool=writer.pool)
@@ -234,10 +237,8 @@ class Checkpointer:
             )
         directory, keep = _published_directory(self, where)
         self.load_sync_state({"step": step, "strategy": {}})
-        shares, optimizer_state = _server_shares(server_state, self.rank)
-        server = _server_tree(server_state, shares, optimizer_state)
         state = {
-            "server": server,
+            "server": _server_tree(server_state, self.rank),
             "sync": self.sync_state(),
             "strategy": self.strategy.name,
             "compression": self.compression,  # load() refuses another compressor's state
@@ -501,15 +502,6 @@ _BUFFERS_KEPT = weakref.WeakKeyDictionary()
 TELEMETRY_LOG = "telemetry_log"
 
 
-def _log_telemetry(cp: Checkpointer, directory: Path) -> list[int]:
-    """Append the step records new since the last save to this rank's row log in
-    ``directory``; the range of row numbers a checkpoint taken now needs."""
-    collector = cp.collector
-    first, end = collector.pending_range()
-    cp.row_logs.cover(directory, first, end, collector.rows_from)
-    return [first, end]
-
-
 #: Where a resizable strategy's checkpoint keeps the optimizer's ``param_groups``: beside the
 #: replicated share rather than in it (``_without_param_groups``).
 PARAM_GROUPS = "optimizer_param_groups"
@@ -529,36 +521,23 @@ def _without_param_groups(
     return rest, optimizer_state["param_groups"]
 
 
-def _server_shares(
-    server_state: dict[str, Any], rank: int
-) -> tuple[tuple[Share, Share | None], dict[str, Any]]:
-    """The server's shard of the parameters and its optimizer's per-parameter state as
-    shares it writes whole (``replicas.whole``): packed as they are, their encoding reused
-    from one checkpoint to the next; and the optimizer's state dict they come from (its
-    groups change at every checkpoint). Built in full: ``optimizer.state_dict()`` where the
-    state holds the optimizer itself (``_Server.checkpoint_state``)."""
-    shard = replicas.whole([p.detach() for p in server_state["params"]], rank)
+def _server_tree(server_state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The server's part of its checkpoint, laid out as ``_Server.state_dict()``, with its
+    shard of the parameters and its optimizer's per-parameter state as shares it writes whole
+    (``replicas.whole``): packed as they are, their encoding reused from one checkpoint to the
+    next. The optimizer's state dict around them is built in full (``optimizer.state_dict()``
+    where the state holds the optimizer itself, ``_Server.checkpoint_state``): its groups
+    change at every checkpoint."""
+    tree = dict(server_state)
+    tree["params"] = replicas.whole([p.detach() for p in server_state["params"]], rank)
     optimizer = server_state.get("optimizer")
     if optimizer is None:
         optimizer = {}  # a server without an optimizer, as ``_Server.state_dict`` says it
     elif not isinstance(optimizer, dict):
         optimizer = optimizer.state_dict()  # the optimizer itself, whatever its class
-    if not isinstance(optimizer, dict) or "state" not in optimizer:
-        return (shard, None), optimizer
-    return (shard, replicas.whole(optimizer["state"], rank)), optimizer
-
-
-def _server_tree(
-    server_state: dict[str, Any],
-    shares: tuple[Share, Share | None],
-    optimizer_state: dict[str, Any],
-) -> dict[str, Any]:
-    """The server's part of its checkpoint, laid out as ``_Server.state_dict()``, with the
-    shares in place of the shard and of the optimizer state dict's ``state``."""
-    shard, state = shares
-    tree = dict(server_state)
-    tree["params"] = shard
-    tree["optimizer"] = optimizer_state if state is None else {**optimizer_state, "state": state}
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        optimizer = {**optimizer, "state": replicas.whole(optimizer["state"], rank)}
+    tree["optimizer"] = optimizer
     return tree
 
 

@@ -87,10 +87,6 @@ class Commits:
     def clear(self) -> None:
         self._pending.clear()
 
-    def steps(self) -> list[int]:
-        """The steps written and not committed yet, oldest first."""
-        return [c.step for c in self._pending]
-
     @property
     def poll_s(self) -> float | None:
         """How long to wait before the next look (``None``: nothing to commit)."""

@@ -185,13 +185,9 @@ class CheckpointFiles:
     ) -> CheckpointInfo:
         """Mark ``step`` complete by writing its manifest (rank 0, once every rank's file of
         ``save_id`` is written: ``missing()`` is empty), then prune to ``keep`` checkpoints
-        unless ``prune=False``.
-
-        ``durable`` (the default) fsyncs every rank's file, the manifest and the directories
-        first, so the checkpoint survives a crash of the machine, not only of the processes.
-        Without it the checkpoint is as atomic and checksummed, and ``prune`` keeps the newest
-        durable checkpoint as well, for a crash that leaves the newer ones torn (their
-        checksums then fail and ``latest`` falls back to it)."""
+        unless ``prune=False``. ``durable`` (the default) fsyncs every rank's file, the
+        manifest and the directories first, so the checkpoint survives a crash of the machine
+        (docs/checkpoints.md, "Durability")."""
         info = self.try_commit(step, world_size, prune=prune, save_id=save_id, durable=durable)
         if isinstance(info, list):
             raise CheckpointError(

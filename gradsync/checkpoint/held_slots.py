@@ -1,12 +1,10 @@
 """Where a rank leaves its newest snapshots for its writer process without waking it.
 
-The background writer process (``gradsync.checkpoint.writer_child``) writes only every
-``files_every``-th snapshot of a checkpoint every step to a file. The others wait here: two
-slots of shared memory (a ``memfd``), each holding the message the writer would have been sent
-(step, header, where the buffers are), stamped with a sequence number once complete. The writer
-reads them when told to (``flush``) or when its rank dies, and writes the newest then. Why: a
-message per snapshot woke the writer and, with a checkpoint every step, each wake-up and write
-cost the ranks a core's time (docs/checkpoints.md, "A checkpoint every step").
+With a checkpoint every step, the writer process (``writer_child``) writes only every
+``files_every``-th snapshot to a file; the others wait here, in two slots of shared memory, each
+holding the message the writer would have been sent, stamped with a sequence number once
+complete. The writer reads them when told to (``flush``) or when its rank dies (why not a
+message each: docs/checkpoints.md, "Held snapshots").
 
 Torn entries: a slot's stamp is cleared before its contents change and set after, so a rank
 killed in the middle of ``put`` leaves that slot unstamped and the other slot (the snapshot
