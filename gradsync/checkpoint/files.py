@@ -7,11 +7,8 @@
     DIR/step-000120/MANIFEST.json    written last, by rank 0's commit: marks the step complete
 
 ``CheckpointFiles`` is the part of ``CheckpointStore`` (``gradsync.checkpoint.store``) that
-writes: a rank's file (atomic, checksummed, its ``.sum`` beside it), the commit that writes
-the manifest once every rank's file is there, and pruning to ``keep``. Why a module of its
-own: the background writer process (``gradsync.checkpoint.writer_child``) runs this code in a
-process that never imports torch (about 1 s of CPU and 280 MB per process here), and the
-store that reads and loads checkpoints builds on the same code, so both write the same files.
+writes. Why a module of its own: the writer process (``writer_child``) runs it without
+importing torch (about 1 s of CPU and 280 MB per process here).
 """
 
 from __future__ import annotations

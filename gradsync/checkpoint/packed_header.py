@@ -1,12 +1,9 @@
 """The header of a packed checkpoint file (``gradsync.checkpoint.packing``), made without torch.
 
-Both the training process (``Packed.header``) and the checkpoint writer's process
-(``writer_child``, which never imports torch) make it. Why the writer's process too: a header
-is the JSON text of the whole state's tree, about 120 us of the training thread per snapshot on
-``charlm`` right after a step, and with a checkpoint every step under ``bsp`` most snapshots are
-held in memory and never written (``writer_process``, "held snapshots"). The training process
-now hands the tree over as it is (pickled with the message, at C speed) and the writer's
-process makes the header only for a snapshot it writes.
+Both the training process (``Packed.header``) and the writer's process (``writer_child``) make
+it: the JSON text of the state's tree took about 120 us of the training thread per snapshot,
+and most snapshots are held and never written, so the writer's process makes it, only for a
+snapshot it writes.
 
 Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header: JSON
 ``{"version", "byteorder", "tree", "buffers"}``, each buffer's ``numel`` and ``offset`` (from

@@ -1,20 +1,13 @@
 """A checkpoint state as a few flat tensors and a JSON tree: a snapshot cheap to take and write.
 
-``pack(state)`` copies every tensor of a nested state (dicts, lists, tuples, numbers, strings)
-into one flat CPU buffer per dtype and describes the rest as JSON; ``Packed.write_to`` writes a
-header and the buffers' raw bytes, hashing them on the way; ``read_packed`` and ``unpack``
-rebuild the state. Why our own format rather than ``torch.save`` of the state: ``torch.save``
-pickles each tensor through a Python callback and writes each storage as a zip record with
-its CRC, about 15 us per tensor here, so a small transformer's model and AdamW state (about
-240 tensors) took 4 ms to serialize, and even two packed buffers took 0.8 ms: most of a
-checkpoint's cost when one is taken every step. Here the copy into the buffers is the only
-work at the step boundary, and writing is one ``write`` of the buffers' memory.
-
-The file holds no pickle at all: a magic line, the length of a JSON header, the header (the
-tree, each buffer's dtype, length and offset) and the bytes. Reading it can build nothing but
-tensors, numbers, strings and containers, and names dtypes only as dtypes, so a crafted file
-cannot run code. Files written before this format (``torch.save`` of a plain state) are still
-read, with ``torch.load(weights_only=True)``.
+``pack(state)`` copies every tensor of a nested state into one flat CPU buffer per dtype and
+describes the rest as JSON; ``Packed.write_to`` writes a header and the buffers' raw bytes,
+hashing them on the way; ``read_packed`` and ``unpack`` rebuild the state. Why not
+``torch.save``: it pickles each tensor through a Python callback and writes each storage as a
+zip record, about 15 us per tensor here (4 ms for a small transformer with AdamW), where here
+the copy into the buffers is the only work at the step boundary. The file holds no pickle (its
+layout: ``packed_header``; docs/checkpoints.md, "On-disk layout"), so a crafted file can build
+nothing but tensors, numbers, strings and containers.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """State that every replica holds alike, written once in all, a share by each replica.
 
-Under a resizable strategy (``bsp``) every rank holds the same model and optimizer state. When
-one rank writes all of it, a checkpoint every step costs that rank the whole copy, checksum and
-write while the others do almost nothing, and the step, which waits for the slowest rank, pays
-the whole cost. Here each rank writes a share: whole tensors, balanced by bytes plus a fixed
-cost per tensor (largest first, to the least loaded rank: the rule of
-``ps_wire.shard_by_size``), the other tensors replaced by
-empty placeholders of their dtype so the tree keeps its shape (``share`` marks the subtree;
-``pack`` leaves the others' tensors out in its one walk of the state, copying only this rank's).
-``join`` puts the shares of every rank's file back together, by the owner list saved beside
-them.
-
-Why not DCP's deduplication of replicated tensors: it plans every save with collectives, and
-these checkpoints are written without any (see ``background``).
+Under a resizable strategy (``bsp``) every rank holds the same model and optimizer state; when
+one rank wrote all of it, a checkpoint every step cost that rank the whole copy and write, and
+the step, which waits for the slowest rank, paid it. Here each rank writes a share: whole
+tensors, balanced by bytes plus a fixed cost per tensor (largest first, to the least loaded
+rank, as ``ps_wire.shard_by_size``), the other tensors replaced by empty placeholders of their
+dtype so the tree keeps its shape (``pack`` copies only this rank's). ``join`` puts the shares
+of every rank's file back together, by the owner list saved beside them. (DCP's deduplication
+of replicated tensors plans every save with collectives; these checkpoints post none.)
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Which writer processes may still be writing into a checkpoint directory.
 
-A rank's writer process outlives its rank long enough to write the newest snapshot it holds
-(``gradsync.checkpoint.held_slots``) when the rank dies. A restarted attempt must not read the
-directory before that write and its commit are done, so each writer process holds an exclusive
-``flock`` on ``DIR/.writers/<save_id>.rank-<R>.lock`` for its whole life (the kernel releases
-it when the process ends, however it ends). Rank 0's writer waits for its peers' locks of the
-same attempt before its last commit; a loading rank 0 waits for every lock of other attempts
-(its own attempt's writers are alive and hold theirs), then removes them. Torch-free.
+Each writer process holds an exclusive ``flock`` on ``DIR/.writers/<save_id>.rank-<R>.lock`` for
+its whole life (the kernel releases it however the process ends), so that a restarted attempt
+reads the directory only once the writers that outlived their ranks are done: rank 0's writer
+waits for its peers' locks before its last commit, and a loading rank 0 for every lock of
+other attempts, then removes them (docs/checkpoints.md, "The writer process"). Torch-free.
 """
 
 from __future__ import annotations
