@@ -16,7 +16,7 @@ import torch
 
 import gradsync as gs
 from gradsync import inject
-from gradsync.checks.guards import all_finite, nonfinite_flag, poison_nonfinite_
+from gradsync.checks.guards import all_finite, nonfinite_flag, poison_nonfinite_, zero_if_
 from gradsync.workloads import make_workload
 from tests.support.host_reads import HostReads, host_reads
 from tests.support.ranks import flat_params
@@ -277,3 +277,23 @@ def test_a_finite_bucket_is_left_bit_for_bit_and_a_non_finite_one_turns_all_nan(
         buf[2] = bad
         poison_nonfinite_(buf)
         assert bool(torch.isnan(buf).all()), (dtype, bad, buf)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return (torch.view_as_real(x) if x.is_complex() else x).contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64]
+)
+def test_zeroing_a_state_tensor_on_the_device_is_all_or_nothing_bit_for_bit(
+    dtype: torch.dtype,
+) -> None:
+    """A residual of a skipped step is zeroed (+0.0 everywhere, as a dropped one restarts), and
+    one of a step that was not is left bit for bit, NaN and -0.0 included."""
+    t = torch.tensor([-0.0, float("nan"), float("-inf"), 1.5, -2.0]).to(dtype)
+    kept = t.clone()
+    zero_if_(t, torch.tensor(False))
+    assert torch.equal(_bits(t), _bits(kept))
+    zero_if_(t, torch.tensor(True))
+    assert torch.equal(_bits(t), torch.zeros_like(_bits(t)))
