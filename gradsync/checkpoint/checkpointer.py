@@ -62,13 +62,10 @@ RETIRED_MEMBERS = ("prepare_checkpoint", "checkpoint_held", "flush_checkpoints",
 
 class Checkpointer:
     """One rank's checkpoints: what its saves and loads need of the training loop, given at
-    construction, and what they keep between calls (the background writer, the row logs, the
-    directory published to parameter servers, the run's save id).
-
-    The training loop hands over its parts rather than itself, so nothing here reaches into
-    the Synchronizer: ``step`` gives the step to save, ``sync_state`` / ``load_sync_state``
-    the loop's own state (the step and the strategy's state), and ``collector`` the step
-    records not gathered yet."""
+    construction (its parts, not itself: nothing here reaches into the Synchronizer), and what
+    they keep between calls (the writer, the row logs, the directory published to parameter
+    servers, the run's save id). ``sync_state`` / ``load_sync_state``: the loop's own state
+    (the step and the strategy's state); ``collector``: the step records not gathered yet."""
 
     def __init__(
         self,
@@ -511,10 +508,8 @@ def _without_param_groups(
     optimizer_state: dict[str, Any],
 ) -> tuple[dict[str, Any], list[Any] | None]:
     """The optimizer's state dict less its ``param_groups``, and those groups (None when it has
-    none). A learning-rate schedule changes the groups' numbers at every step; inside the
-    replicated share they would change its skeleton, so ``pack`` would walk and encode the whole
-    model and optimizer state again at every snapshot instead of reusing the last encoding (1.5
-    against 1.0 ms a save on charlm, 2 ranks). Outside it they are a few numbers encoded anew."""
+    none): a learning-rate schedule changes them at every step, which inside the replicated
+    share made ``pack`` encode the whole share anew (docs/checkpoints.md)."""
     if "param_groups" not in optimizer_state:
         return optimizer_state, None
     rest = {k: v for k, v in optimizer_state.items() if k != "param_groups"}
@@ -699,14 +694,11 @@ def check_resumable(directory: str | Path, compression: str, strategy: str | Non
     A directory without checkpoints passes: the run starts at step 0, as ``load`` does."""
     store = CheckpointStore(directory)
     _wait_for_writers(directory, None, 60.0)
-    with warnings.catch_warnings(record=True) as caught:
-        # The workers warn about each skipped checkpoint again when they load: not twice here.
-        warnings.simplefilter("always", CheckpointWarning)
-        info = store.latest(allow_world_change=True)
-    skipped = [w for w in caught if issubclass(w.category, CheckpointWarning)]
+    # The workers warn about each skipped checkpoint again when they load: not twice here.
+    info, _caught, skipped = latest_skipping(store)
     if info is None:
         if skipped:
-            reasons = "; ".join(skip_reason(w.message, Path(directory)) for w in skipped)
+            reasons = "; ".join(skipped)
             raise UsageError(
                 f"--resume: none of the {len(skipped)} checkpoint(s) in {directory} is usable "
                 f"({reasons}); resuming would silently start over at step 0. Restore a good "
@@ -749,11 +741,23 @@ def _check_saved_spec(step: int, state: dict[str, Any], strategy: str) -> None:
         check_strategy_spec(step, state.get(STRATEGY_SPEC), strategy)
 
 
-def skip_reason(message: Warning | str, directory: Path) -> str:
-    """``step-000020: rank-0.pt is corrupted: ...`` from a CheckpointWarning of ``latest``."""
-    text = str(message).removeprefix("skipping checkpoint ")
-    text = text.removesuffix("; falling back to an earlier checkpoint")
-    return text.removeprefix(f"{directory}/")
+def latest_skipping(
+    store: CheckpointStore,
+) -> tuple[CheckpointInfo | None, list[warnings.WarningMessage], list[str]]:
+    """``store.latest()``, the warnings it gave (caught, not shown), and why it skipped each
+    newer checkpoint: ``step-000020: rank-0.pt is corrupted: ...``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        info = store.latest(allow_world_change=True)
+    skipped = [
+        str(w.message)
+        .removeprefix("skipping checkpoint ")
+        .removesuffix("; falling back to an earlier checkpoint")
+        .removeprefix(f"{store.directory}/")
+        for w in caught
+        if issubclass(w.category, CheckpointWarning)
+    ]
+    return info, caught, skipped
 
 
 def _check_compatible(

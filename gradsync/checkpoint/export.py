@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 
-from gradsync.checkpoint.checkpointer import join_replicated, skip_reason
+from gradsync.checkpoint.checkpointer import join_replicated, latest_skipping
 from gradsync.checkpoint.registry import REGISTERED
 from gradsync.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
     CheckpointStore,
-    CheckpointWarning,
 )
 from gradsync.errors import UsageError
 
@@ -155,16 +154,13 @@ def _find(store: CheckpointStore, step: int | None) -> CheckpointInfo:
                 f"{_steps_there(store.directory)}"
             )
         return store.at(step)  # sizes checked here, each file's checksum as it is read
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", CheckpointWarning)
-        info = store.latest()
-    skipped = [w for w in caught if issubclass(w.category, CheckpointWarning)]
+    info, caught, skipped = latest_skipping(store)
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if info is not None:
         return info
     if skipped:
-        reasons = "; ".join(skip_reason(w.message, store.directory) for w in skipped)
+        reasons = "; ".join(skipped)
         raise CheckpointError(
             f"none of the {len(skipped)} checkpoint(s) in {store.directory} is complete and "
             f"intact, nothing to export: {reasons}"

@@ -106,11 +106,8 @@ def _warn_skipped(text: str) -> None:
 
 class CheckpointStore(CheckpointFiles):
     """Checkpoints under ``directory``, keeping the newest ``keep`` complete ones: writing
-    (``CheckpointFiles``), and finding and loading them.
-
-    ``last_save_seconds``, ``last_commit_seconds`` and ``last_load_seconds`` time this process's
-    most recent call of each (``None`` before the first), for reliability reports.
-    """
+    (``CheckpointFiles``), and finding and loading them. ``last_save_seconds`` and the like
+    time this process's latest call of each (``None`` before the first)."""
 
     def save(self, step: int, rank: int, world_size: int, state: dict[str, Any]) -> Path:
         """Write this rank's ``state`` for ``step`` atomically; return the file's path.

@@ -26,10 +26,8 @@ the snapshots held in the mailbox, rank 0's commits the newest step every rank w
 peers' writers have ended, and it exits. It holds a lock for its life
 (``gradsync.checkpoint.writer_locks``) so that a restarted attempt reads the directory only after.
 
-When such a process dies, its rank's writer starts another one (``writer_process``,
-``_take_over``) and sends it the snapshots the dead one had not written, as ``write`` messages
-carrying their bytes, and on rank 0 a ``commit`` of the step it wrote last, then closes the
-socket: the new process writes them and ends as when a rank dies, committing on rank 0.
+When such a process dies, another one is sent the snapshots it had not written, as ``write``
+messages carrying their bytes (``writer_process._take_over``), and ends as when a rank dies.
 """
 
 from __future__ import annotations
