@@ -323,39 +323,34 @@ class Checkpointer:
         # nothing else can fail, so that a load that raised leaves none on any rank.
         rows = _own_telemetry(store, info, state, self.rank, changed)
         role = self.strategy.server_role()
-        registered = state.get(REGISTERED)
         if role is not None:
             role.restore(state["server"])
             self.load_sync_state(state["sync"])
-            self.registry.load(registered, step=step, world_changed=changed, warn=self.rank == 0)
-            _restore_rows(self, rows, store.directory)
-            return {**(state.get("extra") or {}), "step": self.step()}
-        _load_model(self, state, info)
-        self.optimizer.load_state_dict(state["optimizer"])
-        lost = bool(state["sync"].get("strategy", {}).get("compressor"))
-        if changed and lost and self.rank == 0:
-            warnings.warn(
-                f"resuming BSP from {saved_world} ranks on {self.world_size}: the model and "
-                "optimizer state come from the checkpoint; per-rank compressor state (error "
-                "feedback) restarts from zero",
-                CheckpointWarning,
-                stacklevel=2,
-            )
-        if changed:
-            # The strategy keeps the state it was built with (fresh compressor state): an empty
-            # dict instead would make error feedback look for saved residuals (KeyError 'inner').
-            self.load_sync_state(
-                {"step": state["sync"]["step"], "strategy": self.strategy.state_dict()}
-            )
         else:
-            self.load_sync_state(state["sync"])
-            set_rng_state(state["rng"])
+            _load_model(self, state, info)
+            self.optimizer.load_state_dict(state["optimizer"])
+            lost = bool(state["sync"].get("strategy", {}).get("compressor"))
+            if changed and lost and self.rank == 0:
+                warnings.warn(
+                    f"resuming BSP from {saved_world} ranks on {self.world_size}: the model and "
+                    "optimizer state come from the checkpoint; per-rank compressor state (error "
+                    "feedback) restarts from zero",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+            if changed:
+                # The strategy keeps the state it was built with (fresh compressor state): an
+                # empty dict would make error feedback look for saved residuals (KeyError 'inner').
+                sync = {"step": state["sync"]["step"], "strategy": self.strategy.state_dict()}
+                self.load_sync_state(sync)
+            else:
+                self.load_sync_state(state["sync"])
+                set_rng_state(state["rng"])
         # After the model and optimizer: a registered scheduler's state refers to its optimizer.
-        self.registry.load(registered, step=step, world_changed=changed, warn=self.rank == 0)
+        warn = self.rank == 0
+        self.registry.load(state.get(REGISTERED), step=step, world_changed=changed, warn=warn)
         _restore_rows(self, rows, store.directory)
-        extra: dict[str, Any] = dict(state.get("extra") or {})
-        extra["step"] = self.step()
-        return extra
+        return {**(state.get("extra") or {}), "step": self.step()}
 
     def writer_for(self, directory: str | Path, keep: int) -> Writer:
         """This rank's background writer for ``directory`` (one directory at a time)."""

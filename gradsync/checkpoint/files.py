@@ -320,15 +320,12 @@ class CheckpointFiles:
         """Keep the newest ``keep`` complete checkpoints at or below step ``newest`` (default:
         the newest complete one); delete older checkpoints and older incomplete directories.
 
-        Directories above ``newest`` are never touched: they are a save in progress, or a
-        damaged checkpoint from before a resume, which the next save of that step replaces.
-        An incomplete directory between the kept checkpoints (left by writers of an earlier
-        attempt, stopped, that wrote on after a resume) is deleted too, unless a writer of
-        another attempt than ``save_id`` is still alive (``writer_locks``) or the directory
-        holds anything but rank files (``_abandoned_files``). This attempt's commits go oldest
-        first (``commits``; ``commit_newest`` stops at a newer commit), so no step older than
-        the newest one committed is committed later. Returns the directories removed.
-        """
+        Directories above ``newest`` are never touched: a save in progress, or a damaged
+        checkpoint from before a resume. An incomplete one between the kept checkpoints (from
+        stopped writers of an earlier attempt) goes too, unless a writer of another attempt
+        than ``save_id`` is alive (``writer_locks``) or it holds anything but rank files: no
+        older step is committed later (commits go oldest first; docs/checkpoints.md, "Keep-K").
+        Returns the directories removed."""
         dirs = self._step_dirs()
         complete = [
             s
@@ -361,18 +358,12 @@ class CheckpointFiles:
         return removed
 
     def remove_abandoned(self, *, above: int, world_size: int, own_save_id: str) -> list[Path]:
-        """Remove the step directories above ``above`` that no commit can make a checkpoint
-        of any more: left by writers of earlier attempts (the held snapshots a dying rank's
-        writer writes, where a peer held only the one before), never committed. Call it only
-        once every writer of an earlier attempt has ended (``writer_locks``), with
-        ``above`` the step being resumed from.
-
-        A directory is removed only when it has no manifest, holds no file of
-        ``own_save_id`` (this attempt's), no attempt has a file of every rank ``0 ..
-        world_size - 1`` in it (a complete step not committed holds the newest state: it is
-        kept), and it holds nothing but rank files, their ``.sum`` files and temporary files
-        of gradsync's writes. Returns the directories removed. Why: every later ``latest()``
-        warned about them again (docs/checkpoints.md, "Keep-K")."""
+        """Remove the step directories above ``above`` (the step being resumed from) that
+        writers of earlier attempts left and no commit can complete; call it only once they
+        have all ended (``writer_locks``). Kept: a directory with a manifest, a file of
+        ``own_save_id``, every rank's file of one attempt (the newest state), or anything but
+        rank files (``_abandoned_files``). Returns the directories removed. Why: every later
+        ``latest()`` warned about them again (docs/checkpoints.md, "Keep-K")."""
         removed = []
         for step, path in self._step_dirs():
             if step <= above:

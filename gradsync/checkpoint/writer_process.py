@@ -450,13 +450,10 @@ class ProcessCheckpointWriter(WriterBase):
         ]
 
     def _take_over(self, unwritten: list[tuple[Any, ...]]) -> str:
-        """Start a child that writes ``unwritten`` and, on rank 0, commits the newest step
-        every rank wrote once the peers' writers have ended: what the dead child would have
-        done as its rank died. Why: the held snapshots live only in this process, so with its
-        writer dead a rank that failed left nothing newer than its last file, up to
-        ``FILES_EVERY`` steps back (rank 0's, nothing committed after it). Its socket is
-        closed once it has been sent them: it writes them and ends, as when a rank dies.
-        Returns what became of them, for the error."""
+        """Start a child that writes ``unwritten`` (the held snapshots live only in this
+        process) and, on rank 0, commits the newest step every rank wrote, then ends: what the
+        dead child would have done as its rank died. Returns what became of them, for the
+        error."""
         steps = [m[1] for m in unwritten]
         commit = self.commits and self._written > self._committed
         if not steps and not commit:
