@@ -230,11 +230,6 @@ class BufferPool:
         #: where it began)
         self.shares: dict[Any, _EncodedShare] = {}
 
-    def new_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        if self.allocate is None:
-            return torch.empty(numel, dtype=dtype)
-        return self.allocate(dtype, numel)
-
     def key(self, dtype: torch.dtype, shapes: tuple[torch.Size, ...]) -> _PoolKey:
         """The key of a group of ``dtype`` tensors of ``shapes``: the last one made for that
         dtype while the shapes are equal (compared object by object first: a planned share's
@@ -330,7 +325,9 @@ def pack(state: Any, pool: BufferPool | None = None) -> Packed:
     for key, group in zip(keys, groups, strict=True):
         entry = pool.take(key)
         if entry is None:
-            buf = pool.new_buffer(key.dtype, leaves.sizes.get(key.dtype, 0))
+            numel = leaves.sizes.get(key.dtype, 0)
+            make = pool.allocate
+            buf = torch.empty(numel, dtype=key.dtype) if make is None else make(key.dtype, numel)
             if devices:  # a GPU's state: pinned once, so that every copy into it is DMA
                 compat.pin_host_memory(buf)
             views = [

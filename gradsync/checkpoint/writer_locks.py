@@ -81,20 +81,21 @@ def released(directory: str | Path, save_id: str, rank: int) -> bool:
     return _free(_path(directory, save_id, rank))
 
 
+def _locks(directory: str | Path, except_save_id: str | None) -> list[Path]:
+    """The lock files in ``directory`` but those of attempt ``except_save_id``."""
+    root = Path(directory) / LOCK_DIR
+    try:
+        names = sorted(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    own = None if except_save_id is None else f"{except_save_id}.rank-"
+    return [root / n for n in names if n.endswith(".lock") and not (own and n.startswith(own))]
+
+
 def others_alive(directory: str | Path, save_id: str) -> bool:
     """Whether a writer process of another attempt than ``save_id`` still holds its lock in
     ``directory`` (it may still write into any step directory)."""
-    root = Path(directory) / LOCK_DIR
-    try:
-        names = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    return any(
-        name.endswith(".lock")
-        and not name.startswith(f"{save_id}.rank-")
-        and not _free(root / name)
-        for name in names
-    )
+    return any(not _free(path) for path in _locks(directory, save_id))
 
 
 def wait_for_writers(
@@ -103,22 +104,12 @@ def wait_for_writers(
     """Until every writer process of ``directory`` has ended but those of ``except_save_id``
     (this attempt's own), then remove their lock files. Returns the locks still held at the
     timeout (their writers may still write: the caller warns)."""
-    root = Path(directory) / LOCK_DIR
-    try:
-        names = sorted(os.listdir(root))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     deadline = time.monotonic() + timeout_s
     held = []
-    for name in names:
-        if not name.endswith(".lock"):
-            continue
-        if except_save_id is not None and name.startswith(f"{except_save_id}.rank-"):
-            continue
-        path = root / name
+    for path in _locks(directory, except_save_id):
         while not _free(path):
             if time.monotonic() >= deadline:
-                held.append(name)
+                held.append(path.name)
                 break
             time.sleep(_POLL_S)
         else:
