@@ -94,9 +94,8 @@ def export_checkpoint(
 
 def single_process_state(directory: str | Path, *, step: int | None = None) -> dict[str, Any]:
     """The newest complete checkpoint in ``directory`` (or the one of ``step``) as a
-    single-process script would hold it: ``{"model": ..., "optimizer": ..., "step": N,
-    "extra": {...}}`` (the ``model.state_dict()`` and ``optimizer.state_dict()`` of
-    ``EXPORTABLE``). Raises as ``export_checkpoint`` does."""
+    single-process script would hold it (the module docstring's dict), without writing it.
+    Raises as ``export_checkpoint`` does."""
     return _read(directory, step)[0]
 
 
@@ -149,10 +148,9 @@ def _find(store: CheckpointStore, step: int | None) -> CheckpointInfo:
     newer ones skipped are warned about, each with its reason, as a resume would)."""
     if step is not None:
         if not store.step_dir(step).is_dir():
-            raise CheckpointError(
-                f"no checkpoint of step {step} in {store.directory}; "
-                f"{_steps_there(store.directory)}"
-            )
+            steps = sorted(p.name for p in store.directory.glob("step-*") if p.is_dir())
+            there = f"it holds {', '.join(steps)}" if steps else "it holds no checkpoint"
+            raise CheckpointError(f"no checkpoint of step {step} in {store.directory}; {there}")
         return store.at(step)  # sizes checked here, each file's checksum as it is read
     info, caught, skipped = latest_skipping(store)
     for w in caught:
@@ -169,13 +167,6 @@ def _find(store: CheckpointStore, step: int | None) -> CheckpointInfo:
         f"no checkpoint in {store.directory}: nothing to export (a run writes them with "
         "--checkpoint-every N, a script with sync.save(dir))"
     )
-
-
-def _steps_there(directory: Path) -> str:
-    steps = sorted(p.name for p in directory.glob("step-*") if p.is_dir())
-    if not steps:
-        return "it holds no checkpoint"
-    return f"it holds {', '.join(steps)}"
 
 
 def _check_exportable(strategy: str, info: CheckpointInfo) -> None:

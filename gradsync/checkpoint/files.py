@@ -259,12 +259,10 @@ class CheckpointFiles:
         self, world_size: int, *, newest: int, save_id: str = "", durable: bool = False
     ) -> CheckpointInfo | None:
         """Commit the newest step at or below ``newest`` whose every rank's file of ``save_id``
-        is written, unless it (or a newer one) is committed already; ``None`` when there is
-        none to commit. What a committer does last, after its peers' writers have ended;
-        ``newest``: the newest step it wrote its own file of (a directory above it is left
-        from before a rollback to an older step). From the directory, not the steps the
-        committer has in hand: it gives steps up at their deadline, and a peer whose writer was
-        stopped writes its files only as it ends."""
+        is written (read from the directory: a peer whose writer was stopped writes its files
+        only as it ends), unless it or a newer one is committed already; ``None`` when there is
+        none. What a committer does last, once its peers' writers have ended; ``newest``: the
+        newest step it wrote its own file of (a directory above it predates a rollback)."""
         for step, _path in self._step_dirs():
             if step > newest:
                 continue

@@ -108,11 +108,9 @@ class Packed:
 class Share:
     """A subtree of which this rank packs only the tensors ``owner`` gives to ``rank`` (in
     ``checkpoint.replicas`` order); each other tensor is packed as an empty tensor of its dtype.
-
-    With ``skeleton`` (from ``skeleton()`` of ``tree``, and ``tensors``, its tensors in the same
-    order), ``pack`` given a ``BufferPool`` reuses the encoding of an earlier snapshot whose
-    share had the same skeleton, owners and rank instead of walking the tree again: the model
-    and optimizer state every step, alike but for the tensors' values."""
+    With ``skeleton`` (``skeleton(tree)``, and ``tensors`` in its order), ``pack`` given a
+    ``BufferPool`` reuses an earlier snapshot's encoding of a share with the same skeleton,
+    owners and rank instead of walking the tree again (the model and optimizer state)."""
 
     tree: Any
     owner: Sequence[int]
@@ -295,13 +293,10 @@ class _Leaves:
 
 
 def pack(state: Any, pool: BufferPool | None = None) -> Packed:
-    """Copy ``state``'s tensors into per-dtype buffers (on the CPU) and describe the rest.
-
-    Containers are rebuilt as JSON, so later changes to the caller's dicts and lists do not
-    reach the snapshot. Raises ``TypeError`` for anything else (the caller checks states with
-    ``_check_weights_only_safe`` first, which names the offending entry). With ``pool``, the
-    buffers come from (and, through ``Packed.release``, go back to) it.
-    """
+    """Copy ``state``'s tensors into per-dtype buffers (on the CPU) and describe the rest as
+    JSON, so later changes to the caller's containers do not reach the snapshot. ``TypeError``
+    for anything else (``store.snapshot`` then names the entry). With ``pool``, the buffers
+    come from (and, through ``Packed.release``, go back to) it."""
     leaves = _Leaves(pool.shares if pool is not None else None)
     tree = _encode(state, leaves)
     order = list(leaves.by_dtype)

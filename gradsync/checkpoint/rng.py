@@ -46,35 +46,30 @@ class _Words:
 _PYTHON_WORDS, _NUMPY_WORDS = _Words(), _Words()
 
 
-def _python_state() -> dict[str, Any]:
-    version, internal, gauss_next = random.getstate()
-    # A tensor, not a list of 625 ints: a checkpoint every step walks and encodes this state
-    # each time, and a list costs a Python object per word there.
-    words = _PYTHON_WORDS.python(internal)
-    return {"version": int(version), "state": words, "gauss_next": gauss_next}
-
-
-def _numpy_state() -> dict[str, Any]:
-    full: Any = np.random.get_state(legacy=True)
-    kind, words, pos, has_gauss, cached = full
-    return {
-        "kind": str(kind),
-        "keys": _NUMPY_WORDS.numpy(np.asarray(words)),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached),
-    }
-
-
 def rng_state() -> dict[str, Any]:
     """The torch CPU, CUDA (when initialized), Python ``random`` and numpy global RNG states.
 
     The Python and numpy state tensors are shared between calls while those states do not
     change: treat them as read-only (a checkpoint copies them)."""
+    version, internal, gauss_next = random.getstate()
+    numpy_state: Any = np.random.get_state(legacy=True)
+    kind, words, pos, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": _python_state(),
-        "numpy": _numpy_state(),
+        # A tensor, not a list of 625 ints: a checkpoint every step walks and encodes this
+        # state each time, and a list costs a Python object per word there.
+        "python": {
+            "version": int(version),
+            "state": _PYTHON_WORDS.python(internal),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "kind": str(kind),
+            "keys": _NUMPY_WORDS.numpy(np.asarray(words)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
     }
     # Asking for CUDA state initializes CUDA; a CPU-only (gloo) worker must not pay for that.
     # Initialized implies available; ``is_available`` alone took 9 us a save right after a step.

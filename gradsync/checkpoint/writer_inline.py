@@ -33,14 +33,10 @@ DURABLE_EVERY_S = 30.0
 
 class WriterBase:
     """What both writers share (this module's inline one, ``writer_process``'s child process):
-    the arguments, and when a step's checkpoint is complete. A subclass sets ``_written`` and
-    ``_committed``.
-
-    ``save_id`` must be the same string on every rank of this run (and differ from any earlier
-    run's or attempt's): it keeps rank 0 from committing a step with a peer's file left by an
-    attempt that was rolled back. ``timeout_s`` bounds how long rank 0 waits for a peer's file
-    after writing its own, and how long ``wait`` waits.
-    """
+    the arguments, and when a step's checkpoint is complete (a subclass sets ``_written`` and
+    ``_committed``). ``save_id``: the same on every rank of this run, new for every attempt, so
+    rank 0 never commits a step with a peer's file of an attempt rolled back. ``timeout_s``
+    bounds how long rank 0 waits for a peer's file after writing its own, and ``wait``."""
 
     def __init__(
         self,
@@ -94,10 +90,9 @@ class WriterBase:
 
 
 class InlineCheckpointWriter(WriterBase):
-    """One rank's writer for one checkpoint directory that writes on the caller's thread (see
-    the module docstring and ``WriterBase`` for the arguments). Nothing is ever in flight: a
-    ``submit`` returns once the file is written; rank 0 then commits each step whose peers'
-    files are there, now or at a later call."""
+    """One rank's writer for one checkpoint directory, on the caller's thread: a ``submit``
+    returns once the file is written; rank 0 then commits each step whose peers' files are
+    there, now or at a later call."""
 
     def __init__(self, store: CheckpointStore, **kwargs: Any) -> None:
         super().__init__(store, **kwargs)

@@ -183,12 +183,10 @@ def _spawn(init: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen[byt
 
 
 def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket, owner: int) -> None:
-    """Close the socket: the child then writes the snapshots it holds and ends by itself (it
-    is not killed: a rank leaving by an exception, or without ``close``, still gets them
-    written; a restarted attempt waits for it through its lock). A stopped child (SIGSTOP) is
-    continued first: it would otherwise never end, holding its lock and what it holds. Reaped
-    if already done. Only by ``owner``, the process that started it: in a process forked from
-    that one, the socket is the owner's too."""
+    """Close the socket: the child then writes the snapshots it holds and ends by itself (not
+    killed: a rank leaving by an exception still gets them written), continued first if
+    stopped, reaped if done. Only by ``owner``, the process that started it: in a process
+    forked from that one, the socket is the owner's too."""
     if os.getpid() != owner:
         return
     try:
