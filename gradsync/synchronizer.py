@@ -1371,6 +1371,15 @@ def _check_arguments(
             f"model {type(model).__name__} has no trainable parameters "
             "(none with requires_grad=True): there is nothing to synchronize"
         )
+    mine = {id(p) for p in model.parameters()}
+    if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        # built on another model, or on a copy: gradients would be averaged that this
+        # optimizer never applies, and the model would never move, silently
+        raise UsageError(
+            f"optimizer {type(optimizer).__name__} holds none of model "
+            f"{type(model).__name__}'s parameters: build it on model.parameters() (the same "
+            "tensors, not a copy of the model) before the Synchronizer"
+        )
     _check_dense_gradients(model)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise UsageError(

@@ -24,6 +24,8 @@ def _bad_synchronizers(rank: int, world: int) -> list[str]:
         lambda: gs.Synchronizer(model, opt, bucket_mb=0),
         lambda: gs.Synchronizer(model, opt, bucket_mb=-1.5),
         lambda: gs.Synchronizer(model, opt, strategy="ssp"),
+        # another model's optimizer: the model never moved, silently (a user tester's script)
+        lambda: gs.Synchronizer(model, torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)),
     ]
     for make in cases:
         try:
@@ -56,9 +58,10 @@ def test_api_usage_errors() -> None:
     assert messages[1].endswith("got 0"), messages[1]
     assert "got -1.5" in messages[2]
     assert "unknown strategy 'ssp'" in messages[3]
-    for m, bad in zip(messages[4:7], ("0", "-1", "1.5"), strict=True):
+    assert "optimizer SGD holds none of model Linear's parameters" in messages[4]
+    for m, bad in zip(messages[5:8], ("0", "-1", "1.5"), strict=True):
         assert f"micro_batches must be an integer >= 1, got {bad}" in m
-    assert "micro_batches=2) but the block ran 1 backward pass" in messages[7]
+    assert "micro_batches=2) but the block ran 1 backward pass" in messages[8]
 
 
 def _wrong_passes(rank: int, world: int) -> dict[str, list[str]]:
