@@ -9,6 +9,7 @@ step time and barrier tax, for the run as it was or with one thing changed.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections import defaultdict
@@ -101,6 +102,8 @@ class RunProfile:
     strategy: str
     bucket_mb: float | None  # None: the default plan (spec.default_bucket_mb)
     compute_ms: dict[int, np.ndarray]
+    # bytes one rank puts on the wire per step, on average over the run's steps: for
+    # ``local:H`` and ``diloco:H``, which send only every H-th step, a whole exchange / H
     bytes_per_step: float
     # median over sync periods of the time per step, as ``predict`` reports it: for the
     # free-running strategies (``FREE_RUNNING``) from when every rank had finished a step to
@@ -125,6 +128,22 @@ class RunProfile:
     # (``OWN_EXCHANGE``) a worker waits for its own push and pull only, never for another
     # worker's: the prediction charges each worker its own. None for a profile built by hand.
     comm_rank_steps: np.ndarray | None = None
+    # bytes of one exchange, what each all-reduce carries (median over the steps that sent);
+    # None: every step is an exchange (bytes_per_step)
+    bytes_per_exchange: float | None = None
+    # steps per exchange: H for local:H and diloco:H (``PERIODIC``), else 1
+    period: int = 1
+    # rows of the ``*_steps`` arrays whose step exchanged, where only some do (``PERIODIC``);
+    # the exchange a prediction charges is drawn from these. None: every row
+    exchange_rows: np.ndarray | None = None
+    # median over the rank-steps that did not exchange of their comm (the optimizer step and
+    # the host's work around it), which a ``PERIODIC`` run pays at every local step; 0 else
+    local_overhead_ms: float = 0.0
+
+    @property
+    def exchange_bytes(self) -> float:
+        """Bytes of one exchange (one all-reduce of the payload)."""
+        return self.bytes_per_step if self.bytes_per_exchange is None else self.bytes_per_exchange
 
     def slowest_rank(self) -> int:
         return max(self.compute_ms, key=lambda r: float(np.median(self.compute_ms[r])))
@@ -137,6 +156,10 @@ FREE_RUNNING = ("ssp", "async", "hogwild")
 #: strategies whose workers each pay their own exchange (a push and a pull to the servers),
 #: with no collective that makes one worker wait for another's
 OWN_EXCHANGE = ("ssp", "async")
+#: strategies that exchange every H-th step only (H local steps, then one all-reduce): the
+#: other steps send nothing, so neither the median of the bytes per step nor a step drawn at
+#: random says what an exchange costs
+PERIODIC = ("local", "diloco")
 
 
 def _kind(strategy: str) -> str | None:
@@ -144,6 +167,35 @@ def _kind(strategy: str) -> str | None:
         return parse_sim_strategy(strategy).kind
     except UsageError:
         return None
+
+
+def _period(strategy: str) -> int:
+    """H for plain ``local:H`` and ``diloco:H``, else 1 (streaming DiLoCo is refused by
+    ``_calibrated``: its exchanges are fragments)."""
+    try:
+        parsed = parse_sim_strategy(strategy)
+    except UsageError:
+        return 1
+    if parsed.kind in PERIODIC and not parsed.streaming:
+        return int(parsed.param)
+    return 1
+
+
+def _round_ms(records: list[StepRecord], ends: list[int]) -> float | None:
+    """The median over rounds of the time per step of a round, a round being the steps after
+    exchange step ``ends[i-1]`` up to ``ends[i]``: the slowest rank's compute + sync summed
+    over the round (its last step's sync holds the barrier wait), over the round's steps
+    (ms), as a barrier run's step is the slowest rank's compute + sync; None without a whole
+    round."""
+    spent: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for r in records:
+        i = bisect.bisect_left(ends, r.step)  # the round whose exchange step ends it
+        if 0 < i < len(ends):
+            spent[i][r.rank] += r.compute + r.sync
+    rounds = [
+        1000.0 * max(by_rank.values()) / (ends[i] - ends[i - 1]) for i, by_rank in spent.items()
+    ]
+    return float(np.median(rounds)) if rounds else None
 
 
 def _period_ms(records: list[StepRecord], steps: list[int]) -> float | None:
@@ -265,12 +317,33 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
         # at a step is the longest of the ranks' steps, above the pace at which the run went
         # (the median of a 4-worker ssp:1 run's was 24% above it)
         measured = _period_ms(every, full) or measured
+    period = _period(strategy)
+    bytes_per_step = float(np.median([r.bytes for r in records]))
+    bytes_per_exchange: float | None = None
+    exchange_rows: np.ndarray | None = None
+    local_overhead = 0.0
+    if period > 1:
+        # Only every H-th step sends: the median over steps is 0 bytes (a local:4 run was
+        # priced as no exchange at all, its prediction 14-35% off). An exchange is what a
+        # step that sent carried; a step draws its comm from those steps.
+        sent = [r for r in records if r.bytes > 0]
+        bytes_per_exchange = float(np.median([r.bytes for r in sent])) if sent else 0.0
+        bytes_per_step = bytes_per_exchange / period
+        exchanged = {r.step for r in sent}
+        rows = [i for i, t in enumerate(full) if t in exchanged]
+        if rows:
+            exchange_rows = np.asarray(rows)
+        local = [1000.0 * r.comm for r in records if r.step not in exchanged]
+        local_overhead = float(np.median(local)) if local else 0.0
+        # The statistic predict reports for H-step periods: a round's time over its steps
+        # (the per-step median is a local step's, the exchange lost to it)
+        measured = _round_ms(records, sorted(exchanged & set(full))) or measured
     return RunProfile(
         nproc=int(config.get("nproc", len(compute))),
         strategy=strategy,
         bucket_mb=_planned_bucket_mb(run_dir, config.get("bucket_mb")),
         compute_ms={k: np.asarray(v) for k, v in sorted(compute.items())},
-        bytes_per_step=float(np.median([r.bytes for r in records])),
+        bytes_per_step=bytes_per_step,
         measured_step_ms=measured,
         measured_barrier_tax=idle / wall if wall > 0 else 0.0,
         measured_comm_ms=float(np.median([1000.0 * r.comm for r in records])),
@@ -285,6 +358,10 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
         ),
         config=config,
         comm_rank_steps=np.asarray([[grid[t][k][1] for k in ranks] for t in full]),
+        bytes_per_exchange=bytes_per_exchange,
+        period=period,
+        exchange_rows=exchange_rows,
+        local_overhead_ms=local_overhead,
     )
 
 
@@ -367,7 +444,7 @@ def _collective_ms(
 ) -> tuple[np.ndarray, str]:
     """Per simulated step, the all-reduce time the slowest rank waits for, and its source."""
     steps = run_collective.shape[0]
-    nbytes = profile.bytes_per_step / ratio
+    nbytes = profile.exchange_bytes / ratio
     # as the run plans them: a small first bucket, then bucket_mb ones (spec.bucket_sizes_mb)
     total_mb = nbytes / 2**20
     bucket_mb = profile.bucket_mb or default_bucket_mb(total_mb)
@@ -424,6 +501,10 @@ def predict(
     else:
         rows = rng.integers(n_run, size=(steps, workers))
         comm_rows = rng.integers(n_run, size=steps)
+    if profile.exchange_rows is not None:
+        # Every simulated exchange is one of the run's exchanges (local:H, diloco:H), whatever
+        # the strategy simulated: a step drawn at random is a local step, with none.
+        comm_rows = profile.exchange_rows[rng.integers(len(profile.exchange_rows), size=steps)]
     src = np.broadcast_to(cols, (steps, workers)).copy()
     if wi.remove_straggler and n_ranks > 1:
         slow = profile.slowest_rank()
@@ -463,6 +544,13 @@ def predict(
         assert profile.comm_rank_steps is not None
         comm_steps = profile.comm_rank_steps[rows, cols] / wi.compression_ratio
         source = "run telemetry (each worker's own)"
+    if strategy.kind in PERIODIC and profile.local_overhead_ms > 0:
+        # A local step of the run paid its own comm (the optimizer step, the host's work) on
+        # top of compute; the simulated round's exchange step pays the exchange's instead.
+        h = int(strategy.param)
+        local_step = (np.arange(steps) + 1) % h != 0
+        local_step[-1] = False
+        compute = compute + np.where(local_step, profile.local_overhead_ms, 0.0)[:, None]
     res = simulate(strategy, compute, CommModel(comm_ms=0.0), comm_steps=comm_steps)
     spread = np.zeros(steps)
     # (each worker's own comm is what its telemetry counts: nothing outside it to leave out)

@@ -346,6 +346,8 @@ def from_run(args: SimulateOptions) -> int:
         "run": str(args.from_run),
         "nproc": profile.nproc,
         "bytes_per_step": profile.bytes_per_step,
+        "bytes_per_exchange": profile.exchange_bytes,
+        "steps_per_exchange": profile.period,
         "comm_source": base.comm_source,
         "resample": args.resample,
         "measured": {
@@ -362,9 +364,14 @@ def from_run(args: SimulateOptions) -> int:
         "slowest_rank": profile.slowest_rank(),
     }
     err = base.step_ms / profile.measured_step_ms - 1 if profile.measured_step_ms > 0 else 0.0
+    sent = f"{profile.bytes_per_step / 2**20:.2f} MiB per step"
+    if profile.period > 1:
+        sent = (
+            f"{profile.exchange_bytes / 2**20:.2f} MiB per exchange, every {profile.period} "
+            f"steps ({sent})"
+        )
     lines = [
-        f"run {args.from_run}: {profile.nproc} ranks, {profile.strategy}, "
-        f"{profile.bytes_per_step / 2**20:.2f} MiB per step",
+        f"run {args.from_run}: {profile.nproc} ranks, {profile.strategy}, {sent}",
         f"comm from {base.comm_source}; compute resampled by {args.resample}",
         f"step = {STEP_STATISTIC}",
         f"{'':24}{'measured':>10}{'predicted':>11}",

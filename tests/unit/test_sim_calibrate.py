@@ -315,3 +315,60 @@ def test_each_parameter_server_worker_pays_its_own_exchange(tmp_path: Path) -> N
     assert total == pytest.approx(2 * res.wall_ms)  # every worker's time, accounted for
     with pytest.raises(UsageError, match="per-step comm"):
         simulate("bsp", compute, CommModel(comm_ms=0.0), comm_steps=comm)
+
+
+def _local_run(
+    path: Path, strategy: str, h: int, *, steps: int = 40, exchange_ms: float, local_ms: float
+) -> Path:
+    """A 4-rank ``local:H`` (or ``diloco:H``) run of 10 ms steps: every H-th step all-reduces
+    1 MB (``exchange_ms`` of comm), the others send nothing and pay ``local_ms`` (ms)."""
+    records = []
+    t0 = 0.0
+    for step in range(steps):
+        exchange = (step + 1) % h == 0
+        comm = (exchange_ms if exchange else local_ms) / 1000
+        for rank in range(4):
+            records.append(
+                StepRecord(
+                    rank=rank,
+                    step=step,
+                    time=t0,
+                    compute=0.010,
+                    sync=comm,
+                    idle=0.0,
+                    comm=comm,
+                    samples=8,
+                    bytes=1_000_000 if exchange else 0,
+                )
+            )
+        t0 += 0.010 + comm
+    path.mkdir()
+    write_records(path / "metrics.jsonl", records, append=False)
+    (path / "config.json").write_text(json.dumps({"nproc": 4, "strategy": strategy}))
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["local:4", "diloco:4"])
+def test_a_periodic_run_is_priced_by_what_an_exchange_sends(tmp_path: Path, strategy: str) -> None:
+    """local:H and diloco:H send every H-th step only: the median of the bytes per step was 0,
+    so a calibrated prediction priced no exchange at all, and the run's own comm was drawn
+    from steps at random, mostly local ones (a tester's runs read 14-35% off)."""
+    prof = load_profile(
+        _local_run(tmp_path / "r", strategy, 4, exchange_ms=4.0, local_ms=0.5), warmup=3
+    )
+    assert prof.exchange_bytes == 1_000_000
+    assert prof.bytes_per_step == pytest.approx(250_000)
+    assert prof.period == 4
+    # a round: four 10 ms steps, three local steps' 0.5 ms and one 4 ms exchange, over 4 steps
+    round_ms = (40.0 + 1.5 + 4.0) / 4
+    assert prof.measured_step_ms == pytest.approx(round_ms)
+    assert predict(prof, None).step_ms == pytest.approx(round_ms)
+    # 1 MB on a 1 GB/s ring of 4 costs 1.5 ms, once a round
+    assert predict(prof, LINK).step_ms == pytest.approx((40.0 + 1.5 + 1.5) / 4)
+    # what-ifs built on it: ssp:2 and bsp exchange every step, each as the run's exchange did
+    stale = predict(prof, LINK, WhatIf(strategy="ssp:2"))
+    assert stale.step_ms == pytest.approx(10.0 + 1.5)
+    assert predict(prof, None, WhatIf(strategy="bsp")).step_ms == pytest.approx(10.0 + 4.0)
+    assert predict(prof, None, WhatIf(strategy="local:8")).step_ms == pytest.approx(
+        (80.0 + 7 * 0.5 + 4.0) / 8
+    )
