@@ -99,7 +99,10 @@ class ServerStats:
 @dataclass(slots=True)
 class _Pull:
     clock: int  # the clock the worker will compute next
-    since: float
+    #: when the staleness bound began to hold this reply back (``time.perf_counter()``), None
+    #: when the bound allowed it at once: its reply waits for nothing but the server's own
+    #: processing, which is not idle (``async`` is always None)
+    held_since: float | None
 
 
 def _server_optimizer(
@@ -455,7 +458,9 @@ class _Server:
 
     def _counted(self, w: int) -> None:
         self.pushed[w] += 1
-        self.pending[w] = _Pull(clock=self.pushed[w], since=time.perf_counter())
+        clock = self.pushed[w]
+        held_since = None if self.allowed(clock) else time.perf_counter()
+        self.pending[w] = _Pull(clock=clock, held_since=held_since)
 
     def _set_lrs(self, lrs: list[float]) -> None:
         """This push's step uses the lr the worker's optimizer had for each group (its
@@ -479,14 +484,21 @@ class _Server:
         return all(self.done[w] or self.pushed[w] >= need for w in range(self.workers))
 
     def answer_ready(self) -> None:
+        """Reply to every pull the staleness bound now allows. The seconds a reply carries
+        (the worker's ``idle``) are those the bound held it back: from its push being applied
+        while the bound forbade its next clock to the message that lifted the bound (another
+        worker's push applied, or its end), which was applied just before this call. A reply
+        the bound allowed at once carries 0 (so always under ``async``): the server's own
+        processing (the update, this snapshot) is the worker's ``comm``, not idle."""
+        now = time.perf_counter()  # the bound lifted before the snapshot below
         ready = [v for v, pull in self.pending.items() if self.allowed(pull.clock)]
         if not ready:
             return
         flat = self.snapshot()
         k = min(self.pushed) - 1
-        now = time.perf_counter()
         for v in sorted(ready):
-            held = now - self.pending.pop(v).since
+            since = self.pending.pop(v).held_since
+            held = 0.0 if since is None else max(0.0, now - since)
             self.stats.held_seconds += held
             self.fresh_through[v] = k
             self.reply(v, held, flat)

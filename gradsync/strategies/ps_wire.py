@@ -25,7 +25,8 @@ nothing and replies with parameters) or ``DONE`` (the worker finished; the
 server replies with the final parameters once every worker is done). ``SAVED`` added to the
 kind of a push, a skipped push or ``DONE`` is a checkpoint request as well, made after the
 worker's previous push: the server snapshots before it applies the message. A reply is one
-tensor in the parameters' dtype: the seconds the server held it, then the shard's parameters.
+tensor in the parameters' dtype: the seconds the staleness bound held it (0 when the bound
+allowed it at once, always under ``async``), then the shard's parameters.
 
 Posting and waiting: ``post`` and ``wait`` turn a failed or late point-to-point operation into
 a ``SyncTimeoutError`` naming the peer (gloo raises at posting time, not only at wait, when

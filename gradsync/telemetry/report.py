@@ -113,6 +113,19 @@ class RunReport:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
+    def _idle_line(self) -> str:
+        """The barrier tax, or, in a run where no step met at a barrier (a parameter server,
+        hogwild), what its idle is: the replies the staleness bound held back (README,
+        "Telemetry for the dial"; never under ``async``)."""
+        if not self.records or any(r.barrier for r in self.records):
+            return f"barrier tax: {self.barrier_tax:.1%} of wall time spent idle at barriers"
+        if self.barrier_tax == 0:
+            return "barrier tax: none (no step waits at a barrier in this run)"
+        return (
+            f"no barrier in this run; idle: {self.barrier_tax:.1%} of wall time spent waiting "
+            "for replies the parameter server held back for the staleness bound"
+        )
+
     def format(self) -> str:
         """The per-rank table users read at the end of a run."""
         head = f"{'rank':>4}  {'compute s':>10} {'comm s':>9} {'idle s':>9}  "
@@ -124,7 +137,7 @@ class RunReport:
                 f"{t.share('compute'):>8.1%} {t.share('comm'):>6.1%} {t.share('idle'):>6.1%}  "
                 f"{t.bytes / 1e6:>9.2f}"
             )
-        lines.append(f"barrier tax: {self.barrier_tax:.1%} of wall time spent idle at barriers")
+        lines.append(self._idle_line())
         pace = self.pace_setter
         if pace is not None and self.steps:
             lines.append(
