@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ class RunAnalysis:
     scores: list[RankScores] = field(default_factory=list)
     #: the step records analysed (``read_records``'), for a caller that says more of them
     records: list[StepRecord] = field(default_factory=list)
+    #: set by ``gradsync report`` when its straggler settings differ from those the run's
+    #: report.json was written with, which it leaves as the run wrote it: a line saying so
+    run_settings: str = ""
 
     def format(self) -> str:
         ranks = len(self.report.ranks)
@@ -77,12 +81,14 @@ class RunAnalysis:
         cfg = self.config
         window = counted(cfg.window, "step")
         lines.append(f"stragglers (window {window}, threshold {cfg.threshold:g}):")
-        lines += [f"  {f.describe()}" for f in self.findings] or [
-            f"  none: no rank was {1 / cfg.threshold:.2f}x slower than the fastest rank, with "
-            f"the others waiting for it, for {counted(cfg.min_len, 'step')} or more after the "
-            f"first "
-            f"{cfg.warmup} (see docs/observability.md)"
-        ]
+        if self.unjudged:
+            lines.append(f"  none judged: {self.unjudged}")
+        else:
+            lines += [f"  {f.describe()}" for f in self.findings] or [
+                f"  none: no rank was {1 / cfg.threshold:.2f}x slower than the fastest rank, "
+                f"with the others waiting for it, for {counted(cfg.min_len, 'step')} or more "
+                f"after the first {cfg.warmup} (see docs/observability.md)"
+            ]
         if any(s.lowest_relative is not None for s in self.scores):
             lines += [
                 "",
@@ -93,7 +99,22 @@ class RunAnalysis:
         if self.outputs:
             lines += ["", "written:"] + [f"  {p}" for p in self.outputs]
             lines.append("  (open trace.json at https://ui.perfetto.dev or chrome://tracing)")
+        if self.run_settings:
+            lines += ["", self.run_settings]
         return "\n".join(lines)
+
+    @property
+    def unjudged(self) -> str:
+        """Why no step was scored (empty when some were): the run has fewer recorded steps
+        than the warm-up plus one window, so there is neither a finding nor a score."""
+        cfg, steps = self.config, self.report.steps
+        if steps >= cfg.warmup + cfg.window:
+            return ""
+        return (
+            f"the run has {counted(steps, 'step')}, fewer than the warm-up ({cfg.warmup}) plus "
+            f"one window ({counted(cfg.window, 'step')}): no step was scored, so there are no "
+            "findings and no scores; lower the warm-up or the window"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +126,8 @@ class RunAnalysis:
             "stragglers": [f.to_dict() for f in self.findings],
             "scores": [s.to_dict() for s in self.scores],
             "outputs": [str(p) for p in self.outputs],
+            **({"unjudged": self.unjudged} if self.unjudged else {}),
+            **({"run_settings": self.run_settings} if self.run_settings else {}),
         }
 
     def run_report(self) -> dict[str, Any]:
@@ -174,7 +197,16 @@ def _read_run(path: Path) -> tuple[list[StepRecord], list[Span]]:
             + (runs_below(path) or "is it a gradsync run directory?")
         )
     try:
-        records, spans = read_records(path), read_spans(path)
+        # A torn last line is dropped with a RuntimeWarning (records.read_jsonl); here it is
+        # one line of the command's output, not Python's warning format with this source line.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            records, spans = read_records(path), read_spans(path)
+        for w in caught:
+            if issubclass(w.category, RuntimeWarning):
+                print(f"gradsync: warning: {w.message}", file=sys.stderr)
+            else:  # not the reader's: as Python would show it
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except (ValueError, TypeError) as e:  # JSON or schema damage: its file and line say where
         raise UsageError(f"cannot report on {path}: {e}") from None
     except OSError as e:
@@ -247,6 +279,7 @@ def handler(args: argparse.Namespace) -> int:
     analysis = analyze_run(
         args.run_dir, args.window, args.threshold, plots=not args.no_plots, warmup=args.warmup
     )
+    analysis.run_settings = _run_settings(analysis)
     print(json.dumps(analysis.to_dict(), indent=2) if args.json else analysis.format())
     return 0
 
@@ -254,6 +287,30 @@ def handler(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry point (``python -m gradsync.telemetry.cli report RUN_DIR``)."""
     return run_commands("gradsync", add_parsers, argv)
+
+
+def _run_settings(analysis: RunAnalysis) -> str:
+    """A line for ``gradsync report`` run with other straggler settings than the run's own:
+    report.json is the run's record, written once with its settings and the strategy's own
+    measures, which the report cannot recompute; the report leaves it as it was, and only
+    trace.json, the plots and this summary follow the new settings. Empty when they agree, or
+    without a readable report.json."""
+    path = analysis.run_dir / REPORT_FILE
+    try:
+        written = json.loads(path.read_text(encoding="utf-8"))
+        theirs = tuple(written[f"straggler_{k}"] for k in ("window", "threshold", "warmup"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    cfg = analysis.config
+    if theirs == (cfg.window, cfg.threshold, cfg.warmup):
+        return ""
+    window, threshold, warmup = theirs
+    return (
+        f"note: {path} keeps the run's own findings and scores (window {window}, threshold "
+        f"{threshold:g}, warm-up {warmup}) and is left as it was; the findings and scores above, "
+        f"{TRACE_FILE} and the plots are for window {cfg.window}, threshold "
+        f"{cfg.threshold:g}, warm-up {cfg.warmup} (--json prints them)"
+    )
 
 
 def _bytes(records: list[StepRecord], run_dir: Path) -> dict[str, float]:
