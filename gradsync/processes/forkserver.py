@@ -67,8 +67,15 @@ __all__ = ["PRELOAD", "START_METHOD_ENV", "available", "start_method"]
 #: where ``start_method`` says it is safe).
 START_METHOD_ENV = "GRADSYNC_START_METHOD"
 
-#: What the forkserver imports before it forks anything.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "gradsync.processes.forkserver_ready"]
+#: What the forkserver imports before it forks anything (``forkserver_quiet`` first: a Ctrl-C
+#: during the imports is ignored, see its docstring; ``forkserver_ready`` last).
+PRELOAD = [
+    "gradsync.processes.forkserver_quiet",
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "gradsync.processes.forkserver_ready",
+]
 
 # The process settings gradsync started this process's forkserver with; None before it did.
 _started_with: dict[str, Any] | None = None

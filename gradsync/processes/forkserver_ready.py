@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 
 import torch
@@ -36,4 +37,8 @@ def _reseed() -> None:
 
 
 os.register_at_fork(after_in_child=_reseed)
+# ``forkserver_quiet`` ignored SIGINT during the imports: Python's forkserver keeps the handler
+# it finds here as the one its workers get, which must be Python's own (a KeyboardInterrupt).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 gc.freeze()
