@@ -151,8 +151,10 @@ def _stop_threads() -> None:
 def _at_exit() -> None:
     # A second Ctrl-C while the process already exits (the terminal's and the launcher's both
     # come) asks for what is under way: a traceback of it ("Exception ignored in atexit
-    # callback") was all it added to the run's one-line stop.
-    with contextlib.suppress(KeyboardInterrupt):
+    # callback") was all it added to the run's one-line stop. It comes as a KeyboardInterrupt,
+    # or as SystemExit(130) where gradsync's launch turned interrupts into exits
+    # (``processes.launch._on_interrupt``).
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):
         _exit_cleanly()
 
 

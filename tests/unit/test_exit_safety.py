@@ -140,15 +140,20 @@ def test_a_second_ctrl_c_during_the_exit_prints_no_traceback(
     beside the run's one-line stop (tests/e2e/test_stopped_worker.py, under load)."""
     monkeypatch.setattr(exit_safety, "_destroy_the_group", lambda: None)
 
-    class Interrupted:
-        def stop(self) -> None:
-            raise KeyboardInterrupt
+    for interrupt in (KeyboardInterrupt(), SystemExit(130)):  # SystemExit: launch's handler
 
-    watch = Interrupted()
-    exit_safety.stop_at_exit(watch.stop)
-    try:
-        exit_safety._at_exit()
-    except KeyboardInterrupt:  # what atexit printed with its traceback
-        pytest.fail("a Ctrl-C during the exit's clean-up came out of it")
-    finally:
-        exit_safety._stoppers.clear()
+        class Interrupted:
+            def __init__(self, raised: BaseException) -> None:
+                self.raised = raised
+
+            def stop(self) -> None:
+                raise self.raised
+
+        watch = Interrupted(interrupt)
+        exit_safety.stop_at_exit(watch.stop)
+        try:
+            exit_safety._at_exit()
+        except (KeyboardInterrupt, SystemExit):  # what atexit printed with its traceback
+            pytest.fail(f"a Ctrl-C during the exit's clean-up came out of it: {interrupt!r}")
+        finally:
+            exit_safety._stoppers.clear()
