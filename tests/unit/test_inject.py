@@ -268,3 +268,34 @@ def test_a_slowdown_of_a_rank_the_group_lacks_is_refused(one_rank: None) -> None
         assert [(s.rank, s.factor, s.start) for s in sync.slowdowns] == [(0, 2.0, 5)]
     finally:
         sync.close()
+
+
+def test_a_slowdowns_sleep_is_counted_as_long_as_it_lasted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seconds returned are what the sleep took: the Synchronizer takes them out of the
+    step's compute, and a sleep that overran (as the scheduler makes it on a busy machine)
+    was counted as compute, growing every later delay (a user tester's --slow 1:3 gave 5.5x)."""
+    real_sleep = inject.time.sleep
+
+    def overrunning(seconds: float) -> None:
+        real_sleep(seconds + 0.02)
+
+    monkeypatch.setattr(inject.time, "sleep", overrunning)
+    slow = [inject.Slowdown(rank=0, factor=3.0)]
+    assert inject.apply_slowdowns(slow, rank=0, step=0, natural=0.005) >= 0.03
+    assert inject.apply_slowdowns(slow, rank=1, step=0, natural=0.005) == 0.0  # not this rank
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        ("1:0.5", "bad --slow value '1:0.5': slowdown factor must be in [1, 1000], got 0.5"),
+        ("1:3@30-10", "bad --slow value '1:3@30-10': slowdown end step 10 must be after its"),
+        ("-1:2", "bad --slow value '-1:2': slowdown rank must be >= 0, got -1"),
+        ("1:x", "bad --slow value '1:x'; valid: RANK:FACTOR[@START[-END]]"),
+    ],
+)
+def test_a_bad_slow_value_says_which_number_is_wrong(spec: str, said: str) -> None:
+    """Well-formed values out of range were told only the form, not what was wrong."""
+    with pytest.raises(UsageError) as info:
+        inject.parse_slow(spec)
+    assert str(info.value).startswith(said), str(info.value)
