@@ -157,7 +157,7 @@ class BSP(Strategy):
         elif asked == AUTO:
             why = ": kept by bucket_mb auto"
         logger.info(
-            "%s: %d gradient bucket(s) of %s MB (bucket_mb %g%s)",
+            "%s: %d gradient bucket(s) of %s MiB (bucket_mb %g%s)",
             self.name,
             len(sizes),
             ", ".join(f"{mb:.2f}" for mb in sizes),
