@@ -11,7 +11,13 @@ from gradsync.errors import UsageError
 from gradsync.flags import add_flags, from_namespace
 from gradsync.sim import commands
 from gradsync.sim.config import parse_sim_strategy
-from gradsync.sim.options import CALIBRATION_FILE, BenchOptions, SimulateOptions, emit
+from gradsync.sim.options import (
+    CALIBRATION_FILE,
+    DEFAULT_STRATEGY,
+    BenchOptions,
+    SimulateOptions,
+    emit,
+)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +52,20 @@ def parse_size(text: str) -> int:
         raise UsageError(f"bad size {text!r}: use bytes or a K/M/G suffix, e.g. 64K") from None
 
 
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``--sizes``: comma-separated sizes; an empty one is refused (``--sizes ''`` ran the
+    whole default set)."""
+    items = text.split(",")
+    if not all(item.strip() for item in items):
+        what = "has an empty item" if text.strip(" ,") else "names no size"
+        raise UsageError(
+            f"--sizes {text!r} {what}: give comma-separated sizes in bytes, each a positive "
+            "multiple of 4, K/M/G suffixes ok (e.g. 4K,64K,1M), or drop --sizes for the "
+            "default 4K..64M"
+        )
+    return tuple(parse_size(item) for item in items)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     opts = from_namespace(SimulateOptions, args)  # refuses what needs no simulation to refuse
     if opts.failures:
@@ -54,7 +74,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return commands.from_run(opts)
     if opts.sweep_staleness or opts.sweep_workers:
         return commands.sweeps(opts)
-    parse_sim_strategy(opts.strategy)
+    parse_sim_strategy(opts.strategy or DEFAULT_STRATEGY)
     return commands.single(opts)
 
 
@@ -64,7 +84,7 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     from gradsync.sim.calibrate import save_calibration
 
     opts = from_namespace(BenchOptions, args)
-    sizes = tuple(parse_size(s) for s in opts.sizes.split(",")) if opts.sizes else DEFAULT_SIZES
+    sizes = DEFAULT_SIZES if opts.sizes is None else parse_sizes(opts.sizes)
     cfg = BenchConfig(nproc=opts.nproc, sizes=sizes, repeats=opts.repeats)
     backend = default_backend()
     check_out(opts.out)  # before the measurement, which takes a while, not after it

@@ -22,7 +22,9 @@ from gradsync.sim.config import (
 from gradsync.sim.failures import LLAMA3, format_table, goodput
 from gradsync.sim.gate import REQUESTS_PER_RANK
 from gradsync.sim.options import (
+    DEFAULT_STRATEGY,
     SimulateOptions,
+    check_gate,
     comm_model,
     compute_model,
     emit,
@@ -75,7 +77,8 @@ def beside_bsp(compute: np.ndarray, comm: CommModel) -> list[dict[str, Any]]:
 
 def single(args: SimulateOptions) -> int:
     model, comm = compute_model(args), comm_model(args)
-    strategy = parse_sim_strategy(args.strategy)
+    strategy = parse_sim_strategy(args.strategy or DEFAULT_STRATEGY)
+    check_gate(args, [strategy], f"--strategy {strategy.spec}")
     layers = layers_from_args(args)
     if layers is not None and not strategy.streaming:
         raise UsageError(
@@ -232,6 +235,8 @@ def sweeps(args: SimulateOptions) -> int:
         raise UsageError(
             "--layers sizes streaming DiLoCo's fragments; the staleness sweep has none"
         )
+    if args.sweep_staleness and not args.sweep_workers:
+        check_gate(args, [], "--sweep-staleness (ssp:S at each S)")
     if args.sweep_staleness:
         from gradsync.sim.plots import plot_staleness
 
@@ -283,6 +288,7 @@ def _workers_sweep(
     if not counts or min(counts) < 1:
         raise UsageError(f"--sweep-workers needs counts >= 1, got {args.sweep_workers!r}")
     strategies = [parse_sim_strategy(s) for s in args.strategies.split(",") if s.strip()]
+    check_gate(args, strategies, f"--strategies {args.strategies}")
     if layers is not None and not any(s.streaming for s in strategies):
         raise UsageError(
             "--layers sizes the fragments of streaming DiLoCo (diloco:H:F[:TAU[:ALPHA]][:SPLIT]); "
@@ -336,7 +342,7 @@ def from_run(args: SimulateOptions) -> int:
     base = predict(profile, link, **opts)
     what_if = WhatIf(
         workers=args.workers,
-        strategy=args.strategy if args.strategy != "bsp" else None,
+        strategy=args.strategy,  # None: the run's own; an explicit bsp is a what-if too
         remove_straggler=args.remove_straggler,
         compression_ratio=args.compression_ratio,
     )

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from gradsync.errors import UsageError
 from gradsync.flags import flag, option_of
-from gradsync.sim.config import ALLREDUCE_CHOICES, CommModel, ComputeModel, Hosts
+from gradsync.sim.config import ALLREDUCE_CHOICES, CommModel, ComputeModel, Hosts, SimStrategy
 from gradsync.sim.failures import (
     CHECKPOINT_EVERY,
     GROUP_GPUS,
@@ -34,6 +34,8 @@ from gradsync.sim.model import ALGORITHMS, AlphaBeta
 from gradsync.sim.simulate import Overlap
 
 DEFAULT_SWEEP_STRATEGIES = "bsp,zero:1,zero:2,ssp:4,async,local:8"
+#: one simulation's strategy when --strategy is not given
+DEFAULT_STRATEGY = "bsp"
 
 # The help groups of `gradsync simulate --help`, in the order the fields below first name them.
 WORKERS = "workers and compute"
@@ -55,6 +57,26 @@ FAILURE_FIELDS = (
     "group_gpus",
 )
 DEFAULT_GPUS = "1024,16384,100000"
+#: The fields ``--from`` reads: the run, its what-ifs, the link that prices its all-reduce,
+#: the resampling. The step simulation's others (--compute, --jitter, --steps, ...) describe
+#: what ``--from`` takes from the run, and are refused with it rather than ignored.
+FROM_RUN_FIELDS = (
+    "from_run",
+    "workers",
+    "strategy",
+    "remove_straggler",
+    "compression_ratio",
+    "calibration",
+    "algorithm",
+    "alpha_us",
+    "link_gbps",
+    "warmup",
+    "resample",
+    "seed",
+    "json",
+)
+#: the strategies whose step gate ``--gate-store-rate`` prices
+GATED = ("bsp", "zero")
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -119,10 +141,13 @@ class SimulateOptions:
     )
     intra_gbps: float | None = flag(None, help="bandwidth inside a host, Gbit/s (100)", group=HOSTS)
     intra_alpha_us: float | None = flag(None, help="latency inside a host, us (5)", group=HOSTS)
-    strategy: str = flag(
-        "bsp",
+    # None: not given (bsp for one simulation; with --from, the run's own), so that an explicit
+    # --strategy bsp is a what-if of --from and refused with a sweep, as any other value
+    strategy: str | None = flag(
+        None,
         help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | "
-        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | hogwild | gossip:H | noloco:H",
+        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | hogwild | gossip:H | noloco:H (default bsp; with "
+        "--from, the run's own)",
         group=STRATEGY,
     )
     layers: str | None = flag(
@@ -238,24 +263,64 @@ class SimulateOptions:
             if isinstance(value, float) and not math.isfinite(value):
                 flag_name = option_of(SimulateOptions, f.name)
                 raise UsageError(f"{flag_name} must be a finite number, got {value}")
+        # checked whether or not they are used: a bad value is refused, not carried
+        if self.gate_rtt_ms < 0:
+            raise UsageError(
+                f"--gate-rtt-ms must be a finite number of ms >= 0, got {self.gate_rtt_ms}"
+            )
+        if self.gate_store_rate is not None and self.gate_store_rate <= 0:
+            raise UsageError(
+                "--gate-store-rate must be a finite number of requests per second > 0, got "
+                f"{self.gate_store_rate}"
+            )
+        if self.gate_store_rate is None and self.gate_rtt_ms != _default_of("gate_rtt_ms"):
+            raise UsageError(
+                f"--gate-rtt-ms {self.gate_rtt_ms} is the step gate's store round trip, priced "
+                "only with --gate-store-rate REQ_PER_S: give it too, or drop --gate-rtt-ms"
+            )
+        for name in ("sweep_staleness", "sweep_workers"):
+            text = getattr(self, name)
+            if text is not None and not all(item.strip() for item in text.split(",")):
+                what = "has an empty item" if text.strip(" ,") else "names nothing"
+                example = "0,1,2,4,8,inf" if name == "sweep_staleness" else "8,16,64,1024"
+                raise UsageError(
+                    f"{option_of(SimulateOptions, name)} {text!r} {what}: give comma-separated "
+                    f"values, e.g. {example}"
+                )
         self._check_failures_mode()
         self._check_sweeps()
         if self.from_run:
-            extra = [
-                name
-                for name, given in (
-                    ("--hosts", self.hosts is not None),
-                    ("--layers", self.layers is not None),
-                    ("--allreduce hierarchical", self.allreduce != "ring"),
-                )
-                if given
-            ]
-            if extra:
-                # --from prices the run's own measured exchanges, not a link model.
-                raise UsageError(
-                    f"{', '.join(extra)} apply to a simulation, not to --from's prediction of a "
-                    "run; drop them, or simulate without --from"
-                )
+            self._check_from_run()
+
+    def _check_from_run(self) -> None:
+        """``--from`` predicts a run from its telemetry: the flags that describe a simulated
+        run (its compute, its link's message, hosts, overlap, the gate, the output of one
+        simulation) are refused with it rather than ignored."""
+        extra = [
+            name
+            for name, given in (
+                ("--hosts", self.hosts is not None),
+                ("--layers", self.layers is not None),
+                ("--allreduce hierarchical", self.allreduce != "ring"),
+            )
+            if given
+        ]
+        named = {"hosts", "layers", "allreduce"}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in FROM_RUN_FIELDS or f.name in named or value == _default(f):
+                continue
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            given = option_of(SimulateOptions, f.name)
+            extra.append(given if isinstance(value, bool) else f"{given} {shown}")
+        if extra:
+            raise UsageError(
+                f"{', '.join(extra)} apply to a simulation, not to --from's prediction of a "
+                "run, which takes each rank's compute and comm, the steps and the bytes from "
+                f"the run's telemetry; --from takes "
+                f"{', '.join(option_of(SimulateOptions, n) for n in FROM_RUN_FIELDS[1:])}: "
+                "drop them, or simulate without --from"
+            )
 
     def _check_sweeps(self) -> None:
         """The flags one mode reads and the others would silently ignore: --strategies is
@@ -274,7 +339,7 @@ class SimulateOptions:
                 f"{' and '.join(sweeps)} sweep(s) simulations; --from predicts the one run "
                 f"{self.from_run}: give one or the other"
             )
-        if sweeps and self.strategy != "bsp":
+        if sweeps and self.strategy is not None:
             raise UsageError(
                 f"--strategy {self.strategy} is for one simulation; the sweeps take their own "
                 "(--sweep-staleness runs ssp:S at each S, --sweep-workers runs --strategies): "
@@ -325,6 +390,21 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return f.default
 
 
+def _default_of(name: str) -> Any:
+    return next(_default(f) for f in dataclasses.fields(SimulateOptions) if f.name == name)
+
+
+def check_gate(args: SimulateOptions, strategies: list[SimStrategy], what: str) -> None:
+    """``UsageError`` for ``--gate-store-rate`` where none of ``strategies`` (what ``what``
+    simulates) has the step gate it prices (bsp, zero:N), rather than ignoring it."""
+    if args.gate_store_rate is None or any(s.kind in GATED for s in strategies):
+        return
+    raise UsageError(
+        f"--gate-store-rate {args.gate_store_rate:g} prices the step gate of bsp and zero:N; "
+        f"{what} has none: drop --gate-store-rate, or simulate bsp or zero:1, zero:2, zero:3"
+    )
+
+
 #: the name of ``bench allreduce``'s calibration file when ``--out`` is not given
 CALIBRATION_FILE = "allreduce_calibration.json"
 
@@ -355,13 +435,18 @@ class _Output(Protocol):
 
 
 def parse_floats(text: str, flag: str) -> list[float]:
+    items = text.split(",")
+    if not any(x.strip() for x in items):
+        raise UsageError(f"{flag} needs at least one number, got {text!r}")
+    if not all(x.strip() for x in items):
+        # "20,,20" ran as 2 workers, not 3 nor a refusal
+        raise UsageError(
+            f"{flag} {text!r} has an empty item: give comma-separated numbers, e.g. 20,22,21,38"
+        )
     try:
-        values = [float(x) for x in text.split(",") if x.strip()]
+        return [float(x) for x in items]
     except ValueError:
         raise UsageError(f"{flag} needs comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise UsageError(f"{flag} needs at least one number, got {text!r}")
-    return values
 
 
 def parse_pair(text: str, flag: str) -> tuple[float, float]:

@@ -332,7 +332,7 @@ PUBLIC: dict[str, dict[str, Any]] = {
         "--allreduce": "ring",
         "--intra-gbps": None,
         "--intra-alpha-us": None,
-        "--strategy": "bsp",
+        "--strategy": None,
         "--layers": None,
         "--overlap": False,
         "--backward-frac": 2 / 3,
