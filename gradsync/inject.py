@@ -116,7 +116,9 @@ def parse_slow(spec: str | None) -> list[Slowdown]:
         try:  # well formed: Slowdown says which number is out of range, and what is valid
             out.append(Slowdown(rank=who, factor=times, start=first, end=last))
         except UsageError as exc:
-            raise UsageError(f"bad --slow value {part.strip()!r}: {exc}") from None
+            raise UsageError(
+                f"bad --slow value {part.strip()!r}: {exc}; valid: {SLOW_FORM}"
+            ) from None
     return out
 
 
