@@ -315,6 +315,8 @@ class Synchronizer:
         #: the periodic divergence check posted and not compared yet
         self._posted_check: divergence_behind.PostedCheck | None = None
         self._step = 0
+        #: whether this process has taken a step with this Synchronizer (``load``'s check)
+        self._stepped_here = False
         self._in_step = False
         self._natural = 0.0  # last step's compute without injected slowdown
         #: seconds the training thread waited in ``_join_gate`` since it was last zeroed (at
@@ -793,6 +795,7 @@ class Synchronizer:
         if self._verdicts.due():  # where telemetry is off, or gathers only at the end
             self._read_verdicts()
         self._step += 1
+        self._stepped_here = True
         if self.check_every and self._step % self.check_every == 0:
             self._check_replicas(self._step - 1)
 
@@ -1153,6 +1156,14 @@ class Synchronizer:
             raise UsageError(
                 f"sync.load({str(directory)!r}): a file, not a checkpoint directory; pass the "
                 "directory sync.save() was given (it holds step-NNNNNN/ directories)"
+            )
+        if self._stepped_here and self.layout.workers < self.world_size:
+            # its servers are in serve() now, which loads nothing: the collective would wait
+            # for them until timeout_s and then fail with a raw error of the backend
+            raise UsageError(
+                "sync.load() after this worker's first step: under a parameter-server strategy "
+                "the servers load only before serve(), so every rank calls sync.load() before "
+                "training starts (servers before serve())"
             )
         with self._gradsync_call(self._step, "sync.load()"):
             if self._run is not None:

@@ -67,7 +67,8 @@ def test_api_usage_errors() -> None:
 def _wrong_passes(rank: int, world: int) -> dict[str, list[str]]:
     """Another number of backward passes than announced, under the strategies that count them
     where a world of one cannot show it: zero:3 (FSDP2's reduce-scatters) and a parameter-server
-    worker (tests/unit/test_backward_pass_count.py has the others)."""
+    worker (tests/unit/test_backward_pass_count.py has the others); and that worker's
+    ``sync.load()`` once its server serves."""
     out: dict[str, list[str]] = {}
     x = torch.ones(2, 4)
     for strategy in ("zero:3", "ssp:1"):
@@ -89,6 +90,14 @@ def _wrong_passes(rank: int, world: int) -> dict[str, list[str]]:
         with sync.step(micro_batches=2):  # the announced count still trains
             for _ in range(2):
                 sync.model(x).sum().backward()
+        if strategy == "ssp:1":
+            # a worker's load once its server serves waited timeout_s (300 s), then failed
+            # with gloo's own error (a user tester's script)
+            try:
+                sync.load("checkpoints-that-need-not-exist")
+                out["load"] = ["no error"]
+            except UsageError as exc:
+                out["load"] = [str(exc)]
         sync.report()
         sync.close()
     return out
@@ -103,3 +112,5 @@ def test_another_number_of_backward_passes_is_refused_under_zero3_and_ssp() -> N
             assert len(got) == 2, (strategy, rank, got)
             for message, ran in zip(got, (1, 3), strict=True):
                 assert f"micro_batches=2) but the block ran {ran} backward" in message, message
+    (said,) = by_rank[0]["load"]
+    assert said.startswith("sync.load() after this worker's first step: under a parameter"), said
