@@ -40,6 +40,7 @@ class Progress:
         self.interactive = self.stream.isatty()
         self.started = time.perf_counter()
         self._last_line_at = -1.0
+        self._last_line = ""
         self.label = ""
 
     def update(self, step: int, loss: float | None, samples_per_s: float, tax: float) -> None:
@@ -62,11 +63,14 @@ class Progress:
         if self.interactive:
             self.stream.write("\r" + line)
             self.stream.flush()
-        elif now - self._last_line_at >= 5.0 or 0 < self.total <= step:
-            # Logs and CI get a line every few seconds rather than a carriage-return storm.
+        elif line != self._last_line and (
+            now - self._last_line_at >= 5.0 or 0 < self.total <= step
+        ):
+            # Logs and CI get a line every few seconds rather than a carriage-return storm, and
+            # the last step's once (compare's watcher and its own end both report it).
             self.stream.write(line + "\n")
             self.stream.flush()
-            self._last_line_at = now
+            self._last_line_at, self._last_line = now, line
 
     def _beat(self, step: int, loss: float | None) -> None:
         """Replace the heartbeat file atomically: a reader never sees half a line."""

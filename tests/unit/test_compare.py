@@ -138,3 +138,20 @@ def test_a_run_that_counted_no_samples_shows_no_rate(tmp_path: Path) -> None:
     table = format_table(result).splitlines()
     assert next(x for x in table if x.startswith("local:2")).split()[5] == "n/a"
     assert next(x for x in table if x.startswith("bsp ")).split()[5] == "80"
+
+
+def test_a_log_gets_the_last_steps_line_once() -> None:
+    """compare's heartbeat watcher and its own end both report the last step: a log (not a
+    terminal) showed the final progress line twice."""
+    import io
+
+    class Log(io.StringIO):
+        def isatty(self) -> bool:
+            return False
+
+    log = Log()
+    progress = Progress(160, stream=log)
+    progress.label = "async (4/4)"
+    progress.update(160, 0.0918, 0.0, 0.0)
+    progress.update(160, 0.0918, 0.0, 0.0)
+    assert log.getvalue().count("step 160/160") == 1, log.getvalue()
