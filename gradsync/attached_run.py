@@ -53,6 +53,7 @@ from gradsync.telemetry.records import (
     SPANS_FILE,
     Span,
     StepRecord,
+    drop_spans_from,
     read_jsonl,
     read_records,
     write_records,
@@ -485,6 +486,7 @@ class AttachedRun:
             return
         self.sink.showing = True
         drop_records_from(self.sink.path, step)
+        drop_spans_from(self.directory / SPANS_FILE, step)
         if self.rank == 0:  # under --resume of replica groups: their quorums run again too
             drop_quorums_from(self.directory / MEMBERSHIP_FILE, step)
         restarted = restart_count()
@@ -505,18 +507,12 @@ class AttachedRun:
         # e.g. "gradsync: restart: resuming at step 12 (restart 1 of 1)"
         logger.info("%s: %s at step %d%s", why, how, step, count)
 
-    def finish(
-        self, report: RunReport, spans: list[Span] | None, measured: dict[str, Any] | None
-    ) -> None:
-        """At the end of ``sync.report()``, given every rank's ``spans`` (on rank 0) and what
-        the strategy ``measured`` itself: rank 0 writes spans.jsonl and report.json and ends
-        the progress line and the trackers."""
+    def finish(self, report: RunReport, measured: dict[str, Any] | None) -> None:
+        """At the end of ``sync.report()``, given what the strategy ``measured`` itself: rank 0
+        writes report.json and ends the progress line and the trackers (every rank appends its
+        own spans to spans.jsonl as it goes: ``write_own_spans``)."""
         if self.sink is None:
             return
-        if spans is not None:
-            with open(self.directory / SPANS_FILE, "w", encoding="utf-8") as fh:
-                for span in spans:
-                    fh.write(span.to_json() + "\n")
         self.sink.progress.close()
         # the replica group's name in its membership summary: gradsync run's, or torchft's
         group = self.settings.get("replica_group")
@@ -524,6 +520,15 @@ class AttachedRun:
         self.reported = write_report(
             self.directory, self.sink.stragglers, report, measured, self.sink, group=name
         )
+
+    def write_own_spans(self, spans: list[Span]) -> None:
+        """This rank's timeline spans not written yet, appended to ``spans.jsonl`` by this rank
+        itself, at each telemetry gather and at the end: a killed attempt keeps those of the
+        steps up to its last gather (rank 0 wrote them all at ``report()`` before, so a
+        restart lost every earlier attempt's). ``loaded`` drops those of the steps run again."""
+        if spans:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_records(self.directory / SPANS_FILE, spans)
 
     def write_own_records(self, records: list[StepRecord]) -> None:
         """This rank's records that no gather took (a Synchronizer closed, or a process that

@@ -299,6 +299,8 @@ class Synchronizer:
         if given_slow:  # --slow's ranks may be other replica groups': the run checked those
             check_slowdowns(self.slowdowns, self.world_size)
         self.spans: list[Span] = []
+        #: those of ``spans`` not in the run directory's spans.jsonl yet (``_write_own_spans``)
+        self._unwritten_spans: list[Span] = []
         self.balancer = self._make_balancer(self.options.exchange.balance)
         self._sizes: list[int] | None = None
         self._group_timeout, self._watch, self._gate = self._make_watch()
@@ -640,10 +642,9 @@ class Synchronizer:
             self._check_replicas(-1, final=True)
         self._final_flush()
         self._final_handshake()
-        if self._run is not None:  # the workers' report() gathers the spans: this server's too
-            self._run.finish(
-                RunReport.from_records(self._collector.records), self.gather_spans(), None
-            )
+        if self._run is not None:  # report.json; each rank appends its own spans
+            self._write_own_spans()
+            self._run.finish(RunReport.from_records(self._collector.records), None)
         return stats
 
     @property
@@ -789,9 +790,9 @@ class Synchronizer:
             marks.in_block_sync = outcome.comm_in_block if marks.in_block_wait else sync_in_block
         self._verdict_of(handle, outcome)
         if self.telemetry_enabled:
-            self._record(handle, wall0, compute, sync, outcome, marks)
-            if self.record_spans:
+            if self.record_spans:  # first: a gather in _record writes them up to this step
                 self._add_spans(outcome.spans, wall0, compute, sync)
+            self._record(handle, wall0, compute, sync, outcome, marks)
         if self._verdicts.due():  # where telemetry is off, or gathers only at the end
             self._read_verdicts()
         self._step += 1
@@ -997,6 +998,7 @@ class Synchronizer:
             self._read_verdicts()  # at the same step: the host waits for the device once
             with compat.annotate("gradsync.telemetry_gather"):
                 self._collector.flush_behind(h.step)
+            self._write_own_spans()  # kept if this attempt dies: records come back, spans not
 
     def _bytes_sent(self, out: StepOutcome) -> int:
         """The step's payload bytes, none in a world of one: its collectives are no-ops that
@@ -1007,11 +1009,31 @@ class Synchronizer:
 
     def _add_spans(self, spans: list[Span], wall0: float, compute: float, sync: float) -> None:
         step = self._step
-        self.spans.append(Span(self.rank, step, "compute", wall0, compute, "step"))
-        self.spans.append(Span(self.rank, step, "sync", wall0 + compute, sync, "step"))
+        added = [
+            Span(self.rank, step, "compute", wall0, compute, "step"),
+            Span(self.rank, step, "sync", wall0 + compute, sync, "step"),
+        ]
         for s in spans:
             s.rank, s.step = self.rank, step
-            self.spans.append(s)
+            added.append(s)
+        self.spans += added
+        if self._run is not None:
+            self._unwritten_spans += added
+
+    def _write_own_spans(self) -> None:
+        """This rank's spans not written yet, into the run directory by this rank alone."""
+        if self._run is None or not self._unwritten_spans:
+            return
+        spans, self._unwritten_spans = self._unwritten_spans, []
+        try:
+            self._run.write_own_spans(spans)
+        except OSError as exc:  # the run directory is gone or full: the run itself is not
+            warnings.warn(
+                f"gradsync: rank {self.rank}: could not write its timeline spans into "
+                f"{self._run.directory}: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def flush_telemetry(self) -> list[StepRecord]:
         """Collective: gather pending step records from every rank now."""
@@ -1081,8 +1103,9 @@ class Synchronizer:
             self._final_flush()
             self._final_handshake()
         report = RunReport.from_records(self._collector.records)
-        if self._run is not None:  # spans.jsonl and report.json (collective: the spans)
-            self._run.finish(report, self.gather_spans(), self.strategy.summary())
+        if self._run is not None:  # report.json; each rank appends its own spans
+            self._write_own_spans()
+            self._run.finish(report, self.strategy.summary())
         return report
 
     def state_dict(self) -> dict[str, Any]:
@@ -1184,6 +1207,10 @@ class Synchronizer:
                 self._collector.flush(self._step)
                 if extra is not None:
                     self._collector.rolled_back_to(int(extra["step"]))
+            # the spans of the steps that run again go, from here and (rank 0's ``loaded``,
+            # after the gather above: every rank's earlier spans are written) from the file
+            self.spans = [s for s in self.spans if s.step < self._step]
+            self._unwritten_spans = [s for s in self._unwritten_spans if s.step < self._step]
             if self._run is not None:
                 self._run.loaded(self._step)
             return extra
@@ -1214,7 +1241,8 @@ class Synchronizer:
 
     def _write_own_records(self) -> None:
         """This rank's step records that no gather took (closed or ended without
-        ``report()``), into the run directory by this rank alone: no collective."""
+        ``report()``), and its spans not written yet, into the run directory by this rank
+        alone: no collective."""
         if self._run is None or not self.telemetry_enabled:
             return
         try:
@@ -1226,6 +1254,7 @@ class Synchronizer:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        self._write_own_spans()
 
     def _close(self) -> None:
         self._collector.hold_in_flight()

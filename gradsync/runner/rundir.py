@@ -40,7 +40,7 @@ OVERWRITE_AND_RESUME = (
 CHECKPOINT_DIR = "checkpoints"
 FINAL_MODEL = "final_model.pt"
 #: what a fresh run replaces in a directory it is told to --overwrite
-RUN_STATE = (CHECKPOINT_DIR, "faults", "metrics.jsonl", MEMBERSHIP_FILE)
+RUN_STATE = (CHECKPOINT_DIR, "faults", "metrics.jsonl", "spans.jsonl", MEMBERSHIP_FILE)
 #: keys every config.json that ``gradsync run`` (and each run of ``compare``) writes holds
 RUN_CONFIG_KEYS = frozenset({"strategy", "nproc", "out"})
 #: and what it ran: a built-in workload's, or a script's (its config.json records no

@@ -151,6 +151,27 @@ def write_records(path: Path, records: Iterable[StepRecord | Span], append: bool
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
+def drop_spans_from(path: Path, step: int) -> None:
+    """``spans.jsonl`` less the spans of the steps a resume runs again (``step`` on), under the
+    lock every append takes (``write_records``): each rank appends its own spans as it goes
+    (``Synchronizer``), so the file outlives a killed attempt. A torn line goes too."""
+    if not path.exists():
+        return
+    with open(path, "r+", encoding="utf-8") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        kept = []
+        for line in fh.read().splitlines():
+            try:
+                if int(json.loads(line)["step"]) < step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue
+        fh.seek(0)
+        fh.truncate()
+        fh.write("".join(kept))
+
+
 def _cut_torn_tail(path: Path, fd: int) -> None:
     """A last line without its newline (a crash or a full disk cut an append short) is cut
     off before the next append, with a warning: appended to, it would become a line that is

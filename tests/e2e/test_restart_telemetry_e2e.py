@@ -36,6 +36,19 @@ def test_restarted_run_reports_every_step_once(killed_bsp_run: SharedRun) -> Non
     assert report["steps"] == 30 and [r["steps"] for r in report["ranks"]] == [30, 30]
     per_step = {d["bytes"] for d in map(json.loads, lines)}
     assert len(per_step) == 1 and [r["bytes"] for r in report["ranks"]] == [30 * per_step.pop()] * 2
+    # The timeline spans of the killed attempt's steps up to its last gather (each rank wrote
+    # them itself there), the restart's from where it resumed, each step's once: before, rank
+    # 0 wrote them all at report(), so only the last attempt's were kept (a user tester's).
+    computed: dict[int, list[int]] = {0: [], 1: []}
+    for span in map(json.loads, (out / "spans.jsonl").read_text().splitlines()):
+        if span["name"] == "compute":
+            computed[span["rank"]].append(span["step"])
+    said = re.search(r"restart: resuming at step (\d+)", stderr)
+    assert said is not None
+    resumed_at = int(said.group(1))
+    for steps in computed.values():
+        assert len(steps) == len(set(steps)), sorted(steps)
+        assert set(range(10)) | set(range(resumed_at, 30)) <= set(steps), sorted(steps)
     # Present; not asserted empty: on a loaded machine the restart's catch-up can make one
     # rank genuinely slower for a window, which the detector rightly reports.
     assert isinstance(report["stragglers"], list)
