@@ -9,8 +9,8 @@ files, written by the same code:
   ``--tracker`` sinks: TensorBoard, W&B, MLflow), with the live progress line and a notice per
   straggler episode; and those no gather took, from a Synchronizer closed (or a process that
   ended) without ``sync.report()``, by each rank itself (``write_own_records``);
-- ``spans.jsonl`` and ``report.json``, at ``sync.report()`` (collective: every rank's timeline
-  spans are gathered to rank 0 there);
+- ``spans.jsonl``, by each rank itself at each telemetry gather and at its end
+  (``write_own_spans``); ``report.json``, by rank 0 at ``sync.report()``;
 - ``membership.jsonl`` under live membership (``membership="torchft"``): each step's quorum
   as this replica group saw it, written at the step (``gradsync.telemetry.membership``), and
   ``faults/healed.jsonl``, each healing from a live peer; report.json sums them up;
