@@ -140,10 +140,14 @@ class RunReport:
         lines.append(self._idle_line())
         pace = self.pace_setter
         if pace is not None and self.steps:
-            lines.append(
-                f"pace-setter: rank {pace} was the slowest in "
+            slowest = (
+                f"rank {pace} was the slowest in "
                 f"{self.pace_setter_counts[pace]} of {counted(self.steps, 'step')}"
             )
+            if any(r.barrier for r in self.records):
+                lines.append(f"pace-setter: {slowest}")
+            else:  # a parameter server, hogwild: no rank waits for it
+                lines.append(f"slowest rank: {slowest} (no barrier: it held no other rank back)")
         if self.skipped_steps:
             lines.append(f"skipped steps (non-finite gradients): {self.skipped_steps}")
         if self.final_loss is not None:

@@ -81,3 +81,13 @@ def test_a_run_without_barriers_has_no_barrier_tax() -> None:
     text = _no_barrier(0.001).format()  # ssp:S, held back by the staleness bound
     assert "no barrier in this run; idle: " in text
     assert "held back for the staleness bound" in text and "idle at barriers" not in text
+
+
+def test_a_run_without_barriers_names_its_slowest_rank_not_a_pace_setter() -> None:
+    """No rank waits for another where no step meets at a barrier: 'pace-setter' said one
+    set the pace (a user tester's)."""
+    with_barriers = RunReport.from_records(synthetic_records(12, 2, seed=1)).format()
+    assert "pace-setter: rank " in with_barriers
+    text = _no_barrier(0.0).format()
+    assert "pace-setter" not in text
+    assert "slowest rank: rank " in text and "(no barrier: it held no other rank back)" in text
