@@ -15,6 +15,8 @@ import os
 import time
 from pathlib import Path
 
+from gradsync import procfs
+
 __all__ = [
     "LOCK_DIR",
     "hold",
@@ -134,15 +136,14 @@ def writers_in_session(session: int) -> list[int]:
     for entry in entries:
         if not entry.isdigit():
             continue
+        fields = procfs.stat_fields(entry)
+        if fields is None or fields[0] == "Z" or fields[3] != str(session):  # state, session
+            continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-            if fields[0] == b"Z" or int(fields[3]) != session:  # state, session
-                continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 if _WRITER_MODULE in f.read().split(b"\0"):
                     found.append(int(entry))
-        except (OSError, IndexError, ValueError):  # gone meanwhile, or unreadable
+        except OSError:  # gone meanwhile, or unreadable
             continue
     return found
 

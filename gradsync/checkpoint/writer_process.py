@@ -27,11 +27,11 @@ import sys
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradsync import procfs
 from gradsync.checkpoint import packed_header
 from gradsync.checkpoint.commits import POLL_S
 from gradsync.checkpoint.held_slots import SLOT_BYTES, HeldSlots
@@ -237,9 +237,8 @@ _STATES = {
 
 
 def _state_note(pid: int) -> str:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
+    state = procfs.state(pid)
+    if state is None:
         return "it has exited"
     return _STATES.get(state, f"it is running (state {state})")
 
