@@ -35,6 +35,7 @@ exchange (refused, naming the strategies that compress) and the hierarchy (refus
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -125,6 +126,12 @@ class Gossip(Periodic):
         group = ctx.group
         to = peer if group is None else dist.get_global_rank(group, peer)
 
+        # Given to each wait: gloo's point-to-point waits keep the timeout the group was made
+        # with, not the ``timeout_s`` gradsync sets on it for its collectives, so a partner
+        # asleep in its block held this rank for as long as it slept (60 s of a --timeout 4
+        # run, a user tester's), where bsp and diloco fail after timeout_s.
+        bound = None if ctx.watch is None else datetime.timedelta(seconds=ctx.watch.timeout_s)
+
         def run() -> None:
             # In pieces: one message each way of a whole model ran at half the link's rate both
             # ways (see PIECE_BYTES); pieces to one peer are matched in the order posted.
@@ -134,7 +141,10 @@ class Gossip(Periodic):
                 ops.append(dist.P2POp(dist.isend, out, to, group))
                 ops.append(dist.P2POp(dist.irecv, into, to, group))
             for request in dist.batch_isend_irecv(ops):
-                request.wait()
+                if bound is None:
+                    request.wait()
+                else:
+                    request.wait(timeout=bound)
 
         if ctx.watch is None:
             run()

@@ -95,3 +95,13 @@ def test_a_resumed_noloco_run_continues_bitwise(tmp_path: Path) -> None:
     resumed = run_ranks(gr.checkpointed, 2, str(tmp_path), True, spec, timeout_s=100)
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_a_partner_asleep_in_its_block_fails_the_exchange_after_timeout_s() -> None:
+    """docs/gossip.md: a pair's wait is bounded by ``timeout_s``. gloo's point-to-point waits
+    kept the group's own timeout, so rank 0 waited the whole 9 s its partner slept (noloco:H
+    pairs through the same exchange)."""
+    out = run_ranks(gr.partner_asleep, 2, "gossip:1", 9.0, timeout_s=100)
+    assert out[0]["raised"] is not None and "averaging with rank 1" in out[0]["raised"], out[0]
+    assert out[0]["seconds"] < 7, out[0]["seconds"]

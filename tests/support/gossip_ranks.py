@@ -111,3 +111,29 @@ def checkpointed(
     params = flat_params(model)
     sync.close()
     return params
+
+
+def partner_asleep(rank: int, world: int, spec: str, sleep_s: float) -> dict[str, Any]:
+    """``spec`` (gossip:1 or noloco:1) with ``timeout_s=2``: rank 1 sleeps ``sleep_s`` inside
+    its second step's block; what each rank's step raised, and after how long."""
+    import time
+
+    import gradsync as gs
+    from gradsync.errors import SyncTimeoutError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), spec, timeout_s=2.0)
+    out: dict[str, Any] = {"raised": None}
+    started = time.monotonic()
+    try:
+        for step in range(3):
+            with sync.step():
+                model(torch.ones(2, 4)).sum().backward()
+                if rank == 1 and step == 1:
+                    time.sleep(sleep_s)
+    except SyncTimeoutError as exc:
+        out["raised"] = str(exc)
+    out["seconds"] = time.monotonic() - started
+    sync.close()
+    return out
