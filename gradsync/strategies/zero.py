@@ -492,7 +492,8 @@ class ZeroStage2(Strategy):
 
         def run() -> None:
             if ring:
-                ring_reduce_scatter(received, buf, layout.rank, layout.world, ctx.group)
+                bound = None if ctx.watch is None else ctx.watch.timeout_s
+                ring_reduce_scatter(received, buf, layout.rank, layout.world, ctx.group, bound)
             else:
                 work = reduce_scatter_flat(received, buf, group=ctx.group, async_op=True)
                 self._in_flight.append(work)

@@ -46,6 +46,7 @@ own shard's buffer only.
 
 from __future__ import annotations
 
+import datetime
 import time
 import weakref
 from collections import deque
@@ -113,12 +114,19 @@ def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 def ring_reduce_scatter(
-    received: torch.Tensor, send: torch.Tensor, rank: int, world: int, group: Any = None
+    received: torch.Tensor,
+    send: torch.Tensor,
+    rank: int,
+    world: int,
+    group: Any = None,
+    timeout_s: float | None = None,
 ) -> None:
     """Sum ``send`` (``world`` chunks, one per rank) over the ranks so that ``received`` gets
     the sum of chunk ``rank``: ``world - 1`` rounds in which each rank passes a partial sum to
     the next and adds the one it receives into ``send`` (which it overwrites). ``received``
-    doubles as the landing place of every round, so nothing else is allocated."""
+    doubles as the landing place of every round, so nothing else is allocated. ``timeout_s``
+    bounds each wait: gloo's point-to-point waits keep the group's own timeout otherwise, not
+    the ``timeout_s`` gradsync sets on it (``gossip`` found it)."""
     chunk = received.numel()
 
     def part(r: int) -> torch.Tensor:
@@ -132,7 +140,7 @@ def ring_reduce_scatter(
         # fail with "Bad address"), while its broadcasts and all-reduces copy device tensors
         # through the host themselves: do the same here.
         on_host = torch.empty(received.shape, dtype=received.dtype)
-        ring_reduce_scatter(on_host, send.cpu(), rank, world, group)
+        ring_reduce_scatter(on_host, send.cpu(), rank, world, group, timeout_s)
         received.copy_(on_host)
         return
     right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
@@ -144,7 +152,10 @@ def ring_reduce_scatter(
             dist.P2POp(dist.irecv, received, left, group),
         ]
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         if s < world - 2:
             part((rank - s - 2) % world).add_(received)
     received.add_(part(rank))

@@ -114,8 +114,8 @@ def checkpointed(
 
 
 def partner_asleep(rank: int, world: int, spec: str, sleep_s: float) -> dict[str, Any]:
-    """``spec`` (gossip:1 or noloco:1) with ``timeout_s=2``: rank 1 sleeps ``sleep_s`` inside
-    its second step's block; what each rank's step raised, and after how long."""
+    """``spec`` (gossip:1, zero:2) with ``timeout_s=2``: rank 1 sleeps ``sleep_s`` inside its
+    second step's block; what each rank's step raised, and after how long."""
     import time
 
     import gradsync as gs
@@ -129,9 +129,9 @@ def partner_asleep(rank: int, world: int, spec: str, sleep_s: float) -> dict[str
     try:
         for step in range(3):
             with sync.step():
-                model(torch.ones(2, 4)).sum().backward()
-                if rank == 1 and step == 1:
+                if rank == 1 and step == 1:  # before backward: zero:2's rounds go in it
                     time.sleep(sleep_s)
+                model(torch.ones(2, 4)).sum().backward()
     except SyncTimeoutError as exc:
         out["raised"] = str(exc)
     out["seconds"] = time.monotonic() - started
