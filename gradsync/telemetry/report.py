@@ -146,8 +146,8 @@ class RunReport:
             )
             if any(r.barrier for r in self.records):
                 lines.append(f"pace-setter: {slowest}")
-            else:  # a parameter server, hogwild: no rank waits for it
-                lines.append(f"slowest rank: {slowest} (no barrier: it held no other rank back)")
+            else:  # a parameter server, hogwild, gossip: no rank waits for every other
+                lines.append(f"slowest rank: {slowest} (no step meets at a barrier in this run)")
         if self.skipped_steps:
             lines.append(f"skipped steps (non-finite gradients): {self.skipped_steps}")
         if self.final_loss is not None:

@@ -90,4 +90,4 @@ def test_a_run_without_barriers_names_its_slowest_rank_not_a_pace_setter() -> No
     assert "pace-setter: rank " in with_barriers
     text = _no_barrier(0.0).format()
     assert "pace-setter" not in text
-    assert "slowest rank: rank " in text and "(no barrier: it held no other rank back)" in text
+    assert "slowest rank: rank " in text and "(no step meets at a barrier in this run)" in text
