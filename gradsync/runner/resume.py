@@ -81,7 +81,26 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> Resumed:
     for line in data_changes(cfg, saved or {}):
         print(f"gradsync: warning: {line}", file=sys.stderr)
     nproc = (saved or {}).get("nproc")
+    if isinstance(nproc, int) and nproc != cfg.nproc and step > 0:
+        _check_resizable(cfg, nproc)
     return Resumed(step, nproc if isinstance(nproc, int) else None)
+
+
+def _check_resizable(cfg: RunConfig, saved_nproc: int) -> None:
+    """A --nproc other than the saved run's, where the strategy's checkpoint does not resize:
+    refused before any worker starts. Found in a worker, the refusal came after this run's
+    config.json had replaced the saved one, so a plain --resume after it failed the same way
+    (a user tester's, under gossip, diloco and ssp)."""
+    from gradsync.strategies.factory import parse_strategy
+
+    strategy = parse_strategy(cfg.strategy, servers=cfg.servers)
+    if (strategy.resizable or strategy.reshardable) and not cfg.uses_servers:
+        return
+    raise UsageError(
+        f"--resume with --nproc {cfg.nproc}: the saved run has {saved_nproc} ranks, and a "
+        f"{cfg.strategy} checkpoint resumes only on as many (its per-rank state has no meaning "
+        f"at another size; bsp, zero:1/2/3 resize). Resume with --nproc {saved_nproc}"
+    )
 
 
 def saved_config(run_dir: Path, warn: bool = True) -> dict[str, Any] | None:

@@ -250,3 +250,28 @@ def test_load_refuses_another_strategys_state_naming_the_fix(
     message = str(refused.value)
     assert "written by strategy 'local', this run uses 'bsp'" in message, message
     assert "Resume with a 'local' strategy" in message and "new directory" in message, message
+
+
+@pytest.mark.parametrize("strategy", ["gossip:4", "diloco:8", "ssp:1"])
+def test_another_nproc_for_a_strategy_that_does_not_resize_is_refused_before_launch(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    strategy: str,
+) -> None:
+    """Found in a worker, the refusal came after this run's config.json had replaced the saved
+    one: the plain --resume that followed failed the same way (a user tester's)."""
+    launched: list[object] = []
+    monkeypatch.setattr(gradsync.processes.launch, "launch", lambda *a, **k: launched.append(a))
+    run = tmp_path / "run"
+    _checkpoint(run / "checkpoints", 10, strategy=strategy.split(":")[0], compression="none")
+    config = {"strategy": strategy, "nproc": 2, "workload": "mlp", "steps": 40}
+    (run / "config.json").write_text(json.dumps(config))
+    code = main(["run", "--resume", "--nproc", "3", f"--out={run}"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and not launched, err
+    assert err[-1].startswith(
+        "gradsync: error: --resume with --nproc 3: the saved run has 2 ranks, and a "
+        f"{strategy} checkpoint resumes only on as many"
+    ), err
+    assert json.loads((run / "config.json").read_text()) == config
