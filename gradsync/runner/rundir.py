@@ -39,8 +39,19 @@ OVERWRITE_AND_RESUME = (
 #: the built-in workloads' checkpoints (``--checkpoint-every``) and final parameters
 CHECKPOINT_DIR = "checkpoints"
 FINAL_MODEL = "final_model.pt"
-#: what a fresh run replaces in a directory it is told to --overwrite
-RUN_STATE = (CHECKPOINT_DIR, "faults", "metrics.jsonl", "spans.jsonl", MEMBERSHIP_FILE)
+#: the --tracker sinks' directories (``gradsync.telemetry.trackers``: TENSORBOARD_DIR,
+#: MLFLOW_DIR, and W&B's own), spelled here: that module is not needed to delete them
+TRACKER_DIRS = ("tensorboard", "mlruns", "wandb")
+#: what a fresh run replaces in a directory it is told to --overwrite (the trackers' files too:
+#: a new run's event files beside the old ones mixed two runs in one TensorBoard view)
+RUN_STATE = (
+    CHECKPOINT_DIR,
+    "faults",
+    "metrics.jsonl",
+    "spans.jsonl",
+    MEMBERSHIP_FILE,
+    *TRACKER_DIRS,
+)
 #: keys every config.json that ``gradsync run`` (and each run of ``compare``) writes holds
 RUN_CONFIG_KEYS = frozenset({"strategy", "nproc", "out"})
 #: and what it ran: a built-in workload's, or a script's (its config.json records no

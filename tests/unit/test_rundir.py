@@ -69,3 +69,16 @@ def test_an_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
     target.write_text("x")
     with pytest.raises(UsageError, match="is a file, not a directory"):
         claim(target, resume=False, overwrite=False)
+
+
+def test_overwrite_also_replaces_the_trackers_and_the_spans(tmp_path: Path) -> None:
+    """A new run's TensorBoard event files beside the old run's mixed both in one view (a user
+    tester's: 32 points of loss/mean for a 12-step run, two run/steps values)."""
+    _previous_run(tmp_path)
+    old = [tmp_path / "tensorboard" / "events.out", tmp_path / "mlruns" / "0" / "meta.yaml"]
+    old += [tmp_path / "wandb" / "offline-run" / "run.wandb", tmp_path / "spans.jsonl"]
+    for path in old:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("the previous run's")
+    claim(tmp_path, resume=False, overwrite=True).release()
+    assert not any(path.exists() for path in old)
