@@ -76,8 +76,9 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     under ``srun`` when torchrun's are absent (:func:`slurm_environment`: they are exported as
     torchrun's, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, for
     the script's own use too), or, when neither is set (``python train.py``), make a world of
-    one: a single-process group whose store lives in this process, so nothing listens on a port
-    and every strategy that needs no second rank runs unchanged.
+    one: a single-process group whose store lives in this process (no store port; gloo's
+    transport still listens on 127.0.0.1), and every strategy that needs no second rank runs
+    unchanged.
 
     ``timeout_s`` is the group's collective timeout (torch's default, 30 minutes, unless
     given); gradsync's own waits have the Synchronizer's ``timeout_s`` instead.
