@@ -423,6 +423,20 @@ class Synchronizer:
             load_sync_state=self.load_state_dict,
         )
 
+    def _say_nothing_compressed(self) -> None:
+        """Under ``allreduce="hierarchical"`` only the hosts' leaders compress, across hosts:
+        on one host nothing crosses, so the compressor sends nothing and the run is the exact
+        one (a user tester's int8 run ended bitwise equal to plain bsp, silently)."""
+        if self.rank == 0:
+            warnings.warn(
+                f"gradsync: allreduce='hierarchical' on one host: compression="
+                f"{self.compressor.spec!r} compresses only what crosses hosts, and nothing does "
+                "here, so every exchange is exact and uncompressed; drop "
+                "allreduce='hierarchical' to compress within the host",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
     def _setup_strategy(self) -> None:
         """Collective: the gate, the model check, the initial broadcast and the strategy's
         setup; a failure releases the collective timeout and the heartbeat."""
@@ -433,6 +447,8 @@ class Synchronizer:
             self._broadcast_initial_state()
             if exchange.allreduce == "hierarchical" and self.world_size > 1:
                 self._hierarchy = Hierarchy(self.group, self.timeout_s)
+                if len(self._hierarchy.leaders) == 1 and self.compressor.spec != "none":
+                    self._say_nothing_compressed()
             self._membership = self._join_membership()
             self._context = SyncContext(
                 model=self.model,

@@ -91,7 +91,27 @@ def everything(rank: int, world: int) -> dict[str, Any]:
     out["sgd ring"] = _train(rank, LAYOUTS["2x2"], "ring", "bsp", None, "sgd")
     for allreduce in ("ring", "hierarchical"):
         out[f"int8 {allreduce}"] = _train(rank, LAYOUTS["2x2"], allreduce, "bsp", "int8", "sgd")
+    out["one host"] = _one_host_warnings()
     return out
+
+
+def _one_host_warnings() -> list[str]:
+    """What building an int8 Synchronizer under the hierarchy on one host says."""
+    import warnings
+
+    os.environ["GRADSYNC_HOST"] = "0"
+    model = zr._workload().build_model()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        sync = gs.Synchronizer(
+            model,
+            zr.make_optimizer("sgd", model),
+            allreduce="hierarchical",
+            compression="int8",
+            telemetry=False,
+        )
+    sync.close()
+    return [str(w.message) for w in said if "allreduce='hierarchical'" in str(w.message)]
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +179,13 @@ def test_a_compressor_runs_across_hosts_only_on_the_leaders(
     ours_off, flat_off = ((p - exact).abs().max().item() for p in (ours, flat))
     assert 0 < ours_off < 0.1 * moved  # it compressed, and stayed near the exact run
     assert ours_off <= 2 * flat_off  # no worse than compressing every rank's gradient
+
+
+def test_a_compressor_on_one_host_says_it_compresses_nothing(
+    results: list[dict[str, Any]],
+) -> None:
+    """Only the leaders compress, across hosts: on one host a user's int8 run ended bitwise
+    equal to plain bsp while its summary said 2x fewer bytes, and nothing said why."""
+    (said,) = results[0]["one host"]
+    assert "on one host: compression='int8' compresses only what crosses hosts" in said, said
+    assert all(r["one host"] == [] for r in results[1:])  # rank 0 says it
