@@ -418,9 +418,20 @@ def cmd_checkpoint_export(args: argparse.Namespace) -> int:
     from gradsync.checkpoint.export import export_checkpoint
     from gradsync.checkpoint.store import CheckpointError
 
-    directory = _checkpoint_dir(Path(args.directory))
+    given, step = Path(args.directory), args.step
+    named = re.fullmatch(r"step-(\d+)", given.name)
+    if named is not None and given.is_dir():
+        # a step's own directory (what export's messages and the docs name a checkpoint):
+        # that step of the checkpoint directory it is in
+        if step is not None and step != int(named.group(1)):
+            raise UsageError(
+                f"checkpoint export: {given} is step {int(named.group(1))}'s checkpoint, and "
+                f"--step {step} names another: pass one of them"
+            )
+        given, step = given.parent, int(named.group(1))
+    directory = _checkpoint_dir(given)
     try:
-        done = export_checkpoint(directory, args.out, to=args.to, step=args.step)
+        done = export_checkpoint(directory, args.out, to=args.to, step=step)
     except CheckpointError as exc:
         raise UsageError(f"checkpoint export: {exc}") from None
     how = (

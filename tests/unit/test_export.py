@@ -241,6 +241,14 @@ def test_the_command_takes_a_run_directory_or_its_checkpoints(
     assert (tmp_path / "b" / ".metadata").is_file()
     a = torch.load(tmp_path / "a.pt", weights_only=True)
     check_export(a, one_rank_runs["bsp"][1], one_rank_runs["bsp"][2], er.STEPS)
+    # a step's own directory, as export's messages name a checkpoint (was: "no checkpoint in
+    # .../step-000002: nothing to export", a user tester's)
+    step_2 = next((run / "checkpoints").glob("step-*2"))
+    assert cli.main(["checkpoint", "export", str(step_2), str(tmp_path / "c.pt")]) == 0
+    assert "exported the checkpoint of step 2 " in capsys.readouterr().err
+    argv = ["checkpoint", "export", str(step_2), str(tmp_path / "d.pt"), "--step", "4"]
+    assert cli.main(argv) == 2
+    assert "is step 2's checkpoint, and --step 4 names another" in capsys.readouterr().err
 
 
 def test_the_command_refuses_with_one_line_and_exit_2(
