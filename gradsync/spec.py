@@ -216,15 +216,15 @@ def _split_field(parts: list[str]) -> str | None:
 OUTER_DEFAULTS: Mapping[str, float] = MappingProxyType({"outer_lr": 0.7, "outer_momentum": 0.9})
 
 
-def _outer_fields(parts: list[str]) -> dict[str, float]:
+def _outer_fields(parts: list[str], kind: str) -> dict[str, float]:
     """Take the ``name=value`` fields off the end of ``parts``: the outer optimizer's settings
-    that differ from ``OUTER_DEFAULTS``."""
+    that differ from ``OUTER_DEFAULTS`` (``kind``: the strategy, for the refusals)."""
     found: dict[str, float] = {}
     while len(parts) > 1 and "=" in parts[-1]:
         name, _, raw = parts.pop().partition("=")
         name = name.strip()
         if name not in OUTER_DEFAULTS:
-            raise _Refused(f"{name}= is not a diloco option; it takes {_OUTER_FORMS}")
+            raise _Refused(f"{name}= is not a {kind} option; it takes {_OUTER_FORMS}")
         if name in found:
             raise _Refused(f"{name}= is given twice")
         try:
@@ -247,7 +247,7 @@ def _diloco(text: str) -> dict[str, Any]:
     and ALPHA 0 is plain ``diloco:H``, and parses as it (whatever the split: one fragment is
     the whole model)."""
     parts = [part.strip() for part in text.split(":")]
-    outer = _outer_fields(parts)
+    outer = _outer_fields(parts, "diloco")
     split = _split_field(parts)
     if len(parts) > 4:
         raise _Refused(f"diloco takes at most H:F:TAU:ALPHA:SPLIT, got {len(parts) + 1} values")
@@ -293,7 +293,7 @@ def _noloco(text: str) -> dict[str, Any]:
     """``H[:outer_lr=X][:outer_momentum=M]``: gossip's period and the outer step's settings
     (``gradsync.strategies.gossip.NoLoCo``; the defaults are DiLoCo's, as NoLoCo's)."""
     parts = [part.strip() for part in text.split(":")]
-    outer = _outer_fields(parts)
+    outer = _outer_fields(parts, "noloco")
     if len(parts) > 1:
         raise _Refused(f"noloco takes H and the outer options only, got {':'.join(parts)}")
     return {**_period(parts[0]), **outer}

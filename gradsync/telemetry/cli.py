@@ -328,18 +328,30 @@ def _bytes(records: list[StepRecord], run_dir: Path) -> dict[str, float]:
     return out
 
 
+def _mb(nbytes: float, decimals: int = 3) -> str:
+    """``nbytes`` in MB: ``decimals`` places, or three significant figures where those would
+    show 0.000 (sparseloco's few hundred bytes a step read "0.000 MB per rank per step")."""
+    mb = nbytes / 1e6
+    return f"{mb:.{decimals}f}" if nbytes == 0 or mb >= 10**-decimals else f"{mb:.3g}"
+
+
+def _times(ratio: float) -> str:
+    """A ratio as "4.0x", or "1.03x" near 1 ("1.0x more than fp32" hid zero:1's 1.025)."""
+    return f"{ratio:.2f}x" if ratio < 1.1 else f"{ratio:.1f}x"
+
+
 def _format_bytes(b: dict[str, float], ranks: int) -> str:
     line = (
-        f"bytes sent: {b['per_rank_step'] / 1e6:.3f} MB per rank per step "
-        f"({b['per_rank_step'] * ranks / 1e6:.3f} MB per step over {counted(ranks, 'rank')}), "
-        f"{b['total'] / 1e6:.{1 if b['total'] >= 1e5 else 3}f} MB in total"  # 0.036, not 0.0
+        f"bytes sent: {_mb(b['per_rank_step'])} MB per rank per step "
+        f"({_mb(b['per_rank_step'] * ranks)} MB per step over {counted(ranks, 'rank')}), "
+        f"{_mb(b['total'], 1 if b['total'] >= 1e5 else 3)} MB in total"  # 0.036, not 0.0
     )
     # Uncompressed runs send fp32 gradients: a "1.0x fewer" line would only be noise.
     if "compression_ratio" in b and abs(b["compression_ratio"] - 1.0) > 0.01:
         ratio = b["compression_ratio"]
         # Some strategies send more than the gradient (zero:N also gathers the parameters, a
         # parameter server replies with them): "0.6x fewer" would read as a saving.
-        than = f"{ratio:.1f}x fewer" if ratio > 1 else f"{1 / ratio:.1f}x more"
+        than = f"{_times(ratio)} fewer" if ratio > 1 else f"{_times(1 / ratio)} more"
         line += (
             f"; {than} than fp32 gradients "
             f"({b['fp32_per_rank_step'] / 1e6:.3f} MB per rank per step)"

@@ -152,3 +152,28 @@ def test_a_run_of_no_steps_has_no_bytes_per_step(tmp_path: Path) -> None:
     from gradsync.telemetry.cli import _bytes
 
     assert _bytes([], tmp_path) == {"total": 0.0, "per_rank_step": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("per_rank", "fp32", "said"),
+    [
+        (400.0, 400_384.0, "0.0004 MB per rank per step"),  # sparseloco's: was 0.000 MB
+        (410_394.0, 400_384.0, "1.03x more than fp32"),  # zero:1 + int8's: was 1.0x more
+        (100_096.0, 400_384.0, "4.0x fewer than fp32"),
+    ],
+)
+def test_small_byte_counts_and_ratios_near_1_keep_their_digits(
+    per_rank: float, fp32: float, said: str
+) -> None:
+    from gradsync.telemetry.cli import _format_bytes
+
+    line = _format_bytes(
+        {
+            "per_rank_step": per_rank,
+            "total": per_rank * 80,
+            "fp32_per_rank_step": fp32,
+            "compression_ratio": fp32 / per_rank,
+        },
+        2,
+    )
+    assert said in line, line

@@ -413,6 +413,7 @@ def test_diloco_outer_optimizer_options_parse_to_one_canonical_spec(
     ("text", "why"),
     [
         ("diloco:16:lr=1", "lr= is not a diloco option; it takes outer_lr=X"),
+        ("noloco:4:foo=1", "foo= is not a noloco option; it takes outer_lr=X"),  # was diloco
         ("diloco:16:outer_lr=0", "outer_lr=0 must be a number > 0"),
         ("diloco:16:outer_lr=inf", "outer_lr=inf must be a number > 0"),
         ("diloco:16:outer_lr=x", "outer_lr=x must be a number > 0"),
