@@ -110,7 +110,7 @@ from gradsync.checks.guards import all_finite
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.strategies import parse_strategy
-from gradsync.synchronizer import StepHandle, Synchronizer, finish_exchange
+from gradsync.synchronizer import StepHandle, Synchronizer, finish_exchange, steps_none_of
 
 #: strategies whose update fits DDP's loop: the whole mean gradient (or this rank's own, for
 #: the periodic ones) in ``p.grad`` at the end of backward, the update in ``optimizer.step()``
@@ -697,8 +697,7 @@ def _check_arguments(
         raise UsageError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    mine = {id(p) for p in module.parameters()}
-    if mine and not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+    if steps_none_of(module, optimizer):
         # another optimizer than the one the loop steps (built on another model, or a copy):
         # the exchange would average gradients this optimizer never applies, silently
         raise UsageError(

@@ -1041,14 +1041,21 @@ class Synchronizer:
         if self._run is None or not self._unwritten_spans:
             return
         spans, self._unwritten_spans = self._unwritten_spans, []
+        run = self._run
+        self._write_own("its timeline spans", lambda: run.write_own_spans(spans))
+
+    def _write_own(self, what: str, write: Callable[[], None]) -> None:
+        """``write()`` this rank's ``what`` into the run directory; a failure is warned of,
+        not raised: the run directory is gone or full, the run itself is not."""
+        assert self._run is not None
         try:
-            self._run.write_own_spans(spans)
-        except OSError as exc:  # the run directory is gone or full: the run itself is not
+            write()
+        except OSError as exc:
             warnings.warn(
-                f"gradsync: rank {self.rank}: could not write its timeline spans into "
+                f"gradsync: rank {self.rank}: could not write {what} into "
                 f"{self._run.directory}: {exc}",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def flush_telemetry(self) -> list[StepRecord]:
@@ -1261,15 +1268,8 @@ class Synchronizer:
         alone: no collective."""
         if self._run is None or not self.telemetry_enabled:
             return
-        try:
-            self._run.write_own_records(self._collector.take_own_pending(self.rank))
-        except OSError as exc:  # the run directory is gone or full: the run itself is not
-            warnings.warn(
-                f"gradsync: rank {self.rank}: could not write its last step records into "
-                f"{self._run.directory}: {exc}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        run, pending = self._run, self._collector.take_own_pending(self.rank)
+        self._write_own("its last step records", lambda: run.write_own_records(pending))
         self._write_own_spans()
 
     def _close(self) -> None:
@@ -1427,8 +1427,7 @@ def _check_arguments(
             f"model {type(model).__name__} has no trainable parameters "
             "(none with requires_grad=True): there is nothing to synchronize"
         )
-    mine = {id(p) for p in model.parameters()}
-    if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+    if steps_none_of(model, optimizer):
         # built on another model, or on a copy: gradients would be averaged that this
         # optimizer never applies, and the model would never move, silently
         raise UsageError(
@@ -1441,6 +1440,14 @@ def _check_arguments(
         raise UsageError(
             f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
         )
+
+
+def steps_none_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds none of ``model``'s parameters (a model without any holds
+    nothing to miss)."""
+    mine = {id(p) for p in model.parameters()}
+    held = (id(p) for group in optimizer.param_groups for p in group["params"])
+    return bool(mine) and not any(p in mine for p in held)
 
 
 def _is_number(value: object) -> bool:
