@@ -333,6 +333,9 @@ class AttachedRun:
         self.sink: RunSink | None = None
         self.reported: dict[str, Any] | None = None
         self._membership: MembershipLog | None = None
+        # live membership: the step a load went back to, until the first quorum says whether
+        # this replica group runs on from there or heals forward (``loaded``, ``began``)
+        self._rerun_from: int | None = None
 
     @classmethod
     def find(cls, run_dir: str | Path | None) -> AttachedRun | None:
@@ -478,17 +481,20 @@ class AttachedRun:
         if self.sink is not None:
             self.sink.showing = False
 
-    def loaded(self, step: int) -> None:
+    def loaded(self, step: int, *, until_quorum: bool = False) -> None:
         """After ``sync.load()`` resumed at ``step`` (0: no checkpoint): the records of the
         steps that run again are dropped, and rank 0 says where a restart (or ``--resume``)
-        went back to."""
+        went back to. ``until_quorum`` (live membership): which steps run again is known only
+        at the first quorum, where a replica group behind a live peer heals forward and runs
+        none of the steps between ``step`` and its peer's again (their records stay, the only
+        ones of those steps): the drop waits for ``began``."""
         if self.sink is None:
             return
         self.sink.showing = True
-        drop_records_from(self.sink.path, step)
-        drop_spans_from(self.directory / SPANS_FILE, step)
-        if self.rank == 0:  # under --resume of replica groups: their quorums run again too
-            drop_quorums_from(self.directory / MEMBERSHIP_FILE, step)
+        if until_quorum:
+            self._rerun_from = step
+        else:
+            self._drop_from(step)
         restarted = restart_count()
         flag = bool(self.settings.get("resume"))
         if not (restarted or step or flag):
@@ -504,8 +510,26 @@ class AttachedRun:
         if restarted:  # this round's restart and the most the agent allows (set by its agent)
             most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
             count = f" (restart {restarted}{f' of {most}' if most else ''})"
+        if until_quorum:  # the first quorum may take it further
+            count += ", or at a live peer's step if one is further (healed at the first quorum)"
         # e.g. "gradsync: restart: resuming at step 12 (restart 1 of 1)"
         logger.info("%s: %s at step %d%s", why, how, step, count)
+
+    def began(self, step: int) -> None:
+        """A step began at ``step``, after its quorum (where a replacement heals forward):
+        the drop ``loaded`` held for it is made from there."""
+        if self._rerun_from is not None:
+            self._rerun_from = None
+            self._drop_from(step)
+
+    def _drop_from(self, step: int) -> None:
+        """Rank 0's files less what steps ``step`` on wrote: they run again."""
+        if self.sink is None:
+            return
+        drop_records_from(self.sink.path, step)
+        drop_spans_from(self.directory / SPANS_FILE, step)
+        # under replica groups their quorums run again too
+        drop_quorums_from(self.directory / MEMBERSHIP_FILE, step)
 
     def finish(self, report: RunReport, measured: dict[str, Any] | None) -> None:
         """At the end of ``sync.report()``, given what the strategy ``measured`` itself: rank 0

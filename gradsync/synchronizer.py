@@ -707,6 +707,8 @@ class Synchronizer:
             slept = self._begin(micro_batches, weight)
             # a replacement that healed in _begin (live membership) took its peer's step
             handle.step = ready._step = self._step
+            if self._run is not None:
+                self._run.began(self._step)  # the records a load left until this quorum
             in_block = (
                 self._watch.in_block(self._step, "the step's forward and backward collectives")
                 if self.strategy.collectives_in_block
@@ -1235,7 +1237,7 @@ class Synchronizer:
             self.spans = [s for s in self.spans if s.step < self._step]
             self._unwritten_spans = [s for s in self._unwritten_spans if s.step < self._step]
             if self._run is not None:
-                self._run.loaded(self._step)
+                self._run.loaded(self._step, until_quorum=self._membership is not None)
             return extra
 
     def _check_open(self, what: str) -> None:

@@ -45,20 +45,19 @@ def _resume(sync: Synchronizer, cfg: RunConfig, run_dir: Path, rank: int) -> int
     restarted = agreed_restart(sync)
     if not (cfg.resume or restarted):
         return 0
-    if cfg.replica_groups and restarted:
-        # A restarted replica group loads no checkpoint and rolls nothing back: it heals from
-        # a live peer at its first step. Under --resume (restart 0) each group loads its own
-        # newest checkpoint below, and the first quorum heals the groups behind the furthest.
-        return 0
     if cfg.resume or cfg.checkpoint_every:
+        # A restarted replica group loads its own newest checkpoint too: its Manager counts
+        # from there, so the first quorum heals it forward where a live peer is further, and
+        # where none is (the others have finished) it goes on from its checkpoint, not step 0.
         extra = sync.load(run_dir / CHECKPOINT_DIR)
         return int(extra["step"]) if extra else 0
     if rank == 0:
         # Every step runs again, a restart without checkpoints: their earlier records would
-        # count the rolled-back work twice in the report.
+        # count the rolled-back work twice in the report (a replica group's wait for its first
+        # quorum, which heals it forward where a live peer is further).
         run = sync.attached_run
         if run is not None:  # drops the records of every step (they all run again), says so
-            run.loaded(0)
+            run.loaded(0, until_quorum=bool(cfg.replica_groups))
     return 0
 
 

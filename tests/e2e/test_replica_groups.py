@@ -45,7 +45,12 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _kill_heal_run(
-    out: Path, *extra: str, kill_at: int = KILL_AT, nproc: int = 1, killed: int = 0
+    out: Path,
+    *extra: str,
+    kill_at: int = KILL_AT,
+    nproc: int = 1,
+    killed: int = 0,
+    min_replicas: int = 2,
 ) -> tuple[str, str, Watched, int]:
     """Two groups of ``nproc`` ranks, --min-replicas 2, group 1's rank ``killed`` (0: its first)
     SIGKILLed at step ``kill_at`` and the group restarted once by its own agent: the run's
@@ -53,7 +58,7 @@ def _kill_heal_run(
     forkservers), what was seen of its tree, and its pid."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradsync", "run", *extra]
-        + ["--replica-groups", "2", "--nproc", str(nproc), "--min-replicas", "2"]
+        + ["--replica-groups", "2", "--nproc", str(nproc), "--min-replicas", str(min_replicas)]
         + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS)]
         + ["--max-restarts", "1", "--kill", f"{nproc + killed}:{kill_at}"]  # group 1's rank
         + ["--timeout", "90", "--no-plots", "--no-progress", "--out", str(out)],
@@ -84,6 +89,32 @@ def _group0_unbroken_group1_restarted_once(out: Path) -> list[dict[str, Any]]:
         assert sorted(r["step"] for r in records if r["rank"] == rank) == list(range(STEPS))
     assert [a["restart"] for a in _jsonl(group1 / "faults" / "attempts.jsonl")] == [0, 1]
     return [h for h in _jsonl(group1 / "faults" / "healed.jsonl") if h["restart"] == 1]
+
+
+@pytest.mark.timeout(200)
+def test_a_replacement_with_no_live_peer_goes_on_from_its_groups_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Group 1 killed at the last step, --min-replicas 1 and a heartbeat timeout of 0.5 s:
+    group 0 waits 0.5 s, trains that step alone and finishes before group 1's replacement
+    starts (about 1 s). The replacement finds no peer: it goes on from its group's newest
+    checkpoint (step 25), not from step 0, and its metrics.jsonl holds each step once (was:
+    steps 0-29 trained again, steps 0-19 recorded twice, the summary counting 50 steps)."""
+    out = tmp_path / "run"
+    _, stderr, _, _ = _kill_heal_run(
+        out,
+        *["--checkpoint-every", "5", "--heartbeat-timeout", "0.5"],
+        kill_at=STEPS - 1,
+        min_replicas=1,
+    )
+    group1 = out / "group-1"
+    healed = _jsonl(group1 / "faults" / "healed.jsonl")
+    assert [h for h in healed if h["restart"] == 1] == [], healed  # no peer was left
+    assert "restart: resuming at step 25 (restart 1 of 1)" in stderr, stderr[-3000:]
+    records = _jsonl(group1 / "metrics.jsonl")
+    assert sorted(r["step"] for r in records) == list(range(STEPS))
+    quorums = [q["step"] for q in _jsonl(group1 / "membership.jsonl")]
+    assert sorted(quorums) == list(range(STEPS)), quorums
 
 
 @pytest.mark.timeout(280)

@@ -205,3 +205,34 @@ def test_a_groups_config_keeps_the_heartbeat_timeout_of_the_lighthouse_the_run_s
     assert (own.lighthouse, own.heartbeat_timeout) == ("http://127.0.0.1:9", 2.0)
     with pytest.raises(UsageError, match="the one given with --lighthouse http://127.0.0.1:9"):
         RunConfig(replica_groups=2, nproc=1, heartbeat_timeout=2.0, lighthouse="http://127.0.0.1:9")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("first_step", "kept"), [(15, 15), (19, 18)], ids=["alone", "healed"])
+def test_a_restarted_groups_rollback_waits_for_its_first_quorum(
+    tmp_path: Path, first_step: int, kept: int
+) -> None:
+    """A replica group's replacement loads its checkpoint of step 15; its killed process
+    recorded steps 0-17. With no live peer further (the others finished), its first step is
+    15: steps 15-17 run again and their old records go. Healed forward to a peer's step 19,
+    it runs none of them again: its only records of 15-17 stay."""
+    from gradsync.telemetry.records import METRICS_FILE, write_records
+    from gradsync.telemetry.stragglers import synthetic_records
+
+    run = AttachedRun(_run_dir(tmp_path, replica_groups=2, steps=20))
+    run.start(0, 1, 10)
+    write_records(tmp_path / METRICS_FILE, synthetic_records(18, 1, seed=1))
+    quorums = "".join(json.dumps({"step": s}) + "\n" for s in range(18))
+    (tmp_path / "membership.jsonl").write_text(quorums)
+    run.loaded(15, until_quorum=True)
+
+    def steps(name: str) -> list[int]:
+        lines = (tmp_path / name).read_text().splitlines()
+        return sorted(json.loads(line)["step"] for line in lines)
+
+    assert steps(METRICS_FILE) == list(range(18))  # nothing dropped before the quorum
+    run.began(first_step)
+    assert steps(METRICS_FILE) == list(range(kept))
+    assert steps("membership.jsonl") == list(range(kept))
+    run.began(first_step + 1)  # once: later steps drop nothing
+    assert steps(METRICS_FILE) == list(range(kept))
