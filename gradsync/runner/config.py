@@ -43,6 +43,7 @@ from gradsync.strategies.factory import (
     parse_strategy,
     uses_servers,
 )
+from gradsync.strategies.streaming import SPLITS, fragment_tensors
 from gradsync.strategies.zero_shards import OwnerLayout
 from gradsync.telemetry.stragglers import StragglerConfig
 from gradsync.topology import check_allreduce, check_hierarchical
@@ -703,13 +704,19 @@ class RunConfig:
                 )
 
     def _check_shards(self) -> None:
-        """zero:N gives every rank whole tensors of the model: refuse here a run whose workers
-        would each refuse it (the same message)."""
+        """zero:N gives every rank whole tensors of the model, and streaming DiLoCo cuts it into
+        F fragments: refuse here a run whose workers would each refuse it (the same message)."""
         spec = parse_strategy_spec(self.strategy)
-        if spec.kind != "zero":
+        streaming = spec.kind == "diloco" and (spec.fragments or 1) > 1
+        if spec.kind != "zero" and not streaming:
             return
         workload = make_workload(self.workload, seed=self.seed, data=self.data, params=self.params)
-        trainable = [p for p in workload.build_model().parameters() if p.requires_grad]
+        model = workload.build_model()
+        trainable: list[Any] = [p for p in model.parameters() if p.requires_grad]
+        if streaming:
+            split = spec.split or SPLITS[0]
+            fragment_tensors(model, trainable, spec.fragments or 1, split, str(spec))
+            return
         # The built-in workloads' optimizers update every trainable tensor (and building one
         # here would cost a second).
         OwnerLayout(trainable, self.nproc, 0).check(trainable, str(spec))

@@ -332,3 +332,13 @@ def test_a_checkpoint_is_refused_under_another_split(one_rank: None) -> None:
     finally:
         for s in made:
             s.close()
+
+
+def test_gradsync_run_refuses_more_fragments_than_the_workload_has_before_starting() -> None:
+    """The workers' own refusal, made before any worker starts (it was made on every rank)."""
+    from gradsync.runner.config import RunConfig
+
+    with pytest.raises(UsageError, match="F=4 fragments, but the model has only 3 layers"):
+        RunConfig(workload="mlp", strategy="diloco:8:4:layers", out="run")
+    RunConfig(workload="mlp", strategy="diloco:8:3:layers", out="run")  # 3 layers: fits
+    RunConfig(workload="mlp", strategy="diloco:8:4", out="run")  # rows: cuts its matrices
