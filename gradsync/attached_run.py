@@ -8,7 +8,9 @@ files, written by the same code:
 - ``metrics.jsonl``: every gathered step record, by rank 0, as they arrive (and the
   ``--tracker`` sinks: TensorBoard, W&B, MLflow), with the live progress line and a notice per
   straggler episode; and those no gather took, from a Synchronizer closed (or a process that
-  ended) without ``sync.report()``, by each rank itself (``write_own_records``);
+  ended) without ``sync.report()``, by each rank itself (``write_own_records``), which rank
+  0's trackers then get too before they end, with how the attempt ended (``FINISHED``,
+  ``FAILED``, ``KILLED``);
 - ``spans.jsonl``, by each rank itself at each telemetry gather and at its end
   (``write_own_spans``); ``report.json``, by rank 0 at ``sync.report()``;
 - ``membership.jsonl`` under live membership (``membership="torchft"``): each step's quorum
@@ -33,11 +35,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import multiprocessing.util
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from gradsync.errors import UsageError
@@ -56,11 +61,20 @@ from gradsync.telemetry.records import (
     drop_spans_from,
     read_jsonl,
     read_records,
+    settle_ungathered,
     write_records,
 )
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import Finding, StragglerConfig, StragglerDetector
-from gradsync.telemetry.trackers import JsonlTracker, Tracker, make_tracker, parse_trackers
+from gradsync.telemetry.trackers import (
+    FINISHED,
+    KILLED,
+    JsonlTracker,
+    Tracker,
+    make_tracker,
+    parse_trackers,
+    status_of,
+)
 
 __all__ = [
     "ATTEMPTS_FILE",
@@ -87,6 +101,9 @@ MANAGER_UP_FILE = "manager_up.jsonl"
 GROUP_DIR = "group-{}"
 #: how long a group's first process waits for every group's Manager before it trains anyway
 GROUPS_START_S = 120.0
+#: how long rank 0, ending cleanly without a report, waits for the other ranks' last records
+#: before its trackers get them (each rank writes its own as it ends, at about the same time)
+OTHERS_RECORDS_S = 5.0
 
 logger = get_logger("run")
 
@@ -179,6 +196,7 @@ class RunSink:
             warmup=int(settings["straggler_warmup"]),
         )
         self.detector = StragglerDetector(self.stragglers, world_size=world)
+        self.world = world
         self.idle = 0.0
         self.wall = 0.0
         #: False while a restart loads its checkpoint: the records it restores are written,
@@ -214,10 +232,14 @@ class RunSink:
             self.progress.interrupt(f"gradsync: straggler: {finding.describe()}")
 
     def close_trackers(
-        self, report: RunReport | None = None, findings: list[Finding] | None = None
+        self,
+        report: RunReport | None = None,
+        findings: list[Finding] | None = None,
+        status: str = FINISHED,
     ) -> None:
-        """Give the trackers the run's report (when there is one) and close them. Failures are
-        logged, not raised: report.json is written by then, and the run succeeded."""
+        """Give the trackers the run's report (when there is one) and close them with how the
+        attempt ended (``status``). Failures are logged, not raised: report.json is written
+        by then, and the run succeeded."""
         if self.trackers is None:
             return
         trackers, self.trackers = self.trackers, None
@@ -227,9 +249,77 @@ class RunSink:
         except Exception:
             logger.exception("the --tracker sinks failed to record the run's report")
         try:
-            trackers.close()
+            trackers.close(status)
         except Exception:
             logger.exception("the --tracker sinks failed to close")
+
+    def log_ungathered(self, own: list[StepRecord], wait_s: float) -> None:
+        """At the end without a report: the trackers get the steps no gather took, as
+        metrics.jsonl has them. Each rank wrote its own there (``write_own_records``; this
+        rank's, ``own``, are written by now), so they are read back from the file, this
+        attempt's alone. Up to ``wait_s`` for every worker's to be there: the other ranks
+        write theirs as they end, at about the same time; one that has not by then is left
+        out of the trackers' last steps (metrics.jsonl gets them still)."""
+        if self.trackers is None:
+            return
+        attempt = own[0].attempt if own else restart_count()
+        deadline = time.monotonic() + (wait_s if own else 0.0)
+        while True:
+            found = _ungathered(self.path, attempt)
+            ended = {r.rank for r in found}  # a rank writes all of its own at once
+            if len(ended) >= self.world or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if found:
+            # the idle and comm of records no gather took come from every rank's, as
+            # ``read_records`` derives them: the scalars then equal metrics.jsonl's as read
+            self.trackers(settle_ungathered(found))
+
+
+def _ungathered(path: Path, attempt: int) -> list[StepRecord]:
+    """The records of ``attempt`` in metrics.jsonl that a rank wrote alone (``gathered``
+    false): those gathered reached the trackers as they came. A line another rank is still
+    appending does not parse yet: it is skipped (the next look reads it whole)."""
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_bytes().splitlines():
+        if b'"gathered":false' not in line:  # as ``StepRecord.to_json`` writes it; no parse
+            continue
+        try:
+            record = StepRecord.from_dict(json.loads(line))
+        except (ValueError, TypeError):
+            continue
+        if record.attempt == attempt:
+            found.append(record)
+    return found
+
+
+def _ending_status() -> str:
+    """How this process's attempt is ending, for its trackers (``trackers.status_of``), seen
+    from where gradsync ends them: ``sync.close()`` or the process's exit.
+
+    - A rank stopped by SIGTERM under ``gradsync run`` (``runner.stopped``) writes its records
+      through ``synchronizer.write_unreported_records``, that function's one use, and then
+      ends with ``os._exit``: found on the stack, it is ``KILLED``.
+    - The exception being handled: a ``close()`` in an ``except``, ``finally`` or ``with``
+      block that an error left; and the exit of a multiprocessing child (``gradsync run``'s
+      ranks), whose finalizers run in a ``finally`` around the script's function.
+    - At the interpreter's exit (multiprocessing's finalizers, which set ``_exiting``), the
+      uncaught exception Python printed (``sys.last_value``, as ``exit_safety`` reads it).
+      Not before: an interactive session keeps an earlier cell's error there.
+
+    A process killed outright (SIGKILL, or SIGTERM outside ``gradsync run``) runs none of
+    this: its trackers stay as its last gather left them (docs/trackers.md)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "write_unreported_records":
+            return KILLED
+        frame = frame.f_back
+    error = sys.exc_info()[1]
+    if error is None and getattr(multiprocessing.util, "_exiting", False):
+        error = getattr(sys, "last_value", None)
+    return status_of(error)
 
 
 def _trackers(spec: str | None, directory: Path) -> Tracker | None:
@@ -560,14 +650,25 @@ class AttachedRun:
         call it), appended to ``metrics.jsonl`` by this rank itself: no collective, and no
         rank waits for another. Their ``idle`` is left as measured (see
         ``TelemetryCollector.take_own_pending``)."""
-        if not records:
+        if records:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_records(self.directory / METRICS_FILE, records)
+        if self.sink is None:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        write_records(self.directory / METRICS_FILE, records)
+        # Rank 0: this is its end (a close, the process's exit or a stop), so its trackers get
+        # what metrics.jsonl got since the last gather and end with the attempt's status.
+        # Only a clean end waits for the other ranks' records: after a failure they may be
+        # blocked on this rank, or dead.
+        status = _ending_status()
+        try:
+            self.sink.log_ungathered(records, OTHERS_RECORDS_S if status == FINISHED else 0.0)
+        except Exception:  # the files are written; a dashboard must not fail the exit
+            logger.exception("the --tracker sinks failed to take the last step records")
+        self.sink.close_trackers(status=status)
 
     def close(self) -> None:
         """When the Synchronizer closes: the trackers end even without a report."""
         if self.sink is not None:
-            self.sink.close_trackers()
+            self.sink.close_trackers(status=_ending_status())
         if self._membership is not None:
             self._membership.close()

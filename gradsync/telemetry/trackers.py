@@ -10,7 +10,9 @@ made, so ``import gradsync`` stays as light as it was and a missing one is named
 extra that installs it.
 
 One protocol, :class:`Tracker`: ``log`` a batch of gathered records, ``finish`` with the
-run's report (barrier tax, final loss, straggler findings), ``close``. A tracker is also the
+run's report (barrier tax, final loss, straggler findings), ``close`` with how the run ended
+(``FINISHED``, ``FAILED`` or ``KILLED``, MLflow's run statuses: an attempt that failed is not
+left "running" in a dashboard, nor shown as a success). A tracker is also the
 ``on_records`` callable of a Synchronizer (``__call__``): there a tracker that fails is
 reported on the ``gradsync.telemetry.trackers`` logger and turned off, because a dashboard
 that cannot be written must not stop the training it watches.
@@ -60,6 +62,9 @@ MLFLOW_DIR = "mlruns"
 WANDB_PROJECT = "gradsync"
 #: MLflow takes at most this many metrics per ``log_batch`` call
 _MLFLOW_BATCH = 1000
+#: how a run ended, as ``close`` is told: MLflow's run statuses (``RunStatus``), which W&B maps
+#: to an exit code (0 for FINISHED)
+FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 
 
 @runtime_checkable
@@ -70,9 +75,25 @@ class Tracker(Protocol):
 
     def finish(self, report: RunReport, findings: Sequence[Finding] | None = None) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, status: str = FINISHED) -> None: ...
 
     def __call__(self, records: list[StepRecord]) -> None: ...
+
+
+def status_of(error: BaseException | None) -> str:
+    """How a run that ``error`` ended (None: none) ended, as ``close`` is told: an interrupt
+    (Ctrl-C, or the exit status a signal gives, 128 + its number) is ``KILLED``, an exit with
+    status 0 or none ``FINISHED``, anything else ``FAILED``."""
+    if error is None:
+        return FINISHED
+    if isinstance(error, KeyboardInterrupt):
+        return KILLED
+    if isinstance(error, SystemExit):
+        code = error.code
+        if code is None or code == 0:
+            return FINISHED
+        return KILLED if isinstance(code, int) and code > 128 else FAILED
+    return FAILED
 
 
 def missing_extras(names: Iterable[str]) -> list[str]:
@@ -150,7 +171,7 @@ class _Base:
     def finish(self, report: RunReport, findings: Sequence[Finding] | None = None) -> None:
         """Nothing to add at the end, unless a sink says otherwise."""
 
-    def close(self) -> None:
+    def close(self, status: str = FINISHED) -> None:
         """Nothing to release, unless a sink says otherwise."""
 
     def __call__(self, records: list[StepRecord]) -> None:
@@ -166,8 +187,8 @@ class _Base:
     def __enter__(self) -> Any:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        self.close(status_of(error))
 
 
 class NullTracker(_Base):
@@ -199,9 +220,9 @@ class Trackers(_Base):
         for tracker in self.trackers:
             tracker.finish(report, findings)
 
-    def close(self) -> None:
+    def close(self, status: str = FINISHED) -> None:
         for tracker in self.trackers:
-            tracker.close()
+            tracker.close(status)
 
 
 class JsonlTracker(_Base):
@@ -322,7 +343,8 @@ class TensorBoardTracker(_ScalarTracker):
         # on disk at every gather: a run that dies keeps what it logged
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, status: str = FINISHED) -> None:
+        # event files have no run status: what was logged is flushed and the file closed
         self.writer.close()
 
 
@@ -353,10 +375,12 @@ class WandbTracker(_ScalarTracker):
         # W&B drops a log at a step below its last one: end-of-run values are its summary
         self.run.summary.update({**scalars, "stragglers": notes})
 
-    def close(self) -> None:
+    def close(self, status: str = FINISHED) -> None:
         if not self.closed:
             self.closed = True
-            self.run.finish()
+            # a non-zero exit code is how W&B marks a run failed; finish() also writes out the
+            # offline file (unfinished, it was a header alone)
+            self.run.finish(exit_code=0 if status == FINISHED else 1)
 
 
 class MlflowTracker(_ScalarTracker):
@@ -406,11 +430,13 @@ class MlflowTracker(_ScalarTracker):
         for i in range(0, len(pending), _MLFLOW_BATCH):
             self.client.log_batch(self.run_id, metrics=pending[i : i + _MLFLOW_BATCH])
 
-    def close(self) -> None:
+    def close(self, status: str = FINISHED) -> None:
         if not self.closed:
             self.closed = True
-            self._flush()
-            self.client.set_terminated(self.run_id)
+            try:
+                self._flush()
+            finally:  # the run ends even when the last batch fails: not RUNNING for ever
+                self.client.set_terminated(self.run_id, status=status)
 
 
 _MAKERS: dict[str, Any] = {

@@ -1,0 +1,162 @@
+"""End-to-end: the ``--tracker`` sinks of a script's run get its last steps and end with how
+the attempt ended.
+
+- A script that never calls ``sync.report()``: each rank writes the steps no gather took into
+  metrics.jsonl at its exit; rank 0's trackers get them too (they had the gathered steps
+  alone, 0-9 of 25), and its MLflow run ends FINISHED (it stayed RUNNING).
+- An attempt that fails: a rank raising ends its trackers FAILED; rank 0 stopped by the agent's
+  SIGTERM after rank 1 failed ends them KILLED. Either way what rank 0 wrote to metrics.jsonl
+  reaches them first (W&B's offline file held a header and no history, MLflow's run stayed
+  RUNNING), in each attempt of a run with a restart.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradsync.telemetry import trackers
+from gradsync.telemetry.records import read_jsonl, read_records
+from tests.e2e.test_trackers_run import _items, _tensorboard, _wandb_records
+from tests.support.cli import gradsync
+
+pytestmark = pytest.mark.e2e
+
+INSTALLED = [n for n in ("tensorboard", "wandb", "mlflow") if importlib.util.find_spec(n)]
+needs_trackers = pytest.mark.skipif(not INSTALLED, reason="no tracker extra installed")
+
+#: a user's script of the front-door kind: no report(), no close(); ``FAIL_RANK`` raises at
+#: step ``FAIL_AT`` (-1: none does)
+SCRIPT = """
+import sys
+import torch
+import gradsync as gs
+
+steps, fail_rank, fail_at = (int(a) for a in sys.argv[1:4])
+gs.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.05))
+data = torch.Generator().manual_seed(gs.rank())
+for step in range(steps):
+    if step == fail_at and gs.rank() == fail_rank:
+        raise RuntimeError(f"the user's error at step {step}")
+    x = torch.randn(8, 4, generator=data)
+    with sync.step(samples=8) as s:
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        loss.backward()
+        s.loss = loss
+"""
+
+
+def _run(tmp_path: Path, *script_args: str, restarts: int = 0) -> tuple[Path, Any]:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "run"
+    argv = ["run", "--nproc", "2", "--no-plots", "--tracker", ",".join(INSTALLED)]
+    argv += ["--max-restarts", str(restarts), "--out", str(out), "--", str(script)]
+    return out, gradsync(*argv, *script_args, timeout=100)
+
+
+def _mlflow_runs(out: Path) -> list[tuple[str, dict[int, dict[str, float]]]]:
+    """Each MLflow run's status and scalars by step."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(out / trackers.MLFLOW_DIR).as_uri())
+    experiment = client.get_experiment_by_name(trackers.WANDB_PROJECT)
+    found = []
+    for run in client.search_runs([experiment.experiment_id]):
+        got: dict[int, dict[str, float]] = {}
+        for key in run.data.metrics:
+            for metric in client.get_metric_history(run.info.run_id, key):
+                got.setdefault(metric.step, {})[key] = metric.value
+        found.append((run.info.status, got))
+    return found
+
+
+def _wandb_runs(out: Path) -> list[tuple[int | None, dict[int, dict[str, float]]]]:
+    """Each offline W&B run's exit code (None: no exit record) and history by step."""
+    found = []
+    for path in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
+        code, got = None, {}
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                got[record.history.step.num] = _items(record.history.item)
+            elif kind == "exit":
+                code = record.exit.exit_code
+        found.append((code, got))
+    return found
+
+
+def _every_tracker(out: Path) -> list[tuple[str, Any, dict[int, dict[str, float]]]]:
+    """(tracker, its run's ending, scalars by step) for each run of each installed tracker;
+    TensorBoard has no ending (its event files of every attempt are read as one)."""
+    runs: list[tuple[str, Any, dict[int, dict[str, float]]]] = []
+    if "tensorboard" in INSTALLED:
+        runs.append(("tensorboard", None, _tensorboard(out)))
+    if "mlflow" in INSTALLED:
+        runs += [("mlflow", status, got) for status, got in _mlflow_runs(out)]
+    if "wandb" in INSTALLED:
+        runs += [("wandb", code, got) for code, got in _wandb_runs(out)]
+    return runs
+
+
+@needs_trackers
+@pytest.mark.timeout(150)
+def test_script_without_report_sends_every_step_to_the_trackers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    steps = 25  # gathers at 10 and 20: the trackers had steps 0-9 alone
+    out, proc = _run(tmp_path, str(steps), "-1", "-1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tracker" not in proc.stderr, proc.stderr[-3000:]  # no sink failed (logged)
+
+    want: dict[int, dict[str, float]] = {}
+    for r in read_records(out):  # with the idle and comm derived for those no gather took
+        for tag in ("compute", "comm", "idle", "loss"):
+            want.setdefault(r.step, {})[f"{tag}/rank{r.rank}"] = float(getattr(r, tag))
+    assert sorted(want) == list(range(steps)) and all(len(v) == 8 for v in want.values())
+    runs = _every_tracker(out)
+    assert len(runs) == len(INSTALLED)  # one run each
+    for name, ending, got in runs:
+        assert ending in (None, "FINISHED", 0), (name, ending)
+        assert sorted(got) == list(range(steps)), name
+        for step, scalars in want.items():
+            for key, value in scalars.items():
+                assert got[step][key] == pytest.approx(value, rel=1e-6), (name, step, key)
+
+
+@needs_trackers
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("fail_rank", "status"),
+    [(0, "FAILED"), (1, "KILLED")],  # rank 1's failure: the agent stops rank 0 with SIGTERM
+)
+def test_failed_attempts_end_their_trackers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_rank: int, status: str
+) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    fail_at = 13  # past the gather at step 10, which no tracker had yet (written at the next)
+    out, proc = _run(tmp_path, "30", str(fail_rank), str(fail_at), restarts=1)
+    assert proc.returncode != 0 and "the user's error" in proc.stderr, proc.stderr[-3000:]
+
+    # rank 0's records of each attempt, as it wrote them (the other rank's come after it)
+    raw = [r for r in read_jsonl(out / "metrics.jsonl") if r["rank"] == 0]
+    for attempt in (0, 1):
+        steps = sorted(r["step"] for r in raw if r.get("attempt", 0) == attempt)
+        assert steps == list(range(fail_at)), (attempt, steps)
+    runs = _every_tracker(out)
+    endings = {"mlflow": status, "wandb": 1}
+    for name in ("mlflow", "wandb"):
+        if name in INSTALLED:
+            assert [ending for n, ending, _ in runs if n == name] == [endings[name]] * 2, name
+    for name, _, got in runs:
+        rank0 = sorted(step for step, scalars in got.items() if "compute/rank0" in scalars)
+        assert rank0 == list(range(fail_at)), (name, rank0)
