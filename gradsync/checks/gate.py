@@ -147,7 +147,8 @@ class StepGate:
         self._count += 1
         self._label = f"{what} ({where(step)})"
         self._user = user
-        watch.enter(USER_GATE if user else GATE, step, self._label)
+        before, here = watch.phase, (USER_GATE if user else GATE, step, self._label)
+        watch.enter(*here)
         count = int(store.add(name, 1))
         if count > watch.world_size:  # each rank adds one: another process added the rest
             raise SyncTimeoutError(
@@ -168,6 +169,11 @@ class StepGate:
             raise SyncTimeoutError(
                 f"{where(step)}: {what}: agreeing on the run's secret failed: {exc}"
             ) from exc
+        if watch.phase == here:
+            # Passed: back to where the rank was (inside its block, for the step's gate), so a
+            # peer that times out later does not say it is still waiting to begin the step.
+            # Unless the rank moved on meanwhile (the gate waited ahead, on its own thread).
+            watch.enter(*before)
 
     def _forget(self, name: str) -> None:
         """Delete the keys of the gate two back: every rank has passed it by now (a rank

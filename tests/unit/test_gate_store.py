@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from gradsync.checks import liveness, secret
-from gradsync.checks.diagnose import GATE, START, ArrivalWatch
+from gradsync.checks.diagnose import BLOCK, GATE, START, ArrivalWatch
 from gradsync.checks.gate import StepGate
 from gradsync.checks.voucher import Vouch
 from gradsync.errors import SyncTimeoutError
@@ -185,3 +185,21 @@ def test_only_timeouts_and_eagain_count_as_transient() -> None:
     assert transient_store_error(RuntimeError("recv: Resource temporarily unavailable"))
     assert not transient_store_error(RuntimeError("Connection reset by peer"))
     assert not transient_store_error(RuntimeError("Broken pipe"))
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_past_the_gate_says_it_is_back_in_its_block(monkeypatch) -> None:
+    """Once every rank is at the step's gate, this rank's heartbeat says where it was before
+    it (inside its step's block): a peer that times out later in the step read "waiting to
+    begin the step" of a rank busy in its forward pass."""
+    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
+    store = dist.HashStore()
+    watch = ArrivalWatch(0, 2, TIMEOUT_S, store=store, arrive_after_s=0.1)
+    gate = StepGate(watch, TIMEOUT_S, between_steps_s=60.0)
+    watch.enter(BLOCK, 3)
+    store.add(f"{watch.prefix}/gate/0/3/the step", 1)  # rank 1 is there already
+    try:
+        gate.wait(3, "the step")
+        assert watch.phase == (BLOCK, 3, "")
+    finally:
+        watch.close()
