@@ -35,14 +35,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import multiprocessing.util
 import os
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from gradsync.errors import UsageError
@@ -68,7 +66,6 @@ from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.stragglers import Finding, StragglerConfig, StragglerDetector
 from gradsync.telemetry.trackers import (
     FINISHED,
-    KILLED,
     JsonlTracker,
     Tracker,
     make_tracker,
@@ -295,29 +292,19 @@ def _ungathered(path: Path, attempt: int) -> list[StepRecord]:
     return found
 
 
-def _ending_status() -> str:
-    """How this process's attempt is ending, for its trackers (``trackers.status_of``), seen
-    from where gradsync ends them: ``sync.close()`` or the process's exit.
-
-    - A rank stopped by SIGTERM under ``gradsync run`` (``runner.stopped``) writes its records
-      through ``synchronizer.write_unreported_records``, that function's one use, and then
-      ends with ``os._exit``: found on the stack, it is ``KILLED``.
-    - The exception being handled: a ``close()`` in an ``except``, ``finally`` or ``with``
-      block that an error left; and the exit of a multiprocessing child (``gradsync run``'s
-      ranks), whose finalizers run in a ``finally`` around the script's function.
-    - At the interpreter's exit (multiprocessing's finalizers, which set ``_exiting``), the
-      uncaught exception Python printed (``sys.last_value``, as ``exit_safety`` reads it).
-      Not before: an interactive session keeps an earlier cell's error there.
-
-    A process killed outright (SIGKILL, or SIGTERM outside ``gradsync run``) runs none of
-    this: its trackers stay as its last gather left them (docs/trackers.md)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "write_unreported_records":
-            return KILLED
-        frame = frame.f_back
+def ending_status(at_exit: bool = False) -> str:
+    """How this process's attempt is ending, for its trackers (``trackers.status_of``): the
+    exception being handled (a ``close()`` in an ``except``, ``finally`` or ``with`` block an
+    error left; a multiprocessing child's exit, whose finalizers run in a ``finally`` around
+    the script's function), and ``at_exit`` (the interpreter's exit, from the finalizer the
+    Synchronizer registers) the uncaught exception Python printed (``sys.last_value``, as
+    ``exit_safety`` reads it): not before, where an interactive session keeps an earlier
+    cell's error there. A rank stopped by SIGTERM under ``gradsync run`` is told ``KILLED`` by
+    its caller (``synchronizer.write_unreported_records``). A process killed outright
+    (SIGKILL, or SIGTERM outside ``gradsync run``) runs none of this: its trackers stay as its
+    last gather left them (docs/trackers.md)."""
     error = sys.exc_info()[1]
-    if error is None and getattr(multiprocessing.util, "_exiting", False):
+    if error is None and at_exit:
         error = getattr(sys, "last_value", None)
     return status_of(error)
 
@@ -644,7 +631,7 @@ class AttachedRun:
             self.directory.mkdir(parents=True, exist_ok=True)
             write_records(self.directory / SPANS_FILE, spans)
 
-    def write_own_records(self, records: list[StepRecord]) -> None:
+    def write_own_records(self, records: list[StepRecord], status: str = FINISHED) -> None:
         """This rank's records that no gather took (a Synchronizer closed, or a process that
         ended, without ``sync.report()``: a script ported through the front door may never
         call it), appended to ``metrics.jsonl`` by this rank itself: no collective, and no
@@ -656,19 +643,19 @@ class AttachedRun:
         if self.sink is None:
             return
         # Rank 0: this is its end (a close, the process's exit or a stop), so its trackers get
-        # what metrics.jsonl got since the last gather and end with the attempt's status.
+        # what metrics.jsonl got since the last gather and end with the attempt's ``status``.
         # Only a clean end waits for the other ranks' records: after a failure they may be
         # blocked on this rank, or dead.
-        status = _ending_status()
         try:
             self.sink.log_ungathered(records, OTHERS_RECORDS_S if status == FINISHED else 0.0)
         except Exception:  # the files are written; a dashboard must not fail the exit
             logger.exception("the --tracker sinks failed to take the last step records")
         self.sink.close_trackers(status=status)
 
-    def close(self) -> None:
-        """When the Synchronizer closes: the trackers end even without a report."""
+    def close(self, status: str = FINISHED) -> None:
+        """When the Synchronizer closes: the trackers end even without a report, with how the
+        attempt ended (``status``)."""
         if self.sink is not None:
-            self.sink.close_trackers(status=_ending_status())
+            self.sink.close_trackers(status=status)
         if self._membership is not None:
             self._membership.close()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import compat, exit_safety, runtime
-from gradsync.attached_run import AttachedRun
+from gradsync.attached_run import AttachedRun, ending_status
 from gradsync.balance import ShardBalancer
 from gradsync.checkpoint.checkpointer import Checkpointer
 from gradsync.checks import divergence_behind
@@ -56,6 +56,7 @@ from gradsync.telemetry.device_clock import DeviceClock, StepMarks, cuda_device_
 from gradsync.telemetry.records import Span, StepRecord
 from gradsync.telemetry.report import RunReport
 from gradsync.telemetry.timing import TelemetryCollector
+from gradsync.telemetry.trackers import KILLED
 from gradsync.topology import Hierarchy, check_hierarchical
 
 #: the most the initial and buffer broadcasts copy into one flat tensor at a time (DDP's own
@@ -1260,18 +1261,19 @@ class Synchronizer:
             self._checkpoints.close()
         finally:
             if self._run is not None:
-                self._write_own_records()
-                self._run.close()
+                status = ending_status()  # an error this close() follows: FAILED
+                self._write_own_records(status)
+                self._run.close(status)
             self._close()
 
-    def _write_own_records(self) -> None:
+    def _write_own_records(self, status: str) -> None:
         """This rank's step records that no gather took (closed or ended without
         ``report()``), and its spans not written yet, into the run directory by this rank
-        alone: no collective."""
+        alone: no collective. ``status``: how the attempt ended, for rank 0's trackers."""
         if self._run is None or not self.telemetry_enabled:
             return
         run, pending = self._run, self._collector.take_own_pending(self.rank)
-        self._write_own("its last step records", lambda: run.write_own_records(pending))
+        self._write_own("its last step records", lambda: run.write_own_records(pending, status))
         self._write_own_spans()
 
     def _close(self) -> None:
@@ -1479,12 +1481,12 @@ def _check_dense_gradients(model: torch.nn.Module) -> None:
             )
 
 
-def _write_unreported(ref: weakref.ref[Synchronizer]) -> None:
-    """At the process's exit: the step records of a Synchronizer never closed (``close()``
-    writes them itself)."""
+def _write_unreported(ref: weakref.ref[Synchronizer], status: str | None = None) -> None:
+    """At the process's exit (``status`` None: as the exit says, ``ending_status``): the step
+    records of a Synchronizer never closed (``close()`` writes them itself)."""
     sync = ref()
     if sync is not None and not sync._closed:
-        sync._write_own_records()
+        sync._write_own_records(status or ending_status(at_exit=True))
 
 
 #: the Synchronizers of this process attached to a ``gradsync run`` directory
@@ -1495,7 +1497,7 @@ def write_unreported_records() -> None:
     """The step records of every attached Synchronizer not closed, written now: for a rank
     stopped by a signal, whose process runs no exit hook (``gradsync.runner.worker``)."""
     for sync in list(_ATTACHED):
-        _write_unreported(weakref.ref(sync))
+        _write_unreported(weakref.ref(sync), KILLED)
 
 
 class _GradientReady:

@@ -1,6 +1,6 @@
 """How a tracker's run ends: ``close(status)`` with FINISHED, FAILED or KILLED (MLflow's run
 statuses), and how a run directory's rank 0 tells which its attempt is
-(``attached_run._ending_status``), and gives its trackers the records no gather took."""
+(``attached_run.ending_status``), and gives its trackers the records no gather took."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gradsync import attached_run
-from gradsync.attached_run import AttachedRun, _ending_status
+from gradsync.attached_run import AttachedRun, ending_status
 from gradsync.telemetry import trackers
 from gradsync.telemetry.records import StepRecord
 from gradsync.telemetry.trackers import FAILED, FINISHED, KILLED, Trackers, status_of
@@ -65,33 +65,44 @@ def test_a_with_block_left_by_an_error_ends_the_run_failed(tmp_path: Path) -> No
 
 
 def test_the_ending_seen_from_a_close() -> None:
-    assert _ending_status() == FINISHED
+    assert ending_status() == FINISHED
     try:
         raise RuntimeError("the script's error")
     except RuntimeError:
-        assert _ending_status() == FAILED  # a close() in an except, finally or with block
+        assert ending_status() == FAILED  # a close() in an except, finally or with block
     try:
         raise KeyboardInterrupt
     except KeyboardInterrupt:
-        assert _ending_status() == KILLED
+        assert ending_status() == KILLED
 
 
-def test_a_rank_stopped_by_sigterm_ends_killed() -> None:
-    # runner.stopped writes a stopped rank's records through this function of the
-    # Synchronizer's module, then ends the process
-    def write_unreported_records() -> str:
-        return _ending_status()
+def test_a_rank_stopped_by_sigterm_ends_its_trackers_killed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """runner.stopped writes a stopped rank's records through write_unreported_records, then
+    ends the process: rank 0's trackers are told KILLED by it."""
+    from gradsync import synchronizer
 
-    assert write_unreported_records() == KILLED
+    told: list[str] = []
+
+    class Stopped:
+        _closed = False
+
+        def _write_own_records(self, status: str) -> None:
+            told.append(status)
+
+    stopped = Stopped()
+    monkeypatch.setattr(synchronizer, "_ATTACHED", [stopped])
+    synchronizer.write_unreported_records()
+    assert told == [KILLED]
 
 
 def test_an_earlier_error_is_not_this_close_s(monkeypatch: pytest.MonkeyPatch) -> None:
     # an interactive session keeps the last cell's error in sys.last_value: it counts only at
-    # the process's exit
+    # the process's exit (the Synchronizer's exit finalizer asks with at_exit)
     monkeypatch.setattr("sys.last_value", RuntimeError("an earlier cell's"), raising=False)
-    assert _ending_status() == FINISHED
-    monkeypatch.setattr(attached_run.multiprocessing.util, "_exiting", True)
-    assert _ending_status() == FAILED
+    assert ending_status() == FINISHED
+    assert ending_status(at_exit=True) == FAILED
 
 
 class _Recorder(trackers._Base):
