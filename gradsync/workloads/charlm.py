@@ -40,7 +40,11 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+        logits = self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+        # A Linear on (batch, context, dim) returns a view of its 2-D product, which FSDP2
+        # (zero:3) warns of on every rank when a wrapped module returns one; a copy of the
+        # logits (batch x context x 65 floats) is not a view, and has the same bits.
+        return logits.clone()
 
 
 class CharLM:
