@@ -36,6 +36,7 @@ exchange (refused, naming the strategies that compress) and the hierarchy (refus
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -77,6 +78,8 @@ class Gossip(Periodic):
         self._spread: float | None = None
         self._world = 1
         self._rank = 0
+        #: when this rank's local steps since its last round began (``_pair_mean``'s idle)
+        self._local_since = time.perf_counter()
 
     def settings_spec(self) -> str | None:
         return f"gossip:{self.period}" if self.name == "gossip" else None  # None: a subclass
@@ -94,6 +97,7 @@ class Gossip(Periodic):
         super().setup(ctx)
         self._world = dist.get_world_size(ctx.group) if dist.is_initialized() else 1
         self._rank = dist.get_rank(ctx.group) if dist.is_initialized() else 0
+        self._local_since = time.perf_counter()  # after the initial broadcast: every rank's
 
     def _exchange(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """The pair exchange due after local step ``step``, if any: no gate, no barrier beyond
@@ -102,12 +106,15 @@ class Gossip(Periodic):
             return outcome
         peer = partner(self._rank, self._world, self._round)
         self._round += 1
+        local = time.perf_counter() - self._local_since
         if peer is None:
             self._sat_out()
-            return outcome
-        mean, nbytes = self._pair_mean(peer, step)
-        self._apply_round(mean)
-        outcome.bytes_sent += nbytes
+        else:
+            mean, nbytes, idle = self._pair_mean(peer, step, local)
+            self._apply_round(mean)
+            outcome.bytes_sent += nbytes
+            outcome.idle += idle
+        self._local_since = time.perf_counter()
         return outcome
 
     def _apply_round(self, mean: torch.Tensor) -> None:
@@ -117,12 +124,20 @@ class Gossip(Periodic):
     def _sat_out(self) -> None:
         """A round without a partner (W odd): the parameters stay as they are."""
 
-    def _pair_mean(self, peer: int, step: int) -> tuple[torch.Tensor, int]:
-        """The mean of this rank's parameters and ``peer``'s, and the bytes sent."""
+    def _pair_mean(self, peer: int, step: int, local: float) -> tuple[torch.Tensor, int, float]:
+        """The mean of this rank's parameters and ``peer``'s, the bytes sent, and how long this
+        rank waited for ``peer`` (its idle): the partner's ``local`` seconds since its last
+        round (its steps' compute and its own code) beyond this rank's, as a barrier's idle is
+        the slowest rank's compute beyond a rank's own (``telemetry.records.fill_idle``), at
+        most the exchange's time. Each side sends its ``local`` with the parameters, in the
+        same batch of messages: no extra round trip. On a GPU (NCCL sends device tensors only)
+        the idle is not measured, 0: reading the partner's value would stop the host."""
         ctx = self._ctx
         assert ctx is not None
         mine = flatten(self._params)
         theirs = torch.empty_like(mine)
+        timed = mine.device.type == "cpu"
+        mine_s, theirs_s = torch.tensor([local], dtype=torch.float64), torch.zeros(1).double()
         group = ctx.group
         to = peer if group is None else dist.get_global_rank(group, peer)
 
@@ -137,6 +152,9 @@ class Gossip(Periodic):
             # ways (see PIECE_BYTES); pieces to one peer are matched in the order posted.
             pieces = max(1, -(-mine.numel() * mine.element_size() // PIECE_BYTES))
             ops = []
+            if timed:  # first on both sides, so the pieces' order matches as before
+                ops.append(dist.P2POp(dist.isend, mine_s, to, group))
+                ops.append(dist.P2POp(dist.irecv, theirs_s, to, group))
             for out, into in zip(mine.chunk(pieces), theirs.chunk(pieces), strict=True):
                 ops.append(dist.P2POp(dist.isend, out, to, group))
                 ops.append(dist.P2POp(dist.irecv, into, to, group))
@@ -146,12 +164,15 @@ class Gossip(Periodic):
                 else:
                     request.wait(timeout=bound)
 
+        started = time.perf_counter()
         if ctx.watch is None:
             run()
         else:
             ctx.watch.run(step, f"{self.name}:{self.period} averaging with rank {peer}", run)
+        waited = time.perf_counter() - started
+        idle = min(waited, max(0.0, float(theirs_s) - local)) if timed else 0.0
         # (a + b) / 2 on both sides: addition commutes, so the pair holds bitwise one mean.
-        return (mine + theirs) / 2, mine.numel() * mine.element_size()
+        return (mine + theirs) / 2, mine.numel() * mine.element_size(), idle
 
     def finalize(self) -> None:
         """One average over every rank, so the final model is one; the spread before it is

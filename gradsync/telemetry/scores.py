@@ -267,14 +267,19 @@ def pace_and_idle(m: StepMatrix, col: int, lo: int, hi: int) -> tuple[int, float
     # since the previous barrier, and the rank that arrived last need not be the slowest *then*.
     idle_rows = m.idle[lo:hi]
     last = idle_rows[:, col] <= np.nanmin(np.where(np.isnan(idle_rows), np.inf, idle_rows), axis=1)
+    inside = np.nonzero(m.barrier[lo:hi])[0]
+    if inside.size == 0:
+        # No barrier (gossip's pair waits, a parameter server's staleness bound): the idle the
+        # strategy measured at each step, charged the same way, against the others' wall time
+        # over the interval.
+        idle = float(np.nansum(idle_rows[last][:, others]))
+        wall = float(np.nansum(m.wall[lo:hi][:, others]))
+        return int(paced.sum()), idle / wall if wall > 0 else 0.0
     last &= m.barrier[lo:hi]
     idle = float(np.nansum(idle_rows[last][:, others]))
     # A barrier's idle covers every step since the previous barrier, so it is measured against
     # the others' wall time over those whole periods: from just after the last barrier before
     # the interval to the last barrier inside it (under BSP, exactly the interval).
-    inside = np.nonzero(m.barrier[lo:hi])[0]
-    if inside.size == 0:
-        return int(paced.sum()), 0.0
     before = np.nonzero(m.barrier[:lo])[0]
     start = int(before[-1]) + 1 if before.size else 0
     end = lo + int(inside[-1]) + 1

@@ -108,3 +108,18 @@ def test_a_partner_asleep_in_its_block_fails_the_exchange_after_timeout_s(spec: 
     if spec.startswith("gossip"):
         assert "averaging with rank 1" in out[0]["raised"], out[0]
     assert out[0]["seconds"] < 5, out[0]["seconds"]
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_ranks_partner_counts_its_wait_as_idle_not_communication() -> None:
+    """Rank 1 sleeps 0.15 s in each step: at each round (steps 1 and 3) rank 0 waits about
+    0.3 s for it, which is idle that rank 1 caused, as at a barrier; rank 1 waits for no one.
+    Before, the wait was communication, and the straggler finding said 0% idle caused."""
+    out = run_ranks(gr.slow_partner, 2, 0.15, timeout_s=100)
+    fast, slow = ({step: (idle, comm) for step, idle, comm in rows} for rows in out)
+    for step in (1, 3):
+        idle, comm = fast[step]
+        assert 0.2 < idle < 0.6, fast
+        assert comm < idle, fast
+        assert slow[step][0] < 0.05, slow
+    assert fast[0][0] == fast[2][0] == 0.0  # no exchange there

@@ -137,3 +137,21 @@ def partner_asleep(rank: int, world: int, spec: str, sleep_s: float) -> dict[str
     out["seconds"] = time.monotonic() - started
     sync.close()
     return out
+
+
+def slow_partner(rank: int, world: int, sleep_s: float) -> list[tuple[int, float, float]]:
+    """gossip:2, 4 steps; rank 1 sleeps ``sleep_s`` in every step's block. Each of this rank's
+    report records as (step, idle, comm)."""
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    sync = gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "gossip:2")
+    for _ in range(4):
+        with sync.step():
+            if rank == 1:
+                time.sleep(sleep_s)
+            model(torch.ones(2, 4)).sum().backward()
+    report = sync.report()
+    sync.close()
+    return [(r.step, r.idle, r.comm) for r in report.records if r.rank == rank]

@@ -294,6 +294,30 @@ def test_idle_caused_at_a_barrier_is_measured_over_the_whole_period() -> None:
     assert share == pytest.approx(8.0 / 12.1)
 
 
+def test_idle_measured_without_a_barrier_is_charged_to_the_rank_waited_for() -> None:
+    """gossip:2 on 2 ranks: rank 1 computes 3 s a step, rank 0 1 s, so at each round (every
+    other step) rank 0 waits 4 s for it, which the strategy measured (no barrier). Before, idle
+    was charged only at barriers: the finding said 0% caused."""
+    from gradsync.telemetry.records import StepRecord, fill_idle
+    from gradsync.telemetry.scores import StepMatrix, pace_and_idle
+
+    records = []
+    for step in range(8):
+        wait = 4.0 if step % 2 == 1 else 0.0
+        for rank, compute in ((0, 1.0), (1, 3.0)):
+            idle = wait if rank == 0 else 0.0
+            sync = idle + (0.1 if wait else 0.0)
+            records.append(
+                StepRecord(rank, step, 0.0, compute, sync, idle, 0.0, 4, 0, barrier=False)
+            )
+    m = StepMatrix.from_records(fill_idle(records))
+    _, share = pace_and_idle(m, col=1, lo=0, hi=8)
+    # rank 0 over 8 steps: 8 s of compute, 4 rounds of 4.1 s; 16 s of it idle
+    assert share == pytest.approx(16.0 / (8.0 + 4 * 4.1))
+    _, none = pace_and_idle(m, col=0, lo=0, hi=8)  # rank 0 held no one back
+    assert none == 0.0
+
+
 # Half the ranks or fewer straggling is not a job-wide slowdown (the job's pace is the lower
 # median of the ranks' compute), and intervals start where the rank slowed.
 
