@@ -6,8 +6,9 @@ bucket and on every step of a fused optimizer; the poisoning (``poison_nonfinite
 compressed bucket; the zeroing (``zero_if_``) on every error-feedback residual of every step
 under a fused optimizer with a lossy compressor. Each was replaced by a cheaper operation with
 the same bits; the figures were noted in docstrings and commit messages only. Here the code
-each replaced is kept as the named baseline (``OLD``, with the commit that replaced it) and
-timed against the library's current function, imported from ``gradsync.checks.guards``.
+each replaced is kept as the named baseline (the ``old_*`` functions, each naming the commit
+that replaced it) and timed against the library's current function, imported from
+``gradsync.checks.guards``.
 
 One thread (``torch.set_num_threads(1)``), float32 tensors of each ``--sizes``, on the CPU.
 Timed: the every-step case, a finite tensor (and, for the zeroing, a step that was not
@@ -17,8 +18,9 @@ subnormal and the largest float32; NaN, -NaN, +Inf and -Inf at the first, a midd
 last element; the zeroing set and unset) and must give identical bits, or the run stops: the
 two cannot silently be doing different work. In each repeat the cases run in a rotated order
 and within a case old and new in an order reversed repeat by repeat; a block is ``--calls``
-calls after one untimed, its figure the median call. Per case: the median block of each, and
-the median (middle half) of the per-repeat ratios new / old.
+calls after one untimed, its figure the median call. Per case: the median block of each, the
+median (middle half) of the per-repeat ratios new / old, and the minor page faults per call
+(memory mapped afresh: the old verdict's float64 copy, where the allocator maps it each call).
 """
 
 from __future__ import annotations
