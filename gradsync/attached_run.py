@@ -56,7 +56,7 @@ from gradsync.telemetry.records import (
     SPANS_FILE,
     Span,
     StepRecord,
-    drop_spans_from,
+    drop_steps_from,
     read_jsonl,
     read_records,
     settle_ungathered,
@@ -363,15 +363,6 @@ def drop_records_from(path: Path, step: int) -> None:
     path.write_text("".join(lines), encoding="utf-8")
 
 
-def drop_quorums_from(path: Path, step: int) -> None:
-    """A replica group's ``membership.jsonl`` less the quorums of the steps a resume runs
-    again (each is written anew at its step); nothing when there is no such file."""
-    if not path.exists():
-        return
-    kept = [q for q in read_jsonl(path) if int(q["step"]) < step]
-    path.write_text("".join(json.dumps(q) + "\n" for q in kept), encoding="utf-8")
-
-
 def add_facts(directory: Path, **facts: Any) -> None:
     """Add derived facts to the run's written config.json, replaced whole (never half-written):
     the bucket plan ``gradsync run`` chose, a script's gradient size (``AttachedRun.start``)."""
@@ -604,9 +595,9 @@ class AttachedRun:
         if self.sink is None:
             return
         drop_records_from(self.sink.path, step)
-        drop_spans_from(self.directory / SPANS_FILE, step)
+        drop_steps_from(self.directory / SPANS_FILE, step)
         # under replica groups their quorums run again too
-        drop_quorums_from(self.directory / MEMBERSHIP_FILE, step)
+        drop_steps_from(self.directory / MEMBERSHIP_FILE, step)
 
     def finish(self, report: RunReport, measured: dict[str, Any] | None) -> None:
         """At the end of ``sync.report()``, given what the strategy ``measured`` itself: rank 0

@@ -151,8 +151,9 @@ def write_records(path: Path, records: Iterable[StepRecord | Span], append: bool
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
-def drop_spans_from(path: Path, step: int) -> None:
-    """``spans.jsonl`` less the spans of the steps a resume runs again (``step`` on), under the
+def drop_steps_from(path: Path, step: int) -> None:
+    """A JSON-lines file of records with a ``"step"`` (``spans.jsonl``, a replica group's
+    ``membership.jsonl``) less those of the steps a resume runs again (``step`` on), under the
     lock every append takes (``write_records``): each rank appends its own spans as it goes
     (``Synchronizer``), so the file outlives a killed attempt. A torn line goes too."""
     if not path.exists():

@@ -1,5 +1,5 @@
 """``spans.jsonl`` as each rank appends to it: a resume drops the spans of the steps it runs
-again (``drop_spans_from``), under the lock the appends take."""
+again (``drop_steps_from``), under the lock the appends take."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.telemetry.records import Span, drop_spans_from, read_spans, write_records
+from gradsync.telemetry.records import Span, drop_steps_from, read_spans, write_records
 
 pytestmark = pytest.mark.unit
 
@@ -17,7 +17,7 @@ def test_a_resume_keeps_the_spans_of_the_steps_before_it_only(tmp_path: Path) ->
     write_records(path, [Span(r, s, "compute", 100.0 + s, 0.01) for r in (0, 1) for s in range(6)])
     with open(path, "a", encoding="utf-8") as fh:
         fh.write('{"rank": 1, "step": 2, "na')  # a killed rank's torn last line
-    drop_spans_from(path, 4)
+    drop_steps_from(path, 4)
     kept = read_spans(path)
     assert sorted((s.rank, s.step) for s in kept) == [(r, s) for r in (0, 1) for s in range(4)]
     write_records(path, [Span(0, 4, "compute", 104.0, 0.01)])  # the resumed run appends on
@@ -25,5 +25,5 @@ def test_a_resume_keeps_the_spans_of_the_steps_before_it_only(tmp_path: Path) ->
 
 
 def test_no_spans_file_is_nothing_to_drop(tmp_path: Path) -> None:
-    drop_spans_from(tmp_path / "spans.jsonl", 3)
+    drop_steps_from(tmp_path / "spans.jsonl", 3)
     assert not (tmp_path / "spans.jsonl").exists()
