@@ -166,7 +166,9 @@ def train(cfg: RunConfig) -> dict[str, Any] | None:
             run.sink.progress.update(step + 1, loss, 0.0, 0.0)
         if recovering:
             recovering = False
-            _log_recovery(run_dir, start)
+            # the step it ran first: a replica group's replacement healed forward from a live
+            # peer resumed at its peer's step, not at the checkpoint it loaded
+            _log_recovery(run_dir, step)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             # Written in the background: the step pays for a copy of the state. The records of
             # the steps not gathered yet go with it, so a restart that rolls back to it keeps

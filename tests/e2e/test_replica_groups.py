@@ -526,6 +526,9 @@ def _resume_each_group(out: Path, nproc: int) -> None:
     files = [out / f"group-{k}" / "faults" / "healed.jsonl" for k in (0, 1)]
     healed = [_jsonl(f) if f.exists() else [] for f in files]
     assert [h["step"] for h in healed[0]][-1] == ahead, healed
+    # where group 0 resumed is where it healed to, not the checkpoint it loaded
+    recovered = _jsonl(out / "group-0" / "faults" / "recoveries.jsonl")[-1]
+    assert recovered["resumed_at_step"] == ahead, recovered
     assert all(h["step"] == 0 for h in healed[1]), healed  # at most the first run's start
     group1 = _jsonl(out / "group-1" / "metrics.jsonl")
     for rank in range(nproc):  # every step once: none redone, none lost
