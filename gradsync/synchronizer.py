@@ -1223,8 +1223,6 @@ class Synchronizer:
                 # update (fused SGD's momentum then made by a device-skipped step): the host
                 # decides again until an update is applied (every rank loads: they agree)
                 self._context.applied_once = False
-            if extra is not None and self._membership is not None:
-                self._membership.resumed(self._step)  # the first quorum heals from the furthest
             if self.telemetry_enabled:
                 # The records restored from the checkpoint are gathered now, while every rank
                 # is here: their number differs between ranks after a resume on more ranks

@@ -214,6 +214,7 @@ class TorchftMembership:
         healing is reported to ``on_healed`` with its step, bytes and the quorum's seconds."""
         self._healed = None
         wall, start = time.time(), time.perf_counter()
+        self._count_from(step)
         self.manager.start_quorum()
         first, self._first_quorum = self._first_quorum, False
         if self._align_after_quorum:
@@ -398,13 +399,19 @@ class TorchftMembership:
             replica_id=self._replica_id,
         )
 
-    def resumed(self, step: int) -> None:
-        """This replica loaded a checkpoint of ``step`` (``gradsync run --resume``): its
-        Manager counts from there, so that the first quorum heals every replica behind the
-        furthest from it (torchft heals those below the quorum's highest step), where all at
-        step 0 would heal every one but an arbitrary one from it."""
+    def _count_from(self, step: int) -> None:
+        """The Manager's step set to the Synchronizer's, ``step``, before each quorum: torchft
+        heals the replicas of a quorum below its highest step from the one at it, and its own
+        count (one per committed quorum) is not the training step where a quorum is joined once
+        a period (``local:H``, ``diloco:H``) or a step was not committed. A group that loaded a
+        checkpoint (``--resume``, or a replacement restarted by its agent) then compares where
+        it is with where the others are: counted from its checkpoint's step against a survivor's
+        quorums, a replacement of a local:2 run looked further than the survivor, which healed
+        from it and went back. Every group counting alike, a quorum heals the ones behind the
+        furthest (where all at step 0 would heal all but an arbitrary one from it)."""
         state = self.manager.state_dict()
-        self.manager.load_state_dict({**state, "step": step})
+        if state["step"] != step:
+            self.manager.load_state_dict({**state, "step": step})
 
     def participants(self) -> int:
         return int(self.manager.num_participants())

@@ -92,6 +92,11 @@ class Periodic(Strategy):
         #: under live membership: a quorum was joined and its commit is not decided yet
         #: (torchft's Manager holds one quorum at a time)
         self._quorum_open = False
+        #: under live membership: this process's first step joins a quorum wherever it is in
+        #: its period (a replacement restarted from a checkpoint of a mid-period step), so it
+        #: heals at the step's start, not inside an exchange a period out of step with its
+        #: peers' (each later quorum: ``_joins_quorum``)
+        self._first_quorum = True
         #: this step's timeline spans of its synchronization (``record_spans``)
         self._spans: list[Span] = []
 
@@ -126,7 +131,8 @@ class Periodic(Strategy):
     def begin_step(self, plan: StepPlan) -> None:
         assert self._ctx is not None
         membership = self._live()
-        if membership is not None and self._joins_quorum(plan.step):
+        if membership is not None and (self._first_quorum or self._joins_quorum(plan.step)):
+            self._first_quorum = False
             # A period's quorum, joined before its first local step: a replacement heals here
             # (a peer's parameters, optimizer and step, all from that peer's period start) and
             # then trains the period on its own data, so its share of the period's average is

@@ -95,26 +95,54 @@ def _group0_unbroken_group1_restarted_once(out: Path) -> list[dict[str, Any]]:
 def test_a_replacement_with_no_live_peer_goes_on_from_its_groups_checkpoint(
     tmp_path: Path,
 ) -> None:
-    """Group 1 killed at the last step, --min-replicas 1 and a heartbeat timeout of 0.5 s:
-    group 0 waits 0.5 s, trains that step alone and finishes before group 1's replacement
-    starts (about 1 s). The replacement finds no peer: it goes on from its group's newest
-    checkpoint (step 25), not from step 0, and its metrics.jsonl holds each step once (was:
-    steps 0-29 trained again, steps 0-19 recorded twice, the summary counting 50 steps)."""
-    out = tmp_path / "run"
-    _, stderr, _, _ = _kill_heal_run(
-        out,
-        *["--checkpoint-every", "5", "--heartbeat-timeout", "0.5"],
-        kill_at=STEPS - 1,
-        min_replicas=1,
+    """A user's script saving every 5 steps (tests/support/replica_group_resume_script.py),
+    group 1 killed at step 17, --min-replicas 1: its replacement waits until group 0 has
+    finished, so it finds no peer; it goes on from its group's newest checkpoint (step 15),
+    not from step 0, and its metrics.jsonl and membership.jsonl hold each step once (was:
+    steps 0-19 trained again, the killed attempt's steps recorded twice)."""
+    out, steps = tmp_path / "run", 20
+    script = ROOT / "tests" / "support" / "replica_group_resume_script.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--replica-groups", "2", "--nproc", "1"]
+        + ["--max-restarts", "1", "--kill", "1:17", "--heartbeat-timeout", "0.5"]
+        + ["--timeout", "60", "--no-plots", "--no-progress", "--out", str(out)]
+        + ["--", str(script), "--steps", str(steps), "--every", "5"],
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
+    assert proc.returncode == 0, proc.stderr[-4000:]
     group1 = out / "group-1"
     healed = _jsonl(group1 / "faults" / "healed.jsonl")
     assert [h for h in healed if h["restart"] == 1] == [], healed  # no peer was left
-    assert "restart: resuming at step 25 (restart 1 of 1)" in stderr, stderr[-3000:]
+    assert "restart: resuming at step 15 (restart 1 of 1)" in proc.stderr, proc.stderr[-3000:]
     records = _jsonl(group1 / "metrics.jsonl")
-    assert sorted(r["step"] for r in records) == list(range(STEPS))
+    assert sorted(r["step"] for r in records) == list(range(steps))
     quorums = [q["step"] for q in _jsonl(group1 / "membership.jsonl")]
-    assert sorted(quorums) == list(range(STEPS)), quorums
+    assert sorted(quorums) == list(range(steps)), quorums
+
+
+@pytest.mark.timeout(200)
+def test_a_periodic_replacement_that_loads_its_checkpoint_heals_forward_the_survivor_goes_on(
+    tmp_path: Path,
+) -> None:
+    """``local:2``, a checkpoint every 5 steps, group 1 killed at step 17: its replacement
+    loads its checkpoint of step 15 and heals forward from group 0 at the next period's
+    quorum; group 0 never restarts and runs every step once, and both end bitwise equal.
+    Before, the replacement's Manager counted from 15 where the survivor's counted its
+    quorums (one a period, about 8): the survivor healed from the replacement, went back,
+    failed, and restarted (7 of 7 tries of a tester's)."""
+    out = tmp_path / "run"
+    _, stderr, _, _ = _kill_heal_run(
+        out, "--strategy", "local:2", "--checkpoint-every", "5", kill_at=17
+    )
+    # the replacement loaded its group's checkpoint (it started from step 0 before)
+    assert "restart: resuming at step 15 (restart 1 of 1)" in stderr, stderr[-3000:]
+    healed = _group0_unbroken_group1_restarted_once(out)  # group 0: every step once
+    assert [h["step"] for h in healed] == [18], healed  # the period after the kill's
+    a, b = (torch.load(out / f"group-{k}" / "final_model.pt", weights_only=True) for k in (0, 1))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 @pytest.mark.timeout(280)

@@ -29,6 +29,13 @@ class _Manager:
     def __init__(self, membership: TorchftMembership) -> None:
         self.membership = membership
         self.heal_to: int | None = None
+        self.state = {"step": 0, "batches_committed": 0}
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = dict(state)
 
     def start_quorum(self) -> None:
         if self.heal_to is not None:
@@ -194,3 +201,15 @@ def test_the_first_quorum_s_sync_is_said_apart_from_a_healing(
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and lines[0].startswith(said), lines
     assert lines[1].startswith("replica group 1 healed from a live peer: at step 24"), lines
+
+
+@pytest.mark.timeout(60)
+def test_each_quorum_is_asked_at_the_synchronizers_step_not_the_managers_count() -> None:
+    """torchft heals the replicas below a quorum's highest step. Its Manager counts committed
+    quorums, one a period under local:H, so a replacement that loaded a checkpoint of step 15
+    looked further than a survivor at step 17 (count 8), which healed from it and went back.
+    Every quorum is now asked at the Synchronizer's step, on every replica alike."""
+    membership, manager, _ = _membership()
+    manager.state = {"step": 8, "batches_committed": 16}
+    membership.start_step(18)
+    assert manager.state == {"step": 18, "batches_committed": 16}
