@@ -115,15 +115,17 @@ class RunReport:
 
     def _idle_line(self) -> str:
         """The barrier tax, or, in a run where no step met at a barrier (a parameter server,
-        hogwild), what its idle is: the replies the staleness bound held back (README,
-        "Telemetry for the dial"; never under ``async``)."""
+        hogwild, gossip), what its idle is: the replies the staleness bound held back (README,
+        "Telemetry for the dial"; never under ``async``), or a gossip partner's wait for its
+        pair (docs/gossip.md)."""
         if not self.records or any(r.barrier for r in self.records):
             return f"barrier tax: {self.barrier_tax:.1%} of wall time spent idle at barriers"
         if self.barrier_tax == 0:
             return "barrier tax: none (no step waits at a barrier in this run)"
         return (
             f"no barrier in this run; idle: {self.barrier_tax:.1%} of wall time spent waiting "
-            "for replies the parameter server held back for the staleness bound"
+            "for other ranks (replies a parameter server held back for the staleness bound, "
+            "or a gossip partner)"
         )
 
     def format(self) -> str:
