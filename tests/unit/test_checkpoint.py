@@ -246,10 +246,12 @@ def test_damaged_manifest_falls_back(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("pattern", "replacement", "why"),
     [
-        (r'"size": ?\d+', '"size": Infinity', "malformed"),  # json takes it; int() overflowed
-        (r'"created": ?[\d.]+', '"created": 1' + "0" * 400, "malformed"),  # so did float()
-        (r'"world_size": ?\d+', '"world_size": -Infinity', "malformed"),
-        (r'"created": ?[\d.]+', '"created": ' + "[" * 100_000 + "]" * 100_000, "unreadable"),
+        (r'"size": ?\d+', '"size": Infinity', "is malformed"),  # json takes it; int() overflowed
+        (r'"created": ?[\d.]+', '"created": 1' + "0" * 400, "is malformed"),  # so did float()
+        (r'"world_size": ?\d+', '"world_size": -Infinity', "is malformed"),
+        # a world no list of files covers: was a MemoryError building range(world_size)
+        (r'"world_size": ?\d+', '"world_size": 10000000000000', "lists ranks"),
+        (r'"created": ?[\d.]+', '"created": ' + "[" * 100_000 + "]" * 100_000, "is unreadable"),
     ],
 )
 def test_a_crafted_manifest_number_falls_back(
@@ -262,7 +264,7 @@ def test_a_crafted_manifest_number_falls_back(
     text, count = re.subn(pattern, replacement, m.read_text(), count=1)
     assert count == 1
     m.write_text(text)
-    with pytest.warns(CheckpointWarning, match=rf"step-000020: MANIFEST\.json is {why}"):
+    with pytest.warns(CheckpointWarning, match=rf"step-000020: MANIFEST\.json {why}"):
         info = store.latest()
     assert info is not None and info.step == 10
 
