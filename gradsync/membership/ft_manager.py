@@ -350,6 +350,19 @@ class TorchftMembership:
         every step alone and end with different models, which nothing else would say."""
         if self._met_a_peer or not self._committed_steps or runtime.rank(self._group) != 0:
             return
+        if restart_count() > 0:
+            # a replacement its agent started: its group's earlier steps had peers, and the
+            # others were gone (finished, with min_replicas=1 nobody waits for a replacement)
+            logger.warning(
+                "%s's replacement (restart %d) trained its %d committed step(s) alone: no "
+                "other replica group was left in its quorums (the others had finished), so its "
+                "model from there on is its own and differs from the others'; with "
+                "--min-replicas G the others wait for a lost group's replacement",
+                self._name,
+                restart_count(),
+                self._committed_steps,
+            )
+            return
         logger.warning(
             "%s trained alone: no other replica group took part in any quorum of its %d "
             "committed step(s), so its model is its own and differs from any other group's. "

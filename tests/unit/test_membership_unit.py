@@ -175,3 +175,30 @@ def test_a_group_that_never_met_another_says_it_trained_alone(
         assert said[0].startswith("replica group 1 trained alone: no other replica group")
         assert "of its 3 committed step(s)" in said[0]
         assert "min_replicas=G" in said[0]
+
+
+def test_a_replacement_that_found_no_peer_is_told_why_it_trained_alone(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replacement whose peers had finished (--min-replicas 1) trained its steps alone: the
+    advice for groups started apart (give min_replicas=G to the lighthouse and the
+    Synchronizer) did not fit it (a tester's); it is told the others were gone."""
+    pytest.importorskip("torchft")
+    from gradsync.membership.ft_manager import TorchftMembership
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    live = TorchftMembership.__new__(TorchftMembership)
+    live.manager = _QuorumOf([1, 1])
+    live._quorum, live._on_step, live._name = None, None, "replica group 1"
+    live._min_replicas, live._warned_small = 1, False
+    live._committed_steps, live._met_a_peer = 0, False
+    live._group = None
+    for step in range(2):
+        live.commit(step)
+    with caplog.at_level("WARNING", logger="gradsync.membership"):
+        live._say_if_alone()
+    said = [r.getMessage() for r in caplog.records if r.name == "gradsync.membership"]
+    assert len(said) == 1 and said[0].startswith(
+        "replica group 1's replacement (restart 1) trained its 2 committed step(s) alone"
+    ), said
+    assert "the others had finished" in said[0] and "started apart" not in said[0]
