@@ -462,6 +462,13 @@ def _checkpoint_dir(path: Path) -> Path:
         raise UsageError(f"checkpoint export: {path} is not a directory")
     if (path / CHECKPOINT_DIR).is_dir():
         return path / CHECKPOINT_DIR
+    groups = sorted(g.name for g in path.glob("group-*") if (g / CHECKPOINT_DIR).is_dir())
+    if groups:  # a --replica-groups run: each group saved its own
+        raise UsageError(
+            f"checkpoint export: {path} is a run of replica groups, each with its own "
+            f"checkpoints ({', '.join(groups)}): export one group's, e.g. "
+            f"gradsync checkpoint export {path / groups[0]} OUT"
+        )
     if (path / "config.json").is_file() and not any(path.glob("step-*")):
         raise UsageError(
             f"checkpoint export: run directory {path} has no {CHECKPOINT_DIR}/: the run took "

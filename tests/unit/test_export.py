@@ -263,6 +263,11 @@ def test_the_command_refuses_with_one_line_and_exit_2(
     (run / "config.json").write_text("{}")
     assert cli.main(["checkpoint", "export", str(run), out]) == 2
     assert "has no checkpoints/: the run took none" in capsys.readouterr().err
+    (run / "group-1" / "checkpoints").mkdir(parents=True)  # a --replica-groups run
+    assert cli.main(["checkpoint", "export", str(run), out]) == 2
+    err = capsys.readouterr().err
+    assert "is a run of replica groups, each with its own checkpoints (group-1)" in err, err
+    assert f"gradsync checkpoint export {run / 'group-1'} OUT" in err, err
     (tmp_path / "empty").mkdir()
     assert cli.main(["checkpoint", "export", str(tmp_path / "empty"), out]) == 2
     err = capsys.readouterr().err
