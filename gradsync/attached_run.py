@@ -68,6 +68,7 @@ from gradsync.telemetry.trackers import (
     FINISHED,
     JsonlTracker,
     Tracker,
+    Trackers,
     make_tracker,
     parse_trackers,
     status_of,
@@ -233,32 +234,40 @@ class RunSink:
         report: RunReport | None = None,
         findings: list[Finding] | None = None,
         status: str = FINISHED,
+        last: list[StepRecord] | None = None,
     ) -> None:
-        """Give the trackers the run's report (when there is one) and close them with how the
-        attempt ended (``status``). Failures are logged, not raised: report.json is written
-        by then, and the run succeeded."""
+        """End the trackers with how the attempt ended (``status``): each in turn gets the
+        ``last`` step records, the run's report (when there is one), and is closed, before the
+        next one starts. Why one by one: a tracker can hang at the end (after a Ctrl-C, W&B's
+        service process, in the rank's process group, was gone and its ``log`` blocked until
+        the stopped rank's grace ran out), and the trackers after it then never ended (a
+        tester's MLflow run stayed RUNNING 2 times in 3). Failures are logged, not raised:
+        the files are written by then."""
         if self.trackers is None:
             return
         trackers, self.trackers = self.trackers, None
-        try:
-            if report is not None:
-                trackers.finish(report, findings)
-        except Exception:
-            logger.exception("the --tracker sinks failed to record the run's report")
-        try:
-            trackers.close(status)
-        except Exception:
-            logger.exception("the --tracker sinks failed to close")
+        for tracker in trackers.trackers if isinstance(trackers, Trackers) else [trackers]:
+            try:
+                if last:
+                    tracker(last)
+                if report is not None:
+                    tracker.finish(report, findings)
+            except Exception:
+                logger.exception("%s failed to record the run's end", type(tracker).__name__)
+            try:
+                tracker.close(status)
+            except Exception:
+                logger.exception("%s failed to close", type(tracker).__name__)
 
-    def log_ungathered(self, own: list[StepRecord], wait_s: float) -> None:
-        """At the end without a report: the trackers get the steps no gather took, as
+    def ungathered(self, own: list[StepRecord], wait_s: float) -> list[StepRecord]:
+        """At the end without a report: the steps no gather took, for the trackers, as
         metrics.jsonl has them. Each rank wrote its own there (``write_own_records``; this
         rank's, ``own``, are written by now), so they are read back from the file, this
         attempt's alone. Up to ``wait_s`` for every worker's to be there: the other ranks
         write theirs as they end, at about the same time; one that has not by then is left
         out of the trackers' last steps (metrics.jsonl gets them still)."""
         if self.trackers is None:
-            return
+            return []
         attempt = own[0].attempt if own else restart_count()
         deadline = time.monotonic() + (wait_s if own else 0.0)
         while True:
@@ -267,10 +276,9 @@ class RunSink:
             if len(ended) >= self.world or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        if found:
-            # the idle and comm of records no gather took come from every rank's, as
-            # ``read_records`` derives them: the scalars then equal metrics.jsonl's as read
-            self.trackers(settle_ungathered(found))
+        # the idle and comm of records no gather took come from every rank's, as
+        # ``read_records`` derives them: the scalars then equal metrics.jsonl's as read
+        return settle_ungathered(found) if found else []
 
 
 def _ungathered(path: Path, attempt: int) -> list[StepRecord]:
@@ -637,11 +645,12 @@ class AttachedRun:
         # what metrics.jsonl got since the last gather and end with the attempt's ``status``.
         # Only a clean end waits for the other ranks' records: after a failure they may be
         # blocked on this rank, or dead.
+        last: list[StepRecord] = []
         try:
-            self.sink.log_ungathered(records, OTHERS_RECORDS_S if status == FINISHED else 0.0)
+            last = self.sink.ungathered(records, OTHERS_RECORDS_S if status == FINISHED else 0.0)
         except Exception:  # the files are written; a dashboard must not fail the exit
             logger.exception("the --tracker sinks failed to take the last step records")
-        self.sink.close_trackers(status=status)
+        self.sink.close_trackers(status=status, last=last)
 
     def close(self, status: str = FINISHED) -> None:
         """When the Synchronizer closes: the trackers end even without a report, with how the

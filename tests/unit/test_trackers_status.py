@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,42 @@ def test_rank_0_s_own_end_gives_its_trackers_every_rank_s_ungathered_steps(
     assert got == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert recorder.status == FINISHED and run.sink.trackers is None
     run.close()  # the Synchronizer's close after: nothing left to end
+
+
+class _Hanging(_Recorder):
+    """A tracker whose log never returns (W&B's, its service process gone after a Ctrl-C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def log(self, records: list[StepRecord]) -> None:
+        self.release.wait()
+
+
+def test_a_tracker_that_hangs_at_the_end_keeps_none_before_it_from_ending(
+    tmp_path: Path,
+) -> None:
+    """Each tracker gets the last steps and is closed before the next starts: MLflow's run
+    stayed RUNNING when W&B's log, after it, hung (a Ctrl-C under --replica-groups)."""
+    run = AttachedRun(tmp_path)
+    run.start(0, 1, 10)
+    assert run.sink is not None
+    first, hanging = _Recorder(), _Hanging()
+    run.sink.trackers = trackers.Trackers([first, hanging])
+    ending = threading.Thread(
+        target=run.write_own_records,
+        args=([_record(0, 1, gathered=False)], KILLED),
+        daemon=True,
+    )
+    ending.start()
+    try:
+        deadline = time.monotonic() + 10
+        while first.status is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [r.step for r in first.logged] == [1] and first.status == KILLED
+        assert hanging.status is None  # still in its log
+    finally:
+        hanging.release.set()
+        ending.join(timeout=10)
+    assert hanging.status == KILLED
