@@ -7,6 +7,7 @@ config.json), so a run can be analysed after the fact, on another machine, with 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import warnings
@@ -165,10 +166,14 @@ def analyze_run(
 
             analysis.outputs += write_plots(records, path, analysis.findings)
     except OSError as exc:  # a read-only directory, a trace.json that is a directory
+        fix = (
+            "free space there, or copy the run somewhere that has it"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "make it writable, or copy it somewhere that is"
+        )
         raise UsageError(
             f"cannot write {exc.filename or path} ({exc.strerror}): the report writes "
-            f"{TRACE_FILE} and its plots into the run directory {path}, which must be a "
-            "writable directory: make it writable, or copy it somewhere that is"
+            f"{TRACE_FILE} and its plots into the run directory {path}: {fix}"
         ) from None
     return analysis
 

@@ -70,7 +70,7 @@ REPORT_CASES: dict[str, tuple[Callable[[Path], Path], list[str]]] = {
     "true step": (lambda d: _records(d, step=True), ["step is true", "whole number"]),
     "huge bytes": (lambda d: _records(d, bytes=1e308), ["bytes is 1e+308", "whole number"]),
     "missing sync": (lambda d: _records(d, sync=None), ["sync is null"]),
-    "trace.json a directory": (_trace_is_a_directory, ["cannot write", "writable directory"]),
+    "trace.json a directory": (_trace_is_a_directory, ["cannot write", "make it writable"]),
 }
 
 
@@ -84,6 +84,25 @@ def test_report_on_a_bad_run_directory_is_one_line(
     line = _one_error_line(capsys)
     for text in expected:
         assert text in line, line
+
+
+def test_a_full_disk_at_report_time_says_so_not_make_it_writable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training ended, then the disk was full when the report wrote trace.json: the advice
+    was 'make it writable' (a tester's)."""
+    import errno
+
+    from gradsync.telemetry import cli as telemetry_cli
+
+    def full(path: Path, *args: object, **kwargs: object) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(telemetry_cli, "write_trace", full)
+    assert main(["report", str(_records(tmp_path / "run")), "--no-plots"]) == 2
+    line = _one_error_line(capsys)
+    assert "No space left on device" in line and "free space there" in line, line
+    assert "make it writable" not in line
 
 
 def test_a_diverged_loss_is_still_reported(tmp_path: Path) -> None:
