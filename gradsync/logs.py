@@ -16,7 +16,8 @@ has configured no handler of its own on the root logger: once it has, records re
 application's handlers (they propagate) and ours stays quiet, so nothing is shown twice.
 
 Warnings a caller may want to catch or filter (``CheckpointWarning``, ``DivergenceWarning``)
-stay ``warnings.warn``; ``gradsync run`` shows them as one ``gradsync: ...`` line each.
+stay ``warnings.warn``; the ``gradsync`` command shows them as one ``gradsync: ...`` line
+each (``one_line_warnings``: its ranks, and its own process where it reads checkpoints).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
+from typing import TextIO
 
-__all__ = ["LEVEL_ENV", "get_logger"]
+__all__ = ["LEVEL_ENV", "get_logger", "one_line_warnings"]
 
 LEVEL_ENV = "GRADSYNC_LOG_LEVEL"
 _LEVELS = ("debug", "info", "warning", "error")
@@ -70,3 +73,35 @@ _configure()
 def get_logger(name: str) -> logging.Logger:
     """The logger ``gradsync.<name>``."""
     return logging.getLogger(f"gradsync.{name}")
+
+
+#: gradsync's own files: a warning raised from one is gradsync's
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def one_line_warnings() -> None:
+    """Show gradsync's own warnings in this process (of its categories, or raised from its
+    files) through the ``gradsync.warnings`` logger: one ``gradsync: ...`` line each, like the
+    command's other messages, at the level the user set for gradsync's logs
+    (``GRADSYNC_LOG_LEVEL=error`` hides them). Python's format adds the file, line and source
+    text of the ``warnings.warn`` call, which tell a user of the command nothing; other
+    warnings keep it. Filters still apply first: a warning the script ignores is not shown.
+    For the ``gradsync`` command's processes (its ranks, ``checkpoint export``), not for a
+    library caller's."""
+    shown = warnings.showwarning
+    said = get_logger("warnings")
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if category.__module__.split(".")[0] == "gradsync" or filename.startswith(_PACKAGE):
+            said.warning("%s", str(message).removeprefix("gradsync: "))
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import UsageError
+from gradsync.logs import one_line_warnings
 from gradsync.module_cli import closed_pipe
 from gradsync.telemetry.membership import counted
 
@@ -418,6 +419,7 @@ def cmd_checkpoint_export(args: argparse.Namespace) -> int:
     from gradsync.checkpoint.export import export_checkpoint
     from gradsync.checkpoint.store import CheckpointError
 
+    one_line_warnings()  # a skipped checkpoint: a gradsync line, not Python's warning format
     given, step = Path(args.directory), args.step
     named = re.fullmatch(r"step-(\d+)", given.name)
     if named is not None and given.is_dir():

@@ -19,10 +19,9 @@ import sys
 import time
 import traceback
 import types
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
@@ -34,7 +33,7 @@ from gradsync.attached_run import (
     append_fault,
     restart_count,
 )
-from gradsync.logs import get_logger
+from gradsync.logs import one_line_warnings
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 from gradsync.runner.stopped import records_kept_when_stopped
@@ -45,35 +44,6 @@ __all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "run_rank", "run_script", "run_worke
 RUN_DIR_PLACEHOLDER = "{run_dir}"
 #: the built-in workloads' script (``--config RUN_DIR/config.json`` follows)
 BUILTIN = ["-m", "gradsync.runner.train"]
-warnings_logger = get_logger("warnings")
-
-
-_PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep  # gradsync/
-
-
-def _one_line_warnings() -> None:
-    """Show gradsync's own warnings in this worker (of its categories, or raised from its
-    files) through the ``gradsync.warnings`` logger: one ``gradsync: ...`` line each, like the
-    command's other messages, at the level the user set for gradsync's logs
-    (``GRADSYNC_LOG_LEVEL=error`` hides them). Python's format adds the file, line and source
-    text of the ``warnings.warn`` call, which tell a user of the command nothing; other
-    warnings keep it. Filters still apply first: a warning the script ignores is not shown."""
-    shown = warnings.showwarning
-
-    def show(
-        message: Warning | str,
-        category: type[Warning],
-        filename: str,
-        lineno: int,
-        file: TextIO | None = None,
-        line: str | None = None,
-    ) -> None:
-        if category.__module__.split(".")[0] == "gradsync" or filename.startswith(_PACKAGE):
-            warnings_logger.warning("%s", str(message).removeprefix("gradsync: "))
-        else:
-            shown(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
 
 
 def run_rank(config_dict: dict[str, Any]) -> dict[str, Any] | None:
@@ -99,7 +69,7 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     (``runner.stopped``). The script sees multiprocessing's start method unset, and a forked
     rank ends as the script's interpreter would (``_start_method_as_python``, ``_ScriptExit``)."""
     cfg = RunConfig.from_dict(config_dict)
-    _one_line_warnings()
+    one_line_warnings()
     run_dir = Path(cfg.out).resolve()
     os.environ[RUN_DIR_ENV] = str(run_dir)
     if cfg.replica_groups and os.environ.get("LOCAL_RANK", "0") == "0":

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.e2e
 SCRIPT = """
 import warnings
 from pathlib import Path
-import gradsync.runner.worker as worker
-worker._one_line_warnings()
-package = Path(worker.__file__).parent.parent  # gradsync/
+import gradsync.logs as logs
+logs.one_line_warnings()
+package = Path(logs.__file__).parent  # gradsync/
 here = str(package / "synchronizer.py")
 warnings.warn_explicit("gradsync: step 3 skipped", RuntimeWarning, here, 1)
 warnings.warn_explicit("sparse payload", UserWarning, str(package / "compression" / "sparse.py"), 2)

@@ -5,6 +5,7 @@ what the ranks held; strategies that cannot export are refused, nothing written.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,32 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
     ):
         export_checkpoint(directory, tmp_path / "never.pt")
     assert not (tmp_path / "never.pt").exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_command_says_a_skipped_checkpoint_in_one_gradsync_line(
+    one_rank_runs: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Python's warning format (the file, line and source of gradsync's warnings.warn call)
+    told a user of ``gradsync checkpoint export`` nothing (a tester's): the warning goes to
+    gradsync's logger, which prints ``gradsync: ...`` (here pytest's handler takes it)."""
+    import shutil
+
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(one_rank_runs["bsp"][0], directory)
+    rank_file = directory / "step-000004" / "rank-0.pt"
+    data = bytearray(rank_file.read_bytes())
+    data[-5] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    with warnings.catch_warnings(), caplog.at_level("WARNING", logger="gradsync.warnings"):
+        warnings.simplefilter("always")
+        assert cli.main(["checkpoint", "export", str(directory), str(tmp_path / "o.pt")]) == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "gradsync.warnings"]
+    assert len(said) == 1 and said[0].startswith("skipping checkpoint "), said
+    assert "step-000004" in said[0] and "CheckpointWarning" not in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)
