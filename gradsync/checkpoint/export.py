@@ -27,6 +27,7 @@ import torch
 
 from gradsync.checkpoint.checkpointer import join_replicated, latest_skipping
 from gradsync.checkpoint.registry import REGISTERED
+from gradsync.checkpoint.settings import STRATEGY_SPEC
 from gradsync.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
@@ -140,7 +141,9 @@ def _read_checkpoint(
     }
     if REGISTERED in first:  # rank 0's registered states (``sync.register_state``)
         state["registered"] = first[REGISTERED]
-    return state, info, name
+    # the whole spec where the checkpoint holds it (local:2, not local), for the user's line
+    spec = first.get(STRATEGY_SPEC)
+    return state, info, spec if isinstance(spec, str) and spec else name
 
 
 def _find(store: CheckpointStore, step: int | None) -> CheckpointInfo:
