@@ -88,10 +88,8 @@ def test_step_picks_an_older_checkpoint_and_a_missing_one_is_named(
     assert not (tmp_path / "3.pt").exists()
 
 
-@pytest.mark.timeout(60)
-def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
-    one_rank_runs: dict[str, Any], tmp_path: Path
-) -> None:
+def _newest_corrupted(one_rank_runs: dict[str, Any], tmp_path: Path) -> Path:
+    """A copy of the bsp run's checkpoints with a byte of the newest one's rank file flipped."""
     import shutil
 
     directory = tmp_path / "checkpoints"
@@ -100,6 +98,14 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
     data = bytearray(rank_file.read_bytes())
     data[-5] ^= 0xFF
     rank_file.write_bytes(bytes(data))
+    return directory
+
+
+@pytest.mark.timeout(60)
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
+    one_rank_runs: dict[str, Any], tmp_path: Path
+) -> None:
+    directory = _newest_corrupted(one_rank_runs, tmp_path)
     with pytest.warns(CheckpointWarning, match="step-000004.*corrupted"):
         done = export_checkpoint(directory, tmp_path / "out.pt")
     assert done.step == 2
@@ -124,14 +130,7 @@ def test_the_command_says_a_skipped_checkpoint_in_one_gradsync_line(
     """Python's warning format (the file, line and source of gradsync's warnings.warn call)
     told a user of ``gradsync checkpoint export`` nothing (a tester's): the warning goes to
     gradsync's logger, which prints ``gradsync: ...`` (here pytest's handler takes it)."""
-    import shutil
-
-    directory = tmp_path / "checkpoints"
-    shutil.copytree(one_rank_runs["bsp"][0], directory)
-    rank_file = directory / "step-000004" / "rank-0.pt"
-    data = bytearray(rank_file.read_bytes())
-    data[-5] ^= 0xFF
-    rank_file.write_bytes(bytes(data))
+    directory = _newest_corrupted(one_rank_runs, tmp_path)
     with warnings.catch_warnings(), caplog.at_level("WARNING", logger="gradsync.warnings"):
         warnings.simplefilter("always")
         assert cli.main(["checkpoint", "export", str(directory), str(tmp_path / "o.pt")]) == 0
