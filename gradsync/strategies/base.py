@@ -27,6 +27,7 @@ inherits the no-op members and writes only what it does differently.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -619,6 +620,19 @@ def live_exchange(ctx: SyncContext, group: Group) -> tuple[torch.dtype | None, G
     return wire, group if wire is not None else ctx.membership.replicas
 
 
+def wait_each(works: Iterable[Any], timeout_s: float | None) -> None:
+    """Wait for each point-to-point request, ``timeout_s`` bounding each (None: the group's own
+    timeout): gloo's send and receive waits keep the timeout the group was made with, not the
+    ``timeout_s`` gradsync sets on it for its collectives, so a partner asleep in its block held
+    a rank for as long as it slept (60 s of a --timeout 4 run, a user tester's)."""
+    bound = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    for work in works:
+        if bound is None:
+            work.wait()
+        else:
+            work.wait(timeout=bound)
+
+
 def commit_or_skip(
     membership: Membership | None, step: int, optimizer: torch.optim.Optimizer, outcome: StepOutcome
 ) -> None:
@@ -634,6 +648,7 @@ def commit_or_skip(
 __all__ = [
     "CheckpointHooks",
     "commit_or_skip",
+    "wait_each",
     "live_exchange",
     "STRATEGY_FORMS",
     "CheckpointSink",

@@ -35,7 +35,6 @@ exchange (refused, naming the strategies that compress) and the hierarchy (refus
 
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Any
 
@@ -48,7 +47,7 @@ from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.pairing import partner
 from gradsync.spec import OUTER_DEFAULTS, StrategySpec
-from gradsync.strategies.base import StepOutcome, SyncContext
+from gradsync.strategies.base import StepOutcome, SyncContext, wait_each
 from gradsync.strategies.local_sgd import OuterConfig, Periodic
 
 __all__ = ["PIECE_BYTES", "Gossip", "NoLoCo", "pair_compression_refusal"]
@@ -137,15 +136,12 @@ class Gossip(Periodic):
         mine = flatten(self._params)
         theirs = torch.empty_like(mine)
         timed = mine.device.type == "cpu"
-        mine_s, theirs_s = torch.tensor([local], dtype=torch.float64), torch.zeros(1).double()
+        mine_s = torch.tensor([local], dtype=torch.float64)
+        theirs_s = torch.zeros(1, dtype=torch.float64)
         group = ctx.group
         to = peer if group is None else dist.get_global_rank(group, peer)
-
-        # Given to each wait: gloo's point-to-point waits keep the timeout the group was made
-        # with, not the ``timeout_s`` gradsync sets on it for its collectives, so a partner
-        # asleep in its block held this rank for as long as it slept (60 s of a --timeout 4
-        # run, a user tester's), where bsp and diloco fail after timeout_s.
-        bound = None if ctx.watch is None else datetime.timedelta(seconds=ctx.watch.timeout_s)
+        # bsp and diloco fail after timeout_s: so does a pair whose partner is asleep
+        bound = None if ctx.watch is None else ctx.watch.timeout_s
 
         def run() -> None:
             # In pieces: one message each way of a whole model ran at half the link's rate both
@@ -158,11 +154,7 @@ class Gossip(Periodic):
             for out, into in zip(mine.chunk(pieces), theirs.chunk(pieces), strict=True):
                 ops.append(dist.P2POp(dist.isend, out, to, group))
                 ops.append(dist.P2POp(dist.irecv, into, to, group))
-            for request in dist.batch_isend_irecv(ops):
-                if bound is None:
-                    request.wait()
-                else:
-                    request.wait(timeout=bound)
+            wait_each(dist.batch_isend_irecv(ops), bound)
 
         started = time.perf_counter()
         if ctx.watch is None:

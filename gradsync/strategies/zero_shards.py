@@ -46,7 +46,6 @@ own shard's buffer only.
 
 from __future__ import annotations
 
-import datetime
 import time
 import weakref
 from collections import deque
@@ -68,6 +67,7 @@ from gradsync.strategies.base import (
     SyncContext,
     reading_own_state,
     step_verdict,
+    wait_each,
 )
 from gradsync.strategies.ps_wire import shard_by_size
 from gradsync.telemetry.records import Span
@@ -125,8 +125,7 @@ def ring_reduce_scatter(
     the sum of chunk ``rank``: ``world - 1`` rounds in which each rank passes a partial sum to
     the next and adds the one it receives into ``send`` (which it overwrites). ``received``
     doubles as the landing place of every round, so nothing else is allocated. ``timeout_s``
-    bounds each wait: gloo's point-to-point waits keep the group's own timeout otherwise, not
-    the ``timeout_s`` gradsync sets on it (``gossip`` found it)."""
+    bounds each wait (``wait_each``)."""
     chunk = received.numel()
 
     def part(r: int) -> torch.Tensor:
@@ -151,11 +150,7 @@ def ring_reduce_scatter(
             dist.P2POp(dist.isend, part((rank - s - 1) % world), right, group),
             dist.P2POp(dist.irecv, received, left, group),
         ]
-        for work in dist.batch_isend_irecv(ops):
-            if timeout_s is None:
-                work.wait()
-            else:
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        wait_each(dist.batch_isend_irecv(ops), timeout_s)
         if s < world - 2:
             part((rank - s - 2) % world).add_(received)
     received.add_(part(rank))
