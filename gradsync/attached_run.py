@@ -270,8 +270,11 @@ class RunSink:
             return []
         attempt = own[0].attempt if own else restart_count()
         deadline = time.monotonic() + (wait_s if own else 0.0)
+        found: list[StepRecord] = []
+        read_to = 0  # each look reads what was appended since the last: the file once in all
         while True:
-            found = _ungathered(self.path, attempt)
+            more, read_to = _ungathered(self.path, attempt, read_to)
+            found += more
             ended = {r.rank for r in found}  # a rank writes all of its own at once
             if len(ended) >= self.world or time.monotonic() >= deadline:
                 break
@@ -281,14 +284,19 @@ class RunSink:
         return settle_ungathered(found) if found else []
 
 
-def _ungathered(path: Path, attempt: int) -> list[StepRecord]:
-    """The records of ``attempt`` in metrics.jsonl that a rank wrote alone (``gathered``
-    false): those gathered reached the trackers as they came. A line another rank is still
-    appending does not parse yet: it is skipped (the next look reads it whole)."""
+def _ungathered(path: Path, attempt: int, start: int) -> tuple[list[StepRecord], int]:
+    """The records of ``attempt`` in metrics.jsonl from byte ``start`` on that a rank wrote
+    alone (``gathered`` false: those gathered reached the trackers as they came), and where
+    the whole lines read end. A line another rank is still appending has no newline yet: it is
+    left for the next look."""
     if not path.exists():
-        return []
+        return [], start
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        data = fh.read()
+    whole = data[: data.rfind(b"\n") + 1]
     found = []
-    for line in path.read_bytes().splitlines():
+    for line in whole.splitlines():
         if b'"gathered":false' not in line:  # as ``StepRecord.to_json`` writes it; no parse
             continue
         try:
@@ -297,7 +305,7 @@ def _ungathered(path: Path, attempt: int) -> list[StepRecord]:
             continue
         if record.attempt == attempt:
             found.append(record)
-    return found
+    return found, start + len(whole)
 
 
 def ending_status(at_exit: bool = False) -> str:
