@@ -40,10 +40,12 @@ def _config_from_args(args: argparse.Namespace) -> Any:
 
 
 #: run's flags that a --resume without them takes from the saved run's config.json (the run's
-#: workload, model size, steps, strategy, compressor, replica groups and ranks, and how it
+#: workload, model size, steps, strategy, compressor, replica groups and ranks, how it
 #: checkpoints and restarts: a resume that dropped --checkpoint-every wrote no checkpoint
-#: more, and its config.json said 0 to the next resume); a given one is held against the
-#: saved run's (gradsync.runner.resume): refused where it must match
+#: more, and its config.json said 0 to the next resume; and the quorum its groups need and
+#: how soon a silent one is left out: a resume that dropped --min-replicas 2 let a group train
+#: alone); a given one is held against the saved run's (gradsync.runner.resume): refused
+#: where it must match
 RESUMED_FLAGS = (
     "workload",
     "params",
@@ -55,6 +57,8 @@ RESUMED_FLAGS = (
     "checkpoint_every",
     "keep_checkpoints",
     "max_restarts",
+    "min_replicas",
+    "heartbeat_timeout",
 )
 
 #: run's flags whose default its parser holds as ``_Default``, to tell a value given from it:
@@ -88,8 +92,11 @@ def _saved_value(name: str, saved: dict[str, Any]) -> Any:
         return value if value is None or isinstance(value, str) else _Default
     if name in ("workload", "strategy"):
         return value if isinstance(value, str) and value else _Default
-    # nproc, params, steps, keep_checkpoints; replica_groups, checkpoint_every, max_restarts,
-    # where 0 is a setting (none, off)
+    if name == "heartbeat_timeout":
+        number = type(value) in (int, float) and value > 0
+        return float(value) if number else _Default
+    # nproc, params, steps, keep_checkpoints, min_replicas; replica_groups, checkpoint_every,
+    # max_restarts, where 0 is a setting (none, off)
     least = 0 if name in ("replica_groups", "checkpoint_every", "max_restarts") else 1
     return value if type(value) is int and value >= least else _Default
 

@@ -220,7 +220,8 @@ class RunConfig:
         False,
         help="continue from the newest checkpoint in --out with the saved run's --workload, "
         "--params, --steps, --strategy, --compress, --nproc, --replica-groups, "
-        "--checkpoint-every, --keep-checkpoints and --max-restarts, each where not given (a "
+        "--checkpoint-every, --keep-checkpoints, --max-restarts, --min-replicas and "
+        "--heartbeat-timeout, each where not given (a "
         "given --nproc may differ, a given --steps not below the checkpoint's step) "
         "(default: off)",
         group=FAULTS,

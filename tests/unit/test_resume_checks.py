@@ -171,6 +171,9 @@ def test_flags_not_given_are_the_saved_runs(tmp_path: Path) -> None:
         "checkpoint_every": 5,
         "keep_checkpoints": 3,
         "max_restarts": 2,
+        # the quorum the groups need: a resume that dropped --min-replicas 2 let one go alone
+        "min_replicas": 2,
+        "heartbeat_timeout": 5.0,
     }
     run.mkdir()
     (run / "config.json").write_text(json.dumps(saved))
@@ -183,7 +186,9 @@ def test_flags_not_given_are_the_saved_runs(tmp_path: Path) -> None:
 
     assert parsed("--resume") == (saved, 3)
     given = ("--workload=charlm", "--steps=50", "--replica-groups=0", "--compress=fp16")
-    flags, before = parsed("--resume", *given, "--checkpoint-every=0", "--max-restarts=0")
+    flags, before = parsed(
+        "--resume", *given, "--checkpoint-every=0", "--max-restarts=0", "--min-replicas=1"
+    )
     assert before == 3 and flags == {
         **saved,
         "workload": "charlm",
@@ -193,6 +198,7 @@ def test_flags_not_given_are_the_saved_runs(tmp_path: Path) -> None:
         "compression": "fp16",
         "checkpoint_every": 0,  # given: 0 (off) is a setting, not a missing one
         "max_restarts": 0,
+        "min_replicas": 1,  # given: the default value, said, is a setting
     }
     defaults = RunConfig()
     fresh = {name: getattr(defaults, name) for name in RESUMED_FLAGS}
