@@ -79,7 +79,8 @@ def export_checkpoint(
 
     Everything is read and put together before anything is written, and ``out`` appears
     whole or not at all (written beside it, then renamed). ``UsageError`` for a bad ``to``, a
-    ``directory`` that is not one, or an ``out`` that exists (nothing is overwritten);
+    ``directory`` that is not one, an ``out`` that exists (nothing is overwritten) or whose
+    folder does not (a mistyped path would have made folders nobody asked for);
     ``CheckpointError`` when there is no usable checkpoint, or its strategy cannot be exported
     (``EXPORTABLE`` lists those that can), or a file of it is damaged."""
     if to not in TARGETS:
@@ -87,8 +88,11 @@ def export_checkpoint(
     target = Path(out)
     if target.exists() or target.is_symlink():
         raise UsageError(f"{target} already exists: export to a new path (nothing was overwritten)")
+    folder = target.parent
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise UsageError(f"{folder}, the folder of {target}, {what}: create it first")
     state, info, strategy = _read(directory, step)
-    target.parent.mkdir(parents=True, exist_ok=True)
     (_write_torch if to == "torch" else _write_dcp)(state, target)
     return Exported(target, to, info.step, strategy, info.world_size, info.path)
 

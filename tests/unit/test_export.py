@@ -235,6 +235,12 @@ def test_bad_arguments_are_refused_naming_what_is_valid(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="already exists.*nothing was overwritten"):
         export_checkpoint(directory, existing)
     assert existing.read_bytes() == b"mine"
+    # a mistyped folder is not made: the user is told, and nothing appears
+    with pytest.raises(UsageError, match=r"typo, the folder of .*model\.pt, does not exist"):
+        export_checkpoint(directory, tmp_path / "typo" / "model.pt")
+    assert not (tmp_path / "typo").exists()
+    with pytest.raises(UsageError, match="the folder of .* is not a directory"):
+        export_checkpoint(directory, existing / "model.pt")
     with pytest.raises(UsageError, match="step must be an integer >= 0.*got -1"):
         export_checkpoint(directory, tmp_path / "x", step=-1)
     (tmp_path / "empty").mkdir()
