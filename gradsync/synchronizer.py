@@ -1129,6 +1129,9 @@ class Synchronizer:
             self._final_flush()
             self._final_handshake()
         report = RunReport.from_records(self._collector.records)
+        if self._membership is not None and self._run is not None and self.rank == 0:
+            # the replica groups' final models, which gradsync run's summary compares
+            self._membership.record_final_model(self._run.directory, self._step)
         if self._run is not None:  # report.json; each rank appends its own spans
             self._write_own_spans()
             self._run.finish(report, self.strategy.summary())

@@ -40,7 +40,7 @@ from gradsync.membership import LIGHTHOUSE_ENV, REPLICA_ID_ENV, torchft_missing
 from gradsync.membership.lighthouse import local_lighthouse
 from gradsync.runner.config import RunConfig
 from gradsync.runner.rundir import RunDirectory, claim, is_gradsync_run
-from gradsync.telemetry.membership import counted
+from gradsync.telemetry.membership import FINAL_MODEL_PATH, counted
 
 if TYPE_CHECKING:
     from gradsync.cluster.netns import Host
@@ -125,6 +125,8 @@ def _claim_group(run_dir: Path, group: int, resume: bool = False) -> RunDirector
     path = group_dir(run_dir, group)
     if resume:
         (path / FAULTS_DIR / MANAGER_UP_FILE).unlink(missing_ok=True)
+        # the last start's final model: a group that fails this time must not be compared by it
+        (path / FINAL_MODEL_PATH).unlink(missing_ok=True)
         return claim(path, resume=True, overwrite=False)
     if path.is_dir() and is_gradsync_run(path):
         shutil.rmtree(path)
@@ -312,11 +314,11 @@ def group_outcome(directory: Path) -> dict[str, Any]:
 
 def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
     """The table printed at the end: each group's exit, steps, final loss, restarts and
-    healings, and a line of the run's membership; each group's trace.json and plots are
-    written into its directory, and the run's report.json (``write_run_report``) into
-    ``run_dir``."""
+    healings, a line of the run's membership, and a warning where the groups' final models
+    differ; each group's trace.json and plots are written into its directory, and the run's
+    report.json (``write_run_report``) into ``run_dir``."""
     from gradsync.telemetry.cli import REPORT_FILE, summarize_run
-    from gradsync.telemetry.membership import describe
+    from gradsync.telemetry.membership import describe, final_models_warning
     from gradsync.telemetry.records import METRICS_FILE
 
     lines = [
@@ -351,7 +353,13 @@ def summarize_groups(cfg: RunConfig, run_dir: Path, codes: list[int]) -> str:
                 "(skipped by a healing, or lost with a killed process: docs/membership.md)"
             )
     report = write_run_report(cfg, run_dir, outcomes)
-    lines.append(describe(report["membership"], exits=[int(o["exit"]) for o in outcomes]))
+    exits = [int(o["exit"]) for o in outcomes]
+    lines.append(describe(report["membership"], exits, final_models=report["final_models"]))
+    # Exit 0 all the same where every group did: each ran its steps, as --min-replicas lets a
+    # group cut off from the others do; the warning and report.json say the models differ.
+    warning = final_models_warning(report["final_models"], report["membership"])
+    if warning is not None:
+        lines.append(warning)
     lines.append(f"each group's metrics, report.json, trace.json and plots: {run_dir}/group-K/")
     lines.append(f"the run's report (groups, membership): {run_dir / REPORT_FILE}")
     trace = write_run_trace(cfg, run_dir)
@@ -398,9 +406,12 @@ def run_membership(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
 def write_run_report(
     cfg: RunConfig, run_dir: Path, outcomes: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """``RUN/report.json``: each group's outcome (the table's row) and the run's membership;
-    each group's own report.json holds its step records' report. Returns what it wrote."""
+    """``RUN/report.json``: each group's outcome (the table's row), the run's membership and
+    whether the groups' final models agree (``final_models``: each group's recorded
+    fingerprint, ``compare_final_models``); each group's own report.json holds its step
+    records' report. Returns what it wrote."""
     from gradsync.telemetry.cli import REPORT_FILE
+    from gradsync.telemetry.membership import compare_final_models, read_final_model
 
     report = {
         "replica_groups": cfg.replica_groups,
@@ -409,6 +420,9 @@ def write_run_report(
         "heartbeat_timeout_s": None if cfg.lighthouse is not None else cfg.heartbeat_timeout,
         "groups": outcomes,
         "membership": run_membership(cfg, run_dir),
+        "final_models": compare_final_models(
+            {str(k): read_final_model(group_dir(run_dir, k)) for k in range(cfg.replica_groups)}
+        ),
     }
     (run_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report

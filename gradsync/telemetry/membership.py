@@ -58,6 +58,11 @@ MEMBERSHIP_FILE = "membership.jsonl"
 #: where a group's healings and process starts are (``gradsync.attached_run`` writes them)
 HEALED_PATH = Path("faults") / "healed.jsonl"
 ATTEMPTS_PATH = Path("faults") / "attempts.jsonl"
+#: a replica group's final model as its rank 0 had it at the end of ``report()``: the step and
+#: a short hex fingerprint of its parameters, which ``gradsync run``'s summary compares across
+#: groups (``compare_final_models``). Beside the group's other process records in faults/,
+#: which ``--overwrite`` deletes with them.
+FINAL_MODEL_PATH = Path("faults") / "final_model.json"
 #: a step's quorum that took this much longer than normal is a stall in the report and the
 #: trace: a lost group costs the survivors the lighthouse's heartbeat timeout (2 s) or the
 #: replacement's start-up; the quorum's own jitter is milliseconds
@@ -198,6 +203,58 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: line {number} has no {', '.join(missing)}")
         found.append(entry)
     return found
+
+
+def write_final_model(directory: Path, *, step: int, fingerprint: str, restart: int) -> None:
+    """Group rank 0's record of its final model (``FINAL_MODEL_PATH``), replaced whole: a
+    later ``report()`` of the same process, or of a replacement, supersedes it, and a reader
+    never sees half of it."""
+    path = directory / FINAL_MODEL_PATH
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"step": step, "fingerprint": fingerprint, "restart": restart, "pid": os.getpid()}
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(entry) + "\n", encoding="utf-8")
+    os.replace(partial, path)
+
+
+def read_final_model(directory: Path) -> dict[str, Any] | None:
+    """A group's final model record, or None where it wrote none (it did not end normally,
+    or its script never called ``report()``). A damaged one is a ``ValueError`` naming it."""
+    path = directory / FINAL_MODEL_PATH
+    if not path.exists():
+        return None
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(entry, dict) or "step" not in entry or "fingerprint" not in entry:
+        raise ValueError(f"{path} has no step or fingerprint")
+    return entry
+
+
+def compare_final_models(records: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    """The run report's ``final_models``: each group's final model (``read_final_model``, by
+    group name) and whether the groups that recorded one at the same step agree. ``agree`` is
+    None where no two groups recorded one at one step (nothing to compare); ``differ`` lists
+    each step where they do not, the groups at it in sets of equal fingerprints."""
+    at: dict[int, dict[str, list[str]]] = {}
+    for name, r in records.items():
+        if r is not None:
+            at.setdefault(int(r["step"]), {}).setdefault(str(r["fingerprint"]), []).append(name)
+    compared = {step: models for step, models in at.items() if sum(map(len, models.values())) > 1}
+    differ = [
+        {"step": step, "models": sorted(models.values())}
+        for step, models in sorted(compared.items())
+        if len(models) > 1
+    ]
+    return {
+        "agree": (not differ) if compared else None,
+        "groups": {
+            name: None if r is None else {"step": int(r["step"]), "fingerprint": r["fingerprint"]}
+            for name, r in records.items()
+        },
+        "differ": differ,
+    }
 
 
 def summarize(groups: list[GroupMembership], expected: int | None = None) -> dict[str, Any]:
@@ -364,7 +421,11 @@ def step_ranges(steps: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def describe(section: dict[str, Any], exits: Sequence[int] | None = None) -> str:
+def describe(
+    section: dict[str, Any],
+    exits: Sequence[int] | None = None,
+    final_models: dict[str, Any] | None = None,
+) -> str:
     """The summary's one line of a ``summarize`` section, e.g. ``membership: 2 quorums; lost
     group 1 at step 8 (seen by group 0); 0 of 30 steps with fewer than 2 participants; 1
     healing (0.04 MB in 1.39 s); longest stall 2.05 s (group 0, step 8)``; under a periodic
@@ -374,7 +435,10 @@ def describe(section: dict[str, Any], exits: Sequence[int] | None = None) -> str
     the records show is one a quorum saw: a group that failed with every other (no quorum
     left to see it go) is in none, so "no group lost" is said only where ``exits`` are all 0;
     a group that exited otherwise is named (``group 1 exited 1``), and without ``exits`` no
-    loss seen is said as that."""
+    loss seen is said as that.
+
+    ``final_models``: the run report's (``compare_final_models``), said last (``final models
+    equal across 2 groups (step 30)``); where they differ, ``final_models_warning`` says how."""
     parts = [counted(len(section["quorums"]), "quorum")]
     lost = [
         f"group {f['group'] or '?'} at step {f['step']} (seen by group {', '.join(f['seen_by'])})"
@@ -411,7 +475,61 @@ def describe(section: dict[str, Any], exits: Sequence[int] | None = None) -> str
     )
     if section["not_committed"]:
         parts.append(f"not committed: step(s) {section['not_committed_at']}")
+    if final_models is not None:
+        parts.append(_final_models_said(final_models))
     return "membership: " + "; ".join(parts)
+
+
+def _final_models_said(section: dict[str, Any]) -> str:
+    """The membership line's part of ``compare_final_models``'s section."""
+    if section["agree"] is False:
+        return "final models differ (warning below)"
+    groups = section["groups"]
+    at: dict[int, list[str]] = {}
+    for name, g in groups.items():
+        if g is not None:
+            at.setdefault(int(g["step"]), []).append(name)
+    compared = {step: names for step, names in sorted(at.items()) if len(names) > 1}
+    apart = [
+        f"{_groups([name])} " + ("none recorded" if g is None else f"at step {g['step']}")
+        for name, g in groups.items()
+        if g is None or len(at[int(g["step"])]) == 1
+    ]
+    if len(compared) == 1 and not apart:
+        ((step, names),) = compared.items()
+        return f"final models equal across {len(names)} groups (step {step})"
+    equal = [f"{_groups(names)} (step {step})" for step, names in compared.items()]
+    said = ["final models equal across " + ", ".join(equal)] if equal else []
+    return ", ".join([*said, "final models not compared: " + ", ".join(apart)])
+
+
+def final_models_warning(section: dict[str, Any], membership: dict[str, Any]) -> str | None:
+    """The summary's warning where groups that ended at one step hold different models
+    (``compare_final_models``'s section), and why that happens: None where none differ.
+    ``membership``: the run's ``summarize`` section, whose steps with fewer participants are
+    where a group trained without the others."""
+    if section["agree"] is not False:
+        return None
+    groups = section["groups"]
+    said = [
+        f"at step {d['step']}, "
+        + " != ".join(
+            f"{_groups(names)} ({groups[names[0]]['fingerprint']})" for names in d["models"]
+        )
+        for d in section["differ"]
+    ]
+    fewer = membership.get("fewer_participants_at") or "none recorded"
+    return (
+        "warning: the replica groups' final models differ: " + "; ".join(said) + "\n"
+        "  a group cut off from the quorum (stopped, or partitioned, past the lighthouse's "
+        "heartbeat timeout) trains on alone, and the others without it: fewer than "
+        f"{membership.get('expected_participants', '?')} participants at step(s) {fewer}; "
+        'see docs/membership.md, "Final models"'
+    )
+
+
+def _groups(names: Sequence[str]) -> str:
+    return f"group {names[0]}" if len(names) == 1 else f"groups {', '.join(names)}"
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:

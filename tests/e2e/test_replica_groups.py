@@ -116,6 +116,11 @@ def test_a_killed_replica_group_is_restarted_alone_and_heals_from_the_other(
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # ... which the run's report.json and summary say, from each group's own fingerprint of
+    # its final model (a group cut off from the quorum would end apart, with a warning)
+    final = json.loads((out / "report.json").read_text())["final_models"]
+    assert final["agree"] is True and sorted(final["groups"]) == ["0", "1"], final
+    assert f"final models equal across 2 groups (step {STEPS})" in stdout, stdout
     # a step sends 4 bytes an element inside the group and 2 (fp16) across groups
     numel = sum(t.numel() for t in a.values())
     sent = {json.loads(line)["bytes"] for line in (group0 / "metrics.jsonl").open()}
@@ -339,9 +344,12 @@ def test_periodic_groups_heal_at_a_period_start_and_end_bitwise_equal(
     # healing at KILL_AT).
     seen1 = [m for m in _jsonl(group1 / "membership.jsonl") if "healed_bytes" in m]
     assert [(m["restart"], m["joined_at"]) for m in seen1][-1] == (1, KILL_AT), seen1
-    membership = json.loads((out / "report.json").read_text())["membership"]
+    report = json.loads((out / "report.json").read_text())
+    membership = report["membership"]
     assert [(f["group"], f["step"]) for f in membership["failures"]] == [("1", KILL_AT)]
     assert [h["step"] for h in membership["healings"]["at"]] == [KILL_AT]
+    # each group's fingerprint taken after the final average (report()) says so too
+    assert report["final_models"]["agree"] is True, report["final_models"]
     a, b = (torch.load(g / "final_model.pt", weights_only=True) for g in (group0, group1))
     assert a.keys() == b.keys()
     for key in a:
