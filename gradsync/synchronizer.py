@@ -1130,12 +1130,25 @@ class Synchronizer:
             self._final_handshake()
         report = RunReport.from_records(self._collector.records)
         if self._membership is not None and self._run is not None and self.rank == 0:
-            # the replica groups' final models, which gradsync run's summary compares
-            self._membership.record_final_model(self._run.directory, self._step)
+            self._record_final_model(self._run.directory)
         if self._run is not None:  # report.json; each rank appends its own spans
             self._write_own_spans()
             self._run.finish(report, self.strategy.summary())
         return report
+
+    def _record_final_model(self, directory: Path) -> None:
+        """This replica group's final model, by its rank 0 at the end of ``report()``: a short
+        digest of its parameters' fingerprint, which ``gradsync run``'s summary compares
+        across groups (docs/membership.md, "Final models"). No collective: a group cut off
+        from the others, which is what makes the models differ, records its own all the
+        same."""
+        from gradsync.attached_run import restart_count
+        from gradsync.checks.guards import fingerprint
+        from gradsync.telemetry.membership import model_digest, write_final_model
+
+        rows = fingerprint(list(self.model.named_parameters()))
+        digest = model_digest(rows.numpy().tobytes())
+        write_final_model(directory, step=self._step, fingerprint=digest, restart=restart_count())
 
     def state_dict(self) -> dict[str, Any]:
         """Strategy and compressor state (not the model or optimizer: save those as usual)."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import logging
 import os
 import time
@@ -37,7 +36,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -430,19 +428,6 @@ class TorchftMembership:
 
     def participants(self) -> int:
         return int(self.manager.num_participants())
-
-    def record_final_model(self, directory: Path, step: int) -> None:
-        """This replica group's final model at ``step``, by its rank 0 at the end of
-        ``report()``: a short hex digest of its parameters' fingerprint (``checks.guards``),
-        which ``gradsync run``'s summary compares across groups (docs/membership.md, "Final
-        models"). No collective: a group cut off from the others, which is what makes the
-        models differ, records its own all the same."""
-        from gradsync.checks.guards import fingerprint
-        from gradsync.telemetry.membership import write_final_model
-
-        rows = fingerprint(list(self._state.model.named_parameters()))
-        digest = hashlib.sha256(rows.numpy().tobytes()).hexdigest()[:16]
-        write_final_model(directory, step=step, fingerprint=digest, restart=restart_count())
 
     def close(self) -> None:
         self._say_if_alone()

@@ -45,6 +45,7 @@ anywhere, and ``gradsync.membership.ft_manager`` hands its observations over as 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -203,6 +204,12 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: line {number} has no {', '.join(missing)}")
         found.append(entry)
     return found
+
+
+def model_digest(rows: bytes) -> str:
+    """16 hex digits of a SHA-256 of a model's fingerprint rows (``checks.guards.fingerprint``,
+    their bytes): what ``write_final_model`` records and the run's summary compares."""
+    return hashlib.sha256(rows).hexdigest()[:16]
 
 
 def write_final_model(directory: Path, *, step: int, fingerprint: str, restart: int) -> None:

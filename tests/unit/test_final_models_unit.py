@@ -1,6 +1,6 @@
 """Whether ``gradsync run --replica-groups``'s groups ended with the same model (issue 45): each
 group's rank 0 records its final model's fingerprint at ``report()``
-(``TorchftMembership.record_final_model``), and the run's summary and report.json compare the
+(``Synchronizer._record_final_model``), and the run's summary and report.json compare the
 groups' (``compare_final_models``). A group cut off from the quorum past the lighthouse's
 heartbeat timeout (SIGSTOPped, partitioned) trains on alone and ends with another model than
 the others, every group exiting 0: the summary must say so. Fake group directories here; the
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from gradsync.membership.ft_manager import TorchftMembership
+import gradsync as gs
 from gradsync.runner.config import RunConfig
 from gradsync.runner.replica_groups import summarize_groups
 from gradsync.telemetry.membership import (
@@ -144,9 +143,9 @@ def test_rank_0_records_its_models_fingerprint_and_the_step(tmp_path: Path) -> N
     model = torch.nn.Linear(4, 3)
     digests = []
     for k, m in enumerate([model, _copy(model), _nudged(model)]):
-        live = TorchftMembership.__new__(TorchftMembership)  # no Manager, lighthouse or store
-        live._state = SimpleNamespace(model=m)  # type: ignore[assignment]
-        live.record_final_model(tmp_path / f"group-{k}", 12)
+        sync = gs.Synchronizer.__new__(gs.Synchronizer)  # no process group needed
+        sync.model, sync._step = m, 12
+        sync._record_final_model(tmp_path / f"group-{k}")
         record = read_final_model(tmp_path / f"group-{k}")
         assert record is not None and record["step"] == 12
         digests.append(record["fingerprint"])
