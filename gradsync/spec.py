@@ -74,6 +74,10 @@ class StrategySpec:
     #: (``OUTER_DEFAULTS``): only a value that differs from it is kept
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    #: DiLoCo with eager outer updates (``diloco:H:F:eager``): each exchange is applied a
+    #: period after it started, this rank's own share of it at once
+    #: (``gradsync.strategies.eager``); ``fragments`` is then set, ``delay`` and ``alpha`` not
+    eager: bool = False
 
     def __str__(self) -> str:
         form = STRATEGY_TABLE.get(self.kind)
@@ -242,25 +246,52 @@ def _outer_fields(parts: list[str], kind: str) -> dict[str, float]:
 _OUTER_FORMS = "outer_lr=X (a number > 0) and outer_momentum=M (from 0 to below 1)"
 
 
+def _eager_field(parts: list[str]) -> bool:
+    """Take the word ``eager`` out of ``parts`` (after H, before or after SPLIT); whether it
+    was there."""
+    found = [i for i, part in enumerate(parts) if i > 0 and part == EAGER]
+    if len(found) > 1:
+        raise _Refused(f"{EAGER} is given twice")
+    if found:
+        del parts[found[0]]
+    return bool(found)
+
+
+#: the spec's word for eager outer updates (``diloco:H:F:eager``)
+EAGER = "eager"
+
+
 def _diloco(text: str) -> dict[str, Any]:
     """``H``, or ``H:F[:TAU[:ALPHA]][:SPLIT]`` for streaming DiLoCo; one fragment with no delay
     and ALPHA 0 is plain ``diloco:H``, and parses as it (whatever the split: one fragment is
-    the whole model)."""
+    the whole model). ``H[:F]:eager[:SPLIT]``: eager outer updates, F fragments (1 if not
+    given), with no TAU or ALPHA (each exchange is applied a period after it starts)."""
     parts = [part.strip() for part in text.split(":")]
     outer = _outer_fields(parts, "diloco")
+    eager = _eager_field(parts)
     split = _split_field(parts)
     if len(parts) > 4:
         raise _Refused(f"diloco takes at most H:F:TAU:ALPHA:SPLIT, got {len(parts) + 1} values")
+    if eager and len(parts) > 2:
+        raise _Refused(
+            f"{EAGER} takes no TAU or ALPHA (got {':'.join(parts[2:])}): each fragment's "
+            "exchange is applied a period after it starts, this rank's own share at once"
+        )
     fields = {**_period(parts[0]), **outer}
-    if len(parts) == 1:
+    if len(parts) == 1 and not eager:
         return fields
     period = fields["period"]
     try:
-        fragments = int(parts[1])
+        fragments = int(parts[1]) if len(parts) > 1 else 1
     except ValueError:
         fragments = 0
     if not 1 <= fragments <= period:
         raise _Refused(f"F={parts[1]} must be an integer from 1 to H={period}")
+    if eager:
+        chosen = {**fields, "fragments": fragments, "eager": True}
+        if split is not None and split != SPLITS[0] and fragments > 1:
+            chosen["split"] = split
+        return chosen
     delay = default_delay(period, fragments)
     if len(parts) > 2:
         try:
@@ -324,6 +355,9 @@ def _show_diloco(spec: StrategySpec) -> str:
     outer = outer_options(outer_settings(spec))
     if spec.fragments is None:
         return f"{spec.period}{outer}"
+    if spec.eager:
+        split = f":{spec.split}" if spec.split is not None else ""
+        return f"{spec.period}:{spec.fragments}:{EAGER}{split}{outer}"
     alpha = f":{spec.alpha!r}" if spec.alpha else ""
     split = f":{spec.split}" if spec.split is not None else ""
     return f"{spec.period}:{spec.fragments}:{spec.delay or 0}{alpha}{split}{outer}"
@@ -358,7 +392,7 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
             "an integer >= 1",
             _diloco,
             _show_diloco,
-            options="[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M]",
+            options="[:F[:TAU[:ALPHA]|:eager][:SPLIT]][:outer_lr=X][:outer_momentum=M]",
             option_rules="F an integer from 1 to H, TAU an integer >= 0 below H/F, "
             f"ALPHA in [0, 1], SPLIT {' or '.join(SPLITS)}, X > 0 (default 0.7), "
             "M in [0, 1) (default 0.9)",

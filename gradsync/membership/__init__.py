@@ -166,6 +166,12 @@ def check_exchange(
             "strategies' collectives would stay inside one replica group, or reach a lost one "
             f"and hang); give strategy as a string, one of {LIVE_STRATEGIES}"
         )
+    if spec.eager:
+        raise UsageError(
+            f"membership='torchft' with {strategy!r}: an eager outer step stands in for the "
+            "peers' shares with the previous round's, which a replica that joins or heals does "
+            "not have (gradsync.strategies.eager); use diloco:H:F:TAU"
+        )
     # the fewest steps between two fragments' starts (``streaming.offsets``)
     gap = (spec.period or 1) // (spec.fragments or 1)
     if spec.fragments is not None and (spec.delay or 0) >= gap:

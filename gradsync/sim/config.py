@@ -97,6 +97,13 @@ class SimStrategy:
     @classmethod
     def from_spec(cls, spec: StrategySpec) -> SimStrategy:
         """The simulator's view of a parsed spec string."""
+        if spec.eager:
+            gap = (spec.period or 1) // (spec.fragments or 1)
+            raise UsageError(
+                f"the simulator does not model eager outer updates ({spec}) yet; "
+                f"diloco:{spec.period}:{spec.fragments}:{gap - 1} (the largest TAU) prices the "
+                "most overlap it models, a lower bound of eager's"
+            )
         if spec.fragments is not None:
             assert spec.period is not None
             return cls(

@@ -60,6 +60,7 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
             delay=parsed.delay or 0,
             alpha=parsed.alpha or 0.0,
             split=parsed.split or SPLITS[0],
+            eager=parsed.eager,
         )
     bound = math.inf if parsed.kind == "async" else float(parsed.staleness or 0.0)
     return ParameterServer(bound, servers=servers, timeout_s=timeout_s)

@@ -27,6 +27,7 @@ from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.spec import (
+    EAGER,
     OUTER_DEFAULTS,
     SPLITS,
     StrategySpec,
@@ -45,6 +46,7 @@ from gradsync.strategies.base import (
     local_gradient,
     step_verdict,
 )
+from gradsync.strategies.eager import EagerRounds, Result
 from gradsync.strategies.passes import PassCounter
 from gradsync.strategies.streaming import (
     Exchange,
@@ -449,12 +451,13 @@ class DiLoCo(Periodic):
         delay: int | None = None,
         alpha: float = 0.0,
         split: str = "rows",
+        eager: bool = False,
     ) -> None:
         super().__init__(period)
         self.outer = OuterConfig(
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov
         )
-        spec = _streaming_spec(period, fragments, delay, alpha, split, self.outer)
+        spec = _streaming_spec(period, fragments, delay, alpha, split, self.outer, eager)
         #: the canonical spec (``diloco:8:2:1``), for messages
         self.spec = str(spec)
         self.streaming = spec.fragments is not None
@@ -463,6 +466,9 @@ class DiLoCo(Periodic):
         self.alpha = spec.alpha or 0.0
         #: how the model is cut into fragments (one of ``gradsync.spec.SPLITS``)
         self.split = spec.split or SPLITS[0]
+        #: eager outer updates (``diloco:H:F:eager``, ``gradsync.strategies.eager``)
+        self.eager = spec.eager
+        self._eager: EagerRounds | None = None
         self._offsets = offsets(period, self.fragments)
         self._fragment_params: list[list[torch.Tensor]] = []
         self._globals: list[torch.Tensor] = []
@@ -475,7 +481,15 @@ class DiLoCo(Periodic):
         return self.spec if self.name == "diloco" else None  # None: a user's subclass
 
     def setup(self, ctx: SyncContext) -> None:
+        if self.eager and ctx.membership is not None:
+            raise UsageError(
+                f"{self.spec} under live membership: an eager outer step stands in for the "
+                "peers' shares with the previous round's, which a replica that joins or heals "
+                "does not have (gradsync.strategies.eager); use diloco:H:F:TAU"
+            )
         super().setup(ctx)
+        if self.eager:
+            self._eager = EagerRounds(self.fragments, ctx.layout.workers)
         # Under the rows split a fragment holds views of row blocks (sharing the parameters'
         # storage): flatten reads them and copy_into writes through them like whole tensors.
         self._fragment_params = fragment_tensors(
@@ -515,6 +529,8 @@ class DiLoCo(Periodic):
             for p in starting:
                 self._start(p, step)
             more, ok = self._apply_due(step)
+            if self._eager is not None:  # applied as they start, with the last rounds' means
+                more += len(starting)
             # Counted once the undelayed ones are applied: under live membership a compressor's
             # hook runs (and counts its payload) on the exchange thread, after ``_start``.
             outcome.bytes_sent += self._state.bytes_sent - before
@@ -544,10 +560,14 @@ class DiLoCo(Periodic):
 
     def _replicated(self) -> bool:
         """Whether the replicas agree right after an exchange was applied: only when that
-        exchange covered the whole model and replaced it."""
-        return self.fragments == 1 and self.alpha == 0 and not self._pending
+        exchange covered the whole model and replaced it (never under eager updates, whose
+        outer steps take each rank's own share)."""
+        return self.fragments == 1 and self.alpha == 0 and not self._pending and not self.eager
 
     def _start(self, fragment: int, step: int) -> None:
+        if self._eager is not None:
+            self._start_eager(fragment, self._eager)
+            return
         # The training thread's part: the pseudo-gradient and the compressor's encode, and
         # under plain DiLoCo the whole exchange (the wire, the peers, the decode) as well.
         blocking = self.delay == 0 and self._live() is None
@@ -557,6 +577,27 @@ class DiLoCo(Periodic):
         if not isinstance(result, torch.Tensor) and self._ctx and self._ctx.record_spans:
             result = self._track_in_flight(fragment, result)
         self._pending.append(Exchange(fragment, step + self.delay, result))
+
+    def _start_eager(self, fragment: int, rounds: EagerRounds) -> None:
+        """Eager outer updates: what the last round's mean (a period in flight) adds to the
+        share taken of it, then this round's exchange started and not waited for, and the
+        outer step applied at once on both (``gradsync.strategies.eager``)."""
+        params = self._fragment_params[fragment]
+        own = self._globals[fragment] - flatten(params)
+        with self._timed(f"outer_wait[{fragment}]", fragment=fragment):
+            owed = rounds.owed(fragment, self._wait_mean)
+        in_flight = self._in_flight.pop(fragment, None)
+        if in_flight is not None:
+            self._spans.append(in_flight)
+        with self._timed(f"outer_launch[{fragment}]", fragment=fragment):
+            # a copy: the exchange reduces its tensor in place, and ``own`` is kept
+            result = self._launch(own.clone(), fragment, params, wait=False)
+        if not isinstance(result, torch.Tensor) and self._ctx and self._ctx.record_spans:
+            result = self._track_in_flight(fragment, result)
+        taken = rounds.share(own)
+        with self._timed(f"outer_step[{fragment}]", fragment=fragment):
+            self._apply(fragment, taken if owed is None else taken + owed, self.alpha)
+        rounds.keep(fragment, taken, result)
 
     def _launch_fragment(self, fragment: int) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
         params = self._fragment_params[fragment]
@@ -616,18 +657,19 @@ class DiLoCo(Periodic):
     def _resolve(self, ex: Exchange) -> torch.Tensor:
         """The mean pseudo-gradient of ``ex``, waited for if still in flight (the wait is this
         rank's communication or idle time: it lands in the step's sync time)."""
-        if isinstance(ex.result, torch.Tensor):
-            return ex.result
-        ctx, future = self._ctx, ex.result
+        ex.result = self._wait_mean(ex.fragment, ex.result)
+        return ex.result
+
+    def _wait_mean(self, fragment: int, result: Result) -> torch.Tensor:
+        """The mean an exchange of ``fragment`` gives, waited for if still in flight."""
+        if isinstance(result, torch.Tensor):
+            return result
+        ctx = self._ctx
         assert ctx is not None
         if ctx.watch is None:
-            mean = future.wait()
-        else:
-            mean = ctx.watch.run(
-                self._step, f"averaging of {self._label(ex.fragment)}", future.wait
-            )
-        ex.result = mean
-        return mean
+            return result.wait()
+        what = f"averaging of {self._label(fragment)}"
+        return cast(torch.Tensor, ctx.watch.run(self._step, what, result.wait))
 
     def _apply(self, fragment: int, mean: torch.Tensor, alpha: float) -> None:
         """The outer step of one fragment, then its local copy mixed with the new global one."""
@@ -657,25 +699,54 @@ class DiLoCo(Periodic):
         return True
 
     def _synchronize(self) -> None:
-        """Every fragment at once, replaced by its new global copy (the end of training)."""
+        """Every fragment at once, replaced by its new global copy (the end of training);
+        under eager updates, the replicas' parameters averaged (their global copies differ)."""
+        if self._eager is not None:
+            self._average_replicas()
+            return
         for fragment, params in enumerate(self._fragment_params):
             pseudo = self._globals[fragment] - flatten(params)
             self._apply(fragment, self._mean(pseudo, fragment, params), 0.0)
 
     def finalize(self) -> None:
         """Exchanges still in flight are applied first, as they would have been; then, unless
-        that left the replicas agreeing, one synchronous exchange of every fragment."""
+        that left the replicas agreeing, one synchronous exchange of every fragment. Under
+        eager updates each fragment's last round is completed (the rest of its mean), then the
+        replicas are averaged (``_average_replicas``)."""
         applied, committed = self._apply_due(sys.maxsize)
         if applied:
             self._in_sync = committed and self._replicated()
+        if self._eager is not None:
+            for fragment, rest in self._eager.rest(self._wait_mean):
+                self._apply(fragment, rest, 0.0)
+                self._in_sync = False
         super().finalize()
+
+    def _average_replicas(self) -> None:
+        """Eager updates' end: the parameters' plain mean over the ranks (uncompressed, one
+        all-reduce), which the global copies then hold too, so every rank leaves ``report()``
+        with the same model."""
+        ctx = self._ctx
+        assert ctx is not None
+        flat = flatten(self._params)
+
+        def average() -> None:
+            dist.all_reduce(flat, group=ctx.group)
+
+        what = f"final averaging of {self.spec}"
+        average() if ctx.watch is None else ctx.watch.run(self._step, what, average)
+        self._state.bytes_sent += flat.numel() * flat.element_size()
+        copy_into(flat.div_(ctx.layout.workers), self._params)
+        with torch.no_grad():
+            for target, params in zip(self._globals, self._fragment_params, strict=True):
+                target.copy_(flatten(params))
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """At the end; mid-run right after each exchange, and only for one fragment replaced
         by its global copy (with several, the others have moved on locally)."""
         if final:
             return True
-        if self.fragments > 1 or self.alpha:
+        if self.fragments > 1 or self.alpha or self.eager:
             return False
         started = step - self.delay
         return started >= 0 and (started + 1) % self.period == 0
@@ -692,6 +763,8 @@ class DiLoCo(Periodic):
         state = super().state_dict()
         state["global"] = torch.cat([g.detach() for g in self._globals]).clone()
         state["outer_optimizer"] = self._outer_opt.state_dict()
+        if self._eager is not None:
+            state["eager"] = self._eager.state_dict(self._wait_mean)
         if self.streaming:
             state["streaming"] = {
                 "fragments": self.fragments,
@@ -727,6 +800,8 @@ class DiLoCo(Periodic):
             )
             for ex in saved_pending
         ]
+        if self._eager is not None:
+            self._eager.load_state_dict(state.get("eager"), self._globals[0].device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -752,12 +827,28 @@ def group_sum(group: dist.ProcessGroup | None) -> GroupSum:
 
 
 def _streaming_spec(
-    period: int, fragments: int, delay: int | None, alpha: float, split: str, outer: OuterConfig
+    period: int,
+    fragments: int,
+    delay: int | None,
+    alpha: float,
+    split: str,
+    outer: OuterConfig,
+    eager: bool = False,
 ) -> StrategySpec:
     """The spec a DiLoCo built by hand stands for, checked by the one spec parser, so a bad
     argument gets the message of the spec string that would carry it."""
     text = f"diloco:{period}:{fragments}"
-    if delay is None:
+    if not isinstance(eager, bool):
+        raise UsageError(f"eager must be True or False, got {eager!r}")
+    if eager:
+        if delay or alpha:
+            raise UsageError(
+                f"eager=True takes no delay or alpha (got delay={delay!r}, alpha={alpha!r}): "
+                "each fragment's exchange is applied a period after it starts"
+            )
+        text += f":{EAGER}"
+        delay = None
+    elif delay is None:
         delay = parse_strategy_spec(text).delay or 0
     # A word is the parser's to judge (its message names the spec); what it would read as
     # another number, or as no field at all, is refused here.
@@ -770,4 +861,5 @@ def _streaming_spec(
         if not word:
             raise UsageError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     options = outer_options({"outer_lr": outer.outer_lr, "outer_momentum": outer.outer_momentum})
-    return parse_strategy_spec(f"{text}:{delay}:{alpha}:{split}{options}")
+    fields = "" if eager else f":{delay}:{alpha}"
+    return parse_strategy_spec(f"{text}{fields}:{split}{options}")

@@ -108,6 +108,12 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
         # "alpha 0" and "plain" again, their exchanges timed on the timeline (issue 46)
         "alpha 0, spans": train(rank, world, "diloco:4:2:1", 12, record_spans=True),
         "plain, spans": train(rank, world, "diloco:4", 12, record_spans=True),
+        # eager outer updates (gradsync.strategies.eager), against reference_eager
+        "eager": train(rank, world, "diloco:4:2:eager", 12),
+        "eager, one fragment": train(rank, world, DiLoCo(4, eager=True), 12),
+        "eager int8": train(
+            rank, world, "diloco:4:2:eager", 48, compression="int8", dtype="float32"
+        ),
     }
 
 
@@ -119,6 +125,12 @@ def resumed(rank: int, world: int, directory: str, strategy: str) -> dict[str, A
         spec: _resumed(rank, world, str(Path(directory) / spec), strategy, spec)
         for spec in ("int8", "topk:0.3")
     }
+
+
+def resumed_eager(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """``resumed``'s three runs under eager outer updates with int8 (error feedback), the
+    checkpoint taken after step 5, where fragment 0's second round has just started."""
+    return _resumed(rank, world, directory, "diloco:4:2:eager", "int8")
 
 
 def _resumed(rank: int, world: int, directory: str, strategy: str, compression: str) -> Any:
@@ -152,6 +164,7 @@ def _resumed(rank: int, world: int, directory: str, strategy: str, compression: 
         "straight": straight,
         **runs,
         "pending": saved["streaming"]["pending"],
+        "eager": saved.get("eager"),
         # error feedback keeps one residual per fragment (the bucket index of its exchange)
         "residuals": sorted(saved["compressor"].get("residuals", {})),
     }
@@ -224,3 +237,67 @@ def reference(
     for p in range(count):
         outer(p, sum(global_[p] - frag(r, p) for r in range(world)) / world, 0.0)
     return [torch.cat([t.detach().reshape(-1) for t in ts]) for ts in tensors]
+
+
+def reference_eager(
+    world: int, period: int, fragments: list[list[tuple[int, int, int]]], steps: int
+) -> torch.Tensor:
+    """Eager outer updates simulated in one process, written from the algorithm's description
+    (Kale et al., 2025; ``gradsync.strategies.eager``'s docstring), not from the strategy's
+    code: fragments start on streaming DiLoCo's schedule; at each start worker r's outer step
+    (Nesterov SGD, lr 0.7, momentum 0.9, each worker its own) takes ``own_r / W`` plus, from
+    the fragment's previous start on, ``mean_before - own_r_before / W`` (the previous start's
+    mean less the share taken of it then). At the end each fragment's last rest is applied
+    the same way, then the workers' parameters are averaged. Returns the final parameters,
+    flat (the same on every worker)."""
+    w = _workload()
+    models = [w.build_model() for _ in range(world)]
+    opts = [_optimizer(m) for m in models]
+    tensors = [list(m.parameters()) for m in models]
+    count = len(fragments)
+
+    def frag(r: int, p: int) -> torch.Tensor:
+        return torch.cat([tensors[r][i].detach()[a:b].reshape(-1) for i, a, b in fragments[p]])
+
+    def put(r: int, p: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for i, a, b in fragments[p]:
+                t = tensors[r][i][a:b]
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    global_ = [[frag(r, p).clone() for p in range(count)] for r in range(world)]
+    momentum: list[list[torch.Tensor | None]] = [[None] * count for _ in range(world)]
+    #: per fragment: each worker's pseudo-gradient at its last start, and their mean
+    last: list[tuple[list[torch.Tensor], torch.Tensor] | None] = [None] * count
+
+    def outer(r: int, p: int, gradient: torch.Tensor) -> None:
+        buf = momentum[r][p]
+        buf = gradient.clone() if buf is None else buf.mul(0.9).add(gradient)
+        momentum[r][p] = buf
+        global_[r][p] = global_[r][p] - 0.7 * (gradient + 0.9 * buf)
+        put(r, p, global_[r][p])
+
+    def rest(p: int, r: int) -> torch.Tensor:
+        before = last[p]
+        return 0 * global_[r][p] if before is None else before[1] - before[0][r] / world
+
+    for step in range(steps):
+        for r in range(world):
+            opts[r].zero_grad()
+            x, y = w.batch(step, PER_RANK * world, r * PER_RANK, (r + 1) * PER_RANK)
+            w.loss(models[r], x, y).backward()
+            opts[r].step()
+        for p in range(count):
+            if (step + 1) % period == (p + 1) * period // count % period:
+                owns = [global_[r][p] - frag(r, p) for r in range(world)]
+                for r in range(world):
+                    outer(r, p, owns[r] / world + rest(p, r))
+                last[p] = (owns, sum(owns) / world)
+    for p in range(count):
+        if last[p] is not None:
+            for r in range(world):
+                outer(r, p, rest(p, r))
+    flats = [torch.cat([t.detach().reshape(-1) for t in ts]) for ts in tensors]
+    return sum(flats) / world

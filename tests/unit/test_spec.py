@@ -30,7 +30,8 @@ pytestmark = pytest.mark.unit
 
 # The texts the messages end with, as the API has always printed them.
 STRATEGY_TEXT = (
-    "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M], "
+    "bsp, zero:N, local:H, "
+    "diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]][:outer_lr=X][:outer_momentum=M], "
     "ssp:S, async, hogwild, gossip:H, noloco:H[:outer_lr=X][:outer_momentum=M] "
     "(N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 below H/F, "
     "ALPHA in [0, 1], SPLIT rows or layers, X > 0 (default 0.7), M in [0, 1) (default 0.9), "
@@ -50,7 +51,7 @@ def test_the_forms_are_written_from_the_tables_as_before() -> None:
         "bsp",
         "zero:N",
         "local:H",
-        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M]",
+        "diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]][:outer_lr=X][:outer_momentum=M]",
         "ssp:S",
         "async",
         "hogwild",
@@ -174,7 +175,8 @@ def test_a_new_strategy_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> N
     }
     monkeypatch.setattr(spec_module, "STRATEGY_TABLE", table)
     assert spec_module._strategy_forms(table) == (
-        "bsp, zero:N, local:H, diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M], "
+        "bsp, zero:N, local:H, "
+        "diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]][:outer_lr=X][:outer_momentum=M], "
         "ssp:S, async, hogwild, gossip:H, noloco:H[:outer_lr=X][:outer_momentum=M], "
         "stage:N (N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 "
         "below H/F, ALPHA in [0, 1], SPLIT rows or layers, X > 0 (default 0.7), M in [0, 1) "

@@ -93,7 +93,7 @@ def test_a_bad_streaming_spec_names_the_value_and_the_forms(text: str, says: str
     message = str(err.value)
     assert says in message and repr(text) in message
     assert message.endswith(f"valid: {STRATEGY_FORMS}")
-    assert "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]]" in STRATEGY_FORMS
+    assert "diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]]" in STRATEGY_FORMS
     assert "SPLIT rows or layers" in STRATEGY_FORMS
 
 
