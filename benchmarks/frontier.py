@@ -74,6 +74,9 @@ L8S = _c("local8-sl", "local:8", "sparseloco")
 MLP_OUTER = "outer_lr=1:outer_momentum=0"
 MLP_PLAIN = _c("diloco4-avg-int4", f"diloco:4:{MLP_OUTER}", "int4")
 MLP_STREAM = _c("sdiloco4-2-avg-int4", f"diloco:4:2:1:{MLP_OUTER}", "int4")
+# Eager outer updates (issue 46; gradsync.strategies.eager): each fragment's exchange applied a
+# period after it starts, this rank's own share at once, where TAU=1 gives it one step
+MLP_EAGER = _c("ediloco4-2-avg-int4", f"diloco:4:2:eager:{MLP_OUTER}", "int4")
 LM_PLAIN = _c("diloco8-int4", "diloco:8", "int4")
 # ALPHA 0.5 (the local fragment half kept at each merge, as the paper suggests once TAU > 0):
 # in a loopback probe (the losses do not depend on the links) charlm's loss at step 128 was
@@ -120,7 +123,7 @@ class Setting:
 # Picked by a 1-repeat probe of a wider set, whose dropped members never reached DDP's final
 # loss in 2N steps: local:16 + sparseloco (mlp 2 and 4 hosts, 100 Mbit/s: +48% to +113% loss at
 # step N; charlm +13%) and diloco:8:4:1 + sparseloco on charlm (+13%).
-MLP = (DDP, LOCAL4, GOSSIP4, L8S, MLP_PLAIN, MLP_STREAM, ONLY)
+MLP = (DDP, LOCAL4, GOSSIP4, L8S, MLP_PLAIN, MLP_STREAM, MLP_EAGER, ONLY)
 MLP_SHORT = (DDP, LOCAL4, GOSSIP4, L8S, MLP_STREAM, ONLY)
 SETTINGS = (
     Setting("mlp2", "mlp", 2, "1gbit", MLP, goal=5.0),
