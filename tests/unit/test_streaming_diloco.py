@@ -4,6 +4,7 @@ gloo ranks: tests/ranks/test_streaming_diloco_ranks.py."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -121,6 +122,49 @@ def test_the_api_form_is_checked_by_the_same_parser() -> None:
     ]:
         with pytest.raises(UsageError, match=says):
             DiLoCo(8, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("text", "fields", "canonical"),
+    [
+        ("diloco:8:eager", {"fragments": 1}, "diloco:8:1:eager"),
+        ("diloco:8:2:eager", {"fragments": 2}, "diloco:8:2:eager"),
+        # before or after SPLIT, and the outer options after it
+        ("diloco:8:2:layers:eager", {"fragments": 2, "split": "layers"}, "diloco:8:2:eager:layers"),
+        ("diloco:8:2:eager:outer_lr=1", {"fragments": 2, "outer_lr": 1.0},
+         "diloco:8:2:eager:outer_lr=1.0"),
+    ],
+)  # fmt: skip
+def test_eager_specs_parse_and_round_trip(
+    text: str, fields: dict[str, Any], canonical: str
+) -> None:
+    parsed = parse_strategy_spec(text)
+    assert parsed == StrategySpec(kind="diloco", period=8, eager=True, **fields)
+    assert str(parsed) == canonical and parse_strategy_spec(canonical) == parsed
+    built = parse_strategy(text)
+    assert isinstance(built, DiLoCo) and built.eager and built.spec == canonical
+
+
+def test_eager_is_refused_with_tau_alpha_twice_and_where_it_does_not_run() -> None:
+    for text, says in [
+        ("diloco:8:2:1:eager", "eager takes no TAU or ALPHA (got 1)"),
+        ("diloco:8:2:eager:0.5", "eager takes no TAU or ALPHA (got 0.5)"),
+        ("diloco:8:eager:eager", "eager is given twice"),
+        ("diloco:8:9:eager", "F=9 must be an integer from 1 to H=8"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(says)):
+            parse_strategy_spec(text)
+    with pytest.raises(UsageError, match="eager=True takes no delay or alpha"):
+        DiLoCo(8, fragments=2, delay=1, eager=True)
+    with pytest.raises(UsageError, match="eager must be True or False, got 1"):
+        DiLoCo(8, eager=1)  # type: ignore[arg-type]
+    from gradsync.membership import check_exchange
+    from gradsync.sim.config import SimStrategy
+
+    with pytest.raises(UsageError, match="an eager outer step stands in for the peers"):
+        check_exchange("diloco:8:2:eager", "none", "ring", None, None)
+    with pytest.raises(UsageError, match=r"does not model eager .* diloco:8:2:3 \(the largest"):
+        SimStrategy.from_spec(parse_strategy_spec("diloco:8:2:eager"))
 
 
 # -- fragments and schedule --------------------------------------------------------------------
