@@ -20,7 +20,7 @@ from gradsync.sim.model import (
     flat_collective_time,
     hierarchical_allreduce_time,
 )
-from gradsync.spec import SPLITS, STRATEGY_TABLE, StrategySpec, parse_strategy_spec
+from gradsync.spec import EAGER, SPLITS, STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
 #: workers x steps the simulator takes (--workers, --sweep-workers, --steps): about 1.4 GiB
@@ -71,17 +71,26 @@ class SimStrategy:
     delay: int = 0
     alpha: float = 0.0
     split: str = SPLITS[0]
+    #: eager outer updates (``diloco:H:F:eager``): each fragment's exchange is waited for a
+    #: period after it started, where its next one starts (``gradsync.strategies.eager``)
+    eager: bool = False
 
     def __post_init__(self) -> None:
         _check_spec(self.spec)
         if self.kind not in SIMULATED:
             raise UsageError(f"the simulator does not model {self.spec!r}; it models {modelled()}")
         if self.kind != "diloco" and (
-            (self.fragments, self.delay, self.alpha, self.split) != (1, 0, 0.0, SPLITS[0])
+            (self.fragments, self.delay, self.alpha, self.split, self.eager)
+            != (1, 0, 0.0, SPLITS[0], False)
         ):
             raise UsageError(
                 f"fragments, delay, alpha and split are streaming DiLoCo's "
                 f"(diloco:H:F:TAU:ALPHA:SPLIT), not {self.spec}'s"
+            )
+        if self.eager and (self.delay or self.alpha):
+            raise UsageError(
+                f"eager takes no delay or alpha (got delay={self.delay}, alpha={self.alpha}): "
+                "each fragment's exchange is applied a period after it starts"
             )
         if self.fragments == 1 and self.split != SPLITS[0]:
             # One fragment is the whole model whatever the split (the parser drops it too), so
@@ -91,19 +100,15 @@ class SimStrategy:
     @property
     def streaming(self) -> bool:
         """Whether this is streaming DiLoCo, priced fragment by fragment (plain diloco:H is
-        the one-fragment, undelayed, unmixed case, and the spec parser gives it back as such)."""
-        return self.kind == "diloco" and (self.fragments, self.delay, self.alpha) != (1, 0, 0.0)
+        the one-fragment, undelayed, unmixed case, and the spec parser gives it back as such);
+        eager outer updates are priced as streaming, whatever F."""
+        return self.kind == "diloco" and (
+            self.eager or (self.fragments, self.delay, self.alpha) != (1, 0, 0.0)
+        )
 
     @classmethod
     def from_spec(cls, spec: StrategySpec) -> SimStrategy:
         """The simulator's view of a parsed spec string."""
-        if spec.eager:
-            gap = (spec.period or 1) // (spec.fragments or 1)
-            raise UsageError(
-                f"the simulator does not model eager outer updates ({spec}) yet; "
-                f"diloco:{spec.period}:{spec.fragments}:{gap - 1} (the largest TAU) prices the "
-                "most overlap it models, a lower bound of eager's"
-            )
         if spec.fragments is not None:
             assert spec.period is not None
             return cls(
@@ -113,6 +118,7 @@ class SimStrategy:
                 delay=spec.delay or 0,
                 alpha=spec.alpha or 0.0,
                 split=spec.split or SPLITS[0],
+                eager=spec.eager,
             )
         if spec.period is not None:
             return cls(kind=spec.kind, param=spec.period)
@@ -130,6 +136,9 @@ class SimStrategy:
         if (form is None or form.parse is None) and p == 0:
             return self.kind
         text = f"{self.kind}:{int(p) if p.is_integer() else p!r}"
+        if self.eager and self.kind == "diloco":  # the parser's form (spec._show_diloco)
+            split = f":{self.split}" if self.split != SPLITS[0] and self.fragments > 1 else ""
+            return f"{text}:{self.fragments}:{EAGER}{split}"
         if self.streaming:
             # The parser's canonical form (gradsync.spec._show_diloco): TAU always, ALPHA if set,
             # SPLIT if not the default.

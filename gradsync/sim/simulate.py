@@ -234,11 +234,14 @@ def _streaming(
     # after it, and a worker waits at the merge only for what has not finished. The unhidden
     # comm of a step is what even its slowest worker waited; the rest of a wait is idle.
     shares = fragment_shares(layers, strat.fragments, strat.split)
+    # Eager outer updates (diloco:H:F:eager) wait for a fragment's exchange where its next one
+    # starts, H steps later; their end (each fragment's rest, then one average of the model)
+    # is priced as the others' end, one exchange of every fragment.
     plan = Plan(
         period=int(strat.param),
-        delay=strat.delay,
+        delay=int(strat.param) if strat.eager else strat.delay,
         costs=tuple(comm.exchange_ms(c.shape[1], s) for s in shares),
-        merge_replaces=strat.fragments == 1 and strat.alpha == 0,
+        merge_replaces=strat.fragments == 1 and strat.alpha == 0 and not strat.eager,
     )
     tl = timeline(c, plan)
     slowest = tl.end.max(axis=1)

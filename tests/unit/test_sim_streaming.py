@@ -259,6 +259,19 @@ def test_streaming_specs_parse_to_the_canonical_form() -> None:
         SimStrategy(kind="diloco", param=8, fragments=2, delay=4)
 
 
+def test_eager_specs_parse_to_the_canonical_form_and_refuse_a_delay() -> None:
+    eager = parse_sim_strategy("diloco:8:2:eager")
+    assert (eager.fragments, eager.delay, eager.eager, eager.streaming) == (2, 0, True, True)
+    assert eager.spec == "diloco:8:2:eager" and parse_sim_strategy(eager.spec) == eager
+    assert parse_sim_strategy("diloco:8:eager").spec == "diloco:8:1:eager"
+    layered = parse_sim_strategy("diloco:8:2:layers:eager")
+    assert layered.spec == "diloco:8:2:eager:layers" and parse_sim_strategy(layered.spec) == layered
+    with pytest.raises(UsageError, match="eager takes no delay or alpha"):
+        SimStrategy(kind="diloco", param=8, fragments=2, delay=1, eager=True)
+    with pytest.raises(UsageError, match="streaming DiLoCo's"):
+        SimStrategy(kind="local", param=8, eager=True)
+
+
 # -- the timeline, by hand -----------------------------------------------------------------------
 
 
@@ -280,6 +293,24 @@ def test_two_fragments_one_step_of_delay_by_hand() -> None:
     plain = simulate("diloco:4", flat(10.0, 2, 12), CommModel(comm_ms=40.0))
     assert np.median(plain.period_step_ms()) == pytest.approx(20.0)  # (4 x 10 + 40) / 4
     assert np.median(res.period_step_ms()) == pytest.approx(15.0)
+
+
+def test_eager_waits_for_an_exchange_a_period_after_it_started_by_hand() -> None:
+    # As above but a half model's exchange takes 30 ms, more than TAU=1's one 10 ms step.
+    # Eager: a fragment's exchange is waited for where its next one starts, 4 steps later.
+    # f0 after t1 (20): 20-50; f1 after t3 (40), the link free at 50: 50-80; f0 after t5
+    # (60): its last (50) done, 80-110; f1 after t7 (80): 110-140; f0 after t9 (100) waits
+    # for its last to 110 (10 ms), then 140-170; f1 after t11 (130) waits to 140, 170-200
+    # (past the end); the end waits for both (200), then one exchange of both fragments, 60:
+    # 260, against 310 with TAU=1, which waits 20 ms at every second step.
+    eager = simulate("diloco:4:2:eager", flat(10.0, 2, 12), CommModel(comm_ms=60.0))
+    assert eager.wall_ms == pytest.approx(260.0)
+    want = np.zeros(12)
+    want[9] = 10.0
+    want[11] = 130.0
+    np.testing.assert_allclose(eager.comm_ms, want)
+    delayed = simulate("diloco:4:2:1", flat(10.0, 2, 12), CommModel(comm_ms=60.0))
+    assert delayed.wall_ms == pytest.approx(310.0)
 
 
 def test_a_fast_worker_waits_for_the_exchange_not_for_the_slow_worker() -> None:
@@ -332,7 +363,9 @@ def test_one_fragment_without_delay_is_plain_diloco() -> None:
     np.testing.assert_allclose(tl.resume.max(axis=1)[ends], np.cumsum(plain.step_ms)[ends])
 
 
-@pytest.mark.parametrize("spec", ["diloco:8:4", "diloco:8:2:3", "diloco:8:3:2:0.5", "diloco:6:1:5"])
+@pytest.mark.parametrize(
+    "spec", ["diloco:8:4", "diloco:8:2:3", "diloco:8:3:2:0.5", "diloco:6:1:5", "diloco:8:2:eager"]
+)
 def test_every_worker_accounts_for_the_wall_clock(spec: str) -> None:
     c = ComputeModel(
         workers=6, steps=50, base_ms=(15.0, 18.0), jitter_ms=5.0, stragglers=((4, 2.0),), seed=7
