@@ -7,7 +7,14 @@ import pytest
 
 from tests.support.cli import gradsync
 from tests.support.proctree import watched_run
-from tests.support.shared_runs import CLEAN_BSP, KILLED_BSP, ONE_RANK, SharedRun
+from tests.support.shared_runs import (
+    CLEAN_BSP,
+    KILLED_BSP,
+    ONE_RANK,
+    USER_SCRIPT_COMMAND,
+    USER_SCRIPT_SLOWED,
+    SharedRun,
+)
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +49,17 @@ def one_rank_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     proc = gradsync("run", *ONE_RANK, "--out", str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return SharedRun(out, proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def user_script_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    """``gradsync run`` of the user's script (tests/support/user_script.py) with
+    USER_SCRIPT_SLOWED's flags, uninterrupted, its tree watched all along. Read by
+    test_script_run (the run directory a script gets; the reference a killed and restarted run
+    ends bitwise equal to) and test_cluster_run (the loopback reference the same script on two
+    emulated hosts ends equal to; loopback only)."""
+    out = tmp_path_factory.mktemp("user-script") / "run"
+    watched, stderr = watched_run(
+        *USER_SCRIPT_SLOWED, "--out", str(out), *USER_SCRIPT_COMMAND, timeout_s=200
+    )
+    return SharedRun(out, stderr, watched)

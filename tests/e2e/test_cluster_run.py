@@ -17,6 +17,7 @@ from tests.support.proctree import (
     assert_listens_on_loopback_only,
     watched_run,
 )
+from tests.support.shared_runs import USER_SCRIPT_COMMAND, USER_SCRIPT_STEPS, SharedRun
 
 pytestmark = pytest.mark.e2e
 
@@ -25,25 +26,28 @@ MISSING = requirements_missing()
 
 @pytest.mark.skipif(MISSING is not None, reason=f"emulated cluster unavailable: {MISSING}")
 @pytest.mark.timeout(300)
-def test_a_script_on_two_emulated_hosts_matches_loopback_and_cleans_up(tmp_path: Path) -> None:
+def test_a_script_on_two_emulated_hosts_matches_loopback_and_cleans_up(
+    tmp_path: Path, user_script_run: SharedRun
+) -> None:
     """A user's script (the built-in workloads are one too, started the same way) on two
     emulated hosts ends where the same script on loopback ends, with host 1's rank killed at
     step 6 and every host's agent restarting its workers from the script's checkpoint
     (--max-restarts across hosts); each run listens only where it should: the cluster run on
-    its hosts' addresses, the loopback run on loopback."""
-    script = Path(__file__).resolve().parent.parent / "support" / "user_script.py"
+    its hosts' addresses, the loopback run on loopback. The loopback run is the session's
+    (tests/e2e/conftest.py, which test_script_run reads too: its slowed rank changes no
+    number)."""
     args = ["--nproc", "2", "--no-plots", "--no-progress"]
-    command = ["--", str(script), "12", "{run_dir}/ckpt", "{run_dir}/final.pt"]
     on_hosts, _ = watched_run(
         "--hosts", "2", "--link", "200mbit", "--out", str(tmp_path / "h"),
-        "--kill", "1:6", "--max-restarts", "1", *args, *command,
+        "--kill", "1:6", "--max-restarts", "1", *args, *USER_SCRIPT_COMMAND,
     )  # fmt: skip
-    local, _ = watched_run("--out", str(tmp_path / "l"), *args, *command)
+    assert user_script_run.watched is not None
+    local = user_script_run.watched
     a = json.loads((tmp_path / "h" / "report.json").read_text())
-    b = json.loads((tmp_path / "l" / "report.json").read_text())
+    b = json.loads((user_script_run.out / "report.json").read_text())
     assert a["final_loss"] == b["final_loss"]  # same math, only the network differs
     assert (tmp_path / "h" / "faults" / "kill-rank1-step6.json").exists()  # it did fire
-    assert a["steps"] == 12 and len(a["ranks"]) == 2
+    assert a["steps"] == USER_SCRIPT_STEPS and len(a["ranks"]) == 2
     assert (tmp_path / "h" / "final.pt").exists()  # the script's own output, in its run dir
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "gs-" not in netns

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from gradsync.telemetry.plots import PLOT_FILES
+from tests.support.shared_runs import USER_SCRIPT, USER_SCRIPT_STEPS, SharedRun
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = Path(__file__).resolve().parent.parent / "support" / "user_script.py"
-STEPS = 30
+SCRIPT = USER_SCRIPT
+STEPS = USER_SCRIPT_STEPS
 
 
 def _run(
@@ -52,8 +53,12 @@ def _run(
 
 
 @pytest.mark.timeout(400)
-def test_a_user_script_gets_the_run_directory_faults_and_restarts(tmp_path: Path) -> None:
-    slowed, _ = _run(tmp_path, "slowed", ["--slow", "1:3"], [str(SCRIPT)])
+def test_a_user_script_gets_the_run_directory_faults_and_restarts(
+    tmp_path: Path, user_script_run: SharedRun
+) -> None:
+    """The run slowed at rank 1 (tests/e2e/conftest.py: the one test_cluster_run reads too)
+    gets the run directory; a run killed at step 10 ends where it ends."""
+    slowed = user_script_run.out
     report = json.loads((slowed / "report.json").read_text())
     assert report["steps"] == STEPS
     stragglers = [f["rank"] for f in report["stragglers"] if f["kind"] == "straggler"]

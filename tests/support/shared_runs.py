@@ -34,6 +34,18 @@ ONE_RANK = [
     "--checkpoint-every", "5", "--no-plots", "--no-progress",
 ]  # fmt: skip
 
+#: tests/support/user_script.py, a user's own script: what test_script_run and test_cluster_run
+#: start with ``gradsync run -- SCRIPT``
+USER_SCRIPT = Path(__file__).resolve().parent / "user_script.py"
+USER_SCRIPT_STEPS = 30
+#: the user's script for USER_SCRIPT_STEPS steps on 2 ranks of loopback, rank 1 slowed 3x,
+#: its checkpoints and final parameters (``final.pt``) in its run directory; the flags of the
+#: run come before ``--`` (plots on: test_script_run reads them)
+USER_SCRIPT_SLOWED = ["--nproc", "2", "--slow", "1:3"]
+USER_SCRIPT_COMMAND = [
+    "--", str(USER_SCRIPT), str(USER_SCRIPT_STEPS), "{run_dir}/ckpt", "{run_dir}/final.pt",
+]  # fmt: skip
+
 
 @dataclass(frozen=True)
 class SharedRun:
