@@ -155,7 +155,7 @@ class RunConfig:
         "bsp",
         metavar="SPEC",
         help="bsp | zero:N (N 1-3) | local:H | "
-        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]][:outer_lr=X][:outer_momentum=M] | ssp:S | "
+        "diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]][:outer_lr=X][:outer_momentum=M] | ssp:S | "
         "async | hogwild | gossip:H | noloco:H[:outer_lr=X][:outer_momentum=M] "
         "(default: %(default)s)",
         group=SYNC,

@@ -146,8 +146,8 @@ class SimulateOptions:
     strategy: str | None = flag(
         None,
         help="bsp | zero:1 | zero:2 | zero:3 | ssp:S | async | local:H | "
-        "diloco:H[:F[:TAU[:ALPHA]][:SPLIT]] | hogwild | gossip:H | noloco:H (default bsp; with "
-        "--from, the run's own)",
+        "diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]] | hogwild | gossip:H | noloco:H (default "
+        "bsp; with --from, the run's own)",
         group=STRATEGY,
     )
     layers: str | None = flag(

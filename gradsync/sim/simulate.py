@@ -172,8 +172,8 @@ def simulate(
         if comm.ratio != 1:
             raise UsageError(
                 f"a compression ratio prices compressed exchanges of bsp, ssp:S, async, local:H "
-                f"and diloco:H[:F[:TAU[:ALPHA]][:SPLIT]]; {strat.spec}'s collectives are not "
-                "compressed"
+                "and diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]]; "
+                f"{strat.spec}'s collectives are not compressed"
             )
         if comm_steps is not None:
             raise UsageError(

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 def test_strategy_spec_error_names_valid_forms() -> None:
     with pytest.raises(
         ValueError,
-        match=r"valid: bsp, zero:N, local:H, diloco:H\[:F\[:TAU\[:ALPHA\]\]\[:SPLIT\]\]"
+        match=r"valid: bsp, zero:N, local:H, diloco:H\[:F\[:TAU\[:ALPHA\]\|:eager\]\[:SPLIT\]\]"
         r"\[:outer_lr=X\]\[:outer_momentum=M\], ssp:S, "
         "async",
     ):
