@@ -3,6 +3,7 @@ partners end each round bitwise alike, and ``report()`` leaves one model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from gradsync.pairing import partner
 from gradsync.testing import run_ranks
 from tests.support import gossip_ranks as gr
+from tests.support.overlap import Overlapped, overlapped, ranks
 
 pytestmark = pytest.mark.ranks
 
@@ -97,13 +99,27 @@ def test_a_resumed_noloco_run_continues_bitwise(tmp_path: Path) -> None:
         assert torch.equal(a, b)
 
 
+ASLEEP_SPECS = ["gossip:1", "zero:2"]
+
+
+@pytest.fixture(scope="module")
+def asleep() -> Iterator[Overlapped]:
+    """Each spec's partner-asleep launch, started at once (tests/support/overlap.py): each
+    mostly waits out its partner's 6 s of sleep, and the waits overlap."""
+    launches = {s: ranks(gr.partner_asleep, 2, s, 6.0, timeout_s=100) for s in ASLEEP_SPECS}
+    with overlapped(launches) as out:
+        yield out
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("spec", ["gossip:1", "zero:2"])
-def test_a_partner_asleep_in_its_block_fails_the_exchange_after_timeout_s(spec: str) -> None:
+@pytest.mark.parametrize("spec", ASLEEP_SPECS)
+def test_a_partner_asleep_in_its_block_fails_the_exchange_after_timeout_s(
+    spec: str, asleep: Overlapped
+) -> None:
     """docs/gossip.md: a pair's wait is bounded by ``timeout_s``. gloo's point-to-point waits
     kept the group's own timeout, so rank 0 waited the whole 6 s its partner slept (noloco:H
     pairs through the same exchange; zero:2's ring of sends and receives on gloo too)."""
-    out = run_ranks(gr.partner_asleep, 2, spec, 6.0, timeout_s=100)
+    out = asleep.result(spec)
     assert out[0]["raised"] is not None, out[0]
     if spec.startswith("gossip"):
         assert "averaging with rank 1" in out[0]["raised"], out[0]
