@@ -31,6 +31,11 @@ TIMEOUT_S = 15.0
 #: each case's group's own collective timeout, which bounds a forward left in FSDP2's
 #: all-gather (the user's code keeps it): a regression of the detection fails in seconds
 GROUP_TIMEOUT = datetime.timedelta(seconds=20)
+#: the front door's own timeout where rank 0 evaluates alone: ranks at different gates are told
+#: apart after min(timeout_s, between_steps_timeout_s, max(5 s, 3 heartbeats' silence)), 9 s
+#: at TIMEOUT_S and the 5 s floor at this (gradsync.checks.gate, mismatch_s): seconds off the
+#: wait, and still far below the between-steps bound (60 s) the test holds it to
+FRONT_DOOR_TIMEOUT_S = 5.0
 
 
 class RootHeld(nn.Module):
@@ -219,7 +224,7 @@ def front_door_forward_on_rank_0_alone(rank: int, world: int, group: Any) -> dic
         optimizer=opt,
         strategy="zero:3",
         process_group=group,
-        timeout_s=TIMEOUT_S,
+        timeout_s=FRONT_DOOR_TIMEOUT_S,
         between_steps_timeout_s=60.0,  # the mismatch, not this bound, must end the wait
     )
     out: dict[str, Any] = {"error": None, "seconds": None}
