@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from gradsync.errors import SyncTimeoutError
 from gradsync.testing import RankFailure, run_ranks
 from tests.support import dial_ranks
+from tests.support.overlap import Overlapped, overlapped, ranks
 
 pytestmark = pytest.mark.ranks
 
@@ -88,9 +91,21 @@ TIMEOUT_S = 4.0  # the workers' configured timeout in the failure tests
 SLACK_S = 5.0  # what a failure may take beyond it on a loaded machine
 
 
+@pytest.fixture(scope="module")
+def server_failures() -> Iterator[Overlapped]:
+    """The dead server's launch and the hung one's, started at once (tests/support/overlap.py):
+    each mostly waits out the workers' timeout, and the waits overlap."""
+    launches = {
+        "dies": ranks(dial_ranks.server_dies, 3, TIMEOUT_S, timeout_s=90, allow_failures=True),
+        "hangs": ranks(dial_ranks.server_hangs, 3, TIMEOUT_S, timeout_s=90),
+    }
+    with overlapped(launches) as out:
+        yield out
+
+
 @pytest.mark.timeout(120)
-def test_dead_server_fails_workers_with_its_name_not_a_hang() -> None:
-    results = run_ranks(dial_ranks.server_dies, 3, TIMEOUT_S, timeout_s=90, allow_failures=True)
+def test_dead_server_fails_workers_with_its_name_not_a_hang(server_failures: Overlapped) -> None:
+    results = server_failures.result("dies")
     assert isinstance(results[2], RankFailure)  # the server killed itself
     for w in (0, 1):
         error, seconds = results[w]["error"], results[w]["seconds"]
@@ -100,9 +115,11 @@ def test_dead_server_fails_workers_with_its_name_not_a_hang() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_hung_server_fails_workers_within_the_timeout_naming_it() -> None:
+def test_hung_server_fails_workers_within_the_timeout_naming_it(
+    server_failures: Overlapped,
+) -> None:
     # Alive, its connections open, but it never answers: only the timeout can tell.
-    results = run_ranks(dial_ranks.server_hangs, 3, TIMEOUT_S, timeout_s=90)
+    results = server_failures.result("hangs")
     for w in (0, 1):
         error, seconds = results[w]["error"], results[w]["seconds"]
         assert error is not None and error.startswith(SyncTimeoutError.__name__), error
