@@ -11,6 +11,7 @@ from tests.support.shared_runs import (
     CLEAN_BSP,
     KILLED_BSP,
     ONE_RANK,
+    TRACKERS_INSTALLED,
     USER_SCRIPT_COMMAND,
     USER_SCRIPT_SLOWED,
     SharedRun,
@@ -33,9 +34,11 @@ def killed_bsp_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
 def clean_bsp_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     """``gradsync run`` with CLEAN_BSP's flags (KILLED_BSP's run, uninterrupted): the
     reference of test_fault_e2e's every-step test (bitwise) and of test_zero3_e2e (zero:3
-    killed and resumed ends where bsp ends)."""
+    killed and resumed ends where bsp ends). With ``--tracker`` for every tracker installed
+    (TRACKERS_INSTALLED), whose files test_trackers_run reads: the sinks change no number."""
     out = tmp_path_factory.mktemp("clean-bsp") / "run"
-    proc = gradsync("run", *CLEAN_BSP, "--out", str(out), timeout=240)
+    trackers = ["--tracker", ",".join(TRACKERS_INSTALLED)] if TRACKERS_INSTALLED else []
+    proc = gradsync("run", *CLEAN_BSP, *trackers, "--out", str(out), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return SharedRun(out, proc.stderr)
 

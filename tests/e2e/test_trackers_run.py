@@ -1,7 +1,9 @@
 """End-to-end: ``gradsync run --tracker`` leaves each tracker's files in the run directory, and
 each library's reader finds every rank's scalars in them, equal to metrics.jsonl's.
 
-One short run writes every installed tracker at once (the run dominates the cost).
+One run writes every installed tracker at once (the run dominates the cost): the session's
+uninterrupted bsp run (tests/e2e/conftest.py, clean_bsp_run), which test_fault_e2e and
+test_zero3_e2e read too.
 TensorBoard is read with its EventAccumulator and MLflow with its client. W&B ships no Python
 reader of its offline ``.wandb`` file any more (``wandb sync`` uploads it, which needs a
 server), so ``_wandb_history`` reads it here: the file is LevelDB's log format behind a
@@ -11,7 +13,6 @@ server), so ``_wandb_history`` reads it here: the file is LevelDB's log format b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 from collections.abc import Iterator
@@ -22,26 +23,25 @@ import pytest
 
 from gradsync.telemetry import trackers
 from gradsync.telemetry.records import read_records
-from tests.support.cli import gradsync
+from tests.support.shared_runs import FAULT_COMMON, TRACKERS_INSTALLED, SharedRun
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 12
-INSTALLED = [n for n in ("tensorboard", "wandb", "mlflow") if importlib.util.find_spec(n)]
+STEPS = int(FAULT_COMMON[FAULT_COMMON.index("--steps") + 1])
+INSTALLED = TRACKERS_INSTALLED
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not INSTALLED, reason="no tracker extra installed (pip install .[trackers])")
 def test_run_with_every_tracker_writes_every_ranks_scalars(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    clean_bsp_run: SharedRun, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``gradsync run --nproc 2 --workload mlp --tracker ...`` (CLEAN_BSP's flags, 30 steps;
+    the fixture checked it exited 0)."""
     # MLflow 3 reads its file store only when asked, as the sink asked to write it
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    out = tmp_path / "run"
-    argv = ["run", "--nproc", "2", "--workload", "mlp", "--steps", str(STEPS), "--no-plots"]
-    proc = gradsync(*argv, "--tracker", ",".join(INSTALLED), "--out", str(out), timeout=220)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "failed" not in proc.stderr, proc.stderr[-3000:]  # no sink failed (logged)
+    out = clean_bsp_run.out
+    assert "failed" not in clean_bsp_run.stderr, clean_bsp_run.stderr[-3000:]  # no sink failed
 
     want: dict[int, dict[str, float]] = {}
     for r in read_records(out):

@@ -4,6 +4,7 @@ session, and the tests that change a run directory (a resume) work on a copy of 
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,11 @@ KILLED_BSP = [
 KILLED_BSP_RESUMED = (15, 16, 17)
 #: KILLED_BSP uninterrupted: the reference its final model is held to, and zero:3's
 CLEAN_BSP = ["--nproc", "2", *FAULT_COMMON, *KILLED_BSP_STRATEGY]
+
+#: the --tracker sinks installed (the trackers extra): CLEAN_BSP's run writes each
+TRACKERS_INSTALLED = [
+    n for n in ("tensorboard", "wandb", "mlflow") if importlib.util.find_spec(n) is not None
+]
 
 #: one rank, 10 steps, a checkpoint every 5: what the resume tests change, then resume from
 ONE_RANK = [
