@@ -1507,6 +1507,17 @@ def _write_unreported(ref: weakref.ref[Synchronizer], status: str | None = None)
 _ATTACHED: weakref.WeakSet[Synchronizer] = weakref.WeakSet()
 
 
+def scripts_ended(how: str) -> None:
+    """This process's script has ended (``how``: "returned", "sys.exit(0)") while it still
+    runs: each attached Synchronizer not closed leaves word for its peers and stops its
+    heartbeat (``ArrivalWatch.note_ended``), so that a peer waiting for it fails at once,
+    naming how it ended, rather than taking it for a rank busy between steps
+    (``gradsync.runner.worker``, whose process waits for its peers after the script)."""
+    for sync in list(_ATTACHED):
+        if not sync._closed:
+            sync._watch.note_ended(sync._step - 1, how)
+
+
 def write_unreported_records() -> None:
     """The step records of every attached Synchronizer not closed, written now: for a rank
     stopped by a signal, whose process runs no exit hook (``gradsync.runner.worker``)."""

@@ -23,6 +23,9 @@ that has not arrived:
 - inside its step block, at another gate or wait, or silent (stopped, frozen, gone): gradsync's
   own business; fail once that has lasted ``timeout_s``;
 - silent after leaving word that its block raised: fail at once, naming the exception;
+- silent after leaving word that its script ended (returned, or ``sys.exit(0)``, with its
+  Synchronizer open: under ``gradsync run`` its process lingers until its peers finish): fail
+  at once, naming how it ended;
 - silent, but its process still runs (asked of the kernel where the peer is on this machine,
   else of the peer's voucher, a process beside it that needs no GIL: ``ArrivalWatch.running``):
   it is in its own code holding the GIL, which keeps its heartbeat thread from running (a long
@@ -292,7 +295,12 @@ class StepGate:
         phase says nothing here: a step is often shorter than a beat, so a rank that went back
         to its own code and into a call holding the GIL may have last said it was in its block
         or at the previous gate."""
-        return self.watch.failure_of(rank) is None and self.watch.running(rank) is True
+        watch = self.watch
+        return (
+            watch.failure_of(rank) is None
+            and watch.ended_of(rank) is None
+            and watch.running(rank) is True
+        )
 
     def _mismatch(self, rank: int, peer: _Peer, beat: Beat, now: float) -> str | None:
         """``rank`` is alive at another gate, and this gate or that one comes before a
@@ -314,6 +322,13 @@ class StepGate:
             return (
                 f"Rank {rank}'s step {failed[0]} block raised {failed[1]}, and it has not been "
                 "heard from since (the exception was not caught there)."
+            )
+        ended = self.watch.ended_of(rank) if not alive else None
+        if ended is not None:
+            return (
+                f"Rank {rank}'s script ended ({ended[1]}) after step {ended[0]}, its "
+                "Synchronizer open: no more steps come from it (every rank must run the same "
+                "steps; a rank that leaves its loop early leaves the others waiting)."
             )
         if now - peer.blamed_since < self.timeout_s:
             return None

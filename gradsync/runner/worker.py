@@ -95,9 +95,11 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
             _start_method_as_python(),
         ):
             _run_main(command, ending)
+        _script_ended("it returned")
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
+        _script_ended(f"sys.exit({exc.code if exc.code is not None else ''})")
     except BaseException as exc:
         ending.failed(exc)
         raise
@@ -105,6 +107,15 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         sys.argv = saved_argv
         sys.path[:] = saved_path
     return {"run_dir": cfg.out} if runtime.rank() == 0 else None
+
+
+def _script_ended(how: str) -> None:
+    """The script ended well while this process goes on (the elastic agent's worker waits for
+    its peers to finish): its open Synchronizers tell their peers, which would otherwise wait
+    for this rank as for one busy between steps (``synchronizer.scripts_ended``)."""
+    from gradsync.synchronizer import scripts_ended
+
+    scripts_ended(how)
 
 
 #: lower than any finalizer's exit priority in gradsync (0 and 1) or a script's likely choice

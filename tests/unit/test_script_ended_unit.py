@@ -1,0 +1,52 @@
+"""``gradsync run``'s worker tells its open Synchronizers when the script ends well (it returned,
+or ``sys.exit(0)``/``sys.exit()``), and not when it failed: the process lingers after the
+script, and a peer must not take it for a rank busy between steps
+(tests/ranks/test_script_ended.py checks what the peer then says)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gradsync.synchronizer
+from gradsync.runner import worker
+from gradsync.runner.config import RunConfig
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("ending", "told"),
+    [
+        (None, ["it returned"]),
+        (SystemExit(0), ["sys.exit(0)"]),
+        (SystemExit(None), ["sys.exit()"]),
+        (SystemExit(3), []),  # a failure: the rank fails, and the peers hear of it so
+        (RuntimeError("boom"), []),
+    ],
+)
+def test_the_script_ending_well_is_told_to_the_synchronizers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: BaseException | None, told: list[str]
+) -> None:
+    heard: list[str] = []
+    monkeypatch.setattr(gradsync.synchronizer, "scripts_ended", heard.append)
+
+    def script(command: list[str], ending_: Any = None) -> None:
+        if ending is not None:
+            raise ending
+
+    monkeypatch.setattr(worker, "_run_main", script)
+    monkeypatch.setenv("GRADSYNC_THREADS", "1")
+    train = tmp_path / "train.py"
+    train.write_text("")  # never run: _run_main stands in for it
+    cfg = dataclasses.asdict(RunConfig(script=[str(train)], out=str(tmp_path / "run")))
+    if ending is None or (isinstance(ending, SystemExit) and ending.code in (0, None)):
+        worker.run_script(cfg)
+    else:
+        with pytest.raises(type(ending)):
+            worker.run_script(cfg)
+    assert heard == told
