@@ -722,6 +722,8 @@ class Synchronizer:
                 self._abandon(handle, ready, exc, wall0, t0)
                 raise
             t1 = time.perf_counter()
+            # the block's own optimizer.step() calls: the update below would be a second one
+            stepped_in_block = self._optimizer_steps - self._expected_steps
             # The gate's wait joined inside the block (before its first collective) was a wait
             # for peers still in their own code, an evaluation on rank 0 say: sync time. In
             # compute it made the waiting rank look like the one that set the pace. (A join
@@ -738,6 +740,9 @@ class Synchronizer:
             sync_in_block = ready.seconds_in_block + waited
             self._natural = t1 - t0 - sync_in_block - outcome.comm_in_block - slept
             self._end_step(handle, outcome, wall0, t0, t1, sync_in_block)
+            if stepped_in_block:
+                # Raised once the step is complete on every rank (its collectives in step).
+                raise _stepped_in_block(stepped_in_block, handle.step)
         except BaseException as exc:
             leaving = not isinstance(exc, Exception)
             raise
@@ -1505,6 +1510,17 @@ def _write_unreported(ref: weakref.ref[Synchronizer], status: str | None = None)
 
 #: the Synchronizers of this process attached to a ``gradsync run`` directory
 _ATTACHED: weakref.WeakSet[Synchronizer] = weakref.WeakSet()
+
+
+def _stepped_in_block(times: int, step: int) -> UsageError:
+    """The error of a block whose own code stepped the optimizer: the block's exit applied the
+    update again (a tester's finding: silently, the parameters moved twice a step)."""
+    return UsageError(
+        f"optimizer.step() ran {times} time(s) inside step {step}'s sync.step() block: "
+        "gradsync applies the update when the block exits, so the parameters moved twice. "
+        "Remove optimizer.step() (and scaler.step(), scaler.update()) from the block; pass "
+        "scaler= to the Synchronizer"
+    )
 
 
 def scripts_ended(how: str) -> None:

@@ -37,6 +37,26 @@ def test_an_optimizer_stepped_again_after_the_block_is_refused(one_rank: None) -
     sync.close()
 
 
+def test_an_optimizer_stepped_inside_the_block_is_refused_as_the_block_exits(
+    one_rank: None,
+) -> None:
+    """A port that kept optimizer.step() inside the block: the exit's update is the second of
+    the step (a tester's finding: silently, the parameters moved twice, as a DDP loop stepping
+    twice would). Refused once the step is complete; the next step is not refused again."""
+    w = make_workload("mlp", seed=0, params=2000)
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = gs.Synchronizer(model, opt)
+    refused = pytest.raises(UsageError, match=r"optimizer.step\(\) ran 1 time\(s\) inside step 0's")
+    with refused, sync.step():
+        w.loss(model, *w.batch(0, 4, 0, 4)).backward()
+        opt.step()
+    with sync.step():  # counted once: a caught error does not follow the loop
+        w.loss(model, *w.batch(1, 4, 0, 4)).backward()
+    assert sync.step_count == 2
+    sync.close()
+
+
 def test_a_scaler_must_be_a_grad_scaler(one_rank: None) -> None:
     w = make_workload("mlp", seed=0, params=2000)
     model = w.build_model()
