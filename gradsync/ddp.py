@@ -348,6 +348,9 @@ class DistributedDataParallel(nn.Module):
         )
         self._optimizer = optimizer
         self._open: _OpenStep | None = None
+        #: the last thing done was an optimizer.step() (no forward pass since): a second one
+        #: is a step taken twice, not a backward pass run under no_sync()
+        self._stepped = False
         self._exit: _Exit | None = None
         self._queued = False
         self._closed = False
@@ -380,6 +383,7 @@ class DistributedDataParallel(nn.Module):
         if self._closed:  # after close(): the plain module, synchronizing nothing
             return self.module(*inputs, **kwargs)
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._stepped = False
         if self._open is not None and self._open.synchronized:
             # The last step's update never came (a GradScaler skipped it): close that block
             # now, before this forward's backward adds a gradient to it.
@@ -507,6 +511,12 @@ class DistributedDataParallel(nn.Module):
                 return None
             exiting.result = original(*exiting.args, **exiting.kwargs)
             return exiting.result
+        if self._stepped:
+            raise UsageError(
+                "optimizer.step() ran twice with no forward and backward pass between: the "
+                "second would apply the same gradient again (DDP would); step once per "
+                "backward pass and remove the second call"
+            )
         if self._open is None or not self._open.backward_seen:
             raise UsageError(
                 "optimizer.step() with no synchronizing backward pass since the last step: "
@@ -520,7 +530,9 @@ class DistributedDataParallel(nn.Module):
                 "gs.DistributedDataParallel cannot synchronize; use the explicit form, "
                 "`with sync.step() as s:` (docs/porting.md)"
             )
-        return self._close(_Exit(apply=True, kwargs=kwargs))
+        result = self._close(_Exit(apply=True, kwargs=kwargs))
+        self._stepped = True
+        return result
 
     def _close(self, exiting: _Exit) -> Any:
         step, self._open = self._open, None
