@@ -447,17 +447,28 @@ def describe(
     ``final_models``: the run report's (``compare_final_models``), said last (``final models
     equal across 2 groups (step 30)``); where they differ, ``final_models_warning`` says how."""
     parts = [counted(len(section["quorums"]), "quorum")]
+    finished = [f for f in section["failures"] if _finished_there(f, final_models)]
     lost = [
         f"group {f['group'] or '?'} at step {f['step']} (seen by group {', '.join(f['seen_by'])})"
         for f in section["failures"]
+        if f not in finished
     ]
     failed = [f"group {k} exited {code}" for k, code in enumerate(exits or ()) if code != 0]
     if lost:
         parts.append("lost " + ", ".join(lost))
-    elif exits is not None and not failed:
-        parts.append("no group lost")
-    else:
-        parts.append("no loss seen by a quorum")
+    if finished:
+        # left the quorum by ending its run there, while another group went on (a script's
+        # own loop counting past the steps it healed over, or --min-replicas 1 after a stall)
+        parts.append(
+            "finished before the others: "
+            + ", ".join(
+                f"group {f['group']} at step {f['step']} (seen by group {', '.join(f['seen_by'])})"
+                for f in finished
+            )
+        )
+    if not lost and not finished:
+        seen_all = exits is not None and not failed
+        parts.append("no group lost" if seen_all else "no loss seen by a quorum")
     parts += failed
     unit = "exchange" if section.get("periodic") else "step"
     fewer = section[f"{unit}s_with_fewer_participants"]
@@ -485,6 +496,16 @@ def describe(
     if final_models is not None:
         parts.append(_final_models_said(final_models))
     return "membership: " + "; ".join(parts)
+
+
+def _finished_there(failure: dict[str, Any], final_models: dict[str, Any] | None) -> bool:
+    """Whether a replica the others saw leave (``_failures``) left by ending its run: its
+    group's final model was recorded (at the end of ``report()``) at that step or before. A
+    group lost mid-run and replaced ends later than the step it was lost at."""
+    if final_models is None or failure["group"] is None:
+        return False
+    record = final_models["groups"].get(str(failure["group"]))
+    return record is not None and int(record["step"]) <= int(failure["step"])
 
 
 def _final_models_said(section: dict[str, Any]) -> str:

@@ -179,3 +179,35 @@ def test_a_resumed_run_forgets_each_groups_earlier_final_model(tmp_path: Path) -
     write_final_model(directory, step=STEPS, fingerprint="1111aaaa2222bbbb", restart=0)
     _claim_group(tmp_path, 0, resume=True).release()
     assert read_final_model(directory) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_group_that_ended_its_run_is_said_to_have_finished_not_to_be_lost(
+    tmp_path: Path,
+) -> None:
+    """Group 0 ran its 20 steps and ended; group 1 (a script whose own loop counted past the
+    steps it healed over, a tester's run) went on alone to 28. Group 1 saw group 0 leave at
+    step 20, where group 0's run ended: said as that, not as a loss (it said "lost group 0")."""
+    for k, (me, last) in enumerate(((A, STEPS), (B, STEPS + 8))):
+        log = MembershipLog(tmp_path / f"group-{k}" / MEMBERSHIP_FILE, restart=0, pid=100 + k)
+        for step in range(last):
+            both = step < STEPS
+            log.write(
+                step=step,
+                time=1000.0 + step,
+                quorum_s=0.01,
+                quorum_id=1 if both else 2,
+                participants=2 if both else 1,
+                members=[A, B] if both else [me],
+                committed=True,
+            )
+        log.close()
+        write_final_model(tmp_path / f"group-{k}", step=last, fingerprint=f"{k}" * 16, restart=0)
+    cfg = RunConfig(replica_groups=2, nproc=1, workload="mlp", out=str(tmp_path))
+    membership = next(
+        line
+        for line in summarize_groups(cfg, tmp_path, [0, 0]).splitlines()
+        if line.startswith("membership:")
+    )
+    assert "; finished before the others: group 0 at step 20 (seen by group 1);" in membership
+    assert "lost" not in membership, membership
