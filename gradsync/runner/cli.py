@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from gradsync.errors import UsageError
 from gradsync.logs import one_line_warnings
 from gradsync.module_cli import closed_pipe
+from gradsync.runner.workload_flags import WORKLOAD_ONLY
 from gradsync.telemetry.membership import counted
 
 if TYPE_CHECKING:
@@ -61,9 +62,11 @@ RESUMED_FLAGS = (
     "heartbeat_timeout",
 )
 
+
 #: run's flags whose default its parser holds as ``_Default``, to tell a value given from it:
-#: those a --resume takes from the saved run, and --link (given, it needs --hosts)
-HELD_DEFAULTS = (*RESUMED_FLAGS, "link")
+#: those a --resume takes from the saved run, --link (given, it needs --hosts), and the
+#: built-in workloads' (given, they are refused beside a script)
+HELD_DEFAULTS = tuple(dict.fromkeys((*RESUMED_FLAGS, "link", *WORKLOAD_ONLY)))
 
 
 class _Default:
@@ -120,6 +123,18 @@ def _take_saved_flags(args: argparse.Namespace) -> int | None:
     return nproc if isinstance(nproc, int) else None
 
 
+def _check_script_flags_given(args: argparse.Namespace) -> None:
+    """Refuse the built-in workloads' flags beside a script even where given at their default
+    value: RunConfig can refuse only values other than the defaults, and ``--workload charlm
+    -- train.py`` ran the script as if the flag were not there (a tester's finding)."""
+    from gradsync.runner.config import workload_flags_refused
+
+    if getattr(args, "script", None):
+        given = [n for n in WORKLOAD_ONLY if not isinstance(getattr(args, n, None), _Default)]
+        if given:
+            raise workload_flags_refused(given)
+
+
 def _check_link_given(args: argparse.Namespace) -> None:
     """Refuse a given ``--link`` without ``--hosts`` (RunConfig refuses only one other than
     the default: ``--link 1gbit`` on a local run was taken silently, as if it shaped a link)."""
@@ -136,6 +151,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # --resume continues the saved run with its settings where a flag does not say otherwise:
     # its ranks (a given --nproc that differs is taken, and the summary's header names both),
     # its workload, model, steps, strategy, compressor and replica groups
+    _check_script_flags_given(args)  # before the saved run's flags replace the held defaults
     before = _take_saved_flags(args)
     _check_link_given(args)
     cfg = _config_from_args(args)

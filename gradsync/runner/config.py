@@ -35,6 +35,7 @@ from gradsync.membership import (
 from gradsync.membership.lighthouse import HEARTBEAT_TIMEOUT_RANGE_S, HEARTBEAT_TIMEOUT_S
 from gradsync.options import DEFAULT_TIMEOUT_S, Checks, Exchange, Limits
 from gradsync.runner.rundir import OVERWRITE_AND_RESUME
+from gradsync.runner.workload_flags import WORKLOAD_ONLY
 from gradsync.runtime import BACKENDS, check_nccl, choose_backend
 from gradsync.spec import parse_strategy_spec
 from gradsync.strategies.factory import (
@@ -68,23 +69,18 @@ MAX_THREADS_PER_CPU = 4
 #: larger ones overflow float32 parameters in the first update instead (3.4e38 and up)
 MAX_LR = 1e6
 
-#: flags that set what the built-in workloads train, which a user's script sets itself
-WORKLOAD_ONLY = (
-    "workload",
-    "steps",
-    "batch_size",
-    "lr",
-    "micro_batches",
-    "seed",
-    "data",
-    "params",
-    "bucket_mb",
-    "allreduce",
-    "balance",
-    "check_every",
-    "checkpoint_every",
-    "keep_checkpoints",
-)
+
+def workload_flags_refused(given: list[str]) -> UsageError:
+    """The refusal of built-in workload flags (``WORKLOAD_ONLY`` names, ``given``) beside a
+    script: the script trains its own model on its own data, so they would do nothing."""
+    options = ", ".join("--" + name.replace("_", "-") for name in given)
+    one = len(given) == 1
+    return UsageError(
+        f"{options} {'sets' if one else 'set'} the built-in workloads, not a script's "
+        f"training: set {'it' if one else 'them'} in the script (its model, data, "
+        f"optimizer and gs.Synchronizer call) and drop {'it' if one else 'them'} here"
+    )
+
 
 # The help groups of `gradsync run --help`, in the order the fields below first name them.
 TRAINING = "training"
@@ -779,13 +775,7 @@ class RunConfig:
         changed = self.changed_fields()
         given = [name for name in WORKLOAD_ONLY if name in changed]
         if given:
-            options = ", ".join("--" + name.replace("_", "-") for name in given)
-            one = len(given) == 1
-            raise UsageError(
-                f"{options} {'sets' if one else 'set'} the built-in workloads, not a script's "
-                f"training: set {'it' if one else 'them'} in the script (its model, data, "
-                f"optimizer and gs.Synchronizer call) and drop {'it' if one else 'them'} here"
-            )
+            raise workload_flags_refused(given)
 
     def _check_tracker(self) -> None:
         # Before any process starts: a misspelt name or a missing extra would otherwise fail

@@ -108,3 +108,24 @@ def test_params_sizes_mlp_and_a_script_hears_it_is_a_workload_flag(tmp_path: Pat
     # the script's message, not charlm's (the default --workload the script never chose)
     with pytest.raises(UsageError, match=r"^--params sets the built-in workloads"):
         RunConfig(script=[str(script)], params=5000, out=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--workload", "charlm"], "--workload sets"),  # the default workload, given
+        (["--steps", "200", "--seed", "0"], "--steps, --seed set"),  # defaults, given
+        (["--batch-size=32"], "--batch-size sets"),
+    ],
+)
+def test_a_workload_flag_beside_a_script_is_refused_even_at_its_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    """RunConfig refuses only values other than the defaults; ``--workload charlm -- train.py``
+    ran the script as if the flag were not there (a tester's finding)."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    out = tmp_path / "r"
+    assert main(["run", *flags, f"--out={out}", "--", str(script)]) == 2
+    assert f"{named} the built-in workloads, not a script's training" in capsys.readouterr().err
+    assert not out.exists()  # refused before the run directory is made
