@@ -159,6 +159,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Held until this process ends: no second run in the same directory meanwhile.
     claimed = claim(run_dir, resume=cfg.resume, overwrite=cfg.overwrite)
     try:
+        if cfg.resume and cfg.script:
+            _say_if_nothing_to_resume(run_dir)
         if cfg.resume and not cfg.script:  # a script resumes from its own checkpoints
             from gradsync.runner.resume import check_resume
 
@@ -169,6 +171,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run(cfg, run_dir, cfg.changed_fields(), before)
     finally:
         claimed.release()
+
+
+def _say_if_nothing_to_resume(run_dir: Path) -> None:
+    """--resume of a script's run into a directory that holds none: said, as a built-in
+    workload's "starting over (no checkpoint)" is (a tester's finding: it started anew
+    silently). The script resumes from its own checkpoints; gradsync cannot see those."""
+    from gradsync.runner.rundir import is_gradsync_run
+
+    if not is_gradsync_run(run_dir):
+        print(
+            f"gradsync run: --resume: {run_dir} holds no run yet (no config.json): this run "
+            "starts a new one there",
+            file=sys.stderr,
+        )
 
 
 def _placement(backend: str) -> str:

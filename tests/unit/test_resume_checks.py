@@ -341,3 +341,22 @@ def test_checkpoints_without_a_config_are_said_before_the_defaults_refuse_them(
     assert f"--resume: {tmp_path} has checkpoints but no config.json" in err, err
     assert saved_config(tmp_path, warn=False) is None and not capsys.readouterr().err
     assert saved_config(tmp_path / "absent") is None and not capsys.readouterr().err
+
+
+def test_a_scripts_resume_into_a_directory_without_a_run_says_it_starts_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    """Where a built-in workload says "starting over (no checkpoint)", a script's run started
+    anew silently (a tester's finding): said once, and the run goes on."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for run in (tmp_path / "missing", tmp_path / "empty"):
+        if run.name == "empty":
+            run.mkdir()
+        assert main(["run", "--resume", f"--out={run}", *FLAGS, "--", str(script)]) == 0
+        err = capsys.readouterr().err
+        assert f"--resume: {run} holds no run yet (no config.json)" in err, err
+    assert len(launch.calls) == 2
+    # a run there now: its resume says nothing of the kind
+    assert main(["run", "--resume", f"--out={tmp_path / 'empty'}", *FLAGS, "--", str(script)]) == 0
+    assert "holds no run yet" not in capsys.readouterr().err
