@@ -820,7 +820,12 @@ def _describe_child_failure(exc: Any) -> str:
             # as the line ``worker_deaths`` printed for the same death just before
             why = describe_exit(failure.exitcode).removeprefix("was ")
         else:
-            why = "no error message (see the worker output above)"
+            # a script's sys.exit(N): no exception to name (a tester's run found "the worker
+            # output above" empty)
+            why = (
+                f"it exited with status {failure.exitcode} and no exception (a "
+                f"sys.exit({failure.exitcode}) in the script, or an os._exit)"
+            )
         lines.append(f"rank {rank} failed (exit code {failure.exitcode}): {why}")
     limit = task_limit.explain_failure(lines)
     if limit is not None:

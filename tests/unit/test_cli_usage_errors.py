@@ -129,3 +129,18 @@ def test_a_workload_flag_beside_a_script_is_refused_even_at_its_default(
     assert main(["run", *flags, f"--out={out}", "--", str(script)]) == 2
     assert f"{named} the built-in workloads, not a script's training" in capsys.readouterr().err
     assert not out.exists()  # refused before the run directory is made
+
+
+def test_a_rank_that_exited_with_a_status_and_no_exception_is_said_so() -> None:
+    """A script's sys.exit(3) on one rank left no message: the summary pointed at "the worker
+    output above", which held nothing (a tester's finding)."""
+    from types import SimpleNamespace
+
+    from gradsync.runner.cli import _describe_child_failure
+
+    failure = SimpleNamespace(message="", exitcode=3)
+    said = _describe_child_failure(SimpleNamespace(failures={1: failure}))
+    assert said == (
+        "worker failure\n  rank 1 failed (exit code 3): it exited with status 3 and no "
+        "exception (a sys.exit(3) in the script, or an os._exit)"
+    )
