@@ -10,9 +10,11 @@ with :func:`gradsync.flags.flag_from`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import pkgutil
 import time
 from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -68,6 +70,33 @@ MAX_THREADS_PER_CPU = 4
 #: above any learning rate that trains (SGD's and AdamW's sensible ones are below 10); far
 #: larger ones overflow float32 parameters in the first update instead (3.4e38 and up)
 MAX_LR = 1e6
+
+
+def is_source_file(path: str) -> bool:
+    """Whether ``runpy.run_path`` would compile ``path`` as source: a file that is no
+    import path entry (a zip archive is one) and is not compiled bytecode."""
+    if not os.path.isfile(path) or pkgutil.get_importer(path) is not None:
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(importlib.util.MAGIC_NUMBER)) != importlib.util.MAGIC_NUMBER
+
+
+def _check_compiles(script: Path) -> None:
+    """A script with a syntax error, refused before any process starts: found by the workers,
+    it failed every rank, once more per --max-restart, and left a config.json behind that
+    made the rerun of the fixed script need --overwrite (a tester's finding). Only for a
+    source file (``is_source_file``): runpy runs a zip archive or compiled file itself."""
+    try:
+        source = script.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"gradsync run -- {script}: cannot be read ({exc.strerror})") from None
+    try:
+        compile(source, str(script), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = f"line {exc.lineno}" + (f", column {exc.offset}" if exc.offset else "")
+        raise UsageError(f"gradsync run -- {script}: {exc.msg} ({where})") from None
+    except ValueError:  # null bytes: Python refuses it as source, as runpy will say
+        return
 
 
 def workload_flags_refused(given: list[str]) -> UsageError:
@@ -772,6 +801,8 @@ class RunConfig:
                 f"gradsync run -- {self.script[0]}: no such script (give a Python file, or "
                 "-m MODULE)"
             )
+        elif is_source_file(self.script[0]):
+            _check_compiles(Path(self.script[0]))
         changed = self.changed_fields()
         given = [name for name in WORKLOAD_ONLY if name in changed]
         if given:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.util
 import io
 import json
 import multiprocessing
 import multiprocessing.util
 import os
-import pkgutil
 import sys
 import time
 import traceback
@@ -34,7 +32,7 @@ from gradsync.attached_run import (
     restart_count,
 )
 from gradsync.logs import one_line_warnings
-from gradsync.runner.config import RunConfig
+from gradsync.runner.config import RunConfig, is_source_file
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 from gradsync.runner.stopped import records_kept_when_stopped
 
@@ -209,19 +207,10 @@ def _run_main(command: list[str], ending: _ScriptExit | None = None) -> None:
         # As ``python train.py``: the script's own directory first on the import path
         sys.argv = command
         sys.path.insert(0, str(Path(command[0]).resolve().parent))
-        if _is_source_file(command[0]):
+        if is_source_file(command[0]):
             _run_source(command[0], ending or _ScriptExit())
         else:  # a directory or zip archive with a __main__.py, or a compiled file
             runpy.run_path(command[0], run_name="__main__")
-
-
-def _is_source_file(path: str) -> bool:
-    """Whether ``runpy.run_path`` would compile ``path`` as source: a file that is no
-    import path entry (a zip archive is one) and is not compiled bytecode."""
-    if not os.path.isfile(path) or pkgutil.get_importer(path) is not None:
-        return False
-    with open(path, "rb") as f:
-        return f.read(len(importlib.util.MAGIC_NUMBER)) != importlib.util.MAGIC_NUMBER
 
 
 def _run_source(path: str, ending: _ScriptExit) -> None:

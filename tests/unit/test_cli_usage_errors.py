@@ -144,3 +144,25 @@ def test_a_rank_that_exited_with_a_status_and_no_exception_is_said_so() -> None:
         "worker failure\n  rank 1 failed (exit code 3): it exited with status 3 and no "
         "exception (a sys.exit(3) in the script, or an os._exit)"
     )
+
+
+def test_a_script_with_a_syntax_error_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by the workers, it failed every rank once per restart and left a config.json that
+    made the fixed script's rerun need --overwrite (a tester's finding)."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nx = (\n")
+    out = tmp_path / "r"
+    assert main(["run", f"--out={out}", "--", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert f"gradsync run -- {script}: '(' was never closed (line 2, column 5)" in err, err
+    assert not out.exists()
+    # compiled bytecode is runpy's to run, not a syntax error
+    import py_compile
+
+    script.write_text("x = 1\n")
+    compiled = py_compile.compile(str(script), cfile=str(tmp_path / "train.pyc"))
+    from gradsync.runner.config import RunConfig
+
+    RunConfig(script=[compiled], out=str(tmp_path / "c"))
