@@ -674,12 +674,7 @@ class Synchronizer:
         """One superstep. The block runs ``micro_batches`` backward passes; gradients accumulate
         locally and are averaged over the ranks and, with ``accumulation="mean"``, over the
         micro-batches too; communication starts on the last."""
-        self._check_open("sync.step()")
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise UsageError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-        if self._in_step:
-            raise UsageError("sync.step() blocks cannot be nested")
-        runtime.require_initialized("sync.step()")
+        self._check_step_call(micro_batches)
         weight, samples = self._sample_weight(samples)
         self._check_no_outside_update()
         if self._run is not None:
@@ -752,6 +747,16 @@ class Synchronizer:
             if not leaving:
                 self._settle_gate()
             self._back_to_user()
+
+    def _check_step_call(self, micro_batches: int) -> None:
+        """What a ``sync.step()`` call is refused for before anything happens: a closed
+        Synchronizer, a bad ``micro_batches``, a block inside another, no process group."""
+        self._check_open("sync.step()")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise UsageError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+        if self._in_step:
+            raise UsageError("sync.step() blocks cannot be nested")
+        runtime.require_initialized("sync.step()")
 
     def _sample_weight(self, samples: int) -> tuple[float, int]:
         """This rank's gradient weight and sample count for the step about to begin."""
