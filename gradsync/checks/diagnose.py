@@ -336,9 +336,7 @@ class ArrivalWatch:
     def note_failure(self, step: int, text: str) -> None:
         """Leave word that this rank's step ``step`` failed (its block raised), for the peers'
         messages; best effort."""
-        if self.store is not None and self.world_size > 1:
-            with contextlib.suppress(Exception):
-                self.store.set(f"{self._prefix}/failed/{self.rank}", f"{step}|{text}")
+        self._leave_word("failed", step, text)
 
     def note_ended(self, step: int, how: str) -> None:
         """Leave word that this rank's script has ended (``how``: returned, ``sys.exit(0)``)
@@ -346,25 +344,24 @@ class ArrivalWatch:
         lingers after its script (``gradsync run``'s worker waits for its peers to finish)
         would otherwise look alive between steps, and a peer at a gate would wait for it up
         to ``between_steps_timeout_s``. Best effort."""
-        if self.store is not None and self.world_size > 1:
-            with contextlib.suppress(Exception):
-                self.store.set(f"{self._prefix}/ended/{self.rank}", f"{step}|{how}")
+        self._leave_word("ended", step, how)
         self.close()
-
-    def ended_of(self, rank: int) -> tuple[int, str] | None:
-        """The step and the words of ``rank``'s note that its script ended, if it left one."""
-        key = f"{self._prefix}/ended/{rank}"
-        try:
-            if self.store is None or not self.store.check([key]):
-                return None
-            step, _, how = self.store.get(key).decode().partition("|")
-            return int(step), how
-        except Exception:  # noqa: BLE001 - diagnosis is best effort
-            return None
 
     def failure_of(self, rank: int) -> tuple[int, str] | None:
         """The step and the words of ``rank``'s last failure note, if it left one."""
-        key = f"{self._prefix}/failed/{rank}"
+        return self._word_of("failed", rank)
+
+    def ended_of(self, rank: int) -> tuple[int, str] | None:
+        """The step and the words of ``rank``'s note that its script ended, if it left one."""
+        return self._word_of("ended", rank)
+
+    def _leave_word(self, kind: str, step: int, text: str) -> None:
+        if self.store is not None and self.world_size > 1:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{self._prefix}/{kind}/{self.rank}", f"{step}|{text}")
+
+    def _word_of(self, kind: str, rank: int) -> tuple[int, str] | None:
+        key = f"{self._prefix}/{kind}/{rank}"
         try:
             if self.store is None or not self.store.check([key]):
                 return None
