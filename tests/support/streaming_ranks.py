@@ -173,6 +173,36 @@ def _resumed(rank: int, world: int, directory: str, strategy: str, compression: 
 # -- the float64 reference ---------------------------------------------------------------------
 
 
+def _fragment_access(
+    tensors: list[list[torch.Tensor]], fragments: list[list[tuple[int, int, int]]]
+) -> tuple[Any, Any]:
+    """``frag(r, p)``: worker r's fragment p, flat (a copy); ``put(r, p, flat)``: written back
+    into worker r's tensors, block by block of rows."""
+
+    def frag(r: int, p: int) -> torch.Tensor:
+        return torch.cat([tensors[r][i].detach()[a:b].reshape(-1) for i, a, b in fragments[p]])
+
+    def put(r: int, p: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for i, a, b in fragments[p]:
+                t = tensors[r][i][a:b]
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    return frag, put
+
+
+def _local_steps(w: Any, models: list[Any], opts: list[Any], step: int) -> None:
+    """Every simulated worker's inner SGD step ``step`` on its own shard of the batch."""
+    world = len(models)
+    for r in range(world):
+        opts[r].zero_grad()
+        x, y = w.batch(step, PER_RANK * world, r * PER_RANK, (r + 1) * PER_RANK)
+        w.loss(models[r], x, y).backward()
+        opts[r].step()
+
+
 def reference(
     world: int,
     period: int,
@@ -196,16 +226,7 @@ def reference(
     tensors = [list(m.parameters()) for m in models]
     count = len(fragments)
 
-    def frag(r: int, p: int) -> torch.Tensor:
-        return torch.cat([tensors[r][i].detach()[a:b].reshape(-1) for i, a, b in fragments[p]])
-
-    def put(r: int, p: int, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for i, a, b in fragments[p]:
-                t = tensors[r][i][a:b]
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    frag, put = _fragment_access(tensors, fragments)
 
     global_ = [frag(0, p).clone() for p in range(count)]
     momentum: list[torch.Tensor | None] = [None] * count
@@ -220,11 +241,7 @@ def reference(
             put(r, p, mix * frag(r, p) + (1 - mix) * global_[p])
 
     for step in range(steps):
-        for r in range(world):
-            opts[r].zero_grad()
-            x, y = w.batch(step, PER_RANK * world, r * PER_RANK, (r + 1) * PER_RANK)
-            w.loss(models[r], x, y).backward()
-            opts[r].step()
+        _local_steps(w, models, opts, step)
         for p in range(count):
             if (step + 1) % period == (p + 1) * period // count % period:
                 mean = sum(global_[p] - frag(r, p) for r in range(world)) / world
@@ -256,16 +273,7 @@ def reference_eager(
     tensors = [list(m.parameters()) for m in models]
     count = len(fragments)
 
-    def frag(r: int, p: int) -> torch.Tensor:
-        return torch.cat([tensors[r][i].detach()[a:b].reshape(-1) for i, a, b in fragments[p]])
-
-    def put(r: int, p: int, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for i, a, b in fragments[p]:
-                t = tensors[r][i][a:b]
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    frag, put = _fragment_access(tensors, fragments)
 
     global_ = [[frag(r, p).clone() for p in range(count)] for r in range(world)]
     momentum: list[list[torch.Tensor | None]] = [[None] * count for _ in range(world)]
@@ -284,11 +292,7 @@ def reference_eager(
         return 0 * global_[r][p] if before is None else before[1] - before[0][r] / world
 
     for step in range(steps):
-        for r in range(world):
-            opts[r].zero_grad()
-            x, y = w.batch(step, PER_RANK * world, r * PER_RANK, (r + 1) * PER_RANK)
-            w.loss(models[r], x, y).backward()
-            opts[r].step()
+        _local_steps(w, models, opts, step)
         for p in range(count):
             if (step + 1) % period == (p + 1) * period // count % period:
                 owns = [global_[r][p] - frag(r, p) for r in range(world)]
