@@ -719,7 +719,14 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
             raise UsageError(f"gradsync {name} cannot start here: {exc}") from None
         add(sub if full is None else _OneCommand(sub, name))
         built.add(where)
+    for command_parser in sub.choices.values():
+        # so that main() has an unknown flag refused with the command's usage, not gradsync's
+        command_parser.set_defaults(**{COMMAND_PARSER: command_parser})
     return parser
+
+
+#: where a parsed command's namespace holds its own parser (``build_parser``; main drops it)
+COMMAND_PARSER = "command_parser"
 
 
 def _load(where: str) -> Any:
@@ -752,7 +759,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command_parser = vars(args).pop(COMMAND_PARSER, parser)
+    if unknown:  # told by the command's own parser, with its usage (not gradsync's)
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.script = script
     # The elastic agent logs every worker failure with a full traceback; the CLI says which
     # rank failed and why in one line instead (set GRADSYNC_DEBUG=1 to see the agent's logs).

@@ -166,3 +166,16 @@ def test_a_script_with_a_syntax_error_is_refused_before_any_process_starts(
     from gradsync.runner.config import RunConfig
 
     RunConfig(script=[compiled], out=str(tmp_path / "c"))
+
+
+def test_an_unknown_flag_is_refused_with_the_commands_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It printed gradsync's own usage (``gradsync [-h] [--version] COMMAND``), not the
+    command's (a tester's finding)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--frobnicate"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: gradsync run "), err
+    assert "gradsync run: error: unrecognized arguments: --frobnicate" in err
