@@ -80,11 +80,17 @@ class EagerRounds:
             self._last[fragment] = None
         return found
 
+    def settle(self, resolve: Resolve) -> None:
+        """Wait for every round in flight (before the state is saved or replaced: an
+        error-feedback residual comes back to the compressor's state only then)."""
+        for fragment in range(len(self._last)):
+            self.owed(fragment, resolve)
+
     def state_dict(self, resolve: Resolve) -> list[dict[str, torch.Tensor] | None]:
         """Each fragment's last round (its exchange waited for), or None before its first."""
+        self.settle(resolve)
         saved: list[dict[str, torch.Tensor] | None] = []
         for fragment in range(len(self._last)):
-            self.owed(fragment, resolve)  # waits for the exchange, keeps its mean
             last = self._last[fragment]
             if last is None:
                 saved.append(None)

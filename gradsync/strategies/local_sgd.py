@@ -595,8 +595,11 @@ class DiLoCo(Periodic):
         if not isinstance(result, torch.Tensor) and self._ctx and self._ctx.record_spans:
             result = self._track_in_flight(fragment, result)
         taken = rounds.share(own)
+        # a tensor of its own: the outer SGD's foreach path (a GPU's default) adds its
+        # Nesterov momentum into the gradient in place, and ``taken`` is kept
+        gradient = taken.clone() if owed is None else taken + owed
         with self._timed(f"outer_step[{fragment}]", fragment=fragment):
-            self._apply(fragment, taken if owed is None else taken + owed, self.alpha)
+            self._apply(fragment, gradient, self.alpha)
         rounds.keep(fragment, taken, result)
 
     def _launch_fragment(self, fragment: int) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
@@ -760,11 +763,13 @@ class DiLoCo(Periodic):
             {"fragment": ex.fragment, "due": ex.due, "mean": self._resolve(ex).detach().clone()}
             for ex in self._pending
         ]
+        # likewise the eager rounds in flight, before the compressor's state is read
+        eager = None if self._eager is None else self._eager.state_dict(self._wait_mean)
         state = super().state_dict()
         state["global"] = torch.cat([g.detach() for g in self._globals]).clone()
         state["outer_optimizer"] = self._outer_opt.state_dict()
-        if self._eager is not None:
-            state["eager"] = self._eager.state_dict(self._wait_mean)
+        if eager is not None:
+            state["eager"] = eager
         if self.streaming:
             state["streaming"] = {
                 "fragments": self.fragments,
@@ -777,8 +782,11 @@ class DiLoCo(Periodic):
         assert self._outer_opt is not None
         saved = state.get("streaming", {})
         check_saved_fragments(saved, self.fragments, self.split, self.spec)
+        _check_saved_eager(state, self._eager is not None, self.spec)
         for ex in self._pending:  # whatever is in flight completes before it is replaced
             self._resolve(ex)
+        if self._eager is not None:  # so does an eager round (its residual comes back then)
+            self._eager.settle(self._wait_mean)
         super().load_state_dict(state)
         sizes = [g.numel() for g in self._globals]
         with torch.no_grad():
@@ -802,6 +810,18 @@ class DiLoCo(Periodic):
         ]
         if self._eager is not None:
             self._eager.load_state_dict(state.get("eager"), self._globals[0].device)
+
+
+def _check_saved_eager(state: dict[str, Any], eager: bool, spec: str) -> None:
+    """A DiLoCo's state with eager rounds loaded into one without them, or the reverse (the
+    Python API's ``load_state_dict``; ``sync.load`` refuses the other spec before): the
+    replicas' global copies of an eager run differ, which a run of TAU would never reconcile."""
+    if ("eager" in state) != eager:
+        saved = "with eager outer updates" if "eager" in state else "without eager updates"
+        raise UsageError(
+            f"{spec}: this DiLoCo state was saved {saved}; load it into a DiLoCo "
+            f"{'with' if 'eager' in state else 'without'} eager=True (the same spec as saved)"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ def train(
     compression: str | None = None,
     dtype: str = "float64",
     record_spans: bool = False,
+    foreach_outer: bool = False,
 ) -> dict[str, Any]:
     """Train the mlp; return the parameters after every step, the final (post-``report()``)
     ones, the losses, each step's bytes and barrier flag, and (``record_spans``) the
@@ -68,6 +69,13 @@ def train(
         timeout_s=30,
         record_spans=record_spans,
     )
+    if foreach_outer:
+        # the outer SGD's foreach path, a GPU's default: it adds the Nesterov momentum into
+        # the gradient in place (an eager round's kept share was corrupted so)
+        st = sync.strategy
+        st._outer_opt = torch.optim.SGD(
+            st._globals, lr=0.7, momentum=0.9, nesterov=True, foreach=True
+        )
     after, losses = [], []
     for step in range(steps):
         with sync.step(samples=PER_RANK):
@@ -111,6 +119,7 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
         # eager outer updates (gradsync.strategies.eager), against reference_eager
         "eager": train(rank, world, "diloco:4:2:eager", 12),
         "eager, one fragment": train(rank, world, DiLoCo(4, eager=True), 12),
+        "eager, foreach": train(rank, world, "diloco:4:2:eager", 12, foreach_outer=True),
         "eager int8": train(
             rank, world, "diloco:4:2:eager", 48, compression="int8", dtype="float32"
         ),

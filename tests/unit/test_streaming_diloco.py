@@ -383,3 +383,21 @@ def test_gradsync_run_refuses_more_fragments_than_the_workload_has_before_starti
         RunConfig(workload="mlp", strategy="diloco:8:4:layers", out="run")
     RunConfig(workload="mlp", strategy="diloco:8:3:layers", out="run")  # 3 layers: fits
     RunConfig(workload="mlp", strategy="diloco:8:4", out="run")  # rows: cuts its matrices
+
+
+def test_a_diloco_state_with_eager_rounds_loads_only_into_an_eager_diloco() -> None:
+    """The Python API's load_state_dict across eager and TAU (sync.load refuses the other spec
+    before): an eager run's replicas hold their own global copies, which TAU would never
+    reconcile, and the reverse found no rounds to load."""
+    from gradsync.strategies.local_sgd import _check_saved_eager
+
+    _check_saved_eager({"eager": [None]}, True, "diloco:4:1:eager")
+    _check_saved_eager({}, False, "diloco:4")
+    with pytest.raises(
+        UsageError, match="saved with eager outer updates; load it into a DiLoCo with"
+    ):
+        _check_saved_eager({"eager": [None]}, False, "diloco:4")
+    with pytest.raises(
+        UsageError, match="saved without eager updates; load it into a DiLoCo without"
+    ):
+        _check_saved_eager({}, True, "diloco:4:1:eager")
