@@ -93,9 +93,14 @@ def _check_compiles(script: Path) -> None:
     try:
         compile(source, str(script), "exec", dont_inherit=True)
     except SyntaxError as exc:
-        where = f"line {exc.lineno}" + (f", column {exc.offset}" if exc.offset else "")
-        raise UsageError(f"gradsync run -- {script}: {exc.msg} ({where})") from None
-    except ValueError:  # null bytes: Python refuses it as source, as runpy will say
+        # no line for some (a null byte, on Python 3.11: "source code cannot contain null
+        # bytes"), which name the whole file
+        where = ""
+        if exc.lineno is not None:
+            column = f", column {exc.offset}" if exc.offset else ""
+            where = f" (line {exc.lineno}{column})"
+        raise UsageError(f"gradsync run -- {script}: {exc.msg}{where}") from None
+    except ValueError:  # null bytes, on versions that raise this: runpy will say as much
         return
 
 

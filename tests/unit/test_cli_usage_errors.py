@@ -158,13 +158,18 @@ def test_a_script_with_a_syntax_error_is_refused_before_any_process_starts(
     err = capsys.readouterr().err
     assert f"gradsync run -- {script}: '(' was never closed (line 2, column 5)" in err, err
     assert not out.exists()
+    from gradsync.errors import UsageError
+    from gradsync.runner.config import RunConfig
+
+    # a null byte: refused for the whole file, no line to name
+    script.write_bytes(b"x = 1\0\n")
+    with pytest.raises(UsageError, match=r"null bytes$"):
+        RunConfig(script=[str(script)], out=str(tmp_path / "n"))
     # compiled bytecode is runpy's to run, not a syntax error
     import py_compile
 
     script.write_text("x = 1\n")
     compiled = py_compile.compile(str(script), cfile=str(tmp_path / "train.pyc"))
-    from gradsync.runner.config import RunConfig
-
     RunConfig(script=[compiled], out=str(tmp_path / "c"))
 
 
