@@ -35,6 +35,7 @@ from gradsync.logs import one_line_warnings
 from gradsync.runner.config import RunConfig, is_source_file
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 from gradsync.runner.stopped import records_kept_when_stopped
+from gradsync.telemetry.membership import FINAL_MODEL_PATH
 
 __all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "run_rank", "run_script", "run_worker"]
 
@@ -75,6 +76,9 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         # (the group's elastic agent restarts it on its own; nothing else sees that).
         entry = {"restart": restart_count(), "pid": os.getpid(), "time": time.time()}
         append_fault(run_dir, ATTEMPTS_FILE, entry)
+        # An earlier attempt's final model is not this one's: a group that called report()
+        # and failed later would be compared by it, its loss said to be its finish.
+        (run_dir / FINAL_MODEL_PATH).unlink(missing_ok=True)
     torch.set_num_threads(int(os.environ.get("GRADSYNC_THREADS", cfg.threads)))
     # ``{run_dir}`` in the script's arguments: this run's directory (each of compare's runs has
     # its own: a checkpoint path there is not shared between strategies)

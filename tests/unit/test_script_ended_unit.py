@@ -50,3 +50,24 @@ def test_the_script_ending_well_is_told_to_the_synchronizers(
         with pytest.raises(type(ending)):
             worker.run_script(cfg)
     assert heard == told
+
+
+@pytest.mark.timeout(60)
+def test_each_start_of_a_replica_groups_process_drops_the_last_attempts_final_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group that called report() and failed later kept that attempt's record, and the run's
+    summary compared it, or said the group finished where it was lost (a reviewer's finding)."""
+    from gradsync.telemetry.membership import FINAL_MODEL_PATH, write_final_model
+
+    monkeypatch.setattr(gradsync.synchronizer, "scripts_ended", lambda how: None)
+    monkeypatch.setattr(worker, "_run_main", lambda command, ending=None: None)
+    monkeypatch.setenv("GRADSYNC_THREADS", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    group = tmp_path / "run" / "group-1"
+    write_final_model(group, step=12, fingerprint="ab" * 8, restart=0)
+    train = tmp_path / "train.py"
+    train.write_text("")
+    config = RunConfig(script=[str(train)], out=str(group), replica_groups=2, nproc=1)
+    worker.run_script(dataclasses.asdict(config))
+    assert not (group / FINAL_MODEL_PATH).exists()
