@@ -737,7 +737,8 @@ class Synchronizer:
             self._end_step(handle, outcome, wall0, t0, t1, sync_in_block)
             if stepped_in_block:
                 # Raised once the step is complete on every rank (its collectives in step).
-                raise _stepped_in_block(stepped_in_block, handle.step)
+                where = f"inside step {handle.step}'s sync.step() block"
+                raise _stepped_twice(stepped_in_block, where, "inside")
         except BaseException as exc:
             leaving = not isinstance(exc, Exception)
             raise
@@ -949,12 +950,7 @@ class Synchronizer:
         extra = self._optimizer_steps - self._expected_steps
         if extra:
             self._expected_steps = self._optimizer_steps
-            raise UsageError(
-                f"optimizer.step() ran {extra} time(s) after step {self._step - 1}'s block "
-                "exited: gradsync already applies the update when a sync.step() block exits, "
-                "so the parameters moved twice. Remove optimizer.step() (and scaler.step(), "
-                "scaler.update()) from after the block; pass scaler= to the Synchronizer"
-            )
+            raise _stepped_twice(extra, f"after step {self._step - 1}'s block exited", "after")
 
     def _check_replicas(self, step: int, final: bool = False) -> None:
         """Collective every ``check_every`` steps (and at the end): compare fingerprints. The
@@ -1517,13 +1513,13 @@ def _write_unreported(ref: weakref.ref[Synchronizer], status: str | None = None)
 _ATTACHED: weakref.WeakSet[Synchronizer] = weakref.WeakSet()
 
 
-def _stepped_in_block(times: int, step: int) -> UsageError:
-    """The error of a block whose own code stepped the optimizer: the block's exit applied the
-    update again (a tester's finding: silently, the parameters moved twice a step)."""
+def _stepped_twice(times: int, where: str, side: str) -> UsageError:
+    """The error of the script's own optimizer.step() calls (``where``: inside the block, or
+    after it) beside the update the block's exit applies: the parameters moved twice."""
     return UsageError(
-        f"optimizer.step() ran {times} time(s) inside step {step}'s sync.step() block: "
-        "gradsync applies the update when the block exits, so the parameters moved twice. "
-        "Remove optimizer.step() (and scaler.step(), scaler.update()) from the block; pass "
+        f"optimizer.step() ran {times} time(s) {where}: gradsync already applies the update "
+        "when a sync.step() block exits, so the parameters moved twice. Remove "
+        f"optimizer.step() (and scaler.step(), scaler.update()) from {side} the block; pass "
         "scaler= to the Synchronizer"
     )
 
