@@ -35,6 +35,7 @@ from gradsync.logs import one_line_warnings
 from gradsync.runner.config import RunConfig, is_source_file
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 from gradsync.runner.stopped import records_kept_when_stopped
+from gradsync.synchronizer import scripts_ended
 from gradsync.telemetry.membership import FINAL_MODEL_PATH
 
 __all__ = ["CHECKPOINT_DIR", "FINAL_MODEL", "run_rank", "run_script", "run_worker"]
@@ -97,11 +98,13 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
             _start_method_as_python(),
         ):
             _run_main(command, ending)
-        _script_ended("it returned")
+        # the process goes on (the elastic agent's worker waits for its peers): its open
+        # Synchronizers tell their peers, which would take it for a rank busy between steps
+        scripts_ended("it returned")
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
-        _script_ended(f"sys.exit({exc.code if exc.code is not None else ''})")
+        scripts_ended(f"sys.exit({exc.code if exc.code is not None else ''})")
     except BaseException as exc:
         ending.failed(exc)
         raise
@@ -109,15 +112,6 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         sys.argv = saved_argv
         sys.path[:] = saved_path
     return {"run_dir": cfg.out} if runtime.rank() == 0 else None
-
-
-def _script_ended(how: str) -> None:
-    """The script ended well while this process goes on (the elastic agent's worker waits for
-    its peers to finish): its open Synchronizers tell their peers, which would otherwise wait
-    for this rank as for one busy between steps (``synchronizer.scripts_ended``)."""
-    from gradsync.synchronizer import scripts_ended
-
-    scripts_ended(how)
 
 
 #: lower than any finalizer's exit priority in gradsync (0 and 1) or a script's likely choice

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-import gradsync.synchronizer
 from gradsync.runner import worker
 from gradsync.runner.config import RunConfig
 
@@ -33,7 +32,7 @@ def test_the_script_ending_well_is_told_to_the_synchronizers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: BaseException | None, told: list[str]
 ) -> None:
     heard: list[str] = []
-    monkeypatch.setattr(gradsync.synchronizer, "scripts_ended", heard.append)
+    monkeypatch.setattr(worker, "scripts_ended", heard.append)
 
     def script(command: list[str], ending_: Any = None) -> None:
         if ending is not None:
@@ -60,7 +59,7 @@ def test_each_start_of_a_replica_groups_process_drops_the_last_attempts_final_mo
     summary compared it, or said the group finished where it was lost (a reviewer's finding)."""
     from gradsync.telemetry.membership import FINAL_MODEL_PATH, write_final_model
 
-    monkeypatch.setattr(gradsync.synchronizer, "scripts_ended", lambda how: None)
+    monkeypatch.setattr(worker, "scripts_ended", lambda how: None)
     monkeypatch.setattr(worker, "_run_main", lambda command, ending=None: None)
     monkeypatch.setenv("GRADSYNC_THREADS", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
