@@ -167,11 +167,9 @@ def check_exchange(
             f"and hang); give strategy as a string, one of {LIVE_STRATEGIES}"
         )
     if spec.eager:
-        raise UsageError(
-            f"membership='torchft' with {strategy!r}: an eager outer step stands in for the "
-            "peers' shares with the previous round's, which a replica that joins or heals does "
-            "not have (gradsync.strategies.eager); use diloco:H:F:TAU"
-        )
+        from gradsync.strategies.eager import NOT_UNDER_MEMBERSHIP  # torch: only when refused
+
+        raise UsageError(f"membership='torchft' with {strategy!r}: {NOT_UNDER_MEMBERSHIP}")
     # the fewest steps between two fragments' starts (``streaming.offsets``)
     gap = (spec.period or 1) // (spec.fragments or 1)
     if spec.fragments is not None and (spec.delay or 0) >= gap:

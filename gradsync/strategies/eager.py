@@ -36,6 +36,13 @@ from typing import Any
 
 import torch
 
+#: why eager outer updates do not run under live membership (refused before launch, by
+#: ``membership.check_exchange``, and by ``DiLoCo.setup`` for a strategy built in Python)
+NOT_UNDER_MEMBERSHIP = (
+    "an eager outer step stands in for the peers' shares with the previous round's, which a "
+    "replica that joins or heals does not have (gradsync.strategies.eager); use diloco:H:F:TAU"
+)
+
 #: what an exchange's result is while in flight: its future, or the mean once waited for
 Result = torch.Tensor | torch.futures.Future[torch.Tensor]
 #: waits for a fragment's exchange (``fragment``, its result) and returns the mean

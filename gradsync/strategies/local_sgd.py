@@ -46,7 +46,7 @@ from gradsync.strategies.base import (
     local_gradient,
     step_verdict,
 )
-from gradsync.strategies.eager import EagerRounds, Result
+from gradsync.strategies.eager import NOT_UNDER_MEMBERSHIP, EagerRounds, Result
 from gradsync.strategies.passes import PassCounter
 from gradsync.strategies.streaming import (
     Exchange,
@@ -482,11 +482,7 @@ class DiLoCo(Periodic):
 
     def setup(self, ctx: SyncContext) -> None:
         if self.eager and ctx.membership is not None:
-            raise UsageError(
-                f"{self.spec} under live membership: an eager outer step stands in for the "
-                "peers' shares with the previous round's, which a replica that joins or heals "
-                "does not have (gradsync.strategies.eager); use diloco:H:F:TAU"
-            )
+            raise UsageError(f"{self.spec} under live membership: {NOT_UNDER_MEMBERSHIP}")
         super().setup(ctx)
         if self.eager:
             self._eager = EagerRounds(self.fragments, ctx.layout.workers)
