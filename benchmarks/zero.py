@@ -33,7 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import ROOT, Harness, fmt_iqr, machine, median_iqr, table
-from benchmarks.zero_worker import COMPUTE, DDP, FSDP, FSDP_NO_RESHARD, GRADSYNC, ZERO_OPT
+from benchmarks.zero_worker import (
+    COMPUTE,
+    DDP,
+    FSDP,
+    FSDP_NO_RESHARD,
+    GRADSYNC,
+    WHOLE,
+    ZERO_OPT,
+)
 from gradsync.spec import parse_strategy_spec
 
 GOAL_FRACTION = 0.10  # sharded parts within 10% of 1/N (plus the padding of whole tensors)
@@ -48,7 +56,9 @@ MB = 1e6
 
 
 def stage(spec: str) -> int:
-    parsed = parse_strategy_spec(spec)
+    if spec.endswith(WHOLE) and spec != "zero:1" + WHOLE:
+        raise ValueError(f"{spec}: only zero:1 takes {WHOLE} (its whole-tensor layout)")
+    parsed = parse_strategy_spec(spec.removesuffix(WHOLE))
     if parsed.kind == "bsp":
         return 0
     if parsed.kind == "zero" and parsed.stage is not None:
@@ -521,7 +531,8 @@ def main() -> int:
     p.add_argument(
         "--strategies",
         default="bsp,zero:1,zero:2,zero:3",
-        help="comma-separated gradsync specs; one gradsync refuses is skipped (%(default)s)",
+        help="comma-separated gradsync specs; one gradsync refuses is skipped; zero:1/whole: "
+        "zero:1 with whole tensors forced (%(default)s)",
     )
     p.add_argument("--ranks", default="1,2,4", help="rank counts of the memory part")
     p.add_argument("--steps", type=int, default=4, help="steps per timed block")

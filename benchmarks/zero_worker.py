@@ -30,6 +30,7 @@ from torch import nn
 import gradsync as gs
 from benchmarks.harness import time_interleaved
 from benchmarks.steps import Trainer
+from gradsync.strategies import ZeroStage1
 from gradsync.workloads.charlm import CharLM
 
 BUCKET_MB = 25.0  # gradsync's default, and DDP's
@@ -42,6 +43,16 @@ DDP, ZERO_OPT, FSDP_NO_RESHARD, FSDP, COMPUTE = (
     "compute-only",
 )
 GRADSYNC = "gradsync "
+#: after ``zero:1`` in ``--strategies``: its whole-tensor layout forced (``layout="whole"``),
+#: beside the rows layout it takes by default for AdamW (issue 47)
+WHOLE = "/whole"
+
+
+def strategy_of(spec: str) -> Any:
+    """What ``gs.Synchronizer`` is given for a spec of ``--strategies``."""
+    if spec == "zero:1" + WHOLE:
+        return ZeroStage1(layout="whole")
+    return spec
 
 
 class DeepMLP:
@@ -214,7 +225,7 @@ def memory_rank(job: dict[str, Any]) -> dict[str, Any]:
     else:
         model = net = wl.build_model()
         optimizer = stepper = wl.make_optimizer(model, wl.default_lr)
-        sync = gs.Synchronizer(model, optimizer, strategy=name, bucket_mb=BUCKET_MB)
+        sync = gs.Synchronizer(model, optimizer, strategy=strategy_of(name), bucket_mb=BUCKET_MB)
     for i in range(job["steps"]):
         x, y = wl.batch(i, per_rank * world, rank * per_rank, (rank + 1) * per_rank)
         if sync is not None:
@@ -289,7 +300,7 @@ def build(name: str, wl: Any, per_rank: int) -> Config:
         mode = "gradsync" if name.startswith(GRADSYNC) else "ddp" if name == DDP else name
         options: dict[str, Any] = {}
         if mode == "gradsync":
-            options["strategy"] = name.removeprefix(GRADSYNC)
+            options["strategy"] = strategy_of(name.removeprefix(GRADSYNC))
         t = Trainer(mode, wl, per_rank * world, bucket_mb=BUCKET_MB, report_loss=False, **options)
         sync = t.sync
         close = sync.close if sync is not None else lambda: None

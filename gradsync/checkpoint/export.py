@@ -34,6 +34,7 @@ from gradsync.checkpoint.store import (
     CheckpointStore,
 )
 from gradsync.errors import UsageError
+from gradsync.row_shards import ROWS, join_saved, layout_of
 
 __all__ = ["EXPORTABLE", "TARGETS", "Exported", "export_checkpoint", "single_process_state"]
 
@@ -213,22 +214,41 @@ def _model_and_optimizer(
             )
     model, optimizer = first["model"], first["optimizer"]
     if strategy in ("zero:1", "zero:2"):
-        optimizer = _joined_optimizer(store, info, optimizer)
+        optimizer = _joined_optimizer(store, info, first, strategy)
     return model, optimizer
 
 
 def _joined_optimizer(
-    store: CheckpointStore, info: CheckpointInfo, first: dict[str, Any]
+    store: CheckpointStore, info: CheckpointInfo, first: dict[str, Any], strategy: str
 ) -> dict[str, Any]:
-    """``zero:1`` / ``zero:2``: each rank's optimizer holds the state of the tensors it owns
-    (``zero_shards.reshard_owned`` deals them out the same way); here every rank's is taken,
-    under rank 0's ``param_groups`` (the same groups on every rank)."""
-    state: dict[Any, Any] = {}
-    holder: dict[Any, int] = {}
-    for rank in range(info.world_size):
-        part = first if rank == 0 else store.load(info, rank).get("optimizer")
+    """``zero:1`` / ``zero:2``: each rank's optimizer holds the state of its part of the
+    parameters, whole tensors it owns or its rows of every tensor, as its file's strategy state
+    records (``gradsync.row_shards``); here every rank's is joined, under rank 0's
+    ``param_groups`` (the same groups on every rank)."""
+    files = [first if rank == 0 else store.load(info, rank) for rank in range(info.world_size)]
+    parts = []
+    for rank, held in enumerate(files):
+        part = held.get("optimizer")
         if not isinstance(part, dict) or not isinstance(part.get("state"), dict):
             raise CheckpointError(f"{info.file(rank)} holds no optimizer state to export")
+        parts.append(part)
+    records = [held.get("sync", {}).get("strategy") for held in files]
+    if layout_of(records[0]) == ROWS:
+        try:
+            return join_saved(parts, records)
+        except ValueError as exc:
+            raise CheckpointError(
+                f"cannot join the {strategy} optimizer state of step {info.step} "
+                f"({info.path}): {exc}"
+            ) from exc
+    return _joined_owned(info, parts)
+
+
+def _joined_owned(info: CheckpointInfo, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whole tensors: each taken from the rank that holds its state (two that differ: refused)."""
+    state: dict[Any, Any] = {}
+    holder: dict[Any, int] = {}
+    for rank, part in enumerate(parts):
         for key, entry in part["state"].items():
             if key in state and not _same(state[key], entry):
                 raise CheckpointError(
@@ -239,7 +259,7 @@ def _joined_optimizer(
             state.setdefault(key, entry)
             holder.setdefault(key, rank)
     ordered = dict(sorted(state.items(), key=lambda kv: (str(type(kv[0])), kv[0])))
-    return {**first, "state": ordered}
+    return {**parts[0], "state": ordered}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -84,6 +84,7 @@ import torch.distributed as dist
 from gradsync import compat, runtime
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
+from gradsync.row_shards import join, join_saved, split
 from gradsync.spec import GRADIENT_COMPRESSION_FORMS
 from gradsync.strategies.base import (
     Membership,
@@ -98,6 +99,7 @@ from gradsync.strategies.base import (
 )
 from gradsync.strategies.bsp import BSP, late_gradient
 from gradsync.strategies.passes import wrong_passes
+from gradsync.strategies.zero_rows import RowLayout, check_layout, choose_layout, make_layout
 from gradsync.strategies.zero_shards import (
     POINT_TO_POINT,
     FlatGroup,
@@ -156,17 +158,22 @@ class ZeroStage1(BSP):
     lockstep = True
     reshardable = True
 
-    def __init__(self, exchange: str = "auto") -> None:
+    def __init__(self, exchange: str = "auto", layout: str = "auto") -> None:
         super().__init__()
         #: how the update travels (``zero_shards.EXCHANGES``; "auto": by the group's backend)
         self.exchange = check_exchange(exchange)
+        #: how the optimizer state is cut (``zero_rows.LAYOUTS``; "auto": by rows where the
+        #: optimizer's update is element by element, else whole tensors)
+        self.layout = check_layout(layout)
         self._shards: ShardedUpdate | None = None
         self._partial_state: Any = None
 
     def setup(self, ctx: SyncContext) -> None:
         _check_scaler(ctx, self.name)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        layout = OwnerLayout(params, runtime.world_size(ctx.group), ctx.rank)
+        world = runtime.world_size(ctx.group)
+        kind = choose_layout(self.layout, ctx.optimizer, world, self.name)
+        layout = make_layout(params, world, ctx.rank, ctx.optimizer, kind)
         layout.check(updated_by(ctx.optimizer), self.name)
         super().setup(ctx)
         self._shards = ShardedUpdate(ctx, layout, self.name, self.exchange)
@@ -185,11 +192,13 @@ class ZeroStage1(BSP):
     def load_full_state_dict(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        load_owned(optimizer, model, self.shards.layout.mine, state)
+        load_layout(self.shards, model, optimizer, state)
 
     def close(self) -> None:
         if self._partial_state is not None:
             self._partial_state.remove()
+        if self._shards is not None:
+            self._shards.layout.close()
         super().close()
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
@@ -205,7 +214,7 @@ class ZeroStage1(BSP):
         return outcome
 
     def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return reshard_owned(saved, self.shards.ctx.optimizer, self.shards.layout.mine)
+        return reshard_layout(saved, self.shards)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **self.shards.state_dict()}
@@ -228,7 +237,40 @@ def owned_full_state(
     )
     if parts is None:
         return None
-    return {"model": on_cpu(model.state_dict()), "optimizer": join_owned(parts)}
+    layout = shards.layout
+    joined = join(parts, layout.shapes) if isinstance(layout, RowLayout) else join_owned(parts)
+    return {"model": on_cpu(model.state_dict()), "optimizer": joined}
+
+
+def load_layout(
+    shards: ShardedUpdate,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+) -> None:
+    """Load a whole state (``full_state_dict``'s, or a DDP script's checkpoint) under
+    ``zero:1`` / ``zero:2``: the model whole, this rank's part of the optimizer state."""
+    layout = shards.layout
+    if not isinstance(layout, RowLayout):
+        load_owned(optimizer, model, layout.mine, state)
+        return
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(split(state["optimizer"], layout.shapes, layout.world, layout.rank))
+
+
+def reshard_layout(saved: Sequence[dict[str, Any]], shards: ShardedUpdate) -> dict[str, Any]:
+    """``zero:1`` / ``zero:2`` state for another world size from every rank's saved file:
+    the optimizer state joined by the layout the files record, then this rank's part of it
+    by this run's layout."""
+    records = [s.get("sync", {}).get("strategy") for s in saved]
+    whole = join_saved([s["optimizer"] for s in saved], records)
+    layout = shards.layout
+    if isinstance(layout, RowLayout):
+        part = split(whole, layout.shapes, layout.world, layout.rank)
+        return {"model": saved[0]["model"], "optimizer": part}
+    return reshard_owned(
+        [{"model": saved[0]["model"], "optimizer": whole}], shards.ctx.optimizer, layout.mine
+    )
 
 
 class _BackwardPasses:
@@ -602,7 +644,7 @@ class ZeroStage2(Strategy):
         return outcome
 
     def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return reshard_owned(saved, self.shards.ctx.optimizer, self.shards.layout.mine)
+        return reshard_layout(saved, self.shards)
 
     def full_state_dict(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -612,7 +654,7 @@ class ZeroStage2(Strategy):
     def load_full_state_dict(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        load_owned(optimizer, model, self.shards.layout.mine, state)
+        load_layout(self.shards, model, optimizer, state)
 
     def state_dict(self) -> dict[str, Any]:
         _, _, shards, _ = self._parts()

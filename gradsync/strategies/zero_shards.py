@@ -50,9 +50,9 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,7 @@ from torch.overrides import TorchFunctionMode
 from gradsync import compat, runtime
 from gradsync.checks.guards import nonfinite_flag
 from gradsync.errors import UsageError
+from gradsync.row_shards import ROWS, WHOLE, layout_of
 from gradsync.spec import default_bucket_mb
 from gradsync.strategies.base import (
     StepOutcome,
@@ -168,6 +169,10 @@ class FlatGroup:
     loads: tuple[int, ...]
     chunk: int
     world: int
+    #: per rank: the stretches of its chunk that hold no tensor (``[start, stop)`` in the
+    #: chunk), zeroed before a collective carries them: the tail past ``loads[r]``, and under
+    #: the rows layout (``zero_rows``) the slots of the pieces shorter than their slot
+    gaps: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def empty(self, chunks: int) -> torch.Tensor:
         return self.buffer(chunks * self.chunk)
@@ -189,7 +194,8 @@ class FlatGroup:
         """Zero the padding of ``ranks``' chunks in ``flat`` (which starts at element ``base``),
         so that what a collective carries there is deterministic."""
         for r in ranks:
-            flat[r * self.chunk + self.loads[r] - base : (r + 1) * self.chunk - base].zero_()
+            for start, stop in self.gaps[r]:
+                flat[r * self.chunk + start - base : r * self.chunk + stop - base].zero_()
 
 
 def _flat_groups(params: list[torch.Tensor], owners: list[int], world: int) -> list[FlatGroup]:
@@ -218,6 +224,7 @@ def _flat_groups(params: list[torch.Tensor], owners: list[int], world: int) -> l
                 loads=tuple(load),
                 chunk=chunk,
                 world=world,
+                gaps=tuple(((n, chunk),) if n < chunk else () for n in load),
             )
         )
     return groups
@@ -322,9 +329,10 @@ def pack_round(
                 dst.copy_(src)
             else:
                 torch.mul(src, scale, out=dst)
-        padding = max(0, group.loads[r] - rnd.lo)
-        if padding < rnd.size:
-            part[padding:].zero_()
+        for start, stop in group.gaps[r]:
+            first, last = max(start, rnd.lo), min(stop, rnd.lo + rnd.size)
+            if first < last:
+                part[first - rnd.lo : last - rnd.lo].zero_()
 
 
 def unpack_round(buf: torch.Tensor, group: FlatGroup, rnd: Round, owner: int) -> None:
@@ -341,7 +349,32 @@ def unpack_round(buf: torch.Tensor, group: FlatGroup, rnd: Round, owner: int) ->
             p.copy_(whole.view(p.shape))
 
 
-def round_elements(ctx: SyncContext, layout: OwnerLayout) -> int:
+class Layout(Protocol):
+    """Which rank steps which elements, and the flat groups that carry them: whole tensors by
+    owner (``OwnerLayout``) or every tensor's rows (``zero_rows.RowLayout``)."""
+
+    kind: str
+    world: int
+    rank: int
+    #: the units each rank steps (whole tensors, or pieces of rows) and their owners
+    params: list[torch.Tensor]
+    owners: list[int]
+    mine: list[torch.Tensor]
+    others: list[torch.Tensor]
+    groups: list[FlatGroup]
+
+    def check(self, updated: Sequence[torch.Tensor], name: str) -> None: ...
+
+    def numel(self, rank: int) -> int: ...
+
+    def grads_for_step(self, full_grads: bool) -> AbstractContextManager[None]: ...
+
+    def state_record(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def round_elements(ctx: SyncContext, layout: Layout) -> int:
     """Elements of each owner's chunk one round carries: half the gradient bucket
     (``bucket_mb``, or the default plan for this model, as under ``bsp``) split over the
     ranks, so that the two round buffers together are one bucket, whatever the model's size."""
@@ -357,6 +390,8 @@ def round_elements(ctx: SyncContext, layout: OwnerLayout) -> int:
 class OwnerLayout:
     """Who owns which trainable parameter (the same on every rank), and the flat groups."""
 
+    kind = WHOLE
+
     def __init__(self, params: Sequence[torch.Tensor], world: int, rank: int) -> None:
         self.params = list(params)
         self.world, self.rank = world, rank
@@ -368,7 +403,7 @@ class OwnerLayout:
         self.others = [p for p, o in zip(self.params, self.owners, strict=True) if o != rank]
         self.groups = _flat_groups(self.params, self.owners, world)
 
-    def check(self, updated: Iterable[torch.Tensor], name: str) -> None:
+    def check(self, updated: Sequence[torch.Tensor], name: str) -> None:
         """``UsageError`` unless every rank owns one of the tensors the optimizer ``updated``
         (a rank without one would have nothing to step, and a GradScaler nothing to check)."""
         ids = {id(p) for p in updated}
@@ -386,6 +421,28 @@ class OwnerLayout:
     def numel(self, rank: int) -> int:
         """Elements of the parameters ``rank`` owns (its share of the optimizer state)."""
         return sum(p.numel() for p, o in zip(self.params, self.owners, strict=True) if o == rank)
+
+    @contextmanager
+    def grads_for_step(self, full_grads: bool) -> Iterator[None]:
+        """The optimizer's step sees the gradients of this rank's tensors only. ``full_grads``
+        (``zero:1``, which holds every gradient): the others' are hidden for the step only, so
+        that after the block ``p.grad`` is the mean gradient as under ``bsp``."""
+        hidden = [(p, p.grad) for p in self.others] if full_grads else []
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            yield
+        finally:
+            for p, g in hidden:
+                p.grad = g
+
+    def state_record(self) -> dict[str, Any]:
+        """What a checkpoint records of the layout (``ShardedUpdate.load_state_dict`` compares
+        it)."""
+        return {"owners": list(self.owners)}
+
+    def close(self) -> None:
+        """Nothing to undo: the optimizer steps the parameters themselves."""
 
 
 def updated_by(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -472,9 +529,7 @@ class ShardedUpdate:
     """The update of both stages: the user's optimizer on this rank's tensors (through the
     GradScaler when there is one), then every rank's updated tensors gathered everywhere."""
 
-    def __init__(
-        self, ctx: SyncContext, layout: OwnerLayout, name: str, exchange: str = "auto"
-    ) -> None:
+    def __init__(self, ctx: SyncContext, layout: Layout, name: str, exchange: str = "auto") -> None:
         self.ctx, self.layout, self.name = ctx, layout, name
         self.spans: list[Span] = []
         if check_exchange(exchange) == "auto":
@@ -508,16 +563,8 @@ class ShardedUpdate:
         if ctx.scaling:
             self._unscale(step, full_grads)
         wall0, t0 = time.time(), time.perf_counter()
-        # zero:1 holds every gradient: hide the others' from the optimizer for its step only,
-        # so that after the block p.grad is the mean gradient as under bsp.
-        hidden = [(p, p.grad) for p in self.layout.others] if full_grads else []
-        for p, _ in hidden:
-            p.grad = None
-        try:
+        with self.layout.grads_for_step(full_grads):
             applied = step_verdict(ctx, outcome)
-        finally:
-            for p, g in hidden:
-                p.grad = g
         if ctx.record_spans:
             self.spans.append(Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step"))
         # Every rank decided alike (the same gradient, or the scaler's agreed counts), so
@@ -615,11 +662,20 @@ class ShardedUpdate:
         return spans
 
     def state_dict(self) -> dict[str, Any]:
-        return {"owners": list(self.layout.owners)}
+        return self.layout.state_record()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint sharded otherwise: each rank's file holds the optimizer state of
         the tensors it owned, which another owner would silently start from zero."""
+        saved_layout = layout_of(state)
+        if "owners" in state and saved_layout != self.layout.kind:
+            raise UsageError(
+                f"this {self.name} checkpoint was sharded by {saved_layout} (each rank's file "
+                f"holds its {'rows of every tensor' if saved_layout == ROWS else 'own tensors'}"
+                f"), and this run shards by {self.layout.kind}: resume with the same layout ("
+                f"{self.name}'s layout= argument; 'auto' shards by rows only for element-wise "
+                "optimizers without a GradScaler)"
+            )
         saved = state.get("owners")
         if saved is not None and list(saved) != self.layout.owners:
             raise UsageError(

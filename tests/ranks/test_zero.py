@@ -93,23 +93,50 @@ def test_each_rank_holds_only_its_shards_optimizer_state_and_zero2_only_its_grad
 ) -> None:
     world, results = exact
     tensors = set(range(6))  # the mlp's 3 weights and 3 biases
-    for stage in STAGES:
+    shapes = [p.shape for p in zr._workload().build_model().parameters()]
+    for stage, layout in (("zero:1", ""), ("zero:1", " whole"), ("zero:2", "")):
         for optimizer in ("sgd", "adamw"):
-            name = f"{stage} {optimizer}"
+            name = f"{stage} {optimizer}{layout}"
             states = [set(out[name]["state"]) for out in results]
-            # Every tensor's state on exactly one rank; every rank steps some tensor.
-            assert sum(len(s) for s in states) == len(tensors), (name, states)
-            assert set().union(*states) == tensors, (name, states)
-            assert all(states), (name, states)
             grads = [set(out[name]["grads"]) for out in results]
             if stage == "zero:1":  # the mean gradient everywhere, as under bsp
                 assert grads == [tensors] * world, (name, grads)
             else:  # only the owned tensors' gradient survives the exchange
                 assert grads == states, (name, grads)
-    # The shards are uneven: the greedy size split of the mlp's tensors cannot balance them.
+            if results[0][name]["layout"] == "rows":
+                # Every rank holds the state of its rows of every tensor: together each
+                # tensor's elements once, each rank at most ceil(rows / N) rows of it.
+                assert states == [tensors] * world, (name, states)
+                for i, shape in enumerate(shapes):
+                    held = [out[name]["state_numel"][i] for out in results]
+                    rows = -(-shape[0] // world)
+                    assert sum(held) == shape.numel(), (name, i, held)
+                    assert max(held) == rows * shape.numel() // shape[0], (name, i, held)
+                continue
+            # Every tensor's state on exactly one rank; every rank steps some tensor.
+            assert sum(len(s) for s in states) == len(tensors), (name, states)
+            assert set().union(*states) == tensors, (name, states)
+            assert all(states), (name, states)
+    assert results[0]["zero:1 sgd"]["layout"] == "rows"  # SGD and AdamW: by rows, unless forced
+    assert results[0]["zero:1 sgd whole"]["layout"] == "whole"
+    # Whole tensors are uneven: the greedy size split of the mlp's tensors cannot balance them.
     sizes = [p.numel() for p in zr._workload().build_model().parameters()]
-    loads = [sum(sizes[i] for i in out["zero:1 sgd"]["state"]) for out in results]
+    loads = [sum(sizes[i] for i in out["zero:2 sgd"]["state"]) for out in results]
     assert len(set(loads)) == world, loads
+
+
+@pytest.mark.timeout(180)
+def test_zero1_by_rows_ends_bitwise_where_whole_tensors_do(
+    exact: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """The optimizers sharded by rows update element by element: a piece's step is the whole
+    tensor's, bit for bit."""
+    _, results = exact
+    for optimizer in ("sgd", "adamw"):
+        for out in results:
+            rows, whole = out[f"zero:1 {optimizer}"], out[f"zero:1 {optimizer} whole"]
+            for step, params in enumerate(rows["params"]):
+                assert torch.equal(params, whole["params"][step]), (optimizer, step)
 
 
 @pytest.mark.timeout(180)
@@ -264,8 +291,14 @@ def test_a_checkpoint_resumes_bitwise_each_rank_with_its_shard_of_the_optimizer_
             # AdamW restarted from zero moments would land elsewhere.
             assert torch.equal(resumed["params"], straight["params"]), stage
             assert resumed["state"] == straight["state"]
+            assert resumed["numel"] == straight["numel"]
             counts.append(resumed["state"])
-        assert sum(counts) == 6 and min(counts) > 0, counts  # each file: its own shard
+        if stage == "zero:1":  # by rows: each file holds its rows of all six tensors
+            assert counts == [6] * len(scenes), counts
+            numel = [sum(out["checkpoints"][stage]["resumed"]["numel"].values()) for out in scenes]
+            assert sum(numel) == sum(p.numel() for p in zr._workload().build_model().parameters())
+        else:
+            assert sum(counts) == 6 and min(counts) > 0, counts  # each file: its own shard
 
 
 @pytest.mark.timeout(180)
@@ -278,7 +311,9 @@ def test_a_stage_refuses_compression_and_a_model_too_small_to_shard_saying_why(
             "zero:2 cannot compress its gradient exchange (compression fp16): it reduce-scatters"
         )
         assert "or zero:1, which exchanges the gradient as bsp does" in refused["zero:2 fp16"]
-        for stage in STAGES:
+        for stage in STAGES:  # zero:1 with whole tensors forced
             message = refused[f"{stage} one tensor"]
             assert message.startswith(f"{stage} gives each rank whole parameter tensors"), message
             assert f"run {stage} on at most 1 rank(s), or use bsp" in message
+        # by rows (zero:1's default for SGD) every rank steps its rows of the one tensor
+        assert refused["zero:1 one tensor, rows"] == "accepted"

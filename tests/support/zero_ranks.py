@@ -17,6 +17,7 @@ from gradsync.balance import ShardBalancer
 from gradsync.errors import UsageError
 from gradsync.strategies import ZeroStage1, ZeroStage2
 from gradsync.strategies.base import clip_grad_norm
+from gradsync.strategies.zero_rows import RowLayout
 from gradsync.workloads import make_workload
 
 PER_RANK = 6  # samples per rank and step, in MICRO micro-batches
@@ -130,6 +131,8 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     if "exchange" in case:  # the stage object itself, with its way of exchanging forced
         stage = ZeroStage1 if strategy == "zero:1" else ZeroStage2
         strategy = stage(exchange=case["exchange"])
+    if "layout" in case:  # zero:1 with its layout forced
+        strategy = ZeroStage1(layout=case["layout"])
     sync = gs.Synchronizer(
         model,
         opt,
@@ -148,19 +151,40 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         sched.step()
         params.append(flat(model))
         buffers.append(_buffers(sync, model))
-    index = {id(p): i for i, p in enumerate(model.parameters())}
+    index = _state_index(sync, model, rank)
     out = {
         "params": params,
         "norms": norms,
-        # which tensors have optimizer state here, and which a gradient after the last block
+        # which tensors have optimizer state here (and of how many of their elements), and
+        # which a gradient after the last block
         "state": sorted(index[id(p)] for p in opt.state),
+        "state_numel": {index[id(p)]: _per_element(st) for p, st in opt.state.items()},
+        "layout": getattr(getattr(sync.strategy, "_shards", None), "layout", None),
         "grads": sorted(i for i, p in enumerate(model.parameters()) if p.grad is not None),
         "lrs": [g["lr"] for g in opt.param_groups],
         "buffers": buffers,
     }
+    out["layout"] = getattr(out["layout"], "kind", None)
     sync.report()
     sync.close()
     return out
+
+
+def _state_index(sync: gs.Synchronizer, model: nn.Module, rank: int) -> dict[int, int]:
+    """The model's index of each tensor the optimizer may hold state for: its parameters,
+    and under zero:1's rows layout this rank's pieces of them."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    layout = getattr(getattr(sync.strategy, "_shards", None), "layout", None)
+    if isinstance(layout, RowLayout):
+        for p, pieces in zip(layout.cut, layout.pieces, strict=True):
+            index[id(pieces[rank])] = index[id(p)]
+    return index
+
+
+def _per_element(state: dict[str, Any]) -> int:
+    """Elements of one per-element entry of a tensor's optimizer state (a moment)."""
+    sizes = [t.numel() for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return sizes[0] if sizes else 0
 
 
 def _buffers(sync: gs.Synchronizer, model: nn.Module) -> dict[str, Any] | None:
@@ -192,6 +216,11 @@ def exactness_cases(world: int) -> dict[str, dict[str, Any]]:
     for stage in ("zero:1", "zero:2"):
         for optimizer in ("sgd", "adamw"):
             cases[f"{stage} {optimizer}"] = {"strategy": stage, "optimizer": optimizer}
+    # zero:1 shards by rows for these optimizers by default; whole tensors, forced, must end
+    # bitwise where the rows do
+    for optimizer in ("sgd", "adamw"):
+        case = {"strategy": "zero:1", "optimizer": optimizer, "layout": "whole"}
+        cases[f"zero:1 {optimizer} whole"] = case
     cases["bsp sgd"] = {"strategy": "bsp", "optimizer": "sgd"}
     cases["zero:1 clip handle"] = {"strategy": "zero:1", "optimizer": "sgd", "clip": "handle"}
     cases["zero:2 clip strategy"] = {"strategy": "zero:2", "optimizer": "sgd", "clip": "strategy"}
@@ -305,7 +334,8 @@ def _checkpointed(spec: str, directory: Path, rank: int, world: int, resume: boo
             sync.save(directory)
     sync.report()
     sync.close()
-    return {"params": flat(model), "start": start, "state": len(opt.state)}
+    state = {i: _per_element(st) for i, st in enumerate(opt.state.values())}
+    return {"params": flat(model), "start": start, "state": len(opt.state), "numel": state}
 
 
 def checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -337,13 +367,14 @@ def refusals(rank: int, world: int) -> dict[str, str]:
             model, make_optimizer("sgd", model), strategy="zero:2", compression="fp16"
         )
 
-    def one_tensor(spec: str) -> gs.Synchronizer:
+    def one_tensor(spec: Any) -> gs.Synchronizer:
         model = nn.Linear(4, 1, bias=False).double()
         return gs.Synchronizer(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=spec)
 
     return {
         "zero:2 fp16": _refusal(with_compression),
-        "zero:1 one tensor": _refusal(lambda: one_tensor("zero:1")),
+        "zero:1 one tensor": _refusal(lambda: one_tensor(ZeroStage1(layout="whole"))),
+        "zero:1 one tensor, rows": _refusal(lambda: one_tensor("zero:1")),
         "zero:2 one tensor": _refusal(lambda: one_tensor("zero:2")),
     }
 

@@ -1,0 +1,310 @@
+"""``zero:1``'s rows layout: every parameter tensor cut into N pieces of rows, rank r stepping
+rows ``[r * c, r * c + c)`` of each (``c = ceil(rows / N)``, FSDP2's dim-0 split), in place of
+whole tensors owned by one rank each (``zero_shards.OwnerLayout``).
+
+Why (issue 47): with whole tensors a rank's share of the optimizer state is as uneven as the
+tensors' sizes (6 weights of 64 MiB on 4 ranks: two ranks own two, a third of AdamW's state
+where a quarter is even; a model whose one tensor holds 95% of the bytes puts 95% of the state
+on one rank, and sharding saves nothing), and the optimizer's temporaries in its step are a
+whole tensor's. By rows every rank holds 1/N of every tensor's state, to within a row, and its
+step's temporaries are a piece's.
+
+Only for optimizers whose update is element by element (``ELEMENTWISE``: torch's SGD, Adam,
+AdamW and their kin, by exact class): their step on a piece of rows is, element for element,
+their step on the whole tensor, so every replica ends bitwise where whole tensors would leave
+it. A rule over a whole tensor (Adafactor's factored moments, LAMB's or LARS's trust ratio, a
+subclass or an optimizer of the user's own, which gradsync cannot read) would be taken over
+each rank's rows instead: those keep whole tensors (``choose_layout`` says which applies).
+0-dim tensors stay whole and every rank steps them (each holds the same mean gradient and
+state: the same result).
+
+How the user's optimizer steps pieces: each rank's piece of a parameter is a tensor that
+shares the parameter's storage (``p.detach()[a:b]``: a leaf, which the step updates in place,
+and the parameter with it). For the step, and while gradsync reads or loads the optimizer's
+state (its state-dict hooks), the optimizer's param groups hold this rank's pieces in place of
+the parameters, each piece given its rows of the mean gradient as ``.grad``; the rest of the
+time they hold the parameters, so the user's code sees the optimizer it built (a GradScaler's
+``unscale_`` unscales the whole mean gradient, as under ``bsp``; schedulers and ``zero_grad``
+act as ever). Its state is that of this rank's pieces, and ``optimizer.state_dict()`` keeps the
+whole tensors' indices, each entry holding this rank's rows (``gradsync.row_shards`` joins and
+splits them); a whole state loaded by the user's code (a DDP script's checkpoint) is cut into
+this rank's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from gradsync.errors import UsageError
+from gradsync.row_shards import ROWS, WHOLE, rows_of, split
+from gradsync.strategies.base import reading_own_state
+from gradsync.strategies.zero_shards import FlatGroup, OwnerLayout
+
+#: optimizers whose step is element by element (by exact class: a subclass may add a rule
+#: over the whole tensor)
+ELEMENTWISE: frozenset[type] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+    }
+)
+#: the layouts ``zero:1`` takes (``ZeroStage1(layout=...)``); "auto": rows where they apply
+LAYOUTS = ("auto", ROWS, WHOLE)
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    return layout
+
+
+def why_not_rows(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the rows layout cannot hold this optimizer's step (None: it can)."""
+    if type(optimizer) in ELEMENTWISE:
+        return None
+    names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
+    return (
+        f"its optimizer, {type(optimizer).__name__}, is not one whose update is element by "
+        f"element ({names})"
+    )
+
+
+def choose_layout(requested: str, optimizer: torch.optim.Optimizer, world: int, name: str) -> str:
+    """The layout a stage runs: ``requested``, or for "auto" rows where they apply (and there
+    is more than one rank to cut for)."""
+    if requested == WHOLE or (requested == "auto" and world == 1):
+        return WHOLE
+    reason = why_not_rows(optimizer)
+    if reason is None:
+        return ROWS
+    if requested == ROWS:
+        raise UsageError(
+            f"{name} cannot shard by rows here: {reason}. Use layout='whole' (or 'auto', which "
+            "picks whole tensors for it)"
+        )
+    return WHOLE
+
+
+class RowLayout:
+    """Each trainable tensor of one or more dimensions cut into ``world`` pieces of rows,
+    piece r owned by rank r; the same interface as ``OwnerLayout`` (the units its flat groups
+    hold are the pieces), and it puts this rank's pieces into the optimizer (``install``)."""
+
+    kind = ROWS
+
+    def __init__(self, params: Sequence[torch.Tensor], world: int, rank: int) -> None:
+        self.world, self.rank = world, rank
+        #: the parameters cut into rows (0-dim ones stay whole, stepped by every rank)
+        self.cut = [p for p in params if p.dim() > 0 and p.numel() > 0]
+        for p in self.cut:
+            if not p.is_contiguous():
+                raise UsageError(
+                    "zero:1's rows layout needs contiguous parameters (a piece of rows is a "
+                    f"view of one), and a parameter of shape {tuple(p.shape)} is not: use "
+                    "layout='whole'"
+                )
+        #: per cut parameter, every rank's piece (views of the parameter)
+        self.pieces = [
+            [p.detach()[slice(*rows_of(p.shape, world, r))] for r in range(world)] for p in self.cut
+        ]
+        self.params: list[torch.Tensor] = []
+        self.owners: list[int] = []
+        for pieces in self.pieces:
+            for r, piece in enumerate(pieces):
+                self.params.append(piece)
+                self.owners.append(r)
+        self.mine = [pieces[rank] for pieces in self.pieces]
+        self.others = [pc for pieces in self.pieces for r, pc in enumerate(pieces) if r != rank]
+        self.groups = _row_groups(self.cut, self.pieces, world)
+        #: per optimizer index: the shape of the whole tensor it steps rows of (None: whole)
+        self.shapes: list[list[int] | None] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._mine: dict[int, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+
+    def check(self, updated: Sequence[torch.Tensor], name: str) -> None:
+        """Every rank steps its rows of whatever the optimizer updates: nothing to refuse."""
+
+    def numel(self, rank: int) -> int:
+        return sum(pieces[rank].numel() for pieces in self.pieces)
+
+    def install(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer`` step this rank's pieces: any state it already holds for the cut
+        parameters cut alike (a script that loaded a checkpoint before building the
+        Synchronizer), and its state dict read and loaded through the pieces."""
+        self._optimizer = optimizer
+        self._mine = {id(p): pc[self.rank] for p, pc in zip(self.cut, self.pieces, strict=True)}
+        self.shapes = [
+            list(p.shape) if id(p) in self._mine else None for p in _params_of(optimizer)
+        ]
+        held = optimizer.state
+        whole = {i: held[p] for i, p in enumerate(_params_of(optimizer)) if p in held}
+        cut = split({"state": whole}, self.shapes, self.world, self.rank)["state"]
+        for i, p in enumerate(_params_of(optimizer)):
+            if id(p) in self._mine and p in held:
+                del held[p]
+                held[self._mine[id(p)]] = cut[i]
+        self._hooks = [
+            optimizer.register_state_dict_pre_hook(self._before_state_dict),
+            optimizer.register_state_dict_post_hook(self._after_state_dict),
+            optimizer.register_load_state_dict_pre_hook(self._before_load),
+            optimizer.register_load_state_dict_post_hook(lambda _: self._show(pieces=False)),
+        ]
+
+    def _show(self, pieces: bool) -> None:
+        """Put this rank's pieces (or the whole parameters back) in the optimizer's param
+        groups: the pieces while gradsync steps it or reads or loads its state, the
+        parameters the rest of the time, so that the user's code (a GradScaler's unscale, a
+        scheduler, ``zero_grad``) sees the optimizer it built."""
+        assert self._optimizer is not None, "install() has not run"
+        back = {id(piece): p for piece, p in zip(self.mine, self.cut, strict=True)}
+        for group in self._optimizer.param_groups:
+            if pieces:
+                group["params"] = [self._mine.get(id(p), p) for p in group["params"]]
+            else:
+                group["params"] = [back.get(id(p), p) for p in group["params"]]
+
+    def _before_state_dict(self, _: torch.optim.Optimizer) -> None:
+        # Only gradsync's own reads: the user's are refused (``refuse_partial_state``), by a
+        # hook after this one, which would leave the pieces in place.
+        if reading_own_state():
+            self._show(pieces=True)
+
+    def _after_state_dict(self, _: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        self._show(pieces=False)
+
+    def _before_load(self, _: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """Load into the pieces; a whole state (a DDP script's checkpoint, loaded by the
+        user's code) is cut into this rank's rows first."""
+        self._show(pieces=True)
+        return (
+            state if not self._is_whole(state) else split(state, self.shapes, self.world, self.rank)
+        )
+
+    def _is_whole(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` holds whole tensors' entries rather than this rank's rows (told
+        by the first entry whose rows differ between the two)."""
+        for index, entry in state.get("state", {}).items():
+            shape = self.shapes[int(index)] if int(index) < len(self.shapes) else None
+            if shape is None:
+                continue
+            start, stop = rows_of(shape, self.world, self.rank)
+            if stop - start == shape[0]:
+                continue  # this rank's rows are the whole tensor: either reads alike
+            for value in entry.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    return int(value.shape[0]) == shape[0]
+        return False
+
+    @contextmanager
+    def grads_for_step(self, full_grads: bool) -> Iterator[None]:
+        """For the step, the optimizer holds this rank's pieces, each given its rows of its
+        parameter's gradient (a view: nothing is copied); after it, the parameters again."""
+        given = []
+        for p, pieces in zip(self.cut, self.pieces, strict=True):
+            if p.grad is not None:
+                start, stop = rows_of(p.shape, self.world, self.rank)
+                pieces[self.rank].grad = p.grad[start:stop]
+                given.append(pieces[self.rank])
+        self._show(pieces=True)
+        try:
+            yield
+        finally:
+            self._show(pieces=False)
+            for piece in given:
+                piece.grad = None
+
+    def close(self) -> None:
+        """Leave the optimizer as the user built it: the parameters in its param groups and
+        its state keyed by them again (each entry this rank's rows, as a whole-tensor
+        layout leaves each rank the state of its own tensors only)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._optimizer is None:
+            return
+        self._show(pieces=False)
+        held = self._optimizer.state
+        for piece, p in zip(self.mine, self.cut, strict=True):
+            if piece in held:
+                held[p] = held.pop(piece)
+
+    def state_record(self) -> dict[str, Any]:
+        return {"owners": list(self.owners), "layout": ROWS, "shapes": self.shapes}
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _row_groups(
+    cut: Sequence[torch.Tensor], pieces: Sequence[Sequence[torch.Tensor]], world: int
+) -> list[FlatGroup]:
+    """Flat groups (one per dtype and device) whose chunk r holds rank r's piece of every
+    tensor, each in a slot of the longest piece's size at the same place in every chunk, the
+    tensors from the last registered (the order backward usually finishes them): so a round
+    of the chunks carries whole consecutive tensors, ready as soon as backward makes them."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for j, p in enumerate(cut):
+        kinds.setdefault((p.dtype, p.device), []).append(j)
+    groups = []
+    for members in kinds.values():
+        members.sort(key=lambda j: -j)
+        slots, at = [], 0
+        for j in members:
+            slots.append(at)
+            at += pieces[j][0].numel()  # the first piece is the longest
+        chunk = at
+        units, owners, offsets = [], [], []
+        gaps: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+        loads = [0] * world
+        for r in range(world):
+            for j, slot in zip(members, slots, strict=True):
+                piece = pieces[j][r]
+                units.append(piece)
+                owners.append(r)
+                offsets.append(r * chunk + slot)
+                loads[r] += piece.numel()
+                longest = pieces[j][0].numel()
+                if piece.numel() < longest:
+                    gaps[r].append((slot + piece.numel(), slot + longest))
+        groups.append(
+            FlatGroup(
+                params=tuple(units),
+                owners=tuple(owners),
+                offsets=tuple(offsets),
+                loads=tuple(loads),
+                chunk=chunk,
+                world=world,
+                gaps=tuple(tuple(g) for g in gaps),
+            )
+        )
+    return groups
+
+
+def make_layout(
+    params: Sequence[torch.Tensor],
+    world: int,
+    rank: int,
+    optimizer: torch.optim.Optimizer,
+    kind: str,
+) -> OwnerLayout | RowLayout:
+    """The layout of ``kind`` (``choose_layout``'s answer), rows installed in ``optimizer``."""
+    if kind == ROWS:
+        layout = RowLayout(params, world, rank)
+        layout.install(optimizer)
+        return layout
+    return OwnerLayout(params, world, rank)

@@ -1,0 +1,74 @@
+"""``zero:1``'s rows layout (``gradsync.strategies.zero_rows``): its whole state is bsp's,
+bitwise, and survives a resume on another number of ranks and a change of layout, whichever
+way it is loaded. The trajectory itself (a float64 reference, bitwise against whole tensors)
+is in test_zero.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gradsync.testing import run_ranks
+from tests.support import zero_rows_ranks as zrr
+
+pytestmark = pytest.mark.ranks
+
+
+def _same(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (where, a.keys(), b.keys())
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any]]:
+    root = tmp_path_factory.mktemp("zero-rows")
+    saved = run_ranks(zrr.save, 2, str(root), timeout_s=120)
+    torch.save(saved[0]["bsp"], root / "whole-state.pt")
+    loaded = run_ranks(zrr.load, 3, str(root), timeout_s=120)
+    return saved, loaded
+
+
+@pytest.mark.timeout(240)
+def test_the_whole_state_of_rows_is_bsps_bitwise(runs: tuple[list[Any], list[Any]]) -> None:
+    """Joined on rank 0, every rank's rows of AdamW's state are bsp's state, and so are whole
+    tensors'; the other ranks get None."""
+    saved, _ = runs
+    assert saved[0]["rows layout"] == "rows" and saved[0]["whole layout"] == "whole"
+    for name in ("rows", "whole"):
+        _same(saved[0][name], saved[0]["bsp"], name)
+        assert saved[1][name] is None
+
+
+@pytest.mark.timeout(240)
+def test_a_resume_on_three_ranks_reshards_either_layout_into_either(
+    runs: tuple[list[Any], list[Any]],
+) -> None:
+    """Written by 2 ranks, loaded by 3: by rows into rows, whole tensors into rows, and both
+    into whole tensors, the whole state gathered again is the one saved."""
+    saved, loaded = runs
+    for key in ("rows -> auto", "rows -> whole", "whole -> auto", "whole -> whole"):
+        got = loaded[0][key]
+        assert got["layout"] == ("whole" if key.endswith("whole") else "rows"), key
+        _same(got["state"], saved[0]["bsp"], key)
+
+
+@pytest.mark.timeout(240)
+def test_a_whole_state_loads_into_rows_through_either_door(
+    runs: tuple[list[Any], list[Any]],
+) -> None:
+    """``sync.load_full_state_dict`` and the script's own ``optimizer.load_state_dict`` (a
+    DDP script resuming its rank-0 checkpoint) both cut the whole state into each rank's
+    rows."""
+    saved, loaded = runs
+    _same(loaded[0]["load_full_state_dict"], saved[0]["bsp"], "load_full_state_dict")
+    _same(loaded[0]["user load"], saved[0]["bsp"], "optimizer.load_state_dict")
+
