@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the static view of the lazy names below, for mypy and edito
         LocalSGD,
         ParameterServer,
         Strategy,
+        ZeroStage1,
+        ZeroStage2,
         parse_strategy,
     )
     from gradsync.synchronizer import StepHandle, Synchronizer
@@ -72,6 +74,8 @@ _LAZY = {
     "scaled_lr": "gradsync.lr",
     "warmup": "gradsync.lr",
     "world_size": "gradsync.runtime",
+    "ZeroStage1": "gradsync.strategies",
+    "ZeroStage2": "gradsync.strategies",
 }
 
 __all__ = [
@@ -96,6 +100,8 @@ __all__ = [
     "Synchronizer",
     "Telemetry",
     "UsageError",
+    "ZeroStage1",
+    "ZeroStage2",
     "init",
     "is_main",
     "make_tracker",
