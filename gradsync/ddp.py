@@ -331,7 +331,7 @@ class DistributedDataParallel(nn.Module):
             self._params = [p for p in module.parameters() if p.requires_grad]
             #: zero:2: its shards of the gradient shown to the loop as DTensors (``_ShardView``)
             self._view = (
-                _ShardView(self._params, process_group)
+                _ShardView(self._params, process_group, self.sync.strategy)
                 if self.sync.strategy.name == "zero:2"
                 else None
             )
@@ -600,7 +600,12 @@ class _ShardView:
     (the same on every rank) posts the same collectives on every rank. ``hide()`` puts the
     plain gradients back (None for the others') before the update."""
 
-    def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, stage: Any
+    ) -> None:
+        #: the ``zero:2`` strategy: where this rank's part of each gradient is
+        #: (``gradient_part``: a whole tensor it owns, or its rows of every tensor)
+        self._stage = stage
         found = compat.fsdp2()
         try:
             from torch.distributed.tensor import Partial, Shard
@@ -617,13 +622,17 @@ class _ShardView:
         device_type = params[0].device.type if params else "cpu"
         self._mesh = mesh_cls.from_group(group or dist.group.WORLD, device_type)
         self._params = params
-        #: per parameter: the DTensor shown, and this rank's plain gradient (None: another's)
+        #: per parameter: the DTensor shown, and the ``p.grad`` it replaced
         self._shown: list[tuple[torch.Tensor, Any, torch.Tensor | None]] = []
 
     def show(self) -> None:
         shown = []
+        # the loop's GradScaler checks the gradients of the tensors the optimizer holds: the
+        # parameters, whose DTensor gradients reduce its check over the group
+        self._stage.show_parameters()
         for p in self._params:
-            mine = p.grad
+            held = p.grad  # put back by hide(): the gradient, or zero:2's placeholder by rows
+            mine = self._stage.gradient_part(p)
             if p.dim() == 0:
                 local = torch.zeros_like(p) if mine is None else mine
                 view = self._dtensor.from_local(local, self._mesh, [self._partial], run_check=False)
@@ -638,15 +647,17 @@ class _ShardView:
                     stride=_contiguous_strides(p.shape),
                 )
             p.grad = view
-            shown.append((p, view, mine))
+            shown.append((p, view, held))
         self._shown = shown
 
     def hide(self) -> None:
-        for p, view, mine in self._shown:
-            if p.grad is view:
-                p.grad = mine
-            elif isinstance(p.grad, self._dtensor):  # replaced by the loop (g = g * c)
-                p.grad = None if mine is None else p.grad.to_local()
+        for p, view, held in self._shown:
+            grad: Any = p.grad
+            replaced = grad is not view and isinstance(grad, self._dtensor)
+            local = grad.to_local() if replaced else None  # the loop's g = g * c
+            p.grad = held
+            if local is not None:
+                self._stage.set_gradient_part(p, local)
         self._shown = []
 
 

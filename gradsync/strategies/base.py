@@ -345,7 +345,7 @@ def clip_grad_norm(
     norm from ``strategy.grad_norm`` (the whole gradient's, also where each rank holds a part
     of it, as under ``zero:2``); returns that norm. Call it at the gradient-ready point, on
     every rank: it is collective when ``grad_norm`` is."""
-    params = list(params)
+    params = strategy.gradient_holders(list(params))
     total = strategy.grad_norm(params, norm_type)
     grads = [p.grad for p in params if p.grad is not None]
     clip = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
@@ -488,6 +488,12 @@ class Strategy(Protocol):
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """Apply the update (unless ``outcome.skipped``); returns the step's final outcome."""
         ...
+
+    def gradient_holders(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` holds this rank's part of ``params``' gradient at the
+        gradient-ready point (what a clip scales): the parameters themselves, unless a
+        strategy keeps it elsewhere (``zero:2`` by rows: this rank's pieces)."""
+        return list(params)
 
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """After ``gradients_ready``: the total ``norm_type`` norm of the gradient the update

@@ -326,11 +326,14 @@ class ZeroStage2(Strategy):
     replicates_every_step = True
     gate_ahead = True
 
-    def __init__(self, exchange: str = "auto") -> None:
+    def __init__(self, exchange: str = "auto", layout: str = "auto") -> None:
         #: how the gradient and the update travel (``zero_shards.EXCHANGES``)
         self.exchange = check_exchange(exchange)
+        #: how the gradient and the optimizer state are cut (``zero_rows.LAYOUTS``; "auto":
+        #: by rows where the optimizer's update is element by element, else whole tensors)
+        self.layout = check_layout(layout)
         self._ctx: SyncContext | None = None
-        self._layout: OwnerLayout | None = None
+        self._layout: OwnerLayout | RowLayout | None = None
         self._shards: ShardedUpdate | None = None
         self._passes: _BackwardPasses | None = None
         #: this rank's part of the reduced gradient, one buffer per flat group
@@ -360,6 +363,8 @@ class ZeroStage2(Strategy):
         self._scale = 1.0
         #: refuses torch's clip of this rank's part of the gradient (``LocalClipGuard``)
         self._clip_guard = LocalClipGuard(self.name)
+        #: by rows: each cut parameter's ``p.grad`` from the gradient-ready point to the update
+        self._placeholders: dict[int, torch.Tensor] = {}
         self._partial_state: Any = None
         #: live membership's quorum (None: ``ctx.group`` holds every replica)
         self._membership: Membership | None = None
@@ -370,7 +375,9 @@ class ZeroStage2(Strategy):
         self._membership = ctx.membership
         _check_scaler(ctx, self.name)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        layout = self._layout = OwnerLayout(params, runtime.world_size(ctx.group), ctx.rank)
+        world = runtime.world_size(ctx.group)
+        kind = choose_layout(self.layout, ctx.optimizer, world, self.name)
+        layout = self._layout = make_layout(params, world, ctx.rank, ctx.optimizer, kind)
         layout.check(updated_by(ctx.optimizer), self.name)
         self._ctx = ctx
         self._shards = ShardedUpdate(ctx, layout, self.name, self.exchange)
@@ -383,10 +390,13 @@ class ZeroStage2(Strategy):
         # (each owner's chunk lists its tensors from the last registered, ``_flat_groups``).
         self._order = [(k, j) for k, rounds in enumerate(shards.rounds) for j in range(len(rounds))]
         self._members = {(k, j): shards.rounds[k][j].members() for k, j in self._order}
+        # By the parameter each unit is of (backward's hooks name parameters): under rows a
+        # parameter's pieces are several units, each counted in its round.
         rounds_of: dict[int, list[tuple[int, int]]] = {}
         for (k, j), members in self._members.items():
             for i in members:
-                rounds_of.setdefault(id(layout.groups[k].params[i]), []).append((k, j))
+                unit = layout.groups[k].params[i]
+                rounds_of.setdefault(id(self._source(unit)), []).append((k, j))
         self._rounds_of = rounds_of
         self._starts = {
             (k, j): {pc.index: pc.start for owner in rnd.pieces for pc in owner}
@@ -395,13 +405,23 @@ class ZeroStage2(Strategy):
         }
         self._tail_cap = [max((r.size for r in rounds), default=0) for rounds in shards.rounds]
         self._partial_state = refuse_partial_state(ctx.optimizer, self.name)
+        if isinstance(layout, RowLayout):  # one element each, read by nothing (``_open_window``)
+            self._placeholders = {
+                id(p): torch.full((), math.nan, dtype=p.dtype, device=p.device).expand(p.shape)
+                for p in layout.cut
+            }
 
     @property
     def shards(self) -> ShardedUpdate:
         assert self._shards is not None, "setup() has not run"
         return self._shards
 
-    def _parts(self) -> tuple[SyncContext, OwnerLayout, ShardedUpdate, _BackwardPasses]:
+    def _source(self, unit: torch.Tensor) -> torch.Tensor:
+        """The parameter a unit of the layout is part of (whole tensors: itself)."""
+        layout = self._layout
+        return layout.source(unit) if isinstance(layout, RowLayout) else unit
+
+    def _parts(self) -> tuple[SyncContext, OwnerLayout | RowLayout, ShardedUpdate, _BackwardPasses]:
         assert self._ctx and self._layout and self._shards and self._passes, "setup() has not run"
         return self._ctx, self._layout, self._shards, self._passes
 
@@ -413,7 +433,10 @@ class ZeroStage2(Strategy):
             self._membership.start_step(plan.step)
         # Released, not zeroed: backward then hands every parameter a fresh gradient tensor,
         # which is copied once into the exchange's buffer and freed (as under bsp).
+        self._close_window()
         for p in layout.params:
+            p.grad = None
+        for p in layout.reals:
             p.grad = None
         self._micro_batches = plan.micro_batches
         # The mean over ranks and micro-batches (and the balancing weight) rides on the copy
@@ -481,8 +504,34 @@ class ZeroStage2(Strategy):
             outcome.skipped = True
             return outcome
         if not poison:  # the user's code may now read p.grad: this rank's part only
-            self._clip_guard.arm(p.grad for p in layout.mine if p.grad is not None)
+            self._open_window()
         return outcome
+
+    def _open_window(self) -> None:
+        """From the gradient-ready point to the update. Whole tensors: ``p.grad`` is this
+        rank's tensors' mean gradient (None for the others'). By rows: the optimizer holds
+        this rank's pieces, whose ``.grad`` are its rows of the mean gradient (what a
+        GradScaler's ``unscale_(optimizer)`` acts on), and each cut parameter's ``p.grad`` a
+        placeholder that any use refuses (``LocalClipGuard``), so that torch's clip over
+        ``model.parameters()`` fails loudly rather than clipping nothing."""
+        _, layout, _, _ = self._parts()
+        placeholders: list[torch.Tensor] = []
+        if isinstance(layout, RowLayout):
+            for p in layout.cut:
+                p.grad = self._placeholders[id(p)]
+            placeholders = [self._placeholders[id(p)] for p in layout.cut]
+            layout.show(pieces=True)
+        mine = (p.grad for p in layout.mine if p.grad is not None)
+        self._clip_guard.arm(mine, placeholders)
+
+    def _close_window(self) -> None:
+        self._clip_guard.disarm()
+        layout = self._layout
+        if isinstance(layout, RowLayout):
+            layout.show(pieces=False)
+            for p in layout.cut:
+                if p.grad is self._placeholders.get(id(p)):
+                    p.grad = None
 
     def _quorum_mean(self, membership: Membership) -> int:
         """Under live membership: this rank's part of the group's mean gradient, averaged
@@ -544,16 +593,20 @@ class ZeroStage2(Strategy):
         shards.collective(self._step, f"zero:2 gradient {kind}, round {j + 1} of group {k}", run)
         self._sent.append((wall0, time.perf_counter() - t0, buf.numel() * buf.element_size()))
         for i in self._members[kj]:
-            p = g.params[i]
+            p = self._source(g.params[i])
             self._left[id(p)] -= 1
             if self._left[id(p)] == 0:
                 p.grad = None
                 self._tails.pop(id(p), None)
-        if not (poison or draining):
+        if not (poison or draining or isinstance(layout, RowLayout)):
             self._keep_tails(kj)
 
     def _gradient_of(self, g: FlatGroup) -> Callable[[int], torch.Tensor | Tail | None]:
         """What a round packs of ``g.params[i]``: its kept tail, else its gradient."""
+
+        layout = self._layout
+        if isinstance(layout, RowLayout):  # a piece's rows of its parameter's gradient
+            return lambda i: layout.gradient_of(g.params[i])
 
         def source(i: int) -> torch.Tensor | Tail | None:
             p = g.params[i]
@@ -610,9 +663,42 @@ class ZeroStage2(Strategy):
             shards.ctx.group,
         )
 
+    def gradient_holders(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` holds this rank's part of ``params``' mean gradient at
+        the gradient-ready point: the parameters themselves, or by rows this rank's pieces."""
+        layout = self._layout
+        if not isinstance(layout, RowLayout):
+            return list(params)
+        return [u for u in (layout.part(p) for p in params) if u is not None]
+
+    def gradient_part(self, p: torch.Tensor) -> torch.Tensor | None:
+        """This rank's part of ``p``'s mean gradient after the exchange (None: it holds none):
+        the whole gradient of a tensor it owns, or its rows of every tensor."""
+        layout = self._layout
+        if not isinstance(layout, RowLayout):
+            return p.grad
+        unit = layout.part(p)
+        return None if unit is None else unit.grad
+
+    def set_gradient_part(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Make ``grad`` this rank's part of ``p``'s gradient for the update (the front door's
+        loop replaced the gradient it was shown)."""
+        layout = self._layout
+        unit = layout.part(p) if isinstance(layout, RowLayout) else p
+        if unit is not None and (unit is not p or p.grad is not None):
+            unit.grad = grad
+
+    def show_parameters(self) -> None:
+        """The optimizer holds the parameters themselves (its pieces while gradsync steps it):
+        for the front door, whose loop's GradScaler checks the gradients it is shown."""
+        layout = self._layout
+        if isinstance(layout, RowLayout):
+            layout.show(pieces=False)
+
     def grad_norm(self, params: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole mean gradient: each rank's shard's, combined over the ranks by
-        one all-reduce (of norm^p, or the max for the infinity norm). Collective."""
+        one all-reduce (of norm^p, or the max for the infinity norm). Collective. ``params``:
+        the tensors that hold this rank's part (``gradient_holders``)."""
         ctx, layout, shards, _ = self._parts()
         norm_type = float(norm_type)
         with self._clip_guard.exempt():
@@ -632,7 +718,7 @@ class ZeroStage2(Strategy):
         return total.to(layout.params[0].dtype)  # the same dtype on every rank
 
     def update(self, step: int, outcome: StepOutcome) -> StepOutcome:
-        self._clip_guard.disarm()
+        self._close_window()
         ctx, _, shards, passes = self._parts()
         if passes.late:
             raise late_gradient(step)
@@ -665,8 +751,10 @@ class ZeroStage2(Strategy):
         shards.load_state_dict(state)
 
     def close(self) -> None:
-        self._clip_guard.disarm()
+        self._close_window()
         if self._partial_state is not None:
             self._partial_state.remove()
         if self._passes is not None:
             self._passes.close()
+        if self._layout is not None:
+            self._layout.close()

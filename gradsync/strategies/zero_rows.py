@@ -1,34 +1,40 @@
-"""``zero:1``'s rows layout: every parameter tensor cut into N pieces of rows, rank r stepping
-rows ``[r * c, r * c + c)`` of each (``c = ceil(rows / N)``, FSDP2's dim-0 split), in place of
-whole tensors owned by one rank each (``zero_shards.OwnerLayout``).
+"""ZeRO's rows layout (``zero:1``, ``zero:2``): every parameter tensor cut into N pieces of
+rows, rank r stepping rows ``[r * c, r * c + c)`` of each (``c = ceil(rows / N)``, FSDP2's
+dim-0 split), in place of whole tensors owned by one rank each (``zero_shards.OwnerLayout``).
 
 Why (issue 47): with whole tensors a rank's share of the optimizer state is as uneven as the
 tensors' sizes (6 weights of 64 MiB on 4 ranks: two ranks own two, a third of AdamW's state
 where a quarter is even; a model whose one tensor holds 95% of the bytes puts 95% of the state
-on one rank, and sharding saves nothing), and the optimizer's temporaries in its step are a
-whole tensor's. By rows every rank holds 1/N of every tensor's state, to within a row, and its
-step's temporaries are a piece's.
+on one rank, and sharding saves nothing), the optimizer's temporaries in its step are a whole
+tensor's, and a ``zero:2`` round, which carries the same slice of every owner's chunk, waits for
+one whole gradient per owner. By rows every rank holds 1/N of every tensor's state, to within
+a row, steps a piece of each, and a round carries consecutive tensors, ready as soon as
+backward has made them.
 
 Only for optimizers whose update is element by element (``ELEMENTWISE``: torch's SGD, Adam,
 AdamW and their kin, by exact class): their step on a piece of rows is, element for element,
-their step on the whole tensor, so every replica ends bitwise where whole tensors would leave
-it. A rule over a whole tensor (Adafactor's factored moments, LAMB's or LARS's trust ratio, a
-subclass or an optimizer of the user's own, which gradsync cannot read) would be taken over
-each rank's rows instead: those keep whole tensors (``choose_layout`` says which applies).
-0-dim tensors stay whole and every rank steps them (each holds the same mean gradient and
-state: the same result).
+their step on the whole tensor, so ``zero:1`` ends bitwise where whole tensors would leave it
+(``zero:2`` too on 2 ranks; on more, its reduce-scatter sums each element starting from a rank
+that depends on the element's owner, so the layouts differ in rounding). A rule over a whole
+tensor (Adafactor's factored moments, LAMB's or LARS's trust ratio, a subclass or an optimizer
+of the user's own, which gradsync cannot read) would be taken over each rank's rows instead:
+those keep whole tensors (``choose_layout`` says which applies). 0-dim tensors are whole
+units owned by rank 0.
 
 How the user's optimizer steps pieces: each rank's piece of a parameter is a tensor that
 shares the parameter's storage (``p.detach()[a:b]``: a leaf, which the step updates in place,
-and the parameter with it). For the step, and while gradsync reads or loads the optimizer's
-state (its state-dict hooks), the optimizer's param groups hold this rank's pieces in place of
-the parameters, each piece given its rows of the mean gradient as ``.grad``; the rest of the
-time they hold the parameters, so the user's code sees the optimizer it built (a GradScaler's
-``unscale_`` unscales the whole mean gradient, as under ``bsp``; schedulers and ``zero_grad``
-act as ever). Its state is that of this rank's pieces, and ``optimizer.state_dict()`` keeps the
-whole tensors' indices, each entry holding this rank's rows (``gradsync.row_shards`` joins and
-splits them); a whole state loaded by the user's code (a DDP script's checkpoint) is cut into
-this rank's rows.
+and the parameter with it). While gradsync steps the optimizer or reads or loads its state
+(its state-dict hooks), and under ``zero:2`` from the gradient-ready point to the update, the
+optimizer's param groups hold this rank's pieces in place of the parameters; the rest of the
+time they hold the parameters, so the user's code sees the optimizer it built. The pieces'
+``.grad``: under ``zero:1`` this rank's rows of the whole mean gradient that ``p.grad`` holds
+(views, given for the step only, so a GradScaler's ``unscale_`` acts on the whole gradient, as
+under ``bsp``); under ``zero:2`` this rank's rows of the mean gradient, the only copy (the
+scaler's ``unscale_(optimizer)`` acts on them, and the ranks agree on its verdict in the
+update). The optimizer's state is that of this rank's pieces; ``optimizer.state_dict()`` keeps
+the whole tensors' indices, each entry holding this rank's rows (``gradsync.row_shards`` joins
+and splits them), and a whole state loaded by the user's code (a DDP script's checkpoint) is
+cut into this rank's rows.
 """
 
 from __future__ import annotations
@@ -107,12 +113,15 @@ class RowLayout:
 
     def __init__(self, params: Sequence[torch.Tensor], world: int, rank: int) -> None:
         self.world, self.rank = world, rank
-        #: the parameters cut into rows (0-dim ones stay whole, stepped by every rank)
+        #: the parameters cut into rows; 0-dim ones (``scalars``) stay whole, owned by rank 0
         self.cut = [p for p in params if p.dim() > 0 and p.numel() > 0]
+        self.scalars = [p for p in params if p.dim() == 0]
+        #: every parameter the layout carries, in the model's order
+        self.reals = [p for p in params if p.numel() > 0]
         for p in self.cut:
             if not p.is_contiguous():
                 raise UsageError(
-                    "zero:1's rows layout needs contiguous parameters (a piece of rows is a "
+                    "zero's rows layout needs contiguous parameters (a piece of rows is a "
                     f"view of one), and a parameter of shape {tuple(p.shape)} is not: use "
                     "layout='whole'"
                 )
@@ -120,26 +129,58 @@ class RowLayout:
         self.pieces = [
             [p.detach()[slice(*rows_of(p.shape, world, r))] for r in range(world)] for p in self.cut
         ]
+        # A scalar is its own unit on rank 0; the others hold an empty one in its slot.
+        cut_pieces = {id(p): pieces for p, pieces in zip(self.cut, self.pieces, strict=True)}
+        units = [
+            cut_pieces[id(p)]
+            if p.dim()
+            else [p, *(p.detach().reshape(1)[1:1] for _ in range(1, world))]
+            for p in self.reals
+        ]
+        #: per unit (by id): the parameter it is part of, and its rows (None: all of it)
+        self._source: dict[int, tuple[torch.Tensor, tuple[int, int] | None]] = {}
+        for p, parts in zip(self.reals, units, strict=True):
+            for r, unit in enumerate(parts):
+                rows = rows_of(p.shape, world, r) if p.dim() else None
+                self._source[id(unit)] = (p, rows)
         self.params: list[torch.Tensor] = []
         self.owners: list[int] = []
-        for pieces in self.pieces:
-            for r, piece in enumerate(pieces):
-                self.params.append(piece)
+        for parts in units:
+            for r, unit in enumerate(parts):
+                self.params.append(unit)
                 self.owners.append(r)
-        self.mine = [pieces[rank] for pieces in self.pieces]
-        self.others = [pc for pieces in self.pieces for r, pc in enumerate(pieces) if r != rank]
-        self.groups = _row_groups(self.cut, self.pieces, world)
+        self.mine = [parts[rank] for parts in units]
+        self.others = [u for parts in units for r, u in enumerate(parts) if r != rank]
+        self.groups = _row_groups(self.reals, units, world)
         #: per optimizer index: the shape of the whole tensor it steps rows of (None: whole)
         self.shapes: list[list[int] | None] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._mine: dict[int, torch.Tensor] = {}
         self._hooks: list[Any] = []
 
+    def source(self, unit: torch.Tensor) -> torch.Tensor:
+        """The parameter ``unit`` is part of."""
+        return self._source[id(unit)][0]
+
+    def gradient_of(self, unit: torch.Tensor) -> torch.Tensor | None:
+        """``unit``'s rows of its parameter's gradient (a view; None: no gradient yet)."""
+        p, rows = self._source[id(unit)]
+        if p.grad is None:
+            return None
+        return p.grad if rows is None else p.grad[rows[0] : rows[1]]
+
+    def part(self, p: torch.Tensor) -> torch.Tensor | None:
+        """This rank's unit of parameter ``p`` (its rows; a scalar's on rank 0 only)."""
+        for unit in self.mine:
+            if self._source[id(unit)][0] is p and unit.numel():
+                return unit
+        return None
+
     def check(self, updated: Sequence[torch.Tensor], name: str) -> None:
         """Every rank steps its rows of whatever the optimizer updates: nothing to refuse."""
 
     def numel(self, rank: int) -> int:
-        return sum(pieces[rank].numel() for pieces in self.pieces)
+        return sum(u.numel() for u, o in zip(self.params, self.owners, strict=True) if o == rank)
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer`` step this rank's pieces: any state it already holds for the cut
@@ -161,16 +202,16 @@ class RowLayout:
             optimizer.register_state_dict_pre_hook(self._before_state_dict),
             optimizer.register_state_dict_post_hook(self._after_state_dict),
             optimizer.register_load_state_dict_pre_hook(self._before_load),
-            optimizer.register_load_state_dict_post_hook(lambda _: self._show(pieces=False)),
+            optimizer.register_load_state_dict_post_hook(lambda _: self.show(pieces=False)),
         ]
 
-    def _show(self, pieces: bool) -> None:
+    def show(self, pieces: bool) -> None:
         """Put this rank's pieces (or the whole parameters back) in the optimizer's param
         groups: the pieces while gradsync steps it or reads or loads its state, the
         parameters the rest of the time, so that the user's code (a GradScaler's unscale, a
         scheduler, ``zero_grad``) sees the optimizer it built."""
         assert self._optimizer is not None, "install() has not run"
-        back = {id(piece): p for piece, p in zip(self.mine, self.cut, strict=True)}
+        back = {id(pieces[self.rank]): p for p, pieces in zip(self.cut, self.pieces, strict=True)}
         for group in self._optimizer.param_groups:
             if pieces:
                 group["params"] = [self._mine.get(id(p), p) for p in group["params"]]
@@ -181,15 +222,15 @@ class RowLayout:
         # Only gradsync's own reads: the user's are refused (``refuse_partial_state``), by a
         # hook after this one, which would leave the pieces in place.
         if reading_own_state():
-            self._show(pieces=True)
+            self.show(pieces=True)
 
     def _after_state_dict(self, _: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        self._show(pieces=False)
+        self.show(pieces=False)
 
     def _before_load(self, _: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """Load into the pieces; a whole state (a DDP script's checkpoint, loaded by the
         user's code) is cut into this rank's rows first."""
-        self._show(pieces=True)
+        self.show(pieces=True)
         return (
             state if not self._is_whole(state) else split(state, self.shapes, self.world, self.rank)
         )
@@ -211,19 +252,22 @@ class RowLayout:
 
     @contextmanager
     def grads_for_step(self, full_grads: bool) -> Iterator[None]:
-        """For the step, the optimizer holds this rank's pieces, each given its rows of its
-        parameter's gradient (a view: nothing is copied); after it, the parameters again."""
+        """For the step, the optimizer holds this rank's pieces. ``full_grads`` (``zero:1``,
+        whose parameters hold the whole mean gradient): each piece is given its rows of it (a
+        view: nothing is copied) for the step only; else (``zero:2``) the pieces hold this
+        rank's rows of the mean gradient already. After the step, the parameters again."""
         given = []
-        for p, pieces in zip(self.cut, self.pieces, strict=True):
-            if p.grad is not None:
-                start, stop = rows_of(p.shape, self.world, self.rank)
-                pieces[self.rank].grad = p.grad[start:stop]
-                given.append(pieces[self.rank])
-        self._show(pieces=True)
+        if full_grads:
+            for pieces in self.pieces:
+                piece = pieces[self.rank]
+                piece.grad = self.gradient_of(piece)
+                if piece.grad is not None:
+                    given.append(piece)
+        self.show(pieces=True)
         try:
             yield
         finally:
-            self._show(pieces=False)
+            self.show(pieces=False)
             for piece in given:
                 piece.grad = None
 
@@ -236,9 +280,10 @@ class RowLayout:
         self._hooks = []
         if self._optimizer is None:
             return
-        self._show(pieces=False)
+        self.show(pieces=False)
         held = self._optimizer.state
-        for piece, p in zip(self.mine, self.cut, strict=True):
+        for p, pieces in zip(self.cut, self.pieces, strict=True):
+            piece = pieces[self.rank]
             if piece in held:
                 held[p] = held.pop(piece)
 
@@ -251,14 +296,14 @@ def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _row_groups(
-    cut: Sequence[torch.Tensor], pieces: Sequence[Sequence[torch.Tensor]], world: int
+    reals: Sequence[torch.Tensor], pieces: Sequence[Sequence[torch.Tensor]], world: int
 ) -> list[FlatGroup]:
     """Flat groups (one per dtype and device) whose chunk r holds rank r's piece of every
     tensor, each in a slot of the longest piece's size at the same place in every chunk, the
     tensors from the last registered (the order backward usually finishes them): so a round
     of the chunks carries whole consecutive tensors, ready as soon as backward makes them."""
     kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for j, p in enumerate(cut):
+    for j, p in enumerate(reals):
         kinds.setdefault((p.dtype, p.device), []).append(j)
     groups = []
     for members in kinds.values():

@@ -394,6 +394,8 @@ class OwnerLayout:
 
     def __init__(self, params: Sequence[torch.Tensor], world: int, rank: int) -> None:
         self.params = list(params)
+        #: the parameters the units are of: the units themselves
+        self.reals = self.params
         self.world, self.rank = world, rank
         self.owners = [0] * len(self.params)
         for owner, shard in enumerate(shard_by_size([p.numel() for p in self.params], world)):
@@ -560,10 +562,12 @@ class ShardedUpdate:
         (``step_verdict``); returns the bytes sent. ``full_grads``: every rank holds the whole
         mean gradient (``zero:1``), else only its shard's."""
         ctx = self.ctx
-        if ctx.scaling:
+        if ctx.scaling and full_grads:  # every gradient whole: the scaler's check is global
             self._unscale(step, full_grads)
         wall0, t0 = time.time(), time.perf_counter()
         with self.layout.grads_for_step(full_grads):
+            if ctx.scaling and not full_grads:  # the tensors the optimizer steps: this rank's
+                self._unscale(step, full_grads)
             applied = step_verdict(ctx, outcome)
         if ctx.record_spans:
             self.spans.append(Span(-1, -1, "optimizer", wall0, time.perf_counter() - t0, "step"))
@@ -796,10 +800,13 @@ class LocalClipGuard(TorchFunctionMode):
         self._armed = False
         self._exempt = False
         self._grads: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._placeholders: dict[int, weakref.ref[torch.Tensor]] = {}
         #: values computed from the gradients: id -> (the tensor, the gradients it came from)
         self._derived: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
 
-    def arm(self, grads: Iterable[torch.Tensor]) -> None:
+    def arm(self, grads: Iterable[torch.Tensor], placeholders: Iterable[torch.Tensor] = ()) -> None:
+        """Follow ``grads`` (this rank's part of the gradient); refuse any use of
+        ``placeholders`` (``zero:2`` by rows: the parameters' ``p.grad``, which hold nothing)."""
         self.disarm()
         if compat.in_backward_pass():
             # gs.DistributedDataParallel finishes the exchange in an end-of-backward callback,
@@ -809,6 +816,7 @@ class LocalClipGuard(TorchFunctionMode):
             return
         self._grads = {id(g): weakref.ref(g) for g in grads}
         self._derived = {}
+        self._placeholders = {id(t): weakref.ref(t) for t in placeholders}
         self.__enter__()
         self._armed = True
 
@@ -816,7 +824,7 @@ class LocalClipGuard(TorchFunctionMode):
         if self._armed:
             self._armed = False
             self.__exit__(None, None, None)
-        self._grads, self._derived = {}, {}
+        self._grads, self._derived, self._placeholders = {}, {}, {}
 
     @contextmanager
     def exempt(self) -> Iterator[None]:
@@ -846,6 +854,9 @@ class LocalClipGuard(TorchFunctionMode):
         grads: set[int] = set()
         sources: frozenset[int] = frozenset()
         for t in _tensors_in([*args, *kwargs.values()]):
+            held = self._placeholders.get(id(t))
+            if held is not None and held() is t and _name_of(func) not in _METADATA:
+                raise self._placeholder_refusal()
             is_grad, came_from = self._sources(t)
             if is_grad:
                 grads.add(id(t))
@@ -859,6 +870,17 @@ class LocalClipGuard(TorchFunctionMode):
                 if sources or out.dim() == 0:  # from a gradient: its reductions only
                     self._derived[id(out)] = (weakref.ref(out), sources | grads)
         return result
+
+    def _placeholder_refusal(self) -> UsageError:
+        return UsageError(
+            f"p.grad of a model parameter holds no values here under {self.name} by rows: "
+            "each rank holds its rows of every tensor's mean gradient, as the .grad of the "
+            "optimizer's tensors, not a whole gradient, so torch's clip_grad_norm_ over "
+            "model.parameters() (or any read of p.grad) would see nothing. Clip with "
+            "s.clip_grad_norm_(max_norm) inside the step block (the whole gradient's norm); "
+            "scaler.unscale_(optimizer) works; gs.ZeroStage2(layout='whole') gives each rank "
+            "whole tensors' gradients in p.grad, and zero:1 the whole mean gradient"
+        )
 
     def _refusal(self) -> UsageError:
         return UsageError(
@@ -877,6 +899,24 @@ class LocalClipGuard(TorchFunctionMode):
 _IN_PLACE_OPERATORS = frozenset(
     {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__setitem__"}
 )
+
+
+#: what a placeholder gradient answers (its shape, not its values): a script may check them
+_METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "layout", "ndim", "is_cuda", "is_sparse", "requires_grad",
+        "size", "dim", "numel", "nelement", "stride", "element_size", "is_contiguous",
+        "is_floating_point", "__len__",
+    }
+)  # fmt: skip
+
+
+def _name_of(func: Any) -> str:
+    """A torch function's name; a property's (``Tensor.shape``'s getter) for its getter."""
+    name = str(getattr(func, "__name__", ""))
+    if name == "__get__":
+        return str(getattr(getattr(func, "__self__", None), "__name__", name))
+    return name
 
 
 def _in_place(name: str) -> bool:

@@ -8,6 +8,7 @@ The multi-rank checks share two spawns per world size (``zero_ranks.exactness`` 
 from __future__ import annotations
 
 import functools
+from itertools import product
 from typing import Any
 
 import pytest
@@ -94,16 +95,19 @@ def test_each_rank_holds_only_its_shards_optimizer_state_and_zero2_only_its_grad
     world, results = exact
     tensors = set(range(6))  # the mlp's 3 weights and 3 biases
     shapes = [p.shape for p in zr._workload().build_model().parameters()]
-    for stage, layout in (("zero:1", ""), ("zero:1", " whole"), ("zero:2", "")):
+    for stage, layout in product(STAGES, ("", " whole")):
         for optimizer in ("sgd", "adamw"):
             name = f"{stage} {optimizer}{layout}"
             states = [set(out[name]["state"]) for out in results]
             grads = [set(out[name]["grads"]) for out in results]
+            rows = results[0][name]["layout"] == "rows"
             if stage == "zero:1":  # the mean gradient everywhere, as under bsp
                 assert grads == [tensors] * world, (name, grads)
+            elif rows:  # each rank's rows are the .grad of its pieces, not of the parameters
+                assert grads == [set()] * world, (name, grads)
             else:  # only the owned tensors' gradient survives the exchange
                 assert grads == states, (name, grads)
-            if results[0][name]["layout"] == "rows":
+            if rows:
                 # Every rank holds the state of its rows of every tensor: together each
                 # tensor's elements once, each rank at most ceil(rows / N) rows of it.
                 assert states == [tensors] * world, (name, states)
@@ -117,26 +121,39 @@ def test_each_rank_holds_only_its_shards_optimizer_state_and_zero2_only_its_grad
             assert sum(len(s) for s in states) == len(tensors), (name, states)
             assert set().union(*states) == tensors, (name, states)
             assert all(states), (name, states)
-    assert results[0]["zero:1 sgd"]["layout"] == "rows"  # SGD and AdamW: by rows, unless forced
-    assert results[0]["zero:1 sgd whole"]["layout"] == "whole"
+    for stage in STAGES:  # SGD and AdamW: by rows, unless whole tensors are forced
+        assert results[0][f"{stage} sgd"]["layout"] == "rows"
+        assert results[0][f"{stage} sgd whole"]["layout"] == "whole"
     # Whole tensors are uneven: the greedy size split of the mlp's tensors cannot balance them.
     sizes = [p.numel() for p in zr._workload().build_model().parameters()]
-    loads = [sum(sizes[i] for i in out["zero:2 sgd"]["state"]) for out in results]
+    loads = [sum(sizes[i] for i in out["zero:2 sgd whole"]["state"]) for out in results]
     assert len(set(loads)) == world, loads
 
 
 @pytest.mark.timeout(180)
-def test_zero1_by_rows_ends_bitwise_where_whole_tensors_do(
+def test_both_stages_by_rows_end_where_whole_tensors_do(
     exact: tuple[int, list[dict[str, Any]]],
 ) -> None:
     """The optimizers sharded by rows update element by element: a piece's step is the whole
-    tensor's, bit for bit."""
-    _, results = exact
-    for optimizer in ("sgd", "adamw"):
+    tensor's, bit for bit. zero:1 sums the gradient as bsp does: bitwise either way. zero:2's
+    ring sums each element from its owner's neighbour on, and the owner of an element differs
+    between the layouts: bitwise on 2 ranks (a sum of two is the same either way), to
+    rounding on 3; a clip's norm, summed per rank, to rounding either way."""
+    world, results = exact
+    for stage, optimizer in product(STAGES, ("sgd", "adamw")):
+        name = f"{stage} {optimizer}"
         for out in results:
-            rows, whole = out[f"zero:1 {optimizer}"], out[f"zero:1 {optimizer} whole"]
+            rows, whole = out[name], out[f"{name} whole"]
             for step, params in enumerate(rows["params"]):
-                assert torch.equal(params, whole["params"][step]), (optimizer, step)
+                if stage == "zero:1" or world == 2:
+                    assert torch.equal(params, whole["params"][step]), (name, step)
+                else:
+                    _assert_close(params, whole["params"][step], f"{name}, step {step}")
+    for out in results:
+        rows, whole = out["zero:2 clip handle"], out["zero:2 clip handle whole"]
+        assert rows["norms"] == pytest.approx(whole["norms"], rel=1e-12)
+        for step, params in enumerate(rows["params"]):
+            _assert_close(params, whole["params"][step], f"zero:2 clip handle, step {step}")
 
 
 @pytest.mark.timeout(180)
@@ -280,7 +297,7 @@ def test_a_grad_scaler_drives_both_stages_as_it_drives_bsp(
 def test_a_checkpoint_resumes_bitwise_each_rank_with_its_shard_of_the_optimizer_state(
     scenes: list[dict[str, Any]],
 ) -> None:
-    for stage in STAGES:
+    for stage in (*STAGES, "zero:2 whole"):
         counts = []
         for out in scenes:
             straight, resumed = (
@@ -293,7 +310,7 @@ def test_a_checkpoint_resumes_bitwise_each_rank_with_its_shard_of_the_optimizer_
             assert resumed["state"] == straight["state"]
             assert resumed["numel"] == straight["numel"]
             counts.append(resumed["state"])
-        if stage == "zero:1":  # by rows: each file holds its rows of all six tensors
+        if stage != "zero:2 whole":  # by rows: each file holds its rows of all six tensors
             assert counts == [6] * len(scenes), counts
             numel = [sum(out["checkpoints"][stage]["resumed"]["numel"].values()) for out in scenes]
             assert sum(numel) == sum(p.numel() for p in zr._workload().build_model().parameters())
@@ -311,9 +328,9 @@ def test_a_stage_refuses_compression_and_a_model_too_small_to_shard_saying_why(
             "zero:2 cannot compress its gradient exchange (compression fp16): it reduce-scatters"
         )
         assert "or zero:1, which exchanges the gradient as bsp does" in refused["zero:2 fp16"]
-        for stage in STAGES:  # zero:1 with whole tensors forced
+        for stage in STAGES:  # with whole tensors forced
             message = refused[f"{stage} one tensor"]
             assert message.startswith(f"{stage} gives each rank whole parameter tensors"), message
             assert f"run {stage} on at most 1 rank(s), or use bsp" in message
-        # by rows (zero:1's default for SGD) every rank steps its rows of the one tensor
-        assert refused["zero:1 one tensor, rows"] == "accepted"
+            # by rows (the default for SGD) every rank steps its rows of the one tensor
+            assert refused[f"{stage} one tensor, rows"] == "accepted"

@@ -72,3 +72,24 @@ def test_a_whole_state_loads_into_rows_through_either_door(
     _same(loaded[0]["load_full_state_dict"], saved[0]["bsp"], "load_full_state_dict")
     _same(loaded[0]["user load"], saved[0]["bsp"], "optimizer.load_state_dict")
 
+
+@pytest.mark.timeout(120)
+def test_zero2_by_rows_refuses_torchs_clip_over_the_parameters_and_clips_through_the_handle() -> (
+    None
+):
+    """Under zero:2 by rows ``p.grad`` holds nothing at the gradient-ready point (each rank's
+    rows are its optimizer tensors' ``.grad``): torch's clip over ``model.parameters()``, which
+    would clip nothing, and any read of it are refused, naming ``s.clip_grad_norm_``, which
+    takes the whole gradient's norm (the same on both ranks); after the block ``p.grad`` is
+    None; both ranks end equal."""
+    results = run_ranks(zrr.gradient_ready, 2, timeout_s=90)
+    for out in results:
+        assert out["layout"] == "rows"
+        for key in ("torch clip", "read"):
+            assert out[key].startswith("p.grad of a model parameter holds no values here"), out
+            assert "s.clip_grad_norm_(max_norm)" in out[key]
+        assert out["shape"] == (7, 5)
+        assert all(out["grads after 0"]) and all(out["grads after 1"])
+    assert results[0]["norm 0"] == results[1]["norm 0"] > 0
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)

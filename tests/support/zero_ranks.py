@@ -131,8 +131,9 @@ def train(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     if "exchange" in case:  # the stage object itself, with its way of exchanging forced
         stage = ZeroStage1 if strategy == "zero:1" else ZeroStage2
         strategy = stage(exchange=case["exchange"])
-    if "layout" in case:  # zero:1 with its layout forced
-        strategy = ZeroStage1(layout=case["layout"])
+    if "layout" in case:  # the stage with its layout forced
+        stage = ZeroStage1 if strategy == "zero:1" else ZeroStage2
+        strategy = stage(layout=case["layout"])
     sync = gs.Synchronizer(
         model,
         opt,
@@ -216,11 +217,18 @@ def exactness_cases(world: int) -> dict[str, dict[str, Any]]:
     for stage in ("zero:1", "zero:2"):
         for optimizer in ("sgd", "adamw"):
             cases[f"{stage} {optimizer}"] = {"strategy": stage, "optimizer": optimizer}
-    # zero:1 shards by rows for these optimizers by default; whole tensors, forced, must end
-    # bitwise where the rows do
-    for optimizer in ("sgd", "adamw"):
-        case = {"strategy": "zero:1", "optimizer": optimizer, "layout": "whole"}
-        cases[f"zero:1 {optimizer} whole"] = case
+    # Both stages shard by rows for these optimizers by default; whole tensors, forced, must
+    # end bitwise where the rows do
+    for stage in ("zero:1", "zero:2"):
+        for optimizer in ("sgd", "adamw"):
+            case = {"strategy": stage, "optimizer": optimizer, "layout": "whole"}
+            cases[f"{stage} {optimizer} whole"] = case
+    cases["zero:2 clip handle whole"] = {
+        "strategy": "zero:2",
+        "optimizer": "sgd",
+        "clip": "handle",
+        "layout": "whole",
+    }
     cases["bsp sgd"] = {"strategy": "bsp", "optimizer": "sgd"}
     cases["zero:1 clip handle"] = {"strategy": "zero:1", "optimizer": "sgd", "clip": "handle"}
     cases["zero:2 clip strategy"] = {"strategy": "zero:2", "optimizer": "sgd", "clip": "strategy"}
@@ -248,7 +256,7 @@ NAN_STEP = 1
 INF_STEP = 2
 
 
-def _sync(spec: str, optimizer: str = "sgd", dtype: str = "float64", **kw: Any) -> Any:
+def _sync(spec: Any, optimizer: str = "sgd", dtype: str = "float64", **kw: Any) -> Any:
     w = _workload(dtype)
     model = w.build_model()
     opt = make_optimizer(optimizer, model)
@@ -320,7 +328,7 @@ def grad_scaler(rank: int, world: int) -> dict[str, Any]:
 SAVE_AT = 2
 
 
-def _checkpointed(spec: str, directory: Path, rank: int, world: int, resume: bool) -> Any:
+def _checkpointed(spec: Any, directory: Path, rank: int, world: int, resume: bool) -> Any:
     w, model, opt, sync = _sync(spec, optimizer="adamw")
     start = 0
     if resume:
@@ -340,11 +348,16 @@ def _checkpointed(spec: str, directory: Path, rank: int, world: int, resume: boo
 
 def checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
     out = {}
-    for spec in ("zero:1", "zero:2"):
-        directory = Path(root) / spec.replace(":", "")
-        straight = _checkpointed(spec, directory, rank, world, resume=False)
-        resumed = _checkpointed(spec, directory, rank, world, resume=True)
-        out[spec] = {"straight": straight, "resumed": resumed}
+    stages: dict[str, Any] = {
+        "zero:1": lambda: "zero:1",
+        "zero:2": lambda: "zero:2",
+        "zero:2 whole": lambda: ZeroStage2(layout="whole"),
+    }
+    for name, stage in stages.items():
+        directory = Path(root) / name.replace(":", "").replace(" ", "-")
+        straight = _checkpointed(stage(), directory, rank, world, resume=False)
+        resumed = _checkpointed(stage(), directory, rank, world, resume=True)
+        out[name] = {"straight": straight, "resumed": resumed}
     return out
 
 
@@ -375,7 +388,8 @@ def refusals(rank: int, world: int) -> dict[str, str]:
         "zero:2 fp16": _refusal(with_compression),
         "zero:1 one tensor": _refusal(lambda: one_tensor(ZeroStage1(layout="whole"))),
         "zero:1 one tensor, rows": _refusal(lambda: one_tensor("zero:1")),
-        "zero:2 one tensor": _refusal(lambda: one_tensor("zero:2")),
+        "zero:2 one tensor": _refusal(lambda: one_tensor(ZeroStage2(layout="whole"))),
+        "zero:2 one tensor, rows": _refusal(lambda: one_tensor("zero:2")),
     }
 
 

@@ -101,3 +101,41 @@ def load(rank: int, world: int, root: str) -> dict[str, Any]:
     sync.report()
     sync.close()
     return out
+
+
+def _refused(run: Any) -> str:
+    try:
+        run()
+    except gs.UsageError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def gradient_ready(rank: int, world: int) -> dict[str, Any]:
+    """``zero:2`` by rows at the gradient-ready point of the explicit form: torch's clip over
+    ``model.parameters()`` and a read of ``p.grad`` are refused (each rank's rows are the
+    optimizer's tensors' ``.grad``), its shape is not; ``s.clip_grad_norm_`` clips the whole
+    gradient; after the block ``p.grad`` is None."""
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = gs.Synchronizer(model, opt, strategy="zero:2", timeout_s=TIMEOUT_S)
+    out: dict[str, Any] = {"layout": _layout(sync)}
+    for step in range(2):
+        with sync.step() as s:
+            x, y = _batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            s.synchronize()
+            if step == 0:
+                out["torch clip"] = _refused(
+                    lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                )
+                out["read"] = _refused(lambda: model.a.weight.grad.norm())  # type: ignore[union-attr]
+                out["shape"] = tuple(model.a.weight.grad.shape)  # type: ignore[union-attr]
+            out[f"norm {step}"] = float(s.clip_grad_norm_(0.1))
+        # (a 0-dim parameter is a whole unit of rank 0's: its gradient stays there, as an
+        # owned tensor's does with whole tensors)
+        out[f"grads after {step}"] = [p.grad is None for p in model.parameters() if p.dim()]
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    sync.report()
+    sync.close()
+    return out
