@@ -56,8 +56,8 @@ MB = 1e6
 
 
 def stage(spec: str) -> int:
-    if spec.endswith(WHOLE) and spec != "zero:1" + WHOLE:
-        raise ValueError(f"{spec}: only zero:1 takes {WHOLE} (its whole-tensor layout)")
+    if spec.endswith(WHOLE) and spec not in ("zero:1" + WHOLE, "zero:2" + WHOLE):
+        raise ValueError(f"{spec}: only zero:1 and zero:2 take {WHOLE} (their whole tensors)")
     parsed = parse_strategy_spec(spec.removesuffix(WHOLE))
     if parsed.kind == "bsp":
         return 0
@@ -531,8 +531,8 @@ def main() -> int:
     p.add_argument(
         "--strategies",
         default="bsp,zero:1,zero:2,zero:3",
-        help="comma-separated gradsync specs; one gradsync refuses is skipped; zero:1/whole: "
-        "zero:1 with whole tensors forced (%(default)s)",
+        help="comma-separated gradsync specs; one gradsync refuses is skipped; zero:1/whole, "
+        "zero:2/whole: the stage with whole tensors forced (%(default)s)",
     )
     p.add_argument("--ranks", default="1,2,4", help="rank counts of the memory part")
     p.add_argument("--steps", type=int, default=4, help="steps per timed block")

@@ -30,7 +30,7 @@ from torch import nn
 import gradsync as gs
 from benchmarks.harness import time_interleaved
 from benchmarks.steps import Trainer
-from gradsync.strategies import ZeroStage1
+from gradsync.strategies import ZeroStage1, ZeroStage2
 from gradsync.workloads.charlm import CharLM
 
 BUCKET_MB = 25.0  # gradsync's default, and DDP's
@@ -43,8 +43,8 @@ DDP, ZERO_OPT, FSDP_NO_RESHARD, FSDP, COMPUTE = (
     "compute-only",
 )
 GRADSYNC = "gradsync "
-#: after ``zero:1`` in ``--strategies``: its whole-tensor layout forced (``layout="whole"``),
-#: beside the rows layout it takes by default for AdamW (issue 47)
+#: after ``zero:1`` or ``zero:2`` in ``--strategies``: its whole-tensor layout forced
+#: (``layout="whole"``), beside the rows layout it takes by default for AdamW (issue 47)
 WHOLE = "/whole"
 
 
@@ -52,6 +52,8 @@ def strategy_of(spec: str) -> Any:
     """What ``gs.Synchronizer`` is given for a spec of ``--strategies``."""
     if spec == "zero:1" + WHOLE:
         return ZeroStage1(layout="whole")
+    if spec == "zero:2" + WHOLE:
+        return ZeroStage2(layout="whole")
     return spec
 
 
