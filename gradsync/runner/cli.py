@@ -60,13 +60,14 @@ RESUMED_FLAGS = (
     "max_restarts",
     "min_replicas",
     "heartbeat_timeout",
+    "servers",
 )
 
 
 #: run's flags whose default its parser holds as ``_Default``, to tell a value given from it:
 #: those a --resume takes from the saved run, --link (given, it needs --hosts), and the
 #: built-in workloads' (given, they are refused beside a script)
-HELD_DEFAULTS = tuple(dict.fromkeys((*RESUMED_FLAGS, "link", *WORKLOAD_ONLY)))
+HELD_DEFAULTS = tuple(dict.fromkeys((*RESUMED_FLAGS, "link", "timeout", *WORKLOAD_ONLY)))
 
 
 class _Default:
@@ -152,6 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # its ranks (a given --nproc that differs is taken, and the summary's header names both),
     # its workload, model, steps, strategy, compressor and replica groups
     _check_script_flags_given(args)  # before the saved run's flags replace the held defaults
+    explicit = _given_on_the_command_line(args)
     before = _take_saved_flags(args)
     _check_link_given(args)
     cfg = _config_from_args(args)
@@ -161,6 +163,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if cfg.resume and cfg.script:
             _say_if_nothing_to_resume(run_dir)
+            from gradsync.runner.resume import check_script_resume
+
+            # the flags held against the saved run, as a built-in workload's are, before
+            # config.json is rewritten: a refusal found by the workers left it rewritten
+            before = check_script_resume(cfg, run_dir, before)
         if cfg.resume and not cfg.script:  # a script resumes from its own checkpoints
             from gradsync.runner.resume import check_resume
 
@@ -168,9 +175,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             # flags: a refused --resume leaves the saved run's as it was
             resumed: Resumed = check_resume(cfg, run_dir)
             before = resumed.saved_nproc
-        return _run(cfg, run_dir, cfg.changed_fields(), before)
+        given = sorted({*cfg.changed_fields(), *explicit})
+        return _run(cfg, run_dir, given, before)
     finally:
         claimed.release()
+
+
+def _given_on_the_command_line(args: argparse.Namespace) -> list[str]:
+    """The flags of ``HELD_DEFAULTS`` the command line gave, at any value: config.json's
+    ``given`` names them, so that a script naming another value is refused even where the
+    flag was given at its default (``--strategy bsp`` beside a script that asks for
+    ``local:4`` ran ``local:4``: a tester's finding)."""
+    return [n for n in HELD_DEFAULTS if not isinstance(getattr(args, n, _Default(None)), _Default)]
 
 
 def _say_if_nothing_to_resume(run_dir: Path) -> None:

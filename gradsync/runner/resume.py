@@ -40,7 +40,7 @@ from gradsync.runner.rundir import CHECKPOINT_DIR
 
 #: flags a --resume must be given the saved run's value of: they shape what its checkpoints
 #: hold (the model, the strategy's state) or where they are (each replica group's own)
-MUST_MATCH = ("workload", "params", "strategy", "replica_groups")
+MUST_MATCH = ("workload", "params", "strategy", "replica_groups", "servers")
 #: flags a --resume may change, with a warning: the data from the resumed step on then differ
 #: from the saved run's
 DATA_FLAGS = ("seed", "batch_size", "data")
@@ -84,6 +84,21 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> Resumed:
     if isinstance(nproc, int) and nproc != cfg.nproc and step > 0:
         _check_resizable(cfg, nproc)
     return Resumed(step, nproc if isinstance(nproc, int) else None)
+
+
+def check_script_resume(cfg: RunConfig, run_dir: Path, before: int | None) -> int | None:
+    """A script's --resume, held against the saved run's config.json before any worker starts
+    (its checkpoints are where the script keeps them, so only the flags can be judged): a
+    given flag of ``MUST_MATCH`` that differs, or a --nproc the strategy's checkpoints cannot
+    resize to, is refused as a built-in workload's is. Returns the saved run's --nproc."""
+    saved = saved_config(run_dir)
+    if saved is None:
+        return before
+    refuse_changes(cfg, saved, run_dir)
+    nproc = saved.get("nproc")
+    if isinstance(nproc, int) and nproc != cfg.nproc:
+        _check_resizable(cfg, nproc)
+    return nproc if isinstance(nproc, int) else before
 
 
 def _check_resizable(cfg: RunConfig, saved_nproc: int) -> None:

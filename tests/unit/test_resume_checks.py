@@ -174,6 +174,8 @@ def test_flags_not_given_are_the_saved_runs(tmp_path: Path) -> None:
         # the quorum the groups need: a resume that dropped --min-replicas 2 let one go alone
         "min_replicas": 2,
         "heartbeat_timeout": 5.0,
+        # a parameter servers' run: its checkpoints need as many servers (a tester's finding)
+        "servers": 2,
     }
     run.mkdir()
     (run / "config.json").write_text(json.dumps(saved))
@@ -360,3 +362,68 @@ def test_a_scripts_resume_into_a_directory_without_a_run_says_it_starts_one(
     # a run there now: its resume says nothing of the kind
     assert main(["run", "--resume", f"--out={tmp_path / 'empty'}", *FLAGS, "--", str(script)]) == 0
     assert "holds no run yet" not in capsys.readouterr().err
+
+
+def _script_run(tmp_path: Path, launch: FakeLaunch, *flags: str) -> tuple[Path, Path]:
+    """A script's run of ``flags`` as ``gradsync run`` leaves it (its config.json)."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    run = tmp_path / "run"
+    assert main(["run", *flags, f"--out={run}", *FLAGS, "--", str(script)]) == 0
+    return run, script
+
+
+@pytest.mark.parametrize(
+    ("first", "again", "refusal"),
+    [
+        # the whole spec, held as a built-in workload's
+        (["--strategy=local:4"], ["--strategy=local:8"], "was trained with --strategy local:4"),
+        (["--strategy=ssp:1", "--servers=2"], ["--servers=1"], "with --servers 2"),
+        # a checkpoint of local:4 does not resize
+        (["--strategy=local:4", "--nproc=2"], ["--nproc=3"], "--resume with --nproc 3"),
+    ],
+)
+def test_a_scripts_resume_is_held_against_its_saved_run_before_config_json_changes(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    launch: FakeLaunch,
+    first: list[str],
+    again: list[str],
+    refusal: str,
+) -> None:
+    """A refused --resume of a script's run was found by its workers, after config.json had
+    been rewritten with the refused flags, so a plain --resume after it failed too (a
+    tester's finding)."""
+    run, script = _script_run(tmp_path, launch, *first)
+    before = (run / "config.json").read_bytes()
+    argv = ["run", "--resume", *again, f"--out={run}", *FLAGS, "--", str(script)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert refusal in err, err
+    assert len(launch.calls) == 1 and (run / "config.json").read_bytes() == before
+
+
+def test_a_resume_keeps_the_saved_runs_servers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], launch: FakeLaunch
+) -> None:
+    """--servers is the saved run's when not given (a resume without it launched 1 server for
+    a run of 2, whose workers then failed, and config.json said 1 after: a tester's finding)."""
+    run, script = _script_run(tmp_path, launch, "--strategy=ssp:1", "--servers=2")
+    argv = ["run", "--resume", f"--out={run}", *FLAGS, "--", str(script)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert launch.calls[-1]["servers"] == 2
+    assert json.loads((run / "config.json").read_text())["servers"] == 2
+
+
+def test_a_flag_given_at_its_default_is_recorded_as_given(
+    tmp_path: Path, launch: FakeLaunch
+) -> None:
+    """config.json's ``given`` names every flag the command line gave, at its default value
+    too, so that a script naming another value is refused (``--strategy bsp`` beside a
+    script asking for local:4 ran local:4, ``--timeout 300`` beside timeout_s=60 ran 60)."""
+    run, _ = _script_run(tmp_path, launch, "--strategy=bsp", "--timeout=300")
+    given = json.loads((run / "config.json").read_text())["given"]
+    assert "strategy" in given and "timeout" in given
+    (tmp_path / "other").mkdir()
+    other, _ = _script_run(tmp_path / "other", launch)
+    assert "strategy" not in json.loads((other / "config.json").read_text())["given"]
