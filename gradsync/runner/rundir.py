@@ -9,8 +9,9 @@ following a symbolic link: a link planted there would otherwise have its target 
 rewritten. A directory that already holds a run is refused too, unless the new run continues
 it (``--resume``) or the user asks to start over in it (``--overwrite``). ``--overwrite`` deletes
 only what gradsync wrote (the checkpoints' step directories, fault markers and metrics) and only
-in a directory gradsync recognises as a run's: a plain directory is refused, naming what would
-have been deleted.
+in a directory gradsync recognises as a run's, also in any directory of the run's holding
+gradsync's checkpoints (a script's ``{run_dir}/ckpt``): a plain directory is refused, naming
+what would have been deleted.
 """
 
 from __future__ import annotations
@@ -208,17 +209,35 @@ def _has_run_config(run_dir: Path) -> bool:
 def _delete_run_state(run_dir: Path) -> None:
     """What a fresh run replaces: the metrics and fault markers, and in ``checkpoints/`` the
     step directories and logs gradsync writes there; anything else the user put in
-    ``checkpoints/`` stays (and so does the directory, then)."""
+    ``checkpoints/`` stays (and so does the directory, then). The same in any directory of
+    the run's that holds gradsync's checkpoints: a script's ``sync.save("{run_dir}/ckpt")``
+    (docs/your-script.md) resumed from them after ``--overwrite``, repeating the old run's
+    results without a step trained (a tester's finding)."""
     for name in RUN_STATE:
         target = run_dir / name
         if name == CHECKPOINT_DIR and target.is_dir() and not target.is_symlink():
-            for entry in target.iterdir():
-                if _STEP_DIR.match(entry.name) or entry.name in (ROW_LOG_DIR, LOCK_DIR):
-                    _remove(entry)
-            if not any(target.iterdir()):
-                target.rmdir()
+            _delete_checkpoints(target)
         elif target.exists() or target.is_symlink():
             _remove(target)
+    for entry in run_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink() and _holds_checkpoints(entry):
+            _delete_checkpoints(entry)
+
+
+def _holds_checkpoints(directory: Path) -> bool:
+    """Whether ``directory`` holds a checkpoint gradsync wrote (a step directory with its
+    manifest)."""
+    return any(_STEP_DIR.match(p.name) and (p / MANIFEST).is_file() for p in directory.iterdir())
+
+
+def _delete_checkpoints(directory: Path) -> None:
+    """The step directories and logs gradsync writes in a checkpoint directory; the directory
+    too, once nothing else is in it."""
+    for entry in directory.iterdir():
+        if _STEP_DIR.match(entry.name) or entry.name in (ROW_LOG_DIR, LOCK_DIR):
+            _remove(entry)
+    if not any(directory.iterdir()):
+        directory.rmdir()
 
 
 def _remove(path: Path) -> None:

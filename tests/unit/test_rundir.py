@@ -82,3 +82,27 @@ def test_overwrite_also_replaces_the_trackers_and_the_spans(tmp_path: Path) -> N
         path.write_text("the previous run's")
     claim(tmp_path, resume=False, overwrite=True).release()
     assert not any(path.exists() for path in old)
+
+
+def test_overwrite_deletes_a_scripts_checkpoints_in_the_run_directory_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """A script's ``sync.save("{run_dir}/ckpt")`` (docs/your-script.md): after --overwrite the
+    script resumed from them, repeating the old run without a step trained (a tester's
+    finding). gradsync's step directories go; what else the user keeps there stays."""
+    _previous_run(tmp_path)
+    store = tmp_path / "ckpt"
+    (store / "step-000012").mkdir(parents=True)
+    (store / "step-000012" / "MANIFEST.json").write_text("{}")
+    (store / "notes.txt").write_text("mine")
+    plain = tmp_path / "data" / "step-000001"  # a step-like name without a manifest
+    plain.mkdir(parents=True)
+    claim(tmp_path, resume=False, overwrite=True).release()
+    assert not (store / "step-000012").exists() and (store / "notes.txt").exists()
+    assert plain.exists()
+    only = tmp_path / "only"
+    (only / "ckpt" / "step-000003").mkdir(parents=True)
+    (only / "ckpt" / "step-000003" / "MANIFEST.json").write_text("{}")
+    (only / "config.json").write_text((tmp_path / "config.json").read_text())
+    claim(only, resume=False, overwrite=True).release()
+    assert not (only / "ckpt").exists()  # emptied, then removed
