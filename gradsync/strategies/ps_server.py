@@ -217,7 +217,7 @@ class _Server:
         self.workers = plan.workers
         # What a message to this server looks like; compressed pushes are decoded with the
         # codec of the worker that sent them (the same seed it encoded with).
-        self.wire_dtype, self.header, _payload = plan.wire(s)
+        self.wire_dtype, self.header, self.payload_numel = plan.wire(s)
         self.message_numel = plan.receive_numel(s)
         self.codecs = [plan.codec(s, w) for w in range(self.workers)] if plan.compressed else []
         self.stats = ServerStats(server_rank=rank)
@@ -433,7 +433,9 @@ class _Server:
 
     # -- gradients and replies ------------------------------------------------------------------
     def on_gradient(self, w: int, message: torch.Tensor) -> None:
-        payload = message[self.header :]
+        # The receive buffer is at least a control message's size (``receive_numel``): a shard
+        # of fewer elements than that has its push in the buffer's first part only.
+        payload = message[self.header : self.header + self.payload_numel]
         # A worker's k-th push was encoded at its step k (pushed[w] counts them, across resumes).
         grad = self.codecs[w].decode(payload, self.pushed[w]) if self.codecs else payload
         if not is_finite(grad):
