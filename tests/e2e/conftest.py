@@ -3,9 +3,14 @@ has the commands): each ``gradsync run`` costs seconds of start-up on 2 cores.""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from tests.support.cli import gradsync
+from tests.support.overlap import Overlapped, overlapped
 from tests.support.proctree import watched_run
 from tests.support.shared_runs import (
     CLEAN_BSP,
@@ -30,28 +35,50 @@ def killed_bsp_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     return SharedRun(out, stderr, watched)
 
 
-@pytest.fixture(scope="session")
-def clean_bsp_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
-    """``gradsync run`` with CLEAN_BSP's flags (KILLED_BSP's run, uninterrupted): the
-    reference of test_fault_e2e's every-step test (bitwise) and of test_zero3_e2e (zero:3
-    killed and resumed ends where bsp ends). With ``--tracker`` for every tracker installed
-    (TRACKERS_INSTALLED), whose files test_trackers_run reads: the sinks change no number."""
-    out = tmp_path_factory.mktemp("clean-bsp") / "run"
+def _clean_bsp(out: Path) -> SharedRun:
     trackers = ["--tracker", ",".join(TRACKERS_INSTALLED)] if TRACKERS_INSTALLED else []
     proc = gradsync("run", *CLEAN_BSP, *trackers, "--out", str(out), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return SharedRun(out, proc.stderr)
 
 
-@pytest.fixture(scope="session")
-def one_rank_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
-    """``gradsync run`` with ONE_RANK's flags (checkpoints of steps 5 and 10): what
-    test_fault_e2e (the newest checkpoint left unfinished) and test_restart_telemetry_e2e (the
-    metrics file's last line torn) each change in a copy, then resume."""
-    out = tmp_path_factory.mktemp("one-rank") / "run"
+def _one_rank(out: Path) -> SharedRun:
     proc = gradsync("run", *ONE_RANK, "--out", str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return SharedRun(out, proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
+    """CLEAN_BSP's and ONE_RANK's runs, started at once the first time either is asked for
+    (tests/support/overlap.py; test_fault_e2e reads both): each is its own ``gradsync run``,
+    with its own ports and directory, and neither is timed, killed or waits on a timeout;
+    one leaves a core idle much of its time on 2 cores. KILLED_BSP's run is left alone: its
+    resume step depends on how far its background writer got at the kill."""
+    runs = {
+        "clean-bsp": functools.partial(_clean_bsp, tmp_path_factory.mktemp("clean-bsp") / "run"),
+        "one-rank": functools.partial(_one_rank, tmp_path_factory.mktemp("one-rank") / "run"),
+    }
+    with overlapped(runs) as started:
+        started.wait()  # both ended before KILLED_BSP's run, which follows them, starts
+        yield started
+
+
+@pytest.fixture(scope="session")
+def clean_bsp_run(uninterrupted_runs: Overlapped) -> SharedRun:
+    """``gradsync run`` with CLEAN_BSP's flags (KILLED_BSP's run, uninterrupted): the
+    reference of test_fault_e2e's every-step test (bitwise) and of test_zero3_e2e (zero:3
+    killed and resumed ends where bsp ends). With ``--tracker`` for every tracker installed
+    (TRACKERS_INSTALLED), whose files test_trackers_run reads: the sinks change no number."""
+    return uninterrupted_runs.result("clean-bsp")
+
+
+@pytest.fixture(scope="session")
+def one_rank_run(uninterrupted_runs: Overlapped) -> SharedRun:
+    """``gradsync run`` with ONE_RANK's flags (checkpoints of steps 5 and 10): what
+    test_fault_e2e (the newest checkpoint left unfinished) and test_restart_telemetry_e2e (the
+    metrics file's last line torn) each change in a copy, then resume."""
+    return uninterrupted_runs.result("one-rank")
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,20 @@ each launch is independent of the others (a ``run_ranks`` has its own store, pro
 ranks; a ``gradsync run`` its own processes and ports), so a module-scoped fixture can start a
 file's such launches at once, each on a thread of its own, and each test then takes its own
 launch's result, or has its error raised. What each test asserts is unchanged; the fixture
-waits for every launch before the module ends, so nothing is left running. Launches that time
-their own steps, or compute for most of their seconds, are left to run alone."""
+waits for every launch before the module ends, so nothing is left running. A ``gradsync run``
+or ``torchrun`` launch of a few ranks also leaves a core of the 2 idle much of its time (its
+imports, its agent's waits, its exit: about one core's worth of CPU time over its wall time,
+measured), so independent launches that nothing times are overlapped too. Launches that time
+their own steps (a straggler judged, a stall bounded), or whose resume step depends on how far
+a background writer got before a kill (KILLED_BSP's, tests/support/shared_runs.py), are left to
+run alone, as are the tests after a fixture's launches where needed (``Overlapped.wait``)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,6 +41,12 @@ class Overlapped:
     def result(self, name: str) -> Any:
         """Launch ``name``'s result, once it has ended (its exception raised here)."""
         return self._futures[name].result()
+
+    def wait(self) -> None:
+        """Until every launch has ended, raising nothing (each test takes its own launch's
+        error from ``result``): for a fixture whose tests, or the tests after them, must not
+        run beside its launches (a launch timed, or one whose writer's progress is asserted)."""
+        wait_all(self._futures.values())
 
 
 @contextmanager
