@@ -3,6 +3,7 @@ and its final parameters are bitwise equal to an uninterrupted run with the same
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from gradsync.checkpoint import CheckpointStore
 from tests.support.cli import gradsync
+from tests.support.overlap import overlapped
 from tests.support.shared_runs import (
     FAULT_COMMON,
     KILLED_BSP_RESUMED,
@@ -87,11 +89,16 @@ def test_killed_rank_resumes_bitwise_equal(
     tmp_path: Path, strategy: list[str], killed: int
 ) -> None:
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    _run(clean, *strategy)
-    err = _run(
-        faulty, *strategy, "--checkpoint-every", "10", "--max-restarts", "1",
-        "--kill", f"{killed}:17",
-    )  # fmt: skip
+    # the two runs are independent (each its own ports and directory): started at once
+    # (tests/support/overlap.py), a run leaves a core idle much of its time on 2 cores
+    faulty_flags = ["--checkpoint-every", "10", "--max-restarts", "1", "--kill", f"{killed}:17"]
+    runs = {
+        "clean": functools.partial(_run, clean, *strategy),
+        "faulty": functools.partial(_run, faulty, *strategy, *faulty_flags),
+    }
+    with overlapped(runs) as done:
+        done.result("clean")
+        err = done.result("faulty")
     _assert_resumed_bitwise(clean, faulty, err, killed, (10,))
 
 

@@ -3,6 +3,7 @@ resumes from the checkpoint; killing a server rank is refused."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -13,6 +14,7 @@ import torch
 
 from gradsync.workloads import make_workload
 from tests.support.cli import gradsync
+from tests.support.overlap import overlapped
 
 pytestmark = pytest.mark.e2e
 
@@ -40,17 +42,20 @@ def _last_loss(run: Path) -> float:
 @pytest.mark.timeout(240)
 def test_killed_worker_with_async_servers_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
-    proc = gradsync(
-        "run", "--out", str(clean), "--strategy", "async", *COMMON, "--steps", "16", timeout=200
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    base = ["run", "--strategy", "async", *COMMON, "--steps", "16"]
     # worker 1 dies at step 13, after the checkpoints of steps 5 and 10. They are written in
     # the background, so the one of step 10 may not be complete yet: either is a resume.
-    proc = gradsync(
-        "run", "--out", str(faulty), "--strategy", "async", *COMMON, "--steps", "16",
-        "--checkpoint-every", "5", "--max-restarts", "1", "--kill", "1:13",
-        timeout=200,
-    )  # fmt: skip
+    kill = ["--checkpoint-every", "5", "--max-restarts", "1", "--kill", "1:13"]
+    # the two runs are independent (each its own ports and directory): started at once
+    # (tests/support/overlap.py), a run leaves a core idle much of its time on 2 cores
+    runs = {
+        "clean": functools.partial(gradsync, *base, "--out", str(clean), timeout=200),
+        "faulty": functools.partial(gradsync, *base, "--out", str(faulty), *kill, timeout=200),
+    }
+    with overlapped(runs) as done:
+        proc = done.result("clean")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = done.result("faulty")
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = re.findall(r"restart: resuming at step (\d+)", proc.stderr)
     assert resumed in (["5"], ["10"]), proc.stderr[-3000:]
