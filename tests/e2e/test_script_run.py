@@ -5,17 +5,21 @@ same final model as an uninterrupted run, and ``-m MODULE``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from gradsync.telemetry.plots import PLOT_FILES
+from tests.support.overlap import Overlapped, overlapped
 from tests.support.shared_runs import USER_SCRIPT, USER_SCRIPT_STEPS, SharedRun
 
 pytestmark = pytest.mark.e2e
@@ -90,18 +94,71 @@ def test_a_user_script_gets_the_run_directory_faults_and_restarts(
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
-@pytest.mark.timeout(300)
-def test_compare_runs_each_strategy_on_the_user_script(tmp_path: Path) -> None:
-    out = tmp_path / "cmp"
-    proc = subprocess.run(
+def _compare(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "gradsync", "compare", "--nproc", "2", "--no-plots"]
-        + ["--strategies", "bsp,local:4", "--out", str(out), "--", str(SCRIPT), str(STEPS)]
-        + ["{run_dir}/ckpt", "{run_dir}/final.pt"],  # each run's own directory
+        + ["--strategies", "bsp,local:4", "--out", str(tmp_path / "cmp"), "--", str(SCRIPT)]
+        + [str(STEPS), "{run_dir}/ckpt", "{run_dir}/final.pt"],  # each run's own directory
         capture_output=True,
         text=True,
         timeout=280,
         cwd=tmp_path,
     )
+
+
+def _front_door(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    example = SCRIPT.parents[2] / "examples" / "ddp_lm_frontdoor.py"
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--no-plots"]
+        + ["--out", str(tmp_path / "fd")]
+        + ["--", str(example), "--steps", "14", "--eval-every", "100", "--out", str(tmp_path)]
+        + ["--accumulation", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+
+
+def _failing(tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    script = SCRIPT.parent / "failing_script.py"
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--no-plots"]
+        + ["--out", str(tmp_path / "failed"), "--timeout", "30", "--", str(script), "5"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])},
+        cwd=tmp_path,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
+    """Three tests' launches at once (tests/support/overlap.py), each its own command with its
+    own ports and directory: ``gradsync compare`` on the user's script, the front-door example
+    without report(), a script that raises on rank 1. None is timed, and a launch leaves a core
+    idle much of its time on 2 cores; each test reads its own. (The slowed runs, whose
+    stragglers are judged by time, and the killed one run alone.)"""
+    launches: dict[str, Callable[[], Any]] = {
+        name: functools.partial(launch, tmp_path_factory.mktemp(name))
+        for name, launch in (("compare", _compare), ("front-door", _front_door))
+    }
+    launches["failing"] = functools.partial(_failing, tmp_path_factory.mktemp("failing"))
+    with overlapped(launches) as started:
+        started.wait()  # all ended before the next test's slowed run, judged by time, starts
+        yield started
+
+
+def _out(proc: subprocess.CompletedProcess[str]) -> Path:
+    """The run directory a launch was given (its first ``--out``)."""
+    return Path(proc.args[proc.args.index("--out") + 1])
+
+
+@pytest.mark.timeout(300)
+def test_compare_runs_each_strategy_on_the_user_script(runs: Overlapped) -> None:
+    proc = runs.result("compare")
+    out = _out(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line}
     assert {"bsp", "local:4"} <= set(table), proc.stdout
@@ -138,24 +195,15 @@ def test_the_ported_ddp_example_gets_the_run_directory_too(tmp_path: Path) -> No
 
 @pytest.mark.timeout(200)
 def test_a_front_door_script_that_never_calls_report_keeps_every_step_record(
-    tmp_path: Path,
+    runs: Overlapped,
 ) -> None:
     """examples/ddp_lm_frontdoor.py, unchanged, calls neither ``model.report()`` nor
     ``close()``: each rank's records that no gather took (the last ones, up to twice
     ``telemetry_every``) reach metrics.jsonl all the same, written by each rank at its exit.
     Before, 14 steps left metrics.jsonl with 10 of them, and a run of fewer steps than a
     gather failed saying the script "took no step"."""
-    example = SCRIPT.parents[2] / "examples" / "ddp_lm_frontdoor.py"
-    out = tmp_path / "fd"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--no-plots", "--out", str(out)]
-        + ["--", str(example), "--steps", "14", "--eval-every", "100", "--out", str(tmp_path)]
-        + ["--accumulation", "1"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-    )
+    proc = runs.result("front-door")
+    out = _out(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert sorted((r["rank"], r["step"]) for r in records) == [
@@ -165,22 +213,13 @@ def test_a_front_door_script_that_never_calls_report_keeps_every_step_record(
 
 
 @pytest.mark.timeout(120)
-def test_the_ranks_stopped_after_a_peer_failed_keep_their_step_records(tmp_path: Path) -> None:
+def test_the_ranks_stopped_after_a_peer_failed_keep_their_step_records(runs: Overlapped) -> None:
     """Rank 1's script raises before step 5: the run fails, and the agent stops rank 0 (waiting
     in step 5) with SIGTERM. Each rank's records of steps 0-4, which no gather had taken (a
     gather every 10 steps), reach metrics.jsonl: rank 0 writes its own when stopped
     (gradsync.runner.stopped). Before, metrics.jsonl held rank 1's alone."""
-    out = tmp_path / "failed"
-    script = SCRIPT.parent / "failing_script.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "run", "--nproc", "2", "--no-plots", "--out", str(out)]
-        + ["--timeout", "30", "--", str(script), "5"],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])},
-        cwd=tmp_path,
-    )
+    proc = runs.result("failing")
+    out = _out(proc)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "the user's error at step 5" in proc.stderr, proc.stderr[-3000:]
     records = {(r["rank"], r["step"]) for r in map(json.loads, (out / "metrics.jsonl").open())}
