@@ -150,9 +150,13 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 def held(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds between steps: parameters (or their local shards), the gradients
-    that are not None, and every tensor in the optimizer's state."""
+    that are not None (the parameters' and the optimizer's tensors'), and every tensor in the
+    optimizer's state."""
     params = list(model.parameters())
     params += [p for g in optimizer.param_groups for p in g["params"]]
+    # the tensors the optimizer holds state for: under zero:1/2 by rows this rank's pieces,
+    # views of the parameters, whose .grad are its rows of the gradient (zero:2)
+    params += [p for p in optimizer.state if torch.is_tensor(p)]
     state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
     return {
         "params": storage_bytes(params),

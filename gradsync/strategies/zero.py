@@ -365,6 +365,11 @@ class ZeroStage2(Strategy):
         self._clip_guard = LocalClipGuard(self.name)
         #: by rows: each cut parameter's ``p.grad`` from the gradient-ready point to the update
         self._placeholders: dict[int, torch.Tensor] = {}
+        #: by rows: each piece's rounds (by id), each parameter's pieces (with their index in
+        #: their flat group), and this step's rounds each piece is still in
+        self._unit_rounds: dict[int, list[tuple[int, int]]] = {}
+        self._units_of: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self._unit_left: dict[int, int] = {}
         self._partial_state: Any = None
         #: live membership's quorum (None: ``ctx.group`` holds every replica)
         self._membership: Membership | None = None
@@ -398,6 +403,14 @@ class ZeroStage2(Strategy):
                 unit = layout.groups[k].params[i]
                 rounds_of.setdefault(id(self._source(unit)), []).append((k, j))
         self._rounds_of = rounds_of
+        if isinstance(layout, RowLayout):  # each piece's rounds, and each parameter's pieces
+            for (k, j), members in self._members.items():
+                for i in members:
+                    unit = layout.groups[k].params[i]
+                    self._unit_rounds.setdefault(id(unit), []).append((k, j))
+                    units = self._units_of.setdefault(id(layout.source(unit)), [])
+                    if all(u is not unit for u, _ in units):
+                        units.append((unit, i))
         self._starts = {
             (k, j): {pc.index: pc.start for owner in rnd.pieces for pc in owner}
             for k, rounds in enumerate(shards.rounds)
@@ -445,6 +458,7 @@ class ZeroStage2(Strategy):
         self._step = plan.step
         self._waiting = {kj: len(m) for kj, m in self._members.items()}
         self._left = {key: len(v) for key, v in self._rounds_of.items()}
+        self._unit_left = {key: len(v) for key, v in self._unit_rounds.items()}
         self._next, self._sent, self._in_backward = 0, [], 0.0
         self._tails = {}
         self.shards.ctx.found_inf = None  # a verdict a raising update left behind
@@ -593,20 +607,33 @@ class ZeroStage2(Strategy):
         shards.collective(self._step, f"zero:2 gradient {kind}, round {j + 1} of group {k}", run)
         self._sent.append((wall0, time.perf_counter() - t0, buf.numel() * buf.element_size()))
         for i in self._members[kj]:
-            p = self._source(g.params[i])
+            unit = g.params[i]
+            p = self._source(unit)
             self._left[id(p)] -= 1
             if self._left[id(p)] == 0:
                 p.grad = None
                 self._tails.pop(id(p), None)
-        if not (poison or draining or isinstance(layout, RowLayout)):
-            self._keep_tails(kj)
+            if unit is not p:  # a piece of rows: its own tail goes with its last round
+                self._unit_left[id(unit)] -= 1
+                if self._unit_left[id(unit)] == 0:
+                    self._tails.pop(id(unit), None)
+        if not (poison or draining):
+            if isinstance(layout, RowLayout):
+                self._keep_row_tails(kj, layout)
+            else:
+                self._keep_tails(kj)
 
     def _gradient_of(self, g: FlatGroup) -> Callable[[int], torch.Tensor | Tail | None]:
         """What a round packs of ``g.params[i]``: its kept tail, else its gradient."""
 
         layout = self._layout
-        if isinstance(layout, RowLayout):  # a piece's rows of its parameter's gradient
-            return lambda i: layout.gradient_of(g.params[i])
+        if isinstance(layout, RowLayout):  # a piece's kept tail, else its rows of the gradient
+
+            def piece(i: int) -> torch.Tensor | Tail | None:
+                tail = self._tails.get(id(g.params[i]))
+                return tail if tail is not None else layout.gradient_of(g.params[i])
+
+            return piece
 
         def source(i: int) -> torch.Tensor | Tail | None:
             p = g.params[i]
@@ -634,6 +661,34 @@ class ZeroStage2(Strategy):
             if p.numel() - start <= self._tail_cap[k]:
                 self._tails[id(p)] = Tail(start, grad.reshape(-1)[start:].clone())
                 p.grad = None
+
+    def _keep_row_tails(self, kj: tuple[int, int], layout: RowLayout) -> None:
+        """By rows, the ``_keep_tails`` of whole tensors: a round carries consecutive tensors,
+        so a gradient whose rows end inside round ``kj``'s successor waits there for the next
+        tensor backward makes. Where what is left of it, over every rank's rows, is at most
+        one round's, copy each piece's rest out and free the gradient: without this two
+        64 MiB gradients lived at once on the issue's model."""
+        g = layout.groups[kj[0]]
+        for i in self._members[kj]:
+            p = layout.source(g.params[i])
+            if p.grad is None or self._left[id(p)] == 0:
+                continue
+            rest = []
+            for unit, index in self._units_of[id(p)]:
+                left = self._unit_left[id(unit)]
+                if left:
+                    rounds = self._unit_rounds[id(unit)]
+                    rest.append((unit, self._starts[rounds[len(rounds) - left]][index]))
+            if (
+                sum(unit.numel() - start for unit, start in rest)
+                > self._tail_cap[kj[0]] * layout.world
+            ):
+                continue
+            for unit, start in rest:
+                part = layout.gradient_of(unit)
+                assert part is not None
+                self._tails[id(unit)] = Tail(start, part.reshape(-1)[start:].clone())
+            p.grad = None
 
     def _finish_in_flight(self) -> None:
         _, _, shards, _ = self._parts()
