@@ -15,7 +15,10 @@ import json
 import math
 import os
 import pkgutil
+import re
+import sys
 import time
+import warnings
 from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -23,7 +26,7 @@ from typing import Any
 
 from gradsync.attached_run import add_facts
 from gradsync.bucket_autotune import AUTO
-from gradsync.compression import parse_compression
+from gradsync.compression import Compressor, parse_compression
 from gradsync.errors import UsageError
 from gradsync.flags import flag, flag_from
 from gradsync.inject import parse_kill, parse_slow
@@ -128,6 +131,46 @@ OUTPUT = "output"
 
 def default_out() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+#: the warnings the checks of a RunConfig said in this process, by their text: each once
+_SAID: set[str] = set()
+#: whether they are printed: not in a rank, whose command printed them before starting it
+_PRINTED = [True]
+
+
+def said_by_the_command() -> None:
+    """In a rank of ``gradsync run``/``compare``: the warnings a RunConfig's checks give
+    (``--compress randomk:0.05``'s) were printed by the command, which checked the same
+    config before it started the rank; the rank prints them again neither at its own check nor
+    where its Synchronizer builds the same compressor."""
+    _PRINTED[0] = False
+
+
+def checked_compression(spec: str | None) -> Compressor:
+    """``parse_compression(spec)``, its warnings (a ``randomk`` fraction below 0.1) said as
+    the command's other warnings are, one ``gradsync: warning: ...`` line, once per process,
+    where Python's format added the source line of gradsync's own ``warnings.warn`` call, and
+    the CLI and each rank printed it (three times under ``--nproc 2``). Once said, the same
+    warning raised later in the process (``--resume``'s check, the rank's Synchronizer) is
+    ignored. Warnings not of gradsync's own code go on as Python shows them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compressor = parse_compression(spec)
+    for w in caught:
+        if not w.filename.startswith(_PACKAGE):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            continue
+        text = str(w.message)
+        if text not in _SAID:
+            _SAID.add(text)
+            if _PRINTED[0]:
+                print(f"gradsync: warning: {text}", file=sys.stderr)
+        warnings.filterwarnings("ignore", message=re.escape(text), category=w.category)
+    return compressor
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
 @dataclass(slots=True, kw_only=True)
@@ -377,9 +420,10 @@ class RunConfig:
             raise UsageError(f"unknown workload {self.workload!r}; valid: {', '.join(WORKLOADS)}")
         strategy = parse_strategy(self.strategy)  # raises with the valid forms
         check_allreduce(self.allreduce)
-        check_hierarchical(self.allreduce, strategy, parse_compression(self.compression).spec)
-        check_compression(self.strategy, parse_compression(self.compression).spec)
-        check_compressor(strategy, parse_compression(self.compression))
+        compressor = checked_compression(self.compression)
+        check_hierarchical(self.allreduce, strategy, compressor.spec)
+        check_compression(self.strategy, compressor.spec)
+        check_compressor(strategy, compressor)
         self._check_backend()
 
     def _check_backend(self) -> None:
@@ -446,7 +490,7 @@ class RunConfig:
         # bsp's workers refuse these (a compressor keeps state per bucket, which a change of
         # plan mid-run would misplace; a hierarchy of ranks runs its own buckets): refused here,
         # before anything starts or a run directory is left behind.
-        spec = parse_compression(self.compression).spec
+        spec = checked_compression(self.compression).spec
         given = [f"--compress {spec}"] if spec != "none" else []
         if self.allreduce == "hierarchical" and self.nproc > 1:
             given.append("--allreduce hierarchical")
@@ -631,7 +675,7 @@ class RunConfig:
         try:
             check_exchange(
                 self.strategy,
-                parse_compression(self.compression).spec,
+                checked_compression(self.compression).spec,
                 self.allreduce,
                 self.bucket_mb,
                 self.balance,

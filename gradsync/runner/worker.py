@@ -32,7 +32,7 @@ from gradsync.attached_run import (
     restart_count,
 )
 from gradsync.logs import one_line_warnings
-from gradsync.runner.config import RunConfig, is_source_file
+from gradsync.runner.config import RunConfig, is_source_file, said_by_the_command
 from gradsync.runner.rundir import CHECKPOINT_DIR, FINAL_MODEL
 from gradsync.runner.stopped import records_kept_when_stopped
 from gradsync.synchronizer import scripts_ended
@@ -68,8 +68,9 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
     from the agent (a peer failed for good) writes the rank's step records first
     (``runner.stopped``). The script sees multiprocessing's start method unset, and a forked
     rank ends as the script's interpreter would (``_start_method_as_python``, ``_ScriptExit``)."""
-    cfg = RunConfig.from_dict(config_dict)
     one_line_warnings()
+    said_by_the_command()  # its checks' warnings: the command printed them before this rank
+    cfg = RunConfig.from_dict(config_dict)
     run_dir = Path(cfg.out).resolve()
     os.environ[RUN_DIR_ENV] = str(run_dir)
     if cfg.replica_groups and os.environ.get("LOCAL_RANK", "0") == "0":
