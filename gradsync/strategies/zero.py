@@ -172,7 +172,7 @@ class ZeroStage1(BSP):
         _check_scaler(ctx, self.name)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         world = runtime.world_size(ctx.group)
-        kind = choose_layout(self.layout, ctx.optimizer, world, self.name)
+        kind = choose_layout(self.layout, ctx.optimizer, params, world, self.name)
         layout = make_layout(params, world, ctx.rank, ctx.optimizer, kind)
         layout.check(updated_by(ctx.optimizer), self.name)
         super().setup(ctx)
@@ -381,7 +381,7 @@ class ZeroStage2(Strategy):
         _check_scaler(ctx, self.name)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         world = runtime.world_size(ctx.group)
-        kind = choose_layout(self.layout, ctx.optimizer, world, self.name)
+        kind = choose_layout(self.layout, ctx.optimizer, params, world, self.name)
         layout = self._layout = make_layout(params, world, ctx.rank, ctx.optimizer, kind)
         layout.check(updated_by(ctx.optimizer), self.name)
         self._ctx = ctx

@@ -18,7 +18,8 @@ their step on the whole tensor, so ``zero:1`` ends bitwise where whole tensors w
 that depends on the element's owner, so the layouts differ in rounding). A rule over a whole
 tensor (Adafactor's factored moments, LAMB's or LARS's trust ratio, a subclass or an optimizer
 of the user's own, which gradsync cannot read) would be taken over each rank's rows instead:
-those keep whole tensors (``choose_layout`` says which applies). 0-dim tensors are whole
+those keep whole tensors (``choose_layout`` says which applies), as do models with a
+non-contiguous parameter (channels_last). 0-dim tensors are whole
 units owned by rank 0.
 
 How the user's optimizer steps pieces: each rank's piece of a parameter is a tensor that
@@ -77,29 +78,42 @@ def check_layout(layout: str) -> str:
     return layout
 
 
-def why_not_rows(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the rows layout cannot hold this optimizer's step (None: it can)."""
-    if type(optimizer) in ELEMENTWISE:
-        return None
-    names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
-    return (
-        f"its optimizer, {type(optimizer).__name__}, is not one whose update is element by "
-        f"element ({names})"
-    )
+def why_not_rows(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> str | None:
+    """Why the rows layout cannot hold this optimizer's step or these parameters (None: it
+    can)."""
+    if type(optimizer) not in ELEMENTWISE:
+        names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
+        return (
+            f"its optimizer, {type(optimizer).__name__}, is not one whose update is element by "
+            f"element ({names})"
+        )
+    for p in params:
+        if p.dim() and not p.is_contiguous():  # channels_last, a transposed view
+            return (
+                f"a parameter of shape {tuple(p.shape)} is not contiguous (a piece of rows is a "
+                "view of one)"
+            )
+    return None
 
 
-def choose_layout(requested: str, optimizer: torch.optim.Optimizer, world: int, name: str) -> str:
+def choose_layout(
+    requested: str,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    world: int,
+    name: str,
+) -> str:
     """The layout a stage runs: ``requested``, or for "auto" rows where they apply (and there
     is more than one rank to cut for)."""
     if requested == WHOLE or (requested == "auto" and world == 1):
         return WHOLE
-    reason = why_not_rows(optimizer)
+    reason = why_not_rows(optimizer, params)
     if reason is None:
         return ROWS
     if requested == ROWS:
         raise UsageError(
             f"{name} cannot shard by rows here: {reason}. Use layout='whole' (or 'auto', which "
-            "picks whole tensors for it)"
+            "picks whole tensors then)"
         )
     return WHOLE
 
@@ -118,13 +132,6 @@ class RowLayout:
         self.scalars = [p for p in params if p.dim() == 0]
         #: every parameter the layout carries, in the model's order
         self.reals = [p for p in params if p.numel() > 0]
-        for p in self.cut:
-            if not p.is_contiguous():
-                raise UsageError(
-                    "zero's rows layout needs contiguous parameters (a piece of rows is a "
-                    f"view of one), and a parameter of shape {tuple(p.shape)} is not: use "
-                    "layout='whole'"
-                )
         #: per cut parameter, every rank's piece (views of the parameter)
         self.pieces = [
             [p.detach()[slice(*rows_of(p.shape, world, r))] for r in range(world)] for p in self.cut

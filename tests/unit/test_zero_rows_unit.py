@@ -88,14 +88,15 @@ class _Lamb(torch.optim.AdamW):
 
 def test_only_element_wise_optimizers_by_exact_class_are_cut_into_rows() -> None:
     model = nn.Linear(3, 4)
+    params = list(model.parameters())
     for opt in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters())):
-        assert choose_layout("auto", opt, 2, "zero:1") == "rows"
-        assert choose_layout("auto", opt, 1, "zero:1") == "whole"  # nothing to cut for
-        assert choose_layout("whole", opt, 2, "zero:1") == "whole"
+        assert choose_layout("auto", opt, params, 2, "zero:1") == "rows"
+        assert choose_layout("auto", opt, params, 1, "zero:1") == "whole"  # nothing to cut for
+        assert choose_layout("whole", opt, params, 2, "zero:1") == "whole"
     lamb = _Lamb(model.parameters())
-    assert choose_layout("auto", lamb, 2, "zero:1") == "whole"
+    assert choose_layout("auto", lamb, params, 2, "zero:1") == "whole"
     with pytest.raises(UsageError) as refused:
-        choose_layout("rows", lamb, 2, "zero:1")
+        choose_layout("rows", lamb, params, 2, "zero:1")
     message = str(refused.value)
     assert "zero:1 cannot shard by rows here: its optimizer, _Lamb, is not one" in message
     assert "AdamW" in message and "layout='whole'" in message
@@ -126,3 +127,14 @@ def _tensor_of(layout: RowLayout, piece: torch.Tensor) -> int:
         if any(piece is pc for pc in pieces):
             return j
     raise AssertionError("a piece of no parameter")
+
+
+def test_a_non_contiguous_parameter_keeps_whole_tensors() -> None:
+    """A channels_last convolution's weight is not contiguous: no piece of rows is a view of
+    it, so "auto" takes whole tensors and "rows" is refused naming the parameter."""
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    params = list(conv.parameters())
+    opt = torch.optim.AdamW(params)
+    assert choose_layout("auto", opt, params, 2, "zero:2") == "whole"
+    with pytest.raises(UsageError, match=r"shape \(4, 3, 3, 3\) is not contiguous"):
+        choose_layout("rows", opt, params, 2, "zero:2")
