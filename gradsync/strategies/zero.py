@@ -1,6 +1,11 @@
 """ZeRO stages 1 and 2 (``zero:1``, ``zero:2``): BSP's trajectory, with the optimizer state
 (stage 1), then the gradient too (stage 2), held 1/N per rank.
 
+What a rank "owns" depends on the layout (``layout=``): its rows of every parameter tensor
+(``zero_rows``: the default for element-wise optimizers, SGD, Adam, AdamW and kin), or whole
+tensors dealt by size (``zero_shards.OwnerLayout``: other optimizers, or ``layout="whole"``).
+Below, "the tensors it owns" means either; ``zero_rows`` says what changes by rows.
+
 - ``zero:1``: the gradient is exchanged exactly as under ``bsp`` (the same bucketed, overlapped
   all-reduce, so every compressor works as it does there); each rank then steps the optimizer on
   the parameter tensors it owns, and one exchange brings every rank's updated tensors to every
@@ -150,7 +155,9 @@ def _check_scaler(ctx: SyncContext, name: str) -> None:
 
 
 class ZeroStage1(BSP):
-    """``zero:1``: BSP's exchange, a sharded optimizer step, one all-gather of the update."""
+    """``zero:1``: BSP's exchange, a sharded optimizer step, one all-gather of the update.
+    ``exchange``: how the update travels ("auto", "point-to-point", "collective");
+    ``layout``: "auto" (rows for element-wise optimizers), "rows" or "whole"."""
 
     name = "zero:1"
     #: each rank's file holds its own shard of the optimizer state (``reshard`` re-deals it)
@@ -313,7 +320,8 @@ class _BackwardPasses:
 
 
 class ZeroStage2(Strategy):
-    """``zero:2``: one reduce-scatter of the gradient, a sharded step, one all-gather."""
+    """``zero:2``: one reduce-scatter of the gradient, a sharded step, one all-gather.
+    ``exchange`` and ``layout`` as ``ZeroStage1``'s."""
 
     name = "zero:2"
     barrier_free = False
