@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.overlap import Overlapped, overlapped
 
 pytestmark = pytest.mark.e2e
 
@@ -21,9 +24,8 @@ def _plain_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.timeout(120)
-def test_the_example_runs_as_plain_python_without_torchrun() -> None:
-    done = subprocess.run(
+def _example() -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_charlm.py"), "--steps", "3"],
         env=_plain_env(),
         capture_output=True,
@@ -31,6 +33,35 @@ def test_the_example_runs_as_plain_python_without_torchrun() -> None:
         timeout=110,
         cwd=ROOT,
     )
+
+
+def _every_strategy() -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=_plain_env(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+
+
+def _first_use() -> subprocess.CompletedProcess[str]:
+    code = "import gradsync\nprint(gradsync.compression.ddp_comm_hook.__name__)\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[Overlapped]:
+    """The file's three processes at once (tests/support/overlap.py): each a single process,
+    one core's work, on 2 cores; nothing in them is timed. Each test reads its own."""
+    launches = {"example": _example, "every-strategy": _every_strategy, "first-use": _first_use}
+    with overlapped(launches) as started:
+        yield started
+
+
+@pytest.mark.timeout(120)
+def test_the_example_runs_as_plain_python_without_torchrun(runs: Overlapped) -> None:
+    done = runs.result("example")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "barrier tax" in done.stdout and "final loss" in done.stdout
 
@@ -65,14 +96,10 @@ except gs.UsageError as exc:
 
 
 @pytest.mark.timeout(120)
-def test_every_strategy_that_needs_no_second_rank_runs_in_a_world_of_one() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        env=_plain_env(),
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+def test_every_strategy_that_needs_no_second_rank_runs_in_a_world_of_one(
+    runs: Overlapped,
+) -> None:
+    done = runs.result("every-strategy")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert [line.split(" ok")[0] for line in lines[:4]] == [
@@ -86,8 +113,7 @@ def test_every_strategy_that_needs_no_second_rank_runs_in_a_world_of_one() -> No
 
 
 @pytest.mark.timeout(60)
-def test_subpackages_load_on_first_use_after_a_plain_import() -> None:
-    code = "import gradsync\nprint(gradsync.compression.ddp_comm_hook.__name__)\n"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+def test_subpackages_load_on_first_use_after_a_plain_import(runs: Overlapped) -> None:
+    done = runs.result("first-use")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ddp_comm_hook"
