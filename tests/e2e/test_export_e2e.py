@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import gradsync as gs
 from gradsync.checkpoint import CheckpointWarning
 from tests.support.cli import gradsync
 from tests.support.export import assert_same, dcp_load
+from tests.support.overlap import overlapped
 
 pytestmark = pytest.mark.e2e
 
@@ -34,14 +36,23 @@ def test_a_run_exported_by_the_command_is_its_final_model(tmp_path: Path, one_ra
     proc = gradsync("run", "--nproc", "2", "--out", str(run), *flags, "--no-progress", timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "charlm.pt"
-    proc = gradsync("checkpoint", "export", str(run), str(out), timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exported the checkpoint of step 6 (bsp, 2 ranks" in proc.stderr
-    proc = gradsync(
-        "checkpoint", "export", str(run / "checkpoints"), str(tmp_path / "charlm.dcp"),
-        "--to", "dcp", timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the two exports read the run and write files of their own: started at once
+    # (tests/support/overlap.py), each a process of one core's work on 2 cores
+    exports = {
+        "torch": functools.partial(
+            gradsync, "checkpoint", "export", str(run), str(out), timeout=120
+        ),
+        "dcp": functools.partial(
+            gradsync, "checkpoint", "export", str(run / "checkpoints"),
+            str(tmp_path / "charlm.dcp"), "--to", "dcp", timeout=120,
+        ),
+    }  # fmt: skip
+    with overlapped(exports) as done:
+        proc = done.result("torch")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "exported the checkpoint of step 6 (bsp, 2 ranks" in proc.stderr
+        proc = done.result("dcp")
+        assert proc.returncode == 0, proc.stderr[-3000:]
 
     exported = torch.load(out, weights_only=True)
     assert exported["step"] == 6 and exported["extra"] == {"data_position": 6}
