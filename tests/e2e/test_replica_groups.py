@@ -12,6 +12,7 @@ at exactly that step, and the test does not race the survivor to the end of the 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.overlap import overlapped
 from tests.support.proctree import (
     Watched,
     assert_listens_on_loopback_only,
@@ -178,17 +180,28 @@ def test_a_compressor_crosses_the_quorum_and_a_healed_group_ends_where_ranks_wou
     uninterrupted ``--nproc 2`` run of ``bsp`` with int8, and each step sends what two ranks'
     int8 exchange sends."""
     out, plain = tmp_path / "run", tmp_path / "plain"
-    _kill_heal_run(out, "--strategy", "zero:1", "--compress", "int8")
-    healed = _group0_unbroken_group1_restarted_once(out)
-    assert [h["step"] for h in healed] == [KILL_AT], healed
-    subprocess.run(
-        [sys.executable, "-m", "gradsync", "run", "--compress", "int8", "--nproc", "2"]
-        + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS), "--timeout", "90"]
-        + ["--no-plots", "--no-progress", "--out", str(plain)],
-        check=True,
-        capture_output=True,
-        timeout=200,
-    )
+    # The uninterrupted --nproc 2 run is independent of the groups' (its own ports and
+    # directory; it heals nothing and nothing in it is timed): started beside it
+    # (tests/support/overlap.py), where it ran after it.
+    runs = {
+        "groups": functools.partial(
+            _kill_heal_run, out, "--strategy", "zero:1", "--compress", "int8"
+        ),
+        "plain": functools.partial(
+            subprocess.run,
+            [sys.executable, "-m", "gradsync", "run", "--compress", "int8", "--nproc", "2"]
+            + ["--workload", "mlp", "--params", "5000", "--steps", str(STEPS), "--timeout", "90"]
+            + ["--no-plots", "--no-progress", "--out", str(plain)],
+            check=True,
+            capture_output=True,
+            timeout=200,
+        ),
+    }
+    with overlapped(runs) as done:
+        done.result("groups")
+        healed = _group0_unbroken_group1_restarted_once(out)
+        assert [h["step"] for h in healed] == [KILL_AT], healed
+        done.result("plain")
     expected = torch.load(plain / "final_model.pt", weights_only=True)
     for group in (out / "group-0", out / "group-1"):
         got = torch.load(group / "final_model.pt", weights_only=True)
