@@ -131,6 +131,9 @@ _DEFAULTS: dict[str, Any] = {
     "replica_group": None,
     #: the flags the command line gave (``gradsync run`` writes them into config.json)
     "given": [],
+    #: under ``gradsync compare``: which of its runs this is, as its progress line names it
+    #: ("ssp:2 (2/2)"), for rank 0's notices to say whose they are
+    "compare_run": None,
 }
 
 #: Synchronizer argument -> the ``gradsync run`` flag's config.json key it comes from
@@ -195,6 +198,10 @@ class RunSink:
         )
         self.detector = StragglerDetector(self.stragglers, world_size=world)
         self.world = world
+        # under gradsync compare, a notice names the strategy's run: the runs follow one
+        # another in the command's output, and a notice alone did not say whose it was
+        run = settings.get("compare_run")
+        self.notice = f"gradsync: {run}: straggler" if run else "gradsync: straggler"
         self.idle = 0.0
         self.wall = 0.0
         #: False while a restart loads its checkpoint: the records it restores are written,
@@ -227,7 +234,7 @@ class RunSink:
             self.idle / self.wall if self.wall > 0 else 0.0,
         )
         for finding in self.detector.update(new):
-            self.progress.interrupt(f"gradsync: straggler: {finding.describe()}")
+            self.progress.interrupt(f"{self.notice}: {finding.describe()}")
 
     def close_trackers(
         self,

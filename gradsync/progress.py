@@ -43,7 +43,17 @@ class Progress:
         self._last_line = ""
         self.label = ""
 
-    def update(self, step: int, loss: float | None, samples_per_s: float, tax: float) -> None:
+    def update(
+        self,
+        step: int,
+        loss: float | None,
+        samples_per_s: float,
+        tax: float,
+        *,
+        last: bool = False,
+    ) -> None:
+        """``last``: the end of a run whose number of steps the line does not know (``total``
+        0: a script's, under ``gradsync compare``), shown in a log as a last step is."""
         if self.heartbeat is not None:
             self._beat(step, loss)
         if not self.enabled:
@@ -64,7 +74,7 @@ class Progress:
             self.stream.write("\r" + line)
             self.stream.flush()
         elif line != self._last_line and (
-            now - self._last_line_at >= 5.0 or 0 < self.total <= step
+            now - self._last_line_at >= 5.0 or 0 < self.total <= step or last
         ):
             # Logs and CI get a line every few seconds rather than a carriage-return storm, and
             # the last step's once (compare's watcher and its own end both report it).

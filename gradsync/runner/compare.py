@@ -209,7 +209,10 @@ def run_comparison(
             curves.append(curve)
             # The same loss the runs' own progress lines show: this step's, not the average.
             last = float(curve.raw[-1])
-            progress.update((i + 1) * per_run, None if np.isnan(last) else last, 0.0, 0.0)
+            # A script's run: the steps it took (its line shows each run's step alone), where
+            # per_run's 0 made the line end at "step 0"
+            done = (i + 1) * per_run if per_run else int(curve.steps[-1]) + 1
+            progress.update(done, None if np.isnan(last) else last, 0.0, 0.0, last=True)
         progress.close()
         return summarize(curves, target, out, plots=base.plots)
     finally:
@@ -241,7 +244,9 @@ def _run_one(
         (run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
         # Each run's strategy is the comparison's, also for a script's Synchronizer (which
         # takes it as if given on the command line: one naming its own is refused)
-        cfg.save(run_dir, given=["strategy", "servers"] if uses_servers(spec) else ["strategy"])
+        # compare_run: rank 0's straggler notices name the run they are of (attached_run)
+        given = ["strategy", "servers"] if uses_servers(spec) else ["strategy"]
+        cfg.save(run_dir, given=given, compare_run=progress.label or spec)
         stop = threading.Event()
         watcher = threading.Thread(
             target=_watch, args=(run_dir, offset, progress, stop), daemon=True
@@ -347,6 +352,10 @@ def format_table(result: dict[str, Any]) -> str:
     )
     lines.append(
         "MB sent: every rank's payload; for ssp/async, pushes to and pulls from the servers"
+    )
+    lines.append(
+        "barrier tax: every rank's idle over every rank's wall time, all steps (a straggler "
+        "notice's idle is the other ranks' over the notice's steps alone)"
     )
     lines += [f"plot: {p}" for p in result.get("plots", [])]
     return "\n".join(lines)

@@ -155,3 +155,34 @@ def test_a_log_gets_the_last_steps_line_once() -> None:
     progress.update(160, 0.0918, 0.0, 0.0)
     progress.update(160, 0.0918, 0.0, 0.0)
     assert log.getvalue().count("step 160/160") == 1, log.getvalue()
+
+
+def test_a_script_s_runs_end_their_line_at_their_last_step_and_name_their_notices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A script's comparison ended each run's progress line at "step 0" (its number of steps
+    is its own: the line's total is 0); each run's config.json names the run, for rank 0's
+    straggler notices (attached_run.RunSink)."""
+    import gradsync.processes.launch as launching
+    from gradsync.runner.compare import run_comparison
+    from gradsync.runner.config import RunConfig
+    from gradsync.telemetry.records import METRICS_FILE, write_records
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    named: dict[str, str] = {}
+
+    def launch(fn: object, args: tuple[dict[str, object]], **_: object) -> None:
+        run_dir = Path(str(args[0]["out"]))
+        config = json.loads((run_dir / "config.json").read_text())
+        named[str(config["strategy"])] = config["compare_run"]
+        write_records(run_dir / METRICS_FILE, _records([2.0] * 24 + [1.5], 0.01, 10))
+
+    monkeypatch.setattr(launching, "launch", launch)
+    base = RunConfig(script=[str(script)], out=str(tmp_path / "cmp"), plots=False)
+    run_comparison(base, ["bsp", "local:2"], None, show_progress=True)
+    err = capsys.readouterr().err
+    assert "bsp (1/2) step 25  loss 1.5000" in err, err
+    assert "local:2 (2/2) step 25  loss 1.5000" in err, err
+    assert "step 0 " not in err, err
+    assert named == {"bsp": "bsp (1/2)", "local:2": "local:2 (2/2)"}

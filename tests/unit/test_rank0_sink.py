@@ -3,6 +3,7 @@ and its silence while a restart loads the records a checkpoint brought back."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +73,23 @@ def test_records_restored_while_loading_are_written_but_not_shown(tmp_path: Path
     sink.showing = True
     sink(_records(5, 5, start=130.0, seconds=0.01))
     assert [step for step, *_ in lines.updates] == [10]
+
+
+@pytest.mark.parametrize(
+    ("run", "prefix"),
+    [
+        ("ssp:2 (2/2)", "gradsync: ssp:2 (2/2): straggler: rank 1: "),
+        (None, "gradsync: straggler: rank 1: "),
+    ],
+)
+def test_a_straggler_notice_names_the_compare_run_it_is_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], run: str | None, prefix: str
+) -> None:
+    from gradsync.telemetry.scores import synthetic_records
+
+    # gradsync compare writes which of its runs this is into each run's config.json
+    (tmp_path / "config.json").write_text(json.dumps({"compare_run": run} if run else {}))
+    sink = RunSink(tmp_path, run_settings(tmp_path), 2)
+    sink(synthetic_records(60, 2, slow=[(1, 15, 59, 4.0)]))
+    notices = [x for x in capsys.readouterr().err.splitlines() if "straggler" in x]
+    assert len(notices) == 1 and notices[0].startswith(prefix), notices
