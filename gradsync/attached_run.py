@@ -38,10 +38,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradsync.errors import UsageError
 from gradsync.inject import maybe_kill, parse_kill
@@ -73,6 +73,9 @@ from gradsync.telemetry.trackers import (
     parse_trackers,
     status_of,
 )
+
+if TYPE_CHECKING:  # torch is imported by the Synchronizer that calls pulled_bytes
+    import torch
 
 __all__ = [
     "ATTEMPTS_FILE",
@@ -386,6 +389,16 @@ def drop_records_from(path: Path, step: int) -> None:
     path.write_text("".join(lines), encoding="utf-8")
 
 
+def pulled_bytes(params: Sequence[torch.Tensor], servers: int) -> int:
+    """Bytes the parameter servers send one worker per step (0 without servers): every
+    trainable parameter in its dtype, plus a one-element header from each server
+    (``ParameterServer``'s reply; ``gradsync.runner.compare.pull_bytes_per_step`` counts a
+    built-in workload's the same way)."""
+    if not servers or not params:
+        return 0
+    return sum(p.numel() * p.element_size() for p in params) + servers * params[0].element_size()
+
+
 def add_facts(directory: Path, **facts: Any) -> None:
     """Add derived facts to the run's written config.json, replaced whole (never half-written):
     the bucket plan ``gradsync run`` chose, a script's gradient size (``AttachedRun.start``)."""
@@ -434,20 +447,25 @@ class AttachedRun:
         chosen = run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV) or None
         return None if chosen is None else cls(chosen)
 
-    def start(self, rank: int, workers: int, gradient_numel: int) -> None:
+    def start(self, rank: int, workers: int, gradient_numel: int, pulled: int = 0) -> None:
         """The Synchronizer's rank, its number of workers (the straggler detector's) and how
         many elements its model's gradient has: a script's config.json gets the fp32 bytes
         per step from it (``gradsync run`` cannot count a script's model before it runs), so
-        the report compares the bytes sent with them as it does a built-in workload's."""
+        the report compares the bytes sent with them as it does a built-in workload's.
+        ``pulled``: the bytes the parameter servers reply to one worker's step
+        (``pulled_bytes``; 0 without servers), which ``gradsync compare`` adds to a script's
+        MB sent as it does to a built-in workload's (telemetry records the pushes only)."""
         self.rank = rank
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.sink = RunSink(self.directory, self.settings, workers)
-            self._count_scripts_gradient(gradient_numel)
+            self._count_scripts_gradient(gradient_numel, pulled)
 
-    def _count_scripts_gradient(self, numel: int) -> None:
+    def _count_scripts_gradient(self, numel: int, pulled: int = 0) -> None:
         """The first Synchronizer of a script run (config.json names a script and no gradient
-        size yet) records its model's: a workload's run recorded it before any rank started."""
+        size yet) records its model's, and under parameter servers the bytes of their reply
+        to a step (``pull_bytes_per_step``): a workload's run recorded it before any rank
+        started, and compare counts a workload's pulls from the workload's model."""
         path = self.directory / CONFIG_FILE
         try:
             written = json.loads(path.read_text(encoding="utf-8"))
@@ -455,7 +473,10 @@ class AttachedRun:
             return  # no config.json (plain torchrun) or unreadable (run_settings said so)
         scripts = isinstance(written, dict) and "script" in written
         if scripts and "fp32_bytes_per_step" not in written:
-            add_facts(self.directory, fp32_bytes_per_step=4 * numel)
+            facts = {"fp32_bytes_per_step": 4 * numel}
+            if pulled:
+                facts["pull_bytes_per_step"] = pulled
+            add_facts(self.directory, **facts)
 
     def choose(self, argument: str, script_value: Any, default: Any) -> Any:
         """The Synchronizer's ``argument``: the script's value (None: it named none), else the

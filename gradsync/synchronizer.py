@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import compat, exit_safety, runtime
-from gradsync.attached_run import AttachedRun, ending_status
+from gradsync.attached_run import AttachedRun, ending_status, pulled_bytes
 from gradsync.balance import ShardBalancer
 from gradsync.checkpoint.checkpointer import Checkpointer
 from gradsync.checks import divergence_behind
@@ -285,8 +285,11 @@ class Synchronizer:
         self._context: SyncContext | None = None
         self.layout = Layout.of(self.world_size, self.strategy.servers)
         if self._run is not None:
-            trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            self._run.start(self.rank, self.layout.workers, trained)
+            params = [p for p in model.parameters() if p.requires_grad]
+            trained = sum(p.numel() for p in params)
+            self._run.start(
+                self.rank, self.layout.workers, trained, pulled_bytes(params, self.layout.servers)
+            )
             # A script that never calls report() (a port through the front door may not) or
             # close() still gets its last step records into the run directory: at the exit of
             # its process (a multiprocessing child's too, which ends with os._exit: its atexit

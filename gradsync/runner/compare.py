@@ -9,7 +9,8 @@ Bytes sent are every rank's payload: what workers hand to collectives (before th
 2(n-1)/n factor), and under ``ssp:S``/``async`` the workers' pushes plus the servers' replies
 (the parameter pulls). Telemetry records only the pushes (servers keep no step records), so
 the pulls are added here: one reply per worker step, the shard's parameters after a
-one-element header, from each server.
+one-element header, from each server; counted from the built-in workload's model, or for a
+script from the size its rank 0 wrote into the run's config.json (``pull_bytes_per_step``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Curve:
     seconds: np.ndarray  # wall-clock at the end of each step, from the run's first step
     bytes: np.ndarray  # cumulative, all ranks
     report: RunReport
+    #: False for a parameter-server run whose pulls are not in ``bytes`` (its size unknown)
+    pulls_counted: bool = True
 
     def first_below(self, target: float) -> int | None:
         hits = np.nonzero(self.loss <= target)[0]
@@ -172,6 +175,16 @@ def pull_bytes_per_step(cfg: RunConfig) -> int:
     return sum(p.numel() * p.element_size() for p in params) + cfg.servers * header
 
 
+def scripts_pull_bytes(run_dir: Path) -> int | None:
+    """What a script's parameter servers replied to one worker step, as its rank 0 counted
+    it into config.json (``attached_run.pulled_bytes``); None where it is not there."""
+    try:
+        value = json.loads((run_dir / "config.json").read_text()).get("pull_bytes_per_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def run_comparison(
     base: RunConfig, strategies: list[str], target: float | None, show_progress: bool = True
 ) -> dict[str, Any]:
@@ -200,12 +213,16 @@ def run_comparison(
         for i, spec in enumerate(strategies):
             progress.label = f"{spec} ({i + 1}/{len(strategies)})"
             cfg, records = _run_one(base, spec, progress, i * per_run)
-            pull = 0
-            if uses_servers(spec) and not base.script:  # a script's model is not known here
+            pull: int | None = 0
+            if uses_servers(spec) and base.script:
+                # a script's model is not known here: its rank 0 counted the reply
+                pull = scripts_pull_bytes(Path(cfg.out))
+            elif uses_servers(spec):
                 if pulls is None:  # the same model and servers for every strategy: count once
                     pulls = pull_bytes_per_step(cfg)
                 pull = pulls
-            curve = curve_from_records(spec, records, pull)
+            curve = curve_from_records(spec, records, pull or 0)
+            curve.pulls_counted = pull is not None
             curves.append(curve)
             # The same loss the runs' own progress lines show: this step's, not the average.
             last = float(curve.raw[-1])
@@ -318,6 +335,8 @@ def summarize(
                 # no samples=): unknown, not zero
                 "samples_per_s": samples / wall if wall > 0 and samples > 0 else None,
                 "mb_sent": float(c.bytes[-1]) / 1e6,
+                # False: a parameter-server run's pulls are not in mb_sent (size unknown)
+                "pulls_counted": c.pulls_counted,
                 "barrier_tax": c.report.barrier_tax,
                 "wall_s": wall,
             }
@@ -353,6 +372,12 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(
         "MB sent: every rank's payload; for ssp/async, pushes to and pulls from the servers"
     )
+    pushes_only = [r["strategy"] for r in result["rows"] if not r.get("pulls_counted", True)]
+    if pushes_only:
+        lines.append(
+            f"  ({', '.join(pushes_only)}: pushes only, the run recorded no size of the "
+            "servers' reply)"
+        )
     lines.append(
         "barrier tax: every rank's idle over every rank's wall time, all steps (a straggler "
         "notice's idle is the other ranks' over the notice's steps alone)"

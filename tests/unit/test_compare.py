@@ -186,3 +186,43 @@ def test_a_script_s_runs_end_their_line_at_their_last_step_and_name_their_notice
     assert "local:2 (2/2) step 25  loss 1.5000" in err, err
     assert "step 0 " not in err, err
     assert named == {"bsp": "bsp (1/2)", "local:2": "local:2 (2/2)"}
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_script_s_parameter_server_run_counts_its_pulls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorded: bool
+) -> None:
+    """ssp/async on a script: the pulls its rank 0 counted (config.json's pull_bytes_per_step,
+    attached_run.pulled_bytes) are in MB sent, as a built-in workload's are; a run that
+    recorded none says its figure is pushes only."""
+    import torch
+
+    import gradsync.processes.launch as launching
+    from gradsync.attached_run import AttachedRun, pulled_bytes
+    from gradsync.runner.compare import format_table, run_comparison
+    from gradsync.runner.config import RunConfig
+    from gradsync.telemetry.records import METRICS_FILE, write_records
+
+    model = torch.nn.Linear(10, 5)  # 55 fp32 parameters
+    params = list(model.parameters())
+    assert pulled_bytes(params, 0) == 0
+    assert pulled_bytes(params, 2) == 55 * 4 + 2 * 4  # a one-element header per server
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+
+    def launch(fn: object, args: tuple[dict[str, object]], **_: object) -> None:
+        run_dir = Path(str(args[0]["out"]))
+        if recorded:  # as rank 0's first gs.Synchronizer does
+            servers = 1 if args[0]["strategy"] == "ssp:2" else 0
+            AttachedRun(run_dir).start(0, 2, 55, pulled_bytes(params, servers))
+        write_records(run_dir / METRICS_FILE, _records([1.0] * 10, 0.01, 220))
+
+    monkeypatch.setattr(launching, "launch", launch)
+    base = RunConfig(script=[str(script)], out=str(tmp_path / "cmp"), plots=False)
+    result = run_comparison(base, ["bsp", "ssp:2"], None, show_progress=False)
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert rows["bsp"]["mb_sent"] * 1e6 == 2 * 10 * 220
+    pulls = 2 * 10 * (55 * 4 + 4) if recorded else 0
+    assert rows["ssp:2"]["mb_sent"] * 1e6 == pytest.approx(2 * 10 * 220 + pulls)
+    note = "ssp:2: pushes only"
+    assert (note in format_table(result)) is not recorded
