@@ -52,7 +52,7 @@ from gradsync.checkpoint.writer_process import ProcessCheckpointWriter, make_wri
 from gradsync.checks.diagnose import ArrivalWatch
 from gradsync.errors import UsageError
 from gradsync.strategies.base import CheckpointHooks, Layout, Strategy, own_optimizer_state
-from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
+from gradsync.telemetry.timing import LEGACY_ROW_COLUMNS, ROW_COLUMNS, TelemetryCollector
 
 Writer = InlineCheckpointWriter | ProcessCheckpointWriter
 
@@ -207,6 +207,7 @@ class Checkpointer:
             state[TELEMETRY_LOG] = [first, end]
         else:
             state["telemetry"] = self.collector.pending_flat_rows()
+            state[TELEMETRY_COLUMNS] = ROW_COLUMNS
         packed = snapshot(state, pool=writer.pool)
         writer.submit(step, packed, durable=wait)
         # After the submit: a rank that dies from here on leaves this snapshot to its writer
@@ -241,6 +242,7 @@ class Checkpointer:
             "compression": self.compression,  # load() refuses another compressor's state
             "layout": _layout(self),
             "telemetry": self.collector.pending_flat_rows(),
+            TELEMETRY_COLUMNS: ROW_COLUMNS,
             "extra": {},
         }
         if len(self.registry):
@@ -492,6 +494,9 @@ _BUFFERS_KEPT = weakref.WeakKeyDictionary()
 #: Where a barrier-free strategy's checkpoint names its rank's step records: ``[first, end)``
 #: of the rank's row log (``row_log``), in place of the rows themselves.
 TELEMETRY_LOG = "telemetry_log"
+#: The values per row of a checkpoint's ``"telemetry"``: a checkpoint without it was written
+#: before the rows named their attempt (``timing.LEGACY_ROW_COLUMNS``).
+TELEMETRY_COLUMNS = "telemetry_columns"
 
 
 #: Where a resizable strategy's checkpoint keeps the optimizer's ``param_groups``: beside the
@@ -582,6 +587,8 @@ class _OwnRows:
 
     rows: torch.Tensor | list[float] | None
     span: tuple[int, int] | None = None
+    #: the values per row of ``rows`` (fewer in a checkpoint of an earlier gradsync)
+    columns: int = ROW_COLUMNS
 
 
 def _load_model(cp: Checkpointer, state: dict[str, Any], info: Any) -> None:
@@ -604,7 +611,7 @@ def _load_model(cp: Checkpointer, state: dict[str, Any], info: Any) -> None:
 def _restore_rows(cp: Checkpointer, own: _OwnRows, directory: Path) -> None:
     if own.span is None:
         if own.rows is not None:
-            cp.collector.restore_pending(own.rows)
+            cp.collector.restore_pending(own.rows, columns=own.columns)
         return
     first, end = own.span
     # The log cut at ``end``: the rows of the steps rolled back go, this run appends after.
@@ -627,7 +634,9 @@ def _own_telemetry(
         own = store.load(info, rank)
     span = own.get(TELEMETRY_LOG)
     if span is None:
-        return _OwnRows(own.get("telemetry"))
+        return _OwnRows(
+            own.get("telemetry"), columns=int(own.get(TELEMETRY_COLUMNS, LEGACY_ROW_COLUMNS))
+        )
     first, end = int(span[0]), int(span[1])
     try:
         rows = read_rows(store.directory, rank, first, end, ROW_COLUMNS)

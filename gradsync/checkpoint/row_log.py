@@ -4,7 +4,7 @@ gather none before the end of the run (parameter servers, hogwild).
 Why: a checkpoint carries the step records not gathered yet, and under a barrier-free strategy
 that was every row of the run, so a save every step cost time, bytes and memory in proportion
 to the steps done (9.7 ms a save at step 3000 on ``async`` charlm). Here each save appends only
-the rows new since the last one (80 bytes a step), and the checkpoint names the range of row
+the rows new since the last one (88 bytes a step), and the checkpoint names the range of row
 numbers it needs, ``[first, end)``, counted from the start of the run. While the run goes on a
 log is only appended to, so every checkpoint in the directory keeps the rows it names; a gather
 first lets every open log take the rows it takes (``RowLogs.before_gather``), and ``load()``
@@ -164,7 +164,9 @@ class RowLogs:
 
 def read_rows(directory: str | Path, rank: int, first: int, end: int, columns: int) -> torch.Tensor:
     """Rows ``[first, end)`` of ``rank``'s log in ``directory``, as float64 ``(n, columns)``;
-    ``RowLogError`` naming what is wrong when the log does not hold them all."""
+    ``RowLogError`` naming what is wrong when the log does not hold them all. A log of fewer
+    columns (written before the last ones were added: the attempt) gives its rows with NaN in
+    the columns it lacks."""
     path = log_path(directory, rank)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -172,17 +174,20 @@ def read_rows(directory: str | Path, rank: int, first: int, end: int, columns: i
         raise RowLogError(f"{path} does not exist") from None
     try:
         start, have_columns, rows = _read_header(fd)
-        if have_columns != columns:
+        if have_columns > columns:
             raise RowLogError(f"{path} holds rows of {have_columns} columns, not {columns}")
         if not start <= first <= end <= start + rows:
             raise RowLogError(f"{path} holds rows {start} to {start + rows}, not {first} to {end}")
-        size = (end - first) * columns * _ITEM
-        data = os.pread(fd, size, _HEADER + (first - start) * columns * _ITEM)
+        size = (end - first) * have_columns * _ITEM
+        data = os.pread(fd, size, _HEADER + (first - start) * have_columns * _ITEM)
     finally:
         os.close(fd)
     if len(data) != size:
         raise RowLogError(f"{path}: read {len(data)} of {size} bytes")
-    array = np.frombuffer(data, dtype="<f8").astype(np.float64).reshape(end - first, columns)
+    array = np.frombuffer(data, dtype="<f8").astype(np.float64).reshape(end - first, have_columns)
+    if have_columns < columns:
+        missing = np.full((end - first, columns - have_columns), np.nan)
+        array = np.concatenate([array, missing], axis=1)
     return torch.from_numpy(array)
 
 

@@ -54,10 +54,12 @@ class StepRecord:
     loss: float | None = None
     skipped: bool = False
     barrier: bool = True
-    #: which attempt of the run wrote the record: 0, then the elastic agent's restart count
-    #: (``TORCHELASTIC_RESTART_COUNT``) after each restart (the records ``sync.load``
-    #: restores from a checkpoint are written again by the attempt that loads them, with its
-    #: number); written only where not 0
+    #: which attempt of the run took the step: 0, then the elastic agent's restart count
+    #: (``TORCHELASTIC_RESTART_COUNT``) after each restart. The records ``sync.load`` restores
+    #: from a checkpoint are written by the attempt that loads them, with the number of the
+    #: attempt that ran them (each pending row carries it: ``timing._COLUMNS``); those of a
+    #: checkpoint written before the rows carried it get the loading attempt's. Written only
+    #: where not 0
     attempt: int = 0
     #: False for a record its rank wrote alone, no gather having taken it (a script that
     #: never calls ``report()``, a rank stopped by a signal): its ``idle`` and ``comm`` need

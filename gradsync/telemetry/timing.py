@@ -50,10 +50,16 @@ _COLUMNS = (
     "skipped",
     "barrier",
     "idle",
+    # which attempt of the run took the step: a record restored from a checkpoint and gathered
+    # by a restarted attempt is the earlier attempt's (it was stamped with the gatherer's)
+    "attempt",
 )
 _NO_LOSS = float("nan")
 #: float64 values per pending record row (``pending_rows``, ``rows_from``)
 ROW_COLUMNS = len(_COLUMNS)
+#: the rows of checkpoints written before the ``attempt`` column (``restore_pending`` reads them:
+#: their records are then the loading attempt's, as they were before)
+LEGACY_ROW_COLUMNS = ROW_COLUMNS - 1
 
 
 @dataclass(slots=True)
@@ -71,6 +77,8 @@ class _Pending:
     idle: float
     #: device events to read ``compute`` and ``sync`` from (CUDA), or None (host-timed)
     marks: StepMarks | None = None
+    #: the attempt of the run that took the step (``_attempt``; a restored row keeps its own)
+    attempt: int = 0
     #: its row (``_rows``), made once: a checkpoint every step takes every pending record's
     #: row at each save, and converting the loss (a tensor) was most of that
     row: list[float] | None = None
@@ -132,7 +140,18 @@ class TelemetryCollector:
         self._read_completed_marks()
         self._pending.append(
             _Pending(
-                step, time, compute, sync, samples, nbytes, loss, skipped, barrier, idle, marks
+                step,
+                time,
+                compute,
+                sync,
+                samples,
+                nbytes,
+                loss,
+                skipped,
+                barrier,
+                idle,
+                marks,
+                _attempt(),
             )
         )
 
@@ -207,17 +226,25 @@ class TelemetryCollector:
         self._first += len(self._pending)
         self._pending, self._unread = [], 0
 
-    def restore_pending(self, rows: torch.Tensor | list[float], first: int | None = None) -> None:
+    def restore_pending(
+        self,
+        rows: torch.Tensor | list[float],
+        first: int | None = None,
+        columns: int = ROW_COLUMNS,
+    ) -> None:
         """Put back the rows ``pending_rows`` (or ``pending_flat_rows``) returned, ahead of
         anything recorded since; ``first``: the number of the first of them
-        (``pending_range``), where it is known."""
+        (``pending_range``), where it is known. ``columns``: the values per row, fewer in a
+        checkpoint written before a column was added (``LEGACY_ROW_COLUMNS``). Each record
+        keeps the attempt that took its step; one of a row without it is this attempt's."""
         rows = torch.as_tensor(rows, dtype=torch.float64)
         restored = [
             _Pending(
                 int(r[0]), r[1], r[2], r[3], int(r[4]), int(r[5]),
                 None if r[6] != r[6] else r[6], bool(r[7]), bool(r[8]), r[9],
+                attempt=_row_attempt(r),
             )
-            for r in rows.reshape(-1, len(_COLUMNS)).tolist()
+            for r in rows.reshape(-1, columns).tolist()
         ]  # fmt: skip
         self._pending[:0] = restored
         self._unread = 0
@@ -339,7 +366,9 @@ def _wait(flight: _InFlight) -> list[torch.Tensor]:
 
 def _record(rank: int, row: list[float]) -> StepRecord:
     """``rank``'s record from its row (``_COLUMNS``); ``comm`` is ``fill_idle``'s to set. Its
-    ``attempt`` is this process's: every rank of a gather restarts together."""
+    ``attempt`` is the row's: the attempt that took the step, also for a record a restarted
+    attempt restored from a checkpoint and gathers (it was this process's before, so the steps
+    a killed attempt ran were labelled with the restart's number)."""
     return StepRecord(
         rank=rank,
         step=int(row[0]),
@@ -353,8 +382,15 @@ def _record(rank: int, row: list[float]) -> StepRecord:
         loss=None if row[6] != row[6] else row[6],
         skipped=bool(row[7]),
         barrier=bool(row[8]),
-        attempt=_attempt(),
+        attempt=_row_attempt(row),
     )
+
+
+def _row_attempt(row: list[float]) -> int:
+    """The attempt a row names (``_COLUMNS``); this process's for a row without one."""
+    if len(row) > ROW_COLUMNS - 1 and row[ROW_COLUMNS - 1] == row[ROW_COLUMNS - 1]:
+        return max(0, int(row[ROW_COLUMNS - 1]))
+    return _attempt()
 
 
 def _attempt() -> int:
@@ -411,5 +447,6 @@ def _row(p: _Pending) -> list[float]:
         float(p.skipped),
         float(p.barrier),
         p.idle,
+        float(p.attempt),
     ]
     return p.row

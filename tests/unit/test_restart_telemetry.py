@@ -201,13 +201,18 @@ def test_a_records_attempt_is_checked() -> None:
         check_record({**good, "attempt": -1})
 
 
-def test_records_name_the_attempt_of_their_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    row = [3.0, 100.0, 0.5, 0.5, 4.0, 10.0, 1.0, 0.0, 1.0, 0.0]
+def test_records_name_the_attempt_that_took_their_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row's own attempt (a record a restart restored from its checkpoint keeps the
+    attempt that ran it); a row without one (a checkpoint's of an older gradsync) is this
+    process's."""
+    row = [3.0, 100.0, 0.5, 0.5, 4.0, 10.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     assert len(row) == len(_COLUMNS)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    assert _record(0, row).attempt == 0
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert _record(1, row).attempt == 2 and _record(1, row).step == 3
+    assert _record(1, row).attempt == 1 and _record(1, row).step == 3
+    legacy = row[:-1]
+    assert _record(1, legacy).attempt == 2
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert _record(0, legacy).attempt == 0
 
 
 def test_records_no_gather_took_get_their_idle_from_every_rank(tmp_path: Path) -> None:
