@@ -194,21 +194,37 @@ def slowdown(m: StepMatrix, col: int, lo: int, hi: int) -> float:
 
 
 def slow_steps(m: StepMatrix, col: int, threshold: float) -> np.ndarray:
-    """Per row, whether rank ``col`` computed at least 1/threshold times as long as the typical
-    other rank *at that step* (the median of the others), per step and per sample.
+    """Per row, how slow rank ``col`` was *at that step*, per step and per sample, as weights
+    for ``slow_interval``: 1 where it computed at least 1/threshold times as long as the typical
+    other rank (the median of the others); 0 where it did not, but set the pace (computed longer
+    than every other rank) and at least 1/threshold times as long as the fastest other rank
+    (rule 3's reference); -1 otherwise.
 
     Comparing within a step, not with a reference taken over many steps, keeps machine-wide
     changes out of the interval: a rank that sleeps leaves its core to the others, which then
     run faster than before it slowed, and their faster steps must not make its earlier steps
-    look slow."""
-    flags = _slow_at_step(m.compute, col, threshold)
-    return flags & _slow_at_step(m.per_sample, col, threshold) if m.uneven else flags
+    look slow. The steps weighted 0 neither extend nor break a slow stretch. On a loaded host
+    the other ranks contend for the cores a sleeping straggler leaves: a rank slowed 2x
+    (``--slow 3:2``, 4 ranks on 2 cores) computed about 1.3x as long as the typical other rank
+    and 2x the fastest, set the pace at most steps, and was more than 1.33x the typical one at
+    only about half of them. Counted against it, the other half broke its stretch into pieces
+    shorter than ``min_steps``, and it was never reported. Being only behind the typical rank
+    (not the slowest) stays -1: that is where noise puts a rank half of the time. With two ranks
+    the typical rank is the other one, and the weights are 1 and -1 as before."""
+    flags = _step_evidence(m.compute, col, threshold)
+    return np.minimum(flags, _step_evidence(m.per_sample, col, threshold)) if m.uneven else flags
 
 
-def _slow_at_step(compute: np.ndarray, col: int, threshold: float) -> np.ndarray:
-    typical = nanmedian(np.delete(compute, col, axis=1), axis=1)
-    with np.errstate(all="ignore"):
-        return np.asarray(typical / compute[:, col] < threshold)
+def _step_evidence(compute: np.ndarray, col: int, threshold: float) -> np.ndarray:
+    others = np.delete(compute, col, axis=1)
+    mine = compute[:, col]
+    if others.shape[1] == 0:
+        return np.full(len(mine), -1, dtype=np.int8)
+    with quiet(), np.errstate(all="ignore"):
+        typical = np.nanmedian(others, axis=1)
+        fastest, slowest = np.nanmin(others, axis=1), np.nanmax(others, axis=1)
+        paced = (mine > slowest) & (fastest / mine < threshold)
+        return np.where(typical / mine < threshold, 1, np.where(paced, 0, -1)).astype(np.int8)
 
 
 def pace_shares(compute: np.ndarray) -> np.ndarray:
@@ -239,12 +255,17 @@ def runs(flags: np.ndarray, merge_gap: int = 0) -> list[tuple[int, int]]:
 
 
 def kadane(slow: np.ndarray) -> tuple[int, int] | None:
-    """The range maximising (#slow - #not slow): where the slow steps are, robust to noise."""
+    """The range maximising the sum of ``slow``'s weights (booleans: #slow - #not slow), one of
+    the ranges with the most weight that starts and ends on a positive one: where the slow steps
+    are, robust to noise."""
+    weights = np.where(slow, 1, -1) if slow.dtype == bool else slow
     best, best_range, run, start = 0, None, 0, 0
-    for i, s in enumerate(slow.tolist()):
-        if run <= 0:
+    for i, s in enumerate(weights.tolist()):
+        if run <= 0 and s > 0:
             run, start = 0, i
-        run += 1 if s else -1
+        elif run <= 0:
+            continue
+        run += s
         if run > best:
             best, best_range = run, (start, i)
     return best_range
