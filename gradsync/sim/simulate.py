@@ -66,6 +66,11 @@ class SimResult:
     # worker-steps per second until the first worker finished its last step (None: barrier
     # strategies, where every worker finishes at the same moment)
     steady_throughput: float | None = None
+    # (workers,): the free-running strategies' wait after a worker's last step until the
+    # slowest one finishes, part of ``idle_ms``'s last row (None: the others). A run's step
+    # records hold no such wait (it is spent in ``report()``), so the calibrated prediction
+    # leaves it out of the barrier tax it compares with the run's
+    final_wait_ms: np.ndarray | None = None
 
     @property
     def steps(self) -> int:
@@ -407,6 +412,7 @@ def _free_running(
         staleness=staleness.astype(np.int64),
         done_ms=everyone_done,
         steady_throughput=steady,
+        final_wait_ms=wall - end[-1],
     )
 
 

@@ -372,3 +372,49 @@ def test_a_periodic_run_is_priced_by_what_an_exchange_sends(tmp_path: Path, stra
     assert predict(prof, None, WhatIf(strategy="local:8")).step_ms == pytest.approx(
         (80.0 + 7 * 0.5 + 4.0) / 8
     )
+
+
+def _free_run(
+    path: Path, strategy: str, compute: np.ndarray, comm: np.ndarray, between: np.ndarray
+) -> Path:
+    """A run without a barrier: rank k computes ``compute[t, k]``, then its own update or
+    exchange ``comm[t, k]`` (no idle), then spends ``between[t, k]`` outside its step timer
+    (the script's own code) before its next step (ms)."""
+    records = []
+    for k in range(compute.shape[1]):
+        start = 0.0
+        for t in range(compute.shape[0]):
+            c, x = compute[t, k], comm[t, k]
+            records.append(StepRecord(k, t, start / 1000, c / 1000, x / 1000, 0.0, x / 1000, 8, 0))
+            start += c + x + between[t, k]
+    path.mkdir()
+    write_records(path / "metrics.jsonl", records, append=False)
+    (path / "config.json").write_text(json.dumps({"nproc": compute.shape[1], "strategy": strategy}))
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["hogwild", "async"])
+def test_a_run_without_a_barrier_is_predicted_without_one(tmp_path: Path, strategy: str) -> None:
+    """Rank 0 takes 10 + 3 + 2 ms a step, rank 1 15 + 5 + 4: the run goes at rank 1's pace,
+    24 ms, and nobody waits (tax 0). Hogwild's update (its comm) and both strategies' time
+    between steps were not charged: a hogwild prediction was the compute alone (15 ms, -38%;
+    a tester's run: -84%); and the fast worker's wait for the slow one after its last step,
+    in no step record, was counted as barrier tax (here 17%, a tester's hogwild run 10.5%)."""
+    rng = np.random.default_rng(5)
+    steps = 200
+    compute = np.column_stack([np.full(steps, 10.0), np.full(steps, 15.0)])
+    compute *= rng.uniform(0.95, 1.05, size=compute.shape)
+    comm = np.tile([3.0, 5.0], (steps, 1))
+    between = np.tile([2.0, 4.0], (steps, 1))
+    prof = load_profile(_free_run(tmp_path / "r", strategy, compute, comm, between))
+    assert prof.measured_barrier_tax == 0.0
+    assert prof.measured_step_ms == pytest.approx(24.0, rel=0.03)
+    pred = predict(prof, None)
+    assert pred.step_ms == pytest.approx(prof.measured_step_ms, rel=0.03)
+    assert pred.mean_step_ms == pytest.approx(24.0, rel=0.03)
+    assert pred.barrier_tax == pytest.approx(0.0, abs=1e-9)
+    if strategy == "hogwild":
+        assert pred.comm_source == "run telemetry (each worker's own update; no exchange)"
+        # as bsp, the fast worker waits for the slow one at every step: a barrier tax
+        alt = predict(prof, None, WhatIf(strategy="bsp"))
+        assert alt.step_ms == pytest.approx(pred.step_ms, rel=0.03) and alt.barrier_tax > 0.1
