@@ -26,6 +26,7 @@ from gradsync.sim.simulate import SimResult, simulate
 from gradsync.sim.table import CollectiveTable
 from gradsync.spec import bucket_sizes_mb, default_bucket_mb
 from gradsync.telemetry.records import StepRecord, read_records, read_spans
+from gradsync.telemetry.report import RunReport
 
 CALIBRATION_KIND = "gradsync.allreduce_calibration"
 
@@ -110,6 +111,8 @@ class RunProfile:
     # when every rank has finished the next (the records' times); for the others, the median
     # over steps of the slowest rank's compute + sync, which is that under a barrier
     measured_step_ms: float
+    # ``RunReport``'s barrier tax (gradsync report's), over the steps modelled: after the
+    # warm-up, without skipped steps (``measured_steps``: first, last, how many)
     measured_barrier_tax: float
     measured_comm_ms: float  # median comm (sync minus barrier wait) over rank-steps
     compute_steps: np.ndarray  # (steps, nproc): each rank's compute at each step
@@ -144,6 +147,11 @@ class RunProfile:
     # scheduled). Under a barrier the others' sync holds it; without one (``FREE_RUNNING``)
     # nothing else does, and the prediction charges it to the worker. None: built by hand.
     outside_rank_steps: np.ndarray | None = None
+    # gradsync report's barrier tax, over every recorded step (warm-up and skipped steps too),
+    # and how many steps that is; None: built by hand
+    report_barrier_tax: float | None = None
+    report_steps: int | None = None
+    measured_steps: tuple[int, int, int] | None = None
 
     @property
     def exchange_bytes(self) -> float:
@@ -290,7 +298,8 @@ def _read_run_records(run_dir: str | Path) -> list[StepRecord]:
 def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
     """Read ``metrics.jsonl`` (and ``config.json``, ``spans.jsonl`` if present), skipping
     ``warmup`` steps."""
-    every = [r for r in _read_run_records(run_dir) if not r.skipped]
+    recorded = _read_run_records(run_dir)
+    every = [r for r in recorded if not r.skipped]
     records = every
     steps = sorted({r.step for r in records})
     if len(steps) <= warmup:
@@ -315,8 +324,6 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
     full = [t for t in sorted(grid) if len(grid[t]) == len(ranks)]
     if not full:
         raise UsageError(f"{run_dir}: no step after warm-up was recorded by every rank")
-    idle = sum(r.idle for r in records)
-    wall = sum(r.compute + r.sync for r in records)
     collective = _collective_steps(run_dir, full) if Path(run_dir).is_dir() else None
     strategy = str(config.get("strategy", "bsp"))
     measured = float(np.median(list(step_wall.values())))
@@ -354,7 +361,11 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
         compute_ms={k: np.asarray(v) for k, v in sorted(compute.items())},
         bytes_per_step=bytes_per_step,
         measured_step_ms=measured,
-        measured_barrier_tax=idle / wall if wall > 0 else 0.0,
+        # The report's own function (gradsync report), over the steps the prediction models
+        measured_barrier_tax=RunReport.from_records(records).barrier_tax,
+        report_barrier_tax=RunReport.from_records(recorded).barrier_tax,
+        measured_steps=(min(keep), max(keep), len(keep)),
+        report_steps=len({r.step for r in recorded}),
         measured_comm_ms=float(np.median([1000.0 * r.comm for r in records])),
         compute_steps=np.asarray([[grid[t][k][0] for k in ranks] for t in full]),
         comm_steps=np.asarray([max(grid[t][k][1] for k in ranks) for t in full]),

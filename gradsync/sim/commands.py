@@ -6,7 +6,7 @@ import math
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from gradsync.sim.side_by_side import (
     streaming_rows,
 )
 from gradsync.sim.simulate import Overlap, overlap_summary, simulate, zero_comm_ms
+
+if TYPE_CHECKING:
+    from gradsync.sim.calibrate import RunProfile
 
 #: The strategies ``simulate --strategy zero:N`` prints side by side.
 BESIDE_BSP = ("bsp", "zero:1", "zero:2", "zero:3")
@@ -359,6 +362,8 @@ def from_run(args: SimulateOptions) -> int:
         "measured": {
             "median_step_ms": profile.measured_step_ms,
             "barrier_tax": profile.measured_barrier_tax,
+            # gradsync report's, over every recorded step (warm-up and skipped steps too)
+            "report_barrier_tax": profile.report_barrier_tax,
         },
         "predicted": {
             "median_step_ms": base.step_ms,
@@ -385,6 +390,7 @@ def from_run(args: SimulateOptions) -> int:
         f"   ({err:+.1%})",
         f"{'barrier tax':24}{profile.measured_barrier_tax:>10.1%}{base.barrier_tax:>11.1%}",
     ]
+    lines += _report_tax_note(profile, args.warmup)
     if alt is not None:
         doc["what_if"] = {
             "change": alt.what_if,
@@ -404,6 +410,24 @@ def from_run(args: SimulateOptions) -> int:
             lines.append(f"(rank {profile.slowest_rank()} had the highest median compute)")
     emit(args, doc, "\n".join(lines))
     return 0
+
+
+def _report_tax_note(profile: RunProfile, warmup: int) -> list[str]:
+    """Where the measured barrier tax differs from gradsync report's (as shown), why: the same
+    function over the steps modelled, after the warm-up and without skipped steps, while the
+    report counts every recorded step."""
+    report, span = profile.report_barrier_tax, profile.measured_steps
+    if report is None or span is None:
+        return []
+    if f"{report:.1%}" == f"{profile.measured_barrier_tax:.1%}":
+        return []
+    first, last, count = span
+    skipped = (profile.report_steps or 0) - count - min(warmup, profile.report_steps or 0)
+    without = f", without {skipped} skipped" if skipped > 0 else ""
+    return [
+        f"(measured over the {count} steps modelled, {first}-{last}: after --warmup {warmup}"
+        f"{without}; gradsync report counts all {profile.report_steps}: {report:.1%})"
+    ]
 
 
 def failures(args: SimulateOptions) -> int:

@@ -353,3 +353,40 @@ def test_from_a_directory_of_runs_or_a_file(
     afile.write_text("")
     with pytest.raises(UsageError, match=f"^--from {afile}: is a file, not a directory"):
         run_cli(["simulate", "--from", str(afile)], capsys)
+
+
+def test_from_run_measures_the_barrier_tax_as_gradsync_report_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tester saw gradsync report say 35.6% and simulate --from "measured 36.5%" for one
+    run: the same sum (idle over compute + sync), but over the steps after --warmup 2 only.
+    The measured figure is RunReport's over the steps modelled, and where it differs from the
+    report's (over every step) the output says both, and why."""
+    from gradsync.sim.calibrate import load_profile
+    from gradsync.telemetry.cli import analyze_run
+    from gradsync.telemetry.records import read_records
+    from gradsync.telemetry.report import RunReport
+
+    run = _fake_run(tmp_path / "slow", slow_rank=2)
+    records = read_records(run)
+    for r in records:  # the first two steps are balanced: no idle, a lower tax than the rest
+        if r.step < 2:
+            r.compute, r.idle, r.sync = 0.030, 0.0, 0.005
+    write_records(run / "metrics.jsonl", records, append=False)
+    shown = analyze_run(run, plots=False).report.barrier_tax  # gradsync report's
+    assert shown == RunReport.from_records(records).barrier_tax
+    after = RunReport.from_records([r for r in records if r.step >= 2]).barrier_tax
+    assert f"{after:.1%}" != f"{shown:.1%}"
+    profile = load_profile(run, warmup=2)
+    assert profile.measured_barrier_tax == pytest.approx(after, rel=1e-12)
+    assert profile.report_barrier_tax == pytest.approx(shown, rel=1e-12)
+    assert load_profile(run, warmup=0).measured_barrier_tax == pytest.approx(shown, rel=1e-12)
+    doc = run_json(["simulate", "--from", str(run)], capsys)
+    assert doc["measured"]["report_barrier_tax"] == pytest.approx(shown)
+    text = run_cli(["simulate", "--from", str(run)], capsys)
+    assert (
+        f"(measured over the 38 steps modelled, 2-39: after --warmup 2; gradsync report counts "
+        f"all 40: {shown:.1%})" in text
+    ), text
+    text = run_cli(["simulate", "--from", str(run), "--warmup", "0"], capsys)
+    assert "gradsync report counts" not in text and f"{shown:.1%}" in text
