@@ -653,11 +653,14 @@ class _ShardView:
     def hide(self) -> None:
         for p, view, held in self._shown:
             grad: Any = p.grad
-            replaced = grad is not view and isinstance(grad, self._dtensor)
-            local = grad.to_local() if replaced else None  # the loop's g = g * c
             p.grad = held
-            if local is not None:
-                self._stage.set_gradient_part(p, local)
+            if grad is view:
+                continue
+            # what the loop left instead: a DTensor of its own (g = g * c), a plain gradient,
+            # or None (that parameter is not stepped, as under DDP)
+            self._stage.set_gradient_part(
+                p, grad.to_local() if isinstance(grad, self._dtensor) else grad
+            )
         self._shown = []
 
 

@@ -476,6 +476,10 @@ class Synchronizer:
             self.strategy.setup(self._context)
             self._checkpoints.check_strategy()
         except BaseException:
+            # what the strategy put on the user's model or optimizer (hooks, ZeRO's rows
+            # layout) is taken off, so that a retry builds on them as they were
+            with contextlib.suppress(Exception):
+                self.strategy.close()
             self._release_timeout()
             if self._membership is not None:
                 self._membership.close()

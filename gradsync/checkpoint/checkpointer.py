@@ -318,9 +318,15 @@ class Checkpointer:
             assert info is not None  # rank 0 read ``mine`` from it
             state = mine
         join_replicated(store, info, state, 0 if changed or mine is not None else self.rank)
-        if changed and not self.strategy.resizable:  # reshardable (``_check_compatible``)
-            every = [state if r == 0 else store.load(info, r) for r in range(saved_world)]
+        # ZeRO's state cut by another layout (rows, whole tensors) than this run's, at the same
+        # world size: dealt out anew as on another world size (``Strategy.relayout``)
+        relaid = None if changed else self.strategy.relayout(state["sync"].get("strategy"))
+        if (changed or relaid is not None) and not self.strategy.resizable:
+            first = 0 if changed else self.rank  # the rank whose file ``state`` is
+            every = [state if r == first else store.load(info, r) for r in range(saved_world)]
             state.update(self.strategy.reshard(every))
+        if relaid is not None:
+            state["sync"] = {**state["sync"], "strategy": relaid}
         # The records of the steps before the checkpoint, not gathered: put back last, once
         # nothing else can fail, so that a load that raised leaves none on any rank.
         rows = _own_telemetry(store, info, state, self.rank, changed)

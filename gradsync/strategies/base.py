@@ -589,6 +589,13 @@ class Strategy(Protocol):
         report.json (hogwild: updates applied and their staleness); empty for most."""
         return {}
 
+    def relayout(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Where this strategy's state in a checkpoint of as many ranks (``saved``, its
+        ``state_dict()`` then) is cut otherwise than this run cuts it (ZeRO's rows or whole
+        tensors): that state re-recorded for this run, and the checkpoint is dealt out anew by
+        ``reshard``; None (the default): loaded as it is."""
+        return None
+
     def reshard(self, saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """When ``reshardable``: this rank's ``"model"`` and ``"optimizer"`` state at the
         current world size, from every saved rank's checkpoint (``saved[r]`` is rank r's)."""

@@ -19,8 +19,11 @@ that depends on the element's owner, so the layouts differ in rounding). A rule 
 tensor (Adafactor's factored moments, LAMB's or LARS's trust ratio, a subclass or an optimizer
 of the user's own, which gradsync cannot read) would be taken over each rank's rows instead:
 those keep whole tensors (``choose_layout`` says which applies), as do models with a
-non-contiguous parameter (channels_last). 0-dim tensors are whole
-units owned by rank 0.
+non-contiguous parameter (channels_last). 0-dim tensors are whole units of rank 0's: under
+``zero:2`` only rank 0 steps them; under ``zero:1`` every rank does (each holds the same mean
+gradient and state) and rank 0's result is gathered. Fused optimizers compute by chunks of
+their own, so a piece's step can differ from the whole tensor's in rounding (seen at 3e-17 with
+fused AdamW on CPU); the bitwise claims hold for the others.
 
 How the user's optimizer steps pieces: each rank's piece of a parameter is a tensor that
 shares the parameter's storage (``p.detach()[a:b]``: a leaf, which the step updates in place,
@@ -177,9 +180,10 @@ class RowLayout:
         return p.grad if rows is None else p.grad[rows[0] : rows[1]]
 
     def part(self, p: torch.Tensor) -> torch.Tensor | None:
-        """This rank's unit of parameter ``p`` (its rows; a scalar's on rank 0 only)."""
+        """This rank's unit of parameter ``p`` (its rows; a scalar's on rank 0 only); a unit
+        of this rank's is its own part."""
         for unit in self.mine:
-            if self._source[id(unit)][0] is p and unit.numel():
+            if (unit is p or self._source[id(unit)][0] is p) and unit.numel():
                 return unit
         return None
 
@@ -209,7 +213,7 @@ class RowLayout:
             optimizer.register_state_dict_pre_hook(self._before_state_dict),
             optimizer.register_state_dict_post_hook(self._after_state_dict),
             optimizer.register_load_state_dict_pre_hook(self._before_load),
-            optimizer.register_load_state_dict_post_hook(lambda _: self.show(pieces=False)),
+            optimizer.register_load_state_dict_post_hook(self._after_load),
         ]
 
     def show(self, pieces: bool) -> None:
@@ -235,12 +239,37 @@ class RowLayout:
         self.show(pieces=False)
 
     def _before_load(self, _: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-        """Load into the pieces; a whole state (a DDP script's checkpoint, loaded by the
-        user's code) is cut into this rank's rows first."""
-        self.show(pieces=True)
-        return (
-            state if not self._is_whole(state) else split(state, self.shapes, self.world, self.rank)
-        )
+        """A whole state (a DDP script's checkpoint, loaded by the user's code) is cut into
+        this rank's rows first. torch loads it under the parameters (the param groups are
+        left alone, so a load that fails leaves the optimizer as it was); ``_after_load``
+        keys it by the pieces."""
+        self.show(pieces=False)
+        if self._is_whole(state):
+            return split(state, self.shapes, self.world, self.rank)
+        return state
+
+    def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
+        held = optimizer.state
+        for p, piece in self._mine_pairs():
+            if p in held:
+                held[piece] = held.pop(p)
+
+    def _mine_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each cut parameter and this rank's piece of it."""
+        return [(p, pieces[self.rank]) for p, pieces in zip(self.cut, self.pieces, strict=True)]
+
+    def check_storage(self) -> None:
+        """``UsageError`` unless every piece is still a view of its parameter: a parameter
+        given new storage after the Synchronizer was built (``model.to(memory_format=...)``,
+        ``p.data = ...``) would silently stop training, the optimizer stepping the old one."""
+        for p, piece in self._mine_pairs():
+            if piece.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
+                raise UsageError(
+                    f"a parameter of shape {tuple(p.shape)} was given new storage after the "
+                    "Synchronizer was built (model.to(...) with another memory format or "
+                    "dtype, p.data = ...): its rows, which the optimizer steps, are views of "
+                    "the old one. Convert the model before building the Synchronizer"
+                )
 
     def _is_whole(self, state: dict[str, Any]) -> bool:
         """Whether ``state`` holds whole tensors' entries rather than this rank's rows (told
@@ -263,6 +292,7 @@ class RowLayout:
         whose parameters hold the whole mean gradient): each piece is given its rows of it (a
         view: nothing is copied) for the step only; else (``zero:2``) the pieces hold this
         rank's rows of the mean gradient already. After the step, the parameters again."""
+        self.check_storage()
         given = []
         if full_grads:
             for pieces in self.pieces:
@@ -279,9 +309,12 @@ class RowLayout:
                 piece.grad = None
 
     def close(self) -> None:
-        """Leave the optimizer as the user built it: the parameters in its param groups and
-        its state keyed by them again (each entry this rank's rows, as a whole-tensor
-        layout leaves each rank the state of its own tensors only)."""
+        """Leave the optimizer with the user's parameters in its param groups and its state
+        keyed by them again: each entry this rank's rows (a piece's shape), as whole tensors
+        leave each rank the state of its own tensors only. Inspectable, and its
+        ``state_dict()`` works; a plain ``optimizer.step()`` after it fails on the shapes
+        (loudly, where dropping the state would restart the moments silently):
+        ``sync.full_state_dict()`` before ``close`` gives the whole state."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -289,8 +322,7 @@ class RowLayout:
             return
         self.show(pieces=False)
         held = self._optimizer.state
-        for p, pieces in zip(self.cut, self.pieces, strict=True):
-            piece = pieces[self.rank]
+        for p, piece in self._mine_pairs():
             if piece in held:
                 held[p] = held.pop(piece)
 

@@ -441,7 +441,7 @@ class OwnerLayout:
     def state_record(self) -> dict[str, Any]:
         """What a checkpoint records of the layout (``ShardedUpdate.load_state_dict`` compares
         it)."""
-        return {"owners": list(self.owners)}
+        return {"owners": list(self.owners), "layout": WHOLE}
 
     def close(self) -> None:
         """Nothing to undo: the optimizer steps the parameters themselves."""
@@ -676,9 +676,9 @@ class ShardedUpdate:
             raise UsageError(
                 f"this {self.name} checkpoint was sharded by {saved_layout} (each rank's file "
                 f"holds its {'rows of every tensor' if saved_layout == ROWS else 'own tensors'}"
-                f"), and this run shards by {self.layout.kind}: resume with the same layout ("
-                f"{self.name}'s layout= argument; 'auto' shards by rows only for element-wise "
-                "optimizers without a GradScaler)"
+                f"), and this run shards by {self.layout.kind}: load it through sync.load, "
+                f"which deals it out anew, or build {self.name} with the same layout (its "
+                "layout= argument; 'auto' shards by rows for element-wise optimizers)"
             )
         saved = state.get("owners")
         if saved is not None and list(saved) != self.layout.owners:

@@ -93,3 +93,51 @@ def test_zero2_by_rows_refuses_torchs_clip_over_the_parameters_and_clips_through
     assert results[0]["norm 0"] == results[1]["norm 0"] > 0
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def traps(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(zrr.traps, 2, str(tmp_path_factory.mktemp("rows-traps")), timeout_s=150)
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoint_of_the_other_layout_resumes_on_as_many_ranks(
+    traps: list[dict[str, Any]],
+) -> None:
+    """Whole tensors' checkpoint (every checkpoint written before the rows layout) resumed by
+    rows on as many ranks, and rows resumed as whole tensors: dealt out anew, the whole state
+    the one saved."""
+    for key, layout in (("whole -> auto", "rows"), ("auto -> whole", "whole")):
+        before, after, got = traps[0]["relaid"][key]
+        assert got == layout
+        _same(after, before, key)
+
+
+@pytest.mark.timeout(200)
+def test_zero2_by_rows_refuses_a_late_backward_and_a_model_converted_after_the_build(
+    traps: list[dict[str, Any]],
+) -> None:
+    for out in traps:
+        assert out["late backward"].startswith("step 0: a backward pass ran after"), out
+        assert "was given new storage after the Synchronizer was built" in out["converted"]
+
+
+@pytest.mark.timeout(200)
+def test_by_rows_skips_clip_nothing_and_the_optimizer_is_left_as_documented(
+    traps: list[dict[str, Any]],
+) -> None:
+    """A skipped step's clip is 0 (its pieces' NaN gradients released); after close() the
+    optimizer holds the parameters, its state this rank's rows of them; a Synchronizer whose
+    setup failed leaves the optimizer for the next one;
+    the strategy's grad_norm over the parameters is the whole gradient's, by rows as whole."""
+    for out in traps:
+        assert out["skipped"][0] == 0.0 and out["skipped"][1] > 0, out["skipped"]
+        assert out["state after close"] and out["retry"]
+        rows, whole = out["grad_norm"]
+        assert rows == pytest.approx(whole, rel=1e-12) and rows > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_front_doors_loop_dropping_a_gradient_leaves_that_parameter() -> None:
+    for out in run_ranks(zrr.front_door, 2, timeout_s=90):
+        assert out == {"zero:2 rows": True, "zero:2 whole": True, "zero:1 rows": True}, out

@@ -4,6 +4,7 @@ sizes and layouts (checkpoints resharded, the whole state gathered and loaded, a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import gradsync as gs
+from gradsync.row_shards import rows_of
 from gradsync.strategies import ZeroStage1
 
 STEPS = 3
@@ -139,3 +141,170 @@ def gradient_ready(rank: int, world: int) -> dict[str, Any]:
     sync.report()
     sync.close()
     return out
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _relaid(rank: int, root: str) -> dict[str, Any]:
+    """A checkpoint of whole tensors resumed by rows on as many ranks, and back: each whole
+    state gathered after the load is the one saved (a checkpoint from before the rows layout
+    was refused at the same number of ranks: a reviewer's finding)."""
+    out: dict[str, Any] = {}
+    for saved, again in (("whole", "auto"), ("auto", "whole")):
+        model, _, sync = _build(saved)
+        _train(model, sync, rank)
+        directory = Path(root) / f"relaid-{saved}"
+        sync.save(directory)
+        before = sync.full_state_dict()
+        sync.close()
+        model, _, sync = _build(again)
+        sync.load(directory)
+        out[f"{saved} -> {again}"] = (before, sync.full_state_dict(), _layout(sync))
+        sync.close()
+    return out
+
+
+def _late_backward(rank: int) -> str:
+    model = Model()
+    sync = gs.Synchronizer(model, _sgd(model), strategy="zero:2", timeout_s=TIMEOUT_S)
+    try:
+        with sync.step() as s:
+            x, y = _batch(0, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            s.synchronize()
+            nn.functional.mse_loss(model(x), y).backward()
+    except gs.UsageError as exc:
+        return str(exc)
+    finally:
+        sync.close()
+    return "not refused"
+
+
+def _converted_after_build(rank: int) -> str:
+    model = Model()
+    sync = gs.Synchronizer(model, _sgd(model), strategy="zero:1", timeout_s=TIMEOUT_S)
+    model.b.weight.data = model.b.weight.data.clone()  # new storage, as model.to(...) gives
+    try:
+        with sync.step():
+            x, y = _batch(0, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+    except gs.UsageError as exc:
+        return str(exc)
+    finally:
+        sync.close()
+    return "not refused"
+
+
+def _skipped_then_clipped(rank: int) -> list[float]:
+    """A non-finite gradient skips the step; a clip at that step's gradient-ready point clips
+    nothing (norm 0), by rows as with whole tensors."""
+    model = Model()
+    sync = gs.Synchronizer(model, _sgd(model), strategy="zero:2", timeout_s=TIMEOUT_S)
+    norms = []
+    for step in range(2):
+        with sync.step() as s:
+            x, y = _batch(step, rank)
+            loss = nn.functional.mse_loss(model(x), y)
+            (loss * (math.inf if step == 0 else 1.0)).backward()
+            s.synchronize()
+            norms.append(float(s.clip_grad_norm_(1.0)))
+    sync.close()
+    return norms
+
+
+def _state_after_close(rank: int, world: int) -> bool:
+    """After close() the optimizer holds the parameters again, its state keyed by them: this
+    rank's rows of each (inspectable; its state_dict() works)."""
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = gs.Synchronizer(model, opt, strategy="zero:1", timeout_s=TIMEOUT_S)
+    _train(model, sync, rank)
+    sync.close()
+    held = [p for g in opt.param_groups for p in g["params"]]
+    rows = [
+        opt.state[p]["exp_avg"].shape[0] == len(range(*rows_of(p.shape, world, rank)))
+        for p in model.parameters()
+        if p.dim()
+    ]
+    return held == list(model.parameters()) and all(rows) and bool(opt.state_dict()["state"])
+
+
+def _failed_setup_then_retry(rank: int) -> bool:
+    """A Synchronizer whose setup fails leaves the optimizer as it was: a second one on it
+    saves and gathers (the first left its hooks and its pieces' state on it)."""
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    refused = _refused(
+        lambda: gs.Synchronizer(model, opt, strategy="zero:1", compression="int8", bucket_mb="auto")
+    )
+    assert refused != "not refused", "the first Synchronizer's setup was to fail"
+    sync = gs.Synchronizer(model, opt, strategy="zero:1", timeout_s=TIMEOUT_S)
+    _train(model, sync, rank)
+    state = sync.full_state_dict()
+    sync.close()
+    return rank != 0 or (state is not None and len(state["optimizer"]["state"]) == 5)
+
+
+def _grad_norm_protocol(rank: int) -> list[float]:
+    """``sync.strategy.grad_norm(model.parameters())`` (the protocol's call) at the
+    gradient-ready point: the whole gradient's norm by rows as with whole tensors."""
+    out = []
+    for layout in ("auto", "whole"):
+        model = Model()
+        strategy = gs.ZeroStage2(layout=layout)
+        sync = gs.Synchronizer(model, _sgd(model), strategy=strategy, timeout_s=TIMEOUT_S)
+        with sync.step() as s:
+            x, y = _batch(0, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            s.synchronize()
+            out.append(float(sync.strategy.grad_norm(list(model.parameters()))))
+        sync.close()
+    return out
+
+
+def traps(rank: int, world: int, root: str) -> dict[str, Any]:
+    return {
+        "relaid": _relaid(rank, root),
+        "late backward": _late_backward(rank),
+        "converted": _converted_after_build(rank),
+        "skipped": _skipped_then_clipped(rank),
+        "state after close": _state_after_close(rank, world),
+        "retry": _failed_setup_then_retry(rank),
+        "grad_norm": _grad_norm_protocol(rank),
+    }
+
+
+def _front_door_drops_a_gradient(rank: int, strategy: Any) -> bool:
+    """Through the front door, a loop that sets one parameter's ``p.grad = None`` before
+    ``optimizer.step()`` leaves it where it was, as under DDP (the view put this rank's part
+    back, and it was stepped: a reviewer's finding). Returns whether it stayed."""
+    raw = Model()
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+    model = gs.DistributedDataParallel(raw, optimizer=optimizer, strategy=strategy)
+    before = raw.a.weight.detach().clone()
+    optimizer.zero_grad()
+    x, y = _batch(0, rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    raw.a.weight.grad = None
+    optimizer.step()
+    stayed = torch.equal(raw.a.weight, before)
+    moved = not torch.equal(raw.b.weight, _b_weight_at_start())
+    model.close()
+    return stayed and moved
+
+
+def _b_weight_at_start() -> torch.Tensor:
+    return Model().b.weight.detach()
+
+
+def front_door(rank: int, world: int) -> dict[str, bool]:
+    return {
+        name: _front_door_drops_a_gradient(rank, strategy)
+        for name, strategy in (
+            ("zero:2 rows", "zero:2"),
+            ("zero:2 whole", gs.ZeroStage2(layout="whole")),
+            ("zero:1 rows", "zero:1"),
+        )
+    }
