@@ -320,7 +320,8 @@ class Checkpointer:
         join_replicated(store, info, state, 0 if changed or mine is not None else self.rank)
         # ZeRO's state cut by another layout (rows, whole tensors) than this run's, at the same
         # world size: dealt out anew as on another world size (``Strategy.relayout``)
-        relaid = None if changed else self.strategy.relayout(state["sync"].get("strategy"))
+        saved_sync = state.get("sync") or {}
+        relaid = None if changed else self.strategy.relayout(saved_sync.get("strategy"))
         if (changed or relaid is not None) and not self.strategy.resizable:
             first = 0 if changed else self.rank  # the rank whose file ``state`` is
             every = [state if r == first else store.load(info, r) for r in range(saved_world)]
