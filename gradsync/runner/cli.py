@@ -82,6 +82,9 @@ class _Default:
     def __str__(self) -> str:
         return str(self.value)
 
+    def __float__(self) -> float:  # a help text's %(default)g (--timeout's)
+        return float(self.value)
+
     __repr__ = __str__
 
 
