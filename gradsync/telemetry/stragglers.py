@@ -16,8 +16,9 @@ whose interval is where its slow steps are, becomes a finding only if:
    the fastest other rank's (never "1.0x slower"); for a slowdown, the job's per-step median
    is at least 1/threshold times the job's best windowed median;
 4. (ranks only) the others wait for it, over the flagged window: candidates are at most half
-   the ranks (when most ranks are slower than the fastest, the fastest is the odd one); in at
-   least 2/3 of the steps
+   the ranks (when most ranks are slower than the fastest, the fastest is the odd one), unless
+   it set the pace beyond chance among that many equally slow ranks (``_paces_beyond_chance``);
+   in at least 2/3 of the steps
    it computed longer than the other ranks' median, and it set the pace (largest compute) in
    at least 1/(k+1) of them, k being the number of ranks behind the typical one in the window
    (two equally slow stragglers share the pace and are both found). Being slower than one
@@ -31,6 +32,7 @@ reports an episode iff live would have warned in it, with the interval of the wh
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
@@ -361,11 +363,30 @@ def _waited_for(m: StepMatrix, lo: int, hi: int, col: int, threshold: float) -> 
     is about time, so the rest looks at compute per step."""
     relative = window_scores(m.rows(lo, hi), hi - lo).relative
     candidates = int(np.sum(relative[-1] < threshold)) if relative.size else 0
-    if 2 * candidates > len(m.ranks):  # most ranks "slower than the fastest": that one is fast
-        return False
     window = m.compute[lo:hi]
+    pace = pace_shares(window)[col]
+    if 2 * candidates > len(m.ranks) and not _paces_beyond_chance(pace, candidates, hi - lo):
+        return False  # most ranks "slower than the fastest": that one is fast
     behind = [above_others(window, j) >= _ABOVE_OTHERS for j in range(window.shape[1])]
-    return behind[col] and pace_shares(window)[col] * (sum(behind) + 1) >= 1.0
+    return behind[col] and pace * (sum(behind) + 1) >= 1.0
+
+
+_BEYOND_CHANCE = 1e-5  # rule 4's exception: how unlikely a pace share must be among equals
+
+
+def _paces_beyond_chance(share: float, candidates: int, steps: int) -> bool:
+    """Whether setting the pace in ``share`` of ``steps`` steps is beyond what chance gives
+    one of ``candidates`` equally slow ranks (probability at most ``_BEYOND_CHANCE``).
+
+    Most ranks are candidates when one rank is unusually fast (on a loaded host, the one that
+    got a core to itself): the others are all "slower than the fastest" and take the pace in
+    turn. A real straggler among them still takes it at most steps (a rank slowed 2x on 4 ranks
+    on 2 cores: 70-90% of a window, where chance among 3 gives 1/3), and was not reported."""
+    if candidates < 2 or steps < 1:
+        return False
+    k, p = round(share * steps), 1.0 / candidates
+    tail = sum(math.comb(steps, i) * p**i * (1 - p) ** (steps - i) for i in range(k, steps + 1))
+    return tail <= _BEYOND_CHANCE
 
 
 def _candidate(

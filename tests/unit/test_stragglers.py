@@ -504,3 +504,43 @@ def test_a_slowed_rank_on_a_loaded_host_is_found() -> None:
     assert f.first_step <= 20 and f.last_step == 39 and f.paced_steps >= 0.8 * f.steps
     assert 1.5 < f.slowdown < 2.2
     assert [(f.rank, f.ongoing) for f in feed_by_step(StragglerDetector(), recs)] == [(3, True)]
+
+
+# Another run of the same command (`gradsync run --slow 3:2 --steps 40`, 4 ranks, 2 cores):
+# from step 19 rank 2 had a core to itself and computed 16 ms a step, the others 35-70 ms.
+LUCKY_RANK_AND_A_STRAGGLER = [
+    [70.6, 47.1, 54.2, 23.4], [48.1, 18.1, 44.9, 40.0], [50.0, 21.6, 49.2, 44.8],
+    [44.8, 20.6, 53.4, 44.3], [61.1, 32.8, 51.4, 73.1], [46.1, 51.4, 55.0, 84.8],
+    [38.7, 22.0, 36.0, 48.8], [58.9, 67.9, 59.7, 65.8], [18.8, 28.2, 32.9, 62.6],
+    [43.1, 45.2, 63.8, 52.3], [60.2, 61.6, 53.4, 57.7], [45.8, 26.0, 18.7, 51.1],
+    [43.7, 35.9, 40.0, 46.9], [62.3, 67.8, 63.9, 75.9], [48.3, 51.4, 48.6, 69.2],
+    [64.6, 70.2, 65.2, 62.3], [59.0, 56.6, 58.8, 66.3], [47.1, 47.5, 43.1, 57.6],
+    [61.5, 57.0, 59.4, 78.5], [34.8, 32.8, 16.3, 55.0], [38.5, 47.8, 16.9, 47.8],
+    [29.9, 33.9, 15.8, 44.4], [69.3, 69.6, 15.3, 75.3], [36.3, 32.7, 15.6, 72.9],
+    [43.1, 45.6, 15.8, 42.7], [36.6, 39.3, 16.2, 47.9], [44.2, 52.4, 18.6, 53.0],
+    [34.1, 40.1, 16.3, 47.6], [48.3, 45.0, 16.0, 50.6], [41.2, 37.5, 15.8, 48.0],
+    [51.1, 43.8, 19.3, 62.3], [18.0, 31.7, 29.9, 57.4], [15.7, 44.5, 41.1, 50.6],
+    [16.1, 35.3, 29.1, 47.8], [33.0, 37.9, 17.4, 44.4], [33.9, 37.2, 19.2, 69.1],
+    [37.5, 39.9, 15.9, 54.5], [61.7, 63.7, 24.5, 35.9], [41.9, 49.3, 15.9, 53.3],
+    [35.1, 38.9, 20.6, 49.8],
+]  # fmt: skip
+
+
+def test_a_straggler_beside_a_lucky_rank_is_found() -> None:
+    """Three ranks are "slower than the fastest" (the lucky rank 2), so rule 4 took the fastest
+    for the odd one and reported nobody, although rank 3 set the pace at 17-18 of every 20
+    steps, where chance among three equally slow ranks gives about 7. A pace share that chance
+    gives with probability at most 1e-5 still counts; three ranks taking turns do not
+    (test_being_slower_than_one_lucky_rank_is_not_straggling)."""
+    from gradsync.telemetry.stragglers import _paces_beyond_chance
+
+    recs = records_from_compute(LUCKY_RANK_AND_A_STRAGGLER)
+    window = window_scores(StepMatrix.from_records(recs).rows(10), 20)
+    assert np.all(np.sum(window.relative < 0.75, axis=1) == 3)  # most ranks are candidates
+    (f,) = find_stragglers(recs)
+    assert (f.kind, f.rank, f.last_step) == ("straggler", 3, 36) and f.first_step <= 21
+    assert f.paced_steps >= 0.8 * f.steps
+    assert [f.rank for f in feed_by_step(StragglerDetector(), recs)] == [3]
+    # the line: 17 of 20 among 3 is beyond chance, 16 is not; among 2 only all 20 are
+    assert _paces_beyond_chance(17 / 20, 3, 20) and not _paces_beyond_chance(16 / 20, 3, 20)
+    assert _paces_beyond_chance(20 / 20, 2, 20) and not _paces_beyond_chance(19 / 20, 2, 20)
