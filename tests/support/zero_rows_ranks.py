@@ -166,35 +166,37 @@ def _relaid(rank: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _late_backward(rank: int) -> str:
+def _refused_step(rank: int, strategy: str, before: Any, inside: Any) -> str:
+    """What a step of ``strategy`` refuses: ``before(model)`` runs after the build, ``inside(s,
+    model, loss)`` after the step's backward pass."""
     model = Model()
-    sync = gs.Synchronizer(model, _sgd(model), strategy="zero:2", timeout_s=TIMEOUT_S)
+    sync = gs.Synchronizer(model, _sgd(model), strategy=strategy, timeout_s=TIMEOUT_S)
+    before(model)
     try:
         with sync.step() as s:
             x, y = _batch(0, rank)
             nn.functional.mse_loss(model(x), y).backward()
-            s.synchronize()
-            nn.functional.mse_loss(model(x), y).backward()
+            inside(s, model, lambda: nn.functional.mse_loss(model(x), y))
     except gs.UsageError as exc:
         return str(exc)
     finally:
         sync.close()
     return "not refused"
+
+
+def _late_backward(rank: int) -> str:
+    def again(s: Any, model: nn.Module, loss: Any) -> None:
+        s.synchronize()
+        loss().backward()
+
+    return _refused_step(rank, "zero:2", lambda model: None, again)
 
 
 def _converted_after_build(rank: int) -> str:
-    model = Model()
-    sync = gs.Synchronizer(model, _sgd(model), strategy="zero:1", timeout_s=TIMEOUT_S)
-    model.b.weight.data = model.b.weight.data.clone()  # new storage, as model.to(...) gives
-    try:
-        with sync.step():
-            x, y = _batch(0, rank)
-            nn.functional.mse_loss(model(x), y).backward()
-    except gs.UsageError as exc:
-        return str(exc)
-    finally:
-        sync.close()
-    return "not refused"
+    def convert(model: nn.Module) -> None:  # new storage, as model.to(...) gives
+        model.b.weight.data = model.b.weight.data.clone()
+
+    return _refused_step(rank, "zero:1", convert, lambda s, model, loss: None)
 
 
 def _skipped_then_clipped(rank: int) -> list[float]:
