@@ -99,6 +99,12 @@ def join_saved(
     if layout_of(records[0]) == ROWS:
         shapes = (records[0] or {}).get("shapes") or []
         return join(parts, shapes)
+    return join_whole(parts)
+
+
+def join_whole(parts: Sequence[Mapping[str, Any]]) -> dict:
+    """The whole optimizer state dict from every rank's, each holding the state of the whole
+    tensors it owns, under the first rank's ``param_groups`` (the same on every rank)."""
     state: dict[Any, Any] = {}
     for part in parts:
         state.update(part["state"])

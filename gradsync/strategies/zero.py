@@ -89,7 +89,7 @@ import torch.distributed as dist
 from gradsync import compat, runtime
 from gradsync.compression.allreduce import ALLREDUCE
 from gradsync.errors import UsageError
-from gradsync.row_shards import join, join_saved, layout_of, rows_of, split
+from gradsync.row_shards import join_saved, layout_of, rows_of
 from gradsync.spec import GRADIENT_COMPRESSION_FORMS
 from gradsync.strategies.base import (
     Membership,
@@ -115,13 +115,10 @@ from gradsync.strategies.zero_shards import (
     agreed_nonfinite,
     check_exchange,
     gather_to_first,
-    join_owned,
-    load_owned,
     on_cpu,
     pack_round,
     reduce_scatter_flat,
     refuse_partial_state,
-    reshard_owned,
     ring_reduce_scatter,
     updated_by,
 )
@@ -251,9 +248,7 @@ def owned_full_state(
     )
     if parts is None:
         return None
-    layout = shards.layout
-    joined = join(parts, layout.shapes) if isinstance(layout, RowLayout) else join_owned(parts)
-    return {"model": on_cpu(model.state_dict()), "optimizer": joined}
+    return {"model": on_cpu(model.state_dict()), "optimizer": shards.layout.join(parts)}
 
 
 def load_layout(
@@ -264,12 +259,8 @@ def load_layout(
 ) -> None:
     """Load a whole state (``full_state_dict``'s, or a DDP script's checkpoint) under
     ``zero:1`` / ``zero:2``: the model whole, this rank's part of the optimizer state."""
-    layout = shards.layout
-    if not isinstance(layout, RowLayout):
-        load_owned(optimizer, model, layout.mine, state)
-        return
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(split(state["optimizer"], layout.shapes, layout.world, layout.rank))
+    optimizer.load_state_dict(shards.layout.part_of(state["optimizer"], optimizer))
 
 
 def relayout_record(saved: dict[str, Any] | None, shards: ShardedUpdate) -> dict[str, Any] | None:
@@ -291,13 +282,8 @@ def reshard_layout(saved: Sequence[dict[str, Any]], shards: ShardedUpdate) -> di
     by this run's layout."""
     records = [s.get("sync", {}).get("strategy") for s in saved]
     whole = join_saved([s["optimizer"] for s in saved], records)
-    layout = shards.layout
-    if isinstance(layout, RowLayout):
-        part = split(whole, layout.shapes, layout.world, layout.rank)
-        return {"model": saved[0]["model"], "optimizer": part}
-    return reshard_owned(
-        [{"model": saved[0]["model"], "optimizer": whole}], shards.ctx.optimizer, layout.mine
-    )
+    part = shards.layout.part_of(whole, shards.ctx.optimizer)
+    return {"model": saved[0]["model"], "optimizer": part}
 
 
 class _BackwardPasses:
@@ -432,20 +418,20 @@ class ZeroStage2(Strategy):
         self._members = {(k, j): shards.rounds[k][j].members() for k, j in self._order}
         # By the parameter each unit is of (backward's hooks name parameters): under rows a
         # parameter's pieces are several units, each counted in its round.
+        # By rows also each piece's rounds, and each parameter's pieces (``_keep_row_tails``).
+        rows = isinstance(layout, RowLayout)
         rounds_of: dict[int, list[tuple[int, int]]] = {}
         for (k, j), members in self._members.items():
             for i in members:
                 unit = layout.groups[k].params[i]
-                rounds_of.setdefault(id(self._source(unit)), []).append((k, j))
-        self._rounds_of = rounds_of
-        if isinstance(layout, RowLayout):  # each piece's rounds, and each parameter's pieces
-            for (k, j), members in self._members.items():
-                for i in members:
-                    unit = layout.groups[k].params[i]
+                source = layout.source(unit)
+                rounds_of.setdefault(id(source), []).append((k, j))
+                if rows:
                     self._unit_rounds.setdefault(id(unit), []).append((k, j))
-                    units = self._units_of.setdefault(id(layout.source(unit)), [])
+                    units = self._units_of.setdefault(id(source), [])
                     if all(u is not unit for u, _ in units):
                         units.append((unit, i))
+        self._rounds_of = rounds_of
         self._starts = {
             (k, j): {pc.index: pc.start for owner in rnd.pieces for pc in owner}
             for k, rounds in enumerate(shards.rounds)
@@ -464,11 +450,6 @@ class ZeroStage2(Strategy):
     def shards(self) -> ShardedUpdate:
         assert self._shards is not None, "setup() has not run"
         return self._shards
-
-    def _source(self, unit: torch.Tensor) -> torch.Tensor:
-        """The parameter a unit of the layout is part of (whole tensors: itself)."""
-        layout = self._layout
-        return layout.source(unit) if isinstance(layout, RowLayout) else unit
 
     def _parts(self) -> tuple[SyncContext, OwnerLayout | RowLayout, ShardedUpdate, _BackwardPasses]:
         assert self._ctx and self._layout and self._shards and self._passes, "setup() has not run"
@@ -663,7 +644,7 @@ class ZeroStage2(Strategy):
         self._sent.append((wall0, time.perf_counter() - t0, buf.numel() * buf.element_size()))
         for i in self._members[kj]:
             unit = g.params[i]
-            p = self._source(unit)
+            p = layout.source(unit)
             self._left[id(p)] -= 1
             if self._left[id(p)] == 0:
                 p.grad = None
@@ -775,18 +756,14 @@ class ZeroStage2(Strategy):
 
     def gradient_holders(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` holds this rank's part of ``params``' mean gradient at
-        the gradient-ready point: the parameters themselves, or by rows this rank's pieces."""
-        layout = self._layout
-        if not isinstance(layout, RowLayout):
-            return list(params)
+        the gradient-ready point: the tensors it owns, or by rows its pieces of every one."""
+        _, layout, _, _ = self._parts()
         return [u for u in (layout.part(p) for p in params) if u is not None]
 
     def gradient_part(self, p: torch.Tensor) -> torch.Tensor | None:
         """This rank's part of ``p``'s mean gradient after the exchange (None: it holds none):
         the whole gradient of a tensor it owns, or its rows of every tensor."""
-        layout = self._layout
-        if not isinstance(layout, RowLayout):
-            return p.grad
+        _, layout, _, _ = self._parts()
         unit = layout.part(p)
         return None if unit is None else unit.grad
 
@@ -794,12 +771,9 @@ class ZeroStage2(Strategy):
         """Make ``grad`` this rank's part of ``p``'s gradient for the update: what the front
         door's loop left in place of the gradient it was shown (its local part, a plain
         gradient, or None: then ``p`` is not stepped, as under DDP)."""
-        layout = self._layout
-        if not isinstance(layout, RowLayout):  # the owner's whole gradient; None elsewhere
-            p.grad = None if grad is None or p.grad is None else grad
-            return
+        _, layout, _, _ = self._parts()
         unit = layout.part(p)
-        if unit is None:
+        if unit is None:  # another rank's tensor: nothing of it here
             return
         if grad is not None and unit is not p and grad.shape == p.shape:
             start, stop = rows_of(p.shape, layout.world, layout.rank)

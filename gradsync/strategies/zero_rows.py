@@ -51,6 +51,7 @@ import torch
 
 from gradsync.errors import UsageError
 from gradsync.row_shards import ROWS, WHOLE, rows_of, split
+from gradsync.row_shards import join as join_rows
 from gradsync.strategies.base import reading_own_state
 from gradsync.strategies.zero_shards import FlatGroup, OwnerLayout
 
@@ -132,7 +133,6 @@ class RowLayout:
         self.world, self.rank = world, rank
         #: the parameters cut into rows; 0-dim ones (``scalars``) stay whole, owned by rank 0
         self.cut = [p for p in params if p.dim() > 0 and p.numel() > 0]
-        self.scalars = [p for p in params if p.dim() == 0]
         #: every parameter the layout carries, in the model's order
         self.reals = [p for p in params if p.numel() > 0]
         #: per cut parameter, every rank's piece (views of the parameter)
@@ -162,10 +162,19 @@ class RowLayout:
         self.mine = [parts[rank] for parts in units]
         self.others = [u for parts in units for r, u in enumerate(parts) if r != rank]
         self.groups = _row_groups(self.reals, units, world)
+        #: each cut parameter and this rank's piece of it, and both ways by id
+        self._pairs = [(p, pieces[rank]) for p, pieces in zip(self.cut, self.pieces, strict=True)]
+        self._piece_of = {id(p): piece for p, piece in self._pairs}
+        self._param_of = {id(piece): p for p, piece in self._pairs}
+        #: this rank's unit of each parameter it holds part of, by the parameter's id and by
+        #: the unit's own (``part``)
+        self._part: dict[int, torch.Tensor] = {}
+        for unit in self.mine:
+            if unit.numel():
+                self._part[id(self._source[id(unit)][0])] = self._part[id(unit)] = unit
         #: per optimizer index: the shape of the whole tensor it steps rows of (None: whole)
         self.shapes: list[list[int] | None] = []
         self._optimizer: torch.optim.Optimizer | None = None
-        self._mine: dict[int, torch.Tensor] = {}
         self._hooks: list[Any] = []
 
     def source(self, unit: torch.Tensor) -> torch.Tensor:
@@ -182,10 +191,15 @@ class RowLayout:
     def part(self, p: torch.Tensor) -> torch.Tensor | None:
         """This rank's unit of parameter ``p`` (its rows; a scalar's on rank 0 only); a unit
         of this rank's is its own part."""
-        for unit in self.mine:
-            if (unit is p or self._source[id(unit)][0] is p) and unit.numel():
-                return unit
-        return None
+        return self._part.get(id(p))
+
+    def join(self, parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The whole optimizer state dict from every rank's rows (``full_state_dict``)."""
+        return join_rows(parts, self.shapes)
+
+    def part_of(self, whole: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's rows of a whole optimizer state dict."""
+        return split(whole, self.shapes, self.world, self.rank)
 
     def check(self, updated: Sequence[torch.Tensor], name: str) -> None:
         """Every rank steps its rows of whatever the optimizer updates: nothing to refuse."""
@@ -198,17 +212,16 @@ class RowLayout:
         parameters cut alike (a script that loaded a checkpoint before building the
         Synchronizer), and its state dict read and loaded through the pieces."""
         self._optimizer = optimizer
-        self._mine = {id(p): pc[self.rank] for p, pc in zip(self.cut, self.pieces, strict=True)}
         self.shapes = [
-            list(p.shape) if id(p) in self._mine else None for p in _params_of(optimizer)
+            list(p.shape) if id(p) in self._piece_of else None for p in _params_of(optimizer)
         ]
         held = optimizer.state
         whole = {i: held[p] for i, p in enumerate(_params_of(optimizer)) if p in held}
         cut = split({"state": whole}, self.shapes, self.world, self.rank)["state"]
         for i, p in enumerate(_params_of(optimizer)):
-            if id(p) in self._mine and p in held:
+            if id(p) in self._piece_of and p in held:
                 del held[p]
-                held[self._mine[id(p)]] = cut[i]
+                held[self._piece_of[id(p)]] = cut[i]
         self._hooks = [
             optimizer.register_state_dict_pre_hook(self._before_state_dict),
             optimizer.register_state_dict_post_hook(self._after_state_dict),
@@ -222,12 +235,9 @@ class RowLayout:
         parameters the rest of the time, so that the user's code (a GradScaler's unscale, a
         scheduler, ``zero_grad``) sees the optimizer it built."""
         assert self._optimizer is not None, "install() has not run"
-        back = {id(pieces[self.rank]): p for p, pieces in zip(self.cut, self.pieces, strict=True)}
+        to = self._piece_of if pieces else self._param_of
         for group in self._optimizer.param_groups:
-            if pieces:
-                group["params"] = [self._mine.get(id(p), p) for p in group["params"]]
-            else:
-                group["params"] = [back.get(id(p), p) for p in group["params"]]
+            group["params"] = [to.get(id(p), p) for p in group["params"]]
 
     def _before_state_dict(self, _: torch.optim.Optimizer) -> None:
         # Only gradsync's own reads: the user's are refused (``refuse_partial_state``), by a
@@ -250,19 +260,15 @@ class RowLayout:
 
     def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
         held = optimizer.state
-        for p, piece in self._mine_pairs():
+        for p, piece in self._pairs:
             if p in held:
                 held[piece] = held.pop(p)
-
-    def _mine_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each cut parameter and this rank's piece of it."""
-        return [(p, pieces[self.rank]) for p, pieces in zip(self.cut, self.pieces, strict=True)]
 
     def check_storage(self) -> None:
         """``UsageError`` unless every piece is still a view of its parameter: a parameter
         given new storage after the Synchronizer was built (``model.to(memory_format=...)``,
         ``p.data = ...``) would silently stop training, the optimizer stepping the old one."""
-        for p, piece in self._mine_pairs():
+        for p, piece in self._pairs:
             if piece.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
                 raise UsageError(
                     f"a parameter of shape {tuple(p.shape)} was given new storage after the "
@@ -295,8 +301,7 @@ class RowLayout:
         self.check_storage()
         given = []
         if full_grads:
-            for pieces in self.pieces:
-                piece = pieces[self.rank]
+            for _, piece in self._pairs:
                 piece.grad = self.gradient_of(piece)
                 if piece.grad is not None:
                     given.append(piece)
@@ -322,7 +327,7 @@ class RowLayout:
             return
         self.show(pieces=False)
         held = self._optimizer.state
-        for p, piece in self._mine_pairs():
+        for p, piece in self._pairs:
             if piece in held:
                 held[p] = held.pop(piece)
 

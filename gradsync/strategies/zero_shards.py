@@ -61,7 +61,7 @@ from torch.overrides import TorchFunctionMode
 from gradsync import compat, runtime
 from gradsync.checks.guards import nonfinite_flag
 from gradsync.errors import UsageError
-from gradsync.row_shards import ROWS, WHOLE, layout_of
+from gradsync.row_shards import ROWS, WHOLE, join_whole, layout_of
 from gradsync.spec import default_bucket_mb
 from gradsync.strategies.base import (
     StepOutcome,
@@ -373,6 +373,16 @@ class Layout(Protocol):
 
     def close(self) -> None: ...
 
+    def source(self, unit: torch.Tensor) -> torch.Tensor: ...
+
+    def part(self, p: torch.Tensor) -> torch.Tensor | None: ...
+
+    def join(self, parts: Sequence[dict[str, Any]]) -> dict[str, Any]: ...
+
+    def part_of(
+        self, whole: dict[str, Any], optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]: ...
+
 
 def round_elements(ctx: SyncContext, layout: Layout) -> int:
     """Elements of each owner's chunk one round carries: half the gradient bucket
@@ -403,6 +413,7 @@ class OwnerLayout:
                 self.owners[i] = owner
         self.mine = [p for p, o in zip(self.params, self.owners, strict=True) if o == rank]
         self.others = [p for p, o in zip(self.params, self.owners, strict=True) if o != rank]
+        self._mine_ids = {id(p) for p in self.mine}
         self.groups = _flat_groups(self.params, self.owners, world)
 
     def check(self, updated: Sequence[torch.Tensor], name: str) -> None:
@@ -446,26 +457,29 @@ class OwnerLayout:
     def close(self) -> None:
         """Nothing to undo: the optimizer steps the parameters themselves."""
 
+    def source(self, unit: torch.Tensor) -> torch.Tensor:
+        """The parameter a unit is of: whole tensors are their own."""
+        return unit
+
+    def part(self, p: torch.Tensor) -> torch.Tensor | None:
+        """This rank's unit of parameter ``p``: ``p`` itself where it owns it, else None."""
+        return p if id(p) in self._mine_ids else None
+
+    def join(self, parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The whole optimizer state dict from every rank's part (``full_state_dict``)."""
+        return join_whole(parts)
+
+    def part_of(self, whole: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of a whole optimizer state dict: the state of the tensors it owns
+        (the same indices as ``optimizer``'s)."""
+        params = updated_by(optimizer)
+        state = {i: e for i, e in whole["state"].items() if id(params[int(i)]) in self._mine_ids}
+        return {**whole, "state": state}
+
 
 def updated_by(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors ``optimizer`` steps: those of its param groups."""
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def reshard_owned(
-    saved: Sequence[dict[str, Any]], optimizer: torch.optim.Optimizer, mine: Sequence[torch.Tensor]
-) -> dict[str, Any]:
-    """``zero:1`` / ``zero:2`` state for another world size: the model is whole in every saved
-    file; the optimizer state of each tensor is in its old owner's file, and this rank keeps
-    that of the tensors it owns now (``mine``)."""
-    ids = {id(p) for p in mine}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    every: dict[Any, Any] = {}
-    for s in saved:
-        every.update(s["optimizer"]["state"])
-    first = saved[0]["optimizer"]
-    state = {i: entry for i, entry in every.items() if id(params[int(i)]) in ids}
-    return {"model": saved[0]["model"], "optimizer": {**first, "state": state}}
 
 
 def agreed_nonfinite(
@@ -748,29 +762,6 @@ def gather_to_first(
 
     collective(f"{name} full state dict (gather to rank 0)", gather)
     return parts
-
-
-def join_owned(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """``zero:1`` / ``zero:2``: the whole optimizer state dict from every rank's, each holding
-    the state of the tensors it owns, under rank 0's ``param_groups`` (the same on every rank);
-    ``reshard_owned`` deals it out again (and ``checkpoint.export`` joins saved files alike)."""
-    state: dict[Any, Any] = {}
-    for part in parts:
-        state.update(part["state"])
-    return {**parts[0], "state": dict(sorted(state.items()))}
-
-
-def load_owned(
-    optimizer: torch.optim.Optimizer,
-    model: torch.nn.Module,
-    mine: Sequence[torch.Tensor],
-    state: dict[str, Any],
-) -> None:
-    """Load a whole state (``full_state_dict``'s, or a DDP script's checkpoint) under
-    ``zero:1`` / ``zero:2``: the model whole, the optimizer state of this rank's tensors."""
-    part = reshard_owned([state], optimizer, mine)
-    model.load_state_dict(part["model"])
-    optimizer.load_state_dict(part["optimizer"])
 
 
 class LocalClipGuard(TorchFunctionMode):
