@@ -73,7 +73,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, l
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradsync and ddp buckets")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--config", action="append", default=[], help="NAME=MODE[,key=value...]")
-    p.add_argument("--workload", choices=("mlp", "charlm"), default="mlp")
+    p.add_argument(
+        "--workload",
+        choices=("mlp", "charlm", "heldout"),
+        default="mlp",
+        help="heldout: the frontier's held-out transformer (benchmarks/frontier_model.py)",
+    )
     p.add_argument("--params", type=int, default=3_000_000, help="mlp parameter count")
     p.add_argument("--global-batch", type=int, default=64, help="split evenly over the ranks")
     p.add_argument("--seed", type=int, default=0)
@@ -110,12 +115,21 @@ def bucket_bytes(model: torch.nn.Module, bucket_mb: float) -> list[int]:
     return [sum(p.numel() * p.element_size() for p in b) for b in plan_buckets(params, bucket_mb)]
 
 
+def workload(args: argparse.Namespace) -> Any:
+    """``--workload``: gradsync's built-in ones, or the frontier's held-out transformer."""
+    if args.workload == "heldout":
+        from benchmarks.frontier_model import HeldOutLM
+
+        return HeldOutLM(seed=args.seed)
+    return make_workload(args.workload, seed=args.seed, params=args.params)
+
+
 def make_trainer(args: argparse.Namespace, spec: RunSpec) -> Trainer:
     """One run: a fresh model and the workload's own optimizer and rate; a compute-only run
     times forward and backward apart (``fwd_s``, ``bwd_s``)."""
     return Trainer(
         spec.mode,
-        make_workload(args.workload, seed=args.seed, params=args.params),
+        workload(args),
         args.global_batch,
         bucket_mb=spec.bucket_mb,
         time_phases=True,

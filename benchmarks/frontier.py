@@ -88,8 +88,21 @@ LM_STREAM = _c("sdiloco8-4-a05-int4", "diloco:8:4:1:0.5", "int4")
 # (neither reached DDP's final loss in 256 steps: too few outer steps for that momentum to
 # pay); at 0.5 both were within 1.7% and reached it at step 130, DDP at 127.
 LM_FAST = _c("diloco16-m05-int4", "diloco:16:outer_momentum=0.5", "int4")
+# The held-out transformer's own (issue 46; benchmarks/frontier_model.py): in a loopback probe
+# (2 ranks, the losses do not depend on the links; DDP reached its final loss at step 123),
+# plain DiLoCo averaging every 2 steps + int4 was +4.2% above DDP's loss at step 128 and reached
+# DDP's final loss at step 137; every step (`diloco:1`) +3.5%, also step 137; `local:2`,
+# uncompressed, +3.8%; every 4 steps +12.3% (step 158), the streaming `diloco:4:2:1` +12.5%
+# (162); outer momentum 0.5 +12.2% to +19.6% (H 4 to 16; charlm's best +19.6%, step 165, its
+# streaming candidate +23.2%, 180); outer lr 1.3 +10.9% (H 4); the default outer Nesterov +51%
+# (H 8) and +82% (H 2), never reaching it in 256 steps.
+HO_FAST = _c("diloco2-avg-int4", f"diloco:2:{MLP_OUTER}", "int4")
 # (plain, streaming, F) per workload
-PAIRS = {"mlp": (MLP_PLAIN, MLP_STREAM, 2), "charlm": (LM_PLAIN, LM_STREAM, 4)}
+PAIRS = {
+    "mlp": (MLP_PLAIN, MLP_STREAM, 2),
+    "charlm": (LM_PLAIN, LM_STREAM, 4),
+    "heldout": (MLP_PLAIN, MLP_STREAM, 2),
+}
 
 
 @dataclass(frozen=True)
@@ -116,8 +129,14 @@ class Setting:
             if self.workload == "mlp"
             else "charlm (default size)"
         )
+        if self.workload == "heldout":
+            wl = HELDOUT_WHAT
         ranks = f" x {self.per_host} ranks" if self.per_host > 1 else ""
         return f"{wl}, global batch {self.batch}, {self.hosts} hosts{ranks}, {self.link} links"
+
+
+#: ``--workload heldout``: issue 46's held-out transformer, written for the frontier
+HELDOUT_WHAT = "held-out transformer (benchmarks/frontier_model.py, 1.26M parameters)"
 
 
 # Picked by a 1-repeat probe of a wider set, whose dropped members never reached DDP's final
@@ -155,8 +174,24 @@ EXTRA_SETTINGS = (
         params=1_000_000,
         per_host=2,
     ),
+    # issue 46's held-out model (benchmarks/frontier_model.py: a transformer no benchmark had
+    # used), 2 hosts at 1 Gbit/s, 8 sequences of 64 tokens a step: the mlp's and charlm's
+    # candidates as tuned on them, and the held-out model's own best from a loopback probe
+    Setting(
+        "heldout2",
+        "heldout",
+        2,
+        "1gbit",
+        (DDP, LOCAL4, MLP_PLAIN, MLP_STREAM, LM_STREAM, LM_FAST, HO_FAST, ONLY),
+        batch=8,
+        steps=128,
+    ),
 )
-QUICK = {"mlp2": {"params": 1_000_000, "steps": 16}, "charlm2": {"steps": 32}}
+QUICK = {
+    "mlp2": {"params": 1_000_000, "steps": 16},
+    "charlm2": {"steps": 32},
+    "heldout2": {"steps": 32},
+}
 
 
 # Worker side: cluster_worker, plus each gradsync run's bytes per step -------------------------
