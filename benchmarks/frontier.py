@@ -77,6 +77,13 @@ MLP_STREAM = _c("sdiloco4-2-avg-int4", f"diloco:4:2:1:{MLP_OUTER}", "int4")
 # Eager outer updates (issue 46; gradsync.strategies.eager): each fragment's exchange applied a
 # period after it starts, this rank's own share at once, where TAU=1 gives it one step
 MLP_EAGER = _c("ediloco4-2-avg-int4", f"diloco:4:2:eager:{MLP_OUTER}", "int4")
+# The mlp's fastest (issue 46): half precision on the wire rather than int4, an exchange every
+# 4 steps (H=8, F=2) and each in flight for 3 of them (TAU=3). int4 is an all-gather whose
+# encode and N-part decode cost more CPU than the mlp's step: in a loopback timeline of this
+# setting's configurations (2 workers, the 3M mlp, `benchmarks.frontier_timeline`'s phases) the
+# launch took 18.2 ms a step under `diloco:4:2:1` + int4 against 3.1 ms under this one, whose 3
+# MB a fragment are also in flight long enough to cross a 1 Gbit/s link unwaited for.
+MLP_FAST = _c("sdiloco8-2-3-avg-fp16", f"diloco:8:2:3:{MLP_OUTER}", "fp16")
 LM_PLAIN = _c("diloco8-int4", "diloco:8", "int4")
 # ALPHA 0.5 (the local fragment half kept at each merge, as the paper suggests once TAU > 0):
 # in a loopback probe (the losses do not depend on the links) charlm's loss at step 128 was
@@ -117,6 +124,8 @@ class Setting:
     steps: int = 64
     goal: float | None = None  # x sooner to DDP's final loss; None: report only
     goal_of_limit: float | None = None  # or: this fraction of the compute-only limit
+    #: issue 46's goal: the best configuration's x sooner, this fraction of the limit or more
+    share_goal: float | None = None
     per_host: int = 1  # ranks on each host (they share its link)
 
     def args(self) -> list[str]:
@@ -142,11 +151,11 @@ HELDOUT_WHAT = "held-out transformer (benchmarks/frontier_model.py, 1.26M parame
 # Picked by a 1-repeat probe of a wider set, whose dropped members never reached DDP's final
 # loss in 2N steps: local:16 + sparseloco (mlp 2 and 4 hosts, 100 Mbit/s: +48% to +113% loss at
 # step N; charlm +13%) and diloco:8:4:1 + sparseloco on charlm (+13%).
-MLP = (DDP, LOCAL4, GOSSIP4, L8S, MLP_PLAIN, MLP_STREAM, MLP_EAGER, ONLY)
-MLP_SHORT = (DDP, LOCAL4, GOSSIP4, L8S, MLP_STREAM, ONLY)
+MLP = (DDP, LOCAL4, GOSSIP4, L8S, MLP_PLAIN, MLP_STREAM, MLP_EAGER, MLP_FAST, ONLY)
+MLP_SHORT = (DDP, LOCAL4, GOSSIP4, L8S, MLP_STREAM, MLP_FAST, ONLY)
 SETTINGS = (
-    Setting("mlp2", "mlp", 2, "1gbit", MLP, goal=5.0),
-    Setting("mlp4", "mlp", 4, "1gbit", MLP_SHORT, goal=4.0),
+    Setting("mlp2", "mlp", 2, "1gbit", MLP, goal=5.0, share_goal=0.8),
+    Setting("mlp4", "mlp", 4, "1gbit", MLP_SHORT, goal=4.0, share_goal=0.8),
     Setting(
         "charlm2",
         "charlm",
@@ -156,6 +165,7 @@ SETTINGS = (
         batch=32,
         steps=128,
         goal_of_limit=0.9,
+        share_goal=0.95,
     ),
     # 1M parameters: at a tenth of the bandwidth, DDP's 64 steps of the 3M model alone take a
     # minute; 4 MB per exchange at 100 Mbit/s is like 40 MB at 1 Gbit/s.
@@ -318,7 +328,7 @@ def render_setting(s: Setting, summ: dict[str, Any]) -> str:
     for c in s.configs:
         r = rows[c.key]
         if c.mode == "compute-only":
-            cells = [f"{limit:.2f}x (limit)", "-", "-", "-", "-"]
+            cells = ["100%", f"{limit:.2f}x (limit)", "-", "-", "-", "-"]
         else:
             k = summ["repeats"]
             note = "" if r["reached"] in (0, k) else f" ({r['reached']}/{k} repeats)"
@@ -328,7 +338,9 @@ def render_setting(s: Setting, summ: dict[str, Any]) -> str:
                 else f"{r['sooner']:.2f}x (step {r['step']:.0f}){note}"
             )
             mb = _f(r["mb_n"], ".3f") + ("" if r["measured_bytes"] else " (gradient x steps)")
+            share = None if r["sooner"] is None else r["sooner"] / limit
             cells = [
+                _f(share, ".0%"),
                 sooner,
                 _f(r["loss_gap"], "+.1%"),
                 mb,
@@ -338,7 +350,8 @@ def render_setting(s: Setting, summ: dict[str, Any]) -> str:
         steps = n if c.exact else APPROX_FACTOR * n
         out.append([c.label, str(steps), f"{r['vs_ddp_sps']:.2f}x", *cells])
     head = (
-        "configuration | steps run | samples/s vs DDP | x sooner to DDP's final loss | "
+        "configuration | steps run | samples/s vs DDP | share of the compute-only limit | "
+        "x sooner to DDP's final loss | "
         f"loss at step {n} vs DDP | MB per rank in {n} steps | MB per rank to DDP's loss | "
         "peak MB per sync"
     )
@@ -364,7 +377,10 @@ def goals(done: dict[str, tuple[Setting, dict[str, Any]]]) -> list[str]:
             lines.append(f"- {s.what()}: no gradsync configuration reached DDP's final loss")
             continue
         x = rows[best.key]["sooner"]
-        found = f"best {best.label}, {x:.2f}x sooner (compute-only limit {limit:.2f}x)"
+        found = (
+            f"best {best.label}, {x:.2f}x sooner (compute-only limit {limit:.2f}x, "
+            f"{x / limit:.0%} of it)"
+        )
         if s.goal is not None:
             verdict = "met" if x >= s.goal else "not met"
             lines.append(f"- {s.what()}: goal >= {s.goal:g}x: {found}: **{verdict}**")
@@ -377,14 +393,22 @@ def goals(done: dict[str, tuple[Setting, dict[str, Any]]]) -> list[str]:
             )
         else:
             lines.append(f"- {s.what()} (report only): {found}")
+        if s.share_goal is not None:
+            verdict = "met" if x / limit >= s.share_goal else "not met"
+            lines.append(
+                f"  - issue 46: {x / limit:.0%} of the compute-only limit (goal >= "
+                f"{s.share_goal:.0%}): **{verdict}**"
+            )
         pair = PAIRS.get(s.workload)
         for c in s.configs:
             if not _streaming(c):
                 continue
             gap = rows[c.key]["loss_gap"]
             line = (
-                f"  - streaming {c.label}: loss at step {s.steps} {gap:+.1%} vs DDP (goal within "
-                f"2%: **{'met' if abs(gap) <= 0.02 else 'not met'}**)"
+                # "within 2% of DDP's" read as no more than 2% above it: a lower loss at equal
+                # steps is the candidate doing better, not a miss
+                f"  - streaming {c.label}: loss at step {s.steps} {gap:+.1%} vs DDP (goal at "
+                f"most 2% above DDP's: **{'met' if gap <= 0.02 else 'not met'}**)"
             )
             if pair and c.key == pair[1].key and pair[0].key in rows:
                 ratio = rows[c.key]["peak_mb"] / rows[pair[0].key]["peak_mb"]
@@ -420,13 +444,15 @@ def render(
             f"step N, +{FINAL_SLACK:.0%}) over the candidate's seconds to the same loss, from "
             "the start of step 0; the step it got there. **Limit**: compute-only's samples/s "
             "over DDP's (after 5 warm-up steps), the most any scheme that needs DDP's number of "
-            "steps can gain. **Loss at step N**: the candidate's moving average at step N "
-            "over DDP's, minus 1. **MB per rank**: bytes each rank handed to exchanges, from "
-            "the run's own records (for DDP: the gradient's size per step); peak: the most in "
-            "one step's exchange (for streaming DiLoCo: one fragment's).",
+            "steps can gain. **Share of the compute-only limit**: x sooner over the limit, the "
+            "figure that does not depend on how fast the machine computes (a scheme that needs "
+            "fewer steps than DDP can pass 100%). **Loss at step N**: the candidate's moving "
+            "average at step N over DDP's, minus 1. **MB per rank**: bytes each rank handed "
+            "to exchanges, from the run's own records (for DDP: the gradient's size per step); "
+            "peak: the most in one step's exchange (for streaming DiLoCo: one fragment's).",
             "",
             *parts,
-            "Goals of issue 16:",
+            "Goals of issues 16 and 46:",
             "",
             *goals(done),
         ]
