@@ -78,12 +78,17 @@ MLP_STREAM = _c("sdiloco4-2-avg-int4", f"diloco:4:2:1:{MLP_OUTER}", "int4")
 # period after it starts, this rank's own share at once, where TAU=1 gives it one step
 MLP_EAGER = _c("ediloco4-2-avg-int4", f"diloco:4:2:eager:{MLP_OUTER}", "int4")
 # The mlp's fastest (issue 46): half precision on the wire rather than int4, an exchange every
-# 4 steps (H=8, F=2) and each in flight for 3 of them (TAU=3). int4 is an all-gather whose
-# encode and N-part decode cost more CPU than the mlp's step: in a loopback timeline of this
-# setting's configurations (2 workers, the 3M mlp, `benchmarks.frontier_timeline`'s phases) the
-# launch took 18.2 ms a step under `diloco:4:2:1` + int4 against 3.1 ms under this one, whose 3
-# MB a fragment are also in flight long enough to cross a 1 Gbit/s link unwaited for.
-MLP_FAST = _c("sdiloco8-2-3-avg-fp16", f"diloco:8:2:3:{MLP_OUTER}", "fp16")
+# 6 steps (H=12, F=2) and each in flight for 5 of them (TAU=5). int4 is an all-gather whose
+# encode and N-part decode cost more CPU than the mlp's step: in a loopback timeline
+# (`benchmarks.frontier_timeline`'s phases, 2 workers) the launch took 18.2 ms a step under
+# `diloco:4:2:1` + int4 against 3.1 ms under `diloco:8:2:3` + fp16. H, F and TAU from a
+# loopback sweep of the steps to DDP's final loss (2 ranks, fp16, outer lr 1, no momentum; the
+# losses do not depend on the links), DDP at step 63: 12:2:5 48, 8:2:3 49, 16:2:7 50, 6:2:2 52,
+# 12:3:3 63, 8:4:1 69, 8:2:3 with ALPHA 0.5 101, 32:2:15 and 32:4:7 not in 128 steps; then on
+# 2 emulated hosts (3 repeats, a loaded machine) 12:2:5 reached it at 55% of the compute-only
+# limit, 8:2:3 at 41%, 4:1:3 (45 steps, the whole model each time) at 39%.
+MLP_FAST = _c("sdiloco12-2-5-avg-fp16", f"diloco:12:2:5:{MLP_OUTER}", "fp16")
+MLP_FAST_8 = _c("sdiloco8-2-3-avg-fp16", f"diloco:8:2:3:{MLP_OUTER}", "fp16")
 LM_PLAIN = _c("diloco8-int4", "diloco:8", "int4")
 # ALPHA 0.5 (the local fragment half kept at each merge, as the paper suggests once TAU > 0):
 # in a loopback probe (the losses do not depend on the links) charlm's loss at step 128 was
@@ -151,7 +156,7 @@ HELDOUT_WHAT = "held-out transformer (benchmarks/frontier_model.py, 1.26M parame
 # Picked by a 1-repeat probe of a wider set, whose dropped members never reached DDP's final
 # loss in 2N steps: local:16 + sparseloco (mlp 2 and 4 hosts, 100 Mbit/s: +48% to +113% loss at
 # step N; charlm +13%) and diloco:8:4:1 + sparseloco on charlm (+13%).
-MLP = (DDP, LOCAL4, GOSSIP4, L8S, MLP_PLAIN, MLP_STREAM, MLP_EAGER, MLP_FAST, ONLY)
+MLP = (DDP, LOCAL4, GOSSIP4, L8S, MLP_PLAIN, MLP_STREAM, MLP_EAGER, MLP_FAST_8, MLP_FAST, ONLY)
 MLP_SHORT = (DDP, LOCAL4, GOSSIP4, L8S, MLP_STREAM, MLP_FAST, ONLY)
 SETTINGS = (
     Setting("mlp2", "mlp", 2, "1gbit", MLP, goal=5.0, share_goal=0.8),
