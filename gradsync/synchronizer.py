@@ -748,6 +748,9 @@ class Synchronizer:
                 raise _stepped_twice(stepped_in_block, where, "inside")
         except BaseException as exc:
             leaving = not isinstance(exc, Exception)
+            if leaving:
+                with contextlib.suppress(Exception):  # the interrupt is what propagates
+                    self.strategy.interrupted()
             raise
         finally:
             self._in_step = False

@@ -511,6 +511,13 @@ class Strategy(Protocol):
         the block."""
         return StepOutcome(skipped=True)
 
+    def interrupted(self) -> None:
+        """A KeyboardInterrupt or SystemExit left the step's block on this rank: put back,
+        locally, what the user's code sees of the strategy mid-step (no collective: the peers
+        may be gone), so that a script or notebook that catches it finds its model and
+        optimizer as between steps. Must not raise. Nothing to do by default."""
+        return None
+
     def finalize(self) -> None:
         """Training ends (``report()``): leave every replica identical (a final average, the
         last pull); called once, before the final divergence check."""

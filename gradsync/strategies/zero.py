@@ -573,6 +573,13 @@ class ZeroStage2(Strategy):
             raise late_gradient(self._step)
         return grad
 
+    def interrupted(self) -> None:
+        """By rows, the optimizer holds this rank's pieces and each cut parameter's ``p.grad``
+        a placeholder from the gradient-ready point to the update: a KeyboardInterrupt caught
+        in between left them there (torch's clip then refused, ``param_groups`` held the
+        pieces) until the next step's start."""
+        self._close_window()
+
     def _close_window(self) -> None:
         self._window = False
         self._clip_guard.disarm()

@@ -137,6 +137,16 @@ def test_by_rows_skips_clip_nothing_and_the_optimizer_is_left_as_documented(
         assert rows == pytest.approx(whole, rel=1e-12) and rows > 0
 
 
+@pytest.mark.timeout(200)
+def test_a_caught_keyboard_interrupt_mid_step_leaves_the_optimizer_as_between_steps(
+    traps: list[dict[str, Any]],
+) -> None:
+    """zero:2 by rows, a KeyboardInterrupt after the gradient-ready point, caught: the
+    optimizer holds the parameters, torch's clip over them runs, the next step trains."""
+    for out in traps:
+        assert out["interrupted"] == [True, True, True], out["interrupted"]
+
+
 @pytest.mark.timeout(120)
 def test_the_front_doors_loop_dropping_a_gradient_leaves_that_parameter() -> None:
     for out in run_ranks(zrr.front_door, 2, timeout_s=90):

@@ -266,6 +266,34 @@ def _grad_norm_protocol(rank: int) -> list[float]:
     return out
 
 
+def _interrupted_in_window(rank: int) -> list[bool]:
+    """A KeyboardInterrupt raised (and caught) between zero:2's gradient-ready point and the
+    update: the optimizer holds the parameters again and no ``p.grad`` is a placeholder, so
+    torch's clip over the model works on what it finds; the next step trains."""
+    model = Model()
+    opt = _sgd(model)
+    sync = gs.Synchronizer(model, opt, strategy="zero:2", timeout_s=TIMEOUT_S)
+    x, y = _batch(0, rank)
+    try:
+        with sync.step() as s:
+            nn.functional.mse_loss(model(x), y).backward()
+            s.synchronize()
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    held = [p for g in opt.param_groups for p in g["params"]]
+    holds_params = len(held) == len(list(model.parameters())) and all(
+        a is b for a, b in zip(held, model.parameters(), strict=False)
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    clipped = _refused(lambda: nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    with sync.step():
+        nn.functional.mse_loss(model(x), y).backward()
+    moved = all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    sync.close()
+    return [holds_params, clipped == "not refused", moved]
+
+
 def traps(rank: int, world: int, root: str) -> dict[str, Any]:
     return {
         "relaid": _relaid(rank, root),
@@ -275,6 +303,7 @@ def traps(rank: int, world: int, root: str) -> dict[str, Any]:
         "state after close": _state_after_close(rank, world),
         "retry": _failed_setup_then_retry(rank),
         "grad_norm": _grad_norm_protocol(rank),
+        "interrupted": _interrupted_in_window(rank),
     }
 
 
