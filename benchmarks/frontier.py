@@ -394,7 +394,7 @@ def goals(done: dict[str, tuple[Setting, dict[str, Any]]]) -> list[str]:
             verdict = "met" if frac >= s.goal_of_limit else "not met"
             lines.append(
                 f"- {s.what()}: goal within {1 - s.goal_of_limit:.0%} of the compute-only limit:"
-                f" {found}, {frac:.0%} of it: **{verdict}**"
+                f" {found}: **{verdict}**"
             )
         else:
             lines.append(f"- {s.what()} (report only): {found}")
