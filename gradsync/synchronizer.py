@@ -339,6 +339,13 @@ class Synchronizer:
         if self.strategy.barrier_free:
             self._collector.before_gather = self._checkpoints.before_gather
         self._setup_strategy()
+        #: parameters frozen at the build, whose gradients no strategy synchronizes (None where
+        #: the strategy replaced the model's parameters: zero:3's shards)
+        self._frozen_at_build: set[int] | None = (
+            None
+            if self.strategy.trainable() is not None
+            else {id(p) for p in model.parameters() if not p.requires_grad}
+        )
         self._trainable = self.strategy.trainable() or self._trainable
         cuda = cuda_device_of(self._trainable)
         # On CUDA a host clock times kernel launches: steps are timed by device events there.
@@ -967,6 +974,7 @@ class Synchronizer:
         periodic check compares those it posted a period before and posts this step's
         (``checks.divergence_behind``); the final one compares at once."""
         with compat.annotate("gradsync.divergence_check"):
+            self._check_unfrozen()
             self._take_posted_check()
             if not self.strategy.replicas_identical(step, final):
                 return
@@ -977,6 +985,25 @@ class Synchronizer:
                 if self._posted_check is not None:
                     return
             self._compare_fingerprints(step, final)
+
+    def _check_unfrozen(self) -> None:
+        """``UsageError`` naming a parameter frozen when the Synchronizer was built and
+        trainable now: its gradient is no strategy's to exchange (the plan, the hooks and the
+        shards were made without it), so each rank would step it on its own gradient and the
+        replicas drift apart, which the divergence check would report only as a difference.
+        Checked at the divergence check's steps (``check_every``) and the end, not at every
+        step: a walk of the model's parameters costs every step of a large model."""
+        if not self._frozen_at_build:
+            return
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and id(p) in self._frozen_at_build:
+                raise UsageError(
+                    f"parameter {name!r} was frozen (requires_grad=False) when the Synchronizer "
+                    "was built and trains now: gradsync does not exchange its gradient, so "
+                    "every rank steps it on its own and the replicas drift apart. Set "
+                    "requires_grad as training will need it before building the Synchronizer, "
+                    "or close() it and build a new one after unfreezing (docs/porting.md)"
+                )
 
     def _take_posted_check(self) -> None:
         """Compare the fingerprints the last periodic check posted, if any."""
