@@ -149,5 +149,11 @@ def test_a_caught_keyboard_interrupt_mid_step_leaves_the_optimizer_as_between_st
 
 @pytest.mark.timeout(120)
 def test_the_front_doors_loop_dropping_a_gradient_leaves_that_parameter() -> None:
+    """...and a loop logging each parameter's gradient norm the documented way under zero:2
+    (``p.grad.norm().full_tensor()`` on every rank) gets bsp's, by rows and whole tensors."""
     for out in run_ranks(zrr.front_door, 2, timeout_s=90):
+        norms = out.pop("norms")
         assert out == {"zero:2 rows": True, "zero:2 whole": True, "zero:1 rows": True}, out
+        assert len(norms["bsp"]) == 5 and min(norms["bsp"]) > 0
+        for layout in ("zero:2 rows", "zero:2 whole"):
+            assert norms[layout] == pytest.approx(norms["bsp"], rel=1e-12), (layout, norms)

@@ -330,8 +330,27 @@ def _b_weight_at_start() -> torch.Tensor:
     return Model().b.weight.detach()
 
 
-def front_door(rank: int, world: int) -> dict[str, bool]:
-    return {
+def _front_door_grad_norms(rank: int, strategy: Any) -> list[float]:
+    """Each parameter's gradient norm as docs/porting.md tells a front-door loop to log it
+    under zero:2 (``p.grad.norm().full_tensor()`` on every rank), the 0-dim temperature's
+    included."""
+    raw = Model()
+    optimizer = torch.optim.AdamW(raw.parameters(), lr=0.1)
+    model = gs.DistributedDataParallel(raw, optimizer=optimizer, strategy=strategy)
+    optimizer.zero_grad()
+    x, y = _batch(0, rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    norms = []
+    for p in raw.parameters():
+        norm = p.grad.norm()
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+    optimizer.step()
+    model.close()
+    return norms
+
+
+def front_door(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
         name: _front_door_drops_a_gradient(rank, strategy)
         for name, strategy in (
             ("zero:2 rows", "zero:2"),
@@ -339,3 +358,12 @@ def front_door(rank: int, world: int) -> dict[str, bool]:
             ("zero:1 rows", "zero:1"),
         )
     }
+    out["norms"] = {
+        name: _front_door_grad_norms(rank, strategy)
+        for name, strategy in (
+            ("bsp", "bsp"),
+            ("zero:2 rows", "zero:2"),
+            ("zero:2 whole", gs.ZeroStage2(layout="whole")),
+        )
+    }
+    return out
