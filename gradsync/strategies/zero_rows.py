@@ -50,10 +50,13 @@ from typing import Any
 import torch
 
 from gradsync.errors import UsageError
+from gradsync.logs import get_logger
 from gradsync.row_shards import ROWS, WHOLE, rows_of, split
 from gradsync.row_shards import join as join_rows
 from gradsync.strategies.base import reading_own_state
 from gradsync.strategies.zero_shards import FlatGroup, OwnerLayout
+
+logger = get_logger("strategies.zero")
 
 #: optimizers whose step is element by element (by exact class: a subclass may add a rule
 #: over the whole tensor)
@@ -113,12 +116,15 @@ def choose_layout(
         return WHOLE
     reason = why_not_rows(optimizer, params)
     if reason is None:
+        if requested == "auto":  # said as bsp says its bucket plan: which one ran
+            logger.info("%s: layout auto: rows (each rank steps its rows of every tensor)", name)
         return ROWS
     if requested == ROWS:
         raise UsageError(
             f"{name} cannot shard by rows here: {reason}. Use layout='whole' (or 'auto', which "
             "picks whole tensors then)"
         )
+    logger.info("%s: layout auto: whole tensors, dealt to the ranks by size (%s)", name, reason)
     return WHOLE
 
 

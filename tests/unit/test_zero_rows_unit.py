@@ -102,6 +102,21 @@ def test_only_element_wise_optimizers_by_exact_class_are_cut_into_rows() -> None
     assert "AdamW" in message and "layout='whole'" in message
 
 
+def test_the_layout_auto_picks_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """As bsp says its bucket plan: a tester could not tell which layout "auto" ran."""
+    model = nn.Linear(3, 4)
+    params = list(model.parameters())
+    with caplog.at_level("INFO", logger="gradsync.strategies.zero"):
+        choose_layout("auto", torch.optim.AdamW(model.parameters()), params, 2, "zero:2")
+        choose_layout("auto", _Lamb(model.parameters()), params, 2, "zero:2")
+        choose_layout("whole", torch.optim.AdamW(model.parameters()), params, 2, "zero:2")
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == "zero:2: layout auto: rows (each rank steps its rows of every tensor)"
+    assert said[1].startswith("zero:2: layout auto: whole tensors, dealt to the ranks by size")
+    assert "_Lamb, is not one whose update is element by element" in said[1]
+    assert len(said) == 2  # a layout the user named is not said again
+
+
 def test_each_round_carries_whole_consecutive_tensors_the_same_in_every_chunk() -> None:
     """Rank r's chunk holds its rows of every tensor at the same place as every other rank's
     (a shorter piece leaves a gap, zeroed), so a round's tensors are the same for every
