@@ -456,9 +456,10 @@ def render(
             f"step N, +{FINAL_SLACK:.0%}) over the candidate's seconds to the same loss, from "
             "the start of step 0; the step it got there. **Limit**: compute-only's samples/s "
             "over DDP's (after 5 warm-up steps), the most any scheme that needs DDP's number of "
-            "steps can gain. **Share of the compute-only limit**: x sooner over the limit, the "
-            "figure that does not depend on how fast the machine computes (a scheme that needs "
-            "fewer steps than DDP can pass 100%). **Loss at step N**: the candidate's moving "
+            "steps can gain. **Share of the compute-only limit**: x sooner over the limit, issue "
+            "46's headline (a scheme that needs fewer steps than DDP can pass 100%); it still "
+            "moves with the machine: the faster the compute, the larger the share of a step the "
+            "exchanges' own CPU takes. **Loss at step N**: the candidate's moving "
             "average at step N over DDP's, minus 1. **MB per rank**: bytes each rank handed "
             "to exchanges, from the run's own records (for DDP: the gradient's size per step); "
             "peak: the most in one step's exchange (for streaming DiLoCo: one fragment's).",
