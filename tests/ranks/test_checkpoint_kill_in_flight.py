@@ -135,33 +135,6 @@ def test_two_saves_in_flight_behind_a_lagging_writer_are_both_written_at_a_kill(
     assert step == 5 and skipped == []
 
 
-def test_a_survivor_blocked_in_its_save_loses_the_steps_it_never_handed_over(
-    tmp_path: Path,
-) -> None:
-    # The tester's observation, with writers that lose nothing. Rank 1 saves steps 1..5 and is
-    # killed. Rank 0, the survivor, is behind: its writer stopped after step 1, steps 2 and 3
-    # are in flight, and its save of step 4 waits for room when it is stopped (the elastic
-    # agent's SIGTERM ends it at once, as SIGKILL does). Every snapshot handed over is written
-    # and the newest step both ranks handed over, 3, is committed; steps 4 and 5 hold rank 1's
-    # files alone: "incomplete: no MANIFEST.json", two steps before the killed rank's 5.
-    ranks = [_Rank(tmp_path, 0, 5, stop=1), _Rank(tmp_path, 1, 5)]
-    try:
-        ranks[1].until("saved")
-        ranks[0].until("saving 4")  # blocked there: 2 and 3 fill its writer's depth
-        for r in reversed(ranks):
-            r.kill()
-        for r in ranks:
-            assert reaped_within(r.writer, within_s=20), f"writer {r.writer} did not end"
-    finally:
-        for r in ranks:
-            r.close()
-    step, skipped = _newest(tmp_path)
-    assert step == 3
-    assert len(skipped) == 2
-    for newer, why in zip((5, 4), skipped, strict=True):
-        assert f"step-00000{newer}: incomplete: no MANIFEST.json" in why
-
-
 #: streaming DiLoCo's fragment 0 starts its exchange after step 13 ((13 + 1) % 4 == 2), applied
 #: after step 14 (TAU 1); the killed rank reaches step 15
 STALLED, KILLED = 13, 15

@@ -17,6 +17,13 @@ pytestmark = pytest.mark.ranks
 
 #: the goal of issue 42 (fp32, 2 ranks); they measured 0.0 (bitwise) when written
 TOLERANCE = 1e-6
+#: with the GradScaler: on an AVX-512 machine (2026-11-30) zero:2 and torch's own FSDP2 (zero:3)
+#: both ended 4.6e-4 from DDP, identically, all of it in one element of the first layer's bias
+#: (every other tensor within 3e-8): a gradient near zero there, which AdamW divides by its
+#: root mean square, turns a last-bit difference between the reduce-scatter's arithmetic and
+#: DDP's all-reduce into a few percent of a step (lr 1e-2). Bitwise on the AVX2 machines before.
+#: A wrong skip or a lost update moves every tensor by about lr: far above this.
+TOLERANCE_SCALED = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -54,4 +61,4 @@ def test_a_grad_scaler_skips_on_every_rank_when_one_rank_holds_the_infinity(
         ours, ddp = out[f"{name}_scaled"], out[f"{name}_ddp_scaled"]
         assert ddp["scales"][INF_STEP] < ddp["scales"][INF_STEP - 1]  # DDP skipped that step
         assert ours["scales"] == ddp["scales"]
-        assert max_difference(ours["state"], ddp["state"]) <= TOLERANCE
+        assert max_difference(ours["state"], ddp["state"]) <= TOLERANCE_SCALED
