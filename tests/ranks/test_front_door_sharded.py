@@ -21,7 +21,8 @@ TOLERANCE = 1e-6
 #: both ended 4.6e-4 from DDP, identically, all of it in one element of the first layer's bias
 #: (every other tensor within 3e-8): a gradient near zero there, which AdamW divides by its
 #: root mean square, turns a last-bit difference between the reduce-scatter's arithmetic and
-#: DDP's all-reduce into a few percent of a step (lr 1e-2). Bitwise on the AVX2 machines before.
+#: DDP's all-reduce into a few percent of a step (lr 1e-2). Bitwise on the machines before
+#: (CI passed at df4f60b; they computed about 1.7x slower, their CPUs' features not recorded).
 #: A wrong skip or a lost update moves every tensor by about lr: far above this.
 TOLERANCE_SCALED = 1e-3
 
