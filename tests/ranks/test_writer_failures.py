@@ -158,7 +158,10 @@ def test_a_stopped_writer_fails_its_rank_within_the_timeout_and_is_continued_on_
         )
     finally:
         writer._finalizer()  # the rank exits: its stopped writer is continued, not left
-    assert reaped_within(pid), "the stopped writer was left behind"
+    # continued, it writes steps 5 and 9 before it ends, at SCHED_IDLE: on 2 busy cores (CI's
+    # other processes) that took more than 10 s once, so the bound is what "left behind"
+    # means here, not a speed
+    assert reaped_within(pid, within_s=60), "the stopped writer was left behind"
     # 5 and 9 written once it went on (8 was older than 9: not written, as at a rank's death),
     # and 1 kept as the newest durable checkpoint
     assert [int(p.name[5:]) for p in sorted(tmp_path.glob("step-*"))] == [1, 5, 9]
