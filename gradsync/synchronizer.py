@@ -339,14 +339,15 @@ class Synchronizer:
         if self.strategy.barrier_free:
             self._collector.before_gather = self._checkpoints.before_gather
         self._setup_strategy()
+        replaced = self.strategy.trainable()
         #: parameters frozen at the build, whose gradients no strategy synchronizes (None where
         #: the strategy replaced the model's parameters: zero:3's shards)
         self._frozen_at_build: set[int] | None = (
             None
-            if self.strategy.trainable() is not None
+            if replaced is not None
             else {id(p) for p in model.parameters() if not p.requires_grad}
         )
-        self._trainable = self.strategy.trainable() or self._trainable
+        self._trainable = replaced or self._trainable
         cuda = cuda_device_of(self._trainable)
         # On CUDA a host clock times kernel launches: steps are timed by device events there.
         self._clock = DeviceClock(cuda) if cuda is not None and self.telemetry_enabled else None
