@@ -270,14 +270,21 @@ class BucketReducer:
         """Disarm without launching (the step is being abandoned on a usage error)."""
         self._armed = False
 
-    def wait(self, step: int = 0) -> list[torch.Tensor]:
+    def wait(
+        self, step: int = 0, each: Callable[[torch.Tensor], None] | None = None
+    ) -> list[torch.Tensor]:
         """Wait for every bucket's exchange; return the reduced flat buffers by bucket index.
-        With ``guard_writes``, ``written_in_flight`` then names the buckets whose gradients
-        were written (``p.grad`` changed in place, e.g. by a clip) during their exchange."""
+        ``each`` runs on each reduced buffer as soon as it is in, while later buckets may still
+        be on the wire (the non-finite guard's sums: off the step's critical path but for the
+        last bucket's). With ``guard_writes``, ``written_in_flight`` then names the buckets
+        whose gradients were written (``p.grad`` changed in place, e.g. by a clip) during
+        their exchange."""
         out = []
         for fut in self._futures:
             assert fut is not None, "flush() must run before wait()"
             out.append(fut.wait())
+            if each is not None:
+                each(out[-1])
         self.written_in_flight = [
             b.index()
             for b, count in zip(self.buckets, self._launch_writes, strict=True)

@@ -53,10 +53,23 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     mistaken for a non-finite gradient; so are sums that cannot be stacked (several devices).
     (A fused ``torch._foreach_norm`` was tried first: on the CPU its L1 norm is a loop several
     times slower per element than a sum, 1.4 ms against 0.3 ms for 30 tensors of 100k.)"""
+    return finite_given_sums([finite_sum(t) for t in tensors], tensors)
+
+
+def finite_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s part of ``all_finite``: the sum of its elements, NaN or Inf when any is (or
+    when finite values overflow, which ``finite_given_sums`` confirms). Taken one tensor at a
+    time, so that a caller can sum each bucket as its exchange completes, while the next one
+    is still on the wire."""
+    return _sum(t)
+
+
+def finite_given_sums(sums: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:
+    """``all_finite(tensors)`` from ``finite_sum`` of each of them, taken beforehand."""
     if not tensors:
         return True
     try:
-        total = torch.stack([_sum(t) for t in tensors]).sum()
+        total = torch.stack(sums).sum()
     except RuntimeError:  # sums on several devices
         return all(is_finite(t) for t in tensors)
     return bool(torch.isfinite(total)) or all(is_finite(t) for t in tensors)

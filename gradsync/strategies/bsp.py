@@ -22,7 +22,8 @@ from gradsync import exit_safety, runtime
 from gradsync.bucket_autotune import AUTO, STEPS_PER_PLAN, WARMUP_STEPS, BucketTuner, candidates
 from gradsync.buckets import MB, BucketReducer, distinct_plans
 from gradsync.checks.guards import (
-    all_finite,
+    finite_given_sums,
+    finite_sum,
     nonfinite_flag,
     scrub_nonfinite_on_device,
     scrub_nonfinite_state,
@@ -334,18 +335,29 @@ class BSP(Strategy):
         assert self._ctx is not None
         reducer = self.reducer
         ctx = self._ctx
+        checked = ctx.skip_nonfinite or ctx.scaling
+        # The host verdict's sums, bucket by bucket as each arrives: only the last bucket's
+        # is left after the exchange (38 MB of gradient: 1.6 ms of CPU, one thread).
+        sums: list[torch.Tensor] = []
+
+        def summed(t: torch.Tensor) -> None:
+            sums.append(finite_sum(t))
+
+        each = summed if checked and not self._verdict_on_device(step) else None
         if ctx.watch is not None:
             what = f"gradient exchange ({len(reducer.buckets)} bucket(s), {ctx.compressor.spec})"
-            reduced = ctx.watch.run(step, what, lambda: reducer.wait(step))
+            reduced = ctx.watch.run(step, what, lambda: reducer.wait(step, each))
         else:
-            reduced = reducer.wait(step)
+            reduced = reducer.wait(step, each)
         if reducer.written_in_flight and check_script_writes:
             raise written_in_flight(step, reducer.written_in_flight)
         nbytes = self._state.bytes_sent - self._bytes_at_start
         spans = reducer.take_spans()
+        # Asked again: the exchange may have made a state's first warm start (PowerSGD's),
+        # which the device verdict cannot scrub; the sums are then taken here.
         if self._verdict_on_device(step):
             return self._ready_on_device(reduced, nbytes, spans)
-        if (ctx.skip_nonfinite or ctx.scaling) and not all_finite(reduced):
+        if checked and not finite_given_sums(sums or [finite_sum(t) for t in reduced], reduced):
             scrub_nonfinite_state(self._state)
             if not ctx.scaling:
                 # Every rank holds the same reduced bits, so every rank skips this same step.
