@@ -176,7 +176,8 @@ class ZeroStage1(BSP):
         _check_scaler(ctx, self.name)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         world = runtime.world_size(ctx.group)
-        kind = choose_layout(self.layout, ctx.optimizer, params, world, self.name)
+        names = {id(p): n for n, p in ctx.model.named_parameters()}
+        kind = choose_layout(self.layout, ctx.optimizer, params, world, self.name, names)
         layout = make_layout(params, world, ctx.rank, ctx.optimizer, kind)
         try:
             layout.check(updated_by(ctx.optimizer), self.name)
@@ -398,7 +399,8 @@ class ZeroStage2(Strategy):
         _check_scaler(ctx, self.name)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         world = runtime.world_size(ctx.group)
-        kind = choose_layout(self.layout, ctx.optimizer, params, world, self.name)
+        names = {id(p): n for n, p in ctx.model.named_parameters()}
+        kind = choose_layout(self.layout, ctx.optimizer, params, world, self.name, names)
         layout = self._layout = make_layout(params, world, ctx.rank, ctx.optimizer, kind)
         try:
             layout.check(updated_by(ctx.optimizer), self.name)

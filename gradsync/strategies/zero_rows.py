@@ -43,7 +43,7 @@ cut into this rank's rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -85,9 +85,13 @@ def check_layout(layout: str) -> str:
     return layout
 
 
-def why_not_rows(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> str | None:
+def why_not_rows(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    names: Mapping[int, str] | None = None,
+) -> str | None:
     """Why the rows layout cannot hold this optimizer's step or these parameters (None: it
-    can)."""
+    can). ``names``: each parameter's name in the model by ``id``, to name the one refused."""
     if type(optimizer) not in ELEMENTWISE:
         names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
         return (
@@ -96,9 +100,11 @@ def why_not_rows(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
         )
     for p in params:
         if p.dim() and not p.is_contiguous():  # channels_last, a transposed view
+            name = (names or {}).get(id(p))
+            what = f"parameter {name!r} (shape {tuple(p.shape)})" if name else "a parameter"
             return (
-                f"a parameter of shape {tuple(p.shape)} is not contiguous (a piece of rows is a "
-                "view of one)"
+                f"{what} is not contiguous (a piece of rows is a view of one): its memory "
+                "format is channels_last or it is a transposed view"
             )
     return None
 
@@ -109,12 +115,13 @@ def choose_layout(
     params: Sequence[torch.Tensor],
     world: int,
     name: str,
+    names: Mapping[int, str] | None = None,
 ) -> str:
     """The layout a stage runs: ``requested``, or for "auto" rows where they apply (and there
     is more than one rank to cut for)."""
     if requested == WHOLE or (requested == "auto" and world == 1):
         return WHOLE
-    reason = why_not_rows(optimizer, params)
+    reason = why_not_rows(optimizer, params, names)
     if reason is None:
         if requested == "auto":  # said as bsp says its bucket plan: which one ran
             logger.info("%s: layout auto: rows (each rank steps its rows of every tensor)", name)

@@ -151,5 +151,22 @@ def test_a_non_contiguous_parameter_keeps_whole_tensors() -> None:
     params = list(conv.parameters())
     opt = torch.optim.AdamW(params)
     assert choose_layout("auto", opt, params, 2, "zero:2") == "whole"
-    with pytest.raises(UsageError, match=r"shape \(4, 3, 3, 3\) is not contiguous"):
+    with pytest.raises(UsageError, match=r"a parameter is not contiguous"):
         choose_layout("rows", opt, params, 2, "zero:2")
+    names = {id(p): n for n, p in conv.named_parameters()}
+    with pytest.raises(UsageError, match=r"parameter 'weight' \(shape \(4, 3, 3, 3\)\) is not"):
+        choose_layout("rows", opt, params, 2, "zero:2", names)
+
+
+@pytest.mark.parametrize("stage", ["ZeroStage1", "ZeroStage2"])
+def test_the_synchronizer_names_the_non_contiguous_parameter_it_refuses(
+    one_rank: None, stage: str
+) -> None:
+    import gradsync as gs
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    model[0].to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters())
+    strategy = getattr(gs, stage)(layout="rows")
+    with pytest.raises(UsageError, match=r"parameter '0\.weight' \(shape \(4, 3, 3, 3\)\)"):
+        gs.Synchronizer(model, opt, strategy=strategy)
