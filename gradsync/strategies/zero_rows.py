@@ -93,10 +93,10 @@ def why_not_rows(
     """Why the rows layout cannot hold this optimizer's step or these parameters (None: it
     can). ``names``: each parameter's name in the model by ``id``, to name the one refused."""
     if type(optimizer) not in ELEMENTWISE:
-        names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
+        valid = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
         return (
             f"its optimizer, {type(optimizer).__name__}, is not one whose update is element by "
-            f"element ({names})"
+            f"element ({valid})"
         )
     for p in params:
         if p.dim() and not p.is_contiguous():  # channels_last, a transposed view
