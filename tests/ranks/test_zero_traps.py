@@ -4,7 +4,9 @@ under ``zero:3`` works inside ``sync.unsharded()`` and is reported (naming it) w
 ``clip_grad_norm_`` on sharded gradients is refused or global, and a rank-0 checkpoint of a
 sharded optimizer is either whole (``sync.full_state_dict()``) or refused.
 
-One spawn (``zero_traps.everything``) runs every case but one; each test reads its part."""
+Three spawns (``zero_traps.everything``), started at once (tests/support/overlap.py), run every
+case but one: the two that wait out a timeout (``zero_traps.WAITING``) each in a spawn of its
+own, every other case in the third; each test reads its part."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from gradsync import compat
 from gradsync.testing import run_ranks
 from tests.support import rank_device
 from tests.support import zero_traps as zt
+from tests.support.overlap import overlapped, ranks
 
 pytestmark = [
     pytest.mark.ranks,
@@ -30,7 +33,19 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    return run_ranks(zt.everything, WORLD, timeout_s=150, collective_timeout_s=60)
+    """Each rank's results of every case of ``zt.everything``. The two cases that wait out a
+    timeout (seconds of it: the gate's, the front door's) run in spawns of their own, beside
+    the one of the others, so that their waits overlap: each spawn has its own store, process
+    group and ranks, and each case a group of its own as before."""
+    rest = tuple(name for name in zt.CASES if name not in zt.WAITING)
+    launches = {
+        name: ranks(zt.everything, WORLD, names, timeout_s=150, collective_timeout_s=60)
+        for name, names in [("rest", rest), *((name, (name,)) for name in zt.WAITING)]
+    }
+    with overlapped(launches) as done:
+        parts = [done.result(name) for name in launches]
+    by_rank = zip(*parts, strict=True)
+    return [{k: v for part in rank_parts for k, v in part.items()} for rank_parts in by_rank]
 
 
 @functools.cache

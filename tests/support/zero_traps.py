@@ -2,9 +2,11 @@
 under ``zero:3``, torch's ``clip_grad_norm_`` on sharded gradients, rank-0 checkpoints of a
 sharded optimizer (module level, so spawned ranks can import them).
 
-One spawn runs every case but one (``everything``), each on a process group of its own and
-catching what it raises, so that one trap that fails does not hide the others; the forward on
-rank 0 alone (the case that hung before it was detected) comes last. The state dict after an
+``everything`` runs the cases it is given (all of them by default), each on a process group of
+its own and catching what it raises, so that one trap that fails does not hide the others; the
+forwards on rank 0 alone (the cases that hung before they were detected) come last. The two
+that wait out a timeout (``WAITING``) are started in spawns of their own beside the others'
+(tests/ranks/test_zero_traps.py), so that their waits overlap. The state dict after an
 evaluation runs alone (``state_dict_alone``): where it fails, gloo aborts the process."""
 
 from __future__ import annotations
@@ -377,9 +379,24 @@ def front_door_unsharded_between_accumulations(rank: int, world: int, group: Any
     return out
 
 
-def everything(rank: int, world: int) -> dict[str, Any]:
-    """Every other case, each on a group of its own: a case that leaves its collectives broken
-    (a trap that hangs until a timeout) leaves the others' connections whole."""
+#: every case of ``everything``, in its order
+CASES = (
+    "evaluation",
+    "evaluation units only",
+    *(f"clip {spec} {over}" for spec in ("zero:2", "zero:3") for over in ("model", "optimizer")),
+    *(f"checkpoint {spec}" for spec in ("zero:1", "zero:2", "zero:3")),
+    "forward alone",
+    "front door forward alone",
+    "front door unsharded between accumulations",
+)
+#: the cases that fail only after a timeout (seconds of waiting, not of work)
+WAITING = ("forward alone", "front door forward alone")
+
+
+def everything(rank: int, world: int, names: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every other case, or those ``names`` (in this order), each on a group of its own: a
+    case that leaves its collectives broken (a trap that hangs until a timeout) leaves the
+    others' connections whole."""
     cases: dict[str, Any] = {
         "evaluation": functools.partial(evaluation_on_rank_0, rank, world),
         "evaluation units only": functools.partial(
@@ -398,6 +415,10 @@ def everything(rank: int, world: int) -> dict[str, Any]:
     cases["front door unsharded between accumulations"] = functools.partial(
         front_door_unsharded_between_accumulations, rank, world
     )
+    assert tuple(cases) == CASES, (tuple(cases), CASES)
+    if names is not None:
+        cases = {name: case for name, case in cases.items() if name in names}
+        assert len(cases) == len(names), (sorted(cases), names)
     out = {}
     for name, case in cases.items():
         # A case that failed may have left one rank seconds behind the other: meet on the
