@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 
 from gradsync.checkpoint import CheckpointStore
 from tests.support.cli import gradsync
-from tests.support.overlap import overlapped
+from tests.support.overlap import Overlapped, overlapped
 from tests.support.shared_runs import (
     FAULT_COMMON,
     KILLED_BSP_RESUMED,
@@ -102,17 +104,75 @@ def test_killed_rank_resumes_bitwise_equal(
     _assert_resumed_bitwise(clean, faulty, err, killed, (10,))
 
 
-@pytest.mark.timeout(300)
-def test_bsp_resumes_on_a_different_number_of_ranks(
-    tmp_path: Path, killed_bsp_run: SharedRun
-) -> None:
-    # The 2-rank run's checkpoint of its last step (the shared run, tests/e2e/conftest.py,
-    # copied: this resume writes into its directory), resumed on 3 ranks for 10 more steps.
-    out = killed_bsp_run.copy(tmp_path / "run")
-    more = gradsync(
+def _resume_on_3_ranks(out: Path) -> subprocess.CompletedProcess[str]:
+    """The 2-rank run's checkpoint of its last step (a copy of the shared run's directory,
+    ``out``), resumed on 3 ranks for 10 more steps."""
+    return gradsync(
         "run", "--nproc", "3", "--out", str(out), *COMMON[:4], "--steps", "40", "--resume",
         "--no-plots", "--no-progress", timeout=240,
     )  # fmt: skip
+
+
+def _resume_local_on_3_ranks(out: Path) -> subprocess.CompletedProcess[str]:
+    """What a 2-rank local:5 run leaves after its checkpoint of step 10 (written here rather
+    than by a first run, which would only cost time): one file per rank, the manifest;
+    resumed on 3 ranks."""
+    store = CheckpointStore(out / "checkpoints")
+    for rank in range(2):
+        saved = {"strategy": "local", "layout": {"workers": 2, "servers": 0}}
+        store.save(10, rank, 2, {**saved, "compression": "none", "extra": {}})
+    store.commit(10, 2)
+    base = [*COMMON[:4], "--strategy", "local:5", "--no-plots", "--no-progress"]
+    return gradsync(
+        "run", "--nproc", "3", "--out", str(out), *base, "--steps", "20", "--resume", timeout=240
+    )
+
+
+def _resume_past_an_unfinished_checkpoint(out: Path) -> subprocess.CompletedProcess[str]:
+    """What a kill during a save leaves: the newest checkpoint without its manifest (in a copy
+    of the shared one-rank run's directory, ``out``: 10 steps, a checkpoint every 5)."""
+    flags = ["--nproc", "1", "--out", str(out), *COMMON[:4], "--no-plots"]
+    (out / "checkpoints" / "step-000010" / "MANIFEST.json").unlink()
+    return gradsync("run", *flags, "--steps", "14", "--resume", timeout=180)
+
+
+@pytest.fixture(scope="module")
+def resumes(
+    tmp_path_factory: pytest.TempPathFactory,
+    killed_bsp_run: SharedRun,
+    one_rank_run: SharedRun,
+) -> Iterator[Overlapped]:
+    """The last three tests' ``gradsync run --resume`` launches, started at once
+    (tests/support/overlap.py): each resumes a directory of its own (a copy of a shared run's,
+    or one written here) with its own ports, none is killed, timed or waits on a timeout, and
+    a launch leaves a core idle much of its time on 2 cores; each test reads its own."""
+    launches = {
+        "3 ranks": functools.partial(
+            _resume_on_3_ranks, killed_bsp_run.copy(tmp_path_factory.mktemp("bsp-3") / "run")
+        ),
+        "local on 3 ranks": functools.partial(
+            _resume_local_on_3_ranks, tmp_path_factory.mktemp("local-3") / "run"
+        ),
+        "unfinished": functools.partial(
+            _resume_past_an_unfinished_checkpoint,
+            one_rank_run.copy(tmp_path_factory.mktemp("unfinished") / "run"),
+        ),
+    }
+    with overlapped(launches) as started:
+        yield started
+
+
+def _out(proc: subprocess.CompletedProcess[str]) -> Path:
+    """The run directory a launch was given (its ``--out``)."""
+    return Path(proc.args[proc.args.index("--out") + 1])
+
+
+@pytest.mark.timeout(300)
+def test_bsp_resumes_on_a_different_number_of_ranks(resumes: Overlapped) -> None:
+    # The 2-rank run's checkpoint of its last step (the shared run, tests/e2e/conftest.py,
+    # copied: this resume writes into its directory), resumed on 3 ranks for 10 more steps.
+    more = resumes.result("3 ranks")
+    out = _out(more)
     assert more.returncode == 0, more.stderr[-2000:]
     assert "resuming at step 30" in more.stderr and "restarts from zero" not in more.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -121,19 +181,9 @@ def test_bsp_resumes_on_a_different_number_of_ranks(
 
 
 @pytest.mark.timeout(300)
-def test_other_strategies_refuse_a_different_number_of_ranks(tmp_path: Path) -> None:
-    # What a 2-rank local:5 run leaves after its checkpoint of step 10 (written here rather
-    # than by a first run, which would only cost time): one file per rank, the manifest.
-    out = tmp_path / "run"
-    store = CheckpointStore(out / "checkpoints")
-    for rank in range(2):
-        saved = {"strategy": "local", "layout": {"workers": 2, "servers": 0}}
-        store.save(10, rank, 2, {**saved, "compression": "none", "extra": {}})
-    store.commit(10, 2)
-    base = [*COMMON[:4], "--strategy", "local:5", "--no-plots", "--no-progress"]
-    again = gradsync(
-        "run", "--nproc", "3", "--out", str(out), *base, "--steps", "20", "--resume", timeout=240
-    )
+def test_other_strategies_refuse_a_different_number_of_ranks(resumes: Overlapped) -> None:
+    # What a 2-rank local:5 run leaves after its checkpoint of step 10, resumed on 3 ranks
+    again = resumes.result("local on 3 ranks")
     assert again.returncode == 1, again.stderr[-2000:]
     assert "written by 2 ranks; resuming local with 3 is not supported" in again.stderr
     assert "Traceback" not in again.stderr
@@ -141,17 +191,14 @@ def test_other_strategies_refuse_a_different_number_of_ranks(tmp_path: Path) -> 
 
 @pytest.mark.timeout(240)
 def test_a_resume_past_an_unfinished_checkpoint_says_so_in_one_line(
-    tmp_path: Path, one_rank_run: SharedRun
+    resumes: Overlapped, one_rank_run: SharedRun
 ) -> None:
     # What a kill during a save leaves: the newest checkpoint without its manifest (in a copy
     # of the shared one-rank run's directory, tests/e2e/conftest.py: 10 steps, a checkpoint
     # every 5).
     first = one_rank_run.stderr
     assert ", on the CPU (gloo) -> " in first.splitlines()[0], first[:500]
-    out = one_rank_run.copy(tmp_path / "run")
-    flags = ["--nproc", "1", "--out", str(out), *COMMON[:4], "--no-plots"]
-    (out / "checkpoints" / "step-000010" / "MANIFEST.json").unlink()
-    more = gradsync("run", *flags, "--steps", "14", "--resume", timeout=180)
+    more = resumes.result("unfinished")
     assert more.returncode == 0, more.stderr[-2000:]
     lines = more.stderr.splitlines()
     skipped = [n for n, line in enumerate(lines) if "skipping checkpoint" in line]
