@@ -197,8 +197,14 @@ def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket, owner: int)
             sock.shutdown(socket.SHUT_RDWR)
         sock.close()
     finally:
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        try:
             child.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            # Still writing what it holds: reaped when it ends, by a thread of its own, or a
+            # long-lived process (a notebook, a sweep) would keep a zombie per closed writer.
+            reaper = threading.Thread(target=child.wait, name=f"gradsync-reap-{child.pid}")
+            reaper.daemon = True
+            reaper.start()
 
 
 def _restarts_left() -> bool:
