@@ -204,7 +204,10 @@ def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket, owner: int)
             # long-lived process (a notebook, a sweep) would keep a zombie per closed writer.
             reaper = threading.Thread(target=child.wait, name=f"gradsync-reap-{child.pid}")
             reaper.daemon = True
-            reaper.start()
+            # At interpreter shutdown no thread starts (Python 3.12 on): the exiting process's
+            # child is then reparented and reaped by init, as before.
+            with contextlib.suppress(RuntimeError):
+                reaper.start()
 
 
 def _restarts_left() -> bool:
