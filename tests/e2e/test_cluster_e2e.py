@@ -7,6 +7,7 @@ user brought up with the default ``gs-`` prefix, nor one of a concurrent test ru
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 from gradsync.cluster import Cluster, cleanup_stale, launch_on_cluster
 from gradsync.cluster.system import requirements_missing
+from tests.support.overlap import Overlapped, overlapped
 from tests.support.proctree import pids_in_netns
 
 pytestmark = pytest.mark.e2e
@@ -130,18 +132,21 @@ def test_down_removes_a_crashed_cluster(needs_netns: None, tmp_path: Path) -> No
         cleanup_stale(PREFIX, c.tag)
 
 
-@pytest.mark.timeout(60)
-def test_failing_worker_returns_its_code_and_leaves_nothing(cluster_2x100: Cluster) -> None:
-    with cluster_2x100 as c:
-        inodes = _netns_inodes(c)
-        # A module that does not exist: every worker exits 1 at import, the agents report it.
-        rc = launch_on_cluster(c, ["gradsync.cluster.no_such_module"], 1, {}, timeout_s=45)
-    assert rc != 0
-    _assert_gone(c, inodes)
+def _failing_worker() -> None:
+    """A module that does not exist: every worker exits 1 at import, the agents report it;
+    nothing is left."""
+    cluster = Cluster(hosts=2, link="100mbit", prefix=PREFIX)
+    try:
+        with cluster as c:
+            inodes = _netns_inodes(c)
+            rc = launch_on_cluster(c, ["gradsync.cluster.no_such_module"], 1, {}, timeout_s=45)
+        assert rc != 0
+        _assert_gone(c, inodes)
+    finally:
+        cleanup_stale(PREFIX, cluster.tag)
 
 
-@pytest.mark.timeout(60)
-def test_timeout_kills_the_job(needs_netns: None, tmp_path: Path) -> None:
+def _timed_out_job(tmp_path: Path) -> None:
     """A job that cannot finish in time (50 MB through 10 Mbit/s takes 40 s per all-reduce)
     is killed at the deadline, workers included, and reported as 124."""
     c = Cluster(hosts=2, link="10mbit", prefix=PREFIX)
@@ -157,3 +162,33 @@ def test_timeout_kills_the_job(needs_netns: None, tmp_path: Path) -> None:
         _assert_gone(c, inodes, marker=marker)
     finally:
         cleanup_stale(PREFIX, c.tag)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
+    """The last two tests' jobs at once (tests/support/overlap.py), each on a cluster of its
+    own (namespaces, switch and addresses of its own tag): the timed-out one mostly waits for
+    its deadline (its all-reduce is held to 10 Mbit/s), the failing one's workers fail at
+    import. Neither measures anything; the bandwidth test above runs alone. Each test takes
+    its job's outcome (its assertions' error, raised by ``result``)."""
+    missing = requirements_missing()
+    if missing:
+        pytest.skip(missing)
+    launches = {
+        "failing": _failing_worker,
+        "timeout": functools.partial(_timed_out_job, tmp_path_factory.mktemp("timeout")),
+    }
+    with overlapped(launches) as started:
+        yield started
+
+
+@pytest.mark.timeout(60)
+def test_failing_worker_returns_its_code_and_leaves_nothing(jobs: Overlapped) -> None:
+    jobs.result("failing")
+
+
+@pytest.mark.timeout(60)
+def test_timeout_kills_the_job(jobs: Overlapped) -> None:
+    """A job that cannot finish in time (50 MB through 10 Mbit/s takes 40 s per all-reduce)
+    is killed at the deadline, workers included, and reported as 124."""
+    jobs.result("timeout")
