@@ -11,9 +11,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,14 +97,17 @@ def _stop_a_worker(out: Path, strategy: str) -> Stopped:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
-    """Both strategies' runs at once (tests/support/overlap.py): each waits out its --timeout
-    after the stop, and the waits overlap."""
-    runs = {
+    """Both strategies' runs and the Ctrl-C'd one at once (tests/support/overlap.py): each
+    stopped run waits out its --timeout after the stop, and the waits overlap; the Ctrl-C'd
+    run is its own ``gradsync run`` with its own ports and directory, and is interrupted as
+    soon as it trains."""
+    runs: dict[str, Callable[[], Any]] = {
         strategy: functools.partial(
             _stop_a_worker, tmp_path_factory.mktemp("stopped") / "run", strategy
         )
         for strategy in STRATEGIES
     }
+    runs["ctrl-c"] = functools.partial(_interrupt, tmp_path_factory.mktemp("ctrl-c") / "run")
     with overlapped(runs) as out:
         yield out
 
@@ -146,13 +150,19 @@ def _command(pid: int) -> str:
         return "?"
 
 
-@pytest.mark.timeout(180)
-def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
-    """And the run (local, no restarts) listened on loopback only (tests/e2e/test_listen.py):
-    its stores and gloo's sockets open before its first step, which is seen before the Ctrl-C."""
-    # A terminal's Ctrl-C: SIGINT to the run's whole process group. torch's agent turns it
-    # into an exception of its own, which used to end the run with a traceback and exit 1.
-    out = tmp_path / "run"
+@dataclass(frozen=True)
+class Interrupted:
+    """How a Ctrl-C'd run ended: its exit code and stderr, its processes left alive after the
+    bound, and what was seen of its tree."""
+
+    rc: int | None
+    stderr: str
+    left: list[tuple[int, str]]
+    watched: Watched
+
+
+def _interrupt(out: Path) -> Interrupted:
+    """A terminal's Ctrl-C, once the run trains: SIGINT to the run's whole process group."""
     proc = start_run(
         *("--nproc", "2", "--workload", "mlp", "--steps", "100000", "--no-plots", "--no-progress"),
         *("--out", str(out)),
@@ -166,9 +176,20 @@ def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(tmp_path: Path) -> N
         left = _left_after(watched, sent, GRACE_S + 10)
     finally:
         stderr = _end(proc, watched)
+    return Interrupted(rc, stderr, left, watched)
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_ends_the_run_in_one_line_and_leaves_nothing(stopped: Overlapped) -> None:
+    """And the run (local, no restarts) listened on loopback only (tests/e2e/test_listen.py):
+    its stores and gloo's sockets open before its first step, which is seen before the Ctrl-C."""
+    # A terminal's Ctrl-C: SIGINT to the run's whole process group. torch's agent turns it
+    # into an exception of its own, which used to end the run with a traceback and exit 1.
+    run = stopped.result("ctrl-c")
+    rc, stderr, left = run.rc, run.stderr, run.left
     assert rc == 130, f"exit code {rc}: {stderr[-3000:]}"
     assert "gradsync: interrupted by SIGINT: the workers were stopped" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert "death signal" not in stderr, stderr[-3000:]  # the agent's own line, said again
     assert left == [], f"processes of the run still alive after it exited: {left}"
-    assert_listens_on_loopback_only(watched)
+    assert_listens_on_loopback_only(run.watched)
