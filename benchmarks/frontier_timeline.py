@@ -53,6 +53,9 @@ CONFIGS = (
     (f"`diloco:4:2:1:{OUTER}` + int4 (the frontier's best)", f"diloco:4:2:1:{OUTER}", "int4"),
     (f"`diloco:4:2:1:{OUTER}`, uncompressed", f"diloco:4:2:1:{OUTER}", ""),
     (f"`diloco:4:{OUTER}` + int4 (plain)", f"diloco:4:{OUTER}", "int4"),
+    # the frontier's best since 2026-11-30 (benchmarks/frontier.py, MLP_FAST and MLP_FAST_8)
+    (f"`diloco:12:2:5:{OUTER}` + fp16", f"diloco:12:2:5:{OUTER}", "fp16"),
+    (f"`diloco:8:2:3:{OUTER}` + fp16", f"diloco:8:2:3:{OUTER}", "fp16"),
 )
 #: training-thread phases from the strategy's spans, by span name (before ``[fragment]``)
 PHASES = {
@@ -105,12 +108,24 @@ def phases(spans: Path, steps: int) -> dict[str, float]:
     return dict(out)
 
 
+def chosen(configs: str) -> list[int]:
+    """The indices in ``CONFIGS`` that ``--configs`` names (compute-only always first: every
+    share is taken against it)."""
+    if not configs:
+        return list(range(len(CONFIGS)))
+    picked = [int(i) for i in configs.split(",")]
+    bad = [i for i in picked if not 0 <= i < len(CONFIGS)]
+    if bad:
+        raise ValueError(f"--configs: {bad} out of range; valid: 0 to {len(CONFIGS) - 1}")
+    return [0, *sorted(set(picked) - {0})]
+
+
 def one_setting(h: Harness, hosts: int) -> str:
     args = h.args
     runs: dict[int, list[dict[str, float]]] = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="gs-timeline-") as tmp:
         for r in range(args.repeats):
-            for i in order(range(len(CONFIGS)), r, ROTATE):
+            for i in order(chosen(args.configs), r, ROTATE):
                 label, strategy, compress = CONFIGS[i]
                 t0 = time.monotonic()
                 out = Path(tmp) / f"{hosts}-{r}-{i}"
@@ -120,6 +135,8 @@ def one_setting(h: Harness, hosts: int) -> str:
     base = med[0]
     rows = []
     for i, (label, _, _) in enumerate(CONFIGS):
+        if i not in med:
+            continue
         m = med[i]
         cells = [f"{m['step']:.1f}", f"{base['step'] / m['step']:.2f}"]
         cells += [f"{m.get(c, 0.0):.1f}" for c in COLUMNS]
@@ -136,6 +153,9 @@ def main() -> None:
     h.parser.add_argument("--steps", type=int, default=64, help="steps a run (%(default)s)")
     h.parser.add_argument("--hosts", type=int, default=0, help="emulated hosts; 0: loopback only")
     h.parser.add_argument("--link", default="1gbit", help="each host's link (%(default)s)")
+    h.parser.add_argument(
+        "--configs", default="", help="indices into CONFIGS, comma-separated (default: all)"
+    )
     args = h.parse(quick={"steps": 16, "repeats": 1})
     if args.steps <= WARMUP:
         h.error(f"--steps must be more than the {WARMUP} warm-up steps, got {args.steps}")
