@@ -141,29 +141,34 @@ time.sleep(60)
 """
 
 
-def _training(tmp_path: Path, rank: int, last: int) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
+def _training(tmp_path: Path, rank: int, last: int) -> subprocess.Popen[str]:
+    """A rank that saves steps 1..``last`` and prints its writer process's pid once it has
+    submitted them all."""
+    return subprocess.Popen(
         [sys.executable, "-c", _TRAINING, str(tmp_path), str(rank), str(last)],
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
 
 
 def test_a_killed_rank_s_writer_writes_what_it_held_and_ends(tmp_path: Path) -> None:
     # Files every 16th snapshot: step 1 is a file, steps 2..5 only held. Rank 1 saved one step
     # less than rank 0 before both died (SIGKILL: no close, no finalizer): each writer writes
-    # the two snapshots it held, and rank 0's commits the newest step both ranks have.
-    ranks = [_training(tmp_path, 0, 5), _training(tmp_path, 1, 4)]
+    # the two snapshots it held, and rank 0's commits the newest step both ranks have. Both
+    # ranks start at once (each imports torch, seconds) and are killed once both have saved.
+    procs = [_training(tmp_path, 0, 5), _training(tmp_path, 1, 4)]
     try:
-        for proc, _child in ranks:
+        children = []
+        for proc in procs:
+            assert proc.stdout is not None
+            children.append(int(proc.stdout.readline()))
+        for proc in procs:
             proc.kill()
             proc.wait(10)
-        for _proc, child in ranks:
+        for child in children:
             assert reaped_within(child, within_s=10), f"writer process {child} did not end"
     finally:
-        for proc, _child in ranks:
+        for proc in procs:
             proc.kill()
             proc.wait()
             assert proc.stdout is not None
