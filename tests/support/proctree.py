@@ -35,7 +35,8 @@ def descendants(root: int) -> set[int]:
     for entry in os.listdir(PROC):
         if entry.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (PROC / entry / "stat").read_bytes()
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
                 ppid = int(stat.rsplit(b")", 1)[1].split()[1])
                 children.setdefault(ppid, []).append(int(entry))
     found, stack = {root}, [root]
@@ -97,13 +98,22 @@ def pids_in_netns(inodes: set[int]) -> list[int]:
 
 def _socket_inodes(pid: int) -> set[int]:
     inodes = set()
+    fds = f"/proc/{pid}/fd"
     with contextlib.suppress(OSError):
-        for fd in os.listdir(PROC / str(pid) / "fd"):
+        for fd in os.listdir(fds):
             with contextlib.suppress(OSError):
-                target = os.readlink(PROC / str(pid) / "fd" / fd)
+                target = os.readlink(f"{fds}/{fd}")
                 if target.startswith("socket:["):
                     inodes.add(int(target[len("socket:[") : -1]))
     return inodes
+
+
+def _netns(pid: int) -> str | None:
+    """``pid``'s network namespace ("net:[INODE]"), or None once it is gone."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
 
 
 def _address(hex_addr: str) -> str:
@@ -149,11 +159,20 @@ class Watched:
             if start is not None:
                 self.starts[pid] = start
         self.pids |= tree
+        # A network namespace's listening sockets, read once a sample for all of its processes
+        # (the kernel writes out every socket of the namespace each time the table is read:
+        # once per process, that was most of a sample's time, taken from the run it watches).
+        tables: dict[str, dict[int, str]] = {}
         for pid in tree:
             inodes = _socket_inodes(pid)
             if not inodes:
                 continue
-            listening = _listening(pid)
+            netns = _netns(pid)
+            listening = tables.get(netns) if netns is not None else None
+            if listening is None:
+                listening = _listening(pid)
+                if netns is not None and _netns(pid) == netns:  # read whole: still running
+                    tables[netns] = listening
             for inode in inodes & listening.keys():
                 with contextlib.suppress(OSError):
                     cmd = (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ")
