@@ -5,15 +5,18 @@ small diffs: tests/unit/test_ddp_port_unit.py, tests/unit/test_front_door_unit.p
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support.ddp_port import RUNS, pair
+from tests.support.overlap import Overlapped, overlapped
 from tests.support.torchrun import ROOT, torchrun
 
 pytestmark = pytest.mark.e2e
@@ -42,9 +45,37 @@ def run_ddp_original(launch: list[str], env: dict[str, str]) -> str:
     raise AssertionError("unreachable")
 
 
+def _plain_python(out: Path) -> subprocess.CompletedProcess[str]:
+    """examples/ddp_lm_gradsync.py for 2 steps as plain python: no torchrun, no RANK."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    port = pair("ddp_lm")[1]
+    args = [str(port), "--steps", "2", "--eval-every", "2", "--out", str(out)]
+    return subprocess.run(
+        [sys.executable, *args],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def plain_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
+    """The port as plain python, one process of one rank (a HashStore, no port), started
+    beside the torchrun runs of the file's first tests (tests/support/overlap.py): those leave
+    part of a core idle on 2 cores, and nothing in either is timed; the last test reads it."""
+    with overlapped(
+        {"plain": functools.partial(_plain_python, tmp_path_factory.mktemp("plain"))}
+    ) as started:
+        yield started
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", RUNS)
-def test_the_port_ends_bitwise_equal_to_the_ddp_script(name: str, tmp_path: Path) -> None:
+def test_the_port_ends_bitwise_equal_to_the_ddp_script(
+    name: str, tmp_path: Path, plain_python: Overlapped
+) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args, printed = RUNS[name]
     finals = []
@@ -69,17 +100,7 @@ def test_the_port_ends_bitwise_equal_to_the_ddp_script(name: str, tmp_path: Path
 
 
 @pytest.mark.timeout(120)
-def test_a_port_also_runs_as_plain_python(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    port = pair("ddp_lm")[1]
-    args = [str(port), "--steps", "2", "--eval-every", "2", "--out", str(tmp_path)]
-    done = subprocess.run(
-        [sys.executable, *args],
-        env={**env, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=110,
-        cwd=ROOT,
-    )
+def test_a_port_also_runs_as_plain_python(plain_python: Overlapped) -> None:
+    done = plain_python.result("plain")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 2 train loss" in done.stdout
