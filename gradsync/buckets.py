@@ -217,6 +217,13 @@ class BucketReducer:
         #: written while its exchange was in flight. The exchange's own writes do not count:
         #: it writes through ``GradBucket.for_exchange()``'s alias, the script through ``p.grad``
         self.guard_writes = False
+        #: whether a bucket may be posted now (the step gate has opened): asked before each
+        #: launch from a hook; a bucket not posted then is posted at a later hook or at flush()
+        self.may_launch: Callable[[], bool] | None = None
+        #: with ``guard_writes``, a gradient's write count when its bucket was held back (by
+        #: id of its parameter): a script's write before the bucket is posted is found too
+        self._held_writes: dict[int, int] = {}
+        self._written_before_launch: list[int] = []
         self._launch_writes: list[int | None] = []
         #: the indices of the buckets that ``wait()`` found written during their exchange
         self.written_in_flight: list[int] = []
@@ -232,6 +239,8 @@ class BucketReducer:
         self._futures = [None] * len(self.buckets)
         self._launch_writes = [None] * len(self.buckets)
         self.written_in_flight = []
+        self._held_writes = {}
+        self._written_before_launch = []
         self.launch_log = []
         self._spans = []
         self.local_nonfinite = False
@@ -251,8 +260,11 @@ class BucketReducer:
 
     def flush(self, poison: bool = False) -> None:
         """Launch every bucket not yet launched (block exit): missing gradients count as zero.
-        ``poison``: fill them with NaN instead (this rank's block raised), so that every rank
-        finds the step's gradient non-finite and skips it."""
+        ``poison``: fill the buckets whose gradients were not all final with NaN instead (this
+        rank's block raised), so that every rank finds the step's gradient non-finite and skips
+        it. A bucket whose gradients were final goes out as it is, held back for the step gate
+        or not: the step completes where the backward pass had, as when every bucket was in
+        flight before the block raised."""
         self._poison_rest = poison
         try:
             self._launch_ready(force=True)
@@ -278,18 +290,19 @@ class BucketReducer:
         be on the wire (the non-finite guard's sums: off the step's critical path but for the
         last bucket's). With ``guard_writes``, ``written_in_flight`` then names the buckets
         whose gradients were written (``p.grad`` changed in place, e.g. by a clip) during
-        their exchange."""
+        their exchange, or after they were final while the bucket was held back (``may_launch``)."""
         out = []
         for fut in self._futures:
             assert fut is not None, "flush() must run before wait()"
             out.append(fut.wait())
             if each is not None:
                 each(out[-1])
-        self.written_in_flight = [
+        in_flight = {
             b.index()
             for b, count in zip(self.buckets, self._launch_writes, strict=True)
             if count is not None and compat.write_count(b.buffer()) != count
-        ]
+        }
+        self.written_in_flight = sorted(in_flight.union(self._written_before_launch))
         return out
 
     def write_back(self, reduced: list[torch.Tensor], scale: float = 1.0) -> None:
@@ -331,8 +344,32 @@ class BucketReducer:
             i = self._next_to_launch
             if not force and self._pending_params[i] > 0:
                 return
+            if not force and self.may_launch is not None and not self.may_launch():
+                if self.guard_writes:
+                    self._note_held(i)
+                return
             self._launch(self.buckets[i])
             self._next_to_launch += 1
+
+    def _note_held(self, first: int) -> None:
+        """The write counts of the final gradients of the buckets held back from ``first`` on,
+        taken once each: the backward pass is still running, so the script has not written."""
+        for bucket in self.buckets[first:]:
+            if self._pending_params[bucket.index()] > 0:
+                return
+            for p in bucket.parameters():
+                if p.grad is not None and id(p) not in self._held_writes:
+                    self._held_writes[id(p)] = compat.write_count(p.grad)
+
+    def _check_held(self, bucket: GradBucket) -> None:
+        """Whether the script wrote a gradient of ``bucket`` while it was held back: the same
+        race as a write in flight (the exchange not done), found where the bucket was posted
+        late. Every rank finds it, whichever of its buckets were held back."""
+        for p in bucket.parameters():
+            noted = self._held_writes.pop(id(p), None)
+            if noted is not None and p.grad is not None and compat.write_count(p.grad) != noted:
+                self._written_before_launch.append(bucket.index())
+                return
 
     def _launch(self, bucket: GradBucket) -> None:
         # A named range in torch.profiler traces, beside the user's kernels and gloo's ops.
@@ -340,8 +377,10 @@ class BucketReducer:
             self._copy_in_and_launch(bucket)
 
     def _copy_in_and_launch(self, bucket: GradBucket) -> None:
+        if self._held_writes:
+            self._check_held(bucket)
         bucket.collect_grads(self.scale, self._missing)
-        if self._poison_rest:
+        if self._poison_rest and self._pending_params[bucket.index()] > 0:
             bucket.buffer().fill_(float("nan"))
             self.local_nonfinite = True
         elif self.poison_nonfinite:

@@ -477,6 +477,7 @@ class Synchronizer:
                 scaler=self.scaler,
                 gate=self._gate,
                 before_collective=self._join_gate,
+                collective_ready=self._gate_open,
                 hierarchy=self._hierarchy,
                 membership=self._membership,
                 find_unused_parameters=self._finds_unused(exchange.find_unused_parameters),
@@ -916,6 +917,18 @@ class Synchronizer:
             self._ahead.join()
             self._gate_waited += time.perf_counter() - started
             self._enter_gradsync()
+
+    def _gate_open(self) -> bool:
+        """Whether ``_join_gate`` would return at once: the gate's wait armed at the block's
+        entry has ended (its error raised then, as the join raises it). Asked at each
+        gradient's hook under ``bsp``, so that a bucket ready before a late peer arrives waits
+        for a later hook, or the block's end, to be posted, and the backward pass goes on."""
+        if self._ahead is None:
+            return True
+        if not self._ahead.poll():
+            return False
+        self._enter_gradsync()
+        return True
 
     def _settle_gate(self) -> None:
         """At the end of a block that raised before joining: let the armed wait end, so that

@@ -9,6 +9,11 @@ there before gradsync *posts* its first collective of the step, and under ``bsp`
 handed to this thread, and the strategy joins it just before its first collective
 (``SyncContext.before_collective``): the forward pass, and the backward up to the first
 bucket, hide the round trips, and a step where every rank arrives together pays the join.
+Under ``bsp`` a bucket ready before the gate has opened is not posted then: the reducer asks
+``SyncContext.collective_ready`` (``poll``, which does not wait) at each gradient's hook and
+posts what is ready once it answers yes, or at the block's end, which joins. So the backward
+pass goes on while a peer is still on its way, where it used to stop at its first bucket until
+that peer arrived (DDP's backward never stops for a peer: its all-reduce waits instead).
 
 What stays as it was: gradsync posts a collective of the step only once every rank is at the
 gate, and gradsync's collective timeout (``timeout_s``) is put on the group only then (the
@@ -89,6 +94,19 @@ class GateAhead:
             self._pending, self._error = False, error
         if self._error is not None:
             raise self._error
+
+    def poll(self) -> bool:
+        """Whether the armed wait has ended, without waiting for it (its error raised as
+        ``join`` raises it); True when nothing is armed."""
+        if self._pending:
+            try:
+                error = self._done.get_nowait()
+            except queue.Empty:
+                return False
+            self._pending, self._error = False, error
+        if self._error is not None:
+            raise self._error
+        return True
 
     def _run(self) -> None:
         while True:

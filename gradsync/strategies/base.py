@@ -139,6 +139,10 @@ def _nothing() -> None:
     return None
 
 
+def _always() -> bool:
+    return True
+
+
 def _no_hooks(hooks: CheckpointHooks) -> None:
     return None
 
@@ -220,6 +224,9 @@ class SyncContext:
     #: to call before each collective of a step (a strategy with ``gate_ahead``): ends the
     #: step gate's wait begun at the block's entry, raising its error if it failed
     before_collective: Callable[[], None] = _nothing
+    #: whether ``before_collective`` would return at once (the gate has opened, or there is
+    #: none): a collective that may wait is posted later rather than waited for here
+    collective_ready: Callable[[], bool] = _always
     #: ``membership="torchft"``: the quorum every cross-replica exchange goes through (None:
     #: the group is every replica, for the whole run)
     membership: Membership | None = None

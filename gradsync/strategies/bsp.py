@@ -147,6 +147,9 @@ class BSP(Strategy):
         reducer.guard_writes = True
         # A plain sum carries NaN/Inf to every rank by itself; lossy exchanges need the poison.
         reducer.poison_nonfinite = ctx.skip_nonfinite and ctx.compressor is not ALLREDUCE
+        # A bucket ready before the step gate opens is posted at a later hook or the block's
+        # end, so that backward goes on meanwhile (checks.gate_ahead).
+        reducer.may_launch = ctx.collective_ready
         return reducer
 
     def _log_plan(self, asked: float | str | None) -> None:
@@ -316,9 +319,11 @@ class BSP(Strategy):
                 p.grad = None
 
     def abandon(self, step: int) -> StepOutcome:
-        """This rank's block raised: send NaN for every bucket not yet sent, so the peers'
-        exchange completes and every rank skips the step together (the non-finite guard, or
-        the GradScaler). Buckets all sent already: the step completes as on the peers."""
+        """This rank's block raised: send every bucket not yet sent, as NaN where its
+        gradients were not final, so the peers' exchange completes and every rank skips the
+        step together (the non-finite guard, or the GradScaler). Backward finished before the
+        raise (every bucket's gradients final, sent or held back for the gate): the step
+        completes as on the peers."""
         assert self._ctx is not None
         reducer = self.reducer
         if not reducer.armed:
@@ -454,11 +459,11 @@ class BSP(Strategy):
 
 
 def written_in_flight(step: int, buckets: list[int]) -> UsageError:
-    """The script wrote into gradients whose exchange was still in flight (every rank finds
-    the same buckets: which ones were launched during backward is the same everywhere)."""
+    """The script wrote into gradients before their exchange had completed: in flight, or
+    held back until the step gate opened (every rank finds the write, whichever it was)."""
     return UsageError(
-        f"step {step}: p.grad was changed in place inside the sync.step() block while its "
-        f"exchange was still in flight (bucket(s) {', '.join(map(str, buckets))}), e.g. by "
+        f"step {step}: p.grad was changed in place inside the sync.step() block before its "
+        f"exchange had completed (bucket(s) {', '.join(map(str, buckets))}), e.g. by "
         "clip_grad_norm_ or scaler.unscale_ before s.synchronize(): the write races the "
         "exchange and the replicas drift apart. Call s.synchronize() first (it waits for the "
         "exchange), then clip; or use gs.DistributedDataParallel, whose exchange ends with "

@@ -111,9 +111,10 @@ def test_a_block_that_raises_on_one_rank_is_skipped_by_every_rank() -> None:
             # Its buckets went out as NaN: rank 0 skipped the same step and was told why.
             assert r0["skipped"] == [3]
             assert r0["reasons"] == ["rank 1's step 3 block raised Boom: bad batch"]
-        if strategy == "bsp" and where == "after backward":
-            # Every bucket had gone out: the step completed on every rank, rank 1 included.
-            assert r0["skipped"] == []
+        if strategy == "bsp" and where.startswith("after backward"):
+            # Every bucket's gradients were final, in flight or (rank 0 late) held back for the
+            # gate: the step completed on every rank, rank 1 included.
+            assert r0["skipped"] == [], (where, r0["skipped"])
 
 
 @pytest.mark.timeout(120)

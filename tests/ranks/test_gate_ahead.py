@@ -44,6 +44,8 @@ def launched() -> Iterator[Overlapped]:
     launches["interrupt"] = ranks(
         gate_ahead_ranks.interrupted_while_a_peer_is_away, 2, timeout_s=140
     )
+    launches["late"] = ranks(gate_ahead_ranks.backward_while_a_peer_is_late, 2, timeout_s=140)
+    launches["late clip"] = ranks(gate_ahead_ranks.clip_while_a_peer_is_late, 2, timeout_s=140)
     with overlapped(launches) as out:
         yield out
 
@@ -99,3 +101,29 @@ def test_a_keyboard_interrupt_leaves_the_block_without_waiting_out_the_gate(
     gate, and the launcher kills what is left only after 30 s."""
     r0, _ = launched.result("interrupt")
     assert r0["left_after_s"] < 4, r0
+
+
+@pytest.mark.timeout(150)
+def test_the_backward_pass_goes_on_while_a_peer_is_late_to_the_gate(launched: Overlapped) -> None:
+    """bsp: buckets ready before the gate opens are posted later (at a later gradient's hook or
+    the block's end), not waited for in the hook: rank 0's backward at the step rank 1 is
+    late for took a fraction of the delay (before, it stopped at its first bucket for all of
+    it), its step still waited for the peer, and the replicas agree."""
+    r0, r1 = launched.result("late")
+    late = gate_ahead_ranks.LATE_S
+    assert r0["buckets"] >= 2, r0["buckets"]
+    assert r0["backward_s"][3] < late / 2, r0["backward_s"]
+    assert r0["step_s"][3] > late / 2, r0["step_s"]  # the gate did wait for rank 1
+    assert torch.equal(r0["params"], r1["params"])
+
+
+@pytest.mark.timeout(150)
+def test_a_clip_of_buckets_held_back_for_a_late_peer_is_refused_as_one_in_flight(
+    launched: Overlapped,
+) -> None:
+    """A bucket held back until the gate opens is written by a clip inside the block before
+    it is posted: refused as a write in flight is, on every rank, at that step (rank 0's were
+    held back, rank 1's in flight), not summed as each rank's own clipped gradient."""
+    for rank, out in enumerate(launched.result("late clip")):
+        assert out["step"] == 2, (rank, out)
+        assert "UsageError" in out["error"] and "changed in place" in out["error"], (rank, out)

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import gradsync as gs
@@ -139,3 +140,60 @@ __all__ = [
     "loss_before_any_collective",
     "store_requests_per_step",
 ]
+
+
+#: how late rank 1 reaches step 3's block in ``backward_while_a_peer_is_late``
+LATE_S = 1.0
+
+
+def backward_while_a_peer_is_late(rank: int, world: int) -> dict[str, Any]:
+    """``bsp`` with several buckets; at step 3 rank 1 reaches the block ``LATE_S`` late (its
+    own code between steps). Rank 0's backward pass goes on meanwhile (its buckets are posted
+    once the gate has opened, here at the block's end) and its step waits for the peer there;
+    then training goes on as usual. Each step's backward and whole block, timed."""
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    opt = make_optimizer("sgd", model)
+    sync = gs.Synchronizer(model, opt, "bsp", bucket_mb=0.002, timeout_s=30.0)
+    backward_s, step_s = [], []
+    for step in range(6):
+        if step == 3 and rank == 1:
+            time.sleep(LATE_S)
+        entered = time.monotonic()
+        with sync.step():
+            x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
+            loss = w.loss(model, x, y)
+            started = time.monotonic()
+            loss.backward()
+            backward_s.append(time.monotonic() - started)
+        step_s.append(time.monotonic() - entered)
+    buckets = len(sync.strategy.reducer.buckets)  # type: ignore[attr-defined]
+    params = flat_params(model)
+    sync.close()
+    return {"backward_s": backward_s, "step_s": step_s, "buckets": buckets, "params": params}
+
+
+def clip_while_a_peer_is_late(rank: int, world: int) -> dict[str, Any]:
+    """``bsp``; at step 2 rank 1 reaches the block ``LATE_S`` late, and each rank clips its
+    gradients inside the block after backward (the race docs/porting.md warns of). Rank 0's
+    buckets are held back until the gate opens at the block's end, so its clip writes them
+    before they are posted; rank 1's are in flight. Each rank's first error, and its step."""
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    opt = make_optimizer("sgd", model)
+    sync = gs.Synchronizer(model, opt, "bsp", bucket_mb=0.002, timeout_s=30.0)
+    out: dict[str, Any] = {"error": None, "step": None}
+    for step in range(4):
+        if step == 2 and rank == 1:
+            time.sleep(LATE_S)
+        try:
+            with sync.step():
+                x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
+                w.loss(model, x, y).backward()
+                if step == 2:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out = {"error": f"{type(exc).__name__}: {exc}", "step": step}
+            break
+    sync.close()
+    return out

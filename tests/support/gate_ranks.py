@@ -88,18 +88,22 @@ class Boom(ValueError):
 
 
 def raises_in_block(rank: int, world: int, strategy: str, where: str) -> dict[str, Any]:
-    """Rank 1's block raises at step 3 (``where``: before its backward pass, or after it);
-    the user catches it and trains on. Every rank must skip step 3 together (bsp) and stay in
-    step: same step counts, identical replicas at the end."""
+    """Rank 1's block raises at step 3 (``where``: before its backward pass, or after it,
+    and after it with rank 0 reaching step 3 a second late, so that rank 1's buckets are
+    held back for the step gate when it raises); the user catches it and trains on. Every
+    rank must skip step 3 together (bsp) and stay in step: same step counts, identical
+    replicas at the end."""
     w, model, _, sync = _setup(strategy)
     skipped, reasons, caught = [], [], []
     for step in range(6):
+        if rank == 0 and step == 3 and where.endswith("rank 0 late"):
+            time.sleep(1.0)
         try:
             with sync.step() as h:
                 if rank == 1 and step == 3 and where == "before backward":
                     raise Boom("bad batch")
                 _train_step(w, model, rank, world, step)
-                if rank == 1 and step == 3 and where == "after backward":
+                if rank == 1 and step == 3 and where.startswith("after backward"):
                     raise Boom("bad batch")
         except Boom:
             caught.append(step)
@@ -122,7 +126,12 @@ def raises_in_block_each_way(rank: int, world: int) -> dict[str, Any]:
     return {case: raises_in_block(rank, world, *case) for case in RAISES}
 
 
-RAISES = [("bsp", "before backward"), ("bsp", "after backward"), ("local:2", "before backward")]
+RAISES = [
+    ("bsp", "before backward"),
+    ("bsp", "after backward"),
+    ("bsp", "after backward, rank 0 late"),
+    ("local:2", "before backward"),
+]
 
 
 def raises_while_peer_stopped(rank: int, world: int) -> dict[str, Any]:

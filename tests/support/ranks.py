@@ -78,7 +78,11 @@ def micro_batches(rank: int, world: int, micro: int, per_rank: int) -> dict[str,
         p.register_post_accumulate_grad_hook(
             lambda _, i=i: arrivals.append((i, time.perf_counter()))
         )
-    sync = gs.Synchronizer(model, opt, bucket_mb=0.005)  # 6 buckets, one or two tensors each
+    # 6 buckets, one or two tensors each. The step gate off: this times the reducer's own
+    # launches, and a bucket ready before the gate opens is held back until it has (on a model
+    # this small the gate's round trips can outlast the backward pass: tests/ranks/
+    # test_gate_ahead.py checks that path).
+    sync = gs.Synchronizer(model, opt, bucket_mb=0.005, between_steps_timeout_s=None)
     reducer = sync.strategy.reducer  # type: ignore[attr-defined]
     index = {id(p): i for i, p in enumerate(params)}
     last_bucket = [index[id(p)] for p in reducer.buckets[-1].parameters()]
