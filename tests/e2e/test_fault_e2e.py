@@ -15,7 +15,7 @@ import torch
 
 from gradsync.checkpoint import CheckpointStore
 from tests.support.cli import gradsync
-from tests.support.overlap import Overlapped, overlapped
+from tests.support.overlap import Overlapped, overlapped, run_dir
 from tests.support.shared_runs import (
     FAULT_COMMON,
     KILLED_BSP_RESUMED,
@@ -162,17 +162,12 @@ def resumes(
         yield started
 
 
-def _out(proc: subprocess.CompletedProcess[str]) -> Path:
-    """The run directory a launch was given (its ``--out``)."""
-    return Path(proc.args[proc.args.index("--out") + 1])
-
-
 @pytest.mark.timeout(300)
 def test_bsp_resumes_on_a_different_number_of_ranks(resumes: Overlapped) -> None:
     # The 2-rank run's checkpoint of its last step (the shared run, tests/e2e/conftest.py,
     # copied: this resume writes into its directory), resumed on 3 ranks for 10 more steps.
     more = resumes.result("3 ranks")
-    out = _out(more)
+    out = run_dir(more)
     assert more.returncode == 0, more.stderr[-2000:]
     assert "resuming at step 30" in more.stderr and "restarts from zero" not in more.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gradsync.telemetry.plots import PLOT_FILES
-from tests.support.overlap import Overlapped, overlapped
+from tests.support.overlap import Overlapped, overlapped, run_dir
 from tests.support.shared_runs import USER_SCRIPT, USER_SCRIPT_STEPS, SharedRun
 
 pytestmark = pytest.mark.e2e
@@ -150,15 +150,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
         yield started
 
 
-def _out(proc: subprocess.CompletedProcess[str]) -> Path:
-    """The run directory a launch was given (its first ``--out``)."""
-    return Path(proc.args[proc.args.index("--out") + 1])
-
-
 @pytest.mark.timeout(300)
 def test_compare_runs_each_strategy_on_the_user_script(runs: Overlapped) -> None:
     proc = runs.result("compare")
-    out = _out(proc)
+    out = run_dir(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line}
     assert {"bsp", "local:4"} <= set(table), proc.stdout
@@ -203,7 +198,7 @@ def test_a_front_door_script_that_never_calls_report_keeps_every_step_record(
     Before, 14 steps left metrics.jsonl with 10 of them, and a run of fewer steps than a
     gather failed saying the script "took no step"."""
     proc = runs.result("front-door")
-    out = _out(proc)
+    out = run_dir(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert sorted((r["rank"], r["step"]) for r in records) == [
@@ -219,7 +214,7 @@ def test_the_ranks_stopped_after_a_peer_failed_keep_their_step_records(runs: Ove
     gather every 10 steps), reach metrics.jsonl: rank 0 writes its own when stopped
     (gradsync.runner.stopped). Before, metrics.jsonl held rank 1's alone."""
     proc = runs.result("failing")
-    out = _out(proc)
+    out = run_dir(proc)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "the user's error at step 5" in proc.stderr, proc.stderr[-3000:]
     records = {(r["rank"], r["step"]) for r in map(json.loads, (out / "metrics.jsonl").open())}

@@ -18,10 +18,12 @@ run alone, as are the tests after a fixture's launches where needed (``Overlappe
 from __future__ import annotations
 
 import functools
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from gradsync.testing import run_ranks
@@ -58,3 +60,8 @@ def overlapped(launches: dict[str, Callable[[], Any]]) -> Iterator[Overlapped]:
         yield Overlapped({name: pool.submit(launch) for name, launch in launches.items()})
     finally:
         pool.shutdown(wait=True)
+
+
+def run_dir(proc: subprocess.CompletedProcess[str]) -> Path:
+    """The run directory a ``gradsync run`` launch was given (its first ``--out``)."""
+    return Path(proc.args[proc.args.index("--out") + 1])
