@@ -223,6 +223,7 @@ class BucketReducer:
         #: with ``guard_writes``, a gradient's write count when its bucket was held back (by
         #: id of its parameter): a script's write before the bucket is posted is found too
         self._held_writes: dict[int, int] = {}
+        self._noted = 0  # the first bucket whose held-back write counts are not taken yet
         self._written_before_launch: list[int] = []
         self._launch_writes: list[int | None] = []
         #: the indices of the buckets that ``wait()`` found written during their exchange
@@ -240,6 +241,7 @@ class BucketReducer:
         self._launch_writes = [None] * len(self.buckets)
         self.written_in_flight = []
         self._held_writes = {}
+        self._noted = 0
         self._written_before_launch = []
         self.launch_log = []
         self._spans = []
@@ -353,13 +355,14 @@ class BucketReducer:
 
     def _note_held(self, first: int) -> None:
         """The write counts of the final gradients of the buckets held back from ``first`` on,
-        taken once each: the backward pass is still running, so the script has not written."""
-        for bucket in self.buckets[first:]:
-            if self._pending_params[bucket.index()] > 0:
-                return
-            for p in bucket.parameters():
-                if p.grad is not None and id(p) not in self._held_writes:
+        taken once per bucket (``_noted`` moves past it): the backward pass is still running,
+        so the script has not written."""
+        self._noted = max(self._noted, first)
+        while self._noted < len(self.buckets) and self._pending_params[self._noted] == 0:
+            for p in self.buckets[self._noted].parameters():
+                if p.grad is not None:
                     self._held_writes[id(p)] = compat.write_count(p.grad)
+            self._noted += 1
 
     def _check_held(self, bucket: GradBucket) -> None:
         """Whether the script wrote a gradient of ``bucket`` while it was held back: the same
