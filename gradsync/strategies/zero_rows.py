@@ -100,10 +100,10 @@ def why_not_rows(
         )
     for p in params:
         if p.dim() and not p.is_contiguous():  # channels_last, a transposed view
-            name = (names or {}).get(id(p))
-            what = f"parameter {name!r} (shape {tuple(p.shape)})" if name else "a parameter"
+            name, shape = (names or {}).get(id(p)), tuple(p.shape)
+            it = f"parameter {name!r} (shape {shape})" if name else f"a parameter of shape {shape}"
             return (
-                f"{what} is not contiguous (a piece of rows is a view of one): its memory "
+                f"{it} is not contiguous (a piece of rows is a view of one): its memory "
                 "format is channels_last or it is a transposed view"
             )
     return None
