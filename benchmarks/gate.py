@@ -17,6 +17,7 @@ processes on 2 cores already share them 4 to 1).
 from __future__ import annotations
 
 import datetime
+import math
 import multiprocessing
 import statistics
 import threading
@@ -147,26 +148,48 @@ def store_rate(clients: int = STORE_CLIENTS, requests: int = 3000) -> float:
 
 def priced(rate: float) -> list[list[str]]:
     """The simulator's price of the gate with the measured store: a 100 ms step (a third
-    forward, gradients in 4 buckets over the backward), 10 ms of exchange."""
+    forward, gradients in 4 buckets over the backward), 10 ms of exchange; the gate flat (every
+    rank at the one store) and in the runtime's automatic groups (``checks.gate_groups``),
+    the world's store taking every rank's heartbeat a second in both."""
     rows = []
     for ranks in PRICED_RANKS:
-        compute = np.full((3, ranks), 100.0)
-        ov = Overlap(backward_frac=2 / 3, buckets=4)
-        on = simulate(
-            "bsp", compute, CommModel(comm_ms=10.0, gate=StoreGate(store_rate=rate)), overlap=ov
-        )
-        off = simulate("bsp", compute, CommModel(comm_ms=10.0), overlap=ov)
-        cost = (on.wall_ms - off.wall_ms) / on.steps
-        opens = StoreGate(store_rate=rate).open_ms(ranks)
+        grouped = StoreGate(store_rate=rate)
+        flat = StoreGate(store_rate=rate, group_size=ranks)
         rows.append(
             [
                 str(ranks),
-                f"{opens:.1f} ms",
-                f"{cost:.1f} ms",
-                f"{cost / (off.wall_ms / off.steps):.1%}",
+                *_price(flat, ranks),
+                grouped.form(ranks),
+                *_price(grouped, ranks),
             ]
         )
     return rows
+
+
+#: the columns of :func:`priced`'s rows
+PRICED_HEADER = [
+    "ranks",
+    "flat: gate opens after",
+    "its cost a step",
+    "of the step",
+    "automatic: groups",
+    "gate opens after",
+    "its cost a step",
+    "of the step",
+]
+
+
+def _price(gate: StoreGate, ranks: int) -> list[str]:
+    """When ``gate`` opens on ``ranks`` ranks, what it adds to the step, and its share."""
+    compute = np.full((3, ranks), 100.0)
+    ov = Overlap(backward_frac=2 / 3, buckets=4)
+    on = simulate("bsp", compute, CommModel(comm_ms=10.0, gate=gate), overlap=ov)
+    off = simulate("bsp", compute, CommModel(comm_ms=10.0), overlap=ov)
+    cost = (on.wall_ms - off.wall_ms) / on.steps
+    opens = gate.open_ms(ranks)
+    if math.isinf(opens):  # the heartbeats alone take the world's store
+        return ["never", "every step", "-"]
+    return [f"{opens:.1f} ms", f"{cost:.1f} ms", f"{cost / (off.wall_ms / off.steps):.1%}"]
 
 
 def render(results: dict[tuple[str, int], dict[str, Any]], command: str, rate: float) -> str:
@@ -211,8 +234,10 @@ def render(results: dict[tuple[str, int], dict[str, Any]], command: str, rate: f
         "a second (TCPStore on loopback). What the simulator makes of it (`gradsync simulate "
         "--gate-store-rate`, `gradsync.sim.gate`) for `bsp` with a 100 ms step (a third of it "
         "forward, the gradient in 4 buckets over the backward) and 10 ms of exchange, the gate "
-        "waited ahead:\n\n"
-        + table(["ranks", "gate opens after", "its cost a step", "of the step"], priced(rate))
+        "waited ahead, flat (every rank at the one store) and in the runtime's automatic groups "
+        "(`gradsync.checks.gate_groups`), the world's store also taking every rank's heartbeat "
+        "once a second:\n\n"
+        + table(PRICED_HEADER, priced(rate))
         + f"\n\n{machine()}. Command: `{command}`\n"
     )
 

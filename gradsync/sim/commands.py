@@ -20,9 +20,10 @@ from gradsync.sim.config import (
     takes_hierarchy,
 )
 from gradsync.sim.failures import LLAMA3, format_table, goodput
-from gradsync.sim.gate import REQUESTS_PER_RANK
+from gradsync.sim.gate import REQUESTS_PER_RANK, StoreGate
 from gradsync.sim.options import (
     DEFAULT_STRATEGY,
+    GATED,
     SimulateOptions,
     check_gate,
     comm_model,
@@ -89,11 +90,20 @@ def single(args: SimulateOptions) -> int:
             f"{strategy.spec} has none"
         )
     compute = model.draw()
+    gated = comm.gate is not None and strategy.kind in GATED
+    if gated and comm.gate is not None and math.isinf(comm.gate.open_ms(model.workers)):
+        # No step ever starts: the step table would be all inf and its shares nan (not JSON),
+        # so the gate's line alone says why.
+        ov = overlap_from_args(args) if args.overlap else None
+        doc = {"strategy": strategy.spec, "workers": model.workers, "steps": model.steps}
+        doc["gate"], text = _gate_cost(strategy, compute, comm, ov)
+        emit(args, doc, text)
+        return 0
     if args.overlap:
         doc, text = _overlapped(args, strategy, model, compute, comm)
     else:
         doc, text = _one(args, strategy, model, compute, comm, layers)
-    if comm.gate is not None and strategy.kind in ("bsp", "zero"):
+    if gated:
         ov = overlap_from_args(args) if args.overlap else None
         doc["gate"], line = _gate_cost(strategy, compute, comm, ov)
         text += "\n" + line
@@ -110,24 +120,51 @@ def _gate_cost(
     strategy: SimStrategy, compute: np.ndarray, comm: CommModel, ov: Overlap | None
 ) -> tuple[dict[str, Any], str]:
     """The step gate's share of the step: the run priced with and without it."""
-    assert comm.gate is not None
+    gate = comm.gate
+    assert gate is not None
     workers = compute.shape[1]
     with_gate = simulate(strategy, compute, comm, overlap=ov)
     without = simulate(strategy, compute, replace(comm, gate=None), overlap=ov)
     per_step = (with_gate.wall_ms - without.wall_ms) / with_gate.steps
     share = per_step / (without.wall_ms / without.steps)
     doc = {
-        "opens_ms": comm.gate.open_ms(workers),
+        "opens_ms": gate.open_ms(workers),
         "cost_ms_per_step": per_step,
         "share_of_step": share,
-        "store_rate": comm.gate.store_rate,
+        "store_rate": gate.store_rate,
+        "group_size": gate.size(workers),
     }
-    line = (
-        f"step gate              {per_step:.2f} ms a step ({share:+.1%} of the step without it): "
-        f"it opens {doc['opens_ms']:.2f} ms after the ranks arrive ({REQUESTS_PER_RANK} requests "
-        f"x {workers} ranks at {comm.gate.store_rate:g}/s, + 2 round trips)"
+    return doc, _gate_line(gate, workers, doc)
+
+
+def _gate_line(gate: StoreGate, workers: int, doc: dict[str, Any]) -> str:
+    """The gate's line of ``simulate``'s output: its cost, and the form it was priced in."""
+    world = gate.world_rate(workers)
+    beats = f"{world:g}/s of {gate.store_rate:g}/s left by {workers} ranks' heartbeats"
+    if math.isinf(doc["opens_ms"]):
+        # the heartbeats alone take all the world's store serves: no step ever starts
+        return (
+            f"step gate              never opens: {workers} ranks' heartbeats "
+            f"({workers / gate.beat_s:g} writes/s) take all of the store's "
+            f"{gate.store_rate:g}/s; give more --gate-store-rate"
+        )
+    g = doc["group_size"]
+    if g >= workers:
+        how = (
+            f"flat: {REQUESTS_PER_RANK} requests x {workers} ranks at the world's store, "
+            f"{beats}, + 2 round trips"
+        )
+    else:
+        how = (
+            f"{gate.form(workers)}: {REQUESTS_PER_RANK} requests x {g} ranks at each group's "
+            f"store, + {g} for its go, then x {gate.groups(workers)} groups at the world's "
+            f"store, {beats}, + 4 round trips"
+        )
+    return (
+        f"step gate              {doc['cost_ms_per_step']:.2f} ms a step "
+        f"({doc['share_of_step']:+.1%} of the step without it): it opens "
+        f"{doc['opens_ms']:.2f} ms after the ranks arrive ({how})"
     )
-    return doc, line
 
 
 def _overlapped(

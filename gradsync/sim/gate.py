@@ -1,23 +1,46 @@
-"""The step gate's cost at scale (issue 44): what the gate's store round trips cost a step
-once every rank's requests go through the one store on rank 0.
+"""The step gate's cost at scale (issue 44): what the gate's store round trips cost a step, flat
+(every rank's requests at the one store on rank 0) or in groups (``gradsync.checks.gate_groups``).
 
-The gate (``gradsync.checks.gate``) has every rank make two requests to the store per step: an
-``add`` when it arrives, then a ``wait`` for the last arrival's ``go`` (the last arrival makes a
-``set`` instead). The store serves requests one at a time, so the last ``go`` is set about
-``2 N / rate`` after the ranks leave their previous step together (a lockstep strategy's ranks
-do), plus a round trip for the last ``add`` and one for the ``go`` to reach the waiters::
+Why it is written this way: a store serves requests one at a time, so what a gate costs is the
+requests its busiest store serves before the last ``go`` is set, at that store's rate. The
+ranks leave their previous step together (a lockstep strategy's ranks do) and arrive at about
+the same time, so each store's requests queue up at once.
 
-    gate opens = 2 N / store_rate + 2 RTT
+Flat (``g == N``): every rank makes two requests to the world's store, an ``add`` when it
+arrives and a ``wait`` for the last arrival's ``go`` (the last arrival makes a ``set``
+instead); then a round trip for the last ``add`` and one for the ``go`` to reach the waiters::
 
-Under ``bsp`` and ``zero:1``/``zero:2`` that wait runs on its own thread from the block's entry
+    flat gate opens    = 2 N / R_world + 2 RTT
+
+In ``G = ceil(N / g)`` groups of ``g`` ranks: each rank makes its two requests to its group's
+store, the groups' stores serving theirs side by side; the last arrival of each group then makes
+two at the world's store, where the groups are counted; then it sets its group's ``go``, which
+its group's store hands to the ``g - 1`` waiters (counted as ``g`` requests more). Four round
+trips: the group's ``add``, the world's ``add``, the world's ``go``, the group's ``go``::
+
+    grouped gate opens = 2 g / R + 2 G / R_world + g / R + 4 RTT
+
+``R`` is what one store serves in requests per second with many clients (``store_rate``;
+TCPStore on loopback here: ``benchmarks.gate`` measures it). ``R_world = R - N / beat_s``: the
+world's store also takes every rank's heartbeat, one write each ``beat_s``
+(``gradsync.checks.diagnose``), which leaves it that much less for the gate; where the
+heartbeats alone take all of it (``N / beat_s >= R``) the gate never opens: ``open_ms`` is
+``math.inf``. The group size is the runtime's (``gradsync.checks.gate_groups.group_size``):
+flat below 64 ranks unless one is given, else ``ceil(sqrt(N))``, which brings the busiest store
+from ``2 N`` to about ``4 sqrt(N)`` requests a step.
+
+Under ``bsp`` and ``zero:1``/``zero:2`` the wait runs on its own thread from the block's entry
 and is joined before the step's first collective (``gradsync.checks.gate_ahead``): it costs the
 step only what is left of it when the first bucket is ready. ``zero:3`` gathers parameters in
 the forward, so its gate comes before it and all of it is on the critical path.
 
-``store_rate`` is what one store serves in requests per second with many clients (TCPStore on
-loopback here: ``benchmarks.gate`` measures it); the model ignores the waits' own cost at the
-store (a registration each) beyond their request. What it says: with tens of thousands of
-requests a second, the gate is free on a few ranks and dominates the step at thousands.
+Limits: one rate for every store, whatever its load and host (a group's store is served by one
+of the training ranks, beside its training); the waits' own cost at the store (a registration
+each) counted only as their request; the peers' heartbeats the waiting gate reads, and the
+voucher's writes, left out; the arrivals taken as simultaneous, so a group whose ranks arrive
+spread out queues less than priced. What it says: with tens of thousands of requests a second,
+the flat gate is free on a few ranks and dominates the step at thousands; in groups it stays
+within milliseconds at 16,384 ranks.
 """
 
 from __future__ import annotations
@@ -29,17 +52,22 @@ from gradsync.errors import UsageError
 
 __all__ = ["StoreGate"]
 
-#: requests each rank makes to the store per gate
+#: requests each rank makes to its gate's store per step (an add, then a wait or the go's set)
 REQUESTS_PER_RANK = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StoreGate:
-    """One store serving every rank's gate requests: ``store_rate`` requests per second, each
-    round trip ``rtt_ms``."""
+    """The step gate's stores: each serving ``store_rate`` requests per second, each round trip
+    ``rtt_ms``; ranks counted in groups of ``group_size`` (None: the runtime's automatic size,
+    as ``Limits.gate_group_size=None``); every rank's heartbeat written to the world's store
+    each ``beat_s`` seconds (the runtime's: ``min(1, timeout_s / 4)``, 1 s from a 4 s timeout
+    up)."""
 
     store_rate: float
     rtt_ms: float = 0.1
+    group_size: int | None = None
+    beat_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not (self.store_rate > 0 and math.isfinite(self.store_rate)):
@@ -49,12 +77,62 @@ class StoreGate:
             )
         if not (self.rtt_ms >= 0 and math.isfinite(self.rtt_ms)):
             raise UsageError(f"--gate-rtt-ms must be a finite number >= 0, got {self.rtt_ms}")
+        check_group_size(self.group_size)
+        if not (self.beat_s > 0 and math.isfinite(self.beat_s)):
+            raise UsageError(
+                f"the heartbeat's beat_s must be a finite number > 0, got {self.beat_s}"
+            )
+
+    def size(self, workers: int) -> int:
+        """Ranks counted at each group's store on ``workers`` ranks (``workers``: flat)."""
+        # Imported here, not at the top: the runtime's module needs torch, and the simulator
+        # imports and runs without it unless a gate is priced (tests/e2e/test_sim_no_torch.py).
+        from gradsync.checks.gate_groups import group_size
+
+        return group_size(workers, self.group_size)
+
+    def groups(self, workers: int) -> int:
+        """How many groups ``workers`` ranks make (1: flat)."""
+        from gradsync.checks.gate_groups import groups_of
+
+        return groups_of(workers, self.size(workers))
+
+    def world_rate(self, workers: int) -> float:
+        """Requests a second the world's store has for the gate once ``workers`` heartbeats are
+        served (<= 0: none)."""
+        return self.store_rate - workers / self.beat_s
+
+    def form(self, workers: int) -> str:
+        """``flat``, or ``G groups of g``, as the gate is on ``workers`` ranks."""
+        g = self.size(workers)
+        return "flat" if g >= workers else f"{self.groups(workers)} groups of {g}"
 
     def open_ms(self, workers: int) -> float:
-        """Milliseconds from the ranks' arrival to the gate's opening on ``workers`` ranks."""
-        return 1000.0 * REQUESTS_PER_RANK * workers / self.store_rate + 2 * self.rtt_ms
+        """Milliseconds from the ranks' arrival to the gate's opening on ``workers`` ranks
+        (``math.inf`` where the heartbeats leave the world's store nothing for it)."""
+        world = self.world_rate(workers)
+        if world <= 0:
+            return math.inf
+        g = self.size(workers)
+        if g >= workers:
+            return 1000.0 * REQUESTS_PER_RANK * workers / world + 2 * self.rtt_ms
+        group = REQUESTS_PER_RANK * g / self.store_rate  # the groups' stores, side by side
+        top = REQUESTS_PER_RANK * self.groups(workers) / world  # each group's last arrival
+        go = g / self.store_rate  # the group's go, handed to its waiters
+        return 1000.0 * (group + top + go) + 4 * self.rtt_ms
 
     def cost_ms(self, workers: int, hidden_ms: float) -> float:
         """What the gate adds to a step whose first collective is ready ``hidden_ms`` after the
         ranks arrive (0 where the gate comes before any compute)."""
         return max(0.0, self.open_ms(workers) - hidden_ms)
+
+
+def check_group_size(size: int | None) -> None:
+    """``UsageError`` naming ``--gate-group-size`` unless ``size`` is None (automatic) or a
+    whole number of ranks >= 2 (as ``Limits.gate_group_size``)."""
+    if size is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 2):
+        return
+    raise UsageError(
+        f"--gate-group-size must be a whole number of ranks >= 2 (or not given: automatic, flat "
+        f"below 64 ranks, else about the square root of the ranks), got {size!r}"
+    )

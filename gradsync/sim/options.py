@@ -29,7 +29,7 @@ from gradsync.sim.failures import (
     STEP_S,
     FailureCosts,
 )
-from gradsync.sim.gate import StoreGate
+from gradsync.sim.gate import StoreGate, check_group_size
 from gradsync.sim.model import ALGORITHMS, AlphaBeta
 from gradsync.sim.simulate import Overlap
 
@@ -113,11 +113,20 @@ class SimulateOptions:
     gate_store_rate: float | None = flag(
         None,
         metavar="REQ_PER_S",
-        help="price the step gate (bsp, zero:N): one store serving REQ_PER_S requests a second, "
-        "two per rank per step (benchmarks.gate measures it; default: not priced)",
+        help="price the step gate (bsp, zero:N): each of its stores serving REQ_PER_S requests "
+        "a second, two per rank per step, the world's store also a heartbeat per rank per "
+        "second (benchmarks.gate measures the rate; default: not priced)",
         group=COMM,
     )
     gate_rtt_ms: float = flag(0.1, help="the gate's store round trip, ms (0.1)", group=COMM)
+    gate_group_size: int | None = flag(
+        None,
+        metavar="G",
+        help="the gate's ranks counted in groups of G, each at a store of its own, as "
+        "Limits(gate_group_size=G); G >= the workers is flat (default: automatic, as the "
+        "runtime: flat below 64 ranks, else about the square root of the ranks)",
+        group=COMM,
+    )
     compression_ratio: float = flag(
         1.0,
         help="a compressor's: each exchange carries bytes / R (int4 about 7.5, int8 about 4; "
@@ -277,6 +286,13 @@ class SimulateOptions:
             raise UsageError(
                 f"--gate-rtt-ms {self.gate_rtt_ms} is the step gate's store round trip, priced "
                 "only with --gate-store-rate REQ_PER_S: give it too, or drop --gate-rtt-ms"
+            )
+        check_group_size(self.gate_group_size)
+        if self.gate_store_rate is None and self.gate_group_size is not None:
+            raise UsageError(
+                f"--gate-group-size {self.gate_group_size} is how the step gate counts its "
+                "ranks, priced only with --gate-store-rate REQ_PER_S: give it too, or drop "
+                "--gate-group-size"
             )
         for name in ("sweep_staleness", "sweep_workers"):
             text = getattr(self, name)
@@ -560,7 +576,9 @@ def gate_from_args(args: SimulateOptions) -> StoreGate | None:
     """``--gate-store-rate``: the step gate's store; None (not priced) without it."""
     if args.gate_store_rate is None:
         return None
-    return StoreGate(store_rate=args.gate_store_rate, rtt_ms=args.gate_rtt_ms)
+    return StoreGate(
+        store_rate=args.gate_store_rate, rtt_ms=args.gate_rtt_ms, group_size=args.gate_group_size
+    )
 
 
 def parse_gpus(text: str | None) -> list[int]:

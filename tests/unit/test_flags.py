@@ -327,6 +327,7 @@ PUBLIC: dict[str, dict[str, Any]] = {
         "--calibration": None,
         "--gate-store-rate": None,
         "--gate-rtt-ms": 0.1,
+        "--gate-group-size": None,
         "--compression-ratio": 1.0,
         "--hosts": None,
         "--allreduce": "ring",
