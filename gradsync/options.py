@@ -146,6 +146,10 @@ class Limits:
         help="seconds a synchronizing wait may take before failing (default: %(default)g)",
     )
     between_steps_timeout_s: float | None = DEFAULT_BETWEEN_STEPS_S
+    #: ranks the gate counts together at a store of their own (``gradsync.checks.gate_groups``):
+    #: None, automatic (flat below 64 ranks, else about the square root of the world); a size
+    #: >= the world's makes it flat
+    gate_group_size: int | None = None
 
     def __post_init__(self) -> None:
         timeout_s = self.timeout_s
@@ -155,6 +159,12 @@ class Limits:
         if between is not None and not (_is_number(between) and between > 0):
             raise UsageError(
                 f"between_steps_timeout_s must be > 0 or None (no gate), got {between!r}"
+            )
+        size = self.gate_group_size
+        if size is not None and not (isinstance(size, int) and size >= 2):
+            raise UsageError(
+                f"gate_group_size must be an integer >= 2 (ranks counted together at the step "
+                f"gate's group stores) or None (automatic), got {size!r}"
             )
 
 

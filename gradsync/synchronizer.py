@@ -179,12 +179,14 @@ class Synchronizer:
     between steps (see ``gradsync.checks.diagnose``). A rank still in its own code between
     steps (an evaluation on rank 0) is waited for up to ``between_steps_timeout_s`` before
     the next collective is posted (``gradsync.checks.gate``); None turns that gate off, and then
-    ``timeout_s`` bounds those waits too.
+    ``timeout_s`` bounds those waits too. ``gate_group_size``: ranks the gate counts together
+    at a store of their own (None: flat below 64 ranks, else about the square root of the
+    world; ``gradsync.checks.gate_groups``).
 
     The settings also come grouped (``gradsync.options``): ``exchange=Exchange(...)``
     (``bucket_mb``, ``allreduce``, ``accumulation``, ``broadcast_buffers``,
     ``find_unused_parameters``, ``balance``),
-    ``limits=Limits(...)`` (``timeout_s``, ``between_steps_timeout_s``),
+    ``limits=Limits(...)`` (``timeout_s``, ``between_steps_timeout_s``, ``gate_group_size``),
     ``telemetry=Telemetry(...)`` (``telemetry_every``, ``record_spans``, ``on_records``;
     ``telemetry=False`` turns it off) and ``checks=Checks(...)`` (``check_every``,
     ``skip_nonfinite``), each field the keyword of its name; a setting given both ways is
@@ -230,6 +232,7 @@ class Synchronizer:
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         between_steps_timeout_s: float | None = DEFAULT_BETWEEN_STEPS_S,
+        gate_group_size: int | None = None,
         allreduce: str = "ring",
         run_dir: str | Path | None = None,
         exchange: Exchange | None = None,
@@ -409,7 +412,7 @@ class Synchronizer:
         # Parameter servers serve inside gradsync, never in the user's code: no gate there.
         between = limits.between_steps_timeout_s
         gate = (
-            StepGate(watch, watch.timeout_s, between)
+            StepGate(watch, watch.timeout_s, between, group_size=limits.gate_group_size)
             if self.world_size > 1 and between is not None and not self.strategy.servers
             else None
         )
@@ -1365,6 +1368,8 @@ class Synchronizer:
         this Synchronizer."""
         if self._ahead is not None:
             self._ahead.stop()
+        if self._gate is not None:
+            self._gate.close()
         self._watch.stop()
         if self._group_timeout is not None:
             self._group_timeout.restore()

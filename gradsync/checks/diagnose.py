@@ -188,7 +188,8 @@ class ArrivalWatch:
         self.stale_s = max(3 * self.beat_s, 1.0)
         self._phase: tuple[str, int, str] = (BETWEEN, START, "")
         self._beats = 0
-        self._garbage: list[str] = []
+        #: keys to delete from the watchdog thread, each with its store (None: this watch's)
+        self._garbage: list[tuple[Any | None, str]] = []
         #: this rank's voucher, where a peer is on another machine (started by ``gathered``)
         self._voucher: voucher.Claim | None = None
         self._gathered = False
@@ -198,6 +199,11 @@ class ArrivalWatch:
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
+
+    @property
+    def tcp_store(self) -> Any | None:
+        """The TCPStore under this watch's store, or None where it is none (a FileStore)."""
+        return self._tcp
 
     @property
     def prefix(self) -> str:
@@ -325,13 +331,15 @@ class ArrivalWatch:
             return None
         return Beat.parse(self.store.get(key))
 
-    def discard(self, keys: list[str]) -> None:
-        """Delete ``keys`` from the store soon, from the watchdog thread."""
-        self._garbage.extend(keys)
+    def discard(self, keys: list[str], store: Any | None = None) -> None:
+        """Delete ``keys`` from ``store`` (this watch's where None) soon, from the watchdog
+        thread."""
+        self._garbage.extend((store, key) for key in keys)
 
     def _collect_garbage(self) -> None:
         while self._garbage:
-            self.store.delete_key(self._garbage.pop(0))
+            store, key = self._garbage.pop(0)
+            (self.store if store is None else store).delete_key(key)
 
     def note_failure(self, step: int, text: str) -> None:
         """Leave word that this rank's step ``step`` failed (its block raised), for the peers'

@@ -51,7 +51,9 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from gradsync.checks import gate_groups
 from gradsync.checks.diagnose import BETWEEN, GATE, USER_GATE, ArrivalWatch, Beat, where
 from gradsync.errors import SyncTimeoutError
 
@@ -102,11 +104,25 @@ class StepGate:
     _user: bool = False
     #: set by ``cancel``: a wait in flight (on ``GateAhead``'s thread) gives up
     _cancelled: bool = False
+    #: ranks counted together at a store of their own (``Limits.gate_group_size``; None:
+    #: automatic, see ``gradsync.checks.gate_groups``)
+    group_size: int | None = None
+    _layout: tuple[range, int, int] | None = None
+    _server: Any | None = None
+    _group: gate_groups.GateGroup | None = None
+    _group_store: Any | None = None
 
     def cancel(self) -> None:
         """Make a wait in flight on another thread give up at its next poll (the
         Synchronizer is closing, or the process exits)."""
         self._cancelled = True
+
+    def close(self) -> None:
+        """Let go of the group's store (``gradsync.checks.gate_groups``) when the
+        Synchronizer closes; the gate is not passed again."""
+        if self._group is not None:
+            self._group.close()
+        self._group = self._group_store = self._server = None
 
     def left(self) -> None:
         """Control went back to the user's code: the next collective needs a gate."""
@@ -140,11 +156,15 @@ class StepGate:
         are not, and where they are, when the bounds above run out. ``user``: the gate comes
         before a collective of the user's own code (``before_user_collective``)."""
         watch = self.watch
-        store = watch.store
         self._fresh = True
-        if store is None or watch.world_size == 1:
+        if watch.store is None or watch.world_size == 1:
             return
         watch.start()
+        first = self._count == 0
+        if first:  # the group's store must be up before its peers pass the first gate
+            self._layout = gate_groups.plan(watch, self.group_size)
+            if self._layout is not None:
+                self._server = gate_groups.serve(watch, self._layout)
         # Named after the step and the collective too: ranks at different places never meet.
         name = f"{watch.prefix}/gate/{self._count}/{step}/{what}"
         self._count += 1
@@ -152,18 +172,15 @@ class StepGate:
         self._user = user
         before, here = watch.phase, (USER_GATE if user else GATE, step, self._label)
         watch.enter(*here)
-        count = int(store.add(name, 1))
-        if count > watch.world_size:  # each rank adds one: another process added the rest
-            raise SyncTimeoutError(
-                f"{where(step)}: {what}: the gate's counter reads {count} for "
-                f"{watch.world_size} ranks: a process outside this run (or a previous run on the "
-                "same store) wrote into its store. See README's trust model."
-            )
-        if count == watch.world_size:
-            store.set(name + "/go", "1")
+        if self._group is None:
+            self._count_in(watch.store, name, watch.world_size, step, what)
         else:
-            self._await(name + "/go", step, what)
+            self._count_grouped(self._group, name, step, what)
         self._forget(name)
+        if first and self._layout is not None:
+            # Every first rank left its address before arriving: read before the keys are
+            # named through an agreed secret (``secure``), as it was written.
+            self._group = gate_groups.reach(watch, self._layout, self._server)
         watch.gathered()  # every rank is here: those with a peer on another machine get a voucher
         # Where no secret was given, the ranks agree on one at their first gate, all present.
         try:
@@ -172,11 +189,46 @@ class StepGate:
             raise SyncTimeoutError(
                 f"{where(step)}: {what}: agreeing on the run's secret failed: {exc}"
             ) from exc
+        if first and self._group is not None:
+            self._group_store = self._group.keyed_as(watch.store)
         if watch.phase == here:
             # Passed: back to where the rank was (inside its block, for the step's gate), so a
             # peer that times out later does not say it is still waiting to begin the step.
             # Unless the rank moved on meanwhile (the gate waited ahead, on its own thread).
             watch.enter(*before)
+
+    def _counted(self, store: Any, name: str, expected: int, step: int, what: str) -> int:
+        """Add this rank (or its group) to ``name``'s counter in ``store``, where ``expected``
+        arrive: its count, checked."""
+        count = int(store.add(name, 1))
+        if count > expected:  # each adds one: another process added the rest
+            raise SyncTimeoutError(
+                f"{where(step)}: {what}: the gate's counter reads {count} for {expected} "
+                f"{'ranks' if expected == self.watch.world_size else 'arrivals'}: a process "
+                "outside this run (or a previous run on the same store) wrote into its store. "
+                "See README's trust model."
+            )
+        return count
+
+    def _count_in(self, store: Any, name: str, expected: int, step: int, what: str) -> None:
+        """Count in at ``name`` in ``store``, where ``expected`` arrive: the last sets
+        ``name/go``, the others wait for it."""
+        if self._counted(store, name, expected, step, what) == expected:
+            store.set(name + "/go", "1")
+        else:
+            self._await(store, name + "/go", step, what)
+
+    def _count_grouped(self, group: gate_groups.GateGroup, name: str, step: int, what: str) -> None:
+        """The gate in two levels (``gradsync.checks.gate_groups``): the group's last arrival
+        counts its group in at the world's store, then opens the group's."""
+        store = self._group_store
+        expected = len(group.ranks)
+        if store is not None and self._counted(store, name, expected, step, what) < expected:
+            self._await(store, name + "/go", step, what)
+            return
+        self._count_in(self.watch.store, name, group.groups, step, what)
+        if store is not None:
+            store.set(name + "/go", "1")
 
     def _forget(self, name: str) -> None:
         """Delete the keys of the gate two back: every rank has passed it by now (a rank
@@ -184,16 +236,21 @@ class StepGate:
         self._history.append(name)
         if len(self._history) > 2:
             old = self._history.pop(0)
-            if self.watch.rank == 0:  # by the watchdog thread, off the step's critical path
-                self.watch.discard([old, old + "/go"])
+            watch, group = self.watch, self._group
+            if watch.rank == 0:  # by the watchdog thread, off the step's critical path
+                watch.discard([old, old + "/go"])
+            if group is not None and group.ranks[0] == watch.rank and self._group_store is not None:
+                watch.discard([old, old + "/go"], store=self._group_store)
 
-    def _await(self, go: str, step: int, what: str) -> None:
+    def _await(self, store: Any, go: str, step: int, what: str) -> None:
+        """Until ``go`` is set in ``store``; the peers judged meanwhile (the module's
+        docstring)."""
         watch = self.watch
         started = time.monotonic()
         peers: dict[int, _Peer] = {}
         try:
             # The usual case: every rank arrives within moments, answered by one blocking wait.
-            watch.store.wait([go], datetime.timedelta(seconds=watch.arrive_after_s))
+            store.wait([go], datetime.timedelta(seconds=watch.arrive_after_s))
             return
         except RuntimeError as exc:  # DistStoreError: nobody set it in that time
             if not transient_store_error(exc):
@@ -206,7 +263,7 @@ class StepGate:
         while True:
             judge_at = time.monotonic() + min(0.5, watch.beat_s)
             while time.monotonic() < judge_at:
-                if self._opened(go, step, what):
+                if self._opened(store, go, step, what):
                     return
                 if self._cancelled:
                     raise SyncTimeoutError(f"{where(step)}: {what}: the wait was cancelled")
@@ -219,7 +276,7 @@ class StepGate:
                     "was changed by a process outside this run (see README's trust model)."
                 ]
             # A peer that passed already may have moved on by the time its beat was read.
-            if reasons and not self._opened(go, step, what):
+            if reasons and not self._opened(store, go, step, what):
                 waited = time.monotonic() - started
                 raise SyncTimeoutError(
                     f"{where(step)}: {what} (waiting for every rank to arrive before the "
@@ -228,12 +285,12 @@ class StepGate:
                     f"never arrived: ranks {sorted(peers)}. " + " ".join(reasons)
                 )
 
-    def _opened(self, go: str, step: int, what: str) -> bool:
+    def _opened(self, store: Any, go: str, step: int, what: str) -> bool:
         """Whether the gate's ``go`` key is set. A store call that fails for a moment (on an
         oversubscribed machine a socket read can give up with EAGAIN, issue 43 item 6) reads
         as "not yet": the peers' heartbeats, not one store call, decide when to give up."""
         try:
-            return bool(self.watch.store.check([go]))
+            return bool(store.check([go]))
         except RuntimeError as exc:
             if transient_store_error(exc):
                 return False

@@ -69,6 +69,12 @@ class KeyedStore:
         self._key = bytes.fromhex(secret) if _is_hex(secret) else secret.encode()
         self._key = self._key[:64] or b"\0"  # blake2b takes at most 64 bytes of key
 
+    def over(self, store: Any) -> KeyedStore:
+        """``store`` with its keys named as this one's (the step gate's group stores)."""
+        keyed = KeyedStore(store, "0")
+        keyed._key = self._key
+        return keyed
+
     def name(self, key: str) -> str:
         """Where ``key`` lives in the underlying store."""
         digest = hashlib.blake2b(key.encode(), key=self._key, digest_size=16).hexdigest()

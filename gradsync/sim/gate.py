@@ -25,7 +25,7 @@ TCPStore on loopback here: ``benchmarks.gate`` measures it). ``R_world = R - N /
 world's store also takes every rank's heartbeat, one write each ``beat_s``
 (``gradsync.checks.diagnose``), which leaves it that much less for the gate; where the
 heartbeats alone take all of it (``N / beat_s >= R``) the gate never opens: ``open_ms`` is
-``math.inf``. The group size is the runtime's (``gradsync.checks.gate_groups.group_size``):
+``math.inf``. The group size is the runtime's (``gradsync.gate_layout.group_size``):
 flat below 64 ranks unless one is given, else ``ceil(sqrt(N))``, which brings the busiest store
 from ``2 N`` to about ``4 sqrt(N)`` requests a step.
 
@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 
 from gradsync.errors import UsageError
+from gradsync.gate_layout import group_size, groups_of
 
 __all__ = ["StoreGate"]
 
@@ -85,16 +86,10 @@ class StoreGate:
 
     def size(self, workers: int) -> int:
         """Ranks counted at each group's store on ``workers`` ranks (``workers``: flat)."""
-        # Imported here, not at the top: the runtime's module needs torch, and the simulator
-        # imports and runs without it unless a gate is priced (tests/e2e/test_sim_no_torch.py).
-        from gradsync.checks.gate_groups import group_size
-
         return group_size(workers, self.group_size)
 
     def groups(self, workers: int) -> int:
         """How many groups ``workers`` ranks make (1: flat)."""
-        from gradsync.checks.gate_groups import groups_of
-
         return groups_of(workers, self.size(workers))
 
     def world_rate(self, workers: int) -> float:

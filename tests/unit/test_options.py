@@ -68,6 +68,12 @@ INVALID: list[tuple[type, dict[str, Any], str]] = [
         {"between_steps_timeout_s": "1"},
         "between_steps_timeout_s must be > 0 or None (no gate), got '1'",
     ),
+    (
+        Limits,
+        {"gate_group_size": 1},
+        "gate_group_size must be an integer >= 2 (ranks counted together at the step gate's "
+        "group stores) or None (automatic), got 1",
+    ),
     (Telemetry, {"telemetry_every": "10"}, "telemetry_every must be an integer >= 1, got '10'"),
     (Telemetry, {"telemetry_every": 0}, "telemetry_every must be >= 1, got 0"),
     (Telemetry, {"record_spans": None}, "record_spans must be True or False, got NoneType"),
@@ -128,6 +134,7 @@ KEYWORDS: dict[str, Any] = {
     "balance": True,
     "timeout_s": 60.0,
     "between_steps_timeout_s": None,
+    "gate_group_size": 8,
     "telemetry_every": 5,
     "record_spans": True,
     "on_records": _records,
@@ -143,7 +150,7 @@ GROUPED: dict[str, Any] = {
         find_unused_parameters=True,
         balance=True,
     ),
-    "limits": Limits(timeout_s=60.0, between_steps_timeout_s=None),
+    "limits": Limits(timeout_s=60.0, between_steps_timeout_s=None, gate_group_size=8),
     "telemetry": Telemetry(telemetry_every=5, record_spans=True, on_records=_records),
     "checks": Checks(check_every=0, skip_nonfinite=False),
 }

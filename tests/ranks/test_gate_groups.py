@@ -1,0 +1,62 @@
+"""The step gate counted in groups (gradsync.checks.gate_groups, issue 44): the same guarantee
+as the flat gate, a peer in its own code waited for and a stopped one named, with the ranks
+counted at their group's store and only the groups at the world's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.support import gate_group_ranks
+from tests.support.overlap import Overlapped, overlapped, ranks
+
+pytestmark = pytest.mark.ranks
+
+GROUP_TIMEOUT_S = 30  # the process group's own, which the user's collectives keep
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def launched() -> Iterator[Overlapped]:
+    """Both launches at once, so that their waits overlap (tests/support/overlap.py)."""
+    with overlapped(
+        {
+            "late": ranks(
+                gate_group_ranks.late_member,
+                WORLD,
+                collective_timeout_s=GROUP_TIMEOUT_S,
+                timeout_s=120,
+            ),
+            "frozen": ranks(
+                gate_group_ranks.frozen_member,
+                WORLD,
+                collective_timeout_s=GROUP_TIMEOUT_S,
+                timeout_s=120,
+            ),
+        }
+    ) as out:
+        yield out
+
+
+@pytest.mark.timeout(150)
+def test_a_late_member_is_waited_for_and_the_world_counts_groups(launched: Overlapped) -> None:
+    results = launched.result("late")
+    assert [r["steps"] for r in results] == [6] * WORLD
+    for r in results[1:]:
+        assert torch.equal(r["params"], results[0]["params"])
+    # Two groups, (0, 1, 2) and (3): the world's store counted two arrivals, not four ranks.
+    assert [r["counted"] for r in results] == [2] * WORLD
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_member_is_named_by_its_group_and_the_others(launched: Overlapped) -> None:
+    results = launched.result("frozen")
+    assert results[2] == {"stayed_away": True}
+    for rank in (0, 1, 3):
+        error = results[rank]["error"]
+        assert error is not None, rank
+        assert "Rank 2" in error, (rank, error)
+        # judged within the timeout's reach (2 s), not the group's collective timeout (30 s)
+        assert results[rank]["waited"] < 20, (rank, results[rank]["waited"])

@@ -1,0 +1,84 @@
+"""Rank functions for tests/ranks/test_gate_groups.py: the step gate counted in groups
+(gradsync.checks.gate_groups). Module level, so spawned ranks can import them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+import gradsync as gs
+from gradsync import compat
+from gradsync.errors import SyncTimeoutError
+from gradsync.options import Limits
+from gradsync.workloads import make_workload
+from tests.support.ranks import flat_params, make_optimizer
+
+TIMEOUT_S = 2.0  # the Synchronizer's, far below what these scenarios spend elsewhere
+GROUP_SIZE = 3  # on 4 ranks: groups (0, 1, 2) and (3), a group of one among them
+
+
+def _setup() -> tuple[Any, Any, gs.Synchronizer]:
+    w = make_workload("mlp", seed=2, params=3000)
+    model = w.build_model()
+    limits = Limits(timeout_s=TIMEOUT_S, gate_group_size=GROUP_SIZE)
+    sync = gs.Synchronizer(model, make_optimizer("sgd", model), "bsp", limits=limits)
+    return w, model, sync
+
+
+def _train_step(w: Any, model: Any, rank: int, world: int, step: int) -> None:
+    x, y = w.batch(step, 4 * world, rank * 4, rank * 4 + 4)
+    w.loss(model, x, y).backward()
+
+
+def _groups_counted(sync: gs.Synchronizer) -> int:
+    """What the world's store counted at the latest gate: the groups, where the gate is
+    grouped, or the ranks."""
+    gate = sync._gate
+    assert gate is not None
+    name = gate._history[-1]
+    return int(sync._watch.store.add(name, 0))
+
+
+def late_member(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 (neither its group's first rank nor last) evaluates for 1.6x the timeout
+    between steps 1 and 2: its group's ranks wait at their group's store, rank 3 at the
+    world's. Training goes on, as with a flat gate."""
+    w, model, sync = _setup()
+    for step in range(6):
+        with sync.step():
+            _train_step(w, model, rank, world, step)
+        if step == 1 and rank == 1:
+            time.sleep(1.6 * TIMEOUT_S)
+    sync.report()
+    counted = _groups_counted(sync)
+    return {"params": flat_params(model), "steps": sync.step_count, "counted": counted}
+
+
+def frozen_member(rank: int, world: int) -> dict[str, Any]:
+    """Rank 2 is stopped (SIGSTOP) between steps 2 and 3: its group's ranks (waiting at their
+    group's store) and rank 3 (at the world's) must fail within the timeout, naming it."""
+    pids = [0] * world
+    dist.all_gather_object(pids, os.getpid())
+    w, model, sync = _setup()
+    for step in range(3):
+        with sync.step():
+            _train_step(w, model, rank, world, step)
+    if rank == 2:
+        time.sleep(1.0)  # alive in its own code for a while: its heartbeat is seen
+        os.kill(os.getpid(), signal.SIGSTOP)  # until the others have their error
+        return {"stayed_away": True}
+    started = time.monotonic()
+    try:
+        with sync.step():
+            _train_step(w, model, rank, world, 3)
+    except SyncTimeoutError as exc:
+        waited = time.monotonic() - started
+        # The last survivor to fail lets it go on (a peer that beats again would be waited for).
+        if int(compat.default_store().add("test/frozen-member/failed", 1)) == world - 1:
+            os.kill(pids[2], signal.SIGCONT)
+        return {"error": str(exc), "waited": waited}
+    return {"error": None}
