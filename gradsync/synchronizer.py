@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
 import hashlib
 import inspect
 import multiprocessing.util
@@ -43,6 +45,7 @@ from gradsync.options import (
     Options,
     Telemetry,
 )
+from gradsync.processes.stores import server_store
 from gradsync.strategies.base import (
     Layout,
     StepOutcome,
@@ -412,7 +415,13 @@ class Synchronizer:
         # Parameter servers serve inside gradsync, never in the user's code: no gate there.
         between = limits.between_steps_timeout_s
         gate = (
-            StepGate(watch, watch.timeout_s, between, group_size=limits.gate_group_size)
+            StepGate(
+                watch,
+                watch.timeout_s,
+                between,
+                group_size=limits.gate_group_size,
+                make_server=functools.partial(_gate_group_server, timeout_s=watch.timeout_s),
+            )
             if self.world_size > 1 and between is not None and not self.strategy.servers
             else None
         )
@@ -1555,6 +1564,12 @@ def _check_dense_gradients(model: torch.nn.Module) -> None:
                 "sparse=True: its gradients are sparse tensors, which gradsync's strategies do "
                 "not exchange (they send dense gradients); build it with sparse=False"
             )
+
+
+def _gate_group_server(host: str, *, timeout_s: float) -> dist.TCPStore:
+    """A store for the step gate's group (``gradsync.checks.gate_groups``), listening on
+    ``host`` only, as every store gradsync serves (README, "Trust model")."""
+    return server_store(host, 0, timeout=datetime.timedelta(seconds=max(1.0, timeout_s)))
 
 
 def _write_unreported(ref: weakref.ref[Synchronizer], status: str | None = None) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,8 @@ class StepGate:
     #: ranks counted together at a store of their own (``Limits.gate_group_size``; None:
     #: automatic, see ``gradsync.checks.gate_groups``)
     group_size: int | None = None
+    #: serves a group's store on the address given (None: the gate stays flat)
+    make_server: Callable[[str], Any] | None = None
     _layout: tuple[range, int, int] | None = None
     _server: Any | None = None
     _group: gate_groups.GateGroup | None = None
@@ -162,9 +165,10 @@ class StepGate:
         watch.start()
         first = self._count == 0
         if first:  # the group's store must be up before its peers pass the first gate
-            self._layout = gate_groups.plan(watch, self.group_size)
-            if self._layout is not None:
-                self._server = gate_groups.serve(watch, self._layout)
+            make_server = self.make_server
+            self._layout = gate_groups.plan(watch, self.group_size, make_server is not None)
+            if self._layout is not None and make_server is not None:
+                self._server = gate_groups.serve(watch, self._layout, make_server)
         # Named after the step and the collective too: ranks at different places never meet.
         name = f"{watch.prefix}/gate/{self._count}/{step}/{what}"
         self._count += 1

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,28 +92,30 @@ def _address_toward(host: str, port: int) -> str:
         return str(probe.getsockname()[0])
 
 
-def plan(watch: Any, requested: int | None) -> tuple[range, int, int] | None:
+def plan(watch: Any, requested: int | None, can_serve: bool) -> tuple[range, int, int] | None:
     """``(ranks of this rank's group, its index, number of groups)``, or None for a flat gate
-    (a world below the grouping size, or a world's store that is no TCPStore)."""
+    (a world below the grouping size, a world's store that is no TCPStore, or no way to serve
+    a group's store: ``can_serve``)."""
     size = group_size(watch.world_size, requested)
-    if size >= watch.world_size or watch.tcp_store is None:
+    if size >= watch.world_size or watch.tcp_store is None or not can_serve:
         return None
     ranks = group_of(watch.rank, size, watch.world_size)
     return ranks, watch.rank // size, groups_of(watch.world_size, size)
 
 
-def serve(watch: Any, layout: tuple[range, int, int]) -> Any | None:
-    """On a group's first rank, before the first gate: start the group's store and leave its
-    address in the world's store; the server (None elsewhere, and for a group of one)."""
+def serve(
+    watch: Any, layout: tuple[range, int, int], make_server: Callable[[str], Any]
+) -> Any | None:
+    """On a group's first rank, before the first gate: start the group's store (``make_server``
+    given the address to listen on: ``gradsync.processes.stores.server_store``, which listens
+    there only, never on every interface) and leave its address in the world's store; the
+    server (None elsewhere, and for a group of one)."""
     ranks, index, _ = layout
     if watch.rank != ranks[0] or len(ranks) == 1:
         return None
     world = watch.tcp_store
-    assert world is not None  # ``plan`` gives no layout without it
     address = _address_toward(str(world.host), int(world.port))
-    server = dist.TCPStore(
-        address, 0, is_master=True, wait_for_workers=False, timeout=_timeout(watch)
-    )
+    server = make_server(address)
     watch.store.set(_address_key(watch.prefix, index), f"{address}|{int(server.port)}")
     return server
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.support import gate_group_ranks
+from tests.support import gate_group_ranks, proctree
 from tests.support.overlap import Overlapped, overlapped, ranks
 
 pytestmark = pytest.mark.ranks
@@ -48,6 +48,11 @@ def test_a_late_member_is_waited_for_and_the_world_counts_groups(launched: Overl
         assert torch.equal(r["params"], results[0]["params"])
     # Two groups, (0, 1, 2) and (3): the world's store counted two arrivals, not four ranks.
     assert [r["counted"] for r in results] == [2] * WORLD
+    # Rank 0 serves the first group's store, on the address it reaches the world's store at
+    # (loopback here), never on every interface (README, "Trust model"); the others serve none.
+    listening = results[0]["group_store_listens_on"]
+    assert listening and all(proctree.is_loopback(x) for x in listening), listening
+    assert [r["group_store_listens_on"] for r in results[1:]] == [None] * (WORLD - 1)
 
 
 @pytest.mark.timeout(150)

@@ -15,6 +15,7 @@ from gradsync import compat
 from gradsync.errors import SyncTimeoutError
 from gradsync.options import Limits
 from gradsync.workloads import make_workload
+from tests.support import proctree
 from tests.support.ranks import flat_params, make_optimizer
 
 TIMEOUT_S = 2.0  # the Synchronizer's, far below what these scenarios spend elsewhere
@@ -55,7 +56,19 @@ def late_member(rank: int, world: int) -> dict[str, Any]:
             time.sleep(1.6 * TIMEOUT_S)
     sync.report()
     counted = _groups_counted(sync)
-    return {"params": flat_params(model), "steps": sync.step_count, "counted": counted}
+    server = sync._gate._server if sync._gate is not None else None
+    # Where the group's store listens (rank 0 serves the first group's): the run's address only.
+    listening = (
+        [x for x in proctree.listeners_of(os.getpid()) if x.endswith(f":{server.port}")]
+        if server is not None
+        else None
+    )
+    return {
+        "params": flat_params(model),
+        "steps": sync.step_count,
+        "counted": counted,
+        "group_store_listens_on": listening,
+    }
 
 
 def frozen_member(rank: int, world: int) -> dict[str, Any]:

@@ -136,6 +136,12 @@ def _listening(pid: int) -> dict[int, str]:
     return found
 
 
+def listeners_of(pid: int) -> list[str]:
+    """ "address:port" of every TCP socket ``pid`` listens on."""
+    listening = _listening(pid)
+    return sorted(listening[inode] for inode in _socket_inodes(pid) & listening.keys())
+
+
 def is_loopback(listener: str) -> bool:
     ip = ipaddress.ip_address(listener.rpartition(":")[0])
     mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
