@@ -9,11 +9,14 @@ early. The wait for a peer that is still in the user's code therefore happens be
 is posted, in the store, where a wait can be abandoned at any moment. Once every rank is at the
 gate, the step's collectives run under ``timeout_s`` as before.
 
-At gate ``g`` each rank adds one to a counter named after ``g``, its step and what follows
-(a step, a save, an average); the rank that brings it to the world size sets a "go" key the
-others wait on (two store round trips per gate). Ranks at different steps or collectives
-count under different names and never meet: the gate then says which rank is where, instead
-of pairing their exchanges.
+At gate ``g`` each rank sets a key of its own named after ``g``, its step and what follows (a
+step, a save, an average), then waits until every rank's key of that gate is set: one store
+round trip per gate, as a ``set`` is sent without waiting for an answer (before 2026-11-30 a
+counter took two: an ``add``, then a wait for a "go" key the last arrival set; both requests
+are answered, and a store round trip on loopback here is about 80 us). Ranks at different
+steps or collectives set and wait for different names and never meet: the gate then says which
+rank is where, instead of pairing their exchanges. From 64 ranks the ranks arrive in groups
+(``gradsync.checks.gate_groups``).
 
 While it waits, the gate reads its peers' heartbeats (``ArrivalWatch``) and judges each rank
 that has not arrived:
@@ -33,9 +36,8 @@ that has not arrived:
 
 Whatever the store holds, the wait is bounded. The keys are named through the run's secret
 (``gradsync.checks.secret``), so no process outside the run can address a gate to come; one
-that reaches the store can still change a counter that exists. A counter above the world size
-fails the gate at once; every rank at the gate while its "go" never comes fails it after
-``timeout_s``.
+that reaches the store can still delete or set a key that exists. Every rank at the gate while
+it never opens fails it after ``timeout_s``.
 
 A gate may also come before a collective of the user's own code between steps (``zero:3``'s
 forward, where FSDP2 gathers the parameters: ``before_user_collective``). A rank there while a
@@ -98,7 +100,8 @@ class StepGate:
     between_steps_s: float = DEFAULT_BETWEEN_STEPS_S
     _count: int = 0
     _label: str = ""
-    _history: list[str] = field(default_factory=list)
+    #: the keys this rank set at each of the latest gates, with their stores (``_forget``)
+    _history: list[list[tuple[Any, str]]] = field(default_factory=list)
     #: False once the user's code may have run since the last gate
     _fresh: bool = False
     #: whether the gate being waited at comes before a collective of the user's code
@@ -114,6 +117,8 @@ class StepGate:
     _server: Any | None = None
     _group: gate_groups.GateGroup | None = None
     _group_store: Any | None = None
+    #: the gate being passed: its name, step, what follows it, and the keys this rank set
+    _passing: tuple[str, int, str, list[tuple[Any, str]]] = ("", 0, "", [])
 
     def cancel(self) -> None:
         """Make a wait in flight on another thread give up at its next poll (the
@@ -176,11 +181,12 @@ class StepGate:
         self._user = user
         before, here = watch.phase, (USER_GATE if user else GATE, step, self._label)
         watch.enter(*here)
+        self._passing = (name, step, what, [])
         if self._group is None:
-            self._count_in(watch.store, name, watch.world_size, step, what)
+            self._arrive(watch.store, range(watch.world_size), watch.rank)
         else:
-            self._count_grouped(self._group, name, step, what)
-        self._forget(name)
+            self._arrive_grouped(self._group)
+        self._forget(self._passing[3])
         if first and self._layout is not None:
             # Every first rank left its address before arriving: read before the keys are
             # named through an agreed secret (``secure``), as it was written.
@@ -201,60 +207,52 @@ class StepGate:
             # Unless the rank moved on meanwhile (the gate waited ahead, on its own thread).
             watch.enter(*before)
 
-    def _counted(self, store: Any, name: str, expected: int, step: int, what: str) -> int:
-        """Add this rank (or its group) to ``name``'s counter in ``store``, where ``expected``
-        arrive: its count, checked."""
-        count = int(store.add(name, 1))
-        if count > expected:  # each adds one: another process added the rest
-            raise SyncTimeoutError(
-                f"{where(step)}: {what}: the gate's counter reads {count} for {expected} "
-                f"{'ranks' if expected == self.watch.world_size else 'arrivals'}: a process "
-                "outside this run (or a previous run on the same store) wrote into its store. "
-                "See README's trust model."
-            )
-        return count
+    def _set(self, store: Any, key: str) -> None:
+        """Set ``key`` of the gate being passed (``_forget`` deletes it two gates on). A
+        ``set`` is sent without waiting for an answer."""
+        store.set(key, "1")
+        self._passing[3].append((store, key))
 
-    def _count_in(self, store: Any, name: str, expected: int, step: int, what: str) -> None:
-        """Count in at ``name`` in ``store``, where ``expected`` arrive: the last sets
-        ``name/go``, the others wait for it."""
-        if self._counted(store, name, expected, step, what) == expected:
-            store.set(name + "/go", "1")
-        else:
-            self._await(store, name + "/go", step, what)
+    def _arrive(self, store: Any, members: range, me: int) -> None:
+        """Set ``me``'s key of the gate being passed in ``store``, then wait for every one of
+        ``members``' (the ranks; at the world's store of a grouped gate, the groups)."""
+        name = self._passing[0]
+        self._set(store, f"{name}/at/{me}")
+        self._await(store, [f"{name}/at/{m}" for m in members])
 
-    def _count_grouped(self, group: gate_groups.GateGroup, name: str, step: int, what: str) -> None:
-        """The gate in two levels (``gradsync.checks.gate_groups``): the group's last arrival
-        counts its group in at the world's store, then opens the group's."""
-        store = self._group_store
-        expected = len(group.ranks)
-        if store is not None and self._counted(store, name, expected, step, what) < expected:
-            self._await(store, name + "/go", step, what)
+    def _arrive_grouped(self, group: gate_groups.GateGroup) -> None:
+        """The gate in two levels (``gradsync.checks.gate_groups``): the group's first rank
+        waits for its group, arrives at the world's store for it, then opens the group's."""
+        watch, store, name = self.watch, self._group_store, self._passing[0]
+        if store is None:  # a group of one arrives at the world's store for itself
+            self._arrive(watch.store, range(group.groups), group.index)
             return
-        self._count_in(self.watch.store, name, group.groups, step, what)
-        if store is not None:
-            store.set(name + "/go", "1")
+        if watch.rank != group.ranks[0]:
+            self._set(store, f"{name}/at/{watch.rank}")
+            self._await(store, [f"{name}/go"])
+            return
+        self._arrive(store, group.ranks, watch.rank)
+        self._arrive(watch.store, range(group.groups), group.index)
+        self._set(store, f"{name}/go")
 
-    def _forget(self, name: str) -> None:
-        """Delete the keys of the gate two back: every rank has passed it by now (a rank
-        reaches this gate only after all of them arrived at the previous one)."""
-        self._history.append(name)
+    def _forget(self, written: list[tuple[Any, str]]) -> None:
+        """Delete the keys this rank set two gates back: every rank has passed that gate by
+        now (a rank reaches this one only after all of them arrived at the previous one)."""
+        self._history.append(written)
         if len(self._history) > 2:
-            old = self._history.pop(0)
-            watch, group = self.watch, self._group
-            if watch.rank == 0:  # by the watchdog thread, off the step's critical path
-                watch.discard([old, old + "/go"])
-            if group is not None and group.ranks[0] == watch.rank and self._group_store is not None:
-                watch.discard([old, old + "/go"], store=self._group_store)
+            for store, key in self._history.pop(0):  # by the watchdog thread, off the step
+                self.watch.discard([key], store=store)
 
-    def _await(self, store: Any, go: str, step: int, what: str) -> None:
-        """Until ``go`` is set in ``store``; the peers judged meanwhile (the module's
-        docstring)."""
+    def _await(self, store: Any, keys: list[str]) -> None:
+        """Until every one of ``keys`` is set in ``store``; the peers judged meanwhile (the
+        module's docstring)."""
         watch = self.watch
+        _, step, what, _ = self._passing
         started = time.monotonic()
         peers: dict[int, _Peer] = {}
         try:
             # The usual case: every rank arrives within moments, answered by one blocking wait.
-            store.wait([go], datetime.timedelta(seconds=watch.arrive_after_s))
+            store.wait(keys, datetime.timedelta(seconds=watch.arrive_after_s))
             return
         except RuntimeError as exc:  # DistStoreError: nobody set it in that time
             if not transient_store_error(exc):
@@ -267,7 +265,7 @@ class StepGate:
         while True:
             judge_at = time.monotonic() + min(0.5, watch.beat_s)
             while time.monotonic() < judge_at:
-                if self._opened(store, go, step, what):
+                if self._opened(store, keys):
                     return
                 if self._cancelled:
                     raise SyncTimeoutError(f"{where(step)}: {what}: the wait was cancelled")
@@ -276,11 +274,11 @@ class StepGate:
             all_here = (all_here or time.monotonic()) if not peers else None
             if all_here is not None and time.monotonic() - all_here >= self.timeout_s:
                 reasons = [
-                    "Every rank is at this gate, but it never opened: its counter in the store "
-                    "was changed by a process outside this run (see README's trust model)."
+                    "Every rank is at this gate, but it never opened: its keys in the store "
+                    "were changed by a process outside this run (see README's trust model)."
                 ]
             # A peer that passed already may have moved on by the time its beat was read.
-            if reasons and not self._opened(store, go, step, what):
+            if reasons and not self._opened(store, keys):
                 waited = time.monotonic() - started
                 raise SyncTimeoutError(
                     f"{where(step)}: {what} (waiting for every rank to arrive before the "
@@ -289,15 +287,16 @@ class StepGate:
                     f"never arrived: ranks {sorted(peers)}. " + " ".join(reasons)
                 )
 
-    def _opened(self, store: Any, go: str, step: int, what: str) -> bool:
-        """Whether the gate's ``go`` key is set. A store call that fails for a moment (on an
+    def _opened(self, store: Any, keys: list[str]) -> bool:
+        """Whether the gate's ``keys`` are all set. A store call that fails for a moment (on an
         oversubscribed machine a socket read can give up with EAGAIN, issue 43 item 6) reads
         as "not yet": the peers' heartbeats, not one store call, decide when to give up."""
         try:
-            return bool(store.check([go]))
+            return bool(store.check(keys))
         except RuntimeError as exc:
             if transient_store_error(exc):
                 return False
+            _, step, what, _ = self._passing
             raise SyncTimeoutError(
                 f"{where(step)}: {what}: the store holding the gate failed: {exc}"
             ) from exc

@@ -1,8 +1,9 @@
 """The step gate passed ahead of the step's first collective, on a thread of its own.
 
-Why: the gate (``gradsync.checks.gate``) makes two round trips to the store on rank 0 at every
-step (an ``add``, then a ``set`` or a ``wait``). Waited at the block's entry, they were on the
-critical path of every step: ``benchmarks.gate`` measured +12% of a 2.2 ms step on 2 ranks and
+Why: the gate (``gradsync.checks.gate``) goes to the store on rank 0 at every step (then two
+round trips: an ``add``, then a ``set`` or a ``wait``; since 2026-11-30 a ``set`` nothing
+answers and a ``wait``). Waited at the block's entry, they were on the critical path of every
+step: ``benchmarks.gate`` measured +12% of a 2.2 ms step on 2 ranks and
 +7% of a 27 ms step on 8 (issue 44). What the gate guarantees only needs every rank to be
 there before gradsync *posts* its first collective of the step, and under ``bsp`` and
 ``zero:1``/``zero:2`` that comes from the backward pass. So at the block's entry the wait is

@@ -2,33 +2,34 @@
 one store serves every rank's requests at every step.
 
 Why: the flat gate (``gradsync.checks.gate``) has every rank make two requests a step to the
-one store on rank 0. A store serves them one at a time (TCPStore: about 64,000 a second on this
-machine, ``benchmarks.gate``), so the gate opens about ``2 N / rate`` after the ranks arrive:
-nothing on a few ranks, half a second on 16,384, longer than the step it guards (issue 44;
-``gradsync.sim.gate`` prices both forms). In groups of ``g`` ranks, each rank makes its two
-requests to its group's store, and only the last arrival of each group goes on to the world's
-store (two requests more), so the busiest store serves about ``2 g`` or ``2 N / g`` requests a
-step instead of ``2 N``: with ``g`` about the square root of ``N``, 256 instead of 32,768 on
-16,384 ranks.
+one store on rank 0 (a ``set`` of its key, then a ``wait`` for every rank's). A store serves
+them one at a time (TCPStore: about 64,000 a second on this machine, ``benchmarks.gate``), so
+the gate opens about ``2 N / rate`` after the ranks arrive: nothing on a few ranks, half a
+second on 16,384, longer than the step it guards (issue 44; ``gradsync.sim.gate`` prices both
+forms). In groups of ``g`` ranks, each rank makes its two requests to its group's store, and
+only the group's first rank goes on to the world's store (two requests more), so the busiest
+store serves about ``2 g`` or ``2 N / g`` requests a step instead of ``2 N``: with ``g`` about
+the square root of ``N``, 256 instead of 32,768 on 16,384 ranks.
 
 The protocol, at gate ``name``:
 
-1. every rank adds one to ``name`` in its group's store;
-2. the rank that brings it to the group's size adds one to ``name`` in the world's store,
-   where the world's gate counts groups: the one that brings that count to the number of groups
-   sets ``name/go`` there, the others wait for it; then it sets ``name/go`` in its group's
-   store;
+1. every rank sets ``name/at/RANK`` in its group's store;
+2. the group's first rank waits until all of its group's are set, then sets
+   ``name/at/GROUP`` in the world's store and waits until every group's is set; then it sets
+   ``name/go`` in its group's store;
 3. the other ranks of the group wait for their group's ``name/go``.
 
-Each wait is the flat gate's wait (bounded, judging every peer by its heartbeat, abandoned at
-any moment), only against another store. Ranks at different gates count under different names
-in both stores, as before. A group's store is a TCPStore served by the group's first rank,
-made at the Synchronizer's first gate (which is passed flat) and reached at the address through
-which that rank reaches the world's store. Where the world's store is no TCPStore (a FileStore)
-there is no address to give, and the gate stays flat.
+A group of one (the last, where the group size does not divide the world) arrives at the
+world's store directly. Each wait is the flat gate's wait (bounded, judging every peer by its
+heartbeat, abandoned at any moment), only against another store. Ranks at different gates set
+and wait for different names in both stores, as before. A group's store is a TCPStore served
+by the group's first rank, made at the Synchronizer's first gate (which is passed flat),
+listening only on the address through which that rank reaches the world's store, and reached
+there by its group. Where the world's store is no TCPStore (a FileStore) there is no address to
+give, and the gate stays flat.
 
 Why not a tree of any depth, or the collective itself: two levels bring the busiest store from
-``2 N`` to about ``4 sqrt(N)`` requests a step, enough for the issue's goal at 16,384 ranks; a
+``2 N`` to about ``2 sqrt(N)`` requests a step, enough for the issue's goal at 16,384 ranks; a
 collective (a barrier on a group of its own) cannot be given up once posted under gloo, which
 is why the gate waits in a store at all.
 

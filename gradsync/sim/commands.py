@@ -152,13 +152,13 @@ def _gate_line(gate: StoreGate, workers: int, doc: dict[str, Any]) -> str:
     if g >= workers:
         how = (
             f"flat: {REQUESTS_PER_RANK} requests x {workers} ranks at the world's store, "
-            f"{beats}, + 2 round trips"
+            f"{beats}, + 1 round trip"
         )
     else:
         how = (
             f"{gate.form(workers)}: {REQUESTS_PER_RANK} requests x {g} ranks at each group's "
             f"store, + {g} for its go, then x {gate.groups(workers)} groups at the world's "
-            f"store, {beats}, + 4 round trips"
+            f"store, {beats}, + 3 round trips"
         )
     return (
         f"step gate              {doc['cost_ms_per_step']:.2f} ms a step "

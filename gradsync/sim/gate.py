@@ -2,23 +2,24 @@
 (every rank's requests at the one store on rank 0) or in groups (``gradsync.checks.gate_groups``).
 
 Why it is written this way: a store serves requests one at a time, so what a gate costs is the
-requests its busiest store serves before the last ``go`` is set, at that store's rate. The
-ranks leave their previous step together (a lockstep strategy's ranks do) and arrive at about
-the same time, so each store's requests queue up at once.
+requests its busiest store serves before the last arrival's key is set, at that store's rate.
+The ranks leave their previous step together (a lockstep strategy's ranks do) and arrive at
+about the same time, so each store's requests queue up at once.
 
-Flat (``g == N``): every rank makes two requests to the world's store, an ``add`` when it
-arrives and a ``wait`` for the last arrival's ``go`` (the last arrival makes a ``set``
-instead); then a round trip for the last ``add`` and one for the ``go`` to reach the waiters::
+Flat (``g == N``): every rank makes two requests to the world's store, a ``set`` of its own key
+when it arrives (sent without waiting for an answer) and a ``wait`` for every rank's; then half
+a round trip for the last ``set`` to reach the store and half for the waits' answers::
 
-    flat gate opens    = 2 N / R_world + 2 RTT
+    flat gate opens    = 2 N / R_world + 1 RTT
 
 In ``G = ceil(N / g)`` groups of ``g`` ranks: each rank makes its two requests to its group's
-store, the groups' stores serving theirs side by side; the last arrival of each group then makes
-two at the world's store, where the groups are counted; then it sets its group's ``go``, which
-its group's store hands to the ``g - 1`` waiters (counted as ``g`` requests more). Four round
-trips: the group's ``add``, the world's ``add``, the world's ``go``, the group's ``go``::
+store, the groups' stores serving theirs side by side; each group's first rank then makes two
+at the world's store, where the groups arrive; then it sets its group's ``go``, which its
+group's store hands to the ``g - 1`` waiters (counted as ``g`` requests more). Three round
+trips, each half of one: the members' ``set``, the group's answer, the world's ``set``, the
+world's answer, the group's ``go``, its answer::
 
-    grouped gate opens = 2 g / R + 2 G / R_world + g / R + 4 RTT
+    grouped gate opens = 2 g / R + 2 G / R_world + g / R + 3 RTT
 
 ``R`` is what one store serves in requests per second with many clients (``store_rate``;
 TCPStore on loopback here: ``benchmarks.gate`` measures it). ``R_world = R - N / beat_s``: the
@@ -27,7 +28,7 @@ world's store also takes every rank's heartbeat, one write each ``beat_s``
 heartbeats alone take all of it (``N / beat_s >= R``) the gate never opens: ``open_ms`` is
 ``math.inf``. The group size is the runtime's (``gradsync.gate_layout.group_size``):
 flat below 64 ranks unless one is given, else ``ceil(sqrt(N))``, which brings the busiest store
-from ``2 N`` to about ``4 sqrt(N)`` requests a step.
+from ``2 N`` to about ``2 sqrt(N)`` requests a step.
 
 Under ``bsp`` and ``zero:1``/``zero:2`` the wait runs on its own thread from the block's entry
 and is joined before the step's first collective (``gradsync.checks.gate_ahead``): it costs the
@@ -53,7 +54,7 @@ from gradsync.gate_layout import group_size, groups_of
 
 __all__ = ["StoreGate"]
 
-#: requests each rank makes to its gate's store per step (an add, then a wait or the go's set)
+#: requests each rank makes to its gate's store per step (a set of its key, then a wait)
 REQUESTS_PER_RANK = 2
 
 
@@ -110,11 +111,11 @@ class StoreGate:
             return math.inf
         g = self.size(workers)
         if g >= workers:
-            return 1000.0 * REQUESTS_PER_RANK * workers / world + 2 * self.rtt_ms
+            return 1000.0 * REQUESTS_PER_RANK * workers / world + self.rtt_ms
         group = REQUESTS_PER_RANK * g / self.store_rate  # the groups' stores, side by side
-        top = REQUESTS_PER_RANK * self.groups(workers) / world  # each group's last arrival
+        top = REQUESTS_PER_RANK * self.groups(workers) / world  # each group's first rank
         go = g / self.store_rate  # the group's go, handed to its waiters
-        return 1000.0 * (group + top + go) + 4 * self.rtt_ms
+        return 1000.0 * (group + top + go) + 3 * self.rtt_ms
 
     def cost_ms(self, workers: int, hidden_ms: float) -> float:
         """What the gate adds to a step whose first collective is ready ``hidden_ms`` after the

@@ -36,12 +36,12 @@ def _train_step(w: Any, model: Any, rank: int, world: int, step: int) -> None:
 
 
 def _groups_counted(sync: gs.Synchronizer) -> int:
-    """What the world's store counted at the latest gate: the groups, where the gate is
-    grouped, or the ranks."""
+    """How many arrivals the world's store holds for the latest gate: the groups', where the
+    gate is grouped, or the ranks'."""
     gate = sync._gate
     assert gate is not None
-    name = gate._history[-1]
-    return int(sync._watch.store.add(name, 0))
+    name, world = gate._passing[0], sync.world_size
+    return sum(bool(sync._watch.store.check([f"{name}/at/{i}"])) for i in range(world))
 
 
 def late_member(rank: int, world: int) -> dict[str, Any]:

@@ -50,25 +50,10 @@ def _wait_in_thread(gate: StepGate, limit_s: float) -> tuple[BaseException | Non
 
 
 @pytest.mark.timeout(30)
-def test_a_gate_counter_raised_by_another_process_fails_the_gate_at_once(monkeypatch) -> None:
-    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
-    store = dist.HashStore()
-    watch, gate = _gate(store)
-    # The attack of issue 43: the next gate's counter pre-incremented by the world size.
-    store.add(f"{watch.prefix}/gate/0/{START}/{WHAT}", 2)
-    raised, waited, ended = _wait_in_thread(gate, 10 * TIMEOUT_S)
-    watch.close()
-    assert ended, "the gate waited on, past ten times its timeout"
-    assert isinstance(raised, SyncTimeoutError), raised
-    assert "the gate's counter reads 3 for 2 ranks" in str(raised), raised
-    assert waited < TIMEOUT_S, waited
-
-
-@pytest.mark.timeout(30)
 def test_a_gate_that_never_opens_with_every_rank_there_fails_after_its_timeout(
     monkeypatch,
 ) -> None:
-    """Every rank's heartbeat says it is at the gate, yet no "go" comes (a counter changed
+    """Every rank's heartbeat says it is at the gate, yet the peer's key never comes (deleted
     behind the ranks' backs): the wait ends after the timeout, not never."""
     monkeypatch.delenv(secret.SECRET_ENV, raising=False)
     watch, gate = _gate(dist.HashStore())
@@ -90,15 +75,14 @@ def test_with_a_secret_no_key_of_gradsync_has_a_name_another_process_can_derive(
     assert watch.secured
     # The peer, holding the same secret, is at the gate and says so through the secret's names.
     watch.store.set(f"{watch.prefix}/beat/1", f"7|{GATE}|{START}|{LABEL}")
-    # Another process adds to the counters under the names it can derive: they are not these.
+    # Another process sets the peer's arrival under the names it can derive: they are not these.
     for n in range(20):
-        plain.add(f"{watch.prefix}/gate/{n}/{START}/{WHAT}", 2)
+        plain.set(f"{watch.prefix}/gate/{n}/{START}/{WHAT}/at/1", "1")
     gate = StepGate(watch, TIMEOUT_S, between_steps_s=60.0)
-    name = f"{watch.prefix}/gate/0/{START}/{WHAT}"
+    name = f"{watch.prefix}/gate/0/{START}/{WHAT}/at/1"
 
     def peer_arrives() -> None:
-        if watch.store.add(name, 1) == 2:
-            watch.store.set(name + "/go", "1")
+        watch.store.set(name, "1")
 
     threading.Timer(0.3, peer_arrives).start()
     raised, _, ended = _wait_in_thread(gate, 10 * TIMEOUT_S)
@@ -170,8 +154,8 @@ def test_a_store_call_giving_up_with_eagain_is_tried_again_not_a_failure(monkeyp
     store = _EagainStore(inner, failures=3)
     watch, gate = _gate(store)  # type: ignore[arg-type]
     name = f"{watch.prefix}/gate/0/{START}/{WHAT}"
-    # The peer arrives 0.3 s later and opens the gate, as the last rank to arrive does.
-    threading.Timer(0.3, lambda: (inner.add(name, 1), inner.set(name + "/go", "1"))).start()
+    # The peer arrives 0.3 s later, which opens the gate.
+    threading.Timer(0.3, lambda: inner.set(name + "/at/1", "1")).start()
     raised, waited, ended = _wait_in_thread(gate, 10 * TIMEOUT_S)
     watch.close()
     assert ended and raised is None, raised
@@ -197,7 +181,7 @@ def test_a_rank_past_the_gate_says_it_is_back_in_its_block(monkeypatch) -> None:
     watch = ArrivalWatch(0, 2, TIMEOUT_S, store=store, arrive_after_s=0.1)
     gate = StepGate(watch, TIMEOUT_S, between_steps_s=60.0)
     watch.enter(BLOCK, 3)
-    store.add(f"{watch.prefix}/gate/0/3/the step", 1)  # rank 1 is there already
+    store.set(f"{watch.prefix}/gate/0/3/the step/at/1", "1")  # rank 1 is there already
     try:
         gate.wait(3, "the step")
         assert watch.phase == (BLOCK, 3, "")

@@ -130,8 +130,8 @@ def test_bad_or_unused_values_are_refused(
 def test_the_gate_is_priced_where_it_applies(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", "--compute", "20", "--comm-ms", "5", "--steps", "3"]
     text = run_cli([*argv, "--gate-store-rate", "1000", "--gate-rtt-ms", "0.5"], capsys)
-    # 2*4/(1000 - 4 heartbeats a second) s + 1 ms
-    assert "step gate" in text and "9.03 ms after the ranks arrive" in text
+    # 2*4/(1000 - 4 heartbeats a second) s + one round trip, 0.5 ms
+    assert "step gate" in text and "8.53 ms after the ranks arrive" in text
     doc = run_json([*argv, "--sweep-workers", "2", "--gate-store-rate", "1000"], capsys)
     assert "workers_sweep" in doc  # bsp among the default --strategies
 
