@@ -336,6 +336,12 @@ class ArrivalWatch:
         thread."""
         self._garbage.extend((store, key) for key in keys)
 
+    def forget_store(self, store: Any) -> None:
+        """Drop the deletions queued for ``store`` (a gate group's, let go of at close: the
+        queue would keep its server listening)."""
+        with self._lock:
+            self._garbage = [(s, key) for s, key in self._garbage if s is not store]
+
     def _collect_garbage(self) -> None:
         while self._garbage:
             store, key = self._garbage.pop(0)

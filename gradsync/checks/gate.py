@@ -113,10 +113,12 @@ class StepGate:
     group_size: int | None = None
     #: serves a group's store on the address given (None: the gate stays flat)
     make_server: Callable[[str], Any] | None = None
-    _layout: tuple[range, int, int] | None = None
+    _layout: gate_groups.Layout | None = None
     _server: Any | None = None
     _group: gate_groups.GateGroup | None = None
     _group_store: Any | None = None
+    #: a member's waits at its group's store (``_await_served``)
+    _waiter: gate_groups.Waiter = field(default_factory=gate_groups.Waiter)
     #: the gate being passed: its name, step, what follows it, and the keys this rank set
     _passing: tuple[str, int, str, list[tuple[Any, str]]] = ("", 0, "", [])
 
@@ -130,7 +132,12 @@ class StepGate:
         Synchronizer closes; the gate is not passed again."""
         if self._group is not None:
             self._group.close()
+        if self._group_store is not None:  # its keys' deletions still queued hold the server
+            self.watch.forget_store(self._group_store)
+        self._waiter.stop()
         self._group = self._group_store = self._server = None
+        self._history.clear()  # the keys set at the last gates, each with its store
+        self._passing = ("", 0, "", [])
 
     def left(self) -> None:
         """Control went back to the user's code: the next collective needs a gate."""
@@ -169,13 +176,13 @@ class StepGate:
             return
         watch.start()
         first = self._count == 0
-        if first:  # the group's store must be up before its peers pass the first gate
-            make_server = self.make_server
-            self._layout = gate_groups.plan(watch, self.group_size, make_server is not None)
-            if self._layout is not None and make_server is not None:
-                self._server = gate_groups.serve(watch, self._layout, make_server)
-        # Named after the step and the collective too: ranks at different places never meet.
+        if first:
+            self._plan_groups()
+        # Named after the step and the collective too: ranks at different places never meet;
+        # and after the group size, so that ranks grouping differently never meet either.
         name = f"{watch.prefix}/gate/{self._count}/{step}/{what}"
+        if self._group is not None and self._layout is not None:
+            name += f"/in{self._layout.size}"
         self._count += 1
         self._label = f"{what} ({where(step)})"
         self._user = user
@@ -187,10 +194,7 @@ class StepGate:
         else:
             self._arrive_grouped(self._group)
         self._forget(self._passing[3])
-        if first and self._layout is not None:
-            # Every first rank left its address before arriving: read before the keys are
-            # named through an agreed secret (``secure``), as it was written.
-            self._group = gate_groups.reach(watch, self._layout, self._server)
+        address = self._check_groups() if first else None
         watch.gathered()  # every rank is here: those with a peer on another machine get a voucher
         # Where no secret was given, the ranks agree on one at their first gate, all present.
         try:
@@ -199,13 +203,33 @@ class StepGate:
             raise SyncTimeoutError(
                 f"{where(step)}: {what}: agreeing on the run's secret failed: {exc}"
             ) from exc
-        if first and self._group is not None:
+        if first and self._layout is not None:
+            self._group = gate_groups.reach(watch, self._layout, self._server, address)
             self._group_store = self._group.keyed_as(watch.store)
         if watch.phase == here:
             # Passed: back to where the rank was (inside its block, for the step's gate), so a
             # peer that times out later does not say it is still waiting to begin the step.
             # Unless the rank moved on meanwhile (the gate waited ahead, on its own thread).
             watch.enter(*before)
+
+    def _plan_groups(self) -> None:
+        """Before the first gate (passed flat): how this rank's gate is grouped, rank 0's plan
+        left for the others to check, and a group's store started on its first rank, which
+        must be up before its peers pass that gate (``gradsync.checks.gate_groups``)."""
+        watch, make_server = self.watch, self.make_server
+        self._layout = gate_groups.plan(watch, self.group_size, make_server is not None)
+        gate_groups.announce(watch, self._layout)
+        if self._layout is not None and make_server is not None:
+            self._server = gate_groups.serve(watch, self._layout, make_server)
+
+    def _check_groups(self) -> str | None:
+        """Past the first gate, before the keys are named through an agreed secret
+        (``secure``), as rank 0's plan and the first ranks' addresses were written: the plan
+        checked against rank 0's, and where this rank's group's store is."""
+        gate_groups.same_plan(self.watch, self._layout)
+        if self._layout is None:
+            return None
+        return gate_groups.address_of(self.watch, self._layout, self._server)
 
     def _set(self, store: Any, key: str) -> None:
         """Set ``key`` of the gate being passed (``_forget`` deletes it two gates on). A
@@ -224,12 +248,13 @@ class StepGate:
         """The gate in two levels (``gradsync.checks.gate_groups``): the group's first rank
         waits for its group, arrives at the world's store for it, then opens the group's."""
         watch, store, name = self.watch, self._group_store, self._passing[0]
-        if store is None:  # a group of one arrives at the world's store for itself
+        if len(group.ranks) == 1:  # a group of one arrives at the world's store for itself
             self._arrive(watch.store, range(group.groups), group.index)
             return
+        assert store is not None  # set with the group, past the first gate
         if watch.rank != group.ranks[0]:
             self._set(store, f"{name}/at/{watch.rank}")
-            self._await(store, [f"{name}/go"])
+            self._await_served(store, [f"{name}/go"], group.ranks[0])
             return
         self._arrive(store, group.ranks, watch.rank)
         self._arrive(watch.store, range(group.groups), group.index)
@@ -279,13 +304,81 @@ class StepGate:
                 ]
             # A peer that passed already may have moved on by the time its beat was read.
             if reasons and not self._opened(store, keys):
-                waited = time.monotonic() - started
-                raise SyncTimeoutError(
-                    f"{where(step)}: {what} (waiting for every rank to arrive before the "
-                    f"collectives) failed after {waited:.1f}s (timeout {self.timeout_s:g}s; "
-                    f"{self.between_steps_s:g}s for a rank in its own code between steps): "
-                    f"never arrived: ranks {sorted(peers)}. " + " ".join(reasons)
-                )
+                raise self._gave_up(peers, reasons, started)
+
+    def _await_served(self, store: Any, keys: list[str], server: int) -> None:
+        """A member's wait for its group's ``go``, made on the waiter's thread
+        (``gate_groups.Waiter``: a frozen server never answers) and judged here meanwhile,
+        ``server``, the rank serving the group's store, among the peers."""
+        watch, waiter = self.watch, self._waiter
+        _, step, what, _ = self._passing
+        if waiter.abandoned:
+            raise SyncTimeoutError(
+                f"{where(step)}: {what}: this rank's gate group's store, served by rank "
+                f"{server}, stopped answering at an earlier gate"
+            )
+        bound = datetime.timedelta(seconds=self.between_steps_s + self.timeout_s)
+        waiter.start(lambda: store.wait(keys, bound))
+        started = time.monotonic()
+        peers: dict[int, _Peer] = {}
+        host = _Peer(alive_at=started, blamed_since=started)
+        while True:
+            ended, error = waiter.result(min(0.5, watch.beat_s))
+            if ended:
+                if error is not None:
+                    raise self._served_failure(server, error) from error
+                return
+            reasons = self._judge(peers, started)
+            if server not in peers:  # by its heartbeat it is here: is it still running?
+                reasons += self._judge_server(server, host)
+            if reasons or self._cancelled:
+                waiter.abandoned = True
+                if self._cancelled:
+                    raise SyncTimeoutError(f"{where(step)}: {what}: the wait was cancelled")
+                raise self._gave_up(peers, reasons, started)
+
+    def _judge_server(self, server: int, peer: _Peer) -> list[str]:
+        """Why to give up on ``server``, at the gate by its last heartbeat but serving the
+        store this rank waits at: silent, and not running (stopped, frozen, gone)."""
+        watch, now = self.watch, time.monotonic()
+        try:
+            beat = watch.beat_of(server)
+        except Exception:  # noqa: BLE001 - the store may be gone with the peer
+            beat = None
+        if beat is not None and (peer.beat is None or beat.seq != peer.beat.seq):
+            peer.alive_at = now
+        peer.beat = beat
+        if now - peer.alive_at < watch.stale_s or self._busy(server):
+            peer.blamed_since = now  # a rank holding the GIL: its store (C++) still serves
+            return []
+        reason = self._blame(server, peer, False, now)
+        return [] if reason is None else [f"{reason} It serves this rank's gate group's store."]
+
+    def _served_failure(self, server: int, error: BaseException) -> SyncTimeoutError:
+        """The error of a member's wait that failed (its group's store gone with ``server``),
+        naming that rank and what it left word of."""
+        watch = self.watch
+        _, step, what, _ = self._passing
+        said = ""
+        failed, ended = watch.failure_of(server), watch.ended_of(server)
+        if failed is not None:
+            said = f" Rank {server}'s step {failed[0]} block raised {failed[1]}."
+        elif ended is not None:
+            said = f" Rank {server}'s script ended ({ended[1]}) after step {ended[0]}."
+        return SyncTimeoutError(
+            f"{where(step)}: {what}: the store of this rank's gate group, served by rank "
+            f"{server}, failed: {error}.{said}"
+        )
+
+    def _gave_up(self, peers: dict[int, _Peer], reasons: list[str], started: float) -> Exception:
+        _, step, what, _ = self._passing
+        waited = time.monotonic() - started
+        return SyncTimeoutError(
+            f"{where(step)}: {what} (waiting for every rank to arrive before the "
+            f"collectives) failed after {waited:.1f}s (timeout {self.timeout_s:g}s; "
+            f"{self.between_steps_s:g}s for a rank in its own code between steps): "
+            f"never arrived: ranks {sorted(peers)}. " + " ".join(reasons)
+        )
 
     def _opened(self, store: Any, keys: list[str]) -> bool:
         """Whether the gate's ``keys`` are all set. A store call that fails for a moment (on an

@@ -25,7 +25,10 @@ heartbeat, abandoned at any moment), only against another store. Ranks at differ
 and wait for different names in both stores, as before. A group's store is a TCPStore served
 by the group's first rank, made at the Synchronizer's first gate (which is passed flat),
 listening only on the address through which that rank reaches the world's store, and reached
-there by its group. Where the world's store is no TCPStore (a FileStore) there is no address to
+there by its group; at that gate every rank also checks its group size against rank 0's, and
+grouped gates carry the size in their names. A member waits at its group's store from a thread
+of its own (``Waiter``): the store lives in a training rank's process, and a stopped process's
+store answers nobody. Where the world's store is no TCPStore (a FileStore) there is no address to
 give, and the gate stays flat.
 
 Why not a tree of any depth, or the collective itself: two levels bring the busiest store from
@@ -40,16 +43,30 @@ torch, for the simulator).
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import queue
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from gradsync.checks import secret
-from gradsync.errors import SyncTimeoutError
+from gradsync.checks import liveness, secret
+from gradsync.errors import SyncTimeoutError, UsageError
 from gradsync.gate_layout import group_of, group_size, groups_of
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one rank's gate is grouped: its group's ranks, the group's index, how many groups
+    the world makes, and the group size they were made with (the last group may be smaller)."""
+
+    ranks: range
+    index: int
+    groups: int
+    size: int
 
 
 @dataclass
@@ -83,63 +100,123 @@ def _address_key(prefix: str, index: int) -> str:
     return f"{prefix}/gate-group/{index}"
 
 
+def _plan_key(prefix: str) -> str:
+    return f"{prefix}/gate-group/size"
+
+
 def _address_toward(host: str, port: int) -> str:
     """This machine's address on the route to ``host:port`` (the world's store): the one its
     peers reach it at, as they reach the world's store and each other (gloo connects every pair
-    of ranks already). A datagram socket's ``connect`` picks the route and sends nothing."""
-    family, _, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(where)
-        return str(probe.getsockname()[0])
+    of ranks already). A datagram socket's ``connect`` picks the route and sends nothing; each
+    address ``host`` has is tried in turn (an IPv6 one may have no route)."""
+    failures = []
+    for family, _, _, _, where in socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(where)
+                return str(probe.getsockname()[0])
+        except OSError as exc:
+            failures.append(f"{where[0]}: {exc}")
+    raise OSError("; ".join(failures) or f"{host} has no address")
 
 
-def plan(watch: Any, requested: int | None, can_serve: bool) -> tuple[range, int, int] | None:
-    """``(ranks of this rank's group, its index, number of groups)``, or None for a flat gate
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def plan(watch: Any, requested: int | None, can_serve: bool) -> Layout | None:
+    """How this rank's gate is grouped, or None for a flat gate
     (a world below the grouping size, a world's store that is no TCPStore, or no way to serve
     a group's store: ``can_serve``)."""
     size = group_size(watch.world_size, requested)
     if size >= watch.world_size or watch.tcp_store is None or not can_serve:
         return None
     ranks = group_of(watch.rank, size, watch.world_size)
-    return ranks, watch.rank // size, groups_of(watch.world_size, size)
+    return Layout(ranks, watch.rank // size, groups_of(watch.world_size, size), size)
 
 
-def serve(
-    watch: Any, layout: tuple[range, int, int], make_server: Callable[[str], Any]
-) -> Any | None:
+def announce(watch: Any, layout: Layout | None) -> None:
+    """On rank 0, before the first gate: leave the group size it computed, which every rank
+    checks its own against once past that gate (``same_plan``)."""
+    if watch.rank == 0:
+        size = layout.size if layout is not None else watch.world_size
+        watch.store.set(_plan_key(watch.prefix), str(size))
+
+
+def same_plan(watch: Any, layout: Layout | None) -> None:
+    """``UsageError`` unless this rank groups the gate as rank 0 does: ranks that disagree
+    would wait for different keys (a ``gate_group_size`` given on some ranks only, or ranks of
+    different gradsync versions)."""
+    size = layout.size if layout is not None else watch.world_size
+    theirs = int(watch.store.get(_plan_key(watch.prefix)).decode())
+    if theirs != size:
+        raise UsageError(
+            f"rank {watch.rank} counts the step gate in groups of {size} ranks, rank 0 in groups "
+            f"of {theirs} (a group as large as the world: flat): give every rank the same "
+            "gate_group_size (or none) and the same gradsync version"
+        )
+
+
+def serve(watch: Any, layout: Layout, make_server: Callable[[str], Any]) -> Any | None:
     """On a group's first rank, before the first gate: start the group's store (``make_server``
     given the address to listen on: ``gradsync.processes.stores.server_store``, which listens
     there only, never on every interface) and leave its address in the world's store; the
     server (None elsewhere, and for a group of one)."""
-    ranks, index, _ = layout
+    ranks, index = layout.ranks, layout.index
     if watch.rank != ranks[0] or len(ranks) == 1:
         return None
     world = watch.tcp_store
-    address = _address_toward(str(world.host), int(world.port))
+    try:
+        address = _address_toward(str(world.host), int(world.port))
+    except OSError as exc:
+        raise SyncTimeoutError(
+            f"rank {watch.rank} found no address of its own toward the world's store at "
+            f"{world.host}:{world.port} to serve its gate group's store at ({exc}); make the "
+            f"gate flat: Limits(gate_group_size={watch.world_size})"
+        ) from exc
     server = make_server(address)
-    watch.store.set(_address_key(watch.prefix, index), f"{address}|{int(server.port)}")
+    where = f"{address}|{int(server.port)}|{liveness.machine()}"
+    watch.store.set(_address_key(watch.prefix, index), where)
     return server
 
 
-def reach(watch: Any, layout: tuple[range, int, int], server: Any | None) -> GateGroup:
-    """Once every rank has passed the first gate (so every first rank has left its address):
-    this rank's group, connected to its store. ``SyncTimeoutError`` naming the address when it
-    cannot be reached."""
-    ranks, index, groups = layout
+def address_of(watch: Any, layout: Layout, server: Any | None) -> str | None:
+    """Once past the first gate, before its keys are named through an agreed secret: where this
+    rank's group's store is (None on its first rank and in a group of one)."""
+    ranks, index = layout.ranks, layout.index
+    if len(ranks) == 1 or server is not None:
+        return None
+    return bytes(watch.store.get(_address_key(watch.prefix, index))).decode()
+
+
+def reach(watch: Any, layout: Layout, server: Any | None, address: str | None) -> GateGroup:
+    """This rank's group, connected to its store at ``address`` (``address_of``).
+    ``SyncTimeoutError`` naming the address when it cannot be reached."""
+    ranks, index, groups = layout.ranks, layout.index, layout.groups
     if len(ranks) == 1:
         return GateGroup(ranks, index, groups, None)
-    if server is not None:
+    if server is not None or address is None:
         return GateGroup(ranks, index, groups, server, server)
-    address = watch.store.get(_address_key(watch.prefix, index)).decode()
-    host, port = address.rsplit("|", 1)
+    host, port, machine = address.split("|")
+    flat = f"make the gate flat: Limits(gate_group_size={watch.world_size})"
+    if _is_loopback(host) and machine != liveness.machine():
+        raise SyncTimeoutError(
+            f"rank {ranks[0]} serves its gate group's store on its loopback address {host}, "
+            f"out of reach of rank {watch.rank} on another machine: the name by which rank "
+            f"{ranks[0]} reaches the world's store resolves to a loopback address there (a "
+            "hosts file mapping the machine's name to 127.0.1.1?). Give the world's store an "
+            f"address every machine reaches (MASTER_ADDR), or {flat}."
+        )
     try:
         client = dist.TCPStore(host, int(port), is_master=False, timeout=_timeout(watch))
     except RuntimeError as exc:
         raise SyncTimeoutError(
             f"rank {watch.rank} could not reach its gate group's store at {host}:{port}, "
             f"served by rank {ranks[0]} ({exc}). Every rank must reach every other's ports, "
-            "as gloo's connections need; or make the gate flat: "
-            f"Limits(gate_group_size={watch.world_size})."
+            f"as gloo's connections need; or {flat}."
         ) from exc
     return GateGroup(ranks, index, groups, client)
 
@@ -148,3 +225,55 @@ def _timeout(watch: Any) -> datetime.timedelta:
     # A store call's own bound: the gate's waits pass shorter ones, the rest are single round
     # trips that only a dead server keeps waiting.
     return datetime.timedelta(seconds=max(1.0, watch.timeout_s))
+
+
+class Waiter:
+    """A group member's waits at its group's store, each made on a thread of the waiter's own.
+
+    Why: a store call whose server's process is stopped (SIGSTOP, a frozen container, a machine
+    gone without closing its sockets) does not return, whatever timeout torch's client was
+    given (torch 2.13: a ``wait`` of 2 s still blocked after 10 s). The group's store is served
+    by a training rank, so the gate's thread must not make that call: it judges the peers
+    meanwhile, the serving rank among them, as every other wait of the gate does. A call given
+    up on is left to its thread (a daemon), and the waiter is not used again."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        #: a call was given up on while in flight: the thread may never come back
+        self.abandoned = False
+
+    def start(self, call: Callable[[], Any]) -> None:
+        """Begin ``call`` on the waiter's thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="gradsync-gate-group", daemon=True
+            )
+            self._thread.start()
+        self._jobs.put(call)
+
+    def result(self, timeout_s: float) -> tuple[bool, BaseException | None]:
+        """``(ended, what it raised)`` of the call begun, waiting up to ``timeout_s``."""
+        try:
+            return True, self._done.get(timeout=timeout_s)
+        except queue.Empty:
+            return False, None
+
+    def _run(self) -> None:
+        while True:
+            call = self._jobs.get()
+            if call is None:
+                return
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the gate's thread
+                self._done.put(exc)
+            else:
+                self._done.put(None)
+
+    def stop(self) -> None:
+        """End the thread once its call (if any) has returned."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None

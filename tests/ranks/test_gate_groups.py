@@ -35,6 +35,13 @@ def launched() -> Iterator[Overlapped]:
                 collective_timeout_s=GROUP_TIMEOUT_S,
                 timeout_s=120,
             ),
+            "frozen server": ranks(
+                gate_group_ranks.frozen_member,
+                WORLD,
+                0,
+                collective_timeout_s=GROUP_TIMEOUT_S,
+                timeout_s=120,
+            ),
         }
     ) as out:
         yield out
@@ -64,4 +71,20 @@ def test_a_stopped_member_is_named_by_its_group_and_the_others(launched: Overlap
         assert error is not None, rank
         assert "Rank 2" in error, (rank, error)
         # judged within the timeout's reach (2 s), not the group's collective timeout (30 s)
+        assert results[rank]["waited"] < 20, (rank, results[rank]["waited"])
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_rank_serving_its_groups_store_is_named_not_waited_on(
+    launched: Overlapped,
+) -> None:
+    """Rank 0 serves group (0, 1, 2)'s store: stopped, that store answers nobody (a store call
+    then never returns, whatever its timeout), so ranks 1 and 2 wait for it on a thread of
+    their own and judge rank 0 meanwhile."""
+    results = launched.result("frozen server")
+    assert results[0] == {"stayed_away": True}
+    for rank in (1, 2, 3):
+        error = results[rank]["error"]
+        assert error is not None, rank
+        assert "Rank 0" in error, (rank, error)
         assert results[rank]["waited"] < 20, (rank, results[rank]["waited"])

@@ -71,16 +71,18 @@ def late_member(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def frozen_member(rank: int, world: int) -> dict[str, Any]:
-    """Rank 2 is stopped (SIGSTOP) between steps 2 and 3: its group's ranks (waiting at their
-    group's store) and rank 3 (at the world's) must fail within the timeout, naming it."""
+def frozen_member(rank: int, world: int, frozen: int = 2) -> dict[str, Any]:
+    """Rank ``frozen`` is stopped (SIGSTOP) between steps 2 and 3: its group's ranks (waiting
+    at their group's store) and rank 3 (at the world's) must fail within the timeout, naming
+    it. Rank 0 serves the first group's store: stopped, that store answers nobody, and its
+    group's ranks must still judge it rather than wait in a store call for ever."""
     pids = [0] * world
     dist.all_gather_object(pids, os.getpid())
     w, model, sync = _setup()
     for step in range(3):
         with sync.step():
             _train_step(w, model, rank, world, step)
-    if rank == 2:
+    if rank == frozen:
         time.sleep(1.0)  # alive in its own code for a while: its heartbeat is seen
         os.kill(os.getpid(), signal.SIGSTOP)  # until the others have their error
         return {"stayed_away": True}
@@ -92,6 +94,6 @@ def frozen_member(rank: int, world: int) -> dict[str, Any]:
         waited = time.monotonic() - started
         # The last survivor to fail lets it go on (a peer that beats again would be waited for).
         if int(compat.default_store().add("test/frozen-member/failed", 1)) == world - 1:
-            os.kill(pids[2], signal.SIGCONT)
+            os.kill(pids[frozen], signal.SIGCONT)
         return {"error": str(exc), "waited": waited}
     return {"error": None}
