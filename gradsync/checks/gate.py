@@ -337,17 +337,23 @@ class StepGate:
                     raise SyncTimeoutError(f"{where(step)}: {what}: the wait was cancelled")
                 raise self._gave_up(peers, reasons, started)
 
-    def _judge_server(self, server: int, peer: _Peer) -> list[str]:
-        """Why to give up on ``server``, at the gate by its last heartbeat but serving the
-        store this rank waits at: silent, and not running (stopped, frozen, gone)."""
-        watch, now = self.watch, time.monotonic()
+    def _heard(self, rank: int, peer: _Peer, now: float) -> Beat | None:
+        """``rank``'s heartbeat as it reads now (None where there is none), ``peer`` told when
+        it last advanced."""
         try:
-            beat = watch.beat_of(server)
+            beat = self.watch.beat_of(rank)
         except Exception:  # noqa: BLE001 - the store may be gone with the peer
             beat = None
         if beat is not None and (peer.beat is None or beat.seq != peer.beat.seq):
             peer.alive_at = now
         peer.beat = beat
+        return beat
+
+    def _judge_server(self, server: int, peer: _Peer) -> list[str]:
+        """Why to give up on ``server``, at the gate by its last heartbeat but serving the
+        store this rank waits at: silent, and not running (stopped, frozen, gone)."""
+        watch, now = self.watch, time.monotonic()
+        self._heard(server, peer, now)
         if now - peer.alive_at < watch.stale_s or self._busy(server):
             peer.blamed_since = now  # a rank holding the GIL: its store (C++) still serves
             return []
@@ -403,13 +409,7 @@ class StepGate:
             if rank == watch.rank:
                 continue
             peer = peers.setdefault(rank, _Peer(alive_at=started, blamed_since=started))
-            try:
-                beat = watch.beat_of(rank)
-            except Exception:  # noqa: BLE001 - the store may be gone with the peer
-                beat = None
-            if beat is not None and (peer.beat is None or beat.seq != peer.beat.seq):
-                peer.alive_at = now
-            peer.beat = beat
+            beat = self._heard(rank, peer, now)
             gated = beat is not None and beat.phase in (GATE, USER_GATE)
             if gated and beat is not None and beat.detail == self._label:
                 del peers[rank]  # here (or just passed): not one holding the gate

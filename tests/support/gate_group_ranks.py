@@ -4,18 +4,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 from typing import Any
 
-import torch.distributed as dist
-
 import gradsync as gs
-from gradsync import compat
-from gradsync.errors import SyncTimeoutError
 from gradsync.options import Limits
 from gradsync.workloads import make_workload
-from tests.support import proctree
+from tests.support import gate_ranks, proctree
 from tests.support.ranks import flat_params, make_optimizer
 
 TIMEOUT_S = 2.0  # the Synchronizer's, far below what these scenarios spend elsewhere
@@ -76,24 +71,4 @@ def frozen_member(rank: int, world: int, frozen: int = 2) -> dict[str, Any]:
     at their group's store) and rank 3 (at the world's) must fail within the timeout, naming
     it. Rank 0 serves the first group's store: stopped, that store answers nobody, and its
     group's ranks must still judge it rather than wait in a store call for ever."""
-    pids = [0] * world
-    dist.all_gather_object(pids, os.getpid())
-    w, model, sync = _setup()
-    for step in range(3):
-        with sync.step():
-            _train_step(w, model, rank, world, step)
-    if rank == frozen:
-        time.sleep(1.0)  # alive in its own code for a while: its heartbeat is seen
-        os.kill(os.getpid(), signal.SIGSTOP)  # until the others have their error
-        return {"stayed_away": True}
-    started = time.monotonic()
-    try:
-        with sync.step():
-            _train_step(w, model, rank, world, 3)
-    except SyncTimeoutError as exc:
-        waited = time.monotonic() - started
-        # The last survivor to fail lets it go on (a peer that beats again would be waited for).
-        if int(compat.default_store().add("test/frozen-member/failed", 1)) == world - 1:
-            os.kill(pids[frozen], signal.SIGCONT)
-        return {"error": str(exc), "waited": waited}
-    return {"error": None}
+    return gate_ranks.frozen_between_steps(rank, world, frozen, gate_group_size=GROUP_SIZE)

@@ -55,18 +55,21 @@ def long_evaluation_each(rank: int, world: int, strategies: list[str]) -> dict[s
     return {s: long_evaluation_on_rank_0(rank, world, s) for s in strategies}
 
 
-def frozen_between_steps(rank: int, world: int) -> dict[str, Any]:
-    """The last rank is stopped (SIGSTOP) between steps 2 and 3: the others must fail within
-    the timeout, not wait for it as for a rank in its own code. (A process that merely stops
-    beating while it runs is busy, holding the GIL: waited for, tests/ranks/test_gate_hardening.py.)
-    """
+def frozen_between_steps(
+    rank: int, world: int, frozen: int | None = None, **kw: Any
+) -> dict[str, Any]:
+    """Rank ``frozen`` (the last one by default) is stopped (SIGSTOP) between steps 2 and 3:
+    the others must fail within the timeout, not wait for it as for a rank in its own code. (A
+    process that merely stops beating while it runs is busy, holding the GIL: waited for,
+    tests/ranks/test_gate_hardening.py.) ``kw``: more settings of the Synchronizer."""
+    frozen = world - 1 if frozen is None else frozen
     pids = [0] * world
     dist.all_gather_object(pids, os.getpid())
-    w, model, _, sync = _setup()
+    w, model, _, sync = _setup(**kw)
     for step in range(3):
         with sync.step():
             _train_step(w, model, rank, world, step)
-    if rank == world - 1:
+    if rank == frozen:
         time.sleep(1.0)  # alive in its own code for a while: its heartbeat is seen
         os.kill(os.getpid(), signal.SIGSTOP)  # until the others have their error
         return {"stayed_away": True}
@@ -78,7 +81,7 @@ def frozen_between_steps(rank: int, world: int) -> dict[str, Any]:
         waited = time.monotonic() - started
         # The last survivor to fail lets it go on (a peer that beats again would be waited for).
         if int(compat.default_store().add("test/frozen/failed", 1)) == world - 1:
-            os.kill(pids[-1], signal.SIGCONT)
+            os.kill(pids[frozen], signal.SIGCONT)
         return {"error": str(exc), "waited": waited}
     return {"error": None}
 
