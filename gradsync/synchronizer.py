@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import hashlib
 import inspect
 import multiprocessing.util
@@ -420,7 +419,7 @@ class Synchronizer:
                 watch.timeout_s,
                 between,
                 group_size=limits.gate_group_size,
-                make_server=functools.partial(_gate_group_server, timeout_s=watch.timeout_s),
+                make_server=_gate_group_server,
             )
             if self.world_size > 1 and between is not None and not self.strategy.servers
             else None
@@ -1566,10 +1565,10 @@ def _check_dense_gradients(model: torch.nn.Module) -> None:
             )
 
 
-def _gate_group_server(host: str, *, timeout_s: float) -> dist.TCPStore:
+def _gate_group_server(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
     """A store for the step gate's group (``gradsync.checks.gate_groups``), listening on
     ``host`` only, as every store gradsync serves (README, "Trust model")."""
-    return server_store(host, 0, timeout=datetime.timedelta(seconds=max(1.0, timeout_s)))
+    return server_store(host, 0, timeout=timeout)
 
 
 def _write_unreported(ref: weakref.ref[Synchronizer], status: str | None = None) -> None:

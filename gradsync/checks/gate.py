@@ -92,6 +92,17 @@ def transient_store_error(exc: BaseException) -> bool:
 
 
 @dataclass
+class _Passing:
+    """The gate being passed: its name, step and what follows it, and the keys this rank set
+    at it, each with its store (``StepGate._forget`` deletes them two gates on)."""
+
+    name: str
+    step: int
+    what: str
+    written: list[tuple[Any, str]] = field(default_factory=list)
+
+
+@dataclass
 class StepGate:
     """Gates of one Synchronizer: every rank must pass the same gates in the same order."""
 
@@ -111,16 +122,21 @@ class StepGate:
     #: ranks counted together at a store of their own (``Limits.gate_group_size``; None:
     #: automatic, see ``gradsync.checks.gate_groups``)
     group_size: int | None = None
-    #: serves a group's store on the address given (None: the gate stays flat)
-    make_server: Callable[[str], Any] | None = None
+    #: serves a group's store on the address given, its calls bounded as given (None: the gate
+    #: stays flat)
+    make_server: Callable[[str, datetime.timedelta], Any] | None = None
+    #: how this rank's gate is grouped, from its first gate on (None: flat)
     _layout: gate_groups.Layout | None = None
+    #: the group's store this rank serves, if any, kept open while the gate is
     _server: Any | None = None
-    _group: gate_groups.GateGroup | None = None
+    #: ``_layout`` once the first gate (passed flat) has been passed: gates are grouped
+    _group: gate_groups.Layout | None = None
+    #: the group's store as the gate uses it, keys named as the world's (None in a group of one)
     _group_store: Any | None = None
     #: a member's waits at its group's store (``_await_served``)
     _waiter: gate_groups.Waiter = field(default_factory=gate_groups.Waiter)
-    #: the gate being passed: its name, step, what follows it, and the keys this rank set
-    _passing: tuple[str, int, str, list[tuple[Any, str]]] = ("", 0, "", [])
+    #: the gate being passed (or last passed)
+    _passing: _Passing = field(default_factory=lambda: _Passing("", 0, ""))
 
     def cancel(self) -> None:
         """Make a wait in flight on another thread give up at its next poll (the
@@ -130,14 +146,12 @@ class StepGate:
     def close(self) -> None:
         """Let go of the group's store (``gradsync.checks.gate_groups``) when the
         Synchronizer closes; the gate is not passed again."""
-        if self._group is not None:
-            self._group.close()
         if self._group_store is not None:  # its keys' deletions still queued hold the server
             self.watch.forget_store(self._group_store)
         self._waiter.stop()
         self._group = self._group_store = self._server = None
         self._history.clear()  # the keys set at the last gates, each with its store
-        self._passing = ("", 0, "", [])
+        self._passing = _Passing("", 0, "")
 
     def left(self) -> None:
         """Control went back to the user's code: the next collective needs a gate."""
@@ -181,19 +195,19 @@ class StepGate:
         # Named after the step and the collective too: ranks at different places never meet;
         # and after the group size, so that ranks grouping differently never meet either.
         name = f"{watch.prefix}/gate/{self._count}/{step}/{what}"
-        if self._group is not None and self._layout is not None:
-            name += f"/in{self._layout.size}"
+        if self._group is not None:
+            name += f"/in{self._group.size}"
         self._count += 1
         self._label = f"{what} ({where(step)})"
         self._user = user
         before, here = watch.phase, (USER_GATE if user else GATE, step, self._label)
         watch.enter(*here)
-        self._passing = (name, step, what, [])
+        self._passing = _Passing(name, step, what)
         if self._group is None:
             self._arrive(watch.store, range(watch.world_size), watch.rank)
         else:
             self._arrive_grouped(self._group)
-        self._forget(self._passing[3])
+        self._forget(self._passing.written)
         address = self._check_groups() if first else None
         watch.gathered()  # every rank is here: those with a peer on another machine get a voucher
         # Where no secret was given, the ranks agree on one at their first gate, all present.
@@ -204,8 +218,8 @@ class StepGate:
                 f"{where(step)}: {what}: agreeing on the run's secret failed: {exc}"
             ) from exc
         if first and self._layout is not None:
-            self._group = gate_groups.reach(watch, self._layout, self._server, address)
-            self._group_store = self._group.keyed_as(watch.store)
+            store = gate_groups.reach(watch, self._layout, self._server, address)
+            self._group, self._group_store = self._layout, gate_groups.keyed(store, watch.store)
         if watch.phase == here:
             # Passed: back to where the rank was (inside its block, for the step's gate), so a
             # peer that times out later does not say it is still waiting to begin the step.
@@ -235,19 +249,19 @@ class StepGate:
         """Set ``key`` of the gate being passed (``_forget`` deletes it two gates on). A
         ``set`` is sent without waiting for an answer."""
         store.set(key, "1")
-        self._passing[3].append((store, key))
+        self._passing.written.append((store, key))
 
     def _arrive(self, store: Any, members: range, me: int) -> None:
         """Set ``me``'s key of the gate being passed in ``store``, then wait for every one of
         ``members``' (the ranks; at the world's store of a grouped gate, the groups)."""
-        name = self._passing[0]
+        name = self._passing.name
         self._set(store, f"{name}/at/{me}")
         self._await(store, [f"{name}/at/{m}" for m in members])
 
-    def _arrive_grouped(self, group: gate_groups.GateGroup) -> None:
+    def _arrive_grouped(self, group: gate_groups.Layout) -> None:
         """The gate in two levels (``gradsync.checks.gate_groups``): the group's first rank
         waits for its group, arrives at the world's store for it, then opens the group's."""
-        watch, store, name = self.watch, self._group_store, self._passing[0]
+        watch, store, name = self.watch, self._group_store, self._passing.name
         if len(group.ranks) == 1:  # a group of one arrives at the world's store for itself
             self._arrive(watch.store, range(group.groups), group.index)
             return
@@ -272,7 +286,7 @@ class StepGate:
         """Until every one of ``keys`` is set in ``store``; the peers judged meanwhile (the
         module's docstring)."""
         watch = self.watch
-        _, step, what, _ = self._passing
+        step, what = self._passing.step, self._passing.what
         started = time.monotonic()
         peers: dict[int, _Peer] = {}
         try:
@@ -311,7 +325,7 @@ class StepGate:
         (``gate_groups.Waiter``: a frozen server never answers) and judged here meanwhile,
         ``server``, the rank serving the group's store, among the peers."""
         watch, waiter = self.watch, self._waiter
-        _, step, what, _ = self._passing
+        step, what = self._passing.step, self._passing.what
         if waiter.abandoned:
             raise SyncTimeoutError(
                 f"{where(step)}: {what}: this rank's gate group's store, served by rank "
@@ -364,7 +378,7 @@ class StepGate:
         """The error of a member's wait that failed (its group's store gone with ``server``),
         naming that rank and what it left word of."""
         watch = self.watch
-        _, step, what, _ = self._passing
+        step, what = self._passing.step, self._passing.what
         said = ""
         failed, ended = watch.failure_of(server), watch.ended_of(server)
         if failed is not None:
@@ -377,7 +391,7 @@ class StepGate:
         )
 
     def _gave_up(self, peers: dict[int, _Peer], reasons: list[str], started: float) -> Exception:
-        _, step, what, _ = self._passing
+        step, what = self._passing.step, self._passing.what
         waited = time.monotonic() - started
         return SyncTimeoutError(
             f"{where(step)}: {what} (waiting for every rank to arrive before the "
@@ -395,7 +409,7 @@ class StepGate:
         except RuntimeError as exc:
             if transient_store_error(exc):
                 return False
-            _, step, what, _ = self._passing
+            step, what = self._passing.step, self._passing.what
             raise SyncTimeoutError(
                 f"{where(step)}: {what}: the store holding the gate failed: {exc}"
             ) from exc

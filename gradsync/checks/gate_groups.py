@@ -69,31 +69,12 @@ class Layout:
     size: int
 
 
-@dataclass
-class GateGroup:
-    """This rank's group at the gate: its ranks, its store, and how many groups count at the
-    world's store."""
-
-    ranks: range
-    index: int
-    groups: int
-    #: the group's store as the gate uses it (its keys named through the run's secret, as the
-    #: world's are); None for a group of one, which goes straight to the world's store
-    store: Any | None
-    #: the TCPStore serving the group (its first rank only): kept open while the gate is
-    server: Any | None = None
-
-    def keyed_as(self, world: Any) -> Any | None:
-        """The group's store with its keys named as ``world``'s are (``watch.store``, which the
-        first gate may re-key through an agreed secret)."""
-        if self.store is None:
-            return None
-        raw = self.store.store if isinstance(self.store, secret.KeyedStore) else self.store
-        return world.over(raw) if isinstance(world, secret.KeyedStore) else raw
-
-    def close(self) -> None:
-        """Let go of the group's store (the first rank's server stops with its last reference)."""
-        self.store = self.server = None
+def keyed(store: Any | None, world: Any) -> Any | None:
+    """A group's ``store`` with its keys named as the world's store ``world`` names them
+    (``watch.store``, which the first gate may re-key through an agreed secret)."""
+    if store is None or not isinstance(world, secret.KeyedStore):
+        return store
+    return world.over(store)
 
 
 def _address_key(prefix: str, index: int) -> str:
@@ -160,11 +141,13 @@ def same_plan(watch: Any, layout: Layout | None) -> None:
         )
 
 
-def serve(watch: Any, layout: Layout, make_server: Callable[[str], Any]) -> Any | None:
-    """On a group's first rank, before the first gate: start the group's store (``make_server``
-    given the address to listen on: ``gradsync.processes.stores.server_store``, which listens
-    there only, never on every interface) and leave its address in the world's store; the
-    server (None elsewhere, and for a group of one)."""
+def serve(
+    watch: Any, layout: Layout, make_server: Callable[[str, datetime.timedelta], Any]
+) -> Any | None:
+    """On a group's first rank, before the first gate: start the group's store and leave its
+    address in the world's store; the server (None elsewhere, and for a group of one).
+    ``make_server`` is given the address to listen on and its calls' bound (the Synchronizer's
+    listens there only, never on every interface: ``processes.stores.server_store``)."""
     ranks, index = layout.ranks, layout.index
     if watch.rank != ranks[0] or len(ranks) == 1:
         return None
@@ -177,7 +160,7 @@ def serve(watch: Any, layout: Layout, make_server: Callable[[str], Any]) -> Any 
             f"{world.host}:{world.port} to serve its gate group's store at ({exc}); make the "
             f"gate flat: Limits(gate_group_size={watch.world_size})"
         ) from exc
-    server = make_server(address)
+    server = make_server(address, _timeout(watch))
     where = f"{address}|{int(server.port)}|{liveness.machine()}"
     watch.store.set(_address_key(watch.prefix, index), where)
     return server
@@ -192,14 +175,13 @@ def address_of(watch: Any, layout: Layout, server: Any | None) -> str | None:
     return bytes(watch.store.get(_address_key(watch.prefix, index))).decode()
 
 
-def reach(watch: Any, layout: Layout, server: Any | None, address: str | None) -> GateGroup:
-    """This rank's group, connected to its store at ``address`` (``address_of``).
-    ``SyncTimeoutError`` naming the address when it cannot be reached."""
-    ranks, index, groups = layout.ranks, layout.index, layout.groups
-    if len(ranks) == 1:
-        return GateGroup(ranks, index, groups, None)
-    if server is not None or address is None:
-        return GateGroup(ranks, index, groups, server, server)
+def reach(watch: Any, layout: Layout, server: Any | None, address: str | None) -> Any | None:
+    """This rank's group's store: its ``server`` on the group's first rank, elsewhere a client
+    connected at ``address`` (``address_of``); None for a group of one. ``SyncTimeoutError``
+    naming the address when it cannot be reached."""
+    ranks = layout.ranks
+    if len(ranks) == 1 or server is not None or address is None:
+        return server
     host, port, machine = address.split("|")
     flat = f"make the gate flat: Limits(gate_group_size={watch.world_size})"
     if _is_loopback(host) and machine != liveness.machine():
@@ -218,7 +200,7 @@ def reach(watch: Any, layout: Layout, server: Any | None, address: str | None) -
             f"served by rank {ranks[0]} ({exc}). Every rank must reach every other's ports, "
             f"as gloo's connections need; or {flat}."
         ) from exc
-    return GateGroup(ranks, index, groups, client)
+    return client
 
 
 def _timeout(watch: Any) -> datetime.timedelta:

@@ -35,7 +35,7 @@ def _groups_counted(sync: gs.Synchronizer) -> int:
     gate is grouped, or the ranks'."""
     gate = sync._gate
     assert gate is not None
-    name, world = gate._passing[0], sync.world_size
+    name, world = gate._passing.name, sync.world_size
     return sum(bool(sync._watch.store.check([f"{name}/at/{i}"])) for i in range(world))
 
 

@@ -64,13 +64,13 @@ def test_an_invalid_group_size_is_refused_by_name(bad: object) -> None:
 TIMEOUT_S = 2.0
 
 
-def _server(host: str) -> dist.TCPStore:
-    return server_store(host, 0, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+def _server(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    return server_store(host, 0, timeout=timeout)
 
 
 def _ranks(world: int, sizes: list[int | None]) -> tuple[Any, list[ArrivalWatch], list[StepGate]]:
     """A world's store and each rank's watch and gate, as the Synchronizer makes them."""
-    store = _server("127.0.0.1")
+    store = _server("127.0.0.1", datetime.timedelta(seconds=TIMEOUT_S))
     watches, gates = [], []
     for rank in range(world):
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
