@@ -63,28 +63,26 @@ def test_a_late_member_is_waited_for_and_the_world_counts_groups(launched: Overl
 
 
 @pytest.mark.timeout(150)
-def test_a_stopped_member_is_named_by_its_group_and_the_others(launched: Overlapped) -> None:
-    results = launched.result("frozen")
-    assert results[2] == {"stayed_away": True}
-    for rank in (0, 1, 3):
-        error = results[rank]["error"]
-        assert error is not None, rank
-        assert "Rank 2" in error, (rank, error)
-        # judged within the timeout's reach (2 s), not the group's collective timeout (30 s)
-        assert results[rank]["waited"] < 20, (rank, results[rank]["waited"])
-
-
-@pytest.mark.timeout(150)
-def test_a_stopped_rank_serving_its_groups_store_is_named_not_waited_on(
-    launched: Overlapped,
+@pytest.mark.parametrize(
+    ("launch", "stopped"),
+    [
+        # a member: its group's ranks wait at their group's store, rank 3 at the world's
+        ("frozen", 2),
+        # rank 0 serves group (0, 1, 2)'s store: stopped, that store answers nobody (a store
+        # call then never returns, whatever its timeout), so ranks 1 and 2 wait for it on a
+        # thread of their own and judge rank 0 meanwhile
+        ("frozen server", 0),
+    ],
+    ids=["member", "serving rank"],
+)
+def test_a_stopped_rank_is_named_by_every_other(
+    launched: Overlapped, launch: str, stopped: int
 ) -> None:
-    """Rank 0 serves group (0, 1, 2)'s store: stopped, that store answers nobody (a store call
-    then never returns, whatever its timeout), so ranks 1 and 2 wait for it on a thread of
-    their own and judge rank 0 meanwhile."""
-    results = launched.result("frozen server")
-    assert results[0] == {"stayed_away": True}
-    for rank in (1, 2, 3):
+    results = launched.result(launch)
+    assert results[stopped] == {"stayed_away": True}
+    for rank in sorted(set(range(WORLD)) - {stopped}):
         error = results[rank]["error"]
         assert error is not None, rank
-        assert "Rank 0" in error, (rank, error)
+        assert f"Rank {stopped}" in error, (rank, error)
+        # judged within the timeout's reach (2 s), not the group's collective timeout (30 s)
         assert results[rank]["waited"] < 20, (rank, results[rank]["waited"])
