@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from gradsync.compression import fused
 from gradsync.compression._wire import (
     accumulator_dtype,
     add_scaled_chunks_,
@@ -102,10 +103,16 @@ class Int4Codec(Stateless):
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
         del step
-        scale, packed = quantize(x, self.chunk)
+        got = fused.INT4_ENCODE.run(x, self.chunk) if fused.on_device(x) else None
+        scale, packed = quantize(x, self.chunk) if got is None else got
         return [scale, packed]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        scale, packed = parts
+        if fused.on_device(packed):
+            got = fused.INT4_DECODE.run(packed, scale, self.numel, self.chunk, self.acc)
+            if got is not None:
+                return got
         out = torch.zeros(self.numel, dtype=self.acc, device=parts[0].device)
         self.accumulate(parts, out, step)
         return out
@@ -113,6 +120,9 @@ class Int4Codec(Stateless):
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
         del step
         scale, packed = parts
+        kernel = fused.INT4_ACCUMULATE
+        if fused.on_device(out) and kernel.run(out, packed, scale, self.chunk, 1.0) is not None:
+            return
         for start, stop in blocks(self.numel, self.chunk, out.device):
             # Widened a block at a time: no temporary as large as the bucket.
             first, last = start // self.chunk, -(-stop // self.chunk)
@@ -138,6 +148,9 @@ class Int4Sent:
 
     def subtract_from(self, corrected: torch.Tensor) -> torch.Tensor:
         flat, (scale, packed), chunk = corrected.view(-1), self.parts, self.codec.chunk
+        kernel = fused.INT4_ACCUMULATE
+        if fused.on_device(flat) and kernel.run(flat, packed, scale, chunk, -1.0) is not None:
+            return corrected
         for start, stop in blocks(self.codec.numel, chunk, flat.device):
             first, last = start // chunk, -(-stop // chunk)
             values = unpack_codes(packed, start, stop, flat.dtype)

@@ -45,6 +45,10 @@ reproducible, ranks round independently (their errors average out) and the user'
 The noise table and each piece's offset and sign are all drawn from it: the same key and step give
 the same codes.
 
+On a GPU the encode and decode are compiled kernels (``fused.int8_encode``): the same format
+and guarantees, with each element's noise hashed from the seed and its index instead of drawn
+from the generator and the table, so the codes differ from this path's.
+
 :class:`Int8Codec` is the encoding (``ceil(n / chunk)`` fp32 scales, then ``n`` int8 codes),
 used by the hook for every rank's payload and by parameter-server pushes, whose rounding
 stream is ``(derive_seed(seed, worker stream), step)`` instead.
@@ -58,6 +62,7 @@ from typing import Any
 
 import torch
 
+from gradsync.compression import fused
 from gradsync.compression._wire import (
     accumulator_dtype,
     add_scaled_chunks_,
@@ -240,15 +245,27 @@ class Int8Codec(Stateless):
         self.layout: Layout = ((torch.float32, -(-numel // chunk)), (torch.int8, numel))
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
-        gen = generator(derive_seed(*self.key, step), x.device)
-        scale, codes = quantize(x, self.chunk, gen)
+        seed = derive_seed(*self.key, step)
+        got = None
+        if fused.on_device(x):
+            # Noise hashed from the seed in the kernel (fused module docstring): same format.
+            words = fused.seed_words(seed, x.device)
+            got = fused.INT8_ENCODE.run(x, self.chunk, *words)
+        scale, codes = quantize(x, self.chunk, generator(seed, x.device)) if got is None else got
         return [scale, codes]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        if fused.on_device(parts[1]):
+            got = fused.INT8_DECODE.run(parts[1], parts[0], self.chunk, self.acc)
+            if got is not None:
+                return got
         return dequantize(parts[0], parts[1], self.chunk, self.acc)
 
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
         scale, codes = parts
+        kernel = fused.INT8_ACCUMULATE
+        if fused.on_device(out) and kernel.run(out, codes, scale, self.chunk, 1.0) is not None:
+            return
         for start, stop in blocks(self.numel, self.chunk, out.device):
             # Widened a block at a time: no temporary as large as the bucket.
             first, last = start // self.chunk, -(-stop // self.chunk)

@@ -37,20 +37,19 @@ spec            pieces                                                          
 ``fp16/bf16``   ``n`` values in fp16 / bf16                                     0.5
 ``int8``        ``ceil(n/c)`` fp32 scales, ``n`` int8 codes (stochastic)        ~0.251
 ``topk:F``      ``k`` int32 indices, ``k`` values in ``d``                      2F
-``randomk:F``   ``k`` fp32 values, already scaled by ``n/k``; no indices        F
+``randomk:F``   ``k`` fp32 values, scaled by stratum size; no indices           F
 ``sign``        ``ceil(n/s)`` fp32 scales ``mean|x|``, ``ceil(n/8)`` sign bytes  ~0.047
 ``powersgd:R``  every matrix's P (rows x R) then Q (cols x R) in fp32, then     shapes
                 the uncompressed elements (vectors, small matrices) in ``d``
 ==============  ==============================================================  =============
 
-``k = ceil(F * n)`` (at least 1). randomk sends no indices: both ends draw them from a CPU
-generator seeded by ``(seed, step)``, which halves the payload (4k bytes instead of 8k) for an
-O(k log k) draw (``sparse.random_subset``) on each side; the server knows the step because a
-worker's pushes arrive in order, and the CPU generator makes the draw independent of the device
-on either end. PowerSGD computes P and Q locally (one power iteration, warm-started from the
-previous Q) and sends both, so the decode ``P Q^T`` needs no server state. Unlike the
-all-reduce hook it has no ``start_iter`` phase of plain steps: those would change the payload
-size.
+``k = ceil(F * n)`` (at least 1). randomk sends no indices: both ends compute them from
+``(seed, step)`` (one position per stratum, ``fused.strata``), which halves the payload (4k bytes
+instead of 8k) for O(k) integer arithmetic on each side; the server knows the step because a
+worker's pushes arrive in order, and the arithmetic gives the same positions on any device.
+PowerSGD computes P and Q locally (one power iteration, warm-started from the previous Q) and
+sends both, so the decode ``P Q^T`` needs no server state. Unlike the all-reduce hook it has no
+``start_iter`` phase of plain steps: those would change the payload size.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gradsync.compression import fused
 from gradsync.compression._wire import (
     accumulator_dtype,
     add_scaled_chunks_,
@@ -149,10 +150,15 @@ class SignCodec(Stateless):
         self.layout: Layout = ((torch.float32, -(-numel // chunk)), (torch.uint8, -(-numel // 8)))
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
-        scale, bits = pack_signs(x, self.chunk)
+        got = fused.SIGN_ENCODE.run(x, self.chunk) if fused.on_device(x) else None
+        scale, bits = pack_signs(x, self.chunk) if got is None else got
         return [scale, bits]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
+        if fused.on_device(parts[1]):
+            got = fused.SIGN_DECODE.run(parts[1], parts[0], self.numel, self.chunk, self.acc)
+            if got is not None:
+                return got
         return unpack_signs(parts[0], parts[1], self.numel, self.chunk, self.acc)
 
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
@@ -170,6 +176,20 @@ class SignCodec(Stateless):
         block of ``out`` at a time for all ranks while it is in cache (chunks are a multiple of
         8: blocks start on a byte), with no bucket-sized signs. Each element sees the same adds
         in the same order as one ``accumulate`` per rank, so the sum is the same bit for bit."""
+        chunk = self.chunk
+        if fused.on_device(out):
+            # Rank by rank, each payload a pass of its own kernel; one the kernel did not take
+            # (compilation off or failed) goes the blocked way, still in rank order.
+            for parts in parts_by_rank:
+                scale, packed = parts
+                if fused.SIGN_ACCUMULATE.run(out, packed, scale, chunk, sign) is None:
+                    self._accumulate_blocked([parts], out, sign)
+            return
+        self._accumulate_blocked(parts_by_rank, out, sign)
+
+    def _accumulate_blocked(
+        self, parts_by_rank: list[list[torch.Tensor]], out: torch.Tensor, sign: float
+    ) -> None:
         chunk = self.chunk
         for start, stop in blocks(self.numel, chunk, out.device):
             first, last = start // chunk, -(-stop // chunk)

@@ -6,16 +6,24 @@ rank, so no size exchange is needed) and every rank scatters all payloads in ran
 biased (small coordinates never move on their own), so ``parse_compression`` wraps it in error
 feedback. Bytes this rank hands to the collective: ``k * (4 + element size)``, 8k for fp32.
 
-``randomk`` keeps a uniformly random k-subset drawn from a generator seeded by
+``randomk`` cuts the bucket into k strata of ``n / k`` elements (``floor`` or ``ceil`` of it
+where k does not divide n) and keeps one uniformly random position in each, drawn from
 ``(seed, bucket index, step)``: the same on every rank, so the k values are all-reduced like a
-dense tensor. Each kept value is scaled by ``n / k`` (each coordinate is kept with probability
-``k / n``), which makes the estimate unbiased; its variance per coordinate is ``x**2 (n/k - 1)``.
-Bytes: ``k * element size``. The index draw uses a generator on the buffer's device, so every
-rank must hold its buffer on the same device type.
+dense tensor. Each kept value is scaled by its stratum's size (each coordinate of a stratum is
+kept with probability one over its size), which makes the estimate unbiased; its variance per
+coordinate is ``x**2 (size - 1)``, about ``x**2 (n/k - 1)``. Bytes: ``k * element size``.
+
+Why strata, not a uniformly random k-subset (until 2026-11-30): the positions are integer
+arithmetic on a hash of ``(seed, stratum)`` (``fused.strata``), so every device
+draws the same ones with no generator, no sort and nothing read back by the host. The encode +
+decode of a 256 MB gradient on an H200 took 47 ms with the subset's sort-based draw (made on the
+CPU, as a push's had to be for both ends to agree), 0.35 ms with the strata drawn inside the
+compiled gather and scatter (BENCHMARKS.md, "gradsync on one GPU"); the draw now runs as torch
+ops before them (``fused.strata`` says why), a form not yet timed on a GPU. Each coordinate is
+still kept with probability about ``k / n``; two kept positions are never in one stratum.
 
 :class:`TopKCodec` and :class:`RandomKCodec` are the encodings, shared by the hooks and by
-parameter-server pushes. A push's randomk draws its indices on the CPU from
-``(derive_seed(seed, worker stream), step)``: worker and server may hold different devices.
+parameter-server pushes, whose positions come from ``(derive_seed(seed, worker stream), step)``.
 """
 
 from __future__ import annotations
@@ -29,13 +37,13 @@ from typing import Any
 import torch
 
 from gradsync import exit_safety
-from gradsync.compression._select import random_subset, top_magnitudes
+from gradsync.compression import fused
+from gradsync.compression._select import top_magnitudes
 from gradsync.compression._wire import (
     accumulator_dtype,
     all_gather_mean,
     all_reduce_async,
     derive_seed,
-    generator,
     record_sent,
     world_and_rank,
 )
@@ -147,47 +155,55 @@ class RandomKState:
 
 
 class RandomKCodec(Stateless):
-    """``k`` values in the accumulator dtype, already scaled by ``n / k``; no indices.
+    """``k`` values in the accumulator dtype, each already scaled by its stratum's size; no
+    indices.
 
-    Encoder and decoder draw the same k indices from ``derive_seed(*key, step)``, on
-    ``draw_device`` (None: the data's device, as every rank of a collective shares a device
-    type). :meth:`indices`, :meth:`gather` and :meth:`scatter` are the steps of encode and
-    decode, for a caller that needs the indices more than once per step (the hook).
+    Encoder and decoder draw the same positions from ``derive_seed(*key, step)``, on any
+    device. :meth:`positions`, :meth:`gather` and :meth:`scatter` are the steps of encode and
+    decode, for a caller that needs the positions more than once per step (the hook).
     """
 
-    __slots__ = ("acc", "draw_device", "k", "key", "layout", "numel")
+    __slots__ = ("acc", "k", "key", "layout", "numel")
 
-    def __init__(
-        self,
-        numel: int,
-        k: int,
-        key: tuple[int, ...],
-        acc: torch.dtype,
-        draw_device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, numel: int, k: int, key: tuple[int, ...], acc: torch.dtype) -> None:
         self.numel, self.k, self.key, self.acc = numel, k, key, acc
-        self.draw_device = draw_device
         self.layout: Layout = ((acc, k),)
 
-    def indices(self, step: int, device: torch.device) -> torch.Tensor:
-        draw = device if self.draw_device is None else self.draw_device
-        gen = generator(derive_seed(*self.key, step), draw)
-        return random_subset(self.numel, self.k, gen, draw).to(device)
+    def seed(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused.seed_words(derive_seed(*self.key, step), device)
 
-    def gather(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        # Each coordinate is kept with probability k/n: scaling by n/k makes it unbiased.
-        return x[chosen].to(self.acc).mul_(self.numel / self.k)
+    def positions(self, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position, stratum size) of each kept value."""
+        return fused.strata(self.numel, self.k, *self.seed(step, device))
 
-    def scatter(self, values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        position, size = chosen
+        return x[position].to(self.acc).mul_(size)
+
+    def scatter(
+        self, values: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=self.acc, device=values.device)
-        out[chosen] = values
+        out[chosen[0]] = values
         return out
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
-        return [self.gather(x, self.indices(step, x.device))]
+        position, size = self.positions(step, x.device)
+        gather = (fused.RANDOMK_GATHER, fused.randomk_gather)
+        return [_fused(*gather, x.device, x.reshape(-1), position, size, self.acc)]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
-        return self.scatter(parts[0], self.indices(step, parts[0].device))
+        values = parts[0]
+        position, _ = self.positions(step, values.device)
+        scatter = (fused.RANDOMK_SCATTER, fused.randomk_scatter)
+        return _fused(*scatter, values.device, values, position, self.numel)
+
+
+def _fused(kernel: fused.Kernel, fn: Any, device: torch.device, *args: Any) -> Any:
+    """``fn(*args)``: compiled on a GPU, as separate torch ops elsewhere or where compilation
+    is off or failed."""
+    got = kernel.run(*args) if device.type == "cuda" else None
+    return fn(*args) if got is None else got
 
 
 def randomk_hook(state: RandomKState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:
@@ -202,7 +218,7 @@ def randomk_hook(state: RandomKState, bucket: BucketLike) -> torch.futures.Futur
         n, kept(state.fraction, n), (state.seed, index_key), accumulator_dtype(buf.dtype)
     )
     # Drawn once: the all-reduce sums values only, and the callback scatters them back here.
-    chosen = codec.indices(step, flat.device)
+    chosen = codec.positions(step, flat.device)
     values = codec.gather(flat, chosen)
     state.bytes_sent += values.numel() * values.element_size()
     if state.sent is not None:
@@ -225,12 +241,10 @@ def randomk_codec(
     fraction: float,
     seed: int,
 ) -> RandomKCodec:
-    """``Compressor.codec`` for randomk: indices drawn on the CPU, the same on either end."""
+    """``Compressor.codec`` for randomk: positions the same on either end, on any device."""
     del shapes
     key = (derive_seed(seed, stream),)
-    # A CUDA generator draws a different permutation from a CPU one with the same seed.
-    cpu = torch.device("cpu")
-    return RandomKCodec(numel, kept(fraction, numel), key, accumulator_dtype(dtype), cpu)
+    return RandomKCodec(numel, kept(fraction, numel), key, accumulator_dtype(dtype))
 
 
 def topk(fraction: float) -> Compressor:

@@ -46,9 +46,6 @@ TWO_RANK_CONFIGS = tuple(
 )
 #: Exact up to the order of floating-point sums: the device's run must match the CPU's closely.
 EXACT = {"none", "fp16", "bf16"}
-#: Drawn on the buffer's device: a CUDA generator picks another subset than a CPU one with the
-#: same seed, so the two runs train on different coordinates and are not compared.
-DRAWN_ON_DEVICE = {"randomk:0.25"}
 STEPS = 8
 PER_RANK = 8
 LR = 0.05

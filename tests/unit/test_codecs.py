@@ -144,7 +144,13 @@ def _randomk(x: torch.Tensor, out: torch.Tensor) -> None:
     k = math.ceil(0.1 * N)
     kept = out != 0
     assert int(kept.sum()) == k
-    torch.testing.assert_close(out[kept], x[kept] * (N / k))  # unbiased: kept w.p. k/n
+    # One position in each of k strata, scaled by the stratum's size: unbiased (kept w.p.
+    # one over that size). 410 does not divide 4092, so the sizes are 9 and 10.
+    starts = torch.arange(k + 1) * N // k
+    stratum = torch.searchsorted(starts, kept.nonzero().view(-1), right=True) - 1
+    assert torch.equal(stratum, torch.arange(k))
+    size = (starts[1:] - starts[:-1]).to(x.dtype)
+    torch.testing.assert_close(out[kept], x[kept] * size)
 
 
 def _powersgd(x: torch.Tensor, out: torch.Tensor) -> None:

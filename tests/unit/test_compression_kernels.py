@@ -2,8 +2,8 @@
 
 sign packs its bits eight to a byte through 64-bit words; topk finds the k largest magnitudes
 through a sampled threshold instead of a selection over all n; int8 rounds with 16-bit noise
-(from a table per encode: tests/unit/test_int8_noise.py); randomk samples its k-subset with
-rejection instead of a permutation; PowerSGD builds its rank-R products as R multiply-adds. The
+(from a table per encode: tests/unit/test_int8_noise.py); randomk draws one position per stratum
+by integer hashing (``fused.strata``); PowerSGD builds its rank-R products as R multiply-adds. The
 other compression tests run them at small sizes (most under topk's threshold size); these cover the
 large, ragged and odd-dtype inputs the fast paths were written for, and the edge cases (ties,
 NaN, signed zeros) where they could differ.
@@ -17,9 +17,10 @@ import sys
 import pytest
 import torch
 
-from gradsync.compression import _select
+from gradsync.compression import _select, fused
 from gradsync.compression._lowrank import compute_p, compute_q, subtract_outer, write_outer
-from gradsync.compression._select import SMALL, random_subset, top_magnitudes
+from gradsync.compression._select import SMALL, top_magnitudes
+from gradsync.compression._wire import derive_seed
 from gradsync.compression.int4 import Int4Codec
 from gradsync.compression.int8 import Int8Codec, dequantize, quantize, rounding_noise
 from gradsync.compression.powersgd import Projection, plan_shapes
@@ -304,30 +305,30 @@ def test_int8_accumulate_adds_the_decode_to_the_last_bit() -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (10, 2), (64, 16), (1000, 300), (200_003, 2_001)])
-def test_random_subset_is_k_distinct_positions_reproducible_by_seed(n: int, k: int) -> None:
-    cpu = torch.device("cpu")
-    a = random_subset(n, k, torch.Generator().manual_seed(5), cpu)
-    b = random_subset(n, k, torch.Generator().manual_seed(5), cpu)
-    assert torch.equal(a, b)
-    assert a.numel() == k and a.unique().numel() == k
-    assert int(a.min()) >= 0 and int(a.max()) < n
+def test_strata_are_one_position_in_each_reproducible_by_seed(n: int, k: int) -> None:
+    seed = fused.seed_words(derive_seed(5), torch.device("cpu"))
+    position, size = fused.strata(n, k, *seed)
+    again, _ = fused.strata(n, k, *seed)
+    assert torch.equal(position, again)
+    j = torch.arange(k)
+    start, stop = j * n // k, (j + 1) * n // k
+    assert torch.all((position >= start) & (position < stop))
+    assert torch.equal(size, stop - start) and int(size.sum()) == n
+    other, _ = fused.strata(n, k, *fused.seed_words(derive_seed(6), torch.device("cpu")))
+    assert n == k or not torch.equal(position, other)
 
 
-def test_random_subset_includes_every_position_equally_often() -> None:
-    # 4000 draws of 10 from 1000: each position is kept 40 times on average, variance 39.6.
+def test_strata_include_every_position_equally_often() -> None:
+    # 4000 draws of one position in each of 10 strata of 100: each is kept 40 times on
+    # average, variance 39.6.
     n, k, draws = 1000, 10, 4000
     counts = torch.zeros(n)
-    gen = torch.Generator().manual_seed(6)
-    for _ in range(draws):
-        counts[random_subset(n, k, gen, torch.device("cpu"))] += 1
+    for step in range(draws):
+        seed = fused.seed_words(derive_seed(6, step), torch.device("cpu"))
+        counts[fused.strata(n, k, *seed)[0]] += 1
     expected = draws * k / n
     sd = math.sqrt(draws * (k / n) * (1 - k / n))
     assert float((counts - expected).abs().max()) < 5 * sd
-    # The positions of a draw come out in draw order, not sorted (no bias to low positions).
-    first = torch.zeros(n)
-    for _ in range(draws):
-        first[random_subset(n, k, gen, torch.device("cpu"))[0]] += 1
-    assert float(first[: n // 2].sum()) == pytest.approx(draws / 2, abs=5 * math.sqrt(draws) / 2)
 
 
 # powersgd -----------------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""The codecs' compiled device kernels on a GPU (issue 44; skipped without one): their results
+against the same functions run as torch ops on the CPU, and a compressed step that never waits
+for the device, under CUDA's sync debug mode. e2e, not unit: torch.compile runs the compiler
+(its workers, ptxas) as processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradsync as gs
+from gradsync.compression import fused
+from gradsync.compression._wire import derive_seed
+from gradsync.workloads import make_workload
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _gradient(n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen)
+    x[::17] = 0.0
+    return x
+
+
+def _seed(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused.seed_words(derive_seed(9), torch.device(device))
+
+
+@pytest.mark.parametrize("n", (1000, 5000, 1_000_003))
+def test_compiled_kernels_on_the_gpu_give_the_cpu_results(n: int) -> None:
+    x = _gradient(n)
+    gpu = x.cuda()
+    pairs = (
+        (fused.INT4_ENCODE, fused.INT4_DECODE, 128),
+        (fused.SIGN_ENCODE, fused.SIGN_DECODE, 64),
+    )
+    for kernel, decoded, chunk in pairs:
+        scale, packed = kernel.fn(x, chunk)
+        got = kernel.run(gpu, chunk)
+        assert got is not None, f"{kernel.fn.__name__} was not compiled"
+        assert torch.equal(got[1].cpu(), packed), kernel.fn.__name__
+        torch.testing.assert_close(got[0].cpu(), scale, rtol=1e-6, atol=0)
+        on_gpu = decoded.run(got[1], got[0], n, chunk, torch.float32)
+        assert torch.equal(on_gpu.cpu(), decoded.fn(packed, got[0].cpu(), n, chunk, torch.float32))
+    scale, codes = fused.int8_encode(x, 1024, *_seed("cpu"))
+    got = fused.INT8_ENCODE.run(gpu, 1024, *_seed(gpu.device))
+    assert got is not None
+    # max |x| / 127: the compiler may multiply by 1/127 where the CPU divides (its last bit).
+    torch.testing.assert_close(got[0].cpu(), scale, rtol=2**-23, atol=0)
+    # The integer noise is the same on both; x / s may round differently in its last bit,
+    # which moves a code by one only where x / s + noise lands within that bit of a half.
+    assert int((got[1].cpu().int() - codes.int()).abs().max()) <= 1
+    assert float((got[1].cpu() != codes).double().mean()) < 1e-4
+    k = max(1, n // 100)
+    position, size = fused.strata(n, k, *_seed("cpu"))
+    on_gpu_position, on_gpu_size = fused.strata(n, k, *_seed(gpu.device))
+    assert torch.equal(on_gpu_position.cpu(), position)  # the same draw on either device
+    values = fused.randomk_gather(x, position, size, torch.float32)
+    on_gpu = fused.RANDOMK_GATHER.run(gpu, on_gpu_position, on_gpu_size, torch.float32)
+    assert on_gpu is not None and torch.equal(on_gpu.cpu(), values)
+    scattered = fused.RANDOMK_SCATTER.run(on_gpu, on_gpu_position, n)
+    assert torch.equal(scattered.cpu(), fused.randomk_scatter(values, position, n))
+
+
+#: the compressors with fused kernels (each with the kernel its hook's encode compiles), and
+#: top-k, whose selection on a GPU is torch.topk
+COMPRESSIONS = {
+    "int8": fused.INT8_ENCODE,
+    "int4": fused.INT4_ENCODE,
+    "sign": fused.SIGN_ENCODE,
+    "randomk:0.25": None,  # the hook draws, gathers and scatters k elements as torch ops
+    "topk:0.1": None,
+}
+WARMUP, STEPS = 2, 8
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_a_compressed_step_never_waits_for_the_device(compression: str) -> None:
+    """bsp with each codec on one NCCL rank: after the warm-up steps (which compile), no call
+    in the step may synchronize with the device (CUDA's sync debug mode raises)."""
+    if dist.is_initialized() and dist.get_backend() != "nccl":
+        pytest.skip("a non-NCCL default group is up in this process (another module's)")
+    made = not dist.is_initialized()
+    if made:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = make_workload("mlp", seed=2, params=30000)
+        model = w.build_model().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        sync = gs.Synchronizer(
+            model, opt, compression=compression, telemetry_every=100, check_every=0
+        )
+        batches = [tuple(t.cuda() for t in w.batch(step, 8, 0, 8)) for step in range(STEPS)]
+        for step, (x, y) in enumerate(batches):
+            torch.cuda.set_sync_debug_mode("error" if step >= WARMUP else 0)
+            try:
+                with sync.step() as s:
+                    s.loss = w.loss(model, x, y)
+                    s.loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        sync.close()
+    finally:
+        if made:
+            dist.destroy_process_group()
+    kernel = COMPRESSIONS[compression]
+    if kernel is not None:  # the step ran the compiled kernel, not the fallback
+        assert kernel.compiled is not None and not kernel.broken
