@@ -54,6 +54,11 @@ is tested in ``tests/unit/test_compat.py``.
   ``cudaHostRegister`` (torch has no public call that pins memory it did not allocate, such
   as the checkpoint writer's shared buffers), so a GPU model's snapshot copies into it
   asynchronously.
+- ``compiler_errors``: the exceptions ``torch.compile`` raises when it cannot compile
+  (``torch._dynamo.exc.TorchDynamoException``, which its backend's failures, Inductor's and a
+  missing Triton's among them, subclass), so that a codec's fused kernel falls back to the
+  codec's own ops on those and on nothing else (an out-of-memory error is the caller's). Every
+  exception where this torch names them otherwise.
 - ``forkserver_started``: not torch's but Python's: whether multiprocessing's forkserver of this
   process runs already (``multiprocessing.forkserver._forkserver._forkserver_pid``), so that
   ``gradsync.processes.forkserver`` forks workers only from a server whose environment it knows.
@@ -505,3 +510,12 @@ def annotate(name: str) -> contextlib.AbstractContextManager[Any]:
     if callable(enabled) and not enabled():
         return contextlib.nullcontext()
     return torch.profiler.record_function(name)
+
+
+def compiler_errors() -> tuple[type[BaseException], ...]:
+    """What ``torch.compile`` raises when it cannot compile a function (module docstring)."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:
+        return (Exception,)
+    return (TorchDynamoException,)

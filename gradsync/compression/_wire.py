@@ -164,7 +164,8 @@ def add_scaled_chunks_(
 
     ``addcmul`` fuses the multiply and the add where the CPU can (one rounding instead of two),
     so the sum may differ from ``out.add_(values * scale)`` in its last bit; every rank decodes
-    every payload with this same call, so the ranks still agree bit for bit.
+    every payload with this same call (on a GPU, with the same compiled kernel instead:
+    ``fused``), so the ranks still agree bit for bit.
     """
     out_rows, out_tail = split_chunks(out, chunk)
     rows, tail = split_chunks(values, chunk)

@@ -14,23 +14,29 @@ kernels for every CUDA device torch supports; we write no kernel.
 
 What each codec's device path sends:
 
-- ``int4`` and ``sign``: the same codes and bits as the CPU path (their encodings are
-  deterministic); a scale can differ in its last bit (sign's is a sum, whose order differs;
-  the compiler may multiply by ``1/7`` where the CPU divides by 7).
+- ``int4`` and ``sign``: the CPU path's sign bits, and int4's codes but where ``x / s`` falls
+  within its last bit of a half (the compiler multiplies by ``1/7`` where the CPU divides by
+  7; no such code was seen in the tests' 1,000,003 elements); a scale can differ in its last
+  bit (that multiply, or for sign the order of its sum). Every rank of a group decodes what
+  was sent with the same kernel, so the ranks still agree bit for bit; ranks of one group
+  keep their buckets on one device type.
 - ``int8``: the same format; the rounding noise comes from a hash of the element's index and the
   encode's seed (:func:`noise_bits`) instead of the CPU path's generator and table, so the
   codes differ from the CPU path's while holding the same guarantees (unbiased to ``2**-16`` of
   a step, error under one step, fresh per seed).
 - ``randomk``: positions from :func:`strata` on every device (CPU too), so the two ends of a
-  parameter-server push agree wherever they run; the gather and the scatter are compiled.
+  parameter-server push agree wherever they run; the gather and the scatter are compiled (for
+  the hook and for pushes alike), the draw is not (:func:`strata` says why).
 
 :class:`Kernel` wraps such a function; a codec whose tensors are on a CUDA device calls its
-``run``, which compiles it on first use (once per bucket size: the first steps take a few
-seconds longer), and takes its own path where ``run`` gives None: the blocked torch ops it
-runs on a CPU, or for random-k these functions run as separate ops. That happens when
-``GRADSYNC_FUSED_CODECS=0`` turns compilation off, or when a compilation fails (no Triton on
-the machine, a torch whose compiler does not support the device): that warns once, naming the
-function and the error. On a CPU the codecs never compile: the blocked path is faster there.
+``run``, which compiles it for each new shape (bucket size, dtype, chunk), up to
+``MAX_SHAPES`` of them: the first steps take a few seconds longer. The codec takes its own
+path where ``run`` gives None: the blocked torch ops it runs on a CPU, or for random-k these
+functions run as separate ops. That happens for shapes past ``MAX_SHAPES`` (a model with many
+bucket sizes gets the kernels for its first few), when ``GRADSYNC_FUSED_CODECS=0`` turns
+compilation off, or when a compilation fails (no Triton on the machine, a torch whose compiler
+does not support the device): that warns once, naming the function and the error. On a CPU the
+codecs never compile: the blocked path is faster there.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gradsync import compat
+
 #: set to "0" to run every device kernel eagerly (for debugging a compiled one)
 ENV = "GRADSYNC_FUSED_CODECS"
 _compiling = os.environ.get(ENV, "1") != "0"
@@ -55,6 +63,21 @@ def on_device(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+#: sizes (and dtypes, chunks) each kernel is compiled for; calls with others take the codec's
+#: own ops. Each compilation takes seconds, inside a step, and torch.compile runs a function
+#: with too many (8 by default) as plain torch ops, slower than the codec's own.
+MAX_SHAPES = 4
+
+
+def _shape_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a compilation for ``args`` is specialised to: tensor shapes and dtypes, numbers."""
+    return tuple(
+        (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+        for a in args
+        if not isinstance(a, torch.Tensor) or a.dim() > 0
+    )
+
+
 class Kernel:
     """One fusable function, compiled on its first :meth:`run` (module docstring)."""
 
@@ -62,23 +85,29 @@ class Kernel:
         self.fn = fn
         self.compiled: Callable[..., Any] | None = None
         self.broken = False
+        self.shapes: set[tuple[Any, ...]] = set()
         self.lock = threading.Lock()
 
     def run(self, *args: Any) -> Any | None:
-        """``fn(*args)`` compiled, or None where compilation is off or has failed: the caller
-        then takes its own path. A compilation fails before the kernel runs, so nothing it
-        would write has been written when this returns None."""
+        """``fn(*args)`` compiled, or None where compilation is off or has failed, or where
+        ``MAX_SHAPES`` other shapes are compiled already: the caller then takes its own path.
+        A compilation fails before the kernel runs, so nothing it would write has been written
+        when this returns None; any other error is raised."""
         if self.broken or not _compiling:
             return None
-        if self.compiled is None:
-            with self.lock:
-                if self.compiled is None:
-                    # One compilation per shape: buckets come in a few fixed sizes, and a
-                    # kernel specialised to its size ran 2-3x faster than a dynamic one.
-                    self.compiled = torch.compile(self.fn, dynamic=False)
+        key = _shape_key(args)
+        with self.lock:
+            if key not in self.shapes:
+                if len(self.shapes) >= MAX_SHAPES:
+                    return None
+                self.shapes.add(key)
+            if self.compiled is None:
+                # Specialised to each shape: a dynamic kernel (one for all bucket sizes) ran
+                # int8's encode at half the speed on the H200 (BENCHMARKS.md, GPU runs).
+                self.compiled = torch.compile(self.fn, dynamic=False)
         try:
             return self.compiled(*args)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back
+        except compat.compiler_errors() as exc:
             self.broken = True
             warnings.warn(
                 f"gradsync: the fused device kernel {self.fn.__name__} could not be compiled "
@@ -242,13 +271,17 @@ def int8_accumulate(
 # --- random-k: one position per stratum ----------------------------------------------------
 
 
+#: the largest bucket :func:`strata` draws from exactly, plus one
+MAX_STRATA_NUMEL = 1 << 31
+
+
 def strata(
     numel: int, k: int, seed_lo: torch.Tensor, seed_hi: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(position, stratum size) of each of ``k`` strata of ``[0, numel)``: stratum ``j`` is
     ``[j * numel // k, (j + 1) * numel // k)`` and its position is uniform in it, from
     :func:`noise_bits` of ``j``. Integer arithmetic only, so every device draws the same;
-    exact for ``numel < 2**31`` (no product leaves int64).
+    exact for ``numel < MAX_STRATA_NUMEL`` (no product leaves int64).
 
     Never compiled: on an H200 (torch 2.11) the compiled form drew the CPU's positions for a
     5,000-element bucket, and for the first strata of a 1,000,003-element one (k = 10,000),
@@ -272,9 +305,8 @@ def randomk_gather(
 
 def randomk_scatter(values: torch.Tensor, position: torch.Tensor, numel: int) -> torch.Tensor:
     """``numel`` zeros with ``values`` at :func:`strata`'s positions."""
-    return torch.zeros(numel, dtype=values.dtype, device=values.device).index_put(
-        (position,), values
-    )
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    return out.index_put_((position,), values)
 
 
 # --- the compiled kernels, each codec's device path -----------------------------------------

@@ -166,6 +166,12 @@ class RandomKCodec(Stateless):
     __slots__ = ("acc", "k", "key", "layout", "numel")
 
     def __init__(self, numel: int, k: int, key: tuple[int, ...], acc: torch.dtype) -> None:
+        if numel >= fused.MAX_STRATA_NUMEL:
+            raise ValueError(
+                f"randomk draws from buckets of fewer than {fused.MAX_STRATA_NUMEL:,} elements "
+                f"(its positions are exact in int64 only below that); got {numel:,}: use "
+                "smaller buckets (bucket_mb) or parameter-server shards"
+            )
         self.numel, self.k, self.key, self.acc = numel, k, key, acc
         self.layout: Layout = ((acc, k),)
 
@@ -177,33 +183,28 @@ class RandomKCodec(Stateless):
         return fused.strata(self.numel, self.k, *self.seed(step, device))
 
     def gather(self, x: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The kept values of ``x`` (flat), each times its stratum's size."""
         position, size = chosen
-        return x[position].to(self.acc).mul_(size)
+        return _fused(fused.RANDOMK_GATHER, x, x.reshape(-1), position, size, self.acc)
 
     def scatter(
         self, values: torch.Tensor, chosen: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        out = torch.zeros(self.numel, dtype=self.acc, device=values.device)
-        out[chosen[0]] = values
-        return out
+        """A bucket of zeros with ``values`` at the kept positions."""
+        return _fused(fused.RANDOMK_SCATTER, values, values, chosen[0], self.numel)
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
-        position, size = self.positions(step, x.device)
-        gather = (fused.RANDOMK_GATHER, fused.randomk_gather)
-        return [_fused(*gather, x.device, x.reshape(-1), position, size, self.acc)]
+        return [self.gather(x, self.positions(step, x.device))]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
-        values = parts[0]
-        position, _ = self.positions(step, values.device)
-        scatter = (fused.RANDOMK_SCATTER, fused.randomk_scatter)
-        return _fused(*scatter, values.device, values, position, self.numel)
+        return self.scatter(parts[0], self.positions(step, parts[0].device))
 
 
-def _fused(kernel: fused.Kernel, fn: Any, device: torch.device, *args: Any) -> Any:
-    """``fn(*args)``: compiled on a GPU, as separate torch ops elsewhere or where compilation
-    is off or failed."""
-    got = kernel.run(*args) if device.type == "cuda" else None
-    return fn(*args) if got is None else got
+def _fused(kernel: fused.Kernel, on: torch.Tensor, *args: Any) -> Any:
+    """``kernel``'s function of ``args``: compiled where ``on`` is on a GPU, as separate torch
+    ops elsewhere or where compilation is off or failed."""
+    got = kernel.run(*args) if fused.on_device(on) else None
+    return kernel.fn(*args) if got is None else got
 
 
 def randomk_hook(state: RandomKState, bucket: BucketLike) -> torch.futures.Future[torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,3 +183,13 @@ def test_a_found_inf_skips_a_fused_step_and_other_optimizers_read_the_host() -> 
     compat.step_with_found_inf(fused, torch.zeros(()))
     assert not torch.equal(p.detach(), torch.ones(3))
     assert int(fused.state[p]["step"]) == 1  # the skipped step was not counted
+
+
+def test_compiler_errors_are_torch_compiles_own_and_everything_where_it_hides_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (error,) = compat.compiler_errors()
+    assert issubclass(error, RuntimeError) and not issubclass(MemoryError, error)
+    assert error.__module__.startswith("torch._dynamo")
+    monkeypatch.setitem(sys.modules, "torch._dynamo.exc", None)  # a torch without the module
+    assert compat.compiler_errors() == (Exception,)

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from gradsync.compression import fused
+from gradsync import compat
+from gradsync.compression import fused, parse_compression
 from gradsync.compression._wire import derive_seed
 from gradsync.compression.int4 import Int4Codec
 from gradsync.compression.int4 import quantize as int4_quantize
@@ -121,16 +122,25 @@ def test_randomk_kernels_gather_and_scatter_the_strata_positions() -> None:
     assert int((out != 0).sum()) == int((values != 0).sum())
 
 
+def _compiler(fails_with: BaseException | None = None) -> Callable[..., Any]:
+    """A stand-in for torch.compile: the function itself, or one that raises ``fails_with``."""
+
+    def compile(fn: Callable[..., Any], **_: Any) -> Callable[..., Any]:
+        def compiled(*args: Any) -> Any:
+            if fails_with is not None:
+                raise fails_with
+            return fn(*args)
+
+        return compiled
+
+    return compile
+
+
 def test_a_kernel_that_cannot_be_compiled_warns_once_and_the_codec_takes_its_own_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def no_compiler(fn: Callable[..., Any], **_: Any) -> Callable[..., Any]:
-        def fails(*args: Any) -> Any:
-            raise RuntimeError("no Triton here")
-
-        return fails
-
-    monkeypatch.setattr(fused.torch, "compile", no_compiler)
+    cannot = compat.compiler_errors()[0]("no Triton here")
+    monkeypatch.setattr(fused.torch, "compile", _compiler(cannot))
     kernel = fused.Kernel(fused.int4_encode)
     x = _gradient(1000)
     with pytest.warns(RuntimeWarning, match=r"int4_encode could not be compiled.*no Triton"):
@@ -145,6 +155,29 @@ def test_a_kernel_that_cannot_be_compiled_warns_once_and_the_codec_takes_its_own
     assert torch.equal(parts[1], int4_quantize(x, 128)[1])
 
 
+def test_an_error_of_the_kernel_itself_is_raised_not_taken_for_a_failed_compilation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Out of memory, say: falling back would hide it, and an accumulate that had written
+    # part of its sum would be added twice.
+    monkeypatch.setattr(fused.torch, "compile", _compiler(MemoryError("out of memory")))
+    kernel = fused.Kernel(fused.int4_encode)
+    with pytest.raises(MemoryError, match="out of memory"):
+        kernel.run(_gradient(100), 128)
+    assert not kernel.broken
+
+
+def test_a_kernel_is_compiled_for_a_few_shapes_and_leaves_the_others_to_the_codec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fused.torch, "compile", _compiler())
+    kernel = fused.Kernel(fused.int4_encode)
+    for n in range(100, 100 + fused.MAX_SHAPES):
+        assert kernel.run(_gradient(n), 128) is not None
+    assert kernel.run(_gradient(100), 128) is not None  # a shape it has
+    assert kernel.run(_gradient(99), 128) is None  # one too many: the codec's own ops
+
+
 def test_no_compilation_is_attempted_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("torch.compile was called")
@@ -155,3 +188,53 @@ def test_no_compilation_is_attempted_when_turned_off(monkeypatch: pytest.MonkeyP
         assert fused.Kernel(fused.int4_encode).run(_gradient(100), 128) is None
     finally:
         fused.set_compiling(before)
+
+
+# --- every codec through its device path, the kernels run as plain torch ops ---------------
+
+
+@pytest.fixture
+def device_path(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """CPU tensors take the codecs' device path, each kernel running its function uncompiled;
+    the names of the kernels called, in order."""
+    called: list[str] = []
+
+    def run(kernel: fused.Kernel, *args: Any) -> Any:
+        called.append(kernel.fn.__name__)
+        return kernel.fn(*args)
+
+    monkeypatch.setattr(fused, "on_device", lambda t: True)
+    monkeypatch.setattr(fused.Kernel, "run", run)
+    return called
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "sign", "randomk:0.25"])
+def test_every_codec_call_into_its_kernels_decodes_what_it_encoded(
+    spec: str, device_path: list[str]
+) -> None:
+    n = 5000
+    x = _gradient(n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        codec = parse_compression(spec).codec(n, torch.float32, [[n]], 3)
+    parts = codec.encode(x, 7)
+    decoded = codec.decode(parts, 7)
+    out = torch.ones(n)
+    if hasattr(codec, "accumulate"):
+        codec.accumulate(parts, out, 7)
+        torch.testing.assert_close(out, 1 + decoded)
+    if hasattr(codec, "contribution"):
+        left = codec.contribution(parts, 7).subtract_from(decoded.clone())
+        torch.testing.assert_close(left, torch.zeros(n), atol=1e-6, rtol=0)
+    if spec == "randomk:0.25":
+        # The codec's key is derive_seed(seed 0, stream 3); each step's draw adds the step.
+        position, size = fused.strata(n, n // 4, *_seed(derive_seed(0, 3), 7))
+        torch.testing.assert_close(decoded[position], x[position] * size)
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[position] = False
+        assert not decoded[rest].any()
+    else:
+        step = (x.abs().max() / (7 if spec == "int4" else 127)).item()
+        assert float((decoded - x).abs().max()) <= (step if spec != "sign" else x.abs().max())
+    assert any(name.endswith("_encode") or name == "randomk_gather" for name in device_path)
+    assert any("decode" in name or name == "randomk_scatter" for name in device_path)
