@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gradsync as gs
 from gradsync.compression import fused
 from gradsync.compression._wire import derive_seed
 from gradsync.workloads import make_workload
+from tests.support.cuda_sync import one_nccl_rank, steps_that_never_wait
 
 pytestmark = [
     pytest.mark.e2e,
@@ -113,31 +113,14 @@ def test_a_compressed_step_never_waits_for_the_device(
             return got
 
         monkeypatch.setattr(fused.Kernel, "run", counted)
-    if dist.is_initialized() and dist.get_backend() != "nccl":
-        pytest.skip("a non-NCCL default group is up in this process (another module's)")
-    made = not dist.is_initialized()
-    if made:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_nccl_rank():
         w = make_workload("mlp", seed=2, params=30000)
         model = w.build_model().cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         sync = gs.Synchronizer(
             model, opt, compression=compression, telemetry_every=100, check_every=0
         )
-        batches = [tuple(t.cuda() for t in w.batch(step, 8, 0, 8)) for step in range(STEPS)]
-        for step, (x, y) in enumerate(batches):
-            torch.cuda.set_sync_debug_mode("error" if step >= WARMUP else 0)
-            try:
-                with sync.step() as s:
-                    s.loss = w.loss(model, x, y)
-                    s.loss.backward()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        steps_that_never_wait(sync, w, model, STEPS, WARMUP)
         sync.close()
-    finally:
-        if made:
-            dist.destroy_process_group()
     if kernel is not None:  # the steps ran the compiled kernel, not the codec's own ops
         assert compiled_runs[0] >= STEPS, compiled_runs

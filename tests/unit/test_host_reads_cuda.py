@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gradsync as gs
 from gradsync.workloads import make_workload
+from tests.support.cuda_sync import one_nccl_rank, steps_that_never_wait
 from tests.unit.test_host_reads import EVERY, STEPS, STRATEGIES, WARMUP
 
 pytestmark = [
@@ -23,19 +23,9 @@ pytestmark = [
 def test_no_synchronization_with_cuda_sync_debug_mode() -> None:
     """The same steps on a GPU (a world of one over NCCL), with CUDA's sync debug mode raising
     at any call that waits for the device, between the telemetry gathers."""
-    if dist.is_initialized() and dist.get_backend() != "nccl":
-        pytest.skip("a non-NCCL default group is up in this process (another module's)")
-    made = not dist.is_initialized()
-    if made:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_nccl_rank():
         for strategy in STRATEGIES:
             _cuda_steps(strategy)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        if made:
-            dist.destroy_process_group()
 
 
 def _cuda_steps(strategy: str) -> None:
@@ -45,14 +35,6 @@ def _cuda_steps(strategy: str) -> None:
     # No telemetry gather in the steps (it reads: the batch); the divergence check posts at
     # steps 4 and 9 and compares at step 9, where the event after the first has completed.
     sync = gs.Synchronizer(model, opt, strategy=strategy, telemetry_every=100, check_every=EVERY)
-    batches = [tuple(t.cuda() for t in w.batch(step, 8, 0, 8)) for step in range(STEPS)]
-    for step, (x, y) in enumerate(batches):
-        torch.cuda.set_sync_debug_mode("error" if step >= WARMUP else 0)
-        try:
-            with sync.step() as s:
-                s.loss = w.loss(model, x, y)
-                s.loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    steps_that_never_wait(sync, w, model, STEPS, WARMUP)
     sync.report()
     sync.close()
