@@ -70,11 +70,14 @@ MAX_SHAPES = 4
 
 
 def _shape_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What a compilation for ``args`` is specialised to: tensor shapes and dtypes, numbers."""
+    """What a compilation for ``args`` is specialised to, as counted against ``MAX_SHAPES``:
+    tensor shapes and dtypes, integers, dtypes. Not a float: the one float argument, an
+    accumulate's sign, is +1 or -1, so it makes at most two compilations of a shape, eight in
+    all, which torch.compile allows."""
     return tuple(
         (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
         for a in args
-        if not isinstance(a, torch.Tensor) or a.dim() > 0
+        if not isinstance(a, float) and (not isinstance(a, torch.Tensor) or a.dim() > 0)
     )
 
 

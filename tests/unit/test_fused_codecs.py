@@ -176,6 +176,15 @@ def test_a_kernel_is_compiled_for_a_few_shapes_and_leaves_the_others_to_the_code
         assert kernel.run(_gradient(n), 128) is not None
     assert kernel.run(_gradient(100), 128) is not None  # a shape it has
     assert kernel.run(_gradient(99), 128) is None  # one too many: the codec's own ops
+    # An accumulate's sign (+1 or -1) is no shape of its own: adding and subtracting the same
+    # bucket sizes count once.
+    accumulate = fused.Kernel(fused.int8_accumulate)
+    scale = torch.ones(1)
+    for n in range(fused.MAX_SHAPES):
+        for sign in (1.0, -1.0):
+            out = torch.zeros(10 + n)
+            codes = torch.zeros(10 + n, dtype=torch.int8)
+            assert accumulate.run(out, codes, scale, 1024, sign) is not None
 
 
 def test_no_compilation_is_attempted_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
