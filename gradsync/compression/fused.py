@@ -65,14 +65,15 @@ def on_device(t: torch.Tensor) -> bool:
 
 #: sizes (and dtypes, chunks) each kernel is compiled for; calls with others take the codec's
 #: own ops. Each compilation takes seconds, inside a step, and torch.compile runs a function
-#: with too many (8 by default) as plain torch ops, slower than the codec's own.
-MAX_SHAPES = 4
+#: with too many (8 by default) as plain torch ops, slower than the codec's own: 3 (6 with an
+#: accumulate's two signs) leaves room for a compilation torch makes of its own accord.
+MAX_SHAPES = 3
 
 
 def _shape_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What a compilation for ``args`` is specialised to, as counted against ``MAX_SHAPES``:
     tensor shapes and dtypes, integers, dtypes. Not a float: the one float argument, an
-    accumulate's sign, is +1 or -1, so it makes at most two compilations of a shape, eight in
+    accumulate's sign, is +1 or -1, so it makes at most two compilations of a shape, six in
     all, which torch.compile allows."""
     return tuple(
         (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
