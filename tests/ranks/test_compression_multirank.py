@@ -15,6 +15,7 @@ from gradsync.compression import (
     FlatBucket,
     ddp_comm_hook,
     error_feedback,
+    fused,
     parse_compression,
     powersgd,
 )
@@ -40,10 +41,31 @@ def compressor(spec: str) -> Compressor:
     return parse_compression(spec)
 
 
-def _exchange_everything(rank: int, world: int) -> dict[str, Any]:
+#: the compressors with GPU kernels (gradsync.compression.fused)
+FUSED_SPECS = ["int8", "int4", "randomk:0.2", "sign"]
+
+
+def _take_the_device_path() -> list[str]:
+    """In this rank process: CPU tensors take the codecs' GPU path, each kernel's function run
+    uncompiled (no GPU here); the names of the kernels called, as they are called."""
+    called: list[str] = []
+
+    def run(kernel: fused.Kernel, *args: Any) -> Any:
+        called.append(kernel.fn.__name__)
+        return kernel.fn(*args)
+
+    fused.on_device = lambda t: True  # type: ignore[assignment]
+    fused.Kernel.run = run  # type: ignore[method-assign]
+    return called
+
+
+def _exchange_everything(
+    rank: int, world: int, specs: list[str] = SPECS, device_path: bool = False
+) -> dict[str, Any]:
+    called = _take_the_device_path() if device_path else []
     params = [torch.empty(s) for s in SHAPES]
-    out: dict[str, Any] = {}
-    for spec in SPECS:
+    out: dict[str, Any] = {"kernels": called}
+    for spec in specs:
         c = compressor(spec)
         state = c.make_state(None)
         results = []
@@ -66,7 +88,31 @@ def _exchange_everything(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_every_compressor_keeps_ranks_bitwise_identical_and_conserves_mass() -> None:
     by_rank = run_ranks(_exchange_everything, WORLD, timeout_s=60)
-    for spec in SPECS:
+    _assert_exchanged(by_rank, SPECS)
+    assert sorted(s for s in SPECS if by_rank[0][s]["residuals"]) == [
+        "powersgd:2",
+        "sign",
+        "topk:0.1",
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_path_of_every_fused_codec_keeps_ranks_identical_and_conserves_mass() -> None:
+    """The same exchanges through the codecs' GPU path (its kernels run as plain torch ops):
+    what no CPU run took before, and what a GPU runs with the kernels compiled."""
+    by_rank = run_ranks(_exchange_everything, WORLD, FUSED_SPECS, True, timeout_s=60)
+    _assert_exchanged(by_rank, FUSED_SPECS)
+    called = set(by_rank[0]["kernels"])
+    for kernel in ("int8_encode", "int8_accumulate", "int4_encode", "int4_accumulate"):
+        assert kernel in called, sorted(called)
+    for kernel in ("sign_encode", "sign_accumulate", "randomk_gather", "randomk_scatter"):
+        assert kernel in called, sorted(called)
+
+
+def _assert_exchanged(by_rank: list[dict[str, Any]], specs: list[str]) -> None:
+    """Ranks bitwise identical; int8 within a step of the mean; bytes counted; error feedback
+    conserving mass."""
+    for spec in specs:
         r0, r1 = by_rank[0][spec], by_rank[1][spec]
         for step in range(STEPS):
             for i in range(2):
@@ -86,11 +132,6 @@ def test_every_compressor_keeps_ranks_bitwise_identical_and_conserves_mass() -> 
                 held = sum(by_rank[r][spec]["residuals"][i].double() for r in range(WORLD))
                 given = sum(gradient(r, s, i).double() for r in range(WORLD) for s in range(STEPS))
                 torch.testing.assert_close(sent + held, given, rtol=0, atol=1e-4)
-    assert sorted(s for s in SPECS if by_rank[0][s]["residuals"]) == [
-        "powersgd:2",
-        "sign",
-        "topk:0.1",
-    ]
 
 
 def _train_ddp(rank: int, world: int, specs: list[str]) -> dict[str, Any]:
