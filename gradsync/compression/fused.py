@@ -6,11 +6,14 @@ device memory, and a block loop is a string of launches. On an H200 (torch 2.11,
 that ran the encode + decode of a 256 MB gradient at 3% to 7% of a device copy's rate: int8
 134 GB/s, int4 129, sign 46, random-k 5 (BENCHMARKS.md, "gradsync on one GPU"). The functions
 here compute the same encodings as whole-tensor expressions (the last chunk padded with zeros
-inside the expression, not in memory; a decode gathers each element's scale by index), which
-``torch.compile`` turns into a kernel or two each. Measured side by side on the H200, compiled
-against the codec's own torch ops (same section), 256 MB: int8 557 GB/s against 132, int4 636
-against 129, sign 799 against 46. torch.compile is a maintained piece that writes these
-kernels for every CUDA device torch supports; we write no kernel.
+inside the expression, not in memory), which ``torch.compile`` turns into a kernel or two
+each. Measured side by side on the H200, compiled against the codec's own torch ops (same
+section), 256 MB: int8 557 GB/s against 132, int4 636 against 129, sign 799 against 46. Those
+figures are of an earlier form, whose decodes gathered each element's scale by index and added
+into the sum in the compiled kernel; compiled for the CPU, both of those left a short last
+chunk out (:func:`scaled`, :func:`accumulate`), so the decodes now pad, and the add is a torch
+op of its own. The form kept has not been timed on a GPU. torch.compile is a maintained piece
+that writes these kernels for every CUDA device torch supports; we write no kernel.
 
 What each codec's device path sends:
 
@@ -65,20 +68,18 @@ def on_device(t: torch.Tensor) -> bool:
 
 #: sizes (and dtypes, chunks) each kernel is compiled for; calls with others take the codec's
 #: own ops. Each compilation takes seconds, inside a step, and torch.compile runs a function
-#: with too many (8 by default) as plain torch ops, slower than the codec's own: 3 (6 with an
-#: accumulate's two signs) leaves room for a compilation torch makes of its own accord.
+#: with too many (8 by default) as plain torch ops, slower than the codec's own: 3 leaves room
+#: for compilations torch makes of its own accord.
 MAX_SHAPES = 3
 
 
 def _shape_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What a compilation for ``args`` is specialised to, as counted against ``MAX_SHAPES``:
-    tensor shapes and dtypes, integers, dtypes. Not a float: the one float argument, an
-    accumulate's sign, is +1 or -1, so it makes at most two compilations of a shape, six in
-    all, which torch.compile allows."""
+    tensor shapes and dtypes, integers, dtypes (a 0-dim tensor, a seed word, is none)."""
     return tuple(
         (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
         for a in args
-        if not isinstance(a, float) and (not isinstance(a, torch.Tensor) or a.dim() > 0)
+        if not isinstance(a, torch.Tensor) or a.dim() > 0
     )
 
 
@@ -167,10 +168,15 @@ def noise_bits(index: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor
     return _mix32(_mix32(spread) ^ seed_hi ^ (index >> 32))
 
 
-def per_element(scale: torch.Tensor, numel: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
-    """Each element's chunk scale, as a gather by index: a compiled kernel reads it from cache
-    instead of a bucket-sized copy."""
-    return scale.to(dtype)[torch.arange(numel, device=scale.device) // chunk]
+def scaled(values: torch.Tensor, scale: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
+    """The first ``numel`` of flat ``values``, each times its chunk's scale.
+
+    As padded rows times a column, not ``values * scale[arange(n) // chunk]``: compiled by
+    torch 2.13's Inductor for the CPU, that gather gave 0 for every element of a short last
+    chunk of 1,024 (5,000 and 100,003 elements; tests/e2e/test_fused_compiled_cpu.py), so we
+    do not trust it on a GPU either, though it timed faster there (BENCHMARKS.md, GPU runs)."""
+    rows = padded_rows(values, chunk)
+    return (rows * scale.to(values.dtype)[: rows.shape[0], None]).view(-1)[:numel]
 
 
 # --- int4: round to nearest of x / (max|x| / 7), two codes a byte ---------------------------
@@ -191,16 +197,8 @@ def int4_decode(
     packed: torch.Tensor, scale: torch.Tensor, numel: int, chunk: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The decoded tensor, flat, of ``dtype``."""
-    i = torch.arange(numel, device=packed.device)
-    code = (packed[i // 2] >> ((i % 2) * 4).to(torch.uint8)) & 15
-    return (code.to(dtype) - 8) * per_element(scale, numel, chunk, dtype)
-
-
-def int4_accumulate(
-    out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, chunk: int, sign: float
-) -> torch.Tensor:
-    """``out += sign * decode(packed, scale)`` in place (flat ``out``); returns ``out``."""
-    return out.add_(int4_decode(packed, scale, out.numel(), chunk, out.dtype), alpha=sign)
+    codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1).to(dtype) - 8
+    return scaled(codes, scale, numel, chunk)
 
 
 # --- sign: one bit per element, mean |x| per chunk -----------------------------------------
@@ -225,16 +223,9 @@ def sign_decode(
     packed: torch.Tensor, scale: torch.Tensor, numel: int, chunk: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """``scale * (+1 or -1 per bit)``, flat, of ``dtype`` (the product is exact)."""
-    i = torch.arange(numel, device=packed.device)
-    bit = (packed[i // 8] >> (i % 8).to(torch.uint8)) & 1
-    return (bit.to(dtype) * 2 - 1) * per_element(scale, numel, chunk, dtype)
-
-
-def sign_accumulate(
-    out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, chunk: int, sign: float
-) -> torch.Tensor:
-    """``out += sign * decode(packed, scale)`` in place (flat ``out``); returns ``out``."""
-    return out.add_(sign_decode(packed, scale, out.numel(), chunk, out.dtype), alpha=sign)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    signs = ((packed[:, None] >> shifts) & 1).view(-1).to(dtype) * 2 - 1
+    return scaled(signs, scale, numel, chunk)
 
 
 # --- int8: stochastic rounding with hashed noise -------------------------------------------
@@ -262,14 +253,7 @@ def int8_decode(
     codes: torch.Tensor, scale: torch.Tensor, chunk: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """``codes * scale`` per chunk, flat, of ``dtype``."""
-    return codes.to(dtype) * per_element(scale, codes.numel(), chunk, dtype)
-
-
-def int8_accumulate(
-    out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, chunk: int, sign: float
-) -> torch.Tensor:
-    """``out += sign * codes * scale`` per chunk, in place (flat ``out``); returns ``out``."""
-    return out.add_(int8_decode(codes, scale, chunk, out.dtype), alpha=sign)
+    return scaled(codes.to(dtype), scale, codes.numel(), chunk)
 
 
 # --- random-k: one position per stratum ----------------------------------------------------
@@ -313,16 +297,25 @@ def randomk_scatter(values: torch.Tensor, position: torch.Tensor, numel: int) ->
     return out.index_put_((position,), values)
 
 
+def accumulate(decode: Kernel, out: torch.Tensor, sign: float, *args: Any) -> bool:
+    """``out += sign * decode(*args)``: the decode compiled, the add a torch op of its own;
+    False (nothing added) where ``decode`` did not run. Not one compiled in-place add: torch
+    2.13's Inductor compiled ``out.add_(decoded)`` for the CPU leaving a short last chunk of
+    int8 (1,024) and int4 (128) unadded (tests/e2e/test_fused_compiled_cpu.py)."""
+    decoded = decode.run(*args)
+    if decoded is None:
+        return False
+    out.add_(decoded, alpha=sign)
+    return True
+
+
 # --- the compiled kernels, each codec's device path -----------------------------------------
 
 INT4_ENCODE = Kernel(int4_encode)
 INT4_DECODE = Kernel(int4_decode)
-INT4_ACCUMULATE = Kernel(int4_accumulate)
 SIGN_ENCODE = Kernel(sign_encode)
 SIGN_DECODE = Kernel(sign_decode)
-SIGN_ACCUMULATE = Kernel(sign_accumulate)
 INT8_ENCODE = Kernel(int8_encode)
 INT8_DECODE = Kernel(int8_decode)
-INT8_ACCUMULATE = Kernel(int8_accumulate)
 RANDOMK_GATHER = Kernel(randomk_gather)
 RANDOMK_SCATTER = Kernel(randomk_scatter)

@@ -120,8 +120,8 @@ class Int4Codec(Stateless):
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
         del step
         scale, packed = parts
-        kernel = fused.INT4_ACCUMULATE
-        if fused.on_device(out) and kernel.run(out, packed, scale, self.chunk, 1.0) is not None:
+        decoded = (packed, scale, self.numel, self.chunk, out.dtype)
+        if fused.on_device(out) and fused.accumulate(fused.INT4_DECODE, out, 1.0, *decoded):
             return
         for start, stop in blocks(self.numel, self.chunk, out.device):
             # Widened a block at a time: no temporary as large as the bucket.
@@ -148,8 +148,8 @@ class Int4Sent:
 
     def subtract_from(self, corrected: torch.Tensor) -> torch.Tensor:
         flat, (scale, packed), chunk = corrected.view(-1), self.parts, self.codec.chunk
-        kernel = fused.INT4_ACCUMULATE
-        if fused.on_device(flat) and kernel.run(flat, packed, scale, chunk, -1.0) is not None:
+        decoded = (packed, scale, self.codec.numel, chunk, flat.dtype)
+        if fused.on_device(flat) and fused.accumulate(fused.INT4_DECODE, flat, -1.0, *decoded):
             return corrected
         for start, stop in blocks(self.codec.numel, chunk, flat.device):
             first, last = start // chunk, -(-stop // chunk)

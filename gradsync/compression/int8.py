@@ -263,8 +263,8 @@ class Int8Codec(Stateless):
 
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
         scale, codes = parts
-        kernel = fused.INT8_ACCUMULATE
-        if fused.on_device(out) and kernel.run(out, codes, scale, self.chunk, 1.0) is not None:
+        decoded = (codes, scale, self.chunk, out.dtype)
+        if fused.on_device(out) and fused.accumulate(fused.INT8_DECODE, out, 1.0, *decoded):
             return
         for start, stop in blocks(self.numel, self.chunk, out.device):
             # Widened a block at a time: no temporary as large as the bucket.

@@ -182,7 +182,8 @@ class SignCodec(Stateless):
             # (compilation off or failed) goes the blocked way, still in rank order.
             for parts in parts_by_rank:
                 scale, packed = parts
-                if fused.SIGN_ACCUMULATE.run(out, packed, scale, chunk, sign) is None:
+                decoded = (packed, scale, self.numel, chunk, out.dtype)
+                if not fused.accumulate(fused.SIGN_DECODE, out, sign, *decoded):
                     self._accumulate_blocked([parts], out, sign)
             return
         self._accumulate_blocked(parts_by_rank, out, sign)

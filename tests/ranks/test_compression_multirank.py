@@ -103,9 +103,9 @@ def test_the_gpu_path_of_every_fused_codec_keeps_ranks_identical_and_conserves_m
     by_rank = run_ranks(_exchange_everything, WORLD, FUSED_SPECS, True, timeout_s=60)
     _assert_exchanged(by_rank, FUSED_SPECS)
     called = set(by_rank[0]["kernels"])
-    for kernel in ("int8_encode", "int8_accumulate", "int4_encode", "int4_accumulate"):
+    for kernel in ("int8_encode", "int8_decode", "int4_encode", "int4_decode"):
         assert kernel in called, sorted(called)
-    for kernel in ("sign_encode", "sign_accumulate", "randomk_gather", "randomk_scatter"):
+    for kernel in ("sign_encode", "sign_decode", "randomk_gather", "randomk_scatter"):
         assert kernel in called, sorted(called)
 
 

@@ -36,6 +36,20 @@ def _gradient(n: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
+F32 = torch.float32
+
+
+class _Uncompiled(fused.Kernel):
+    """A kernel that runs its function as plain torch ops, as a compiled one would run it."""
+
+    def run(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def _uncompiled(fn: Callable[..., Any]) -> fused.Kernel:
+    return _Uncompiled(fn)
+
+
 def _seed(*parts: int, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor]:
     return fused.seed_words(derive_seed(*parts), device)
 
@@ -49,7 +63,7 @@ def test_int4_kernels_send_the_cpu_paths_bytes_and_decode_as_it_does(n: int) -> 
     decoded = Int4Codec(n, 128, torch.float32).decode([scale, packed], 0)
     assert torch.equal(fused.int4_decode(packed, scale, n, 128, torch.float32), decoded)
     out = torch.ones(n)
-    fused.int4_accumulate(out, packed, scale, 128, -1.0)
+    assert fused.accumulate(_uncompiled(fused.int4_decode), out, -1.0, packed, scale, n, 128, F32)
     torch.testing.assert_close(out, 1 - decoded, rtol=0, atol=2**-22)
 
 
@@ -65,7 +79,7 @@ def test_sign_kernels_send_the_cpu_paths_bits_and_decode_as_it_does(n: int) -> N
     decoded = SignCodec(n, 64, torch.float32).decode([scale, packed], 0)
     assert torch.equal(fused.sign_decode(packed, scale, n, 64, torch.float32), decoded)
     out = decoded.clone()
-    fused.sign_accumulate(out, packed, scale, 64, -1.0)
+    assert fused.accumulate(_uncompiled(fused.sign_decode), out, -1.0, packed, scale, n, 64, F32)
     assert torch.equal(out, torch.zeros(n))  # +-scale less itself: exact
 
 
@@ -82,7 +96,7 @@ def test_int8_kernel_codes_are_within_one_step_and_reproducible_by_seed(n: int) 
     assert torch.all(((decoded - x).abs() < step) | ((step == 0) & (decoded == x)))
     assert torch.equal(fused.int8_encode(x, 1024, *_seed(1, 2))[1], codes)
     out = torch.ones(n)
-    fused.int8_accumulate(out, codes, scale, 1024, 1.0)
+    assert fused.accumulate(_uncompiled(fused.int8_decode), out, 1.0, codes, scale, 1024, F32)
     torch.testing.assert_close(out, 1 + decoded)
 
 
@@ -176,15 +190,6 @@ def test_a_kernel_is_compiled_for_a_few_shapes_and_leaves_the_others_to_the_code
         assert kernel.run(_gradient(n), 128) is not None
     assert kernel.run(_gradient(100), 128) is not None  # a shape it has
     assert kernel.run(_gradient(99), 128) is None  # one too many: the codec's own ops
-    # An accumulate's sign (+1 or -1) is no shape of its own: adding and subtracting the same
-    # bucket sizes count once.
-    accumulate = fused.Kernel(fused.int8_accumulate)
-    scale = torch.ones(1)
-    for n in range(fused.MAX_SHAPES):
-        for sign in (1.0, -1.0):
-            out = torch.zeros(10 + n)
-            codes = torch.zeros(10 + n, dtype=torch.int8)
-            assert accumulate.run(out, codes, scale, 1024, sign) is not None
 
 
 def test_no_compilation_is_attempted_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
