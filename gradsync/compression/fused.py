@@ -123,6 +123,11 @@ class Kernel:
             )
             return None
 
+    def run_on(self, tensor: torch.Tensor, *args: Any) -> Any | None:
+        """:meth:`run` where ``tensor`` takes the device path (``on_device``), else None: the
+        one test each codec method makes before its kernel."""
+        return self.run(*args) if on_device(tensor) else None
+
 
 def set_compiling(on: bool) -> bool:
     """Compile the device kernels (True, the default unless ``GRADSYNC_FUSED_CODECS=0``) or

@@ -103,16 +103,15 @@ class Int4Codec(Stateless):
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
         del step
-        got = fused.INT4_ENCODE.run(x, self.chunk) if fused.on_device(x) else None
+        got = fused.INT4_ENCODE.run_on(x, x, self.chunk)
         scale, packed = quantize(x, self.chunk) if got is None else got
         return [scale, packed]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
         scale, packed = parts
-        if fused.on_device(packed):
-            got = fused.INT4_DECODE.run(packed, scale, self.numel, self.chunk, self.acc)
-            if got is not None:
-                return got
+        got = fused.INT4_DECODE.run_on(packed, packed, scale, self.numel, self.chunk, self.acc)
+        if got is not None:
+            return got
         out = torch.zeros(self.numel, dtype=self.acc, device=parts[0].device)
         self.accumulate(parts, out, step)
         return out

@@ -255,10 +255,9 @@ class Int8Codec(Stateless):
         return [scale, codes]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
-        if fused.on_device(parts[1]):
-            got = fused.INT8_DECODE.run(parts[1], parts[0], self.chunk, self.acc)
-            if got is not None:
-                return got
+        got = fused.INT8_DECODE.run_on(parts[1], parts[1], parts[0], self.chunk, self.acc)
+        if got is not None:
+            return got
         return dequantize(parts[0], parts[1], self.chunk, self.acc)
 
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:

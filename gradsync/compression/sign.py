@@ -150,16 +150,16 @@ class SignCodec(Stateless):
         self.layout: Layout = ((torch.float32, -(-numel // chunk)), (torch.uint8, -(-numel // 8)))
 
     def encode(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
-        got = fused.SIGN_ENCODE.run(x, self.chunk) if fused.on_device(x) else None
+        got = fused.SIGN_ENCODE.run_on(x, x, self.chunk)
         scale, bits = pack_signs(x, self.chunk) if got is None else got
         return [scale, bits]
 
     def decode(self, parts: list[torch.Tensor], step: int) -> torch.Tensor:
-        if fused.on_device(parts[1]):
-            got = fused.SIGN_DECODE.run(parts[1], parts[0], self.numel, self.chunk, self.acc)
-            if got is not None:
-                return got
-        return unpack_signs(parts[0], parts[1], self.numel, self.chunk, self.acc)
+        scale, packed = parts
+        got = fused.SIGN_DECODE.run_on(packed, packed, scale, self.numel, self.chunk, self.acc)
+        if got is not None:
+            return got
+        return unpack_signs(scale, packed, self.numel, self.chunk, self.acc)
 
     def accumulate(self, parts: list[torch.Tensor], out: torch.Tensor, step: int) -> None:
         # +-1 times the scale is exact, so this equals out.add_(decode(...)) bit for bit.

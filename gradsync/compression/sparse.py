@@ -203,7 +203,7 @@ class RandomKCodec(Stateless):
 def _fused(kernel: fused.Kernel, on: torch.Tensor, *args: Any) -> Any:
     """``kernel``'s function of ``args``: compiled where ``on`` is on a GPU, as separate torch
     ops elsewhere or where compilation is off or failed."""
-    got = kernel.run(*args) if fused.on_device(on) else None
+    got = kernel.run_on(on, *args)
     return kernel.fn(*args) if got is None else got
 
 
