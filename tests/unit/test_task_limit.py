@@ -84,6 +84,8 @@ def test_a_launch_without_room_is_refused_naming_the_tightest_limit(
         TaskLimit("cgroup /b (pids.max)", 100, 90),
     ]
     monkeypatch.setattr(task_limit, "limits", lambda: limits)
+    # the launcher's own threads count as in use: this process's are whatever earlier tests left
+    monkeypatch.setattr(task_limit.threading, "active_count", lambda: 1)
     with pytest.raises(UsageError, match=r"allows 5 more \(cgroup /a \(pids\.max\): 95 of 100"):
         task_limit.check_room(2)
     monkeypatch.setattr(task_limit, "limits", lambda: [TaskLimit("cgroup /a", 100, 60)])
