@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from gradsync import compat
-from gradsync.checks import liveness, secret, voucher
+from gradsync.checks import answered, liveness, secret, voucher
 from gradsync.errors import DivergenceError, SyncTimeoutError
 
 T = TypeVar("T")
@@ -168,7 +168,10 @@ class ArrivalWatch:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._plain_store: Any = store if store is not None else compat.default_store()
+        plain: Any = store if store is not None else compat.default_store()
+        #: every call on the world's store client, from every thread (``checks.answered``)
+        self.clock = answered.Clock()
+        self._plain_store: Any = None if plain is None else answered.TimedStore(plain, self.clock)
         #: the store, its keys named through the run's secret where this process has one
         self.store: Any = secret.keyed(self._plain_store, secret.from_environment())
         self._identities: dict[int, str] = {}
@@ -195,7 +198,9 @@ class ArrivalWatch:
         self._gathered = False
         self._vouches: dict[int, voucher.Vouch] = {}
         #: the store vouchers write to: under every prefix, where they and this rank agree
-        self._tcp = voucher.tcp_store(self._plain_store)
+        self._raw_tcp = voucher.tcp_store(plain)
+        tcp = self._raw_tcp
+        self._tcp = None if tcp is None else answered.TimedStore(tcp, self.clock)
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
@@ -203,7 +208,35 @@ class ArrivalWatch:
     @property
     def tcp_store(self) -> Any | None:
         """The TCPStore under this watch's store, or None where it is none (a FileStore)."""
-        return self._tcp
+        return self._raw_tcp
+
+    def store_silence(self) -> float:
+        """How long the world's store has left a call unanswered beyond what the calls in
+        flight may take (``answered.Clock.silent_s``): a stopped or frozen server."""
+        return self.clock.silent_s()
+
+    def silent_store(self) -> str:
+        """What a wait that gave up on a silent world's store says of it: where it is, and
+        rank 0's process as the kernel (or its voucher) last told, the likeliest server."""
+        tcp = self._raw_tcp
+        at = f" at {tcp.host}:{tcp.port}" if tcp is not None else ""
+        said = (
+            f"The world's store{at} has not answered a request for "
+            f"{self.store_silence():.0f}s: its server is stopped, frozen or cut off."
+        )
+        state = liveness.running(self._identities.get(0, ""))
+        if state is True:
+            return said + " Rank 0's process is running: the store is served elsewhere."
+        rank0 = (
+            "Rank 0's process is not running (stopped, a zombie or gone)"
+            if state is False
+            else "Rank 0's process cannot be asked from here (another machine)"
+        )
+        return (
+            f"{said} {rank0}: where rank 0 serves the store (gradsync run --max-restarts, a "
+            "process group made with env:// or tcp:// outside torchrun), a stopped rank 0 "
+            "stops it."
+        )
 
     @property
     def prefix(self) -> str:
@@ -275,9 +308,8 @@ class ArrivalWatch:
         except Exception:  # noqa: BLE001 - without a count, assume a peer elsewhere
             here = 0
         if here < self.world_size and liveness.machine():
-            self._voucher = voucher.claim(
-                self._plain_store, self._vouch_key(self.rank), self.beat_s
-            )
+            self._voucher = voucher.claim(self._raw_tcp, self._vouch_key(self.rank), self.beat_s)
+        self._identity(0)  # read now: rank 0 may serve the store, whose silence then names it
 
     @property
     def vouching(self) -> bool:
@@ -394,6 +426,7 @@ class ArrivalWatch:
         self._recorded = position
 
     def _run(self) -> None:
+        answered.free_to_block()  # nothing waits for this thread; a silent store only stops it
         tick = max(0.05, min(0.5, self.arrive_after_s / 4, self.beat_s / 2))
         next_beat = 0.0
         while not self._stop.wait(tick):
@@ -493,10 +526,11 @@ class ArrivalWatch:
             for r, failed in ((r, self.failure_of(r)) for r in absent)
             if failed is not None
         )
+        silent = f" {self.silent_store()}" if self.store_silence() >= answered.ANSWER_S else ""
         return (
             f"{where(pos[0])}: {what} failed after {waited:.1f}s "
-            f"(timeout {self.timeout_s:g}s): {who}.{raised}{self._elsewhere(pos, what)} "
-            f"Cause: {cause}"
+            f"(timeout {self.timeout_s:g}s): {who}.{raised}{self._elsewhere(pos, what)}"
+            f"{silent} Cause: {cause}"
         )
 
     def _elsewhere(self, pos: Position, what: str) -> str:
@@ -563,6 +597,8 @@ class ArrivalWatch:
         if self._voucher is not None:
             self._voucher.stop()
         thread = self._thread
+        if self.store_silence() >= answered.ANSWER_S:
+            return  # the thread is inside a call that a silent store will not end
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
 

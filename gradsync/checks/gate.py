@@ -34,6 +34,12 @@ that has not arrived:
   it is in its own code holding the GIL, which keeps its heartbeat thread from running (a long
   C call); wait for it, as for a rank between steps, up to ``between_steps_timeout_s``.
 
+The store itself may stop answering: rank 0's process serves it in some launches, and a stopped
+rank 0 stops it too, while torch's client never gives up on a call. The gate's calls are timed
+(``gradsync.checks.answered``); while the store is silent nothing of the peers can be read, so
+nobody is judged, and once it has been silent for ``timeout_s`` the gate fails, naming it and
+rank 0's state.
+
 Whatever the store holds, the wait is bounded. The keys are named through the run's secret
 (``gradsync.checks.secret``), so no process outside the run can address a gate to come; one
 that reaches the store can still delete or set a key that exists. Every rank at the gate while
@@ -56,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradsync.checks import gate_groups
+from gradsync.checks import answered, gate_groups
 from gradsync.checks.diagnose import BETWEEN, GATE, USER_GATE, ArrivalWatch, Beat, where
 from gradsync.errors import SyncTimeoutError
 
@@ -294,7 +300,7 @@ class StepGate:
             store.wait(keys, datetime.timedelta(seconds=watch.arrive_after_s))
             return
         except RuntimeError as exc:  # DistStoreError: nobody set it in that time
-            if not transient_store_error(exc):
+            if not transient_store_error(exc) and not isinstance(exc, answered.StoreSilent):
                 raise SyncTimeoutError(
                     f"{where(step)}: {what}: the store holding the gate failed: {exc}"
                 ) from exc
@@ -309,6 +315,8 @@ class StepGate:
                 if self._cancelled:
                     raise SyncTimeoutError(f"{where(step)}: {what}: the wait was cancelled")
                 time.sleep(0.02)
+            if self._store_silent():
+                continue  # nothing can be read of the peers meanwhile
             reasons = self._judge(peers, started)
             all_here = (all_here or time.monotonic()) if not peers else None
             if all_here is not None and time.monotonic() - all_here >= self.timeout_s:
@@ -342,6 +350,8 @@ class StepGate:
                 if error is not None:
                     raise self._served_failure(server, error) from error
                 return
+            if self._store_silent():
+                continue
             reasons = self._judge(peers, started)
             if server not in peers:  # by its heartbeat it is here: is it still running?
                 reasons += self._judge_server(server, host)
@@ -400,6 +410,23 @@ class StepGate:
             f"never arrived: ranks {sorted(peers)}. " + " ".join(reasons)
         )
 
+    def _store_silent(self) -> bool:
+        """Whether the world's store is silent (its calls given up on this thread, its
+        peers' heartbeats unreadable); its error once that has lasted ``timeout_s``."""
+        silent = self.watch.store_silence()
+        if silent >= self.timeout_s:
+            raise self.silent_store_error()
+        return silent >= answered.ANSWER_S
+
+    def silent_store_error(self) -> SyncTimeoutError:
+        """The error of the gate being passed when the world's store stopped answering it (a
+        stopped rank 0 serving it: ``gradsync.checks.answered``)."""
+        step, what = self._passing.step, self._passing.what
+        return SyncTimeoutError(
+            f"{where(step)}: {what} (waiting for every rank to arrive before the collectives) "
+            f"failed (timeout {self.timeout_s:g}s): {self.watch.silent_store()}"
+        )
+
     def _opened(self, store: Any, keys: list[str]) -> bool:
         """Whether the gate's ``keys`` are all set. A store call that fails for a moment (on an
         oversubscribed machine a socket read can give up with EAGAIN, issue 43 item 6) reads
@@ -407,8 +434,8 @@ class StepGate:
         try:
             return bool(store.check(keys))
         except RuntimeError as exc:
-            if transient_store_error(exc):
-                return False
+            if transient_store_error(exc) or isinstance(exc, answered.StoreSilent):
+                return False  # a silent store: ``_store_silent`` decides when to give up
             step, what = self._passing.step, self._passing.what
             raise SyncTimeoutError(
                 f"{where(step)}: {what}: the store holding the gate failed: {exc}"

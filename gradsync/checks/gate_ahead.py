@@ -31,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 
+from gradsync.checks import answered
 from gradsync.checks.gate import StepGate
 
 #: how long ``stop`` waits for a gate wait in flight to give up (it polls every 20 ms once its
@@ -63,6 +64,8 @@ class GateAhead:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # arm and stop, from different threads at exit
         self._stopping = False
+        #: the error that left the thread in a silent store's call, for every later wait
+        self._stranded: BaseException | None = None
 
     @property
     def pending(self) -> bool:
@@ -73,6 +76,9 @@ class GateAhead:
         """Begin the gate at ``step`` (``what`` names it in messages) and return at once."""
         if self._pending:
             raise RuntimeError("a gate wait is already armed: join() it first")
+        if self._stranded is not None:  # the thread is still inside a silent store's call
+            self._error, self._pending = self._stranded, False
+            return
         if self._thread is None:
             with self._lock:
                 self._stopping = False
@@ -84,13 +90,20 @@ class GateAhead:
 
     def join(self) -> None:
         """Until the armed wait has ended; its error (``SyncTimeoutError``) if it failed, and
-        again at every call until the next ``arm``. Nothing to do when nothing is armed."""
+        again at every call until the next ``arm``. Nothing to do when nothing is armed.
+
+        The thread's store calls cannot be given up (``gradsync.checks.answered``): where the
+        world's store has left them unanswered for ``timeout_s``, the wait fails here and the
+        thread is left in its call; every later ``arm`` fails at once with the same error."""
         if self._pending:
+            watch, gate = self.gate.watch, self.gate
             while True:
                 try:
                     error = self._done.get(timeout=_SIGNAL_CHECK_S)
                 except queue.Empty:
-                    continue
+                    if watch.store_silence() < gate.timeout_s:
+                        continue
+                    error = self._stranded = gate.silent_store_error()
                 break
             self._pending, self._error = False, error
         if self._error is not None:
@@ -110,6 +123,7 @@ class GateAhead:
         return True
 
     def _run(self) -> None:
+        answered.free_to_block()  # ``join`` reads the store's clock instead
         while True:
             job = self._jobs.get()
             if job is None or self._stopping:  # a job handed over before stop() is not begun
@@ -131,7 +145,7 @@ class GateAhead:
         if thread is None:
             return
         self._jobs.put(None)
-        if thread is not threading.current_thread():
+        if self._stranded is None and thread is not threading.current_thread():
             thread.join(_STOP_WAIT_S)
 
 

@@ -73,15 +73,23 @@ def frozen_between_steps(
         time.sleep(1.0)  # alive in its own code for a while: its heartbeat is seen
         os.kill(os.getpid(), signal.SIGSTOP)  # until the others have their error
         return {"stayed_away": True}
+    return step_while_stopped(w, model, sync, rank, world, compat.default_store(), pids[frozen])
+
+
+def step_while_stopped(
+    w: Any, model: Any, sync: gs.Synchronizer, rank: int, world: int, store: Any, stopped: int
+) -> dict[str, Any]:
+    """A survivor's step 3 while process ``stopped`` is SIGSTOPped: its error and how long it
+    took to fail. The last survivor to fail (counted in ``store``, which must still answer)
+    lets the stopped one go on: a peer that beats again would be waited for."""
     started = time.monotonic()
     try:
         with sync.step():
             _train_step(w, model, rank, world, 3)
     except SyncTimeoutError as exc:
         waited = time.monotonic() - started
-        # The last survivor to fail lets it go on (a peer that beats again would be waited for).
-        if int(compat.default_store().add("test/frozen/failed", 1)) == world - 1:
-            os.kill(pids[frozen], signal.SIGCONT)
+        if int(store.add("test/frozen/failed", 1)) == world - 1:
+            os.kill(stopped, signal.SIGCONT)
         return {"error": str(exc), "waited": waited}
     return {"error": None}
 

@@ -16,8 +16,21 @@ from gradsync.errors import SyncTimeoutError
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
+class _FakeWatch:
+    """How long the world's store has been silent, as the test sets it."""
+
+    def __init__(self) -> None:
+        self.silent = 0.0
+
+    def store_silence(self) -> float:
+        return self.silent
+
+
 class _FakeGate:
+    timeout_s = 2.0
+
     def __init__(self, error: BaseException | None = None) -> None:
+        self.watch = _FakeWatch()
         self.release = threading.Event()
         self.error = error
         self.waits: list[tuple[int, str]] = []
@@ -35,6 +48,9 @@ class _FakeGate:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def silent_store_error(self) -> SyncTimeoutError:
+        return SyncTimeoutError(f"silent for {self.watch.silent:g}s")
 
 
 def _ahead(gate: _FakeGate) -> Any:
@@ -128,3 +144,38 @@ def test_a_signal_taken_by_the_gate_thread_reaches_the_joining_main_thread() -> 
         signal.signal(signal.SIGUSR1, previous)
         gate.release.set()
         ahead.stop()
+
+
+def test_a_silent_store_fails_the_join_after_the_timeout_and_every_later_wait_at_once() -> None:
+    """The gate's thread stays in a store call that a stopped server never answers
+    (gradsync.checks.answered): the joiner gives up once the store has been silent for the
+    gate's timeout, not before, and the thread is not waited for again."""
+    gate = _FakeGate()
+    ahead = _ahead(gate)
+    ahead.arm(1, "the step")
+    gate.watch.silent = gate.timeout_s - 0.5  # silent, but not for long enough yet
+    joined: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            ahead.join()
+        except SyncTimeoutError as exc:
+            joined.append(exc)
+
+    joiner = threading.Thread(target=join)
+    joiner.start()
+    joiner.join(0.5)
+    assert joiner.is_alive() and not joined  # still waiting for the gate
+    gate.watch.silent = gate.timeout_s
+    joiner.join(5)
+    assert not joiner.is_alive() and str(joined[0]) == "silent for 2s"
+    with pytest.raises(SyncTimeoutError, match="silent for 2s"):
+        ahead.join()  # the same error at every join of that step
+    ahead.arm(2, "the next step")  # the thread is still in its call: no second wait begins
+    with pytest.raises(SyncTimeoutError, match="silent for 2s"):
+        ahead.join()
+    assert gate.waits == [(1, "the step")]
+    t0 = time.monotonic()
+    ahead.stop()  # does not wait for a thread stranded in the store
+    assert time.monotonic() - t0 < 1.0
+    gate.release.set()
