@@ -288,6 +288,16 @@ def _bad_nodelist(text: str, variable: str, why: str) -> UsageError:
     )
 
 
+def restarts_left() -> bool:
+    """Whether torch's elastic agent restarts this rank's group when it fails (torchrun's and
+    ``gradsync run``'s ``--max-restarts``, as the agent tells its workers)."""
+    try:
+        done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        return done < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    except ValueError:
+        return False
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

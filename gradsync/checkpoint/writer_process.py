@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gradsync import procfs
+from gradsync import procfs, runtime
 from gradsync.checkpoint import packed_header
 from gradsync.checkpoint.commits import POLL_S
 from gradsync.checkpoint.held_slots import SLOT_BYTES, HeldSlots
@@ -208,16 +208,6 @@ def _stop_child(child: subprocess.Popen[bytes], sock: socket.socket, owner: int)
             # child is then reparented and reaped by init, as before.
             with contextlib.suppress(RuntimeError):
                 reaper.start()
-
-
-def _restarts_left() -> bool:
-    """Whether torch's elastic agent restarts this rank's group when it fails (torchrun's and
-    ``gradsync run``'s ``--max-restarts``, as the agent tells its workers)."""
-    try:
-        done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        return done < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
-    except ValueError:
-        return False
 
 
 def _exit_note(child: subprocess.Popen[bytes]) -> str:
@@ -432,7 +422,7 @@ class ProcessCheckpointWriter(WriterBase):
         self._abandoned = self._last
         why = f"rank {self.rank}: {self._writer_name()} died: {_exit_note(self._child)}"
         self._failure = CheckpointError(f"{why}; {self._take_over(unwritten)}")
-        if _restarts_left():
+        if runtime.restarts_left():
             # The rank fails with this error, but an elastic restart shows none of a failed
             # attempt's errors (only "worker process N exited with code 1"), where a run that
             # ends with it names it: said here, once, for the attempt that restarts.

@@ -108,11 +108,26 @@ def run_script(config_dict: dict[str, Any]) -> dict[str, Any] | None:
         scripts_ended(f"sys.exit({exc.code if exc.code is not None else ''})")
     except BaseException as exc:
         ending.failed(exc)
+        _said_before_restart(exc)
         raise
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
     return {"run_dir": cfg.out} if runtime.rank() == 0 else None
+
+
+def _said_before_restart(exc: BaseException) -> None:
+    """One line on stderr naming this rank's exception where the agent restarts the group: an
+    elastic restart shows none of a failed attempt's errors (only "worker process N exited
+    with code 1"), where a run that ends with one names it (``cli._describe_child_failure``)."""
+    if isinstance(exc, Exception) and runtime.restarts_left():
+        text = [line for line in str(exc).strip().splitlines() if line.strip()]
+        why = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        print(
+            f"gradsync: rank {runtime.rank()} failed, and the run restarts: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 #: lower than any finalizer's exit priority in gradsync (0 and 1) or a script's likely choice

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import time
@@ -76,20 +77,33 @@ class Stopped:
 
 def _stop_a_worker(out: Path, strategy: str) -> Stopped:
     """A run under ``strategy`` whose last worker is SIGSTOPped once it trains."""
+    return _stopped_run(
+        out, ["--steps", "100000", "--strategy", strategy], -1, TIMEOUT_S + 60, TIMEOUT_S + GRACE_S
+    )
+
+
+def _stopped_run(
+    out: Path, args: list[str], which: int, exit_within_s: float, left_within_s: float | None
+) -> Stopped:
+    """``gradsync run ARGS`` of the mlp on 2 workers whose worker ``which`` (in the order
+    ``_workers`` finds them, the rank's) is SIGSTOPped once it trains; its processes left alive
+    ``left_within_s`` after the stop (none looked for where None)."""
     proc = start_run(
-        *("--nproc", "2", "--workload", "mlp", "--steps", "100000", "--strategy", strategy),
-        *("--timeout", str(TIMEOUT_S), "--no-plots", "--no-progress", "--out", str(out)),
+        *("--nproc", "2", "--workload", "mlp", *args, "--timeout", str(TIMEOUT_S)),
+        *("--no-plots", "--no-progress", "--out", str(out)),
     )
     watched = Watched()
+    left: list[tuple[int, str]] = []
     try:
         _wait_for_training(proc, watched, out / "metrics.jsonl")
         ranks = _workers(proc.pid)
         assert len(ranks) == 2, ranks
-        os.kill(ranks[-1], signal.SIGSTOP)
+        os.kill(ranks[which], signal.SIGSTOP)
         stopped_at = time.monotonic()
-        rc = watch_until_exit(proc, watched, timeout_s=TIMEOUT_S + 60)
+        rc = watch_until_exit(proc, watched, timeout_s=exit_within_s)
         took = time.monotonic() - stopped_at
-        left = _left_after(watched, stopped_at, TIMEOUT_S + GRACE_S)
+        if left_within_s is not None:
+            left = _left_after(watched, stopped_at, left_within_s)
     finally:
         stderr = _end(proc, watched)
     return Stopped(rc, stderr, took, left)
@@ -108,6 +122,9 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Overlapped]:
         for strategy in STRATEGIES
     }
     runs["ctrl-c"] = functools.partial(_interrupt, tmp_path_factory.mktemp("ctrl-c") / "run")
+    runs["rank 0, restarted"] = functools.partial(
+        _stop_rank_0_serving_the_store, tmp_path_factory.mktemp("stopped-0") / "run"
+    )
     with overlapped(runs) as out:
         yield out
 
@@ -123,6 +140,37 @@ def test_a_stopped_worker_ends_the_run_within_its_timeout_and_leaves_nothing(
     assert "never arrived: ranks [" in stderr, stderr[-3000:]
     assert took <= TIMEOUT_S + GRACE_S, f"exited {took:.1f}s after the stop: {stderr[-3000:]}"
     assert left == [], f"processes of the run still alive after it exited: {left}"
+
+
+#: steps of the run whose rank 0 is stopped: enough that the stop lands in the first attempt
+#: (it follows the first recorded step), few enough that the restarted one ends soon
+RESTARTED_STEPS = 1500
+
+
+def _stop_rank_0_serving_the_store(out: Path) -> Stopped:
+    """A run with ``--max-restarts 1`` (each attempt's store served by its rank 0: no store
+    shared by the agent) whose rank 0 is SIGSTOPped once it trains, to its end."""
+    args = ["--steps", str(RESTARTED_STEPS), "--max-restarts", "1"]
+    return _stopped_run(out, args, 0, 150, None)
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_0_serving_the_store_fails_its_attempt_and_the_run_restarts(
+    stopped: Overlapped,
+) -> None:
+    """Rank 0's process serves each attempt's store under ``--max-restarts``, and torch's store
+    client never gives up on a stopped server: the survivor used to block in a store call for
+    ever, and the run with it. Now it fails within about the timeout, naming the silent store
+    and rank 0 (said before the restart, which shows no failed attempt's error by itself), and
+    the restarted attempt completes the run."""
+    run = stopped.result("rank 0, restarted")
+    rc, stderr = run.rc, run.stderr
+    assert rc == 0, f"exit code {rc}: {stderr[-3000:]}"
+    said = re.search(r"gradsync: rank 1 failed, and the run restarts: SyncTimeoutError: .*", stderr)
+    assert said is not None, stderr[-3000:]
+    assert "has not answered a request" in said.group(0), said.group(0)
+    assert "Rank 0's process is not running" in said.group(0), said.group(0)
+    assert "restart: starting over" in stderr, stderr[-3000:]
 
 
 def _left_after(watched: Watched, since: float, bound_s: float) -> list[tuple[int, str]]:
