@@ -425,7 +425,8 @@ class ProcessCheckpointWriter(WriterBase):
         if runtime.restarts_left():
             # The rank fails with this error, but an elastic restart shows none of a failed
             # attempt's errors (only "worker process N exited with code 1"), where a run that
-            # ends with it names it: said here, once, for the attempt that restarts.
+            # ends with it names it: said here, as the writer dies (``gradsync run``'s worker
+            # names the exception the rank then fails with, too: ``_said_before_restart``).
             logger.warning("%s; this rank fails, and the run restarts", self._failure)
 
     def _unwritten(self) -> list[tuple[Any, ...]]:

@@ -1,26 +1,36 @@
 """The world's store with its calls timed, and bounded on the threads that must not hang.
 
 Why: torch's TCPStore client does not give up on a server that stopped answering. Against a
-SIGSTOPped server, ``get``, ``set``, ``check``, ``wait`` and a new connection all stayed blocked
-past their timeouts (2026-12-01, torch 2.13: a client made with a 2 s timeout, still blocked
-after 8 s; torch logs that the poll timed out, then keeps waiting). And one blocked call holds
-the client's lock, so every other thread's call on that client waits behind it. Where rank 0's
+SIGSTOPped server, a ``get`` and a new connection stayed blocked past their timeouts (2026-12-01,
+torch 2.13: a client made with a 2 s timeout, still blocked after 8 s; torch logs that the poll
+timed out, then keeps waiting), as did the gate's ``wait`` and ``check`` (a stopped rank 0's
+peers, found blocked there). And one blocked call holds the client's lock, so every other
+thread's call on that client, a ``set`` included, waits behind it. Where rank 0's
 own process serves the world's store (``gradsync run --max-restarts``, a script that makes its
 process group with ``env://`` or ``tcp://`` itself, ``mp.spawn``), a stopped rank 0 therefore
 left every peer blocked for ever: in the step gate, and after a collective that timed out, in
 the store reads that name who never arrived. The client has no way to cancel a call, so the
 call is left where it is and the thread that needs the answer stops waiting for it:
 
-- every call through :class:`TimedStore` is timed on a shared :class:`Clock`, which says how
-  long the store has gone unanswered past what the calls in flight may take
+- every call through :class:`TimedStore` is timed on the :class:`Clock` of its server (one per
+  server address in the process, :func:`clock_of`, shared by every Synchronizer's watch), which
+  says how long the store has gone unanswered past what the calls in flight may take
   (:meth:`Clock.silent_s`: a ``wait``'s own timeout, nothing for the others). The step gate's
   thread blocks in the store as before (:func:`free_to_block`); the training thread that joins
-  it reads the clock and gives up after ``timeout_s`` of silence (``gradsync.checks.gate_ahead``);
+  it reads the clock and gives up after ``timeout_s`` of silence, and never under
+  :data:`ANSWER_S` (``gradsync.checks.gate_ahead``);
 - a call from any other thread (the training thread's own reads and writes: the gate waited in
   place, the records of a failed collective, the notes a rank leaves) runs on a courier thread,
   and its caller waits until the store has been silent for :data:`ANSWER_S` beyond the calls'
   own timeouts; then it raises :class:`StoreSilent`, and so does every later one at once while
   the store stays silent.
+
+What this does not cover: torch's own calls on the same client (a ``new_group``'s barrier, the
+process group's set-up) are neither timed nor bounded; and a thread left in a call (the gate's,
+the heartbeat's, a courier) returns from it only if the server answers or goes, which may be
+while this process exits: the exit may then abort, as ``gradsync.exit_safety`` says of
+collectives left in flight. Only a TCPStore is timed: a FileStore or a HashStore has no server
+to stop.
 
 What this costs the usual step: two clock readings per call (the gate's thread makes two calls
 a step under ``bsp``), and a hand-over to the courier for each store call the training thread
@@ -62,12 +72,29 @@ class StoreSilent(RuntimeError):
 
 
 class Clock:
-    """The calls in flight on one store client, from every thread, and when one last ended."""
+    """The calls in flight on one store server, from every thread and client of this process,
+    and when one last ended; and the courier that makes the bounded ones."""
 
     def __init__(self) -> None:
         #: thread ident -> (when its call began, how long that call may take by itself)
         self._in_flight: dict[int, tuple[float, float]] = {}
         self._answered_at = time.monotonic()
+        self._courier: _Courier | None = None
+        self._lock = threading.Lock()
+
+    def courier(self) -> _Courier:
+        """The courier to hand a call to: a new one where the last was abandoned or retired."""
+        with self._lock:
+            courier = self._courier
+            if courier is None or courier.retired:
+                courier = self._courier = _Courier(self._lock)
+            return courier
+
+    def abandon(self, courier: _Courier) -> None:
+        """``courier``'s thread stays in its call: the next call gets another."""
+        with self._lock:
+            if self._courier is courier:
+                self._courier = None
 
     def begin(self, bound_s: float) -> None:
         self._in_flight[threading.get_ident()] = (time.monotonic(), bound_s)
@@ -80,7 +107,8 @@ class Clock:
         """How long the store has left a call unanswered beyond what the calls in flight may
         take (0.0 while none is in flight or none is overdue). Calls on one client are served
         one at a time, so a call queued behind a long ``wait`` is not overdue until that wait
-        is: the largest bound in flight counts for all."""
+        is: the largest bound in flight counts for all (for calls on other clients of the same
+        server too, which only delays a verdict)."""
         calls = list(self._in_flight.values())
         if not calls:
             return 0.0
@@ -126,8 +154,6 @@ class TimedStore:
         self.store = store
         self.clock = clock
         self.answer_s = answer_s
-        self._courier: _Courier | None = None
-        self._lock = threading.Lock()
 
     def _call(self, fn: Callable[[], T], bound_s: float = 0.0) -> T:
         if _bounded_here():
@@ -151,11 +177,8 @@ class TimedStore:
             except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
                 box.put((False, exc))
 
-        with self._lock:
-            courier = self._courier
-            if courier is None or courier.retired:
-                courier = self._courier = _Courier(self._lock)
-            courier.jobs.put(job)
+        courier = self.clock.courier()
+        courier.jobs.put(job)  # a courier retires only with its queue empty, under the lock
         while True:
             try:
                 ok, value = box.get(timeout=0.05)
@@ -165,9 +188,7 @@ class TimedStore:
                 silent = self.clock.silent_s()
                 if silent < self.answer_s:
                     continue
-                with self._lock:  # its thread stays in the call: the next one gets another
-                    if self._courier is courier:
-                        self._courier = None
+                self.clock.abandon(courier)
                 raise StoreSilent(f"the store has not answered for {silent:.1f}s") from None
             if ok:
                 return value  # type: ignore[no-any-return]
@@ -199,9 +220,21 @@ class TimedStore:
         return own.total_seconds() if isinstance(own, datetime.timedelta) else 0.0
 
 
-def unwrapped(store: Any) -> Any:
-    """The store under a :class:`TimedStore` (``store`` itself otherwise)."""
-    return store.store if isinstance(store, TimedStore) else store
+#: (host, port) -> the clock of that store server, for every watch of this process
+_CLOCKS: dict[tuple[str, int], Clock] = {}
+_CLOCKS_LOCK = threading.Lock()
 
 
-__all__ = ["ANSWER_S", "Clock", "StoreSilent", "TimedStore", "free_to_block", "unwrapped"]
+def clock_of(tcp_store: Any) -> Clock:
+    """The clock of ``tcp_store``'s server (a ``dist.TCPStore``), shared by every watch of this
+    process: calls on one client wait behind each other whichever watch made them, and a
+    server that stopped answering one client answers no other."""
+    where = (str(tcp_store.host), int(tcp_store.port))
+    with _CLOCKS_LOCK:
+        clock = _CLOCKS.get(where)
+        if clock is None:
+            clock = _CLOCKS[where] = Clock()
+        return clock
+
+
+__all__ = ["ANSWER_S", "Clock", "StoreSilent", "TimedStore", "clock_of", "free_to_block"]

@@ -169,9 +169,13 @@ class ArrivalWatch:
         self.world_size = world_size
         self.timeout_s = timeout_s
         plain: Any = store if store is not None else compat.default_store()
-        #: every call on the world's store client, from every thread (``checks.answered``)
-        self.clock = answered.Clock()
-        self._plain_store: Any = None if plain is None else answered.TimedStore(plain, self.clock)
+        self._raw_tcp = voucher.tcp_store(plain)
+        #: every call on the world's store server, from every thread (``checks.answered``); a
+        #: store that is no TCPStore has no server to stop, and is not timed
+        self.clock = None if self._raw_tcp is None else answered.clock_of(self._raw_tcp)
+        self._plain_store: Any = (
+            plain if self.clock is None else answered.TimedStore(plain, self.clock)
+        )
         #: the store, its keys named through the run's secret where this process has one
         self.store: Any = secret.keyed(self._plain_store, secret.from_environment())
         self._identities: dict[int, str] = {}
@@ -198,9 +202,8 @@ class ArrivalWatch:
         self._gathered = False
         self._vouches: dict[int, voucher.Vouch] = {}
         #: the store vouchers write to: under every prefix, where they and this rank agree
-        self._raw_tcp = voucher.tcp_store(plain)
-        tcp = self._raw_tcp
-        self._tcp = None if tcp is None else answered.TimedStore(tcp, self.clock)
+        tcp, clock = self._raw_tcp, self.clock
+        self._tcp = None if tcp is None or clock is None else answered.TimedStore(tcp, clock)
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"
@@ -212,12 +215,14 @@ class ArrivalWatch:
 
     def store_silence(self) -> float:
         """How long the world's store has left a call unanswered beyond what the calls in
-        flight may take (``answered.Clock.silent_s``): a stopped or frozen server."""
-        return self.clock.silent_s()
+        flight may take (``answered.Clock.silent_s``): a stopped or frozen server. Always 0.0
+        for a store that is no TCPStore."""
+        return 0.0 if self.clock is None else self.clock.silent_s()
 
     def silent_store(self) -> str:
         """What a wait that gave up on a silent world's store says of it: where it is, and
-        rank 0's process as the kernel (or its voucher) last told, the likeliest server."""
+        rank 0's process (the likeliest server) as the kernel tells where rank 0 is on this
+        machine (its voucher writes into the silent store itself)."""
         tcp = self._raw_tcp
         at = f" at {tcp.host}:{tcp.port}" if tcp is not None else ""
         said = (
@@ -230,7 +235,8 @@ class ArrivalWatch:
         rank0 = (
             "Rank 0's process is not running (stopped, a zombie or gone)"
             if state is False
-            else "Rank 0's process cannot be asked from here (another machine)"
+            else "Rank 0's process cannot be asked from here (another machine, or its identity "
+            "was never read)"
         )
         return (
             f"{said} {rank0}: where rank 0 serves the store (gradsync run --max-restarts, a "

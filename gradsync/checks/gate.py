@@ -190,6 +190,12 @@ class StepGate:
         """Block until every rank is at this gate; ``SyncTimeoutError`` naming the ranks that
         are not, and where they are, when the bounds above run out. ``user``: the gate comes
         before a collective of the user's own code (``before_user_collective``)."""
+        try:
+            self._wait(step, what, user)
+        except answered.StoreSilent as exc:  # a call the gate makes once (its first gate's)
+            raise self.silent_store_error(step, what) from exc
+
+    def _wait(self, step: int, what: str, user: bool) -> None:
         watch = self.watch
         self._fresh = True
         if watch.store is None or watch.world_size == 1:
@@ -253,8 +259,17 @@ class StepGate:
 
     def _set(self, store: Any, key: str) -> None:
         """Set ``key`` of the gate being passed (``_forget`` deletes it two gates on). A
-        ``set`` is sent without waiting for an answer."""
-        store.set(key, "1")
+        ``set`` is sent without waiting for an answer, but after any call in flight on the same
+        client: behind one that a silent store left there, it is given up on the training
+        thread (``answered.StoreSilent``) and tried again until the store answers or the gate
+        fails for it."""
+        while True:
+            try:
+                store.set(key, "1")
+                break
+            except answered.StoreSilent:
+                self._store_silent()  # raises once the store has been silent for long enough
+                time.sleep(0.05)
         self._passing.written.append((store, key))
 
     def _arrive(self, store: Any, members: range, me: int) -> None:
@@ -350,8 +365,12 @@ class StepGate:
                 if error is not None:
                     raise self._served_failure(server, error) from error
                 return
-            if self._store_silent():
-                continue
+            try:
+                if self._store_silent():
+                    continue
+            except SyncTimeoutError:
+                waiter.abandoned = True  # its wait is still in flight: no later gate may take it
+                raise
             reasons = self._judge(peers, started)
             if server not in peers:  # by its heartbeat it is here: is it still running?
                 reasons += self._judge_server(server, host)
@@ -410,18 +429,26 @@ class StepGate:
             f"never arrived: ranks {sorted(peers)}. " + " ".join(reasons)
         )
 
+    @property
+    def silence_limit_s(self) -> float:
+        """How long the world's store may leave a call unanswered before the gate fails for
+        it: ``timeout_s``, and never less than ``answered.ANSWER_S`` (a store on a loaded
+        machine may take a moment; a stopped one never answers)."""
+        return max(self.timeout_s, answered.ANSWER_S)
+
     def _store_silent(self) -> bool:
         """Whether the world's store is silent (its calls given up on this thread, its
-        peers' heartbeats unreadable); its error once that has lasted ``timeout_s``."""
+        peers' heartbeats unreadable); its error once that has lasted ``silence_limit_s``."""
         silent = self.watch.store_silence()
-        if silent >= self.timeout_s:
+        if silent >= self.silence_limit_s:
             raise self.silent_store_error()
         return silent >= answered.ANSWER_S
 
-    def silent_store_error(self) -> SyncTimeoutError:
-        """The error of the gate being passed when the world's store stopped answering it (a
-        stopped rank 0 serving it: ``gradsync.checks.answered``)."""
-        step, what = self._passing.step, self._passing.what
+    def silent_store_error(self, step: int | None = None, what: str = "") -> SyncTimeoutError:
+        """The error of the gate being passed (or of ``step``'s, ``what``) when the world's
+        store stopped answering it (a stopped rank 0 serving it: ``gradsync.checks.answered``)."""
+        if step is None:
+            step, what = self._passing.step, self._passing.what
         return SyncTimeoutError(
             f"{where(step)}: {what} (waiting for every rank to arrive before the collectives) "
             f"failed (timeout {self.timeout_s:g}s): {self.watch.silent_store()}"

@@ -76,9 +76,13 @@ class GateAhead:
         """Begin the gate at ``step`` (``what`` names it in messages) and return at once."""
         if self._pending:
             raise RuntimeError("a gate wait is already armed: join() it first")
-        if self._stranded is not None:  # the thread is still inside a silent store's call
-            self._error, self._pending = self._stranded, False
-            return
+        if self._stranded is not None:
+            try:
+                self._done.get_nowait()  # the late end of the wait given up on: dropped
+            except queue.Empty:  # the thread is still inside a silent store's call
+                self._error, self._pending = self._stranded, False
+                return
+            self._stranded = None
         if self._thread is None:
             with self._lock:
                 self._stopping = False
@@ -93,15 +97,16 @@ class GateAhead:
         again at every call until the next ``arm``. Nothing to do when nothing is armed.
 
         The thread's store calls cannot be given up (``gradsync.checks.answered``): where the
-        world's store has left them unanswered for ``timeout_s``, the wait fails here and the
-        thread is left in its call; every later ``arm`` fails at once with the same error."""
+        world's store has left them unanswered for ``StepGate.silence_limit_s``, the wait fails
+        here and the thread is left in its call; every later ``arm`` fails at once with the
+        same error, until the thread is back from it (the store answered again)."""
         if self._pending:
             watch, gate = self.gate.watch, self.gate
             while True:
                 try:
                     error = self._done.get(timeout=_SIGNAL_CHECK_S)
                 except queue.Empty:
-                    if watch.store_silence() < gate.timeout_s:
+                    if watch.store_silence() < gate.silence_limit_s:
                         continue
                     error = self._stranded = gate.silent_store_error()
                 break

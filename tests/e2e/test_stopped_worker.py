@@ -25,6 +25,7 @@ from tests.support.proctree import (
     PROC,
     Watched,
     assert_listens_on_loopback_only,
+    listeners_of,
     start_run,
     watch_until_exit,
 )
@@ -75,6 +76,19 @@ class Stopped:
     left: list[tuple[int, str]]
 
 
+#: ``_stopped_run``'s worker: the one that serves the attempt's store (rank 0 under
+#: --max-restarts)
+STORE_SERVER = -2
+
+
+def _store_server(ranks: list[int]) -> int:
+    """Which of the 2 workers serves the attempt's store: the one listening on a socket more
+    than the other (both listen for gloo). Not the first by pid, which wraps."""
+    listening = {pid: len(listeners_of(pid)) for pid in ranks}
+    assert len(set(listening.values())) == 2, listening
+    return max(listening, key=lambda pid: listening[pid])
+
+
 def _stop_a_worker(out: Path, strategy: str) -> Stopped:
     """A run under ``strategy`` whose last worker is SIGSTOPped once it trains."""
     return _stopped_run(
@@ -86,8 +100,9 @@ def _stopped_run(
     out: Path, args: list[str], which: int, exit_within_s: float, left_within_s: float | None
 ) -> Stopped:
     """``gradsync run ARGS`` of the mlp on 2 workers whose worker ``which`` (in the order
-    ``_workers`` finds them, the rank's) is SIGSTOPped once it trains; its processes left alive
-    ``left_within_s`` after the stop (none looked for where None)."""
+    ``_workers`` finds them; :data:`STORE_SERVER`: the one serving the attempt's store) is
+    SIGSTOPped once it trains; its processes left alive ``left_within_s`` after the stop (none
+    looked for where None)."""
     proc = start_run(
         *("--nproc", "2", "--workload", "mlp", *args, "--timeout", str(TIMEOUT_S)),
         *("--no-plots", "--no-progress", "--out", str(out)),
@@ -98,7 +113,7 @@ def _stopped_run(
         _wait_for_training(proc, watched, out / "metrics.jsonl")
         ranks = _workers(proc.pid)
         assert len(ranks) == 2, ranks
-        os.kill(ranks[which], signal.SIGSTOP)
+        os.kill(_store_server(ranks) if which == STORE_SERVER else ranks[which], signal.SIGSTOP)
         stopped_at = time.monotonic()
         rc = watch_until_exit(proc, watched, timeout_s=exit_within_s)
         took = time.monotonic() - stopped_at
@@ -151,7 +166,7 @@ def _stop_rank_0_serving_the_store(out: Path) -> Stopped:
     """A run with ``--max-restarts 1`` (each attempt's store served by its rank 0: no store
     shared by the agent) whose rank 0 is SIGSTOPped once it trains, to its end."""
     args = ["--steps", str(RESTARTED_STEPS), "--max-restarts", "1"]
-    return _stopped_run(out, args, 0, 150, None)
+    return _stopped_run(out, args, STORE_SERVER, 150, None)
 
 
 @pytest.mark.timeout(240)

@@ -39,7 +39,8 @@ def _world_store_on_rank_0(rank: int, world: int) -> Any:
 
 def rank_0_stopped(rank: int, world: int, strategy: str, where: str) -> dict[str, Any]:
     """Rank 0 serves the world's store and is stopped at step 3: ``where`` "between steps"
-    (its peers wait for it at the step gate) or "in its step" (after the gate, before its
+    (its peers wait for it at the step gate), "at once" (the same, stopped as its step 2 ends
+    while its peers stay 1.5 s in their own code) or "in its step" (after the gate, before its
     backward pass: its peers' exchange times out, and naming who never arrived reads the
     store). The others must fail within about the timeout, naming rank 0 and the store,
     instead of blocking in a store call for ever."""
@@ -51,7 +52,9 @@ def rank_0_stopped(rank: int, world: int, strategy: str, where: str) -> dict[str
         with sync.step():
             _train_step(w, model, rank, world, step)
     if rank == 0:
-        if where == "between steps":
+        if where == "at once":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif where == "between steps":
             time.sleep(1.0)  # alive in its own code for a while: its heartbeat is seen
             os.kill(os.getpid(), signal.SIGSTOP)  # until the others have their error
         else:
@@ -62,6 +65,10 @@ def rank_0_stopped(rank: int, world: int, strategy: str, where: str) -> dict[str
             except Exception:  # noqa: BLE001 - continued, it leaves its block with no backward
                 pass
         return {"stayed_away": True}
+    if where == "at once":
+        # In their own code meanwhile: the heartbeat thread is left in a call first, and this
+        # rank's own first call of the step's gate (its key's set) must wait behind it.
+        time.sleep(1.5)
     return step_while_stopped(w, model, sync, rank, world, harness, pids[0])
 
 

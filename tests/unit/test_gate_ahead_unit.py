@@ -27,7 +27,7 @@ class _FakeWatch:
 
 
 class _FakeGate:
-    timeout_s = 2.0
+    silence_limit_s = 2.0
 
     def __init__(self, error: BaseException | None = None) -> None:
         self.watch = _FakeWatch()
@@ -36,13 +36,17 @@ class _FakeGate:
         self.waits: list[tuple[int, str]] = []
         self.threads: list[str] = []
         self.cancelled = False
+        self.returned = 0  # waits that have ended
 
     def ensure(self, step: int, what: str) -> None:
         self.waits.append((step, what))
         self.threads.append(threading.current_thread().name)
-        while not self.release.wait(0.01):
-            if self.cancelled:
-                raise SyncTimeoutError("cancelled")
+        try:
+            while not self.release.wait(0.01):
+                if self.cancelled:
+                    raise SyncTimeoutError("cancelled")
+        finally:
+            self.returned += 1
         if self.error is not None:
             raise self.error
 
@@ -153,7 +157,7 @@ def test_a_silent_store_fails_the_join_after_the_timeout_and_every_later_wait_at
     gate = _FakeGate()
     ahead = _ahead(gate)
     ahead.arm(1, "the step")
-    gate.watch.silent = gate.timeout_s - 0.5  # silent, but not for long enough yet
+    gate.watch.silent = gate.silence_limit_s - 0.5  # silent, but not for long enough yet
     joined: list[BaseException] = []
 
     def join() -> None:
@@ -166,7 +170,7 @@ def test_a_silent_store_fails_the_join_after_the_timeout_and_every_later_wait_at
     joiner.start()
     joiner.join(0.5)
     assert joiner.is_alive() and not joined  # still waiting for the gate
-    gate.watch.silent = gate.timeout_s
+    gate.watch.silent = gate.silence_limit_s
     joiner.join(5)
     assert not joiner.is_alive() and str(joined[0]) == "silent for 2s"
     with pytest.raises(SyncTimeoutError, match="silent for 2s"):
@@ -175,6 +179,34 @@ def test_a_silent_store_fails_the_join_after_the_timeout_and_every_later_wait_at
     with pytest.raises(SyncTimeoutError, match="silent for 2s"):
         ahead.join()
     assert gate.waits == [(1, "the step")]
+    gate.release.set()  # the store answers again: the thread comes back from its call
+    deadline = time.monotonic() + 5
+    while gate.returned < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.release = threading.Event()  # the next wait blocks until released
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        ahead.arm(3, "a later step")  # a wait begins once the thread is back, not before
+        if ahead.pending:
+            break
+        with pytest.raises(SyncTimeoutError, match="silent for 2s"):
+            ahead.join()
+        time.sleep(0.05)
+    assert ahead.pending
+    gate.watch.silent = 0.0
+    gate.release.set()
+    ahead.join()
+    assert gate.waits == [(1, "the step"), (3, "a later step")]
+    ahead.stop()
+
+
+def test_a_thread_stranded_in_the_store_is_not_waited_for_at_stop() -> None:
+    gate = _FakeGate()
+    ahead = _ahead(gate)
+    ahead.arm(1, "the step")
+    gate.watch.silent = gate.silence_limit_s
+    with pytest.raises(SyncTimeoutError, match="silent for 2s"):
+        ahead.join()
     t0 = time.monotonic()
     ahead.stop()  # does not wait for a thread stranded in the store
     assert time.monotonic() - t0 < 1.0

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 def _restarts(monkeypatch: pytest.MonkeyPatch, done: int, allowed: int) -> None:
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(done))
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(allowed))
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(worker.runtime, "rank", lambda: 1)
 
 
 def test_a_failure_before_a_restart_is_said_in_one_line(
