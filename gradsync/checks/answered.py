@@ -46,6 +46,7 @@ ranks took a median 12.8 ms a step after against 13.0 ms before: not visible at 
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import threading
 import time
@@ -86,6 +87,13 @@ class Clock:
         self._answered_at = time.monotonic()
         self._courier: _Courier | None = None
         self._lock = threading.Lock()
+
+    def forget_threads(self) -> None:
+        """Start afresh in a forked child (``_forget_threads_in_child``)."""
+        self._in_flight = {}
+        self._courier = None
+        self._lock = threading.Lock()
+        self._answered_at = time.monotonic()
 
     def courier(self) -> _Courier:
         """The courier to hand a call to: a new one where the last was abandoned or retired."""
@@ -228,6 +236,20 @@ class TimedStore:
 #: (host, port) -> the clock of that store server, for every watch of this process
 _CLOCKS: dict[tuple[str, int], Clock] = {}
 _CLOCKS_LOCK = threading.Lock()
+
+
+def _forget_threads_in_child() -> None:
+    """In a forked child: the parent's calls in flight and couriers are not this process's
+    (their threads are not here), and a clock that counted them would take the store for
+    silent, or hand calls to a courier that never runs."""
+    global _CLOCKS_LOCK
+    _CLOCKS_LOCK = threading.Lock()
+    for clock in _CLOCKS.values():
+        clock.forget_threads()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
 def clock_of(tcp_store: Any) -> Clock:

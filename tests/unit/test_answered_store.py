@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gradsync.checks import answered
 from gradsync.checks.answered import Clock, StoreSilent, TimedStore, clock_of, free_to_block
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -165,3 +166,23 @@ def test_every_watch_of_one_server_shares_its_clock() -> None:
         second.get("a")
     assert time.monotonic() - t0 < 0.1
     store.answering.set()
+
+
+def test_a_forked_child_does_not_count_its_parents_calls_in_flight() -> None:
+    """What runs in a forked child (os.register_at_fork): a call left in flight in the parent,
+    whose thread is not in the child, would make the child take the store for silent, and a
+    courier of the parent's would never run there. (Run here in this process, not a fork: a
+    unit test starts no process.)"""
+    store = _Store()
+    clock = clock_of(_Server(61004))
+    timed = TimedStore(store, clock, answer_s=ANSWER_S)
+    store.answering.clear()
+    with pytest.raises(StoreSilent):
+        timed.get("a")  # the courier stays in the call
+    stranded = clock._courier
+    assert clock.silent_s() >= ANSWER_S
+    answered._forget_threads_in_child()
+    assert clock.silent_s() == 0.0 and clock._courier is None
+    store.answering.set()
+    timed.set("b", "2")  # through a new courier
+    assert clock._courier is not stranded and timed.get("b") == b"2"
