@@ -179,6 +179,8 @@ class ArrivalWatch:
         #: the store, its keys named through the run's secret where this process has one
         self.store: Any = secret.keyed(self._plain_store, secret.from_environment())
         self._identities: dict[int, str] = {}
+        #: ranks whose heartbeat key is known to exist (``beat_of``)
+        self._beating: set[int] = set()
         self.arrive_after_s = (
             arrive_after_s if arrive_after_s is not None else min(2.0, timeout_s / 4)
         )
@@ -285,6 +287,7 @@ class ArrivalWatch:
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             return  # a subgroup's watch: its peers alone could not take part in a collective
         self.store = secret.KeyedStore(self._plain_store, secret.agree(None))
+        self._beating.clear()  # their keys have new names: none is known to exist yet
         self._publish_identity()
         if self._voucher is not None:
             self._voucher.rename(self._vouch_key(self.rank))
@@ -363,10 +366,16 @@ class ArrivalWatch:
         self.store.set(f"{self._prefix}/beat/{self.rank}", f"{self._beats}|{phase}|{step}|{detail}")
 
     def beat_of(self, rank: int) -> Beat | None:
-        """``rank``'s last heartbeat, or None when it has written none."""
+        """``rank``'s last heartbeat, or None when it has written none. One request once it
+        has written one (a beat is never deleted), two before (a ``get`` of a key not there
+        would wait for it)."""
         key = f"{self._prefix}/beat/{rank}"
-        if self.store is None or not self.store.check([key]):
+        if self.store is None:
             return None
+        if rank not in self._beating:
+            if not self.store.check([key]):
+                return None
+            self._beating.add(rank)
         return Beat.parse(self.store.get(key))
 
     def discard(self, keys: list[str], store: Any | None = None) -> None:

@@ -322,6 +322,7 @@ class StepGate:
         # A long wait (an evaluation on a peer) polls instead: every store wait that times out
         # makes torch log a warning, which would fill stderr twice a second.
         all_here: float | None = None  # since when every peer's heartbeat says it is here
+        here: set[int] = set()  # peers seen at this gate: not read again
         while True:
             judge_at = time.monotonic() + min(0.5, watch.beat_s)
             while time.monotonic() < judge_at:
@@ -332,7 +333,7 @@ class StepGate:
                 time.sleep(0.02)
             if self._store_silent():
                 continue  # nothing can be read of the peers meanwhile
-            reasons = self._judge(peers, started)
+            reasons = self._judge(peers, started, here)
             all_here = (all_here or time.monotonic()) if not peers else None
             if all_here is not None and time.monotonic() - all_here >= self.timeout_s:
                 reasons = [
@@ -358,6 +359,7 @@ class StepGate:
         waiter.start(lambda: store.wait(keys, bound))
         started = time.monotonic()
         peers: dict[int, _Peer] = {}
+        here: set[int] = set()
         host = _Peer(alive_at=started, blamed_since=started)
         while True:
             ended, error = waiter.result(min(0.5, watch.beat_s))
@@ -371,7 +373,7 @@ class StepGate:
             except SyncTimeoutError:
                 waiter.abandoned = True  # its wait is still in flight: no later gate may take it
                 raise
-            reasons = self._judge(peers, started)
+            reasons = self._judge(peers, started, here)
             if server not in peers:  # by its heartbeat it is here: is it still running?
                 reasons += self._judge_server(server, host)
             if reasons or self._cancelled:
@@ -468,19 +470,24 @@ class StepGate:
                 f"{where(step)}: {what}: the store holding the gate failed: {exc}"
             ) from exc
 
-    def _judge(self, peers: dict[int, _Peer], started: float) -> list[str]:
+    def _judge(self, peers: dict[int, _Peer], started: float, here: set[int]) -> list[str]:
         """Update what is known of every rank not at the gate (``peers`` keeps only those);
-        the reasons to give up, if any."""
+        the reasons to give up, if any. A rank once seen at this gate (``here``) is not read
+        again: its key is set, so it no longer holds the gate, wherever it goes next (with the
+        gate waited ahead, into its forward pass). So a long wait for one late rank reads that
+        rank's heartbeat alone, not every rank's: N reads a judging round across the world's
+        waiting ranks instead of N squared."""
         watch, now = self.watch, time.monotonic()
         reasons = []
         for rank in range(watch.world_size):
-            if rank == watch.rank:
+            if rank == watch.rank or rank in here:
                 continue
             peer = peers.setdefault(rank, _Peer(alive_at=started, blamed_since=started))
             beat = self._heard(rank, peer, now)
             gated = beat is not None and beat.phase in (GATE, USER_GATE)
             if gated and beat is not None and beat.detail == self._label:
                 del peers[rank]  # here (or just passed): not one holding the gate
+                here.add(rank)
                 continue
             alive = beat is not None and now - peer.alive_at < watch.stale_s
             if alive and gated and beat is not None and (self._user or beat.phase == USER_GATE):

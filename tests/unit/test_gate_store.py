@@ -187,3 +187,78 @@ def test_a_rank_past_the_gate_says_it_is_back_in_its_block(monkeypatch) -> None:
         assert watch.phase == (BLOCK, 3, "")
     finally:
         watch.close()
+
+
+class _CountingStore:
+    """A HashStore that counts the reads of each key (``get`` and ``check``)."""
+
+    def __init__(self) -> None:
+        self.store = dist.HashStore()
+        self.reads: dict[str, int] = {}
+
+    def _read(self, key: str) -> None:
+        self.reads[key] = self.reads.get(key, 0) + 1
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._read(key)
+        return bytes(self.store.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        for key in keys:
+            self._read(key)
+        return bool(self.store.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.store.add(key, amount))
+
+    def wait(self, keys: list[str], timeout: object = None) -> None:
+        if not self.store.check(keys):
+            raise RuntimeError("Wait timeout")
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.store.delete_key(key))
+
+
+@pytest.mark.timeout(30)
+def test_a_long_wait_for_one_late_rank_reads_only_that_ranks_heartbeat(monkeypatch) -> None:
+    """Ranks 2 and 3 are at the gate, rank 1 is in its own code (an evaluation) and beating:
+    rank 0 reads ranks 2's and 3's heartbeats once, then only rank 1's at each judging round.
+    Every waiting rank reading every rank's heartbeat twice a second made a long wait cost the
+    world's store N squared reads a round at scale (README)."""
+    monkeypatch.delenv(secret.SECRET_ENV, raising=False)
+    counting = _CountingStore()
+    watch = ArrivalWatch(0, 4, TIMEOUT_S, store=counting, arrive_after_s=0.05)
+    gate = StepGate(watch, TIMEOUT_S, between_steps_s=60.0)
+    prefix = watch.prefix
+    for rank in (2, 3):
+        counting.set(f"{prefix}/beat/{rank}", f"7|{GATE}|{START}|{LABEL}")
+    stop = threading.Event()
+
+    def evaluating() -> None:  # rank 1's heartbeat advances: alive in its own code
+        seq = 0
+        while not stop.wait(0.05):
+            seq += 1
+            counting.set(f"{prefix}/beat/1", f"{seq}|between|{START}|")
+
+    beating = threading.Thread(target=evaluating, daemon=True)
+    beating.start()
+    try:
+        time.sleep(0.1)
+        waiting = threading.Thread(target=lambda: gate.wait(START, WHAT), daemon=True)
+        waiting.start()
+        time.sleep(2.5)  # several judging rounds (one every half second)
+        assert waiting.is_alive()  # rank 1 is waited for, as under DDP
+        reads = dict(counting.reads)
+        for rank in (1, 2, 3):  # the gate opens: every other rank's key
+            counting.set(f"{prefix}/gate/0/{START}/{WHAT}/at/{rank}", "1")
+        waiting.join(5)
+        assert not waiting.is_alive()
+    finally:
+        stop.set()
+        watch.close()
+    beat = {rank: reads.get(f"{prefix}/beat/{rank}", 0) for rank in (1, 2, 3)}
+    assert beat[2] <= 2 and beat[3] <= 2, beat  # seen at the gate once: a check and a get
+    assert beat[1] >= 4, beat  # judged at every round
