@@ -27,6 +27,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from gradsync import compat
 from gradsync.errors import UsageError
 from gradsync.processes import forkserver, stores, task_limit
 from gradsync.processes.reaper import StoppedWorkerReaper
@@ -93,8 +94,15 @@ def launch(
             from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
             config.logs_specs = DefaultLogsSpecs(log_dir=log_dir)
-        with StoppedWorkerReaper():
-            return elastic_launch(config, _recorded)(entrypoint, *args)
+        stopped_by_signal = False
+        try:
+            with StoppedWorkerReaper():
+                return elastic_launch(config, _recorded)(entrypoint, *args)
+        except BaseException as exc:
+            stopped_by_signal = compat.elastic_signal(exc) is not None
+            raise
+        finally:
+            stores.close_rendezvous(stopped_by_signal=stopped_by_signal)
 
 
 @functools.cache

@@ -134,11 +134,41 @@ def _create_rendezvous_handler(params: Any) -> Any:
     else:
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     handler = create_handler(store, _Backend(store, params.run_id), params)
+    _HANDLERS.append(handler)
     if not compat.override_shared_store_server(handler, lambda addr, p: server_store(addr, p)):
         # No way to bind the store the agent would share: share none, so rank 0 serves one
         # (bound by gs.init()). Read by the handler at each rendezvous and by the workers.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return handler
+
+
+#: the rendezvous handlers this process made, for ``close_rendezvous``
+_HANDLERS: list[Any] = []
+
+
+def close_rendezvous(*, stopped_by_signal: bool) -> None:
+    """After a launch: forget this process's rendezvous handlers, and where the agent stopped
+    on a signal (a Ctrl-C), shut them down first.
+
+    Why: on a signal torch's launcher leaves the handler open on purpose (other agents of a
+    multi-machine job may still scale), and with it the handler's keep-alive thread, which
+    makes a store call every few seconds. A thread that returns from a store call while the
+    interpreter finalizes aborts the process ("terminate called without an active
+    exception", as ``gradsync.exit_safety`` says of gloo's threads): ``gradsync run``
+    exited with SIGABRT instead of 130 once after a Ctrl-C in CI (2026-12-01; not reproduced
+    in 53 tries by hand, 38 of them with the keep-alive every second). A ``gradsync run`` has one
+    machine and ends there, so nothing needs the rendezvous open. ``shutdown`` is torch's
+    public call; it joins the thread."""
+    handlers, _HANDLERS[:] = list(_HANDLERS), []
+    if not stopped_by_signal:
+        return  # the launcher shut them down itself
+    for handler in handlers:
+        try:
+            handler.shutdown()
+        except Exception as exc:  # noqa: BLE001 - the exit goes on; the thread may still run
+            warnings.warn(
+                f"shutting down the rendezvous after a signal failed: {exc}", stacklevel=2
+            )
 
 
 def register_rendezvous() -> None:
