@@ -22,6 +22,7 @@ BENCHMARKS = (
     "compression",
     "codec_speed",
     "guard_costs",  # issue 44; about 0.6 minutes (2026-11-30), which the 40-minute budget holds
+    "store_calls",  # issue 44; a few seconds
     "ps_transport",
     "dial",
     "hogwild",

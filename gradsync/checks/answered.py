@@ -32,15 +32,14 @@ while this process exits: the exit may then abort, as ``gradsync.exit_safety`` s
 collectives left in flight. Only a TCPStore is timed: a FileStore or a HashStore has no server
 to stop.
 
-What this costs the usual step (2026-12-01, this 2-core machine, one thread): the timing adds
-0.5 us to a call (a no-op store, median of 7 x 200,000 calls), made twice a step by the gate's
-thread under ``bsp``. A call handed to the courier took 46 us against 6 us made directly from
-the main thread (TCPStore ``check`` on loopback, medians of 7 x 2,000; made directly from
-another thread it took 65 us: that is the threads' wake-ups, not the hand-over). The training
-thread hands over each call it makes itself: none a step under ``bsp``, the gate's two under the
-strategies that wait for it in place (``zero:3``'s every step, the periodic ones' at their
-averages). Side by side, 9 launches each alternated, ``zero:3`` on a 3,000-parameter mlp on 2
-ranks took a median 12.8 ms a step after against 13.0 ms before: not visible at that spread.
+What this costs the usual step (``python -m benchmarks.store_calls``, BENCHMARKS.md, on this
+2-core machine): the timing adds 0.5 us to a call, made twice a step by the gate's thread under
+``bsp``. A call handed to the courier took 48 us against 6 us made directly from the main
+thread (TCPStore ``check`` on loopback). The training thread hands over each call it makes
+itself: none a step under ``bsp``, the gate's two under the strategies that wait for it in
+place (``zero:3``'s every step, the periodic ones' at their averages). Side by side by hand,
+9 launches each alternated, ``zero:3`` on a 3,000-parameter mlp on 2 ranks took a median
+12.8 ms a step after against 13.0 ms before: not visible at that spread.
 """
 
 from __future__ import annotations
