@@ -121,8 +121,8 @@ def _said_before_restart(exc: BaseException) -> None:
     elastic restart shows none of a failed attempt's errors (only "worker process N exited
     with code 1"), where a run that ends with one names it (``cli._describe_child_failure``)."""
     if isinstance(exc, Exception) and runtime.restarts_left():
-        text = [line for line in str(exc).strip().splitlines() if line.strip()]
-        why = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        text = str(exc).strip()
+        why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
         print(
             f"gradsync: rank {runtime.rank()} failed, and the run restarts: {why}",
             file=sys.stderr,
