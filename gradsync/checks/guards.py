@@ -68,8 +68,8 @@ def finite_given_sums(sums: list[torch.Tensor], tensors: list[torch.Tensor]) -> 
     """``all_finite(tensors)`` from ``finite_sum`` of each of them, taken beforehand."""
     if not tensors:
         return True
-    try:
-        total = torch.stack(sums).sum()
+    try:  # one bucket (a small model's only one): its sum is the total, no stack to make
+        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
     except RuntimeError:  # sums on several devices
         return all(is_finite(t) for t in tensors)
     return bool(torch.isfinite(total)) or all(is_finite(t) for t in tensors)

@@ -259,7 +259,8 @@ class TelemetryCollector:
         local = self._local_rows()
         self._taken()
         what = f"telemetry gather ({local.shape[0]} pending step record(s) on this rank)"
-        return new + self._add(self._watched(step, what, lambda: self._gather(local)))
+        gathered = self._watched(step, what, lambda: self._gather(local))
+        return new + self._add([block.tolist() for block in gathered])
 
     def flush_behind(self, step: int) -> list[StepRecord]:
         """Collective, the periodic gather (every rank calls it after the same step): take the
@@ -270,14 +271,12 @@ class TelemetryCollector:
         if runtime.world_size(self.group) == 1 or len(self._pending) > self.flush_every:
             return self.flush(step)
         new = self._take_in_flight(step)
-        local = self._local_rows()
-        self._taken()
-        dev = runtime.device()
         # A fixed shape on every rank (one collective, no count to agree on first): the rows,
-        # then padding whose step is -1.
-        padded = torch.full((self.flush_every, len(_COLUMNS)), -1.0, dtype=torch.float64)
-        padded[: local.shape[0]] = local
-        padded = padded.to(dev)
+        # then padding whose step is -1, made in one array.
+        rows = _rows_array(self._pending, self.flush_every)
+        local = torch.from_numpy(rows[: len(self._pending)])
+        self._taken()
+        padded = torch.from_numpy(rows).to(runtime.device())
         blocks = [torch.empty_like(padded) for _ in range(runtime.world_size(self.group))]
         work = dist.all_gather(blocks, padded, group=self.group, async_op=True)
         self._in_flight = _InFlight(step, local, padded, blocks, work)
@@ -289,7 +288,7 @@ class TelemetryCollector:
             return []
         what = f"telemetry gather posted after step {flight.step}"
         blocks = self._watched(step, what, lambda: _wait(flight))
-        return self._add([b[b[:, 0] >= 0] for b in blocks])
+        return self._add([[row for row in block if row[0] >= 0] for block in blocks])
 
     def hold_in_flight(self) -> None:
         """Closing without a final ``flush``: keep a gather still in flight (its tensors, its
@@ -304,9 +303,9 @@ class TelemetryCollector:
             return fn()
         return self.watch.run(step, what, fn)
 
-    def _add(self, gathered: list[torch.Tensor]) -> list[StepRecord]:
+    def _add(self, gathered: list[list[list[float]]]) -> list[StepRecord]:
         """Records from each rank's gathered rows (in rank order), appended and passed on."""
-        new = [_record(rank, row) for rank, block in enumerate(gathered) for row in block.tolist()]
+        new = [_record(rank, row) for rank, block in enumerate(gathered) for row in block]
         new = fill_idle(new, self._since_barrier)
         self.records.extend(new)
         if self.sink is not None and new:
@@ -359,9 +358,10 @@ class _InFlight:
     local_rows: list[float] | None = None
 
 
-def _wait(flight: _InFlight) -> list[torch.Tensor]:
+def _wait(flight: _InFlight) -> list[list[list[float]]]:
+    """Each rank's gathered rows, padding included."""
     flight.work.wait()
-    return [b.cpu() for b in flight.blocks]
+    return [b.tolist() for b in flight.blocks]
 
 
 def _record(rank: int, row: list[float]) -> StepRecord:
@@ -404,10 +404,18 @@ def _attempt() -> int:
 
 def _rows(pending: list[_Pending]) -> torch.Tensor:
     """One float64 row per record (``_COLUMNS``), its device events read first."""
+    return torch.from_numpy(_rows_array(pending))
+
+
+def _rows_array(pending: list[_Pending], length: int | None = None) -> np.ndarray:
+    """``_rows`` as an array of ``length`` rows (default: one per record), those past the
+    records filled with -1 (the padding of a periodic gather: its step is -1). Through numpy:
+    torch.tensor of a list of lists took about twice as long."""
     _read_tensors([p for p in pending if p.row is None])
-    rows = list(map(_row, pending))
-    # through numpy: torch.tensor of a list of lists took about twice as long
-    return torch.from_numpy(np.array(rows, dtype=np.float64).reshape(-1, len(_COLUMNS)))
+    out = np.full((len(pending) if length is None else length, len(_COLUMNS)), -1.0)
+    if pending:
+        out[: len(pending)] = list(map(_row, pending))
+    return out
 
 
 def _read_tensors(pending: list[_Pending]) -> None:

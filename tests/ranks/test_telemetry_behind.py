@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync as gs
-from gradsync.telemetry.timing import ROW_COLUMNS
+from gradsync.telemetry.timing import ROW_COLUMNS, TelemetryCollector
 from gradsync.testing import run_ranks
 
 STEPS, EVERY, AHEAD = 23, 5, 8  # rank 0 must get past step AHEAD before rank 1 goes on
@@ -74,3 +74,24 @@ def test_periodic_gather_lets_a_rank_run_ahead_and_loses_no_record(tmp_path: Pat
     assert results[0]["gathered_after"] == results[1]["gathered_after"]
     first = results[0]["gathered_after"]
     assert first[2 * EVERY - 2] == 0 and first[2 * EVERY - 1] == 2 * EVERY
+
+
+def _fewer_than_a_gather(rank: int, world_size: int) -> dict[str, Any]:
+    collector = TelemetryCollector(None, flush_every=5)
+    for step in range(3):  # fewer than flush_every: the periodic gather pads the rest
+        collector.add(step, 0.0, 0.01, 0.0, 2, 0, None)
+    collector.flush_behind(2)
+    in_flight = collector.pending_rows().shape[0]
+    collector.flush(3)
+    return {
+        "in_flight": in_flight,
+        "records": sorted((r.rank, r.step) for r in collector.records),
+    }
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(60)
+def test_a_gather_of_fewer_rows_than_its_period_takes_no_padding_for_a_record() -> None:
+    for res in run_ranks(_fewer_than_a_gather, 2, timeout_s=45):
+        assert res["in_flight"] == 3  # a checkpoint meanwhile carries the rows, not the padding
+        assert res["records"] == [(r, s) for r in range(2) for s in range(3)]
