@@ -34,7 +34,7 @@ from gradsync.compression.base import Compressor
 from gradsync.errors import UsageError
 from gradsync.flat import chunks, copy_into, flatten
 from gradsync.inject import Slowdown, apply_slowdowns, check_slowdowns, parse_slow
-from gradsync.membership import check_membership
+from gradsync.membership import LiveSettings, check_membership
 from gradsync.options import (
     DEFAULT_TIMEOUT_S,
     GROUP_OF,
@@ -271,11 +271,38 @@ class Synchronizer:
         self.rank = runtime.rank(group)
         self.world_size = runtime.world_size(group)
         self.strategy, self.compressor = self._make_strategy(strategy, compression, servers)
-        # membership="torchft": this process is one replica group (gradsync.membership); under
-        # ``gradsync run --replica-groups`` the run directory says so
+        self._live = self._check_live(membership, lighthouse, min_replicas, strategy)
+        self._membership: Any = None
+        #: what the strategy works on (set up in ``_setup_strategy``)
+        self._context: SyncContext | None = None
+        self.layout = Layout.of(self.world_size, self.strategy.servers)
+        if self._run is not None:
+            self._start_run(self._run, model)
+        self._hierarchy: Hierarchy | None = None
+        self.slowdowns = self._slowdowns(slow, given_slow)
+        self.balancer = self._make_balancer(self.options.exchange.balance)
+        self._sizes: list[int] | None = None
+        self._make_gate_and_telemetry(group)
+        self._init_step_state()
+        self._checkpoints = self._make_checkpointer()
+        if self.strategy.barrier_free:
+            self._collector.before_gather = self._checkpoints.before_gather
+        self._setup_strategy()
+        self._after_setup(model, optimizer)
+
+    def _check_live(
+        self,
+        membership: str | None,
+        lighthouse: str | None,
+        min_replicas: int | None,
+        strategy: str | Strategy,
+    ) -> LiveSettings | None:
+        """``membership="torchft"``: this process is one replica group (gradsync.membership);
+        under ``gradsync run --replica-groups`` the run directory says so. Checked against
+        the rest of the settings before anything is set up."""
         if self._run is not None:
             membership, min_replicas = self._run.live(membership, min_replicas)
-        self._live = check_membership(
+        return check_membership(
             membership,
             lighthouse=lighthouse,
             min_replicas=min_replicas,
@@ -285,33 +312,36 @@ class Synchronizer:
             bucket_mb=self.options.exchange.bucket_mb,
             balance=self.options.exchange.balance,
         )
-        self._membership: Any = None
-        #: what the strategy works on (set up in ``_setup_strategy``)
-        self._context: SyncContext | None = None
-        self.layout = Layout.of(self.world_size, self.strategy.servers)
-        if self._run is not None:
-            params = [p for p in model.parameters() if p.requires_grad]
-            trained = sum(p.numel() for p in params)
-            self._run.start(
-                self.rank, self.layout.workers, trained, pulled_bytes(params, self.layout.servers)
-            )
-            # A script that never calls report() (a port through the front door may not) or
-            # close() still gets its last step records into the run directory: at the exit of
-            # its process (a multiprocessing child's too, which ends with os._exit: its atexit
-            # handlers run only where gradsync's worker runs them, after these finalizers).
-            multiprocessing.util.Finalize(
-                self, _write_unreported, args=(weakref.ref(self),), exitpriority=1
-            )
-            _ATTACHED.add(self)  # and when its rank is stopped (write_unreported_records)
-        self._hierarchy: Hierarchy | None = None
-        self.slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
-        if given_slow:  # --slow's ranks may be other replica groups': the run checked those
-            check_slowdowns(self.slowdowns, self.world_size)
+
+    def _slowdowns(self, slow: str | list[Slowdown] | None, given: bool) -> list[Slowdown]:
+        """The injected slowdowns (``slow``, or the run directory's)."""
+        slowdowns = parse_slow(slow) if isinstance(slow, str | None) else list(slow)
+        if given:  # --slow's ranks may be other replica groups': the run checked those
+            check_slowdowns(slowdowns, self.world_size)
+        return slowdowns
+
+    def _start_run(self, run: AttachedRun, model: torch.nn.Module) -> None:
+        """Tell the run directory this rank has started, and keep its last records for it."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        trained = sum(p.numel() for p in params)
+        run.start(
+            self.rank, self.layout.workers, trained, pulled_bytes(params, self.layout.servers)
+        )
+        # A script that never calls report() (a port through the front door may not) or
+        # close() still gets its last step records into the run directory: at the exit of
+        # its process (a multiprocessing child's too, which ends with os._exit: its atexit
+        # handlers run only where gradsync's worker runs them, after these finalizers).
+        multiprocessing.util.Finalize(
+            self, _write_unreported, args=(weakref.ref(self),), exitpriority=1
+        )
+        _ATTACHED.add(self)  # and when its rank is stopped (write_unreported_records)
+
+    def _make_gate_and_telemetry(self, group: dist.ProcessGroup | None) -> None:
+        """The timeline's spans, the arrival watch, the step gate (and its thread), the
+        telemetry's collector and the checks' pending verdicts."""
         self.spans: list[Span] = []
         #: those of ``spans`` not in the run directory's spans.jsonl yet (``_write_own_spans``)
         self._unwritten_spans: list[Span] = []
-        self.balancer = self._make_balancer(self.options.exchange.balance)
-        self._sizes: list[int] | None = None
         self._group_timeout, self._watch, self._gate = self._make_watch()
         #: the step gate waited on a thread from the block's entry (``checks.gate_ahead``)
         self._ahead = (
@@ -325,6 +355,9 @@ class Synchronizer:
         self._verdicts = PendingVerdicts(every)
         #: the periodic divergence check posted and not compared yet
         self._posted_check: divergence_behind.PostedCheck | None = None
+
+    def _init_step_state(self) -> None:
+        """The step count and what the steps, the checks and the API calls keep track of."""
         self._step = 0
         #: whether this process has taken a step with this Synchronizer (``load``'s check)
         self._stepped_here = False
@@ -340,10 +373,10 @@ class Synchronizer:
         #: gradsync's own API calls in progress (save, report, ...): the model's state taken
         #: inside one is gradsync's, not the script's
         self._calls = 0
-        self._checkpoints = self._make_checkpointer()
-        if self.strategy.barrier_free:
-            self._collector.before_gather = self._checkpoints.before_gather
-        self._setup_strategy()
+
+    def _after_setup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """What depends on the strategy's setup: the parameters it trains, the device clock,
+        and the hook that counts the optimizer's steps."""
         replaced = self.strategy.trainable()
         #: parameters frozen at the build, whose gradients no strategy synchronizes (None where
         #: the strategy replaced the model's parameters: zero:3's shards)
@@ -706,11 +739,7 @@ class Synchronizer:
         self._check_no_outside_update()
         if self._run is not None:
             self._run.before_step(self._step)  # a --kill due at this step
-        handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
-        ready = _GradientReady(self.strategy, self._step, self._clock, lambda: self._gate_waited)
-        handle._ready = ready
-        handle._params = self._trainable
-        handle._strategy = self.strategy
+        handle, ready = self._new_handle(micro_batches, samples)
         self._in_step = True
         self._watch.enter(BLOCK, self._step)
         leaving = False  # a KeyboardInterrupt or SystemExit ends the block
@@ -778,6 +807,15 @@ class Synchronizer:
             if not leaving:
                 self._settle_gate()
             self._back_to_user()
+
+    def _new_handle(self, micro_batches: int, samples: int) -> tuple[StepHandle, _GradientReady]:
+        """The handle a step's block gets, and what tells it when the gradients are ready."""
+        handle = StepHandle(step=self._step, micro_batches=micro_batches, samples=samples)
+        ready = _GradientReady(self.strategy, self._step, self._clock, lambda: self._gate_waited)
+        handle._ready = ready
+        handle._params = self._trainable
+        handle._strategy = self.strategy
+        return handle, ready
 
     def _check_step_call(self, micro_batches: int) -> None:
         """What a ``sync.step()`` call is refused for before anything happens: a closed
