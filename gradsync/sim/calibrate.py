@@ -306,13 +306,7 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
         raise UsageError(f"{run_dir} has {len(steps)} steps; need more than --warmup {warmup}")
     keep = set(steps[warmup:])
     records = [r for r in records if r.step in keep]
-    cfg_path = Path(run_dir) / "config.json"
-    config: dict[str, Any] = {}
-    if Path(run_dir).is_dir() and cfg_path.exists():
-        try:
-            config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(f"--from {run_dir}: cannot read its config.json: {exc}") from None
+    config = _read_run_config(run_dir)
     compute: dict[int, list[float]] = defaultdict(list)
     step_wall: dict[int, float] = defaultdict(float)
     grid: dict[int, dict[int, tuple[float, float]]] = defaultdict(dict)
@@ -339,21 +333,14 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
     exchange_rows: np.ndarray | None = None
     local_overhead = 0.0
     if period > 1:
-        # Only every H-th step sends: the median over steps is 0 bytes (a local:4 run was
-        # priced as no exchange at all, its prediction 14-35% off). An exchange is what a
-        # step that sent carried; a step draws its comm from those steps.
-        sent = [r for r in records if r.bytes > 0]
-        bytes_per_exchange = float(np.median([r.bytes for r in sent])) if sent else 0.0
+        sent = _exchanges_sent(records, full)
+        bytes_per_exchange = sent.bytes_per_exchange
         bytes_per_step = bytes_per_exchange / period
-        exchanged = {r.step for r in sent}
-        rows = [i for i, t in enumerate(full) if t in exchanged]
-        if rows:
-            exchange_rows = np.asarray(rows)
-        local = [1000.0 * r.comm for r in records if r.step not in exchanged]
-        local_overhead = float(np.median(local)) if local else 0.0
+        exchange_rows = sent.rows
+        local_overhead = sent.local_overhead_ms
         # The statistic predict reports for H-step periods: a round's time over its steps
         # (the per-step median is a local step's, the exchange lost to it)
-        measured = _round_ms(records, sorted(exchanged & set(full))) or measured
+        measured = _round_ms(records, sorted(sent.steps & set(full))) or measured
     return RunProfile(
         nproc=int(config.get("nproc", len(compute))),
         strategy=strategy,
@@ -383,6 +370,46 @@ def load_profile(run_dir: str | Path, warmup: int = 2) -> RunProfile:
         exchange_rows=exchange_rows,
         local_overhead_ms=local_overhead,
         outside_rank_steps=outside,
+    )
+
+
+def _read_run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The run's ``config.json``, or an empty dict where it has none."""
+    cfg_path = Path(run_dir) / "config.json"
+    config: dict[str, Any] = {}
+    if Path(run_dir).is_dir() and cfg_path.exists():
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(f"--from {run_dir}: cannot read its config.json: {exc}") from None
+    return config
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ExchangesSent:
+    """What the steps of a ``PERIODIC`` run that sent (its exchanges) carried and cost."""
+
+    bytes_per_exchange: float  # median over the steps that sent of their bytes; 0 without one
+    steps: set[int]  # the steps that sent
+    rows: np.ndarray | None  # their rows in ``full``; None where no row sent
+    local_overhead_ms: float  # median comm of the rank-steps that did not send; 0 without one
+
+
+def _exchanges_sent(records: list[StepRecord], full: list[int]) -> _ExchangesSent:
+    """The exchanges of a run that sends only every H-th step, from its ``records`` (rows of
+    ``full``, the steps every rank recorded)."""
+    # Only every H-th step sends: the median over steps is 0 bytes (a local:4 run was priced
+    # as no exchange at all, its prediction 14-35% off). An exchange is what a step that sent
+    # carried; a step draws its comm from those steps.
+    sent = [r for r in records if r.bytes > 0]
+    exchanged = {r.step for r in sent}
+    rows = [i for i, t in enumerate(full) if t in exchanged]
+    local = [1000.0 * r.comm for r in records if r.step not in exchanged]
+    return _ExchangesSent(
+        bytes_per_exchange=float(np.median([r.bytes for r in sent])) if sent else 0.0,
+        steps=exchanged,
+        rows=np.asarray(rows) if rows else None,
+        local_overhead_ms=float(np.median(local)) if local else 0.0,
     )
 
 
@@ -506,6 +533,170 @@ def _collective_ms(
     return run_collective / ratio, "run telemetry"
 
 
+def _draw_rows(
+    profile: RunProfile, resample: str, workers: int, steps: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The run's rows each simulated (step, worker) takes its compute from, ``(steps,
+    workers)``, and the rows each simulated step takes its comm from, ``(steps,)``."""
+    n_run = profile.compute_steps.shape[0]
+    if resample == "steps":
+        rows = np.broadcast_to(rng.integers(n_run, size=steps)[:, None], (steps, workers))
+        comm_rows = rows[:, 0]
+    else:
+        rows = rng.integers(n_run, size=(steps, workers))
+        comm_rows = rng.integers(n_run, size=steps)
+    if profile.exchange_rows is not None:
+        # Every simulated exchange is one of the run's exchanges (local:H, diloco:H), whatever
+        # the strategy simulated: a step drawn at random is a local step, with none.
+        comm_rows = profile.exchange_rows[rng.integers(len(profile.exchange_rows), size=steps)]
+    return rows, comm_rows
+
+
+def _source_ranks(
+    profile: RunProfile,
+    cols: np.ndarray,
+    steps: int,
+    remove_straggler: bool,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """The measured rank each simulated (step, worker) takes its compute from: its column of
+    ``cols``, or with the straggler removed another rank in the straggler's place."""
+    n_ranks = profile.compute_steps.shape[1]
+    src = np.broadcast_to(cols, (steps, len(cols))).copy()
+    if remove_straggler and n_ranks > 1:
+        slow = profile.slowest_rank()
+        others = np.array([k for k in range(n_ranks) if k != slow])
+        hit = src == slow
+        # The straggler gets another rank's compute at the same step: pooled, still correlated.
+        src[hit] = rng.choice(others, size=int(hit.sum()))
+    return src
+
+
+def _run_collective_and_overhead(
+    profile: RunProfile, comm_rows: np.ndarray, steps: int, host_overhead: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per simulated step, the run's all-reduce at the step drawn and the host's overhead
+    around it (the rest of the step's comm; zeros without spans or ``host_overhead``)."""
+    run_comm = profile.comm_steps[comm_rows]
+    if profile.collective_steps is None:
+        run_collective, overhead = run_comm, np.zeros(steps)
+    else:
+        run_collective = profile.collective_steps[comm_rows]
+        overhead = np.maximum(run_comm - run_collective, 0.0)
+    if not host_overhead:
+        overhead = np.zeros(steps)
+    return run_collective, overhead
+
+
+def _pays_own_exchange(
+    strategy: SimStrategy,
+    profile: RunProfile,
+    link: AlphaBeta | None,
+    table: CollectiveTable | None,
+    workers: int,
+) -> bool:
+    """Whether each simulated worker is charged its own measured exchange, not a shared one."""
+    # A parameter-server run predicted as one: each worker pays its own push and pull, as the
+    # run measured it at the step drawn (the slowest rank's, charged to every worker, put a
+    # 4-worker ssp:1 run's mean step 13% high). With a calibration the exchange is modelled
+    # as one all-reduce for every worker, as before.
+    return (
+        strategy.kind in OWN_EXCHANGE
+        and _kind(profile.strategy) in OWN_EXCHANGE
+        and profile.comm_rank_steps is not None
+        and link is None
+        and table is None
+        and workers > 1
+    )
+
+
+def _between_steps_ms(
+    profile: RunProfile, rows: np.ndarray, cols: np.ndarray, steps: int, workers: int
+) -> np.ndarray:
+    """Per simulated (step, worker), the run's time between the worker's steps at the step
+    drawn where the run had no barrier; zeros where it had one."""
+    # A run without a barrier: each worker's time between its steps delays only itself, and
+    # no other rank's sync holds it, so it is charged to the worker (with the step drawn).
+    outside = profile.outside_rank_steps
+    free = _kind(profile.strategy) in FREE_RUNNING and outside is not None
+    return outside[rows, cols] if free and outside is not None else np.zeros((steps, workers))
+
+
+def _hogwild_compute(
+    profile: RunProfile,
+    compute: np.ndarray,
+    rows: np.ndarray,
+    cols: np.ndarray,
+    between: np.ndarray,
+) -> tuple[np.ndarray, str]:
+    """A simulated hogwild worker's step (``compute`` plus what else the run's worker spent
+    on its own step), and where that came from."""
+    # Nothing is exchanged: the simulator charges no comm. A hogwild run's comm is each
+    # worker's own update into the shared copy (its optimizer step), part of its step and
+    # waiting for no other worker; without it (and the time between steps) the prediction
+    # was the compute alone (a 2-worker run: -85%). Another strategy's comm holds its
+    # exchange: none is charged.
+    if _kind(profile.strategy) == "hogwild" and profile.comm_rank_steps is not None:
+        own_update = profile.comm_rank_steps[rows, cols]
+        return (
+            compute + own_update + between,
+            "run telemetry (each worker's own update; no exchange)",
+        )
+    return compute + between, "none (hogwild exchanges nothing)"
+
+
+def _with_local_overhead(
+    strategy: SimStrategy, profile: RunProfile, compute: np.ndarray
+) -> np.ndarray:
+    """``compute`` with the run's local-step overhead added to each simulated local step of a
+    ``PERIODIC`` strategy (every step but a round's last and the run's last)."""
+    if strategy.kind in PERIODIC and profile.local_overhead_ms > 0:
+        # A local step of the run paid its own comm (the optimizer step, the host's work) on
+        # top of compute; the simulated round's exchange step pays the exchange's instead.
+        steps = compute.shape[0]
+        h = int(strategy.param)
+        local_step = (np.arange(steps) + 1) % h != 0
+        local_step[-1] = False
+        compute = compute + np.where(local_step, profile.local_overhead_ms, 0.0)[:, None]
+    return compute
+
+
+def _barrier_tax(
+    profile: RunProfile,
+    res: SimResult,
+    strategy: SimStrategy,
+    comm_rows: np.ndarray,
+    leave_out_spread: bool,
+    unrecorded_ms: float,
+) -> float:
+    """The simulated idle over the worker-time, counted as the run's telemetry counts them.
+
+    ``leave_out_spread``: leave the spread of comm across ranks at the steps drawn
+    (``comm_rows``) out of the worker-time; ``unrecorded_ms``: the time between steps that
+    was charged to the workers, which the telemetry does not count either.
+    """
+    spread = np.zeros(res.steps)
+    if profile.comm_spread_steps is not None and leave_out_spread:
+        spread = profile.comm_spread_steps[comm_rows]
+    # The run's telemetry counts each rank's own compute + sync; the spread of comm across
+    # ranks (late starters) is outside it. Without this the tax is divided by more
+    # worker-time than the measured one, and comes out low. Only steps that pay comm have it.
+    unrecorded = np.minimum(spread, res.comm_ms)
+    busy = res.workers * (res.wall_ms - float(unrecorded.sum()))
+    idle = float(res.idle_ms.sum())
+    if strategy.kind in UNBOUNDED and res.final_wait_ms is not None:
+        # Nothing makes an async or hogwild worker wait for another until the run ends, when
+        # one that finished its last step waits for the slowest in report(), outside every
+        # step record: the telemetry counts neither that wait nor its time (its idle is 0 by
+        # definition). Counted, two workers of different speeds had 10-25% of "barrier tax"
+        # predicted where the run measured 0. (Under ssp:S, whose bound the telemetry counts,
+        # the simulated idle is kept whole: ssp:0 is bsp, whose last step waits too.)
+        waited = float(res.final_wait_ms.sum())
+        idle, busy = idle - waited, busy - waited
+    busy -= unrecorded_ms  # nor the time between steps
+    return max(0.0, idle / busy) if busy > 0 else 0.0
+
+
 def predict(
     profile: RunProfile,
     link: AlphaBeta | None,
@@ -530,37 +721,16 @@ def predict(
         raise UsageError(f"resample must be one of {', '.join(RESAMPLE_MODES)}, got {resample!r}")
     wi = what_if or WhatIf()
     rng = np.random.default_rng(seed)
-    grid = profile.compute_steps
-    n_run, n_ranks = grid.shape
     workers = wi.workers or profile.nproc
     # A bigger world cycles the measured ranks, keeping the share of slow ones.
-    cols = np.arange(workers) % n_ranks
-    if resample == "steps":
-        rows = np.broadcast_to(rng.integers(n_run, size=steps)[:, None], (steps, workers))
-        comm_rows = rows[:, 0]
-    else:
-        rows = rng.integers(n_run, size=(steps, workers))
-        comm_rows = rng.integers(n_run, size=steps)
-    if profile.exchange_rows is not None:
-        # Every simulated exchange is one of the run's exchanges (local:H, diloco:H), whatever
-        # the strategy simulated: a step drawn at random is a local step, with none.
-        comm_rows = profile.exchange_rows[rng.integers(len(profile.exchange_rows), size=steps)]
-    src = np.broadcast_to(cols, (steps, workers)).copy()
-    if wi.remove_straggler and n_ranks > 1:
-        slow = profile.slowest_rank()
-        others = np.array([k for k in range(n_ranks) if k != slow])
-        hit = src == slow
-        # The straggler gets another rank's compute at the same step: pooled, still correlated.
-        src[hit] = rng.choice(others, size=int(hit.sum()))
-    compute = grid[rows, src]
-    run_comm = profile.comm_steps[comm_rows]
-    if profile.collective_steps is None:
-        run_collective, overhead = run_comm, np.zeros(steps)
-    else:
-        run_collective = profile.collective_steps[comm_rows]
-        overhead = np.maximum(run_comm - run_collective, 0.0)
-    if not host_overhead:
-        overhead = np.zeros(steps)
+    cols = np.arange(workers) % profile.compute_steps.shape[1]
+    # the random draws in this order, so that a seed predicts what it always has
+    rows, comm_rows = _draw_rows(profile, resample, workers, steps, rng)
+    src = _source_ranks(profile, cols, steps, wi.remove_straggler, rng)
+    compute = profile.compute_steps[rows, src]
+    run_collective, overhead = _run_collective_and_overhead(
+        profile, comm_rows, steps, host_overhead
+    )
     collective, source = _collective_ms(
         profile, run_collective, link, table, workers, wi.compression_ratio, rng
     )
@@ -568,23 +738,8 @@ def predict(
         source += " + run overhead"
     comm_steps = collective + overhead if workers > 1 else np.zeros(steps)
     strategy: SimStrategy = _calibrated(parse_sim_strategy(wi.strategy or profile.strategy))
-    # A parameter-server run predicted as one: each worker pays its own push and pull, as the
-    # run measured it at the step drawn (the slowest rank's, charged to every worker, put a
-    # 4-worker ssp:1 run's mean step 13% high). With a calibration the exchange is modelled
-    # as one all-reduce for every worker, as before.
-    own = (
-        strategy.kind in OWN_EXCHANGE
-        and _kind(profile.strategy) in OWN_EXCHANGE
-        and profile.comm_rank_steps is not None
-        and link is None
-        and table is None
-        and workers > 1
-    )
-    # A run without a barrier: each worker's time between its steps delays only itself, and
-    # no other rank's sync holds it, so it is charged to the worker (with the step drawn).
-    outside = profile.outside_rank_steps
-    free = _kind(profile.strategy) in FREE_RUNNING and outside is not None
-    between = outside[rows, cols] if free and outside is not None else np.zeros((steps, workers))
+    own = _pays_own_exchange(strategy, profile, link, table, workers)
+    between = _between_steps_ms(profile, rows, cols, steps, workers)
     unrecorded_ms = float(between.sum())
     if own:
         assert profile.comm_rank_steps is not None
@@ -593,51 +748,19 @@ def predict(
     elif strategy.kind != "hogwild":
         compute = compute + between  # a barrier waits for it as for the worker's compute
     if strategy.kind == "hogwild":
-        # Nothing is exchanged: the simulator charges no comm. A hogwild run's comm is each
-        # worker's own update into the shared copy (its optimizer step), part of its step and
-        # waiting for no other worker; without it (and the time between steps) the prediction
-        # was the compute alone (a 2-worker run: -85%). Another strategy's comm holds its
-        # exchange: none is charged.
-        if _kind(profile.strategy) == "hogwild" and profile.comm_rank_steps is not None:
-            compute = compute + profile.comm_rank_steps[rows, cols] + between
-            source = "run telemetry (each worker's own update; no exchange)"
-        else:
-            compute = compute + between
-            source = "none (hogwild exchanges nothing)"
+        compute, source = _hogwild_compute(profile, compute, rows, cols, between)
         comm_steps = np.zeros(steps)
-    if strategy.kind in PERIODIC and profile.local_overhead_ms > 0:
-        # A local step of the run paid its own comm (the optimizer step, the host's work) on
-        # top of compute; the simulated round's exchange step pays the exchange's instead.
-        h = int(strategy.param)
-        local_step = (np.arange(steps) + 1) % h != 0
-        local_step[-1] = False
-        compute = compute + np.where(local_step, profile.local_overhead_ms, 0.0)[:, None]
+    compute = _with_local_overhead(strategy, profile, compute)
     res = simulate(strategy, compute, CommModel(comm_ms=0.0), comm_steps=comm_steps)
-    spread = np.zeros(steps)
     # (each worker's own comm is what its telemetry counts: nothing outside it to leave out)
-    if profile.comm_spread_steps is not None and host_overhead and workers > 1 and not own:
-        spread = profile.comm_spread_steps[comm_rows]
-    # The run's telemetry counts each rank's own compute + sync; the spread of comm across
-    # ranks (late starters) is outside it. Without this the tax is divided by more
-    # worker-time than the measured one, and comes out low. Only steps that pay comm have it.
-    unrecorded = np.minimum(spread, res.comm_ms)
-    busy = res.workers * (res.wall_ms - float(unrecorded.sum()))
-    idle = float(res.idle_ms.sum())
-    if strategy.kind in UNBOUNDED and res.final_wait_ms is not None:
-        # Nothing makes an async or hogwild worker wait for another until the run ends, when
-        # one that finished its last step waits for the slowest in report(), outside every
-        # step record: the telemetry counts neither that wait nor its time (its idle is 0 by
-        # definition). Counted, two workers of different speeds had 10-25% of "barrier tax"
-        # predicted where the run measured 0. (Under ssp:S, whose bound the telemetry counts,
-        # the simulated idle is kept whole: ssp:0 is bsp, whose last step waits too.)
-        waited = float(res.final_wait_ms.sum())
-        idle, busy = idle - waited, busy - waited
-    busy -= unrecorded_ms  # nor the time between steps
+    leave_out_spread = host_overhead and workers > 1 and not own
     return Prediction(
         what_if=wi.describe(),
         step_ms=float(np.median(res.period_step_ms())),
         mean_step_ms=res.wall_ms / steps,
-        barrier_tax=max(0.0, idle / busy) if busy > 0 else 0.0,
+        barrier_tax=_barrier_tax(
+            profile, res, strategy, comm_rows, leave_out_spread, unrecorded_ms
+        ),
         comm_ms=float(np.median(comm_steps)),
         comm_source=source,
         result=res,

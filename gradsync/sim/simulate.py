@@ -186,18 +186,7 @@ def simulate(
                 "and all-gather are priced from the comm model"
             )
         return _zero(c, comm, int(strat.param), overlap)
-    if comm_steps is None:
-        exchange = np.full(c.shape[0], comm.exchange_ms(c.shape[1]))
-    else:
-        if overlap is not None:
-            raise UsageError("per-step comm times cannot be combined with --overlap")
-        exchange = np.asarray(comm_steps, dtype=float)
-        own = strat.kind in ("ssp", "async") and exchange.shape == c.shape
-        if (exchange.shape != (c.shape[0],) and not own) or not np.all(exchange >= 0):
-            raise UsageError(
-                "per-step comm must be one time >= 0 ms per step (ssp:S and async: or one per "
-                "worker and step)"
-            )
+    exchange = _exchange_ms(strat, c, comm, overlap, comm_steps)
     if strat.kind == "bsp":
         if overlap is not None:
             return _bsp_overlap(c, comm, overlap)
@@ -213,6 +202,29 @@ def simulate(
 
 #: Strategies whose gradient exchange overlaps the backward pass under ``--overlap``.
 OVERLAPPED = ("bsp", "zero:1")
+
+
+def _exchange_ms(
+    strat: SimStrategy,
+    c: np.ndarray,
+    comm: CommModel,
+    overlap: Overlap | None,
+    comm_steps: np.ndarray | None,
+) -> np.ndarray:
+    """The exchange each step pays (ms): ``comm``'s constant one, or ``comm_steps`` checked,
+    ``(steps,)`` or, for ``ssp:S`` and ``async``, ``(steps, workers)``."""
+    if comm_steps is None:
+        return np.full(c.shape[0], comm.exchange_ms(c.shape[1]))
+    if overlap is not None:
+        raise UsageError("per-step comm times cannot be combined with --overlap")
+    exchange = np.asarray(comm_steps, dtype=float)
+    own = strat.kind in ("ssp", "async") and exchange.shape == c.shape
+    if (exchange.shape != (c.shape[0],) and not own) or not np.all(exchange >= 0):
+        raise UsageError(
+            "per-step comm must be one time >= 0 ms per step (ssp:S and async: or one per "
+            "worker and step)"
+        )
+    return exchange
 
 
 def _check_hosts(strat: SimStrategy, comm: CommModel) -> None:
