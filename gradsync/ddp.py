@@ -302,10 +302,8 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         # accepted for DDP's sake and needing nothing here (the class docstring says why)
         del gradient_as_bucket_view, static_graph
-        _check_arguments(module, optimizer, device_ids, output_device, options)
+        _check_arguments(module, optimizer, device_ids, output_device, strategy, options)
         assert optimizer is not None
-        if strategy is not None:  # before any collective; a run directory's choice is after
-            check_strategy(parse_strategy(strategy, servers=options.get("servers", 1)).name)
         self.module = module
         #: DDP's flags: no_sync() clears the first; the second says whether this forward
         #: follows a synchronizing one (then buffers are broadcast first, as DDP does)
@@ -330,21 +328,13 @@ class DistributedDataParallel(nn.Module):
             # Read after the Synchronizer: under zero:3 these are FSDP2's sharded DTensors.
             self._params = [p for p in module.parameters() if p.requires_grad]
             #: zero:2: its shards of the gradient shown to the loop as DTensors (``_ShardView``)
-            self._view = (
-                _ShardView(self._params, process_group, self.sync.strategy)
-                if self.sync.strategy.name == "zero:2"
-                else None
-            )
+            self._view = _shard_view(self._params, process_group, self.sync.strategy)
         except UsageError:
             self.sync.close()
             raise
         self._group = process_group
-        self._follow_buffers = (
-            broadcast_buffers
-            and runtime.world_size(process_group) > 1
-            and self.sync.strategy.replicates_every_step
-            # as DDP: a module without buffers now is not walked for them at every forward
-            and next(iter(module.buffers()), None) is not None
+        self._follow_buffers = _follows_buffers(
+            module, process_group, self.sync.strategy, broadcast_buffers
         )
         self._optimizer = optimizer
         self._open: _OpenStep | None = None
@@ -370,13 +360,23 @@ class DistributedDataParallel(nn.Module):
         self._routed_step = _route_step(optimizer, self._original_step, self._optimizer_step)
         #: local:H, diloco:H, gossip:H, noloco:H on more than one rank: the replicas differ
         #: between averages, and a script without model.report() ends with them apart
-        self._apart: _ApartReplicas | None = None
-        if not self.sync.strategy.replicates_every_step and runtime.world_size(process_group) > 1:
-            self._apart = _ApartReplicas(self.sync)
-            # kept past close(): a script may save after it
-            self._state_hook = module.register_state_dict_pre_hook(self._apart.on_state_dict)
-            # at this object's collection or the interpreter's exit, whichever comes first
-            weakref.finalize(self, self._apart.at_exit)
+        self._apart = self._watch_apart_replicas(module, process_group)
+
+    def _watch_apart_replicas(
+        self, module: nn.Module, group: dist.ProcessGroup | None
+    ) -> _ApartReplicas | None:
+        """Under a strategy whose replicas differ between averages, on more than one rank: the
+        warnings of a script that ends with them apart (``_ApartReplicas``), set up on
+        ``module``'s ``state_dict()`` (the hook kept as ``_state_hook``) and at this object's
+        collection or the interpreter's exit. None elsewhere."""
+        if self.sync.strategy.replicates_every_step or runtime.world_size(group) <= 1:
+            return None
+        apart = _ApartReplicas(self.sync)
+        # kept past close(): a script may save after it
+        self._state_hook = module.register_state_dict_pre_hook(apart.on_state_dict)
+        # at this object's collection or the interpreter's exit, whichever comes first
+        weakref.finalize(self, apart.at_exit)
+        return apart
 
     # -- the user's calls ---------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -710,6 +710,7 @@ def _check_arguments(
     optimizer: Any,
     device_ids: list[int | torch.device] | None,
     output_device: int | torch.device | None,
+    strategy: str | Any | None,
     options: dict[str, Any],
 ) -> None:
     """``UsageError`` naming the first argument the front door cannot take, and the fix."""
@@ -751,6 +752,31 @@ def _check_arguments(
             "needs to finish the exchange before your clip reads p.grad; use the explicit "
             "form, gs.Synchronizer with `with sync.step() as s:` (docs/porting.md)"
         )
+    if strategy is not None:  # before any collective; a run directory's choice is after
+        check_strategy(parse_strategy(strategy, servers=options.get("servers", 1)).name)
+
+
+def _shard_view(
+    params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, strategy: Any
+) -> _ShardView | None:
+    """Under ``zero:2``: the view that shows the loop its shards of the gradient as DTensors
+    (``_ShardView``); None under any other strategy."""
+    return _ShardView(params, group, strategy) if strategy.name == "zero:2" else None
+
+
+def _follows_buffers(
+    module: nn.Module, group: dist.ProcessGroup | None, strategy: Any, broadcast_buffers: bool
+) -> bool:
+    """Whether the wrapper broadcasts ``module``'s buffers from rank 0 where DDP does (at the
+    first forward pass of a step): asked (``broadcast_buffers``), on more than one rank,
+    under a strategy whose replicas agree after every step, and with buffers to send."""
+    return (
+        broadcast_buffers
+        and runtime.world_size(group) > 1
+        and strategy.replicates_every_step
+        # as DDP: a module without buffers now is not walked for them at every forward
+        and next(iter(module.buffers()), None) is not None
+    )
 
 
 __all__ = ["DistributedDataParallel", "check_strategy"]

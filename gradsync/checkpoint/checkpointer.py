@@ -274,29 +274,9 @@ class Checkpointer:
             # At most half the group's timeout: the other ranks wait in the broadcast below.
             ended = _wait_for_writers(directory, self.save_id, min(self.timeout_s / 2, 60.0))
             info = store.latest(allow_world_change=True)
-            if info is not None and ended:
-                # Directories above it that earlier attempts' writers left and no commit can
-                # complete: skipped with a warning just now, and removed, not warned about again
-                # at every later resume (``remove_abandoned`` keeps any that could be committed).
-                store.remove_abandoned(
-                    above=info.step, world_size=info.world_size, own_save_id=self.save_id
-                )
             if info is not None:
-                # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
-                # servers), so all of them refuse alike; a file it cannot read fails every rank.
-                saved: tuple[Any, Any, Any, Any, str | None]
-                try:
-                    mine = store.load(info, 0)
-                    saved = (
-                        mine.get("strategy"),
-                        mine.get("layout"),
-                        mine.get("compression"),
-                        mine.get(STRATEGY_SPEC),
-                        None,
-                    )
-                except CheckpointError as exc:
-                    saved = (None, None, None, None, str(exc))
-                choice = [(info.step, info.world_size, *saved)]
+                mine, decision = self._read_newest_on_rank_zero(store, info, ended)
+                choice = [decision]
         # Rank 0 decides, so every rank resumes from the same step even if a file is being judged
         # differently elsewhere (a warning it already printed says why it skipped a newer one).
         zero = 0 if self.group is None else dist.get_global_rank(self.group, 0)
@@ -331,35 +311,76 @@ class Checkpointer:
         # The records of the steps before the checkpoint, not gathered: put back last, once
         # nothing else can fail, so that a load that raised leaves none on any rank.
         rows = _own_telemetry(store, info, state, self.rank, changed)
-        role = self.strategy.server_role()
-        if role is not None:
-            role.restore(state["server"])
-            self.load_sync_state(state["sync"])
-        else:
-            _load_model(self, state, info)
-            self.optimizer.load_state_dict(state["optimizer"])
-            lost = bool(state["sync"].get("strategy", {}).get("compressor"))
-            if changed and lost and self.rank == 0:
-                warnings.warn(
-                    f"resuming BSP from {saved_world} ranks on {self.world_size}: the model and "
-                    "optimizer state come from the checkpoint; per-rank compressor state (error "
-                    "feedback) restarts from zero",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
-            if changed:
-                # The strategy keeps the state it was built with (fresh compressor state): an
-                # empty dict would make error feedback look for saved residuals (KeyError 'inner').
-                sync = {"step": state["sync"]["step"], "strategy": self.strategy.state_dict()}
-                self.load_sync_state(sync)
-            else:
-                self.load_sync_state(state["sync"])
-                set_rng_state(state["rng"])
+        self._restore_training_state(state, info, changed, saved_world)
         # After the model and optimizer: a registered scheduler's state refers to its optimizer.
         warn = self.rank == 0
         self.registry.load(state.get(REGISTERED), step=step, world_changed=changed, warn=warn)
         _restore_rows(self, rows, store.directory)
         return {**(state.get("extra") or {}), "step": self.step()}
+
+    def _read_newest_on_rank_zero(
+        self, store: CheckpointStore, info: CheckpointInfo, ended: bool
+    ) -> tuple[dict[str, Any] | None, tuple[Any, ...]]:
+        """Rank 0 in ``load``, given the newest checkpoint ``info``: removes the directories
+        above it that earlier attempts' writers left (once they have all ``ended``) and reads
+        its own file. Returns that file's state (None: it could not be read) and the decision
+        every rank is sent: the step, the world size, what wrote the checkpoint (strategy,
+        layout, compression, strategy spec) and the error that reading the file raised."""
+        if ended:
+            # Directories above it that earlier attempts' writers left and no commit can
+            # complete: skipped with a warning just now, and removed, not warned about again
+            # at every later resume (``remove_abandoned`` keeps any that could be committed).
+            store.remove_abandoned(
+                above=info.step, world_size=info.world_size, own_save_id=self.save_id
+            )
+        # Rank 0's file tells every rank what wrote the checkpoint (strategy, workers and
+        # servers), so all of them refuse alike; a file it cannot read fails every rank.
+        mine: dict[str, Any] | None = None
+        saved: tuple[Any, Any, Any, Any, str | None]
+        try:
+            mine = store.load(info, 0)
+            saved = (
+                mine.get("strategy"),
+                mine.get("layout"),
+                mine.get("compression"),
+                mine.get(STRATEGY_SPEC),
+                None,
+            )
+        except CheckpointError as exc:
+            saved = (None, None, None, None, str(exc))
+        return mine, (info.step, info.world_size, *saved)
+
+    def _restore_training_state(
+        self, state: dict[str, Any], info: CheckpointInfo, changed: bool, saved_world: int
+    ) -> None:
+        """``load``'s restore of the checkpoint's ``state`` (read from ``info``) into the loop: a
+        parameter server's own state, or the model, the optimizer and the Synchronizer's state
+        (and the RNG where the world size has not ``changed`` from ``saved_world``)."""
+        role = self.strategy.server_role()
+        if role is not None:
+            role.restore(state["server"])
+            self.load_sync_state(state["sync"])
+            return
+        _load_model(self, state, info)
+        self.optimizer.load_state_dict(state["optimizer"])
+        lost = bool(state["sync"].get("strategy", {}).get("compressor"))
+        if changed and lost and self.rank == 0:
+            warnings.warn(
+                f"resuming BSP from {saved_world} ranks on {self.world_size}: the model and "
+                "optimizer state come from the checkpoint; per-rank compressor state (error "
+                "feedback) restarts from zero",
+                CheckpointWarning,
+                # the caller of load, which this runs inside
+                stacklevel=3,
+            )
+        if changed:
+            # The strategy keeps the state it was built with (fresh compressor state): an
+            # empty dict would make error feedback look for saved residuals (KeyError 'inner').
+            sync = {"step": state["sync"]["step"], "strategy": self.strategy.state_dict()}
+            self.load_sync_state(sync)
+        else:
+            self.load_sync_state(state["sync"])
+            set_rng_state(state["rng"])
 
     def writer_for(self, directory: str | Path, keep: int) -> Writer:
         """This rank's background writer for ``directory`` (one directory at a time)."""

@@ -127,28 +127,17 @@ class TorchftMembership:
         self._store, port = _group_store(host, timeout, group, rank, world)
         self._pg = ProcessGroupGloo(timeout=timeout)
         transport = PGTransport(self._pg, timeout=timeout, device=torch.device("cpu"))
-        with _manager_server_bound_to(ft_manager, host):
-            self.manager = ft_manager.Manager(
-                pg=self._pg,
-                load_state_dict=self._heal,
-                state_dict=state.state_dict,
-                min_replica_size=settings.min_replicas,
-                use_async_quorum=False,
-                timeout=timeout,
-                quorum_timeout=timeout,
-                connect_timeout=timeout,
-                rank=rank,
-                world_size=world,
-                store_addr=host,
-                store_port=port,
-                lighthouse_addr=settings.lighthouse,
-                replica_id=settings.replica_id,
-                hostname=host,
-                checkpoint_transport=transport,
-                # Replicas may start from different weights: the first quorum heals every
-                # participant but one from it, as gradsync's initial broadcast does in a group.
-                init_sync=True,
-            )
+        self.manager = self._make_manager(
+            ft_manager,
+            settings,
+            state,
+            transport,
+            host=host,
+            port=port,
+            timeout=timeout,
+            rank=rank,
+            world=world,
+        )
         # One thread waits for the buckets' all-reduces in launch order and completes the
         # futures BucketReducer holds: the Manager returns a Work whose result exists only
         # once waited on, and waiting in the autograd hook would serialize the exchange with
@@ -186,6 +175,46 @@ class TorchftMembership:
         # torchft's id of this group (``GROUP:UUID``, or a bare UUID without a group id), as
         # its Manager put it in this group's store: which of a quorum's members is this one
         self._replica_id = self._store.get(ft_manager.REPLICA_ID_KEY).decode()
+
+    def _make_manager(
+        self,
+        ft_manager: Any,
+        settings: LiveSettings,
+        state: ReplicaState,
+        transport: Any,
+        *,
+        host: str,
+        port: int,
+        timeout: datetime.timedelta,
+        rank: int,
+        world: int,
+    ) -> Any:
+        """This rank's torchft ``Manager`` (``ft_manager``: the ``torchft.manager`` module) over
+        ``self._pg``: it sends ``state`` to a replacement and heals this replica (``_heal``),
+        both over ``transport``; its server listens on ``host`` (``_manager_server_bound_to``)
+        and the group's store is at ``host:port``."""
+        with _manager_server_bound_to(ft_manager, host):
+            return ft_manager.Manager(
+                pg=self._pg,
+                load_state_dict=self._heal,
+                state_dict=state.state_dict,
+                min_replica_size=settings.min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                rank=rank,
+                world_size=world,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=settings.lighthouse,
+                replica_id=settings.replica_id,
+                hostname=host,
+                checkpoint_transport=transport,
+                # Replicas may start from different weights: the first quorum heals every
+                # participant but one from it, as gradsync's initial broadcast does in a group.
+                init_sync=True,
+            )
 
     def _align_group(self) -> None:
         """After the first quorum, every rank of this replica group takes its rank 0's model
