@@ -1,5 +1,5 @@
 """Structural rules of the package: no import cycles, no side doors into the strategy protocol,
-private torch APIs only through ``gradsync.compat``."""
+private torch APIs only through ``gradsync.compat``, no function over 80 lines."""
 
 from __future__ import annotations
 
@@ -390,3 +390,40 @@ def test_the_foreign_private_finder_sees_a_reach_but_not_own_names() -> None:
         "    self_like = other.__class__\n"  # dunder
     )
     assert foreign_private_uses(source) == [(6, "sync._final_handshake")]
+
+
+#: the project's rule (its guide: "no function over ~80 lines"), counted from ``def`` to the
+#: function's last line, docstring and decorators' arguments included
+LONGEST_FUNCTION = 80
+
+
+def long_functions(source: str, limit: int = LONGEST_FUNCTION) -> list[tuple[int, str, int]]:
+    """Every function or method of ``source`` longer than ``limit`` lines: (line, name,
+    length); nested functions are counted on their own and within their parent."""
+    return [
+        (node.lineno, node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_function_is_longer_than_the_projects_limit() -> None:
+    hits = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name} ({length} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, name, length in long_functions(path.read_text())
+    ]
+    assert hits == [], (
+        f"functions over {LONGEST_FUNCTION} lines (split them into named parts):\n"
+        + "\n".join(hits)
+    )
+
+
+def test_the_long_function_finder_counts_from_def_to_the_last_line() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(4))
+    method = body.replace("    ", "        ")
+    source = f"def short():\n{body}\nclass A:\n    async def long(self):\n{method}{method}"
+    assert long_functions(source, limit=5) == [(8, "long", 9)]  # 5 lines: short's own
+    assert long_functions(source, limit=9) == []
