@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import guard_costs
+from tests.support.bench_sections import quick_section
 
 pytestmark = pytest.mark.unit
 
@@ -20,15 +21,7 @@ def test_the_quick_run_writes_its_section(
 ) -> None:
     # its git look-up starts a process, which a unit test may not
     monkeypatch.setattr(guard_costs, "guards_revision", lambda: "guards.py under test")
-    md = tmp_path / "BENCHMARKS.md"
-    md.write_text("# Benchmarks\n\n<!-- other:start -->\nkept\n<!-- other:end -->\n")
-    threads = torch.get_num_threads()
-    guard_costs.main(["--quick", "--write", "--md", str(md)])
-    assert torch.get_num_threads() == threads
-    text = md.read_text()
-    assert "<!-- other:start -->\nkept\n<!-- other:end -->" in text
-    section = text.split("<!-- guard_costs:start -->")[1].split("<!-- guard_costs:end -->")[0]
-    assert "Command: `python -m benchmarks.guard_costs --quick --write`" in section
+    section = quick_section(guard_costs.main, "guard_costs", tmp_path)
     assert "guards.py under test" in section
     rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
     assert len(rows) == len(guard_costs.OPERATIONS) * 2  # the quick mode's two sizes
