@@ -349,6 +349,9 @@ class Synchronizer:
         )
         if self._ahead is not None:
             exit_safety.stop_at_exit(self._ahead.stop)
+        #: the armed gate's wait was left to the strategy past its step's end
+        #: (``Strategy.defers_gate``): joined before the gate is used again
+        self._gate_deferred = False
         every = (self.options.telemetry or Telemetry()).telemetry_every  # none: no records
         self._collector = TelemetryCollector(group, every, self._on_gathered, watch=self._watch)
         #: non-finite verdicts left on the device, read together at the telemetry's period
@@ -747,6 +750,7 @@ class Synchronizer:
             self._settle_gate()  # the wait of a step a KeyboardInterrupt left, if caught
             gated = self.strategy.gate_at(self._step) if self._ahead is not None else None
             if self._ahead is not None and gated is not None:
+                self._settle_deferred()
                 # Joined before the step's first collective: the forward hides its round trips.
                 self._ahead.arm(self._step, gated)
             else:
@@ -781,7 +785,11 @@ class Synchronizer:
             # inside synchronize() is in its seconds already.)
             waited = self._gate_waited - ready.gate_waited_in_call
             self._mark_block_end()
-            self._join_gate()  # where the strategy posted nothing in the block
+            self._gate_deferred = self._ahead is not None and self.strategy.defers_gate(self._step)
+            if self._gate_deferred:
+                self._enter_gradsync()  # the strategy posts once the gate has opened
+            else:
+                self._join_gate()  # where the strategy posted nothing in the block
             outcome = ready.outcome()
             with compat.annotate("gradsync.update"):
                 outcome = self.strategy.update(self._step, outcome)
@@ -954,8 +962,21 @@ class Synchronizer:
 
     def _pass_gate(self, step: int, what: str) -> None:
         """Wait (in the store) until every rank is back from its own code; see checks.gate."""
+        self._settle_deferred()
         if self._gate is not None:
             self._gate.ensure(step, what)
+
+    def _settle_deferred(self) -> None:
+        """Before the gate is used again: the wait a strategy left open past its step
+        (``Strategy.defers_gate``) has ended, its error raised if it failed. The user's code
+        has run since that gate was armed, so its passage does not count for the next one."""
+        if not self._gate_deferred:
+            return
+        self._gate_deferred = False
+        if self._ahead is not None and self._ahead.pending:
+            self._join_gate()
+        if self._gate is not None:
+            self._gate.left()
 
     def _join_gate(self) -> None:
         """Before gradsync's collectives of a step: the gate's wait armed at the block's entry
@@ -985,7 +1006,7 @@ class Synchronizer:
         Not while a KeyboardInterrupt or SystemExit unwinds the block: a peer interrupted too
         never arrives, so the wait would last the gate's whole bound (and a Ctrl-C'd worker
         outlive the launcher's grace); a step begun after one was caught settles it first."""
-        if self._ahead is not None and self._ahead.pending:
+        if self._ahead is not None and self._ahead.pending and not self._gate_deferred:
             with contextlib.suppress(Exception):
                 self._ahead.join()
 
