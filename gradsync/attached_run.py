@@ -47,6 +47,7 @@ from gradsync.errors import UsageError
 from gradsync.inject import maybe_kill, parse_kill
 from gradsync.logs import get_logger
 from gradsync.membership import REPLICA_ID_ENV, StepQuorum
+from gradsync.processes import elastic_env
 from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.telemetry.cli import REPORT_FILE, analyze_records
 from gradsync.telemetry.membership import MEMBERSHIP_FILE, MembershipLog, read_group
@@ -411,8 +412,8 @@ def add_facts(directory: Path, **facts: Any) -> None:
 
 def restart_count() -> int:
     """Which restart of the run this process belongs to (0: the first attempt), as torch's
-    elastic agent says in ``TORCHELASTIC_RESTART_COUNT``."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    elastic agent says in ``TORCHELASTIC_RESTART_COUNT`` (``gradsync.processes.elastic_env``)."""
+    return elastic_env.restart_count()
 
 
 def append_fault(directory: Path, name: str, entry: dict[str, Any]) -> None:

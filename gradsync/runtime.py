@@ -17,6 +17,7 @@ from torch.distributed.constants import default_pg_timeout
 from gradsync import exit_safety
 from gradsync.checks import secret
 from gradsync.errors import UsageError
+from gradsync.processes import elastic_env
 from gradsync.processes.stores import process_group_store
 
 #: the process group's collective timeout when gs.init() is not given one: torch's default,
@@ -288,13 +289,18 @@ def _bad_nodelist(text: str, variable: str, why: str) -> UsageError:
     )
 
 
+def restart_count() -> int:
+    """Which attempt of the run this process belongs to (``gradsync.processes.elastic_env``),
+    for the modules that do not reach into ``processes``."""
+    return elastic_env.restart_count()
+
+
 def restarts_left() -> bool:
     """Whether torch's elastic agent restarts this rank's group when it fails (torchrun's and
     ``gradsync run``'s ``--max-restarts``, as the agent tells its workers)."""
     try:
-        done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        return done < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
-    except ValueError:
+        return elastic_env.restart_count() < elastic_env.max_restarts()
+    except UsageError:  # asked on the way out of a failure: that failure is the one to report
         return False
 
 

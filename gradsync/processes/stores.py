@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from gradsync import compat
 from gradsync.errors import UsageError
+from gradsync.processes import elastic_env
 
 #: The rendezvous backend name gradsync's launchers pass to torch's elastic agent.
 RENDEZVOUS_BACKEND = "gradsync-c10d"
@@ -249,7 +250,7 @@ def agent_store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store | Non
                 stacklevel=5,  # the script's gs.init()
             )
         return None
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    attempt = elastic_env.restart_count()
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     client = dist.TCPStore(host, port, int(os.environ["WORLD_SIZE"]), False, timeout)
     return dist.PrefixStore(f"{PROCESS_GROUP_PREFIX}/attempt_{attempt}", client)

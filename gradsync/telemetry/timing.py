@@ -20,7 +20,6 @@ the same step on every rank.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -33,10 +32,6 @@ import torch.distributed as dist
 from gradsync import exit_safety, runtime
 from gradsync.telemetry.device_clock import StepMarks
 from gradsync.telemetry.records import StepRecord, fill_idle
-
-#: the restart count torch's elastic agent gives each worker it starts
-#: (``gradsync.attached_run.restart_count`` reads it too)
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 # Columns of the gathered tensor, in order.
 _COLUMNS = (
@@ -396,10 +391,7 @@ def _row_attempt(row: list[float]) -> int:
 def _attempt() -> int:
     """Which attempt of the run this process is: the elastic agent's restart count (0 outside
     an agent, or before any restart)."""
-    try:
-        return max(0, int(os.environ.get(RESTART_COUNT_ENV) or 0))
-    except ValueError:
-        return 0
+    return runtime.restart_count()
 
 
 def _rows(pending: list[_Pending]) -> torch.Tensor:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from gradsync.checkpoint.row_log import RowLog, read_rows
+from gradsync.processes.elastic_env import RESTART_COUNT_ENV
 from gradsync.telemetry.timing import (
     LEGACY_ROW_COLUMNS,
-    RESTART_COUNT_ENV,
     ROW_COLUMNS,
     TelemetryCollector,
 )
