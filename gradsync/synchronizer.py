@@ -747,16 +747,7 @@ class Synchronizer:
         self._watch.enter(BLOCK, self._step)
         leaving = False  # a KeyboardInterrupt or SystemExit ends the block
         try:
-            self._settle_gate()  # the wait of a step a KeyboardInterrupt left, if caught
-            gated = self.strategy.gate_at(self._step) if self._ahead is not None else None
-            if self._ahead is not None and gated is not None:
-                self._settle_deferred()
-                # Joined before the step's first collective: the forward hides its round trips.
-                self._ahead.arm(self._step, gated)
-            else:
-                if self.strategy.replicates_every_step:
-                    self._pass_gate(self._step, "the step")
-                self._enter_gradsync()
+            self._gate_at_entry()
             wall0, t0 = time.time(), time.perf_counter()
             self._gate_waited = 0.0
             self._mark_start()
@@ -785,11 +776,7 @@ class Synchronizer:
             # inside synchronize() is in its seconds already.)
             waited = self._gate_waited - ready.gate_waited_in_call
             self._mark_block_end()
-            self._gate_deferred = self._ahead is not None and self.strategy.defers_gate(self._step)
-            if self._gate_deferred:
-                self._enter_gradsync()  # the strategy posts once the gate has opened
-            else:
-                self._join_gate()  # where the strategy posted nothing in the block
+            self._gate_at_block_end()
             outcome = ready.outcome()
             with compat.annotate("gradsync.update"):
                 outcome = self.strategy.update(self._step, outcome)
@@ -815,6 +802,30 @@ class Synchronizer:
             if not leaving:
                 self._settle_gate()
             self._back_to_user()
+
+    def _gate_at_entry(self) -> None:
+        """The step gate at a block's entry: armed on its thread where the strategy joins it
+        before its first collective (the forward hides its round trips), else passed here
+        where the strategy replicates every step."""
+        self._settle_gate()  # the wait of a step a KeyboardInterrupt left, if caught
+        gated = self.strategy.gate_at(self._step) if self._ahead is not None else None
+        if self._ahead is not None and gated is not None:
+            self._settle_deferred()
+            self._ahead.arm(self._step, gated)
+            return
+        if self.strategy.replicates_every_step:
+            self._pass_gate(self._step, "the step")
+        self._enter_gradsync()
+
+    def _gate_at_block_end(self) -> None:
+        """The step gate at a block's end, before the strategy's update: joined, where the
+        strategy posted nothing in the block, or left to a strategy that posts once it has
+        opened (``Strategy.defers_gate``)."""
+        self._gate_deferred = self._ahead is not None and self.strategy.defers_gate(self._step)
+        if self._gate_deferred:
+            self._enter_gradsync()
+        else:
+            self._join_gate()
 
     def _new_handle(self, micro_batches: int, samples: int) -> tuple[StepHandle, _GradientReady]:
         """The handle a step's block gets, and what tells it when the gradients are ready."""
