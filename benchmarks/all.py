@@ -26,7 +26,6 @@ BENCHMARKS = (
     "ps_transport",
     "dial",
     "hogwild",
-    "posting",  # issue 46; about 20 seconds (2026-12-01)
     "balance",
     "sim_calibration",
     "reliability",

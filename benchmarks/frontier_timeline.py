@@ -12,9 +12,7 @@ parameters, 32 samples a worker a step, ``--steps`` steps), each with its timeli
 - **inner step**: the rest of the step's ``sync`` time outside the exchange's own spans: the
   user's optimizer step and gradsync's bookkeeping;
 - **launch**: a fragment's pseudo-gradient and its encode, on the training thread
-  (``outer_launch``, and ``outer_post`` where the exchange was posted once the step gate had
-  opened, at a later step); under plain DiLoCo the whole blocking exchange
-  (``outer_exchange``);
+  (``outer_launch``); under plain DiLoCo the whole blocking exchange (``outer_exchange``);
 - **wait**: the wait at the step an exchange is applied (``outer_wait``);
 - **outer step**: the outer optimizer's step and the mix into the local fragment
   (``outer_step``);
@@ -62,8 +60,6 @@ CONFIGS = (
 #: training-thread phases from the strategy's spans, by span name (before ``[fragment]``)
 PHASES = {
     "outer_launch": "launch",
-    # an exchange posted once the gate opened, at a later step than its launch (its encode)
-    "outer_post": "launch",
     "outer_exchange": "launch",
     "average": "launch",
     "outer_wait": "wait",

@@ -349,9 +349,6 @@ class Synchronizer:
         )
         if self._ahead is not None:
             exit_safety.stop_at_exit(self._ahead.stop)
-        #: the armed gate's wait was left to the strategy past its step's end
-        #: (``Strategy.defers_gate``): joined before the gate is used again
-        self._gate_deferred = False
         every = (self.options.telemetry or Telemetry()).telemetry_every  # none: no records
         self._collector = TelemetryCollector(group, every, self._on_gathered, watch=self._watch)
         #: non-finite verdicts left on the device, read together at the telemetry's period
@@ -747,7 +744,15 @@ class Synchronizer:
         self._watch.enter(BLOCK, self._step)
         leaving = False  # a KeyboardInterrupt or SystemExit ends the block
         try:
-            self._gate_at_entry()
+            self._settle_gate()  # the wait of a step a KeyboardInterrupt left, if caught
+            gated = self.strategy.gate_at(self._step) if self._ahead is not None else None
+            if self._ahead is not None and gated is not None:
+                # Joined before the step's first collective: the forward hides its round trips.
+                self._ahead.arm(self._step, gated)
+            else:
+                if self.strategy.replicates_every_step:
+                    self._pass_gate(self._step, "the step")
+                self._enter_gradsync()
             wall0, t0 = time.time(), time.perf_counter()
             self._gate_waited = 0.0
             self._mark_start()
@@ -776,7 +781,7 @@ class Synchronizer:
             # inside synchronize() is in its seconds already.)
             waited = self._gate_waited - ready.gate_waited_in_call
             self._mark_block_end()
-            self._gate_at_block_end()
+            self._join_gate()  # where the strategy posted nothing in the block
             outcome = ready.outcome()
             with compat.annotate("gradsync.update"):
                 outcome = self.strategy.update(self._step, outcome)
@@ -802,30 +807,6 @@ class Synchronizer:
             if not leaving:
                 self._settle_gate()
             self._back_to_user()
-
-    def _gate_at_entry(self) -> None:
-        """The step gate at a block's entry: armed on its thread where the strategy joins it
-        before its first collective (the forward hides its round trips), else passed here
-        where the strategy replicates every step."""
-        self._settle_gate()  # the wait of a step a KeyboardInterrupt left, if caught
-        gated = self.strategy.gate_at(self._step) if self._ahead is not None else None
-        if self._ahead is not None and gated is not None:
-            self._settle_deferred()
-            self._ahead.arm(self._step, gated)
-            return
-        if self.strategy.replicates_every_step:
-            self._pass_gate(self._step, "the step")
-        self._enter_gradsync()
-
-    def _gate_at_block_end(self) -> None:
-        """The step gate at a block's end, before the strategy's update: joined, where the
-        strategy posted nothing in the block, or left to a strategy that posts once it has
-        opened (``Strategy.defers_gate``)."""
-        self._gate_deferred = self._ahead is not None and self.strategy.defers_gate(self._step)
-        if self._gate_deferred:
-            self._enter_gradsync()
-        else:
-            self._join_gate()
 
     def _new_handle(self, micro_batches: int, samples: int) -> tuple[StepHandle, _GradientReady]:
         """The handle a step's block gets, and what tells it when the gradients are ready."""
@@ -973,21 +954,8 @@ class Synchronizer:
 
     def _pass_gate(self, step: int, what: str) -> None:
         """Wait (in the store) until every rank is back from its own code; see checks.gate."""
-        self._settle_deferred()
         if self._gate is not None:
             self._gate.ensure(step, what)
-
-    def _settle_deferred(self) -> None:
-        """Before the gate is used again: the wait a strategy left open past its step
-        (``Strategy.defers_gate``) has ended, its error raised if it failed. The user's code
-        has run since that gate was armed, so its passage does not count for the next one."""
-        if not self._gate_deferred:
-            return
-        self._gate_deferred = False
-        if self._ahead is not None and self._ahead.pending:
-            self._join_gate()
-        if self._gate is not None:
-            self._gate.left()
 
     def _join_gate(self) -> None:
         """Before gradsync's collectives of a step: the gate's wait armed at the block's entry
@@ -1017,7 +985,7 @@ class Synchronizer:
         Not while a KeyboardInterrupt or SystemExit unwinds the block: a peer interrupted too
         never arrives, so the wait would last the gate's whole bound (and a Ctrl-C'd worker
         outlive the launcher's grace); a step begun after one was caught settles it first."""
-        if self._ahead is not None and self._ahead.pending and not self._gate_deferred:
+        if self._ahead is not None and self._ahead.pending:
             with contextlib.suppress(Exception):
                 self._ahead.join()
 

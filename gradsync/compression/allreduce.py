@@ -58,5 +58,4 @@ ALLREDUCE = Compressor(
     hook=allreduce_hook,
     nominal_ratio=1.0,
     codec=plain_codec,
-    posts_without_waiting=True,
 )

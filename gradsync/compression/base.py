@@ -161,11 +161,6 @@ class Compressor:
     #: accumulator): only ``local:H`` and ``diloco:H`` take it, and DiLoCo's outer step then
     #: runs without a momentum of its own.
     replaces_momentum: bool = False
-    #: True when its hook posts every collective of its exchange and returns without waiting
-    #: for any of them (PowerSGD waits for its first round inside): one rank may then post an
-    #: exchange while its peers are still on their way without being held there, which
-    #: DiLoCo's exchanges posted once the step gate opens need (``DiLoCo._posts_when_open``).
-    posts_without_waiting: bool = False
 
 
 class FlatBucket:

@@ -150,5 +150,4 @@ def error_feedback(compressor: Compressor) -> Compressor:
         nominal_ratio=compressor.nominal_ratio,
         codec=compressor.codec,
         feedback=True,
-        posts_without_waiting=compressor.posts_without_waiting,
     )

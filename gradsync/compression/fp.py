@@ -106,7 +106,6 @@ FP16 = Compressor(
     hook=fp16_hook,
     nominal_ratio=0.5,
     codec=functools.partial(cast_codec, wire=torch.float16),
-    posts_without_waiting=True,
 )
 BF16 = Compressor(
     spec="bf16",
@@ -114,7 +113,6 @@ BF16 = Compressor(
     hook=bf16_hook,
     nominal_ratio=0.5,
     codec=functools.partial(cast_codec, wire=torch.bfloat16),
-    posts_without_waiting=True,
 )
 
 #: the wire dtype of each cast compressor, by spec: what live membership's quorum sends

@@ -184,5 +184,4 @@ def int4(chunk: int = DEFAULT_CHUNK) -> Compressor:
         hook=int4_hook,
         nominal_ratio=(0.5 + 4.0 / chunk) / 4.0,
         codec=functools.partial(int4_codec, chunk=chunk),
-        posts_without_waiting=True,
     )

@@ -304,5 +304,4 @@ def int8(chunk: int = DEFAULT_CHUNK, seed: int = 0) -> Compressor:
         hook=int8_hook,
         nominal_ratio=(1.0 + 4.0 / chunk) / 4.0,
         codec=functools.partial(int8_codec, chunk=chunk, seed=seed),
-        posts_without_waiting=True,
     )

@@ -242,5 +242,4 @@ def sign(chunk: int = DEFAULT_CHUNK) -> Compressor:
         hook=sign_hook,
         nominal_ratio=(chunk / 8 + 4) / (4 * chunk),
         codec=functools.partial(sign_codec, chunk=chunk),
-        posts_without_waiting=True,
     )

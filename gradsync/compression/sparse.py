@@ -257,7 +257,6 @@ def topk(fraction: float) -> Compressor:
         hook=topk_hook,
         nominal_ratio=min(1.0, fraction) * 2.0,
         codec=functools.partial(topk_codec, fraction=fraction),
-        posts_without_waiting=True,
     )
 
 
@@ -286,5 +285,4 @@ def randomk(fraction: float, seed: int = 0) -> Compressor:
         hook=randomk_hook,
         nominal_ratio=fraction,
         codec=functools.partial(randomk_codec, fraction=fraction, seed=seed),
-        posts_without_waiting=True,
     )

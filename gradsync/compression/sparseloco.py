@@ -507,5 +507,4 @@ def sparseloco(
         nominal_ratio=per_chunk / (4 * chunk),
         codec=functools.partial(sparseloco_codec, density=density, chunk=chunk),
         replaces_momentum=True,
-        posts_without_waiting=True,
     )

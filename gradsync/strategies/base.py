@@ -541,15 +541,6 @@ class Strategy(Protocol):
         periodic strategy's exchange steps only."""
         return "the step"
 
-    def defers_gate(self, step: int) -> bool:
-        """With ``gate_ahead``: whether the gate armed at a gated step's entry may stay open
-        past the end of ``step``'s block (the same answer on every rank). The strategy then
-        posts what the gate guards once ``SyncContext.collective_ready()`` says every rank
-        has arrived, at a later step's end, and joins the gate (``before_collective``) at
-        the latest where it needs the result; the Synchronizer joins it before the gate is
-        used again. Never by default: the step's end joins it."""
-        return False
-
     def server_role(self) -> ServerRole | None:
         """The role of this rank if it is a server (after ``setup``); None on workers."""
         return None

@@ -10,7 +10,6 @@ worth of bytes every H steps: 1/H of BSP's per step, before compression.
 
 from __future__ import annotations
 
-import datetime
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from gradsync import exit_safety, runtime
 from gradsync.checks.diagnose import END
 from gradsync.compression.allreduce import ALLREDUCE
-from gradsync.compression.base import FlatBucket, Group
+from gradsync.compression.base import FlatBucket
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.spec import (
@@ -51,9 +50,7 @@ from gradsync.strategies.eager import NOT_UNDER_MEMBERSHIP, EagerRounds, Result
 from gradsync.strategies.passes import PassCounter
 from gradsync.strategies.streaming import (
     Exchange,
-    Unposted,
     check_saved_fragments,
-    exchange_group,
     fragment_tensors,
     offsets,
 )
@@ -115,12 +112,7 @@ class Periodic(Strategy):
         #: ``ctx.group`` is the group, the quorum holds the other groups
         self._group_sum = group_sum(ctx.group)
         self._live_wire, exchanged_over = live_exchange(ctx, group)
-        self._state = ctx.compressor.make_state(self._exchanges_over(ctx, exchanged_over))
-
-    def _exchanges_over(self, ctx: SyncContext, group: Group) -> Group:
-        """The group the exchanges run on: ``group`` (the context's, its hosts' leaders', or
-        the quorum's participants)."""
-        return group
+        self._state = ctx.compressor.make_state(exchanged_over)
 
     @contextmanager
     def _timed(self, name: str, cat: str = "step", **args: Any) -> Iterator[None]:
@@ -484,14 +476,6 @@ class DiLoCo(Periodic):
         self._pending: list[Exchange] = []
         #: each fragment's last exchange's time in flight, set on the communication thread
         self._in_flight: dict[int, Span] = {}
-        #: exchanges are posted once the step gate has opened (``_posts_when_open``), on a
-        #: process group of their own (None: as they start, on the context's group)
-        self._exchange_pg: dist.ProcessGroup | None = None
-        #: those of the exchanges started (``_pending``, or due and being applied) not posted
-        #: yet, in the order they started: the order every rank posts them in
-        self._unposted: list[Exchange] = []
-        #: bytes those posted handed to the wire since a step's outcome last counted them
-        self._posted_bytes = 0
 
     def settings_spec(self) -> str | None:
         return self.spec if self.name == "diloco" else None  # None: a user's subclass
@@ -521,44 +505,6 @@ class DiLoCo(Periodic):
             nesterov=self.outer.nesterov and momentum > 0,
         )
 
-    def _exchanges_over(self, ctx: SyncContext, group: Group) -> Group:
-        if not self._posts_when_open(ctx):
-            return group
-        # A posted exchange can wait for a peer that went back to its own code (an
-        # evaluation) after the gate: as long as the gate would have waited for it.
-        bound = ctx.gate.timeout_s + ctx.gate.between_steps_s
-        self._exchange_pg = exchange_group(ctx.group, datetime.timedelta(seconds=bound))
-        return self._exchange_pg
-
-    def _posts_when_open(self, ctx: SyncContext) -> bool:
-        """Whether an exchange that started is posted once every rank has arrived at its step
-        rather than waited for there. The rank that arrives first goes on training instead of
-        waiting for the last at the exchange's step: on 2 emulated hosts the ranks drifted
-        20-50 ms apart over the mlp's 6 steps between exchanges (issue 46). It takes a delay
-        (nothing needs the exchange before its due step), a step gate to ask, a compressor
-        whose hook waits for nothing (one that waits, PowerSGD, would hold the rank that
-        posted first until the last has posted), and no live membership, hierarchy or eager
-        updates, which post theirs on paths of their own."""
-        return (
-            self.delay > 0
-            and not self.eager
-            and ctx.gate is not None
-            and ctx.compressor.posts_without_waiting
-            and ctx.membership is None
-            and ctx.hierarchy is None
-            and runtime.world_size(ctx.group) > 1
-        )
-
-    def defers_gate(self, step: int) -> bool:
-        return self._exchange_pg is not None
-
-    def begin_step(self, plan: StepPlan) -> None:
-        super().begin_step(plan)
-        # The gate has had the script's code between the steps to open: what it guards goes
-        # out now, in flight behind this step's passes, rather than after them.
-        if self._exchange_pg is not None:
-            self._post_ready(block=False)
-
     def _label(self, index: int) -> str:
         if not self.streaming:
             return super()._label(index)
@@ -571,8 +517,6 @@ class DiLoCo(Periodic):
         through the quorum joined before it (``_joins_quorum``) and is applied where that
         quorum commits it, plain DiLoCo being the one-fragment, undelayed case."""
         assert self._ctx is not None
-        if self._exchange_pg is not None:
-            return self._exchange_when_open(step, outcome)
         applied, committed = self._apply_due(step)
         starting = self._starting(step)
         if starting:
@@ -592,48 +536,6 @@ class DiLoCo(Periodic):
             outcome.barrier = True
             self._in_sync = committed and self._replicated()
         return self._take_spans(outcome)
-
-    def _exchange_when_open(self, step: int, outcome: StepOutcome) -> StepOutcome:
-        """``_exchange`` where exchanges are posted once the gate has opened
-        (``_posts_when_open``): those started earlier, if it has; those due now, posted first
-        where they were not (waiting for the gate) and applied; then the fragments starting
-        here, their pseudo-gradients taken now and posted at once if the gate has opened."""
-        self._post_ready(block=False)
-        applied, _ = self._apply_due(step)
-        for p in self._starting(step):
-            self._start(p, step)
-        self._post_ready(block=False)
-        # what went out since the last step's end (this step's beginning included)
-        outcome.bytes_sent += self._posted_bytes
-        self._posted_bytes = 0
-        if applied:
-            outcome.barrier = True
-            self._in_sync = self._replicated()
-        return self._take_spans(outcome)
-
-    def _post_ready(self, block: bool) -> None:
-        """Post the exchanges started and not posted yet, in the order they started, if every
-        rank has arrived at the gate (``block``: once they have). The gate armed at the
-        latest exchange's step stands for the earlier ones: a rank there has passed them."""
-        ctx = self._ctx
-        assert ctx is not None
-        if not self._unposted:
-            return
-        if block:
-            ctx.before_collective()
-        elif not ctx.collective_ready():
-            return
-        waiting, self._unposted = self._unposted, []
-        before = self._state.bytes_sent
-        for ex in waiting:
-            pseudo = cast(Unposted, ex.result).pseudo
-            params = self._fragment_params[ex.fragment]
-            with self._timed(f"outer_post[{ex.fragment}]", fragment=ex.fragment):
-                result = self._launch(pseudo, ex.fragment, params, wait=False)
-            if not isinstance(result, torch.Tensor) and ctx.record_spans:
-                result = self._track_in_flight(ex.fragment, result)
-            ex.result = result
-        self._posted_bytes += self._state.bytes_sent - before
 
     def _starting(self, step: int) -> list[int]:
         """The fragments whose exchanges start after ``step``'s local step."""
@@ -664,12 +566,6 @@ class DiLoCo(Periodic):
             return
         # The training thread's part: the pseudo-gradient and the compressor's encode, and
         # under plain DiLoCo the whole exchange (the wire, the peers, the decode) as well.
-        if self._exchange_pg is not None:  # posted once the gate has opened (_post_ready)
-            with self._timed(f"outer_launch[{fragment}]", fragment=fragment):
-                pseudo = self._globals[fragment] - flatten(self._fragment_params[fragment])
-            self._pending.append(Exchange(fragment, step + self.delay, Unposted(pseudo)))
-            self._unposted.append(self._pending[-1])
-            return
         blocking = self.delay == 0 and self._live() is None
         name = f"outer_exchange[{fragment}]" if blocking else f"outer_launch[{fragment}]"
         with self._timed(name, "comm" if blocking else "step", fragment=fragment):
@@ -760,9 +656,6 @@ class DiLoCo(Periodic):
     def _resolve(self, ex: Exchange) -> torch.Tensor:
         """The mean pseudo-gradient of ``ex``, waited for if still in flight (the wait is this
         rank's communication or idle time: it lands in the step's sync time)."""
-        if isinstance(ex.result, Unposted):
-            self._post_ready(block=True)
-        assert not isinstance(ex.result, Unposted)
         ex.result = self._wait_mean(ex.fragment, ex.result)
         return ex.result
 
@@ -827,14 +720,6 @@ class DiLoCo(Periodic):
                 self._apply(fragment, rest, 0.0)
                 self._in_sync = False
         super().finalize()
-
-    def close(self) -> None:
-        super().close()
-        group, self._exchange_pg = self._exchange_pg, None
-        in_flight = any(not isinstance(ex.result, torch.Tensor) for ex in self._pending)
-        if group is not None and not in_flight and dist.is_initialized():
-            # (one in flight keeps it: the process group's end at exit releases it then)
-            dist.destroy_process_group(group)
 
     def _average_replicas(self) -> None:
         """Eager updates' end: the parameters' plain mean over the ranks (uncompressed, one

@@ -28,12 +28,10 @@ knob trades.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradsync.errors import UsageError
 from gradsync.fragments import layers, row_blocks, strided, tensor_rows
@@ -128,51 +126,22 @@ def offsets(period: int, fragments: int) -> list[int]:
     return [(p + 1) * period // fragments % period for p in range(fragments)]
 
 
-@dataclass(frozen=True, slots=True)
-class Unposted:
-    """A fragment's pseudo-gradient, taken at the step its exchange started, not posted yet:
-    the step gate had not opened (``DiLoCo``'s posting once every rank has arrived)."""
-
-    pseudo: torch.Tensor
-
-
 @dataclass(slots=True)
 class Exchange:
     """A fragment's outer exchange: started after one step, applied after step ``due``.
 
-    ``result`` is the pseudo-gradient waiting to be posted (``Unposted``), the future of the
-    mean pseudo-gradient while it is in flight, the tensor once waited for (a checkpoint holds
-    the tensor, so a resumed run applies it at ``due`` exactly as the uninterrupted run does)."""
+    ``result`` is the future of the mean pseudo-gradient while it is in flight, the tensor
+    once waited for (a checkpoint holds the tensor, so a resumed run applies it at ``due``
+    exactly as the uninterrupted run does)."""
 
     fragment: int
     due: int
-    result: torch.futures.Future[torch.Tensor] | torch.Tensor | Unposted
-
-
-def exchange_group(
-    group: dist.ProcessGroup | None, timeout: datetime.timedelta
-) -> dist.ProcessGroup:
-    """A process group of ``group``'s ranks (None: the world's) for the outer exchanges
-    alone, on the same backend. An exchange posted once the gate has opened goes out at
-    different steps on different ranks; on a group of its own, the other collectives of those
-    steps (telemetry's gathers, the divergence check, the user's own) cannot pair with it.
-    Only its members take part in making it (``use_local_synchronization``)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else None
-    made = dist.new_group(
-        ranks=ranks,
-        timeout=timeout,
-        backend=dist.get_backend(group),
-        use_local_synchronization=ranks is not None,
-    )
-    assert made is not None  # this rank is one of ``group``'s
-    return made
+    result: torch.futures.Future[torch.Tensor] | torch.Tensor
 
 
 __all__ = [
     "Exchange",
-    "Unposted",
     "check_saved_fragments",
-    "exchange_group",
     "fragment_tensors",
     "layers",
     "offsets",

@@ -151,12 +151,8 @@ def _drifted(rank: int, world: int, directory: str) -> None:
         model,
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         strategy="diloco:4:2:1",
+        timeout_s=30,
         telemetry_every=1000,  # no gather of the step records: no other wait on each other
-        # The step gate off: every exchange is posted at the end of its step, as this scenario
-        # needs. With it on an exchange may go out at a later step boundary, once every rank
-        # has arrived (docs/streaming.md), and a rank stalled before that holds its peer at
-        # the peer's next save: a smaller lag than the one this test bounds.
-        limits=gs.Limits(timeout_s=30, between_steps_timeout_s=None),
     )
     reached = Path(directory) / "rank-1-reached-its-kill"
     for step in range(KILLED):

@@ -150,11 +150,8 @@ def test_bytes_per_exchange_are_the_sparse_payload(runs: list[dict[str, Any]]) -
         got = runs[0][name]["bytes"]
         assert got == [payload if s % 4 == 3 else 0 for s in range(48)], name
     # streaming: each fragment is its own bucket, its exchange every H steps at its offset
-    # (counted where it is posted: its start, or the step after where a peer was late at the
-    # gate; the last start's may be posted in report(), not counted in a step)
     streaming = runs[0]["streaming"]["bytes"]
-    assert all(streaming[s] + streaming[s + 1] > 0 for s in range(1, 46, 2)), streaming
-    assert all(b == 0 or s % 2 == 1 or streaming[s - 1] == 0 for s, b in enumerate(streaming))
+    assert all(b > 0 for s, b in enumerate(streaming) if s % 2 == 1)
     assert sum(streaming) < sum(runs[0]["diloco plain"]["bytes"]) / 10
 
 
