@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import gradsync as gs
 from benchmarks.steps import MODES, Trainer
+from gradsync import runtime
 from gradsync.buckets import plan_buckets
 from gradsync.cluster.allreduce_probe import measure
 from gradsync.workloads import make_workload
@@ -163,7 +164,8 @@ def await_voucher(sync: gs.Synchronizer, hosts: int) -> float:
     its start, like the construction. Here every configuration is a fresh Synchronizer of a
     couple of seconds' steps, and on the 2 cores of the emulated cluster that start fell
     inside them: streaming DiLoCo's share of the compute-only limit (the frontier's mlp, 2
-    hosts) was 54-62% with it and 82-88% with no voucher started (2026-12-01, 3 repeats each)."""
+    hosts) was 54% with it and 82% with no voucher started (2026-12-01, 3 repeats each;
+    BENCHMARKS.md, "The voucher's start-up, outside the timed steps")."""
     if hosts < 2:
         return 0.0
     started = time.monotonic()
@@ -175,7 +177,7 @@ def await_voucher(sync: gs.Synchronizer, hosts: int) -> float:
 
 def _restarts() -> int:
     """How often the elastic agent restarted this worker group (--max-restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return runtime.restart_count()
 
 
 def _write_json(path: str, obj: Any) -> None:
