@@ -47,7 +47,7 @@ from gradsync.errors import UsageError
 from gradsync.inject import maybe_kill, parse_kill
 from gradsync.logs import get_logger
 from gradsync.membership import REPLICA_ID_ENV, StepQuorum
-from gradsync.processes import elastic_env
+from gradsync.processes.elastic_env import restart_count
 from gradsync.progress import HEARTBEAT_FILE, Progress
 from gradsync.telemetry.cli import REPORT_FILE, analyze_records
 from gradsync.telemetry.membership import MEMBERSHIP_FILE, MembershipLog, read_group
@@ -408,12 +408,6 @@ def add_facts(directory: Path, **facts: Any) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(partial, path)
-
-
-def restart_count() -> int:
-    """Which restart of the run this process belongs to (0: the first attempt), as torch's
-    elastic agent says in ``TORCHELASTIC_RESTART_COUNT`` (``gradsync.processes.elastic_env``)."""
-    return elastic_env.restart_count()
 
 
 def append_fault(directory: Path, name: str, entry: dict[str, Any]) -> None:

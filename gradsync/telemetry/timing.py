@@ -146,7 +146,7 @@ class TelemetryCollector:
                 barrier,
                 idle,
                 marks,
-                _attempt(),
+                runtime.restart_count(),
             )
         )
 
@@ -385,12 +385,6 @@ def _row_attempt(row: list[float]) -> int:
     """The attempt a row names (``_COLUMNS``); this process's for a row without one."""
     if len(row) > ROW_COLUMNS - 1 and row[ROW_COLUMNS - 1] == row[ROW_COLUMNS - 1]:
         return max(0, int(row[ROW_COLUMNS - 1]))
-    return _attempt()
-
-
-def _attempt() -> int:
-    """Which attempt of the run this process is: the elastic agent's restart count (0 outside
-    an agent, or before any restart)."""
     return runtime.restart_count()
 
 

@@ -9,7 +9,6 @@ import pytest
 from gradsync import attached_run, runtime
 from gradsync.errors import UsageError
 from gradsync.processes import elastic_env
-from gradsync.telemetry import timing
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -21,7 +20,7 @@ def test_unset_is_the_first_attempt_and_a_count_is_itself(
     assert elastic_env.restart_count() == 0
     monkeypatch.setenv(elastic_env.RESTART_COUNT_ENV, "3")
     assert elastic_env.restart_count() == 3
-    assert attached_run.restart_count() == 3 and timing._attempt() == 3
+    assert attached_run.restart_count() == 3 and runtime.restart_count() == 3
 
 
 @pytest.mark.parametrize("bad", ["two", "-1", "1.5"])
@@ -29,7 +28,7 @@ def test_a_value_that_is_no_count_is_refused_naming_it(
     monkeypatch: pytest.MonkeyPatch, bad: str
 ) -> None:
     monkeypatch.setenv(elastic_env.RESTART_COUNT_ENV, bad)
-    for read in (elastic_env.restart_count, attached_run.restart_count, timing._attempt):
+    for read in (elastic_env.restart_count, attached_run.restart_count, runtime.restart_count):
         with pytest.raises(UsageError, match=f"TORCHELASTIC_RESTART_COUNT='{bad}'.*integer >= 0"):
             read()
 
