@@ -106,6 +106,12 @@ LM_STREAM = _c("sdiloco8-4-a05-int4", "diloco:8:4:1:0.5", "int4")
 # (neither reached DDP's final loss in 256 steps: too few outer steps for that momentum to
 # pay); at 0.5 both were within 1.7% and reached it at step 130, DDP at 127.
 LM_FAST = _c("diloco16-m05-int4", "diloco:16:outer_momentum=0.5", "int4")
+# The same, streamed: 4 fragments, each exchange overlapped with 3 steps, and the merge keeping
+# those steps (``keep``, docs/streaming.md). In a loopback probe (2 ranks) it reached DDP's final
+# loss at step 130, as LM_FAST does, where `diloco:16:2:2` with ALPHA 0 needed 160 and with keep
+# 130; on 2 emulated hosts (3 repeats, 2026-12-01) `16:2:2` went from 70% of the compute-only
+# limit with ALPHA 0 to 89% with keep, LM_FAST 90% in the same launches.
+LM_KEEP = _c("sdiloco16-4-3-keep-int4", "diloco:16:4:3:keep:outer_momentum=0.5", "int4")
 # The held-out transformer's own (issue 46; benchmarks/frontier_model.py): in a loopback probe
 # (2 ranks, the losses do not depend on the links; DDP reached its final loss at step 123),
 # plain DiLoCo averaging every 2 steps + int4 was +4.2% above DDP's loss at step 128 and reached
@@ -173,7 +179,7 @@ SETTINGS = (
         "charlm",
         2,
         "1gbit",
-        (DDP, LOCAL4, GOSSIP4, L8S, LM_PLAIN, LM_STREAM, LM_FAST, ONLY),
+        (DDP, LOCAL4, GOSSIP4, L8S, LM_PLAIN, LM_STREAM, LM_FAST, LM_KEEP, ONLY),
         batch=32,
         steps=128,
         goal_of_limit=0.9,

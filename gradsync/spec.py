@@ -78,6 +78,10 @@ class StrategySpec:
     #: period after it started, this rank's own share of it at once
     #: (``gradsync.strategies.eager``); ``fragments`` is then set, ``delay`` and ``alpha`` not
     eager: bool = False
+    #: streaming DiLoCo keeping the local progress (``diloco:H:F:TAU:keep``): where an exchange
+    #: is applied, the fragment becomes its new global copy plus the local steps taken while the
+    #: exchange was in flight, instead of ALPHA's mix (``alpha`` is then 0)
+    keep: bool = False
 
     def __str__(self) -> str:
         form = STRATEGY_TABLE.get(self.kind)
@@ -259,6 +263,25 @@ def _eager_field(parts: list[str]) -> bool:
 
 #: the spec's word for eager outer updates (``diloco:H:F:eager``)
 EAGER = "eager"
+#: the spec's word, in ALPHA's place, for the merge that keeps the local progress made while an
+#: exchange was in flight (``diloco:H:F:TAU:keep``)
+KEEP = "keep"
+
+
+def _keep_field(parts: list[str]) -> bool:
+    """Take the word ``keep`` out of ``parts`` (H, F, TAU, ALPHA, ...), where it stands for
+    ALPHA; whether it was there. ``parts[3]`` becomes 0 so that the fields after it parse as
+    they would after a number."""
+    found = [i for i, part in enumerate(parts) if part.lower() == KEEP]
+    if not found:
+        return False
+    if found != [3]:
+        raise _Refused(
+            f"{KEEP} takes ALPHA's place, after TAU, once: diloco:H:F:TAU:{KEEP} (got "
+            f"{':'.join(parts)})"
+        )
+    parts[3] = "0"
+    return True
 
 
 def _diloco(text: str) -> dict[str, Any]:
@@ -269,9 +292,12 @@ def _diloco(text: str) -> dict[str, Any]:
     parts = [part.strip() for part in text.split(":")]
     outer = _outer_fields(parts, "diloco")
     eager = _eager_field(parts)
+    keep = _keep_field(parts)
     split = _split_field(parts)
     if len(parts) > 4:
         raise _Refused(f"diloco takes at most H:F:TAU:ALPHA:SPLIT, got {len(parts) + 1} values")
+    if eager and keep:
+        raise _Refused(f"{EAGER} and {KEEP} are two ways of applying an exchange: take one")
     if eager and len(parts) > 2:
         raise _Refused(
             f"{EAGER} takes no TAU or ALPHA (got {':'.join(parts[2:])}): each fragment's "
@@ -310,9 +336,16 @@ def _diloco(text: str) -> dict[str, Any]:
             alpha = math.nan
         if not 0.0 <= alpha <= 1.0:
             raise _Refused(f"ALPHA={parts[3]} must be a number from 0 to 1")
+    if keep and delay == 0:
+        raise _Refused(
+            f"{KEEP} needs TAU >= 1: with no delay no local step falls between an exchange's "
+            "start and its application, so there is no local progress to keep"
+        )
     if fragments == 1 and delay == 0 and alpha == 0:
         return fields
     streaming = {**fields, "fragments": fragments, "delay": delay, "alpha": alpha}
+    if keep:
+        streaming["keep"] = True
     # Only the non-default split is kept, and only where it changes something (F > 1), so
     # every way of writing one run parses to one spec.
     if split is not None and split != SPLITS[0] and fragments > 1:
@@ -358,7 +391,7 @@ def _show_diloco(spec: StrategySpec) -> str:
     if spec.eager:
         split = f":{spec.split}" if spec.split is not None else ""
         return f"{spec.period}:{spec.fragments}:{EAGER}{split}{outer}"
-    alpha = f":{spec.alpha!r}" if spec.alpha else ""
+    alpha = f":{KEEP}" if spec.keep else f":{spec.alpha!r}" if spec.alpha else ""
     split = f":{spec.split}" if spec.split is not None else ""
     return f"{spec.period}:{spec.fragments}:{spec.delay or 0}{alpha}{split}{outer}"
 
@@ -394,7 +427,8 @@ STRATEGY_TABLE: Mapping[str, StrategyForm] = _table(
             _show_diloco,
             options="[:F[:TAU[:ALPHA]|:eager][:SPLIT]][:outer_lr=X][:outer_momentum=M]",
             option_rules="F an integer from 1 to H, TAU an integer >= 0 below H/F, "
-            f"ALPHA in [0, 1], SPLIT {' or '.join(SPLITS)}, X > 0 (default 0.7), "
+            f"ALPHA in [0, 1] or {KEEP} (TAU >= 1), SPLIT {' or '.join(SPLITS)}, X > 0 "
+            "(default 0.7), "
             "M in [0, 1) (default 0.9)",
         ),
         StrategyForm(

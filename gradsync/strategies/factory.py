@@ -61,6 +61,7 @@ def parse_strategy(spec: str | Strategy, *, servers: int = 1, timeout_s: float =
             alpha=parsed.alpha or 0.0,
             split=parsed.split or SPLITS[0],
             eager=parsed.eager,
+            keep_local=parsed.keep,
         )
     bound = math.inf if parsed.kind == "async" else float(parsed.staleness or 0.0)
     return ParameterServer(bound, servers=servers, timeout_s=timeout_s)

@@ -28,6 +28,7 @@ from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.spec import (
     EAGER,
+    KEEP,
     OUTER_DEFAULTS,
     SPLITS,
     StrategySpec,
@@ -430,7 +431,9 @@ class DiLoCo(Periodic):
     Streaming DiLoCo (``diloco:H:F:TAU:ALPHA[:SPLIT]``, or ``fragments``, ``delay``,
     ``alpha`` and ``split`` here): F fragments, each synchronized every H steps at its own
     offset, its exchange applied TAU steps after it started and mixed into the local fragment
-    with weight ALPHA; see ``gradsync.strategies.streaming``. ``split`` is how the model is cut
+    with weight ALPHA, or with ``keep_local=True`` (``diloco:H:F:TAU:keep``) the local steps
+    taken while it was in flight kept on top of the new global values; see
+    ``gradsync.strategies.streaming``. ``split`` is how the model is cut
     into fragments: "rows" (the default: every tensor cut into F blocks of rows, so each
     exchange carries 1/F of the bytes) or "layers" (whole layers strided over the fragments, the
     paper's form). Plain DiLoCo is its one-fragment, undelayed case, and runs through the same
@@ -452,18 +455,22 @@ class DiLoCo(Periodic):
         alpha: float = 0.0,
         split: str = "rows",
         eager: bool = False,
+        keep_local: bool = False,
     ) -> None:
         super().__init__(period)
         self.outer = OuterConfig(
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov
         )
-        spec = _streaming_spec(period, fragments, delay, alpha, split, self.outer, eager)
+        merge = _Merge(alpha=alpha, eager=eager, keep_local=keep_local)
+        spec = _streaming_spec(period, fragments, delay, split, self.outer, merge)
         #: the canonical spec (``diloco:8:2:1``), for messages
         self.spec = str(spec)
         self.streaming = spec.fragments is not None
         self.fragments = spec.fragments or 1
         self.delay = spec.delay or 0
         self.alpha = spec.alpha or 0.0
+        #: ``diloco:H:F:TAU:keep``: an applied exchange keeps the local steps taken meanwhile
+        self.keep_local = spec.keep
         #: how the model is cut into fragments (one of ``gradsync.spec.SPLITS``)
         self.split = spec.split or SPLITS[0]
         #: eager outer updates (``diloco:H:F:eager``, ``gradsync.strategies.eager``)
@@ -558,7 +565,13 @@ class DiLoCo(Periodic):
         """Whether the replicas agree right after an exchange was applied: only when that
         exchange covered the whole model and replaced it (never under eager updates, whose
         outer steps take each rank's own share)."""
-        return self.fragments == 1 and self.alpha == 0 and not self._pending and not self.eager
+        return (
+            self.fragments == 1
+            and self.alpha == 0
+            and not self.keep_local
+            and not self._pending
+            and not self.eager
+        )
 
     def _start(self, fragment: int, step: int) -> None:
         if self._eager is not None:
@@ -568,11 +581,13 @@ class DiLoCo(Periodic):
         # under plain DiLoCo the whole exchange (the wire, the peers, the decode) as well.
         blocking = self.delay == 0 and self._live() is None
         name = f"outer_exchange[{fragment}]" if blocking else f"outer_launch[{fragment}]"
+        # keep: the values the pseudo-gradient was taken from (a copy: training moves them)
+        sent = flatten(self._fragment_params[fragment]).clone() if self.keep_local else None
         with self._timed(name, "comm" if blocking else "step", fragment=fragment):
             result = self._launch_fragment(fragment)
         if not isinstance(result, torch.Tensor) and self._ctx and self._ctx.record_spans:
             result = self._track_in_flight(fragment, result)
-        self._pending.append(Exchange(fragment, step + self.delay, result))
+        self._pending.append(Exchange(fragment, step + self.delay, result, sent))
 
     def _start_eager(self, fragment: int, rounds: EagerRounds) -> None:
         """Eager outer updates: what the last round's mean (a period in flight) adds to the
@@ -650,7 +665,7 @@ class DiLoCo(Periodic):
                     committed = False
                     continue
             with self._timed(f"outer_step[{ex.fragment}]", fragment=ex.fragment):
-                self._apply(ex.fragment, mean, self.alpha)
+                self._apply(ex.fragment, mean, self.alpha, ex.sent)
         return len(due), committed
 
     def _resolve(self, ex: Exchange) -> torch.Tensor:
@@ -670,15 +685,21 @@ class DiLoCo(Periodic):
         what = f"averaging of {self._label(fragment)}"
         return cast(torch.Tensor, ctx.watch.run(self._step, what, result.wait))
 
-    def _apply(self, fragment: int, mean: torch.Tensor, alpha: float) -> None:
-        """The outer step of one fragment, then its local copy mixed with the new global one."""
+    def _apply(
+        self, fragment: int, mean: torch.Tensor, alpha: float, sent: torch.Tensor | None = None
+    ) -> None:
+        """The outer step of one fragment, then its local copy mixed with the new global one
+        (``sent``, under ``keep``: the new global one plus the local steps since ``sent``)."""
         assert self._outer_opt is not None
         target = self._globals[fragment]
         target.grad = mean
         self._outer_opt.step()
         target.grad = None
         params = self._fragment_params[fragment]
-        if alpha == 0:
+        if sent is not None:
+            local = flatten(params).to(target.dtype)
+            copy_into(local.sub_(sent).add_(target), params)
+        elif alpha == 0:
             copy_into(target, params)
         else:
             # alpha * local + (1 - alpha) * global
@@ -745,7 +766,7 @@ class DiLoCo(Periodic):
         by its global copy (with several, the others have moved on locally)."""
         if final:
             return True
-        if self.fragments > 1 or self.alpha or self.eager:
+        if self.fragments > 1 or self.alpha or self.eager or self.keep_local:
             return False
         started = step - self.delay
         return started >= 0 and (started + 1) % self.period == 0
@@ -756,7 +777,12 @@ class DiLoCo(Periodic):
         # their due step after a resume), and an error-feedback residual only reaches the
         # compressor's state when its exchange completes.
         pending = [
-            {"fragment": ex.fragment, "due": ex.due, "mean": self._resolve(ex).detach().clone()}
+            {
+                "fragment": ex.fragment,
+                "due": ex.due,
+                "mean": self._resolve(ex).detach().clone(),
+                **({} if ex.sent is None else {"sent": ex.sent.clone()}),
+            }
             for ex in self._pending
         ]
         # likewise the eager rounds in flight, before the compressor's state is read
@@ -797,12 +823,7 @@ class DiLoCo(Periodic):
         # (A peer's state, when healing, has none: quorums are joined with nothing in flight.)
         saved_pending = [] if self._live() is not None else saved.get("pending", [])
         self._pending = [
-            Exchange(
-                int(ex["fragment"]),
-                int(ex["due"]),
-                ex["mean"].to(self._globals[int(ex["fragment"])].device, copy=True),
-            )
-            for ex in saved_pending
+            _saved_exchange(ex, self._globals, self.keep_local, self.spec) for ex in saved_pending
         ]
         if self._eager is not None:
             self._eager.load_state_dict(state.get("eager"), self._globals[0].device)
@@ -842,20 +863,58 @@ def group_sum(group: dist.ProcessGroup | None) -> GroupSum:
     return GroupSum(runtime.world_size(group), launch)
 
 
+def _saved_exchange(
+    saved: dict[str, Any], globals_: list[torch.Tensor], keep_local: bool, spec: str
+) -> Exchange:
+    """An exchange a checkpoint held (``state_dict``'s pending entries), its tensors moved to
+    where its fragment's global copy lives (a checkpoint is loaded onto the CPU). One saved
+    under ``keep`` carries the values it was sent from; loaded into a DiLoCo without ``keep``
+    they are dropped, and into one with it, an exchange saved without them is refused."""
+    fragment = int(saved["fragment"])
+    device = globals_[fragment].device
+    sent = saved.get("sent")
+    if sent is None and keep_local:
+        raise UsageError(
+            f"{spec}: this checkpoint's exchange in flight (fragment {fragment}) was saved "
+            "without keep; load it into the DiLoCo it was saved from (the same spec)"
+        )
+    return Exchange(
+        fragment,
+        int(saved["due"]),
+        saved["mean"].to(device, copy=True),
+        sent.to(device, copy=True) if sent is not None and keep_local else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Merge:
+    """How a DiLoCo built by hand applies an exchange: ALPHA's mix, eager, or keep."""
+
+    alpha: float = 0.0
+    eager: bool = False
+    keep_local: bool = False
+
+
 def _streaming_spec(
     period: int,
     fragments: int,
     delay: int | None,
-    alpha: float,
     split: str,
     outer: OuterConfig,
-    eager: bool = False,
+    merge: _Merge,
 ) -> StrategySpec:
     """The spec a DiLoCo built by hand stands for, checked by the one spec parser, so a bad
     argument gets the message of the spec string that would carry it."""
     text = f"diloco:{period}:{fragments}"
-    if not isinstance(eager, bool):
-        raise UsageError(f"eager must be True or False, got {eager!r}")
+    eager, alpha = merge.eager, merge.alpha
+    for name, value in (("eager", eager), ("keep_local", merge.keep_local)):
+        if not isinstance(value, bool):
+            raise UsageError(f"{name} must be True or False, got {value!r}")
+    if merge.keep_local and (eager or alpha):
+        raise UsageError(
+            f"keep_local=True takes no {'eager=True' if eager else f'alpha (got {alpha!r})'}: "
+            "it is the way an exchange is applied, in place of ALPHA's mix"
+        )
     if eager:
         if delay or alpha:
             raise UsageError(
@@ -877,5 +936,5 @@ def _streaming_spec(
         if not word:
             raise UsageError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     options = outer_options({"outer_lr": outer.outer_lr, "outer_momentum": outer.outer_momentum})
-    fields = "" if eager else f":{delay}:{alpha}"
+    fields = "" if eager else f":{delay}:{KEEP if merge.keep_local else alpha}"
     return parse_strategy_spec(f"{text}{fields}:{split}{options}")

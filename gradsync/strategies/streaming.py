@@ -7,7 +7,11 @@ its own offset, the offsets spread H/F apart, so one exchange carries one fragme
 peak bytes on the wire are the largest fragment's. A fragment's outer exchange starts after its
 step and is applied TAU inner steps later, overlapped with them; the worker's fragment then
 becomes ``ALPHA * local + (1 - ALPHA) * global`` (ALPHA 0: the new global parameters, as in
-DiLoCo).
+DiLoCo), which drops the TAU local steps taken meanwhile (ALPHA 0) or half-keeps them.
+``keep`` in ALPHA's place (``diloco:H:F:TAU:keep``, ``keep_local=True``) keeps them whole:
+the fragment becomes ``global + (local - sent)``, ``sent`` being its local values when the
+exchange started, so the delay costs no local work; those steps then count in the fragment's
+next pseudo-gradient.
 
 Two splits (``SPLITS``):
 
@@ -137,6 +141,9 @@ class Exchange:
     fragment: int
     due: int
     result: torch.futures.Future[torch.Tensor] | torch.Tensor
+    #: under ``keep``: the fragment's local values when the exchange started, so that the
+    #: local steps taken while it was in flight are kept where it is applied
+    sent: torch.Tensor | None = None
 
 
 __all__ = [

@@ -90,6 +90,29 @@ def test_two_ranks_match_the_float64_reference(runs: list[dict[str, Any]]) -> No
 
 
 @pytest.mark.timeout(120)
+def test_keep_matches_the_float64_reference_and_differs_from_alpha_0(
+    runs: list[dict[str, Any]],
+) -> None:
+    # diloco:H:F:TAU:keep: where an exchange is applied each worker's fragment is the new
+    # global copy plus the local steps it took while the exchange was in flight
+    for name, delay, blocks in (
+        ("keep", 1, list(map(list, ROWS_OF_TWO))),
+        ("keep, one fragment", 2, whole(([0, 1, 2, 3, 4, 5],))),
+    ):
+        expected = streaming_ranks.reference(WORLD, 4, blocks, delay, 0.0, 12, keep=True)
+        for r in range(WORLD):
+            got = runs[r][name]["params"]
+            assert torch.allclose(got, expected[r], rtol=0, atol=1e-10), name
+        assert torch.equal(runs[0][name]["params"], runs[1][name]["params"]), name
+
+    # those steps are not dropped: with one fragment the replicas differ even right after a
+    # merge, where ALPHA 0 would leave both on the new global copy
+    a, b = runs[0]["keep, one fragment"]["after"], runs[1]["keep, one fragment"]["after"]
+    assert not any(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not torch.allclose(runs[0]["keep"]["params"], runs[0]["alpha 0"]["params"])
+
+
+@pytest.mark.timeout(120)
 def test_each_fragment_starts_on_its_schedule_and_is_applied_tau_steps_later(
     runs: list[dict[str, Any]],
 ) -> None:
@@ -155,6 +178,21 @@ def test_a_checkpoint_with_an_exchange_in_flight_resumes_bitwise(tmp_path: Path)
             (pending,) = out["pending"]
             assert (pending["fragment"], pending["due"]) == (0, 6), spec
             assert out["residuals"] == ([0, 1] if spec.startswith("topk") else []), spec
+            assert torch.equal(out["continued"], out["straight"]), spec
+            assert torch.equal(out["resumed"], out["straight"]), spec
+
+
+@pytest.mark.timeout(150)
+def test_keep_resumes_bitwise_with_the_exchange_in_flight(tmp_path: Path) -> None:
+    results = run_ranks(
+        streaming_ranks.resumed, WORLD, str(tmp_path), "diloco:4:2:1:keep", timeout_s=130
+    )
+    for r in range(WORLD):
+        for spec, out in results[r].items():
+            # the save holds the exchange in flight with the values it was sent from
+            (pending,) = out["pending"]
+            assert (pending["fragment"], pending["due"]) == (0, 6), spec
+            assert pending["sent"].numel() == pending["mean"].numel(), spec
             assert torch.equal(out["continued"], out["straight"]), spec
             assert torch.equal(out["resumed"], out["straight"]), spec
 

@@ -104,6 +104,9 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
         "one fragment": train(rank, world, DiLoCo(4, fragments=1, delay=0, alpha=0.0), 12),
         "reference": train(rank, world, "diloco:4:2:1:0.25", 12),
         "alpha 0": train(rank, world, "diloco:4:2:1", 12),
+        # the local steps taken while an exchange was in flight kept (TAU 1 and 2)
+        "keep": train(rank, world, "diloco:4:2:1:keep", 12),
+        "keep, one fragment": train(rank, world, DiLoCo(4, delay=2, keep_local=True), 12),
         "no delay": train(rank, world, DiLoCo(4, fragments=2, delay=0), 12),
         "layers": train(rank, world, "diloco:4:2:1:0.25:layers", 12),
         "layers alpha 0": train(rank, world, DiLoCo(4, fragments=2, split="layers"), 12),
@@ -219,14 +222,17 @@ def reference(
     delay: int,
     alpha: float,
     steps: int,
+    *,
+    keep: bool = False,
 ) -> list[torch.Tensor]:
     """``world`` workers simulated in one process, written from the algorithm's description,
     not from the strategy's code: each worker takes its SGD steps on its own shard; fragment p
     starts its exchange after the steps where ``(step + 1) % period == (p + 1) * period //
     F % period``, with the pseudo-gradient (global minus local) of that moment; TAU steps
     later the mean pseudo-gradient goes through Nesterov SGD (lr 0.7, momentum 0.9) and each
-    worker's fragment becomes ``alpha * local + (1 - alpha) * global``. At the end, pending
-    exchanges are applied, then every fragment once more, replaced by its global copy.
+    worker's fragment becomes ``alpha * local + (1 - alpha) * global`` (``keep``: ``global +
+    local - sent``, ``sent`` being the worker's fragment when the exchange started). At the
+    end, pending exchanges are applied, then every fragment once more, replaced by its global copy.
     ``fragments``: each fragment's blocks of rows, ``(tensor, first row, end row)``.
     Returns each worker's final parameters, flat."""
     w = _workload()
@@ -239,29 +245,33 @@ def reference(
 
     global_ = [frag(0, p).clone() for p in range(count)]
     momentum: list[torch.Tensor | None] = [None] * count
-    pending: list[tuple[int, int, torch.Tensor]] = []  # (fragment, due step, mean)
+    # (fragment, due step, mean, each worker's fragment at the start)
+    pending: list[tuple[int, int, torch.Tensor, list[torch.Tensor]]] = []
 
-    def outer(p: int, mean: torch.Tensor, mix: float) -> None:
+    def outer(p: int, mean: torch.Tensor, mix: float, sent: list[torch.Tensor] | None) -> None:
         buf = momentum[p]
         buf = mean.clone() if buf is None else buf.mul(0.9).add(mean)
         momentum[p] = buf
         global_[p] = global_[p] - 0.7 * (mean + 0.9 * buf)
         for r in range(world):
-            put(r, p, mix * frag(r, p) + (1 - mix) * global_[p])
+            if sent is not None:
+                put(r, p, global_[p] + (frag(r, p) - sent[r]))
+            else:
+                put(r, p, mix * frag(r, p) + (1 - mix) * global_[p])
 
     for step in range(steps):
         _local_steps(w, models, opts, step)
         for p in range(count):
             if (step + 1) % period == (p + 1) * period // count % period:
                 mean = sum(global_[p] - frag(r, p) for r in range(world)) / world
-                pending.append((p, step + delay, mean))
-        for p, _, mean in [e for e in pending if e[1] == step]:
-            outer(p, mean, alpha)
+                pending.append((p, step + delay, mean, [frag(r, p).clone() for r in range(world)]))
+        for p, _, mean, sent in [e for e in pending if e[1] == step]:
+            outer(p, mean, alpha, sent if keep else None)
         pending = [e for e in pending if e[1] != step]
-    for p, _, mean in pending:
-        outer(p, mean, alpha)
+    for p, _, mean, sent in pending:
+        outer(p, mean, alpha, sent if keep else None)
     for p in range(count):
-        outer(p, sum(global_[p] - frag(r, p) for r in range(world)) / world, 0.0)
+        outer(p, sum(global_[p] - frag(r, p) for r in range(world)) / world, 0.0, None)
     return [torch.cat([t.detach().reshape(-1) for t in ts]) for ts in tensors]
 
 

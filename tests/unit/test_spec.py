@@ -34,8 +34,8 @@ STRATEGY_TEXT = (
     "diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]][:outer_lr=X][:outer_momentum=M], "
     "ssp:S, async, hogwild, gossip:H, noloco:H[:outer_lr=X][:outer_momentum=M] "
     "(N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 below H/F, "
-    "ALPHA in [0, 1], SPLIT rows or layers, X > 0 (default 0.7), M in [0, 1) (default 0.9), "
-    "S an integer >= 0 or inf)"
+    "ALPHA in [0, 1] or keep (TAU >= 1), SPLIT rows or layers, X > 0 (default 0.7), "
+    "M in [0, 1) (default 0.9), S an integer >= 0 or inf)"
 )
 COMPRESSION_TEXT = (
     "none, fp16, bf16, int8, int4, sign, topk:FRACTION, randomk:FRACTION (0 < FRACTION <= 1), "
@@ -179,8 +179,8 @@ def test_a_new_strategy_is_one_table_entry(monkeypatch: pytest.MonkeyPatch) -> N
         "diloco:H[:F[:TAU[:ALPHA]|:eager][:SPLIT]][:outer_lr=X][:outer_momentum=M], "
         "ssp:S, async, hogwild, gossip:H, noloco:H[:outer_lr=X][:outer_momentum=M], "
         "stage:N (N 1, 2 or 3, H an integer >= 1, F an integer from 1 to H, TAU an integer >= 0 "
-        "below H/F, ALPHA in [0, 1], SPLIT rows or layers, X > 0 (default 0.7), M in [0, 1) "
-        "(default 0.9), S an integer >= 0 or inf)"
+        "below H/F, ALPHA in [0, 1] or keep (TAU >= 1), SPLIT rows or layers, X > 0 "
+        "(default 0.7), M in [0, 1) (default 0.9), S an integer >= 0 or inf)"
     )
     hogwild = parse_strategy_spec("Hogwild")
     assert (hogwild, str(hogwild), hogwild.uses_servers) == (

@@ -164,6 +164,50 @@ def test_eager_is_refused_with_tau_alpha_twice_and_under_live_membership() -> No
         check_exchange("diloco:8:2:eager", "none", "ring", None, None)
 
 
+@pytest.mark.parametrize(
+    ("text", "fields", "canonical"),
+    [
+        ("diloco:8:2:1:keep", {"fragments": 2, "delay": 1}, "diloco:8:2:1:keep"),
+        ("diloco:8:1:3:KEEP", {"fragments": 1, "delay": 3}, "diloco:8:1:3:keep"),
+        # SPLIT and the outer options after it
+        ("diloco:8:2:2:keep:layers:outer_momentum=0.5",
+         {"fragments": 2, "delay": 2, "split": "layers", "outer_momentum": 0.5},
+         "diloco:8:2:2:keep:layers:outer_momentum=0.5"),
+    ],
+)  # fmt: skip
+def test_keep_specs_parse_and_round_trip(text: str, fields: dict[str, Any], canonical: str) -> None:
+    parsed = parse_strategy_spec(text)
+    assert parsed == StrategySpec(kind="diloco", period=8, alpha=0.0, keep=True, **fields)
+    assert str(parsed) == canonical and parse_strategy_spec(canonical) == parsed
+    built = parse_strategy(text)
+    assert isinstance(built, DiLoCo) and built.keep_local and built.spec == canonical
+    made = DiLoCo(8, fragments=2, delay=1, keep_local=True)
+    assert (made.spec, made.keep_local, made.alpha) == ("diloco:8:2:1:keep", True, 0.0)
+    assert not DiLoCo(8, fragments=2, delay=1).keep_local
+
+
+def test_keep_is_refused_without_a_delay_out_of_place_and_with_alpha_or_eager() -> None:
+    for text, says in [
+        ("diloco:8:2:0:keep", "keep needs TAU >= 1"),
+        ("diloco:8:keep", "keep takes ALPHA's place, after TAU, once"),
+        ("diloco:8:2:keep", "keep takes ALPHA's place, after TAU, once"),
+        ("diloco:8:2:1:keep:keep", "keep takes ALPHA's place, after TAU, once"),
+        ("diloco:8:2:1:keep:eager", "eager and keep are two ways of applying an exchange"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(says)):
+            parse_strategy_spec(text)
+    assert "ALPHA in [0, 1] or keep (TAU >= 1)" in STRATEGY_FORMS
+    for kwargs, says in [
+        ({"delay": 1, "alpha": 0.5}, "keep_local=True takes no alpha (got 0.5)"),
+        ({"eager": True}, "keep_local=True takes no eager=True"),
+        ({"delay": 0}, "keep needs TAU >= 1"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(says)):
+            DiLoCo(8, fragments=2, keep_local=True, **kwargs)
+    with pytest.raises(UsageError, match="keep_local must be True or False, got 1"):
+        DiLoCo(8, keep_local=1)  # type: ignore[arg-type]
+
+
 # -- fragments and schedule --------------------------------------------------------------------
 
 
