@@ -31,11 +31,13 @@ SPEC = {"period": 6, "fragments": 2, "delay": 1}
 class Replica:
     """One replica group: a small model, its inner optimizer and its streaming DiLoCo."""
 
-    def __init__(self, membership: object, weights: int = 0, data: int = 0) -> None:
+    def __init__(
+        self, membership: object, weights: int = 0, data: int = 0, *, keep_local: bool = False
+    ) -> None:
         torch.manual_seed(weights)
         self.model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
-        self.strategy = DiLoCo(**SPEC)
+        self.strategy = DiLoCo(**SPEC, keep_local=keep_local)
         self.strategy.setup(
             SyncContext(
                 model=self.model,
@@ -167,6 +169,27 @@ def test_an_exchange_not_committed_leaves_its_fragment_as_the_local_steps_did(
     same_global = torch.equal(state["global"], start["global"])
     assert kept == same_global == (not commits)
     assert (state["outer_optimizer"]["state"] == {}) == (not commits)
+    assert quorum.decided == [3]
+
+
+@pytest.mark.parametrize("commits", [False, True])
+def test_under_keep_a_committed_exchange_adds_the_local_steps_taken_while_in_flight(
+    commits: bool,
+) -> None:
+    quorum = Quorum(commits=commits)
+    replica = Replica(quorum, keep_local=True)
+    for step in range(3):  # fragment 0's exchange starts after step 2's local step
+        replica.step(step)
+    sent = replica.fragment(0)
+    stepped: list[torch.Tensor] = []
+    hook = replica.optimizer.register_step_post_hook(lambda *_: stepped.append(replica.fragment(0)))
+    replica.step(3)  # the local step taken while it was in flight, then its due step
+    hook.remove()
+    new_global = replica.strategy.state_dict()["global"][: sent.numel()]
+    # committed: the new global copy plus that local step; not committed: the local steps
+    expected = (stepped[-1] - sent) + new_global if commits else stepped[-1]
+    assert torch.equal(replica.fragment(0), expected)
+    assert not torch.equal(replica.fragment(0), new_global)  # the local step is not dropped
     assert quorum.decided == [3]
 
 
