@@ -20,7 +20,7 @@ from gradsync.sim.model import (
     flat_collective_time,
     hierarchical_allreduce_time,
 )
-from gradsync.spec import EAGER, SPLITS, STRATEGY_TABLE, StrategySpec, parse_strategy_spec
+from gradsync.spec import EAGER, KEEP, SPLITS, STRATEGY_TABLE, StrategySpec, parse_strategy_spec
 
 #: The strategies the simulator models (a subset of ``gradsync.spec.STRATEGY_TABLE``).
 #: workers x steps the simulator takes (--workers, --sweep-workers, --steps): about 1.4 GiB
@@ -74,14 +74,18 @@ class SimStrategy:
     #: eager outer updates (``diloco:H:F:eager``): each fragment's exchange is waited for a
     #: period after it started, where its next one starts (``gradsync.strategies.eager``)
     eager: bool = False
+    #: ``diloco:H:F:TAU:keep``: a merge keeps the local steps taken while its exchange was in
+    #: flight, so even one fragment's merge leaves the replicas differing (the end then costs
+    #: one more exchange of every fragment, as ``DiLoCo.finalize`` does)
+    keep: bool = False
 
     def __post_init__(self) -> None:
         _check_spec(self.spec)
         if self.kind not in SIMULATED:
             raise UsageError(f"the simulator does not model {self.spec!r}; it models {modelled()}")
         if self.kind != "diloco" and (
-            (self.fragments, self.delay, self.alpha, self.split, self.eager)
-            != (1, 0, 0.0, SPLITS[0], False)
+            (self.fragments, self.delay, self.alpha, self.split, self.eager, self.keep)
+            != (1, 0, 0.0, SPLITS[0], False, False)
         ):
             raise UsageError(
                 f"fragments, delay, alpha and split are streaming DiLoCo's "
@@ -119,6 +123,7 @@ class SimStrategy:
                 alpha=spec.alpha or 0.0,
                 split=spec.split or SPLITS[0],
                 eager=spec.eager,
+                keep=spec.keep,
             )
         if spec.period is not None:
             return cls(kind=spec.kind, param=spec.period)
@@ -142,7 +147,8 @@ class SimStrategy:
         if self.streaming:
             # The parser's canonical form (gradsync.spec._show_diloco): TAU always, ALPHA if set,
             # SPLIT if not the default.
-            text += f":{self.fragments}:{self.delay}" + (f":{self.alpha!r}" if self.alpha else "")
+            merge = f":{KEEP}" if self.keep else f":{self.alpha!r}" if self.alpha else ""
+            text += f":{self.fragments}:{self.delay}{merge}"
         if self.kind == "diloco" and self.split != SPLITS[0]:
             # After F (the parser reads SPLIT only there); with one fragment it parses away.
             text += ("" if self.streaming else ":1:0") + f":{self.split}"

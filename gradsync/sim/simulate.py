@@ -258,7 +258,10 @@ def _streaming(
         period=int(strat.param),
         delay=int(strat.param) if strat.eager else strat.delay,
         costs=tuple(comm.exchange_ms(c.shape[1], s) for s in shares),
-        merge_replaces=strat.fragments == 1 and strat.alpha == 0 and not strat.eager,
+        merge_replaces=strat.fragments == 1
+        and strat.alpha == 0
+        and not strat.eager
+        and not strat.keep,
     )
     tl = timeline(c, plan)
     slowest = tl.end.max(axis=1)

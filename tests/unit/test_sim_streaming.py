@@ -336,6 +336,21 @@ def test_the_end_waits_for_the_exchange_in_flight_and_no_more_with_one_fragment(
     np.testing.assert_allclose(res.comm_ms, 0.0)
     np.testing.assert_allclose(res.idle_ms[-1], [180.0, 0.0])
     np.testing.assert_allclose(res.idle_ms[:-1], 0.0)
+    # under keep that merge leaves each replica's own local steps in it, so the end exchanges
+    # every fragment once more (DiLoCo.finalize), after both workers are done: 270 + 5
+    kept = simulate("diloco:8:1:2:keep", c, CommModel(comm_ms=5.0))
+    assert kept.wall_ms == pytest.approx(275.0)
+
+
+def test_keep_specs_parse_to_the_canonical_form() -> None:
+    kept = parse_sim_strategy("diloco:8:2:1:keep")
+    assert (kept.fragments, kept.delay, kept.alpha, kept.keep) == (2, 1, 0.0, True)
+    assert kept.spec == "diloco:8:2:1:keep" and parse_sim_strategy(kept.spec) == kept
+    assert SimStrategy(kind="diloco", param=8, fragments=2, delay=1, keep=True) == kept
+    with pytest.raises(UsageError, match="keep needs TAU >= 1"):
+        SimStrategy(kind="diloco", param=8, fragments=2, delay=0, keep=True)
+    with pytest.raises(UsageError, match="streaming DiLoCo's"):
+        SimStrategy(kind="local", param=8, keep=True)
 
 
 def test_fragments_without_delay_pay_a_latency_each() -> None:
