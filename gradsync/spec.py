@@ -268,17 +268,17 @@ EAGER = "eager"
 KEEP = "keep"
 
 
-def _keep_field(parts: list[str]) -> bool:
-    """Take the word ``keep`` out of ``parts`` (H, F, TAU, ALPHA, ...), where it stands for
-    ALPHA; whether it was there. ``parts[3]`` becomes 0 so that the fields after it parse as
-    they would after a number."""
-    found = [i for i, part in enumerate(parts) if part.lower() == KEEP]
+def _keep_field(parts: list[str], text: str) -> bool:
+    """Take the word ``keep`` out of ``parts`` (H, F, TAU, ALPHA, ...; ``text`` as written),
+    where it stands for ALPHA; whether it was there. ``parts[3]`` becomes 0 so that the fields
+    after it parse as they would after a number."""
+    found = [i for i, part in enumerate(parts) if i > 0 and part.lower() == KEEP]
     if not found:
         return False
     if found != [3]:
         raise _Refused(
             f"{KEEP} takes ALPHA's place, after TAU, once: diloco:H:F:TAU:{KEEP} (got "
-            f"{':'.join(parts)})"
+            f"{text.strip()})"
         )
     parts[3] = "0"
     return True
@@ -292,7 +292,7 @@ def _diloco(text: str) -> dict[str, Any]:
     parts = [part.strip() for part in text.split(":")]
     outer = _outer_fields(parts, "diloco")
     eager = _eager_field(parts)
-    keep = _keep_field(parts)
+    keep = _keep_field(parts, text)
     split = _split_field(parts)
     if len(parts) > 4:
         raise _Refused(f"diloco takes at most H:F:TAU:ALPHA:SPLIT, got {len(parts) + 1} values")

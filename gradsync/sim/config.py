@@ -91,6 +91,11 @@ class SimStrategy:
                 f"fragments, delay, alpha and split are streaming DiLoCo's "
                 f"(diloco:H:F:TAU:ALPHA:SPLIT), not {self.spec}'s"
             )
+        if self.keep and (self.eager or self.alpha or not self.delay):
+            raise UsageError(
+                f"keep takes ALPHA's place and needs TAU >= 1 (got delay={self.delay}, "
+                f"alpha={self.alpha}, eager={self.eager}): diloco:H:F:TAU:keep"
+            )
         if self.eager and (self.delay or self.alpha):
             raise UsageError(
                 f"eager takes no delay or alpha (got delay={self.delay}, alpha={self.alpha}): "

@@ -582,7 +582,7 @@ class DiLoCo(Periodic):
         blocking = self.delay == 0 and self._live() is None
         name = f"outer_exchange[{fragment}]" if blocking else f"outer_launch[{fragment}]"
         # keep: the values the pseudo-gradient was taken from (a copy: training moves them)
-        sent = flatten(self._fragment_params[fragment]).clone() if self.keep_local else None
+        sent = flatten(self._fragment_params[fragment]) if self.keep_local else None
         with self._timed(name, "comm" if blocking else "step", fragment=fragment):
             result = self._launch_fragment(fragment)
         if not isinstance(result, torch.Tensor) and self._ctx and self._ctx.record_spans:
@@ -805,6 +805,8 @@ class DiLoCo(Periodic):
         saved = state.get("streaming", {})
         check_saved_fragments(saved, self.fragments, self.split, self.spec)
         _check_saved_eager(state, self._eager is not None, self.spec)
+        saved_pending = [] if self._live() is not None else saved.get("pending", [])
+        _check_saved_keep(saved_pending, self.keep_local, self.spec)
         for ex in self._pending:  # whatever is in flight completes before it is replaced
             self._resolve(ex)
         if self._eager is not None:  # so does an eager round (its residual comes back then)
@@ -821,12 +823,25 @@ class DiLoCo(Periodic):
         # gone with the run that saved it, and a failed all-reduce leaves garbage in the
         # mean): it is dropped, as one not committed, its fragment keeping its own values.
         # (A peer's state, when healing, has none: quorums are joined with nothing in flight.)
-        saved_pending = [] if self._live() is not None else saved.get("pending", [])
         self._pending = [
             _saved_exchange(ex, self._globals, self.keep_local, self.spec) for ex in saved_pending
         ]
         if self._eager is not None:
             self._eager.load_state_dict(state.get("eager"), self._globals[0].device)
+
+
+def _check_saved_keep(pending: list[dict[str, Any]], keep_local: bool, spec: str) -> None:
+    """A DiLoCo with ``keep`` loading a state whose exchange in flight was saved without it (the
+    Python API's ``load_state_dict``; ``sync.load`` refuses the other spec before): the local
+    steps that exchange's merge should keep cannot be told apart. Checked before anything is
+    loaded, so a refused load leaves the strategy as it was."""
+    lacking = [int(ex["fragment"]) for ex in pending if ex.get("sent") is None]
+    if keep_local and lacking:
+        raise UsageError(
+            f"{spec}: this checkpoint's exchange in flight (fragment {lacking[0]}) was saved "
+            "without keep; load it into a DiLoCo without keep_local (the spec it was saved "
+            "under)"
+        )
 
 
 def _check_saved_eager(state: dict[str, Any], eager: bool, spec: str) -> None:
@@ -869,15 +884,10 @@ def _saved_exchange(
     """An exchange a checkpoint held (``state_dict``'s pending entries), its tensors moved to
     where its fragment's global copy lives (a checkpoint is loaded onto the CPU). One saved
     under ``keep`` carries the values it was sent from; loaded into a DiLoCo without ``keep``
-    they are dropped, and into one with it, an exchange saved without them is refused."""
+    they are dropped (``_check_saved_keep`` refused the reverse before anything was loaded)."""
     fragment = int(saved["fragment"])
     device = globals_[fragment].device
     sent = saved.get("sent")
-    if sent is None and keep_local:
-        raise UsageError(
-            f"{spec}: this checkpoint's exchange in flight (fragment {fragment}) was saved "
-            "without keep; load it into the DiLoCo it was saved from (the same spec)"
-        )
     return Exchange(
         fragment,
         int(saved["due"]),
@@ -906,7 +916,7 @@ def _streaming_spec(
     """The spec a DiLoCo built by hand stands for, checked by the one spec parser, so a bad
     argument gets the message of the spec string that would carry it."""
     text = f"diloco:{period}:{fragments}"
-    eager, alpha = merge.eager, merge.alpha
+    eager, alpha, given_delay = merge.eager, merge.alpha, delay
     for name, value in (("eager", eager), ("keep_local", merge.keep_local)):
         if not isinstance(value, bool):
             raise UsageError(f"{name} must be True or False, got {value!r}")
@@ -925,6 +935,16 @@ def _streaming_spec(
         delay = None
     elif delay is None:
         delay = parse_strategy_spec(text).delay or 0
+    if merge.keep_local and not delay:
+        given = (
+            f"no delay given, and the default for {fragments} fragment(s) is 0"
+            if given_delay is None
+            else f"got delay={delay!r}"
+        )
+        raise UsageError(
+            f"keep_local=True needs delay >= 1 ({given}): with no delay, no local step falls "
+            "between an exchange's start and its application"
+        )
     # A word is the parser's to judge (its message names the spec); what it would read as
     # another number, or as no field at all, is refused here.
     if not isinstance(split, str) or split.strip().lower() not in SPLITS:

@@ -349,6 +349,10 @@ def test_keep_specs_parse_to_the_canonical_form() -> None:
     assert SimStrategy(kind="diloco", param=8, fragments=2, delay=1, keep=True) == kept
     with pytest.raises(UsageError, match="keep needs TAU >= 1"):
         SimStrategy(kind="diloco", param=8, fragments=2, delay=0, keep=True)
+    # refused as the parser refuses them, though the label alone would not show it
+    for kwargs in ({}, {"fragments": 2, "delay": 1, "alpha": 0.5}, {"fragments": 2, "eager": True}):
+        with pytest.raises(UsageError, match="keep takes ALPHA's place and needs TAU >= 1"):
+            SimStrategy(kind="diloco", param=8, keep=True, **kwargs)
     with pytest.raises(UsageError, match="streaming DiLoCo's"):
         SimStrategy(kind="local", param=8, keep=True)
 

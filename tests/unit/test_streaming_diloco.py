@@ -4,6 +4,7 @@ gloo ranks: tests/ranks/test_streaming_diloco_ranks.py."""
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -193,17 +194,22 @@ def test_keep_is_refused_without_a_delay_out_of_place_and_with_alpha_or_eager() 
         ("diloco:8:2:keep", "keep takes ALPHA's place, after TAU, once"),
         ("diloco:8:2:1:keep:keep", "keep takes ALPHA's place, after TAU, once"),
         ("diloco:8:2:1:keep:eager", "eager and keep are two ways of applying an exchange"),
+        # the spec as written, eager included
+        ("diloco:8:2:eager:keep", "(got 8:2:eager:keep)"),
+        ("diloco:keep", "H must be an integer >= 1"),
     ]:
         with pytest.raises(UsageError, match=re.escape(says)):
             parse_strategy_spec(text)
     assert "ALPHA in [0, 1] or keep (TAU >= 1)" in STRATEGY_FORMS
     for kwargs, says in [
-        ({"delay": 1, "alpha": 0.5}, "keep_local=True takes no alpha (got 0.5)"),
-        ({"eager": True}, "keep_local=True takes no eager=True"),
-        ({"delay": 0}, "keep needs TAU >= 1"),
+        ({"fragments": 2, "delay": 1, "alpha": 0.5}, "keep_local=True takes no alpha (got 0.5)"),
+        ({"fragments": 2, "eager": True}, "keep_local=True takes no eager=True"),
+        ({"fragments": 2, "delay": 0}, "keep_local=True needs delay >= 1 (got delay=0)"),
+        ({}, "(no delay given, and the default for 1 fragment(s) is 0)"),
     ]:
         with pytest.raises(UsageError, match=re.escape(says)):
-            DiLoCo(8, fragments=2, keep_local=True, **kwargs)
+            DiLoCo(8, keep_local=True, **kwargs)
+    assert DiLoCo(8, fragments=2, keep_local=True).spec == "diloco:8:2:1:keep"  # TAU's default
     with pytest.raises(UsageError, match="keep_local must be True or False, got 1"):
         DiLoCo(8, keep_local=1)  # type: ignore[arg-type]
 
@@ -427,6 +433,43 @@ def test_gradsync_run_refuses_more_fragments_than_the_workload_has_before_starti
         RunConfig(workload="mlp", strategy="diloco:8:4:layers", out="run")
     RunConfig(workload="mlp", strategy="diloco:8:3:layers", out="run")  # 3 layers: fits
     RunConfig(workload="mlp", strategy="diloco:8:4", out="run")  # rows: cuts its matrices
+
+
+def test_a_state_whose_exchange_lacks_sent_is_refused_by_keep_before_anything_loads(
+    one_rank: None,
+) -> None:
+    """The Python API's load_state_dict across keep and ALPHA 0 (sync.load refuses the other
+    spec before): a keep DiLoCo cannot merge an exchange saved without the values it was sent
+    from, and refuses it leaving itself as it was; the reverse drops them."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 4))
+
+    def trained(keep: bool, steps: int) -> gs.Synchronizer:
+        torch.manual_seed(0)
+        net = copy.deepcopy(model)
+        sync = gs.Synchronizer(
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            DiLoCo(6, fragments=2, delay=1, keep_local=keep),
+        )
+        for _ in range(steps):
+            with sync.step():
+                net(torch.randn(8, 4)).square().mean().backward()
+        return sync
+
+    plain = trained(False, 3).strategy.state_dict()  # fragment 0 in flight (started after 2)
+    assert [("sent" in ex) for ex in plain["streaming"]["pending"]] == [False]
+    kept = trained(True, 5)
+    before = kept.strategy.state_dict()
+    with pytest.raises(UsageError, match="was saved without keep; load it into a DiLoCo without"):
+        kept.strategy.load_state_dict(plain)
+    after = kept.strategy.state_dict()
+    assert torch.equal(after["global"], before["global"])
+    assert after["outer_optimizer"]["state"].keys() == before["outer_optimizer"]["state"].keys()
+    # keep's state into a DiLoCo without it: its exchange is merged as ALPHA 0 merges
+    saved = trained(True, 3).strategy.state_dict()
+    into = trained(False, 1).strategy
+    into.load_state_dict(saved)
+    assert [ex.sent for ex in into._pending] == [None]
 
 
 def test_a_diloco_state_with_eager_rounds_loads_only_into_an_eager_diloco() -> None:
