@@ -581,10 +581,11 @@ class DiLoCo(Periodic):
         # under plain DiLoCo the whole exchange (the wire, the peers, the decode) as well.
         blocking = self.delay == 0 and self._live() is None
         name = f"outer_exchange[{fragment}]" if blocking else f"outer_launch[{fragment}]"
-        # keep: the values the pseudo-gradient was taken from (a copy: training moves them)
-        sent = flatten(self._fragment_params[fragment]) if self.keep_local else None
         with self._timed(name, "comm" if blocking else "step", fragment=fragment):
-            result = self._launch_fragment(fragment)
+            local = flatten(self._fragment_params[fragment])  # a copy: training moves them
+            result = self._launch_fragment(fragment, local)
+        # keep: the values the pseudo-gradient was taken from
+        sent = local if self.keep_local else None
         if not isinstance(result, torch.Tensor) and self._ctx and self._ctx.record_spans:
             result = self._track_in_flight(fragment, result)
         self._pending.append(Exchange(fragment, step + self.delay, result, sent))
@@ -613,9 +614,13 @@ class DiLoCo(Periodic):
             self._apply(fragment, gradient, self.alpha)
         rounds.keep(fragment, taken, result)
 
-    def _launch_fragment(self, fragment: int) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
+    def _launch_fragment(
+        self, fragment: int, local: torch.Tensor
+    ) -> torch.Tensor | torch.futures.Future[torch.Tensor]:
+        """Start ``fragment``'s exchange of its pseudo-gradient, global copy minus ``local``
+        (its values now, flat)."""
         params = self._fragment_params[fragment]
-        pseudo = self._globals[fragment] - flatten(params)
+        pseudo = self._globals[fragment] - local
         if self._live() is not None:
             # the quorum joined before it carries it; it is waited for at its due step
             assert self._quorum_open, f"{self.spec}: an exchange started with no quorum joined"
@@ -824,7 +829,7 @@ class DiLoCo(Periodic):
         # mean): it is dropped, as one not committed, its fragment keeping its own values.
         # (A peer's state, when healing, has none: quorums are joined with nothing in flight.)
         self._pending = [
-            _saved_exchange(ex, self._globals, self.keep_local, self.spec) for ex in saved_pending
+            _saved_exchange(ex, self._globals, self.keep_local) for ex in saved_pending
         ]
         if self._eager is not None:
             self._eager.load_state_dict(state.get("eager"), self._globals[0].device)
@@ -879,7 +884,7 @@ def group_sum(group: dist.ProcessGroup | None) -> GroupSum:
 
 
 def _saved_exchange(
-    saved: dict[str, Any], globals_: list[torch.Tensor], keep_local: bool, spec: str
+    saved: dict[str, Any], globals_: list[torch.Tensor], keep_local: bool
 ) -> Exchange:
     """An exchange a checkpoint held (``state_dict``'s pending entries), its tensors moved to
     where its fragment's global copy lives (a checkpoint is loaded onto the CPU). One saved
