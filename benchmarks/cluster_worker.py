@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync as gs
+from benchmarks.harness import machine_busy_s
 from benchmarks.steps import MODES, Trainer
 from gradsync import runtime
 from gradsync.buckets import plan_buckets
@@ -204,11 +205,17 @@ def train_one(args: argparse.Namespace, spec: RunSpec, seen: dict[str, Any]) -> 
         assert trainer.sync is not None
         extra = trainer.sync.load(ckpt)
         start = int(extra["step"]) if extra else 0
+    # rank 0 alone reads the machine's busy CPU (every rank's and the kernel's) after each step
+    busy_at = machine_busy_s if rank == 0 else None
+    busy: list[float] = []
     dist.barrier()  # everyone starts step 0 together: times are from a common origin
+    busy0 = busy_at() if busy_at else None
     t0 = time.perf_counter()
     for i in range(start, spec.steps):
         losses.append(trainer.step(i).item())
         times.append(time.perf_counter() - t0)
+        if busy_at and busy0 is not None:
+            busy.append((busy_at() or busy0) - busy0)
         seen.update(run=spec.name, last_step=i, last_step_at=time.time())
         if rank == 0 and args.progress:
             Path(args.progress).write_text(f"{spec.name} {i} {time.time():.3f}\n")
@@ -237,6 +244,7 @@ def train_one(args: argparse.Namespace, spec: RunSpec, seen: dict[str, Any]) -> 
         "loss": global_loss,
         "loss_rank0": gathered[0],
         "time_s": times,
+        "busy_cpu_s": busy or None,  # the machine's busy CPU seconds since step 0, by step
         "total_s": total,
         "fwd_s": trainer.fwd_s,
         "bwd_s": trainer.bwd_s,

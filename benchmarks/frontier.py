@@ -14,6 +14,7 @@ run's bytes per step from its report.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -300,17 +301,24 @@ def one_repeat(s: Setting, runs: dict[str, Any]) -> dict[str, Any]:
     hit = time_to_target(ddp, target)
     assert hit is not None  # DDP's own final MA is below the target
     ddp_sps = samples_per_s(ddp, s.batch)
+    only = runs.get(ONLY.key)
+    limit = samples_per_s(only, s.batch) / ddp_sps if only else None
+    only_cpu = cpu_per_step(only) if only else None
     out: dict[str, Any] = {}
     for c in s.configs:
         r = runs[c.key]
         sps = samples_per_s(r, s.batch)
         row: dict[str, Any] = {"vs_ddp_sps": sps / ddp_sps}
+        cpu = cpu_per_step(r)
+        row["cpu_vs_only"] = cpu / only_cpu if cpu and only_cpu else None
         if c.mode == "compute-only":
+            row["cores_busy"] = cores_busy(r)
             out[c.key] = row
             continue
         mine = time_to_target(r, target)
         row["sooner"] = hit[0] / mine[0] if mine else None
         row["step"] = mine[1] if mine else None
+        row["cpu_share"] = cpu_bound_share(r, mine, hit[0], limit)
         row["loss_gap"] = ma_at(r["loss"], n - 1) / ma_at(ddp["loss"], n - 1) - 1
         per_step = r.get("step_bytes") or [r["grad_bytes"]] * len(r["loss"])  # DDP: gradient
         row["mb_n"] = sum(per_step[:n]) / 1e6
@@ -320,6 +328,31 @@ def one_repeat(s: Setting, runs: dict[str, Any]) -> dict[str, Any]:
         out[c.key] = row
     out["target"] = target
     return out
+
+
+def cpu_per_step(run: dict[str, Any]) -> float | None:
+    """The machine's busy CPU seconds a step over the run (every rank and the kernel)."""
+    busy = run.get("busy_cpu_s")
+    return busy[-1] / len(busy) if busy else None
+
+
+def cores_busy(run: dict[str, Any]) -> float | None:
+    """The share of the machine's cores busy over the run."""
+    busy = run.get("busy_cpu_s")
+    return busy[-1] / (run["time_s"][-1] * (os.cpu_count() or 1)) if busy else None
+
+
+def cpu_bound_share(
+    run: dict[str, Any], mine: tuple[float, int] | None, ddp_s: float, limit: float | None
+) -> float | None:
+    """The share of the compute-only limit this run could have had if its CPU work up to DDP's
+    final loss had kept every core busy: DDP's seconds over (that work / cores), over the limit.
+    No schedule of the same work does better on this machine; a share above it needs less CPU
+    (fewer bytes through the kernel, cheaper codecs) or fewer steps."""
+    busy = run.get("busy_cpu_s")
+    if not busy or mine is None or not limit or busy[mine[1]] <= 0:
+        return None
+    return ddp_s / (busy[mine[1]] / (os.cpu_count() or 1)) / limit
 
 
 def summarize(s: Setting, reps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -345,8 +378,10 @@ def render_setting(s: Setting, summ: dict[str, Any]) -> str:
     out = []
     for c in s.configs:
         r = rows[c.key]
+        cpu = _f(r.get("cpu_vs_only"), ".2f", "x")
         if c.mode == "compute-only":
-            cells = ["100%", f"{limit:.2f}x (limit)", "-", "-", "-", "-"]
+            busy = _f(r.get("cores_busy"), ".0%", " of the cores busy")
+            cells = ["100%", f"{limit:.2f}x (limit)", f"{cpu} ({busy})", "-", "-", "-", "-", "-"]
         else:
             k = summ["repeats"]
             note = "" if r["reached"] in (0, k) else f" ({r['reached']}/{k} repeats)"
@@ -360,6 +395,8 @@ def render_setting(s: Setting, summ: dict[str, Any]) -> str:
             cells = [
                 _f(share, ".0%"),
                 sooner,
+                cpu,
+                _f(r.get("cpu_share"), ".0%"),
                 _f(r["loss_gap"], "+.1%"),
                 mb,
                 _f(r["mb_hit"], ".3f"),
@@ -369,7 +406,8 @@ def render_setting(s: Setting, summ: dict[str, Any]) -> str:
         out.append([c.label, str(steps), f"{r['vs_ddp_sps']:.2f}x", *cells])
     head = (
         "configuration | steps run | samples/s vs DDP | share of the compute-only limit | "
-        "x sooner to DDP's final loss | "
+        "x sooner to DDP's final loss | machine CPU a step vs compute-only | "
+        "share at the CPU bound | "
         f"loss at step {n} vs DDP | MB per rank in {n} steps | MB per rank to DDP's loss | "
         "peak MB per sync"
     )
@@ -415,7 +453,7 @@ def goals(done: dict[str, tuple[Setting, dict[str, Any]]]) -> list[str]:
             verdict = "met" if x / limit >= s.share_goal else "not met"
             lines.append(
                 f"  - issue 46: {x / limit:.0%} of the compute-only limit (goal >= "
-                f"{s.share_goal:.0%}): **{verdict}**"
+                f"{s.share_goal:.0%}): **{verdict}**" + cpu_bound_line(s, rows, cands)
             )
         pair = PAIRS.get(s.workload)
         for c in s.configs:
@@ -437,6 +475,22 @@ def goals(done: dict[str, tuple[Setting, dict[str, Any]]]) -> list[str]:
                 )
             lines.append(line)
     return lines
+
+
+def cpu_bound_line(s: Setting, rows: dict[str, Any], cands: list[Config]) -> str:
+    """Where the goal stands against the CPU bound: the highest share any configuration that
+    reached DDP's loss could have had with every core busy with its own work."""
+    bounds = [(rows[c.key].get("cpu_share"), c) for c in cands]
+    known = [(b, c) for b, c in bounds if b is not None]
+    if not known or s.share_goal is None:
+        return ""
+    top, c = max(known, key=lambda bc: bc[0])
+    if top >= s.share_goal:
+        return f"; at the CPU bound {c.label} could reach {top:.0%}"
+    return (
+        f"; at the CPU bound no configuration here could reach it (the highest, {c.label}, "
+        f"{top:.0%}): their CPU work alone rules it out on this machine"
+    )
 
 
 def render(
@@ -467,7 +521,13 @@ def render(
             "steps can gain. **Share of the compute-only limit**: x sooner over the limit, issue "
             "46's headline (a scheme that needs fewer steps than DDP can pass 100%); it still "
             "moves with the machine: the faster the compute, the larger the share of a step the "
-            "exchanges' own CPU takes. **Loss at step N**: the candidate's moving "
+            "exchanges' own CPU takes. **Machine CPU a step**: the whole machine's busy CPU "
+            "(every rank, gloo's threads, the kernel's work for the links; /proc/stat, read by "
+            "rank 0 after each step) over the run, per step, against compute-only's. **Share at "
+            "the CPU bound**: the share this configuration would have had if its CPU work up to "
+            "DDP's loss had kept every core busy (DDP's seconds over that work divided by the "
+            "cores, over the limit): no schedule of the same work is faster on this machine. "
+            "**Loss at step N**: the candidate's moving "
             "average at step N over DDP's, minus 1. **MB per rank**: bytes each rank handed "
             "to exchanges, from the run's own records (for DDP: the gradient's size per step); "
             "peak: the most in one step's exchange (for streaming DiLoCo: one fragment's).",

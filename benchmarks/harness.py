@@ -130,6 +130,25 @@ def machine() -> str:
     )
 
 
+#: /proc/stat's cpu line, the fields that count as busy: user, nice, system, irq, softirq, steal
+#: (idle and iowait do not); guest time is already inside user
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot, every core and process together,
+    the kernel's network work (softirqs) included; None where /proc/stat is not there. Its
+    difference across a run, over the cores, is the least wall time that run's work could take
+    on this machine."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()[1:]
+        ticks = sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+    except (OSError, ValueError, IndexError):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def table(header: str | list[str], rows: list[list[str]]) -> str:
     """A markdown table; ``header`` may be written as it prints, ``"a | b | c"``."""
     if isinstance(header, str):
