@@ -87,3 +87,9 @@ def test_the_goal_line_says_whether_the_cpu_work_allows_the_goal(
     assert verdict in line
     table = fr.render_setting(SETTING, summ)
     assert "share at the CPU bound" in table and "of the cores busy" in table
+
+
+def test_a_share_just_under_its_goal_is_not_rounded_up_to_it() -> None:
+    assert fr._share(0.948, 0.95) == "94.8%"
+    assert fr._share(0.951, 0.95) == "95%"
+    assert fr._share(0.53, 0.80) == "53%"
