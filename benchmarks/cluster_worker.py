@@ -176,6 +176,30 @@ def await_voucher(sync: gs.Synchronizer, hosts: int) -> float:
     return time.monotonic() - started
 
 
+class BusySince:
+    """The machine's busy CPU seconds (``machine_busy_s``) since ``start()``, one reading per
+    ``mark()``. A reading that fails repeats the one before, so the series never goes back;
+    with no reading at the start there is no series (None)."""
+
+    def __init__(self, read: Any = machine_busy_s) -> None:
+        self._read = read
+        self._start: float | None = None
+        self._marks: list[float] = []
+
+    def start(self) -> None:
+        self._start, self._marks = self._read(), []
+
+    def mark(self) -> None:
+        if self._start is None:
+            return
+        now = self._read()
+        last = self._marks[-1] if self._marks else 0.0
+        self._marks.append(last if now is None else max(last, now - self._start))
+
+    def series(self) -> list[float] | None:
+        return self._marks if self._start is not None and self._marks else None
+
+
 def _restarts() -> int:
     """How often the elastic agent restarted this worker group (--max-restarts)."""
     return runtime.restart_count()
@@ -205,17 +229,18 @@ def train_one(args: argparse.Namespace, spec: RunSpec, seen: dict[str, Any]) -> 
         assert trainer.sync is not None
         extra = trainer.sync.load(ckpt)
         start = int(extra["step"]) if extra else 0
-    # rank 0 alone reads the machine's busy CPU (every rank's and the kernel's) after each step
-    busy_at = machine_busy_s if rank == 0 else None
-    busy: list[float] = []
+    # The counter covers the whole machine (every emulated host shares its cores), so one
+    # reader is enough: rank 0, whose JSON is the one written.
+    busy = BusySince() if rank == 0 else None
     dist.barrier()  # everyone starts step 0 together: times are from a common origin
-    busy0 = busy_at() if busy_at else None
+    if busy is not None:
+        busy.start()
     t0 = time.perf_counter()
     for i in range(start, spec.steps):
         losses.append(trainer.step(i).item())
         times.append(time.perf_counter() - t0)
-        if busy_at and busy0 is not None:
-            busy.append((busy_at() or busy0) - busy0)
+        if busy is not None:
+            busy.mark()
         seen.update(run=spec.name, last_step=i, last_step_at=time.time())
         if rank == 0 and args.progress:
             Path(args.progress).write_text(f"{spec.name} {i} {time.time():.3f}\n")
@@ -244,7 +269,9 @@ def train_one(args: argparse.Namespace, spec: RunSpec, seen: dict[str, Any]) -> 
         "loss": global_loss,
         "loss_rank0": gathered[0],
         "time_s": times,
-        "busy_cpu_s": busy or None,  # the machine's busy CPU seconds since step 0, by step
+        # the machine's busy CPU seconds since the first step's start, one a step; its cores
+        "busy_cpu_s": busy.series() if busy is not None else None,
+        "cores": os.cpu_count(),
         "total_s": total,
         "fwd_s": trainer.fwd_s,
         "bwd_s": trainer.bwd_s,

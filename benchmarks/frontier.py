@@ -336,10 +336,16 @@ def cpu_per_step(run: dict[str, Any]) -> float | None:
     return busy[-1] / len(busy) if busy else None
 
 
+def _cores(run: dict[str, Any]) -> int:
+    """The cores /proc/stat's busy count covers: the worker's, else this machine's (the same
+    machine: the emulated hosts are its network namespaces)."""
+    return int(run.get("cores") or os.cpu_count() or 1)
+
+
 def cores_busy(run: dict[str, Any]) -> float | None:
     """The share of the machine's cores busy over the run."""
     busy = run.get("busy_cpu_s")
-    return busy[-1] / (run["time_s"][-1] * (os.cpu_count() or 1)) if busy else None
+    return busy[-1] / (run["time_s"][-1] * _cores(run)) if busy else None
 
 
 def cpu_bound_share(
@@ -347,12 +353,13 @@ def cpu_bound_share(
 ) -> float | None:
     """The share of the compute-only limit this run could have had if its CPU work up to DDP's
     final loss had kept every core busy: DDP's seconds over (that work / cores), over the limit.
-    No schedule of the same work does better on this machine; a share above it needs less CPU
-    (fewer bytes through the kernel, cheaper codecs) or fewer steps."""
+    No schedule of that much work does better on this machine; a share above it needs less CPU
+    a step (fewer bytes through the kernel, cheaper codecs, less contention between the
+    exchange and the passes beside it) or fewer steps."""
     busy = run.get("busy_cpu_s")
     if not busy or mine is None or not limit or busy[mine[1]] <= 0:
         return None
-    return ddp_s / (busy[mine[1]] / (os.cpu_count() or 1)) / limit
+    return ddp_s / (busy[mine[1]] / _cores(run)) / limit
 
 
 def summarize(s: Setting, reps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -369,9 +376,13 @@ def summarize(s: Setting, reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _share(x: float, goal: float) -> str:
-    """``x`` as a percentage, to a tenth where whole percents would round a miss up to the goal."""
-    whole = f"{x:.0%}"
-    return f"{x:.1%}" if x < goal and whole == f"{goal:.0%}" else whole
+    """``x`` as a percentage, with as many decimals as it takes for a miss not to read as the
+    goal (or above it) once rounded: 94.8%, not 95%, against a goal of 95%."""
+    for digits in range(4):
+        shown = f"{x:.{digits}%}"
+        if x >= goal or float(shown[:-1]) / 100 < goal:
+            return shown
+    return f"{x:.4%}"
 
 
 def _f(x: float | None, spec: str, unit: str = "") -> str:
@@ -493,10 +504,11 @@ def cpu_bound_line(s: Setting, rows: dict[str, Any], cands: list[Config]) -> str
         return ""
     top, c = max(known, key=lambda bc: bc[0])
     if top >= s.share_goal:
-        return f"; at the CPU bound {c.label} could reach {top:.0%}"
+        return f"; at the CPU bound {c.label} could reach {_share(top, s.share_goal)}"
     return (
         f"; at the CPU bound no configuration here could reach it (the highest, {c.label}, "
-        f"{top:.0%}): their CPU work alone rules it out on this machine"
+        f"{_share(top, s.share_goal)}): at the CPU work they did, no schedule reaches it on "
+        "this machine"
     )
 
 

@@ -135,15 +135,22 @@ def machine() -> str:
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 
 
+def busy_ticks(cpu_line: bytes) -> int:
+    """The busy clock ticks of /proc/stat's ``cpu`` line (``_BUSY_FIELDS``)."""
+    fields = cpu_line.split()[1:]
+    return sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+
+
 def machine_busy_s() -> float | None:
     """CPU seconds the whole machine has spent busy since boot, every core and process together,
     the kernel's network work (softirqs) included; None where /proc/stat is not there. Its
-    difference across a run, over the cores, is the least wall time that run's work could take
-    on this machine."""
+    difference across a run, over the cores (``os.cpu_count()``, the cores that line counts),
+    is the least wall time that run's work could take on this machine. Counted in clock ticks
+    (10 ms on Linux): a difference is good to about that much a core. A CPU quota (a cgroup's
+    ``cpu.max``) is not seen."""
     try:
         with open("/proc/stat", "rb") as f:
-            fields = f.readline().split()[1:]
-        ticks = sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+            ticks = busy_ticks(f.readline())
     except (OSError, ValueError, IndexError):
         return None
     return ticks / os.sysconf("SC_CLK_TCK")

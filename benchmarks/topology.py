@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cluster import say, worker_env, worker_output_to
-from benchmarks.harness import Harness, fmt_iqr, machine, median_iqr, table
+from benchmarks.harness import Harness, fmt_iqr, machine, machine_busy_s, median_iqr, table
 from benchmarks.topology_worker import PLACEMENTS
 from gradsync.cluster import Cluster, launch_on_cluster, requirements_missing
 from gradsync.cluster.system import list_namespaces
@@ -127,11 +127,7 @@ def run_launch(
 def cpu_seconds() -> tuple[float, float]:
     """(busy CPU seconds of the whole machine, of this process and its waited-for
     descendants: the agents and through them the workers), both since boot."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
-            int, f.readline().split()[1:9]
-        )
-    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    busy = machine_busy_s() or 0.0
     me = os.times()
     return busy, me.user + me.system + me.children_user + me.children_system
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import ROOT, Harness, fmt_iqr, machine, median_iqr, table
+from benchmarks.harness import ROOT, Harness, fmt_iqr, machine, machine_busy_s, median_iqr, table
 from benchmarks.zero_worker import (
     COMPUTE,
     DDP,
@@ -120,11 +120,8 @@ def run_job(job: dict[str, Any], workdir: Path, timeout_s: float) -> dict[str, A
 
 
 def cpu_busy_s() -> float:
-    """Seconds of CPU the whole machine has spent busy (all cores, /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    """Seconds of CPU the whole machine has spent busy (all cores, /proc/stat; 0 without it)."""
+    return machine_busy_s() or 0.0
 
 
 def children_cpu_s() -> float:
