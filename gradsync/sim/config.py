@@ -365,15 +365,15 @@ class CommModel:
         )
 
     def pair_ms(self, workers: int) -> float:
-        """One pair exchange of gossip (a model each way between two ranks) while every rank
-        exchanges with its own partner. On hosts: across the inter-host link, which a host's
-        ranks share (each of them sends a model through it at once); a fixed ``comm_ms`` is one
-        all-reduce, as for a broadcast."""
+        """One pair exchange of gossip (a model each way between two ranks, compressed by the
+        ratio) while every rank exchanges with its own partner. On hosts: across the inter-host
+        link, which a host's ranks share (each of them sends a model through it at once); a
+        fixed ``comm_ms`` is one all-reduce, as for a broadcast."""
         if self.hosts is None or self.comm_ms is not None:
-            return self.collective_ms("broadcast", 2)
+            return self.collective_ms("broadcast", 2, 1.0 / self.ratio)
         assert self.link is not None
         sharing = self.hosts.per_host(workers)
-        return 1000.0 * self.link.time("broadcast", 2, self.nbytes * sharing)
+        return 1000.0 * self.link.time("broadcast", 2, self.nbytes * sharing / self.ratio)
 
     def collective_ms(self, op: str, workers: int, fraction: float = 1.0) -> float:
         """One ``op`` (``gradsync.sim.model.OPS``) of ``fraction`` of the message, uncompressed.

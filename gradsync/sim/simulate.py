@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -166,13 +166,14 @@ def simulate(
             + (" (its reduce-scatter runs after the backward pass)" if strat.kind == "zero" else "")
         )
     if strat.kind in ("gossip", "noloco"):  # noloco's outer step costs no communication
-        if comm.ratio != 1 or comm_steps is not None:
+        if comm_steps is not None:
             raise UsageError(
                 f"{strat.spec} exchanges whole parameters between pairs: it is priced from the "
-                "comm model, uncompressed (no compression ratio, no per-step comm times)"
+                "comm model (no per-step comm times)"
             )
-        pair = comm.pair_ms(c.shape[1])  # a model each way between two ranks
-        return _gossip(c, pair, comm.exchange_ms(c.shape[1]), int(strat.param), strat.spec)
+        pair = comm.pair_ms(c.shape[1])  # a model each way between two ranks, compressed
+        final = replace(comm, ratio=1.0).exchange_ms(c.shape[1])  # the end's average is exact
+        return _gossip(c, pair, final, int(strat.param), strat.spec)
     if strat.kind == "zero":
         if comm.ratio != 1:
             raise UsageError(

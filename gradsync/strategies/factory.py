@@ -13,7 +13,12 @@ from gradsync.errors import UsageError
 from gradsync.spec import SPLITS, outer_settings, parse_strategy_spec
 from gradsync.strategies.base import Strategy
 from gradsync.strategies.bsp import BSP
-from gradsync.strategies.gossip import Gossip, NoLoCo, pair_compression_refusal
+from gradsync.strategies.gossip import (
+    Gossip,
+    NoLoCo,
+    pair_compression_refusal,
+    takes_pair_compression,
+)
 from gradsync.strategies.hogwild import Hogwild, refusal_of_compression
 from gradsync.strategies.local_sgd import DiLoCo, LocalSGD
 from gradsync.strategies.ps import ParameterServer
@@ -77,7 +82,8 @@ def check_compression(spec: str | Strategy, compression: str) -> None:
             refuse_compression(parsed.stage, compression)
         if parsed.kind == "hogwild" and compression != "none":
             raise UsageError(refusal_of_compression(compression))
-        if parsed.kind in ("gossip", "noloco") and compression != "none":
+        pair = parsed.kind in ("gossip", "noloco")
+        if pair and compression != "none" and not takes_pair_compression(compression):
             spec_text = f"{parsed.kind}:{parsed.period}"
             raise UsageError(pair_compression_refusal(spec_text, compression))
 

@@ -28,9 +28,20 @@ weights - phi)``, whose two terms add up to ``a * (mean - phi)``), so the pair e
 parameters only, as gossip does. With ``a = 1, b = 0`` it lands on the pair's mean, as gossip
 (to rounding). Replicas do not agree after a round (each keeps its own ``phi`` and ``m``).
 
+Compression (``PAIR_CODECS``: fp16, bf16, int8, int4): each side sends its parameters encoded
+by the family's codec (the one parameter-server pushes use, ``compression.push``) and updates
+``x <- x + (Q(partner) - Q(x)) / 2``, ``Q`` being what the codec's bytes decode to. The pair's
+sum is kept (each side adds what the other subtracts), so the codec's error never shifts the
+average the ranks train towards; it stays in each replica, as the difference
+``x_i - x_j <- e_i - e_j`` of the two sides' errors ``e = x - Q(x)``, and is not carried over to
+the next round. The partners no longer hold bitwise one mean. Only codecs that approximate every
+element qualify: a sparsifier, a low-rank or a sign code of the parameters themselves would drop
+most of them (refused, naming the valid ones). The codec's random stream is the sender's rank
+and its step the round, so a receiver decodes any partner's bytes alike.
+
 Why our own: torch has no gossip averaging; the pair exchange is ``batch_isend_irecv`` of the
-flat parameters, over the user's process group. What is not here yet: compression of the pair
-exchange (refused, naming the strategies that compress) and the hierarchy (refused).
+flat parameters (or their encoding), over the user's process group. What is not here: the
+hierarchy (refused).
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ import torch.distributed as dist
 
 from gradsync.checks.diagnose import END
 from gradsync.compression.allreduce import ALLREDUCE
+from gradsync.compression.base import Compressor, FlatBucket
+from gradsync.compression.push import PushCodec
 from gradsync.errors import UsageError
 from gradsync.flat import copy_into, flatten
 from gradsync.pairing import partner
@@ -50,7 +63,11 @@ from gradsync.spec import OUTER_DEFAULTS, StrategySpec
 from gradsync.strategies.base import StepOutcome, SyncContext, wait_each
 from gradsync.strategies.local_sgd import OuterConfig, Periodic
 
-__all__ = ["PIECE_BYTES", "Gossip", "NoLoCo", "pair_compression_refusal"]
+__all__ = ["PAIR_CODECS", "PIECE_BYTES", "Gossip", "NoLoCo", "pair_compression_refusal"]
+
+#: the compression families a pair exchange takes: those whose codec approximates every element
+#: of the parameters (casts and block quantizers)
+PAIR_CODECS = ("fp16", "bf16", "int8", "int4")
 
 #: the pair exchange sends the parameters in pieces of at most this many bytes each way.
 #: Why: measured on the emulated cluster (2 hosts, 1 Gbit/s, gloo), 12 MB sent as one message
@@ -79,12 +96,15 @@ class Gossip(Periodic):
         self._rank = 0
         #: when this rank's local steps since its last round began (``_pair_mean``'s idle)
         self._local_since = time.perf_counter()
+        #: the pair exchange's codec, by sender rank (this rank's encodes; None: uncompressed)
+        self._codecs: dict[int, PushCodec] | None = None
 
     def settings_spec(self) -> str | None:
         return f"gossip:{self.period}" if self.name == "gossip" else None  # None: a subclass
 
     def setup(self, ctx: SyncContext) -> None:
-        if ctx.compressor is not ALLREDUCE:
+        compressed = ctx.compressor is not ALLREDUCE
+        if compressed and not takes_pair_compression(ctx.compressor.spec):
             raise UsageError(
                 pair_compression_refusal(f"{self.name}:{self.period}", ctx.compressor.spec)
             )
@@ -97,19 +117,21 @@ class Gossip(Periodic):
         self._world = dist.get_world_size(ctx.group) if dist.is_initialized() else 1
         self._rank = dist.get_rank(ctx.group) if dist.is_initialized() else 0
         self._local_since = time.perf_counter()  # after the initial broadcast: every rank's
+        self._codecs = {} if compressed else None
 
     def _exchange(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """The pair exchange due after local step ``step``, if any: no gate, no barrier beyond
         the partner (a rank's own code between steps delays its partner only)."""
         if (step + 1) % self.period:
             return outcome
-        peer = partner(self._rank, self._world, self._round)
+        round_ = self._round
+        peer = partner(self._rank, self._world, round_)
         self._round += 1
         local = time.perf_counter() - self._local_since
         if peer is None:
             self._sat_out()
         else:
-            mean, nbytes, idle = self._pair_mean(peer, step, local)
+            mean, nbytes, idle = self._pair_mean(peer, step, local, round_)
             self._apply_round(mean)
             outcome.bytes_sent += nbytes
             outcome.idle += idle
@@ -123,8 +145,11 @@ class Gossip(Periodic):
     def _sat_out(self) -> None:
         """A round without a partner (W odd): the parameters stay as they are."""
 
-    def _pair_mean(self, peer: int, step: int, local: float) -> tuple[torch.Tensor, int, float]:
-        """The mean of this rank's parameters and ``peer``'s, the bytes sent, and how long this
+    def _pair_mean(
+        self, peer: int, step: int, local: float, round_: int
+    ) -> tuple[torch.Tensor, int, float]:
+        """The mean of this rank's parameters and ``peer``'s (under compression, the
+        sum-keeping update of the module docstring), the bytes sent, and how long this
         rank waited for ``peer`` (its idle): the partner's ``local`` seconds since its last
         round (its steps' compute and its own code) beyond this rank's, as a barrier's idle is
         the slowest rank's compute beyond a rank's own (``telemetry.records.fill_idle``), at
@@ -133,7 +158,9 @@ class Gossip(Periodic):
         the idle is not measured, 0: reading the partner's value would stop the host."""
         ctx = self._ctx
         assert ctx is not None
-        mine = flatten(self._params)
+        params = flatten(self._params)
+        encoder = None if self._codecs is None else self._codec_of(self._rank, params)
+        mine = params if encoder is None else encoder.encode(params, round_)
         theirs = torch.empty_like(mine)
         timed = mine.device.type == "cpu"
         mine_s = torch.tensor([local], dtype=torch.float64)
@@ -163,8 +190,22 @@ class Gossip(Periodic):
             ctx.watch.run(step, f"{self.name}:{self.period} averaging with rank {peer}", run)
         waited = time.perf_counter() - started
         idle = min(waited, max(0.0, float(theirs_s) - local)) if timed else 0.0
-        # (a + b) / 2 on both sides: addition commutes, so the pair holds bitwise one mean.
-        return (mine + theirs) / 2, mine.numel() * mine.element_size(), idle
+        nbytes = mine.numel() * mine.element_size()
+        if encoder is None:
+            # (a + b) / 2 on both sides: addition commutes, so the pair holds bitwise one mean.
+            return (mine + theirs) / 2, nbytes, idle
+        decoded_theirs = self._codec_of(peer, params).decode(theirs, round_)
+        return params + (decoded_theirs - encoder.decode(mine, round_)) / 2, nbytes, idle
+
+    def _codec_of(self, sender: int, params: torch.Tensor) -> PushCodec:
+        """The pair codec of ``sender``'s stream (built once per sender): this rank's encodes
+        with its own, a partner's bytes decode with the partner's."""
+        assert self._codecs is not None and self._ctx is not None
+        codec = self._codecs.get(sender)
+        if codec is None:
+            codec = pair_codec(self._ctx.compressor, params, sender)
+            self._codecs[sender] = codec
+        return codec
 
     def finalize(self) -> None:
         """One average over every rank, so the final model is one; the spread before it is
@@ -174,13 +215,29 @@ class Gossip(Periodic):
         if self._ctx.gate is not None:
             self._ctx.gate.ensure(END, f"final averaging of {self.name}:{self.period}")
         mine = flatten(self._params)
-        mean = self._mean(mine.clone())
+        mean = self._mean(mine.clone()) if self._codecs is None else self._exact_mean(mine)
         spread = (mine - mean).abs().max() if mine.numel() else torch.zeros(())
         spread = spread.reshape(1).to(torch.float64)
         dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self._ctx.group)
         self._spread = float(spread.item())
         copy_into(mean, self._params)
         self._in_sync = True
+
+    def _exact_mean(self, mine: torch.Tensor) -> torch.Tensor:
+        """The final average where the pair exchanges are compressed: uncompressed all the
+        same, since it is the model the run ends with (a codec's mean would leave it rounded to
+        the codec's precision). Its bytes count with the run's."""
+        ctx = self._ctx
+        assert ctx is not None
+        state = ALLREDUCE.make_state(ctx.group)
+        bucket = FlatBucket(mine.clone(), params=self._params)
+
+        def run() -> torch.Tensor:
+            return ALLREDUCE.hook(state, bucket).wait()
+
+        mean = run() if ctx.watch is None else ctx.watch.run(self._step, "final averaging", run)
+        self._state.bytes_sent += state.bytes_sent
+        return mean
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Only at the end: during training the replicas differ by design."""
@@ -268,11 +325,27 @@ class NoLoCo(Gossip):
             self._momentum.copy_(state["momentum"])
 
 
+def takes_pair_compression(compression: str) -> bool:
+    """Whether a compression spec's family is one a pair exchange takes (``PAIR_CODECS``)."""
+    return compression.split(":", 1)[0].strip().lower() in PAIR_CODECS
+
+
+def pair_codec(compressor: Compressor, params: torch.Tensor, sender: int) -> PushCodec:
+    """The codec of ``sender``'s pair exchanges of ``params`` (flat): the family's own encoding,
+    its random stream the sender's rank. Without error feedback: the update keeps each side's
+    error in its own replica instead (module docstring)."""
+    assert compressor.codec is not None  # every PAIR_CODECS family has one
+    numel = params.numel()
+    codec = compressor.codec(numel, params.dtype, [[numel]], sender)
+    return PushCodec(compressor.spec, numel, params.dtype, codec, error_feedback=False)
+
+
 def pair_compression_refusal(strategy: str, compression: str) -> str:
-    """Why gossip and NoLoCo take no compression (the same words before launch, in
+    """Why gossip and NoLoCo refuse a compression (the same words before launch, in
     ``factory.check_compression``, and in ``setup``)."""
     return (
-        f"{strategy} exchanges whole parameters between pairs of ranks and takes no "
-        f"compression (got {compression}); compress with local:H or diloco:H, or drop the "
-        "compression"
+        f"{strategy} exchanges the parameters themselves between pairs of ranks and compresses "
+        f"them with {', '.join(PAIR_CODECS)} only (got {compression}): a sparse, low-rank or "
+        "sign code of the parameters would drop most of them; use one of those, or "
+        f"{compression} with local:H or diloco:H"
     )

@@ -55,11 +55,14 @@ def test_an_odd_number_of_ranks_sits_one_out_each_round_and_ends_as_one_model() 
 
 
 @pytest.mark.timeout(120)
-def test_a_resumed_run_continues_the_rounds_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_a_resumed_run_continues_the_rounds_bitwise(tmp_path: Path, compression: str) -> None:
     """Saved after step 4 of 8 (mid-period of gossip:3, the round counter at 1), resumed from
-    there: every rank ends where the uninterrupted run ended, bit for bit."""
-    whole = run_ranks(gr.checkpointed, 4, str(tmp_path), False, timeout_s=100)
-    resumed = run_ranks(gr.checkpointed, 4, str(tmp_path), True, timeout_s=100)
+    there: every rank ends where the uninterrupted run ended, bit for bit (int8: its stochastic
+    rounding is drawn from the round, so the resumed rounds encode alike)."""
+    args = (str(tmp_path), "gossip:3", compression)
+    whole = run_ranks(gr.checkpointed, 4, args[0], False, *args[1:], timeout_s=100)
+    resumed = run_ranks(gr.checkpointed, 4, args[0], True, *args[1:], timeout_s=100)
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(whole[0], whole[3])  # replicas differ: the rounds did matter
@@ -139,3 +142,42 @@ def test_a_slow_ranks_partner_counts_its_wait_as_idle_not_communication() -> Non
         assert comm < idle, fast
         assert slow[step][0] < 0.05, slow
     assert fast[0][0] == fast[2][0] == 0.0  # no exchange there
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("compression", "dtype"), [("fp16", "float64"), ("int8", "float32")])
+def test_a_compressed_round_keeps_the_pairs_sum_and_each_sides_own_error(
+    compression: str, dtype: str
+) -> None:
+    """x_i <- x_i + (Q(x_j) - Q(x_i)) / 2 on both sides: the pair's sum is what it was before
+    the round (the codec's error never moves the average), each side keeps its own error, and
+    the bytes are the codec's; report() still leaves one model."""
+    from gradsync.compression.spec import parse_compression
+    from gradsync.strategies.gossip import pair_codec
+
+    out = run_ranks(gr.compressed_round, 2, compression, dtype, timeout_s=120)
+    before = [r["before"] for r in out]
+    after = [r["after"] for r in out]
+    assert not torch.equal(before[0], before[1])  # the ranks drifted apart in step 0
+    compressor = parse_compression(compression)
+
+    def decoded(rank: int) -> torch.Tensor:  # what rank's bytes of round 0 decode to
+        codec = pair_codec(compressor, before[rank], rank)
+        return codec.decode(codec.encode(before[rank], 0), 0)
+
+    for me, peer in ((0, 1), (1, 0)):
+        expected = before[me] + (decoded(peer) - decoded(me)) / 2
+        torch.testing.assert_close(after[me], expected, rtol=0, atol=1e-6)
+    tol = 1e-12 if dtype == "float64" else 1e-5
+    torch.testing.assert_close(after[0] + after[1], before[0] + before[1], rtol=0, atol=tol)
+    # the sides differ by their codecs' errors only: far closer than before the round
+    gap_before = (before[0] - before[1]).abs().max()
+    gap_after = (after[0] - after[1]).abs().max()
+    assert 0 < gap_after < gap_before
+    n = before[0].numel()
+    # fp16: 2 bytes a value; int8: 1 byte a value and a float32 scale per 1,024 values
+    wire = 2 * n if compression == "fp16" else n + 4 * -(-n // 1024)
+    assert out[0]["bytes"] == [0, wire]
+    # the end's average is exact, not the codec's: the model the run ends with is not rounded
+    assert torch.equal(out[0]["final"], out[1]["final"])
+    torch.testing.assert_close(out[0]["final"], (after[0] + after[1]) / 2, rtol=0, atol=1e-15)

@@ -89,14 +89,19 @@ def train_each(
 
 
 def checkpointed(
-    rank: int, world: int, directory: str, resume: bool, strategy: str = "gossip:3"
+    rank: int,
+    world: int,
+    directory: str,
+    resume: bool,
+    strategy: str = "gossip:3",
+    compression: str = "none",
 ) -> torch.Tensor:
     """8 steps of ``strategy`` saving after step 4 (or resumed from that checkpoint for steps
     4-7); the parameters before the final average (a round after step 8 leaves pairs alike)."""
     w = make_workload("mlp", seed=5, params=3000, dtype="float64")
     model = w.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sync = gs.Synchronizer(model, opt, strategy=strategy, timeout_s=20)
+    sync = gs.Synchronizer(model, opt, strategy=strategy, compression=compression, timeout_s=20)
     first = 0
     if resume:
         loaded = sync.load(directory)
@@ -155,3 +160,29 @@ def slow_partner(rank: int, world: int, sleep_s: float) -> list[tuple[int, float
     report = sync.report()
     sync.close()
     return [(r.step, r.idle, r.comm) for r in report.records if r.rank == rank]
+
+
+def compressed_round(rank: int, world: int, compression: str, dtype: str) -> dict[str, Any]:
+    """gossip:2 with ``compression``: step 0 at lr 0.05 (the ranks drift apart; no round), step
+    1 at lr 0 (the parameters stay as they were) and its round; the parameters before and after
+    that round, its bytes, and the final model after ``report()``."""
+    w = make_workload("mlp", seed=5, params=3000, dtype=dtype)
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync = gs.Synchronizer(model, opt, strategy="gossip:2", compression=compression, timeout_s=20)
+    after = []
+    for step in range(2):
+        if step == 1:
+            opt.param_groups[0]["lr"] = 0.0
+        with sync.step(samples=PER_RANK):
+            x, y = w.batch(step, PER_RANK * world, rank * PER_RANK, (rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+        after.append(flat_params(model))
+    report = sync.report()
+    sync.close()
+    return {
+        "before": after[0],
+        "after": after[1],
+        "bytes": [r.bytes for r in report.records if r.rank == rank],
+        "final": flat_params(model),
+    }
