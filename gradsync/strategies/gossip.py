@@ -108,6 +108,12 @@ class Gossip(Periodic):
             raise UsageError(
                 pair_compression_refusal(f"{self.name}:{self.period}", ctx.compressor.spec)
             )
+        if compressed and ctx.compressor.codec is None:
+            raise UsageError(
+                f"{self.name}:{self.period} encodes its pair exchange with the compressor's codec"
+                f", and compression {ctx.compressor.spec!r} was built without one (codec=...); "
+                f"use one of the built-in {', '.join(PAIR_CODECS)}"
+            )
         if ctx.hierarchy is not None:
             raise UsageError(
                 f"{self.name}:{self.period} pairs ranks itself and takes no "
@@ -199,7 +205,9 @@ class Gossip(Periodic):
 
     def _codec_of(self, sender: int, params: torch.Tensor) -> PushCodec:
         """The pair codec of ``sender``'s stream (built once per sender): this rank's encodes
-        with its own, a partner's bytes decode with the partner's."""
+        with its own, a partner's bytes decode with the partner's (int8 and int4 decode alike
+        with any stream today; a codec whose decode redraws its encode's randomness would
+        need it)."""
         assert self._codecs is not None and self._ctx is not None
         codec = self._codecs.get(sender)
         if codec is None:
@@ -226,7 +234,7 @@ class Gossip(Periodic):
     def _exact_mean(self, mine: torch.Tensor) -> torch.Tensor:
         """The final average where the pair exchanges are compressed: uncompressed all the
         same, since it is the model the run ends with (a codec's mean would leave it rounded to
-        the codec's precision). Its bytes count with the run's."""
+        the codec's precision)."""
         ctx = self._ctx
         assert ctx is not None
         state = ALLREDUCE.make_state(ctx.group)
@@ -235,9 +243,8 @@ class Gossip(Periodic):
         def run() -> torch.Tensor:
             return ALLREDUCE.hook(state, bucket).wait()
 
-        mean = run() if ctx.watch is None else ctx.watch.run(self._step, "final averaging", run)
-        self._state.bytes_sent += state.bytes_sent
-        return mean
+        what = f"final averaging of {self.name}:{self.period}"
+        return run() if ctx.watch is None else ctx.watch.run(self._step, what, run)
 
     def replicas_identical(self, step: int, final: bool) -> bool:
         """Only at the end: during training the replicas differ by design."""

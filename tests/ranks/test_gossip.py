@@ -181,3 +181,19 @@ def test_a_compressed_round_keeps_the_pairs_sum_and_each_sides_own_error(
     # the end's average is exact, not the codec's: the model the run ends with is not rounded
     assert torch.equal(out[0]["final"], out[1]["final"])
     torch.testing.assert_close(out[0]["final"], (after[0] + after[1]) / 2, rtol=0, atol=1e-15)
+
+
+@pytest.mark.timeout(150)
+def test_noloco_with_int4_on_an_odd_world_sends_int4_bytes_and_ends_as_one_model() -> None:
+    """3 ranks: each round one sits out (no bytes), the pair sends int4's payload (half a byte
+    a value and a float32 scale per 128), and report() leaves every rank the same model."""
+    out = run_ranks(gr.compressed_noloco, 3, 4, timeout_s=120)
+    n = out[0]["numel"]
+    wire = -(-n // 2) + 4 * -(-n // 128)
+    for round_, step in enumerate((1, 3)):
+        for rank in range(3):
+            paired = partner(rank, 3, round_) is not None
+            assert out[rank]["bytes"][step] == (wire if paired else 0), (rank, step)
+    finals = [r["final"] for r in out]
+    assert all(torch.equal(f, finals[0]) for f in finals)
+    assert torch.isfinite(finals[0]).all()

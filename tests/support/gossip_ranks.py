@@ -186,3 +186,22 @@ def compressed_round(rank: int, world: int, compression: str, dtype: str) -> dic
         "bytes": [r.bytes for r in report.records if r.rank == rank],
         "final": flat_params(model),
     }
+
+
+def compressed_noloco(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """noloco:2 with int4 on float32 parameters: each step's bytes and the final model."""
+    w = make_workload("mlp", seed=5, params=3000)
+    model = w.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sync = gs.Synchronizer(model, opt, strategy="noloco:2", compression="int4", timeout_s=20)
+    for step in range(steps):
+        with sync.step(samples=PER_RANK):
+            x, y = w.batch(step, PER_RANK * world, rank * PER_RANK, (rank + 1) * PER_RANK)
+            w.loss(model, x, y).backward()
+    report = sync.report()
+    sync.close()
+    return {
+        "bytes": [r.bytes for r in report.records if r.rank == rank],
+        "final": flat_params(model),
+        "numel": flat_params(model).numel(),
+    }

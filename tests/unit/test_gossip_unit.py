@@ -153,3 +153,20 @@ def test_noloco_outer_step_is_momentum_on_the_slow_weights() -> None:
     phi = phi + m
     strategy._sat_out()
     assert torch.allclose(param, phi, rtol=0, atol=1e-15)
+
+
+def test_a_compressor_without_a_codec_is_refused_by_name(one_rank: None) -> None:
+    """A user's Compressor named like a pair codec but built without ``codec=``: refused at
+    the Synchronizer, not an assertion at the first round."""
+    import dataclasses
+
+    import torch
+
+    import gradsync as gs
+    from gradsync.compression.spec import parse_compression
+
+    hook_only = dataclasses.replace(parse_compression("int8"), codec=None)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match=r"gossip:2 encodes .* built without one .*fp16, bf16"):
+        gs.Synchronizer(model, opt, strategy="gossip:2", compression=hook_only)
