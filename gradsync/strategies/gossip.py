@@ -37,7 +37,8 @@ average the ranks train towards; it stays in each replica, as the difference
 the next round. The partners no longer hold bitwise one mean. Only codecs that approximate every
 element qualify: a sparsifier, a low-rank or a sign code of the parameters themselves would drop
 most of them (refused, naming the valid ones). The codec's random stream is the sender's rank
-and its step the round, so a receiver decodes any partner's bytes alike.
+and its step the round; no such codec's decode needs the sender's stream, so one codec a rank
+encodes its own bytes and decodes its partners'.
 
 Why our own: torch has no gossip averaging; the pair exchange is ``batch_isend_irecv`` of the
 flat parameters (or their encoding), over the user's process group. What is not here: the
@@ -96,8 +97,9 @@ class Gossip(Periodic):
         self._rank = 0
         #: when this rank's local steps since its last round began (``_pair_mean``'s idle)
         self._local_since = time.perf_counter()
-        #: the pair exchange's codec, by sender rank (this rank's encodes; None: uncompressed)
-        self._codecs: dict[int, PushCodec] | None = None
+        #: the pair exchange's codec (None: uncompressed), built at the first round
+        self._codec: PushCodec | None = None
+        self._compressed = False
 
     def settings_spec(self) -> str | None:
         return f"gossip:{self.period}" if self.name == "gossip" else None  # None: a subclass
@@ -123,7 +125,7 @@ class Gossip(Periodic):
         self._world = dist.get_world_size(ctx.group) if dist.is_initialized() else 1
         self._rank = dist.get_rank(ctx.group) if dist.is_initialized() else 0
         self._local_since = time.perf_counter()  # after the initial broadcast: every rank's
-        self._codecs = {} if compressed else None
+        self._compressed = compressed
 
     def _exchange(self, step: int, outcome: StepOutcome) -> StepOutcome:
         """The pair exchange due after local step ``step``, if any: no gate, no barrier beyond
@@ -165,8 +167,8 @@ class Gossip(Periodic):
         ctx = self._ctx
         assert ctx is not None
         params = flatten(self._params)
-        encoder = None if self._codecs is None else self._codec_of(self._rank, params)
-        mine = params if encoder is None else encoder.encode(params, round_)
+        codec = self._pair_codec(params)
+        mine = params if codec is None else codec.encode(params, round_)
         theirs = torch.empty_like(mine)
         timed = mine.device.type == "cpu"
         mine_s = torch.tensor([local], dtype=torch.float64)
@@ -197,23 +199,20 @@ class Gossip(Periodic):
         waited = time.perf_counter() - started
         idle = min(waited, max(0.0, float(theirs_s) - local)) if timed else 0.0
         nbytes = mine.numel() * mine.element_size()
-        if encoder is None:
+        if codec is None:
             # (a + b) / 2 on both sides: addition commutes, so the pair holds bitwise one mean.
             return (mine + theirs) / 2, nbytes, idle
-        decoded_theirs = self._codec_of(peer, params).decode(theirs, round_)
-        return params + (decoded_theirs - encoder.decode(mine, round_)) / 2, nbytes, idle
+        # This rank's codec decodes the partner's bytes too: no PAIR_CODECS family's decode
+        # uses the sender's random stream (int8's noise is the encode's alone; int4 has none).
+        moved = (codec.decode(theirs, round_) - codec.decode(mine, round_)) / 2
+        return params + moved, nbytes, idle
 
-    def _codec_of(self, sender: int, params: torch.Tensor) -> PushCodec:
-        """The pair codec of ``sender``'s stream (built once per sender): this rank's encodes
-        with its own, a partner's bytes decode with the partner's (int8 and int4 decode alike
-        with any stream today; a codec whose decode redraws its encode's randomness would
-        need it)."""
-        assert self._codecs is not None and self._ctx is not None
-        codec = self._codecs.get(sender)
-        if codec is None:
-            codec = pair_codec(self._ctx.compressor, params, sender)
-            self._codecs[sender] = codec
-        return codec
+    def _pair_codec(self, params: torch.Tensor) -> PushCodec | None:
+        """This rank's pair codec under compression (built once), else None."""
+        if self._compressed and self._codec is None:
+            assert self._ctx is not None
+            self._codec = pair_codec(self._ctx.compressor, params, self._rank)
+        return self._codec
 
     def finalize(self) -> None:
         """One average over every rank, so the final model is one; the spread before it is
@@ -223,7 +222,7 @@ class Gossip(Periodic):
         if self._ctx.gate is not None:
             self._ctx.gate.ensure(END, f"final averaging of {self.name}:{self.period}")
         mine = flatten(self._params)
-        mean = self._mean(mine.clone()) if self._codecs is None else self._exact_mean(mine)
+        mean = self._exact_mean(mine) if self._compressed else self._mean(mine.clone())
         spread = (mine - mean).abs().max() if mine.numel() else torch.zeros(())
         spread = spread.reshape(1).to(torch.float64)
         dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self._ctx.group)
